@@ -1,0 +1,1 @@
+"""Transport of KV caches: the WAN channel (TCP), its emulator, and the SGLang transfer backend."""

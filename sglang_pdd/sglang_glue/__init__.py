@@ -1,0 +1,1 @@
+"""Everything that touches SGLang internals lives here (plugin entry point, hooks, servers)."""
