@@ -1,0 +1,192 @@
+"""Request traces: the public KV-cache trace format (Mooncake) and a synthetic agentic generator.
+
+One request per JSON line: ``timestamp`` (ms), ``input_length``, ``output_length`` (tokens)
+and ``hash_ids``, one id per 512-token block of the prompt (the last one may be partial).
+Ids chain over the prefix: the same id at the same position means the same prefix up to
+and including that block, so a cache keyed by block id sees exactly the reuse a radix
+cache would. Optional ``session_id`` / ``turn`` fields are kept when present.
+
+Everything here is plain data and iterators so the simulator and the real-server
+benchmarks read the same requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: Tuple[int, ...]
+    session_id: Optional[int] = None
+    turn: int = 0
+
+    def to_json(self) -> str:
+        d = {
+            "timestamp": self.timestamp_ms,
+            "input_length": self.input_length,
+            "output_length": self.output_length,
+            "hash_ids": list(self.hash_ids),
+        }
+        if self.session_id is not None:
+            d["session_id"] = self.session_id
+            d["turn"] = self.turn
+        return json.dumps(d)
+
+
+def parse_trace_line(line: str) -> TraceRequest:
+    d = json.loads(line)
+    return TraceRequest(
+        timestamp_ms=float(d["timestamp"]),
+        input_length=int(d["input_length"]),
+        output_length=int(d["output_length"]),
+        hash_ids=tuple(int(h) for h in d.get("hash_ids", ())),
+        session_id=d.get("session_id"),
+        turn=int(d.get("turn", 0)),
+    )
+
+
+def load_trace(path: str, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """Stream requests from a JSONL trace (blank lines skipped)."""
+    with open(path) as f:
+        lines = (ln for ln in f if ln.strip())
+        for line in itertools.islice(lines, limit):
+            yield parse_trace_line(line)
+
+
+def save_trace(requests: Iterable[TraceRequest], path: str) -> int:
+    n = 0
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(r.to_json() + "\n")
+            n += 1
+    return n
+
+
+def blocks_for(tokens: int) -> int:
+    return math.ceil(tokens / BLOCK_TOKENS)
+
+
+def ideal_prefix_hit_rate(requests: Iterable[TraceRequest]) -> float:
+    """Token-weighted prefix hit rate with an infinite cache of whole blocks: the most any
+    cache can reuse in this trace. Used to place a trace on the hit-rate axis."""
+    seen = set()
+    hit = total = 0
+    for r in requests:
+        full_blocks = r.input_length // BLOCK_TOKENS
+        n = 0
+        for h in r.hash_ids[:full_blocks]:
+            if h not in seen:
+                break
+            n += 1
+        hit += n * BLOCK_TOKENS
+        total += r.input_length
+        seen.update(r.hash_ids[:full_blocks])
+    return hit / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class AgenticTraceConfig:
+    num_requests: int = 10_000
+    seed: int = 0
+    session_rate_per_s: float = 1.0  # Poisson arrivals of new sessions
+    turns_min: int = 3
+    turns_max: int = 30
+    num_system_prompts: int = 8  # sessions share one of a few system prompts / tool specs
+    system_prompt_tokens: int = 4096
+    first_user_tokens: Tuple[int, int] = (500, 4000)
+    tool_result_tokens: Tuple[int, int] = (200, 3000)  # new tokens appended per turn
+    output_tokens: Tuple[int, int] = (20, 400)  # tool calls and short answers
+    think_time_s: float = 4.0  # mean gap between a turn and the next (tool runtime etc.)
+    # Long-input short-output outliers (e.g. "classify this document"): own prefix, no reuse.
+    outlier_fraction: float = 0.02
+    outlier_input_tokens: Tuple[int, int] = (40_000, 120_000)
+    outlier_output_tokens: Tuple[int, int] = (1, 8)
+
+
+class _IdAllocator:
+    def __init__(self, start: int = 0) -> None:
+        self._next = start
+
+    def take(self, n: int) -> List[int]:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        return ids
+
+
+def generate_agentic_trace(cfg: AgenticTraceConfig) -> Iterator[TraceRequest]:
+    """Deterministic multi-turn agent sessions, yielded in timestamp order.
+
+    Turn k+1's prompt is turn k's prompt + its output + a new tool result, so full blocks
+    carry over with the same ids; the last, partial block changes content and gets a fresh
+    id (the "tail chunk" no cache can reuse). Sessions are generated lazily from a heap, so
+    memory is bounded by the number of live sessions, not the trace length.
+    """
+    rng = random.Random(cfg.seed)
+    ids = _IdAllocator()
+    sys_blocks = cfg.system_prompt_tokens // BLOCK_TOKENS
+    system_prompts = [ids.take(sys_blocks) for _ in range(cfg.num_system_prompts)]
+
+    # heap of (timestamp_ms, tiebreak, session_state or None for an outlier)
+    heap: list = []
+    tiebreak = itertools.count()
+    next_session_ms = 0.0
+    session_ids = itertools.count()
+    emitted = 0
+
+    def new_session(t_ms: float) -> None:
+        sid = next(session_ids)
+        if rng.random() < cfg.outlier_fraction:
+            heapq.heappush(heap, (t_ms, next(tiebreak), ("outlier", sid)))
+            return
+        sp = rng.randrange(cfg.num_system_prompts)
+        state = {
+            "sid": sid,
+            "turn": 0,
+            "turns": rng.randint(cfg.turns_min, cfg.turns_max),
+            "full_ids": list(system_prompts[sp]),  # ids of full blocks of the context
+            "tokens": sys_blocks * BLOCK_TOKENS,
+            "new": rng.randint(*cfg.first_user_tokens),
+        }
+        heapq.heappush(heap, (t_ms, next(tiebreak), state))
+
+    while emitted < cfg.num_requests:
+        # Admit every session that starts before the earliest pending turn.
+        while not heap or next_session_ms <= heap[0][0]:
+            new_session(next_session_ms)
+            next_session_ms += rng.expovariate(cfg.session_rate_per_s) * 1000.0
+        t_ms, _, state = heapq.heappop(heap)
+        if isinstance(state, tuple):  # outlier
+            n_in = rng.randint(*cfg.outlier_input_tokens)
+            yield TraceRequest(round(t_ms, 3), n_in, rng.randint(*cfg.outlier_output_tokens),
+                               tuple(ids.take(blocks_for(n_in))), state[1], 0)
+            emitted += 1
+            continue
+        n_in = state["tokens"] + state["new"]
+        full = n_in // BLOCK_TOKENS
+        kept = state["full_ids"]
+        full_ids = kept + ids.take(full - len(kept))
+        partial = ids.take(1) if n_in % BLOCK_TOKENS else []
+        n_out = rng.randint(*cfg.output_tokens)
+        yield TraceRequest(round(t_ms, 3), n_in, n_out, tuple(full_ids + partial), state["sid"], state["turn"])
+        emitted += 1
+        state["turn"] += 1
+        if state["turn"] < state["turns"]:
+            # Next prompt = this prompt + our output + a tool result. Only full blocks of
+            # this prompt stay identical; the partial one is rewritten.
+            state["tokens"] = n_in + n_out
+            state["full_ids"] = full_ids[: state["tokens"] // BLOCK_TOKENS]
+            state["new"] = rng.randint(*cfg.tool_result_tokens)
+            gap_ms = rng.expovariate(1.0 / cfg.think_time_s) * 1000.0 if cfg.think_time_s > 0 else 0.0
+            heapq.heappush(heap, (t_ms + gap_ms, next(tiebreak), state))

@@ -1,0 +1,131 @@
+import pytest
+
+from sglang_pdd.router.placement import InstanceLoad, PrefixOwnerIndex, pick_instance
+from sglang_pdd.router.policy import (
+    Path,
+    PathPolicyConfig,
+    RequestFacts,
+    choose_path,
+    estimate_wan_transfer_ms,
+    uncached_tokens,
+)
+
+# 10 Gbps, 0 RTT, 1250 bytes/token -> 1 ms per 1000 tokens; budget 100 ms = 100k tokens.
+CFG = PathPolicyConfig(wan_gbps=10.0, wan_rtt_ms=0.0, kv_bytes_per_token=1250,
+                       max_wan_transfer_ms=100.0, page_size=512,
+                       outlier_min_input_tokens=32_768, outlier_max_output_tokens=16)
+
+
+@pytest.mark.parametrize(
+    "facts, path, uncached",
+    [
+        # Small uncached suffix fits the WAN budget -> straight to MD.
+        (RequestFacts(input_tokens=50_000), Path.P_MD, 50_000),
+        # Just over the budget -> hide the WAN behind RLD.
+        (RequestFacts(input_tokens=100_001), Path.P_RLD_MD, 100_001),
+        # Same long input but MD's DRC holds most of it -> tiny transfer, P->MD.
+        (RequestFacts(input_tokens=150_000, md_cached_tokens=140_000), Path.P_MD, 150_000 - 139_776),
+        # P's cache does not change what crosses the WAN.
+        (RequestFacts(input_tokens=150_000, p_cached_tokens=149_000), Path.P_RLD_MD, 150_000),
+        # Outlier: long input, tiny expected output -> finish on RLD.
+        (RequestFacts(input_tokens=40_000, expected_output_tokens=4), Path.P_RLD_ONLY, 40_000),
+        # Output just above the outlier bound -> normal choice.
+        (RequestFacts(input_tokens=40_000, expected_output_tokens=17), Path.P_MD, 40_000),
+        # Unknown output never triggers the outlier filter.
+        (RequestFacts(input_tokens=200_000), Path.P_RLD_MD, 200_000),
+        # Input below the outlier bound with tiny output -> normal choice.
+        (RequestFacts(input_tokens=32_767, expected_output_tokens=1), Path.P_MD, 32_767),
+        # Competing traffic on the link pushes an otherwise fitting transfer over budget.
+        (RequestFacts(input_tokens=50_000, wan_competing_bytes=80_000 * 1250), Path.P_RLD_MD, 50_000),
+    ],
+)
+def test_choose_path_table(facts, path, uncached):
+    d = choose_path(facts, CFG)
+    assert d.path is path, d.reason
+    assert d.uncached_tokens == uncached
+    assert d.reason
+
+
+def test_outlier_filter_can_be_disabled():
+    cfg = PathPolicyConfig(**{**CFG.__dict__, "enable_outlier_filter": False})
+    d = choose_path(RequestFacts(input_tokens=40_000, expected_output_tokens=4), cfg)
+    assert d.path is Path.P_MD
+
+
+def test_rld_only_only_through_outlier_filter():
+    cfg = PathPolicyConfig(**{**CFG.__dict__, "enable_outlier_filter": False})
+    for n in (1, 511, 512, 10_000, 100_000, 1_000_000):
+        for cached in (0, n // 2, n):
+            for out in (None, 1, 10_000):
+                d = choose_path(RequestFacts(n, md_cached_tokens=cached, expected_output_tokens=out), cfg)
+                assert d.path is not Path.P_RLD_ONLY
+
+
+@pytest.mark.parametrize("inp, cached, expect", [(1000, 0, 1000), (1000, 511, 1000), (1000, 512, 488),
+                                                  (1024, 1024, 0), (1000, 5000, 488)])
+def test_uncached_counts_whole_pages(inp, cached, expect):
+    assert uncached_tokens(RequestFacts(inp, md_cached_tokens=cached), CFG) == expect
+
+
+def test_transfer_estimate_scales_with_bytes_and_rtt():
+    cfg = PathPolicyConfig(wan_gbps=8.0, wan_rtt_ms=40.0, kv_bytes_per_token=1000)
+    # 1000 tokens * 1000 B * 8 bit / 8e9 = 1 ms, plus one-way latency 20 ms
+    assert estimate_wan_transfer_ms(1000, cfg) == pytest.approx(21.0)
+    assert estimate_wan_transfer_ms(0, cfg) == pytest.approx(20.0)
+    assert estimate_wan_transfer_ms(1000, cfg, competing_bytes=1_000_000) == pytest.approx(22.0)
+
+
+def test_budget_fraction_of_slo():
+    cfg = PathPolicyConfig(ttft_slo_ms=2000, wan_budget_fraction=0.25)
+    assert cfg.wan_budget_ms == 500
+    assert PathPolicyConfig(max_wan_transfer_ms=123).wan_budget_ms == 123
+
+
+@pytest.mark.parametrize("bad", [dict(wan_gbps=0), dict(page_size=0), dict(wan_budget_fraction=0)])
+def test_config_validation(bad):
+    with pytest.raises(ValueError):
+        PathPolicyConfig(**bad)
+
+
+def test_facts_validation():
+    with pytest.raises(ValueError):
+        RequestFacts(input_tokens=0)
+    with pytest.raises(ValueError):
+        RequestFacts(input_tokens=10, md_cached_tokens=-1)
+
+
+L = InstanceLoad
+
+
+@pytest.mark.parametrize(
+    "loads, affinity, expect",
+    [
+        ([L("a", 0.5), L("b", 0.1)], None, "b"),
+        ([L("a", 0.3), L("b", 0.3)], None, "a"),  # tie -> first
+        ([L("a", 0.3), L("b", 0.1)], "a", "a"),  # within the bound -> keep the session's MD
+        ([L("a", 0.36), L("b", 0.1)], "a", "b"),  # beyond the bound -> move
+        ([L("a", 0.3), L("b", 0.1)], "zz", "b"),  # unknown affinity -> least loaded
+    ],
+)
+def test_pick_instance(loads, affinity, expect):
+    assert pick_instance(loads, affinity, max_affinity_excess=0.25) == expect
+
+
+def test_pick_instance_max_load_overrides_affinity():
+    loads = [L("a", 0.95), L("b", 0.9)]
+    assert pick_instance(loads, "a", max_affinity_excess=0.25) == "a"
+    assert pick_instance(loads, "a", max_affinity_excess=0.25, max_load=0.9) == "b"
+    with pytest.raises(ValueError):
+        pick_instance([], None)
+
+
+def test_prefix_owner_index_deepest_owner_and_lru_bound():
+    idx = PrefixOwnerIndex(capacity_blocks=4)
+    idx.record([1, 2], "md0")
+    idx.record([1, 2, 3], "md1")  # md1 now holds the longer prefix
+    assert idx.owner_of_prefix([1, 2, 3, 9]) == "md1"
+    assert idx.owner_of_prefix([7, 1]) is None  # chain breaks at the first unknown block
+    idx.record([10, 11], "md0")  # evicts the least recently recorded block (1)
+    assert len(idx) == 4
+    assert idx.owner_of_prefix([1, 2, 3]) is None
+    assert idx.owner_of_prefix([10, 11]) == "md0"
