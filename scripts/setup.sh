@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) set-up of everything sglang-pdd needs on a fresh CPU machine:
+#   Debian libs for Mooncake, a venv (.venv) with real SGLang 0.5.23 (CPU "light" install),
+#   the patches in patches/, the CPU stand-in for sgl_kernel, this package (editable, which
+#   registers the SGLang plugin entry point), and a tiny locally built model.
+# Usage: scripts/setup.sh            # set up (fast no-op when already done)
+#        scripts/setup.sh --check    # only verify that every patch in patches/ applies / is applied
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+VENV="${PDD_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+MODEL_DIR="${PDD_MODEL_DIR:-$ROOT/artifacts/tiny-llama}"
+STAMP="$VENV/.pdd-setup-stamp"
+log() { echo "[setup] $*"; }
+
+site_packages() { "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+# Each patch is a -p1 diff against site-packages. Applied ones are detected by a reverse dry-run.
+apply_patches() {
+  local mode="$1" sp; sp="$(site_packages)"
+  local failed=0
+  for p in "$ROOT"/patches/*.patch; do
+    local name; name="$(basename "$p")"
+    if patch -p1 -d "$sp" --dry-run -R -s -f < "$p" >/dev/null 2>&1; then
+      log "patch $name: applied"
+    elif patch -p1 -d "$sp" --dry-run -s -f < "$p" >/dev/null 2>&1; then
+      if [ "$mode" = check ]; then log "patch $name: applies cleanly (not yet applied)"
+      else patch -p1 -d "$sp" -s -f --no-backup-if-mismatch < "$p"; log "patch $name: applied now"; fi
+    else
+      log "patch $name: DOES NOT APPLY to $sp"; failed=1
+    fi
+  done
+  return $failed
+}
+
+if [ "${1:-}" = "--check" ]; then
+  [ -x "$PY" ] || { log "no venv at $VENV; run scripts/setup.sh first"; exit 1; }
+  apply_patches check; exit $?
+fi
+
+# 1. Debian libraries: Mooncake's engine.so links libibverbs even when it only speaks TCP.
+missing=()
+for pkg in libibverbs1 librdmacm1 libnuma1 patch; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# 2. The venv with SGLang. Skipped when the stamp matches the requirement files.
+want_stamp="$(cat "$ROOT/scripts/requirements-sglang-cpu.txt" "$ROOT/scripts/constraints.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_stamp" ]; then
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  log "installing torch (CPU) and sglang 0.5.23 (light install) into $VENV; ~5 min on a fresh machine"
+  "$PY" -m pip install -q --upgrade pip
+  # On this machine kind torch==2.13.0 resolves to the CPU wheel kept on local disk.
+  "$PY" -m pip install -q -c "$ROOT/scripts/constraints.txt" torch==2.13.0
+  "$PY" -m pip install -q --no-deps sglang==0.5.23
+  "$PY" -m pip install -q -c "$ROOT/scripts/constraints.txt" -r "$ROOT/scripts/requirements-sglang-cpu.txt"
+  "$PY" -m pip install -q --no-deps -e "$ROOT"
+  echo "$want_stamp" > "$STAMP"
+else
+  log "venv up to date ($VENV)"
+fi
+
+# 3. CPU stand-in for sgl_kernel, visible to every process of the venv (servers are subprocesses).
+echo "$ROOT/cpu_shims" > "$(site_packages)/sglang_pdd_cpu_shims.pth"
+
+# 4. Small upstreamable diffs SGLang (and a CPU-only torchvision) need; see patches/README.md.
+apply_patches apply
+
+# 5. Tiny model + tokenizer, built locally (deterministic, no downloads).
+"$PY" "$ROOT/scripts/build_tiny_model.py" --out "$MODEL_DIR"
+
+"$PY" -c "import sglang, sglang_pdd, sgl_kernel, mooncake.engine; print('[setup] ok: sglang', sglang.__version__)"

@@ -1,0 +1,109 @@
+"""The --pdd-* server flags: their definition, parsing and validation (pure; no SGLang import).
+
+SGLang's ServerArgs has no plugin fields, so the glue adds these flags to SGLang's parser and
+keeps the parsed values on the ServerArgs record as ``_pdd_config`` (an underscore attribute
+that survives pickling into scheduler subprocesses). Validation runs at start-up and names the
+offending flag, so a misconfigured server never comes up half-PDD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+ROLES = ("prefill", "relay", "main")
+
+# Which SGLang --disaggregation-mode each PDD role runs in. MD is a plain (non-disaggregated)
+# server: its KV arrives into its decode-side radix cache over the WAN, and a handoff is an
+# extend on top of that cache.
+REQUIRED_DISAGG_MODE = {"prefill": "prefill", "relay": "decode", "main": "null"}
+
+
+class PddConfigError(ValueError):
+    """A --pdd-* flag is missing, malformed or inconsistent; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class PddConfig:
+    role: Optional[str] = None  # None: plugin inactive, the server is plain SGLang
+    datacenter: str = ""
+    wan_listen: Optional[str] = None  # main: HOST:PORT of the WAN KV receiver
+    wan_key_file: Optional[str] = None  # prefill/main: shared HMAC key for WAN peers
+    wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
+    wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
+
+    @property
+    def active(self) -> bool:
+        return self.role is not None
+
+
+# (flag, dest, kwargs). Kept as data so the parser and the docs come from one table.
+FLAGS = [
+    ("--pdd-role", "pdd_role", dict(choices=ROLES, default=None,
+        help="PDD role of this server: prefill (P, DC A), relay (RLD, decode next to P) or "
+             "main (MD, decode in DC B). Omit to run plain SGLang.")),
+    ("--pdd-datacenter", "pdd_datacenter", dict(default="",
+        help="Label of this server's datacenter, used in logs and metrics.")),
+    ("--pdd-wan-listen", "pdd_wan_listen", dict(default=None,
+        help="main only: HOST:PORT on which MD accepts KV over the WAN.")),
+    ("--pdd-wan-key-file", "pdd_wan_key_file", dict(default=None,
+        help="prefill and main: file holding the shared key that WAN peers authenticate with (HMAC).")),
+    ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
+        help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
+    ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
+        help="prefill and main: a WAN KV transfer not finished within this many seconds fails "
+             "(RLD then finishes the request itself).")),
+]
+
+
+def add_pdd_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("PDD (sglang-pdd plugin)")
+    for flag, dest, kwargs in FLAGS:
+        group.add_argument(flag, dest=dest, **kwargs)
+
+
+def _parse_host_port(flag: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PddConfigError(f"{flag} must be HOST:PORT with a port in 1..65535, got {value!r}")
+    return host, int(port)
+
+
+def config_from_namespace(ns: argparse.Namespace) -> PddConfig:
+    return PddConfig(**{f.name: getattr(ns, f"pdd_{f.name}") for f in dataclasses.fields(PddConfig)
+                        if hasattr(ns, f"pdd_{f.name}")})
+
+
+def validate(cfg: PddConfig, disaggregation_mode: str) -> PddConfig:
+    """Raise PddConfigError naming the first offending flag; return cfg unchanged if consistent."""
+    defaults = PddConfig()
+    if not cfg.active:
+        for flag, dest, _ in FLAGS[1:]:
+            name = dest[len("pdd_"):]
+            if getattr(cfg, name) != getattr(defaults, name):
+                raise PddConfigError(f"{flag} was given without --pdd-role; set --pdd-role or drop it")
+        return cfg
+    want_mode = REQUIRED_DISAGG_MODE[cfg.role]
+    if (disaggregation_mode or "null") != want_mode:
+        need = "no --disaggregation-mode" if want_mode == "null" else f"--disaggregation-mode {want_mode}"
+        raise PddConfigError(
+            f"--pdd-role {cfg.role} needs {need} (got --disaggregation-mode {disaggregation_mode})")
+    if cfg.role == "main":
+        if not cfg.wan_listen:
+            raise PddConfigError("--pdd-role main needs --pdd-wan-listen HOST:PORT")
+        _parse_host_port("--pdd-wan-listen", cfg.wan_listen)
+    elif cfg.wan_listen:
+        raise PddConfigError(f"--pdd-wan-listen applies only to --pdd-role main, not {cfg.role}")
+    if cfg.role in ("prefill", "main") and not cfg.wan_key_file:
+        raise PddConfigError(f"--pdd-role {cfg.role} needs --pdd-wan-key-file (WAN peers must authenticate)")
+    if cfg.role == "relay" and cfg.wan_key_file:
+        raise PddConfigError("--pdd-wan-key-file applies only to roles prefill and main, not relay")
+    if cfg.role != "prefill" and cfg.wan_streams != defaults.wan_streams:
+        raise PddConfigError(f"--pdd-wan-streams applies only to --pdd-role prefill, not {cfg.role}")
+    if not 1 <= cfg.wan_streams <= 64:
+        raise PddConfigError(f"--pdd-wan-streams must be in 1..64, got {cfg.wan_streams}")
+    if not cfg.wan_timeout_s > 0:
+        raise PddConfigError(f"--pdd-wan-timeout-s must be > 0, got {cfg.wan_timeout_s}")
+    return cfg

@@ -1,0 +1,63 @@
+"""The --pdd-* flags: parsing and the start-up validation that names the offending flag."""
+
+import argparse
+
+import pytest
+
+from sglang_pdd.config import PddConfig, PddConfigError, add_pdd_args, config_from_namespace, validate
+
+
+def parse(*argv: str) -> PddConfig:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--disaggregation-mode", default="null")
+    add_pdd_args(parser)
+    ns = parser.parse_args(list(argv))
+    return config_from_namespace(ns), ns.disaggregation_mode
+
+
+GOOD = [
+    ([], None),
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--pdd-wan-streams", "8"], "prefill"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-datacenter", "dc-a"], "relay"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-wan-key-file", "k"], "main"),
+]
+
+
+@pytest.mark.parametrize("argv,role", GOOD)
+def test_consistent_flags_validate(argv, role):
+    cfg, mode = parse(*argv)
+    assert validate(cfg, mode) is cfg
+    assert cfg.role == role and cfg.active == (role is not None)
+
+
+BAD = [
+    (["--pdd-wan-streams", "8"], "--pdd-wan-streams was given without --pdd-role"),
+    (["--pdd-role", "prefill", "--pdd-wan-key-file", "k"], "needs --disaggregation-mode prefill"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "prefill"], "needs --disaggregation-mode decode"),
+    (["--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-wan-listen", "h:1",
+      "--pdd-wan-key-file", "k"], "needs no --disaggregation-mode"),
+    (["--pdd-role", "main", "--pdd-wan-key-file", "k"], "needs --pdd-wan-listen"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "nohost", "--pdd-wan-key-file", "k"], "--pdd-wan-listen must be HOST:PORT"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:70000", "--pdd-wan-key-file", "k"], "--pdd-wan-listen must be HOST:PORT"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:7"], "needs --pdd-wan-key-file"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-listen", "h:7"], "--pdd-wan-listen applies only"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-key-file", "k"], "--pdd-wan-key-file applies only"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-streams", "2"], "--pdd-wan-streams applies only"),
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--pdd-wan-streams", "0"], "--pdd-wan-streams must be in 1..64"),
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--pdd-wan-timeout-s", "0"], "--pdd-wan-timeout-s must be > 0"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_inconsistent_flags_name_the_flag(argv, message):
+    cfg, mode = parse(*argv)
+    with pytest.raises(PddConfigError, match=message.replace(".", r"\.")):
+        validate(cfg, mode)
+
+
+def test_unknown_role_is_rejected_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse("--pdd-role", "router")
