@@ -1,0 +1,1 @@
+"""Start a real local PDD topology (P, RLD, MD, router, WAN emulator) as separate processes."""

@@ -1,0 +1,67 @@
+"""Bring a local PDD topology up and down: real SGLang servers, the router, per-process logs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+from sglang_pdd.launcher.processes import ProcessGroup
+from sglang_pdd.launcher.topology import CPU_ENV, LOOPBACK, Topology, server_argv, write_wan_key
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO_ROOT / "artifacts" / "tiny-llama"
+
+
+def default_model_path() -> str:
+    path = Path(os.environ.get("PDD_MODEL_DIR", DEFAULT_MODEL))
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no model at {path}; run scripts/setup.sh (it builds the tiny model)")
+    return str(path)
+
+
+class LocalCluster:
+    """P + RLD (datacenter A), MD (datacenter B) and the router, as separate processes."""
+
+    def __init__(self, run_dir: Path, model_path: Optional[str] = None,
+                 topology: Optional[Topology] = None):
+        self.run_dir = Path(run_dir)
+        self.model_path = model_path or default_model_path()
+        self.topology = topology or Topology.on_free_ports()
+        self.procs = ProcessGroup(self.run_dir / "logs")
+        self.wan_key_file = write_wan_key(self.run_dir / "wan.key")
+
+    def start(self, timeout_s: float = 600.0) -> "LocalCluster":
+        topo = self.topology
+        for spec in topo.servers:
+            self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file)),
+                             health_url=f"{spec.url}/health", env=CPU_ENV)
+        p = topo.prefill
+        router_argv = [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK,
+                       "--port", str(topo.router_port),
+                       "--prefill", f"{p.url},{p.bootstrap_port}", "--relay", topo.relay.url,
+                       "--main", topo.main.url]
+        self.procs.start("router", router_argv, health_url=f"{topo.router_url}/health")
+        with tqdm(total=len(self.procs.procs), desc="waiting for servers", unit="proc",
+                  file=sys.stderr) as bar:
+            self.procs.wait_healthy(timeout_s=timeout_s, progress=lambda name: bar.update(1))
+        return self
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,110 @@
+"""Command lines for each role of a local PDD topology (pure: builds argv/env, starts nothing).
+
+The CPU flags are the ones that run real SGLang 0.5.23 on a machine without a GPU; on GPUs a
+deployment passes its own flags and keeps only the --disaggregation-* / --pdd-* parts.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+LOOPBACK = "127.0.0.1"
+
+# Mooncake over TCP on loopback (tests/demo); production leaves these unset and uses RDMA.
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MC_FORCE_TCP": "1",
+    "SGLANG_HOST_IP": LOOPBACK,
+    "SGLANG_PLUGINS": "pdd",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+CPU_SERVER_FLAGS = [
+    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+    "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.05",
+    "--max-running-requests", "16", "--page-size", "1",
+]
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    name: str  # "prefill-0", "relay-0", "main-0", "single"
+    role: Optional[str]  # PDD role, or None for a plain server
+    port: int
+    datacenter: str = ""
+    bootstrap_port: Optional[int] = None  # prefill only
+    wan_listen_port: Optional[int] = None  # main only
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+
+def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] = None) -> list[str]:
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+            "--host", LOOPBACK, "--port", str(spec.port), *CPU_SERVER_FLAGS]
+    if spec.role == "prefill":
+        argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+                 "--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
+    elif spec.role == "relay":
+        argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
+                 # the default host retraction backup calls torch.cuda.cudart()
+                 "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    elif spec.role == "main":
+        argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}"]
+    if spec.role is not None:
+        argv += ["--pdd-role", spec.role]
+        if spec.datacenter:
+            argv += ["--pdd-datacenter", spec.datacenter]
+        if spec.role in ("prefill", "main"):
+            argv += ["--pdd-wan-key-file", str(wan_key_file)]
+    return argv + list(spec.extra_args)
+
+
+@dataclass
+class Topology:
+    """One P and one RLD in datacenter A, one MD in datacenter B, and a router."""
+
+    prefill: ServerSpec
+    relay: ServerSpec
+    main: ServerSpec
+    router_port: int
+
+    @classmethod
+    def on_free_ports(cls) -> "Topology":
+        return cls(
+            prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port()),
+            relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
+            main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port()),
+            router_port=free_port(),
+        )
+
+    @property
+    def servers(self) -> list[ServerSpec]:
+        return [self.prefill, self.relay, self.main]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.router_port}"
+
+
+def write_wan_key(path: Path) -> Path:
+    """A fresh random shared key for the WAN peers of this run (0600)."""
+    import secrets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return path

@@ -1,0 +1,3 @@
+from sglang_pdd.router.app import main
+
+main()
