@@ -1,0 +1,125 @@
+"""Shape of one request's KV and how it is cut into chunks.
+
+A request of ``num_tokens`` tokens occupies ``ceil(num_tokens / page_size)`` pages in
+each of ``num_layers`` layers; one page of one layer is ``bytes_per_page`` bytes.
+("Layer" is whatever unit the KV pool stores separately: an SGLang MHA pool would use
+2 * model layers for K and V, an MLA pool the model layers.)
+
+MD already holds the first ``decode_prefix_len`` tokens (its radix cache), so only pages
+``[decode_prefix_len // page_size, total_pages)`` are sent. decode_prefix_len must be
+page-aligned: a partially cached page is sent whole.
+
+Chunks are one layer x up to ``pages_per_chunk`` pages, numbered layer-major, so a
+producer can send layer 0 while layer 1 is still being computed (pipelining), and
+every chunk is contiguous both in a per-layer source buffer and in the destination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def num_pages(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def token_digest(token_ids: Optional[Sequence[int]]) -> bytes:
+    """sha256 of the prompt's token ids (so MD can check it got the prompt it expects)."""
+    if token_ids is None:
+        return b""
+    h = hashlib.sha256()
+    for t in token_ids:
+        h.update(int(t).to_bytes(8, "little", signed=True))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    page_size: int  # tokens per page
+    bytes_per_page: int  # bytes of one page of one layer
+    dtype: str = "bfloat16"  # informational; both sides must agree
+
+    def __post_init__(self):
+        if self.num_layers <= 0 or self.page_size <= 0 or self.bytes_per_page <= 0:
+            raise ValueError(f"invalid KV layout {self}")
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    index: int
+    layer: int
+    page_start: int
+    page_count: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    layout: KvLayout
+    num_tokens: int
+    decode_prefix_len: int
+    first_page: int  # first page sent
+    end_page: int  # one past the last page sent (= total pages of the request)
+    pages_per_chunk: int
+
+    @classmethod
+    def build(
+        cls,
+        layout: KvLayout,
+        num_tokens: int,
+        decode_prefix_len: int,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    ) -> "TransferPlan":
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        if not 0 <= decode_prefix_len <= num_tokens:
+            raise ValueError(f"decode_prefix_len {decode_prefix_len} not in [0, {num_tokens}]")
+        if decode_prefix_len % layout.page_size:
+            raise ValueError(f"decode_prefix_len {decode_prefix_len} is not a multiple of page_size {layout.page_size}")
+        pages_per_chunk = max(1, max_chunk_bytes // layout.bytes_per_page)
+        return cls(
+            layout,
+            num_tokens,
+            decode_prefix_len,
+            decode_prefix_len // layout.page_size,
+            num_pages(num_tokens, layout.page_size),
+            pages_per_chunk,
+        )
+
+    @property
+    def pages_sent(self) -> int:
+        return self.end_page - self.first_page
+
+    @property
+    def chunks_per_layer(self) -> int:
+        return -(-self.pages_sent // self.pages_per_chunk)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunks_per_layer * self.layout.num_layers
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes sent per layer."""
+        return self.pages_sent * self.layout.bytes_per_page
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layer_bytes * self.layout.num_layers
+
+    def chunk(self, index: int) -> ChunkSpec:
+        if not 0 <= index < self.num_chunks:
+            raise IndexError(f"chunk index {index} out of range [0, {self.num_chunks})")
+        layer, group = divmod(index, self.chunks_per_layer)
+        page_start = self.first_page + group * self.pages_per_chunk
+        page_count = min(self.pages_per_chunk, self.end_page - page_start)
+        return ChunkSpec(index, layer, page_start, page_count, page_count * self.layout.bytes_per_page)
+
+    def chunks_of_layer(self, layer: int) -> list[ChunkSpec]:
+        n = self.chunks_per_layer
+        return [self.chunk(layer * n + g) for g in range(n)]

@@ -1,0 +1,43 @@
+"""Per-room state of a KV transfer, numbered exactly like SGLang's ``KVPoll``.
+
+An SGLang transfer backend maps ``RoomState`` to ``KVPoll`` with ``KVPoll(int(state))``:
+Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3, Success=4.
+
+Sender side:   BOOTSTRAPPING (streams not connected yet) -> WAITING_FOR_INPUT (ready,
+               no chunk queued yet) -> TRANSFERRING (chunks queued / END sent, no ACK yet)
+               -> SUCCESS (receiver verified every chunk) | FAILED.
+Receiver side: WAITING_FOR_INPUT (room registered, nothing arrived) -> TRANSFERRING
+               (BEGIN or a chunk arrived) -> SUCCESS (all chunks verified) | FAILED.
+FAILED always comes with a reason (a ``FailureReason`` value) and a detail string.
+"""
+
+import enum
+
+
+class RoomState(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RoomState.FAILED, RoomState.SUCCESS)
+
+
+class FailureReason:
+    """Machine-readable failure reasons (strings, so they travel in NACK frames)."""
+
+    CHECKSUM = "checksum"  # a chunk's CRC did not match its payload
+    TIMEOUT = "timeout"  # the per-transfer deadline passed
+    IDLE_TIMEOUT = "idle_timeout"  # no progress for idle_timeout seconds (stall, partition)
+    CONNECTION_LOST = "connection_lost"  # a stream carrying the room broke (reset, crash)
+    PEER_RESTARTED = "peer_restarted"  # the same peer came back with a new session
+    CONNECT_FAILED = "connect_failed"  # could not connect / handshake
+    AUTH = "auth"  # the peer failed authentication
+    UNKNOWN_ROOM = "unknown_room"  # the receiver has no such room registered
+    LAYOUT_MISMATCH = "layout_mismatch"  # BEGIN/CHUNK disagree with the registered room
+    PROTOCOL = "protocol"  # malformed frame on a stream carrying the room
+    ABORTED = "aborted"  # the peer or the local owner aborted the room
+    CLOSED = "closed"  # the local endpoint was closed

@@ -1,0 +1,381 @@
+"""Wire format of the WAN KV channel: message dataclasses and the framing codec.
+
+Every frame on a stream is::
+
+    prefix (20 bytes, network order)   msgpack header         raw payload
+    +-------+-----+------+----+--------+------------------+  +--------------+
+    | magic | ver | type | 00 | hdrlen | paylen (u64)     |  | paylen bytes |
+    | PDKV  | u8  | u8   | u16| u32    |                  |  +--------------+
+    +-------+-----+------+----+--------+------------------+
+    then ``hdrlen`` bytes of msgpack: a list of the message's field values, in
+    dataclass field order (positional: compact, and the length is checked).
+
+Only CHUNK frames carry a payload (the KV bytes, layer-major: for each layer of the
+chunk, ``page_count * bytes_per_page`` bytes). Payloads are never copied by the codec:
+the sender hands a memoryview to ``sendall`` and the receiver ``recv_into``s straight
+into the destination buffer.
+
+Why a fixed prefix before the msgpack header: the reader learns both lengths from
+20 bytes and checks them against hard limits *before* allocating anything, so a
+malformed or hostile peer cannot make us allocate 4 GiB or read forever.
+
+Every malformed input raises :class:`ProtocolError` whose message names what was wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import socket
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Union
+
+import msgpack
+
+MAGIC = b"PDKV"
+VERSION = 1
+PREFIX = struct.Struct("!4sBBHIQ")  # magic, version, msg type, reserved, header len, payload len
+PREFIX_SIZE = PREFIX.size  # 20
+
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+
+_U64_MAX = (1 << 64) - 1
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame; the message says what."""
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    HELLO_CHALLENGE = 2
+    HELLO_AUTH = 3
+    HELLO_OK = 4
+    TRANSFER_BEGIN = 10
+    CHUNK = 11
+    TRANSFER_END = 12
+    ACK = 13
+    NACK = 14
+    ABORT = 15
+    ERROR = 16
+
+
+def checksum(data) -> int:
+    """Per-chunk checksum (CRC-32; zlib releases the GIL on large buffers)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------
+# Messages. Field order is the wire order; annotations are checked on decode.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Hello:
+    """Client -> server, first frame of every stream."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    peer_name: str
+    session_id: bytes  # random per sender process+connect; groups the N streams
+    stream_index: int
+    num_streams: int
+    nonce: bytes
+
+
+@dataclass
+class HelloChallenge:
+    """Server -> client: the server's nonce and its proof that it knows the key."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO_CHALLENGE
+    peer_name: str
+    nonce: bytes
+    mac: bytes
+
+
+@dataclass
+class HelloAuth:
+    """Client -> server: the client's proof that it knows the key."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO_AUTH
+    mac: bytes
+
+
+@dataclass
+class HelloOk:
+    TYPE: ClassVar[MsgType] = MsgType.HELLO_OK
+
+
+@dataclass
+class TransferBegin:
+    """Announces one request's KV: pages [first_page, end_page) of every layer.
+
+    first_page = decode_prefix_len // page_size: the pages MD already holds are not sent.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.TRANSFER_BEGIN
+    room: int
+    request_id: str
+    num_tokens: int
+    page_size: int
+    first_page: int
+    end_page: int
+    num_layers: int
+    bytes_per_page: int  # per layer
+    dtype: str
+    num_chunks: int
+    token_digest: bytes  # sha256 of the prompt token ids, or b"" if not given
+
+
+@dataclass
+class Chunk:
+    """Header of one CHUNK; the payload follows, layer-major."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CHUNK
+    room: int
+    index: int
+    layer_start: int
+    layer_count: int
+    page_start: int
+    page_count: int
+    crc32: int
+
+
+@dataclass
+class TransferEnd:
+    TYPE: ClassVar[MsgType] = MsgType.TRANSFER_END
+    room: int
+    num_chunks: int
+    total_bytes: int
+
+
+@dataclass
+class Ack:
+    """Receiver -> sender: every chunk of the room arrived and verified."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ACK
+    room: int
+    total_bytes: int
+
+
+@dataclass
+class Nack:
+    """Receiver -> sender: the room failed on the receiving side (reason = FailureReason)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NACK
+    room: int
+    reason: str
+    detail: str
+
+
+@dataclass
+class Abort:
+    """Either direction: give up on a room."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    room: int
+    reason: str
+
+
+@dataclass
+class Error:
+    """A problem that is not (only) about one room, e.g. a duplicate chunk or a bad frame.
+
+    room is -1 when the error is about the connection.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    room: int
+    reason: str
+    detail: str
+
+
+Message = Union[
+    Hello, HelloChallenge, HelloAuth, HelloOk, TransferBegin, Chunk, TransferEnd, Ack, Nack, Abort, Error
+]
+
+_BY_TYPE = {
+    cls.TYPE: cls
+    for cls in (Hello, HelloChallenge, HelloAuth, HelloOk, TransferBegin, Chunk, TransferEnd, Ack, Nack, Abort, Error)
+}
+_FIELDS = {cls: [(f.name, f.type) for f in dataclasses.fields(cls)] for cls in _BY_TYPE.values()}
+_PY_TYPES = {"int": int, "str": str, "bytes": bytes}
+_MAX_STR = 4096  # names, reasons, dtypes: nothing legitimate is longer
+
+
+# ---------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------
+
+
+def encode_header(msg: Message) -> bytes:
+    values = [getattr(msg, name) for name, _ in _FIELDS[type(msg)]]
+    return msgpack.packb(values, use_bin_type=True)
+
+
+def encode_frame(msg: Message, payload_len: int = 0) -> bytes:
+    """Prefix + header of a frame; the caller sends ``payload_len`` payload bytes after it."""
+    header = encode_header(msg)
+    return PREFIX.pack(MAGIC, VERSION, int(msg.TYPE), 0, len(header), payload_len) + header
+
+
+def send_frame(sock: socket.socket, msg: Message, payload=None) -> None:
+    """Write one frame. Small payloads are joined to the header (one syscall);
+    large ones go as a separate ``sendall`` of the caller's memoryview (no copy)."""
+    n = 0 if payload is None else memoryview(payload).nbytes
+    head = encode_frame(msg, n)
+    if n == 0:
+        sock.sendall(head)
+    elif n <= 64 * 1024:
+        sock.sendall(head + bytes(payload))
+    else:
+        sock.sendall(head)
+        sock.sendall(payload)
+
+
+# ---------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------
+
+
+def decode_prefix(
+    prefix: bytes,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> tuple[MsgType, int, int]:
+    """Check the 20-byte prefix; returns (type, header_len, payload_len). Allocates nothing."""
+    if len(prefix) != PREFIX_SIZE:
+        raise ProtocolError(f"truncated frame prefix: {len(prefix)} of {PREFIX_SIZE} bytes")
+    magic, version, mtype, _reserved, header_len, payload_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not a sglang-pdd KV stream")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    try:
+        msg_type = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    if header_len == 0:
+        raise ProtocolError(f"{msg_type.name}: empty header")
+    if header_len > max_header_bytes:
+        raise ProtocolError(f"{msg_type.name}: header of {header_len} bytes exceeds limit {max_header_bytes}")
+    if payload_len > max_payload_bytes:
+        raise ProtocolError(f"{msg_type.name}: payload of {payload_len} bytes exceeds limit {max_payload_bytes}")
+    if payload_len and msg_type != MsgType.CHUNK:
+        raise ProtocolError(f"{msg_type.name}: unexpected payload of {payload_len} bytes (only CHUNK has one)")
+    return msg_type, header_len, payload_len
+
+
+def decode_header(msg_type: MsgType, header: bytes) -> Message:
+    cls = _BY_TYPE[msg_type]
+    try:
+        values = msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"{msg_type.name}: header is not valid msgpack ({e})") from None
+    fields = _FIELDS[cls]
+    if not isinstance(values, list) or len(values) != len(fields):
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        raise ProtocolError(f"{msg_type.name}: header has {got} fields, expected {len(fields)}")
+    for (name, type_name), value in zip(fields, values):
+        want = _PY_TYPES[type_name]
+        # bool is an int subclass; a bool where an int belongs is a malformed frame.
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ProtocolError(f"{msg_type.name}.{name}: expected {type_name}, got {type(value).__name__}")
+        if want is int and not (-1 <= value <= _U64_MAX):
+            raise ProtocolError(f"{msg_type.name}.{name}: integer {value} out of range")
+        if want is str and len(value) > _MAX_STR:
+            raise ProtocolError(f"{msg_type.name}.{name}: string of {len(value)} chars is too long")
+    return cls(*values)
+
+
+def decode_frame(
+    buf,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> tuple[Message, memoryview, int]:
+    """Decode one frame from the start of ``buf``. Returns (message, payload view, bytes used).
+
+    For tests and tools; streams use :class:`FrameReader`.
+    """
+    mv = memoryview(buf).cast("B")
+    msg_type, hlen, plen = decode_prefix(bytes(mv[:PREFIX_SIZE]), max_header_bytes, max_payload_bytes)
+    end = PREFIX_SIZE + hlen + plen
+    if len(mv) < end:
+        raise ProtocolError(f"{msg_type.name}: truncated frame ({len(mv)} of {end} bytes)")
+    msg = decode_header(msg_type, bytes(mv[PREFIX_SIZE : PREFIX_SIZE + hlen]))
+    return msg, mv[PREFIX_SIZE + hlen : end], end
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the stream (cleanly at a frame boundary, or mid-frame)."""
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket; raise ConnectionClosed on EOF."""
+    got, n = 0, len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionClosed(f"peer closed the connection ({got} of {n} bytes read)")
+        got += r
+
+
+class FrameReader:
+    """Reads frames from a blocking socket with hard limits.
+
+    Usage: ``msg, payload_len = reader.read_message()``; then, if payload_len > 0, the
+    caller must consume the payload with :meth:`read_payload_into` (zero-copy into the
+    destination), :meth:`read_payload` or :meth:`discard_payload` before the next frame.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ):
+        self.sock = sock
+        self.max_header_bytes = max_header_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self._prefix = bytearray(PREFIX_SIZE)
+        self._scratch: Optional[bytearray] = None
+        self.pending_payload = 0
+
+    def read_message(self) -> tuple[Message, int]:
+        if self.pending_payload:
+            raise RuntimeError("previous frame's payload was not consumed")
+        view = memoryview(self._prefix)
+        first = self.sock.recv_into(view, PREFIX_SIZE)
+        if first == 0:
+            raise ConnectionClosed("peer closed the connection")
+        recv_exactly_into(self.sock, view[first:])
+        msg_type, hlen, plen = decode_prefix(bytes(self._prefix), self.max_header_bytes, self.max_payload_bytes)
+        header = bytearray(hlen)  # bounded by max_header_bytes, checked above
+        recv_exactly_into(self.sock, memoryview(header))
+        msg = decode_header(msg_type, bytes(header))
+        self.pending_payload = plen
+        return msg, plen
+
+    def read_payload_into(self, view: memoryview) -> None:
+        if len(view) > self.pending_payload:
+            raise RuntimeError("reading past the payload")
+        recv_exactly_into(self.sock, view)
+        self.pending_payload -= len(view)
+
+    def read_payload(self) -> memoryview:
+        """Whole payload into a reusable scratch buffer (valid until the next read)."""
+        n = self.pending_payload
+        if self._scratch is None or len(self._scratch) < n:
+            self._scratch = bytearray(n)
+        view = memoryview(self._scratch)[:n]
+        self.read_payload_into(view)
+        return view
+
+    def discard_payload(self) -> None:
+        """Skip the payload (rejected chunk) without allocating its full size."""
+        buf = memoryview(bytearray(min(self.pending_payload, 1 << 20) or 1))
+        while self.pending_payload:
+            n = min(self.pending_payload, len(buf))
+            self.read_payload_into(buf[:n])
