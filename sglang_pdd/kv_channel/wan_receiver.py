@@ -1,0 +1,606 @@
+"""Receiving side of the WAN KV channel (main decode, datacenter B).
+
+A listening socket, an accept thread, one reader thread per authenticated stream, and a
+watchdog. The owner (MD's scheduler, later the SGLang backend) *registers* each room it
+expects, with its layout and a destination; chunks for any other room are refused.
+
+Destination of a room, either:
+  * a writable buffer (numpy array, bytearray, ...) of
+    ``num_layers * total_pages * bytes_per_page`` bytes laid out [layer][page][byte]:
+    payloads are ``recv_into``'d straight into it (no copy), or
+  * a callable ``write(layer_start, layer_count, page_start, page_count, payload)``,
+    called after the chunk's checksum is verified; ``payload`` is a memoryview that is
+    only valid during the call (an SGLang backend scatters it into its KV pool pages).
+Pages below ``decode_prefix_len // page_size`` are never written.
+
+What is checked, and what happens (the connection survives unless the framing is lost):
+  * authentication (handshake.py)            -> refused + logged, socket closed
+  * malformed / oversized frame              -> ERROR(protocol) to the peer, stream closed,
+                                                the session's unfinished rooms FAILED(protocol)
+  * chunk or BEGIN for an unregistered room  -> NACK(unknown_room), payload discarded
+  * BEGIN / chunk not matching the room      -> room FAILED(layout_mismatch), NACK
+  * duplicate or overlapping chunk           -> ERROR(duplicate), payload discarded, not written
+  * CRC mismatch                             -> room FAILED(checksum), NACK
+  * stream of the room's session drops       -> room FAILED(connection_lost)
+  * no bytes for ``idle_timeout`` mid-transfer -> room FAILED(idle_timeout)
+  * the same peer name reconnects with a new session (restart) -> the old session's
+    unfinished rooms FAILED(peer_restarted), its sockets closed.
+A room is SUCCESS when BEGIN and END arrived and every (layer, page) of the announced
+range was written exactly once with a good checksum; then the sender gets an ACK.
+
+Chunks may arrive before BEGIN (they were striped over other streams); they are checked
+against the registration, which is enough to write them safely.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import ssl
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from .handshake import AuthError, check_key, server_handshake
+from .layout import KvLayout, num_pages, token_digest
+from .states import FailureReason, RoomState
+from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
+from .wire import (
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    Abort,
+    Ack,
+    Chunk,
+    ConnectionClosed,
+    Error,
+    FrameReader,
+    Hello,
+    Nack,
+    ProtocolError,
+    TransferBegin,
+    TransferEnd,
+    send_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+WriteFn = Callable[[int, int, int, int, memoryview], None]
+
+
+@dataclass
+class _Room:
+    room: int
+    layout: KvLayout
+    num_tokens: int
+    total_pages: int
+    decode_prefix_len: Optional[int]
+    dest_view: Optional[memoryview]
+    dest_write: Optional[WriteFn]
+    expected_digest: bytes
+    deadline: Optional[float]
+    state: RoomState = RoomState.WAITING_FOR_INPUT
+    reason: str = ""
+    detail: str = ""
+    session: Optional["_Session"] = None
+    begin: Optional[TransferBegin] = None
+    end: Optional[TransferEnd] = None
+    covered: np.ndarray = None  # [layers, pages] bool: written (or being written) once
+    indices: set = field(default_factory=set)
+    bytes_received: int = 0
+    writers: int = 0  # reader threads currently writing into the destination
+    last_progress: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, addr):
+        self.sock = sock
+        self.addr = addr
+        self.send_lock = threading.Lock()
+        self.session: Optional[_Session] = None
+        self.peer = f"{addr[0]}:{addr[1]}"
+
+    def send(self, msg) -> None:
+        try:
+            with self.send_lock:
+                send_frame(self.sock, msg)
+        except OSError:
+            pass  # the reader of this connection will notice and clean up
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _Session:
+    def __init__(self, session_id: bytes, peer_name: str):
+        self.id = session_id
+        self.tag = session_id.hex()[:8]
+        self.peer_name = peer_name
+        self.conns: set[_Conn] = set()
+        self.dead = False
+
+
+class WanKvReceiver:
+    """Accepts authenticated senders and writes the KV of registered rooms."""
+
+    def __init__(
+        self,
+        auth_key: bytes,
+        name: str = "decode",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        idle_timeout: float = 10.0,
+        handshake_timeout: float = 5.0,
+        max_connections: int = 256,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+        ssl_context: Optional[ssl.SSLContext] = None,
+    ):
+        self.key = check_key(auth_key)
+        self.name = name
+        self.max_header_bytes = max_header_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.ssl_context = ssl_context
+
+        self._cv = threading.Condition()
+        self._rooms: dict[int, _Room] = {}
+        self._sessions: dict[bytes, _Session] = {}
+        self._conns: set[_Conn] = set()
+        self._threads: list[threading.Thread] = []
+        self._rejected_rooms: collections.OrderedDict[int, None] = collections.OrderedDict()  # log once each
+        self._closed = False
+        self.counters = collections.Counter()
+
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-recv-accept-{name}", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"kv-recv-watchdog-{name}", daemon=True)
+        self._acceptor.start()
+        self._watchdog.start()
+        logger.info("WAN KV receiver %r listening on %s:%s", name, *self.address)
+
+    # ------------------------------------------------------------------ owner API
+
+    def register_room(
+        self,
+        room: int,
+        layout: KvLayout,
+        num_tokens: int,
+        dest: Union[WriteFn, object],
+        *,
+        decode_prefix_len: Optional[int] = None,
+        token_ids=None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """Expect KV for ``room``. ``decode_prefix_len`` (if given) must equal the sender's;
+        ``token_ids`` (if given) must match the sender's digest; ``timeout`` is a deadline."""
+        total = num_pages(num_tokens, layout.page_size)
+        dest_view, dest_write = None, None
+        if callable(dest):
+            dest_write = dest
+        else:
+            dest_view = memoryview(dest).cast("B")
+            if dest_view.readonly:
+                raise ValueError(f"room {room}: destination buffer is read-only")
+            need = layout.num_layers * total * layout.bytes_per_page
+            if dest_view.nbytes != need:
+                raise ValueError(f"room {room}: destination is {dest_view.nbytes} bytes, expected {need}")
+        if decode_prefix_len is not None and (decode_prefix_len % layout.page_size or decode_prefix_len > num_tokens):
+            raise ValueError(f"room {room}: bad decode_prefix_len {decode_prefix_len}")
+        entry = _Room(
+            room, layout, num_tokens, total, decode_prefix_len, dest_view, dest_write,
+            token_digest(token_ids), None if timeout is None else time.monotonic() + timeout,
+        )
+        entry.covered = np.zeros((layout.num_layers, total), dtype=bool)
+        with self._cv:
+            old = self._rooms.get(room)
+            if old is not None and not old.state.is_terminal:
+                raise ValueError(f"room {room} is already registered")
+            self._rooms[room] = entry
+            self._rejected_rooms.pop(room, None)
+
+    def poll(self, room: int) -> RoomState:
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is None:
+                raise KeyError(f"unknown room {room}")
+            return entry.state
+
+    def failure(self, room: int) -> tuple[str, str]:
+        with self._cv:
+            entry = self._rooms[room]
+            return entry.reason, entry.detail
+
+    def failure_reason(self, room: int) -> str:
+        return self.failure(room)[0]
+
+    def wait(self, room: int, timeout: Optional[float] = None) -> RoomState:
+        with self._cv:
+            entry = self._rooms[room]
+        entry.done.wait(timeout)
+        return entry.state
+
+    def abort(self, room: int, reason: str = "aborted by owner") -> None:
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is not None and not entry.state.is_terminal:
+                self._fail_room(entry, FailureReason.ABORTED, reason, tell_peer=True)
+
+    def release_room(self, room: int, timeout: float = 2.0) -> None:
+        """Forget a room. Returns only when no thread is writing into its destination
+        any more, so the owner may reuse that memory (a stuck write is cut off by
+        closing its stream)."""
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is None:
+                return
+            if not entry.state.is_terminal:
+                self._fail_room(entry, FailureReason.ABORTED, "released by owner", tell_peer=True)
+            if not self._cv.wait_for(lambda: entry.writers == 0, timeout) and entry.session is not None:
+                for conn in list(entry.session.conns):
+                    conn.shutdown()
+                self._cv.wait_for(lambda: entry.writers == 0, timeout)
+            if self._rooms.get(room) is entry:
+                del self._rooms[room]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop accepting, fail unfinished rooms (``closed``), close sockets, join threads."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in self._rooms.values():
+                self._fail_room(entry, FailureReason.CLOSED, "receiver closed", tell_peer=False)
+            for conn in self._conns:
+                conn.shutdown()
+            self._cv.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        deadline = time.monotonic() + timeout
+        for t in [self._acceptor, self._watchdog, *list(self._threads)]:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {
+                **self.counters,
+                "connections": len(self._conns),
+                "sessions": len(self._sessions),
+                "threads_alive": sum(t.is_alive() for t in self._threads),
+            }
+
+    # ------------------------------------------------------------------ connection threads
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            with self._cv:
+                if self._closed:
+                    sock.close()
+                    return
+                if len(self._conns) >= self.max_connections:
+                    logger.warning("refusing %s:%s: %d connections already", *addr[:2], len(self._conns))
+                    sock.close()
+                    continue
+                conn = _Conn(sock, addr)
+                self._conns.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()]
+                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                     name=f"kv-recv-{self.name}-{conn.peer}")
+                self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: _Conn) -> None:
+        reader = None
+        try:
+            tune_socket(conn.sock, self.socket_buffer_bytes)
+            conn.sock.settimeout(self.handshake_timeout)  # a silent peer must not hold a thread
+            if self.ssl_context is not None:
+                conn.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
+            reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
+            try:
+                hello = server_handshake(conn.sock, self.key, self.name, reader)
+            except (AuthError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
+                with self._cv:
+                    self.counters["auth_failures"] += 1
+                logger.warning("refused peer %s: authentication failed: %s", conn.peer, e)
+                return
+            conn.sock.settimeout(None)
+            self._join_session(conn, hello)
+            logger.info("peer %r (%s) authenticated, session %s stream %d",
+                        hello.peer_name, conn.peer, conn.session.tag, hello.stream_index)
+            while True:
+                msg, plen = reader.read_message()
+                self._dispatch(conn, reader, msg, plen)
+        except ProtocolError as e:
+            with self._cv:
+                self.counters["protocol_errors"] += 1
+            logger.warning("protocol error from %s: %s; closing the stream", conn.peer, e)
+            conn.send(Error(-1, FailureReason.PROTOCOL, str(e)))
+            self._drop(conn, FailureReason.PROTOCOL, str(e))
+        except (ConnectionClosed, OSError) as e:
+            self._drop(conn, FailureReason.CONNECTION_LOST, f"stream from {conn.peer}: {e!r}")
+        except Exception as e:  # a bug or a failing destination callable: never kill the server
+            logger.exception("error serving %s", conn.peer)
+            self._drop(conn, FailureReason.PROTOCOL, f"internal error: {e!r}")
+        finally:
+            self._drop(conn, FailureReason.CONNECTION_LOST, f"stream from {conn.peer} closed")
+            conn.sock.close()
+
+    def _join_session(self, conn: _Conn, hello: Hello) -> None:
+        with self._cv:
+            s = self._sessions.get(hello.session_id)
+            if s is None:
+                for old in list(self._sessions.values()):
+                    if old.peer_name == hello.peer_name and not old.dead:
+                        self._kill_session(old, FailureReason.PEER_RESTARTED,
+                                           f"peer {hello.peer_name!r} reconnected with a new session")
+                s = _Session(hello.session_id, hello.peer_name)
+                self._sessions[s.id] = s
+            s.conns.add(conn)
+            conn.session = s
+
+    def _drop(self, conn: _Conn, reason: str, detail: str) -> None:
+        """A stream ended: its session's unfinished rooms cannot complete (striping)."""
+        with self._cv:
+            self._conns.discard(conn)
+            s = conn.session
+            if s is None:
+                return
+            s.conns.discard(conn)
+            if not s.dead:
+                self._kill_session(s, reason, detail)
+            if not s.conns and self._sessions.get(s.id) is s:
+                del self._sessions[s.id]
+
+    def _kill_session(self, s: _Session, reason: str, detail: str) -> None:
+        s.dead = True
+        for entry in self._rooms.values():
+            if entry.session is s and not entry.state.is_terminal:
+                self._fail_room(entry, reason, detail, tell_peer=False)
+        for conn in s.conns:
+            conn.shutdown()
+
+    # ------------------------------------------------------------------ frames
+
+    def _dispatch(self, conn: _Conn, reader: FrameReader, msg, plen: int) -> None:
+        if isinstance(msg, Chunk):
+            self._on_chunk(conn, reader, msg, plen)
+        elif isinstance(msg, TransferBegin):
+            self._on_begin(conn, msg)
+        elif isinstance(msg, TransferEnd):
+            self._on_end(conn, msg)
+        elif isinstance(msg, Abort):
+            with self._cv:
+                entry = self._rooms.get(msg.room)
+                if entry is not None and entry.session is conn.session:
+                    self._fail_room(entry, FailureReason.ABORTED, f"sender aborted: {msg.reason}", tell_peer=False)
+        elif isinstance(msg, Error):
+            logger.warning("peer %s reports: room %s: %s: %s", conn.peer, msg.room, msg.reason, msg.detail)
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} after the handshake")
+
+    def _room_for(self, conn: _Conn, room: int, what: str) -> Optional[_Room]:
+        """The registered room, bound to this session; None (after replying) if refused."""
+        entry = self._rooms.get(room)
+        if entry is None:
+            self.counters["unknown_room"] += 1
+            if room not in self._rejected_rooms:  # log and NACK once per room, not per chunk
+                self._rejected_rooms[room] = None
+                if len(self._rejected_rooms) > 4096:
+                    self._rejected_rooms.popitem(last=False)
+                logger.warning("room %s: %s from %s refused: room not registered", room, what, conn.peer)
+                conn.send(Nack(room, FailureReason.UNKNOWN_ROOM, f"room {room} is not registered at {self.name!r}"))
+            return None
+        if entry.state.is_terminal:
+            return entry  # late frames of a finished room are dropped by the caller
+        if entry.session is None:
+            entry.session = conn.session
+        elif entry.session is not conn.session:
+            self.counters["wrong_session"] += 1
+            logger.warning("room %s: %s from %s refused: room belongs to another session", room, what, conn.peer)
+            conn.send(Error(room, "wrong_session", f"room {room} is being served by another sender session"))
+            return None
+        return entry
+
+    def _on_begin(self, conn: _Conn, msg: TransferBegin) -> None:
+        with self._cv:
+            entry = self._room_for(conn, msg.room, "BEGIN")
+            if entry is None or entry.state.is_terminal:
+                return
+            if entry.begin is not None:
+                self.counters["duplicate"] += 1
+                conn.send(Error(msg.room, "duplicate", "TRANSFER_BEGIN received twice"))
+                return
+            lay = entry.layout
+            problems = []
+            if (msg.num_layers, msg.page_size, msg.bytes_per_page, msg.dtype) != (
+                lay.num_layers, lay.page_size, lay.bytes_per_page, lay.dtype):
+                problems.append(f"layout ({msg.num_layers}, {msg.page_size}, {msg.bytes_per_page}, {msg.dtype}) != "
+                                f"registered ({lay.num_layers}, {lay.page_size}, {lay.bytes_per_page}, {lay.dtype})")
+            if msg.num_tokens != entry.num_tokens:
+                problems.append(f"num_tokens {msg.num_tokens} != registered {entry.num_tokens}")
+            if msg.end_page != entry.total_pages or not 0 <= msg.first_page <= msg.end_page:
+                problems.append(f"page range [{msg.first_page}, {msg.end_page}) invalid for {entry.total_pages} pages")
+            if entry.decode_prefix_len is not None and msg.first_page * lay.page_size != entry.decode_prefix_len:
+                problems.append(f"first page {msg.first_page} != decode_prefix_len {entry.decode_prefix_len} / page_size")
+            if entry.expected_digest and msg.token_digest != entry.expected_digest:
+                problems.append("prompt token digest differs")
+            if any(i >= msg.num_chunks for i in entry.indices) or entry.covered[:, : msg.first_page].any():
+                problems.append("chunks already received lie outside the announced range")
+            if problems:
+                self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, "; ".join(problems), tell_peer=True, conn=conn)
+                return
+            entry.begin = msg
+            entry.state = RoomState.TRANSFERRING
+            entry.last_progress = time.monotonic()
+            self._check_complete(entry, conn)
+
+    def _on_end(self, conn: _Conn, msg: TransferEnd) -> None:
+        with self._cv:
+            entry = self._room_for(conn, msg.room, "END")
+            if entry is None or entry.state.is_terminal:
+                return
+            if entry.end is not None:
+                self.counters["duplicate"] += 1
+                conn.send(Error(msg.room, "duplicate", "TRANSFER_END received twice"))
+                return
+            entry.end = msg
+            entry.state = RoomState.TRANSFERRING
+            entry.last_progress = time.monotonic()
+            self._check_complete(entry, conn)
+
+    def _on_chunk(self, conn: _Conn, reader: FrameReader, msg: Chunk, plen: int) -> None:
+        with self._cv:
+            entry = self._accept_chunk(conn, msg, plen)
+        if entry is None:
+            reader.discard_payload()  # outside the lock: keeps the stream in sync, writes nothing
+            return
+        try:
+            crc = self._receive_payload(entry, reader, msg)
+        finally:
+            with self._cv:
+                entry.writers -= 1
+                self._cv.notify_all()
+        with self._cv:
+            if entry.state.is_terminal:
+                return  # failed/aborted meanwhile
+            if crc is not None and crc != msg.crc32:
+                self.counters["checksum_failures"] += 1
+                self._fail_room(entry, FailureReason.CHECKSUM,
+                                f"chunk {msg.index}: crc32 {crc:#010x} != announced {msg.crc32:#010x}",
+                                tell_peer=True, conn=conn)
+                return
+            entry.bytes_received += plen
+            entry.last_progress = time.monotonic()
+            self._check_complete(entry, conn)
+
+    def _accept_chunk(self, conn: _Conn, msg: Chunk, plen: int) -> Optional[_Room]:
+        """Decide (under the lock) whether a chunk's payload may be written; claim its pages."""
+        entry = self._room_for(conn, msg.room, f"chunk {msg.index}")
+        if entry is None or entry.state.is_terminal:
+            return None
+        problem = self._check_chunk(entry, msg, plen)
+        if problem:
+            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"chunk {msg.index}: {problem}",
+                            tell_peer=True, conn=conn)
+            return None
+        region = entry.covered[msg.layer_start : msg.layer_start + msg.layer_count,
+                               msg.page_start : msg.page_start + msg.page_count]
+        if msg.index in entry.indices or region.any():
+            self.counters["duplicate"] += 1
+            logger.warning("room %s: duplicate chunk %d from %s rejected", msg.room, msg.index, conn.peer)
+            conn.send(Error(msg.room, "duplicate", f"chunk {msg.index} (or its pages) already received; ignored"))
+            return None
+        # Claim before reading so a copy racing on another stream is seen as a duplicate.
+        entry.indices.add(msg.index)
+        region[:] = True
+        entry.writers += 1
+        entry.state = RoomState.TRANSFERRING
+        return entry
+
+    def _check_chunk(self, entry: _Room, msg: Chunk, plen: int) -> str:
+        lay = entry.layout
+        first = entry.begin.first_page if entry.begin else 0
+        if msg.layer_count < 1 or msg.layer_start + msg.layer_count > lay.num_layers:
+            return f"layers [{msg.layer_start}, +{msg.layer_count}) outside [0, {lay.num_layers})"
+        if msg.page_count < 1 or msg.page_start < first or msg.page_start + msg.page_count > entry.total_pages:
+            return f"pages [{msg.page_start}, +{msg.page_count}) outside [{first}, {entry.total_pages})"
+        if entry.decode_prefix_len is not None and msg.page_start * lay.page_size < entry.decode_prefix_len:
+            return f"page {msg.page_start} is below decode_prefix_len {entry.decode_prefix_len}"
+        if plen != msg.layer_count * msg.page_count * lay.bytes_per_page:
+            return f"payload {plen} bytes != {msg.layer_count} layers x {msg.page_count} pages x {lay.bytes_per_page}"
+        if entry.begin is not None and msg.index >= entry.begin.num_chunks:
+            return f"index {msg.index} >= num_chunks {entry.begin.num_chunks}"
+        return ""
+
+    def _receive_payload(self, entry: _Room, reader: FrameReader, msg: Chunk) -> Optional[int]:
+        """Read the payload into the destination; returns its crc32. Runs without the lock."""
+        bpp = entry.layout.bytes_per_page
+        if entry.dest_view is not None:
+            crc = 0
+            for layer in range(msg.layer_start, msg.layer_start + msg.layer_count):
+                start = (layer * entry.total_pages + msg.page_start) * bpp
+                view = entry.dest_view[start : start + msg.page_count * bpp]
+                reader.read_payload_into(view)  # zero-copy: straight into the KV destination
+                crc = zlib.crc32(view, crc)
+            return crc & 0xFFFFFFFF
+        payload = reader.read_payload()
+        crc = zlib.crc32(payload) & 0xFFFFFFFF
+        if crc == msg.crc32 and not entry.state.is_terminal:
+            entry.dest_write(msg.layer_start, msg.layer_count, msg.page_start, msg.page_count, payload)
+        return crc
+
+    def _check_complete(self, entry: _Room, conn: _Conn) -> None:
+        b, e = entry.begin, entry.end
+        if b is None or e is None or entry.writers:
+            return
+        expected = entry.layout.num_layers * (b.end_page - b.first_page) * entry.layout.bytes_per_page
+        if e.num_chunks != b.num_chunks or e.total_bytes != expected:
+            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH,
+                            f"END says {e.num_chunks} chunks / {e.total_bytes} bytes, expected "
+                            f"{b.num_chunks} / {expected}", tell_peer=True, conn=conn)
+            return
+        if len(entry.indices) < b.num_chunks or not entry.covered[:, b.first_page : b.end_page].all():
+            return  # chunks still in flight on other streams
+        if entry.bytes_received != expected:
+            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH,
+                            f"received {entry.bytes_received} bytes, expected {expected}", tell_peer=True, conn=conn)
+            return
+        entry.state = RoomState.SUCCESS
+        entry.done.set()
+        self._cv.notify_all()
+        logger.debug("room %s: all %d chunks verified (%d bytes)", entry.room, b.num_chunks, expected)
+        conn.send(Ack(entry.room, expected))
+
+    def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool, conn: Optional[_Conn] = None) -> None:
+        if entry.state.is_terminal:
+            return
+        logger.warning("room %s: receive failed: %s (%s)", entry.room, reason, detail)
+        entry.state, entry.reason, entry.detail = RoomState.FAILED, reason, detail
+        entry.done.set()
+        self._cv.notify_all()
+        if tell_peer:
+            if conn is None and entry.session is not None and entry.session.conns:
+                conn = next(iter(entry.session.conns))
+            if conn is not None:
+                # Small frame; the receive->send direction carries almost nothing, so
+                # this does not block on a full buffer in practice.
+                conn.send(Nack(entry.room, reason, detail))
+
+    def _watch(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for entry in self._rooms.values():
+                    if entry.state.is_terminal:
+                        continue
+                    if entry.deadline is not None and now > entry.deadline:
+                        self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed", tell_peer=False)
+                    elif entry.session is not None and now - entry.last_progress > self.idle_timeout:
+                        # No NACK: the stream may be the stalled thing; the sender has its own timer.
+                        self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
+                                        f"no data for {now - entry.last_progress:.1f}s", tell_peer=False)
+                self._cv.wait(min(0.1, self.idle_timeout / 4))

@@ -1,0 +1,585 @@
+"""Sending side of the WAN KV channel (prefill, datacenter A -> main decode, datacenter B).
+
+Threads and blocking sockets, so the API is plain synchronous calls (SGLang's scheduler
+is synchronous). One ``WanKvSender`` talks to one receiver through a *session*: N TCP
+streams (default 4) that each authenticate (see handshake.py). Many rooms share it.
+
+Data path::
+
+    producer --send_layer/send_chunk--> bounded queue (window_bytes) --> N stream writers
+                                                                          (crc32, sendall)
+    N stream readers <-- ACK / NACK / ERROR / ABORT from the receiver
+
+* Striping: the writers pull from one shared queue, so chunks spread over all streams
+  and a slow stream simply takes fewer chunks.
+* Pipelining: chunks are queued as soon as the producer has them (e.g. per layer);
+  they go on the wire while later layers are still being produced.
+* Backpressure: ``send_chunk`` blocks while ``window_bytes`` of payload are queued but
+  not yet written. Payloads are *not* copied: the caller's buffer must stay unchanged
+  until the room is SUCCESS or FAILED (same contract as Mooncake's transfer).
+* Success means the receiver verified every chunk (ACK), not that bytes left this host.
+
+Failures (room -> FAILED with a ``FailureReason``): a NACK from the receiver (checksum,
+unknown_room, layout_mismatch, ...), a broken stream (connection_lost: every unfinished
+room of that session fails, since its chunks were striped over all streams), a stream
+stuck in ``send`` or a room without progress for ``idle_timeout`` (stall / partition),
+the per-transfer deadline ``transfer_timeout``, connect or auth failure, ``abort()``.
+After a session breaks, the next ``begin_transfer`` opens a new one (a restarted
+receiver just works).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .handshake import AuthError, check_key, client_handshake
+from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, TransferPlan, token_digest
+from .states import FailureReason, RoomState
+from .wire import (
+    Abort,
+    Ack,
+    Chunk,
+    ConnectionClosed,
+    Error,
+    FrameReader,
+    Nack,
+    ProtocolError,
+    TransferBegin,
+    TransferEnd,
+    checksum,
+    send_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+    """No Nagle (headers must not wait for the next payload), large kernel buffers for a
+    long fat pipe (the kernel caps them at net.core.[rw]mem_max)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+        except OSError:
+            pass
+
+
+@dataclass
+class _Room:
+    room: int
+    plan: TransferPlan
+    session: "_Session"
+    begin_msg: TransferBegin
+    deadline: float
+    state: RoomState = RoomState.BOOTSTRAPPING
+    reason: str = ""
+    detail: str = ""
+    last_progress: float = field(default_factory=time.monotonic)
+    queued: set = field(default_factory=set)  # chunk indices handed to us by the producer
+    bytes_written: int = 0
+    end_queued: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Item:
+    room: _Room
+    msg: object
+    payload: Optional[memoryview] = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.payload is None else self.payload.nbytes
+
+
+class _Stream:
+    def __init__(self, index: int):
+        self.index = index
+        self.sock: Optional[socket.socket] = None
+        self.busy_since: Optional[float] = None  # set while inside sendall
+        self.threads: list[threading.Thread] = []
+
+
+class _Session:
+    """N authenticated streams to the receiver; dies as a whole."""
+
+    def __init__(self, sender: "WanKvSender"):
+        self.sender = sender
+        self.id = os.urandom(16)
+        self.tag = self.id.hex()[:8]
+        self.up = False
+        self.dead = False
+        self.dead_reason = ""
+        self.connected = 0
+        self.queue: collections.deque[_Item] = collections.deque()
+        self.queued_bytes = 0
+        self.streams = [_Stream(i) for i in range(sender.num_streams)]
+
+
+class WanKvSender:
+    """Sends KV of many rooms to one ``WanKvReceiver`` over N parallel TCP streams."""
+
+    def __init__(
+        self,
+        peer: tuple[str, int],
+        auth_key: bytes,
+        name: str = "prefill",
+        *,
+        num_streams: int = 4,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        window_bytes: int = 64 * 1024 * 1024,
+        connect_timeout: float = 5.0,
+        idle_timeout: float = 10.0,
+        transfer_timeout: float = 120.0,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+        ssl_context: Optional[ssl.SSLContext] = None,
+        server_hostname: Optional[str] = None,
+    ):
+        if num_streams < 1:
+            raise ValueError("num_streams must be >= 1")
+        self.peer = (peer[0], int(peer[1]))
+        self.key = check_key(auth_key)
+        self.name = name
+        self.num_streams = num_streams
+        self.max_chunk_bytes = max_chunk_bytes
+        self.window_bytes = window_bytes
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self.transfer_timeout = transfer_timeout
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname
+
+        self._cv = threading.Condition()  # guards rooms, sessions and the send queue
+        self._rooms: dict[int, _Room] = {}
+        self._session: Optional[_Session] = None
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._watchdog = threading.Thread(target=self._watch, name=f"kv-send-watchdog-{name}", daemon=True)
+        self._watchdog.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def connect(self, timeout: Optional[float] = None) -> bool:
+        """Open the session now (optional: begin_transfer does it lazily). True if up."""
+        with self._cv:
+            session = self._ensure_session()
+            self._cv.wait_for(lambda: session.up or session.dead, timeout or self.connect_timeout + 1)
+            return session.up
+
+    def begin_transfer(
+        self,
+        room: int,
+        layout: KvLayout,
+        num_tokens: int,
+        decode_prefix_len: int = 0,
+        *,
+        request_id: str = "",
+        token_ids: Optional[Sequence[int]] = None,
+        timeout: Optional[float] = None,
+    ) -> "Transfer":
+        """Start sending a room's KV: pages from ``decode_prefix_len // page_size`` on.
+
+        Never blocks on the network; the room is BOOTSTRAPPING until the session is up.
+        """
+        plan = TransferPlan.build(layout, num_tokens, decode_prefix_len, self.max_chunk_bytes)
+        begin = TransferBegin(
+            room=room,
+            request_id=request_id,
+            num_tokens=num_tokens,
+            page_size=layout.page_size,
+            first_page=plan.first_page,
+            end_page=plan.end_page,
+            num_layers=layout.num_layers,
+            bytes_per_page=layout.bytes_per_page,
+            dtype=layout.dtype,
+            num_chunks=plan.num_chunks,
+            token_digest=token_digest(token_ids),
+        )
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("sender is closed")
+            old = self._rooms.get(room)
+            if old is not None and not old.state.is_terminal:
+                raise ValueError(f"room {room} is already transferring")
+            session = self._ensure_session()
+            entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout))
+            entry.state = RoomState.WAITING_FOR_INPUT if session.up else RoomState.BOOTSTRAPPING
+            self._rooms[room] = entry
+            self._enqueue(entry, begin)
+        logger.debug("room %s: begin, pages [%d, %d) x %d layers, %d chunks, %d bytes",
+                     room, plan.first_page, plan.end_page, layout.num_layers, plan.num_chunks, plan.total_bytes)
+        return Transfer(self, entry)
+
+    def poll(self, room: int) -> RoomState:
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is None:
+                raise KeyError(f"unknown room {room}")
+            return entry.state
+
+    def failure(self, room: int) -> tuple[str, str]:
+        """(reason, detail) of a FAILED room; ("", "") otherwise."""
+        with self._cv:
+            entry = self._rooms[room]
+            return entry.reason, entry.detail
+
+    def failure_reason(self, room: int) -> str:
+        return self.failure(room)[0]
+
+    def wait(self, room: int, timeout: Optional[float] = None) -> RoomState:
+        with self._cv:
+            entry = self._rooms[room]
+        entry.done.wait(timeout)
+        return entry.state
+
+    def abort(self, room: int, reason: str = FailureReason.ABORTED) -> None:
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is not None and not entry.state.is_terminal:
+                self._fail_room(entry, FailureReason.ABORTED, reason)
+
+    def release(self, room: int) -> None:
+        """Forget a room (aborting it if unfinished). Its buffers are no longer referenced
+        once queued chunks are skipped by the writers."""
+        with self._cv:
+            entry = self._rooms.pop(room, None)
+            if entry is not None and not entry.state.is_terminal:
+                self._fail_room(entry, FailureReason.ABORTED, "released by owner")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail unfinished rooms (reason ``closed``), close all sockets, join all threads."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            if self._session is not None:
+                self._kill_session(self._session, FailureReason.CLOSED, "sender closed")
+            self._cv.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in [self._watchdog, *self._threads]:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def stats(self) -> dict:
+        with self._cv:
+            s = self._session
+            return {
+                "session_up": bool(s and s.up),
+                "queued_bytes": s.queued_bytes if s else 0,
+                "rooms": {r: e.state.name for r, e in self._rooms.items()},
+                "threads_alive": sum(t.is_alive() for t in self._threads),
+            }
+
+    # ------------------------------------------------------------------ producer side
+
+    def _send_chunk(self, entry: _Room, index: int, payload) -> bool:
+        spec = entry.plan.chunk(index)
+        view = memoryview(payload).cast("B")
+        if view.nbytes != spec.nbytes:
+            raise ValueError(f"room {entry.room} chunk {index}: payload is {view.nbytes} bytes, expected {spec.nbytes}")
+        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count, 0)  # crc filled by writer
+        with self._cv:
+            if index in entry.queued:
+                raise ValueError(f"room {entry.room}: chunk {index} sent twice")
+            session = entry.session
+            # Backpressure: wait for room in the window (an oversized chunk may go alone).
+            self._cv.wait_for(
+                lambda: entry.state.is_terminal
+                or session.dead
+                or session.queued_bytes == 0
+                or session.queued_bytes + view.nbytes <= self.window_bytes
+            )
+            if entry.state.is_terminal:
+                return False
+            entry.queued.add(index)
+            if entry.state == RoomState.WAITING_FOR_INPUT:
+                entry.state = RoomState.TRANSFERRING
+            self._enqueue(entry, msg, view)
+            return True
+
+    def _finish(self, entry: _Room) -> None:
+        with self._cv:
+            if entry.state.is_terminal or entry.end_queued:
+                return
+            missing = entry.plan.num_chunks - len(entry.queued)
+            if missing:
+                raise ValueError(f"room {entry.room}: finish() with {missing} chunks not sent")
+            entry.end_queued = True
+            if entry.state == RoomState.WAITING_FOR_INPUT:
+                entry.state = RoomState.TRANSFERRING
+            self._enqueue(entry, TransferEnd(entry.room, entry.plan.num_chunks, entry.plan.total_bytes))
+
+    # ------------------------------------------------------------------ internals (hold _cv)
+
+    def _enqueue(self, entry: _Room, msg, payload: Optional[memoryview] = None) -> None:
+        session = entry.session
+        if session.dead:
+            return
+        item = _Item(entry, msg, payload)
+        session.queue.append(item)
+        session.queued_bytes += item.nbytes
+        entry.last_progress = time.monotonic()
+        self._cv.notify_all()
+
+    def _ensure_session(self) -> _Session:
+        s = self._session
+        if s is not None and not s.dead:
+            return s
+        s = _Session(self)
+        self._session = s
+        self._threads = [t for t in self._threads if t.is_alive()]  # drop finished sessions' threads
+        for stream in s.streams:
+            t = threading.Thread(target=self._run_stream, args=(s, stream), daemon=True,
+                                 name=f"kv-send-{self.name}-{s.tag}-{stream.index}")
+            stream.threads.append(t)
+            self._threads.append(t)
+            t.start()
+        return s
+
+    def _set_terminal(self, entry: _Room, state: RoomState, reason: str = "", detail: str = "") -> None:
+        entry.state, entry.reason, entry.detail = state, reason, detail
+        entry.done.set()
+        self._cv.notify_all()
+
+    def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool = True) -> None:
+        if entry.state.is_terminal:
+            return
+        logger.warning("room %s: transfer to %s:%s failed: %s (%s)", entry.room, *self.peer, reason, detail)
+        self._set_terminal(entry, RoomState.FAILED, reason, detail)
+        if tell_peer and entry.session.up and not entry.session.dead:
+            self._enqueue(entry, Abort(entry.room, reason))
+
+    def _kill_session(self, s: _Session, reason: str, detail: str) -> None:
+        if s.dead:
+            return
+        s.dead, s.up, s.dead_reason = True, False, reason
+        if reason != FailureReason.CLOSED:
+            logger.warning("session %s to %s:%s down: %s (%s)", s.tag, *self.peer, reason, detail)
+        for entry in self._rooms.values():
+            if entry.session is s:
+                self._fail_room(entry, reason, detail, tell_peer=False)
+        s.queue.clear()
+        s.queued_bytes = 0
+        for stream in s.streams:
+            if stream.sock is not None:
+                try:  # shutdown (not just close) wakes a thread blocked in send/recv
+                    stream.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._cv.notify_all()
+
+    # ------------------------------------------------------------------ threads
+
+    def _connect_stream(self, s: _Session, stream: _Stream) -> socket.socket:
+        sock = socket.create_connection(self.peer, timeout=self.connect_timeout)
+        try:
+            tune_socket(sock, self.socket_buffer_bytes)
+            if self.ssl_context is not None:
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname or self.peer[0])
+            client_handshake(sock, self.key, self.name, s.id, stream.index, self.num_streams)
+            sock.settimeout(None)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _run_stream(self, s: _Session, stream: _Stream) -> None:
+        try:
+            sock = self._connect_stream(s, stream)
+        except AuthError as e:
+            with self._cv:
+                self._kill_session(s, FailureReason.AUTH, f"stream {stream.index}: {e}")
+            return
+        except (OSError, ProtocolError, ConnectionClosed) as e:
+            with self._cv:
+                self._kill_session(s, FailureReason.CONNECT_FAILED, f"stream {stream.index}: {e!r}")
+            return
+        with self._cv:
+            if s.dead:
+                sock.close()
+                return
+            stream.sock = sock
+            s.connected += 1
+            if s.connected == len(s.streams):
+                s.up = True
+                logger.info("session %s to %s:%s up (%d streams)", s.tag, *self.peer, len(s.streams))
+                for entry in self._rooms.values():
+                    if entry.session is s and entry.state == RoomState.BOOTSTRAPPING:
+                        entry.state = RoomState.TRANSFERRING if entry.queued or entry.end_queued \
+                            else RoomState.WAITING_FOR_INPUT
+                self._cv.notify_all()
+        reader = threading.Thread(target=self._read_stream, args=(s, stream, sock), daemon=True,
+                                  name=f"kv-send-rd-{self.name}-{s.tag}-{stream.index}")
+        with self._cv:
+            self._threads.append(reader)
+        reader.start()
+        try:
+            self._write_stream(s, stream, sock)
+        finally:
+            reader.join()
+            sock.close()
+
+    def _write_stream(self, s: _Session, stream: _Stream, sock: socket.socket) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: s.dead or (s.up and s.queue))
+                if s.dead:
+                    return
+                item = s.queue.popleft()
+                entry = item.room
+                if entry.state.is_terminal and not isinstance(item.msg, Abort):
+                    s.queued_bytes -= item.nbytes
+                    self._cv.notify_all()
+                    continue
+                stream.busy_since = time.monotonic()
+            try:
+                msg = item.msg
+                if isinstance(msg, Chunk):
+                    msg.crc32 = checksum(item.payload)  # here, so N writers checksum in parallel
+                send_frame(sock, msg, item.payload)
+            except OSError as e:
+                with self._cv:
+                    stream.busy_since = None
+                    self._kill_session(s, FailureReason.CONNECTION_LOST, f"stream {stream.index} send: {e!r}")
+                return
+            with self._cv:
+                stream.busy_since = None
+                s.queued_bytes -= item.nbytes
+                entry.bytes_written += item.nbytes
+                entry.last_progress = time.monotonic()
+                self._cv.notify_all()
+
+    def _read_stream(self, s: _Session, stream: _Stream, sock: socket.socket) -> None:
+        reader = FrameReader(sock)
+        try:
+            while True:
+                msg, plen = reader.read_message()
+                if plen:
+                    raise ProtocolError(f"unexpected payload from receiver on {type(msg).__name__}")
+                self._on_reply(s, msg)
+        except (OSError, ConnectionClosed, ProtocolError) as e:
+            with self._cv:
+                if not s.dead:
+                    self._kill_session(s, FailureReason.CONNECTION_LOST
+                                       if not isinstance(e, ProtocolError) else FailureReason.PROTOCOL,
+                                       f"stream {stream.index} recv: {e!r}")
+
+    def _on_reply(self, s: _Session, msg) -> None:
+        with self._cv:
+            entry = self._rooms.get(getattr(msg, "room", -1))
+            if entry is not None and entry.session is not s:
+                entry = None  # a reply about an older incarnation of this room id
+            if isinstance(msg, Ack):
+                if entry is not None and not entry.state.is_terminal:
+                    if entry.end_queued and msg.total_bytes == entry.plan.total_bytes:
+                        entry.last_progress = time.monotonic()
+                        self._set_terminal(entry, RoomState.SUCCESS)
+                        logger.debug("room %s: receiver verified %d bytes", entry.room, msg.total_bytes)
+                    else:
+                        self._fail_room(entry, FailureReason.PROTOCOL, f"premature ACK ({msg.total_bytes} bytes)")
+            elif isinstance(msg, Nack):
+                if entry is not None:
+                    self._fail_room(entry, msg.reason, f"receiver: {msg.detail}", tell_peer=False)
+            elif isinstance(msg, Abort):
+                if entry is not None:
+                    self._fail_room(entry, FailureReason.ABORTED, f"receiver aborted: {msg.reason}", tell_peer=False)
+            elif isinstance(msg, Error):
+                logger.warning("receiver %s:%s reports for room %s: %s: %s", *self.peer, msg.room, msg.reason, msg.detail)
+            else:
+                raise ProtocolError(f"unexpected {type(msg).__name__} from receiver")
+
+    def _watch(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                s = self._session
+                if s is not None and not s.dead:
+                    for stream in s.streams:
+                        if stream.busy_since is not None and now - stream.busy_since > self.idle_timeout:
+                            self._kill_session(s, FailureReason.IDLE_TIMEOUT,
+                                               f"stream {stream.index} stuck in send for {now - stream.busy_since:.1f}s")
+                            break
+                for entry in list(self._rooms.values()):
+                    if entry.state.is_terminal:
+                        continue
+                    if now > entry.deadline:
+                        self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed")
+                    elif now - entry.last_progress > self.idle_timeout:
+                        self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
+                                        f"no progress for {now - entry.last_progress:.1f}s in {entry.state.name}")
+                self._cv.wait(min(0.1, self.idle_timeout / 4))
+
+
+class Transfer:
+    """Handle of one room on the sender: feed chunks, then ``finish()``."""
+
+    def __init__(self, sender: WanKvSender, entry: _Room):
+        self._sender = sender
+        self._entry = entry
+        self.room = entry.room
+        self.plan = entry.plan
+
+    def send_chunk(self, index: int, payload) -> bool:
+        """Queue chunk ``index`` of the plan (blocks while the window is full).
+        Returns False if the room already failed (the producer may just stop)."""
+        return self._sender._send_chunk(self._entry, index, payload)
+
+    def send_layer(self, layer: int, data) -> bool:
+        """Queue one layer: ``data`` holds pages [first_page, end_page) of that layer,
+        contiguous (``plan.layer_bytes`` bytes). Sliced into chunks without copying."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.plan.layer_bytes:
+            raise ValueError(f"room {self.room} layer {layer}: {view.nbytes} bytes, expected {self.plan.layer_bytes}")
+        offset, ok = 0, True
+        for spec in self.plan.chunks_of_layer(layer):
+            ok = self.send_chunk(spec.index, view[offset : offset + spec.nbytes]) and ok
+            offset += spec.nbytes
+        return ok
+
+    def send_kv(self, kv) -> bool:
+        """Send a whole request's KV held as one buffer of shape
+        [num_layers, total_pages, bytes_per_page] (e.g. a numpy array): only pages
+        >= first_page go on the wire. Then ``finish()``."""
+        layout = self.plan.layout
+        view = memoryview(kv).cast("B")
+        layer_stride = self.plan.end_page * layout.bytes_per_page
+        if view.nbytes != layer_stride * layout.num_layers:
+            raise ValueError(f"room {self.room}: KV buffer is {view.nbytes} bytes, expected {layer_stride * layout.num_layers}")
+        skip = self.plan.first_page * layout.bytes_per_page
+        ok = True
+        for layer in range(layout.num_layers):
+            start = layer * layer_stride + skip
+            ok = self.send_layer(layer, view[start : start + self.plan.layer_bytes]) and ok
+        self.finish()
+        return ok
+
+    def finish(self) -> None:
+        """All chunks queued: send TRANSFER_END. SUCCESS comes with the receiver's ACK."""
+        self._sender._finish(self._entry)
+
+    def poll(self) -> RoomState:
+        return self._entry.state
+
+    @property
+    def failure_reason(self) -> str:
+        return self._entry.reason
+
+    @property
+    def failure_detail(self) -> str:
+        return self._entry.detail
+
+    def wait(self, timeout: Optional[float] = None) -> RoomState:
+        self._entry.done.wait(timeout)
+        return self._entry.state
