@@ -1,0 +1,458 @@
+"""WAN KV channel over real loopback sockets: data integrity, security and faults.
+
+Kept light (small KV, short timeouts): the machine is shared and has two cores.
+"""
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sglang_pdd.kv_channel.handshake import client_handshake
+from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
+from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.wan_emulator import WanEmulator
+from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
+from sglang_pdd.kv_channel.wan_sender import WanKvSender
+from sglang_pdd.kv_channel.wire import (
+    PREFIX,
+    VERSION,
+    MAGIC,
+    Ack,
+    Chunk,
+    Error,
+    FrameReader,
+    Hello,
+    HelloAuth,
+    HelloChallenge,
+    MsgType,
+    Nack,
+    TransferBegin,
+    TransferEnd,
+    checksum,
+    send_frame,
+)
+
+KEY = b"test-shared-key-0123456789abcdef"
+pytestmark = pytest.mark.timeout(60)
+
+
+def kv_for(layout: KvLayout, num_tokens: int, seed: int = 0) -> np.ndarray:
+    pages = -(-num_tokens // layout.page_size)
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (layout.num_layers, pages, layout.bytes_per_page), dtype=np.uint8)
+
+
+@pytest.fixture
+def receiver():
+    rx = WanKvReceiver(KEY, name="md", idle_timeout=2.0)
+    yield rx
+    rx.close()
+
+
+def make_sender(addr, **kw):
+    kw.setdefault("num_streams", 2)
+    kw.setdefault("idle_timeout", 2.0)
+    kw.setdefault("connect_timeout", 2.0)
+    return WanKvSender(addr, kw.pop("key", KEY), name=kw.pop("name", "prefill"), **kw)
+
+
+def raw_client(addr, name="raw", key=KEY) -> socket.socket:
+    """An authenticated stream we can write hand-crafted frames to."""
+    sock = socket.create_connection(addr, timeout=5)
+    client_handshake(sock, key, name, os.urandom(16), 0, 1)
+    return sock
+
+
+def assert_closed(sock):
+    """The server closed the stream (FIN, or RST if our unread bytes were pending)."""
+    sock.settimeout(5)
+    try:
+        assert sock.recv(100) == b""
+    except ConnectionResetError:
+        pass
+
+
+def read_until(sock, cls, limit=20):
+    reader = FrameReader(sock)
+    for _ in range(limit):
+        msg, _ = reader.read_message()
+        if isinstance(msg, cls):
+            return msg
+    raise AssertionError(f"no {cls.__name__} received")
+
+
+# ----------------------------------------------------------------------------- data path
+
+
+@pytest.mark.parametrize(
+    "num_streams, layers, page_size, bpp, tokens, prefix, chunk_bytes",
+    [
+        (1, 2, 16, 4096, 16 * 8, 0, 1 << 20),  # single stream, everything sent
+        (4, 6, 16, 3000, 16 * 37 + 5, 16 * 5, 10_000),  # odd sizes, partial last page, many chunks
+        (3, 4, 64, 65536, 64 * 40, 64 * 39, 1 << 20),  # MD holds all but the last page
+    ],
+)
+def test_roundtrip_sends_only_missing_pages(receiver, num_streams, layers, page_size, bpp, tokens, prefix, chunk_bytes):
+    layout = KvLayout(layers, page_size, bpp, "float16")
+    kv = kv_for(layout, tokens, seed=num_streams)
+    dest = np.zeros_like(kv)
+    receiver.register_room(11, layout, tokens, dest, decode_prefix_len=prefix)
+    tx = make_sender(receiver.address, num_streams=num_streams, max_chunk_bytes=chunk_bytes)
+    try:
+        xfer = tx.begin_transfer(11, layout, tokens, prefix, request_id="r11")
+        assert xfer.send_kv(kv)
+        assert xfer.wait(20) == RoomState.SUCCESS, xfer.failure_detail
+        assert receiver.wait(11, 5) == RoomState.SUCCESS
+        first = prefix // page_size
+        assert np.array_equal(dest[:, first:], kv[:, first:])
+        assert not dest[:, :first].any()  # MD's cached pages were never sent nor touched
+        assert tx.poll(11) == RoomState.SUCCESS and tx.failure_reason(11) == ""
+    finally:
+        tx.close()
+
+
+def test_callable_destination_and_pipelined_layers(receiver):
+    layout = KvLayout(4, 16, 8192)
+    tokens, prefix = 16 * 20, 16 * 3
+    kv = kv_for(layout, tokens)
+    writes = []
+    got = np.zeros_like(kv)
+    lock = threading.Lock()
+
+    def write(layer_start, layer_count, page_start, page_count, payload):
+        with lock:
+            writes.append((layer_start, page_start, page_count))
+            got[layer_start : layer_start + layer_count, page_start : page_start + page_count] = np.frombuffer(
+                payload, np.uint8).reshape(layer_count, page_count, -1)
+
+    receiver.register_room(5, layout, tokens, write, decode_prefix_len=prefix)
+    tx = make_sender(receiver.address, max_chunk_bytes=5 * 8192)
+    try:
+        xfer = tx.begin_transfer(5, layout, tokens, prefix)
+        for layer in range(layout.num_layers):  # layer by layer, as a model would produce them
+            assert receiver.poll(5) in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
+            xfer.send_layer(layer, np.ascontiguousarray(kv[layer, 3:]))
+            assert xfer.poll() in (RoomState.BOOTSTRAPPING, RoomState.TRANSFERRING)
+        xfer.finish()
+        assert xfer.wait(10) == RoomState.SUCCESS
+        assert min(p for _, p, _ in writes) == 3
+        assert sum(c for _, _, c in writes) == layout.num_layers * 17
+        assert np.array_equal(got[:, 3:], kv[:, 3:])
+    finally:
+        tx.close()
+
+
+def test_backpressure_bounds_queued_bytes(receiver):
+    layout = KvLayout(8, 16, 64 * 1024)
+    tokens = 16 * 16  # 8 layers x 1 MiB
+    kv = kv_for(layout, tokens)
+    receiver.register_room(1, layout, tokens, np.zeros_like(kv))
+    with WanEmulator(receiver.address, rate_gbps=0.2) as emu:  # 25 MB/s
+        tx = make_sender(emu.address, num_streams=2, max_chunk_bytes=256 * 1024, window_bytes=1 << 20)
+        try:
+            seen = []
+            xfer = tx.begin_transfer(1, layout, tokens, 0)
+            for layer in range(layout.num_layers):
+                xfer.send_layer(layer, kv[layer])
+                seen.append(tx.stats()["queued_bytes"])
+            xfer.finish()
+            assert xfer.wait(20) == RoomState.SUCCESS
+            assert max(seen) <= 1 << 20
+        finally:
+            tx.close()
+
+
+# ----------------------------------------------------------------------------- security
+
+
+def test_wrong_key_refused_and_good_peer_still_served(receiver):
+    layout = KvLayout(1, 16, 1024)
+    receiver.register_room(3, layout, 32, bytearray(2048))
+    bad = make_sender(receiver.address, key=b"not-the-key-not-the-key-00000000", name="intruder")
+    try:
+        xfer = bad.begin_transfer(3, layout, 32, 0)
+        xfer.send_kv(bytearray(2048))
+        assert xfer.wait(5) == RoomState.FAILED
+        assert xfer.failure_reason == FailureReason.AUTH
+    finally:
+        bad.close()
+    assert receiver.poll(3) == RoomState.WAITING_FOR_INPUT  # nothing was written or bound
+
+    # A client that skips checking the server and answers with a wrong MAC is refused.
+    with socket.create_connection(receiver.address) as s:
+        send_frame(s, Hello("forger", os.urandom(16), 0, 1, os.urandom(32)))
+        assert isinstance(read_until(s, HelloChallenge), HelloChallenge)
+        send_frame(s, HelloAuth(os.urandom(32)))
+        err = read_until(s, Error)
+        assert (err.reason, err.detail) == (FailureReason.AUTH, "HMAC check failed")
+        assert_closed(s)
+    # A peer that knows nothing of the protocol is refused too.
+    with socket.create_connection(receiver.address) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)
+        assert_closed(s)
+    assert receiver.stats()["auth_failures"] >= 3
+
+    good = make_sender(receiver.address)
+    try:
+        data = bytearray(os.urandom(2048))
+        assert good.begin_transfer(3, layout, 32, 0).send_kv(data)
+        assert good.wait(3, 5) == RoomState.SUCCESS
+    finally:
+        good.close()
+
+
+def test_malformed_and_oversized_frames_do_not_crash_server(receiver):
+    for bad in (
+        PREFIX.pack(MAGIC, VERSION, MsgType.CHUNK, 0, 16, 2**40),  # oversized payload
+        PREFIX.pack(MAGIC, VERSION, MsgType.ACK, 0, 2**31, 0),  # oversized header
+        PREFIX.pack(b"XXXX", VERSION, MsgType.ACK, 0, 4, 0),  # garbage
+        PREFIX.pack(MAGIC, VERSION, MsgType.ACK, 0, 2, 0) + b"\xc1\xc1",  # bad msgpack
+    ):
+        with raw_client(receiver.address) as s:
+            s.sendall(bad)
+            err = read_until(s, Error)
+            assert err.reason == FailureReason.PROTOCOL
+            assert any(w in err.detail for w in ("exceeds limit", "bad magic", "msgpack")), err.detail
+            assert_closed(s)  # stream closed after the framing is lost
+    assert receiver.stats()["protocol_errors"] == 4
+    test_wrong_room_rejected(receiver)  # still serving
+
+
+def test_wrong_room_rejected(receiver):
+    layout = KvLayout(2, 16, 1024)
+    tx = make_sender(receiver.address)
+    try:
+        xfer = tx.begin_transfer(424242, layout, 64, 0)
+        xfer.send_kv(bytearray(2 * 4 * 1024))
+        assert xfer.wait(5) == RoomState.FAILED
+        assert xfer.failure_reason == FailureReason.UNKNOWN_ROOM
+        assert "not registered" in xfer.failure_detail
+    finally:
+        tx.close()
+    assert receiver.stats()["unknown_room"] >= 1
+
+
+def test_layout_mismatch_rejected(receiver):
+    layout = KvLayout(2, 16, 1024)
+    dest = np.zeros((2, 4, 1024), np.uint8)
+    receiver.register_room(9, layout, 64, dest, decode_prefix_len=32)
+    tx = make_sender(receiver.address)
+    try:
+        xfer = tx.begin_transfer(9, layout, 64, 16)  # sender thinks MD holds less than it does
+        xfer.send_kv(np.ones_like(dest))
+        assert xfer.wait(5) == RoomState.FAILED and xfer.failure_reason == FailureReason.LAYOUT_MISMATCH
+        assert receiver.failure_reason(9) == FailureReason.LAYOUT_MISMATCH
+        assert not dest[:, :2].any()  # never writes below decode_prefix_len
+    finally:
+        tx.close()
+
+
+def _craft_room(rx, room, layout, tokens):
+    dest = np.zeros((layout.num_layers, tokens // layout.page_size, layout.bytes_per_page), np.uint8)
+    rx.register_room(room, layout, tokens, dest)
+    plan = TransferPlan.build(layout, tokens, 0, max_chunk_bytes=layout.bytes_per_page)
+    begin = TransferBegin(room, "", tokens, layout.page_size, 0, plan.end_page, layout.num_layers,
+                          layout.bytes_per_page, layout.dtype, plan.num_chunks, b"")
+    return dest, plan, begin
+
+
+def test_duplicate_chunk_rejected_not_double_written(receiver):
+    layout = KvLayout(1, 16, 1000)
+    dest, plan, begin = _craft_room(receiver, 77, layout, 32)
+    a, b = os.urandom(1000), os.urandom(1000)
+    with raw_client(receiver.address) as s:
+        send_frame(s, begin)
+        send_frame(s, Chunk(77, 0, 0, 1, 0, 1, checksum(a)), a)
+        send_frame(s, Chunk(77, 0, 0, 1, 0, 1, checksum(b)), b)  # same index, other bytes
+        err = read_until(s, Error)
+        assert err.reason == "duplicate" and err.room == 77
+        send_frame(s, Chunk(77, 1, 0, 1, 0, 1, checksum(b)), b)  # other index, same pages
+        assert read_until(s, Error).reason == "duplicate"
+        send_frame(s, Chunk(77, 1, 0, 1, 1, 1, checksum(b)), b)
+        send_frame(s, TransferEnd(77, 2, 2000))
+        assert read_until(s, Ack).room == 77
+    assert receiver.poll(77) == RoomState.SUCCESS
+    assert bytes(dest[0, 0]) == a and bytes(dest[0, 1]) == b
+    assert receiver.stats()["duplicate"] == 2
+
+
+def test_crafted_bad_checksum_fails_room(receiver):
+    layout = KvLayout(1, 16, 1000)
+    dest, plan, begin = _craft_room(receiver, 78, layout, 16)
+    data = os.urandom(1000)
+    with raw_client(receiver.address) as s:
+        send_frame(s, begin)
+        send_frame(s, Chunk(78, 0, 0, 1, 0, 1, checksum(data) ^ 1), data)
+        nack = read_until(s, Nack)
+        assert (nack.room, nack.reason) == (78, FailureReason.CHECKSUM)
+    assert receiver.poll(78) == RoomState.FAILED and receiver.failure_reason(78) == FailureReason.CHECKSUM
+
+
+def test_corrupted_chunk_on_the_wire_fails_both_sides(receiver):
+    layout = KvLayout(2, 16, 512 * 1024)
+    kv = kv_for(layout, 64)
+    receiver.register_room(21, layout, 64, np.zeros_like(kv))
+    with WanEmulator(receiver.address) as emu:
+        tx = make_sender(emu.address, num_streams=1, max_chunk_bytes=1 << 20)
+        try:
+            assert tx.connect()
+            emu.corrupt(count=1, after_bytes=100_000)  # lands inside the first chunk's payload
+            xfer = tx.begin_transfer(21, layout, 64, 0)
+            xfer.send_kv(kv)
+            assert xfer.wait(10) == RoomState.FAILED
+            assert xfer.failure_reason == FailureReason.CHECKSUM
+            assert receiver.failure_reason(21) == FailureReason.CHECKSUM
+        finally:
+            tx.close()
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def _slow_transfer(receiver, emu_kw, room, sender_kw=None):
+    layout = KvLayout(4, 16, 256 * 1024)
+    kv = kv_for(layout, 16 * 8)  # 8 MiB
+    receiver.register_room(room, layout, 16 * 8, np.zeros_like(kv))
+    emu = WanEmulator(receiver.address, **emu_kw).start()
+    tx = make_sender(emu.address, max_chunk_bytes=256 * 1024, **(sender_kw or {}))
+    xfer = tx.begin_transfer(room, layout, 16 * 8, 0)
+    threading.Thread(target=xfer.send_kv, args=(kv,), daemon=True).start()
+    deadline = time.monotonic() + 5
+    while receiver.poll(room) != RoomState.TRANSFERRING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return emu, tx, xfer
+
+
+def test_reset_fails_both_sides(receiver):
+    emu, tx, xfer = _slow_transfer(receiver, dict(rate_gbps=0.05), room=31)
+    try:
+        assert emu.reset() >= 1
+        assert xfer.wait(5) == RoomState.FAILED
+        assert xfer.failure_reason == FailureReason.CONNECTION_LOST
+        assert receiver.wait(31, 5) == RoomState.FAILED
+        assert receiver.failure_reason(31) == FailureReason.CONNECTION_LOST
+    finally:
+        tx.close()
+        emu.stop()
+
+
+def test_stall_past_idle_timeout_fails_both_sides(receiver):
+    receiver.idle_timeout = 0.6
+    emu, tx, xfer = _slow_transfer(receiver, dict(rate_gbps=0.1), room=32, sender_kw=dict(idle_timeout=0.6))
+    try:
+        emu.stall(30)
+        assert xfer.wait(10) == RoomState.FAILED
+        assert xfer.failure_reason == FailureReason.IDLE_TIMEOUT
+        assert receiver.wait(32, 10) == RoomState.FAILED
+        assert receiver.failure_reason(32) in (FailureReason.IDLE_TIMEOUT, FailureReason.CONNECTION_LOST)
+    finally:
+        tx.close()
+        emu.stop()
+
+
+def test_transfer_deadline(receiver):
+    layout = KvLayout(2, 16, 1024)
+    receiver.register_room(33, layout, 32, bytearray(4096), timeout=0.5)
+    tx = make_sender(receiver.address)
+    try:
+        xfer = tx.begin_transfer(33, layout, 32, 0, timeout=0.5)
+        xfer.send_layer(0, bytearray(2048))  # the producer never sends layer 1
+        assert xfer.wait(5) == RoomState.FAILED and xfer.failure_reason in (
+            FailureReason.TIMEOUT, FailureReason.ABORTED)
+        assert receiver.wait(33, 5) == RoomState.FAILED
+        assert receiver.failure_reason(33) in (FailureReason.TIMEOUT, FailureReason.ABORTED)
+    finally:
+        tx.close()
+
+
+def test_dropped_sender_and_restarted_sender(receiver):
+    layout = KvLayout(2, 16, 1024)
+    receiver.register_room(41, layout, 32, bytearray(4096))
+    receiver.register_room(42, layout, 32, bytearray(4096))
+    old = make_sender(receiver.address, name="prefill-0")
+    xfer = old.begin_transfer(41, layout, 32, 0)
+    xfer.send_layer(0, bytearray(2048))  # half done
+    deadline = time.monotonic() + 5
+    while receiver.poll(41) != RoomState.TRANSFERRING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The prefill process "restarts": a new sender with the same name, old sockets left open.
+    new = make_sender(receiver.address, name="prefill-0")
+    try:
+        ok = new.begin_transfer(42, layout, 32, 0)
+        ok.send_kv(bytearray(os.urandom(4096)))
+        assert ok.wait(5) == RoomState.SUCCESS
+        assert receiver.poll(41) == RoomState.FAILED
+        assert receiver.failure_reason(41) == FailureReason.PEER_RESTARTED
+        assert xfer.wait(5) == RoomState.FAILED  # the old sender sees its connection closed
+    finally:
+        old.close()
+        new.close()
+
+
+def test_restarted_receiver_accepts_new_transfer():
+    layout = KvLayout(2, 16, 1024)
+    rx = WanKvReceiver(KEY, idle_timeout=2)
+    port = rx.address[1]
+    rx.register_room(51, layout, 32, bytearray(4096))
+    tx = make_sender(rx.address)
+    try:
+        xfer = tx.begin_transfer(51, layout, 32, 0)
+        xfer.send_layer(0, bytearray(2048))
+        time.sleep(0.2)
+        rx.close()  # the MD process dies mid-transfer
+        assert xfer.wait(5) == RoomState.FAILED
+        assert xfer.failure_reason == FailureReason.CONNECTION_LOST
+        rx = WanKvReceiver(KEY, port=port)  # ...and comes back on the same port
+        dest = bytearray(4096)
+        rx.register_room(52, layout, 32, dest)
+        data = os.urandom(4096)
+        xfer2 = tx.begin_transfer(52, layout, 32, 0)
+        xfer2.send_kv(data)
+        assert xfer2.wait(5) == RoomState.SUCCESS and bytes(dest) == data
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_receiver_abort_reaches_sender(receiver):
+    layout = KvLayout(2, 16, 1024)
+    receiver.register_room(61, layout, 32, bytearray(4096))
+    tx = make_sender(receiver.address)
+    try:
+        xfer = tx.begin_transfer(61, layout, 32, 0)
+        xfer.send_layer(0, bytearray(2048))
+        deadline = time.monotonic() + 5
+        while receiver.poll(61) != RoomState.TRANSFERRING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        receiver.release_room(61)  # e.g. RLD already finished the request
+        assert xfer.wait(5) == RoomState.FAILED and xfer.failure_reason == FailureReason.ABORTED
+        assert not xfer.send_layer(1, bytearray(2048))  # the producer learns it can stop
+    finally:
+        tx.close()
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_thread_or_socket_leaks():
+    layout = KvLayout(2, 16, 4096)
+    threads0, fds0 = threading.active_count(), _fds()
+    for _ in range(2):
+        rx = WanKvReceiver(KEY)
+        tx = make_sender(rx.address, num_streams=4)
+        for room in range(3):
+            rx.register_room(room, layout, 64, bytearray(2 * 4 * 4096))
+            tx.begin_transfer(room, layout, 64, 0).send_kv(bytearray(2 * 4 * 4096))
+            assert tx.wait(room, 5) == RoomState.SUCCESS
+        tx.close()
+        rx.close()
+    deadline = time.monotonic() + 5
+    while (threading.active_count() > threads0 or _fds() > fds0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == threads0, [t.name for t in threading.enumerate()]
+    assert _fds() <= fds0
