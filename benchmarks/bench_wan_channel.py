@@ -1,0 +1,272 @@
+"""Benchmark of the WAN KV channel (not a timed test).
+
+1. Emulated WAN: move one request's KV (several sizes) through ``WanEmulator`` at several
+   link rates, with latency and jitter; report achieved throughput as a fraction of the
+   configured link rate (goal >= 0.9). Time runs from ``begin_transfer`` to the
+   receiver's ACK, so it includes the fixed cost of one-way latency + the ACK's return.
+2. Loopback, same run: the channel vs. a plain ``socket.sendall`` of the same bytes
+   (one TCP connection, receiver ``recv_into`` a preallocated buffer), and Mooncake
+   TransferEngine in TCP mode (``transfer_sync_write`` between two engines) if
+   ``mooncake.engine`` is importable.
+
+    PYTHONPATH=. python benchmarks/bench_wan_channel.py            # full run (~1-2 min)
+    PYTHONPATH=. python benchmarks/bench_wan_channel.py --quick    # smaller sizes
+
+Prints a table and writes ``results.json`` and ``bench_wan.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from sglang_pdd.kv_channel.layout import KvLayout  # noqa: E402
+from sglang_pdd.kv_channel.states import RoomState  # noqa: E402
+from sglang_pdd.kv_channel.wan_emulator import WanEmulator  # noqa: E402
+from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver  # noqa: E402
+from sglang_pdd.kv_channel.wan_sender import WanKvSender  # noqa: E402
+
+KEY = b"bench-shared-key-0123456789abcdef"
+MB = 1 << 20
+PAGE_BYTES = 64 * 1024  # one page of one layer (e.g. 16 tokens x 8 kv heads x 128 x bf16 x K+V)
+
+
+def make_kv(size_bytes: int, num_layers: int = 32):
+    pages = max(1, size_bytes // (num_layers * PAGE_BYTES))
+    layout = KvLayout(num_layers, 16, PAGE_BYTES, "bfloat16")
+    kv = np.random.default_rng(0).integers(0, 256, (num_layers, pages, PAGE_BYTES), dtype=np.uint8)
+    return layout, kv, pages * 16
+
+
+class Channel:
+    """One receiver (+ optional emulator) and one sender, reused across transfers."""
+
+    def __init__(self, streams: int, emu_kw: dict | None):
+        self.rx = WanKvReceiver(KEY, name="bench-md", idle_timeout=30)
+        self.emu = WanEmulator(self.rx.address, **emu_kw).start() if emu_kw is not None else None
+        target = self.emu.address if self.emu else self.rx.address
+        self.tx = WanKvSender(target, KEY, name="bench-p", num_streams=streams, idle_timeout=30,
+                              transfer_timeout=600)
+        assert self.tx.connect(10), "could not connect"
+        self.room = 0
+
+    def transfer(self, layout, kv, num_tokens, dest) -> tuple[float, int]:
+        self.room += 1
+        self.rx.register_room(self.room, layout, num_tokens, dest)
+        wire0 = self.emu.stats()["bytes_up"] if self.emu else 0
+        t0 = time.perf_counter()
+        xfer = self.tx.begin_transfer(self.room, layout, num_tokens, 0)
+        xfer.send_kv(kv)
+        state = xfer.wait(600)
+        elapsed = time.perf_counter() - t0
+        if state != RoomState.SUCCESS:
+            raise RuntimeError(f"transfer failed: {xfer.failure_reason} {xfer.failure_detail}")
+        wire = (self.emu.stats()["bytes_up"] - wire0) if self.emu else xfer.plan.total_bytes
+        self.rx.release_room(self.room)
+        self.tx.release(self.room)
+        return elapsed, wire
+
+    def close(self):
+        self.tx.close()
+        if self.emu:
+            self.emu.stop()
+        self.rx.close()
+
+
+def plain_sendall(data: np.ndarray, dest: np.ndarray) -> float:
+    """Baseline: one TCP connection, sendall / recv_into, same bytes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    view = memoryview(dest).cast("B")
+    done = threading.Event()
+
+    def recv():
+        conn, _ = server.accept()
+        with conn:
+            got = 0
+            while got < len(view):
+                got += conn.recv_into(view[got:]) or 0
+        done.set()
+
+    threading.Thread(target=recv, daemon=True).start()
+    with socket.create_connection(server.getsockname()[:2]) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        s.sendall(memoryview(data).cast("B"))
+        done.wait()
+        elapsed = time.perf_counter() - t0
+    server.close()
+    return elapsed
+
+
+class Mooncake:
+    """Two Mooncake TransferEngines (TCP protocol, P2P handshake) in this process."""
+
+    def __init__(self, nbytes: int):
+        from mooncake.engine import TransferEngine
+
+        self.a, self.b = TransferEngine(), TransferEngine()
+        for eng in (self.a, self.b):
+            if eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise RuntimeError("mooncake initialize failed")
+        self.src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, np.uint8)
+        assert self.a.register_memory(self.src.ctypes.data, nbytes) == 0
+        assert self.b.register_memory(self.dst.ctypes.data, nbytes) == 0
+        self.target = f"127.0.0.1:{self.b.get_rpc_port()}"
+        self.write(1 << 20)  # warm-up: opens the segment (handshake) outside the timing
+
+    def write(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        rc = self.a.transfer_sync_write(self.target, self.src.ctypes.data, self.dst.ctypes.data, nbytes)
+        elapsed = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"mooncake transfer_sync_write returned {rc}")
+        return elapsed
+
+
+def gbps(nbytes, seconds):
+    return nbytes * 8 / seconds / 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates-gbps", default="0.1,0.5,1,2", help="emulated link rates")
+    ap.add_argument("--sizes-mb", default="16,64,256", help="KV bytes per request")
+    ap.add_argument("--loopback-sizes-mb", default="64,256")
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="one-way")
+    ap.add_argument("--jitter-ms", type=float, default=1.0)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="loopback repeats (median reported)")
+    ap.add_argument("--max-case-seconds", type=float, default=12.0, help="skip cases expected to take longer")
+    ap.add_argument("--quick", action="store_true", help="sizes 16,64 MB, rates 0.1,0.5,1")
+    ap.add_argument("--out", default="artifacts/bench_wan")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.quick:
+        args.rates_gbps, args.sizes_mb, args.loopback_sizes_mb = "0.1,0.5,1", "16,64", "64"
+    rates = [float(r) for r in args.rates_gbps.split(",")]
+    sizes = [int(s) * MB for s in args.sizes_mb.split(",")]
+    lsizes = [int(s) * MB for s in args.loopback_sizes_mb.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+
+    wan_rows, loop_rows = [], []
+    cases = [(r, s) for r in rates for s in sizes if s * 8 / (r * 1e9) <= args.max_case_seconds]
+    skipped = [(r, s) for r in rates for s in sizes if (r, s) not in cases]
+
+    # ---- 1. emulated WAN
+    bar = tqdm(total=len(cases) + len(lsizes), desc="bench", unit="case")
+    for rate in rates:
+        rate_cases = [s for r, s in cases if r == rate]
+        if not rate_cases:
+            continue
+        ch = Channel(args.streams, dict(rate_gbps=rate, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms))
+        try:
+            for size in rate_cases:
+                layout, kv, ntok = make_kv(size)
+                dest = np.zeros_like(kv)
+                secs, wire = ch.transfer(layout, kv, ntok, dest)
+                assert np.array_equal(dest, kv)
+                g = gbps(kv.nbytes, secs)
+                wan_rows.append(dict(rate_gbps=rate, kv_bytes=kv.nbytes, wire_bytes=wire, seconds=secs,
+                                     gbps=g, fraction=g / rate))
+                bar.update()
+        finally:
+            ch.close()
+
+    # ---- 2. loopback: channel vs plain sendall vs mooncake
+    try:
+        mooncake = Mooncake(max(lsizes))
+        mooncake_note = "mooncake TransferEngine (tcp)"
+    except ImportError:
+        mooncake, mooncake_note = None, "mooncake not installed, skipped"
+    except Exception as e:  # noqa: BLE001
+        mooncake, mooncake_note = None, f"mooncake unavailable ({e!r}), skipped"
+    ch = Channel(args.streams, None)
+    try:
+        for size in lsizes:
+            layout, kv, ntok = make_kv(size)
+            dest = np.zeros_like(kv)
+            ch.transfer(layout, kv, ntok, dest)  # warm-up (page faults in dest)
+            # Median of --repeats, interleaved, so a noisy neighbour hits all three alike.
+            secs_ch, secs_plain, secs_mc = [], [], []
+            for _ in range(args.repeats):
+                secs_ch.append(ch.transfer(layout, kv, ntok, dest)[0])
+                secs_plain.append(plain_sendall(kv, dest))
+                if mooncake is not None:
+                    secs_mc.append(mooncake.write(kv.nbytes))
+            secs_ch, secs_plain = float(np.median(secs_ch)), float(np.median(secs_plain))
+            row = dict(kv_bytes=kv.nbytes, channel_s=secs_ch, channel_gbps=gbps(kv.nbytes, secs_ch),
+                       sendall_s=secs_plain, sendall_gbps=gbps(kv.nbytes, secs_plain))
+            row["channel_vs_sendall"] = row["channel_gbps"] / row["sendall_gbps"]
+            if mooncake is not None:
+                secs_mc = float(np.median(secs_mc))
+                row.update(mooncake_s=secs_mc, mooncake_gbps=gbps(kv.nbytes, secs_mc))
+            loop_rows.append(row)
+            bar.update()
+    finally:
+        ch.close()
+        bar.close()
+
+    # ---- report
+    print(f"\nEmulated WAN: latency {args.latency_ms} ms one-way, jitter {args.jitter_ms} ms, "
+          f"{args.streams} streams, 32 layers x 64 KiB pages")
+    print(f"{'link Gbps':>9} {'KV MiB':>7} {'wire bytes':>12} {'seconds':>8} {'Gbps':>7} {'frac':>6}")
+    for r in wan_rows:
+        print(f"{r['rate_gbps']:>9g} {r['kv_bytes'] / MB:>7.0f} {r['wire_bytes']:>12d} {r['seconds']:>8.3f} "
+              f"{r['gbps']:>7.3f} {r['fraction']:>6.3f}")
+    for r, s in skipped:
+        print(f"{r:>9g} {s / MB:>7.0f}  skipped (> {args.max_case_seconds:g} s expected)")
+    print(f"\nLoopback, same run ({mooncake_note}):")
+    print(f"{'KV MiB':>7} {'channel Gbps':>12} {'sendall Gbps':>12} {'ratio':>6} {'mooncake Gbps':>13}")
+    for r in loop_rows:
+        mc = f"{r['mooncake_gbps']:>13.3f}" if "mooncake_gbps" in r else f"{'skipped':>13}"
+        print(f"{r['kv_bytes'] / MB:>7.0f} {r['channel_gbps']:>12.3f} {r['sendall_gbps']:>12.3f} "
+              f"{r['channel_vs_sendall']:>6.2f} {mc}")
+
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(dict(args=vars(args), wan=wan_rows, loopback=loop_rows, mooncake=mooncake_note), f, indent=1)
+    plot(wan_rows, loop_rows, os.path.join(args.out, "bench_wan.png"))
+    print(f"\nwrote {args.out}/results.json and {args.out}/bench_wan.png")
+    return 0
+
+
+def plot(wan_rows, loop_rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for size in sorted({r["kv_bytes"] for r in wan_rows}):
+        rows = [r for r in wan_rows if r["kv_bytes"] == size]
+        ax1.plot([r["rate_gbps"] for r in rows], [r["fraction"] for r in rows], "o-", label=f"{size / MB:.0f} MiB")
+    ax1.axhline(0.9, color="gray", ls="--", lw=1, label="goal 0.9")
+    ax1.set(xscale="log", xlabel="emulated link rate (Gbps)", ylabel="achieved / link rate", ylim=(0, 1.05),
+            title="WAN channel over the emulated link")
+    ax1.legend(fontsize=8)
+    labels = [f"{r['kv_bytes'] / MB:.0f} MiB" for r in loop_rows]
+    x = np.arange(len(loop_rows))
+    series = [("sendall", "sendall_gbps"), ("WAN channel", "channel_gbps"), ("Mooncake TCP", "mooncake_gbps")]
+    series = [(n, k) for n, k in series if all(k in r for r in loop_rows)]
+    w = 0.8 / max(1, len(series))
+    for i, (name, key) in enumerate(series):
+        ax2.bar(x + i * w, [r[key] for r in loop_rows], w, label=name)
+    ax2.set(xticks=x + w * (len(series) - 1) / 2, xticklabels=labels, ylabel="Gbps", title="loopback")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
