@@ -456,3 +456,13 @@ def test_no_thread_or_socket_leaks():
         time.sleep(0.05)
     assert threading.active_count() == threads0, [t.name for t in threading.enumerate()]
     assert _fds() <= fds0
+
+
+def test_intra_dc_fallback_choice(monkeypatch):
+    from sglang_pdd.kv_channel import fallback
+
+    monkeypatch.setattr(fallback, "mooncake_available", lambda: False)
+    assert fallback.intra_dc_transport() == "tcp"
+    monkeypatch.setattr(fallback, "mooncake_available", lambda: True)
+    assert fallback.intra_dc_transport() == "mooncake"
+    assert fallback.intra_dc_transport("tcp") == "tcp"
