@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from sglang_pdd.launcher.cluster import LocalCluster
+from sglang_pdd.launcher.http import post_json
 
 DEMO_PROMPTS = [
     "def fibonacci(n):",
@@ -21,13 +20,6 @@ DEMO_PROMPTS = [
     "import collections\n\nclass Counter:",
     "The quick brown fox",
 ]
-
-
-def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 def main(argv=None) -> int:

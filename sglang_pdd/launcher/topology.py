@@ -26,7 +26,10 @@ CPU_ENV = {
 
 CPU_SERVER_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-    "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.05",
+    "--skip-server-warmup", "--tp", "1",
+    # On CPU the pool is sized from free system memory; a fixed token budget keeps it stable
+    # when several servers share the machine.
+    "--mem-fraction-static", "0.3", "--max-total-tokens", "65536",
     "--max-running-requests", "16", "--page-size", "1",
 ]
 

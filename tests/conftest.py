@@ -1,0 +1,51 @@
+"""Shared fixtures. Real-server fixtures are session-scoped: SGLang takes ~30 s to start on CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _require_sglang():
+    try:
+        import sglang  # noqa: F401
+        from sglang_pdd.launcher.cluster import default_model_path
+
+        return default_model_path()
+    except (ImportError, FileNotFoundError) as e:
+        if os.environ.get("CI"):
+            raise  # CI must run the end-to-end tests, never skip them
+        pytest.skip(f"real SGLang not set up here ({e}); run scripts/setup.sh")
+
+
+@pytest.fixture(scope="session")
+def run_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pdd-runs")
+
+
+@pytest.fixture(scope="session")
+def single_server(run_root):
+    """A plain SGLang server (no PD): the reference for greedy output_ids."""
+    model = _require_sglang()
+    from sglang_pdd.launcher.processes import ProcessGroup
+    from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv
+
+    spec = ServerSpec("single", None, free_port())
+    with ProcessGroup(run_root / "single-logs") as procs:
+        procs.start("single", server_argv(spec, model), health_url=f"{spec.url}/health", env=CPU_ENV)
+        procs.wait_healthy(timeout_s=600)
+        yield spec.url
+
+
+@pytest.fixture(scope="session")
+def pdd_cluster(run_root):
+    """P + RLD + MD + router as real processes."""
+    _require_sglang()
+    from sglang_pdd.launcher.cluster import LocalCluster
+
+    with LocalCluster(run_root / "cluster") as cluster:
+        yield cluster
