@@ -38,6 +38,7 @@ import collections
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 import zlib
@@ -326,6 +327,9 @@ class WanKvReceiver:
                 logger.warning("refused peer %s: authentication failed: %s", conn.peer, e)
                 return
             conn.sock.settimeout(None)
+            # Replies (ACK/NACK) are sent under the receiver's lock: a peer that stops
+            # reading must not block it, so kernel-level sends give up after 2 s.
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
             self._join_session(conn, hello)
             logger.info("peer %r (%s) authenticated, session %s stream %d",
                         hello.peer_name, conn.peer, conn.session.tag, hello.stream_index)
