@@ -466,3 +466,31 @@ def test_intra_dc_fallback_choice(monkeypatch):
     monkeypatch.setattr(fallback, "mooncake_available", lambda: True)
     assert fallback.intra_dc_transport() == "mooncake"
     assert fallback.intra_dc_transport("tcp") == "tcp"
+
+
+def test_tls_optional(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl CLI not available to make a test certificate")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
+                    "-out", str(cert)], check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    rx = WanKvReceiver(KEY, ssl_context=server_ctx)
+    tx = make_sender(rx.address, ssl_context=client_ctx)
+    try:
+        layout = KvLayout(2, 16, 4096)
+        dest = bytearray(2 * 2 * 4096)
+        data = os.urandom(len(dest))
+        rx.register_room(1, layout, 32, dest)
+        tx.begin_transfer(1, layout, 32, 0).send_kv(data)
+        assert tx.wait(1, 10) == RoomState.SUCCESS and bytes(dest) == data
+    finally:
+        tx.close()
+        rx.close()
