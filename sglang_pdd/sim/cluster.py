@@ -1,0 +1,307 @@
+"""The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
+
+Request lifecycle (PDD):
+  arrive -> router picks P (prefix affinity), MD (DRC affinity) and a path with
+  `router.policy.choose_path` -> chunked prefill on P ->
+    P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
+    P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
+                to MD; when it lands RLD hands its tokens over (`handoff.policy`: one-shot or
+                catch-up rounds), MD extends them and decodes the rest. A request that ends
+                on RLD first cancels its WAN transfer;
+    P_RLD_ONLY: outliers decode entirely on RLD, nothing crosses the WAN.
+Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
+type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
+
+Omitted on purpose (see docs/sim.md): MD extend passes do not slow MD's other sequences;
+MD memory is not reserved during catch-up; decode context grows only at admission.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, choose_mode, next_catch_up_batch
+from sglang_pdd.router.placement import InstanceLoad, PrefixOwnerIndex, pick_instance
+from sglang_pdd.router.policy import Path, PathPolicyConfig, RequestFacts, choose_path
+from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
+
+from .cache import BlockCache
+from .engine import EventLoop
+from .hardware import CHIP_A, CHIP_B, RDMA_DEFAULT, WAN_DEFAULT, HardwareProfile, LinkProfile
+from .metrics import RequestLog, Sla, Summary, TimeAverage, summarise
+from .servers import DecodeInstance, PrefillInstance, SharedLink
+
+PATH_CODES = (Path.P_MD, Path.P_RLD_MD, Path.P_RLD_ONLY)
+PATH_NAMES = tuple(p.value for p in PATH_CODES)
+TOKEN_ID_BYTES = 15  # what a handed-over token costs on the wire (id + framing)
+
+
+@dataclass(frozen=True)
+class ScenarioConfig:
+    name: str
+    kind: str  # "pd" | "naive" | "pdd"
+    n_prefill: int
+    n_md: int  # decode instances (the D of "pd")
+    n_rld: int = 0
+    prefill_hw: HardwareProfile = CHIP_A
+    rld_hw: HardwareProfile = CHIP_A
+    md_hw: HardwareProfile = CHIP_B
+    wan: LinkProfile = WAN_DEFAULT
+    rdma: LinkProfile = RDMA_DEFAULT
+    drc: bool = True
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    router: Optional[PathPolicyConfig] = None  # None: derived from wan, prefill_hw and the SLA
+    affinity_excess: float = 0.25
+    # The outlier filter needs an output estimate; the trace's true length stands in for a
+    # client's max_tokens or a predictor. False = unknown (filter never fires).
+    expected_output_from_trace: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("pd", "naive", "pdd"):
+            raise ValueError(f"unknown scenario kind {self.kind!r}")
+        if self.n_prefill < 1 or self.n_md < 1 or self.n_rld < 0:
+            raise ValueError("need >= 1 prefill and >= 1 decode instance")
+        if self.kind != "pdd" and self.n_rld:
+            raise ValueError("only pdd uses relay decode")
+
+    @property
+    def md_remote(self) -> bool:
+        return self.kind != "pd"
+
+    @property
+    def cost_per_hour(self) -> float:
+        return (self.n_prefill * self.prefill_hw.price_per_hour + self.n_rld * self.rld_hw.price_per_hour
+                + self.n_md * self.md_hw.price_per_hour)
+
+    def router_config(self, sla: Sla) -> PathPolicyConfig:
+        if self.router is not None:
+            return self.router
+        return PathPolicyConfig(
+            wan_gbps=self.wan.gbps, wan_rtt_ms=2e3 * self.wan.one_way_latency_s,
+            kv_bytes_per_token=self.prefill_hw.kv_bytes_per_token, ttft_slo_ms=1e3 * sla.ttft_s,
+            page_size=BLOCK_TOKENS)
+
+
+class SimRequest:
+    __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
+                 "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in")
+
+    def __init__(self, tr: TraceRequest, arrival: float) -> None:
+        self.tr = tr
+        self.arrival = arrival
+        self.t_first = None
+        self.t_done = None
+        self.handed = 0  # tokens RLD has handed to MD
+        self.round = 0
+        self.mode = None
+        self.done = False
+
+
+class Simulation:
+    def __init__(self, cfg: ScenarioConfig, sla: Sla = Sla()) -> None:
+        self.cfg, self.sla = cfg, sla
+        self.loop = EventLoop()
+        self.rng = random.Random(cfg.seed)
+        self.route_cfg = cfg.router_config(sla)
+        self.prefill = [PrefillInstance(self.loop, cfg.prefill_hw, self._prefill_done) for _ in range(cfg.n_prefill)]
+        self.p_cache = [BlockCache(cfg.prefill_hw.cache_capacity_tokens) for _ in range(cfg.n_prefill)]
+        self.md = [DecodeInstance(self.loop, cfg.md_hw, self._md_start, self._md_done) for _ in range(cfg.n_md)]
+        self.md_cache = [BlockCache(cfg.md_hw.cache_capacity_tokens if cfg.drc else 0) for _ in range(cfg.n_md)]
+        self.rld = [DecodeInstance(self.loop, cfg.rld_hw, self._rld_start, self._rld_done) for _ in range(cfg.n_rld)]
+        self.p_index = PrefixOwnerIndex(max(1, cfg.n_prefill * self.p_cache[0].capacity_blocks))
+        self.md_index = PrefixOwnerIndex(max(1, cfg.n_md * max(1, self.md_cache[0].capacity_blocks)))
+        kv_link = cfg.wan if cfg.md_remote else cfg.rdma
+        self.kv_link = SharedLink(self.loop, kv_link, self.rng, self._md_kv_landed)
+        self.md_stream_latency = cfg.wan.one_way_latency_s if cfg.md_remote else 0.0
+        self.last_mode: Optional[HandoffMode] = None
+        self.log = RequestLog()
+        self.in_system = TimeAverage()
+        self.in_prefill = TimeAverage()
+        self.prefill_sojourn_sum = 0.0
+        self.sojourn_sum = 0.0
+        self.arrived = 0
+        self.finished = 0
+        self.token_id_bytes = 0
+        self.md_hit_tokens = 0
+        self.md_input_tokens = 0
+        self._trace = None
+        self._t0 = None
+
+    # ---- driving -------------------------------------------------------------------
+    def run(self, requests: Iterable[TraceRequest]) -> Summary:
+        self._trace = iter(requests)
+        self._schedule_next_arrival()
+        self.loop.run_until()
+        return self.summary()
+
+    def _schedule_next_arrival(self) -> None:
+        tr = next(self._trace, None)
+        if tr is None:
+            return
+        if self._t0 is None:
+            self._t0 = tr.timestamp_ms
+        self.loop.at((tr.timestamp_ms - self._t0) / 1e3, self._arrive, tr)
+
+    def summary(self) -> Summary:
+        c = self.cfg
+        wan_bytes = self.kv_link.bytes_sent + self.token_id_bytes if c.md_remote else self.token_id_bytes
+        return summarise(
+            c.name, self.log, self.sla, c.cost_per_hour, wan_bytes, c.wan.bytes_per_s,
+            c.wan.price_per_hour, c.wan.price_per_gb, PATH_NAMES,
+            mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0)
+
+    # ---- routing -------------------------------------------------------------------
+    def _arrive(self, now: float, tr: TraceRequest) -> None:
+        self._schedule_next_arrival()
+        c = self.cfg
+        r = SimRequest(tr, now)
+        self.arrived += 1
+        self.in_system.change(now, +1)
+        full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+
+        slo = self.sla.ttft_s
+        p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
+        r.p = pick_instance(p_loads, self.p_index.owner_of_prefix(full), c.affinity_excess)
+        # At least one token is always computed (it produces the first output token).
+        r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
+
+        md_loads = [InstanceLoad(i, m.load()) for i, m in enumerate(self.md)]
+        md_affinity = self.md_index.owner_of_prefix(full) if c.drc else None
+        r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
+        r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
+
+        if c.kind == "pdd":
+            kvb = c.prefill_hw.kv_bytes_per_token
+            own = (tr.input_length - r.md_cached) * kvb
+            facts = RequestFacts(
+                input_tokens=tr.input_length, md_cached_tokens=r.md_cached, p_cached_tokens=r.p_cached,
+                expected_output_tokens=tr.output_length if c.expected_output_from_trace else None,
+                wan_competing_bytes=int(self.kv_link.competing_bytes(now, own)))
+            r.path = choose_path(facts, self.route_cfg).path
+            if not self.rld:
+                r.path = Path.P_MD
+        else:
+            r.path = Path.P_MD
+        if r.path is not Path.P_MD:
+            rld_loads = [InstanceLoad(i, d.load()) for i, d in enumerate(self.rld)]
+            r.rld = pick_instance(rld_loads)
+        if r.path is not Path.P_RLD_ONLY:
+            self.md_hit_tokens += r.md_cached
+            self.md_input_tokens += tr.input_length
+        r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
+        self.in_prefill.change(now, +1)
+        r.t_prefill_in = now
+        self.prefill[r.p].submit(now, r, tr.input_length - r.p_cached, r.p_cached)
+
+    # ---- prefill and transfers ------------------------------------------------------------
+    def _prefill_done(self, now: float, r: SimRequest) -> None:
+        c, tr = self.cfg, r.tr
+        self.in_prefill.change(now, -1)
+        self.prefill_sojourn_sum += now - r.t_prefill_in
+        full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+        self.p_cache[r.p].insert(full)
+        self.p_index.record(full, r.p)
+        if r.path is not Path.P_RLD_ONLY:
+            self.kv_link.send(now, r, r.kv_bytes)
+        if r.path is not Path.P_MD:
+            rd = c.rdma
+            dt = rd.one_way_latency_s + rd.serialisation_s(tr.input_length * c.prefill_hw.kv_bytes_per_token)
+            self.loop.after(dt, self._rld_kv_landed, r)
+
+    def _rld_kv_landed(self, now: float, r: SimRequest) -> None:
+        if r.done or r.round < 0:  # MD already took it whole
+            return
+        self.rld[r.rld].submit(now, r, r.tr.output_length - 1, r.tr.input_length)
+
+    def _md_kv_landed(self, now: float, r: SimRequest) -> None:
+        c, tr = self.cfg, r.tr
+        if c.drc:
+            full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+            self.md_cache[r.md].insert(full)
+            self.md_index.record(full, r.md)
+        if r.done:
+            return
+        if r.path is Path.P_MD:
+            self.md[r.md].submit(now, r, tr.output_length - 1, tr.input_length)
+            return
+        rld = self.rld[r.rld]
+        if not rld.is_running(r):
+            # RLD has not started it (queued, or its KV still on the way): MD takes it whole.
+            rld.cancel_waiting(r)
+            r.round = -1  # RLD bypassed: a late RDMA arrival must not start it
+            self.md[r.md].submit(now, r, tr.output_length - 1, tr.input_length)
+            return
+        r.mode = choose_mode(rld.utilisation(), c.handoff, self.last_mode)
+        self.last_mode = r.mode
+        self._handoff_round(now, r)
+
+    # ---- handoff -------------------------------------------------------------------
+    def _handoff_round(self, now: float, r: SimRequest) -> None:
+        rld = self.rld[r.rld]
+        if r.done or not rld.is_running(r):
+            return
+        generated = 1 + rld.tokens_done(now, r)  # RLD delivered P's first token too
+        backlog = generated - r.handed
+        if r.mode is HandoffMode.ONE_SHOT:
+            step = CatchUpStep(backlog, True)
+        else:
+            step = next_catch_up_batch(backlog, r.round, self.cfg.handoff)
+        r.round += 1
+        extend_s = self.cfg.md_hw.prefill_time_s(step.tokens, r.tr.input_length + r.handed)
+        r.handed += step.tokens
+        self.token_id_bytes += step.tokens * TOKEN_ID_BYTES
+        if step.final:
+            decoded_on_rld = rld.stop(now, r)
+            assert 1 + decoded_on_rld == r.handed, (decoded_on_rld, r.handed)
+            self.loop.after(self.cfg.wan.one_way_latency_s + extend_s, self._md_take_over, r)
+        else:
+            self.loop.after(extend_s, self._handoff_round, r)
+
+    def _md_take_over(self, now: float, r: SimRequest) -> None:
+        tr = r.tr
+        self.md[r.md].submit(now, r, tr.output_length - r.handed, tr.input_length + r.handed)
+
+    # ---- decode ----------------------------------------------------------------------
+    def _rld_start(self, now: float, r: SimRequest) -> None:
+        if r.t_first is None:
+            r.t_first = now
+
+    def _md_start(self, now: float, r: SimRequest) -> None:
+        if r.t_first is None:
+            r.t_first = now + self.md_stream_latency
+
+    def _rld_done(self, now: float, r: SimRequest) -> None:
+        if r.path is Path.P_RLD_MD:
+            self.kv_link.cancel(now, r)  # the WAN transfer is no longer needed
+        self._finish(now, r, rld_tokens=r.tr.output_length)
+
+    def _md_done(self, now: float, r: SimRequest) -> None:
+        rld_tokens = r.handed if r.handed > 0 else 0
+        self._finish(now + self.md_stream_latency, r, rld_tokens)
+
+    def _finish(self, t_done: float, r: SimRequest, rld_tokens: int) -> None:
+        assert not r.done, "request finished twice"
+        r.done = True
+        r.t_done = t_done
+        self.finished += 1
+        self.in_system.change(self.loop.now, -1)
+        self.sojourn_sum += self.loop.now - r.arrival
+        out = r.tr.output_length
+        log = self.log
+        log.arrival.append(r.arrival)
+        log.ttft.append(r.t_first - r.arrival)
+        log.tpot.append((t_done - r.t_first) / (out - 1) if out > 1 else float("nan"))
+        log.e2e.append(t_done - r.arrival)
+        log.output.append(out)
+        log.rld_tokens.append(rld_tokens)
+        log.path.append(PATH_CODES.index(r.path))
+
+
+def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla()) -> Summary:
+    return Simulation(cfg, sla).run(requests)
+
+
+__all__ = ["ScenarioConfig", "Simulation", "run_scenario", "PATH_NAMES"]

@@ -1,0 +1,37 @@
+"""A minimal discrete-event loop: a heap of (time, seq, callback, arg)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any, Callable
+
+
+class EventLoop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()  # FIFO among equal times -> deterministic runs
+        self.events_run = 0
+
+    def at(self, t: float, fn: Callable[[float, Any], None], arg: Any = None) -> None:
+        if t < self.now:
+            t = self.now
+        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
+
+    def after(self, dt: float, fn: Callable[[float, Any], None], arg: Any = None) -> None:
+        self.at(self.now + dt, fn, arg)
+
+    def pending(self) -> int:
+        return len(self._heap)
+
+    def peek_time(self) -> float:
+        return self._heap[0][0] if self._heap else float("inf")
+
+    def run_until(self, t_stop: float = float("inf")) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= t_stop:
+            t, _, fn, arg = heapq.heappop(heap)
+            self.now = t
+            self.events_run += 1
+            fn(t, arg)

@@ -1,0 +1,113 @@
+"""Per-request records and the run summary: latency percentiles, SLA goodput, WAN use,
+RLD share, cost and BCR (SLA-good requests per dollar of hardware)."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Dict
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sla:
+    ttft_s: float = 2.0
+    tpot_s: float = 0.06
+
+
+class TimeAverage:
+    """Time-integral of a piecewise-constant count (for Little's law checks)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.area = 0.0
+        self._t = None
+
+    def change(self, now: float, delta: int) -> None:
+        if self._t is not None:
+            self.area += self.value * (now - self._t)
+        self._t = now
+        self.value += delta
+
+
+class RequestLog:
+    """Compact columns of finished requests (memory ~60 B per request)."""
+
+    def __init__(self) -> None:
+        self.arrival = array("d")
+        self.ttft = array("d")
+        self.tpot = array("d")  # NaN for single-token outputs
+        self.e2e = array("d")
+        self.output = array("l")
+        self.rld_tokens = array("l")
+        self.path = array("b")  # index into PATH_CODES
+
+    def __len__(self) -> int:
+        return len(self.ttft)
+
+
+@dataclass
+class Summary:
+    scenario: str
+    requests: int
+    duration_s: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p90: float
+    tpot_p99: float
+    sla_attainment: float
+    goodput_rps: float  # SLA-meeting requests per second
+    throughput_tok_s: float  # all output tokens per second
+    wan_gb: float
+    wan_util: float
+    rld_token_share: float
+    cost_per_hour: float  # hardware $/h
+    wan_cost: float  # $ for the run (leased capacity + egress)
+    bcr: float  # SLA-meeting requests per $ of hardware
+    paths: Dict[str, int] = field(default_factory=dict)
+    mean_md_hit: float = 0.0  # token-weighted prefix hit on MD (DRC), where MD exists
+
+
+def percentile(a: np.ndarray, q: float) -> float:
+    a = a[~np.isnan(a)]
+    return float(np.percentile(a, q)) if a.size else float("nan")
+
+
+def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_bytes: float,
+              wan_bytes_per_s: float, wan_price_per_hour: float, wan_price_per_gb: float,
+              path_names, mean_md_hit: float = 0.0) -> Summary:
+    ttft = np.frombuffer(log.ttft, dtype=np.float64)
+    tpot = np.frombuffer(log.tpot, dtype=np.float64)
+    arrival = np.frombuffer(log.arrival, dtype=np.float64)
+    e2e = np.frombuffer(log.e2e, dtype=np.float64)
+    out = np.array(log.output, dtype=np.int64)
+    rld = np.array(log.rld_tokens, dtype=np.int64)
+    n = len(ttft)
+    duration = float((arrival + e2e).max() - arrival.min()) if n else 0.0
+    ok = (ttft <= sla.ttft_s) & (np.isnan(tpot) | (tpot <= sla.tpot_s))
+    good = int(ok.sum())
+    hours = duration / 3600.0
+    hw_cost = cost_per_hour * hours
+    wan_gb = wan_bytes / 1e9
+    paths = np.array(log.path, dtype=np.int64)
+    return Summary(
+        scenario=name,
+        requests=n,
+        duration_s=duration,
+        ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90), tpot_p99=percentile(tpot, 99),
+        sla_attainment=good / n if n else 0.0,
+        goodput_rps=good / duration if duration > 0 else 0.0,
+        throughput_tok_s=float(out.sum()) / duration if duration > 0 else 0.0,
+        wan_gb=wan_gb,
+        wan_util=(wan_bytes / (wan_bytes_per_s * duration)) if duration > 0 and wan_bytes_per_s > 0 else 0.0,
+        rld_token_share=float(rld.sum()) / float(out.sum()) if out.sum() else 0.0,
+        cost_per_hour=cost_per_hour,
+        wan_cost=wan_price_per_hour * hours + wan_price_per_gb * wan_gb,
+        bcr=good / hw_cost if hw_cost > 0 else 0.0,
+        paths={name_: int((paths == i).sum()) for i, name_ in enumerate(path_names) if (paths == i).any()},
+        mean_md_hit=mean_md_hit,
+    )

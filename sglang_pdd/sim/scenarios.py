@@ -1,0 +1,58 @@
+"""The standard comparison: same trace, same prefill fleet, different decode designs.
+
+Baselines get the same number of decode instances as PDD's RLD + MD, so the table shows
+both what each design costs and what it delivers; BCR puts the two on one axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List
+
+from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
+
+from .cluster import ScenarioConfig
+from .hardware import CHIP_A, CHIP_B, RDMA_DEFAULT, WAN_DEFAULT, HardwareProfile, LinkProfile
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    n_prefill: int = 4
+    n_rld: int = 1
+    n_md: int = 3
+    chip_a: HardwareProfile = CHIP_A  # datacenter A: prefill, relay decode, PD's decode
+    chip_b: HardwareProfile = CHIP_B  # datacenter B: main decode
+    wan: LinkProfile = WAN_DEFAULT
+    rdma: LinkProfile = RDMA_DEFAULT
+    catch_up_threshold_tokens: int = 64
+    seed: int = 0
+
+
+def pdd(spec: ClusterSpec, name: str, drc: bool, mode: "HandoffMode | None") -> ScenarioConfig:
+    return ScenarioConfig(
+        name=name, kind="pdd", n_prefill=spec.n_prefill, n_rld=spec.n_rld, n_md=spec.n_md,
+        prefill_hw=spec.chip_a, rld_hw=spec.chip_a, md_hw=spec.chip_b, wan=spec.wan, rdma=spec.rdma,
+        drc=drc, handoff=HandoffConfig(catch_up_threshold_tokens=spec.catch_up_threshold_tokens, fixed_mode=mode),
+        seed=spec.seed)
+
+
+def standard_scenarios(spec: ClusterSpec) -> List[ScenarioConfig]:
+    n_decode = spec.n_rld + spec.n_md
+    return [
+        ScenarioConfig(name="pd_same_dc", kind="pd", n_prefill=spec.n_prefill, n_md=n_decode,
+                       prefill_hw=spec.chip_a, md_hw=spec.chip_a, wan=spec.wan, rdma=spec.rdma,
+                       drc=False, seed=spec.seed),
+        ScenarioConfig(name="naive_xdc", kind="naive", n_prefill=spec.n_prefill, n_md=n_decode,
+                       prefill_hw=spec.chip_a, md_hw=spec.chip_b, wan=spec.wan, rdma=spec.rdma,
+                       drc=False, seed=spec.seed),
+        pdd(spec, "pdd_nodrc_oneshot", drc=False, mode=HandoffMode.ONE_SHOT),
+        pdd(spec, "pdd_drc_oneshot", drc=True, mode=HandoffMode.ONE_SHOT),
+        pdd(spec, "pdd_drc_catchup", drc=True, mode=HandoffMode.CATCH_UP),
+        pdd(spec, "pdd_drc_adaptive", drc=True, mode=None),
+    ]
+
+
+def with_counts(cfg: ScenarioConfig, n_prefill: int, n_rld: int, n_md: int) -> ScenarioConfig:
+    if cfg.kind != "pdd":
+        return replace(cfg, n_prefill=n_prefill, n_md=n_md + n_rld)
+    return replace(cfg, n_prefill=n_prefill, n_rld=n_rld, n_md=n_md)

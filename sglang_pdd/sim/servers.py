@@ -1,0 +1,287 @@
+"""Serving resources: prefill instances, decode instances and the shared WAN link.
+
+Decode batches and the WAN share one structure, `EqualShareServer`: every job in it
+advances at the same rate, which depends on how many jobs there are (a decode step gives
+each running sequence one token; fair sharing gives each flow link/n bytes/s). A virtual
+clock (work done per job since the start) makes that O(log n) per arrival or departure
+instead of one event per token or packet, which is what lets us run 100k requests fast.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Any, Callable, Dict, Optional
+
+from .engine import EventLoop
+from .hardware import HardwareProfile, LinkProfile
+
+_EPS = 1e-9
+
+
+class EqualShareServer:
+    """Jobs progress together; `rate_fn(n_jobs, weight_sum)` is the per-job rate (work/s)."""
+
+    def __init__(self, loop: EventLoop, rate_fn: Callable[[int, float], float],
+                 on_done: Callable[[float, Any], None]) -> None:
+        self.loop = loop
+        self.rate_fn = rate_fn
+        self.on_done = on_done
+        self.v = 0.0  # work each job has received since t = 0 (virtual time)
+        self.t = 0.0
+        self.rate = 0.0
+        self.jobs: Dict[Any, tuple] = {}  # job -> (start_v, finish_v, weight)
+        self.weight_sum = 0.0
+        self.finish_v_sum = 0.0
+        self._heap: list = []  # (finish_v, seq, job); stale entries skipped lazily
+        self._seq = 0
+        self._version = 0
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def _advance(self, now: float) -> None:
+        self.v += self.rate * (now - self.t)
+        self.t = now
+
+    def add(self, now: float, job: Any, work: float, weight: float = 0.0) -> None:
+        self._advance(now)
+        fv = self.v + work
+        self.jobs[job] = (self.v, fv, weight)
+        self.weight_sum += weight
+        self.finish_v_sum += fv
+        self._seq += 1
+        heapq.heappush(self._heap, (fv, self._seq, job))
+        self._reschedule(now)
+
+    def remove(self, now: float, job: Any) -> float:
+        """Take a job out before it finishes; returns the work it received."""
+        self._advance(now)
+        start_v, fv, weight = self.jobs.pop(job)
+        self.weight_sum -= weight
+        self.finish_v_sum -= fv
+        self._reschedule(now)
+        return min(self.v, fv) - start_v
+
+    def progress(self, now: float, job: Any) -> float:
+        start_v, fv, _ = self.jobs[job]
+        return min(self.v + self.rate * (now - self.t), fv) - start_v
+
+    def remaining_work_total(self, now: float) -> float:
+        v = self.v + self.rate * (now - self.t)
+        return max(0.0, self.finish_v_sum - len(self.jobs) * v)
+
+    def _reschedule(self, now: float) -> None:
+        self._version += 1
+        heap = self._heap
+        while heap and (heap[0][2] not in self.jobs or self.jobs[heap[0][2]][1] != heap[0][0]):
+            heapq.heappop(heap)
+        if not self.jobs:
+            self.rate = 0.0
+            self.weight_sum = 0.0
+            self.finish_v_sum = 0.0
+            return
+        self.rate = self.rate_fn(len(self.jobs), self.weight_sum)
+        dt = (heap[0][0] - self.v) / self.rate if self.rate > 0 else math.inf
+        if math.isfinite(dt):
+            self.loop.at(now + max(0.0, dt), self._on_event, self._version)
+
+    def _on_event(self, now: float, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance(now)
+        heap, done = self._heap, []
+        # Nothing changed since this event was scheduled, so the heap top is due now;
+        # snapping v to it avoids re-arming a zero-length event on float round-off.
+        self.v = max(self.v, heap[0][0])
+        tol = _EPS * max(1.0, abs(self.v))
+        while heap and heap[0][0] <= self.v + tol:
+            fv, _, job = heapq.heappop(heap)
+            entry = self.jobs.get(job)
+            if entry is None or entry[1] != fv:
+                continue
+            del self.jobs[job]
+            self.weight_sum -= entry[2]
+            self.finish_v_sum -= fv
+            done.append(job)
+        self._reschedule(now)
+        for job in done:
+            self.on_done(now, job)
+
+
+class PrefillInstance:
+    """Chunked prefill, FIFO: each forward pass packs queued requests' new tokens up to the
+    chunk size (small tails batch together; a long prompt takes several passes)."""
+
+    def __init__(self, loop: EventLoop, hw: HardwareProfile, on_done: Callable[[float, Any], None]) -> None:
+        self.loop, self.hw, self.on_done = loop, hw, on_done
+        self.queue: deque = deque()  # [job, remaining_new_tokens, ctx_tokens_done]
+        self.busy = False
+        self.queued_tokens = 0
+        self.busy_s = 0.0
+
+    def submit(self, now: float, job: Any, new_tokens: int, cached_tokens: int) -> None:
+        self.queue.append([job, new_tokens, cached_tokens])
+        self.queued_tokens += new_tokens
+        if not self.busy:
+            self._start(now)
+
+    def backlog_s(self) -> float:
+        return self.queued_tokens * self.hw.prefill_s_per_token
+
+    def _start(self, now: float) -> None:
+        budget = self.hw.prefill_chunk_tokens
+        batch, dur = [], self.hw.prefill_overhead_s
+        for item in self.queue:
+            if budget <= 0:
+                break
+            n = min(item[1], budget)
+            budget -= n
+            batch.append((item, n))
+            dur += n * self.hw.prefill_s_per_token + n * (item[2] + n / 2.0) * self.hw.prefill_s_per_token_ctx
+        if not batch:
+            self.busy = False
+            return
+        self.busy = True
+        self.busy_s += dur
+        self.loop.after(dur, self._finish_pass, batch)
+
+    def _finish_pass(self, now: float, batch: list) -> None:
+        finished = []
+        for item, n in batch:
+            item[1] -= n
+            item[2] += n
+            self.queued_tokens -= n
+        while self.queue and self.queue[0][1] <= 0:
+            finished.append(self.queue.popleft()[0])
+        self._start(now)
+        for job in finished:
+            self.on_done(now, job)
+
+
+class DecodeInstance:
+    """Continuous batching with admission by KV memory and batch size (FIFO waiting queue).
+
+    A job reserves its whole final KV (prompt + output) on admission, a conservative
+    stand-in for SGLang's incremental allocation with retraction."""
+
+    def __init__(self, loop: EventLoop, hw: HardwareProfile, on_start: Callable[[float, Any], None],
+                 on_done: Callable[[float, Any], None]) -> None:
+        self.loop, self.hw, self.on_start = loop, hw, on_start
+        self._on_done_cb = on_done
+        self.batch = EqualShareServer(loop, self._token_rate, self._done)
+        self.waiting: deque = deque()  # (job, tokens_to_decode, ctx_tokens, reserve_tokens)
+        self.reserved: Dict[Any, int] = {}
+        self.kv_used = 0
+
+    def _token_rate(self, n: int, kv_tokens: float) -> float:
+        return 1.0 / self.hw.decode_step_s(n, int(kv_tokens))
+
+    def load(self) -> float:
+        """KV in use plus waiting, as a fraction of the pool (> 1 means a queue)."""
+        waiting = sum(w[3] for w in self.waiting) if self.waiting else 0
+        return (self.kv_used + waiting) / self.hw.kv_capacity_tokens
+
+    def utilisation(self) -> float:
+        return len(self.batch) / self.hw.max_running_requests
+
+    def submit(self, now: float, job: Any, tokens_to_decode: int, ctx_tokens: int) -> None:
+        reserve = ctx_tokens + tokens_to_decode
+        self.waiting.append((job, tokens_to_decode, ctx_tokens, reserve))
+        self._admit(now)
+
+    def cancel_waiting(self, job: Any) -> bool:
+        for i, w in enumerate(self.waiting):
+            if w[0] is job:
+                del self.waiting[i]
+                return True
+        return False
+
+    def is_running(self, job: Any) -> bool:
+        return job in self.batch.jobs
+
+    def tokens_done(self, now: float, job: Any) -> int:
+        return int(self.batch.progress(now, job) + _EPS)
+
+    def stop(self, now: float, job: Any) -> int:
+        """Stop a running job early (handoff); returns the tokens it decoded here."""
+        n = int(self.batch.remove(now, job) + _EPS)
+        self._release(job)
+        self._admit(now)
+        return n
+
+    def _release(self, job: Any) -> None:
+        self.kv_used -= self.reserved.pop(job)
+
+    def _admit(self, now: float) -> None:
+        hw = self.hw
+        while self.waiting:
+            job, n, ctx, reserve = self.waiting[0]
+            fits = self.kv_used + reserve <= hw.kv_capacity_tokens or not self.reserved
+            if len(self.batch) >= hw.max_running_requests or not fits:
+                return
+            self.waiting.popleft()
+            self.reserved[job] = reserve
+            self.kv_used += reserve
+            self.on_start(now, job)
+            if n <= 0:
+                self._release(job)
+                self._on_done_cb(now, job)
+            else:
+                self.batch.add(now, job, n, weight=ctx)
+
+    def _done(self, now: float, job: Any) -> None:
+        self._release(job)
+        self._admit(now)
+        self._on_done_cb(now, job)
+
+
+class SharedLink:
+    """A link whose in-flight transfers share the rate fairly; then latency (+ jitter).
+    With gbps = inf a transfer costs its latency only."""
+
+    def __init__(self, loop: EventLoop, link: LinkProfile, rng, on_arrive: Callable[[float, Any], None]) -> None:
+        self.loop, self.link, self.rng, self.on_arrive = loop, link, rng, on_arrive
+        self.flows = EqualShareServer(loop, self._flow_rate, self._sent)
+        self.bytes_sent = 0.0
+        self.bytes_cancelled = 0.0
+        self._sizes: Dict[Any, float] = {}
+
+    def _flow_rate(self, n: int, _w: float) -> float:
+        return self.link.bytes_per_s / n
+
+    def _latency(self) -> float:
+        j = self.link.jitter_s
+        return self.link.one_way_latency_s + (self.rng.uniform(0.0, j) if j > 0 else 0.0)
+
+    def send(self, now: float, job: Any, nbytes: float) -> None:
+        if nbytes <= 0 or math.isinf(self.link.gbps):
+            self.bytes_sent += nbytes
+            self.loop.after(self._latency(), self.on_arrive, job)
+            return
+        self._sizes[job] = nbytes
+        self.flows.add(now, job, nbytes)
+
+    def in_flight(self, job: Any) -> bool:
+        return job in self.flows.jobs
+
+    def cancel(self, now: float, job: Any) -> float:
+        """Drop a transfer still serialising; returns the bytes already sent."""
+        if job not in self.flows.jobs:
+            return 0.0
+        sent = self.flows.remove(now, job)
+        size = self._sizes.pop(job)
+        self.bytes_sent += sent
+        self.bytes_cancelled += size - sent
+        return sent
+
+    def competing_bytes(self, now: float, own_bytes: float) -> float:
+        """Bytes that will share the link with a new transfer of `own_bytes` (fair share:
+        each flow competes with at most our size; approximated from the totals)."""
+        n = len(self.flows)
+        return min(self.flows.remaining_work_total(now), n * own_bytes) if n else 0.0
+
+    def _sent(self, now: float, job: Any) -> None:
+        self.bytes_sent += self._sizes.pop(job)
+        self.loop.after(self._latency(), self.on_arrive, job)
