@@ -1,0 +1,143 @@
+"""Approximate, bounded index of which token prefixes each backend instance has cached.
+
+The router uses it to estimate, without asking anyone, how much of a prompt an instance
+(typically a Prefill server, keyed by its URL) already holds in its radix cache. Main
+Decode's exact hit comes from MD itself; this is only a cheap guess, modelled on llm-d's
+prefix-cache scorer and SGLang's cache-aware router.
+
+How: a prompt is cut into fixed blocks of `block_tokens` token ids (a trailing partial
+block is ignored, as caches hit in whole pages) and the blocks are chain-hashed, so the
+hash of block i stands for the whole prefix of blocks 0..i. An instance "has" a prefix of
+k blocks when the index holds the hashes of blocks 0..k-1 for it; matching walks from
+block 0 and stops at the first missing hash.
+
+Why approximate: the index only sees what the router sent (not the backend's own
+evictions), it rounds down to whole blocks, and its own LRU bound may forget prefixes
+that are still cached. A wrong guess only costs a less good path choice, never
+correctness.
+
+Not thread-safe: the router runs on one asyncio loop, so no locks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Sequence, Tuple
+
+DEFAULT_BLOCK_TOKENS = 64
+
+# Chain seed for block 0. Fixed bytes, so hashes agree across processes and restarts
+# (Python's hash() is salted per process and would not).
+_ROOT = b"\x00" * 8
+
+
+def block_hashes(token_ids: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> List[int]:
+    """Chained 64-bit hashes of the full `block_tokens`-sized blocks of `token_ids`.
+
+    hash[i] = blake2b(hash[i-1] || block_i), so equal hashes at position i mean equal
+    prefixes up to and including block i (up to a 2**-64 collision chance).
+    """
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be > 0")
+    pack = struct.Struct(f"<{block_tokens}Q").pack
+    out: List[int] = []
+    prev = _ROOT
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        try:
+            payload = pack(*token_ids[start:start + block_tokens])
+        except struct.error as e:
+            raise ValueError(f"token ids must be ints in [0, 2**64): {e}") from None
+        prev = hashlib.blake2b(prev + payload, digest_size=8).digest()
+        out.append(int.from_bytes(prev, "little"))
+    return out
+
+
+class PrefixIndex:
+    """Per-instance LRU set of block hashes, at most `capacity_blocks_per_instance` each.
+
+    Memory is bounded by capacity_blocks_per_instance * number of instances; call
+    `forget` for an instance that restarted (its cache is empty) or left.
+    """
+
+    def __init__(self, capacity_blocks_per_instance: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+        if capacity_blocks_per_instance <= 0:
+            raise ValueError("capacity_blocks_per_instance must be > 0")
+        if block_tokens <= 0:
+            raise ValueError("block_tokens must be > 0")
+        self.capacity_blocks_per_instance = capacity_blocks_per_instance
+        self.block_tokens = block_tokens
+        # instance -> block hashes, least recently used first (values unused).
+        self._blocks: Dict[Hashable, "OrderedDict[int, None]"] = {}
+        self._evicted_blocks = 0
+        self._records = 0
+
+    def record(self, instance: Hashable, token_ids: Sequence[int]) -> None:
+        """The instance now holds this prompt's prefix (it was just sent there)."""
+        self._records += 1
+        hashes = block_hashes(token_ids, self.block_tokens)
+        if not hashes:
+            return
+        lru = self._blocks.setdefault(instance, OrderedDict())
+        # Touch the deepest block first and block 0 last, so block 0 is the most recently
+        # used: LRU then evicts chain tails before their roots, like the radix cache
+        # evicts leaves. Evicting a root first would leave its whole tail unmatchable
+        # while it still used memory.
+        for h in reversed(hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity_blocks_per_instance:
+            lru.popitem(last=False)
+            self._evicted_blocks += 1
+
+    def match(self, instance: Hashable, token_ids: Sequence[int]) -> int:
+        """Estimated cached tokens of `token_ids` on `instance` (a multiple of block_tokens).
+
+        A pure query: it does not refresh LRU order; `record` does once the request is sent.
+        """
+        return self._match_hashes(instance, block_hashes(token_ids, self.block_tokens))
+
+    def best(self, instances: Sequence[Hashable], token_ids: Sequence[int]) -> Tuple[Hashable, int]:
+        """The instance with the longest estimated cached prefix, and that prefix in tokens.
+
+        Ties (including no hit anywhere) go to the earliest in `instances`, so the result
+        is deterministic; the caller orders `instances` by its own preference (e.g. load).
+        """
+        if not instances:
+            raise ValueError("no instances to choose from")
+        hashes = block_hashes(token_ids, self.block_tokens)  # hashed once for all instances
+        best_instance, best_tokens = instances[0], -1
+        for inst in instances:
+            tokens = self._match_hashes(inst, hashes)
+            if tokens > best_tokens:
+                best_instance, best_tokens = inst, tokens
+        return best_instance, best_tokens
+
+    def forget(self, instance: Hashable) -> int:
+        """Drop everything known about `instance` (restarted or gone); returns blocks dropped."""
+        lru = self._blocks.pop(instance, None)
+        return len(lru) if lru is not None else 0
+
+    def stats(self) -> dict:
+        per_instance = {inst: len(lru) for inst, lru in self._blocks.items()}
+        return {
+            "block_tokens": self.block_tokens,
+            "capacity_blocks_per_instance": self.capacity_blocks_per_instance,
+            "instances": len(per_instance),
+            "blocks": sum(per_instance.values()),
+            "blocks_per_instance": per_instance,
+            "records": self._records,
+            "evicted_blocks": self._evicted_blocks,
+        }
+
+    def _match_hashes(self, instance: Hashable, hashes: Sequence[int]) -> int:
+        lru = self._blocks.get(instance)
+        if not lru:
+            return 0
+        matched = 0
+        for h in hashes:
+            if h not in lru:
+                break  # chain broken: longer prefixes through this block are not cached
+            matched += 1
+        return matched * self.block_tokens
