@@ -1,0 +1,244 @@
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from sglang_pdd.handoff.policy import HandoffMode
+from sglang_pdd.router.metrics import (
+    CONTENT_TYPE,
+    FALLBACK_REASONS,
+    HANDOFF_MODES,
+    PATHS,
+    RouterMetrics,
+)
+from sglang_pdd.router.policy import Path
+
+
+def samples(m: RouterMetrics) -> dict:
+    """render() parsed back: {(sample name, frozenset(labels)): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(m, name, **labels):
+    return samples(m)[(name, frozenset(labels.items()))]
+
+
+def test_label_sets_follow_the_policies():
+    assert PATHS == ("p_md", "p_rld_md", "p_rld_only")
+    assert HANDOFF_MODES == ("one_shot", "catch_up")
+    assert set(FALLBACK_REASONS) == {"wan_failed", "wan_timeout", "md_failed", "md_rejected"}
+
+
+def test_own_registry_so_many_can_coexist():
+    a, b = RouterMetrics(), RouterMetrics()  # the global registry would raise "Duplicated"
+    a.fallback("wan_failed")
+    assert a.snapshot()["pdd:fallbacks_total"]["wan_failed"] == 1
+    assert b.snapshot()["pdd:fallbacks_total"]["wan_failed"] == 0
+    reg = CollectorRegistry()
+    assert RouterMetrics(reg).registry is reg
+
+
+def test_all_series_exist_at_zero_before_any_event():
+    s = samples(RouterMetrics())
+    for p in PATHS:
+        assert s[("pdd:requests_total", frozenset({("path", p)}))] == 0
+        assert s[("pdd:ttft_seconds_count", frozenset({("path", p)}))] == 0
+    for mode in HANDOFF_MODES:
+        assert s[("pdd:handoffs_total", frozenset({("mode", mode)}))] == 0
+    for r in FALLBACK_REASONS:
+        assert s[("pdd:fallbacks_total", frozenset({("reason", r)}))] == 0
+    for name in ("pdd:wan_bytes_total", "pdd:wan_bytes_saved_total", "pdd:rld_output_tokens_total",
+                 "pdd:md_output_tokens_total", "pdd:outliers_total", "pdd:client_disconnects_total",
+                 "pdd:num_transfer_failed_reqs_total", "pdd:handoff_payload_bytes_count",
+                 "pdd:md_prefix_hit_ratio_count", "pdd:p_prefix_hit_ratio_count",
+                 "pdd:e2e_latency_seconds_count", "pdd:tpot_seconds_count",
+                 "pdd:handoff_stall_seconds_count"):
+        assert any(k[0] == name and v == 0 for k, v in s.items()), name
+
+
+def test_observe_request_appears_with_path_label():
+    m = RouterMetrics()
+    m.observe_request("p_md", 0.3, 0.02, 2.0, prompt_tokens=1000, md_cached_tokens=750,
+                      p_cached_tokens=500, md_output_tokens=90)
+    m.observe_request(Path.P_RLD_MD, 1.5, 0.03, 4.0, prompt_tokens=1000, md_cached_tokens=0,
+                      rld_output_tokens=12, md_output_tokens=88)
+    m.observe_request(Path.P_MD, 0.1, None, 0.1)  # one-token answer: no TPOT, no hit info
+    assert value(m, "pdd:requests_total", path="p_md") == 2
+    assert value(m, "pdd:requests_total", path="p_rld_md") == 1
+    assert value(m, "pdd:requests_total", path="p_rld_only") == 0
+    assert value(m, "pdd:ttft_seconds_count", path="p_md") == 2
+    assert value(m, "pdd:ttft_seconds_sum", path="p_md") == pytest.approx(0.4)
+    assert value(m, "pdd:ttft_seconds_sum", path="p_rld_md") == pytest.approx(1.5)
+    assert value(m, "pdd:tpot_seconds_count", path="p_md") == 1
+    assert value(m, "pdd:e2e_latency_seconds_sum", path="p_rld_md") == pytest.approx(4.0)
+    assert value(m, "pdd:md_prefix_hit_ratio_count") == 2
+    assert value(m, "pdd:md_prefix_hit_ratio_sum") == pytest.approx(0.75)
+    assert value(m, "pdd:p_prefix_hit_ratio_count") == 1
+    assert value(m, "pdd:p_prefix_hit_ratio_sum") == pytest.approx(0.5)
+    assert value(m, "pdd:rld_output_tokens_total") == 12
+    assert value(m, "pdd:md_output_tokens_total") == 178
+
+
+@pytest.mark.parametrize(
+    "ttfts, le, expected",
+    [
+        ([0.01, 0.2, 0.3, 5.0, 100.0], "0.05", 1),
+        ([0.01, 0.2, 0.3, 5.0, 100.0], "0.5", 3),
+        ([0.01, 0.2, 0.3, 5.0, 100.0], "8.0", 4),
+        ([0.01, 0.2, 0.3, 5.0, 100.0], "+Inf", 5),
+        ([], "+Inf", 0),
+    ],
+)
+def test_histogram_buckets_are_cumulative(ttfts, le, expected):
+    m = RouterMetrics()
+    for t in ttfts:
+        m.observe_request("p_rld_md", t)
+    assert value(m, "pdd:ttft_seconds_bucket", path="p_rld_md", le=le) == expected
+
+
+@pytest.mark.parametrize(
+    "cached, prompt, le, expected",
+    [
+        (0, 100, "0.0", 1),  # a cold miss lands in its own bucket
+        (1, 100, "0.0", 0),
+        (1, 100, "0.1", 1),
+        (100, 100, "0.99", 0),
+        (100, 100, "1.0", 1),
+    ],
+)
+def test_hit_ratio_buckets(cached, prompt, le, expected):
+    m = RouterMetrics()
+    m.observe_request("p_md", prompt_tokens=prompt, md_cached_tokens=cached)
+    assert value(m, "pdd:md_prefix_hit_ratio_bucket", le=le) == expected
+
+
+def test_observe_handoff():
+    m = RouterMetrics()
+    m.observe_handoff("one_shot", 0.040, 2048)
+    m.observe_handoff(HandoffMode.CATCH_UP, 0.010, 512)
+    m.observe_handoff("catch_up", 0.020, 512)
+    m.observe_handoff("one_shot", None, 100)  # MD never produced a token: no stall sample
+    assert value(m, "pdd:handoffs_total", mode="one_shot") == 2
+    assert value(m, "pdd:handoffs_total", mode="catch_up") == 2
+    assert value(m, "pdd:handoff_stall_seconds_count", mode="one_shot") == 1
+    assert value(m, "pdd:handoff_stall_seconds_sum", mode="catch_up") == pytest.approx(0.030)
+    assert value(m, "pdd:handoff_stall_seconds_bucket", mode="catch_up", le="0.01") == 1
+    assert value(m, "pdd:handoff_payload_bytes_count") == 4
+    assert value(m, "pdd:handoff_payload_bytes_sum") == 2048 + 512 + 512 + 100
+    assert value(m, "pdd:handoff_payload_bytes_bucket", le="1024.0") == 3
+
+
+def test_counters():
+    m = RouterMetrics()
+    for r in ("wan_failed", "wan_failed", "md_rejected"):
+        m.fallback(r)
+    m.wan_transfer(1_000_000, bytes_saved=3_000_000)
+    m.wan_transfer(500)
+    m.transfer_failed()
+    m.outlier()
+    m.outlier()
+    m.client_disconnect()
+    assert value(m, "pdd:fallbacks_total", reason="wan_failed") == 2
+    assert value(m, "pdd:fallbacks_total", reason="md_rejected") == 1
+    assert value(m, "pdd:fallbacks_total", reason="wan_timeout") == 0
+    assert value(m, "pdd:wan_bytes_total") == 1_000_500
+    assert value(m, "pdd:wan_bytes_saved_total") == 3_000_000
+    assert value(m, "pdd:num_transfer_failed_reqs_total") == 1
+    assert value(m, "pdd:outliers_total") == 2
+    assert value(m, "pdd:client_disconnects_total") == 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.observe_request("p_rld"),
+        lambda m: m.observe_request("P_MD"),
+        lambda m: m.observe_request(""),
+        lambda m: m.observe_handoff("oneshot", 0.1, 10),
+        lambda m: m.observe_handoff(Path.P_MD, 0.1, 10),  # an enum, but the wrong one
+        lambda m: m.fallback("connection reset by peer"),
+        lambda m: m.fallback(None),
+    ],
+)
+def test_unknown_labels_rejected(call):
+    m = RouterMetrics()
+    before = samples(m)
+    with pytest.raises(ValueError):
+        call(m)
+    assert samples(m).keys() == before.keys()  # no new series was created
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(ttft_s=-0.1),
+        dict(tpot_s=-1.0),
+        dict(e2e_s=-1.0),
+        dict(rld_output_tokens=-1),
+        dict(md_output_tokens=-1),
+        dict(prompt_tokens=10, md_cached_tokens=11),  # cached > prompt (sglang #25972)
+        dict(prompt_tokens=10, p_cached_tokens=-1),
+        dict(prompt_tokens=0, md_cached_tokens=0),
+        dict(md_cached_tokens=5),  # a ratio needs the prompt length
+    ],
+)
+def test_bad_request_values_rejected_without_half_record(kwargs):
+    m = RouterMetrics()
+    with pytest.raises(ValueError):
+        m.observe_request("p_md", **{"ttft_s": 0.1, **kwargs})
+    snap = m.snapshot()
+    assert snap["pdd:requests_total"]["p_md"] == 0
+    assert snap["pdd:ttft_seconds"]["p_md"]["count"] == 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.observe_handoff("one_shot", -0.1, 10),
+        lambda m: m.observe_handoff("one_shot", 0.1, -10),
+        lambda m: m.wan_transfer(-1),
+        lambda m: m.wan_transfer(1, bytes_saved=-1),
+    ],
+)
+def test_negative_values_rejected(call):
+    with pytest.raises(ValueError):
+        call(RouterMetrics())
+
+
+def test_snapshot_shape():
+    m = RouterMetrics()
+    m.observe_request("p_rld_only", 0.5, 0.01, 0.6, rld_output_tokens=4)
+    m.outlier()
+    m.observe_handoff("catch_up", 0.02, 300)
+    m.wan_transfer(10, 20)
+    snap = m.snapshot()
+    assert snap["pdd:requests_total"] == {"p_md": 0, "p_rld_md": 0, "p_rld_only": 1}
+    assert snap["pdd:ttft_seconds"]["p_rld_only"] == {"count": 1, "sum": 0.5}
+    assert snap["pdd:handoffs_total"] == {"one_shot": 0, "catch_up": 1}
+    assert snap["pdd:handoff_stall_seconds"]["catch_up"]["count"] == 1
+    assert snap["pdd:handoff_payload_bytes"] == {"count": 1, "sum": 300}
+    assert snap["pdd:wan_bytes_total"] == 10 and snap["pdd:wan_bytes_saved_total"] == 20
+    assert snap["pdd:outliers_total"] == 1
+    assert snap["pdd:rld_output_tokens_total"] == 4
+    assert not any(k.endswith("_created") for k in snap)
+    # Plain numbers all the way down.
+    def leaves(x):
+        return [v for y in x.values() for v in leaves(y)] if isinstance(x, dict) else [x]
+    assert all(isinstance(v, float) and math.isfinite(v) for v in leaves(snap))
+
+
+def test_render_is_exposition_text():
+    m = RouterMetrics()
+    m.observe_request("p_md", 0.2)
+    text = m.render()
+    assert isinstance(text, bytes)
+    assert b"# TYPE pdd:requests_total counter" in text
+    assert b"# TYPE pdd:ttft_seconds histogram" in text
+    assert b'pdd:requests_total{path="p_md"} 1.0' in text
+    assert b"sglang:" not in text  # SGLang's own prefix stays SGLang's
+    assert CONTENT_TYPE.startswith("text/plain")
