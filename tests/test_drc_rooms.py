@@ -1,0 +1,118 @@
+"""DrcRooms on a fake tree: locks held exactly while needed, failures and expiry free them."""
+
+import pytest
+
+from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
+
+
+class FakeTree:
+    """Prefix store keyed by token tuples; counts live locks per node."""
+
+    def __init__(self, cached=(), full=False):
+        self.prefixes = {tuple(cached[:i]) for i in range(len(cached) + 1)}
+        self.locks = {}
+        self.full = full
+        self.ingested = []
+
+    def match(self, ids):
+        n = max(i for i in range(len(ids) + 1) if tuple(ids[:i]) in self.prefixes)
+        return n, tuple(ids[:n])
+
+    def lock(self, node):
+        self.locks[node] = self.locks.get(node, 0) + 1
+        return node
+
+    def unlock(self, node):
+        assert self.locks.get(node, 0) > 0, "unlock without lock"
+        self.locks[node] -= 1
+
+    def ingest(self, ids, prefix_len, prefix_node, staged):
+        if self.full:
+            raise DrcFull("no slots")
+        self.ingested.append((tuple(ids), prefix_len, staged))
+        self.prefixes |= {tuple(ids[:i]) for i in range(len(ids) + 1)}
+        return tuple(ids)
+
+    def live_locks(self):
+        return {n: c for n, c in self.locks.items() if c}
+
+
+def test_register_locks_matched_prefix_and_reports_cached_len():
+    tree = FakeTree(cached=[1, 2, 3, 4])
+    rooms = DrcRooms(tree)
+    entry = rooms.register(7, [1, 2, 3, 9, 9], now=0)
+    assert entry.cached_len == 3 and entry.status is RoomStatus.PENDING
+    assert tree.live_locks() == {(1, 2, 3): 1}
+
+
+def test_fully_cached_prompt_still_sends_last_token():
+    tree = FakeTree(cached=[1, 2, 3])
+    assert DrcRooms(tree).register(1, [1, 2, 3], now=0).cached_len == 2
+
+
+def test_complete_moves_lock_from_prefix_to_whole_prompt():
+    tree = FakeTree(cached=[1, 2])
+    rooms = DrcRooms(tree, ttl_s=10)
+    rooms.register(1, [1, 2, 5, 6], now=0)
+    entry = rooms.complete(1, staged="kv", now=3)
+    assert entry.status is RoomStatus.READY and entry.deadline == 13
+    assert tree.ingested == [((1, 2, 5, 6), 2, "kv")]
+    assert tree.live_locks() == {(1, 2, 5, 6): 1}
+    assert rooms.release(1) and tree.live_locks() == {}
+    assert not rooms.release(1)
+
+
+def test_drc_full_fails_the_room_and_frees_locks():
+    tree = FakeTree(cached=[1], full=True)
+    rooms = DrcRooms(tree)
+    rooms.register(1, [1, 2, 3], now=0)
+    entry = rooms.complete(1, staged=None, now=1)
+    assert entry.status is RoomStatus.FAILED and entry.reason.startswith("drc_full")
+    assert tree.live_locks() == {}
+
+
+def test_wan_failure_frees_prefix_lock():
+    tree = FakeTree(cached=[1, 2])
+    rooms = DrcRooms(tree)
+    rooms.register(1, [1, 2, 3], now=0)
+    assert rooms.fail(1, "checksum").reason == "checksum"
+    assert tree.live_locks() == {}
+    with pytest.raises(RoomError, match="failed, not pending"):
+        rooms.complete(1, staged=None, now=1)
+
+
+def test_expiry_releases_pending_and_ready_rooms():
+    tree = FakeTree(cached=[1])
+    rooms = DrcRooms(tree, ttl_s=5)
+    rooms.register(1, [1, 2], now=0)
+    rooms.register(2, [1, 3], now=0)
+    rooms.complete(2, staged=None, now=4)  # ready until 9
+    expired = rooms.expire(now=6)
+    assert [e.room for e in expired] == [1] and expired[0].reason == "timeout"
+    assert tree.live_locks() == {(1, 3): 1}
+    assert [e.room for e in rooms.expire(now=9)] == [2]
+    assert tree.live_locks() == {} and rooms.rooms == {}
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda r: r.complete(99, None, 0), "unknown room 99"),
+    (lambda r: r.fail(99, "x"), "unknown room 99"),
+    (lambda r: r.register(1, [4], 0), "already registered"),
+    (lambda r: r.register(5, [], 0), "empty prompt"),
+])
+def test_bad_calls_raise_and_change_nothing(call, match):
+    tree = FakeTree()
+    rooms = DrcRooms(tree)
+    rooms.register(1, [1, 2], now=0)
+    before = dict(tree.locks)
+    with pytest.raises(RoomError, match=match):
+        call(rooms)
+    assert tree.locks == before and set(rooms.rooms) == {1}
+
+
+def test_room_limit_bounds_memory():
+    rooms = DrcRooms(FakeTree(), max_rooms=2)
+    rooms.register(1, [1], 0)
+    rooms.register(2, [2], 0)
+    with pytest.raises(RoomError, match="too many open rooms"):
+        rooms.register(3, [3], 0)
