@@ -30,6 +30,7 @@ class PddConfig:
     role: Optional[str] = None  # None: plugin inactive, the server is plain SGLang
     datacenter: str = ""
     wan_listen: Optional[str] = None  # main: HOST:PORT of the WAN KV receiver
+    control_listen: Optional[str] = None  # main: HOST:PORT of MD's room/handoff control API
     wan_key_file: Optional[str] = None  # prefill/main: shared HMAC key for WAN peers
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
@@ -48,6 +49,9 @@ FLAGS = [
         help="Label of this server's datacenter, used in logs and metrics.")),
     ("--pdd-wan-listen", "pdd_wan_listen", dict(default=None,
         help="main only: HOST:PORT on which MD accepts KV over the WAN.")),
+    ("--pdd-control-listen", "pdd_control_listen", dict(default=None,
+        help="main only: HOST:PORT of MD's control API (room registration, KV readiness, DRC stats) "
+             "that the router calls.")),
     ("--pdd-wan-key-file", "pdd_wan_key_file", dict(default=None,
         help="prefill and main: file holding the shared key that WAN peers authenticate with (HMAC).")),
     ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
@@ -64,7 +68,7 @@ def add_pdd_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=dest, **kwargs)
 
 
-def _parse_host_port(flag: str, value: str) -> tuple[str, int]:
+def parse_host_port(flag: str, value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise PddConfigError(f"{flag} must be HOST:PORT with a port in 1..65535, got {value!r}")
@@ -93,9 +97,14 @@ def validate(cfg: PddConfig, disaggregation_mode: str) -> PddConfig:
     if cfg.role == "main":
         if not cfg.wan_listen:
             raise PddConfigError("--pdd-role main needs --pdd-wan-listen HOST:PORT")
-        _parse_host_port("--pdd-wan-listen", cfg.wan_listen)
-    elif cfg.wan_listen:
-        raise PddConfigError(f"--pdd-wan-listen applies only to --pdd-role main, not {cfg.role}")
+        parse_host_port("--pdd-wan-listen", cfg.wan_listen)
+        if not cfg.control_listen:
+            raise PddConfigError("--pdd-role main needs --pdd-control-listen HOST:PORT")
+        parse_host_port("--pdd-control-listen", cfg.control_listen)
+    else:
+        for flag, value in (("--pdd-wan-listen", cfg.wan_listen), ("--pdd-control-listen", cfg.control_listen)):
+            if value:
+                raise PddConfigError(f"{flag} applies only to --pdd-role main, not {cfg.role}")
     if cfg.role in ("prefill", "main") and not cfg.wan_key_file:
         raise PddConfigError(f"--pdd-role {cfg.role} needs --pdd-wan-key-file (WAN peers must authenticate)")
     if cfg.role == "relay" and cfg.wan_key_file:

@@ -20,7 +20,8 @@ GOOD = [
     (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
       "--pdd-wan-streams", "8"], "prefill"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-datacenter", "dc-a"], "relay"),
-    (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-wan-key-file", "k"], "main"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-control-listen", "127.0.0.1:7001",
+      "--pdd-wan-key-file", "k"], "main"),
 ]
 
 
@@ -36,11 +37,14 @@ BAD = [
     (["--pdd-role", "prefill", "--pdd-wan-key-file", "k"], "needs --disaggregation-mode prefill"),
     (["--pdd-role", "relay", "--disaggregation-mode", "prefill"], "needs --disaggregation-mode decode"),
     (["--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-wan-listen", "h:1",
-      "--pdd-wan-key-file", "k"], "needs no --disaggregation-mode"),
+      "--pdd-control-listen", "h:2", "--pdd-wan-key-file", "k"], "needs no --disaggregation-mode"),
     (["--pdd-role", "main", "--pdd-wan-key-file", "k"], "needs --pdd-wan-listen"),
     (["--pdd-role", "main", "--pdd-wan-listen", "nohost", "--pdd-wan-key-file", "k"], "--pdd-wan-listen must be HOST:PORT"),
     (["--pdd-role", "main", "--pdd-wan-listen", "h:70000", "--pdd-wan-key-file", "k"], "--pdd-wan-listen must be HOST:PORT"),
-    (["--pdd-role", "main", "--pdd-wan-listen", "h:7"], "needs --pdd-wan-key-file"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:7"], "needs --pdd-control-listen"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:x"], "--pdd-control-listen must be HOST:PORT"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:8"], "needs --pdd-wan-key-file"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-control-listen", "h:7"], "--pdd-control-listen applies only"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-listen", "h:7"], "--pdd-wan-listen applies only"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-key-file", "k"], "--pdd-wan-key-file applies only"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-streams", "2"], "--pdd-wan-streams applies only"),

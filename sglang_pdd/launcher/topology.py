@@ -48,11 +48,16 @@ class ServerSpec:
     datacenter: str = ""
     bootstrap_port: Optional[int] = None  # prefill only
     wan_listen_port: Optional[int] = None  # main only
+    control_port: Optional[int] = None  # main only
     extra_args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def control_url(self) -> Optional[str]:
+        return f"http://{LOOPBACK}:{self.control_port}" if self.control_port else None
 
 
 def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] = None) -> list[str]:
@@ -66,7 +71,8 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
                  # the default host retraction backup calls torch.cuda.cudart()
                  "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     elif spec.role == "main":
-        argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}"]
+        argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}",
+                 "--pdd-control-listen", f"{LOOPBACK}:{spec.control_port}"]
     if spec.role is not None:
         argv += ["--pdd-role", spec.role]
         if spec.datacenter:
@@ -90,7 +96,8 @@ class Topology:
         return cls(
             prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port()),
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
-            main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port()),
+            main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(),
+                            control_port=free_port()),
             router_port=free_port(),
         )
 

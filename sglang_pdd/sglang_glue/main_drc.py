@@ -1,0 +1,283 @@
+"""MD (``--pdd-role main``): WAN KV lands in SGLang's own radix cache, which is MD's DRC.
+
+Runs inside MD's scheduler process. Three pieces:
+* ``SglangTreeOps`` — DrcRooms' TreeOps on SGLang's radix cache (match, lock, ingest = alloc
+  slots + write KV + insert under the prompt's token ids);
+* ``MainDrcRuntime`` — the WAN receiver, the room table, and a command queue drained by the
+  scheduler thread (the only thread that may touch the tree and the KV pool);
+* ``ControlServer`` — a small HTTP API for the router: register a room (returns how many
+  prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
+  release it, DRC stats.
+
+A handoff is then a plain SGLang /generate on MD with input_ids = prompt + eager tokens: the
+radix match covers the prompt, and one extend pass recomputes the eager tokens' KV.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from array import array
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Optional, Sequence
+from urllib.parse import parse_qs, urlparse
+
+import torch
+
+from sglang_pdd.config import PddConfig, parse_host_port
+from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
+from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
+from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
+
+logger = logging.getLogger(__name__)
+
+MAX_CONTROL_BODY = 16 * 1024 * 1024  # a prompt's token ids as JSON; refuse anything bigger
+
+
+class SglangTreeOps:
+    def __init__(self, tree_cache, page_size: int):
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        self._types = (EvictParams, InsertParams, MatchPrefixParams, RadixKey)
+        self.tree = tree_cache
+        self.allocator = tree_cache.token_to_kv_pool_allocator
+        self.pool = self.allocator.get_kvcache()
+        self.layout = kv_layout_of(self.pool, page_size)
+
+    def _key(self, token_ids: Sequence[int]):
+        return self._types[3](array("q", token_ids))
+
+    def match(self, token_ids):
+        result = self.tree.match_prefix(self._types[2](key=self._key(token_ids)))
+        return result.device_prefix_len, result.last_device_node
+
+    def lock(self, node):
+        return self.tree.lock(node)
+
+    def unlock(self, lock):
+        self.tree.unlock(lock)
+
+    def ingest(self, token_ids, prefix_len, prefix_node, staged):
+        EvictParams, InsertParams, _, _ = self._types
+        # Re-match: the prefix is locked, so at least prefix_len tokens still match.
+        cached, node = self.match(token_ids[:prefix_len])
+        if cached < prefix_len:
+            raise DrcFull(f"locked prefix shrank from {prefix_len} to {cached}")
+        need = len(token_ids) - prefix_len
+        short = need - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(EvictParams(num_tokens=short))
+        slots = self.allocator.alloc(need)
+        if slots is None:
+            raise DrcFull(f"cannot allocate {need} KV slots")
+        scatter_rows(self.pool, slots, staged)
+        prefix_idx = self.tree.path_device_indices(node)[:prefix_len].to(torch.int64)
+        value = torch.cat([prefix_idx.to(slots.device), slots.to(torch.int64)])
+        # prev_prefix_len: slots before it are the tree's own; any of ours that duplicate a
+        # concurrent insert are freed by the tree itself.
+        self.tree.insert(InsertParams(key=self._key(token_ids), value=value, prev_prefix_len=prefix_len))
+        full, prompt_node = self.match(token_ids)
+        if full < len(token_ids):
+            raise DrcFull(f"prompt of {len(token_ids)} tokens only {full} cached after insert")
+        return prompt_node
+
+
+class MainDrcRuntime:
+    """Owned by MD's scheduler; ``on_scheduler_iteration`` runs on the scheduler thread."""
+
+    def __init__(self, scheduler, cfg: PddConfig, key: bytes):
+        self.cfg = cfg
+        self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
+        self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2)
+        self.staged: dict[int, torch.Tensor] = {}
+        self.ready_events: dict[int, threading.Event] = {}
+        self.commands: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=1024)
+        self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0,
+                         "prompt_tokens": 0, "cached_tokens": 0, "wan_tokens": 0, "wan_bytes": 0}
+        host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
+        self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
+                                      idle_timeout=cfg.wan_timeout_s)
+        chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
+        self.control = ControlServer((chost, cport), self)
+        logger.info("MD DRC runtime: WAN KV on %s:%s, control on %s:%s, layout %s",
+                    *self.receiver.address, chost, cport, self.ops.layout)
+
+    # ---- called from control threads: hand work to the scheduler thread and wait
+    def call(self, op: str, *args, timeout: float = 30.0):
+        fut: Future = Future()
+        self.commands.put((op, args, fut), timeout=timeout)
+        return fut.result(timeout=timeout)
+
+    # ---- scheduler thread
+    def on_scheduler_iteration(self) -> None:
+        while True:
+            try:
+                op, args, fut = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                fut.set_result(getattr(self, f"_do_{op}")(*args))
+            except Exception as e:  # the caller gets the error; the scheduler goes on
+                fut.set_exception(e)
+        now = time.monotonic()
+        for entry in self.rooms.pending():
+            state = self.receiver.poll(entry.room)
+            if state is RoomState.SUCCESS:
+                self.rooms.complete(entry.room, self.staged.pop(entry.room), now)
+                self._finish(entry.room)
+            elif state is RoomState.FAILED:
+                reason, detail = self.receiver.failure(entry.room)
+                self.rooms.fail(entry.room, f"{reason}: {detail}")
+                self._finish(entry.room)
+        for entry in self.rooms.expire(now):
+            self._forget(entry.room)
+
+    def _do_register(self, room: int, token_ids: list[int]) -> dict:
+        entry = self.rooms.register(room, token_ids, time.monotonic())
+        layout = self.ops.layout
+        sent = len(token_ids) - entry.cached_len
+        staged = torch.empty((layout.num_layers, sent, layout.bytes_per_page), dtype=torch.uint8)
+
+        def write(layer_start, layer_count, page_start, page_count, payload, first=entry.cached_len):
+            rows = torch.frombuffer(payload, dtype=torch.uint8).view(layer_count, page_count, -1)
+            staged[layer_start:layer_start + layer_count, page_start - first:page_start - first + page_count] = rows
+
+        try:
+            self.receiver.register_room(room, layout, len(token_ids), write,
+                                        decode_prefix_len=entry.cached_len, token_ids=token_ids,
+                                        timeout=self.cfg.wan_timeout_s)
+        except Exception:
+            self.rooms.release(room)
+            raise
+        self.staged[room] = staged
+        self.ready_events[room] = threading.Event()
+        self.counters["rooms_registered"] += 1
+        self.counters["prompt_tokens"] += len(token_ids)
+        self.counters["cached_tokens"] += entry.cached_len
+        return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
+                "wan_peer": "%s:%d" % self.receiver.address}
+
+    def _do_release(self, room: int) -> bool:
+        self.receiver.release_room(room)
+        released = self.rooms.release(room)
+        self._forget(room)
+        return released
+
+    def _finish(self, room: int) -> None:
+        entry = self.rooms.rooms[room]
+        if entry.status is RoomStatus.READY:
+            self.counters["rooms_ready"] += 1
+            self.counters["wan_tokens"] += len(entry.token_ids) - entry.cached_len
+            self.counters["wan_bytes"] += (len(entry.token_ids) - entry.cached_len) * \
+                self.ops.layout.num_layers * self.ops.layout.bytes_per_page
+        else:
+            self.counters["rooms_failed"] += 1
+            logger.warning("room %s failed: %s", room, entry.reason)
+        self.receiver.release_room(room, timeout=0.5)
+        self.ready_events[room].set()
+
+    def _forget(self, room: int) -> None:
+        self.staged.pop(room, None)
+        event = self.ready_events.pop(room, None)
+        if event is not None:
+            event.set()
+
+    # ---- control threads (read-only snapshots)
+    def wait_ready(self, room: int, timeout: float) -> dict:
+        event = self.ready_events.get(room)
+        if event is None:
+            raise RoomError(f"unknown room {room}")
+        event.wait(timeout)
+        entry = self.rooms.rooms.get(room)
+        if entry is None:
+            return {"room": room, "status": "failed", "reason": "released or expired"}
+        return {"room": room, "status": entry.status.value, "reason": entry.reason}
+
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        c["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        c["bytes_saved"] = c["cached_tokens"] * self.ops.layout.num_layers * self.ops.layout.bytes_per_page
+        c["open_rooms"] = len(self.rooms.rooms)
+        c["wan_receiver"] = dict(self.receiver.counters)
+        return c
+
+
+class ControlServer:
+    def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime):
+        handler = type("Handler", (_ControlHandler,), {"runtime": runtime})
+        self.httpd = ThreadingHTTPServer(address, handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="pdd-md-control", daemon=True)
+        self.thread.start()
+
+
+class _ControlHandler(BaseHTTPRequestHandler):
+    runtime: MainDrcRuntime
+
+    def log_message(self, fmt, *args):  # route through logging, quietly
+        logger.debug("control %s " + fmt, self.client_address[0], *args)
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_CONTROL_BODY:
+            raise RoomError(f"body of {length} bytes exceeds {MAX_CONTROL_BODY}")
+        body = json.loads(self.rfile.read(length) or b"{}")
+        if not isinstance(body, dict):
+            raise RoomError("body must be a JSON object")
+        return body
+
+    def _guard(self, fn) -> None:
+        try:
+            self._reply(200, fn())
+        except (RoomError, ValueError, KeyError, TypeError) as e:
+            self._reply(400, {"error": str(e)})
+        except Exception as e:  # noqa: BLE001 — report, never kill the control thread
+            logger.exception("control request failed")
+            self._reply(500, {"error": repr(e)})
+
+    def do_GET(self):
+        url = urlparse(self.path)
+        q = parse_qs(url.query)
+        if url.path == "/health":
+            return self._reply(200, {"status": "ok"})
+        if url.path == "/pdd/stats":
+            return self._guard(self.runtime.stats)
+        if url.path.startswith("/pdd/rooms/") and url.path.endswith("/ready"):
+            room = int(url.path.split("/")[3])
+            timeout = min(float(q.get("timeout_s", ["10"])[0]), 600.0)
+            return self._guard(lambda: self.runtime.wait_ready(room, timeout))
+        self._reply(404, {"error": f"no route {url.path}"})
+
+    def do_POST(self):
+        if urlparse(self.path).path != "/pdd/rooms":
+            return self._reply(404, {"error": f"no route {self.path}"})
+
+        def register():
+            body = self._body()
+            room, ids = body.get("room"), body.get("token_ids")
+            if not isinstance(room, int) or not isinstance(ids, list) or \
+                    not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise RoomError("need {'room': int, 'token_ids': [non-negative int, ...]}")
+            return self.runtime.call("register", room, ids)
+
+        self._guard(register)
+
+    def do_DELETE(self):
+        path = urlparse(self.path).path
+        if not path.startswith("/pdd/rooms/"):
+            return self._reply(404, {"error": f"no route {path}"})
+        self._guard(lambda: {"released": self.runtime.call("release", int(path.split("/")[3]))})
