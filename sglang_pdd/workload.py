@@ -100,7 +100,7 @@ def ideal_prefix_hit_rate(requests: Iterable[TraceRequest]) -> float:
 class AgenticTraceConfig:
     num_requests: int = 10_000
     seed: int = 0
-    session_rate_per_s: float = 1.0  # Poisson arrivals of new sessions
+    session_rate_per_s: float = 0.5  # Poisson arrivals of new sessions (~8 requests/s)
     turns_min: int = 3
     turns_max: int = 30
     num_system_prompts: int = 8  # sessions share one of a few system prompts / tool specs

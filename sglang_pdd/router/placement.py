@@ -28,7 +28,9 @@ def pick_instance(
     """Least-loaded instance, except that `affinity_id` wins while its load is within
     `max_affinity_excess` of the least load (and under `max_load` when given).
 
-    Ties go to the earliest instance in `loads`, so the result is deterministic.
+    Ties go to the earliest instance in `loads`, so the result is deterministic. A good
+    bound is the cost of losing the cache, in load units (e.g. the time to recompute or
+    re-transfer the prefix the affine instance holds): moving pays off only beyond it.
     """
     if not loads:
         raise ValueError("no instances to pick from")

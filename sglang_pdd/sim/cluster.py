@@ -164,7 +164,14 @@ class Simulation:
 
         slo = self.sla.ttft_s
         p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
-        r.p = pick_instance(p_loads, self.p_index.owner_of_prefix(full), c.affinity_excess)
+        p_aff = self.p_index.owner_of_prefix(full)
+        # Leaving the instance that holds our prefix costs recomputing it: only worth it when
+        # the queue difference exceeds that cost (both in units of the TTFT SLO).
+        recompute_s = 0.0
+        if p_aff is not None:
+            held = self.p_cache[p_aff].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS
+            recompute_s = c.prefill_hw.prefill_time_s(held, 0)
+        r.p = pick_instance(p_loads, p_aff, c.affinity_excess + recompute_s / slo)
         # At least one token is always computed (it produces the first output token).
         r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
 
