@@ -74,8 +74,11 @@ class PrefixOwnerIndex:
 
     def record(self, block_hashes: Sequence[Hashable], instance_id: Hashable) -> None:
         owners = self._owner
+        move_to_end = owners.move_to_end
         for h in block_hashes:
+            known = h in owners
             owners[h] = instance_id
-            owners.move_to_end(h)
+            if known:
+                move_to_end(h)
         while len(owners) > self.capacity_blocks:
             owners.popitem(last=False)

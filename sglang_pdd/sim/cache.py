@@ -38,9 +38,12 @@ class BlockCache:
         # Leaf first, root last: the root ends most recent, so like a radix tree we evict
         # leaves before the prefixes they hang from.
         blocks = self._blocks
+        move_to_end = blocks.move_to_end
         for h in reversed(hash_ids):
-            blocks[h] = None
-            blocks.move_to_end(h)
+            if h in blocks:
+                move_to_end(h)
+            else:
+                blocks[h] = None  # a new key lands at the recent end already
 
     def insert(self, hash_ids: Sequence[int]) -> None:
         if self.capacity_blocks == 0:
