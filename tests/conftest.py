@@ -41,11 +41,21 @@ def single_server(run_root):
         yield spec.url
 
 
+# A slow emulated WAN (0.5 Mbit/s, 20 ms one way) so the tiny model's KV (512 B/token) takes
+# long enough to cross that RLD has streamed eager tokens before MD takes over.
+TEST_WAN_GBPS = 0.0005
+TEST_ROUTER_ARGS = ["--wan-gbps", str(TEST_WAN_GBPS), "--wan-rtt-ms", "40", "--max-wan-transfer-ms", "50",
+                    "--wan-timeout-s", "6"]
+
+
 @pytest.fixture(scope="session")
 def pdd_cluster(run_root):
-    """P + RLD + MD + router as real processes."""
+    """P + RLD + MD + WAN emulator + router, as real processes."""
     _require_sglang()
     from sglang_pdd.launcher.cluster import LocalCluster
+    from sglang_pdd.launcher.topology import Topology
 
-    with LocalCluster(run_root / "cluster") as cluster:
+    topology = Topology.on_free_ports()
+    topology.wan.rate_gbps, topology.wan.latency_ms = TEST_WAN_GBPS, 20.0
+    with LocalCluster(run_root / "cluster", topology=topology, router_args=TEST_ROUTER_ARGS) as cluster:
         yield cluster

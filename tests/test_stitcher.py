@@ -92,3 +92,13 @@ def test_random_interleavings_never_lose_or_duplicate():
                 break
         assert out == TRUTH[:len(out)] and s.emitted == out
         assert len(out) == len(TRUTH)
+
+
+def test_resume_relay_after_md_died_mid_stream():
+    s = StreamStitcher()
+    out = s.on_rld_tokens(TRUTH[:4])
+    s.begin_handoff()
+    out += s.on_md_tokens(4, TRUTH[4:9])
+    s.resume_relay()  # a new P->RLD request for prompt + TRUTH[:9]
+    out += s.on_rld_tokens(TRUTH[9:])
+    assert out == TRUTH and s.source is Source.RELAY

@@ -75,6 +75,13 @@ class StreamStitcher:
         self.handoffs_failed += 1
         return self._emit_from(self.rld_tokens)
 
+    def resume_relay(self) -> None:
+        """A fresh relay stream continues from the current position (MD died mid-stream or its
+        KV never arrived after RLD had stopped): its tokens count from ``len(emitted)`` on."""
+        self.source = Source.RELAY
+        self.cut = -1
+        self.rld_tokens = list(self.emitted)
+
     def _emit_from(self, produced: list[int]) -> list[int]:
         new = produced[len(self.emitted):]
         self.emitted.extend(new)

@@ -11,7 +11,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from sglang_pdd.launcher.processes import ProcessGroup
-from sglang_pdd.launcher.topology import CPU_ENV, LOOPBACK, Topology, server_argv, write_wan_key
+from sglang_pdd.launcher.topology import (CPU_ENV, Topology, router_argv, server_argv, wan_emulator_argv,
+                                          write_wan_key)
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ class LocalCluster:
     """P + RLD (datacenter A), MD (datacenter B) and the router, as separate processes."""
 
     def __init__(self, run_dir: Path, model_path: Optional[str] = None,
-                 topology: Optional[Topology] = None):
+                 topology: Optional[Topology] = None, router_args: Optional[list[str]] = None):
         self.run_dir = Path(run_dir)
+        self.router_args = router_args or []
         self.model_path = model_path or default_model_path()
         self.topology = topology or Topology.on_free_ports()
         self.procs = ProcessGroup(self.run_dir / "logs")
@@ -42,16 +44,30 @@ class LocalCluster:
         for spec in topo.servers:
             self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file)),
                              health_url=f"{spec.url}/health", env=CPU_ENV)
-        p = topo.prefill
-        router_argv = [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK,
-                       "--port", str(topo.router_port),
-                       "--prefill", f"{p.url},{p.bootstrap_port}", "--relay", topo.relay.url,
-                       "--main", topo.main.url]
-        self.procs.start("router", router_argv, health_url=f"{topo.router_url}/health")
+        self.procs.start("wan-emulator", wan_emulator_argv(topo), health_url=f"{topo.wan.control_url}/stats")
+        self.procs.start("router", router_argv(topo, self.model_path, self.router_args),
+                         health_url=f"{topo.router_url}/health")
         with tqdm(total=len(self.procs.procs), desc="waiting for servers", unit="proc",
                   file=sys.stderr) as bar:
             self.procs.wait_healthy(timeout_s=timeout_s, progress=lambda name: bar.update(1))
         return self
+
+    def restart_router(self, router_args: list[str]) -> None:
+        """Same servers, a router with other knobs (e.g. another handoff mode)."""
+        self.procs.stop("router")
+        self.router_args = router_args
+        self.procs.start("router", router_argv(self.topology, self.model_path, router_args),
+                         health_url=f"{self.topology.router_url}/health")
+        self.procs.wait_healthy(["router"], timeout_s=120)
+
+    def wan_control(self, action: str, **params) -> dict:
+        """Drive the emulated WAN: stall, partition, heal, reset, corrupt, link (see kv_channel docs)."""
+        from urllib.parse import urlencode
+
+        from sglang_pdd.launcher.http import get_json
+
+        query = f"?{urlencode(params)}" if params else ""
+        return get_json(f"{self.topology.wan.control_url}/{action}{query}")
 
     def stop(self) -> None:
         self.procs.stop_all()

@@ -8,11 +8,13 @@ a crashed launcher leaves nothing behind.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,6 +53,24 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the launcher dies, even by SIGKILL."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+_GROUPS: list["ProcessGroup"] = []
+
+
+def _stop_groups_and_exit(signum, frame):
+    for group in list(_GROUPS):
+        group.stop_all()
+    raise SystemExit(128 + signum)
+
+
 class ProcessGroup:
     """Owns a set of child processes; use as a context manager."""
 
@@ -59,6 +79,12 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, ManagedProcess] = {}
         atexit.register(self.stop_all)
+        _GROUPS.append(self)
+        # A launcher stopped with SIGTERM/SIGHUP (not only Ctrl-C) still stops its children.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                    signal.signal(sig, _stop_groups_and_exit)
 
     def start(self, name: str, argv: list[str], health_url: Optional[str] = None,
               env: Optional[dict[str, str]] = None) -> ManagedProcess:
@@ -69,7 +95,7 @@ class ProcessGroup:
         log.write(f"$ {' '.join(argv)}\n".encode())
         proc.popen = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **proc.env}, start_new_session=True,
+            env={**os.environ, **proc.env}, start_new_session=True, preexec_fn=_die_with_parent,
         )
         log.close()  # the child holds its own descriptor
         self.procs[name] = proc
@@ -105,45 +131,44 @@ class ProcessGroup:
                                     f"log {proc.log_path}:\n{proc.log_tail()}")
 
     def stop(self, name: str, grace_s: float = 10.0) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.popen is None:
-            return
-        _stop_group(proc.popen, grace_s)
-        logger.info("stopped %s", name)
+        self._stop([name], grace_s)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        for name in reversed(list(self.procs)):
-            self.stop(name, grace_s)
+        self._stop(list(self.procs), grace_s)
+        if self in _GROUPS:
+            _GROUPS.remove(self)
+
+    def _stop(self, names: list[str], grace_s: float) -> None:
+        """SIGTERM every named process group at once, SIGKILL what is left after grace_s."""
+        procs = [p for p in (self.procs.pop(n, None) for n in names) if p is not None and p.popen]
+        groups = {}
+        for proc in procs:
+            try:
+                groups[proc.name] = os.getpgid(proc.popen.pid)
+            except ProcessLookupError:
+                proc.popen.poll()
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            for pgid in groups.values():
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                for proc in procs:
+                    proc.popen.poll()  # reap the leader, or its zombie keeps the group "alive"
+                if not any(_group_alive(g) for g in groups.values()):
+                    break
+                time.sleep(0.1)
+        for proc in procs:
+            proc.popen.poll()  # reap
+            logger.info("stopped %s", proc.name)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.stop_all()
-
-
-def _stop_group(popen: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the child's whole process group, then SIGKILL what is left after grace_s."""
-    try:
-        pgid = os.getpgid(popen.pid)
-    except ProcessLookupError:
-        popen.poll()
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            popen.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; make sure its children (scheduler, detokenizer) are too.
-        if not _group_alive(pgid):
-            break
-        time.sleep(0.2)
-        if not _group_alive(pgid):
-            break
 
 
 def _group_alive(pgid: int) -> bool:

@@ -83,13 +83,29 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
 
 
 @dataclass
+class WanLinkSpec:
+    """The emulated WAN between datacenter A (P) and datacenter B (MD's KV receiver)."""
+
+    rate_gbps: Optional[float] = 1.0
+    latency_ms: float = 20.0
+    jitter_ms: float = 1.0
+    listen_port: int = 0
+    control_port: int = 0
+
+    @property
+    def control_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.control_port}"
+
+
+@dataclass
 class Topology:
-    """One P and one RLD in datacenter A, one MD in datacenter B, and a router."""
+    """One P and one RLD in datacenter A, one MD in datacenter B, the WAN between, a router."""
 
     prefill: ServerSpec
     relay: ServerSpec
     main: ServerSpec
     router_port: int
+    wan: WanLinkSpec = field(default_factory=WanLinkSpec)
 
     @classmethod
     def on_free_ports(cls) -> "Topology":
@@ -99,6 +115,7 @@ class Topology:
             main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(),
                             control_port=free_port()),
             router_port=free_port(),
+            wan=WanLinkSpec(listen_port=free_port(), control_port=free_port()),
         )
 
     @property
@@ -108,6 +125,27 @@ class Topology:
     @property
     def router_url(self) -> str:
         return f"http://{LOOPBACK}:{self.router_port}"
+
+
+def wan_emulator_argv(topo: Topology) -> list[str]:
+    argv = [sys.executable, "-m", "sglang_pdd.kv_channel.wan_emulator",
+            "--listen", f"{LOOPBACK}:{topo.wan.listen_port}",
+            "--upstream", f"{LOOPBACK}:{topo.main.wan_listen_port}",
+            "--latency-ms", str(topo.wan.latency_ms), "--jitter-ms", str(topo.wan.jitter_ms),
+            "--control", f"{LOOPBACK}:{topo.wan.control_port}"]
+    if topo.wan.rate_gbps:
+        argv += ["--rate-gbps", str(topo.wan.rate_gbps)]
+    return argv
+
+
+def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = None) -> list[str]:
+    p, m = topo.prefill, topo.main
+    return [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK, "--port", str(topo.router_port),
+            "--tokenizer-path", model_path,
+            "--prefill", f"{p.url},{p.bootstrap_port}", "--relay", topo.relay.url,
+            # P reaches MD's WAN receiver through the emulated link
+            "--main", f"{m.url},{m.control_url},{LOOPBACK}:{topo.wan.listen_port}",
+            *(extra or [])]
 
 
 def write_wan_key(path: Path) -> Path:

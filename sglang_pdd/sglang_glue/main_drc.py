@@ -15,6 +15,7 @@ radix match covers the prompt, and one extend pass recomputes the eager tokens' 
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import queue
@@ -93,6 +94,8 @@ class MainDrcRuntime:
 
     def __init__(self, scheduler, cfg: PddConfig, key: bytes):
         self.cfg = cfg
+        self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
+        self.handed_off: set[int] = set()
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2)
         self.staged: dict[int, torch.Tensor] = {}
@@ -161,7 +164,8 @@ class MainDrcRuntime:
         self.counters["prompt_tokens"] += len(token_ids)
         self.counters["cached_tokens"] += entry.cached_len
         return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
-                "wan_peer": "%s:%d" % self.receiver.address}
+                "wan_peer": "%s:%d" % self.receiver.address,
+                "kv_bytes_per_token": layout.num_layers * layout.bytes_per_page}
 
     def _do_release(self, room: int) -> bool:
         self.receiver.release_room(room)
@@ -198,6 +202,34 @@ class MainDrcRuntime:
         if entry is None:
             return {"room": room, "status": "failed", "reason": "released or expired"}
         return {"room": room, "status": entry.status.value, "reason": entry.reason}
+
+    def handoff_request(self, room: int, body: dict) -> tuple[dict, bool]:
+        """Turn a compact handoff (eager token ids) into MD's own /generate request.
+
+        Only the eager tokens cross the WAN; the prompt's ids are the ones MD registered.
+        Returns (generate body, stream?). Stale (unknown / not ready) and duplicate final
+        handoffs are refused with RoomError, and logged."""
+        entry = self.rooms.rooms.get(room)
+        if entry is None or entry.status is not RoomStatus.READY:
+            logger.warning("stale handoff for room %s (%s) ignored", room,
+                           "unknown" if entry is None else entry.status.value)
+            raise RoomError(f"stale handoff: room {room} is {'unknown' if entry is None else entry.status.value}")
+        eager = body.get("token_ids")
+        if not isinstance(eager, list) or not all(isinstance(t, int) and t >= 0 for t in eager):
+            raise RoomError("handoff needs 'token_ids': [non-negative int, ...]")
+        sampling = body.get("sampling_params") or {}
+        if not isinstance(sampling, dict):
+            raise RoomError("sampling_params must be an object")
+        warmup = bool(body.get("warmup"))  # a catch-up batch: extend only, no continuation
+        if not warmup:
+            if room in self.handed_off:
+                logger.warning("duplicate handoff for room %s ignored", room)
+                raise RoomError(f"duplicate handoff for room {room}")
+            self.handed_off.add(room)
+        gen = {"input_ids": list(entry.token_ids) + eager, "rid": body.get("rid"),
+               "sampling_params": {**sampling, "max_new_tokens": 1} if warmup else sampling,
+               "stream": not warmup}
+        return gen, not warmup
 
     def stats(self) -> dict:
         c = dict(self.counters)
@@ -263,7 +295,10 @@ class _ControlHandler(BaseHTTPRequestHandler):
         self._reply(404, {"error": f"no route {url.path}"})
 
     def do_POST(self):
-        if urlparse(self.path).path != "/pdd/rooms":
+        path = urlparse(self.path).path
+        if path.startswith("/pdd/rooms/") and path.endswith("/handoff"):
+            return self._handoff(int(path.split("/")[3]))
+        if path != "/pdd/rooms":
             return self._reply(404, {"error": f"no route {self.path}"})
 
         def register():
@@ -275,6 +310,34 @@ class _ControlHandler(BaseHTTPRequestHandler):
             return self.runtime.call("register", room, ids)
 
         self._guard(register)
+
+    def _handoff(self, room: int) -> None:
+        try:
+            gen, stream = self.runtime.handoff_request(room, self._body())
+        except (RoomError, ValueError) as e:
+            return self._reply(409 if "stale" in str(e) or "duplicate" in str(e) else 400, {"error": str(e)})
+        # Relay MD's own /generate (loopback) back to the router, streaming as it comes.
+        conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=600)
+        try:
+            conn.request("POST", "/generate", body=json.dumps(gen), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            self.send_response(resp.status)
+            self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            while True:
+                chunk = resp.read1(65536) if stream else resp.read()
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+                self.wfile.flush()
+                if not stream:
+                    break
+        except (OSError, http.client.HTTPException) as e:
+            logger.warning("handoff for room %s: MD generate failed: %r", room, e)
+        finally:
+            conn.close()
+            self.close_connection = True
 
     def do_DELETE(self):
         path = urlparse(self.path).path

@@ -1,0 +1,111 @@
+"""Async clients for the router's backends: SGLang /generate streams and MD's control API."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator, Optional
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+class BackendError(RuntimeError):
+    """A backend answered with an error status, a malformed stream, or not at all."""
+
+
+async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict) -> AsyncIterator[dict]:
+    """POST /generate with stream=true; yields each SSE data object (cumulative output_ids)."""
+    async with session.post(f"{url}/generate", json={**body, "stream": True}) as resp:
+        async for event in sse_events(resp, url):
+            yield event
+
+
+async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[dict]:
+    if resp.status != 200:
+        raise BackendError(f"{url} -> HTTP {resp.status}: {(await resp.text())[:300]}")
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise BackendError(f"{url}: malformed stream event {data[:100]!r}") from e
+        if isinstance(event, dict) and "error" in event:
+            raise BackendError(f"{url}: {event['error']}")
+        yield event
+
+
+async def generate_once(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with session.post(f"{url}/generate", json={**body, "stream": False}) as resp:
+        payload = await resp.json(content_type=None)
+        if resp.status != 200:
+            raise BackendError(f"{url} /generate -> HTTP {resp.status}: {str(payload)[:300]}")
+        return payload
+
+
+async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
+    """Best effort: ask a server to drop a request (frees its KV)."""
+    try:
+        async with session.post(f"{url}/abort_request", json={"rid": rid},
+                                timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        logger.warning("abort of %s on %s failed: %r", rid, url, e)
+
+
+class MainControl:
+    """MD's control API (served by the sglang-pdd plugin inside MD's scheduler)."""
+
+    def __init__(self, session: aiohttp.ClientSession, control_url: str):
+        self.session, self.url = session, control_url
+
+    async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0) -> dict:
+        async with self.session.post(f"{self.url}/pdd/rooms", json={"room": room, "token_ids": token_ids},
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            payload = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise BackendError(f"MD register room {room}: HTTP {resp.status} {payload}")
+            return payload
+
+    async def wait_ready(self, room: int, timeout_s: float) -> dict:
+        async with self.session.get(f"{self.url}/pdd/rooms/{room}/ready", params={"timeout_s": str(timeout_s)},
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s + 10)) as resp:
+            payload = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise BackendError(f"MD ready room {room}: HTTP {resp.status} {payload}")
+            return payload
+
+    async def handoff(self, room: int, body: dict) -> dict:
+        """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
+        async with self.session.post(f"{self.url}/pdd/rooms/{room}/handoff", json=body) as resp:
+            payload = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise BackendError(f"MD handoff room {room}: HTTP {resp.status} {payload}")
+            return payload
+
+    async def handoff_stream(self, room: int, body: dict) -> AsyncIterator[dict]:
+        """The final handoff: MD continues the request; yields its stream events."""
+        async with self.session.post(f"{self.url}/pdd/rooms/{room}/handoff", json=body) as resp:
+            async for event in sse_events(resp, f"MD room {room} handoff"):
+                yield event
+
+    async def release(self, room: int) -> None:
+        try:
+            async with self.session.delete(f"{self.url}/pdd/rooms/{room}",
+                                           timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("release of room %s on %s failed: %r", room, self.url, e)
+
+    async def stats(self) -> Optional[dict]:
+        try:
+            async with self.session.get(f"{self.url}/pdd/stats", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError):
+            return None

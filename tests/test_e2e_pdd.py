@@ -1,0 +1,184 @@
+"""End-to-end PDD on real SGLang servers: P + RLD (datacenter A), MD behind an emulated WAN.
+
+The reference is a plain single server: greedy output_ids through every PDD path, handoff
+mode and threshold must equal it, token for token, streaming or not, and through WAN / MD
+failures (RLD finishes the request). The WAN is slow on purpose (1 Mbit/s, 20 ms) so that
+RLD has produced eager tokens by the time MD's KV lands and handoffs happen mid-stream.
+"""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sglang_pdd.launcher.http import get_json, post_json
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 24
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import collections\n\nclass LRUCache:\n    def __init__(self, capacity):",
+    "import collections\n\nclass LRUCache:\n    def get(self, key):",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "for i in range(10):\n    print(i)",
+]
+
+
+def greedy_body(prompt: str, **extra) -> dict:
+    return {"text": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference(single_server):
+    return {p: post_json(f"{single_server}/generate", greedy_body(p))["output_ids"] for p in PROMPTS}
+
+
+def route(cluster, prompt: str, **options) -> dict:
+    return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
+
+
+CONFIGS = [
+    {"path": "p_rld_md", "handoff_mode": "one_shot"},
+    {"path": "p_rld_md", "handoff_mode": "catch_up", "catch_up_threshold": 2},
+    {"path": "p_rld_md", "handoff_mode": "catch_up", "catch_up_threshold": 64},
+    {"path": "p_md"},
+    {"path": "p_rld_only"},
+]
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_pdd_output_ids_equal_single_server(pdd_cluster, reference, options):
+    handoffs = 0
+    for prompt in PROMPTS:
+        got = route(pdd_cluster, prompt, **options)
+        pdd = got["meta_info"]["pdd"]
+        assert got["output_ids"] == reference[prompt], (prompt, pdd)
+        assert got["meta_info"]["completion_tokens"] == MAX_NEW
+        assert pdd["path"] == options["path"]
+        assert pdd["rld_tokens"] + pdd["md_tokens"] == MAX_NEW
+        if pdd["handoff_at"] is not None:
+            handoffs += 1
+            assert pdd["md_tokens"] == MAX_NEW - pdd["handoff_at"] > 0
+            assert pdd["handoff_payload_bytes"] < 1500
+        assert not pdd["fallbacks"], pdd
+    if options["path"] == "p_rld_only":
+        assert handoffs == 0
+    else:
+        assert handoffs == len(PROMPTS)  # every request really moved to MD
+
+
+def test_catch_up_hands_over_in_batches(pdd_cluster, reference):
+    prompt = PROMPTS[3]
+    got = route(pdd_cluster, prompt, path="p_rld_md", handoff_mode="catch_up", catch_up_threshold=1)
+    pdd = got["meta_info"]["pdd"]
+    assert got["output_ids"] == reference[prompt]
+    if pdd["handoff_at"] and pdd["handoff_at"] > 1:
+        assert len(pdd["catch_up_batches"]) >= 2 and sum(pdd["catch_up_batches"]) == pdd["handoff_at"]
+
+
+def test_streaming_is_one_ordered_stream(pdd_cluster, reference):
+    prompt = PROMPTS[1]
+    body = greedy_body(prompt, stream=True, pdd_options={"path": "p_rld_md", "handoff_mode": "one_shot"})
+    req = urllib.request.Request(f"{pdd_cluster.topology.router_url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            line = line.strip()
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                events.append(json.loads(line[5:]))
+    ids = [e["output_ids"] for e in events]
+    assert ids[-1] == reference[prompt]
+    for shorter, longer in zip(ids, ids[1:]):
+        assert longer[:len(shorter)] == shorter  # cumulative: nothing rewritten, nothing dropped
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert events[-1]["meta_info"]["pdd"]["handoff_at"] is not None
+
+
+def test_drc_second_turn_only_sends_the_new_suffix(pdd_cluster, single_server):
+    control = pdd_cluster.topology.main.control_url
+    turn1 = "def parse(config):\n    values = {}\n"
+    first = route(pdd_cluster, turn1, path="p_md")
+    turn2 = turn1 + first["text"] + "\n# next turn\n"
+    before = get_json(f"{control}/pdd/stats")
+    second = route(pdd_cluster, turn2, path="p_md")
+    after = get_json(f"{control}/pdd/stats")
+    ref = post_json(f"{single_server}/generate", greedy_body(turn2))["output_ids"]
+    assert second["output_ids"] == ref
+    cached = second["meta_info"]["pdd"]["md_cached_tokens"]
+    assert cached >= first["meta_info"]["prompt_tokens"]  # the prompt of turn 1 at least
+    assert after["cached_tokens"] - before["cached_tokens"] == cached
+    sent = after["wan_tokens"] - before["wan_tokens"]
+    assert sent == second["meta_info"]["prompt_tokens"] - cached  # only the suffix crossed
+
+
+def test_wan_partition_rld_finishes_without_loss(pdd_cluster, reference):
+    pdd_cluster.wan_control("partition")
+    try:
+        for options in ({"path": "p_rld_md"}, {"path": "p_md"}):
+            got = route(pdd_cluster, PROMPTS[0], **options)
+            pdd = got["meta_info"]["pdd"]
+            assert got["output_ids"] == reference[PROMPTS[0]], pdd
+            assert pdd["md_tokens"] == 0  # MD never took over
+            if options["path"] == "p_md":  # RLD stopped after token 1: the router recovered on RLD
+                assert any(f.startswith("wan_failed") for f in pdd["fallbacks"]), pdd
+                assert any(f.startswith("recovered_on_relay") for f in pdd["fallbacks"]), pdd
+    finally:
+        pdd_cluster.wan_control("heal")
+    deadline = time.time() + 30
+    while get_json(f"{pdd_cluster.topology.main.control_url}/pdd/stats")["open_rooms"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert get_json(f"{pdd_cluster.topology.main.control_url}/pdd/stats")["open_rooms"] == 0
+
+
+def _status(url: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_md_refuses_stale_and_malformed_handoffs(pdd_cluster):
+    control = pdd_cluster.topology.main.control_url
+    code, body = _status(f"{control}/pdd/rooms/12345/handoff", json.dumps({"token_ids": [1, 2]}).encode())
+    assert code == 409 and "stale handoff" in body["error"]
+    code, body = _status(f"{control}/pdd/rooms", b"{not json")
+    assert code == 400
+    code, body = _status(f"{control}/pdd/rooms", json.dumps({"room": 1, "token_ids": [-1]}).encode())
+    assert code == 400 and "non-negative" in body["error"]
+    assert get_json(f"{control}/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("path,body,code,needle", [
+    ("/generate", b"{oops", 400, "malformed JSON"),
+    ("/generate", json.dumps({"sampling_params": {}}).encode(), 400, "'text' or 'input_ids'"),
+    ("/generate", json.dumps({"input_ids": [1] * 40000}).encode(), 400, "--max-prompt-tokens"),
+    ("/generate", json.dumps({"text": "x", "pdd_options": {"path": "nowhere"}}).encode(), 400, "bad pdd_options"),
+    ("/v1/completions", json.dumps({"model": "gpt-9", "prompt": "hi"}).encode(), 404, "unknown model"),
+])
+def test_router_rejects_bad_input_clearly(pdd_cluster, path, body, code, needle):
+    got_code, got = _status(f"{pdd_cluster.topology.router_url}{path}", body)
+    assert got_code == code and needle in json.dumps(got)
+    assert get_json(f"{pdd_cluster.topology.router_url}/health")["status"] == "ok"
+
+
+def test_openai_completions_match_generate(pdd_cluster, reference):
+    code, got = _status(f"{pdd_cluster.topology.router_url}/v1/completions", json.dumps(
+        {"prompt": PROMPTS[4], "max_tokens": MAX_NEW, "temperature": 0}).encode())
+    assert code == 200 and got["usage"]["completion_tokens"] == MAX_NEW
+    direct = route(pdd_cluster, PROMPTS[4], path="p_rld_md")
+    assert got["choices"][0]["text"] == direct["text"]
+
+
+def test_metrics_count_paths_and_handoffs(pdd_cluster):
+    with urllib.request.urlopen(f"{pdd_cluster.topology.router_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'pdd:requests_total{path="p_rld_md"}' in text
+    count = [l for l in text.splitlines() if l.startswith('pdd:handoffs_total{mode="one_shot"}')]
+    assert count and float(count[0].split()[-1]) >= 1

@@ -1,0 +1,83 @@
+"""The launcher's process supervision: health waits, clear failures, and no orphans, ever."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
+
+MARK = "pdd-test-sleeper"
+
+
+def alive(marker: str) -> int:
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return len(out.split())
+
+
+def sleeper(marker: str, ignore_term: bool = False) -> list[str]:
+    code = textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        {'signal.signal(signal.SIGTERM, signal.SIG_IGN)' if ignore_term else ''}
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # {marker}"])
+        time.sleep(120)  # {marker}
+    """)
+    return [sys.executable, "-c", code]
+
+
+def test_stop_all_kills_children_and_grandchildren_even_if_they_ignore_sigterm(tmp_path):
+    marker = f"{MARK}-a"
+    with ProcessGroup(tmp_path) as group:
+        group.start("stubborn", sleeper(marker, ignore_term=True))
+        group.start("polite", sleeper(marker))
+        time.sleep(1.0)
+        assert alive(marker) == 4
+        group.stop_all(grace_s=0.5)
+    time.sleep(0.5)
+    assert alive(marker) == 0
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    marker = f"{MARK}-b"
+    argv_file = tmp_path / "child.json"
+    argv_file.write_text(json.dumps(sleeper(marker)))  # keeps the marker off the launcher's own argv
+    launcher = textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from pathlib import Path
+        from sglang_pdd.launcher.processes import ProcessGroup
+        group = ProcessGroup(Path({str(tmp_path)!r}))
+        group.start("child", json.loads(Path({str(argv_file)!r}).read_text()))
+        print("started", flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(1.0)
+    assert alive(marker) == 2
+    proc.kill()  # SIGKILL: no handler runs; the child dies with its parent (PDEATHSIG)
+    proc.wait()
+    deadline = time.time() + 10
+    while alive(marker) > 1 and time.time() < deadline:
+        time.sleep(0.2)
+    assert alive(marker) <= 1  # the direct child is gone at once
+    subprocess.run(["pkill", "-f", marker])  # a grandchild of a SIGKILLed tree is outside our reach
+
+
+def test_child_dying_before_healthy_fails_with_its_log(tmp_path):
+    with ProcessGroup(tmp_path) as group:
+        group.start("broken", [sys.executable, "-c", "print('bad flag --pdd-role'); raise SystemExit(2)"],
+                    health_url="http://127.0.0.1:9/health")
+        with pytest.raises(ProcessFailed, match=r"broken exited with code 2(.|\n)*bad flag --pdd-role"):
+            group.wait_healthy(timeout_s=20)
+
+
+def test_duplicate_name_rejected(tmp_path):
+    with ProcessGroup(tmp_path) as group:
+        group.start("one", [sys.executable, "-c", "pass"])
+        with pytest.raises(ValueError, match="already started"):
+            group.start("one", [sys.executable, "-c", "pass"])
