@@ -116,3 +116,12 @@ def test_room_limit_bounds_memory():
     rooms.register(2, [2], 0)
     with pytest.raises(RoomError, match="too many open rooms"):
         rooms.register(3, [3], 0)
+
+
+def test_use_cache_false_ignores_the_cached_prefix_and_locks_nothing():
+    tree = FakeTree(cached=[1, 2, 3])
+    rooms = DrcRooms(tree)
+    entry = rooms.register(1, [1, 2, 3, 4], now=0, use_cache=False)
+    assert entry.cached_len == 0 and tree.live_locks() == {}
+    rooms.complete(1, staged="kv", now=1)
+    assert tree.ingested == [((1, 2, 3, 4), 0, "kv")]

@@ -69,19 +69,22 @@ class DrcRooms:
         self.rooms: dict[int, DrcRoom] = {}
 
     def register(self, room: int, token_ids: Sequence[int], now: float,
-                 ttl_s: Optional[float] = None) -> DrcRoom:
+                 ttl_s: Optional[float] = None, use_cache: bool = True) -> DrcRoom:
+        """``use_cache=False`` ignores MD's cached prefix (the whole prompt crosses the WAN):
+        the baseline "plain cross-DC PD" that benchmarks compare DRC against."""
         if room in self.rooms:
             raise RoomError(f"room {room} is already registered")
         if not token_ids:
             raise RoomError(f"room {room}: empty prompt")
         if len(self.rooms) >= self.max_rooms:
             raise RoomError(f"room {room}: too many open rooms ({self.max_rooms})")
-        cached_len, node = self.tree.match(token_ids)
-        # At least the last prompt token always crosses the WAN, so every room has a transfer
-        # whose arrival marks it ready (a fully cached prompt still gets a 1-token transfer).
-        cached_len = min(cached_len, len(token_ids) - 1)
-        entry = DrcRoom(room, tuple(token_ids), cached_len, now + (ttl_s or self.ttl_s))
-        entry.locks.append(self.tree.lock(node))
+        entry = DrcRoom(room, tuple(token_ids), 0, now + (ttl_s or self.ttl_s))
+        if use_cache:
+            cached_len, node = self.tree.match(token_ids)
+            # At least the last prompt token always crosses the WAN, so every room has a
+            # transfer whose arrival marks it ready (a fully cached prompt sends 1 token).
+            entry.cached_len = min(cached_len, len(token_ids) - 1)
+            entry.locks.append(self.tree.lock(node))
         self.rooms[room] = entry
         return entry
 

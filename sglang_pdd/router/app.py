@@ -27,7 +27,9 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.backends import BackendError
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
+from sglang_pdd.router.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathPolicyConfig
+from sglang_pdd.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -35,18 +37,36 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 class Pools:
-    def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend]):
+    """Backend pools and what the router knows of them: in-flight counts and cached prefixes."""
+
+    def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
+                 index_blocks_per_instance: int = 1 << 16):
         if not prefill or not relay:
             raise ValueError("the router needs at least one --prefill and one --relay server")
         self.prefill, self.relay, self.main = prefill, relay, main
         self._rr = itertools.count()
         self.rld_inflight = {url: 0 for url in relay}
+        self.md_inflight = {m.url: 0 for m in main}
+        # Approximate prefix index (16-token blocks): P's hit estimate and MD session affinity.
+        self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
 
-    def pick(self) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
-        i = next(self._rr)
+    def pick(self, input_ids: list[int]) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
+        prefill = self.prefill[next(self._rr) % len(self.prefill)]
         relay = min(self.relay, key=lambda url: self.rld_inflight[url])  # least loaded RLD
-        main = self.main[i % len(self.main)] if self.main else None
-        return self.prefill[i % len(self.prefill)], relay, main
+        main = None
+        if self.main:
+            owner, matched = self.prefixes.best([m.url for m in self.main], input_ids)
+            loads = [InstanceLoad(m.url, self.md_inflight[m.url]) for m in self.main]
+            # Stay with the MD holding the session's prefix unless it has 4+ more requests in flight.
+            chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=4)
+            main = next(m for m in self.main if m.url == chosen)
+        return prefill, relay, main
+
+    def record(self, flow: PddFlow, output_ids: list[int]) -> None:
+        """After a request: P holds its prompt; the MD that decoded it holds prompt + output."""
+        self.prefixes.record(flow.prefill.url, flow.ids)
+        if flow.main is not None and flow.result.md_tokens:
+            self.prefixes.record(flow.main.url, flow.ids + output_ids)
 
 
 class RequestError(ValueError):
@@ -146,12 +166,13 @@ class Router:
 
     def _flow(self, input_ids, sampling, rid, options: Optional[dict] = None) -> PddFlow:
         """``options`` (body "pdd_options") override the router's knobs for one request:
-        path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold. For tests,
+        path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc (false:
+        MD ignores its cache, i.e. plain cross-DC PD that ships the whole prompt). For tests,
         benchmarks comparing variants side by side, and operators debugging one request."""
         cfg, force_path = self.flow_cfg, None
         if options is not None:
-            if not isinstance(options, dict) or set(options) - {"path", "handoff_mode", "catch_up_threshold"}:
-                raise RequestError("pdd_options may set only path, handoff_mode, catch_up_threshold")
+            if not isinstance(options, dict) or set(options) - {"path", "handoff_mode", "catch_up_threshold", "drc"}:
+                raise RequestError("pdd_options may set only path, handoff_mode, catch_up_threshold, drc")
             try:
                 force_path = Path(options["path"]) if "path" in options else None
                 handoff = dataclasses.replace(
@@ -161,13 +182,16 @@ class Router:
             except ValueError as e:
                 raise RequestError(f"bad pdd_options: {e}") from None
             cfg = dataclasses.replace(cfg, handoff=handoff)
-        prefill, relay, main = self.pools.pick()
-        return PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
-                       rld_inflight=self.pools.rld_inflight[relay], force_path=force_path)
+        prefill, relay, main = self.pools.pick(input_ids)
+        flow = PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
+                       rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
+                       use_drc=bool((options or {}).get("drc", True)))
+        flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
+        return flow
 
     async def _collect(self, flow: PddFlow) -> tuple[list[int], Optional[str]]:
         tokens, error = [], None
-        self.pools.rld_inflight[flow.relay_url] += 1
+        self._admit(flow, +1)
         try:
             async for new in flow.events():
                 tokens.extend(new)
@@ -175,9 +199,14 @@ class Router:
             error = str(e)
             logger.error("rid %s failed: %s", flow.result.rid, e)
         finally:
-            self.pools.rld_inflight[flow.relay_url] -= 1
-            self._observe(flow, len(tokens))
+            self._admit(flow, -1)
+            self._observe(flow, tokens)
         return tokens, error
+
+    def _admit(self, flow: PddFlow, delta: int) -> None:
+        self.pools.rld_inflight[flow.relay_url] += delta
+        if flow.main is not None:
+            self.pools.md_inflight[flow.main.url] += delta
 
     async def _once(self, flow: PddFlow) -> web.Response:
         tokens, error = await self._collect(flow)
@@ -190,7 +219,7 @@ class Router:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         tokens: list[int] = []
-        self.pools.rld_inflight[flow.relay_url] += 1
+        self._admit(flow, +1)
         try:
             async for new in flow.events():
                 tokens.extend(new)
@@ -207,8 +236,8 @@ class Router:
             logger.error("rid %s failed mid-stream: %s", flow.result.rid, e)
             await out.write(b"data: " + json.dumps({"error": str(e)}).encode() + b"\n\ndata: [DONE]\n\n")
         finally:
-            self.pools.rld_inflight[flow.relay_url] -= 1
-            self._observe(flow, len(tokens))
+            self._admit(flow, -1)
+            self._observe(flow, tokens)
         await out.write_eof()
         return out
 
@@ -218,14 +247,19 @@ class Router:
                 "finish_reason": r.finish_reason if final else None, "cached_tokens": r.md_cached_tokens,
                 "pdd": asdict(r)}
 
-    def _observe(self, flow: PddFlow, n_tokens: int) -> None:
+    def _observe(self, flow: PddFlow, tokens: list[int]) -> None:
+        self.pools.record(flow, tokens)
+        n_tokens = len(tokens)
         r = flow.result
         e2e = time.perf_counter() - flow.t0
         tpot = (e2e - r.ttft_s) / (n_tokens - 1) if r.ttft_s is not None and n_tokens > 1 else None
         try:
             self.metrics.observe_request(r.path or "p_rld_only", ttft_s=r.ttft_s, tpot_s=tpot, e2e_s=e2e,
                                          prompt_tokens=r.prompt_tokens, md_cached_tokens=r.md_cached_tokens,
+                                         p_cached_tokens=min(r.p_cached_tokens, r.prompt_tokens),
                                          rld_output_tokens=r.rld_tokens, md_output_tokens=r.md_tokens)
+            if r.wan_bytes is not None:
+                self.metrics.wan_transfer(r.wan_bytes, r.wan_bytes_saved)
             if r.handoff_mode and r.handoff_at is not None:
                 self.metrics.observe_handoff(r.handoff_mode, r.handoff_stall_s, r.handoff_payload_bytes or 0)
             for fb in r.fallbacks:

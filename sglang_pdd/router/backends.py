@@ -65,8 +65,10 @@ class MainControl:
     def __init__(self, session: aiohttp.ClientSession, control_url: str):
         self.session, self.url = session, control_url
 
-    async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0) -> dict:
-        async with self.session.post(f"{self.url}/pdd/rooms", json={"room": room, "token_ids": token_ids},
+    async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0,
+                       use_cache: bool = True) -> dict:
+        body = {"room": room, "token_ids": token_ids, "use_cache": use_cache}
+        async with self.session.post(f"{self.url}/pdd/rooms", json=body,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.json(content_type=None)
             if resp.status != 200:

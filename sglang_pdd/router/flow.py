@@ -69,6 +69,10 @@ class FlowResult:
     reason: str = ""
     prompt_tokens: int = 0
     md_cached_tokens: int = 0
+    p_cached_tokens: int = 0  # P's radix hit, as P reported it
+    p_cached_estimate: int = 0  # the router's estimate before sending (prefix index)
+    wan_bytes: Optional[int] = None  # KV bytes sent to MD over the WAN
+    wan_bytes_saved: int = 0  # KV bytes MD already had (DRC hit)
     handoff_at: Optional[int] = None
     handoff_mode: Optional[str] = None
     handoff_stall_s: Optional[float] = None
@@ -90,7 +94,8 @@ class PddFlow:
 
     def __init__(self, session: aiohttp.ClientSession, cfg: FlowConfig, prefill: PrefillBackend,
                  relay_url: str, main: Optional[MainBackend], input_ids: list[int], sampling: dict,
-                 rid: Optional[str] = None, rld_inflight: int = 0, force_path: Optional[Path] = None):
+                 rid: Optional[str] = None, rld_inflight: int = 0, force_path: Optional[Path] = None,
+                 use_drc: bool = True):
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
@@ -106,6 +111,7 @@ class PddFlow:
         self.leg = 0  # relay legs started (a recovery starts a new one)
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
         self.force_path = force_path
+        self.use_drc = use_drc
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ entry point
@@ -200,8 +206,11 @@ class PddFlow:
         if self.main is not None:
             self.room = new_room()
             try:
-                reg = await self.control.register(self.room, self.ids)
+                reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
                 cached = int(reg["cached_tokens"])
+                per_token = int(reg.get("kv_bytes_per_token") or 0)
+                self.result.wan_bytes = (len(self.ids) - cached) * per_token
+                self.result.wan_bytes_saved = cached * per_token
                 if reg.get("kv_bytes_per_token"):  # MD knows its KV size exactly
                     self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
                         self.cfg.path, kv_bytes_per_token=int(reg["kv_bytes_per_token"])))
@@ -221,6 +230,7 @@ class PddFlow:
         if decision.path is Path.P_RLD_ONLY:
             await self.control.release(self.room)  # outlier: cancel the WAN transfer up front
             self.room = None
+            self.result.wan_bytes, self.result.wan_bytes_saved = 0, 0
         return decision.path
 
     # ------------------------------------------------------------------ legs
@@ -244,7 +254,9 @@ class PddFlow:
 
     async def _prefill_leg(self, body: dict) -> None:
         try:
-            await generate_once(self.session, self.prefill.url, body)
+            reply = await generate_once(self.session, self.prefill.url, body)
+            if self.leg == 1:
+                self.result.p_cached_tokens = int(reply.get("meta_info", {}).get("cached_tokens") or 0)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             await self.queue.put(("rld_error", f"prefill: {e}"))
 

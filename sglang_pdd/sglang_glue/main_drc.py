@@ -67,7 +67,7 @@ class SglangTreeOps:
     def ingest(self, token_ids, prefix_len, prefix_node, staged):
         EvictParams, InsertParams, _, _ = self._types
         # Re-match: the prefix is locked, so at least prefix_len tokens still match.
-        cached, node = self.match(token_ids[:prefix_len])
+        cached, node = self.match(token_ids[:prefix_len]) if prefix_len else (0, None)
         if cached < prefix_len:
             raise DrcFull(f"locked prefix shrank from {prefix_len} to {cached}")
         need = len(token_ids) - prefix_len
@@ -78,8 +78,10 @@ class SglangTreeOps:
         if slots is None:
             raise DrcFull(f"cannot allocate {need} KV slots")
         scatter_rows(self.pool, slots, staged)
-        prefix_idx = self.tree.path_device_indices(node)[:prefix_len].to(torch.int64)
-        value = torch.cat([prefix_idx.to(slots.device), slots.to(torch.int64)])
+        value = slots.to(torch.int64)
+        if prefix_len:
+            prefix_idx = self.tree.path_device_indices(node)[:prefix_len].to(torch.int64)
+            value = torch.cat([prefix_idx.to(slots.device), value])
         # prev_prefix_len: slots before it are the tree's own; any of ours that duplicate a
         # concurrent insert are freed by the tree itself.
         self.tree.insert(InsertParams(key=self._key(token_ids), value=value, prev_prefix_len=prefix_len))
@@ -141,8 +143,8 @@ class MainDrcRuntime:
         for entry in self.rooms.expire(now):
             self._forget(entry.room)
 
-    def _do_register(self, room: int, token_ids: list[int]) -> dict:
-        entry = self.rooms.register(room, token_ids, time.monotonic())
+    def _do_register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
+        entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
         layout = self.ops.layout
         sent = len(token_ids) - entry.cached_len
         staged = torch.empty((layout.num_layers, sent, layout.bytes_per_page), dtype=torch.uint8)
@@ -307,7 +309,7 @@ class _ControlHandler(BaseHTTPRequestHandler):
             if not isinstance(room, int) or not isinstance(ids, list) or \
                     not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise RoomError("need {'room': int, 'token_ids': [non-negative int, ...]}")
-            return self.runtime.call("register", room, ids)
+            return self.runtime.call("register", room, ids, bool(body.get("use_cache", True)))
 
         self._guard(register)
 
