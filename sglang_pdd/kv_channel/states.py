@@ -12,6 +12,7 @@ FAILED always comes with a reason (a ``FailureReason`` value) and a detail strin
 """
 
 import enum
+from typing import Optional
 
 
 class RoomState(enum.IntEnum):
@@ -41,3 +42,33 @@ class FailureReason:
     PROTOCOL = "protocol"  # malformed frame on a stream carrying the room
     ABORTED = "aborted"  # the peer or the local owner aborted the room
     CLOSED = "closed"  # the local endpoint was closed
+
+
+class RoomQueries:
+    """Per-room state queries shared by the sender and the receiver.
+
+    Both keep ``self._rooms`` (room id -> entry with ``state``, ``reason``, ``detail`` and a
+    ``done`` event set on a terminal state) guarded by the condition ``self._cv``.
+    """
+
+    def poll(self, room: int) -> RoomState:
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is None:
+                raise KeyError(f"unknown room {room}")
+            return entry.state
+
+    def failure(self, room: int) -> tuple[str, str]:
+        """(reason, detail) of a FAILED room; ("", "") otherwise."""
+        with self._cv:
+            entry = self._rooms[room]
+            return entry.reason, entry.detail
+
+    def failure_reason(self, room: int) -> str:
+        return self.failure(room)[0]
+
+    def wait(self, room: int, timeout: Optional[float] = None) -> RoomState:
+        with self._cv:
+            entry = self._rooms[room]
+        entry.done.wait(timeout)
+        return entry.state

@@ -49,7 +49,7 @@ import numpy as np
 
 from .handshake import AuthError, check_key, server_handshake
 from .layout import KvLayout, num_pages, token_digest
-from .states import FailureReason, RoomState
+from .states import FailureReason, RoomState, RoomQueries
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
 from .wire import (
     DEFAULT_MAX_HEADER_BYTES,
@@ -129,7 +129,7 @@ class _Session:
         self.dead = False
 
 
-class WanKvReceiver:
+class WanKvReceiver(RoomQueries):
     """Accepts authenticated senders and writes the KV of registered rooms."""
 
     def __init__(
@@ -213,27 +213,6 @@ class WanKvReceiver:
                 raise ValueError(f"room {room} is already registered")
             self._rooms[room] = entry
             self._rejected_rooms.pop(room, None)
-
-    def poll(self, room: int) -> RoomState:
-        with self._cv:
-            entry = self._rooms.get(room)
-            if entry is None:
-                raise KeyError(f"unknown room {room}")
-            return entry.state
-
-    def failure(self, room: int) -> tuple[str, str]:
-        with self._cv:
-            entry = self._rooms[room]
-            return entry.reason, entry.detail
-
-    def failure_reason(self, room: int) -> str:
-        return self.failure(room)[0]
-
-    def wait(self, room: int, timeout: Optional[float] = None) -> RoomState:
-        with self._cv:
-            entry = self._rooms[room]
-        entry.done.wait(timeout)
-        return entry.state
 
     def abort(self, room: int, reason: str = "aborted by owner") -> None:
         with self._cv:

@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 
 from .handshake import AuthError, check_key, client_handshake
 from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, TransferPlan, token_digest
-from .states import FailureReason, RoomState
+from .states import FailureReason, RoomState, RoomQueries
 from .wire import (
     Abort,
     Ack,
@@ -126,7 +126,7 @@ class _Session:
         self.streams = [_Stream(i) for i in range(sender.num_streams)]
 
 
-class WanKvSender:
+class WanKvSender(RoomQueries):
     """Sends KV of many rooms to one ``WanKvReceiver`` over N parallel TCP streams."""
 
     def __init__(
@@ -220,28 +220,6 @@ class WanKvSender:
         logger.debug("room %s: begin, pages [%d, %d) x %d layers, %d chunks, %d bytes",
                      room, plan.first_page, plan.end_page, layout.num_layers, plan.num_chunks, plan.total_bytes)
         return Transfer(self, entry)
-
-    def poll(self, room: int) -> RoomState:
-        with self._cv:
-            entry = self._rooms.get(room)
-            if entry is None:
-                raise KeyError(f"unknown room {room}")
-            return entry.state
-
-    def failure(self, room: int) -> tuple[str, str]:
-        """(reason, detail) of a FAILED room; ("", "") otherwise."""
-        with self._cv:
-            entry = self._rooms[room]
-            return entry.reason, entry.detail
-
-    def failure_reason(self, room: int) -> str:
-        return self.failure(room)[0]
-
-    def wait(self, room: int, timeout: Optional[float] = None) -> RoomState:
-        with self._cv:
-            entry = self._rooms[room]
-        entry.done.wait(timeout)
-        return entry.state
 
     def abort(self, room: int, reason: str = FailureReason.ABORTED) -> None:
         with self._cv:
