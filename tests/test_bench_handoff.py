@@ -1,0 +1,53 @@
+"""Pure helpers of benchmarks/bench_handoff.py (statistics, link scaling, payload sizes)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_handoff.py"
+_spec = importlib.util.spec_from_file_location("bench_handoff", _path)
+bh = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bh)
+
+
+def test_summarize_known_values():
+    s = bh.summarize([1.0, 2.0, 3.0, 4.0, None])
+    assert s["n"] == 4 and s["mean"] == 2.5 and s["p50"] == 2.5 and s["max"] == 4.0 and s["min"] == 1.0
+    assert s["p99"] == pytest.approx(3.97)  # linear interpolation between the two largest
+    assert s["std"] == pytest.approx(1.2909944, rel=1e-6)  # sample std (ddof=1)
+
+
+def test_summarize_degenerate():
+    assert bh.summarize([]) == {"n": 0}
+    assert bh.summarize([None]) == {"n": 0}
+    one = bh.summarize([0.5])
+    assert one["std"] == 0.0 and one["p50"] == one["p99"] == one["max"] == 0.5
+
+
+def test_scaled_rate_keeps_kv_transfer_time():
+    rate = bh.scaled_rate_gbps(1.0, 512, 46_000)
+    tokens = 1000
+    assert tokens * 512 * 8 / (rate * 1e9) == pytest.approx(tokens * 46_000 * 8 / 1e9)
+    with pytest.raises(ValueError):
+        bh.scaled_rate_gbps(1.0, 0)
+
+
+def test_ideal_transfer_time():
+    assert bh.ideal_transfer_s(4_600_000, 1.0, 20.0) == pytest.approx(0.020 + 0.0368)
+
+
+def test_handoff_body_matches_flow_and_sizes():
+    body = bh.handoff_body([5, 6, 7], "r-m", 9, {"temperature": 0.0})
+    assert body == {"token_ids": [5, 6, 7], "rid": "r-m", "sampling_params": {"temperature": 0.0, "max_new_tokens": 9}}
+    sizes = bh.payload_sizes(body)
+    assert sizes["json"] == len(json.dumps(body))
+    assert sizes["json_compact"] < sizes["json"]
+    assert 0 < sizes["msgpack"] < sizes["json_compact"]
+
+
+def test_parse_csv_floats():
+    assert bh.parse_csv_floats("5, 50,200") == [5.0, 50.0, 200.0]
+    with pytest.raises(ValueError):
+        bh.parse_csv_floats(" , ")
