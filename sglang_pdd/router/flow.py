@@ -139,7 +139,8 @@ class PddFlow:
                 if leg != self.leg or self.stitcher.source is Source.MAIN:
                     continue  # superseded relay leg, or MD owns the stream (RLD is being aborted)
                 yield self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - self._offset:])
-                if self._handoff_after_first_token and self.stitcher.emitted and finish is None:
+                if self._handoff_after_first_token and self.stitcher.emitted and (
+                        finish is None or not self._relay_finished_request(finish)):
                     self._handoff_after_first_token = False
                     self._spawn(self._handoff())
                 if finish is None:
