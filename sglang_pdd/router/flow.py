@@ -105,6 +105,7 @@ class PddFlow:
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
+        self._must_finish: set[asyncio.Task] = set()  # aborts / releases: awaited, never cancelled
         self.rld_inflight = rld_inflight
         self.room: Optional[int] = None
         self.control = MainControl(session, main.control_url) if main else None
@@ -334,10 +335,10 @@ class PddFlow:
         # MD owns the request now: stop RLD (frees its KV) and let MD's cache keep the prompt.
         for rid, url in list(self.live_rids.items()):
             if url == self.relay_url:
-                self._spawn(abort(self.session, url, rid))
+                self._spawn(abort(self.session, url, rid), must_finish=True)
                 del self.live_rids[rid]
         if self.room is not None:
-            self._spawn(self.control.release(self.room))
+            self._spawn(self.control.release(self.room), must_finish=True)
             self.room = None
 
     async def _recover(self, why: str) -> bool:
@@ -346,7 +347,7 @@ class PddFlow:
         logger.warning("rid %s: %s; continuing on RLD from position %d", self.result.rid, why,
                        len(self.stitcher.emitted))
         for rid, url in list(self.live_rids.items()):
-            self._spawn(abort(self.session, url, rid))
+            self._spawn(abort(self.session, url, rid), must_finish=True)
             del self.live_rids[rid]
         self.stitcher.resume_relay()
         self.result.finish_reason = None
@@ -355,14 +356,19 @@ class PddFlow:
         return False  # the new relay leg is running
 
     # ------------------------------------------------------------------ plumbing
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, must_finish: bool = False) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if must_finish:
+            self._must_finish.add(task)
+            task.add_done_callback(self._must_finish.discard)
 
     async def _cleanup(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
+        pending = list(self.tasks)
+        for task in pending:
+            if task not in self._must_finish:  # an abort / release already sent must still land
+                task.cancel()
         cleanup = [abort(self.session, url, rid) for rid, url in self.live_rids.items()]
         if self.room is not None and self.control is not None:
             cleanup.append(self.control.release(self.room))
@@ -370,5 +376,7 @@ class PddFlow:
         self.room = None
         if cleanup:
             await asyncio.gather(*cleanup, return_exceptions=True)
+        if pending:  # no task outlives the request
+            await asyncio.gather(*pending, return_exceptions=True)
         self.result.rld_tokens = len(self.stitcher.emitted) - self.result.md_tokens
 
