@@ -41,9 +41,18 @@ async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[di
         yield event
 
 
+async def _json_reply(resp: aiohttp.ClientResponse):
+    """The reply's JSON; a body that is not JSON (e.g. the text page of a crashed handler) is a
+    BackendError, which callers handle, instead of a JSONDecodeError, which they do not."""
+    try:
+        return await resp.json(content_type=None)
+    except ValueError:
+        raise BackendError(f"{resp.url} -> HTTP {resp.status}: not JSON: {(await resp.text())[:300]!r}") from None
+
+
 async def generate_once(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     async with session.post(f"{url}/generate", json={**body, "stream": False}) as resp:
-        payload = await resp.json(content_type=None)
+        payload = await _json_reply(resp)
         if resp.status != 200:
             raise BackendError(f"{url} /generate -> HTTP {resp.status}: {str(payload)[:300]}")
         return payload
@@ -70,7 +79,7 @@ class MainControl:
         body = {"room": room, "token_ids": token_ids, "use_cache": use_cache}
         async with self.session.post(f"{self.url}/pdd/rooms", json=body,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            payload = await resp.json(content_type=None)
+            payload = await _json_reply(resp)
             if resp.status != 200:
                 raise BackendError(f"MD register room {room}: HTTP {resp.status} {payload}")
             return payload
@@ -78,7 +87,7 @@ class MainControl:
     async def wait_ready(self, room: int, timeout_s: float) -> dict:
         async with self.session.get(f"{self.url}/pdd/rooms/{room}/ready", params={"timeout_s": str(timeout_s)},
                                     timeout=aiohttp.ClientTimeout(total=timeout_s + 10)) as resp:
-            payload = await resp.json(content_type=None)
+            payload = await _json_reply(resp)
             if resp.status != 200:
                 raise BackendError(f"MD ready room {room}: HTTP {resp.status} {payload}")
             return payload
@@ -86,7 +95,7 @@ class MainControl:
     async def handoff(self, room: int, body: dict) -> dict:
         """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
         async with self.session.post(f"{self.url}/pdd/rooms/{room}/handoff", json=body) as resp:
-            payload = await resp.json(content_type=None)
+            payload = await _json_reply(resp)
             if resp.status != 200:
                 raise BackendError(f"MD handoff room {room}: HTTP {resp.status} {payload}")
             return payload
