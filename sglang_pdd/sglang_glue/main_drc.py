@@ -33,6 +33,7 @@ from sglang_pdd.config import PddConfig, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
+from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,9 @@ class MainDrcRuntime:
         self.staged: dict[int, torch.Tensor] = {}
         self.ready_events: dict[int, threading.Event] = {}
         self.commands: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=1024)
-        self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0,
-                         "prompt_tokens": 0, "cached_tokens": 0, "wan_tokens": 0, "wan_bytes": 0}
+        self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0}
+        self.drc_stats = DrcStats()
+        self.kv_bytes_per_token = self.ops.layout.num_layers * self.ops.layout.bytes_per_page
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
                                       idle_timeout=cfg.wan_timeout_s)
@@ -163,11 +165,10 @@ class MainDrcRuntime:
         self.staged[room] = staged
         self.ready_events[room] = threading.Event()
         self.counters["rooms_registered"] += 1
-        self.counters["prompt_tokens"] += len(token_ids)
-        self.counters["cached_tokens"] += entry.cached_len
+        self.drc_stats.record_lookup(len(token_ids), entry.cached_len)
         return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
                 "wan_peer": "%s:%d" % self.receiver.address,
-                "kv_bytes_per_token": layout.num_layers * layout.bytes_per_page}
+                "kv_bytes_per_token": self.kv_bytes_per_token}
 
     def _do_release(self, room: int) -> bool:
         self.receiver.release_room(room)
@@ -179,9 +180,9 @@ class MainDrcRuntime:
         entry = self.rooms.rooms[room]
         if entry.status is RoomStatus.READY:
             self.counters["rooms_ready"] += 1
-            self.counters["wan_tokens"] += len(entry.token_ids) - entry.cached_len
-            self.counters["wan_bytes"] += (len(entry.token_ids) - entry.cached_len) * \
-                self.ops.layout.num_layers * self.ops.layout.bytes_per_page
+            received = len(entry.token_ids) - entry.cached_len
+            self.drc_stats.record_ingest(received, received * self.kv_bytes_per_token, entry.cached_len,
+                                         self.kv_bytes_per_token)
         else:
             self.counters["rooms_failed"] += 1
             logger.warning("room %s failed: %s", room, entry.reason)
@@ -234,12 +235,10 @@ class MainDrcRuntime:
         return gen, not warmup
 
     def stats(self) -> dict:
-        c = dict(self.counters)
-        c["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
-        c["bytes_saved"] = c["cached_tokens"] * self.ops.layout.num_layers * self.ops.layout.bytes_per_page
-        c["open_rooms"] = len(self.rooms.rooms)
-        c["wan_receiver"] = dict(self.receiver.counters)
-        return c
+        """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""
+        drc = self.drc_stats.as_dict()
+        return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
+                "open_rooms": len(self.rooms.rooms), "wan_receiver": dict(self.receiver.counters)}
 
 
 class ControlServer:
