@@ -252,6 +252,12 @@ class Router:
         n_tokens = len(tokens)
         r = flow.result
         e2e = time.perf_counter() - flow.t0
+        # One structured line per request: what happened to it, keyed by its id.
+        logger.info("request %s", json.dumps({
+            "rid": r.rid, "path": r.path, "prompt_tokens": r.prompt_tokens, "output_tokens": n_tokens,
+            "md_cached": r.md_cached_tokens, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
+            "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
+            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens, "fallbacks": r.fallbacks}))
         tpot = (e2e - r.ttft_s) / (n_tokens - 1) if r.ttft_s is not None and n_tokens > 1 else None
         try:
             self.metrics.observe_request(r.path or "p_rld_only", ttft_s=r.ttft_s, tpot_s=tpot, e2e_s=e2e,
