@@ -1,6 +1,10 @@
-"""The main job: a local PDD topology across an emulated WAN, serving a few requests.
+"""The main job: a local PDD topology across an emulated WAN, serving a short agent session.
 
-    python -m sglang_pdd.launcher.demo [--run-dir runs/demo] [--keep-running]
+    python -m sglang_pdd.launcher.demo [--run-dir runs/demo] [--wan-mbps 0.5] [--keep-running]
+
+P and RLD ("datacenter A") and MD ("datacenter B") are real SGLang servers; the WAN between P
+and MD is the userspace emulator, slowed down so that the tiny model's KV (512 B/token) takes
+about as long to cross as a real model's does on a busy datacenter interconnect.
 """
 
 from __future__ import annotations
@@ -12,39 +16,57 @@ import time
 from pathlib import Path
 
 from sglang_pdd.launcher.cluster import LocalCluster
-from sglang_pdd.launcher.http import post_json
+from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.topology import Topology
 
-DEMO_PROMPTS = [
-    "def fibonacci(n):",
-    "import collections\n\nclass LRUCache:",
-    "import collections\n\nclass Counter:",
-    "The quick brown fox",
+SYSTEM = "You are a coding agent. Tools: read_file, run_tests.\n" * 3
+TURNS = [
+    "User: the LRU cache test fails.\nAgent:",
+    "Tool(read_file): class LRUCache:\n    def get(self, key):\n        return self.data[key]\nAgent:",
+    "Tool(run_tests): 1 failed, KeyError in get\nAgent:",
 ]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/demo", help="logs and the WAN key go here")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--wan-mbps", type=float, default=0.5, help="emulated WAN rate (Mbit/s)")
+    ap.add_argument("--wan-latency-ms", type=float, default=20.0)
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
-    with LocalCluster(Path(args.run_dir)) as cluster:
+    topology = Topology.on_free_ports()
+    topology.wan.rate_gbps, topology.wan.latency_ms = args.wan_mbps / 1000, args.wan_latency_ms
+    router_args = ["--wan-gbps", str(args.wan_mbps / 1000), "--wan-rtt-ms", str(2 * args.wan_latency_ms),
+                   "--max-wan-transfer-ms", "100"]
+    with LocalCluster(Path(args.run_dir), topology=topology, router_args=router_args) as cluster:
         topo = cluster.topology
-        print(f"\nPDD demo up. router {topo.router_url}\n"
-              f"  datacenter A: P {topo.prefill.url} (bootstrap {topo.prefill.bootstrap_port}),"
-              f" RLD {topo.relay.url}\n  datacenter B: MD {topo.main.url}\n"
+        print(f"\nPDD demo up: router {topo.router_url}\n"
+              f"  datacenter A: P {topo.prefill.url}, RLD {topo.relay.url}\n"
+              f"  datacenter B: MD {topo.main.url} (control {topo.main.control_url})\n"
+              f"  WAN: {args.wan_mbps} Mbit/s, {args.wan_latency_ms} ms one way (emulated)\n"
               f"  logs: {cluster.procs.log_dir}\n")
-        for prompt in DEMO_PROMPTS:
+        print(f"{'turn':>4} {'path':>10} {'prompt':>6} {'MD hit':>6} {'WAN KB':>7} {'TTFT ms':>8} "
+              f"{'handoff@':>8} {'RLD':>4} {'MD':>4}  text")
+        context = SYSTEM
+        for i, turn in enumerate(TURNS, 1):
+            context += turn
             t0 = time.perf_counter()
             out = post_json(f"{topo.router_url}/generate", {
-                "text": prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens,
-                                                    "temperature": 0}})
-            dt = time.perf_counter() - t0
-            meta = out.get("meta_info", {})
-            print(f"{prompt!r:45.45} -> {len(out.get('output_ids', []))} tokens in {dt:.2f}s "
-                  f"(prompt {meta.get('prompt_tokens')}, cached {meta.get('cached_tokens')})")
+                "text": context, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}})
+            pdd = out["meta_info"]["pdd"]
+            print(f"{i:>4} {pdd['path']:>10} {pdd['prompt_tokens']:>6} {pdd['md_cached_tokens']:>6} "
+                  f"{(pdd['wan_bytes'] or 0) / 1024:>7.1f} {1000 * (pdd['ttft_s'] or 0):>8.0f} "
+                  f"{str(pdd['handoff_at']):>8} {pdd['rld_tokens']:>4} {pdd['md_tokens']:>4}  "
+                  f"{out['text'][:30]!r}")
+            if pdd["fallbacks"]:
+                print(f"     fallbacks: {pdd['fallbacks']}")
+            context += out["text"] + "\n"
+        stats = get_json(f"{topo.main.control_url}/pdd/stats")
+        print(f"\nMD's DRC: hit rate {stats['hit_rate']:.0%}, {stats['bytes_saved'] / 1024:.1f} KB not sent "
+              f"over the WAN, {stats['wan_bytes'] / 1024:.1f} KB sent. Router metrics: {topo.router_url}/metrics")
         if args.keep_running:
             print("serving; Ctrl-C to stop")
             try:
