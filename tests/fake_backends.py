@@ -1,0 +1,368 @@
+"""Fake P, RLD and MD-control servers (aiohttp, loopback) for fault-injection tests of PddFlow.
+
+No SGLang: a deterministic "language model" (``next_token``) maps a token sequence to its next
+token, so any server continuing any prefix produces the same text, and a correct request's
+output is exactly ``truth(prompt, max_new_tokens)``. P, RLD and MD all run in the test's event
+loop; knobs (``Knobs``) inject faults, ``Fakes.log`` records every request each server got.
+
+What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py):
+
+- P: POST /generate (non-stream) -> {"meta_info": {"cached_tokens": N}}; it marks the request's
+  bootstrap_room as prefilled, which RLD waits for (as a real PD decode waits for its KV).
+- RLD: POST /generate (stream) -> SSE, cumulative output_ids, finish_reason on the last event;
+  POST /abort_request {"rid"} ends the stream with finish_reason {"type": "abort"} (after
+  ``rld_abort_lag_tokens`` late tokens).
+- MD: the control API (/pdd/rooms, /ready long-poll, /handoff warmup JSON or final SSE counted
+  from the handoff point, DELETE) plus /abort_request for MD's own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional
+
+from aiohttp import web
+
+VOCAB = 1000
+_MOD = (1 << 61) - 1
+
+
+def _step(state: int, token: int) -> int:
+    return (state * 1_000_003 + token + 1) % _MOD
+
+
+def _emit(state: int) -> int:
+    return ((state * 0x9E3779B97F4A7C15) >> 17) % VOCAB
+
+
+def continuation(seq: list[int], n: int) -> list[int]:
+    """The n tokens the fake model generates after ``seq`` (greedy, deterministic)."""
+    state = 0
+    for t in seq:
+        state = _step(state, t)
+    out = []
+    for _ in range(n):
+        tok = _emit(state)
+        out.append(tok)
+        state = _step(state, tok)
+    return out
+
+
+def truth(prompt: list[int], n: int) -> list[int]:
+    return continuation(prompt, n)
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening (connection refused)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+Hook = Optional[Callable[..., Awaitable[None]]]
+
+
+@dataclass
+class Knobs:
+    # P
+    p_status: int = 200
+    p_text_error: bool = False  # error body is plain text, not JSON (a crashed handler)
+    p_cached_tokens: int = 0
+    # RLD
+    rld_token_delay_s: float = 0.005
+    rld_before_token: Hook = None  # async fn(leg, index_in_leg) awaited before each token
+    rld_fail_after: dict = field(default_factory=dict)  # leg -> drop the connection after N tokens
+    rld_abort_lag_tokens: int = 0  # tokens still sent after an abort (late tokens)
+    rld_prefill_wait_s: float = 5.0  # RLD waits this long for P's prefill of its room
+    # MD control
+    md_register: str = "ok"  # ok | error500 | text500
+    md_cached_tokens: int = 0
+    md_kv_bytes_per_token: int = 100
+    md_ready: str = "ready"  # ready | failed | never (long-poll times out: "pending")
+    md_ready_delay_s: float = 0.0
+    md_before_ready: Hook = None  # async fn(room) awaited before answering "ready"/"failed"
+    md_warmup_status: int = 200
+    md_before_warmup: Hook = None  # async fn(handed_tokens) awaited before a warmup answers
+    md_handoff_status: int = 200  # final handoff: 409 / 500 to refuse
+    md_handoff_drop: bool = False  # final handoff: headers sent, connection dropped, no token
+    md_die_after: Optional[int] = None  # final handoff: connection dropped after N tokens
+    md_token_delay_s: float = 0.002
+    md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
+    md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
+
+
+@dataclass
+class Record:
+    server: str  # p | rld | md
+    kind: str  # generate | abort | register | ready | warmup | handoff | release
+    body: dict
+    t: float
+
+
+class Fakes:
+    """Start with ``await fakes.start()``; ``await fakes.stop()`` at the end."""
+
+    def __init__(self, knobs: Optional[Knobs] = None):
+        self.knobs = knobs or Knobs()
+        self.log: list[Record] = []
+        self.prefilled: dict[int, asyncio.Event] = {}
+        self.rld_aborted: dict[str, asyncio.Event] = {}
+        self.md_aborted: dict[str, asyncio.Event] = {}
+        self.rooms: dict[int, dict] = {}  # room -> {"ids", "released", "final"}
+        self.rld_active = 0  # RLD streams in progress
+        self.md_active = 0
+        self._runners: list[web.AppRunner] = []
+        self.p_url = self.rld_url = self.md_url = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> "Fakes":
+        self.p_url = await self._serve(self._p_app())
+        self.rld_url = await self._serve(self._rld_app())
+        self.md_url = await self._serve(self._md_app())
+        return self
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+
+    async def _serve(self, app: web.Application) -> str:
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    def _record(self, server: str, kind: str, body: dict) -> None:
+        self.log.append(Record(server, kind, body, time.monotonic()))
+
+    # ------------------------------------------------------------------ queries
+    def records(self, server: str, kind: str) -> list[Record]:
+        return [r for r in self.log if r.server == server and r.kind == kind]
+
+    def aborted_rids(self, server: str) -> list[str]:
+        return [r.body["rid"] for r in self.records(server, "abort")]
+
+    def released_rooms(self) -> list[int]:
+        return [r.body["room"] for r in self.records("md", "release")]
+
+    def registered_rooms(self) -> list[int]:
+        return [r.body["room"] for r in self.records("md", "register")]
+
+    # ------------------------------------------------------------------ P
+    def _p_app(self) -> web.Application:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.json()
+            self._record("p", "generate", body)
+            k = self.knobs
+            if k.p_status != 200:
+                if k.p_text_error:
+                    return web.Response(status=k.p_status, text="Internal Server Error")
+                return web.json_response({"error": "prefill failed"}, status=k.p_status)
+            self.prefilled.setdefault(body["bootstrap_room"], asyncio.Event()).set()
+            return web.json_response({"text": "", "meta_info": {"cached_tokens": k.p_cached_tokens,
+                                                                 "prompt_tokens": len(body["input_ids"])}})
+
+        app.router.add_post("/generate", generate)
+        return app
+
+    # ------------------------------------------------------------------ RLD
+    def _rld_app(self) -> web.Application:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self._record("rld", "generate", body)
+            k = self.knobs
+            rid = body["rid"]
+            leg = int(rid.rsplit("-r", 1)[1]) if "-r" in rid else 1
+            aborted = self.rld_aborted.setdefault(rid, asyncio.Event())
+            budget = int(body["sampling_params"]["max_new_tokens"])
+            tokens = continuation(body["input_ids"], budget)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            self.rld_active += 1
+            try:
+                prefilled = self.prefilled.setdefault(body["bootstrap_room"], asyncio.Event())
+                try:
+                    await asyncio.wait_for(prefilled.wait(), k.rld_prefill_wait_s)
+                except asyncio.TimeoutError:
+                    await _sse(resp, {"error": "KV transfer from P timed out"})
+                    return resp
+                late = None
+                for i in range(budget):
+                    if aborted.is_set():
+                        late = k.rld_abort_lag_tokens if late is None else late - 1
+                        if late <= 0:
+                            break
+                    if leg in k.rld_fail_after and i >= k.rld_fail_after[leg]:
+                        request.transport.close()
+                        return resp
+                    if k.rld_before_token is not None:
+                        await k.rld_before_token(leg, i)
+                    await asyncio.sleep(k.rld_token_delay_s)
+                    finish = {"type": "length", "length": budget} if i == budget - 1 else None
+                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {"finish_reason": finish}})
+                    if finish is not None:
+                        await _done(resp)
+                        return resp
+                await _sse(resp, {"output_ids": tokens[:i], "meta_info": {
+                    "finish_reason": {"type": "abort", "message": "aborted"}}})
+                await _done(resp)
+                return resp
+            finally:
+                self.rld_active -= 1
+
+        async def abort_request(request: web.Request) -> web.Response:
+            body = await request.json()
+            self._record("rld", "abort", body)
+            self.rld_aborted.setdefault(body["rid"], asyncio.Event()).set()
+            return web.Response(text="")
+
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/abort_request", abort_request)
+        return app
+
+    # ------------------------------------------------------------------ MD
+    def _md_app(self) -> web.Application:
+        app = web.Application()
+
+        async def register(request: web.Request) -> web.Response:
+            body = await request.json()
+            self._record("md", "register", body)
+            k = self.knobs
+            if k.md_register == "error500":
+                return web.json_response({"error": "scheduler busy"}, status=500)
+            if k.md_register == "text500":
+                return web.Response(status=500, text="500 Internal Server Error")
+            self.rooms[body["room"]] = {"ids": list(body["token_ids"]), "released": False, "final": False}
+            cached = k.md_cached_tokens if body.get("use_cache", True) else 0
+            return web.json_response({"room": body["room"], "cached_tokens": cached, "wan_peer": "127.0.0.1:1",
+                                      "kv_bytes_per_token": k.md_kv_bytes_per_token,
+                                      "prompt_tokens": len(body["token_ids"])})
+
+        async def ready(request: web.Request) -> web.Response:
+            room = int(request.match_info["room"])
+            timeout_s = float(request.query.get("timeout_s", "10"))
+            self._record("md", "ready", {"room": room, "timeout_s": timeout_s})
+            k = self.knobs
+            if room not in self.rooms:
+                return web.json_response({"status": "failed", "reason": "unknown room"})
+            if k.md_ready == "never":
+                await asyncio.sleep(timeout_s)
+                return web.json_response({"status": "pending", "reason": ""})
+            # As for real: MD's KV can land only once P has prefilled the room.
+            try:
+                await asyncio.wait_for(self.prefilled.setdefault(room, asyncio.Event()).wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return web.json_response({"status": "pending", "reason": ""})
+            await asyncio.sleep(k.md_ready_delay_s)
+            if k.md_before_ready is not None:
+                await k.md_before_ready(room)
+            if k.md_ready == "failed":
+                return web.json_response({"status": "failed", "reason": "KV transfer failed (injected)"})
+            return web.json_response({"status": "ready", "reason": ""})
+
+        async def handoff(request: web.Request) -> web.StreamResponse:
+            room = int(request.match_info["room"])
+            body = await request.json()
+            k = self.knobs
+            state = self.rooms.get(room)
+            if body.get("warmup"):
+                self._record("md", "warmup", {"room": room, **body})
+                if k.md_before_warmup is not None:
+                    await k.md_before_warmup(len(body["token_ids"]))
+                if state is None or state["released"] or state["final"]:
+                    return web.json_response({"error": f"stale room {room}"}, status=409)
+                if k.md_warmup_status != 200:
+                    return web.json_response({"error": "warmup failed (injected)"}, status=k.md_warmup_status)
+                return web.json_response({"room": room, "extended": len(body["token_ids"])})
+            self._record("md", "handoff", {"room": room, **body})
+            if state is None or state["released"]:
+                return web.json_response({"error": f"stale room {room}"}, status=409)
+            if state["final"]:
+                return web.json_response({"error": f"duplicate handoff for room {room}"}, status=409)
+            state["final"] = True
+            if k.md_handoff_status != 200:
+                return web.json_response({"error": "handoff refused (injected)"}, status=k.md_handoff_status)
+            rid = body["rid"]
+            aborted = self.md_aborted.setdefault(rid, asyncio.Event())
+            budget = int(body["sampling_params"]["max_new_tokens"])
+            tokens = continuation(state["ids"] + list(body["token_ids"]), budget)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            if k.md_handoff_drop:
+                request.transport.close()
+                return resp
+            self.md_active += 1
+            try:
+                if k.md_burst:
+                    await asyncio.sleep(k.md_token_delay_s)
+                    await _sse(resp, {"output_ids": tokens, "meta_info": {
+                        "finish_reason": {"type": "length", "length": budget}}})
+                    await _done(resp)
+                    return resp
+                for i in range(budget):
+                    if aborted.is_set():
+                        await _sse(resp, {"output_ids": tokens[:i], "meta_info": {"finish_reason": {"type": "abort"}}})
+                        await _done(resp)
+                        return resp
+                    if k.md_die_after is not None and i >= k.md_die_after:
+                        request.transport.close()
+                        return resp
+                    if k.md_before_token is not None:
+                        await k.md_before_token(i, budget)
+                    await asyncio.sleep(k.md_token_delay_s)
+                    finish = {"type": "length", "length": budget} if i == budget - 1 else None
+                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {"finish_reason": finish}})
+                await _done(resp)
+                return resp
+            finally:
+                self.md_active -= 1
+
+        async def release(request: web.Request) -> web.Response:
+            room = int(request.match_info["room"])
+            self._record("md", "release", {"room": room})
+            if room in self.rooms:
+                self.rooms[room]["released"] = True
+            return web.json_response({"released": room in self.rooms})
+
+        async def abort_request(request: web.Request) -> web.Response:
+            body = await request.json()
+            self._record("md", "abort", body)
+            self.md_aborted.setdefault(body["rid"], asyncio.Event()).set()
+            return web.Response(text="")
+
+        app.router.add_post("/pdd/rooms", register)
+        app.router.add_get("/pdd/rooms/{room}/ready", ready)
+        app.router.add_post("/pdd/rooms/{room}/handoff", handoff)
+        app.router.add_delete("/pdd/rooms/{room}", release)
+        app.router.add_post("/abort_request", abort_request)
+        return app
+
+
+async def _sse(resp: web.StreamResponse, event: dict) -> None:
+    await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+
+async def _done(resp: web.StreamResponse) -> None:
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.005) -> None:
+    """Polls ``predicate`` (for hooks that gate a fake on the flow's state)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("wait_until: condition not met in time")
+        await asyncio.sleep(poll_s)
