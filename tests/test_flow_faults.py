@@ -200,6 +200,17 @@ def test_catch_up_warmups_bounded_by_threshold_and_final_carries_all_eager():
         assert r.catch_up_batches[-1] <= 4
 
 
+def test_catch_up_warmup_refused_rld_finishes():
+    knobs = Knobs(md_warmup_status=500)
+    run = scenario(knobs, max_new=40, cfg=flow_config(mode=None, threshold=4),
+                   gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 12)))
+    assert_invariants(run, 40)
+    r = run.flow.result
+    assert run.fallbacks == ["md_failed"] and r.md_tokens == 0 and r.handoff_at is None
+    assert len(run.fakes.records("md", "warmup")) == 1 and run.fakes.records("md", "handoff") == []
+    assert run.flow.stitcher.handoffs_failed == 0  # the stream was never frozen
+
+
 def test_wan_failed_rld_finishes():
     knobs = Knobs(md_ready="failed")
     run = scenario(knobs, max_new=30)
