@@ -192,13 +192,15 @@ class Router:
     async def _collect(self, flow: PddFlow) -> tuple[list[int], Optional[str]]:
         tokens, error = [], None
         self._admit(flow, +1)
+        events = flow.events()
         try:
-            async for new in flow.events():
+            async for new in events:
                 tokens.extend(new)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             error = str(e)
             logger.error("rid %s failed: %s", flow.result.rid, e)
         finally:
+            await events.aclose()  # runs the flow's cleanup now, not whenever the GC gets to it
             self._admit(flow, -1)
             self._observe(flow, tokens)
         return tokens, error
@@ -220,8 +222,9 @@ class Router:
         await out.prepare(request)
         tokens: list[int] = []
         self._admit(flow, +1)
+        events = flow.events()
         try:
-            async for new in flow.events():
+            async for new in events:
                 tokens.extend(new)
                 event = {"text": self.tokenizer.decode(tokens), "output_ids": list(tokens),
                          "meta_info": self._meta(flow, tokens, final=False)}
@@ -236,6 +239,7 @@ class Router:
             logger.error("rid %s failed mid-stream: %s", flow.result.rid, e)
             await out.write(b"data: " + json.dumps({"error": str(e)}).encode() + b"\n\ndata: [DONE]\n\n")
         finally:
+            await events.aclose()  # a disconnect aborts every backend leg before we return
             self._admit(flow, -1)
             self._observe(flow, tokens)
         await out.write_eof()
