@@ -312,7 +312,7 @@ class Bench:
         ttft = first_md = None
         meta: dict = {}
         n = 0
-        for t, event in sse_post(f"{router}/generate", body, timeout=300):
+        for t, event in sse_post(f"{router}/generate", body, timeout=self.args.request_timeout_s):
             n = len(event.get("output_ids") or []) or n
             meta = event.get("meta_info") or meta
             if ttft is None and event.get("output_ids"):
@@ -333,11 +333,11 @@ class Bench:
             t0 = time.perf_counter()
             p = pool.submit(post_json, f"{self.p.url}/generate", body)
             ttft = None
-            for t, event in sse_post(f"{self.rld.url}/generate", {**body, "stream": True}, timeout=300):
+            for t, event in sse_post(f"{self.rld.url}/generate", {**body, "stream": True}, timeout=self.args.request_timeout_s):
                 if ttft is None and event.get("output_ids"):
                     ttft = t - t0
             e2e = time.perf_counter() - t0
-            p.result()
+            p.result(timeout=self.args.request_timeout_s)
         return {"ttft_s": ttft, "first_md_token_s": None, "e2e_s": e2e, "path": "same_dc_pd"}
 
 
@@ -421,7 +421,9 @@ def main(argv=None) -> int:
     ap.add_argument("--latencies-ms", default="5,50,200", help="WAN one-way latencies for the TTFT sweep")
     ap.add_argument("--ttft-requests", type=int, default=3, help="M: requests per (latency, path, placement)")
     ap.add_argument("--ttft-prompt-tokens", type=int, default=512)
-    ap.add_argument("--ttft-max-new", type=int, default=12)
+    ap.add_argument("--ttft-max-new", type=int, default=8)
+    ap.add_argument("--request-timeout-s", type=float, default=90.0,
+                    help="a TTFT request with no event for this long is recorded as an error")
     ap.add_argument("--placements", default="local,wan", help="router<->MD control placements: local, wan")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="artifacts/bench_handoff")
@@ -522,10 +524,15 @@ def main(argv=None) -> int:
                         if L2 != L:
                             continue
                         ids = random_prompt(rng, args.ttft_prompt_tokens, vocab)
-                        if path == "same_dc_pd":
-                            r = bench.same_dc_pd(ids)
-                        else:
-                            r = bench.route_stream(bench.routers[ctl], ids, path)
+                        try:
+                            if path == "same_dc_pd":
+                                r = bench.same_dc_pd(ids)
+                            else:
+                                r = bench.route_stream(bench.routers[ctl], ids, path)
+                        except (OSError, RuntimeError, ValueError) as e:  # timeouts included
+                            print(f"\nTTFT request failed (latency {L:g} ms, ctl={ctl}, {path}): {e!r}",
+                                  file=sys.stderr)
+                            r = {"ttft_s": None, "first_md_token_s": None, "error": repr(e)}
                         samples.setdefault((L, ctl, path), []).append(r)
                         bar.update(1)
         for (L, ctl, path), rs in samples.items():
@@ -534,6 +541,7 @@ def main(argv=None) -> int:
                 "first_md_token_s": summarize(r["first_md_token_s"] for r in rs),
                 "handoff_stall_s": summarize(r.get("handoff_stall_s") for r in rs),
                 "handoffs": sum(r.get("handoff_at") is not None for r in rs),
+                "errors": [r["error"] for r in rs if "error" in r],
                 "fallbacks": [f for r in rs for f in (r.get("fallbacks") or [])],
                 "samples": rs}
         results["ttft"] = ttft
@@ -622,6 +630,12 @@ def report(results: dict, args, latencies: list[float], placements: list[str]) -
                                  f"{ratio(f.get('p50'), base):.2f}" if ratio(f.get("p50"), base) else "-",
                                  "", "", ""])
     print_table(["WAN ms", "ctl", "path", "p50", "p90", "ratio", "handoffs", "stall p50", "fallbacks"], rows)
+    errors = [(L, ctl, path, e) for L, lat in results["ttft"].items() for ctl, d in lat.items()
+              for path, x in d.items() for e in x.get("errors", [])]
+    if errors:
+        print(f"{len(errors)} TTFT request(s) failed and are left out of the table:")
+        for e in errors:
+            print(f"  latency {e[0]} ms, ctl={e[1]}, {e[2]}: {e[3][:160]}")
     print("\nSummary")
     print(f"  payload per {E}-token handoff: {a['payload_json_mean']:.0f} B JSON ({a['payload_msgpack_mean']:.0f} B "
           f"msgpack, {a['wire_bytes_up_mean']:.0f} B on the wire with HTTP headers; "
