@@ -432,3 +432,15 @@ def test_router_client_disconnect_aborts_rld_and_releases_room():
             await fakes.stop()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_request_timeout_bounds_a_stuck_relay_and_aborts_every_leg():
+    async def stuck(leg, index):  # RLD accepts the request, then never produces a token
+        await asyncio.sleep(30)
+
+    cfg = dataclasses.replace(flow_config(), request_timeout_s=1.5)
+    run = scenario(Knobs(rld_before_token=stuck, md_ready="never"), max_new=10, cfg=cfg)
+    assert isinstance(run.error, BackendError) and "--request-timeout-s" in str(run.error)
+    assert run.emitted == []
+    assert run.fakes.records("rld", "abort"), "the stuck relay leg must be aborted"
+    assert run.fakes.released_rooms() == run.fakes.registered_rooms()

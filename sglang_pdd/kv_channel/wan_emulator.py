@@ -133,9 +133,11 @@ class _Link:
         rate = rate_gbps * 1e9 / 8 if rate_gbps else None
         for b in self.buckets.values():
             b.rate = rate
-            b.burst_bytes = int(max(64 * 1024, rate * 0.002)) if rate else 0
+            # ~2 ms of line rate, at least one MTU: a fixed 64 KiB floor would let whole small
+            # transfers through unshaped on the slow links that emulate a scaled-down model.
+            b.burst_bytes = int(max(1500, rate * 0.002)) if rate else 0
         # Small pieces at low rates keep shaping smooth; large ones keep syscalls few.
-        self.piece_bytes = int(min(256 * 1024, max(16 * 1024, (rate or 1e12) * 0.002)))
+        self.piece_bytes = int(min(256 * 1024, max(1500, (rate or 1e12) * 0.002)))
 
     def blocked(self) -> bool:
         return self.partitioned or time.monotonic() < self.stalled_until

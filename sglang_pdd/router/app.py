@@ -339,6 +339,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--disable-outlier-filter", action="store_true")
     g.add_argument("--wan-timeout-s", type=float, default=30.0,
                    help="MD's KV not landed by then: RLD finishes the request")
+    ap.add_argument("--request-timeout-s", type=float, default=600.0,
+                    help="a request still running after this fails with a clear error; all its legs are aborted")
     h = ap.add_argument_group("handoff")
     h.add_argument("--handoff-mode", choices=["auto", "one_shot", "catch_up"], default="auto",
                    help="auto follows RLD load (one-shot when busy, catch-up when idle)")
@@ -357,7 +359,8 @@ def flow_config(args) -> FlowConfig:
                               outlier_max_output_tokens=args.outlier_max_output_tokens),
         handoff=HandoffConfig(catch_up_threshold_tokens=args.catch_up_threshold,
                               fixed_mode=None if args.handoff_mode == "auto" else HandoffMode(args.handoff_mode)),
-        wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running)
+        wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
+        request_timeout_s=args.request_timeout_s)
 
 
 def main(argv=None) -> None:

@@ -57,6 +57,7 @@ class FlowConfig:
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     wan_timeout_s: float = 30.0
     rld_max_running: int = 16
+    request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
     default_max_new_tokens: int = 128
 
 
@@ -133,8 +134,13 @@ class PddFlow:
         if path is not Path.P_RLD_ONLY:
             self._spawn(self._watch_ready())
         relay_done = False
+        deadline = self.t0 + self.cfg.request_timeout_s
         while True:
-            kind, *payload = await self.queue.get()
+            try:
+                kind, *payload = await asyncio.wait_for(self.queue.get(), deadline - time.perf_counter())
+            except asyncio.TimeoutError:
+                raise BackendError(f"request not finished within {self.cfg.request_timeout_s:.0f}s "
+                                   f"(--request-timeout-s); every leg is aborted") from None
             if kind == "rld":
                 leg, ids, finish = payload
                 if leg != self.leg or self.stitcher.source is Source.MAIN:
@@ -230,7 +236,7 @@ class PddFlow:
             decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
         self.result.path, self.result.reason = decision.path.value, decision.reason
         if decision.path is Path.P_RLD_ONLY:
-            await self.control.release(self.room)  # outlier: cancel the WAN transfer up front
+            self._spawn(self.control.release(self.room))  # outlier: no WAN transfer; don't wait on it
             self.room = None
             self.result.wan_bytes, self.result.wan_bytes_saved = 0, 0
         return decision.path
