@@ -62,6 +62,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from sglang_pdd.router.backends import SSE_DONE, parse_sse_line  # noqa: E402
+
 REF_KV_BYTES_PER_TOKEN = 46_000  # the reference design's figure (router default --kv-bytes-per-token)
 REF_NUM_LAYERS = 40  # only shapes the chunking of the synthetic reference KV (40 x 1150 B/page)
 REAL_VOCAB = 128_256  # a real tokenizer's size, for the "real ids" payload estimate
@@ -156,16 +158,11 @@ def sse_post(url: str, body: dict, timeout: float = 120.0) -> Iterator[tuple[flo
             line = resp.readline()
             if not line:
                 return
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+            event = parse_sse_line(line, url)
+            if event is SSE_DONE:
                 return
-            event = json.loads(payload)
-            if isinstance(event, dict) and "error" in event:
-                raise RuntimeError(f"{url}: {event['error']}")
-            yield time.perf_counter(), event
+            if event is not None:
+                yield time.perf_counter(), event
     finally:
         conn.close()
 

@@ -22,23 +22,36 @@ async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict) 
             yield event
 
 
+SSE_DONE = object()  # parse_sse_line's answer to "data: [DONE]"
+
+
+def parse_sse_line(raw: bytes, source: str):
+    """One line of an SGLang stream: its event dict, SSE_DONE, or None (not a data line).
+    Raises BackendError for a malformed event or an error event."""
+    line = raw.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return SSE_DONE
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError as e:
+        raise BackendError(f"{source}: malformed stream event {data[:100]!r}") from e
+    if isinstance(event, dict) and "error" in event:
+        raise BackendError(f"{source}: {event['error']}")
+    return event
+
+
 async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[dict]:
     if resp.status != 200:
         raise BackendError(f"{url} -> HTTP {resp.status}: {(await resp.text())[:300]}")
     async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
+        event = parse_sse_line(raw, url)
+        if event is SSE_DONE:
             return
-        try:
-            event = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise BackendError(f"{url}: malformed stream event {data[:100]!r}") from e
-        if isinstance(event, dict) and "error" in event:
-            raise BackendError(f"{url}: {event['error']}")
-        yield event
+        if event is not None:
+            yield event
 
 
 async def _json_reply(resp: aiohttp.ClientResponse):
