@@ -401,6 +401,26 @@ def fmt_ms(v):
     return "-" if v is None else f"{v * 1e3:8.0f}"
 
 
+def matched_comparison(records: list[Record]) -> dict:
+    """Both variants on exactly the same (job, turn) requests: a failed request ends its
+    session, so the variants can run different request sets; compare only the shared ones."""
+    ok = {(r.variant, r.kind, r.job, r.turn): r for r in records if not r.error}
+    keys = [k[1:] for k in ok if k[0] == "pdd" and ("baseline", *k[1:]) in ok]
+    pdd = [ok[("pdd", *k)] for k in keys]
+    base = [ok[("baseline", *k)] for k in keys]
+    sess = [i for i, k in enumerate(keys) if k[0] == "session"]
+    tot = sum(pdd[i].prompt_tokens for i in sess)
+    out = {"requests": len(keys), "session_requests": len(sess),
+           "wan_bytes_pdd": sum(r.wan_bytes or 0 for r in pdd), "wan_bytes_baseline": sum(r.wan_bytes or 0 for r in base),
+           "wan_bytes_pdd_sessions": sum(pdd[i].wan_bytes or 0 for i in sess),
+           "wan_bytes_baseline_sessions": sum(base[i].wan_bytes or 0 for i in sess),
+           "md_hit_token_weighted": sum(pdd[i].md_cached_tokens for i in sess) / tot if tot else None,
+           "p_hit_token_weighted": sum(min(pdd[i].p_cached_tokens, pdd[i].prompt_tokens) for i in sess) / tot if tot else None}
+    out["ratio"] = out["wan_bytes_baseline"] / max(1, out["wan_bytes_pdd"])
+    out["ratio_sessions"] = out["wan_bytes_baseline_sessions"] / max(1, out["wan_bytes_pdd_sessions"])
+    return out
+
+
 def print_report(res: dict) -> None:
     pdd, base = res["variants"]["pdd"], res["variants"]["baseline"]
     ideal = res["workload"]["ideal"]
@@ -411,6 +431,11 @@ def print_report(res: dict) -> None:
     print(f"  ratio baseline / PDD (whole system)         : {res['ratio_total']:>12.2f}x")
     print(f"  ratio on session requests only (DRC alone)  : {res['ratio_sessions']:>12.2f}x "
           f"(ideal at this trace: {ideal['ideal_wan_ratio_sessions']:.2f}x)")
+    m = res.get("matched")
+    if m:
+        print(f"  matched requests only ({m['requests']} ok in both variants): baseline {m['wan_bytes_baseline']:,d} B"
+              f" / PDD {m['wan_bytes_pdd']:,d} B = {m['ratio']:.2f}x; sessions only {m['ratio_sessions']:.2f}x at MD hit "
+              f"{m['md_hit_token_weighted']:.3f} (P {m['p_hit_token_weighted']:.3f})")
     print("\n== Prefix hit rates, PDD run (session requests; outliers have no reuse) ==")
     print(f"  {'':22s} {'token-weighted':>15s} {'per-request mean':>17s}")
     for name, key in (("MD (DRC)", "md_hit_sessions"), ("P (prefill radix)", "p_hit_sessions")):
@@ -514,7 +539,8 @@ def parse_args(argv=None):
     c.add_argument("--outlier-max-output-tokens", type=int, default=4)
     c.add_argument("--concurrency", type=int, default=1,
                    help="sessions replayed in parallel (2 hit stalled requests here: see docs/benchmarks.md)")
-    c.add_argument("--request-timeout", type=float, default=120.0)
+    c.add_argument("--request-timeout", type=float, default=30.0,
+                   help="client read timeout; a request stalled longer is reported as an error and ends its session")
     c.add_argument("--order", choices=["pdd-first", "baseline-first"], default="pdd-first")
     ap.add_argument("--out", default="artifacts/bench_agentic")
     return ap.parse_args(argv)
@@ -583,6 +609,7 @@ def main(argv=None) -> int:
     pdd, base = res["variants"]["pdd"], res["variants"]["baseline"]
     res["ratio_total"] = base["wan_bytes"] / max(1, pdd["wan_bytes"])
     res["ratio_sessions"] = base["wan_bytes_sessions"] / max(1, pdd["wan_bytes_sessions"])
+    res["matched"] = matched_comparison(all_records)
     res["goal"] = {"target_hit": args.target_hit,
                    "achieved_md_hit_token_weighted": pdd["md_hit_sessions"]["token_weighted"],
                    "achieved_md_hit_mean": pdd["md_hit_sessions"]["mean"],
@@ -593,6 +620,9 @@ def main(argv=None) -> int:
             f.write(json.dumps(asdict(r)) + "\n")
     print_report(res)
     plot(res, all_records, out)
+    if any(v["errors"] for v in res["variants"].values()):
+        print("\nWARNING: some requests failed (see requests.jsonl 'error'); each failure ends its session, so the "
+              "variants ran different request sets: read the 'matched' line, not the totals.")
     print(f"\nwall {res['wall_s']:.0f} s; wrote {out / 'results.json'}, {out / 'requests.jsonl'}, "
           f"{out / 'bench_agentic.png'}")
     bad = any(v["errors"] or v["completion_mismatch"] for v in res["variants"].values())
