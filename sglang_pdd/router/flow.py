@@ -72,7 +72,7 @@ class FlowResult:
     md_cached_tokens: int = 0
     p_cached_tokens: int = 0  # P's radix hit, as P reported it
     p_cached_estimate: int = 0  # the router's estimate before sending (prefix index)
-    wan_bytes: Optional[int] = None  # KV bytes sent to MD over the WAN
+    wan_bytes: Optional[int] = None  # KV bytes that reached MD over the WAN (None: none landed)
     wan_bytes_saved: int = 0  # KV bytes MD already had (DRC hit)
     handoff_at: Optional[int] = None
     handoff_mode: Optional[str] = None
@@ -167,6 +167,7 @@ class PddFlow:
                 status, reason = payload
                 self._ready_status = status
                 if status == "ready":
+                    self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
                     if self.stitcher.emitted or relay_done:
                         self._spawn(self._handoff())
                     else:  # P's first token is on its way through RLD: TTFT stays same-DC
@@ -201,6 +202,7 @@ class PddFlow:
                     relay_done = await self._recover("md_failed")
 
     _ready_status: str = "pending"
+    _planned_wan: tuple = (0, 0)  # (bytes to send, bytes MD already has) for this request's suffix
     _handoff_after_first_token: bool = False
     _offset: int = 0  # output position where the current relay leg's own output starts
 
@@ -217,8 +219,8 @@ class PddFlow:
                 reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
                 cached = int(reg["cached_tokens"])
                 per_token = int(reg.get("kv_bytes_per_token") or 0)
-                self.result.wan_bytes = (len(self.ids) - cached) * per_token
-                self.result.wan_bytes_saved = cached * per_token
+                # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
+                self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
                 if reg.get("kv_bytes_per_token"):  # MD knows its KV size exactly
                     self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
                         self.cfg.path, kv_bytes_per_token=int(reg["kv_bytes_per_token"])))
@@ -238,7 +240,6 @@ class PddFlow:
         if decision.path is Path.P_RLD_ONLY:
             self._spawn(self.control.release(self.room))  # outlier: no WAN transfer; don't wait on it
             self.room = None
-            self.result.wan_bytes, self.result.wan_bytes_saved = 0, 0
         return decision.path
 
     # ------------------------------------------------------------------ legs
