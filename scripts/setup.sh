@@ -13,6 +13,9 @@ MODEL_DIR="${PDD_MODEL_DIR:-$ROOT/artifacts/tiny-llama}"
 STAMP="$VENV/.pdd-setup-stamp"
 log() { echo "[setup] $*"; }
 
+# pip, quietly: this machine kind's pip config adds index locations that print a warning each.
+pip_install() { "$PY" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location .* is ignored" >&2); }
+
 site_packages() { "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
 # Each patch is a -p1 diff against site-packages. Applied ones are detected by a reverse dry-run.
@@ -54,12 +57,14 @@ want_stamp="$(cat "$ROOT/scripts/requirements-sglang-cpu.txt" "$ROOT/scripts/con
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_stamp" ]; then
   [ -x "$PY" ] || python3 -m venv "$VENV"
   log "installing torch (CPU) and sglang 0.5.23 (light install) into $VENV; ~5 min on a fresh machine"
-  "$PY" -m pip install -q --upgrade pip
+  pip_install --upgrade pip
   # On this machine kind torch==2.13.0 resolves to the CPU wheel kept on local disk.
-  "$PY" -m pip install -q -c "$ROOT/scripts/constraints.txt" torch==2.13.0
-  "$PY" -m pip install -q --no-deps sglang==0.5.23
-  "$PY" -m pip install -q -c "$ROOT/scripts/constraints.txt" -r "$ROOT/scripts/requirements-sglang-cpu.txt"
-  "$PY" -m pip install -q --no-deps -e "$ROOT"
+  pip_install -c "$ROOT/scripts/constraints.txt" torch==2.13.0
+  pip_install --no-deps sglang==0.5.23
+  # sglang's own pins (CUDA torch, sglang-kernel, ...) are deliberately not met: pip reports
+  # them as conflicts below; the light CPU set is what was verified to run.
+  pip_install -c "$ROOT/scripts/constraints.txt" -r "$ROOT/scripts/requirements-sglang-cpu.txt"
+  pip_install --no-deps -e "$ROOT"
   echo "$want_stamp" > "$STAMP"
 else
   log "venv up to date ($VENV)"
