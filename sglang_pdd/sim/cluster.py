@@ -87,7 +87,7 @@ class ScenarioConfig:
 
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
-                 "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in")
+                 "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -98,6 +98,7 @@ class SimRequest:
         self.round = 0
         self.mode = None
         self.done = False
+        self.md_pending = 0  # KV tokens counted on its MD before MD admits it
 
 
 class Simulation:
@@ -109,6 +110,10 @@ class Simulation:
         self.prefill = [PrefillInstance(self.loop, cfg.prefill_hw, self._prefill_done) for _ in range(cfg.n_prefill)]
         self.p_cache = [BlockCache(cfg.prefill_hw.cache_capacity_tokens) for _ in range(cfg.n_prefill)]
         self.md = [DecodeInstance(self.loop, cfg.md_hw, self._md_start, self._md_done) for _ in range(cfg.n_md)]
+        # KV of requests already assigned to each MD but not yet submitted to it (prefill,
+        # WAN, relay decode). Like the real router's in-flight count, it keeps a burst of
+        # new sessions from all landing on the MD that happens to be idle right now.
+        self.md_pending = [0] * cfg.n_md
         self.md_cache = [BlockCache(cfg.md_hw.cache_capacity_tokens if cfg.drc else 0) for _ in range(cfg.n_md)]
         self.rld = [DecodeInstance(self.loop, cfg.rld_hw, self._rld_start, self._rld_done) for _ in range(cfg.n_rld)]
         self.p_index = PrefixOwnerIndex(max(1, cfg.n_prefill * self.p_cache[0].capacity_blocks))
@@ -175,7 +180,8 @@ class Simulation:
         # At least one token is always computed (it produces the first output token).
         r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
 
-        md_loads = [InstanceLoad(i, m.load()) for i, m in enumerate(self.md)]
+        md_cap = c.md_hw.kv_capacity_tokens
+        md_loads = [InstanceLoad(i, m.load() + self.md_pending[i] / md_cap) for i, m in enumerate(self.md)]
         md_affinity = self.md_index.owner_of_prefix(full) if c.drc else None
         r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
         r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
@@ -196,6 +202,8 @@ class Simulation:
             rld_loads = [InstanceLoad(i, d.load()) for i, d in enumerate(self.rld)]
             r.rld = pick_instance(rld_loads)
         if r.path is not Path.P_RLD_ONLY:
+            r.md_pending = tr.input_length + tr.output_length
+            self.md_pending[r.md] += r.md_pending
             self.md_hit_tokens += r.md_cached
             self.md_input_tokens += tr.input_length
         r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
@@ -232,14 +240,14 @@ class Simulation:
         if r.done:
             return
         if r.path is Path.P_MD:
-            self.md[r.md].submit(now, r, tr.output_length - 1, tr.input_length)
+            self._md_submit(now, r, tr.output_length - 1, tr.input_length)
             return
         rld = self.rld[r.rld]
         if not rld.is_running(r):
             # RLD has not started it (queued, or its KV still on the way): MD takes it whole.
             rld.cancel_waiting(r)
             r.round = -1  # RLD bypassed: a late RDMA arrival must not start it
-            self.md[r.md].submit(now, r, tr.output_length - 1, tr.input_length)
+            self._md_submit(now, r, tr.output_length - 1, tr.input_length)
             return
         r.mode = choose_mode(rld.utilisation(), c.handoff, self.last_mode)
         self.last_mode = r.mode
@@ -269,7 +277,15 @@ class Simulation:
 
     def _md_take_over(self, now: float, r: SimRequest) -> None:
         tr = r.tr
-        self.md[r.md].submit(now, r, tr.output_length - r.handed, tr.input_length + r.handed)
+        self._md_submit(now, r, tr.output_length - r.handed, tr.input_length + r.handed)
+
+    def _md_submit(self, now: float, r: SimRequest, tokens: int, ctx: int) -> None:
+        self._md_unpend(r)
+        self.md[r.md].submit(now, r, tokens, ctx)
+
+    def _md_unpend(self, r: SimRequest) -> None:
+        self.md_pending[r.md] -= r.md_pending
+        r.md_pending = 0
 
     # ---- decode ----------------------------------------------------------------------
     def _rld_start(self, now: float, r: SimRequest) -> None:
@@ -283,6 +299,7 @@ class Simulation:
     def _rld_done(self, now: float, r: SimRequest) -> None:
         if r.path is Path.P_RLD_MD:
             self.kv_link.cancel(now, r)  # the WAN transfer is no longer needed
+            self._md_unpend(r)
         self._finish(now, r, rld_tokens=r.tr.output_length)
 
     def _md_done(self, now: float, r: SimRequest) -> None:

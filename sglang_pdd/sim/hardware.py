@@ -6,6 +6,11 @@ linear models that a calibration run (benchmarks/calibrate_profile.py) can fit:
 - prefill forward of `n` new tokens after `ctx` tokens already in KV:
       prefill_overhead_s + n * prefill_s_per_token + n * (ctx + n/2) * prefill_s_per_token_ctx
   (the last term is attention over the context; it is why long cached prefixes still cost);
+  a pass that packs k requests adds (k - 1) * prefill_s_per_extra_request: the per-request
+  work a batched pass cannot share (scheduler bookkeeping, radix match/insert, KV page
+  allocation, result processing, the KV sender's per-request submission). The first
+  request's share is inside prefill_overhead_s, which is what a one-request pass measures
+  (benchmarks/calibrate_profile.py), so calibrated profiles do not count it twice;
 - one decode step of a batch of `b` sequences holding `kv` tokens in all:
       decode_step_overhead_s + b * decode_step_s_per_seq + kv * decode_step_s_per_kv_token.
 """
@@ -33,12 +38,16 @@ class HardwareProfile:
     decode_step_overhead_s: float
     decode_step_s_per_seq: float
     decode_step_s_per_kv_token: float
+    # Added by each request beyond the first in one prefill pass (see the module docstring).
+    # 0 for profiles written before it existed (their overhead was fitted on 1-request passes).
+    prefill_s_per_extra_request: float = 0.0
 
     @property
     def price_per_hour(self) -> float:
         return self.chips_per_instance * self.price_per_chip_hour
 
     def prefill_time_s(self, new_tokens: int, ctx_tokens: int) -> float:
+        """One request alone in a pass."""
         return (
             self.prefill_overhead_s
             + new_tokens * self.prefill_s_per_token
@@ -104,6 +113,12 @@ CHIP_A = HardwareProfile(
     decode_step_overhead_s=0.010,
     decode_step_s_per_seq=1.5e-4,
     decode_step_s_per_kv_token=1.5e-8,
+    # ~1 ms per extra request in a pass: SGLang's scheduler does per-request Python work on
+    # every prefill batch (PrefillAdder, prepare_for_extend, req_to_token writes, radix
+    # insert and output handling after the forward) and a disaggregated prefill server
+    # submits each request's KV transfer separately; a few hundred us to ~2 ms per request
+    # is the usual range. Illustrative, like the rest: calibrate with k-request passes.
+    prefill_s_per_extra_request=1.0e-3,
 )
 
 CHIP_B = replace(

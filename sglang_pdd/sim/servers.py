@@ -112,7 +112,9 @@ class EqualShareServer:
 
 class PrefillInstance:
     """Chunked prefill, FIFO: each forward pass packs queued requests' new tokens up to the
-    chunk size (small tails batch together; a long prompt takes several passes)."""
+    chunk size (small tails batch together; a long prompt takes several passes). A pass
+    costs its overhead once, plus `prefill_s_per_extra_request` for every further request
+    in it, plus each request's tokens and attention over its own context."""
 
     def __init__(self, loop: EventLoop, hw: HardwareProfile, on_done: Callable[[float, Any], None]) -> None:
         self.loop, self.hw, self.on_done = loop, hw, on_done
@@ -143,6 +145,7 @@ class PrefillInstance:
         if not batch:
             self.busy = False
             return
+        dur += (len(batch) - 1) * self.hw.prefill_s_per_extra_request
         self.busy = True
         self.busy_s += dur
         self.loop.after(dur, self._finish_pass, batch)
