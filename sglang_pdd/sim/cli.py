@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
-from sglang_pdd.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace, load_trace, save_trace
+from sglang_pdd.workload import BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, generate_agentic_trace, load_trace, save_trace
 
 from .bathtub import sweep
 from .cluster import run_scenario
@@ -102,12 +102,16 @@ def cmd_bathtub(a) -> int:
     scenarios = [c for c in standard_scenarios(_spec(a)) if c.name in names]
     hits = [float(h) for h in a.hits.split(",")]
     bar = tqdm(total=len(hits) * len(scenarios), desc="bathtub", file=sys.stderr)
-    points = sweep(scenarios, hits, a.n, sla, rate_per_s=a.rate, seed=a.seed, progress=lambda: bar.update())
+    points = sweep(scenarios, hits, a.n, sla, sessions=a.sessions, input_tokens=a.input_tokens,
+                   output_tokens=a.output_tokens, progress=lambda: bar.update())
     bar.close()
-    print(f"{'scenario':<20} {'hit':>5} {'MD hit':>7} {'req/s':>7} {'good r/s':>8} {'WAN util':>8}")
+    print(f"# closed loop: {a.sessions} sessions, {a.input_tokens} input / {a.output_tokens} output tokens, "
+          f"hits in whole {BLOCK_TOKENS}-token blocks")
+    print(f"{'scenario':<20} {'hit':>5} {'P hit':>6} {'MD hit':>7} {'req/s':>7} {'good r/s':>8} "
+          f"{'P busy':>6} {'WAN util':>8}")
     for p in points:
-        print(f"{p.scenario:<20} {p.target_hit:>5.2f} {p.mean_md_hit:>7.2f} {p.throughput_rps:>7.2f} "
-              f"{p.goodput_rps:>8.2f} {p.wan_util:>8.2f}")
+        print(f"{p.scenario:<20} {p.target_hit:>5.3f} {p.mean_p_hit:>6.3f} {p.mean_md_hit:>7.3f} "
+              f"{p.throughput_rps:>7.2f} {p.goodput_rps:>8.2f} {p.prefill_util:>6.2f} {p.wan_util:>8.2f}")
     png = plot_bathtub(points, os.path.join(a.out, "bathtub.png"))
     print(f"wrote {png}")
     return 0
@@ -136,9 +140,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.set_defaults(fn=cmd_size)
     p = sub.add_parser("bathtub", help="throughput vs mean prefix hit rate")
     _add_common(p)
-    p.add_argument("--hits", default="0,0.2,0.4,0.5,0.6,0.7,0.8,0.85,0.9,0.95,0.98")
-    p.add_argument("--n", type=int, default=2000)
-    p.add_argument("--rate", type=float, default=20.0, help="offered requests/s (above capacity)")
+    p.add_argument("--hits", default="0,0.25,0.5,0.7,0.8,0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98,0.99,0.995",
+                   help="target hit rates; realised hits round down to whole 512-token blocks")
+    p.add_argument("--n", type=int, default=4000, help="requests per point (>= ~5x --sessions)")
+    p.add_argument("--sessions", type=int, default=640,
+                   help="closed-loop clients (each sends its next turn when the last one ended); "
+                        "enough to fill the default cluster's decode slots")
+    p.add_argument("--input-tokens", type=int, default=16_384)
+    p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--scenarios", default="pd_same_dc,naive_xdc,pdd_drc_adaptive")
     p.set_defaults(fn=cmd_bathtub)
     p = sub.add_parser("gen-trace", help="write a synthetic agentic trace as JSONL")

@@ -39,15 +39,24 @@ def plot_comparison(summaries: Sequence[Summary], title: str, path: str) -> str:
 
 
 def plot_bathtub(points: Sequence[BathtubPoint], path: str) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name in dict.fromkeys(p.scenario for p in points):
         pts = sorted((p for p in points if p.scenario == name), key=lambda p: p.target_hit)
-        ax.plot([p.target_hit for p in pts], [p.throughput_rps for p in pts], marker="o", label=name)
-    ax.set_xlabel("prefix hit rate of the trace")
-    ax.set_ylabel("sustained requests/s (offered load above capacity)")
+        line, = ax.plot([p.target_hit for p in pts], [p.throughput_rps for p in pts], marker="o", label=name)
+        c = line.get_color()
+        ax2.plot([p.target_hit for p in pts], [p.prefill_util for p in pts], color=c, marker="o",
+                 label=f"{name}: prefill busy")
+        if any(p.wan_util > 0 for p in pts):
+            ax2.plot([p.target_hit for p in pts], [p.wan_util for p in pts], color=c, ls="--", marker="x",
+                     label=f"{name}: WAN util")
+    for a_ in (ax, ax2):
+        a_.set_xlabel("target prefix hit rate (realised: whole 512-token blocks)")
+        a_.grid(alpha=0.3)
+        a_.legend(fontsize=7)
+    ax.set_ylabel("steady-state requests/s (closed loop, saturated)")
     ax.set_title("Throughput vs hit rate")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax2.set_ylabel("busy fraction")
+    ax2.set_title("Which resource binds")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
