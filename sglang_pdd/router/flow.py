@@ -114,6 +114,10 @@ class PddFlow:
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
         self.force_path = force_path
         self.use_drc = use_drc
+        self._ready_status = "pending"  # MD's room: pending -> ready | failed
+        self._planned_wan = (0, 0)  # (bytes to send, bytes MD already has) for this request
+        self._handoff_after_first_token = False  # MD was ready before any token reached us
+        self._offset = 0  # output position where the current relay leg's own output starts
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ entry point
@@ -200,11 +204,6 @@ class PddFlow:
                     relay_done = await self._recover("md_failed_mid_stream")
                 elif relay_done:
                     relay_done = await self._recover("md_failed")
-
-    _ready_status: str = "pending"
-    _planned_wan: tuple = (0, 0)  # (bytes to send, bytes MD already has) for this request's suffix
-    _handoff_after_first_token: bool = False
-    _offset: int = 0  # output position where the current relay leg's own output starts
 
     def _relay_finished_request(self, finish: dict) -> bool:
         """RLD's leg ended: is the whole request done (budget used, or EOS / stop / abort)?"""
