@@ -110,6 +110,8 @@ class MainDrcRuntime:
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
                                       idle_timeout=cfg.wan_timeout_s)
+        self._receiver_releases: "queue.Queue[int]" = queue.Queue()
+        threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release", daemon=True).start()
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
         self.control = ControlServer((chost, cport), self)
         logger.info("MD DRC runtime: WAN KV on %s:%s, control on %s:%s, layout %s",
@@ -171,7 +173,8 @@ class MainDrcRuntime:
                 "kv_bytes_per_token": self.kv_bytes_per_token}
 
     def _do_release(self, room: int) -> bool:
-        self.receiver.release_room(room)
+        self.receiver.abort(room, "released by the router")  # no further writes into staging
+        self._forget_in_receiver(room)
         released = self.rooms.release(room)
         self._forget(room)
         return released
@@ -186,8 +189,22 @@ class MainDrcRuntime:
         else:
             self.counters["rooms_failed"] += 1
             logger.warning("room %s failed: %s", room, entry.reason)
-        self.receiver.release_room(room, timeout=0.5)
+        self._forget_in_receiver(room)
         self.ready_events[room].set()
+
+    def _forget_in_receiver(self, room: int) -> None:
+        """Drop the receiver's record of a room off the scheduler thread: release_room waits
+        for a chunk still being read (seconds on a slow WAN) and, past its timeout, cuts the
+        streams that other rooms share. Staging is Python-owned, so a late write is harmless."""
+        self._receiver_releases.put(room)
+
+    def _release_rooms_in_receiver(self) -> None:
+        while True:
+            room = self._receiver_releases.get()
+            try:
+                self.receiver.release_room(room, timeout=60.0)
+            except Exception:  # noqa: BLE001 — bookkeeping only; keep the thread alive
+                logger.exception("room %s: receiver release failed", room)
 
     def _forget(self, room: int) -> None:
         self.staged.pop(room, None)
