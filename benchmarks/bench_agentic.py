@@ -574,8 +574,7 @@ def main(argv=None) -> int:
 
     topology = Topology.on_free_ports()
     topology.wan.rate_gbps, topology.wan.latency_ms = args.wan_gbps, args.wan_latency_ms
-    router_args = ["--wan-gbps", str(args.wan_gbps), "--wan-rtt-ms", str(2 * args.wan_latency_ms),
-                   "--max-wan-transfer-ms", str(args.max_wan_transfer_ms),
+    router_args = ["--max-wan-transfer-ms", str(args.max_wan_transfer_ms),  # link args: from topology
                    "--outlier-min-input-tokens", str(args.outlier_min_input_tokens),
                    "--outlier-max-output-tokens", str(args.outlier_max_output_tokens),
                    "--wan-timeout-s", "30"]

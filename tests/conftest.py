@@ -44,8 +44,7 @@ def single_server(run_root):
 # A slow emulated WAN (0.5 Mbit/s, 20 ms one way) so the tiny model's KV (512 B/token) takes
 # long enough to cross that RLD has streamed eager tokens before MD takes over.
 TEST_WAN_GBPS = 0.0005
-TEST_ROUTER_ARGS = ["--wan-gbps", str(TEST_WAN_GBPS), "--wan-rtt-ms", "40", "--max-wan-transfer-ms", "50",
-                    "--wan-timeout-s", "6"]
+TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6"]
 
 
 @pytest.fixture(scope="session")

@@ -140,12 +140,16 @@ def wan_emulator_argv(topo: Topology) -> list[str]:
 
 def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = None) -> list[str]:
     p, m = topo.prefill, topo.main
+    # The router's transfer-time estimate describes the link it routes over: the emulated one.
+    link = ["--wan-rtt-ms", str(2 * topo.wan.latency_ms)]
+    if topo.wan.rate_gbps:
+        link += ["--wan-gbps", str(topo.wan.rate_gbps)]
     return [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK, "--port", str(topo.router_port),
             "--tokenizer-path", model_path,
             "--prefill", f"{p.url},{p.bootstrap_port}", "--relay", topo.relay.url,
             # P reaches MD's WAN receiver through the emulated link
             "--main", f"{m.url},{m.control_url},{LOOPBACK}:{topo.wan.listen_port}",
-            *(extra or [])]
+            *link, *(extra or [])]
 
 
 def write_wan_key(path: Path) -> Path:
