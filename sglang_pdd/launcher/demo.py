@@ -30,7 +30,8 @@ TURNS = [
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/demo", help="logs and the WAN key go here")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    # Long enough that MD's KV lands mid-stream even when RLD decodes fast: the demo shows handoffs.
+    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--wan-mbps", type=float, default=0.5, help="emulated WAN rate (Mbit/s)")
     ap.add_argument("--wan-latency-ms", type=float, default=20.0)
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
@@ -39,8 +40,7 @@ def main(argv=None) -> int:
 
     topology = Topology.on_free_ports()
     topology.wan.rate_gbps, topology.wan.latency_ms = args.wan_mbps / 1000, args.wan_latency_ms
-    router_args = ["--wan-gbps", str(args.wan_mbps / 1000), "--wan-rtt-ms", str(2 * args.wan_latency_ms),
-                   "--max-wan-transfer-ms", "100"]
+    router_args = ["--max-wan-transfer-ms", "100"]
     with LocalCluster(Path(args.run_dir), topology=topology, router_args=router_args) as cluster:
         topo = cluster.topology
         print(f"\nPDD demo up: router {topo.router_url}\n"
