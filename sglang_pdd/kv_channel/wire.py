@@ -10,10 +10,12 @@ Every frame on a stream is::
     then ``hdrlen`` bytes of msgpack: a list of the message's field values, in
     dataclass field order (positional: compact, and the length is checked).
 
-Only CHUNK frames carry a payload (the KV bytes, layer-major: for each layer of the
-chunk, ``page_count * bytes_per_page`` bytes). Payloads are never copied by the codec:
+Only CHUNK frames (the KV bytes, layer-major: for each layer of the chunk,
+``page_count * bytes_per_page`` bytes) and MEM_WRITE frames (raw bytes for a one-sided
+write, see tcp_engine.py) carry a payload. Payloads are never copied by the codec:
 the sender hands a memoryview to ``sendall`` and the receiver ``recv_into``s straight
-into the destination buffer.
+into the destination buffer (or, for MEM_WRITE, into a scratch buffer that is checked
+before it is copied to the target address).
 
 Why a fixed prefix before the msgpack header: the reader learns both lengths from
 20 bytes and checks them against hard limits *before* allocating anything, so a
@@ -61,6 +63,10 @@ class MsgType(enum.IntEnum):
     NACK = 14
     ABORT = 15
     ERROR = 16
+    # One-sided writes of tcp_engine.TcpTransferEngine (the intra-DC Mooncake stand-in).
+    MEM_WRITE = 20
+    MEM_COMMIT = 21
+    MEM_WRITE_ACK = 22
 
 
 def checksum(data) -> int:
@@ -192,14 +198,56 @@ class Error:
     detail: str
 
 
+@dataclass
+class MemWrite:
+    """Write the payload (``length`` bytes) at the receiver's address ``dst_addr``.
+
+    ``index`` counts the writes of ``batch`` from 0; the receiver checks the order.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.MEM_WRITE
+    batch: int
+    index: int
+    dst_addr: int
+    length: int
+    crc32: int
+
+
+@dataclass
+class MemCommit:
+    """Ends a batch: the receiver answers MEM_WRITE_ACK once every write is applied.
+    A batch of 0 writes is a ping (send_probe)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.MEM_COMMIT
+    batch: int
+    count: int
+    total_bytes: int
+
+
+@dataclass
+class MemWriteAck:
+    """Receiver -> sender: ``status`` is "ok" (all ``applied``), else why the batch failed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.MEM_WRITE_ACK
+    batch: int
+    applied: int
+    status: str
+    detail: str
+
+
 Message = Union[
-    Hello, HelloChallenge, HelloAuth, HelloOk, TransferBegin, Chunk, TransferEnd, Ack, Nack, Abort, Error
+    Hello, HelloChallenge, HelloAuth, HelloOk, TransferBegin, Chunk, TransferEnd, Ack, Nack, Abort, Error,
+    MemWrite, MemCommit, MemWriteAck,
 ]
 
 _BY_TYPE = {
     cls.TYPE: cls
-    for cls in (Hello, HelloChallenge, HelloAuth, HelloOk, TransferBegin, Chunk, TransferEnd, Ack, Nack, Abort, Error)
+    for cls in (
+        Hello, HelloChallenge, HelloAuth, HelloOk, TransferBegin, Chunk, TransferEnd, Ack, Nack, Abort, Error,
+        MemWrite, MemCommit, MemWriteAck,
+    )
 }
+_WITH_PAYLOAD = (MsgType.CHUNK, MsgType.MEM_WRITE)
 _FIELDS = {cls: [(f.name, f.type) for f in dataclasses.fields(cls)] for cls in _BY_TYPE.values()}
 _PY_TYPES = {"int": int, "str": str, "bytes": bytes}
 _MAX_STR = 4096  # names, reasons, dtypes: nothing legitimate is longer
@@ -263,8 +311,10 @@ def decode_prefix(
         raise ProtocolError(f"{msg_type.name}: header of {header_len} bytes exceeds limit {max_header_bytes}")
     if payload_len > max_payload_bytes:
         raise ProtocolError(f"{msg_type.name}: payload of {payload_len} bytes exceeds limit {max_payload_bytes}")
-    if payload_len and msg_type != MsgType.CHUNK:
-        raise ProtocolError(f"{msg_type.name}: unexpected payload of {payload_len} bytes (only CHUNK has one)")
+    if payload_len and msg_type not in _WITH_PAYLOAD:
+        raise ProtocolError(
+            f"{msg_type.name}: unexpected payload of {payload_len} bytes (only CHUNK and MEM_WRITE have one)"
+        )
     return msg_type, header_len, payload_len
 
 
