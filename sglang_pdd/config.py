@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 ROLES = ("prefill", "relay", "main")
+TRANSFER_BACKEND = "pdd"  # --disaggregation-transfer-backend of P and RLD
+INTRA_DC_TRANSPORTS = ("auto", "mooncake", "tcp")
 
 # Which SGLang --disaggregation-mode each PDD role runs in. MD is a plain (non-disaggregated)
 # server: its KV arrives into its decode-side radix cache over the WAN, and a handoff is an
@@ -31,9 +33,11 @@ class PddConfig:
     datacenter: str = ""
     wan_listen: Optional[str] = None  # main: HOST:PORT of the WAN KV receiver
     control_listen: Optional[str] = None  # main: HOST:PORT of MD's room/handoff control API
-    wan_key_file: Optional[str] = None  # prefill/main: shared HMAC key for WAN peers
+    wan_key_file: Optional[str] = None  # prefill/main (and relay on TCP): shared HMAC key of KV peers
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
+    wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
+    intra_dc_transport: str = "auto"  # prefill/relay: engine of the P -> RLD path
 
     @property
     def active(self) -> bool:
@@ -53,12 +57,20 @@ FLAGS = [
         help="main only: HOST:PORT of MD's control API (room registration, KV readiness, DRC stats) "
              "that the router calls.")),
     ("--pdd-wan-key-file", "pdd_wan_key_file", dict(default=None,
-        help="prefill and main: file holding the shared key that WAN peers authenticate with (HMAC).")),
+        help="prefill and main (relay too when its intra-DC engine is TCP): file holding the shared "
+             "key that KV peers authenticate with (HMAC).")),
     ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
         help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
     ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
         help="prefill and main: a WAN KV transfer not finished within this many seconds fails "
              "(RLD then finishes the request itself).")),
+    ("--pdd-wan-staging-mb", "pdd_wan_staging_mb", dict(type=int, default=1024,
+        help="prefill only: host memory for KV copied out of the pool and waiting for the WAN; a "
+             "request that would exceed it skips the WAN (RLD finishes it), P never stalls.")),
+    ("--pdd-intra-dc-transport", "pdd_intra_dc_transport", dict(choices=INTRA_DC_TRANSPORTS, default="auto",
+        help="prefill and relay: engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport "
+             "with MC_FORCE_TCP=1), tcp (sglang-pdd's authenticated TCP engine, host memory), or "
+             "auto (mooncake if installed, else tcp). P and RLD must agree.")),
 ]
 
 
@@ -80,9 +92,13 @@ def config_from_namespace(ns: argparse.Namespace) -> PddConfig:
                         if hasattr(ns, f"pdd_{f.name}")})
 
 
-def validate(cfg: PddConfig, disaggregation_mode: str) -> PddConfig:
+def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = TRANSFER_BACKEND) -> PddConfig:
     """Raise PddConfigError naming the first offending flag; return cfg unchanged if consistent."""
     defaults = PddConfig()
+    uses_backend = (disaggregation_mode or "null") != "null" and transfer_backend == TRANSFER_BACKEND
+    if uses_backend and cfg.role not in ("prefill", "relay"):
+        raise PddConfigError(f"--disaggregation-transfer-backend {TRANSFER_BACKEND} needs --pdd-role prefill (P) "
+                             f"or relay (RLD)")
     if not cfg.active:
         for flag, dest, _ in FLAGS[1:]:
             name = dest[len("pdd_"):]
@@ -94,6 +110,9 @@ def validate(cfg: PddConfig, disaggregation_mode: str) -> PddConfig:
         need = "no --disaggregation-mode" if want_mode == "null" else f"--disaggregation-mode {want_mode}"
         raise PddConfigError(
             f"--pdd-role {cfg.role} needs {need} (got --disaggregation-mode {disaggregation_mode})")
+    if cfg.role in ("prefill", "relay") and not uses_backend:
+        raise PddConfigError(f"--pdd-role {cfg.role} needs --disaggregation-transfer-backend {TRANSFER_BACKEND} "
+                             f"(got {transfer_backend})")
     if cfg.role == "main":
         if not cfg.wan_listen:
             raise PddConfigError("--pdd-role main needs --pdd-wan-listen HOST:PORT")
@@ -107,10 +126,17 @@ def validate(cfg: PddConfig, disaggregation_mode: str) -> PddConfig:
                 raise PddConfigError(f"{flag} applies only to --pdd-role main, not {cfg.role}")
     if cfg.role in ("prefill", "main") and not cfg.wan_key_file:
         raise PddConfigError(f"--pdd-role {cfg.role} needs --pdd-wan-key-file (WAN peers must authenticate)")
-    if cfg.role == "relay" and cfg.wan_key_file:
-        raise PddConfigError("--pdd-wan-key-file applies only to roles prefill and main, not relay")
-    if cfg.role != "prefill" and cfg.wan_streams != defaults.wan_streams:
-        raise PddConfigError(f"--pdd-wan-streams applies only to --pdd-role prefill, not {cfg.role}")
+    if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
+        raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
+    for flag, name in (("--pdd-wan-streams", "wan_streams"), ("--pdd-wan-staging-mb", "wan_staging_mb")):
+        if cfg.role != "prefill" and getattr(cfg, name) != getattr(defaults, name):
+            raise PddConfigError(f"{flag} applies only to --pdd-role prefill, not {cfg.role}")
+    if cfg.role == "main" and cfg.intra_dc_transport != defaults.intra_dc_transport:
+        raise PddConfigError("--pdd-intra-dc-transport applies only to roles prefill and relay, not main")
+    if cfg.intra_dc_transport not in INTRA_DC_TRANSPORTS:
+        raise PddConfigError(f"--pdd-intra-dc-transport must be one of {INTRA_DC_TRANSPORTS}")
+    if cfg.wan_staging_mb < 16:
+        raise PddConfigError(f"--pdd-wan-staging-mb must be >= 16, got {cfg.wan_staging_mb}")
     if not 1 <= cfg.wan_streams <= 64:
         raise PddConfigError(f"--pdd-wan-streams must be in 1..64, got {cfg.wan_streams}")
     if not cfg.wan_timeout_s > 0:

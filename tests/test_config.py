@@ -1,6 +1,7 @@
 """The --pdd-* flags: parsing and the start-up validation that names the offending flag."""
 
 import argparse
+import re
 
 import pytest
 
@@ -10,16 +11,26 @@ from sglang_pdd.config import PddConfig, PddConfigError, add_pdd_args, config_fr
 def parse(*argv: str) -> PddConfig:
     parser = argparse.ArgumentParser()
     parser.add_argument("--disaggregation-mode", default="null")
+    # "pdd" by default here, so each case below states only what it is about
+    parser.add_argument("--disaggregation-transfer-backend", default="pdd")
     add_pdd_args(parser)
     ns = parser.parse_args(list(argv))
-    return config_from_namespace(ns), ns.disaggregation_mode
+    return config_from_namespace(ns), ns.disaggregation_mode, ns.disaggregation_transfer_backend
 
 
 GOOD = [
     ([], None),
     (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
-      "--pdd-wan-streams", "8"], "prefill"),
-    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-datacenter", "dc-a"], "relay"),
+      "--pdd-wan-streams", "8", "--disaggregation-transfer-backend", "pdd"], "prefill"),
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--pdd-intra-dc-transport", "tcp", "--pdd-wan-staging-mb", "64",
+      "--disaggregation-transfer-backend", "pdd"], "prefill"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-datacenter", "dc-a",
+      "--disaggregation-transfer-backend", "pdd"], "relay"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-intra-dc-transport", "tcp",
+      "--pdd-wan-key-file", "k", "--disaggregation-transfer-backend", "pdd"], "relay"),
+    # a plain PD pair on another backend is none of the plugin's business
+    (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake"], None),
     (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-control-listen", "127.0.0.1:7001",
       "--pdd-wan-key-file", "k"], "main"),
 ]
@@ -27,8 +38,8 @@ GOOD = [
 
 @pytest.mark.parametrize("argv,role", GOOD)
 def test_consistent_flags_validate(argv, role):
-    cfg, mode = parse(*argv)
-    assert validate(cfg, mode) is cfg
+    cfg, mode, backend = parse(*argv)
+    assert validate(cfg, mode, backend) is cfg
     assert cfg.role == role and cfg.active == (role is not None)
 
 
@@ -36,7 +47,8 @@ BAD = [
     (["--pdd-wan-streams", "8"], "--pdd-wan-streams was given without --pdd-role"),
     (["--pdd-role", "prefill", "--pdd-wan-key-file", "k"], "needs --disaggregation-mode prefill"),
     (["--pdd-role", "relay", "--disaggregation-mode", "prefill"], "needs --disaggregation-mode decode"),
-    (["--pdd-role", "main", "--disaggregation-mode", "decode", "--pdd-wan-listen", "h:1",
+    (["--pdd-role", "main", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
+      "--pdd-wan-listen", "h:1",
       "--pdd-control-listen", "h:2", "--pdd-wan-key-file", "k"], "needs no --disaggregation-mode"),
     (["--pdd-role", "main", "--pdd-wan-key-file", "k"], "needs --pdd-wan-listen"),
     (["--pdd-role", "main", "--pdd-wan-listen", "nohost", "--pdd-wan-key-file", "k"], "--pdd-wan-listen must be HOST:PORT"),
@@ -46,20 +58,31 @@ BAD = [
     (["--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:8"], "needs --pdd-wan-key-file"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-control-listen", "h:7"], "--pdd-control-listen applies only"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-listen", "h:7"], "--pdd-wan-listen applies only"),
-    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-key-file", "k"], "--pdd-wan-key-file applies only"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-intra-dc-transport", "tcp"],
+     "--pdd-intra-dc-transport tcp needs --pdd-wan-key-file"),
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-streams", "2"], "--pdd-wan-streams applies only"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-wan-staging-mb", "64"],
+     "--pdd-wan-staging-mb applies only"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:8", "--pdd-wan-key-file", "k",
+      "--pdd-intra-dc-transport", "tcp"], "--pdd-intra-dc-transport applies only"),
     (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
       "--pdd-wan-streams", "0"], "--pdd-wan-streams must be in 1..64"),
     (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
       "--pdd-wan-timeout-s", "0"], "--pdd-wan-timeout-s must be > 0"),
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--pdd-wan-staging-mb", "1"], "--pdd-wan-staging-mb must be >= 16"),
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--disaggregation-transfer-backend", "mooncake"], "needs --disaggregation-transfer-backend pdd"),
+    (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "pdd"],
+     "needs --pdd-role prefill (P) or relay (RLD)"),
 ]
 
 
 @pytest.mark.parametrize("argv,message", BAD)
 def test_inconsistent_flags_name_the_flag(argv, message):
-    cfg, mode = parse(*argv)
-    with pytest.raises(PddConfigError, match=message.replace(".", r"\.")):
-        validate(cfg, mode)
+    cfg, mode, backend = parse(*argv)
+    with pytest.raises(PddConfigError, match=re.escape(message)):
+        validate(cfg, mode, backend)
 
 
 def test_unknown_role_is_rejected_by_the_parser():

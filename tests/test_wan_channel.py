@@ -463,9 +463,14 @@ def test_intra_dc_fallback_choice(monkeypatch):
 
     monkeypatch.setattr(fallback, "mooncake_available", lambda: False)
     assert fallback.intra_dc_transport() == "tcp"
+    with pytest.raises(fallback.TransportUnavailable, match="not installed"):
+        fallback.intra_dc_transport("mooncake")
     monkeypatch.setattr(fallback, "mooncake_available", lambda: True)
     assert fallback.intra_dc_transport() == "mooncake"
+    assert fallback.intra_dc_transport("mooncake") == "mooncake"
     assert fallback.intra_dc_transport("tcp") == "tcp"
+    with pytest.raises(ValueError, match="one of"):
+        fallback.intra_dc_transport("rdma")
 
 
 def test_tls_optional(tmp_path):

@@ -120,6 +120,20 @@ class TransferPlan:
         page_count = min(self.pages_per_chunk, self.end_page - page_start)
         return ChunkSpec(index, layer, page_start, page_count, page_count * self.layout.bytes_per_page)
 
+    def groups_ready(self, pages_available: int) -> int:
+        """How many leading page groups (one chunk per layer each) are complete once pages
+        ``[0, pages_available)`` exist: lets a producer send while prefill still runs."""
+        if pages_available >= self.end_page:
+            return self.chunks_per_layer
+        return max(0, pages_available - self.first_page) // self.pages_per_chunk
+
+    def group_chunks(self, group: int) -> list[ChunkSpec]:
+        """The chunks of page group ``group``, one per layer."""
+        n = self.chunks_per_layer
+        if not 0 <= group < n:
+            raise IndexError(f"page group {group} out of range [0, {n})")
+        return [self.chunk(layer * n + group) for layer in range(self.layout.num_layers)]
+
     def chunks_of_layer(self, layer: int) -> list[ChunkSpec]:
         n = self.chunks_per_layer
         return [self.chunk(layer * n + g) for g in range(n)]

@@ -376,7 +376,8 @@ class WanKvReceiver(RoomQueries):
         elif isinstance(msg, Abort):
             with self._cv:
                 entry = self._rooms.get(msg.room)
-                if entry is not None and entry.session is conn.session:
+                # An unbound room: its sender aborted before its BEGIN went out.
+                if entry is not None and entry.session in (None, conn.session):
                     self._fail_room(entry, FailureReason.ABORTED, f"sender aborted: {msg.reason}", tell_peer=False)
         elif isinstance(msg, Error):
             logger.warning("peer %s reports: room %s: %s: %s", conn.peer, msg.room, msg.reason, msg.detail)

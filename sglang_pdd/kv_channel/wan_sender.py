@@ -334,7 +334,9 @@ class WanKvSender(RoomQueries):
             return
         logger.warning("room %s: transfer to %s:%s failed: %s (%s)", entry.room, *self.peer, reason, detail)
         self._set_terminal(entry, RoomState.FAILED, reason, detail)
-        if tell_peer and entry.session.up and not entry.session.dead:
+        if tell_peer and not entry.session.dead:
+            # Also before the session is up: its BEGIN may already be queued (writers skip it
+            # now), and the receiver must not wait for this room until its own timeout.
             self._enqueue(entry, Abort(entry.room, reason))
 
     def _kill_session(self, s: _Session, reason: str, detail: str) -> None:

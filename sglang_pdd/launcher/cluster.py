@@ -42,7 +42,8 @@ class LocalCluster:
     def start(self, timeout_s: float = 600.0) -> "LocalCluster":
         topo = self.topology
         for spec in topo.servers:
-            self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file)),
+            self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file),
+                                                    topo.intra_dc_transport),
                              health_url=f"{spec.url}/health", env=CPU_ENV)
         self.procs.start("wan-emulator", wan_emulator_argv(topo), health_url=f"{topo.wan.control_url}/stats")
         self.procs.start("router", router_argv(topo, self.model_path, self.router_args),

@@ -60,14 +60,16 @@ class ServerSpec:
         return f"http://{LOOPBACK}:{self.control_port}" if self.control_port else None
 
 
-def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] = None) -> list[str]:
+def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] = None,
+                intra_dc_transport: str = "auto") -> list[str]:
+    """``intra_dc_transport``: P -> RLD engine, ``auto`` (Mooncake if installed), ``mooncake`` or ``tcp``."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", LOOPBACK, "--port", str(spec.port), *CPU_SERVER_FLAGS]
     if spec.role == "prefill":
-        argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+        argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "pdd",
                  "--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
     elif spec.role == "relay":
-        argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
+        argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "pdd",
                  # the default host retraction backup calls torch.cuda.cudart()
                  "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     elif spec.role == "main":
@@ -77,8 +79,10 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
         argv += ["--pdd-role", spec.role]
         if spec.datacenter:
             argv += ["--pdd-datacenter", spec.datacenter]
-        if spec.role in ("prefill", "main"):
-            argv += ["--pdd-wan-key-file", str(wan_key_file)]
+        if spec.role in ("prefill", "main") or (spec.role == "relay" and intra_dc_transport != "mooncake"):
+            argv += ["--pdd-wan-key-file", str(wan_key_file)]  # relay: for the TCP engine
+        if spec.role in ("prefill", "relay") and intra_dc_transport != "auto":
+            argv += ["--pdd-intra-dc-transport", intra_dc_transport]
     return argv + list(spec.extra_args)
 
 
@@ -106,9 +110,10 @@ class Topology:
     main: ServerSpec
     router_port: int
     wan: WanLinkSpec = field(default_factory=WanLinkSpec)
+    intra_dc_transport: str = "auto"  # P -> RLD engine: auto, mooncake or tcp
 
     @classmethod
-    def on_free_ports(cls) -> "Topology":
+    def on_free_ports(cls, intra_dc_transport: str = "auto") -> "Topology":
         return cls(
             prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port()),
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
@@ -116,6 +121,7 @@ class Topology:
                             control_port=free_port()),
             router_port=free_port(),
             wan=WanLinkSpec(listen_port=free_port(), control_port=free_port()),
+            intra_dc_transport=intra_dc_transport,
         )
 
     @property

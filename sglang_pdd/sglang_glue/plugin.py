@@ -4,28 +4,31 @@ SGLang calls ``register()`` in every one of its processes before building Server
 Scheduler. It only registers HookRegistry hooks, so importing sglang_pdd alone changes nothing,
 and a server started without --pdd-role behaves exactly like plain SGLang.
 
+It also registers the ``pdd`` transfer backend (transfer_backend.py) in SGLang's
+transfer-backend registry (patches/sglang-0002-...) and adds it to the CLI choices.
+
 Hooks (each a no-op unless --pdd-role asks for it):
 * ServerArgs.add_cli_args / from_cli_args — the --pdd-* flags and their validation;
-* Scheduler.__init__ (after) — start the role's runtime in the scheduler process;
+* Scheduler.__init__ (after) — start MD's runtime in the scheduler process;
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
   room commands and WAN completions there, on the scheduler thread;
-* SchedulerDisaggregationPrefillMixin.send_kv_chunk (after) — P fans the KV out over the WAN.
+* PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
+  serves (prompt ids, the router's WAN destination): SGLang builds senders without it.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_pdd.config import PddConfig, PddConfigError, add_pdd_args, config_from_namespace, validate
+from sglang_pdd.config import TRANSFER_BACKEND, PddConfig, PddConfigError, add_pdd_args, config_from_namespace, validate
 
 logger = logging.getLogger(__name__)
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-_PREFILL_MIXIN = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+_BOOTSTRAP_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 
 
 def _add_cli_args(original, parser):
@@ -37,7 +40,8 @@ def _attach_pdd_config(server_args, cls, args):
     """After ServerArgs.from_cli_args: validate the --pdd-* flags and keep them on the record."""
     cfg = config_from_namespace(args)
     try:
-        validate(cfg, str(getattr(server_args, "disaggregation_mode", "null")))
+        validate(cfg, str(getattr(server_args, "disaggregation_mode", "null")),
+                 str(getattr(server_args, "disaggregation_transfer_backend", "")))
     except PddConfigError as e:
         # argparse-style failure: one clear line, before any process is spawned.
         raise SystemExit(f"sglang-pdd: error: {e}") from None
@@ -52,25 +56,14 @@ def get_pdd_config(server_args) -> PddConfig:
     return getattr(server_args, "_pdd_config", None) or PddConfig()
 
 
-def _read_key(cfg: PddConfig) -> bytes:
-    key = Path(cfg.wan_key_file).read_bytes().strip()
-    if len(key) < 16:
-        raise PddConfigError(f"--pdd-wan-key-file {cfg.wan_key_file} holds {len(key)} bytes; need >= 16")
-    return key
-
-
 def _start_role_runtime(result, scheduler, *args, **kwargs):
     cfg = get_pdd_config(scheduler.server_args)
     scheduler._pdd_runtime = None
     if cfg.role == "main":
         from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+        from sglang_pdd.sglang_glue.transfer_backend import read_key
 
-        scheduler._pdd_runtime = MainDrcRuntime(scheduler, cfg, _read_key(cfg))
-    elif cfg.role == "prefill":
-        from sglang_pdd.sglang_glue.prefill_wan import PrefillWanFanout
-
-        name = f"prefill-{cfg.datacenter or 'a'}-{scheduler.server_args.port}"
-        scheduler._pdd_runtime = PrefillWanFanout(cfg, _read_key(cfg), name)
+        scheduler._pdd_runtime = MainDrcRuntime(scheduler, cfg, read_key(cfg))
 
 
 def _after_ingest(result, scheduler, *args, **kwargs):
@@ -79,18 +72,39 @@ def _after_ingest(result, scheduler, *args, **kwargs):
         runtime.on_scheduler_iteration()
 
 
-def _after_send_kv_chunk(result, scheduler, req, last_chunk=False, end_idx=None):
-    runtime = getattr(scheduler, "_pdd_runtime", None)
-    if last_chunk and runtime is not None and hasattr(runtime, "on_last_chunk"):
+def _bind_sender(created, queue, req, *args, **kwargs):
+    sender = getattr(req, "disagg_kv_sender", None) if created else None
+    if sender is not None and hasattr(sender, "bind_request"):
         try:
-            runtime.on_last_chunk(scheduler, req)
-        except Exception:  # noqa: BLE001 — the WAN copy is best effort; RLD still has the KV
-            logger.exception("rid %s: WAN fan-out failed; MD will time out and RLD finishes", req.rid)
+            sender.bind_request(req, queue.token_to_kv_pool, queue.scheduler.token_to_kv_pool_allocator.page_size)
+        except Exception:  # noqa: BLE001 — without a WAN leg the request still completes on RLD
+            logger.exception("rid %s: no WAN leg (binding the request to its sender failed)", req.rid)
+
+
+def _register_transfer_backend() -> None:
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.disaggregation import utils
+
+    if not hasattr(utils, "register_transfer_backend"):
+        logger.warning("SGLang lacks the transfer-backend registry (patches/sglang-0002-open-transfer-backend-"
+                       "registry.patch; run scripts/setup.sh): --disaggregation-transfer-backend %s is "
+                       "unavailable", TRANSFER_BACKEND)
+        return
+
+    def load_classes():
+        from sglang_pdd.sglang_glue.transfer_backend import backend_classes
+
+        return backend_classes()
+
+    utils.register_transfer_backend(TRANSFER_BACKEND, load_classes)
+    if TRANSFER_BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        DISAGG_TRANSFER_BACKEND_CHOICES.append(TRANSFER_BACKEND)
 
 
 def register() -> None:
+    _register_transfer_backend()
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _attach_pdd_config, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.__init__", _start_role_runtime, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.ingest_requests", _after_ingest, HookType.AFTER)
-    HookRegistry.register(f"{_PREFILL_MIXIN}.send_kv_chunk", _after_send_kv_chunk, HookType.AFTER)
+    HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)
