@@ -32,12 +32,13 @@ class PddConfig:
     role: Optional[str] = None  # None: plugin inactive, the server is plain SGLang
     datacenter: str = ""
     wan_listen: Optional[str] = None  # main: HOST:PORT of the WAN KV receiver
-    control_listen: Optional[str] = None  # main: HOST:PORT of MD's room/handoff control API
+    control_listen: Optional[str] = None  # main: MD's room/handoff API; prefill: late WAN destinations
     wan_key_file: Optional[str] = None  # prefill/main (and relay on TCP): shared HMAC key of KV peers
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
     wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
     intra_dc_transport: str = "auto"  # prefill/relay: engine of the P -> RLD path
+    wan_destination_wait_ms: int = 2000  # prefill: how long P keeps KV for a promised late destination
 
     @property
     def active(self) -> bool:
@@ -54,8 +55,9 @@ FLAGS = [
     ("--pdd-wan-listen", "pdd_wan_listen", dict(default=None,
         help="main only: HOST:PORT on which MD accepts KV over the WAN.")),
     ("--pdd-control-listen", "pdd_control_listen", dict(default=None,
-        help="main only: HOST:PORT of MD's control API (room registration, KV readiness, DRC stats) "
-             "that the router calls.")),
+        help="main: HOST:PORT of MD's control API (room registration, KV readiness, DRC stats) "
+             "that the router calls. prefill (optional): HOST:PORT where the router posts a "
+             "request's WAN destination after starting it, so MD's answer is off the TTFT path.")),
     ("--pdd-wan-key-file", "pdd_wan_key_file", dict(default=None,
         help="prefill and main (relay too when its intra-DC engine is TCP): file holding the shared "
              "key that KV peers authenticate with (HMAC).")),
@@ -67,6 +69,9 @@ FLAGS = [
     ("--pdd-wan-staging-mb", "pdd_wan_staging_mb", dict(type=int, default=1024,
         help="prefill only: host memory for KV copied out of the pool and waiting for the WAN; a "
              "request that would exceed it skips the WAN (RLD finishes it), P never stalls.")),
+    ("--pdd-wan-destination-wait-ms", "pdd_wan_destination_wait_ms", dict(type=int, default=2000,
+        help="prefill only: how long P keeps a finished request's KV for a WAN destination the "
+             "router promised but has not posted yet (then RLD alone finishes it).")),
     ("--pdd-intra-dc-transport", "pdd_intra_dc_transport", dict(choices=INTRA_DC_TRANSPORTS, default="auto",
         help="prefill and relay: engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport "
              "with MC_FORCE_TCP=1), tcp (sglang-pdd's authenticated TCP engine, host memory), or "
@@ -121,20 +126,26 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
             raise PddConfigError("--pdd-role main needs --pdd-control-listen HOST:PORT")
         parse_host_port("--pdd-control-listen", cfg.control_listen)
     else:
-        for flag, value in (("--pdd-wan-listen", cfg.wan_listen), ("--pdd-control-listen", cfg.control_listen)):
-            if value:
-                raise PddConfigError(f"{flag} applies only to --pdd-role main, not {cfg.role}")
+        if cfg.wan_listen:
+            raise PddConfigError(f"--pdd-wan-listen applies only to --pdd-role main, not {cfg.role}")
+        if cfg.control_listen and cfg.role != "prefill":
+            raise PddConfigError(f"--pdd-control-listen applies only to roles main and prefill, not {cfg.role}")
+        if cfg.control_listen:
+            parse_host_port("--pdd-control-listen", cfg.control_listen)
     if cfg.role in ("prefill", "main") and not cfg.wan_key_file:
         raise PddConfigError(f"--pdd-role {cfg.role} needs --pdd-wan-key-file (WAN peers must authenticate)")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
-    for flag, name in (("--pdd-wan-streams", "wan_streams"), ("--pdd-wan-staging-mb", "wan_staging_mb")):
+    for flag, name in (("--pdd-wan-streams", "wan_streams"), ("--pdd-wan-staging-mb", "wan_staging_mb"),
+                       ("--pdd-wan-destination-wait-ms", "wan_destination_wait_ms")):
         if cfg.role != "prefill" and getattr(cfg, name) != getattr(defaults, name):
             raise PddConfigError(f"{flag} applies only to --pdd-role prefill, not {cfg.role}")
     if cfg.role == "main" and cfg.intra_dc_transport != defaults.intra_dc_transport:
         raise PddConfigError("--pdd-intra-dc-transport applies only to roles prefill and relay, not main")
     if cfg.intra_dc_transport not in INTRA_DC_TRANSPORTS:
         raise PddConfigError(f"--pdd-intra-dc-transport must be one of {INTRA_DC_TRANSPORTS}")
+    if not 0 <= cfg.wan_destination_wait_ms <= 60000:
+        raise PddConfigError(f"--pdd-wan-destination-wait-ms must be in 0..60000, got {cfg.wan_destination_wait_ms}")
     if cfg.wan_staging_mb < 16:
         raise PddConfigError(f"--pdd-wan-staging-mb must be >= 16, got {cfg.wan_staging_mb}")
     if not 1 <= cfg.wan_streams <= 64:

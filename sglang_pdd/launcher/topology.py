@@ -48,7 +48,7 @@ class ServerSpec:
     datacenter: str = ""
     bootstrap_port: Optional[int] = None  # prefill only
     wan_listen_port: Optional[int] = None  # main only
-    control_port: Optional[int] = None  # main only
+    control_port: Optional[int] = None  # main: MD's control API; prefill: late WAN destinations
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -73,8 +73,9 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
                  # the default host retraction backup calls torch.cuda.cudart()
                  "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     elif spec.role == "main":
-        argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}",
-                 "--pdd-control-listen", f"{LOOPBACK}:{spec.control_port}"]
+        argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}"]
+    if spec.role in ("prefill", "main") and spec.control_port:
+        argv += ["--pdd-control-listen", f"{LOOPBACK}:{spec.control_port}"]
     if spec.role is not None:
         argv += ["--pdd-role", spec.role]
         if spec.datacenter:
@@ -115,7 +116,8 @@ class Topology:
     @classmethod
     def on_free_ports(cls, intra_dc_transport: str = "auto") -> "Topology":
         return cls(
-            prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port()),
+            prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port(),
+                               control_port=free_port()),
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
             main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(),
                             control_port=free_port()),

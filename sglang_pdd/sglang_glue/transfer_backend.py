@@ -19,6 +19,8 @@ router's WAN destination) right after PrefillBootstrapQueue.create_sender.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +35,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_pdd.config import PddConfig, PddConfigError
 from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
+from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ class PddKVManager(MooncakeKVManager):
         self.pdd_config = get_pdd_config(server_args)
         self.intra_dc_transport = intra_dc_transport(self.pdd_config.intra_dc_transport)
         self.wan_fanout: Optional[WanFanout] = None
+        self.wan_destinations: Optional[DestinationBoard] = None
+        self.control_server: Optional[PrefillControlServer] = None
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL and self.pdd_config.role == "prefill":
             cfg = self.pdd_config
@@ -69,6 +74,13 @@ class PddKVManager(MooncakeKVManager):
                 read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}",
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
                 staging_bytes=cfg.wan_staging_mb << 20)
+            if cfg.control_listen:  # late destinations: the router need not wait for MD first
+                from sglang_pdd.config import parse_host_port
+
+                self.wan_destinations = DestinationBoard()
+                self.control_server = PrefillControlServer(
+                    self.wan_destinations, *parse_host_port("--pdd-control-listen", cfg.control_listen),
+                    stats=self.wan_fanout.stats)
         logger.info("pdd transfer backend: %s, intra-DC engine %s%s", disaggregation_mode.value,
                     self.intra_dc_transport, ", WAN fan-out on" if self.wan_fanout else "")
 
@@ -91,10 +103,19 @@ class PddKVManager(MooncakeKVManager):
 
 
 class PddKVSender(MooncakeKVSender):
-    """Mooncake's sender to RLD, plus the request's WAN leg when the router named one."""
+    """Mooncake's sender to RLD, plus the request's WAN leg when the router asked for one.
 
+    The WAN destination is known at bind time (``pdd_wan_peer`` in the request) or comes
+    later through P's control API (``pdd_wan_expected``); pages given before it arrives are
+    remembered (ids only: P keeps the KV, its release waits for the destination up to
+    ``--pdd-wan-destination-wait-ms``).
+    """
+
+    _wan_expected = False  # a destination was promised (now or later)
     _wan_dest: Optional[WanDestination] = None
     _wan_room: Optional[WanRoom] = None
+    _wan_initialized = False
+    _wan_wait_deadline: Optional[float] = None
     _token_ids: tuple = ()
     _rid: str = ""
     _rld_prefix_len: int = 0
@@ -103,14 +124,57 @@ class PddKVSender(MooncakeKVSender):
     def bind_request(self, req, token_to_kv_pool, page_size: int) -> None:
         """Called right after SGLang builds this sender (plugin hook): what the request
         carries that the sender contract does not pass."""
-        fanout = self.kv_mgr.wan_fanout
-        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        mgr = self.kv_mgr
+        params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
         dest = WanDestination.from_custom_params(params)
-        if fanout is None or dest is None:
+        late = bool(params.get("pdd_wan_expected")) and mgr.wan_destinations is not None
+        if mgr.wan_fanout is None or (dest is None and not late):
+            if params.get("pdd_wan_expected") and mgr.wan_destinations is None:
+                logger.warning("rid %s: a late WAN destination was promised but this P has no "
+                               "--pdd-control-listen; RLD finishes the request", req.rid)
             return
-        fanout.attach_pool(token_to_kv_pool, page_size)
-        self._wan_dest, self._token_ids, self._rid = dest, tuple(req.origin_input_ids), req.rid
-        self._page_size = page_size
+        mgr.wan_fanout.attach_pool(token_to_kv_pool, page_size)
+        self._wan_lock = threading.Lock()
+        self._pending_pages: list = []
+        self._token_ids, self._rid, self._page_size = tuple(req.origin_input_ids), req.rid, page_size
+        self._wan_expected, self._wan_dest = True, dest
+        if dest is None:
+            posted = mgr.wan_destinations.wait_for(self.bootstrap_room, self._on_destination)
+            if posted is not None:
+                self._on_destination(posted)
+
+    def _on_destination(self, value) -> None:
+        """The router's late destination (or its withdrawal); any thread."""
+        with self._wan_lock:
+            if not self._wan_expected or self._wan_dest is not None:
+                return
+            if value is DROPPED:
+                self._drop_wan_locked("withdrawn by the router")
+                return
+            self._wan_dest = value
+            self._open_wan_locked()
+
+    def _open_wan_locked(self) -> None:
+        if self._wan_room is not None or self._wan_dest is None or not self._wan_initialized:
+            return
+        fanout = self.kv_mgr.wan_fanout
+        self._wan_room = fanout.open_room(self._wan_dest, rid=self._rid, token_ids=self._token_ids,
+                                          first_offered_page=self._rld_prefix_len // self._page_size)
+        if self._wan_room is None:
+            self._drop_wan_locked("refused by the fan-out")
+            return
+        for pages, event, last in self._pending_pages:
+            fanout.offer(self._wan_room, pages, event, last=last)
+        self._pending_pages = []
+
+    def _drop_wan_locked(self, why: str) -> None:
+        if self._wan_room is not None:
+            self.kv_mgr.wan_fanout.abort(self._wan_room, why)
+        elif self._wan_expected:
+            logger.info("rid %s: no WAN leg (%s)", self._rid, why)
+        self._wan_expected, self._pending_pages = False, []
+        if self.kv_mgr.wan_destinations is not None:
+            self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
         self._rld_prefix_len = super().pop_decode_prefix_len()
@@ -118,29 +182,51 @@ class PddKVSender(MooncakeKVSender):
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         super().init(num_kv_indices, aux_index)
-        if self._wan_dest is not None and self._wan_room is None:
-            self._wan_room = self.kv_mgr.wan_fanout.open_room(
-                self._wan_dest, rid=self._rid, token_ids=self._token_ids,
-                first_offered_page=self._rld_prefix_len // self._page_size)
+        if self._wan_expected:
+            with self._wan_lock:
+                self._wan_initialized = True
+                self._open_wan_locked()
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         wait_event = self._early_send_wait_event  # super() consumes it
         last = self.curr_idx + len(kv_indices) == self.num_kv_indices
         super().send(kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
-        if self._wan_room is not None:
-            self.kv_mgr.wan_fanout.offer(self._wan_room, kv_indices, indices_event or wait_event, last=last)
+        if not self._wan_expected:
+            return
+        with self._wan_lock:
+            if self._wan_room is not None:
+                self.kv_mgr.wan_fanout.offer(self._wan_room, kv_indices, indices_event or wait_event, last=last)
+            elif self._wan_expected:
+                self._pending_pages.append((kv_indices, indices_event or wait_event, last))
 
     def _poll_with_status(self, check_status) -> KVPoll:
         status = super()._poll_with_status(check_status)
-        # P frees the pages once this says Success/Failed: hold that until the WAN copy has them.
-        if status in (KVPoll.Success, KVPoll.Failed) and self._wan_room is not None:
-            if not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room):
+        if status not in (KVPoll.Success, KVPoll.Failed) or not self._wan_expected:
+            return status
+        # P frees the pages once this says Success/Failed: hold that until the WAN copy has
+        # them, or (bounded) until a promised destination arrives.
+        with self._wan_lock:
+            if self._wan_room is not None:
+                if not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room):
+                    return KVPoll.Transferring
+                if self.kv_mgr.wan_destinations is not None:
+                    self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
+                return status
+            if not self._wan_expected:
+                return status
+            now = time.monotonic()
+            if self._wan_wait_deadline is None:
+                self._wan_wait_deadline = now + self.kv_mgr.pdd_config.wan_destination_wait_ms / 1000
+            if now < self._wan_wait_deadline and status == KVPoll.Success:
                 return KVPoll.Transferring
-        return status
+            self.kv_mgr.wan_fanout.counters["destination_wait_expired"] += 1
+            self._drop_wan_locked("no WAN destination within --pdd-wan-destination-wait-ms")
+            return status
 
     def abort(self):
-        if self._wan_room is not None:
-            self.kv_mgr.wan_fanout.abort(self._wan_room, "request aborted on P")
+        if self._wan_expected:
+            with self._wan_lock:
+                self._drop_wan_locked("request aborted on P")
         super().abort()
 
 

@@ -1,0 +1,198 @@
+"""P's control API: WAN destinations that arrive after the request (``--pdd-control-listen``).
+
+Why: the router need not wait for MD's answer (one WAN round trip) before starting P and RLD.
+It starts them at once, marking the request ``pdd_wan_expected``, registers the room on MD in
+parallel, and then tells P where the KV goes and from which token on:
+
+    POST   /pdd/wan_destinations                {bootstrap_room, md_room, wan_peer, md_prefix_len}
+    DELETE /pdd/wan_destinations/{bootstrap_room}   (no MD for this request after all)
+    GET    /pdd/stats
+
+The destination may come before or after the sender asks for it; ``DestinationBoard`` pairs
+the two. Runs in P's scheduler process (the KV manager starts it), on its own thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Optional
+
+from sglang_pdd.config import PddConfigError, parse_host_port
+from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+
+logger = logging.getLogger(__name__)
+
+DROPPED = "dropped"  # what a waiter receives when the router withdraws the destination
+
+
+class DestinationError(ValueError):
+    """A destination message is malformed or conflicts with one already given (HTTP 4xx)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Entry:
+    value: object  # a WanDestination or DROPPED
+    at: float
+
+
+class DestinationBoard:
+    """Pairs late WAN destinations with the senders waiting for them (thread-safe).
+
+    A destination posted before its sender asks is kept for ``ttl_s`` (at most ``capacity``
+    of them); a sender that asks first leaves a callback that the post fires.
+    """
+
+    def __init__(self, ttl_s: float = 60.0, capacity: int = 10000, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s, self.capacity, self.clock = ttl_s, capacity, clock
+        self._lock = threading.Lock()
+        self._posted: "OrderedDict[int, _Entry]" = OrderedDict()
+        self._waiters: dict[int, Callable[[object], None]] = {}
+        self._seen: "OrderedDict[int, None]" = OrderedDict()  # rooms already given (409 on repeat)
+        self.counters = Counter()
+
+    def post(self, room: int, value: object) -> None:
+        """A destination (or DROPPED) for ``room``; raises DestinationError on a repeat."""
+        with self._lock:
+            self._expire()
+            if room in self._seen:
+                self.counters["duplicate"] += 1
+                raise DestinationError(409, f"room {room} already has a WAN destination")
+            self._seen[room] = None
+            if len(self._seen) > 4 * self.capacity:
+                self._seen.popitem(last=False)
+            waiter = self._waiters.pop(room, None)
+            if waiter is None:
+                if len(self._posted) >= self.capacity:
+                    self.counters["refused_full"] += 1
+                    raise DestinationError(503, f"{self.capacity} destinations already wait for their requests")
+                self._posted[room] = _Entry(value, self.clock())
+                self.counters["early"] += 1
+                return
+            self.counters["late"] += 1
+        waiter(value)  # outside the lock: the sender takes its own
+
+    def wait_for(self, room: int, callback: Callable[[object], None]) -> Optional[object]:
+        """The destination if already posted (returned, callback unused), else None and
+        ``callback(value)`` fires when it is posted."""
+        with self._lock:
+            self._expire()
+            entry = self._posted.pop(room, None)
+            if entry is not None:
+                return entry.value
+            self._waiters[room] = callback
+            return None
+
+    def forget(self, room: int) -> None:
+        """The sender is done (or gave up): no callback any more."""
+        with self._lock:
+            self._waiters.pop(room, None)
+            self._posted.pop(room, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self.counters, waiting_senders=len(self._waiters), waiting_destinations=len(self._posted))
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        while self._posted:
+            room, entry = next(iter(self._posted.items()))
+            if entry.at >= cutoff:
+                break
+            del self._posted[room]
+            self.counters["expired"] += 1
+
+
+def parse_destination(body: bytes) -> tuple[int, WanDestination]:
+    """(bootstrap_room, destination) from a POST body; DestinationError(400) names the problem."""
+    try:
+        msg = json.loads(body or b"{}")
+    except ValueError as e:
+        raise DestinationError(400, f"body is not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise DestinationError(400, "body must be a JSON object")
+    fields = {"bootstrap_room": int, "md_room": int, "wan_peer": str, "md_prefix_len": int}
+    for name, kind in fields.items():
+        value = msg.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise DestinationError(400, f"{name} must be {kind.__name__}, got {value!r}")
+    if msg["md_prefix_len"] < 0 or msg["bootstrap_room"] < 0 or msg["md_room"] < 0:
+        raise DestinationError(400, "rooms and md_prefix_len must be >= 0")
+    try:
+        peer = parse_host_port("wan_peer", msg["wan_peer"])
+    except PddConfigError as e:
+        raise DestinationError(400, str(e)) from None
+    return msg["bootstrap_room"], WanDestination(msg["md_room"], peer, msg["md_prefix_len"])
+
+
+class PrefillControlServer:
+    """The HTTP front of a DestinationBoard (stdlib server: P's scheduler process has no loop)."""
+
+    PATH = "/pdd/wan_destinations"
+
+    def __init__(self, board: DestinationBoard, host: str, port: int, stats: Callable[[], dict] = dict):
+        board_ref, path = board, self.PATH
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):  # noqa: N802 — http.server's naming
+                if self.path != path:
+                    return self._reply(404, {"error": f"no such endpoint {self.path}"})
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > 64 * 1024:
+                    return self._reply(413, {"error": f"body of {length} bytes is too large"})
+                try:
+                    room, dest = parse_destination(self.rfile.read(length))
+                    board_ref.post(room, dest)
+                except DestinationError as e:
+                    logger.warning("WAN destination refused: %s", e)
+                    return self._reply(e.status, {"error": str(e)})
+                self._reply(200, {"accepted": True})
+
+            def do_DELETE(self):  # noqa: N802
+                prefix = path + "/"
+                tail = self.path[len(prefix):] if self.path.startswith(prefix) else ""
+                if not tail.isdigit():
+                    return self._reply(404, {"error": f"expected DELETE {prefix}<bootstrap_room>"})
+                try:
+                    board_ref.post(int(tail), DROPPED)
+                except DestinationError as e:
+                    return self._reply(e.status, {"error": str(e)})
+                self._reply(200, {"dropped": True})
+
+            def do_GET(self):  # noqa: N802
+                if self.path == "/pdd/stats":
+                    return self._reply(200, {**board_ref.stats(), **stats()})
+                if self.path == "/health":
+                    return self._reply(200, {"ok": True})
+                self._reply(404, {"error": f"no such endpoint {self.path}"})
+
+            def log_message(self, fmt, *args):  # access logs at debug level only
+                logger.debug("control %s - %s", self.address_string(), fmt % args)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.address = self.httpd.server_address[:2]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="pdd-prefill-control", daemon=True)
+        self.thread.start()
+        logger.info("P control API on http://%s:%s%s", *self.address, self.PATH)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

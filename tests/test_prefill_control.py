@@ -1,0 +1,132 @@
+"""P's control API for late WAN destinations: the board's pairing logic and the HTTP front."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sglang_pdd.sglang_glue.prefill_control import (
+    DROPPED,
+    DestinationBoard,
+    DestinationError,
+    PrefillControlServer,
+    parse_destination,
+)
+from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+
+DEST = WanDestination(md_room=5, peer=("10.0.0.2", 7000), md_prefix_len=64)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_destination_posted_first_is_handed_to_the_sender_that_asks_later():
+    board = DestinationBoard()
+    board.post(5, DEST)
+    got = []
+    assert board.wait_for(5, got.append) == DEST
+    assert got == []  # returned directly, no callback
+    assert board.stats()["early"] == 1 and board.stats()["waiting_destinations"] == 0
+
+
+def test_sender_waiting_first_is_called_back_once():
+    board = DestinationBoard()
+    got = []
+    assert board.wait_for(5, got.append) is None
+    board.post(5, DEST)
+    assert got == [DEST] and board.stats()["late"] == 1
+    with pytest.raises(DestinationError) as e:
+        board.post(5, DEST)  # a second destination for the same request
+    assert e.value.status == 409 and got == [DEST]
+
+
+def test_withdrawal_reaches_the_waiting_sender():
+    board = DestinationBoard()
+    got = []
+    board.wait_for(9, got.append)
+    board.post(9, DROPPED)
+    assert got == [DROPPED]
+
+
+def test_unclaimed_destinations_expire_and_are_bounded():
+    clock = Clock()
+    board = DestinationBoard(ttl_s=10, capacity=2, clock=clock)
+    board.post(1, DEST)
+    board.post(2, DEST)
+    with pytest.raises(DestinationError) as e:
+        board.post(3, DEST)
+    assert e.value.status == 503
+    clock.t = 11
+    board.post(4, DEST)  # 1 and 2 expired first
+    assert board.stats()["expired"] == 2
+    got = []
+    assert board.wait_for(1, got.append) is None  # expired: the sender waits (and times out on P)
+
+
+def test_forgotten_sender_is_not_called():
+    board = DestinationBoard()
+    got = []
+    board.wait_for(7, got.append)
+    board.forget(7)
+    board.post(7, DEST)
+    assert got == [] and board.stats()["waiting_destinations"] == 1
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1"}).encode(), "md_prefix_len must be int"),
+    (json.dumps({"bootstrap_room": "1", "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0}).encode(),
+     "bootstrap_room must be int"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "nohost", "md_prefix_len": 0}).encode(),
+     "HOST:PORT"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": -3}).encode(), ">= 0"),
+    (json.dumps({"bootstrap_room": True, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0}).encode(),
+     "bootstrap_room must be int"),
+])
+def test_malformed_destinations_name_the_problem(body, message):
+    with pytest.raises(DestinationError, match=message) as e:
+        parse_destination(body)
+    assert e.value.status == 400
+
+
+def _call(method: str, url: str, body=None):
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_http_api_posts_withdraws_and_refuses():
+    board = DestinationBoard()
+    server = PrefillControlServer(board, "127.0.0.1", 0, stats=lambda: {"rooms": 3})
+    base = "http://%s:%s" % server.address
+    try:
+        got = []
+        board.wait_for(11, got.append)
+        ok = {"bootstrap_room": 11, "md_room": 11, "wan_peer": "127.0.0.1:9000", "md_prefix_len": 16}
+        assert _call("POST", base + "/pdd/wan_destinations", ok) == (200, {"accepted": True})
+        assert got == [WanDestination(11, ("127.0.0.1", 9000), 16)]
+        status, body = _call("POST", base + "/pdd/wan_destinations", ok)
+        assert status == 409 and "already" in body["error"]
+        status, body = _call("POST", base + "/pdd/wan_destinations", b"{oops")
+        assert status == 400 and "JSON" in body["error"]
+        assert _call("DELETE", base + "/pdd/wan_destinations/12")[0] == 200
+        assert board.wait_for(12, got.append) is DROPPED
+        assert _call("DELETE", base + "/pdd/wan_destinations/abc")[0] == 404
+        assert _call("POST", base + "/elsewhere", ok)[0] == 404
+        status, stats = _call("GET", base + "/pdd/stats")
+        assert status == 200 and stats["rooms"] == 3 and stats["late"] == 1 and stats["duplicate"] == 1
+    finally:
+        server.close()
