@@ -34,10 +34,37 @@ CPU_SERVER_FLAGS = [
 ]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, chosen *below* the kernel's ephemeral range: the servers bind
+    it seconds later, and meanwhile other processes (Mooncake, ZMQ, TCP engines) bind port 0,
+    which the kernel serves from the ephemeral range, so they cannot take it in between."""
+    import random
+
+    low, _ = _ephemeral_range()
+    lo, hi = (10000, low - 1) if low > 12000 else (low, 65535)  # odd ranges: fall back to any
+    for _ in range(1000):
+        port = random.randint(lo, hi)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {lo}..{hi}")
 
 
 @dataclass
