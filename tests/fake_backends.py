@@ -9,9 +9,13 @@ What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py)
 
 - P: POST /generate (non-stream) -> {"meta_info": {"cached_tokens": N}}; it marks the request's
   bootstrap_room as prefilled, which RLD waits for (as a real PD decode waits for its KV).
+- P's control API (its own server, ``p_control_url``): POST /pdd/wan_destinations (late WAN
+  destination; 409 on a repeat, as the real one) and DELETE /pdd/wan_destinations/{room}.
+  A room whose P leg carried ``pdd_wan_expected`` gets MD "ready" only once its destination
+  was posted (as the real P sends nothing over the WAN before).
 - RLD: POST /generate (stream) -> SSE, cumulative output_ids, finish_reason on the last event;
   POST /abort_request {"rid"} ends the stream with finish_reason {"type": "abort"} (after
-  ``rld_abort_lag_tokens`` late tokens).
+  ``rld_abort_lag_tokens`` late tokens). Its first token is logged ("rld", "first_token").
 - MD: the control API (/pdd/rooms, /ready long-poll, /handoff warmup JSON or final SSE counted
   from the handoff point, DELETE) plus /abort_request for MD's own request.
 """
@@ -74,6 +78,8 @@ class Knobs:
     p_status: int = 200
     p_text_error: bool = False  # error body is plain text, not JSON (a crashed handler)
     p_cached_tokens: int = 0
+    # P's control API (late WAN destinations)
+    p_control_status: int = 200  # POST /pdd/wan_destinations: 409 / 500 to refuse
     # RLD
     rld_token_delay_s: float = 0.005
     rld_before_token: Hook = None  # async fn(leg, index_in_leg) awaited before each token
@@ -82,6 +88,7 @@ class Knobs:
     rld_prefill_wait_s: float = 5.0  # RLD waits this long for P's prefill of its room
     # MD control
     md_register: str = "ok"  # ok | error500 | text500
+    md_register_delay_s: float = 0.0  # register answers after this (a WAN round trip)
     md_cached_tokens: int = 0
     md_kv_bytes_per_token: int = 100
     md_ready: str = "ready"  # ready | failed | never (long-poll times out: "pending")
@@ -100,7 +107,9 @@ class Knobs:
 @dataclass
 class Record:
     server: str  # p | rld | md
-    kind: str  # generate | abort | register | ready | warmup | handoff | release
+    # generate | abort | destination | drop | first_token | register | registered | ready |
+    # warmup | handoff | release
+    kind: str
     body: dict
     t: float
 
@@ -115,16 +124,20 @@ class Fakes:
         self.rld_aborted: dict[str, asyncio.Event] = {}
         self.md_aborted: dict[str, asyncio.Event] = {}
         self.rooms: dict[int, dict] = {}  # room -> {"ids", "released", "final"}
+        self.wan_expected: set[int] = set()  # rooms whose P leg awaits a late destination
+        self.destinations: dict[int, asyncio.Event] = {}  # room -> its destination was posted
+        self.p_control_seen: set[int] = set()  # rooms given a destination or dropped (409 on repeat)
         self.rld_active = 0  # RLD streams in progress
         self.md_active = 0
         self._runners: list[web.AppRunner] = []
-        self.p_url = self.rld_url = self.md_url = ""
+        self.p_url = self.rld_url = self.md_url = self.p_control_url = ""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Fakes":
         self.p_url = await self._serve(self._p_app())
         self.rld_url = await self._serve(self._rld_app())
         self.md_url = await self._serve(self._md_app())
+        self.p_control_url = await self._serve(self._p_control_app())
         return self
 
     async def stop(self) -> None:
@@ -156,6 +169,9 @@ class Fakes:
     def registered_rooms(self) -> list[int]:
         return [r.body["room"] for r in self.records("md", "register")]
 
+    def dropped_rooms(self) -> list[int]:
+        return [r.body["bootstrap_room"] for r in self.records("p", "drop")]
+
     # ------------------------------------------------------------------ P
     def _p_app(self) -> web.Application:
         app = web.Application()
@@ -168,11 +184,40 @@ class Fakes:
                 if k.p_text_error:
                     return web.Response(status=k.p_status, text="Internal Server Error")
                 return web.json_response({"error": "prefill failed"}, status=k.p_status)
+            if (body["sampling_params"].get("custom_params") or {}).get("pdd_wan_expected"):
+                self.wan_expected.add(body["bootstrap_room"])
             self.prefilled.setdefault(body["bootstrap_room"], asyncio.Event()).set()
             return web.json_response({"text": "", "meta_info": {"cached_tokens": k.p_cached_tokens,
                                                                  "prompt_tokens": len(body["input_ids"])}})
 
         app.router.add_post("/generate", generate)
+        return app
+
+    def _p_control_app(self) -> web.Application:
+        app = web.Application()
+
+        async def set_destination(request: web.Request) -> web.Response:
+            body = await request.json()
+            self._record("p", "destination", body)
+            room = body["bootstrap_room"]
+            if self.knobs.p_control_status != 200:
+                return web.json_response({"error": "refused (injected)"}, status=self.knobs.p_control_status)
+            if room in self.p_control_seen:
+                return web.json_response({"error": f"room {room} already has a WAN destination"}, status=409)
+            self.p_control_seen.add(room)
+            self.destinations.setdefault(room, asyncio.Event()).set()
+            return web.json_response({"accepted": True})
+
+        async def drop_destination(request: web.Request) -> web.Response:
+            room = int(request.match_info["room"])
+            self._record("p", "drop", {"bootstrap_room": room})
+            if room in self.p_control_seen:
+                return web.json_response({"error": f"room {room} already has a WAN destination"}, status=409)
+            self.p_control_seen.add(room)
+            return web.json_response({"dropped": True})
+
+        app.router.add_post("/pdd/wan_destinations", set_destination)
+        app.router.add_delete("/pdd/wan_destinations/{room}", drop_destination)
         return app
 
     # ------------------------------------------------------------------ RLD
@@ -212,6 +257,8 @@ class Fakes:
                     await asyncio.sleep(k.rld_token_delay_s)
                     finish = {"type": "length", "length": budget} if i == budget - 1 else None
                     await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {"finish_reason": finish}})
+                    if i == 0:
+                        self._record("rld", "first_token", {"rid": rid})
                     if finish is not None:
                         await _done(resp)
                         return resp
@@ -240,12 +287,15 @@ class Fakes:
             body = await request.json()
             self._record("md", "register", body)
             k = self.knobs
+            if k.md_register_delay_s:
+                await asyncio.sleep(k.md_register_delay_s)
             if k.md_register == "error500":
                 return web.json_response({"error": "scheduler busy"}, status=500)
             if k.md_register == "text500":
                 return web.Response(status=500, text="500 Internal Server Error")
             self.rooms[body["room"]] = {"ids": list(body["token_ids"]), "released": False, "final": False}
             cached = k.md_cached_tokens if body.get("use_cache", True) else 0
+            self._record("md", "registered", {"room": body["room"], "cached_tokens": cached})
             return web.json_response({"room": body["room"], "cached_tokens": cached, "wan_peer": "127.0.0.1:1",
                                       "kv_bytes_per_token": k.md_kv_bytes_per_token,
                                       "prompt_tokens": len(body["token_ids"])})
@@ -263,6 +313,8 @@ class Fakes:
             # As for real: MD's KV can land only once P has prefilled the room.
             try:
                 await asyncio.wait_for(self.prefilled.setdefault(room, asyncio.Event()).wait(), timeout_s)
+                if room in self.wan_expected:  # P sends nothing before it knows the destination
+                    await asyncio.wait_for(self.destinations.setdefault(room, asyncio.Event()).wait(), timeout_s)
             except asyncio.TimeoutError:
                 return web.json_response({"status": "pending", "reason": ""})
             await asyncio.sleep(k.md_ready_delay_s)

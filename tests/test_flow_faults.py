@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from typing import Optional
 
 import aiohttp
@@ -47,6 +48,8 @@ class Run:
     chunks: list = dataclasses.field(default_factory=list)
     error: Optional[BaseException] = None
     tasks_after: Optional[set] = None
+    first_chunk_t: Optional[float] = None  # time.monotonic(), the clock of the fakes' records
+    last_chunk_t: Optional[float] = None
 
     @property
     def fallbacks(self) -> list[str]:
@@ -55,9 +58,12 @@ class Run:
 
 
 def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, control_url: Optional[str] = None,
-             force_path: Optional[Path] = None, gates=None, timeout_s: float = 20.0) -> Run:
+             force_path: Optional[Path] = None, gates=None, timeout_s: float = 20.0, p_control: bool = False,
+             p_control_url: Optional[str] = None, md_estimate: int = 0) -> Run:
     """Runs one request through PddFlow against fresh fakes. ``gates(run)`` may set hooks on
-    ``knobs`` that read ``run.flow`` (the fakes share the flow's event loop)."""
+    ``knobs`` that read ``run.flow`` (the fakes share the flow's event loop). ``p_control``:
+    P has its control API (late WAN destinations) at the fake's URL, or at ``p_control_url``;
+    ``md_estimate``: the router's estimate of MD's cached prefix."""
 
     async def main() -> Run:
         fakes = await Fakes(knobs).start()
@@ -67,11 +73,16 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         try:
             main_backend = MainBackend(fakes.md_url, control_url or fakes.md_url, "127.0.0.1:1")
-            run.flow = PddFlow(session, cfg or flow_config(), PrefillBackend(fakes.p_url, 8998), fakes.rld_url,
+            prefill = PrefillBackend(fakes.p_url, 8998,
+                                     control_url=(p_control_url or fakes.p_control_url) if p_control else None)
+            run.flow = PddFlow(session, cfg or flow_config(), prefill, fakes.rld_url,
                                main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0},
-                               rid="req", rld_inflight=0, force_path=force_path)
+                               rid="req", rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate)
             try:
                 async for tokens in run.flow.events():
+                    run.last_chunk_t = time.monotonic()
+                    if run.first_chunk_t is None:
+                        run.first_chunk_t = run.last_chunk_t
                     run.chunks.append(list(tokens))
                     run.emitted.extend(tokens)
             except BackendError as e:

@@ -4,7 +4,7 @@ I/O only: per request a ``PddFlow`` (router/flow.py) runs the legs; path and han
 decisions come from the pure policy modules. Also serves /health and Prometheus /metrics.
 
     python -m sglang_pdd.router --tokenizer-path MODEL \\
-        --prefill http://P:30000,8998 --relay http://RLD:30001 \\
+        --prefill http://P:30000,8998[,http://P:31000] --relay http://RLD:30001 \\
         --main http://MD:30002,http://MD:31002,WAN_HOST:WAN_PORT
 """
 
@@ -183,9 +183,12 @@ class Router:
                 raise RequestError(f"bad pdd_options: {e}") from None
             cfg = dataclasses.replace(cfg, handoff=handoff)
         prefill, relay, main = self.pools.pick(input_ids)
+        # The MD prefix estimate routes a request whose P takes late WAN destinations
+        # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
+        md_estimate = self.pools.prefixes.match(main.url, input_ids) if main is not None else 0
         flow = PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
                        rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
-                       use_drc=bool((options or {}).get("drc", True)))
+                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate)
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
         return flow
 
@@ -259,7 +262,8 @@ class Router:
         # One structured line per request: what happened to it, keyed by its id.
         logger.info("request %s", json.dumps({
             "rid": r.rid, "path": r.path, "prompt_tokens": r.prompt_tokens, "output_tokens": n_tokens,
-            "md_cached": r.md_cached_tokens, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
+            "md_cached": r.md_cached_tokens, "md_cached_est": r.md_cached_estimate,
+            "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
             "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
             "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens, "fallbacks": r.fallbacks}))
         tpot = (e2e - r.ttft_s) / (n_tokens - 1) if r.ttft_s is not None and n_tokens > 1 else None
@@ -283,7 +287,8 @@ class Router:
 
 # Flow fallback tags -> the closed label set of pdd:fallbacks_total.
 _FALLBACK_LABELS = {"wan_failed": "wan_failed", "md_failed": "md_failed", "md_unavailable": "md_failed",
-                    "recovered_on_relay": "md_failed"}
+                    "recovered_on_relay": "md_failed",
+                    "wan_destination_failed": "wan_failed"}  # P refused the late WAN destination
 
 
 def build_app(router: Router) -> web.Application:
@@ -298,12 +303,19 @@ def build_app(router: Router) -> web.Application:
 
 
 def _prefill_arg(value: str) -> PrefillBackend:
-    url, _, port = value.rpartition(",")
-    if not url or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT, got {value!r}")
+    """URL,BOOTSTRAP_PORT or URL,BOOTSTRAP_PORT,CONTROL_URL (P's --pdd-control-listen)."""
     from urllib.parse import urlparse
 
-    return PrefillBackend(url, int(port), urlparse(url).hostname or "127.0.0.1")
+    head, _, last = value.rpartition(",")
+    control = None
+    if not last.isdigit():  # a third field: P's control API
+        control, (head, _, last) = last, head.rpartition(",")
+        if urlparse(control).scheme not in ("http", "https") or not urlparse(control).hostname:
+            raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT[,CONTROL_URL] with an "
+                                             f"http(s) CONTROL_URL, got {value!r}")
+    if not head or not last.isdigit():
+        raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT[,CONTROL_URL], got {value!r}")
+    return PrefillBackend(head, int(last), urlparse(head).hostname or "127.0.0.1", control_url=control)
 
 
 def _main_arg(value: str) -> MainBackend:
@@ -317,7 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sglang_pdd.router",
                                  description="PDD router: P, RLD and MD pools behind one /generate.")
     ap.add_argument("--prefill", type=_prefill_arg, action="append", required=True,
-                    help="URL,BOOTSTRAP_PORT of a prefill server (repeatable)")
+                    help="URL,BOOTSTRAP_PORT[,CONTROL_URL] of a prefill server (repeatable); CONTROL_URL is "
+                         "P's --pdd-control-listen: then P->RLD->MD requests start P and RLD without "
+                         "waiting for MD's room registration (one WAN round trip off the TTFT)")
     ap.add_argument("--relay", action="append", required=True, help="URL of a relay decode server (repeatable)")
     ap.add_argument("--main", type=_main_arg, action="append", default=[],
                     help="URL,CONTROL_URL,WAN_ADDR of a main decode server; WAN_ADDR is what P dials (repeatable)")

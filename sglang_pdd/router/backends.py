@@ -133,3 +133,41 @@ class MainControl:
                 return await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError):
             return None
+
+
+class PrefillControl:
+    """P's WAN-destination API (``--pdd-control-listen`` on a prefill server; served by the
+    sglang-pdd plugin inside P's scheduler). Lets the router start P and RLD before MD has
+    answered the room registration and tell P afterwards where the request's KV goes."""
+
+    PATH = "/pdd/wan_destinations"
+
+    def __init__(self, session: aiohttp.ClientSession, control_url: str):
+        self.session, self.url = session, control_url.rstrip("/")
+
+    async def set_wan_destination(self, bootstrap_room: int, md_room: int, wan_peer: str, md_prefix_len: int,
+                                  timeout_s: float = 10.0) -> dict:
+        """P sends the request's KV from token ``md_prefix_len`` on to ``wan_peer`` for MD's
+        ``md_room``. Raises BackendError unless P answers 200 (400 malformed, 409 the room
+        already has a destination or was dropped)."""
+        body = {"bootstrap_room": int(bootstrap_room), "md_room": int(md_room), "wan_peer": wan_peer,
+                "md_prefix_len": int(md_prefix_len)}
+        async with self.session.post(f"{self.url}{self.PATH}", json=body,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            payload = await _json_reply(resp)
+            if resp.status != 200:
+                raise BackendError(f"P WAN destination for room {bootstrap_room}: HTTP {resp.status} {payload}")
+            return payload
+
+    async def drop_wan_destination(self, bootstrap_room: int) -> None:
+        """Best effort: no MD for this request after all; P stops holding its pages for the WAN."""
+        try:
+            async with self.session.delete(f"{self.url}{self.PATH}/{int(bootstrap_room)}",
+                                           timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    logger.info("drop of WAN destination %s on %s: HTTP %s %s", bootstrap_room, self.url,
+                                resp.status, (await resp.text())[:200])
+                else:
+                    await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("drop of WAN destination %s on %s failed: %r", bootstrap_room, self.url, e)

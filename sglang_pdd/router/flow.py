@@ -5,10 +5,20 @@ handoff/stitcher.py); this module only moves bytes and reacts to events, all of 
 through one queue so the order of events is the order of decisions:
 
     ("rld", cumulative_ids, finish)   RLD's stream (eager tokens)
-    ("ready", status)                 MD's room: its KV has landed (or failed / timed out)
+    ("ready", status, fallback)       MD's room: its KV has landed, or not (``fallback``: the
+                                      tag recorded, e.g. "wan_failed: ...", "md_unavailable: ...")
     ("md", cumulative_ids, finish)    MD's stream after a handoff
     ("md_error", message)             MD refused or died
     ("rld_error", message)            RLD (or P) failed
+
+MD's room registration (``POST /pdd/rooms`` on MD, which answers MD's exact cached prefix):
+without a control URL for P it is awaited before P and RLD start, and P learns its WAN
+destination from the request itself (``custom_params`` pdd_room / pdd_wan_peer /
+pdd_md_prefix_len). With one (``PrefillBackend.control_url``), a P->RLD->MD request is routed
+on the router's *estimate* of MD's prefix, P and RLD start at once (``pdd_wan_expected``) and
+the registration runs concurrently; MD's answer is then posted to P's control API
+(``PrefillControl``), so the registration round trip is off the time to first token. If MD or
+P's API fails, the destination is withdrawn on P and RLD finishes the request.
 
 Guarantees (tested end to end): the client gets each output position exactly once and in
 order; a WAN or MD failure falls back to relay decoding in datacenter A; every backend request
@@ -31,8 +41,9 @@ import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choose_mode, next_catch_up_batch
 from sglang_pdd.handoff.stitcher import Source, StreamStitcher
-from sglang_pdd.router.backends import BackendError, MainControl, abort, generate_once, generate_stream
-from sglang_pdd.router.policy import Path, PathPolicyConfig, RequestFacts, choose_path
+from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, abort, generate_once,
+                                        generate_stream)
+from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, RequestFacts, choose_path
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -42,6 +53,9 @@ class MainBackend:
     url: str
     control_url: str
     wan_peer: str  # HOST:PORT that P dials for this MD (through the WAN emulator in the demo)
+    # KV bytes per token as MD last reported them at a registration (None before the first):
+    # the WAN estimate of a path chosen before MD answers.
+    kv_bytes_per_token: Optional[int] = None
 
 
 @dataclass
@@ -49,6 +63,9 @@ class PrefillBackend:
     url: str
     bootstrap_port: int
     host: str = "127.0.0.1"
+    # P's WAN-destination API (``--pdd-control-listen`` on P). Set: the router need not wait
+    # for MD's registration before starting P and RLD (see PddFlow).
+    control_url: Optional[str] = None
 
 
 @dataclass
@@ -69,7 +86,11 @@ class FlowResult:
     path: str = ""
     reason: str = ""
     prompt_tokens: int = 0
-    md_cached_tokens: int = 0
+    md_cached_tokens: int = 0  # MD's exact prefix hit, as MD answered the registration
+    md_cached_estimate: int = 0  # the router's estimate before asking MD (prefix index)
+    # When MD's room was registered: "before_legs" (awaited before P and RLD start),
+    # "concurrent" (P and RLD started at once, P got its WAN destination later), "none".
+    md_registration: str = "none"
     p_cached_tokens: int = 0  # P's radix hit, as P reported it
     p_cached_estimate: int = 0  # the router's estimate before sending (prefix index)
     wan_bytes: Optional[int] = None  # KV bytes that reached MD over the WAN (None: none landed)
@@ -96,13 +117,14 @@ class PddFlow:
     def __init__(self, session: aiohttp.ClientSession, cfg: FlowConfig, prefill: PrefillBackend,
                  relay_url: str, main: Optional[MainBackend], input_ids: list[int], sampling: dict,
                  rid: Optional[str] = None, rld_inflight: int = 0, force_path: Optional[Path] = None,
-                 use_drc: bool = True):
+                 use_drc: bool = True, md_cached_estimate: int = 0):
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
         self.sampling = dict(sampling)
         self.max_new = int(self.sampling.get("max_new_tokens", cfg.default_max_new_tokens))
-        self.result = FlowResult(rid=rid or uuid.uuid4().hex, prompt_tokens=len(self.ids))
+        self.result = FlowResult(rid=rid or uuid.uuid4().hex, prompt_tokens=len(self.ids),
+                                 md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
@@ -110,6 +132,11 @@ class PddFlow:
         self.rld_inflight = rld_inflight
         self.room: Optional[int] = None
         self.control = MainControl(session, main.control_url) if main else None
+        self.p_control = PrefillControl(session, prefill.control_url) if prefill.control_url else None
+        # Late WAN destination (P control API): None (not used), then "pending" ->
+        # "delivered" | "dropped". While pending, the end of the request withdraws it on P.
+        self._destination: Optional[str] = None
+        self._p_room: Optional[int] = None  # bootstrap room of the P leg that awaits it
         self.leg = 0  # relay legs started (a recovery starts a new one)
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
         self.force_path = force_path
@@ -135,7 +162,9 @@ class PddFlow:
         path = await self._choose_path()
         rld_budget = self.max_new if path is not Path.P_MD else 1
         self._start_relay_leg(self.ids, rld_budget, wan=path is not Path.P_RLD_ONLY)
-        if path is not Path.P_RLD_ONLY:
+        if self._destination == "pending":
+            self._spawn(self._register_and_deliver())  # P and RLD are on their way already
+        elif path is not Path.P_RLD_ONLY:
             self._spawn(self._watch_ready())
         relay_done = False
         deadline = self.t0 + self.cfg.request_timeout_s
@@ -168,7 +197,7 @@ class PddFlow:
                 if self.stitcher.source is not Source.MAIN:
                     raise BackendError(f"relay leg failed: {payload[0]}")
             elif kind == "ready":
-                status, reason = payload
+                status, fallback = payload
                 self._ready_status = status
                 if status == "ready":
                     self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
@@ -177,8 +206,8 @@ class PddFlow:
                     else:  # P's first token is on its way through RLD: TTFT stays same-DC
                         self._handoff_after_first_token = True
                     continue
-                self.result.fallbacks.append(f"wan_failed: {reason}")
-                logger.warning("rid %s: MD room not ready (%s); RLD finishes", self.result.rid, reason)
+                self.result.fallbacks.append(fallback)
+                logger.warning("rid %s: MD room not ready (%s); RLD finishes", self.result.rid, fallback)
                 if relay_done:
                     relay_done = await self._recover("wan_failed_after_rld")
             elif kind == "md":
@@ -211,35 +240,102 @@ class PddFlow:
 
     # ------------------------------------------------------------------ path choice
     async def _choose_path(self) -> Path:
+        if self.main is not None and self.p_control is not None:
+            return await self._choose_path_on_estimate()
+        return await self._register_and_choose_path()
+
+    def _decide(self, md_cached: int) -> PathDecision:
+        decision = choose_path(RequestFacts(input_tokens=len(self.ids), md_cached_tokens=md_cached,
+                                            expected_output_tokens=self.max_new), self.cfg.path)
+        if self.force_path is not None and self.force_path is not decision.path:
+            decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
+        return decision
+
+    async def _choose_path_on_estimate(self) -> Path:
+        """P has a control API: decide on the router's estimate of MD's prefix, without a WAN
+        round trip. P->RLD->MD starts P and RLD at once and registers on MD concurrently
+        (``_register_and_deliver``). P->MD still registers first (MD's first token is the
+        TTFT anyway, so the round trip is hidden) and then decides on MD's exact answer, as
+        without a control API. P->RLD only (outlier; decided on the prompt length and
+        max_new_tokens, not on MD's prefix) registers nothing."""
+        if self.main.kv_bytes_per_token:  # MD's KV size as it last reported it
+            self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
+                self.cfg.path, kv_bytes_per_token=self.main.kv_bytes_per_token))
+        decision = self._decide(self.result.md_cached_estimate)
+        if decision.path is Path.P_MD:
+            return await self._register_and_choose_path()
+        self.result.path, self.result.reason = decision.path.value, decision.reason
+        if decision.path is Path.P_RLD_MD:
+            self.room = self._p_room = new_room()
+            self._destination = "pending"
+            self.result.md_registration = "concurrent"
+        return decision.path
+
+    async def _register_and_choose_path(self) -> Path:
+        """MD's room first (one round trip to MD), then the path on MD's exact prefix."""
         cached = 0
         if self.main is not None:
+            self.result.md_registration = "before_legs"
             self.room = new_room()
             try:
                 reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
-                cached = int(reg["cached_tokens"])
-                per_token = int(reg.get("kv_bytes_per_token") or 0)
-                # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
-                self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
-                if reg.get("kv_bytes_per_token"):  # MD knows its KV size exactly
-                    self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
-                        self.cfg.path, kv_bytes_per_token=int(reg["kv_bytes_per_token"])))
+                cached = self._on_registered(reg)
             except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
                 self.result.fallbacks.append(f"md_unavailable: {e}")
                 logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
                 self.room = None
-        self.result.md_cached_tokens = cached
         if self.room is None:
             self.result.path, self.result.reason = Path.P_RLD_ONLY.value, "no MD available"
             return Path.P_RLD_ONLY
-        decision = choose_path(RequestFacts(input_tokens=len(self.ids), md_cached_tokens=cached,
-                                            expected_output_tokens=self.max_new), self.cfg.path)
-        if self.force_path is not None and self.force_path is not decision.path:
-            decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
+        decision = self._decide(cached)
         self.result.path, self.result.reason = decision.path.value, decision.reason
         if decision.path is Path.P_RLD_ONLY:
             self._spawn(self.control.release(self.room))  # outlier: no WAN transfer; don't wait on it
             self.room = None
         return decision.path
+
+    def _on_registered(self, reg: dict) -> int:
+        """MD's registration answer: its exact cached prefix (returned) and KV size."""
+        cached = int(reg["cached_tokens"])
+        per_token = int(reg.get("kv_bytes_per_token") or 0)
+        self.result.md_cached_tokens = cached
+        # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
+        self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
+        if per_token:  # MD knows its KV size exactly
+            self.main.kv_bytes_per_token = per_token
+            self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
+                self.cfg.path, kv_bytes_per_token=per_token))
+        return cached
+
+    async def _register_and_deliver(self) -> None:
+        """P and RLD run already: register the room on MD, tell P the destination (MD's exact
+        prefix), then wait for MD's KV as usual. Any failure withdraws the destination on P
+        and ends in a failed "ready", so RLD finishes the request."""
+        room = self.room
+        try:
+            reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
+            cached = self._on_registered(reg)
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+            self.room = None  # MD holds no room for it
+            await self._no_destination(f"md_unavailable: {e}")
+            return
+        if cached != self.result.md_cached_estimate:
+            logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
+                        self.result.rid, cached, self.result.md_cached_estimate, self.result.path)
+        try:
+            await self.p_control.set_wan_destination(self._p_room, room, self.main.wan_peer, cached)
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._spawn(self.control.release(room), must_finish=True)  # unlock MD's prefix now
+            self.room = None
+            await self._no_destination(f"wan_destination_failed: {e}")
+            return
+        self._destination = "delivered"
+        await self._watch_ready()
+
+    async def _no_destination(self, fallback: str) -> None:
+        self._destination = "dropped"
+        self._spawn(self.p_control.drop_wan_destination(self._p_room), must_finish=True)
+        await self.queue.put(("ready", "failed", fallback))
 
     # ------------------------------------------------------------------ legs
     def _start_relay_leg(self, input_ids: list[int], max_new: int, wan: bool) -> None:
@@ -249,7 +345,10 @@ class PddFlow:
         rid = f"{self.result.rid}-r{self.leg}"
         room = self.room if (wan and self.leg == 1) else new_room()
         sampling = {**self.sampling, "max_new_tokens": max_new}
-        if wan and self.leg == 1:
+        if wan and self.leg == 1 and self._destination is not None:  # P learns it later
+            sampling["custom_params"] = {**(self.sampling.get("custom_params") or {}),
+                                         "pdd_room": self.room, "pdd_wan_expected": True}
+        elif wan and self.leg == 1:
             sampling["custom_params"] = {**(self.sampling.get("custom_params") or {}),
                                          "pdd_room": self.room, "pdd_wan_peer": self.main.wan_peer,
                                          "pdd_md_prefix_len": self.result.md_cached_tokens}
@@ -289,7 +388,7 @@ class PddFlow:
                 status, reason = "failed", f"not ready within {self.cfg.wan_timeout_s:.0f}s"
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             status, reason = "failed", f"control API: {e!r}"
-        await self.queue.put(("ready", status, reason))
+        await self.queue.put(("ready", status, f"wan_failed: {reason}"))
 
     async def _handoff(self) -> None:
         """Catch-up rounds (optional), then the final cut and MD's continuation stream."""
@@ -378,6 +477,9 @@ class PddFlow:
         cleanup = [abort(self.session, url, rid) for rid, url in self.live_rids.items()]
         if self.room is not None and self.control is not None:
             cleanup.append(self.control.release(self.room))
+        if self._destination == "pending":  # ended before P got a destination: P stops waiting
+            self._destination = "dropped"
+            cleanup.append(self.p_control.drop_wan_destination(self._p_room))
         self.live_rids.clear()
         self.room = None
         if cleanup:
