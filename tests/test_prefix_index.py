@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_pdd.router.placement import InstanceLoad
 from sglang_pdd.router.prefix_index import PrefixIndex, block_hashes
 
 B = 4  # small blocks keep the tables readable
@@ -60,6 +61,86 @@ def test_block_hashes_reject_bad_block_size():
 def test_default_block_size_is_64():
     assert len(block_hashes(toks(130))) == 2
     assert PrefixIndex(10).block_tokens == 64
+
+
+# ---- block-hash core (what the simulator uses: trace hash ids, no tokens) ------------------
+
+def test_blocks_longest_holder_wins_and_chain_breaks_at_first_unknown():
+    idx = PrefixIndex(capacity_blocks_per_instance=4, block_tokens=B)
+    idx.record_blocks("md0", [1, 2])
+    idx.record_blocks("md1", [1, 2, 3])  # md1 holds the longer prefix
+    assert idx.best_blocks(["md0", "md1"], [1, 2, 3, 9]) == ("md1", 3)
+    assert idx.best_blocks(["md0", "md1"], [1, 2]) == ("md0", 2)  # tie -> first
+    assert idx.match_blocks("md0", [1, 2, 3]) == 2
+    assert idx.match_blocks("md1", [7, 1]) == 0  # chain breaks at the first unknown block
+    assert idx.best_blocks(["md1", "md0"], [7, 1]) == ("md1", 0)  # no hit -> first, 0
+
+
+def test_blocks_lru_bound_is_per_instance():
+    idx = PrefixIndex(capacity_blocks_per_instance=4, block_tokens=B)
+    idx.record_blocks("md0", [1, 2])
+    idx.record_blocks("md1", [1, 2, 3])
+    idx.record_blocks("md0", [10, 11, 12])  # 5th block on md0 evicts md0's LRU block (2)
+    assert idx.stats()["blocks_per_instance"] == {"md0": 4, "md1": 3}
+    assert idx.stats()["evicted_blocks"] == 1
+    assert idx.match_blocks("md0", [1, 2, 3]) == 1
+    assert idx.match_blocks("md1", [1, 2, 3]) == 3  # md1 untouched
+    assert idx.best_blocks(["md0", "md1"], [10, 11, 12]) == ("md0", 3)
+
+
+def test_best_blocks_does_not_trust_a_deep_block_without_its_root():
+    # best_blocks first checks the block that would beat the current best; an instance
+    # that has it but lacks an earlier block must still be walked from block 0.
+    idx = PrefixIndex(100, B)
+    idx.record_blocks("a", [1, 2])
+    idx.record_blocks("b", [9, 2, 3])  # holds 2 and 3 but not 1
+    for order in (["a", "b"], ["b", "a"]):
+        assert idx.best_blocks(order, [1, 2, 3]) == ("a", 2)
+    idx.record_blocks("c", [1, 2, 3])
+    assert idx.best_blocks(["a", "b", "c"], [1, 2, 3]) == ("c", 3)
+
+
+def test_best_blocks_edge_cases():
+    idx = PrefixIndex(100, B)
+    idx.record_blocks("a", ["x", "y"])  # any hashable is a block hash
+    idx.record_blocks("b", [])  # counted as a record, stores nothing
+    assert idx.best_blocks(["b", "a"], []) == ("b", 0)
+    assert idx.best_blocks(["b", "a"], ["x", "y"]) == ("a", 2)
+    assert idx.best_blocks(["zz", "a"], ["x"]) == ("a", 1)  # unknown instance: no hit
+    assert idx.stats()["records"] == 2 and idx.stats()["instances"] == 1
+    with pytest.raises(ValueError):
+        idx.best_blocks([], ["x"])
+
+
+def test_token_methods_are_the_block_methods_on_block_hashes():
+    by_tokens, by_blocks = PrefixIndex(100, B), PrefixIndex(100, B)
+    prompts = [PROMPT, PROMPT[:8] + toks(8, 300), toks(13, 700)]
+    for i, p in enumerate(prompts):
+        by_tokens.record(f"i{i % 2}", p)
+        by_blocks.record_blocks(f"i{i % 2}", block_hashes(p, B))
+    assert by_tokens.stats() == by_blocks.stats()
+    assert by_tokens._blocks == by_blocks._blocks
+    for q in prompts + [PROMPT[:10], toks(20, 5000)]:
+        h = block_hashes(q, B)
+        for inst in ("i0", "i1", "i2"):
+            assert by_tokens.match(inst, q) == by_blocks.match_blocks(inst, h) * B
+        inst, blocks = by_blocks.best_blocks(["i2", "i1", "i0"], h)
+        assert by_tokens.best(["i2", "i1", "i0"], q) == (inst, blocks * B)
+
+
+def test_simulator_affinity_prefers_the_least_loaded_of_equal_holders():
+    from sglang_pdd.sim.cluster import Simulation
+
+    idx = PrefixIndex(100, B)
+    idx.record_blocks(0, [1, 2])
+    idx.record_blocks(1, [1, 2])  # a shared system prompt: both hold it
+    idx.record_blocks(2, [1, 2, 3])
+    loads = [InstanceLoad(0, 0.5), InstanceLoad(1, 0.1), InstanceLoad(2, 0.9)]
+    assert Simulation._affinity(idx, [0, 1, 2], loads, [1, 2, 5]) == 1  # tie: least loaded
+    assert Simulation._affinity(idx, [0, 1, 2], loads, [1, 2, 3]) == 2  # longest match wins
+    assert Simulation._affinity(idx, [0, 1, 2], loads, [7]) is None  # no holder: no affinity
+    even = [InstanceLoad(i, 0.0) for i in range(3)]
+    assert Simulation._affinity(idx, [0, 1, 2], even, [1, 2]) == 0  # equal loads: index order
 
 
 # ---- match ----------------------------------------------------------------------------

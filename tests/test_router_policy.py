@@ -1,6 +1,6 @@
 import pytest
 
-from sglang_pdd.router.placement import InstanceLoad, PrefixOwnerIndex, pick_instance
+from sglang_pdd.router.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import (
     Path,
     PathPolicyConfig,
@@ -118,14 +118,3 @@ def test_pick_instance_max_load_overrides_affinity():
     with pytest.raises(ValueError):
         pick_instance([], None)
 
-
-def test_prefix_owner_index_deepest_owner_and_lru_bound():
-    idx = PrefixOwnerIndex(capacity_blocks=4)
-    idx.record([1, 2], "md0")
-    idx.record([1, 2, 3], "md1")  # md1 now holds the longer prefix
-    assert idx.owner_of_prefix([1, 2, 3, 9]) == "md1"
-    assert idx.owner_of_prefix([7, 1]) is None  # chain breaks at the first unknown block
-    idx.record([10, 11], "md0")  # evicts the least recently recorded block (1)
-    assert len(idx) == 4
-    assert idx.owner_of_prefix([1, 2, 3]) is None
-    assert idx.owner_of_prefix([10, 11]) == "md0"

@@ -3,7 +3,9 @@
 The router uses it to estimate, without asking anyone, how much of a prompt an instance
 (typically a Prefill server, keyed by its URL) already holds in its radix cache. Main
 Decode's exact hit comes from MD itself; this is only a cheap guess, modelled on llm-d's
-prefix-cache scorer and SGLang's cache-aware router.
+prefix-cache scorer and SGLang's cache-aware router. The simulator (`sglang_pdd.sim`)
+uses the same index for its P and MD affinity, fed with the trace's block hashes through
+the `*_blocks` methods, so the simulated router matches prefixes like the real one.
 
 How: a prompt is cut into fixed blocks of `block_tokens` token ids (a trailing partial
 block is ignored, as caches hit in whole pages) and the blocks are chain-hashed, so the
@@ -57,6 +59,12 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOK
 class PrefixIndex:
     """Per-instance LRU set of block hashes, at most `capacity_blocks_per_instance` each.
 
+    The core works on sequences of chained block hashes (`record_blocks`, `match_blocks`,
+    `best_blocks`): the simulator feeds it the Mooncake trace's `hash_ids` directly. The
+    router's token-id methods (`record`, `match`, `best`) hash with `block_hashes` and call
+    them. Any hashable works as a block hash, as long as equal hashes at position i mean
+    equal prefixes up to block i.
+
     Memory is bounded by capacity_blocks_per_instance * number of instances; call
     `forget` for an instance that restarted (its cache is empty) or left.
     """
@@ -69,34 +77,93 @@ class PrefixIndex:
         self.capacity_blocks_per_instance = capacity_blocks_per_instance
         self.block_tokens = block_tokens
         # instance -> block hashes, least recently used first (values unused).
-        self._blocks: Dict[Hashable, "OrderedDict[int, None]"] = {}
+        self._blocks: Dict[Hashable, "OrderedDict[Hashable, None]"] = {}
         self._evicted_blocks = 0
         self._records = 0
 
-    def record(self, instance: Hashable, token_ids: Sequence[int]) -> None:
-        """The instance now holds this prompt's prefix (it was just sent there)."""
+    # ---- block-hash core -----------------------------------------------------------------
+
+    def record_blocks(self, instance: Hashable, hashes: Sequence[Hashable]) -> None:
+        """The instance now holds the prefix whose chained block hashes are `hashes`."""
         self._records += 1
-        hashes = block_hashes(token_ids, self.block_tokens)
         if not hashes:
             return
-        lru = self._blocks.setdefault(instance, OrderedDict())
+        lru = self._blocks.get(instance)
+        if lru is None:
+            lru = self._blocks[instance] = OrderedDict()
+        move_to_end = lru.move_to_end
         # Touch the deepest block first and block 0 last, so block 0 is the most recently
         # used: LRU then evicts chain tails before their roots, like the radix cache
         # evicts leaves. Evicting a root first would leave its whole tail unmatchable
         # while it still used memory.
         for h in reversed(hashes):
-            lru[h] = None
-            lru.move_to_end(h)
-        while len(lru) > self.capacity_blocks_per_instance:
-            lru.popitem(last=False)
-            self._evicted_blocks += 1
+            if h in lru:
+                move_to_end(h)
+            else:
+                lru[h] = None  # a new key lands at the recent end already
+        excess = len(lru) - self.capacity_blocks_per_instance
+        if excess > 0:
+            popitem = lru.popitem
+            for _ in range(excess):
+                popitem(last=False)
+            self._evicted_blocks += excess
+
+    def match_blocks(self, instance: Hashable, hashes: Sequence[Hashable]) -> int:
+        """Leading blocks of `hashes` that `instance` holds (stops at the first missing one).
+
+        A pure query: it does not refresh LRU order; `record_blocks` does once the request
+        is sent.
+        """
+        lru = self._blocks.get(instance)
+        if not lru:
+            return 0
+        matched = 0
+        for h in hashes:
+            if h not in lru:
+                break  # chain broken: longer prefixes through this block are not cached
+            matched += 1
+        return matched
+
+    def best_blocks(self, instances: Sequence[Hashable], hashes: Sequence[Hashable]) -> Tuple[Hashable, int]:
+        """The instance holding the longest prefix of `hashes`, and that prefix in blocks.
+
+        Ties (including no hit anywhere) go to the earliest in `instances`, so the result
+        is deterministic; the caller orders `instances` by its own preference (e.g. load).
+        """
+        if not instances:
+            raise ValueError("no instances to choose from")
+        blocks = self._blocks
+        n = len(hashes)
+        best_instance, best = instances[0], 0
+        for inst in instances:
+            if best >= n:
+                break  # nobody can beat a whole-prompt match; earlier instances win ties
+            lru = blocks.get(inst)
+            # To beat `best` an instance must hold block `best` (and all before it): one
+            # lookup rules most instances out before walking the chain.
+            if not lru or hashes[best] not in lru:
+                continue
+            matched = 0
+            for h in hashes:
+                if h not in lru:
+                    break
+                matched += 1
+            if matched > best:
+                best_instance, best = inst, matched
+        return best_instance, best
+
+    # ---- token-id wrappers (the router) ----------------------------------------------------
+
+    def record(self, instance: Hashable, token_ids: Sequence[int]) -> None:
+        """The instance now holds this prompt's prefix (it was just sent there)."""
+        self.record_blocks(instance, block_hashes(token_ids, self.block_tokens))
 
     def match(self, instance: Hashable, token_ids: Sequence[int]) -> int:
         """Estimated cached tokens of `token_ids` on `instance` (a multiple of block_tokens).
 
         A pure query: it does not refresh LRU order; `record` does once the request is sent.
         """
-        return self._match_hashes(instance, block_hashes(token_ids, self.block_tokens))
+        return self.match_blocks(instance, block_hashes(token_ids, self.block_tokens)) * self.block_tokens
 
     def best(self, instances: Sequence[Hashable], token_ids: Sequence[int]) -> Tuple[Hashable, int]:
         """The instance with the longest estimated cached prefix, and that prefix in tokens.
@@ -107,12 +174,10 @@ class PrefixIndex:
         if not instances:
             raise ValueError("no instances to choose from")
         hashes = block_hashes(token_ids, self.block_tokens)  # hashed once for all instances
-        best_instance, best_tokens = instances[0], -1
-        for inst in instances:
-            tokens = self._match_hashes(inst, hashes)
-            if tokens > best_tokens:
-                best_instance, best_tokens = inst, tokens
-        return best_instance, best_tokens
+        inst, blocks = self.best_blocks(instances, hashes)
+        return inst, blocks * self.block_tokens
+
+    # ---- bookkeeping -------------------------------------------------------------------
 
     def forget(self, instance: Hashable) -> int:
         """Drop everything known about `instance` (restarted or gone); returns blocks dropped."""
@@ -130,14 +195,3 @@ class PrefixIndex:
             "records": self._records,
             "evicted_blocks": self._evicted_blocks,
         }
-
-    def _match_hashes(self, instance: Hashable, hashes: Sequence[int]) -> int:
-        lru = self._blocks.get(instance)
-        if not lru:
-            return 0
-        matched = 0
-        for h in hashes:
-            if h not in lru:
-                break  # chain broken: longer prefixes through this block are not cached
-            matched += 1
-        return matched * self.block_tokens

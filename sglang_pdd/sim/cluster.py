@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, choose_mode, next_catch_up_batch
-from sglang_pdd.router.placement import InstanceLoad, PrefixOwnerIndex, pick_instance
+from sglang_pdd.router.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathPolicyConfig, RequestFacts, choose_path
+from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
 from .cache import BlockCache
@@ -116,8 +117,12 @@ class Simulation:
         self.md_pending = [0] * cfg.n_md
         self.md_cache = [BlockCache(cfg.md_hw.cache_capacity_tokens if cfg.drc else 0) for _ in range(cfg.n_md)]
         self.rld = [DecodeInstance(self.loop, cfg.rld_hw, self._rld_start, self._rld_done) for _ in range(cfg.n_rld)]
-        self.p_index = PrefixOwnerIndex(max(1, cfg.n_prefill * self.p_cache[0].capacity_blocks))
-        self.md_index = PrefixOwnerIndex(max(1, cfg.n_md * max(1, self.md_cache[0].capacity_blocks)))
+        # The router's own prefix index (per instance, block hashes straight from the trace),
+        # each instance's share bounded by its cache: n x capacity blocks in all.
+        self.p_index = PrefixIndex(max(1, self.p_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
+        self.md_index = PrefixIndex(max(1, self.md_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
+        self._p_ids = list(range(cfg.n_prefill))
+        self._md_ids = list(range(cfg.n_md))
         kv_link = cfg.wan if cfg.md_remote else cfg.rdma
         self.kv_link = SharedLink(self.loop, kv_link, self.rng, self._md_kv_landed)
         self.md_stream_latency = cfg.wan.one_way_latency_s if cfg.md_remote else 0.0
@@ -169,7 +174,7 @@ class Simulation:
 
         slo = self.sla.ttft_s
         p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
-        p_aff = self.p_index.owner_of_prefix(full)
+        p_aff = self._affinity(self.p_index, self._p_ids, p_loads, full)
         # Leaving the instance that holds our prefix costs recomputing it: only worth it when
         # the queue difference exceeds that cost (both in units of the TTFT SLO).
         recompute_s = 0.0
@@ -182,7 +187,7 @@ class Simulation:
 
         md_cap = c.md_hw.kv_capacity_tokens
         md_loads = [InstanceLoad(i, m.load() + self.md_pending[i] / md_cap) for i, m in enumerate(self.md)]
-        md_affinity = self.md_index.owner_of_prefix(full) if c.drc else None
+        md_affinity = self._affinity(self.md_index, self._md_ids, md_loads, full) if c.drc else None
         r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
         r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
 
@@ -211,6 +216,19 @@ class Simulation:
         r.t_prefill_in = now
         self.prefill[r.p].submit(now, r, tr.input_length - r.p_cached, r.p_cached)
 
+    @staticmethod
+    def _affinity(index: PrefixIndex, ids: list, loads: list, full) -> Optional[int]:
+        """The instance the index says holds the longest prefix of `full`; None if none does.
+
+        Candidates go least loaded first (a stable sort: equal loads keep index order), so
+        among instances holding equally long prefixes the least loaded one is the affinity.
+        Ties are common: a shared system prompt is on every instance. Index order instead
+        piled new sessions onto instance 0 (agentic trace, pdd_drc_adaptive: SLA 93.8%
+        instead of 98.0%).
+        """
+        inst, matched = index.best_blocks(sorted(ids, key=lambda i: loads[i].load), full)
+        return inst if matched else None
+
     # ---- prefill and transfers ------------------------------------------------------------
     def _prefill_done(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
@@ -218,7 +236,7 @@ class Simulation:
         self.prefill_sojourn_sum += now - r.t_prefill_in
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
         self.p_cache[r.p].insert(full)
-        self.p_index.record(full, r.p)
+        self.p_index.record_blocks(r.p, full)
         if r.path is not Path.P_RLD_ONLY:
             self.kv_link.send(now, r, r.kv_bytes)
         if r.path is not Path.P_MD:
@@ -236,7 +254,7 @@ class Simulation:
         if c.drc:
             full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
             self.md_cache[r.md].insert(full)
-            self.md_index.record(full, r.md)
+            self.md_index.record_blocks(r.md, full)
         if r.done:
             return
         if r.path is Path.P_MD:
