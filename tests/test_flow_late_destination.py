@@ -273,3 +273,20 @@ def test_router_passes_md_prefix_estimate_to_the_flow():
     flow = router._flow(prompt, {"max_new_tokens": 4}, "b")
     assert flow.result.md_cached_estimate == 32 and flow.p_control is not None
     assert router._flow(prompt, {"max_new_tokens": 4}, "c", {"drc": False}).result.md_cached_estimate == 0
+
+
+def test_md_prefix_tie_goes_to_the_least_loaded_md():
+    # Both MDs hold the same shared prefix (say a system prompt): the busier one must not win
+    # just because it is configured first.
+    prompt = list(range(200, 248))
+    mds = [MainBackend(f"http://md{i}:1", f"http://md{i}:2", f"md{i}:3") for i in range(2)]
+    pools = Pools([PrefillBackend("http://p:1", 8998)], ["http://rld:1"], mds)
+    for md in mds:
+        pools.prefixes.record(md.url, prompt[:32])
+    pools.md_inflight[mds[0].url] = 2
+    assert pools.pick(prompt)[2] is mds[1]
+    pools.md_inflight[mds[0].url], pools.md_inflight[mds[1].url] = 0, 2
+    assert pools.pick(prompt)[2] is mds[0]
+    # a longer prefix on the busier MD still wins (affinity within --max excess 4)
+    pools.prefixes.record(mds[1].url, prompt)
+    assert pools.pick(prompt)[2] is mds[1]

@@ -55,7 +55,10 @@ class Pools:
         relay = min(self.relay, key=lambda url: self.rld_inflight[url])  # least loaded RLD
         main = None
         if self.main:
-            owner, matched = self.prefixes.best([m.url for m in self.main], input_ids)
+            # Least loaded first: among MDs holding equally long prefixes (e.g. a shared system
+            # prompt) the tie goes to the idlest, not always to the first configured one.
+            by_load = sorted(self.main, key=lambda m: self.md_inflight[m.url])
+            owner, matched = self.prefixes.best([m.url for m in by_load], input_ids)
             loads = [InstanceLoad(m.url, self.md_inflight[m.url]) for m in self.main]
             # Stay with the MD holding the session's prefix unless it has 4+ more requests in flight.
             chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=4)
