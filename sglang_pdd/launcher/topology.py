@@ -181,7 +181,9 @@ def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = No
         link += ["--wan-gbps", str(topo.wan.rate_gbps)]
     return [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK, "--port", str(topo.router_port),
             "--tokenizer-path", model_path,
-            "--prefill", f"{p.url},{p.bootstrap_port}", "--relay", topo.relay.url,
+            # P's control URL: the router posts WAN destinations there, MD's answer off the TTFT path
+            "--prefill", f"{p.url},{p.bootstrap_port}" + (f",{p.control_url}" if p.control_url else ""),
+            "--relay", topo.relay.url,
             # P reaches MD's WAN receiver through the emulated link
             "--main", f"{m.url},{m.control_url},{LOOPBACK}:{topo.wan.listen_port}",
             *link, *(extra or [])]
