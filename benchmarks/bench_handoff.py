@@ -23,9 +23,12 @@ TTFT: for each WAN latency, streaming requests through the router with path p_rl
 p_md and p_rld_only, plus a same-DC PD reference (P -> RLD directly, no router, no MD).
 For p_md the router serves token 1 from RLD (RLD's budget is one token), so the table
 also shows "first MD token": the TTFT that plain cross-DC PD (P -> MD) would have. Two
-router placements, both measured: ``ctl=local`` (the cluster as launched: router <-> MD
-control on loopback) and ``ctl=wan`` (a second router whose MD control traffic crosses an
-emulated link with the same latency: the realistic placement, router in datacenter A).
+router placements, measured side by side: ``ctl=local`` (the cluster as launched: router <-> MD
+control on loopback), ``ctl=wan`` (a second router whose MD control traffic crosses an
+emulated link with the same latency: the realistic placement, router in datacenter A; it
+registers the room on MD while P and RLD already run, posting the WAN destination to P's
+control API) and ``ctl=wan_serial`` (the same placement, but the router waits for MD's
+registration before starting P and RLD: what a P without a control API gets).
 
 The WAN rate is "1 Gbps-equivalent": the tiny model's KV is 512 B/token against ~46 KB/token
 in the reference design, so the KV link is slowed by that ratio (KV transfer *times* match
@@ -175,14 +178,15 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, args, cluster, ctl_emu_url: str, ctl_wan_url: str, router_wan_url: str, vocab: int):
+    def __init__(self, args, cluster, ctl_emu_url: str, ctl_wan_url: str, router_wan_url: str, vocab: int,
+                 router_wan_serial_url: Optional[str] = None):
         self.args, self.cluster, self.vocab = args, cluster, vocab
         topo = cluster.topology
         self.p, self.rld, self.md = topo.prefill, topo.relay, topo.main
         self.control = topo.main.control_url  # direct (loopback): untimed registration / ready / release
         self.ctl_wan_url = ctl_wan_url  # MD's control API through the emulated link
         self.ctl_emu_url = ctl_emu_url  # that emulator's own control endpoint
-        self.routers = {"local": topo.router_url, "wan": router_wan_url}
+        self.routers = {"local": topo.router_url, "wan": router_wan_url, "wan_serial": router_wan_serial_url}
         self.wan_peer = f"127.0.0.1:{topo.wan.listen_port}"
         self.rng = random.Random(args.seed)
         self.greedy = {"temperature": 0.0, "ignore_eos": True}
@@ -377,11 +381,11 @@ def plot(results: dict, png: Path) -> None:
     lat = results["config"]["latencies_ms"]
     styles = {"same_dc_pd": ("k", "-"), "p_rld_only": ("tab:gray", ":"), "p_rld_md": ("tab:blue", "-"),
               "p_md": ("tab:orange", "-")}
-    for ctl, marker in (("local", "o"), ("wan", "s")):
+    for ctl, marker in (("local", "o"), ("wan", "s"), ("wan_serial", "^")):
         for path, (color, ls) in styles.items():
             key = "ttft_s"
             ys = [results["ttft"].get(f"{L:g}", {}).get(ctl, {}).get(path, {}).get(key, {}).get("p50") for L in lat]
-            if path == "same_dc_pd" and ctl == "wan":
+            if path == "same_dc_pd" and ctl != "local":
                 continue
             if any(y is not None for y in ys):
                 ax2.plot(lat, [y * 1e3 if y is not None else np.nan for y in ys], color=color, ls=ls, marker=marker,
@@ -421,7 +425,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-max-new", type=int, default=8)
     ap.add_argument("--request-timeout-s", type=float, default=90.0,
                     help="a TTFT request with no event for this long is recorded as an error")
-    ap.add_argument("--placements", default="local,wan", help="router<->MD control placements: local, wan")
+    ap.add_argument("--placements", default="local,wan,wan_serial",
+                    help="router placements: local, wan (DC A, registration concurrent), wan_serial (DC A, "
+                         "registration before P/RLD)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="artifacts/bench_handoff")
     ap.add_argument("--run-dir", default=None, help="logs of the cluster (default: a temp dir)")
@@ -429,8 +435,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     latencies = parse_csv_floats(args.latencies_ms)
     placements = [p for p in args.placements.split(",") if p]
-    if set(placements) - {"local", "wan"}:
-        ap.error("--placements: local and/or wan")
+    if set(placements) - {"local", "wan", "wan_serial"}:
+        ap.error("--placements: any of local, wan, wan_serial")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from sglang_pdd.launcher.cluster import LocalCluster, default_model_path
@@ -468,9 +474,16 @@ def main(argv=None) -> int:
         argv2[i] = argv2[i].replace(topo.main.control_url, f"http://127.0.0.1:{ctl_listen}")
         argv2[argv2.index("--port") + 1] = str(router2)
         cluster.procs.start("router-ctl-wan", argv2, health_url=f"http://127.0.0.1:{router2}/health")
-        cluster.procs.wait_healthy(["ctl-wan-emulator", "router-ctl-wan"], timeout_s=120)
+        # The same placement without P's control URL: registration before P and RLD start.
+        router3 = free_port()
+        argv3 = list(argv2)
+        argv3[argv3.index("--port") + 1] = str(router3)
+        j = argv3.index("--prefill") + 1
+        argv3[j] = ",".join(argv3[j].split(",")[:2])
+        cluster.procs.start("router-ctl-wan-serial", argv3, health_url=f"http://127.0.0.1:{router3}/health")
+        cluster.procs.wait_healthy(["ctl-wan-emulator", "router-ctl-wan", "router-ctl-wan-serial"], timeout_s=120)
         bench = Bench(args, cluster, f"http://127.0.0.1:{ctl_ctl}", f"http://127.0.0.1:{ctl_listen}",
-                      f"http://127.0.0.1:{router2}", vocab)
+                      f"http://127.0.0.1:{router2}", vocab, f"http://127.0.0.1:{router3}")
         results["startup_s"] = time.perf_counter() - t_start
 
         # ---------------------------------------------------------------- (a)
@@ -650,6 +663,15 @@ def report(results: dict, args, latencies: list[float], placements: list[str]) -
             pmd = lat.get(ctl, {}).get("p_md", {}).get("first_md_token_s", {}).get("p50")
             parts.append(f"{L:g} ms: P->RLD->MD {ms(rld)} vs P->MD {ms(pmd)} vs same-DC {ms(base)}")
         print(f"  TTFT p50 (ctl={ctl}): " + "; ".join(parts))
+    if {"wan", "wan_serial"} <= set(placements):
+        parts = []
+        for L in latencies:
+            lat = results["ttft"].get(f"{L:g}", {})
+            conc = lat.get("wan", {}).get("p_rld_md", {}).get("ttft_s", {}).get("p50")
+            serial = lat.get("wan_serial", {}).get("p_rld_md", {}).get("ttft_s", {}).get("p50")
+            parts.append(f"{L:g} ms: {ms(conc)} vs {ms(serial)} ({ratio(conc, serial):.2f}x)"
+                         if ratio(conc, serial) else f"{L:g} ms: -")
+        print("  router in DC A, P->RLD->MD TTFT p50, MD registration concurrent vs before P/RLD: " + "; ".join(parts))
     print(f"  run time {results['total_s']:.0f} s (cluster start {results['startup_s']:.0f} s)")
 
 

@@ -7,7 +7,9 @@
 2. Loopback, same run: the channel vs. a plain ``socket.sendall`` of the same bytes
    (one TCP connection, receiver ``recv_into`` a preallocated buffer), and Mooncake
    TransferEngine in TCP mode (``transfer_sync_write`` between two engines) if
-   ``mooncake.engine`` is importable.
+   ``mooncake.engine`` is importable, and sglang-pdd's ``TcpTransferEngine`` (the intra-DC
+   fallback) doing the same writes: once as one write, once as a batch of 64 KiB pages (the
+   shape SGLang's Mooncake manager gives an engine).
 
     PYTHONPATH=. python benchmarks/bench_wan_channel.py            # full run (~1-2 min)
     PYTHONPATH=. python benchmarks/bench_wan_channel.py --quick    # smaller sizes
@@ -126,13 +128,49 @@ class Mooncake:
         self.target = f"127.0.0.1:{self.b.get_rpc_port()}"
         self.write(1 << 20)  # warm-up: opens the segment (handshake) outside the timing
 
-    def write(self, nbytes: int) -> float:
+    def write(self, nbytes: int, piece: int = 0) -> float:
+        piece = piece or nbytes
+        offs = list(range(0, nbytes, piece))
         t0 = time.perf_counter()
-        rc = self.a.transfer_sync_write(self.target, self.src.ctypes.data, self.dst.ctypes.data, nbytes)
+        rc = self.a.batch_transfer_sync_write(self.target, [self.src.ctypes.data + o for o in offs],
+                                              [self.dst.ctypes.data + o for o in offs],
+                                              [min(piece, nbytes - o) for o in offs])
         elapsed = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"mooncake transfer_sync_write returned {rc}")
         return elapsed
+
+
+class PddTcpEngine:
+    """Two TcpTransferEngines (the intra-DC fallback) in this process, same writes as Mooncake."""
+
+    def __init__(self, nbytes: int):
+        from sglang_pdd.kv_channel.tcp_engine import TcpTransferEngine
+
+        self.a, self.b = TcpTransferEngine("127.0.0.1", KEY, name="a"), TcpTransferEngine("127.0.0.1", KEY, name="b")
+        self.src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, np.uint8)
+        assert self.a.batch_register([self.src.ctypes.data], [nbytes]) == 0
+        assert self.b.batch_register([self.dst.ctypes.data], [nbytes]) == 0
+        self.target = self.b.get_session_id()
+        self.write(1 << 20)  # warm-up: connect + authenticate outside the timing
+
+    def write(self, nbytes: int, piece: int = 0) -> float:
+        piece = piece or nbytes
+        offs = list(range(0, nbytes, piece))
+        srcs = [self.src.ctypes.data + o for o in offs]
+        dsts = [self.dst.ctypes.data + o for o in offs]
+        lens = [min(piece, nbytes - o) for o in offs]
+        t0 = time.perf_counter()
+        rc = self.a.batch_transfer_sync(self.target, srcs, dsts, lens)
+        elapsed = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"TcpTransferEngine batch_transfer_sync returned {rc}")
+        return elapsed
+
+    def close(self):
+        self.a.close()
+        self.b.close()
 
 
 def gbps(nbytes, seconds):
@@ -192,6 +230,7 @@ def main(argv=None) -> int:
         mooncake, mooncake_note = None, "mooncake not installed, skipped"
     except Exception as e:  # noqa: BLE001
         mooncake, mooncake_note = None, f"mooncake unavailable ({e!r}), skipped"
+    tcp_engine = PddTcpEngine(max(lsizes))
     ch = Channel(args.streams, None)
     try:
         for size in lsizes:
@@ -199,23 +238,31 @@ def main(argv=None) -> int:
             dest = np.zeros_like(kv)
             ch.transfer(layout, kv, ntok, dest)  # warm-up (page faults in dest)
             # Median of --repeats, interleaved, so a noisy neighbour hits all three alike.
-            secs_ch, secs_plain, secs_mc = [], [], []
+            secs_ch, secs_plain, secs_mc, secs_mc_pg, secs_te, secs_te_pg = [], [], [], [], [], []
             for _ in range(args.repeats):
                 secs_ch.append(ch.transfer(layout, kv, ntok, dest)[0])
                 secs_plain.append(plain_sendall(kv, dest))
+                secs_te.append(tcp_engine.write(kv.nbytes))
+                secs_te_pg.append(tcp_engine.write(kv.nbytes, PAGE_BYTES))
                 if mooncake is not None:
                     secs_mc.append(mooncake.write(kv.nbytes))
+                    secs_mc_pg.append(mooncake.write(kv.nbytes, PAGE_BYTES))
+            assert np.array_equal(tcp_engine.dst[:kv.nbytes], tcp_engine.src[:kv.nbytes])
             secs_ch, secs_plain = float(np.median(secs_ch)), float(np.median(secs_plain))
             row = dict(kv_bytes=kv.nbytes, channel_s=secs_ch, channel_gbps=gbps(kv.nbytes, secs_ch),
-                       sendall_s=secs_plain, sendall_gbps=gbps(kv.nbytes, secs_plain))
+                       sendall_s=secs_plain, sendall_gbps=gbps(kv.nbytes, secs_plain),
+                       tcp_engine_gbps=gbps(kv.nbytes, float(np.median(secs_te))),
+                       tcp_engine_paged_gbps=gbps(kv.nbytes, float(np.median(secs_te_pg))))
             row["channel_vs_sendall"] = row["channel_gbps"] / row["sendall_gbps"]
             if mooncake is not None:
                 secs_mc = float(np.median(secs_mc))
-                row.update(mooncake_s=secs_mc, mooncake_gbps=gbps(kv.nbytes, secs_mc))
+                row.update(mooncake_s=secs_mc, mooncake_gbps=gbps(kv.nbytes, secs_mc),
+                           mooncake_paged_gbps=gbps(kv.nbytes, float(np.median(secs_mc_pg))))
             loop_rows.append(row)
             bar.update()
     finally:
         ch.close()
+        tcp_engine.close()
         bar.close()
 
     # ---- report
@@ -228,11 +275,14 @@ def main(argv=None) -> int:
     for r, s in skipped:
         print(f"{r:>9g} {s / MB:>7.0f}  skipped (> {args.max_case_seconds:g} s expected)")
     print(f"\nLoopback, same run ({mooncake_note}):")
-    print(f"{'KV MiB':>7} {'channel Gbps':>12} {'sendall Gbps':>12} {'ratio':>6} {'mooncake Gbps':>13}")
+    print(f"{'KV MiB':>7} {'channel Gbps':>12} {'sendall Gbps':>12} {'ratio':>6} {'mooncake Gbps':>13} "
+          f"{'tcp-engine Gbps':>15}   (64 KiB pages: mooncake / tcp-engine)")
     for r in loop_rows:
         mc = f"{r['mooncake_gbps']:>13.3f}" if "mooncake_gbps" in r else f"{'skipped':>13}"
+        mc_pg = f"{r['mooncake_paged_gbps']:.3f}" if "mooncake_paged_gbps" in r else "skipped"
         print(f"{r['kv_bytes'] / MB:>7.0f} {r['channel_gbps']:>12.3f} {r['sendall_gbps']:>12.3f} "
-              f"{r['channel_vs_sendall']:>6.2f} {mc}")
+              f"{r['channel_vs_sendall']:>6.2f} {mc} {r['tcp_engine_gbps']:>15.3f}   "
+              f"{mc_pg} / {r['tcp_engine_paged_gbps']:.3f}")
 
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(dict(args=vars(args), wan=wan_rows, loopback=loop_rows, mooncake=mooncake_note), f, indent=1)
@@ -257,7 +307,9 @@ def plot(wan_rows, loop_rows, path):
     ax1.legend(fontsize=8)
     labels = [f"{r['kv_bytes'] / MB:.0f} MiB" for r in loop_rows]
     x = np.arange(len(loop_rows))
-    series = [("sendall", "sendall_gbps"), ("WAN channel", "channel_gbps"), ("Mooncake TCP", "mooncake_gbps")]
+    series = [("sendall", "sendall_gbps"), ("WAN channel", "channel_gbps"), ("Mooncake TCP", "mooncake_gbps"),
+              ("TCP engine", "tcp_engine_gbps"), ("Mooncake TCP, 64 KiB pages", "mooncake_paged_gbps"),
+              ("TCP engine, 64 KiB pages", "tcp_engine_paged_gbps")]
     series = [(n, k) for n, k in series if all(k in r for r in loop_rows)]
     w = 0.8 / max(1, len(series))
     for i, (name, key) in enumerate(series):
