@@ -55,6 +55,7 @@ def single_server(run_root):
 # long enough to cross that RLD has streamed eager tokens before MD takes over.
 TEST_WAN_GBPS = 0.0005
 TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6"]
+TEST_DESTINATION_WAIT_MS = 10000
 
 
 @pytest.fixture(scope="session")
@@ -66,5 +67,8 @@ def pdd_cluster(run_root):
 
     topology = Topology.on_free_ports()
     topology.wan.rate_gbps, topology.wan.latency_ms = TEST_WAN_GBPS, 20.0
+    # P keeps KV for a late WAN destination longer than the 2 s default: a loaded CI machine
+    # can take that long between P's prefill and the router's POST.
+    topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]
     with LocalCluster(run_root / "cluster", topology=topology, router_args=TEST_ROUTER_ARGS) as cluster:
         yield cluster
