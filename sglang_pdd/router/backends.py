@@ -63,6 +63,17 @@ async def _json_reply(resp: aiohttp.ClientResponse):
         raise BackendError(f"{resp.url} -> HTTP {resp.status}: not JSON: {(await resp.text())[:300]!r}") from None
 
 
+async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what: str, *,
+                     json=None, params=None, timeout_s: Optional[float] = None) -> dict:
+    """One control-API call: the JSON reply of a 200, else BackendError naming ``what``."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+    async with session.request(method, url, json=json, params=params, timeout=timeout) as resp:
+        payload = await _json_reply(resp)
+        if resp.status != 200:
+            raise BackendError(f"{what}: HTTP {resp.status} {payload}")
+        return payload
+
+
 async def generate_once(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     async with session.post(f"{url}/generate", json={**body, "stream": False}) as resp:
         payload = await _json_reply(resp)
@@ -90,28 +101,17 @@ class MainControl:
     async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0,
                        use_cache: bool = True) -> dict:
         body = {"room": room, "token_ids": token_ids, "use_cache": use_cache}
-        async with self.session.post(f"{self.url}/pdd/rooms", json=body,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            payload = await _json_reply(resp)
-            if resp.status != 200:
-                raise BackendError(f"MD register room {room}: HTTP {resp.status} {payload}")
-            return payload
+        return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms", f"MD register room {room}",
+                                json=body, timeout_s=timeout_s)
 
     async def wait_ready(self, room: int, timeout_s: float) -> dict:
-        async with self.session.get(f"{self.url}/pdd/rooms/{room}/ready", params={"timeout_s": str(timeout_s)},
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s + 10)) as resp:
-            payload = await _json_reply(resp)
-            if resp.status != 200:
-                raise BackendError(f"MD ready room {room}: HTTP {resp.status} {payload}")
-            return payload
+        return await _call_json(self.session, "GET", f"{self.url}/pdd/rooms/{room}/ready", f"MD ready room {room}",
+                                params={"timeout_s": str(timeout_s)}, timeout_s=timeout_s + 10)
 
     async def handoff(self, room: int, body: dict) -> dict:
         """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
-        async with self.session.post(f"{self.url}/pdd/rooms/{room}/handoff", json=body) as resp:
-            payload = await _json_reply(resp)
-            if resp.status != 200:
-                raise BackendError(f"MD handoff room {room}: HTTP {resp.status} {payload}")
-            return payload
+        return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms/{room}/handoff",
+                                f"MD handoff room {room}", json=body)
 
     async def handoff_stream(self, room: int, body: dict) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events."""
@@ -152,12 +152,8 @@ class PrefillControl:
         already has a destination or was dropped)."""
         body = {"bootstrap_room": int(bootstrap_room), "md_room": int(md_room), "wan_peer": wan_peer,
                 "md_prefix_len": int(md_prefix_len)}
-        async with self.session.post(f"{self.url}{self.PATH}", json=body,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            payload = await _json_reply(resp)
-            if resp.status != 200:
-                raise BackendError(f"P WAN destination for room {bootstrap_room}: HTTP {resp.status} {payload}")
-            return payload
+        return await _call_json(self.session, "POST", f"{self.url}{self.PATH}",
+                                f"P WAN destination for room {bootstrap_room}", json=body, timeout_s=timeout_s)
 
     async def drop_wan_destination(self, bootstrap_room: int) -> None:
         """Best effort: no MD for this request after all; P stops holding its pages for the WAN."""

@@ -23,7 +23,7 @@ import threading
 import time
 from array import array
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Optional, Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -34,6 +34,7 @@ from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
+from sglang_pdd.sglang_glue.json_http import JsonRequestHandler
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
 
 logger = logging.getLogger(__name__)
@@ -267,19 +268,8 @@ class ControlServer:
         self.thread.start()
 
 
-class _ControlHandler(BaseHTTPRequestHandler):
+class _ControlHandler(JsonRequestHandler):
     runtime: MainDrcRuntime
-
-    def log_message(self, fmt, *args):  # route through logging, quietly
-        logger.debug("control %s " + fmt, self.client_address[0], *args)
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _body(self) -> dict:
         length = int(self.headers.get("Content-Length") or 0)

@@ -20,10 +20,11 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Callable, Optional
 
 from sglang_pdd.config import PddConfigError, parse_host_port
+from sglang_pdd.sglang_glue.json_http import JsonRequestHandler
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 
 logger = logging.getLogger(__name__)
@@ -142,15 +143,7 @@ class PrefillControlServer:
     def __init__(self, board: DestinationBoard, host: str, port: int, stats: Callable[[], dict] = dict):
         board_ref, path = board, self.PATH
 
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonRequestHandler):
             def do_POST(self):  # noqa: N802 — http.server's naming
                 if self.path != path:
                     return self._reply(404, {"error": f"no such endpoint {self.path}"})
@@ -182,9 +175,6 @@ class PrefillControlServer:
                 if self.path == "/health":
                     return self._reply(200, {"ok": True})
                 self._reply(404, {"error": f"no such endpoint {self.path}"})
-
-            def log_message(self, fmt, *args):  # access logs at debug level only
-                logger.debug("control %s - %s", self.address_string(), fmt % args)
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
