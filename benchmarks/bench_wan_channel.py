@@ -111,6 +111,21 @@ def plain_sendall(data: np.ndarray, dest: np.ndarray) -> float:
     return elapsed
 
 
+# Writes per engine call: Mooncake's TCP transport rejects much larger batches (lane queue
+# full), and SGLang caps them too (SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES).
+BATCH_ENTRIES = 128
+
+
+def batches(src: np.ndarray, dst: np.ndarray, nbytes: int, piece: int = 0):
+    """(srcs, dsts, lens) of nbytes cut into ``piece``-byte writes, BATCH_ENTRIES per call."""
+    piece = piece or nbytes
+    offs = list(range(0, nbytes, piece))
+    for i in range(0, len(offs), BATCH_ENTRIES):
+        part = offs[i:i + BATCH_ENTRIES]
+        yield ([src.ctypes.data + o for o in part], [dst.ctypes.data + o for o in part],
+               [min(piece, nbytes - o) for o in part])
+
+
 class Mooncake:
     """Two Mooncake TransferEngines (TCP protocol, P2P handshake) in this process."""
 
@@ -129,16 +144,12 @@ class Mooncake:
         self.write(1 << 20)  # warm-up: opens the segment (handshake) outside the timing
 
     def write(self, nbytes: int, piece: int = 0) -> float:
-        piece = piece or nbytes
-        offs = list(range(0, nbytes, piece))
         t0 = time.perf_counter()
-        rc = self.a.batch_transfer_sync_write(self.target, [self.src.ctypes.data + o for o in offs],
-                                              [self.dst.ctypes.data + o for o in offs],
-                                              [min(piece, nbytes - o) for o in offs])
-        elapsed = time.perf_counter() - t0
-        if rc != 0:
-            raise RuntimeError(f"mooncake transfer_sync_write returned {rc}")
-        return elapsed
+        for srcs, dsts, lens in batches(self.src, self.dst, nbytes, piece):
+            rc = self.a.batch_transfer_sync_write(self.target, srcs, dsts, lens)
+            if rc != 0:
+                raise RuntimeError(f"mooncake batch_transfer_sync_write returned {rc}")
+        return time.perf_counter() - t0
 
 
 class PddTcpEngine:
@@ -156,17 +167,12 @@ class PddTcpEngine:
         self.write(1 << 20)  # warm-up: connect + authenticate outside the timing
 
     def write(self, nbytes: int, piece: int = 0) -> float:
-        piece = piece or nbytes
-        offs = list(range(0, nbytes, piece))
-        srcs = [self.src.ctypes.data + o for o in offs]
-        dsts = [self.dst.ctypes.data + o for o in offs]
-        lens = [min(piece, nbytes - o) for o in offs]
         t0 = time.perf_counter()
-        rc = self.a.batch_transfer_sync(self.target, srcs, dsts, lens)
-        elapsed = time.perf_counter() - t0
-        if rc != 0:
-            raise RuntimeError(f"TcpTransferEngine batch_transfer_sync returned {rc}")
-        return elapsed
+        for srcs, dsts, lens in batches(self.src, self.dst, nbytes, piece):
+            rc = self.a.batch_transfer_sync(self.target, srcs, dsts, lens)
+            if rc != 0:
+                raise RuntimeError(f"TcpTransferEngine batch_transfer_sync returned {rc}")
+        return time.perf_counter() - t0
 
     def close(self):
         self.a.close()
