@@ -33,7 +33,7 @@ from sglang.srt.disaggregation.mooncake.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_pdd.config import PddConfig, PddConfigError
+from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port
 from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
@@ -75,8 +75,6 @@ class PddKVManager(MooncakeKVManager):
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
                 staging_bytes=cfg.wan_staging_mb << 20)
             if cfg.control_listen:  # late destinations: the router need not wait for MD first
-                from sglang_pdd.config import parse_host_port
-
                 self.wan_destinations = DestinationBoard()
                 self.control_server = PrefillControlServer(
                     self.wan_destinations, *parse_host_port("--pdd-control-listen", cfg.control_listen),
