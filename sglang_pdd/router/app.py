@@ -76,6 +76,18 @@ class RequestError(ValueError):
     """The client's request is malformed; answered with HTTP 400 and a clear message."""
 
 
+# SGLang's HTTP server drops a keep-alive connection after 5 idle seconds
+# (SGLANG_TIMEOUT_KEEP_ALIVE). Reusing one just as it does fails the request with "Server
+# disconnected" (seen in CI: a P leg sent 5 s after the previous one), so the router retires
+# idle connections well before the server can.
+BACKEND_KEEPALIVE_S = 2.0
+
+
+def backend_session(keepalive_s: float = BACKEND_KEEPALIVE_S) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=keepalive_s),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+
+
 class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
                  served_model: str):
@@ -86,7 +98,7 @@ class Router:
         self.session: Optional[aiohttp.ClientSession] = None
 
     async def start(self, app):
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.session = backend_session()
 
     async def close(self, app):
         await self.session.close()
