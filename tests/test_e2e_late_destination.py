@@ -99,6 +99,15 @@ def test_promised_destination_that_never_comes_only_delays_ps_release(pdd_cluste
     assert _wait(lambda: _p_stats(topo).get("destination_wait_expired", 0) == before + 1,
                  TEST_DESTINATION_WAIT_MS / 1000 + 10)
     assert _wait(lambda: _p_stats(topo)["waiting_senders"] == 0, 5)
+    # a destination that comes after P gave up is refused at once (the router then falls back
+    # instead of waiting for MD's KV until --wan-timeout-s)
+    dest = {"bootstrap_room": room, "md_room": room, "wan_peer": f"127.0.0.1:{topo.wan.listen_port}",
+            "md_prefix_len": 0}
+    req = urllib.request.Request(f"{topo.prefill.control_url}/pdd/wan_destinations", data=json.dumps(dest).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 410 and "no longer holds" in json.loads(e.value.read())["error"]
 
 
 def test_withdrawn_destination_frees_p_at_once(pdd_cluster):

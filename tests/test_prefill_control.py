@@ -71,13 +71,20 @@ def test_unclaimed_destinations_expire_and_are_bounded():
     assert board.wait_for(1, got.append) is None  # expired: the sender waits (and times out on P)
 
 
-def test_forgotten_sender_is_not_called():
+def test_destination_for_a_sender_that_stopped_waiting_is_refused_with_410():
     board = DestinationBoard()
     got = []
     board.wait_for(7, got.append)
-    board.forget(7)
-    board.post(7, DEST)
-    assert got == [] and board.stats()["waiting_destinations"] == 1
+    board.forget(7)  # P gave up waiting (or the request ended)
+    with pytest.raises(DestinationError) as e:
+        board.post(7, DEST)
+    assert e.value.status == 410 and "no longer holds" in str(e.value)
+    assert got == [] and board.stats()["gone"] == 1 and board.stats()["waiting_destinations"] == 0
+    board.post(8, DEST)  # other rooms are unaffected
+    board.forget(8)  # consumed, then the sender finished: a repeat stays a 409
+    with pytest.raises(DestinationError) as e:
+        board.post(8, DEST)
+    assert e.value.status == 409
 
 
 @pytest.mark.parametrize("body,message", [

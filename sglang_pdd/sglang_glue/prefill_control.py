@@ -59,6 +59,7 @@ class DestinationBoard:
         self._posted: "OrderedDict[int, _Entry]" = OrderedDict()
         self._waiters: dict[int, Callable[[object], None]] = {}
         self._seen: "OrderedDict[int, None]" = OrderedDict()  # rooms already given (409 on repeat)
+        self._gone: "OrderedDict[int, None]" = OrderedDict()  # senders that stopped waiting (410)
         self.counters = Counter()
 
     def post(self, room: int, value: object) -> None:
@@ -68,6 +69,11 @@ class DestinationBoard:
             if room in self._seen:
                 self.counters["duplicate"] += 1
                 raise DestinationError(409, f"room {room} already has a WAN destination")
+            if room in self._gone:
+                # Tell the router now, rather than let MD wait for KV that will never come.
+                self.counters["gone"] += 1
+                raise DestinationError(410, f"room {room}: P no longer holds this request's KV "
+                                            f"(finished or gave up waiting for its destination)")
             self._seen[room] = None
             if len(self._seen) > 4 * self.capacity:
                 self._seen.popitem(last=False)
@@ -94,10 +100,14 @@ class DestinationBoard:
             return None
 
     def forget(self, room: int) -> None:
-        """The sender is done (or gave up): no callback any more."""
+        """The sender is done (or gave up): no callback any more, and a destination posted
+        from now on is refused with 410."""
         with self._lock:
             self._waiters.pop(room, None)
             self._posted.pop(room, None)
+            self._gone[room] = None
+            if len(self._gone) > 4 * self.capacity:
+                self._gone.popitem(last=False)
 
     def stats(self) -> dict:
         with self._lock:
