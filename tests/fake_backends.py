@@ -383,7 +383,7 @@ class Fakes:
 
         async def release(request: web.Request) -> web.Response:
             room = int(request.match_info["room"])
-            self._record("md", "release", {"room": room})
+            self._record("md", "release", {"room": room, "keep_kv": request.query.get("keep_kv") == "1"})
             if room in self.rooms:
                 self.rooms[room]["released"] = True
             return web.json_response({"released": room in self.rooms})

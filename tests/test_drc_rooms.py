@@ -125,3 +125,35 @@ def test_use_cache_false_ignores_the_cached_prefix_and_locks_nothing():
     assert entry.cached_len == 0 and tree.live_locks() == {}
     rooms.complete(1, staged="kv", now=1)
     assert tree.ingested == [((1, 2, 3, 4), 0, "kv")]
+
+
+def test_release_while_kv_in_flight_can_keep_it_for_the_next_turn():
+    tree = FakeTree(cached=[1, 2])
+    rooms = DrcRooms(tree, ttl_s=10)
+    rooms.register(1, [1, 2, 5, 6], now=0)
+    assert rooms.release(1, keep_pending_kv=True)  # the request ended on RLD first
+    assert tree.live_locks() == {(1, 2): 1}  # the matched prefix stays locked until the KV lands
+    entry = rooms.complete(1, staged="kv", now=1)
+    assert entry.status is RoomStatus.READY and tree.ingested == [((1, 2, 5, 6), 2, "kv")]
+    assert tree.live_locks() == {} and 1 not in rooms.rooms  # cached, evictable, room gone
+    assert rooms.register(2, [1, 2, 5, 6, 7], now=2).cached_len == 4  # the next turn hits it
+
+
+def test_kept_room_that_fails_or_expires_goes_away_unlocked():
+    tree = FakeTree(cached=[1])
+    rooms = DrcRooms(tree, ttl_s=10)
+    rooms.register(1, [1, 3], now=0)
+    rooms.register(2, [1, 4], now=0)
+    rooms.release(1, keep_pending_kv=True)
+    rooms.release(2, keep_pending_kv=True)
+    assert rooms.fail(1, "checksum").status is RoomStatus.FAILED and 1 not in rooms.rooms
+    assert [e.room for e in rooms.expire(now=11)] == [2]
+    assert tree.live_locks() == {} and rooms.rooms == {}
+
+
+def test_keep_pending_kv_does_not_hold_a_ready_room():
+    tree = FakeTree()
+    rooms = DrcRooms(tree, ttl_s=10)
+    rooms.register(1, [4, 5], now=0)
+    rooms.complete(1, staged="kv", now=1)
+    assert rooms.release(1, keep_pending_kv=True) and rooms.rooms == {} and tree.live_locks() == {}

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from sglang_pdd.launcher.http import get_json, post_json
@@ -200,3 +201,26 @@ def test_metrics_count_paths_and_handoffs(pdd_cluster):
     assert 'pdd:requests_total{path="p_rld_md"}' in text
     count = [l for l in text.splitlines() if l.startswith('pdd:handoffs_total{mode="one_shot"}')]
     assert count and float(count[0].split()[-1]) >= 1
+
+
+def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
+    """A one-token request ends on RLD long before its KV reaches MD over the slow test WAN;
+    MD still lets it land and caches the prompt, so the session's next turn hits it."""
+    topo = pdd_cluster.topology
+    ids = [int(x) for x in np.random.default_rng(7).integers(100, 900, 96)]
+    got = post_json(f"{topo.router_url}/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0}, "pdd_options": {"path": "p_rld_md"}})
+    pdd = got["meta_info"]["pdd"]
+    assert pdd["handoff_at"] is None and pdd["md_tokens"] == 0 and not pdd["fallbacks"], pdd
+
+    def md_cached() -> int:
+        room = int(time.time() * 1e6)
+        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids})
+        urllib.request.urlopen(urllib.request.Request(f"{topo.main.control_url}/pdd/rooms/{room}",
+                                                      method="DELETE"), timeout=10).read()
+        return int(reg["cached_tokens"])
+
+    deadline = time.monotonic() + 30
+    while md_cached() < len(ids) - 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert md_cached() == len(ids) - 1

@@ -374,8 +374,18 @@ def test_outlier_registers_then_releases_and_never_hands_off():
     assert r.path == "p_rld_only" and r.fallbacks == []
     assert len(run.fakes.registered_rooms()) == 1
     assert run.fakes.released_rooms() == run.fakes.registered_rooms()
+    assert [r.body["keep_kv"] for r in run.fakes.records("md", "release")] == [False]  # transfer cancelled
     assert run.fakes.records("md", "ready") == [] and run.fakes.records("md", "handoff") == []
     assert "custom_params" not in run.fakes.records("rld", "generate")[0].body["sampling_params"]
+
+
+def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_turn():
+    knobs = Knobs()
+    knobs.md_ready = "never"  # still in flight when RLD finishes
+    run = scenario(knobs, max_new=8)
+    assert_invariants(run, 8)
+    assert run.flow.result.md_tokens == 0 and run.flow.result.handoff_at is None
+    assert [r.body["keep_kv"] for r in run.fakes.records("md", "release")] == [True]
 
 
 # ---------------------------------------------------------------------- relay / prefill failures

@@ -59,6 +59,7 @@ class DrcRoom:
     status: RoomStatus = RoomStatus.PENDING
     reason: str = ""
     locks: list = field(default_factory=list)
+    release_when_done: bool = False  # released while its KV was in flight: cache it, then go
 
 
 class DrcRooms:
@@ -102,18 +103,29 @@ class DrcRooms:
             self.tree.unlock(lock)
         entry.status = RoomStatus.READY
         entry.deadline = now + self.ttl_s  # hold the prompt until the handoff arrives
+        if entry.release_when_done:  # nobody will hand off: the prompt stays cached, unlocked
+            self.release(room)
         return entry
 
     def fail(self, room: int, reason: str) -> DrcRoom:
         entry = self._get(room)
         self._unlock_all(entry)
         entry.status, entry.reason = RoomStatus.FAILED, reason
+        if entry.release_when_done:
+            self.rooms.pop(room, None)
         return entry
 
-    def release(self, room: int) -> bool:
-        entry = self.rooms.pop(room, None)
+    def release(self, room: int, keep_pending_kv: bool = False) -> bool:
+        """Forget a room. ``keep_pending_kv``: if its KV is still crossing the WAN, let it
+        land and enter the cache first (the request ended on RLD, but the next turn of the
+        session will want this prefix on MD); the room goes when complete/fail/expire."""
+        entry = self.rooms.get(room)
         if entry is None:
             return False
+        if keep_pending_kv and entry.status is RoomStatus.PENDING:
+            entry.release_when_done = True
+            return True
+        del self.rooms[room]
         self._unlock_all(entry)
         return True
 

@@ -119,9 +119,11 @@ class MainControl:
             async for event in sse_events(resp, f"MD room {room} handoff"):
                 yield event
 
-    async def release(self, room: int) -> None:
+    async def release(self, room: int, keep_kv: bool = False) -> None:
+        """Best effort. ``keep_kv``: the request is over, but if its KV is still crossing the
+        WAN, MD lets it land and caches it (for the session's next turn) instead of aborting."""
         try:
-            async with self.session.delete(f"{self.url}/pdd/rooms/{room}",
+            async with self.session.delete(f"{self.url}/pdd/rooms/{room}", params={"keep_kv": "1" if keep_kv else "0"},
                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as e:

@@ -476,7 +476,8 @@ class PddFlow:
                 task.cancel()
         cleanup = [abort(self.session, url, rid) for rid, url in self.live_rids.items()]
         if self.room is not None and self.control is not None:
-            cleanup.append(self.control.release(self.room))
+            # KV still in flight is kept on MD: the session's next turn will hit it (DRC)
+            cleanup.append(self.control.release(self.room, keep_kv=True))
         if self._destination == "pending":  # ended before P got a destination: P stops waiting
             self._destination = "dropped"
             cleanup.append(self.p_control.drop_wan_destination(self._p_room))

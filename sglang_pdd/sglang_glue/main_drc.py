@@ -139,12 +139,10 @@ class MainDrcRuntime:
         for entry in self.rooms.pending():
             state = self.receiver.poll(entry.room)
             if state is RoomState.SUCCESS:
-                self.rooms.complete(entry.room, self.staged.pop(entry.room), now)
-                self._finish(entry.room)
+                self._finish(self.rooms.complete(entry.room, self.staged.pop(entry.room), now))
             elif state is RoomState.FAILED:
                 reason, detail = self.receiver.failure(entry.room)
-                self.rooms.fail(entry.room, f"{reason}: {detail}")
-                self._finish(entry.room)
+                self._finish(self.rooms.fail(entry.room, f"{reason}: {detail}"))
         for entry in self.rooms.expire(now):
             self._forget(entry.room)
 
@@ -173,15 +171,21 @@ class MainDrcRuntime:
                 "wan_peer": "%s:%d" % self.receiver.address,
                 "kv_bytes_per_token": self.kv_bytes_per_token}
 
-    def _do_release(self, room: int) -> bool:
+    def _do_release(self, room: int, keep_kv: bool = False) -> bool:
+        entry = self.rooms.rooms.get(room)
+        if keep_kv and entry is not None and entry.status is RoomStatus.PENDING:
+            # The request ended on RLD while its KV was still crossing the WAN: let it land
+            # and enter the radix cache, so the session's next turn finds it on MD.
+            self.counters["rooms_kept_in_flight"] = self.counters.get("rooms_kept_in_flight", 0) + 1
+            return self.rooms.release(room, keep_pending_kv=True)
         self.receiver.abort(room, "released by the router")  # no further writes into staging
         self._forget_in_receiver(room)
         released = self.rooms.release(room)
         self._forget(room)
         return released
 
-    def _finish(self, room: int) -> None:
-        entry = self.rooms.rooms[room]
+    def _finish(self, entry) -> None:
+        room = entry.room
         if entry.status is RoomStatus.READY:
             self.counters["rooms_ready"] += 1
             received = len(entry.token_ids) - entry.cached_len
@@ -191,7 +195,10 @@ class MainDrcRuntime:
             self.counters["rooms_failed"] += 1
             logger.warning("room %s failed: %s", room, entry.reason)
         self._forget_in_receiver(room)
-        self.ready_events[room].set()
+        if entry.release_when_done:  # released by the router meanwhile: nobody waits for it
+            self._forget(room)
+        else:
+            self.ready_events[room].set()
 
     def _forget_in_receiver(self, room: int) -> None:
         """Drop the receiver's record of a room off the scheduler thread: release_room waits
@@ -351,4 +358,5 @@ class _ControlHandler(JsonRequestHandler):
         path = urlparse(self.path).path
         if not path.startswith("/pdd/rooms/"):
             return self._reply(404, {"error": f"no route {path}"})
-        self._guard(lambda: {"released": self.runtime.call("release", int(path.split("/")[3]))})
+        keep_kv = parse_qs(urlparse(self.path).query).get("keep_kv", ["0"])[0] == "1"
+        self._guard(lambda: {"released": self.runtime.call("release", int(path.split("/")[3]), keep_kv)})
