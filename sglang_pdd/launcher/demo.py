@@ -30,9 +30,11 @@ TURNS = [
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/demo", help="logs and the WAN key go here")
-    # Long enough that MD's KV lands mid-stream even when RLD decodes fast: the demo shows handoffs.
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--wan-mbps", type=float, default=0.5, help="emulated WAN rate (Mbit/s)")
+    # MD's KV must land while RLD still decodes, or the demo shows no handoff: on an idle
+    # machine RLD makes ~400 tokens/s with the tiny model, and a turn's KV (60-85 KB) takes
+    # ~0.3 s at 2 Mbit/s (1 s+ at 0.5 Mbit/s, when 96 tokens were over in 0.25 s).
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--wan-mbps", type=float, default=2.0, help="emulated WAN rate (Mbit/s)")
     ap.add_argument("--wan-latency-ms", type=float, default=20.0)
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
     args = ap.parse_args(argv)
