@@ -69,6 +69,8 @@ import time
 import urllib.parse
 from typing import Optional
 
+from sglang_pdd.json_http import JsonRequestHandler
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # socket timeout: how fast threads notice reset/stop
@@ -475,19 +477,8 @@ class WanEmulator:
 # ---------------------------------------------------------------------------- control endpoint
 
 
-class _ControlHandler(http.server.BaseHTTPRequestHandler):
+class _ControlHandler(JsonRequestHandler):
     emu: WanEmulator = None
-
-    def log_message(self, fmt, *args):
-        logger.debug("control: " + fmt, *args)
-
-    def _reply(self, code: int, body: dict):
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         self.do_POST()

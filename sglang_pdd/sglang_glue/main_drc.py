@@ -34,7 +34,7 @@ from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
-from sglang_pdd.sglang_glue.json_http import JsonRequestHandler
+from sglang_pdd.json_http import JsonRequestHandler
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
 
 logger = logging.getLogger(__name__)

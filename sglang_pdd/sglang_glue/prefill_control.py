@@ -24,7 +24,7 @@ from http.server import ThreadingHTTPServer
 from typing import Callable, Optional
 
 from sglang_pdd.config import PddConfigError, parse_host_port
-from sglang_pdd.sglang_glue.json_http import JsonRequestHandler
+from sglang_pdd.json_http import JsonRequestHandler
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""The JSON side of the control APIs that run inside SGLang scheduler processes (MD's rooms,
-P's WAN destinations): stdlib http.server, since those processes have no event loop of ours."""
+"""The JSON side of the small stdlib HTTP control APIs: MD's rooms and P's WAN destinations
+(inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's."""
 
 from __future__ import annotations
 
