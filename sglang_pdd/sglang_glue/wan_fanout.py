@@ -74,6 +74,7 @@ class WanRoom:
     aborted: bool = False
     reason: str = ""
     payloads: list = field(default_factory=list)  # host copies, alive until the transfer ends
+    page_ids: list = field(default_factory=list)  # copy thread only: ``pages`` as host int64, so far
     staged_bytes: int = 0
 
     @property
@@ -270,12 +271,12 @@ class WanFanout:
                 self._send_queue.put((room, None, None))
 
     def _copy_groups(self, room: WanRoom, batches, first: int, ready: int) -> list[tuple[int, torch.Tensor]]:
-        ids = []
-        for pages, event in batches:
+        for pages, event in batches[len(room.page_ids):]:  # each batch is converted once
             if event is not None:
                 event.synchronize()  # the forward writing these pages (and their ids) has finished
-            ids.append(np.asarray(pages.cpu() if isinstance(pages, torch.Tensor) else pages, dtype=np.int64))
-        page_ids = torch.from_numpy(np.concatenate(ids)) if ids else torch.empty(0, dtype=torch.int64)
+            room.page_ids.append(np.asarray(pages.cpu() if isinstance(pages, torch.Tensor) else pages,
+                                            dtype=np.int64))
+        page_ids = torch.from_numpy(np.concatenate(room.page_ids)) if room.page_ids else torch.empty(0, dtype=torch.int64)
         out = []
         for group in range(first, ready):
             specs = room.plan.group_chunks(group)
