@@ -74,9 +74,7 @@ class DestinationBoard:
                 self.counters["gone"] += 1
                 raise DestinationError(410, f"room {room}: P no longer holds this request's KV "
                                             f"(finished or gave up waiting for its destination)")
-            self._seen[room] = None
-            if len(self._seen) > 4 * self.capacity:
-                self._seen.popitem(last=False)
+            self._remember(self._seen, room)
             waiter = self._waiters.pop(room, None)
             if waiter is None:
                 if len(self._posted) >= self.capacity:
@@ -105,13 +103,17 @@ class DestinationBoard:
         with self._lock:
             self._waiters.pop(room, None)
             self._posted.pop(room, None)
-            self._gone[room] = None
-            if len(self._gone) > 4 * self.capacity:
-                self._gone.popitem(last=False)
+            self._remember(self._gone, room)
 
     def stats(self) -> dict:
         with self._lock:
             return dict(self.counters, waiting_senders=len(self._waiters), waiting_destinations=len(self._posted))
+
+    def _remember(self, rooms: "OrderedDict[int, None]", room: int) -> None:
+        """Remember a room for the 409/410 answers, the oldest forgotten past a bound."""
+        rooms[room] = None
+        if len(rooms) > 4 * self.capacity:
+            rooms.popitem(last=False)
 
     def _expire(self) -> None:
         cutoff = self.clock() - self.ttl_s
