@@ -6,6 +6,7 @@ deployment passes its own flags and keeps only the --disaggregation-* / --pdd-* 
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -49,8 +50,6 @@ def free_port(host: str = LOOPBACK) -> int:
     """A port nobody listens on, chosen *below* the kernel's ephemeral range: the servers bind
     it seconds later, and meanwhile other processes (Mooncake, ZMQ, TCP engines) bind port 0,
     which the kernel serves from the ephemeral range, so they cannot take it in between."""
-    import random
-
     low, _ = _ephemeral_range()
     lo, hi = (10000, low - 1) if low > 12000 else (low, 65535)  # odd ranges: fall back to any
     for _ in range(1000):
