@@ -1,23 +1,183 @@
 """The JSON side of the small stdlib HTTP control APIs: MD's rooms and P's WAN destinations
-(inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's."""
+(inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's.
+
+Every request passes one gate before a route runs (``parse_request``): the body is read only
+with a valid Content-Length under the handler's cap (411/413/400), and, where the handler has
+a ``ControlVerifier``, its signature is checked (control_auth; 401). Errors are JSON with a
+clear message; internals (reprs, tracebacks) go to the log only.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from http.server import BaseHTTPRequestHandler
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import urlsplit
+
+from sglang_pdd.control_auth import HEADER, AuthError, ControlVerifier
 
 logger = logging.getLogger(__name__)
 
+MAX_ROOM_ID = (1 << 63) - 1
+
+
+class HttpError(Exception):
+    """Answer the request with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def parse_room_id(text: str, what: str = "room id") -> int:
+    """A room id from a URL path: ASCII decimal in 0..2^63-1, else HttpError(400)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) > MAX_ROOM_ID:
+        raise HttpError(400, f"{what} must be a decimal integer in 0..{MAX_ROOM_ID}, got {text[:40]!r}")
+    return int(text)
+
 
 class JsonRequestHandler(BaseHTTPRequestHandler):
-    def _reply(self, status: int, body: dict) -> None:
+    auth: Optional[ControlVerifier] = None  # None: unauthenticated (only the WAN emulator's test endpoint)
+    open_paths = frozenset({"/health"})  # answered without a signature
+    max_body_bytes = 64 * 1024
+    timeout = 30  # seconds a read may stall before the connection is dropped
+    server_version = "sglang-pdd"
+    sys_version = ""  # no Python version in the Server header
+    body: bytes = b""
+    _replied = False
+
+    def parse_request(self) -> bool:
+        """http.server's parse, then the body and the signature: the single gate every
+        request passes before any do_* route runs."""
+        if not super().parse_request():
+            return False
+        self._replied = False
+        try:
+            self.body = self._read_body()
+            self._authenticate()
+        except HttpError as e:
+            self.close_connection = True  # the rest of the stream is not trusted
+            self._reply(e.status, {"error": e.message})
+            return False
+        return True
+
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        except HttpError as e:  # a route refused the request (e.g. a malformed room id)
+            self.close_connection = True
+            if not self._replied:
+                self._reply(e.status, {"error": e.message})
+        except (ConnectionError, socket.timeout):
+            self.close_connection = True
+        except Exception:  # noqa: BLE001 — a route's bug: log it, answer without internals
+            logger.exception("control request %s %s failed", self.command, (self.path or "")[:200])
+            self.close_connection = True
+            if not self._replied:
+                self._reply(500, {"error": "internal error; details are in the server's log"})
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            raise HttpError(411, "Transfer-Encoding is not supported; send the body with a Content-Length")
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            if self.command in ("POST", "PUT", "PATCH"):
+                raise HttpError(411, "Content-Length is required")
+            return b""
+        raw = values[0].strip()
+        if any(v.strip() != raw for v in values[1:]):
+            raise HttpError(400, "conflicting Content-Length headers")
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 15:
+            raise HttpError(400, "Content-Length must be a non-negative decimal integer")
+        length = int(raw)
+        if length > self.max_body_bytes:
+            raise HttpError(413, f"body of {length} bytes exceeds this API's limit of {self.max_body_bytes}")
+        data = self.rfile.read(length)
+        if len(data) < length:
+            raise HttpError(400, f"body ended after {len(data)} of {length} bytes")
+        return data
+
+    def _authenticate(self) -> None:
+        if self.auth is None or urlsplit(self.path).path in self.open_paths:
+            return
+        try:
+            self.auth.verify(self.command, self.path, self.headers.get(HEADER), self.body)
+        except AuthError as e:
+            logger.warning("control %s %s from %s refused: %s", self.command, self.path[:200],
+                           self.client_address[0], e)
+            raise HttpError(e.status, str(e)) from None
+
+    def json_body(self) -> dict:
+        """The body as a JSON object (an empty body is ``{}``); HttpError(400) otherwise."""
+        try:
+            body = json.loads(self.body or b"{}")
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past Python's stack
+            raise HttpError(400, "body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "body must be a JSON object")
+        return body
+
+    def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
         data = json.dumps(body).encode()
+        self._replied = True
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def log_message(self, fmt, *args):  # access logs at debug level: the server log stays readable
         logger.debug("control %s " + fmt, self.client_address[0], *args)
+
+
+_BUSY_BODY = b'{"error": "too many open control connections; retry shortly"}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+class ControlHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with at most ``max_connections`` handler threads: past that a
+    connection gets an immediate 503 and is closed, instead of one more thread each."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = 128):
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused_busy = 0
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.refused_busy += 1
+            try:
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # the thread did not start: give its slot back
+            self._slots.release()
+            self.shutdown_request(request)
+            logger.exception("control server could not start a handler thread")
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def serve_in_thread(server: ControlHTTPServer, name: str) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,118 @@
+"""Signed control-plane requests: an HMAC-SHA256 header on the shared key (pure, stdlib only).
+
+The router signs every call to MD's and P's control APIs; the servers verify in one place
+(json_http.JsonRequestHandler) before any route runs::
+
+    Authorization: PDD-HMAC-SHA256 ts=<unix seconds>,nonce=<32 hex>,sig=<64 hex>
+    sig = HMAC-SHA256(control_key, "pdd-control-v1" \\n METHOD \\n TARGET \\n ts \\n nonce \\n SHA256(body) hex)
+    control_key = HMAC-SHA256(shared key, "sglang-pdd control plane v1")
+
+TARGET is the request target as sent (path and query), so neither the route, the room id,
+the query (``timeout_s``, ``keep_kv``) nor the body can be changed without the key. The
+timestamp bounds a replay to ``window_s``; within it each nonce is accepted once (bounded
+cache). The control key is derived from the WAN key (domain separation: a control signature
+is never a valid WAN handshake proof, nor the reverse). The Host header is not signed on
+purpose: the router may reach MD through a proxy or tunnel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Optional
+
+HEADER = "Authorization"
+SCHEME = "PDD-HMAC-SHA256"
+MIN_KEY_BYTES = 16
+_DOMAIN = b"sglang-pdd control plane v1"
+_HEADER_RE = re.compile(r"PDD-HMAC-SHA256 ts=([0-9]{1,12}),nonce=([0-9a-f]{32}),sig=([0-9a-f]{64})")
+
+
+class AuthError(ValueError):
+    """A request is not signed, or not validly (HTTP ``status``: 401, or 503 when the replay
+    cache is full of fresh nonces)."""
+
+    def __init__(self, message: str, status: int = 401):
+        super().__init__(message)
+        self.status = status
+
+
+def key_from_file(path: str) -> bytes:
+    """The shared key in ``path`` (the same file as ``--pdd-wan-key-file``).
+
+    Mirrors sglang_glue.transfer_backend.read_key, which the servers use; both switch to
+    kv_channel.handshake.load_key (permission and length checks) once that exists."""
+    key = Path(path).read_bytes().strip()
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"key file {path} holds {len(key)} bytes; need >= {MIN_KEY_BYTES}")
+    return key
+
+
+def derive_control_key(shared_key: bytes) -> bytes:
+    if len(shared_key) < MIN_KEY_BYTES:
+        raise ValueError(f"control key must be at least {MIN_KEY_BYTES} bytes")
+    return hmac.new(shared_key, _DOMAIN, hashlib.sha256).digest()
+
+
+def _mac(control_key: bytes, method: str, target: str, ts: str, nonce: str, body: bytes) -> str:
+    msg = "\n".join(("pdd-control-v1", method.upper(), target, ts, nonce, hashlib.sha256(body).hexdigest()))
+    return hmac.new(control_key, msg.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
+
+
+class ControlSigner:
+    """The router's side: the header for one request."""
+
+    def __init__(self, shared_key: bytes, clock: Callable[[], float] = time.time):
+        self._key, self._clock = derive_control_key(shared_key), clock
+
+    def header(self, method: str, target: str, body: bytes = b"") -> dict[str, str]:
+        ts, nonce = str(int(self._clock())), secrets.token_hex(16)
+        return {HEADER: f"{SCHEME} ts={ts},nonce={nonce},sig={_mac(self._key, method, target, ts, nonce, body)}"}
+
+
+class ControlVerifier:
+    """The servers' side (thread-safe). ``verify`` raises AuthError naming what is wrong."""
+
+    def __init__(self, shared_key: bytes, window_s: float = 30.0, max_nonces: int = 1 << 16,
+                 clock: Callable[[], float] = time.time):
+        self._key, self._clock = derive_control_key(shared_key), clock
+        self.window_s, self.max_nonces = window_s, max_nonces
+        self._lock = threading.Lock()
+        self._nonces: "OrderedDict[str, float]" = OrderedDict()  # nonce -> its request's ts, oldest first
+
+    def verify(self, method: str, target: str, header: Optional[str], body: bytes) -> None:
+        if not header:
+            raise AuthError(f"missing {HEADER} header: control requests must be signed ({SCHEME})")
+        m = _HEADER_RE.fullmatch(header.strip())
+        if m is None:
+            raise AuthError(f"malformed {HEADER} header: expected '{SCHEME} ts=...,nonce=<32 hex>,sig=<64 hex>'")
+        ts, nonce, sig = m.groups()
+        now = self._clock()
+        if abs(now - int(ts)) > self.window_s:
+            raise AuthError(f"request timestamp outside the {self.window_s:g} s window (clock skew or replay)")
+        if not hmac.compare_digest(sig, _mac(self._key, method, target, ts, nonce, body)):
+            raise AuthError("bad signature (wrong key, or the request was altered)")
+        with self._lock:  # only validly signed requests reach the cache: an outsider cannot fill it
+            self._expire(now)
+            if nonce in self._nonces:
+                raise AuthError("replayed request (nonce already used)")
+            if len(self._nonces) >= self.max_nonces:
+                raise AuthError(f"more than {self.max_nonces} signed requests within {self.window_s:g} s; "
+                                f"retry shortly", status=503)
+            self._nonces[nonce] = float(ts)
+
+    def _expire(self, now: float) -> None:
+        # Entries are in arrival order, their ts roughly so; a ts older than the window can no
+        # longer be replayed (the window check refuses it), so its nonce may go.
+        cutoff = now - self.window_s
+        while self._nonces:
+            nonce, ts = next(iter(self._nonces.items()))
+            if ts >= cutoff:
+                break
+            del self._nonces[nonce]
