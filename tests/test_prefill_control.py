@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
+from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.launcher.http import call_json
 from sglang_pdd.sglang_glue.prefill_control import (
     DROPPED,
     DestinationBoard,
@@ -105,19 +105,17 @@ def test_malformed_destinations_name_the_problem(body, message):
     assert e.value.status == 400
 
 
+KEY = b"p" * 32
+
+
 def _call(method: str, url: str, body=None):
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return call_json(method, url, body, timeout=5, key=KEY)
 
 
 def test_http_api_posts_withdraws_and_refuses():
     board = DestinationBoard()
-    server = PrefillControlServer(board, "127.0.0.1", 0, stats=lambda: {"rooms": 3})
+    server = PrefillControlServer(board, "127.0.0.1", 0, stats=lambda: {"rooms": 3}, auth=ControlVerifier(KEY),
+                                  peer_allowed=lambda peer: peer == ("127.0.0.1", 9000))
     base = "http://%s:%s" % server.address
     try:
         got = []
@@ -131,7 +129,7 @@ def test_http_api_posts_withdraws_and_refuses():
         assert status == 400 and "JSON" in body["error"]
         assert _call("DELETE", base + "/pdd/wan_destinations/12")[0] == 200
         assert board.wait_for(12, got.append) is DROPPED
-        assert _call("DELETE", base + "/pdd/wan_destinations/abc")[0] == 404
+        assert _call("DELETE", base + "/pdd/wan_destinations/abc")[0] == 400
         assert _call("POST", base + "/elsewhere", ok)[0] == 404
         status, stats = _call("GET", base + "/pdd/stats")
         assert status == 200 and stats["rooms"] == 3 and stats["late"] == 1 and stats["duplicate"] == 1

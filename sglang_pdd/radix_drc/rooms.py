@@ -44,6 +44,10 @@ class RoomError(ValueError):
     """Bad use of the room API (unknown room, duplicate registration); nothing changes."""
 
 
+class RoomsFull(RoomError):
+    """The room table is full (``max_rooms`` open): retry later (HTTP 503), nothing changed."""
+
+
 class RoomStatus(str, enum.Enum):
     PENDING = "pending"
     READY = "ready"
@@ -78,7 +82,7 @@ class DrcRooms:
         if not token_ids:
             raise RoomError(f"room {room}: empty prompt")
         if len(self.rooms) >= self.max_rooms:
-            raise RoomError(f"room {room}: too many open rooms ({self.max_rooms})")
+            raise RoomsFull(f"room {room}: too many open rooms ({self.max_rooms})")
         entry = DrcRoom(room, tuple(token_ids), 0, now + (ttl_s or self.ttl_s))
         if use_cache:
             cached_len, node = self.tree.match(token_ids)

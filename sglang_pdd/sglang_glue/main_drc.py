@@ -19,22 +19,24 @@ import http.client
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from array import array
 from concurrent.futures import Future
-from http.server import ThreadingHTTPServer
 from typing import Any, Optional, Sequence
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 
 from sglang_pdd.config import PddConfig, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
-from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
+from sglang_pdd.control_auth import ControlVerifier, key_from_file
+from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
+                                  serve_in_thread)
+from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
-from sglang_pdd.json_http import JsonRequestHandler
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
 
 logger = logging.getLogger(__name__)
@@ -267,62 +269,95 @@ class MainDrcRuntime:
 
 
 class ControlServer:
-    def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime):
-        handler = type("Handler", (_ControlHandler,), {"runtime": runtime})
-        self.httpd = ThreadingHTTPServer(address, handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="pdd-md-control", daemon=True)
-        self.thread.start()
+    """MD's control API for the router, on the interface ``--pdd-control-listen`` names.
+    Every route but /health needs the router's signature (control_auth, on the shared key)."""
+
+    def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: Optional[bytes] = None,
+                 max_connections: int = 1024):
+        # One connection per in-flight request's ready long-poll: the cap is well above that.
+        key = key if key is not None else key_from_file(runtime.cfg.wan_key_file)
+        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key)})
+        self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections)
+        self.address = self.httpd.server_address[:2]
+        self.thread = serve_in_thread(self.httpd, "pdd-md-control")
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+_ROOM_ROUTE = re.compile(r"/pdd/rooms/([^/]*)(/ready|/handoff)?")
+MAX_TOKEN_ID = (1 << 31) - 1  # far above any vocabulary; keeps ids inside the radix key's int64
 
 
 class _ControlHandler(JsonRequestHandler):
     runtime: MainDrcRuntime
+    max_body_bytes = MAX_CONTROL_BODY
 
     def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_CONTROL_BODY:
-            raise RoomError(f"body of {length} bytes exceeds {MAX_CONTROL_BODY}")
-        body = json.loads(self.rfile.read(length) or b"{}")
-        if not isinstance(body, dict):
-            raise RoomError("body must be a JSON object")
-        return body
+        """The request's JSON object (read and authenticated by JsonRequestHandler)."""
+        try:
+            return self.json_body()
+        except HttpError as e:
+            raise RoomError(e.message) from None
+
+    def _room(self, path: str, action: str) -> Optional[int]:
+        """The room id of ``/pdd/rooms/<id><action>``, None for another route; HttpError(400)
+        for an id that is not a non-negative 63-bit integer."""
+        m = _ROOM_ROUTE.fullmatch(path)
+        if m is None or (m.group(2) or "") != action:
+            return None
+        return parse_room_id(m.group(1))
 
     def _guard(self, fn) -> None:
         try:
-            self._reply(200, fn())
+            result = fn()
+        except HttpError:
+            raise
+        except RoomsFull as e:
+            logger.warning("control: %s", e)
+            return self._reply(503, {"error": str(e)}, headers={"Retry-After": "1"})
+        except (queue.Full, TimeoutError):
+            logger.warning("control: MD's scheduler did not take the request in time")
+            return self._reply(503, {"error": "MD is busy (its scheduler did not take the request in time); retry"},
+                               headers={"Retry-After": "1"})
         except (RoomError, ValueError, KeyError, TypeError) as e:
-            self._reply(400, {"error": str(e)})
-        except Exception as e:  # noqa: BLE001 — report, never kill the control thread
-            logger.exception("control request failed")
-            self._reply(500, {"error": repr(e)})
+            return self._reply(400, {"error": str(e)})
+        except Exception:  # noqa: BLE001 — log the details, never send them; keep the control thread
+            logger.exception("control request %s %s failed", self.command, self.path[:200])
+            return self._reply(500, {"error": "internal error; details are in MD's log"})
+        self._reply(200, result)
 
     def do_GET(self):
-        url = urlparse(self.path)
-        q = parse_qs(url.query)
+        url = urlsplit(self.path)
         if url.path == "/health":
             return self._reply(200, {"status": "ok"})
         if url.path == "/pdd/stats":
             return self._guard(self.runtime.stats)
-        if url.path.startswith("/pdd/rooms/") and url.path.endswith("/ready"):
-            room = int(url.path.split("/")[3])
-            timeout = min(float(q.get("timeout_s", ["10"])[0]), 600.0)
-            return self._guard(lambda: self.runtime.wait_ready(room, timeout))
-        self._reply(404, {"error": f"no route {url.path}"})
+        room = self._room(url.path, "/ready")
+        if room is None:
+            return self._reply(404, {"error": f"no route GET {url.path[:200]}"})
+        timeout = _query_float(url.query, "timeout_s", default=10.0, low=0.0, high=600.0)
+        self._guard(lambda: self.runtime.wait_ready(room, timeout))
 
     def do_POST(self):
-        path = urlparse(self.path).path
-        if path.startswith("/pdd/rooms/") and path.endswith("/handoff"):
-            return self._handoff(int(path.split("/")[3]))
+        path = urlsplit(self.path).path
+        room = self._room(path, "/handoff")
+        if room is not None:
+            return self._handoff(room)
         if path != "/pdd/rooms":
-            return self._reply(404, {"error": f"no route {self.path}"})
+            return self._reply(404, {"error": f"no route POST {path[:200]}"})
 
         def register():
             body = self._body()
-            room, ids = body.get("room"), body.get("token_ids")
-            if not isinstance(room, int) or not isinstance(ids, list) or \
-                    not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise RoomError("need {'room': int, 'token_ids': [non-negative int, ...]}")
-            return self.runtime.call("register", room, ids, bool(body.get("use_cache", True)))
+            room, ids, use_cache = body.get("room"), body.get("token_ids"), body.get("use_cache", True)
+            if not _is_int(room) or not 0 <= room <= MAX_ROOM_ID:
+                raise RoomError(f"'room' must be an integer in 0..{MAX_ROOM_ID}")
+            if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids):
+                raise RoomError(f"'token_ids' must be a non-empty list of non-negative ints (<= {MAX_TOKEN_ID})")
+            if not isinstance(use_cache, bool):
+                raise RoomError("'use_cache' must be true or false")
+            return self.runtime.call("register", room, ids, use_cache)
 
         self._guard(register)
 
@@ -355,8 +390,28 @@ class _ControlHandler(JsonRequestHandler):
             self.close_connection = True
 
     def do_DELETE(self):
-        path = urlparse(self.path).path
-        if not path.startswith("/pdd/rooms/"):
-            return self._reply(404, {"error": f"no route {path}"})
-        keep_kv = parse_qs(urlparse(self.path).query).get("keep_kv", ["0"])[0] == "1"
-        self._guard(lambda: {"released": self.runtime.call("release", int(path.split("/")[3]), keep_kv)})
+        url = urlsplit(self.path)
+        room = self._room(url.path, "")
+        if room is None:
+            return self._reply(404, {"error": f"no route DELETE {url.path[:200]}"})
+        keep = parse_qs(url.query).get("keep_kv", ["0"])
+        if keep not in (["0"], ["1"]):
+            raise HttpError(400, "keep_kv must be 0 or 1")
+        self._guard(lambda: {"released": self.runtime.call("release", room, keep == ["1"])})
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _query_float(query: str, name: str, *, default: float, low: float, high: float) -> float:
+    values = parse_qs(query).get(name)
+    if not values:
+        return default
+    try:
+        value = float(values[-1])
+    except ValueError:
+        raise HttpError(400, f"{name} must be a number") from None
+    if not low <= value <= high:  # also refuses nan
+        raise HttpError(400, f"{name} must be in {low:g}..{high:g}")
+    return value

@@ -20,11 +20,11 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Callable, Optional
 
 from sglang_pdd.config import PddConfigError, parse_host_port
-from sglang_pdd.json_http import JsonRequestHandler
+from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.json_http import MAX_ROOM_ID, ControlHTTPServer, JsonRequestHandler, parse_room_id, serve_in_thread
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 
 logger = logging.getLogger(__name__)
@@ -129,17 +129,19 @@ def parse_destination(body: bytes) -> tuple[int, WanDestination]:
     """(bootstrap_room, destination) from a POST body; DestinationError(400) names the problem."""
     try:
         msg = json.loads(body or b"{}")
-    except ValueError as e:
-        raise DestinationError(400, f"body is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past Python's stack
+        raise DestinationError(400, f"body is not JSON: {str(e)[:200]}") from None
     if not isinstance(msg, dict):
         raise DestinationError(400, "body must be a JSON object")
     fields = {"bootstrap_room": int, "md_room": int, "wan_peer": str, "md_prefix_len": int}
     for name, kind in fields.items():
         value = msg.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise DestinationError(400, f"{name} must be {kind.__name__}, got {value!r}")
-    if msg["md_prefix_len"] < 0 or msg["bootstrap_room"] < 0 or msg["md_room"] < 0:
-        raise DestinationError(400, "rooms and md_prefix_len must be >= 0")
+            raise DestinationError(400, f"{name} must be {kind.__name__}, got {repr(value)[:60]}")
+    if not (0 <= msg["bootstrap_room"] <= MAX_ROOM_ID and 0 <= msg["md_room"] <= MAX_ROOM_ID):
+        raise DestinationError(400, f"bootstrap_room and md_room must be in 0..{MAX_ROOM_ID}")
+    if not 0 <= msg["md_prefix_len"] < 1 << 31:
+        raise DestinationError(400, "md_prefix_len must be >= 0 and < 2^31")
     try:
         peer = parse_host_port("wan_peer", msg["wan_peer"])
     except PddConfigError as e:
@@ -148,22 +150,27 @@ def parse_destination(body: bytes) -> tuple[int, WanDestination]:
 
 
 class PrefillControlServer:
-    """The HTTP front of a DestinationBoard (stdlib server: P's scheduler process has no loop)."""
+    """The HTTP front of a DestinationBoard (stdlib server: P's scheduler process has no loop).
+
+    Every route but /health needs the router's signature (``auth``); a destination whose
+    ``wan_peer`` is not one P was configured with (``peer_allowed``) is refused with 403."""
 
     PATH = "/pdd/wan_destinations"
 
-    def __init__(self, board: DestinationBoard, host: str, port: int, stats: Callable[[], dict] = dict):
+    def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
+                 peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
+                 max_connections: int = 256):
         board_ref, path = board, self.PATH
 
         class Handler(JsonRequestHandler):
             def do_POST(self):  # noqa: N802 — http.server's naming
                 if self.path != path:
-                    return self._reply(404, {"error": f"no such endpoint {self.path}"})
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > 64 * 1024:
-                    return self._reply(413, {"error": f"body of {length} bytes is too large"})
+                    return self._reply(404, {"error": f"no such endpoint POST {self.path[:200]}"})
                 try:
-                    room, dest = parse_destination(self.rfile.read(length))
+                    room, dest = parse_destination(self.body)
+                    if not peer_allowed(dest.peer):
+                        raise DestinationError(403, f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
+                                                    f"--pdd-wan-peers; P sends KV only to the MDs it was given")
                     board_ref.post(room, dest)
                 except DestinationError as e:
                     logger.warning("WAN destination refused: %s", e)
@@ -172,11 +179,11 @@ class PrefillControlServer:
 
             def do_DELETE(self):  # noqa: N802
                 prefix = path + "/"
-                tail = self.path[len(prefix):] if self.path.startswith(prefix) else ""
-                if not tail.isdigit():
+                if not self.path.startswith(prefix):
                     return self._reply(404, {"error": f"expected DELETE {prefix}<bootstrap_room>"})
+                room = parse_room_id(self.path[len(prefix):], "bootstrap_room")
                 try:
-                    board_ref.post(int(tail), DROPPED)
+                    board_ref.post(room, DROPPED)
                 except DestinationError as e:
                     return self._reply(e.status, {"error": str(e)})
                 self._reply(200, {"dropped": True})
@@ -186,13 +193,12 @@ class PrefillControlServer:
                     return self._reply(200, {**board_ref.stats(), **stats()})
                 if self.path == "/health":
                     return self._reply(200, {"ok": True})
-                self._reply(404, {"error": f"no such endpoint {self.path}"})
+                self._reply(404, {"error": f"no such endpoint GET {self.path[:200]}"})
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        Handler.auth = auth
+        self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections)
         self.address = self.httpd.server_address[:2]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="pdd-prefill-control", daemon=True)
-        self.thread.start()
+        self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
         logger.info("P control API on http://%s:%s%s", *self.address, self.PATH)
 
     def close(self) -> None:

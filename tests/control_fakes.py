@@ -1,0 +1,132 @@
+"""Real control servers on loopback for the control-plane security tests (no SGLang server).
+
+MD: the real ``ControlServer`` / ``_ControlHandler`` over ``FakeMdRuntime``, which keeps the
+real room table (DrcRooms on a fake tree) and borrows MainDrcRuntime's own wait_ready and
+handoff_request; its ``/generate`` (what a handoff relays to) is a tiny stdlib server that
+records what it got and streams two SSE events. P: the real ``PrefillControlServer``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.radix_drc.rooms import DrcRooms
+from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
+from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
+
+KEY = b"control-plane-test-key-0123456789"
+WAN_PEER = ("127.0.0.1", 18000)  # the one MD P may send KV to
+
+
+class FakeTree:
+    def match(self, ids):
+        return 0, None
+
+    def lock(self, node):
+        return node
+
+    def unlock(self, lock):
+        pass
+
+    def ingest(self, ids, prefix_len, prefix_node, staged):
+        return None
+
+
+class FakeGenerate:
+    """MD's own SGLang /generate, as a handoff reaches it (loopback)."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                body = b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n'
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeMdRuntime:
+    wait_ready = MainDrcRuntime.wait_ready
+    handoff_request = MainDrcRuntime.handoff_request
+
+    def __init__(self, http_port: int, max_rooms: int = 4096):
+        self.http_port = http_port
+        self.reset(max_rooms)
+
+    def reset(self, max_rooms: int = 4096) -> None:
+        self.rooms = DrcRooms(FakeTree(), ttl_s=60.0, max_rooms=max_rooms)
+        self.ready_events: dict[int, threading.Event] = {}
+        self.handed_off: set[int] = set()
+        self.fail_stats_with = None  # an exception stats() raises (an internal error)
+
+    def call(self, op: str, *args, timeout: float = 30.0):
+        return getattr(self, f"_do_{op}")(*args)
+
+    def _do_register(self, room, token_ids, use_cache=True):
+        entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
+        self.ready_events[room] = threading.Event()
+        return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids)}
+
+    def _do_release(self, room, keep_kv=False):
+        self.ready_events.pop(room, None)
+        return self.rooms.release(room)
+
+    def mark_ready(self, room: int) -> None:
+        self.rooms.complete(room, None, time.monotonic())
+        self.ready_events[room].set()
+
+    def stats(self) -> dict:
+        if self.fail_stats_with is not None:
+            raise self.fail_stats_with
+        return {"open_rooms": len(self.rooms.rooms)}
+
+    def state(self):
+        """Everything a control call can change."""
+        return ({r: (e.status, e.token_ids) for r, e in self.rooms.rooms.items()}, set(self.handed_off))
+
+
+class MdControl:
+    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024):
+        self.generate = FakeGenerate()
+        self.runtime = FakeMdRuntime(self.generate.port, max_rooms=max_rooms)
+        self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections)
+        self.url = "http://%s:%s" % self.server.address
+
+    def reset(self):
+        self.runtime.reset()
+        self.generate.requests.clear()
+
+    def close(self):
+        self.server.close()
+        self.generate.close()
+
+
+class PControl:
+    def __init__(self):
+        self.board = DestinationBoard()
+        self.server = PrefillControlServer(self.board, "127.0.0.1", 0, auth=ControlVerifier(KEY),
+                                           peer_allowed=lambda peer: peer == WAN_PEER)
+        self.url = "http://%s:%s" % self.server.address
+
+    def close(self):
+        self.server.close()
