@@ -39,6 +39,8 @@ class PddConfig:
     wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
     intra_dc_transport: str = "auto"  # prefill/relay: engine of the P -> RLD path
     wan_destination_wait_ms: int = 2000  # prefill: how long P keeps KV for a promised late destination
+    wan_peers: Optional[str] = None  # prefill: HOST:PORT,... of the MDs' WAN receivers P may send KV to
+    allow_wildcard_bind: bool = False  # main/prefill: permit 0.0.0.0 / :: in the *-listen flags
 
     @property
     def active(self) -> bool:
@@ -72,6 +74,13 @@ FLAGS = [
     ("--pdd-wan-destination-wait-ms", "pdd_wan_destination_wait_ms", dict(type=int, default=2000,
         help="prefill only: how long P keeps a finished request's KV for a WAN destination the "
              "router promised but has not posted yet (then RLD alone finishes it).")),
+    ("--pdd-wan-peers", "pdd_wan_peers", dict(default=None,
+        help="prefill only: HOST:PORT,... of the MD WAN receivers (--pdd-wan-listen, as the router's "
+             "--main names them) that P may send KV to. Any other destination, from a request or the "
+             "control API, is refused and RLD finishes the request. Without it P sends no KV over the WAN.")),
+    ("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", dict(action="store_true", default=False,
+        help="main and prefill: allow --pdd-control-listen / --pdd-wan-listen on a wildcard address "
+             "(0.0.0.0, ::), i.e. on every interface. Refused without it: name the interface.")),
     ("--pdd-intra-dc-transport", "pdd_intra_dc_transport", dict(choices=INTRA_DC_TRANSPORTS, default="auto",
         help="prefill and relay: engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport "
              "with MC_FORCE_TCP=1), tcp (sglang-pdd's authenticated TCP engine, host memory), or "
@@ -90,6 +99,26 @@ def parse_host_port(flag: str, value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise PddConfigError(f"{flag} must be HOST:PORT with a port in 1..65535, got {value!r}")
     return host, int(port)
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
+
+
+def parse_listen(flag: str, value: str, allow_wildcard: bool = False) -> tuple[str, int]:
+    """HOST:PORT to bind; a wildcard host only with --pdd-allow-wildcard-bind."""
+    host, port = parse_host_port(flag, value)
+    if host in WILDCARD_HOSTS and not allow_wildcard:
+        raise PddConfigError(f"{flag} {value} binds every interface; name one (e.g. 10.0.0.5:{port}) or "
+                             f"pass --pdd-allow-wildcard-bind")
+    return host, port
+
+
+def parse_peer_list(flag: str, value: str) -> frozenset[tuple[str, int]]:
+    """``HOST:PORT,HOST:PORT,...`` as a set of (host, port)."""
+    peers = [p.strip() for p in (value or "").split(",") if p.strip()]
+    if not peers:
+        raise PddConfigError(f"{flag} must list at least one HOST:PORT, got {value!r}")
+    return frozenset(parse_host_port(flag, p) for p in peers)
 
 
 def config_from_namespace(ns: argparse.Namespace) -> PddConfig:
@@ -121,22 +150,24 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     if cfg.role == "main":
         if not cfg.wan_listen:
             raise PddConfigError("--pdd-role main needs --pdd-wan-listen HOST:PORT")
-        parse_host_port("--pdd-wan-listen", cfg.wan_listen)
+        parse_listen("--pdd-wan-listen", cfg.wan_listen, cfg.allow_wildcard_bind)
         if not cfg.control_listen:
             raise PddConfigError("--pdd-role main needs --pdd-control-listen HOST:PORT")
-        parse_host_port("--pdd-control-listen", cfg.control_listen)
+        parse_listen("--pdd-control-listen", cfg.control_listen, cfg.allow_wildcard_bind)
     else:
         if cfg.wan_listen:
             raise PddConfigError(f"--pdd-wan-listen applies only to --pdd-role main, not {cfg.role}")
         if cfg.control_listen and cfg.role != "prefill":
             raise PddConfigError(f"--pdd-control-listen applies only to roles main and prefill, not {cfg.role}")
         if cfg.control_listen:
-            parse_host_port("--pdd-control-listen", cfg.control_listen)
+            parse_listen("--pdd-control-listen", cfg.control_listen, cfg.allow_wildcard_bind)
     if cfg.role in ("prefill", "main") and not cfg.wan_key_file:
         raise PddConfigError(f"--pdd-role {cfg.role} needs --pdd-wan-key-file (WAN peers must authenticate)")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
-    for flag, name in (("--pdd-wan-streams", "wan_streams"), ("--pdd-wan-staging-mb", "wan_staging_mb"),
+    if cfg.wan_peers is not None:
+        parse_peer_list("--pdd-wan-peers", cfg.wan_peers)
+    for flag, name in (("--pdd-wan-peers", "wan_peers"), ("--pdd-wan-streams", "wan_streams"), ("--pdd-wan-staging-mb", "wan_staging_mb"),
                        ("--pdd-wan-destination-wait-ms", "wan_destination_wait_ms")):
         if cfg.role != "prefill" and getattr(cfg, name) != getattr(defaults, name):
             raise PddConfigError(f"{flag} applies only to --pdd-role prefill, not {cfg.role}")

@@ -43,9 +43,9 @@ def receiver():
     r.close()
 
 
-def make_fanout(*, chunk_bytes=64, staging_bytes=1 << 30, **kw):
+def make_fanout(receiver, *, chunk_bytes=64, staging_bytes=1 << 30, **kw):
     # Tiny chunks: a 40-token request is cut into several page groups, so pipelining shows.
-    return WanFanout(KEY, "p", staging_bytes=staging_bytes, timeout_s=10.0,
+    return WanFanout(KEY, "p", staging_bytes=staging_bytes, timeout_s=10.0, allowed_peers=[receiver.address],
                      sender_factory=lambda peer: WanKvSender(peer, KEY, "p", num_streams=2,
                                                              max_chunk_bytes=chunk_bytes, transfer_timeout=10.0),
                      **kw)
@@ -77,7 +77,7 @@ def wait_until(cond, timeout=5.0):
 
 
 def test_pages_md_lacks_arrive_exact_and_p_is_held_only_until_copied(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     prompt_len, md_prefix = 40, 12
     slots = np.random.default_rng(1).permutation(POOL_SLOTS)[:prompt_len]  # scattered pages
     dest = expect_room(receiver, 7, pool, prompt_len, md_prefix)
@@ -96,7 +96,7 @@ def test_pages_md_lacks_arrive_exact_and_p_is_held_only_until_copied(receiver):
 
 
 def test_first_groups_leave_while_prefill_is_still_running(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     prompt_len = 40
     slots = np.arange(prompt_len)
     dest = expect_room(receiver, 8, pool, prompt_len, 0)
@@ -119,7 +119,7 @@ def test_first_groups_leave_while_prefill_is_still_running(receiver):
 
 
 def test_request_ending_early_drops_the_room_and_md_fails(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     expect_room(receiver, 9, pool, 40, 0)
     fanout.attach_pool(pool, 1)
     room = fanout.open_room(WanDestination(9, receiver.address, 0), rid="r",
@@ -133,7 +133,7 @@ def test_request_ending_early_drops_the_room_and_md_fails(receiver):
 
 
 def test_abort_discards_later_pages_and_fails_md(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     expect_room(receiver, 10, pool, 40, 0)
     fanout.attach_pool(pool, 1)
     room = fanout.open_room(WanDestination(10, receiver.address, 0), rid="r",
@@ -147,7 +147,7 @@ def test_abort_discards_later_pages_and_fails_md(receiver):
 
 
 def test_staging_budget_drops_the_room_instead_of_stalling_p(receiver):
-    pool, fanout = FakePool(), make_fanout(staging_bytes=1024)
+    pool, fanout = FakePool(), make_fanout(receiver, staging_bytes=1024)
     prompt_len = 40  # 40 tokens x 4 buffers x 16 B = 2560 B > 1024 B budget
     expect_room(receiver, 11, pool, prompt_len, 0)
     fanout.attach_pool(pool, 1)
@@ -161,7 +161,7 @@ def test_staging_budget_drops_the_room_instead_of_stalling_p(receiver):
 
 
 def test_md_needing_pages_below_rlds_prefix_is_refused(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     fanout.attach_pool(pool, 1)
     # RLD had 16 tokens cached, so SGLang's sender only ever sees pages from 16 on; MD has 4.
     room = fanout.open_room(WanDestination(12, receiver.address, 4), rid="r",
@@ -171,7 +171,7 @@ def test_md_needing_pages_below_rlds_prefix_is_refused(receiver):
 
 
 def test_unreachable_md_never_holds_p(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     fanout.attach_pool(pool, 1)
     dead = receiver.address
     receiver.close()  # nobody listens there any more
@@ -185,7 +185,7 @@ def test_unreachable_md_never_holds_p(receiver):
 
 
 def test_concurrent_rooms_each_land_intact(receiver):
-    pool, fanout = FakePool(), make_fanout()
+    pool, fanout = FakePool(), make_fanout(receiver)
     fanout.attach_pool(pool, 1)
     rng = np.random.default_rng(2)
     rooms, dests, slot_sets = [], [], []

@@ -33,7 +33,8 @@ from sglang.srt.disaggregation.mooncake.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port
+from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port, parse_peer_list
+from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
@@ -70,14 +71,18 @@ class PddKVManager(MooncakeKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL and self.pdd_config.role == "prefill":
             cfg = self.pdd_config
+            peers = parse_peer_list("--pdd-wan-peers", cfg.wan_peers) if cfg.wan_peers else frozenset()
+            if not peers:
+                logger.warning("no --pdd-wan-peers: this P sends KV to no MD; RLD finishes every request")
             self.wan_fanout = WanFanout(
                 read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}",
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
-                staging_bytes=cfg.wan_staging_mb << 20)
+                staging_bytes=cfg.wan_staging_mb << 20, allowed_peers=peers)
             if cfg.control_listen:  # late destinations: the router need not wait for MD first
                 self.wan_destinations = DestinationBoard()
                 self.control_server = PrefillControlServer(
                     self.wan_destinations, *parse_host_port("--pdd-control-listen", cfg.control_listen),
+                    auth=ControlVerifier(read_key(cfg)), peer_allowed=self.wan_fanout.allows,
                     stats=self.wan_fanout.stats)
         logger.info("pdd transfer backend: %s, intra-DC engine %s%s", disaggregation_mode.value,
                     self.intra_dc_transport, ", WAN fan-out on" if self.wan_fanout else "")
@@ -124,7 +129,11 @@ class PddKVSender(MooncakeKVSender):
         carries that the sender contract does not pass."""
         mgr = self.kv_mgr
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-        dest = WanDestination.from_custom_params(params)
+        try:
+            dest = WanDestination.from_custom_params(params)
+        except ValueError as e:  # the request still runs; RLD finishes it
+            logger.warning("rid %s: no WAN leg: %s", req.rid, e)
+            return
         late = bool(params.get("pdd_wan_expected")) and mgr.wan_destinations is not None
         if mgr.wan_fanout is None or (dest is None and not late):
             if params.get("pdd_wan_expected") and mgr.wan_destinations is None:

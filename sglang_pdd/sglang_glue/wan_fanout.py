@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -48,10 +48,16 @@ class WanDestination:
 
     @classmethod
     def from_custom_params(cls, params) -> Optional["WanDestination"]:
+        """None without ``pdd_wan_peer``; ValueError naming the field if malformed. The peer
+        is NOT trusted here: WanFanout.open_room admits only P's --pdd-wan-peers."""
         if not isinstance(params, dict) or "pdd_wan_peer" not in params:
             return None
-        return cls(int(params["pdd_room"]), parse_host_port("pdd_wan_peer", str(params["pdd_wan_peer"])),
-                   max(0, int(params.get("pdd_md_prefix_len", 0))))
+        room, prefix = params.get("pdd_room"), params.get("pdd_md_prefix_len", 0)
+        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
+            raise ValueError(f"pdd_room must be an integer in 0..2^63-1, got {repr(room)[:40]}")
+        if not isinstance(prefix, int) or isinstance(prefix, bool) or not 0 <= prefix < 1 << 31:
+            raise ValueError(f"pdd_md_prefix_len must be an integer in 0..2^31-1, got {repr(prefix)[:40]}")
+        return cls(room, parse_host_port("pdd_wan_peer", str(params["pdd_wan_peer"])[:300]), prefix)
 
 
 @dataclass(eq=False)
@@ -98,8 +104,12 @@ class WanFanout:
         timeout_s: float = 30.0,
         staging_bytes: int = 1 << 30,
         sender_factory: Optional[Callable[[tuple[str, int]], WanKvSender]] = None,
+        allowed_peers: Iterable[tuple[str, int]] = (),
     ):
         self.key, self.name = key, name
+        # P's --pdd-wan-peers: the only MDs it sends KV to, so also the bound on its senders
+        # (one per peer, each with its streams and watchdog).
+        self.allowed_peers = frozenset(allowed_peers)
         self.num_streams, self.timeout_s = num_streams, timeout_s
         self.staging_bytes = staging_bytes
         self._sender_factory = sender_factory or self._new_sender
@@ -120,6 +130,9 @@ class WanFanout:
         for t in self._threads:
             t.start()
 
+    def allows(self, peer: tuple[str, int]) -> bool:
+        return peer in self.allowed_peers
+
     # ------------------------------------------------------------------ scheduler thread
 
     def attach_pool(self, pool, page_size: int) -> None:
@@ -134,6 +147,11 @@ class WanFanout:
         be served; MD's room then fails and RLD finishes the request."""
         if self._layout is None:
             raise RuntimeError("attach_pool() first")
+        if not self.allows(dest.peer):
+            self.counters["refused_peer"] += 1
+            logger.warning("rid %s: WAN destination %s:%s is not one of P's --pdd-wan-peers; not sending KV "
+                           "there, RLD finishes", rid, *dest.peer)
+            return None
         prompt_len = len(token_ids)
         start = min(dest.md_prefix_len, prompt_len - 1)  # MD extends at least the last token
         room = WanRoom(dest, rid, first_offered_page, TransferPlan.build(self._layout, prompt_len, start))
