@@ -322,12 +322,12 @@ def delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
 
 
-def wait_rooms_closed(control_url: str, timeout: float = 30.0) -> dict:
+def wait_rooms_closed(control_url: str, key: bytes, timeout: float = 30.0) -> dict:
     deadline = time.time() + timeout
-    stats = get_json(f"{control_url}/pdd/stats")
+    stats = get_json(f"{control_url}/pdd/stats", key=key)
     while stats.get("open_rooms") and time.time() < deadline:
         time.sleep(0.25)
-        stats = get_json(f"{control_url}/pdd/stats")
+        stats = get_json(f"{control_url}/pdd/stats", key=key)
     return stats
 
 
@@ -592,13 +592,13 @@ def main(argv=None) -> int:
             run_request(router, "warmup", warm_job, 0, segment_tokens("warmup", (opts["path"],), 200), 8,
                         opts, args.request_timeout)
         for vname in order:
-            md_before = wait_rooms_closed(control)
+            md_before = wait_rooms_closed(control, cluster.control_key)
             m_before = scrape_metrics(router)
             t0 = time.time()
             recs = replay(router, vname, jobs, cfg, salt=f"{vname}-{args.seed}", options=variants[vname],
                           concurrency=args.concurrency, timeout=args.request_timeout)
             wall = time.time() - t0
-            md_after = wait_rooms_closed(control)
+            md_after = wait_rooms_closed(control, cluster.control_key)
             m_after = scrape_metrics(router)
             md_delta = delta(md_after, md_before)
             res["variants"][vname] = summarize(recs, md_delta, delta(m_after, m_before))

@@ -65,6 +65,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from sglang_pdd.launcher.http import signed_headers  # noqa: E402
 from sglang_pdd.router.backends import SSE_DONE, parse_sse_line  # noqa: E402
 
 REF_KV_BYTES_PER_TOKEN = 46_000  # the reference design's figure (router default --kv-bytes-per-token)
@@ -127,19 +128,22 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 # ---------------------------------------------------------------------------- HTTP
 
 
-def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, timeout: float = 120.0, key: Optional[bytes] = None) -> dict:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **signed_headers("POST", url, data, key)})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def get_json(url: str, timeout: float = 60.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def get_json(url: str, timeout: float = 60.0, key: Optional[bytes] = None) -> dict:
+    req = urllib.request.Request(url, headers=signed_headers("GET", url, b"", key))
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def delete(url: str) -> None:
-    req = urllib.request.Request(url, method="DELETE")
+def delete(url: str, key: Optional[bytes] = None) -> None:
+    req = urllib.request.Request(url, method="DELETE", headers=signed_headers("DELETE", url, b"", key))
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             resp.read()
@@ -147,13 +151,15 @@ def delete(url: str) -> None:
         pass
 
 
-def sse_post(url: str, body: dict, timeout: float = 120.0) -> Iterator[tuple[float, dict]]:
+def sse_post(url: str, body: dict, timeout: float = 120.0,
+             key: Optional[bytes] = None) -> Iterator[tuple[float, dict]]:
     """POST and yield (perf_counter at arrival, event) for each SSE ``data:`` object."""
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
         data = json.dumps(body).encode()
-        conn.request("POST", u.path, body=data, headers={"Content-Type": "application/json"})
+        conn.request("POST", u.path, body=data,
+                     headers={"Content-Type": "application/json", **signed_headers("POST", url, data, key)})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"{url} -> HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -184,6 +190,7 @@ class Bench:
         topo = cluster.topology
         self.p, self.rld, self.md = topo.prefill, topo.relay, topo.main
         self.control = topo.main.control_url  # direct (loopback): untimed registration / ready / release
+        self.key = cluster.control_key  # MD's control API takes signed calls only
         self.ctl_wan_url = ctl_wan_url  # MD's control API through the emulated link
         self.ctl_emu_url = ctl_emu_url  # that emulator's own control endpoint
         self.routers = {"local": topo.router_url, "wan": router_wan_url, "wan_serial": router_wan_serial_url}
@@ -220,18 +227,18 @@ class Bench:
     def token_handoff(self, ids: list[int], ref: list[int]) -> dict:
         a, E, K = self.args, self.args.eager_tokens, self.args.continuation_tokens
         room = random.getrandbits(63)
-        reg = post_json(f"{self.control}/pdd/rooms", {"room": room, "token_ids": ids})
+        reg = post_json(f"{self.control}/pdd/rooms", {"room": room, "token_ids": ids}, key=self.key)
         body = self.pd_bodies(ids, room, 1, md_room=room, md_cached=int(reg["cached_tokens"]))
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(2) as pool:
             legs = [pool.submit(post_json, f"{self.p.url}/generate", body),
                     pool.submit(post_json, f"{self.rld.url}/generate", body)]
-            ready = get_json(f"{self.control}/pdd/rooms/{room}/ready?timeout_s=60", timeout=90)
+            ready = get_json(f"{self.control}/pdd/rooms/{room}/ready?timeout_s=60", timeout=90, key=self.key)
             t_ready = time.perf_counter() - t0
             for f in legs:
                 f.result()
         if ready.get("status") != "ready":
-            delete(f"{self.control}/pdd/rooms/{room}")
+            delete(f"{self.control}/pdd/rooms/{room}", self.key)
             raise RuntimeError(f"room {room} not ready: {ready}")
         eager = ref[:E]
         msg = handoff_body(eager, f"bench-{room:x}-m", K, self.greedy)
@@ -240,14 +247,14 @@ class Bench:
         out: list[int] = []
         meta: dict = {}
         t_send = time.perf_counter()
-        for t, event in sse_post(f"{self.ctl_wan_url}/pdd/rooms/{room}/handoff", msg):
+        for t, event in sse_post(f"{self.ctl_wan_url}/pdd/rooms/{room}/handoff", msg, key=self.key):
             if event.get("output_ids") and t_first is None:
                 t_first = t
             out = event.get("output_ids") or out
             meta = event.get("meta_info") or meta
         t_done = time.perf_counter()
         wire_up = get_json(f"{self.ctl_emu_url}/stats")["bytes_up"] - up0
-        delete(f"{self.control}/pdd/rooms/{room}")
+        delete(f"{self.control}/pdd/rooms/{room}", self.key)
         return {"room": room, "prompt_tokens": len(ids), "kv_bytes_per_token": int(reg["kv_bytes_per_token"]),
                 "prompt_kv_ready_s": t_ready, **{f"payload_{k}": v for k, v in payload_sizes(msg).items()},
                 "wire_bytes_up": wire_up, "stall_s": (t_first - t_send) if t_first else None,
@@ -555,7 +562,7 @@ def main(argv=None) -> int:
                 "fallbacks": [f for r in rs for f in (r.get("fallbacks") or [])],
                 "samples": rs}
         results["ttft"] = ttft
-        results["md_stats"] = get_json(f"{topo.main.control_url}/pdd/stats")
+        results["md_stats"] = get_json(f"{topo.main.control_url}/pdd/stats", key=cluster.control_key)
         bench.set_latency(args.handoff_latency_ms)
     results["total_s"] = time.perf_counter() - t_start
 

@@ -6,24 +6,22 @@ has finished the prefill still gets the KV to MD (P held the pages), and a promi
 destination that never comes costs P only ``--pdd-wan-destination-wait-ms``.
 """
 
-import json
 import random
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.http import call_json, get_json, post_json
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = list(range(300, 340))
 
 
-def _delete(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=10).read()
+def _delete(url: str, key: bytes) -> None:
+    status, reply = call_json("DELETE", url, timeout=10, key=key)
+    assert status == 200, reply
 
 
 def _pd_body(topo, room: int, max_new: int) -> dict:
@@ -42,8 +40,8 @@ def _run_pd(topo, body: dict) -> list[int]:
         return r.result()["output_ids"]
 
 
-def _p_stats(topo) -> dict:
-    return get_json(f"{topo.prefill.control_url}/pdd/stats")
+def _p_stats(cluster) -> dict:
+    return get_json(f"{cluster.topology.prefill.control_url}/pdd/stats", key=cluster.control_key)
 
 
 def _wait(cond, timeout_s: float) -> bool:
@@ -54,11 +52,11 @@ def _wait(cond, timeout_s: float) -> bool:
 
 
 def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, single_server):
-    topo = pdd_cluster.topology
+    topo, key = pdd_cluster.topology, pdd_cluster.control_key
     want = post_json(f"{single_server}/generate", {"input_ids": PROMPT,
                                                    "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
     room = random.getrandbits(62)
-    before = _p_stats(topo)
+    before = _p_stats(pdd_cluster)
     body = _pd_body(topo, room, 4)
     with ThreadPoolExecutor(2) as pool:
         p_leg = pool.submit(post_json, f"{topo.prefill.url}/generate", body)
@@ -66,54 +64,48 @@ def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, sin
         # (it still holds the KV, up to --pdd-wan-destination-wait-ms).
         assert pool.submit(post_json, f"{topo.relay.url}/generate", body).result()["output_ids"] == want["output_ids"]
         assert not p_leg.done()
-        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": PROMPT})
+        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": PROMPT}, key=key)
         try:
             dest = {"bootstrap_room": room, "md_room": room, "wan_peer": f"127.0.0.1:{topo.wan.listen_port}",
                     "md_prefix_len": int(reg["cached_tokens"])}
-            assert post_json(f"{topo.prefill.control_url}/pdd/wan_destinations", dest) == {"accepted": True}
-            ready = get_json(f"{topo.main.control_url}/pdd/rooms/{room}/ready?timeout_s=30", timeout=40)
+            assert post_json(f"{topo.prefill.control_url}/pdd/wan_destinations", dest, key=key) == {"accepted": True}
+            ready = get_json(f"{topo.main.control_url}/pdd/rooms/{room}/ready?timeout_s=30", timeout=40, key=key)
             assert ready["status"] == "ready", ready
             p_leg.result()
-            after = _p_stats(topo)
+            after = _p_stats(pdd_cluster)
             assert after.get("late", 0) == before.get("late", 0) + 1
             assert after.get("destination_wait_expired", 0) == before.get("destination_wait_expired", 0)
             # a second destination for the same request is refused, clearly
-            req = urllib.request.Request(f"{topo.prefill.control_url}/pdd/wan_destinations",
-                                         data=json.dumps(dest).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(req, timeout=10)
-            assert e.value.code == 409 and "already" in json.loads(e.value.read())["error"]
+            status, reply = call_json("POST", f"{topo.prefill.control_url}/pdd/wan_destinations", dest, key=key)
+            assert status == 409 and "already" in reply["error"]
         finally:
-            _delete(f"{topo.main.control_url}/pdd/rooms/{room}")
+            _delete(f"{topo.main.control_url}/pdd/rooms/{room}", key)
 
 
 def test_promised_destination_that_never_comes_only_delays_ps_release(pdd_cluster):
     from conftest import TEST_DESTINATION_WAIT_MS
 
     topo = pdd_cluster.topology
-    before = _p_stats(topo).get("destination_wait_expired", 0)
+    before = _p_stats(pdd_cluster).get("destination_wait_expired", 0)
     room = random.getrandbits(62)
     out = _run_pd(topo, _pd_body(topo, room, 3))
     assert len(out) == 3  # RLD served the request regardless
-    assert _wait(lambda: _p_stats(topo).get("destination_wait_expired", 0) == before + 1,
+    assert _wait(lambda: _p_stats(pdd_cluster).get("destination_wait_expired", 0) == before + 1,
                  TEST_DESTINATION_WAIT_MS / 1000 + 10)
-    assert _wait(lambda: _p_stats(topo)["waiting_senders"] == 0, 5)
+    assert _wait(lambda: _p_stats(pdd_cluster)["waiting_senders"] == 0, 5)
     # a destination that comes after P gave up is refused at once (the router then falls back
     # instead of waiting for MD's KV until --wan-timeout-s)
     dest = {"bootstrap_room": room, "md_room": room, "wan_peer": f"127.0.0.1:{topo.wan.listen_port}",
             "md_prefix_len": 0}
-    req = urllib.request.Request(f"{topo.prefill.control_url}/pdd/wan_destinations", data=json.dumps(dest).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=10)
-    assert e.value.code == 410 and "no longer holds" in json.loads(e.value.read())["error"]
+    status, reply = call_json("POST", f"{topo.prefill.control_url}/pdd/wan_destinations", dest,
+                              key=pdd_cluster.control_key)
+    assert status == 410 and "no longer holds" in reply["error"]
 
 
 def test_withdrawn_destination_frees_p_at_once(pdd_cluster):
     topo = pdd_cluster.topology
-    before = _p_stats(topo).get("destination_wait_expired", 0)
+    before = _p_stats(pdd_cluster).get("destination_wait_expired", 0)
     room = random.getrandbits(62)
-    _delete(f"{topo.prefill.control_url}/pdd/wan_destinations/{room}")  # the router gave up on MD
+    _delete(f"{topo.prefill.control_url}/pdd/wan_destinations/{room}", pdd_cluster.control_key)  # router gave up on MD
     assert len(_run_pd(topo, _pd_body(topo, room, 3))) == 3
-    assert _p_stats(topo).get("destination_wait_expired", 0) == before  # no wait: it knew already
+    assert _p_stats(pdd_cluster).get("destination_wait_expired", 0) == before  # no wait: it knew already

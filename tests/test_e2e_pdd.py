@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.http import call_json, get_json, post_json
 
 pytestmark = pytest.mark.e2e
 
@@ -119,13 +119,13 @@ def test_streaming_is_one_ordered_stream(pdd_cluster, single_server):
 
 
 def test_drc_second_turn_only_sends_the_new_suffix(pdd_cluster, single_server):
-    control = pdd_cluster.topology.main.control_url
+    control, key = pdd_cluster.topology.main.control_url, pdd_cluster.control_key
     turn1 = "def parse(config):\n    values = {}\n"
     first = route(pdd_cluster, turn1, path="p_md")
     turn2 = turn1 + first["text"] + "\n# next turn\n"
-    before = get_json(f"{control}/pdd/stats")
+    before = get_json(f"{control}/pdd/stats", key=key)
     second = route(pdd_cluster, turn2, path="p_md")
-    after = get_json(f"{control}/pdd/stats")
+    after = get_json(f"{control}/pdd/stats", key=key)
     ref = post_json(f"{single_server}/generate", greedy_body(turn2))["output_ids"]
     assert second["output_ids"] == ref
     cached = second["meta_info"]["pdd"]["md_cached_tokens"]
@@ -149,29 +149,41 @@ def test_wan_partition_rld_finishes_without_loss(pdd_cluster, reference):
     finally:
         pdd_cluster.wan_control("heal")
     deadline = time.time() + 30
-    while get_json(f"{pdd_cluster.topology.main.control_url}/pdd/stats")["open_rooms"] and time.time() < deadline:
+    stats_url, key = f"{pdd_cluster.topology.main.control_url}/pdd/stats", pdd_cluster.control_key
+    while get_json(stats_url, key=key)["open_rooms"] and time.time() < deadline:
         time.sleep(0.5)
-    assert get_json(f"{pdd_cluster.topology.main.control_url}/pdd/stats")["open_rooms"] == 0
+    assert get_json(stats_url, key=key)["open_rooms"] == 0
 
 
-def _status(url: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+def _status(url: str, body: bytes, method: str = "POST", key=None) -> tuple[int, dict]:
+    return call_json(method, url, body, key=key)
 
 
 def test_md_refuses_stale_and_malformed_handoffs(pdd_cluster):
-    control = pdd_cluster.topology.main.control_url
-    code, body = _status(f"{control}/pdd/rooms/12345/handoff", json.dumps({"token_ids": [1, 2]}).encode())
+    control, key = pdd_cluster.topology.main.control_url, pdd_cluster.control_key
+    code, body = _status(f"{control}/pdd/rooms/12345/handoff", json.dumps({"token_ids": [1, 2]}).encode(), key=key)
     assert code == 409 and "stale handoff" in body["error"]
-    code, body = _status(f"{control}/pdd/rooms", b"{not json")
+    code, body = _status(f"{control}/pdd/rooms", b"{not json", key=key)
     assert code == 400
-    code, body = _status(f"{control}/pdd/rooms", json.dumps({"room": 1, "token_ids": [-1]}).encode())
+    code, body = _status(f"{control}/pdd/rooms", json.dumps({"room": 1, "token_ids": [-1]}).encode(), key=key)
     assert code == 400 and "non-negative" in body["error"]
+    code, body = _status(f"{control}/pdd/rooms/abc/ready", b"", method="GET", key=key)
+    assert code == 400 and "room id" in body["error"]
     assert get_json(f"{control}/health")["status"] == "ok"
+
+
+def test_md_and_p_refuse_unsigned_control_calls_on_real_servers(pdd_cluster):
+    topo = pdd_cluster.topology
+    code, body = _status(f"{topo.main.control_url}/pdd/rooms", json.dumps({"room": 1, "token_ids": [1]}).encode())
+    assert code == 401 and "signed" in body["error"]
+    dest = {"bootstrap_room": 1, "md_room": 1, "wan_peer": f"127.0.0.1:{topo.wan.listen_port}", "md_prefix_len": 0}
+    code, body = _status(f"{topo.prefill.control_url}/pdd/wan_destinations", json.dumps(dest).encode())
+    assert code == 401
+    # signed, but to an MD that P was not configured with: refused, nothing dialled
+    dest["wan_peer"] = "127.0.0.1:9"
+    code, body = _status(f"{topo.prefill.control_url}/pdd/wan_destinations", json.dumps(dest).encode(),
+                         key=pdd_cluster.control_key)
+    assert code == 403 and "--pdd-wan-peers" in body["error"]
 
 
 @pytest.mark.parametrize("path,body,code,needle", [
@@ -215,9 +227,9 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
 
     def md_cached() -> int:
         room = int(time.time() * 1e6)
-        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids})
-        urllib.request.urlopen(urllib.request.Request(f"{topo.main.control_url}/pdd/rooms/{room}",
-                                                      method="DELETE"), timeout=10).read()
+        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids},
+                        key=pdd_cluster.control_key)
+        call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=pdd_cluster.control_key)
         return int(reg["cached_tokens"])
 
     deadline = time.monotonic() + 30

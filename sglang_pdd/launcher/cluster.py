@@ -38,6 +38,15 @@ class LocalCluster:
         self.topology = topology or Topology.on_free_ports()
         self.procs = ProcessGroup(self.run_dir / "logs")
         self.wan_key_file = write_wan_key(self.run_dir / "wan.key")
+        self.topology.key_file = str(self.wan_key_file)  # the router signs its control calls with it
+
+    @property
+    def control_key(self) -> bytes:
+        """The shared key, for signing one's own calls to MD's and P's control APIs
+        (launcher.http's ``key=``)."""
+        from sglang_pdd.control_auth import key_from_file
+
+        return key_from_file(str(self.wan_key_file))
 
     def start(self, timeout_s: float = 600.0) -> "LocalCluster":
         topo = self.topology

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             if pdd["fallbacks"]:
                 print(f"     fallbacks: {pdd['fallbacks']}")
             context += out["text"] + "\n"
-        stats = get_json(f"{topo.main.control_url}/pdd/stats")
+        stats = get_json(f"{topo.main.control_url}/pdd/stats", key=cluster.control_key)
         print(f"\nMD's DRC: hit rate {stats['hit_rate']:.0%}, {stats['bytes_saved'] / 1024:.1f} KB not sent "
               f"over the WAN, {stats['wan_bytes'] / 1024:.1f} KB sent. Router metrics: {topo.router_url}/metrics")
         if args.keep_running:

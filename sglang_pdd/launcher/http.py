@@ -1,18 +1,49 @@
-"""Tiny blocking HTTP helpers for the demo, tests and benchmarks (stdlib only)."""
+"""Tiny blocking HTTP helpers for the demo, tests and benchmarks (stdlib only).
+
+``key``: the shared key; the request is then signed for MD's and P's control APIs
+(control_auth), as the router signs its own calls."""
 
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
+from typing import Optional
+from urllib.parse import urlsplit
 
 
-def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+def signed_headers(method: str, url: str, body: bytes, key: Optional[bytes]) -> dict:
+    if key is None:
+        return {}
+    from sglang_pdd.control_auth import ControlSigner
+
+    parts = urlsplit(url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    return ControlSigner(key).header(method, target, body)
+
+
+def _request(method: str, url: str, data: Optional[bytes], key: Optional[bytes]) -> urllib.request.Request:
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    headers.update(signed_headers(method, url, data or b"", key))
+    return urllib.request.Request(url, data=data, method=method, headers=headers)
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0, key: Optional[bytes] = None) -> dict:
+    with urllib.request.urlopen(_request("POST", url, json.dumps(body).encode(), key), timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def get_json(url: str, timeout: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def get_json(url: str, timeout: float = 10.0, key: Optional[bytes] = None) -> dict:
+    with urllib.request.urlopen(_request("GET", url, None, key), timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def call_json(method: str, url: str, body=None, timeout: float = 30.0,
+              key: Optional[bytes] = None) -> tuple[int, dict]:
+    """(status, JSON reply) for any status; ``body``: a dict (sent as JSON), bytes, or None."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(_request(method, url, data, key), timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -75,6 +75,7 @@ class ServerSpec:
     bootstrap_port: Optional[int] = None  # prefill only
     wan_listen_port: Optional[int] = None  # main only
     control_port: Optional[int] = None  # main: MD's control API; prefill: late WAN destinations
+    wan_peers: list[str] = field(default_factory=list)  # prefill: the only MD WAN addresses P may send KV to
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -102,6 +103,8 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
         argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}"]
     if spec.role in ("prefill", "main") and spec.control_port:
         argv += ["--pdd-control-listen", f"{LOOPBACK}:{spec.control_port}"]
+    if spec.role == "prefill" and spec.wan_peers:
+        argv += ["--pdd-wan-peers", ",".join(spec.wan_peers)]
     if spec.role is not None:
         argv += ["--pdd-role", spec.role]
         if spec.datacenter:
@@ -138,17 +141,20 @@ class Topology:
     router_port: int
     wan: WanLinkSpec = field(default_factory=WanLinkSpec)
     intra_dc_transport: str = "auto"  # P -> RLD engine: auto, mooncake or tcp
+    key_file: Optional[str] = None  # the shared key; the router signs its control calls with it
 
     @classmethod
     def on_free_ports(cls, intra_dc_transport: str = "auto") -> "Topology":
+        wan = WanLinkSpec(listen_port=free_port(), control_port=free_port())
         return cls(
+            # P reaches MD's WAN receiver only through the emulated link: that is its one WAN peer
             prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port(),
-                               control_port=free_port()),
+                               control_port=free_port(), wan_peers=[f"{LOOPBACK}:{wan.listen_port}"]),
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
             main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(),
                             control_port=free_port()),
             router_port=free_port(),
-            wan=WanLinkSpec(listen_port=free_port(), control_port=free_port()),
+            wan=wan,
             intra_dc_transport=intra_dc_transport,
         )
 
@@ -185,6 +191,7 @@ def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = No
             "--relay", topo.relay.url,
             # P reaches MD's WAN receiver through the emulated link
             "--main", f"{m.url},{m.control_url},{LOOPBACK}:{topo.wan.listen_port}",
+            *(["--control-key-file", str(topo.key_file)] if topo.key_file else []),
             *link, *(extra or [])]
 
 

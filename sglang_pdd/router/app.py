@@ -355,6 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30300)
     ap.add_argument("--max-prompt-tokens", type=int, default=32768)
+    ap.add_argument("--control-key-file", default=None,
+                    help="the servers' --pdd-wan-key-file: the router signs its calls to MD's and P's control "
+                         "APIs with it (they refuse unsigned ones); required with --main or a P CONTROL_URL")
     g = ap.add_argument_group("path policy (uncached tokens and estimated WAN transfer time)")
     g.add_argument("--wan-gbps", type=float, default=10.0, help="WAN link rate used to estimate transfer time")
     g.add_argument("--wan-rtt-ms", type=float, default=40.0)
@@ -397,6 +400,14 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from transformers import AutoTokenizer
 
+    from sglang_pdd.control_auth import key_from_file
+    from sglang_pdd.router.backends import use_control_key
+
+    if args.control_key_file:
+        use_control_key(key_from_file(args.control_key_file))
+    elif args.main or any(p.control_url for p in args.prefill):
+        raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main or a P CONTROL_URL "
+                         "(MD and P accept only signed control calls)")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
     router = Router(Pools(args.prefill, args.relay, args.main), flow_config(args), tokenizer,
                     args.max_prompt_tokens, args.served_model_name or args.tokenizer_path)

@@ -5,10 +5,33 @@ from __future__ import annotations
 import json
 import logging
 from typing import AsyncIterator, Optional
+from urllib.parse import urlsplit
 
 import aiohttp
 
+from sglang_pdd.control_auth import ControlSigner
+
 logger = logging.getLogger(__name__)
+
+_control_signer: Optional[ControlSigner] = None
+
+
+def use_control_key(key: Optional[bytes]) -> None:
+    """The router's --control-key-file: every MainControl / PrefillControl made afterwards in
+    this process signs its calls with it (MD and P refuse unsigned control calls)."""
+    global _control_signer
+    _control_signer = ControlSigner(key) if key is not None else None
+
+
+def _control_request(signer: Optional[ControlSigner], method: str, url: str, body=None) -> dict:
+    """aiohttp request kwargs: the JSON body as bytes and, with a signer, the signature over
+    exactly those bytes and the URL's path and query as sent."""
+    data = json.dumps(body).encode() if body is not None else b""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if signer is not None:
+        parts = urlsplit(url)
+        headers.update(signer.header(method, parts.path + (f"?{parts.query}" if parts.query else ""), data))
+    return {"data": data if body is not None else None, "headers": headers}
 
 
 class BackendError(RuntimeError):
@@ -64,10 +87,10 @@ async def _json_reply(resp: aiohttp.ClientResponse):
 
 
 async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what: str, *,
-                     json=None, params=None, timeout_s: Optional[float] = None) -> dict:
+                     json=None, timeout_s: Optional[float] = None, signer: Optional[ControlSigner] = None) -> dict:
     """One control-API call: the JSON reply of a 200, else BackendError naming ``what``."""
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-    async with session.request(method, url, json=json, params=params, timeout=timeout) as resp:
+    async with session.request(method, url, timeout=timeout, **_control_request(signer, method, url, json)) as resp:
         payload = await _json_reply(resp)
         if resp.status != 200:
             raise BackendError(f"{what}: HTTP {resp.status} {payload}")
@@ -93,45 +116,51 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
 
 
 class MainControl:
-    """MD's control API (served by the sglang-pdd plugin inside MD's scheduler)."""
+    """MD's control API (served by the sglang-pdd plugin inside MD's scheduler); every call is
+    signed with the router's control key (``signer``, default: ``use_control_key``'s)."""
 
-    def __init__(self, session: aiohttp.ClientSession, control_url: str):
+    def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None):
         self.session, self.url = session, control_url
+        self.signer = signer or _control_signer
 
     async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0,
                        use_cache: bool = True) -> dict:
         body = {"room": room, "token_ids": token_ids, "use_cache": use_cache}
         return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms", f"MD register room {room}",
-                                json=body, timeout_s=timeout_s)
+                                json=body, timeout_s=timeout_s, signer=self.signer)
 
     async def wait_ready(self, room: int, timeout_s: float) -> dict:
-        return await _call_json(self.session, "GET", f"{self.url}/pdd/rooms/{room}/ready", f"MD ready room {room}",
-                                params={"timeout_s": str(timeout_s)}, timeout_s=timeout_s + 10)
+        return await _call_json(self.session, "GET", f"{self.url}/pdd/rooms/{room}/ready?timeout_s={float(timeout_s)}",
+                                f"MD ready room {room}", timeout_s=timeout_s + 10, signer=self.signer)
 
     async def handoff(self, room: int, body: dict) -> dict:
         """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
         return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms/{room}/handoff",
-                                f"MD handoff room {room}", json=body)
+                                f"MD handoff room {room}", json=body, signer=self.signer)
 
     async def handoff_stream(self, room: int, body: dict) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events."""
-        async with self.session.post(f"{self.url}/pdd/rooms/{room}/handoff", json=body) as resp:
+        url = f"{self.url}/pdd/rooms/{room}/handoff"
+        async with self.session.post(url, **_control_request(self.signer, "POST", url, body)) as resp:
             async for event in sse_events(resp, f"MD room {room} handoff"):
                 yield event
 
     async def release(self, room: int, keep_kv: bool = False) -> None:
         """Best effort. ``keep_kv``: the request is over, but if its KV is still crossing the
         WAN, MD lets it land and caches it (for the session's next turn) instead of aborting."""
+        url = f"{self.url}/pdd/rooms/{room}?keep_kv={'1' if keep_kv else '0'}"
         try:
-            async with self.session.delete(f"{self.url}/pdd/rooms/{room}", params={"keep_kv": "1" if keep_kv else "0"},
-                                           timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
+                                           **_control_request(self.signer, "DELETE", url)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             logger.warning("release of room %s on %s failed: %r", room, self.url, e)
 
     async def stats(self) -> Optional[dict]:
+        url = f"{self.url}/pdd/stats"
         try:
-            async with self.session.get(f"{self.url}/pdd/stats", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5),
+                                        **_control_request(self.signer, "GET", url)) as resp:
                 return await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError):
             return None
@@ -144,8 +173,9 @@ class PrefillControl:
 
     PATH = "/pdd/wan_destinations"
 
-    def __init__(self, session: aiohttp.ClientSession, control_url: str):
+    def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None):
         self.session, self.url = session, control_url.rstrip("/")
+        self.signer = signer or _control_signer
 
     async def set_wan_destination(self, bootstrap_room: int, md_room: int, wan_peer: str, md_prefix_len: int,
                                   timeout_s: float = 10.0) -> dict:
@@ -155,13 +185,15 @@ class PrefillControl:
         body = {"bootstrap_room": int(bootstrap_room), "md_room": int(md_room), "wan_peer": wan_peer,
                 "md_prefix_len": int(md_prefix_len)}
         return await _call_json(self.session, "POST", f"{self.url}{self.PATH}",
-                                f"P WAN destination for room {bootstrap_room}", json=body, timeout_s=timeout_s)
+                                f"P WAN destination for room {bootstrap_room}", json=body, timeout_s=timeout_s,
+                                signer=self.signer)
 
     async def drop_wan_destination(self, bootstrap_room: int) -> None:
         """Best effort: no MD for this request after all; P stops holding its pages for the WAN."""
+        url = f"{self.url}{self.PATH}/{int(bootstrap_room)}"
         try:
-            async with self.session.delete(f"{self.url}{self.PATH}/{int(bootstrap_room)}",
-                                           timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
+                                           **_control_request(self.signer, "DELETE", url)) as resp:
                 if resp.status != 200:
                     logger.info("drop of WAN destination %s on %s: HTTP %s %s", bootstrap_room, self.url,
                                 resp.status, (await resp.text())[:200])

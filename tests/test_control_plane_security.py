@@ -1,0 +1,302 @@
+"""Control plane against an outsider (issue 11), on real control servers on loopback: MD's
+ControlServer and P's PrefillControlServer refuse unsigned calls (401, nothing changes), bad
+Content-Length and bodies before reading them, malformed room ids with 400 (not 500), a full
+room table with 503, and never put internals in a reply; P takes only its configured WAN
+peers; the router's clients sign; nothing binds every interface unless asked to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+import torch
+from control_fakes import KEY, WAN_PEER, MdControl, PControl
+
+from sglang_pdd.config import PddConfig, PddConfigError, validate
+from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.launcher.http import call_json
+from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
+from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
+
+
+@pytest.fixture(scope="module")
+def md_server():
+    server = MdControl()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def md(md_server):
+    md_server.reset()  # a fresh room table; the server itself is shared (start/stop costs ~1 s)
+    return md_server
+
+
+@pytest.fixture(scope="module")
+def p():
+    """Shared by the tests below, each on its own room ids."""
+    server = PControl()
+    yield server
+    server.close()
+
+
+def raw(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
+    """Send bytes as they are (no client fixes the headers up); (status, body)."""
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        try:
+            s.sendall(request)
+            s.shutdown(socket.SHUT_WR)  # a short body ends here, not after the server's read timeout
+        except OSError:  # the server answered and closed before reading it all (e.g. 503 busy)
+            pass
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+# ---------------------------------------------------------------------------- 1. authentication
+MD_CALLS = [
+    ("POST", "/pdd/rooms", {"room": 5, "token_ids": [1, 2, 3]}),
+    ("GET", "/pdd/rooms/5/ready?timeout_s=0", None),
+    ("POST", "/pdd/rooms/5/handoff", {"token_ids": [4], "sampling_params": {"max_new_tokens": 9}}),
+    ("DELETE", "/pdd/rooms/5?keep_kv=0", None),
+    ("GET", "/pdd/stats", None),
+]
+
+
+@pytest.mark.parametrize("method,path,body", MD_CALLS, ids=[c[1] for c in MD_CALLS])
+def test_md_refuses_every_unsigned_or_wrongly_signed_call_and_changes_nothing(md, method, path, body):
+    md.runtime.call("register", 5, [1, 2, 3])
+    md.runtime.mark_ready(5)  # a victim's room, ready for its handoff
+    before = md.runtime.state()
+    for key in (None, b"w" * 32):
+        status, reply = call_json(method, md.url + path, body, key=key)
+        assert status == 401 and "sign" in reply["error"], (key, reply)
+    assert md.runtime.state() == before
+    assert md.generate.requests == []  # the handoff never reached MD's /generate
+    assert call_json("GET", md.url + "/health")[0] == 200  # health stays open
+
+
+def test_md_serves_signed_calls_end_to_end(md):
+    status, reg = call_json("POST", md.url + "/pdd/rooms", {"room": 9, "token_ids": [1, 2, 3]}, key=KEY)
+    assert status == 200 and reg["prompt_tokens"] == 3
+    md.runtime.mark_ready(9)
+    assert call_json("GET", md.url + "/pdd/rooms/9/ready?timeout_s=1", key=KEY) == (200, {
+        "room": 9, "status": "ready", "reason": ""})
+    status, stats = call_json("GET", md.url + "/pdd/stats", key=KEY)
+    assert status == 200 and stats["open_rooms"] == 1
+    assert call_json("DELETE", md.url + "/pdd/rooms/9?keep_kv=0", key=KEY) == (200, {"released": True})
+
+
+def test_a_captured_signed_call_cannot_be_replayed(md):
+    body = json.dumps({"room": 3, "token_ids": [1]}).encode()
+    header = ControlSigner(KEY).header("POST", "/pdd/rooms", body)
+    request = (b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s: %s\r\n\r\n%s"
+               % (len(body), b"Authorization", header["Authorization"].encode(), body))
+    assert raw(md.url, request)[0] == 200
+    md.runtime.call("release", 3)
+    status, reply = raw(md.url, request)
+    assert status == 401 and b"replayed" in reply
+    assert 3 not in md.runtime.rooms.rooms
+
+
+def test_p_refuses_unsigned_destinations_and_withdrawals(p):
+    dest = {"bootstrap_room": 1, "md_room": 1, "wan_peer": "%s:%d" % WAN_PEER, "md_prefix_len": 0}
+    assert call_json("POST", p.url + "/pdd/wan_destinations", dest)[0] == 401
+    assert call_json("DELETE", p.url + "/pdd/wan_destinations/1")[0] == 401
+    assert call_json("GET", p.url + "/pdd/stats")[0] == 401
+    got = []
+    assert p.board.wait_for(1, got.append) is None  # nothing was posted for room 1
+    assert call_json("POST", p.url + "/pdd/wan_destinations", dest, key=KEY) == (200, {"accepted": True})
+    assert got == [WanDestination(1, WAN_PEER, 0)]
+
+
+# ---------------------------------------------------------------------------- 3. WAN peers
+def test_p_control_refuses_a_destination_outside_its_wan_peers(p):
+    for peer in ("10.9.9.9:18000", "127.0.0.1:18001", "metadata.internal:80"):
+        dest = {"bootstrap_room": 2, "md_room": 2, "wan_peer": peer, "md_prefix_len": 0}
+        status, reply = call_json("POST", p.url + "/pdd/wan_destinations", dest, key=KEY)
+        assert status == 403 and "--pdd-wan-peers" in reply["error"]
+    got = []
+    assert p.board.wait_for(2, got.append) is None and got == []
+
+
+def test_fanout_never_dials_or_keeps_a_sender_for_an_unlisted_peer():
+    dialed = []
+    fanout = WanFanout(b"k" * 32, "p", allowed_peers=[WAN_PEER], sender_factory=dialed.append)
+
+    class Pool:  # the smallest MHA pool kv_layout_of accepts
+        k_buffer = [torch.zeros(8, 1, 2, dtype=torch.float16)]
+        v_buffer = [torch.zeros(8, 1, 2, dtype=torch.float16)]
+
+    fanout.attach_pool(Pool(), 1)
+    threads = threading.active_count()
+    for i in range(50):  # 50 arbitrary peers from requests' custom_params
+        dest = WanDestination(i, (f"10.0.{i}.1", 9000 + i), 0)
+        assert fanout.open_room(dest, rid=f"r{i}", token_ids=[1, 2, 3], first_offered_page=0) is None
+    assert dialed == [] and fanout.stats()["refused_peer"] == 50
+    assert threading.active_count() == threads
+    fanout.close()
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"pdd_wan_peer": "h:1", "pdd_room": "abc"}, "pdd_room"),
+    ({"pdd_wan_peer": "h:1", "pdd_room": 10 ** 40}, "pdd_room"),
+    ({"pdd_wan_peer": "h:1", "pdd_room": True}, "pdd_room"),
+    ({"pdd_wan_peer": "h:1", "pdd_room": 1, "pdd_md_prefix_len": "x"}, "pdd_md_prefix_len"),
+    ({"pdd_wan_peer": "nohost", "pdd_room": 1}, "HOST:PORT"),
+])
+def test_malformed_destinations_in_custom_params_are_refused_clearly(params, match):
+    with pytest.raises(ValueError, match=match):
+        WanDestination.from_custom_params(params)
+
+
+# ---------------------------------------------------------------------------- 4. input limits
+@pytest.mark.parametrize("length,status", [("-1", 400), ("abc", 400), ("1e3", 400), ("0x10", 400),
+                                           ("99999999999", 413), (None, 411)])
+def test_bad_content_length_is_refused_before_reading(md, p, length, status):
+    for server, path, cap in ((md, "/pdd/rooms", 16 << 20), (p, "/pdd/wan_destinations", 64 << 10)):
+        header = b"" if length is None else b"Content-Length: %s\r\n" % length.encode()
+        got, body = raw(server.url, b"POST %s HTTP/1.1\r\nHost: x\r\n%s\r\n{}" % (path.encode(), header))
+        assert got == status, (server, body)
+        assert b"Content-Length" in body or b"exceeds" in body
+
+
+def test_oversized_body_is_refused_with_413(p):
+    status, reply = call_json("POST", p.url + "/pdd/wan_destinations", b"x" * (64 * 1024 + 1), key=KEY)
+    assert status == 413 and "exceeds" in reply["error"]
+
+
+@pytest.mark.parametrize("path", ["/pdd/rooms/abc/ready", "/pdd/rooms/-1/ready", "/pdd/rooms/%C2%B2/ready",
+                                  "/pdd/rooms/99999999999999999999999/ready", "/pdd/rooms//ready"])
+def test_malformed_room_ids_are_400_not_500(md, path):
+    status, reply = call_json("GET", md.url + path, key=KEY)
+    assert status == 400 and "room id" in reply["error"]
+
+
+@pytest.mark.parametrize("method,path,body,needle", [
+    ("POST", "/pdd/rooms", {"room": True, "token_ids": [1]}, "'room'"),
+    ("POST", "/pdd/rooms", {"room": 1, "token_ids": [10 ** 30]}, "token_ids"),
+    ("POST", "/pdd/rooms", {"room": 1, "token_ids": []}, "token_ids"),
+    ("POST", "/pdd/rooms", {"room": 1, "token_ids": [1], "use_cache": "no"}, "use_cache"),
+    ("POST", "/pdd/rooms", b"[" * 50000, "JSON"),
+    ("GET", "/pdd/rooms/1/ready?timeout_s=nan", None, "timeout_s"),
+    ("GET", "/pdd/rooms/1/ready?timeout_s=1e9", None, "timeout_s"),
+    ("DELETE", "/pdd/rooms/1?keep_kv=yes", None, "keep_kv"),
+])
+def test_malformed_md_calls_name_the_field(md, method, path, body, needle):
+    status, reply = call_json(method, md.url + path, body, key=KEY)
+    assert status == 400 and needle in reply["error"], reply
+    assert md.runtime.rooms.rooms == {}
+
+
+def test_full_room_table_answers_503(md):
+    md.runtime.rooms.max_rooms = 2
+    for room in (1, 2):
+        assert call_json("POST", md.url + "/pdd/rooms", {"room": room, "token_ids": [1]}, key=KEY)[0] == 200
+    status, reply = call_json("POST", md.url + "/pdd/rooms", {"room": 3, "token_ids": [1]}, key=KEY)
+    assert status == 503 and "too many open rooms" in reply["error"]
+
+
+def test_internal_errors_are_logged_not_sent(md, caplog):
+    md.runtime.fail_stats_with = RuntimeError("secret internals at 0xdeadbeef")
+    status, reply = call_json("GET", md.url + "/pdd/stats", key=KEY)
+    assert status == 500 and "deadbeef" not in json.dumps(reply) and "Traceback" not in json.dumps(reply)
+    assert "log" in reply["error"]
+    assert any("deadbeef" in (r.exc_text or str(r.exc_info)) for r in caplog.records if r.exc_info)
+
+
+def test_connections_past_the_cap_get_503_not_a_thread():
+    server = MdControl(max_connections=2)
+    try:
+        u = urlsplit(server.url)
+        held = [socket.create_connection((u.hostname, u.port)) for _ in range(2)]
+        time.sleep(0.2)  # both accepted, each holding a handler thread (no request yet)
+        status, body = raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 503 and b"retry" in body
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 5
+        while raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------------------- router side
+def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            signer = ControlSigner(KEY)
+            mc = MainControl(session, md.url, signer=signer)
+            reg = await mc.register(21, [5, 6, 7])
+            assert reg["prompt_tokens"] == 3
+            md.runtime.mark_ready(21)
+            assert (await mc.wait_ready(21, 1.0))["status"] == "ready"
+            assert (await mc.stats())["open_rooms"] == 1
+            events = [e async for e in mc.handoff_stream(21, {"token_ids": [8], "sampling_params": {}})]
+            assert events[-1]["output_ids"] == [7, 8]
+            assert md.generate.requests[0]["input_ids"] == [5, 6, 7, 8]  # the room's prompt + eager token
+            await mc.release(21)
+            assert 21 not in md.runtime.rooms.rooms
+            pc = PrefillControl(session, p.url, signer=signer)
+            assert await pc.set_wan_destination(4, 4, "%s:%d" % WAN_PEER, 0) == {"accepted": True}
+            await pc.drop_wan_destination(5)
+            with pytest.raises(BackendError, match="403"):
+                await pc.set_wan_destination(6, 6, "10.1.1.1:1", 0)
+            with pytest.raises(BackendError, match="401"):
+                await MainControl(session, md.url, signer=None).register(22, [1])
+            assert 22 not in md.runtime.rooms.rooms
+
+    asyncio.run(run())
+    assert p.board.wait_for(5, lambda v: None) is not None  # the signed withdrawal arrived
+
+
+# ---------------------------------------------------------------------------- 2. interfaces
+@pytest.mark.parametrize("cfg", [
+    PddConfig(role="main", wan_listen="0.0.0.0:1", control_listen="10.0.0.1:2", wan_key_file="k"),
+    PddConfig(role="main", wan_listen="10.0.0.1:1", control_listen="0.0.0.0:2", wan_key_file="k"),
+    PddConfig(role="main", wan_listen="10.0.0.1:1", control_listen=":::2", wan_key_file="k"),
+    PddConfig(role="prefill", control_listen="0.0.0.0:2", wan_key_file="k"),
+])
+def test_wildcard_binds_are_refused_unless_allowed(cfg):
+    mode = "prefill" if cfg.role == "prefill" else None
+    with pytest.raises(PddConfigError, match="--pdd-allow-wildcard-bind"):
+        validate(cfg, mode)
+    validate(PddConfig(**{**cfg.__dict__, "allow_wildcard_bind": True}), mode)
+
+
+def test_wan_peers_flag_is_checked_and_only_for_prefill():
+    validate(PddConfig(role="prefill", wan_key_file="k", wan_peers="10.0.0.1:18000, md2:18000"), "prefill")
+    with pytest.raises(PddConfigError, match="--pdd-wan-peers"):
+        validate(PddConfig(role="prefill", wan_key_file="k", wan_peers="10.0.0.1"), "prefill")
+    with pytest.raises(PddConfigError, match="--pdd-wan-peers applies only"):
+        validate(PddConfig(role="main", wan_listen="h:1", control_listen="h:2", wan_key_file="k",
+                           wan_peers="h:3"), None)
+
+
+def test_local_topology_wires_the_key_and_the_wan_peer(tmp_path):
+    from sglang_pdd.launcher.topology import Topology, router_argv, server_argv
+
+    topo = Topology.on_free_ports()
+    topo.key_file = str(tmp_path / "wan.key")
+    p_argv = server_argv(topo.prefill, "m", topo.key_file)
+    assert p_argv[p_argv.index("--pdd-wan-peers") + 1] == f"127.0.0.1:{topo.wan.listen_port}"
+    r_argv = router_argv(topo, "m")
+    assert r_argv[r_argv.index("--control-key-file") + 1] == topo.key_file
+    # what the router dials as MD's WAN address is exactly P's one peer
+    assert r_argv[r_argv.index("--main") + 1].split(",")[2] == p_argv[p_argv.index("--pdd-wan-peers") + 1]
+    for argv in (p_argv, server_argv(topo.main, "m", topo.key_file), r_argv):
+        assert not any(a.startswith("0.0.0.0") for a in argv)
