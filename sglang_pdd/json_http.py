@@ -13,6 +13,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 from urllib.parse import urlsplit
@@ -22,6 +23,31 @@ from sglang_pdd.control_auth import HEADER, AuthError, ControlVerifier
 logger = logging.getLogger(__name__)
 
 MAX_ROOM_ID = (1 << 63) - 1
+
+
+class _RefusalLog:
+    """At most ``burst`` refusal warnings per ``period_s``, then one line with the count, so
+    an outsider's flood of unsigned calls cannot flood the server's log."""
+
+    def __init__(self, burst: int = 20, period_s: float = 10.0, clock=time.monotonic):
+        self.burst, self.period_s, self.clock = burst, period_s, clock
+        self._lock = threading.Lock()
+        self._start, self._count = -period_s, 0
+
+    def warn(self, fmt: str, *args) -> None:
+        with self._lock:
+            now = self.clock()
+            if now - self._start >= self.period_s:
+                if self._count > self.burst:
+                    logger.warning("control: %d more refused requests not logged", self._count - self.burst)
+                self._start, self._count = now, 0
+            self._count += 1
+            if self._count > self.burst:
+                return
+        logger.warning(fmt, *args)
+
+
+_refusals = _RefusalLog()
 
 
 class HttpError(Exception):
@@ -106,7 +132,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         try:
             self.auth.verify(self.command, self.path, self.headers.get(HEADER), self.body)
         except AuthError as e:
-            logger.warning("control %s %s from %s refused: %s", self.command, self.path[:200],
+            _refusals.warn("control %s %s from %s refused: %s", self.command, self.path[:200],
                            self.client_address[0], e)
             raise HttpError(e.status, str(e)) from None
 

@@ -300,3 +300,18 @@ def test_local_topology_wires_the_key_and_the_wan_peer(tmp_path):
     assert r_argv[r_argv.index("--main") + 1].split(",")[2] == p_argv[p_argv.index("--pdd-wan-peers") + 1]
     for argv in (p_argv, server_argv(topo.main, "m", topo.key_file), r_argv):
         assert not any(a.startswith("0.0.0.0") for a in argv)
+
+
+def test_refusal_warnings_are_rate_limited(caplog):
+    from sglang_pdd.json_http import _RefusalLog
+
+    clock = [0.0]
+    log = _RefusalLog(burst=3, period_s=10, clock=lambda: clock[0])
+    with caplog.at_level("WARNING", logger="sglang_pdd.json_http"):
+        for i in range(100):
+            log.warn("refused %d", i)
+        clock[0] = 11
+        log.warn("refused %d", 100)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["refused 0", "refused 1", "refused 2", "control: 97 more refused requests not logged",
+                     "refused 100"]
