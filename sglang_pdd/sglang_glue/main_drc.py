@@ -32,7 +32,7 @@ import torch
 from sglang_pdd.config import PddConfig, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
-from sglang_pdd.control_auth import ControlVerifier, key_from_file
+from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
                                   serve_in_thread)
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
@@ -275,7 +275,10 @@ class ControlServer:
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: Optional[bytes] = None,
                  max_connections: int = 1024):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        key = key if key is not None else key_from_file(runtime.cfg.wan_key_file)
+        if key is None:
+            from sglang_pdd.sglang_glue.transfer_backend import read_key  # the servers' one key loader
+
+            key = read_key(runtime.cfg)
         handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections)
         self.address = self.httpd.server_address[:2]
