@@ -340,7 +340,7 @@ class _ControlHandler(JsonRequestHandler):
         room = self._room(url.path, "/ready")
         if room is None:
             return self._reply(404, {"error": f"no route GET {url.path[:200]}"})
-        timeout = _query_float(url.query, "timeout_s", default=10.0, low=0.0, high=600.0)
+        timeout = _query_float(url.query, "timeout_s", default=10.0, cap=600.0)
         self._guard(lambda: self.runtime.wait_ready(room, timeout))
 
     def do_POST(self):
@@ -407,7 +407,8 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _query_float(query: str, name: str, *, default: float, low: float, high: float) -> float:
+def _query_float(query: str, name: str, *, default: float, cap: float) -> float:
+    """A finite non-negative number from the query (at most ``cap``); HttpError(400) otherwise."""
     values = parse_qs(query).get(name)
     if not values:
         return default
@@ -415,6 +416,6 @@ def _query_float(query: str, name: str, *, default: float, low: float, high: flo
         value = float(values[-1])
     except ValueError:
         raise HttpError(400, f"{name} must be a number") from None
-    if not low <= value <= high:  # also refuses nan
-        raise HttpError(400, f"{name} must be in {low:g}..{high:g}")
-    return value
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise HttpError(400, f"{name} must be a finite number >= 0")
+    return min(value, cap)
