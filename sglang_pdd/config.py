@@ -167,7 +167,8 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
     if cfg.wan_peers is not None:
         parse_peer_list("--pdd-wan-peers", cfg.wan_peers)
-    for flag, name in (("--pdd-wan-peers", "wan_peers"), ("--pdd-wan-streams", "wan_streams"), ("--pdd-wan-staging-mb", "wan_staging_mb"),
+    for flag, name in (("--pdd-wan-peers", "wan_peers"), ("--pdd-wan-streams", "wan_streams"),
+                       ("--pdd-wan-staging-mb", "wan_staging_mb"),
                        ("--pdd-wan-destination-wait-ms", "wan_destination_wait_ms")):
         if cfg.role != "prefill" and getattr(cfg, name) != getattr(defaults, name):
             raise PddConfigError(f"{flag} applies only to --pdd-role prefill, not {cfg.role}")
