@@ -316,3 +316,11 @@ def test_refusal_warnings_are_rate_limited(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["refused 0", "refused 1", "refused 2", "control: 97 more refused requests not logged",
                      "refused 100"]
+
+
+def test_router_will_not_start_unable_to_sign():
+    from sglang_pdd.router.app import main
+
+    with pytest.raises(SystemExit, match="--control-key-file is required"):
+        main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
+              "--main", "http://md:1,http://md:2,md:3"])
