@@ -28,11 +28,14 @@ no patch):
   SGLang's cumulative stream, the first chunk carries k+1 tokens.
 
 Logprobs (``return_logprob``) of a resumed request, precisely:
-* ``meta_info.output_token_logprobs`` (and ``output_top_logprobs`` /
-  ``output_token_ids_logprobs``) hold the positions the server generated, i.e. output
-  positions k .. N-1 (N = completion_tokens), in order; entry j is position k+j and its token
-  id equals ``output_ids[k+j]``. Positions 0 .. k-1 are NOT returned: the router splices them
-  from RLD's stream.
+* ``meta_info.output_token_logprobs`` has one entry per output position 0 .. N-1
+  (N = completion_tokens), aligned with ``output_ids`` as on a single server. Entries
+  k .. N-1 are the server's own ``[logprob, token_id, text]``. Entries 0 .. k-1 are
+  placeholders ``[None, resumed token id, text]``: the server did not sample them, the router
+  splices RLD's values in. Likewise ``output_top_logprobs`` / ``output_token_ids_logprobs``
+  (when asked for): entries 0 .. k-1 are ``None``, entries k .. N-1 the server's. The
+  placeholders are what keeps SGLang's streamer aligned (it sends logprobs by output_ids
+  offsets), so a stream's cumulative logprobs also cover positions 0 .. N-1.
 * ``meta_info.input_token_logprobs`` / ``input_top_logprobs`` are always ``[]`` (the client's
   ``logprob_start_len`` is ignored): the request's prefill was done by P, whose stream the
   router already has. SGLang would otherwise score the resumed tokens as prompt (against
@@ -46,12 +49,19 @@ a complete stop string, the length budget): the server checks stops from the fir
 on, as a single server would have done one step earlier.
 
 PD mode (P prefill + RLD decode, the router's recovery legs): NOT supported; a PD server
-answers 400. SGLang's PD path owns the request's output on both sides: P's prefill queue
-resets ``output_ids`` (``disaggregation/prefill.py`` requeue) and sends only the first sampled
-token, RLD's decode side builds its own Req from origin_input_ids and takes its first output
-token from P's metadata buffer (``decode.py`` / ``decode_schedule_batch_mixin``), and the KV
-P sends covers ``origin_input_ids`` only. Resuming there needs a seam in both transfer
-paths (P: send KV for prompt+k; RLD: seed output_ids before the first token) — not a hook.
+answers 400 naming the field, so a caller must not send the marker there. Why no hook does it:
+SGLang's PD path ties both the KV hand-over and the first token to ``origin_input_ids``.
+P sends KV only for ``len(origin_input_ids)`` tokens (``PrefillBootstrapQueue``'s
+``_send_kv_chunk``: ``transfer_input_len``) and puts ``output_ids[0]`` in the metadata buffer
+as the first token (``MetadataBuffers.set_buf``) — with resumed output that is the first
+RESUMED token, not the one P sampled; RLD preallocates ``origin + max(len(output_ids)-1, 0)``
+slots (``DecodePreallocQueue._pre_alloc_fill_len``) and appends P's token. Supporting it
+means P sending ``prompt + k`` tokens of KV and its last output id, and RLD preallocating
+``prompt + k`` — SGLang's PD-retract rebootstrap (``pd_rebootstrap_in_progress``) does exactly
+this for its own requests, so the upstreamable change is to let a resumed request take that
+path; it touches prefill.py, decode.py and utils.py (and our pdd sender's page range), too
+much to land and test here. Until then a recovery leg (P -> RLD with prompt + emitted)
+restarts the request from the emitted tokens as prompt, as before.
 """
 
 from __future__ import annotations
@@ -125,9 +135,24 @@ def seed_resumed_output(req, scheduler, recv_req, *args, **kwargs):
     if unpadded_is_origin:
         req.origin_input_ids_unpadded = prompt
     req.output_ids = resumed
+    if req.return_logprob:
+        _pad_resumed_logprobs(req.logprob, resumed)
     setattr(req, _RESUMED_ATTR, k)
     setattr(req, _GRAMMAR_PENDING_ATTR, True)
     return req
+
+
+def _pad_resumed_logprobs(logprob, resumed: array) -> None:
+    """Placeholders for the k positions the server did not sample (see the module docstring)."""
+    k = len(resumed)
+    logprob.output_token_logprobs_val.extend([None] * k)
+    logprob.output_token_logprobs_idx.extend(int(t) for t in resumed)
+    if logprob.top_logprobs_num > 0:
+        logprob.output_top_logprobs_val.extend([None] * k)
+        logprob.output_top_logprobs_idx.extend([None] * k)
+    if logprob.token_ids_logprob is not None:
+        logprob.output_token_ids_logprobs_val.extend([None] * k)
+        logprob.output_token_ids_logprobs_idx.extend([None] * k)
 
 
 def advance_resumed_request(scheduler, req, *args, **kwargs):
@@ -208,3 +233,45 @@ PENALIZER_SEEDS = {
     f"{_PENALTYLIB}.repetition_penalty.BatchedRepetitionPenalizer._prepare": seed_repetition_penalty,
     f"{_PENALTYLIB}.min_new_tokens.BatchedMinNewTokensPenalizer._prepare": seed_min_new_tokens,
 }
+
+
+# ---- MD's handoff: the router's compact body -> MD's own /generate -----------------------------
+
+HANDOFF_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
+
+
+def handoff_generate_body(prompt_ids: Sequence[int], eager: Sequence[int], body: dict) -> tuple[dict, bool]:
+    """MD's /generate for a handoff body (see the resume contract); returns (generate body, stream?).
+
+    input_ids = registered prompt + eager, marked so the eager tokens are output already
+    produced; sampling_params are the client's (max_new_tokens is the TOTAL budget). A warmup
+    (catch-up batch) only extends: one token beyond the eager ones, not streamed, no logprobs,
+    and its output is discarded by the caller. Raises ValueError naming the field."""
+    sampling = body.get("sampling_params")
+    sampling = {} if sampling is None else sampling
+    if not isinstance(sampling, dict):
+        raise ValueError("sampling_params must be an object")
+    custom = sampling.get("custom_params")
+    custom = {} if custom is None else custom
+    if not isinstance(custom, dict):
+        raise ValueError("sampling_params.custom_params must be an object")
+    custom = {key: value for key, value in custom.items() if not str(key).startswith("pdd_")}
+    k = len(eager)
+    if k:
+        custom[RESUME_KEY] = k
+    sampling = {**sampling, "custom_params": custom} if custom else \
+        {key: value for key, value in sampling.items() if key != "custom_params"}
+    gen = {"input_ids": list(prompt_ids) + list(eager), "rid": body.get("rid")}
+    if body.get("warmup"):
+        gen.update(sampling_params={**sampling, "max_new_tokens": k + 1}, stream=False)
+        return gen, False
+    max_new = sampling.get("max_new_tokens")
+    if k and isinstance(max_new, int) and not isinstance(max_new, bool) and k >= max_new:
+        raise ValueError(f"token_ids holds {k} eager tokens, at least sampling_params.max_new_tokens={max_new}: "
+                         "nothing is left for MD to generate")
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise ValueError("stream must be a boolean")
+    gen.update(sampling_params=sampling, stream=stream)
+    gen.update({field: body[field] for field in HANDOFF_LOGPROB_FIELDS if body.get(field) is not None})
+    return gen, stream
