@@ -124,6 +124,16 @@ def test_length_finish(server, prompt_ids, stream):
     assert full["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_parallel_samples_each_continue(server, prompt_ids):
+    """n > 1: SGLang first caches the prefix with a max_new_tokens=0 copy, then runs n samples."""
+    params = {"max_new_tokens": 12, "temperature": 0}
+    full = generate(server, prompt_ids, params)
+    got = generate(server, prompt_ids, {**params, "n": 2}, resumed=full["output_ids"][:5])
+    assert isinstance(got, list) and len(got) == 2
+    for sample in got:
+        assert_continues(full, sample, 5)
+
+
 def test_max_new_tokens_is_the_total_budget(server, prompt_ids):
     full = check_cuts(server, prompt_ids, {"max_new_tokens": 10, "temperature": 0}, [1, 5, 9],
                       expect_sensitive=True)

@@ -100,6 +100,13 @@ def test_seed_leaves_unmarked_requests_alone(sglang_ctx):
     assert list(req.origin_input_ids) == [1, 2, 3] and list(req.output_ids) == []
 
 
+def test_seed_leaves_sglangs_parallel_sampling_prefix_request_alone(sglang_ctx):
+    from sglang_pdd.sglang_glue.resume import seed_resumed_output
+
+    req = seed_resumed_output(_req([1, 2, 3], k=1, max_new=0), _scheduler(), _recv())
+    assert list(req.origin_input_ids) == [1, 2, 3] and req.to_finish is None
+
+
 @pytest.mark.parametrize("k,max_new,mode", [(3, 16, "null"), (2, 2, "null"), (1, 16, "prefill"), (1, 16, "decode")])
 def test_seed_aborts_bad_markers_with_400(sglang_ctx, k, max_new, mode):
     from sglang_pdd.sglang_glue.resume import seed_resumed_output

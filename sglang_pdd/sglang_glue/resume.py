@@ -118,7 +118,9 @@ def seed_resumed_output(req, scheduler, recv_req, *args, **kwargs):
     """AFTER Scheduler._create_generation_req: move the resumed tail from prompt to output."""
     try:
         k = resume_output_len(getattr(req.sampling_params, "custom_params", None))
-        if k is None:
+        if k is None or req.sampling_params.max_new_tokens == 0:
+            # max_new_tokens 0: SGLang's own prefix-caching request ahead of n > 1 samples
+            # (copied sampling params); caching prompt + resumed tokens is what it should do.
             return req
         if getattr(recv_req, "input_embeds", None) is not None:
             raise ResumeError(f"custom_params.{RESUME_KEY} needs input_ids, not input_embeds")
