@@ -24,23 +24,57 @@ import hashlib
 import hmac
 import os
 import socket
+import stat
 
 import msgpack
 
 from .wire import FrameReader, Hello, HelloAuth, HelloChallenge, HelloOk, Error, ProtocolError, send_frame
 
 NONCE_BYTES = 32
-MIN_KEY_BYTES = 16
+MIN_KEY_BYTES = 32  # 256 bits: the session keys derived from it are HMAC-SHA256 keys
 
 
 class AuthError(Exception):
     """The peer failed to authenticate (wrong key, or not speaking the protocol)."""
 
 
+class KeyFileError(ValueError):
+    """A key file that must not be used (unreadable, readable by others, too short)."""
+
+
 def check_key(key: bytes) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"auth key must be at least {MIN_KEY_BYTES} bytes")
+        got = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ValueError(f"auth key must be at least {MIN_KEY_BYTES} bytes (got {got})")
     return bytes(key)
+
+
+def load_key(path) -> bytes:
+    """The shared key in ``path`` (its bytes, surrounding whitespace stripped).
+
+    Refused with a :class:`KeyFileError` naming the file: a file that group or others
+    may read (``chmod 600`` it: anyone who reads the key can impersonate P or MD) and a
+    key shorter than ``MIN_KEY_BYTES``. ``secrets.token_hex(32)`` makes a good one.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)  # of the opened file: no window between the check and the read
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileError(f"key file {path}: not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise KeyFileError(f"key file {path} has mode {mode:04o}: group/others may access it; "
+                               f"run chmod 600 {path}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            key = f.read(1 << 16).strip()
+    finally:
+        os.close(fd)
+    if len(key) < MIN_KEY_BYTES:
+        raise KeyFileError(f"key file {path} holds a {len(key)}-byte key; need at least {MIN_KEY_BYTES} bytes")
+    return key
 
 
 def _proof(key: bytes, role: bytes, hello: Hello, server_name: str, server_nonce: bytes) -> bytes:

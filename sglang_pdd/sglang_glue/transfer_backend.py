@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -35,6 +34,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port
 from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
+from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
@@ -46,10 +46,10 @@ BACKEND_NAME = "pdd"
 def read_key(cfg: PddConfig) -> bytes:
     if not cfg.wan_key_file:
         raise PddConfigError("the TCP KV paths need --pdd-wan-key-file (peers authenticate with it)")
-    key = Path(cfg.wan_key_file).read_bytes().strip()
-    if len(key) < 16:
-        raise PddConfigError(f"--pdd-wan-key-file {cfg.wan_key_file} holds {len(key)} bytes; need >= 16")
-    return key
+    try:
+        return load_key(cfg.wan_key_file)
+    except KeyFileError as e:
+        raise PddConfigError(f"--pdd-wan-key-file: {e}") from None
 
 
 def _local_host() -> str:
