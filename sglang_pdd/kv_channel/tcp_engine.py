@@ -55,6 +55,7 @@ from .wan_sender import tune_socket
 from .wire import (
     ConnectionClosed,
     Error,
+    FrameMac,
     FrameReader,
     MemCommit,
     MemWrite,
@@ -167,10 +168,11 @@ class _Regions:
 class _Conn:
     """One authenticated client connection to a peer."""
 
-    def __init__(self, sock: socket.socket, timeout: float):
+    def __init__(self, sock: socket.socket, timeout: float, reader: FrameReader, mac: FrameMac):
         self.sock = sock
         self.timeout = timeout
-        self.reader = FrameReader(sock)
+        self.reader = reader  # verifies the peer's frame MACs
+        self.mac = mac  # tags ours
 
     def alive(self) -> bool:
         """A pooled connection whose peer went away (restart, close) reads EOF or an error
@@ -400,12 +402,14 @@ class TcpTransferEngine:
         try:
             tune_socket(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            client_handshake(sock, self.key, self.name, self._client_session, next(self._stream_ids), self.num_streams)
+            reader = FrameReader(sock)
+            secure = client_handshake(sock, self.key, self.name, self._client_session, next(self._stream_ids),
+                                      self.num_streams, reader)
             sock.settimeout(self.io_timeout)
         except BaseException:
             sock.close()
             raise
-        return _Conn(sock, self.io_timeout)
+        return _Conn(sock, self.io_timeout, reader, secure.send_mac)
 
     def _send_batch(self, conn: _Conn, writes: list[tuple[int, int, int]], total: int) -> MemWriteAck:
         batch = next(self._batch_ids)
@@ -413,18 +417,22 @@ class TcpTransferEngine:
         for i, (src, dst, n) in enumerate(writes):
             view = _host_memory(src, n)  # no copy: the caller keeps the source unchanged during the call
             head = encode_frame(MemWrite(batch, i, dst, n, checksum(view)), n)
+            tag_h, tag_p = conn.mac.seal(head, view)
             if n <= 64 * 1024:
-                out += head
+                out += head + tag_h
                 out += view
+                out += tag_p
                 if len(out) >= _SEND_COALESCE_BYTES:
                     sock.sendall(out)
                     out.clear()
             else:
-                out += head
+                out += head + tag_h
                 sock.sendall(out)
                 out.clear()
                 sock.sendall(view)
-        out += encode_frame(MemCommit(batch, len(writes), total))
+                out += tag_p
+        head = encode_frame(MemCommit(batch, len(writes), total))
+        out += head + conn.mac.seal(head)[0]
         sock.sendall(out)
         reply, _ = conn.reader.read_message()
         if isinstance(reply, Error):
@@ -459,22 +467,24 @@ class TcpTransferEngine:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         reader = FrameReader(sock, max_payload_bytes=self.max_write_bytes)
+        mac: Optional[FrameMac] = None  # before the handshake completes, errors go untagged
         try:
             tune_socket(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             sock.settimeout(self.connect_timeout)  # a silent peer must not hold a thread
             try:
-                hello = server_handshake(sock, self.key, self.name, reader)
+                secure = server_handshake(sock, self.key, self.name, reader)
             except (AuthError, ConnectionClosed, OSError) as e:
                 logger.warning("%s: refused peer %s: authentication failed: %s", self.name, peer, e)
                 return
             sock.settimeout(None)  # idle pooled connections wait here between batches
-            logger.debug("%s: peer %r (%s) connected", self.name, hello.peer_name, peer)
-            self._serve_batches(sock, reader, peer)
+            logger.debug("%s: peer %r (%s) connected", self.name, secure.peer_name, peer)
+            mac = secure.send_mac
+            self._serve_batches(sock, reader, peer, mac)
         except ProtocolError as e:
             logger.warning("%s: protocol error from %s: %s; closing the connection", self.name, peer, e)
             try:
-                send_frame(sock, Error(-1, "protocol", str(e)))
+                send_frame(sock, Error(-1, "protocol", str(e)), mac=mac)
             except OSError:
                 pass
         except (ConnectionClosed, OSError):
@@ -486,7 +496,7 @@ class TcpTransferEngine:
                 self._server_conns.discard(sock)
             sock.close()
 
-    def _serve_batches(self, sock: socket.socket, reader: FrameReader, peer: str) -> None:
+    def _serve_batches(self, sock: socket.socket, reader: FrameReader, peer: str, mac: FrameMac) -> None:
         batch, seen, nbytes, applied, failure = None, 0, 0, 0, None
         while True:
             msg, plen = reader.read_message()
@@ -514,7 +524,7 @@ class TcpTransferEngine:
                 if failure is not None:
                     logger.warning("%s: batch %d from %s rejected: %s: %s", self.name, msg.batch, peer, *failure)
                 status, detail = failure or (STATUS_OK, "")
-                send_frame(sock, MemWriteAck(msg.batch, applied, status, detail))
+                send_frame(sock, MemWriteAck(msg.batch, applied, status, detail), mac=mac)
                 batch, seen, nbytes, applied, failure = None, 0, 0, 0, None
             else:
                 raise ProtocolError(f"unexpected {type(msg).__name__} on a transfer-engine connection")

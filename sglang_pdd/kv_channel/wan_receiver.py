@@ -17,6 +17,8 @@ What is checked, and what happens (the connection survives unless the framing is
   * authentication (handshake.py)            -> refused + logged, socket closed
   * malformed / oversized frame              -> ERROR(protocol) to the peer, stream closed,
                                                 the session's unfinished rooms FAILED(protocol)
+  * a frame whose MAC fails (altered on the  -> ERROR(integrity), stream closed, the session's
+    way, replayed, reordered, injected)         unfinished rooms FAILED(integrity); never SUCCESS
   * chunk or BEGIN for an unregistered room  -> NACK(unknown_room), payload discarded
   * BEGIN / chunk not matching the room      -> room FAILED(layout_mismatch), NACK
   * duplicate or overlapping chunk           -> ERROR(duplicate), payload discarded, not written
@@ -60,7 +62,9 @@ from .wire import (
     ConnectionClosed,
     Error,
     FrameReader,
+    FrameMac,
     Hello,
+    IntegrityError,
     Nack,
     ProtocolError,
     TransferBegin,
@@ -105,11 +109,12 @@ class _Conn:
         self.send_lock = threading.Lock()
         self.session: Optional[_Session] = None
         self.peer = f"{addr[0]}:{addr[1]}"
+        self.mac: Optional[FrameMac] = None  # set by the handshake; every later frame is tagged
 
     def send(self, msg) -> None:
         try:
             with self.send_lock:
-                send_frame(self.sock, msg)
+                send_frame(self.sock, msg, mac=self.mac)
         except OSError:
             pass  # the reader of this connection will notice and clean up
 
@@ -299,12 +304,13 @@ class WanKvReceiver(RoomQueries):
                 conn.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
             reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
             try:
-                hello = server_handshake(conn.sock, self.key, self.name, reader)
+                secure = server_handshake(conn.sock, self.key, self.name, reader)
             except (AuthError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
                 with self._cv:
                     self.counters["auth_failures"] += 1
                 logger.warning("refused peer %s: authentication failed: %s", conn.peer, e)
                 return
+            hello, conn.mac = secure.hello, secure.send_mac
             conn.sock.settimeout(None)
             # Replies (ACK/NACK) are sent under the receiver's lock: a peer that stops
             # reading must not block it, so kernel-level sends give up after 2 s.
@@ -315,6 +321,12 @@ class WanKvReceiver(RoomQueries):
             while True:
                 msg, plen = reader.read_message()
                 self._dispatch(conn, reader, msg, plen)
+        except IntegrityError as e:
+            with self._cv:
+                self.counters["integrity_failures"] += 1
+            logger.error("integrity failure on the stream from %s: %s; closing the stream", conn.peer, e)
+            conn.send(Error(-1, FailureReason.INTEGRITY, str(e)))
+            self._drop(conn, FailureReason.INTEGRITY, f"stream from {conn.peer}: {e}")
         except ProtocolError as e:
             with self._cv:
                 self.counters["protocol_errors"] += 1
