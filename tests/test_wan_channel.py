@@ -374,14 +374,16 @@ def test_dropped_sender_and_restarted_sender(receiver):
     layout = KvLayout(2, 16, 1024)
     receiver.register_room(41, layout, 32, bytearray(4096))
     receiver.register_room(42, layout, 32, bytearray(4096))
-    old = make_sender(receiver.address, name="prefill-0")
+    old = make_sender(receiver.address, name="prefill-0", instance="i0")
     xfer = old.begin_transfer(41, layout, 32, 0)
     xfer.send_layer(0, bytearray(2048))  # half done
     deadline = time.monotonic() + 5
     while receiver.poll(41) != RoomState.TRANSFERRING and time.monotonic() < deadline:
         time.sleep(0.01)
-    # The prefill process "restarts": a new sender with the same name, old sockets left open.
-    new = make_sender(receiver.address, name="prefill-0")
+    # The same sender identity comes back with a new session, old sockets left open.
+    # (Identities are unique per sender object unless ``instance`` is given, so this
+    # needs the explicit instance; see test_kv_validation for two hosts sharing a name.)
+    new = make_sender(receiver.address, name="prefill-0", instance="i0")
     try:
         ok = new.begin_transfer(42, layout, 32, 0)
         ok.send_kv(bytearray(os.urandom(4096)))

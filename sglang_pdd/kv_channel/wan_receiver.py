@@ -518,9 +518,12 @@ class WanKvReceiver(RoomQueries):
     def _check_chunk(self, entry: _Room, msg: Chunk, plen: int) -> str:
         lay = entry.layout
         first = entry.begin.first_page if entry.begin else 0
-        if msg.layer_count < 1 or msg.layer_start + msg.layer_count > lay.num_layers:
+        # Explicit lower bounds too, though the decoder refuses negatives: a slice with a
+        # negative start would land in another layer of the destination.
+        if msg.layer_start < 0 or msg.layer_count < 1 or msg.layer_start + msg.layer_count > lay.num_layers:
             return f"layers [{msg.layer_start}, +{msg.layer_count}) outside [0, {lay.num_layers})"
-        if msg.page_count < 1 or msg.page_start < first or msg.page_start + msg.page_count > entry.total_pages:
+        if (msg.page_start < 0 or msg.page_count < 1 or msg.page_start < first
+                or msg.page_start + msg.page_count > entry.total_pages):
             return f"pages [{msg.page_start}, +{msg.page_count}) outside [{first}, {entry.total_pages})"
         if entry.decode_prefix_len is not None and msg.page_start * lay.page_size < entry.decode_prefix_len:
             return f"page {msg.page_start} is below decode_prefix_len {entry.decode_prefix_len}"

@@ -146,12 +146,17 @@ class WanKvSender(RoomQueries):
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         ssl_context: Optional[ssl.SSLContext] = None,
         server_hostname: Optional[str] = None,
+        instance: Optional[str] = None,
     ):
         if num_streams < 1:
             raise ValueError("num_streams must be >= 1")
         self.peer = (peer[0], int(peer[1]))
         self.key = check_key(auth_key)
         self.name = name
+        # What the receiver knows us by: the name plus a random instance tag, so two P hosts
+        # configured with the same name never pass for each other (the receiver ends the
+        # older session of an identity that reconnects: "peer_restarted").
+        self.identity = f"{name}#{instance or os.urandom(6).hex()}"
         self.num_streams = num_streams
         self.max_chunk_bytes = max_chunk_bytes
         self.window_bytes = window_bytes
@@ -369,7 +374,7 @@ class WanKvSender(RoomQueries):
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname or self.peer[0])
             reader = FrameReader(sock)
-            stream.secure = client_handshake(sock, self.key, self.name, s.id, stream.index, self.num_streams, reader)
+            stream.secure = client_handshake(sock, self.key, self.identity, s.id, stream.index, self.num_streams, reader)
             sock.settimeout(None)
             return sock, reader
         except BaseException:

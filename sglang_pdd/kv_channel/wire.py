@@ -301,6 +301,8 @@ _WITH_PAYLOAD = (MsgType.CHUNK, MsgType.MEM_WRITE)
 _FIELDS = {cls: [(f.name, f.type) for f in dataclasses.fields(cls)] for cls in _BY_TYPE.values()}
 _PY_TYPES = {"int": int, "str": str, "bytes": bytes}
 _MAX_STR = 4096  # names, reasons, dtypes: nothing legitimate is longer
+# Every integer on the wire is in [0, 2**64) except these (-1 = "about the connection").
+_MAY_BE_MINUS_ONE = {(Error, "room")}
 
 
 # ---------------------------------------------------------------------------
@@ -386,7 +388,7 @@ def decode_header(msg_type: MsgType, header: bytes) -> Message:
         # bool is an int subclass; a bool where an int belongs is a malformed frame.
         if not isinstance(value, want) or isinstance(value, bool):
             raise ProtocolError(f"{msg_type.name}.{name}: expected {type_name}, got {type(value).__name__}")
-        if want is int and not (-1 <= value <= _U64_MAX):
+        if want is int and not ((-1 if (cls, name) in _MAY_BE_MINUS_ONE else 0) <= value <= _U64_MAX):
             raise ProtocolError(f"{msg_type.name}.{name}: integer {value} out of range")
         if want is str and len(value) > _MAX_STR:
             raise ProtocolError(f"{msg_type.name}.{name}: string of {len(value)} chars is too long")
