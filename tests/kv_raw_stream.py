@@ -14,8 +14,13 @@ from sglang_pdd.kv_channel.wire import FrameReader, send_frame
 
 
 class RawStream:
-    def __init__(self, addr, key: bytes, name: str = "raw", session_id: Optional[bytes] = None):
-        self.sock = socket.create_connection(addr, timeout=5)
+    def __init__(self, addr, key: bytes, name: str = "raw", session_id: Optional[bytes] = None,
+                 rcvbuf: Optional[int] = None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:  # before connect, so the window never grows past it
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(5)
+        self.sock.connect(addr)
         self.reader = FrameReader(self.sock)
         self.secure: SecureStream = client_handshake(self.sock, key, name, session_id or os.urandom(16), 0, 1,
                                                      self.reader)

@@ -75,6 +75,7 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 WriteFn = Callable[[int, int, int, int, memoryview], None]
+MAX_QUEUED_REPLIES = 4096  # per stream; more means the peer is not reading them
 
 
 @dataclass
@@ -111,12 +112,27 @@ class _Conn:
         self.peer = f"{addr[0]}:{addr[1]}"
         self.mac: Optional[FrameMac] = None  # set by the handshake; every later frame is tagged
 
+        # Replies decided under the receiver's lock wait here; they are sent without it
+        # (flush), so a peer that stops reading stalls only its own threads.
+        self.outbox: collections.deque = collections.deque()
+
     def send(self, msg) -> None:
+        """Send now. Never call with the receiver's lock held."""
         try:
             with self.send_lock:
                 send_frame(self.sock, msg, mac=self.mac)
         except OSError:
-            pass  # the reader of this connection will notice and clean up
+            self.shutdown()  # the reader of this connection will notice and clean up
+
+    def flush(self) -> None:
+        """Send what was posted, in order. Never call with the receiver's lock held."""
+        try:
+            with self.send_lock:
+                while self.outbox:
+                    send_frame(self.sock, self.outbox.popleft(), mac=self.mac)
+        except OSError:
+            self.outbox.clear()
+            self.shutdown()
 
     def shutdown(self) -> None:
         try:
@@ -175,8 +191,11 @@ class WanKvReceiver(RoomQueries):
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-recv-accept-{name}", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"kv-recv-watchdog-{name}", daemon=True)
+        self._to_flush: set[_Conn] = set()  # connections with posted replies (guarded by _cv)
+        self._flusher = threading.Thread(target=self._flush_loop, name=f"kv-recv-replies-{name}", daemon=True)
         self._acceptor.start()
         self._watchdog.start()
+        self._flusher.start()
         logger.info("WAN KV receiver %r listening on %s:%s", name, *self.address)
 
     # ------------------------------------------------------------------ owner API
@@ -259,7 +278,7 @@ class WanKvReceiver(RoomQueries):
             pass
         self._listener.close()
         deadline = time.monotonic() + timeout
-        for t in [self._acceptor, self._watchdog, *list(self._threads)]:
+        for t in [self._acceptor, self._watchdog, self._flusher, *list(self._threads)]:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
@@ -312,8 +331,8 @@ class WanKvReceiver(RoomQueries):
                 return
             hello, conn.mac = secure.hello, secure.send_mac
             conn.sock.settimeout(None)
-            # Replies (ACK/NACK) are sent under the receiver's lock: a peer that stops
-            # reading must not block it, so kernel-level sends give up after 2 s.
+            # Replies are sent outside the receiver's lock; still, a peer that stops reading
+            # must not hold this thread (or the reply flusher) long: sends give up after 2 s.
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
             self._join_session(conn, hello)
             logger.info("peer %r (%s) authenticated, session %s stream %d",
@@ -321,6 +340,8 @@ class WanKvReceiver(RoomQueries):
             while True:
                 msg, plen = reader.read_message()
                 self._dispatch(conn, reader, msg, plen)
+                if conn.outbox:
+                    conn.flush()  # this frame's replies, from this thread, outside the lock
         except IntegrityError as e:
             with self._cv:
                 self.counters["integrity_failures"] += 1
@@ -406,7 +427,8 @@ class WanKvReceiver(RoomQueries):
                 if len(self._rejected_rooms) > 4096:
                     self._rejected_rooms.popitem(last=False)
                 logger.warning("room %s: %s from %s refused: room not registered", room, what, conn.peer)
-                conn.send(Nack(room, FailureReason.UNKNOWN_ROOM, f"room {room} is not registered at {self.name!r}"))
+                self._post(conn, Nack(room, FailureReason.UNKNOWN_ROOM,
+                                      f"room {room} is not registered at {self.name!r}"))
             return None
         if entry.state.is_terminal:
             return entry  # late frames of a finished room are dropped by the caller
@@ -415,7 +437,7 @@ class WanKvReceiver(RoomQueries):
         elif entry.session is not conn.session:
             self.counters["wrong_session"] += 1
             logger.warning("room %s: %s from %s refused: room belongs to another session", room, what, conn.peer)
-            conn.send(Error(room, "wrong_session", f"room {room} is being served by another sender session"))
+            self._post(conn, Error(room, "wrong_session", f"room {room} is being served by another sender session"))
             return None
         return entry
 
@@ -426,7 +448,7 @@ class WanKvReceiver(RoomQueries):
                 return
             if entry.begin is not None:
                 self.counters["duplicate"] += 1
-                conn.send(Error(msg.room, "duplicate", "TRANSFER_BEGIN received twice"))
+                self._post(conn, Error(msg.room, "duplicate", "TRANSFER_BEGIN received twice"))
                 return
             lay = entry.layout
             problems = []
@@ -459,7 +481,7 @@ class WanKvReceiver(RoomQueries):
                 return
             if entry.end is not None:
                 self.counters["duplicate"] += 1
-                conn.send(Error(msg.room, "duplicate", "TRANSFER_END received twice"))
+                self._post(conn, Error(msg.room, "duplicate", "TRANSFER_END received twice"))
                 return
             entry.end = msg
             entry.state = RoomState.TRANSFERRING
@@ -506,7 +528,8 @@ class WanKvReceiver(RoomQueries):
         if msg.index in entry.indices or region.any():
             self.counters["duplicate"] += 1
             logger.warning("room %s: duplicate chunk %d from %s rejected", msg.room, msg.index, conn.peer)
-            conn.send(Error(msg.room, "duplicate", f"chunk {msg.index} (or its pages) already received; ignored"))
+            self._post(conn, Error(msg.room, "duplicate",
+                                   f"chunk {msg.index} (or its pages) already received; ignored"))
             return None
         # Claim before reading so a copy racing on another stream is seen as a duplicate.
         entry.indices.add(msg.index)
@@ -570,7 +593,7 @@ class WanKvReceiver(RoomQueries):
         entry.done.set()
         self._cv.notify_all()
         logger.debug("room %s: all %d chunks verified (%d bytes)", entry.room, b.num_chunks, expected)
-        conn.send(Ack(entry.room, expected))
+        self._post(conn, Ack(entry.room, expected))
 
     def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool, conn: Optional[_Conn] = None) -> None:
         if entry.state.is_terminal:
@@ -583,9 +606,30 @@ class WanKvReceiver(RoomQueries):
             if conn is None and entry.session is not None and entry.session.conns:
                 conn = next(iter(entry.session.conns))
             if conn is not None:
-                # Small frame; the receive->send direction carries almost nothing, so
-                # this does not block on a full buffer in practice.
-                conn.send(Nack(entry.room, reason, detail))
+                self._post(conn, Nack(entry.room, reason, detail))
+
+    def _post(self, conn: _Conn, msg) -> None:
+        """Queue a reply (called with the lock held); sent by the connection's reader thread
+        after the frame it is handling, else by the flusher thread."""
+        if len(conn.outbox) >= MAX_QUEUED_REPLIES:  # the peer has stopped reading long ago
+            logger.warning("peer %s does not read its replies; closing the stream", conn.peer)
+            conn.shutdown()
+            return
+        conn.outbox.append(msg)
+        self._to_flush.add(conn)
+        self._cv.notify_all()
+
+    def _flush_loop(self) -> None:
+        """Sends the replies that no reader thread is about to send (owner aborts, other
+        streams' rooms), without the lock."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._to_flush or self._closed)
+                if self._closed:
+                    return
+                conns, self._to_flush = self._to_flush, set()
+            for conn in conns:
+                conn.flush()
 
     def _watch(self) -> None:
         while True:

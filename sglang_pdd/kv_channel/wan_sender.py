@@ -374,7 +374,8 @@ class WanKvSender(RoomQueries):
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname or self.peer[0])
             reader = FrameReader(sock)
-            stream.secure = client_handshake(sock, self.key, self.identity, s.id, stream.index, self.num_streams, reader)
+            stream.secure = client_handshake(sock, self.key, self.identity, s.id, stream.index, self.num_streams,
+                                             reader)
             sock.settimeout(None)
             return sock, reader
         except BaseException:
