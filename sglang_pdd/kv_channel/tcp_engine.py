@@ -50,6 +50,7 @@ import socket
 import threading
 from typing import Optional, Sequence
 
+from .acceptor import Acceptor, Slot
 from .handshake import AuthError, check_key, client_handshake, server_handshake
 from .wan_sender import tune_socket
 from .wire import (
@@ -230,19 +231,17 @@ class TcpTransferEngine:
         self._regions = _Regions()
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._server_conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
         self._closed = False
         self._batch_ids = itertools.count(1)
         self._stream_ids = itertools.count()
         self._client_session = os.urandom(16)  # handshake session: groups this engine's connections
 
         family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
-        self._listener = socket.create_server((hostname, port), family=family, backlog=128)
-        self.port: int = self._listener.getsockname()[1]
+        listener = socket.create_server((hostname, port), family=family, backlog=128)
+        self.port: int = listener.getsockname()[1]
         self._session_id = f"[{hostname}]:{self.port}" if family == socket.AF_INET6 else f"{hostname}:{self.port}"
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-engine-accept-{name}", daemon=True)
-        self._acceptor.start()
+        self._acceptor = Acceptor(listener, self._serve, name=f"tcp-engine-{name}",
+                                  max_connections=MAX_SERVER_CONNECTIONS, handshake_deadline=connect_timeout)
         logger.info("TCP transfer engine %r listening on %s", name, self._session_id)
 
     # ------------------------------------------------------------------ Mooncake surface
@@ -313,24 +312,12 @@ class TcpTransferEngine:
             if self._closed:
                 return
             self._closed = True
-            server_socks = list(self._server_conns)
             idle = [c for p in self._peers.values() for c in p.idle]
             for p in self._peers.values():
                 p.idle.clear()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        for sock in server_socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._acceptor.close(timeout)  # stops serving: cuts and joins every server connection
         for conn in idle:
             conn.close()
-        for t in [self._acceptor, *list(self._threads)]:
-            t.join(timeout)
 
     def __enter__(self) -> "TcpTransferEngine":
         return self
@@ -443,39 +430,22 @@ class TcpTransferEngine:
 
     # ------------------------------------------------------------------ receiving side
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                if len(self._server_conns) >= MAX_SERVER_CONNECTIONS:
-                    logger.warning("%s: refusing %s:%s: %d connections already", self.name, *addr[:2],
-                                   len(self._server_conns))
-                    sock.close()
-                    continue
-                self._server_conns.add(sock)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True,
-                                     name=f"tcp-engine-{self.name}-{addr[0]}:{addr[1]}")
-                self._threads.append(t)
-            t.start()
-
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _serve(self, slot: Slot) -> None:
+        """One server connection's thread (the acceptor bounds connections and handshake time)."""
+        sock, peer = slot.sock, slot.peer
         reader = FrameReader(sock, max_payload_bytes=self.max_write_bytes)
         mac: Optional[FrameMac] = None  # before the handshake completes, errors go untagged
         try:
             tune_socket(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.settimeout(self.connect_timeout)  # a silent peer must not hold a thread
+            sock.settimeout(self.connect_timeout)  # per recv; the acceptor bounds the total
             try:
                 secure = server_handshake(sock, self.key, self.name, reader)
+                if not slot.authenticated():
+                    raise AuthError(f"handshake took longer than {self.connect_timeout}s")
             except (AuthError, ConnectionClosed, OSError) as e:
-                logger.warning("%s: refused peer %s: authentication failed: %s", self.name, peer, e)
+                logger.warning("%s: refused peer %s: authentication failed: %s", self.name, peer,
+                               "handshake deadline passed" if slot.expired else e)
                 return
             sock.settimeout(None)  # idle pooled connections wait here between batches
             logger.debug("%s: peer %r (%s) connected", self.name, secure.peer_name, peer)
@@ -492,8 +462,6 @@ class TcpTransferEngine:
         except Exception:  # a bug must not kill the server
             logger.exception("%s: error serving %s", self.name, peer)
         finally:
-            with self._lock:
-                self._server_conns.discard(sock)
             sock.close()
 
     def _serve_batches(self, sock: socket.socket, reader: FrameReader, peer: str, mac: FrameMac) -> None:

@@ -49,6 +49,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from .acceptor import Acceptor, Slot
 from .handshake import AuthError, check_key, server_handshake
 from .layout import KvLayout, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
@@ -182,20 +183,19 @@ class WanKvReceiver(RoomQueries):
         self._rooms: dict[int, _Room] = {}
         self._sessions: dict[bytes, _Session] = {}
         self._conns: set[_Conn] = set()
-        self._threads: list[threading.Thread] = []
         self._rejected_rooms: collections.OrderedDict[int, None] = collections.OrderedDict()  # log once each
         self._closed = False
         self.counters = collections.Counter()
 
-        self._listener = socket.create_server((host, port), backlog=128)
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-recv-accept-{name}", daemon=True)
+        listener = socket.create_server((host, port), backlog=128)
+        self.address: tuple[str, int] = listener.getsockname()[:2]
         self._watchdog = threading.Thread(target=self._watch, name=f"kv-recv-watchdog-{name}", daemon=True)
         self._to_flush: set[_Conn] = set()  # connections with posted replies (guarded by _cv)
         self._flusher = threading.Thread(target=self._flush_loop, name=f"kv-recv-replies-{name}", daemon=True)
-        self._acceptor.start()
         self._watchdog.start()
         self._flusher.start()
+        self._acceptor = Acceptor(listener, self._serve, name=f"recv-{name}", max_connections=max_connections,
+                                  handshake_deadline=handshake_timeout)
         logger.info("WAN KV receiver %r listening on %s:%s", name, *self.address)
 
     # ------------------------------------------------------------------ owner API
@@ -272,62 +272,47 @@ class WanKvReceiver(RoomQueries):
             for conn in self._conns:
                 conn.shutdown()
             self._cv.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
         deadline = time.monotonic() + timeout
-        for t in [self._acceptor, self._watchdog, self._flusher, *list(self._threads)]:
+        self._acceptor.close(timeout)
+        for t in [self._watchdog, self._flusher]:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
+        front = self._acceptor.stats()
         with self._cv:
             return {
                 **self.counters,
+                **{k: front[k] for k in ("refused", "handshake_timeouts", "thread_start_failures")},
                 "connections": len(self._conns),
                 "sessions": len(self._sessions),
-                "threads_alive": sum(t.is_alive() for t in self._threads),
+                "threads_alive": front["threads_alive"],
             }
 
     # ------------------------------------------------------------------ connection threads
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._cv:
-                if self._closed:
-                    sock.close()
-                    return
-                if len(self._conns) >= self.max_connections:
-                    logger.warning("refusing %s:%s: %d connections already", *addr[:2], len(self._conns))
-                    sock.close()
-                    continue
-                conn = _Conn(sock, addr)
-                self._conns.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"kv-recv-{self.name}-{conn.peer}")
-                self._threads.append(t)
-            t.start()
-
-    def _serve(self, conn: _Conn) -> None:
-        reader = None
+    def _serve(self, slot: Slot) -> None:
+        """One connection's thread (started by the acceptor, which bounds connections and
+        the handshake's total time)."""
+        conn = _Conn(slot.sock, slot.addr)
+        with self._cv:
+            if self._closed:
+                return
+            self._conns.add(conn)
         try:
             tune_socket(conn.sock, self.socket_buffer_bytes)
-            conn.sock.settimeout(self.handshake_timeout)  # a silent peer must not hold a thread
+            conn.sock.settimeout(self.handshake_timeout)  # per recv; the acceptor bounds the total
             if self.ssl_context is not None:
-                conn.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
+                conn.sock = slot.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
             reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
             try:
                 secure = server_handshake(conn.sock, self.key, self.name, reader)
+                if not slot.authenticated():
+                    raise AuthError(f"handshake took longer than {self.handshake_timeout}s")
             except (AuthError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
                 with self._cv:
                     self.counters["auth_failures"] += 1
-                logger.warning("refused peer %s: authentication failed: %s", conn.peer, e)
+                logger.warning("refused peer %s: authentication failed: %s", conn.peer,
+                               "handshake deadline passed" if slot.expired else e)
                 return
             hello, conn.mac = secure.hello, secure.send_mac
             conn.sock.settimeout(None)
