@@ -56,6 +56,28 @@ def check_key(key: bytes) -> bytes:
     return bytes(key)
 
 
+def _check_private_fd(fd: int, path) -> None:
+    st = os.fstat(fd)  # of the opened file: no window between the check and the read
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyFileError(f"key file {path}: not a regular file")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise KeyFileError(f"key file {path} has mode {mode:04o}: group/others may access it; "
+                           f"run chmod 600 {path}")
+
+
+def check_private_file(path) -> None:
+    """Raise KeyFileError unless ``path`` is a regular file only its owner may access."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
+    try:
+        _check_private_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
 def load_key(path) -> bytes:
     """The shared key in ``path`` (its bytes, surrounding whitespace stripped).
 
@@ -68,13 +90,7 @@ def load_key(path) -> bytes:
     except OSError as e:
         raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
     try:
-        st = os.fstat(fd)  # of the opened file: no window between the check and the read
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"key file {path}: not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise KeyFileError(f"key file {path} has mode {mode:04o}: group/others may access it; "
-                               f"run chmod 600 {path}")
+        _check_private_fd(fd, path)
         with os.fdopen(os.dup(fd), "rb") as f:
             key = f.read(1 << 16).strip()
     finally:

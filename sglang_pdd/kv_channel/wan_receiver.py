@@ -301,10 +301,10 @@ class WanKvReceiver(RoomQueries):
         try:
             tune_socket(conn.sock, self.socket_buffer_bytes)
             conn.sock.settimeout(self.handshake_timeout)  # per recv; the acceptor bounds the total
-            if self.ssl_context is not None:
-                conn.sock = slot.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
-            reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
             try:
+                if self.ssl_context is not None:  # a TLS failure is an authentication failure too
+                    conn.sock = slot.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
+                reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
                 secure = server_handshake(conn.sock, self.key, self.name, reader)
                 if not slot.authenticated():
                     raise AuthError(f"handshake took longer than {self.handshake_timeout}s")

@@ -35,6 +35,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port
 from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
+from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
@@ -73,7 +74,8 @@ class PddKVManager(MooncakeKVManager):
             self.wan_fanout = WanFanout(
                 read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}",
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
-                staging_bytes=cfg.wan_staging_mb << 20)
+                staging_bytes=cfg.wan_staging_mb << 20,
+                ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca, server_side=False))
             if cfg.control_listen:  # late destinations: the router need not wait for MD first
                 self.wan_destinations = DestinationBoard()
                 self.control_server = PrefillControlServer(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import ssl
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -98,8 +99,10 @@ class WanFanout:
         timeout_s: float = 30.0,
         staging_bytes: int = 1 << 30,
         sender_factory: Optional[Callable[[tuple[str, int]], WanKvSender]] = None,
+        ssl_context: Optional[ssl.SSLContext] = None,  # --pdd-wan-tls-*: TLS to MD
     ):
         self.key, self.name = key, name
+        self.ssl_context = ssl_context
         self.num_streams, self.timeout_s = num_streams, timeout_s
         self.staging_bytes = staging_bytes
         self._sender_factory = sender_factory or self._new_sender
@@ -204,7 +207,8 @@ class WanFanout:
 
     def _new_sender(self, peer: tuple[str, int]) -> WanKvSender:
         return WanKvSender(peer, self.key, name=self.name, num_streams=self.num_streams,
-                           transfer_timeout=self.timeout_s, idle_timeout=min(10.0, self.timeout_s))
+                           transfer_timeout=self.timeout_s, idle_timeout=min(10.0, self.timeout_s),
+                           ssl_context=self.ssl_context)
 
     def _sender(self, peer: tuple[str, int]) -> WanKvSender:
         sender = self._senders.get(peer)
