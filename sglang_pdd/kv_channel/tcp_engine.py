@@ -25,7 +25,8 @@ connection for its whole batch::
 
 The call returns 0 only after the peer confirmed every write landed. What the
 receiving side checks, so a buggy or stale sender cannot scribble over its memory:
-  * the peer authenticated (else refused and logged, never served);
+  * the peer authenticated (else refused and logged, never served), and every frame's
+    MAC tags verify (wire.FrameMac: nothing altered, replayed or injected on the way);
   * ``[dst_addr, dst_addr + length)`` lies inside ONE registered region, and still does
     when the bytes are copied (deregistration waits for copies in flight);
   * the CRC-32 of the payload, checked in a scratch buffer before it is copied;
