@@ -158,9 +158,9 @@ class Acceptor:
             quiet = now - self._last_log < _LOG_EVERY_S
             if not quiet:
                 self._last_log = now
-        sock.close()  # after counting: whoever sees the close also sees the count
         if not quiet:
             logger.warning("%s: refusing %s:%s: %s (%d refused so far)", self.name, addr[0], addr[1], why, total)
+        sock.close()  # last: whoever sees the close also sees the count and the log
 
     def _admit(self, sock: socket.socket, addr) -> None:
         with self._lock:

@@ -223,6 +223,8 @@ class WanKvSender(RoomQueries):
             entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout))
             entry.state = RoomState.WAITING_FOR_INPUT if session.up else RoomState.BOOTSTRAPPING
             self._rooms[room] = entry
+            if session.dead:  # it could not even start; the next begin_transfer tries again
+                self._fail_room(entry, session.dead_reason, "the session to the receiver could not start")
             self._enqueue(entry, begin)
         logger.debug("room %s: begin, pages [%d, %d) x %d layers, %d chunks, %d bytes",
                      room, plan.first_page, plan.end_page, layout.num_layers, plan.num_chunks, plan.total_bytes)
@@ -326,9 +328,13 @@ class WanKvSender(RoomQueries):
         for stream in s.streams:
             t = threading.Thread(target=self._run_stream, args=(s, stream), daemon=True,
                                  name=f"kv-send-{self.name}-{s.tag}-{stream.index}")
+            try:
+                t.start()
+            except RuntimeError as e:  # thread exhaustion: this session fails, the sender lives on
+                self._kill_session(s, FailureReason.CONNECT_FAILED, f"cannot start a stream thread ({e})")
+                break
             stream.threads.append(t)
             self._threads.append(t)
-            t.start()
         return s
 
     def _set_terminal(self, entry: _Room, state: RoomState, reason: str = "", detail: str = "") -> None:

@@ -155,3 +155,32 @@ def test_slowloris_handshake_is_cut_off_at_the_total_deadline(kv_server):
         assert server._acceptor.stats()["handshake_timeouts"] == 1
     finally:
         sock.close()
+
+
+def test_sender_survives_a_thread_it_cannot_start(monkeypatch):
+    """The sender's side of thread exhaustion: that transfer fails (connect_failed), the
+    next one works."""
+    from sglang_pdd.kv_channel.layout import KvLayout
+    from sglang_pdd.kv_channel.states import FailureReason, RoomState
+    from sglang_pdd.kv_channel.wan_sender import WanKvSender
+
+    rx = WanKvReceiver(KEY, name="md")
+    tx = WanKvSender(rx.address, KEY, name="p", num_streams=2)
+    layout = KvLayout(1, 16, 1024)
+    try:
+        real_start = threading.Thread.start
+
+        def no_threads(thread):
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", no_threads)
+        failed = tx.begin_transfer(1, layout, 16, 0)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert failed.poll() == RoomState.FAILED and failed.failure_reason == FailureReason.CONNECT_FAILED
+        rx.register_room(2, layout, 16, bytearray(1024))
+        ok = tx.begin_transfer(2, layout, 16, 0)
+        ok.send_kv(bytearray(1024))
+        assert ok.wait(10) == RoomState.SUCCESS
+    finally:
+        tx.close()
+        rx.close()
