@@ -481,6 +481,10 @@ class WanKvReceiver(RoomQueries):
             return
         try:
             crc = self._receive_payload(entry, reader, msg)
+        except IntegrityError as e:
+            with self._cv:  # before any other stream can complete the room on altered bytes
+                self._fail_room(entry, FailureReason.INTEGRITY, f"chunk {msg.index}: {e}", tell_peer=False)
+            raise
         finally:
             with self._cv:
                 entry.writers -= 1
