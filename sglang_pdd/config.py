@@ -34,6 +34,9 @@ class PddConfig:
     wan_listen: Optional[str] = None  # main: HOST:PORT of the WAN KV receiver
     control_listen: Optional[str] = None  # main: MD's room/handoff API; prefill: late WAN destinations
     wan_key_file: Optional[str] = None  # prefill/main (and relay on TCP): shared HMAC key of KV peers
+    wan_tls_cert: Optional[str] = None  # prefill/main: this side's certificate (PEM) for TLS on the WAN KV channel
+    wan_tls_key: Optional[str] = None  # prefill/main: its private key (PEM, mode 0600)
+    wan_tls_ca: Optional[str] = None  # prefill/main: CA that signed the peers' certificates
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
     wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
@@ -63,6 +66,13 @@ FLAGS = [
     ("--pdd-wan-key-file", "pdd_wan_key_file", dict(default=None,
         help="prefill and main (relay too when its intra-DC engine is TCP): file holding the shared "
              "key that KV peers authenticate with (HMAC).")),
+    ("--pdd-wan-tls-cert", "pdd_wan_tls_cert", dict(default=None,
+        help="prefill and main: this server's certificate (PEM) for mutual TLS on the WAN KV channel; "
+             "give all three --pdd-wan-tls-* flags or none. MD's certificate must name the address P dials.")),
+    ("--pdd-wan-tls-key", "pdd_wan_tls_key", dict(default=None,
+        help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-wan-tls-cert.")),
+    ("--pdd-wan-tls-ca", "pdd_wan_tls_ca", dict(default=None,
+        help="prefill and main: CA certificate(s) (PEM) that the WAN peer's certificate must be signed by.")),
     ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
         help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
     ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
@@ -163,6 +173,14 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
             parse_listen("--pdd-control-listen", cfg.control_listen, cfg.allow_wildcard_bind)
     if cfg.role in ("prefill", "main") and not cfg.wan_key_file:
         raise PddConfigError(f"--pdd-role {cfg.role} needs --pdd-wan-key-file (WAN peers must authenticate)")
+    tls = {"--pdd-wan-tls-cert": cfg.wan_tls_cert, "--pdd-wan-tls-key": cfg.wan_tls_key,
+           "--pdd-wan-tls-ca": cfg.wan_tls_ca}
+    if any(tls.values()):
+        if cfg.role not in ("prefill", "main"):
+            raise PddConfigError(f"--pdd-wan-tls-* apply only to roles prefill and main, not {cfg.role}")
+        missing = [flag for flag, value in tls.items() if not value]
+        if missing:
+            raise PddConfigError(f"mutual TLS needs all of --pdd-wan-tls-cert/-key/-ca; missing {', '.join(missing)}")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
     if cfg.wan_peers is not None:

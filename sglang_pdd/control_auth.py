@@ -24,12 +24,12 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Callable, Optional
+
+from sglang_pdd.kv_channel.handshake import MIN_KEY_BYTES
 
 HEADER = "Authorization"
 SCHEME = "PDD-HMAC-SHA256"
-MIN_KEY_BYTES = 16
 _DOMAIN = b"sglang-pdd control plane v1"
 _HEADER_RE = re.compile(r"PDD-HMAC-SHA256 ts=([0-9]{1,12}),nonce=([0-9a-f]{32}),sig=([0-9a-f]{64})")
 
@@ -41,17 +41,6 @@ class AuthError(ValueError):
     def __init__(self, message: str, status: int = 401):
         super().__init__(message)
         self.status = status
-
-
-def key_from_file(path: str) -> bytes:
-    """The shared key in ``path`` (the same file as ``--pdd-wan-key-file``).
-
-    Mirrors sglang_glue.transfer_backend.read_key, which the servers use; both switch to
-    kv_channel.handshake.load_key (permission and length checks) once that exists."""
-    key = Path(path).read_bytes().strip()
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"key file {path} holds {len(key)} bytes; need >= {MIN_KEY_BYTES}")
-    return key
 
 
 def derive_control_key(shared_key: bytes) -> bytes:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from sglang_pdd.kv_channel.handshake import client_handshake
+from kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_emulator import WanEmulator
@@ -60,15 +60,14 @@ def make_sender(addr, **kw):
     return WanKvSender(addr, kw.pop("key", KEY), name=kw.pop("name", "prefill"), **kw)
 
 
-def raw_client(addr, name="raw", key=KEY) -> socket.socket:
-    """An authenticated stream we can write hand-crafted frames to."""
-    sock = socket.create_connection(addr, timeout=5)
-    client_handshake(sock, key, name, os.urandom(16), 0, 1)
-    return sock
+def raw_client(addr, name="raw", key=KEY) -> RawStream:
+    """An authenticated stream we can write hand-crafted (correctly tagged) frames to."""
+    return RawStream(addr, key, name)
 
 
 def assert_closed(sock):
     """The server closed the stream (FIN, or RST if our unread bytes were pending)."""
+    sock = getattr(sock, "sock", sock)
     sock.settimeout(5)
     try:
         assert sock.recv(100) == b""
@@ -77,7 +76,7 @@ def assert_closed(sock):
 
 
 def read_until(sock, cls, limit=20):
-    reader = FrameReader(sock)
+    reader = sock.reader if isinstance(sock, RawStream) else FrameReader(sock)
     for _ in range(limit):
         msg, _ = reader.read_message()
         if isinstance(msg, cls):
@@ -210,10 +209,10 @@ def test_malformed_and_oversized_frames_do_not_crash_server(receiver):
         PREFIX.pack(MAGIC, VERSION, MsgType.CHUNK, 0, 16, 2**40),  # oversized payload
         PREFIX.pack(MAGIC, VERSION, MsgType.ACK, 0, 2**31, 0),  # oversized header
         PREFIX.pack(b"XXXX", VERSION, MsgType.ACK, 0, 4, 0),  # garbage
-        PREFIX.pack(MAGIC, VERSION, MsgType.ACK, 0, 2, 0) + b"\xc1\xc1",  # bad msgpack
+        PREFIX.pack(MAGIC, VERSION, MsgType.ACK, 0, 2, 0) + b"\xc1\xc1",  # bad msgpack (correctly tagged)
     ):
         with raw_client(receiver.address) as s:
-            s.sendall(bad)
+            s.sendall(bad + s.tag(bad))
             err = read_until(s, Error)
             assert err.reason == FailureReason.PROTOCOL
             assert any(w in err.detail for w in ("exceeds limit", "bad magic", "msgpack")), err.detail
@@ -265,15 +264,15 @@ def test_duplicate_chunk_rejected_not_double_written(receiver):
     dest, plan, begin = _craft_room(receiver, 77, layout, 32)
     a, b = os.urandom(1000), os.urandom(1000)
     with raw_client(receiver.address) as s:
-        send_frame(s, begin)
-        send_frame(s, Chunk(77, 0, 0, 1, 0, 1, checksum(a)), a)
-        send_frame(s, Chunk(77, 0, 0, 1, 0, 1, checksum(b)), b)  # same index, other bytes
+        s.send(begin)
+        s.send(Chunk(77, 0, 0, 1, 0, 1, checksum(a)), a)
+        s.send(Chunk(77, 0, 0, 1, 0, 1, checksum(b)), b)  # same index, other bytes
         err = read_until(s, Error)
         assert err.reason == "duplicate" and err.room == 77
-        send_frame(s, Chunk(77, 1, 0, 1, 0, 1, checksum(b)), b)  # other index, same pages
+        s.send(Chunk(77, 1, 0, 1, 0, 1, checksum(b)), b)  # other index, same pages
         assert read_until(s, Error).reason == "duplicate"
-        send_frame(s, Chunk(77, 1, 0, 1, 1, 1, checksum(b)), b)
-        send_frame(s, TransferEnd(77, 2, 2000))
+        s.send(Chunk(77, 1, 0, 1, 1, 1, checksum(b)), b)
+        s.send(TransferEnd(77, 2, 2000))
         assert read_until(s, Ack).room == 77
     assert receiver.poll(77) == RoomState.SUCCESS
     assert bytes(dest[0, 0]) == a and bytes(dest[0, 1]) == b
@@ -285,8 +284,8 @@ def test_crafted_bad_checksum_fails_room(receiver):
     dest, plan, begin = _craft_room(receiver, 78, layout, 16)
     data = os.urandom(1000)
     with raw_client(receiver.address) as s:
-        send_frame(s, begin)
-        send_frame(s, Chunk(78, 0, 0, 1, 0, 1, checksum(data) ^ 1), data)
+        s.send(begin)
+        s.send(Chunk(78, 0, 0, 1, 0, 1, checksum(data) ^ 1), data)
         nack = read_until(s, Nack)
         assert (nack.room, nack.reason) == (78, FailureReason.CHECKSUM)
     assert receiver.poll(78) == RoomState.FAILED and receiver.failure_reason(78) == FailureReason.CHECKSUM
@@ -304,8 +303,10 @@ def test_corrupted_chunk_on_the_wire_fails_both_sides(receiver):
             xfer = tx.begin_transfer(21, layout, 64, 0)
             xfer.send_kv(kv)
             assert xfer.wait(10) == RoomState.FAILED
-            assert xfer.failure_reason == FailureReason.CHECKSUM
-            assert receiver.failure_reason(21) == FailureReason.CHECKSUM
+            # The frame MAC catches it (before the CRC would): the bytes were altered on the way.
+            assert receiver.failure_reason(21) == FailureReason.INTEGRITY
+            # The receiver's ERROR(integrity) may lose the race with the emulator closing both ends.
+            assert xfer.failure_reason in (FailureReason.INTEGRITY, FailureReason.CONNECTION_LOST)
         finally:
             tx.close()
 
@@ -373,14 +374,16 @@ def test_dropped_sender_and_restarted_sender(receiver):
     layout = KvLayout(2, 16, 1024)
     receiver.register_room(41, layout, 32, bytearray(4096))
     receiver.register_room(42, layout, 32, bytearray(4096))
-    old = make_sender(receiver.address, name="prefill-0")
+    old = make_sender(receiver.address, name="prefill-0", instance="i0")
     xfer = old.begin_transfer(41, layout, 32, 0)
     xfer.send_layer(0, bytearray(2048))  # half done
     deadline = time.monotonic() + 5
     while receiver.poll(41) != RoomState.TRANSFERRING and time.monotonic() < deadline:
         time.sleep(0.01)
-    # The prefill process "restarts": a new sender with the same name, old sockets left open.
-    new = make_sender(receiver.address, name="prefill-0")
+    # The same sender identity comes back with a new session, old sockets left open.
+    # (Identities are unique per sender object unless ``instance`` is given, so this
+    # needs the explicit instance; see test_kv_validation for two hosts sharing a name.)
+    new = make_sender(receiver.address, name="prefill-0", instance="i0")
     try:
         ok = new.begin_transfer(42, layout, 32, 0)
         ok.send_kv(bytearray(os.urandom(4096)))

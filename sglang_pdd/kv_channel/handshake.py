@@ -8,14 +8,18 @@
                                              verify mac_c
                                           <- HELLO_OK   (or ERROR + close)
 
-    mac_s = HMAC(key, "server" | nonce_c | nonce_s | name_c | name_s | session | stream)
-    mac_c = HMAC(key, "client" | ...same...)
+    transcript = nonce_c | nonce_s | name_c | name_s | session | stream | num_streams
+    mac_s = HMAC(key, "server" | transcript)
+    mac_c = HMAC(key, "client" | transcript)
+    (c2s, s2c) = HKDF(key, salt = sha256(transcript))   -> per-frame MAC keys (wire.FrameMac)
 
 Both sides prove knowledge of the key over fresh nonces, so neither a wrong-key peer
 nor a replayed handshake gets in; the role tag stops a reflection of the server's
-proof. This authenticates the peer; it does not encrypt or MAC every frame (at 10+
-Gbps that costs more than a core). For confidentiality and integrity against an
-active attacker on the WAN, pass an ``ssl.SSLContext`` to sender and receiver (TLS).
+proof. Every frame after that (HELLO_OK first) carries HMAC-SHA256 tags under keys
+derived from the key and this connection's transcript, with implicit sequence numbers
+(wire.py): a keyless relay that alters, drops, replays or reorders a frame is detected.
+Frames are authenticated, not encrypted: for confidentiality pass an ``ssl.SSLContext``
+to sender and receiver (``--pdd-wan-tls-*``).
 """
 
 from __future__ import annotations
@@ -24,31 +28,116 @@ import hashlib
 import hmac
 import os
 import socket
+import stat
+from dataclasses import dataclass
+from typing import Optional
 
 import msgpack
 
-from .wire import FrameReader, Hello, HelloAuth, HelloChallenge, HelloOk, Error, ProtocolError, send_frame
+from .wire import (ConnectionClosed, Error, FrameMac, FrameReader, Hello, HelloAuth, HelloChallenge, HelloOk,
+                   ProtocolError, send_frame)
 
 NONCE_BYTES = 32
-MIN_KEY_BYTES = 16
+MIN_KEY_BYTES = 32  # 256 bits: the session keys derived from it are HMAC-SHA256 keys
 
 
 class AuthError(Exception):
     """The peer failed to authenticate (wrong key, or not speaking the protocol)."""
 
 
+class KeyFileError(ValueError):
+    """A key file that must not be used (unreadable, readable by others, too short)."""
+
+
 def check_key(key: bytes) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"auth key must be at least {MIN_KEY_BYTES} bytes")
+        got = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ValueError(f"auth key must be at least {MIN_KEY_BYTES} bytes (got {got})")
     return bytes(key)
 
 
-def _proof(key: bytes, role: bytes, hello: Hello, server_name: str, server_nonce: bytes) -> bytes:
-    transcript = msgpack.packb(
-        [role, hello.nonce, server_nonce, hello.peer_name, server_name, hello.session_id, hello.stream_index],
+def _check_private_fd(fd: int, path) -> None:
+    st = os.fstat(fd)  # of the opened file: no window between the check and the read
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyFileError(f"key file {path}: not a regular file")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise KeyFileError(f"key file {path} has mode {mode:04o}: group/others may access it; "
+                           f"run chmod 600 {path}")
+
+
+def check_private_file(path) -> None:
+    """Raise KeyFileError unless ``path`` is a regular file only its owner may access."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
+    try:
+        _check_private_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def load_key(path) -> bytes:
+    """The shared key in ``path`` (its bytes, surrounding whitespace stripped).
+
+    Refused with a :class:`KeyFileError` naming the file: a file that group or others
+    may read (``chmod 600`` it: anyone who reads the key can impersonate P or MD) and a
+    key shorter than ``MIN_KEY_BYTES``. ``secrets.token_hex(32)`` makes a good one.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
+    try:
+        _check_private_fd(fd, path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            key = f.read(1 << 16).strip()
+    finally:
+        os.close(fd)
+    if len(key) < MIN_KEY_BYTES:
+        raise KeyFileError(f"key file {path} holds a {len(key)}-byte key; need at least {MIN_KEY_BYTES} bytes")
+    return key
+
+
+def _transcript(hello: Hello, server_name: str, server_nonce: bytes) -> bytes:
+    """Everything both sides said in the handshake, in one unambiguous encoding."""
+    return msgpack.packb(
+        [hello.nonce, server_nonce, hello.peer_name, server_name, hello.session_id, hello.stream_index,
+         hello.num_streams],
         use_bin_type=True,
     )
-    return hmac.new(key, transcript, hashlib.sha256).digest()
+
+
+def _proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, role + transcript, hashlib.sha256).digest()
+
+
+def derive_frame_keys(key: bytes, transcript: bytes) -> tuple[bytes, bytes]:
+    """(client->server, server->client) frame-MAC keys of one connection.
+
+    HKDF-SHA256 (RFC 5869): extract with both nonces' transcript hash as salt over the
+    shared key, expand once per direction. Fresh nonces from both sides make the keys
+    unique to this connection: frames spliced in from another connection (or replayed
+    from an earlier one) fail their tags.
+    """
+    prk = hmac.new(hashlib.sha256(transcript).digest(), key, hashlib.sha256).digest()
+
+    def expand(label: bytes) -> bytes:
+        return hmac.new(prk, b"pdkv frame mac v2 " + label + b"\x01", hashlib.sha256).digest()
+
+    return expand(b"c2s"), expand(b"s2c")
+
+
+@dataclass
+class SecureStream:
+    """An authenticated stream: the peer's name, its HELLO (server side) and the frame
+    MACs to pass to ``send_frame(..., mac=send_mac)``; the reader already verifies."""
+
+    peer_name: str
+    hello: Hello
+    send_mac: FrameMac
+    recv_mac: FrameMac
 
 
 def client_handshake(
@@ -58,9 +147,11 @@ def client_handshake(
     session_id: bytes,
     stream_index: int,
     num_streams: int,
-) -> str:
-    """Authenticate to a server; returns the server's name. Raises AuthError."""
-    reader = FrameReader(sock)
+    reader: Optional[FrameReader] = None,
+) -> SecureStream:
+    """Authenticate to a server; from then on ``reader`` (made here if not given)
+    verifies the server's frames. Raises AuthError (or ProtocolError, OSError)."""
+    reader = reader if reader is not None else FrameReader(sock)
     hello = Hello(name, session_id, stream_index, num_streams, os.urandom(NONCE_BYTES))
     send_frame(sock, hello)
     msg, _ = reader.read_message()
@@ -68,34 +159,44 @@ def client_handshake(
         raise AuthError(f"server refused: {msg.reason}: {msg.detail}")
     if not isinstance(msg, HelloChallenge):
         raise AuthError(f"expected HELLO_CHALLENGE, got {type(msg).__name__}")
-    if not hmac.compare_digest(msg.mac, _proof(key, b"server", hello, msg.peer_name, msg.nonce)):
+    transcript = _transcript(hello, msg.peer_name, msg.nonce)
+    if not hmac.compare_digest(msg.mac, _proof(key, b"server", transcript)):
         raise AuthError(f"server {msg.peer_name!r} failed to prove the shared key")
-    send_frame(sock, HelloAuth(_proof(key, b"client", hello, msg.peer_name, msg.nonce)))
-    reply, _ = reader.read_message()
-    if isinstance(reply, Error):
-        raise AuthError(f"server refused: {reply.reason}: {reply.detail}")
+    send_frame(sock, HelloAuth(_proof(key, b"client", transcript)))
+    c2s, s2c = derive_frame_keys(key, transcript)
+    reader.mac = FrameMac(s2c)  # HELLO_OK is the server's first authenticated frame
+    try:
+        reply, _ = reader.read_message()
+    except (ProtocolError, ConnectionClosed) as e:
+        # A refusal is an unauthenticated ERROR and a close: it cannot pass the tag check.
+        raise AuthError(f"server {msg.peer_name!r} did not accept our proof: {e}") from None
     if not isinstance(reply, HelloOk):
         raise AuthError(f"expected HELLO_OK, got {type(reply).__name__}")
-    return msg.peer_name
+    return SecureStream(msg.peer_name, hello, FrameMac(c2s), reader.mac)
 
 
-def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameReader) -> Hello:
-    """Authenticate a client; returns its HELLO. Raises AuthError or ProtocolError."""
+def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameReader) -> SecureStream:
+    """Authenticate a client; from then on ``reader`` verifies its frames.
+    Raises AuthError or ProtocolError."""
     hello, _ = reader.read_message()
     if not isinstance(hello, Hello):
         raise ProtocolError(f"expected HELLO as first frame, got {type(hello).__name__}")
     if len(hello.nonce) != NONCE_BYTES or not (1 <= len(hello.session_id) <= 64):
         raise ProtocolError("HELLO: bad nonce or session id length")
     nonce = os.urandom(NONCE_BYTES)
-    send_frame(sock, HelloChallenge(name, nonce, _proof(key, b"server", hello, name, nonce)))
+    transcript = _transcript(hello, name, nonce)
+    send_frame(sock, HelloChallenge(name, nonce, _proof(key, b"server", transcript)))
     auth, _ = reader.read_message()
     if not isinstance(auth, HelloAuth):
         raise ProtocolError(f"expected HELLO_AUTH, got {type(auth).__name__}")
-    if not hmac.compare_digest(auth.mac, _proof(key, b"client", hello, name, nonce)):
+    if not hmac.compare_digest(auth.mac, _proof(key, b"client", transcript)):
         try:
             send_frame(sock, Error(-1, "auth", "HMAC check failed"))
         except OSError:
             pass
         raise AuthError(f"peer {hello.peer_name!r} failed HMAC authentication")
-    send_frame(sock, HelloOk())
-    return hello
+    c2s, s2c = derive_frame_keys(key, transcript)
+    stream = SecureStream(hello.peer_name, hello, FrameMac(s2c), FrameMac(c2s))
+    reader.mac = stream.recv_mac
+    send_frame(sock, HelloOk(), mac=stream.send_mac)
+    return stream

@@ -40,6 +40,7 @@ class FailureReason:
     UNKNOWN_ROOM = "unknown_room"  # the receiver has no such room registered
     LAYOUT_MISMATCH = "layout_mismatch"  # BEGIN/CHUNK disagree with the registered room
     PROTOCOL = "protocol"  # malformed frame on a stream carrying the room
+    INTEGRITY = "integrity"  # a frame's MAC failed: altered, replayed or forged on the way
     ABORTED = "aborted"  # the peer or the local owner aborted the room
     CLOSED = "closed"  # the local endpoint was closed
 

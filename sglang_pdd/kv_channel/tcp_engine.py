@@ -25,7 +25,8 @@ connection for its whole batch::
 
 The call returns 0 only after the peer confirmed every write landed. What the
 receiving side checks, so a buggy or stale sender cannot scribble over its memory:
-  * the peer authenticated (else refused and logged, never served);
+  * the peer authenticated (else refused and logged, never served), and every frame's
+    MAC tags verify (wire.FrameMac: nothing altered, replayed or injected on the way);
   * ``[dst_addr, dst_addr + length)`` lies inside ONE registered region, and still does
     when the bytes are copied (deregistration waits for copies in flight);
   * the CRC-32 of the payload, checked in a scratch buffer before it is copied;
@@ -50,11 +51,13 @@ import socket
 import threading
 from typing import Optional, Sequence
 
+from .acceptor import Acceptor, Slot
 from .handshake import AuthError, check_key, client_handshake, server_handshake
 from .wan_sender import tune_socket
 from .wire import (
     ConnectionClosed,
     Error,
+    FrameMac,
     FrameReader,
     MemCommit,
     MemWrite,
@@ -167,10 +170,11 @@ class _Regions:
 class _Conn:
     """One authenticated client connection to a peer."""
 
-    def __init__(self, sock: socket.socket, timeout: float):
+    def __init__(self, sock: socket.socket, timeout: float, reader: FrameReader, mac: FrameMac):
         self.sock = sock
         self.timeout = timeout
-        self.reader = FrameReader(sock)
+        self.reader = reader  # verifies the peer's frame MACs
+        self.mac = mac  # tags ours
 
     def alive(self) -> bool:
         """A pooled connection whose peer went away (restart, close) reads EOF or an error
@@ -228,19 +232,17 @@ class TcpTransferEngine:
         self._regions = _Regions()
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._server_conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
         self._closed = False
         self._batch_ids = itertools.count(1)
         self._stream_ids = itertools.count()
         self._client_session = os.urandom(16)  # handshake session: groups this engine's connections
 
         family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
-        self._listener = socket.create_server((hostname, port), family=family, backlog=128)
-        self.port: int = self._listener.getsockname()[1]
+        listener = socket.create_server((hostname, port), family=family, backlog=128)
+        self.port: int = listener.getsockname()[1]
         self._session_id = f"[{hostname}]:{self.port}" if family == socket.AF_INET6 else f"{hostname}:{self.port}"
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-engine-accept-{name}", daemon=True)
-        self._acceptor.start()
+        self._acceptor = Acceptor(listener, self._serve, name=f"tcp-engine-{name}",
+                                  max_connections=MAX_SERVER_CONNECTIONS, handshake_deadline=connect_timeout)
         logger.info("TCP transfer engine %r listening on %s", name, self._session_id)
 
     # ------------------------------------------------------------------ Mooncake surface
@@ -311,24 +313,12 @@ class TcpTransferEngine:
             if self._closed:
                 return
             self._closed = True
-            server_socks = list(self._server_conns)
             idle = [c for p in self._peers.values() for c in p.idle]
             for p in self._peers.values():
                 p.idle.clear()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        for sock in server_socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._acceptor.close(timeout)  # stops serving: cuts and joins every server connection
         for conn in idle:
             conn.close()
-        for t in [self._acceptor, *list(self._threads)]:
-            t.join(timeout)
 
     def __enter__(self) -> "TcpTransferEngine":
         return self
@@ -400,12 +390,14 @@ class TcpTransferEngine:
         try:
             tune_socket(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            client_handshake(sock, self.key, self.name, self._client_session, next(self._stream_ids), self.num_streams)
+            reader = FrameReader(sock)
+            secure = client_handshake(sock, self.key, self.name, self._client_session, next(self._stream_ids),
+                                      self.num_streams, reader)
             sock.settimeout(self.io_timeout)
         except BaseException:
             sock.close()
             raise
-        return _Conn(sock, self.io_timeout)
+        return _Conn(sock, self.io_timeout, reader, secure.send_mac)
 
     def _send_batch(self, conn: _Conn, writes: list[tuple[int, int, int]], total: int) -> MemWriteAck:
         batch = next(self._batch_ids)
@@ -413,18 +405,22 @@ class TcpTransferEngine:
         for i, (src, dst, n) in enumerate(writes):
             view = _host_memory(src, n)  # no copy: the caller keeps the source unchanged during the call
             head = encode_frame(MemWrite(batch, i, dst, n, checksum(view)), n)
+            tag_h, tag_p = conn.mac.seal(head, view)
             if n <= 64 * 1024:
-                out += head
+                out += head + tag_h
                 out += view
+                out += tag_p
                 if len(out) >= _SEND_COALESCE_BYTES:
                     sock.sendall(out)
                     out.clear()
             else:
-                out += head
+                out += head + tag_h
                 sock.sendall(out)
                 out.clear()
                 sock.sendall(view)
-        out += encode_frame(MemCommit(batch, len(writes), total))
+                out += tag_p
+        head = encode_frame(MemCommit(batch, len(writes), total))
+        out += head + conn.mac.seal(head)[0]
         sock.sendall(out)
         reply, _ = conn.reader.read_message()
         if isinstance(reply, Error):
@@ -435,46 +431,31 @@ class TcpTransferEngine:
 
     # ------------------------------------------------------------------ receiving side
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                if len(self._server_conns) >= MAX_SERVER_CONNECTIONS:
-                    logger.warning("%s: refusing %s:%s: %d connections already", self.name, *addr[:2],
-                                   len(self._server_conns))
-                    sock.close()
-                    continue
-                self._server_conns.add(sock)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True,
-                                     name=f"tcp-engine-{self.name}-{addr[0]}:{addr[1]}")
-                self._threads.append(t)
-            t.start()
-
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _serve(self, slot: Slot) -> None:
+        """One server connection's thread (the acceptor bounds connections and handshake time)."""
+        sock, peer = slot.sock, slot.peer
         reader = FrameReader(sock, max_payload_bytes=self.max_write_bytes)
+        mac: Optional[FrameMac] = None  # before the handshake completes, errors go untagged
         try:
             tune_socket(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.settimeout(self.connect_timeout)  # a silent peer must not hold a thread
+            sock.settimeout(self.connect_timeout)  # per recv; the acceptor bounds the total
             try:
-                hello = server_handshake(sock, self.key, self.name, reader)
+                secure = server_handshake(sock, self.key, self.name, reader)
+                if not slot.authenticated():
+                    raise AuthError(f"handshake took longer than {self.connect_timeout}s")
             except (AuthError, ConnectionClosed, OSError) as e:
-                logger.warning("%s: refused peer %s: authentication failed: %s", self.name, peer, e)
+                logger.warning("%s: refused peer %s: authentication failed: %s", self.name, peer,
+                               "handshake deadline passed" if slot.expired else e)
                 return
             sock.settimeout(None)  # idle pooled connections wait here between batches
-            logger.debug("%s: peer %r (%s) connected", self.name, hello.peer_name, peer)
-            self._serve_batches(sock, reader, peer)
+            logger.debug("%s: peer %r (%s) connected", self.name, secure.peer_name, peer)
+            mac = secure.send_mac
+            self._serve_batches(sock, reader, peer, mac)
         except ProtocolError as e:
             logger.warning("%s: protocol error from %s: %s; closing the connection", self.name, peer, e)
             try:
-                send_frame(sock, Error(-1, "protocol", str(e)))
+                send_frame(sock, Error(-1, "protocol", str(e)), mac=mac)
             except OSError:
                 pass
         except (ConnectionClosed, OSError):
@@ -482,11 +463,9 @@ class TcpTransferEngine:
         except Exception:  # a bug must not kill the server
             logger.exception("%s: error serving %s", self.name, peer)
         finally:
-            with self._lock:
-                self._server_conns.discard(sock)
             sock.close()
 
-    def _serve_batches(self, sock: socket.socket, reader: FrameReader, peer: str) -> None:
+    def _serve_batches(self, sock: socket.socket, reader: FrameReader, peer: str, mac: FrameMac) -> None:
         batch, seen, nbytes, applied, failure = None, 0, 0, 0, None
         while True:
             msg, plen = reader.read_message()
@@ -514,7 +493,7 @@ class TcpTransferEngine:
                 if failure is not None:
                     logger.warning("%s: batch %d from %s rejected: %s: %s", self.name, msg.batch, peer, *failure)
                 status, detail = failure or (STATUS_OK, "")
-                send_frame(sock, MemWriteAck(msg.batch, applied, status, detail))
+                send_frame(sock, MemWriteAck(msg.batch, applied, status, detail), mac=mac)
                 batch, seen, nbytes, applied, failure = None, 0, 0, 0, None
             else:
                 raise ProtocolError(f"unexpected {type(msg).__name__} on a transfer-engine connection")

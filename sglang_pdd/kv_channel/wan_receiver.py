@@ -17,6 +17,8 @@ What is checked, and what happens (the connection survives unless the framing is
   * authentication (handshake.py)            -> refused + logged, socket closed
   * malformed / oversized frame              -> ERROR(protocol) to the peer, stream closed,
                                                 the session's unfinished rooms FAILED(protocol)
+  * a frame whose MAC fails (altered on the  -> ERROR(integrity), stream closed, the session's
+    way, replayed, reordered, injected)         unfinished rooms FAILED(integrity); never SUCCESS
   * chunk or BEGIN for an unregistered room  -> NACK(unknown_room), payload discarded
   * BEGIN / chunk not matching the room      -> room FAILED(layout_mismatch), NACK
   * duplicate or overlapping chunk           -> ERROR(duplicate), payload discarded, not written
@@ -47,6 +49,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from .acceptor import Acceptor, Slot
 from .handshake import AuthError, check_key, server_handshake
 from .layout import KvLayout, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
@@ -60,7 +63,9 @@ from .wire import (
     ConnectionClosed,
     Error,
     FrameReader,
+    FrameMac,
     Hello,
+    IntegrityError,
     Nack,
     ProtocolError,
     TransferBegin,
@@ -71,6 +76,7 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 WriteFn = Callable[[int, int, int, int, memoryview], None]
+MAX_QUEUED_REPLIES = 4096  # per stream; more means the peer is not reading them
 
 
 @dataclass
@@ -105,13 +111,29 @@ class _Conn:
         self.send_lock = threading.Lock()
         self.session: Optional[_Session] = None
         self.peer = f"{addr[0]}:{addr[1]}"
+        self.mac: Optional[FrameMac] = None  # set by the handshake; every later frame is tagged
+
+        # Replies decided under the receiver's lock wait here; they are sent without it
+        # (flush), so a peer that stops reading stalls only its own threads.
+        self.outbox: collections.deque = collections.deque()
 
     def send(self, msg) -> None:
+        """Send now. Never call with the receiver's lock held."""
         try:
             with self.send_lock:
-                send_frame(self.sock, msg)
+                send_frame(self.sock, msg, mac=self.mac)
         except OSError:
-            pass  # the reader of this connection will notice and clean up
+            self.shutdown()  # the reader of this connection will notice and clean up
+
+    def flush(self) -> None:
+        """Send what was posted, in order. Never call with the receiver's lock held."""
+        try:
+            with self.send_lock:
+                while self.outbox:
+                    send_frame(self.sock, self.outbox.popleft(), mac=self.mac)
+        except OSError:
+            self.outbox.clear()
+            self.shutdown()
 
     def shutdown(self) -> None:
         try:
@@ -161,17 +183,19 @@ class WanKvReceiver(RoomQueries):
         self._rooms: dict[int, _Room] = {}
         self._sessions: dict[bytes, _Session] = {}
         self._conns: set[_Conn] = set()
-        self._threads: list[threading.Thread] = []
         self._rejected_rooms: collections.OrderedDict[int, None] = collections.OrderedDict()  # log once each
         self._closed = False
         self.counters = collections.Counter()
 
-        self._listener = socket.create_server((host, port), backlog=128)
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-recv-accept-{name}", daemon=True)
+        listener = socket.create_server((host, port), backlog=128)
+        self.address: tuple[str, int] = listener.getsockname()[:2]
         self._watchdog = threading.Thread(target=self._watch, name=f"kv-recv-watchdog-{name}", daemon=True)
-        self._acceptor.start()
+        self._to_flush: set[_Conn] = set()  # connections with posted replies (guarded by _cv)
+        self._flusher = threading.Thread(target=self._flush_loop, name=f"kv-recv-replies-{name}", daemon=True)
         self._watchdog.start()
+        self._flusher.start()
+        self._acceptor = Acceptor(listener, self._serve, name=f"recv-{name}", max_connections=max_connections,
+                                  handshake_deadline=handshake_timeout)
         logger.info("WAN KV receiver %r listening on %s:%s", name, *self.address)
 
     # ------------------------------------------------------------------ owner API
@@ -248,66 +272,52 @@ class WanKvReceiver(RoomQueries):
             for conn in self._conns:
                 conn.shutdown()
             self._cv.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
         deadline = time.monotonic() + timeout
-        for t in [self._acceptor, self._watchdog, *list(self._threads)]:
+        self._acceptor.close(timeout)
+        for t in [self._watchdog, self._flusher]:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
+        front = self._acceptor.stats()
         with self._cv:
             return {
                 **self.counters,
+                **{k: front[k] for k in ("refused", "handshake_timeouts", "thread_start_failures")},
                 "connections": len(self._conns),
                 "sessions": len(self._sessions),
-                "threads_alive": sum(t.is_alive() for t in self._threads),
+                "threads_alive": front["threads_alive"],
             }
 
     # ------------------------------------------------------------------ connection threads
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._cv:
-                if self._closed:
-                    sock.close()
-                    return
-                if len(self._conns) >= self.max_connections:
-                    logger.warning("refusing %s:%s: %d connections already", *addr[:2], len(self._conns))
-                    sock.close()
-                    continue
-                conn = _Conn(sock, addr)
-                self._conns.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"kv-recv-{self.name}-{conn.peer}")
-                self._threads.append(t)
-            t.start()
-
-    def _serve(self, conn: _Conn) -> None:
-        reader = None
+    def _serve(self, slot: Slot) -> None:
+        """One connection's thread (started by the acceptor, which bounds connections and
+        the handshake's total time)."""
+        conn = _Conn(slot.sock, slot.addr)
+        with self._cv:
+            if self._closed:
+                return
+            self._conns.add(conn)
         try:
             tune_socket(conn.sock, self.socket_buffer_bytes)
-            conn.sock.settimeout(self.handshake_timeout)  # a silent peer must not hold a thread
-            if self.ssl_context is not None:
-                conn.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
-            reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
+            conn.sock.settimeout(self.handshake_timeout)  # per recv; the acceptor bounds the total
             try:
-                hello = server_handshake(conn.sock, self.key, self.name, reader)
+                if self.ssl_context is not None:  # a TLS failure is an authentication failure too
+                    conn.sock = slot.sock = self.ssl_context.wrap_socket(conn.sock, server_side=True)
+                reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
+                secure = server_handshake(conn.sock, self.key, self.name, reader)
+                if not slot.authenticated():
+                    raise AuthError(f"handshake took longer than {self.handshake_timeout}s")
             except (AuthError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
                 with self._cv:
                     self.counters["auth_failures"] += 1
-                logger.warning("refused peer %s: authentication failed: %s", conn.peer, e)
+                logger.warning("refused peer %s: authentication failed: %s", conn.peer,
+                               "handshake deadline passed" if slot.expired else e)
                 return
+            hello, conn.mac = secure.hello, secure.send_mac
             conn.sock.settimeout(None)
-            # Replies (ACK/NACK) are sent under the receiver's lock: a peer that stops
-            # reading must not block it, so kernel-level sends give up after 2 s.
+            # Replies are sent outside the receiver's lock; still, a peer that stops reading
+            # must not hold this thread (or the reply flusher) long: sends give up after 2 s.
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
             self._join_session(conn, hello)
             logger.info("peer %r (%s) authenticated, session %s stream %d",
@@ -315,6 +325,14 @@ class WanKvReceiver(RoomQueries):
             while True:
                 msg, plen = reader.read_message()
                 self._dispatch(conn, reader, msg, plen)
+                if conn.outbox:
+                    conn.flush()  # this frame's replies, from this thread, outside the lock
+        except IntegrityError as e:
+            with self._cv:
+                self.counters["integrity_failures"] += 1
+            logger.error("integrity failure on the stream from %s: %s; closing the stream", conn.peer, e)
+            conn.send(Error(-1, FailureReason.INTEGRITY, str(e)))
+            self._drop(conn, FailureReason.INTEGRITY, f"stream from {conn.peer}: {e}")
         except ProtocolError as e:
             with self._cv:
                 self.counters["protocol_errors"] += 1
@@ -394,7 +412,8 @@ class WanKvReceiver(RoomQueries):
                 if len(self._rejected_rooms) > 4096:
                     self._rejected_rooms.popitem(last=False)
                 logger.warning("room %s: %s from %s refused: room not registered", room, what, conn.peer)
-                conn.send(Nack(room, FailureReason.UNKNOWN_ROOM, f"room {room} is not registered at {self.name!r}"))
+                self._post(conn, Nack(room, FailureReason.UNKNOWN_ROOM,
+                                      f"room {room} is not registered at {self.name!r}"))
             return None
         if entry.state.is_terminal:
             return entry  # late frames of a finished room are dropped by the caller
@@ -403,7 +422,7 @@ class WanKvReceiver(RoomQueries):
         elif entry.session is not conn.session:
             self.counters["wrong_session"] += 1
             logger.warning("room %s: %s from %s refused: room belongs to another session", room, what, conn.peer)
-            conn.send(Error(room, "wrong_session", f"room {room} is being served by another sender session"))
+            self._post(conn, Error(room, "wrong_session", f"room {room} is being served by another sender session"))
             return None
         return entry
 
@@ -414,7 +433,7 @@ class WanKvReceiver(RoomQueries):
                 return
             if entry.begin is not None:
                 self.counters["duplicate"] += 1
-                conn.send(Error(msg.room, "duplicate", "TRANSFER_BEGIN received twice"))
+                self._post(conn, Error(msg.room, "duplicate", "TRANSFER_BEGIN received twice"))
                 return
             lay = entry.layout
             problems = []
@@ -447,7 +466,7 @@ class WanKvReceiver(RoomQueries):
                 return
             if entry.end is not None:
                 self.counters["duplicate"] += 1
-                conn.send(Error(msg.room, "duplicate", "TRANSFER_END received twice"))
+                self._post(conn, Error(msg.room, "duplicate", "TRANSFER_END received twice"))
                 return
             entry.end = msg
             entry.state = RoomState.TRANSFERRING
@@ -462,6 +481,10 @@ class WanKvReceiver(RoomQueries):
             return
         try:
             crc = self._receive_payload(entry, reader, msg)
+        except IntegrityError as e:
+            with self._cv:  # before any other stream can complete the room on altered bytes
+                self._fail_room(entry, FailureReason.INTEGRITY, f"chunk {msg.index}: {e}", tell_peer=False)
+            raise
         finally:
             with self._cv:
                 entry.writers -= 1
@@ -494,7 +517,8 @@ class WanKvReceiver(RoomQueries):
         if msg.index in entry.indices or region.any():
             self.counters["duplicate"] += 1
             logger.warning("room %s: duplicate chunk %d from %s rejected", msg.room, msg.index, conn.peer)
-            conn.send(Error(msg.room, "duplicate", f"chunk {msg.index} (or its pages) already received; ignored"))
+            self._post(conn, Error(msg.room, "duplicate",
+                                   f"chunk {msg.index} (or its pages) already received; ignored"))
             return None
         # Claim before reading so a copy racing on another stream is seen as a duplicate.
         entry.indices.add(msg.index)
@@ -506,9 +530,12 @@ class WanKvReceiver(RoomQueries):
     def _check_chunk(self, entry: _Room, msg: Chunk, plen: int) -> str:
         lay = entry.layout
         first = entry.begin.first_page if entry.begin else 0
-        if msg.layer_count < 1 or msg.layer_start + msg.layer_count > lay.num_layers:
+        # Explicit lower bounds too, though the decoder refuses negatives: a slice with a
+        # negative start would land in another layer of the destination.
+        if msg.layer_start < 0 or msg.layer_count < 1 or msg.layer_start + msg.layer_count > lay.num_layers:
             return f"layers [{msg.layer_start}, +{msg.layer_count}) outside [0, {lay.num_layers})"
-        if msg.page_count < 1 or msg.page_start < first or msg.page_start + msg.page_count > entry.total_pages:
+        if (msg.page_start < 0 or msg.page_count < 1 or msg.page_start < first
+                or msg.page_start + msg.page_count > entry.total_pages):
             return f"pages [{msg.page_start}, +{msg.page_count}) outside [{first}, {entry.total_pages})"
         if entry.decode_prefix_len is not None and msg.page_start * lay.page_size < entry.decode_prefix_len:
             return f"page {msg.page_start} is below decode_prefix_len {entry.decode_prefix_len}"
@@ -555,7 +582,7 @@ class WanKvReceiver(RoomQueries):
         entry.done.set()
         self._cv.notify_all()
         logger.debug("room %s: all %d chunks verified (%d bytes)", entry.room, b.num_chunks, expected)
-        conn.send(Ack(entry.room, expected))
+        self._post(conn, Ack(entry.room, expected))
 
     def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool, conn: Optional[_Conn] = None) -> None:
         if entry.state.is_terminal:
@@ -568,9 +595,30 @@ class WanKvReceiver(RoomQueries):
             if conn is None and entry.session is not None and entry.session.conns:
                 conn = next(iter(entry.session.conns))
             if conn is not None:
-                # Small frame; the receive->send direction carries almost nothing, so
-                # this does not block on a full buffer in practice.
-                conn.send(Nack(entry.room, reason, detail))
+                self._post(conn, Nack(entry.room, reason, detail))
+
+    def _post(self, conn: _Conn, msg) -> None:
+        """Queue a reply (called with the lock held); sent by the connection's reader thread
+        after the frame it is handling, else by the flusher thread."""
+        if len(conn.outbox) >= MAX_QUEUED_REPLIES:  # the peer has stopped reading long ago
+            logger.warning("peer %s does not read its replies; closing the stream", conn.peer)
+            conn.shutdown()
+            return
+        conn.outbox.append(msg)
+        self._to_flush.add(conn)
+        self._cv.notify_all()
+
+    def _flush_loop(self) -> None:
+        """Sends the replies that no reader thread is about to send (owner aborts, other
+        streams' rooms), without the lock."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._to_flush or self._closed)
+                if self._closed:
+                    return
+                conns, self._to_flush = self._to_flush, set()
+            for conn in conns:
+                conn.flush()
 
     def _watch(self) -> None:
         while True:

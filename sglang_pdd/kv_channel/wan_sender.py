@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .handshake import AuthError, check_key, client_handshake
+from .handshake import AuthError, SecureStream, check_key, client_handshake
 from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, TransferPlan, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wire import (
@@ -50,6 +50,7 @@ from .wire import (
     ConnectionClosed,
     Error,
     FrameReader,
+    IntegrityError,
     Nack,
     ProtocolError,
     TransferBegin,
@@ -106,6 +107,7 @@ class _Stream:
     def __init__(self, index: int):
         self.index = index
         self.sock: Optional[socket.socket] = None
+        self.secure: Optional[SecureStream] = None  # frame MACs of this stream's connection
         self.busy_since: Optional[float] = None  # set while inside sendall
         self.threads: list[threading.Thread] = []
 
@@ -144,12 +146,17 @@ class WanKvSender(RoomQueries):
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         ssl_context: Optional[ssl.SSLContext] = None,
         server_hostname: Optional[str] = None,
+        instance: Optional[str] = None,
     ):
         if num_streams < 1:
             raise ValueError("num_streams must be >= 1")
         self.peer = (peer[0], int(peer[1]))
         self.key = check_key(auth_key)
         self.name = name
+        # What the receiver knows us by: the name plus a random instance tag, so two P hosts
+        # configured with the same name never pass for each other (the receiver ends the
+        # older session of an identity that reconnects: "peer_restarted").
+        self.identity = f"{name}#{instance or os.urandom(6).hex()}"
         self.num_streams = num_streams
         self.max_chunk_bytes = max_chunk_bytes
         self.window_bytes = window_bytes
@@ -216,6 +223,8 @@ class WanKvSender(RoomQueries):
             entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout))
             entry.state = RoomState.WAITING_FOR_INPUT if session.up else RoomState.BOOTSTRAPPING
             self._rooms[room] = entry
+            if session.dead:  # it could not even start; the next begin_transfer tries again
+                self._fail_room(entry, session.dead_reason, "the session to the receiver could not start")
             self._enqueue(entry, begin)
         logger.debug("room %s: begin, pages [%d, %d) x %d layers, %d chunks, %d bytes",
                      room, plan.first_page, plan.end_page, layout.num_layers, plan.num_chunks, plan.total_bytes)
@@ -319,9 +328,13 @@ class WanKvSender(RoomQueries):
         for stream in s.streams:
             t = threading.Thread(target=self._run_stream, args=(s, stream), daemon=True,
                                  name=f"kv-send-{self.name}-{s.tag}-{stream.index}")
+            try:
+                t.start()
+            except RuntimeError as e:  # thread exhaustion: this session fails, the sender lives on
+                self._kill_session(s, FailureReason.CONNECT_FAILED, f"cannot start a stream thread ({e})")
+                break
             stream.threads.append(t)
             self._threads.append(t)
-            t.start()
         return s
 
     def _set_terminal(self, entry: _Room, state: RoomState, reason: str = "", detail: str = "") -> None:
@@ -360,22 +373,24 @@ class WanKvSender(RoomQueries):
 
     # ------------------------------------------------------------------ threads
 
-    def _connect_stream(self, s: _Session, stream: _Stream) -> socket.socket:
+    def _connect_stream(self, s: _Session, stream: _Stream) -> tuple[socket.socket, FrameReader]:
         sock = socket.create_connection(self.peer, timeout=self.connect_timeout)
         try:
             tune_socket(sock, self.socket_buffer_bytes)
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname or self.peer[0])
-            client_handshake(sock, self.key, self.name, s.id, stream.index, self.num_streams)
+            reader = FrameReader(sock)
+            stream.secure = client_handshake(sock, self.key, self.identity, s.id, stream.index, self.num_streams,
+                                             reader)
             sock.settimeout(None)
-            return sock
+            return sock, reader
         except BaseException:
             sock.close()
             raise
 
     def _run_stream(self, s: _Session, stream: _Stream) -> None:
         try:
-            sock = self._connect_stream(s, stream)
+            sock, frame_reader = self._connect_stream(s, stream)
         except AuthError as e:
             with self._cv:
                 self._kill_session(s, FailureReason.AUTH, f"stream {stream.index}: {e}")
@@ -398,7 +413,7 @@ class WanKvSender(RoomQueries):
                         entry.state = RoomState.TRANSFERRING if entry.queued or entry.end_queued \
                             else RoomState.WAITING_FOR_INPUT
                 self._cv.notify_all()
-        reader = threading.Thread(target=self._read_stream, args=(s, stream, sock), daemon=True,
+        reader = threading.Thread(target=self._read_stream, args=(s, stream, frame_reader), daemon=True,
                                   name=f"kv-send-rd-{self.name}-{s.tag}-{stream.index}")
         with self._cv:
             self._threads.append(reader)
@@ -426,7 +441,7 @@ class WanKvSender(RoomQueries):
                 msg = item.msg
                 if isinstance(msg, Chunk):
                     msg.crc32 = checksum(item.payload)  # here, so N writers checksum in parallel
-                send_frame(sock, msg, item.payload)
+                send_frame(sock, msg, item.payload, mac=stream.secure.send_mac)
             except OSError as e:
                 with self._cv:
                     stream.busy_since = None
@@ -439,8 +454,7 @@ class WanKvSender(RoomQueries):
                 entry.last_progress = time.monotonic()
                 self._cv.notify_all()
 
-    def _read_stream(self, s: _Session, stream: _Stream, sock: socket.socket) -> None:
-        reader = FrameReader(sock)
+    def _read_stream(self, s: _Session, stream: _Stream, reader: FrameReader) -> None:
         try:
             while True:
                 msg, plen = reader.read_message()
@@ -450,9 +464,10 @@ class WanKvSender(RoomQueries):
         except (OSError, ConnectionClosed, ProtocolError) as e:
             with self._cv:
                 if not s.dead:
-                    self._kill_session(s, FailureReason.CONNECTION_LOST
-                                       if not isinstance(e, ProtocolError) else FailureReason.PROTOCOL,
-                                       f"stream {stream.index} recv: {e!r}")
+                    reason = (FailureReason.INTEGRITY if isinstance(e, IntegrityError) else
+                              FailureReason.PROTOCOL if isinstance(e, ProtocolError) else
+                              FailureReason.CONNECTION_LOST)
+                    self._kill_session(s, reason, f"stream {stream.index} recv: {e!r}")
 
     def _on_reply(self, s: _Session, msg) -> None:
         with self._cv:
@@ -475,6 +490,9 @@ class WanKvSender(RoomQueries):
                     self._fail_room(entry, FailureReason.ABORTED, f"receiver aborted: {msg.reason}", tell_peer=False)
             elif isinstance(msg, Error):
                 logger.warning("receiver %s:%s reports for room %s: %s: %s", *self.peer, msg.room, msg.reason, msg.detail)
+                if msg.room == -1 and msg.reason in (FailureReason.INTEGRITY, FailureReason.PROTOCOL):
+                    # The receiver closes the stream: name the cause, not just "connection lost".
+                    self._kill_session(s, msg.reason, f"receiver: {msg.detail}")
             else:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from receiver")
 

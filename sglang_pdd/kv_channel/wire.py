@@ -22,12 +22,23 @@ Why a fixed prefix before the msgpack header: the reader learns both lengths fro
 malformed or hostile peer cannot make us allocate 4 GiB or read forever.
 
 Every malformed input raises :class:`ProtocolError` whose message names what was wrong.
+
+Frame authentication (after the handshake, see handshake.py): every frame carries
+HMAC-SHA256 tags, truncated to 16 bytes, under a per-connection, per-direction key::
+
+    prefix | header | tag_h [| payload | tag_p]
+    tag_h = HMAC(k, seq | "H" | prefix | header)            -- checked before acting on the header
+    tag_p = HMAC(k, seq | "P" | prefix | header | payload)  -- checked once the payload is read
+
+``seq`` counts the frames of that direction from 0 and is not sent, so a replayed,
+reordered, dropped or injected frame fails its tag like an altered one (IntegrityError).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hmac
 import socket
 import struct
 import zlib
@@ -37,7 +48,7 @@ from typing import ClassVar, Optional, Union
 import msgpack
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # 2: frames after the handshake carry MAC tags
 PREFIX = struct.Struct("!4sBBHIQ")  # magic, version, msg type, reserved, header len, payload len
 PREFIX_SIZE = PREFIX.size  # 20
 
@@ -49,6 +60,45 @@ _U64_MAX = (1 << 64) - 1
 
 class ProtocolError(Exception):
     """The peer sent something that is not a valid frame; the message says what."""
+
+
+class IntegrityError(ProtocolError):
+    """A frame's MAC tag did not verify: altered, replayed, reordered, dropped or forged."""
+
+
+TAG_BYTES = 16
+_SEQ = struct.Struct("!Q")
+
+
+class FrameMac:
+    """One direction of a connection's frame authentication: key + frame counter.
+
+    Not thread-safe: each direction of a connection has one writer (or one reader) at a time.
+    """
+
+    def __init__(self, key: bytes):
+        if len(key) < 32:
+            raise ValueError("frame MAC key must be at least 32 bytes")
+        self._key = bytes(key)
+        self.seq = 0
+
+    def begin(self, head) -> tuple[bytes, "hmac.HMAC"]:
+        """Tag of a frame's prefix+header, and the running MAC its payload (if any) extends."""
+        seq = _SEQ.pack(self.seq)
+        self.seq += 1
+        h = hmac.new(self._key, seq + b"H", "sha256")
+        h.update(head)
+        p = hmac.new(self._key, seq + b"P", "sha256")
+        p.update(head)
+        return h.digest()[:TAG_BYTES], p
+
+    def seal(self, head, payload=None) -> tuple[bytes, bytes]:
+        """(tag_h, tag_p) of an outgoing frame; tag_p is b"" without a payload."""
+        tag_h, p = self.begin(head)
+        if payload is None or not memoryview(payload).nbytes:
+            return tag_h, b""
+        p.update(payload)  # hashlib releases the GIL on large buffers
+        return tag_h, p.digest()[:TAG_BYTES]
 
 
 class MsgType(enum.IntEnum):
@@ -251,6 +301,8 @@ _WITH_PAYLOAD = (MsgType.CHUNK, MsgType.MEM_WRITE)
 _FIELDS = {cls: [(f.name, f.type) for f in dataclasses.fields(cls)] for cls in _BY_TYPE.values()}
 _PY_TYPES = {"int": int, "str": str, "bytes": bytes}
 _MAX_STR = 4096  # names, reasons, dtypes: nothing legitimate is longer
+# Every integer on the wire is in [0, 2**64) except these (-1 = "about the connection").
+_MAY_BE_MINUS_ONE = {(Error, "room")}
 
 
 # ---------------------------------------------------------------------------
@@ -269,18 +321,21 @@ def encode_frame(msg: Message, payload_len: int = 0) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, int(msg.TYPE), 0, len(header), payload_len) + header
 
 
-def send_frame(sock: socket.socket, msg: Message, payload=None) -> None:
-    """Write one frame. Small payloads are joined to the header (one syscall);
-    large ones go as a separate ``sendall`` of the caller's memoryview (no copy)."""
+def send_frame(sock: socket.socket, msg: Message, payload=None, mac: Optional[FrameMac] = None) -> None:
+    """Write one frame (with its tags when ``mac`` is given: every frame after the
+    handshake). Small payloads are joined to the header (one syscall); large ones go as
+    a separate ``sendall`` of the caller's memoryview (no copy)."""
     n = 0 if payload is None else memoryview(payload).nbytes
     head = encode_frame(msg, n)
+    tag_h, tag_p = mac.seal(head, payload if n else None) if mac is not None else (b"", b"")
     if n == 0:
-        sock.sendall(head)
+        sock.sendall(head + tag_h)
     elif n <= 64 * 1024:
-        sock.sendall(head + bytes(payload))
+        sock.sendall(head + tag_h + bytes(payload) + tag_p)
     else:
-        sock.sendall(head)
+        sock.sendall(head + tag_h)
         sock.sendall(payload)
+        sock.sendall(tag_p)
 
 
 # ---------------------------------------------------------------------------
@@ -333,7 +388,7 @@ def decode_header(msg_type: MsgType, header: bytes) -> Message:
         # bool is an int subclass; a bool where an int belongs is a malformed frame.
         if not isinstance(value, want) or isinstance(value, bool):
             raise ProtocolError(f"{msg_type.name}.{name}: expected {type_name}, got {type(value).__name__}")
-        if want is int and not (-1 <= value <= _U64_MAX):
+        if want is int and not ((-1 if (cls, name) in _MAY_BE_MINUS_ONE else 0) <= value <= _U64_MAX):
             raise ProtocolError(f"{msg_type.name}.{name}: integer {value} out of range")
         if want is str and len(value) > _MAX_STR:
             raise ProtocolError(f"{msg_type.name}.{name}: string of {len(value)} chars is too long")
@@ -392,8 +447,14 @@ class FrameReader:
         self._prefix = bytearray(PREFIX_SIZE)
         self._scratch: Optional[bytearray] = None
         self.pending_payload = 0
+        # Set after the handshake: from then on every frame's tags are verified.
+        self.mac: Optional[FrameMac] = None
+        self._payload_mac = None
+        self._frame_name = ""
 
     def read_message(self) -> tuple[Message, int]:
+        """Next frame's message and payload length. With ``mac`` set, the header is
+        verified before it is returned; the payload when its last byte is read."""
         if self.pending_payload:
             raise RuntimeError("previous frame's payload was not consumed")
         view = memoryview(self._prefix)
@@ -401,18 +462,40 @@ class FrameReader:
         if first == 0:
             raise ConnectionClosed("peer closed the connection")
         recv_exactly_into(self.sock, view[first:])
-        msg_type, hlen, plen = decode_prefix(bytes(self._prefix), self.max_header_bytes, self.max_payload_bytes)
+        prefix = bytes(self._prefix)
+        msg_type, hlen, plen = decode_prefix(prefix, self.max_header_bytes, self.max_payload_bytes)
         header = bytearray(hlen)  # bounded by max_header_bytes, checked above
         recv_exactly_into(self.sock, memoryview(header))
+        if self.mac is not None:
+            seq = self.mac.seq
+            tag_h, self._payload_mac = self.mac.begin(prefix + header)
+            self._frame_name = f"{msg_type.name} frame #{seq}"
+            self._check_tag(tag_h, "header")
+            if not plen:
+                self._payload_mac = None
         msg = decode_header(msg_type, bytes(header))
         self.pending_payload = plen
         return msg, plen
 
+    def _check_tag(self, expected: bytes, part: str) -> None:
+        got = bytearray(TAG_BYTES)
+        recv_exactly_into(self.sock, memoryview(got))
+        if not hmac.compare_digest(bytes(got), expected):
+            raise IntegrityError(f"{self._frame_name}: {part} MAC mismatch (altered, replayed, reordered or "
+                                 f"forged on the way)")
+
     def read_payload_into(self, view: memoryview) -> None:
+        """Fill ``view`` with the next payload bytes. With ``mac`` set, the read that ends
+        the payload raises IntegrityError if the payload's tag does not verify."""
         if len(view) > self.pending_payload:
             raise RuntimeError("reading past the payload")
         recv_exactly_into(self.sock, view)
         self.pending_payload -= len(view)
+        if self._payload_mac is not None:
+            self._payload_mac.update(view)
+            if not self.pending_payload:
+                p, self._payload_mac = self._payload_mac, None
+                self._check_tag(p.digest()[:TAG_BYTES], "payload")
 
     def read_payload(self) -> memoryview:
         """Whole payload into a reusable scratch buffer (valid until the next read)."""

@@ -44,9 +44,9 @@ class LocalCluster:
     def control_key(self) -> bytes:
         """The shared key, for signing one's own calls to MD's and P's control APIs
         (launcher.http's ``key=``)."""
-        from sglang_pdd.control_auth import key_from_file
+        from sglang_pdd.kv_channel.handshake import load_key
 
-        return key_from_file(str(self.wan_key_file))
+        return load_key(str(self.wan_key_file))
 
     def start(self, timeout_s: float = 600.0) -> "LocalCluster":
         topo = self.topology

@@ -6,6 +6,7 @@ deployment passes its own flags and keeps only the --disaggregation-* / --pdd-* 
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -200,6 +201,9 @@ def write_wan_key(path: Path) -> Path:
     import secrets
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(secrets.token_hex(32) + "\n")
-    path.chmod(0o600)
+    # Created 0600 (never readable by others, not even briefly); an old file is replaced.
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
     return path

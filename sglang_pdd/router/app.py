@@ -400,11 +400,14 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from transformers import AutoTokenizer
 
-    from sglang_pdd.control_auth import key_from_file
+    from sglang_pdd.kv_channel.handshake import load_key
     from sglang_pdd.router.backends import use_control_key
 
     if args.control_key_file:
-        use_control_key(key_from_file(args.control_key_file))
+        try:
+            use_control_key(load_key(args.control_key_file))
+        except ValueError as e:  # KeyFileError: names the file, its mode or length
+            raise SystemExit(f"sglang_pdd.router: error: --control-key-file: {e}") from None
     elif args.main or any(p.control_url for p in args.prefill):
         raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main or a P CONTROL_URL "
                          "(MD and P accept only signed control calls)")

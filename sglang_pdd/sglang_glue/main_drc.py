@@ -32,6 +32,7 @@ import torch
 
 from sglang_pdd.config import PddConfig, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
@@ -114,7 +115,9 @@ class MainDrcRuntime:
         self.kv_bytes_per_token = self.ops.layout.num_layers * self.ops.layout.bytes_per_page
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
-                                      idle_timeout=cfg.wan_timeout_s)
+                                      idle_timeout=cfg.wan_timeout_s,
+                                      ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
+                                                                  server_side=True))
         self._receiver_releases: "queue.Queue[int]" = queue.Queue()
         threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release", daemon=True).start()
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)

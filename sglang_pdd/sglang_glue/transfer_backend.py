@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -36,6 +35,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port, parse_peer_list
 from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
+from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
+from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
@@ -47,10 +48,10 @@ BACKEND_NAME = "pdd"
 def read_key(cfg: PddConfig) -> bytes:
     if not cfg.wan_key_file:
         raise PddConfigError("the TCP KV paths need --pdd-wan-key-file (peers authenticate with it)")
-    key = Path(cfg.wan_key_file).read_bytes().strip()
-    if len(key) < 16:
-        raise PddConfigError(f"--pdd-wan-key-file {cfg.wan_key_file} holds {len(key)} bytes; need >= 16")
-    return key
+    try:
+        return load_key(cfg.wan_key_file)
+    except KeyFileError as e:
+        raise PddConfigError(f"--pdd-wan-key-file: {e}") from None
 
 
 def _local_host() -> str:
@@ -77,7 +78,8 @@ class PddKVManager(MooncakeKVManager):
             self.wan_fanout = WanFanout(
                 read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}",
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
-                staging_bytes=cfg.wan_staging_mb << 20, allowed_peers=peers)
+                staging_bytes=cfg.wan_staging_mb << 20, allowed_peers=peers,
+                ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca, server_side=False))
             if cfg.control_listen:  # late destinations: the router need not wait for MD first
                 self.wan_destinations = DestinationBoard()
                 self.control_server = PrefillControlServer(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import ssl
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
@@ -105,11 +106,13 @@ class WanFanout:
         staging_bytes: int = 1 << 30,
         sender_factory: Optional[Callable[[tuple[str, int]], WanKvSender]] = None,
         allowed_peers: Iterable[tuple[str, int]] = (),
+        ssl_context: Optional[ssl.SSLContext] = None,  # --pdd-wan-tls-*: TLS to MD
     ):
         self.key, self.name = key, name
         # P's --pdd-wan-peers: the only MDs it sends KV to, so also the bound on its senders
         # (one per peer, each with its streams and watchdog).
         self.allowed_peers = frozenset(allowed_peers)
+        self.ssl_context = ssl_context
         self.num_streams, self.timeout_s = num_streams, timeout_s
         self.staging_bytes = staging_bytes
         self._sender_factory = sender_factory or self._new_sender
@@ -222,7 +225,8 @@ class WanFanout:
 
     def _new_sender(self, peer: tuple[str, int]) -> WanKvSender:
         return WanKvSender(peer, self.key, name=self.name, num_streams=self.num_streams,
-                           transfer_timeout=self.timeout_s, idle_timeout=min(10.0, self.timeout_s))
+                           transfer_timeout=self.timeout_s, idle_timeout=min(10.0, self.timeout_s),
+                           ssl_context=self.ssl_context)
 
     def _sender(self, peer: tuple[str, int]) -> WanKvSender:
         sender = self._senders.get(peer)

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 
+from kv_raw_stream import RawStream
 from sglang_pdd.kv_channel import tcp_engine
-from sglang_pdd.kv_channel.handshake import client_handshake, server_handshake
+from sglang_pdd.kv_channel.handshake import server_handshake
 from sglang_pdd.kv_channel.tcp_engine import (
     ERR_CLOSED,
     ERR_CONNECT,
@@ -88,14 +89,14 @@ def pair(engines):
     return a, b, src, backing
 
 
-def raw_client(engine: TcpTransferEngine, key: bytes = KEY) -> tuple[socket.socket, FrameReader]:
-    """An authenticated socket to the engine, to send hand-built frames."""
-    sock = socket.create_connection(("127.0.0.1", engine.port), timeout=5)
-    client_handshake(sock, key, "raw", b"raw-session", 0, 1)
-    return sock, FrameReader(sock)
+def raw_client(engine: TcpTransferEngine, key: bytes = KEY) -> tuple[RawStream, FrameReader]:
+    """An authenticated stream to the engine, to send hand-built (correctly tagged) frames."""
+    stream = RawStream(("127.0.0.1", engine.port), key, "raw", b"raw-session")
+    return stream, stream.reader
 
 
-def assert_closed_by_peer(sock: socket.socket) -> None:
+def assert_closed_by_peer(sock) -> None:
+    sock = getattr(sock, "sock", sock)
     sock.settimeout(5)
     try:
         assert sock.recv(1) == b""
@@ -267,14 +268,14 @@ def test_corrupted_payload_is_rejected_and_not_written(pair):
     payload = bytes(src[:1000])
     sock, reader = raw_client(b)
     with sock:
-        send_frame(sock, MemWrite(1, 0, dst, len(payload), checksum(payload) ^ 1), payload)
-        send_frame(sock, MemCommit(1, 1, len(payload)))
+        sock.send(MemWrite(1, 0, dst, len(payload), checksum(payload) ^ 1), payload)
+        sock.send(MemCommit(1, 1, len(payload)))
         reply, _ = reader.read_message()
         assert reply == MemWriteAck(1, 0, "checksum", f"write #0: CRC-32 mismatch on [0x{dst:x},+1000)")
         assert not backing.any()
         # same connection, good checksum: applied
-        send_frame(sock, MemWrite(2, 0, dst, len(payload), checksum(payload)), payload)
-        send_frame(sock, MemCommit(2, 1, len(payload)))
+        sock.send(MemWrite(2, 0, dst, len(payload), checksum(payload)), payload)
+        sock.send(MemCommit(2, 1, len(payload)))
         assert reader.read_message()[0] == MemWriteAck(2, 1, "ok", "")
         assert bytes(backing[16 * 1024 : 16 * 1024 + 1000]) == payload
 
@@ -284,8 +285,8 @@ def test_commit_not_matching_the_writes_fails_the_batch(pair):
     sock, reader = raw_client(b)
     with sock:
         payload = bytes(src[:10])
-        send_frame(sock, MemWrite(5, 0, ptr(backing, 16 * 1024), 10, checksum(payload)), payload)
-        send_frame(sock, MemCommit(5, 2, 20))
+        sock.send(MemWrite(5, 0, ptr(backing, 16 * 1024), 10, checksum(payload)), payload)
+        sock.send(MemCommit(5, 2, 20))
         reply, _ = reader.read_message()
         assert isinstance(reply, MemWriteAck) and reply.status == "incomplete"
 
@@ -298,7 +299,7 @@ def test_receiver_refuses_a_frame_over_its_limit(engines, caplog):
     sock, reader = raw_client(b)
     with sock:
         payload = b"x" * 2048
-        send_frame(sock, MemWrite(1, 0, ptr(dst), 2048, checksum(payload)), payload)
+        sock.send(MemWrite(1, 0, ptr(dst), 2048, checksum(payload)), payload)
         reply, _ = reader.read_message()
         assert isinstance(reply, Error) and "payload of 2048 bytes exceeds limit 1024" in reply.detail
         assert_closed_by_peer(sock)
@@ -373,7 +374,7 @@ def test_malformed_bytes_do_not_kill_the_server(pair, caplog):
     # after authentication: a frame that is not ours, then garbage
     sock, reader = raw_client(b)
     with sock:
-        send_frame(sock, Error(-1, "x", "y"))
+        sock.send(Error(-1, "x", "y"))
         reply, _ = reader.read_message()
         assert isinstance(reply, Error) and "unexpected Error" in reply.detail
         assert_closed_by_peer(sock)

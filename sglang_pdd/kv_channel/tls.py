@@ -1,0 +1,59 @@
+"""TLS for the WAN KV channel (``--pdd-wan-tls-cert/--pdd-wan-tls-key/--pdd-wan-tls-ca``).
+
+Mutual TLS: MD (receiver) and P (sender) each present a certificate signed by the CA in
+``ca`` and require the peer's. P also checks that MD's certificate names the address it
+dials (IP or DNS subjectAltName). TLS adds confidentiality; integrity and peer
+authentication hold without it too (HMAC handshake and per-frame MACs, handshake.py).
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Optional
+
+from .handshake import KeyFileError, check_private_file
+
+
+class TlsConfigError(ValueError):
+    """A certificate, key or CA file that cannot be used; the message names it."""
+
+
+def _context(purpose: int, cert: str, key: str, ca: str) -> ssl.SSLContext:
+    try:
+        check_private_file(key)
+    except KeyFileError as e:
+        raise TlsConfigError(f"TLS key: {e}") from None
+    ctx = ssl.SSLContext(purpose)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    for what, load in (("certificate/key", lambda: ctx.load_cert_chain(cert, key)),
+                       ("CA", lambda: ctx.load_verify_locations(cafile=ca))):
+        try:
+            load()
+        except (OSError, ssl.SSLError) as e:
+            files = f"{cert}, {key}" if what != "CA" else ca
+            raise TlsConfigError(f"TLS {what} ({files}) cannot be loaded: {e}") from None
+    return ctx
+
+
+def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """MD's side: presents ``cert``, requires a client certificate signed by ``ca``."""
+    return _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca)
+
+
+def client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """P's side: presents ``cert``, requires MD's certificate signed by ``ca`` and naming
+    the dialled host (``check_hostname``)."""
+    ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca)
+    ctx.check_hostname = True
+    return ctx
+
+
+def wan_tls_context(cert: Optional[str], key: Optional[str], ca: Optional[str], *,
+                    server_side: bool) -> Optional[ssl.SSLContext]:
+    """The context for ``--pdd-wan-tls-*`` (None when TLS is off: all three unset)."""
+    if not (cert or key or ca):
+        return None
+    if not (cert and key and ca):
+        raise TlsConfigError("mutual TLS needs a certificate, its key and a CA (all three --pdd-wan-tls-* flags)")
+    return server_context(cert, key, ca) if server_side else client_context(cert, key, ca)

@@ -1,0 +1,137 @@
+"""Mutual TLS on the WAN KV channel, selected by --pdd-wan-tls-cert/-key/-ca (issue 11).
+
+Certificates are made at test time with the openssl CLI: a CA, a leaf for MD (naming
+127.0.0.1) and one for P; and a second, unrelated CA whose leaf must be refused.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from sglang_pdd.config import PddConfig, PddConfigError, validate
+from sglang_pdd.kv_channel.layout import KvLayout
+from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.tls import TlsConfigError, wan_tls_context
+from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
+from sglang_pdd.kv_channel.wan_sender import WanKvSender
+
+KEY = b"tls-test-key-0123456789abcdef-0123"
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not shutil.which("openssl"), reason="openssl CLI needed to make test certificates")]
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=cwd)
+
+
+def _ca(d, name):
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+
+
+def _leaf(d, name, ca, san):
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+    (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
+    os.chmod(d / f"{name}.key", 0o600)
+    return str(d / f"{name}.pem"), str(d / f"{name}.key")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "rogue-ca")
+    return {
+        "ca": str(d / "ca.pem"),
+        "md": _leaf(d, "md", "ca", "IP:127.0.0.1,DNS:localhost"),
+        "p": _leaf(d, "p", "ca", "DNS:prefill"),
+        "rogue": _leaf(d, "rogue", "rogue-ca", "DNS:prefill"),
+        "rogue_ca": str(d / "rogue-ca.pem"),
+    }
+
+
+def _transfer(rx, tx, room):
+    layout = KvLayout(2, 16, 4096)
+    kv = np.random.default_rng(room).integers(0, 256, (2, 2, 4096), dtype=np.uint8)
+    dest = np.zeros_like(kv)
+    rx.register_room(room, layout, 32, dest)
+    xfer = tx.begin_transfer(room, layout, 32, 0)
+    xfer.send_kv(kv)
+    return xfer, kv, dest
+
+
+def test_mutual_tls_transfer_from_the_flags(pki):
+    rx = WanKvReceiver(KEY, name="md", ssl_context=wan_tls_context(*pki["md"], pki["ca"], server_side=True))
+    tx = WanKvSender(rx.address, KEY, name="p", num_streams=2,
+                     ssl_context=wan_tls_context(*pki["p"], pki["ca"], server_side=False))
+    try:
+        xfer, kv, dest = _transfer(rx, tx, 1)
+        assert xfer.wait(10) == RoomState.SUCCESS, xfer.failure_detail
+        assert rx.wait(1, 5) == RoomState.SUCCESS and np.array_equal(dest, kv)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_peer_with_a_certificate_from_another_ca_is_refused(pki):
+    rx = WanKvReceiver(KEY, name="md", ssl_context=wan_tls_context(*pki["md"], pki["ca"], server_side=True))
+    rogue = WanKvSender(rx.address, KEY, name="p", num_streams=1, connect_timeout=2,
+                        ssl_context=wan_tls_context(*pki["rogue"], pki["ca"], server_side=False))
+    plain = WanKvSender(rx.address, KEY, name="p2", num_streams=1, connect_timeout=2)  # no TLS at all
+    try:
+        for room, tx in ((2, rogue), (3, plain)):
+            xfer, _, dest = _transfer(rx, tx, room)
+            assert xfer.wait(10) == RoomState.FAILED
+            assert xfer.failure_reason in (FailureReason.CONNECT_FAILED, FailureReason.AUTH)
+            assert rx.poll(room) == RoomState.WAITING_FOR_INPUT and not dest.any()
+        assert rx.stats()["auth_failures"] >= 2
+    finally:
+        rogue.close()
+        plain.close()
+        rx.close()
+
+
+def test_sender_refuses_a_receiver_it_cannot_verify(pki):
+    """P trusts only its CA: an MD with a rogue certificate gets nothing."""
+    rx = WanKvReceiver(KEY, name="md",
+                       ssl_context=wan_tls_context(*pki["rogue"], pki["rogue_ca"], server_side=True))
+    tx = WanKvSender(rx.address, KEY, name="p", num_streams=1, connect_timeout=2,
+                     ssl_context=wan_tls_context(*pki["p"], pki["ca"], server_side=False))
+    try:
+        xfer, _, _ = _transfer(rx, tx, 4)
+        assert xfer.wait(10) == RoomState.FAILED and xfer.failure_reason == FailureReason.CONNECT_FAILED
+        assert "CERTIFICATE_VERIFY_FAILED" in xfer.failure_detail
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_tls_key_readable_by_others_is_refused(pki, tmp_path):
+    cert, key = pki["md"]
+    loose = tmp_path / "loose.key"
+    shutil.copy(key, loose)
+    loose.chmod(0o644)
+    with pytest.raises(TlsConfigError, match="loose.key has mode 0644"):
+        wan_tls_context(cert, str(loose), pki["ca"], server_side=True)
+    with pytest.raises(TlsConfigError, match="all three"):
+        wan_tls_context(cert, None, None, server_side=True)
+    assert wan_tls_context(None, None, None, server_side=True) is None
+
+
+def test_tls_flags_go_together_and_only_on_wan_roles():
+    main = dict(role="main", wan_listen="h:1", control_listen="h:2", wan_key_file="k")
+    validate(PddConfig(**main, wan_tls_cert="c", wan_tls_key="k", wan_tls_ca="a"), "null")
+    with pytest.raises(PddConfigError, match="missing --pdd-wan-tls-key, --pdd-wan-tls-ca"):
+        validate(PddConfig(**main, wan_tls_cert="c"), "null")
+    with pytest.raises(PddConfigError, match="apply only to roles prefill and main, not relay"):
+        validate(PddConfig(role="relay", wan_tls_cert="c", wan_tls_key="k", wan_tls_ca="a"), "decode", "pdd")
+    with pytest.raises(PddConfigError, match="--pdd-wan-tls-ca was given without --pdd-role"):
+        validate(PddConfig(wan_tls_ca="a"), "null")
