@@ -70,7 +70,8 @@ def test_pdd_reduces_to_pd_with_zero_wan_and_one_chip():
                         wan=instant, rdma=instant, drc=False)
     pdd = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=2, prefill_hw=CHIP_A, rld_hw=CHIP_A,
                          md_hw=CHIP_A, wan=instant, rdma=instant, drc=False,
-                         router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False))
+                         router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False,
+                                                 max_wan_transfer_ms=1e9))
     a, b = Simulation(pd), Simulation(pdd)
     sa, sb = a.run(TRACE), b.run(TRACE)
     assert sb.paths == {"p_md": len(TRACE)}
