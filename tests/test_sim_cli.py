@@ -4,6 +4,7 @@ import os
 from sglang_pdd.sim.bathtub import fixed_hit_trace, sweep
 from sglang_pdd.sim.cli import main
 from sglang_pdd.sim.metrics import Sla
+from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.sizing import size_cluster
 from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace, ideal_prefix_hit_rate
@@ -22,7 +23,7 @@ def test_compare_writes_table_plot_and_json(tmp_path, capsys):
 
 def test_sizing_finds_cheapest_mix_meeting_target():
     trace = list(generate_agentic_trace(AgenticTraceConfig(num_requests=300, seed=2)))
-    base = standard_scenarios(ClusterSpec())[0]  # PD: only prefill and decode counts matter
+    base = standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B))[0]  # PD: only prefill and decode counts matter
     sla = Sla(ttft_s=10.0, tpot_s=0.1)
     best = size_cluster(base, trace, sla, 0.9, range(1, 4), range(0, 1), md_max=4)
     assert best is not None and best.summary.sla_attainment >= 0.9
@@ -43,7 +44,7 @@ def test_fixed_hit_trace_hits_its_target():
 
 
 def test_bathtub_sweep_shape():
-    scen = [c for c in standard_scenarios(ClusterSpec(n_prefill=2, n_md=2)) if c.name == "pd_same_dc"]
+    scen = [c for c in standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=2, n_md=2)) if c.name == "pd_same_dc"]
     pts = sweep(scen, [0.0, 0.9], n=200, sla=Sla())
     assert len(pts) == 2
     low, high = pts

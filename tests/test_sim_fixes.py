@@ -11,7 +11,7 @@ from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.sim.cache import BlockCache
 from sglang_pdd.sim.cluster import ScenarioConfig, Simulation
 from sglang_pdd.sim.engine import EventLoop
-from sglang_pdd.sim.hardware import CHIP_A, CHIP_B, LinkProfile
+from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.servers import DecodeInstance, PrefillInstance
@@ -23,8 +23,8 @@ TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=500, seed=1,
 
 
 def _pdd(wan, mode=HandoffMode.CATCH_UP, threshold=4, router=None, **kw):
-    return ScenarioConfig("pdd", "pdd", n_prefill=1, n_rld=1, n_md=1, prefill_hw=CHIP_A, rld_hw=CHIP_A,
-                          md_hw=CHIP_B, wan=wan, rdma=INSTANT,
+    return ScenarioConfig("pdd", "pdd", n_prefill=1, n_rld=1, n_md=1, prefill_hw=TOY_A, rld_hw=TOY_A,
+                          md_hw=TOY_B, wan=wan, rdma=INSTANT,
                           handoff=HandoffConfig(catch_up_threshold_tokens=threshold, fixed_mode=mode),
                           router=router or PathPolicyConfig(max_wan_transfer_ms=0.0, enable_outlier_filter=False),
                           **kw)
@@ -55,13 +55,13 @@ def test_catch_up_rounds_pay_the_wan_round_trip():
 def test_md_extend_stalls_md_running_sequences():
     loop = EventLoop()
     done = {}
-    d = DecodeInstance(loop, CHIP_B, lambda now, j: None, lambda now, j: done.__setitem__(j, now))
+    d = DecodeInstance(loop, TOY_B, lambda now, j: None, lambda now, j: done.__setitem__(j, now))
     d.submit(0.0, "a", 10, 1000)
     end = d.occupy(0.0, 1.0)
     assert end == pytest.approx(1.0)
     assert d.occupy(0.0, 0.5) == pytest.approx(1.5)  # the next extend waits for the first
     loop.run_until()
-    assert done["a"] == pytest.approx(1.5 + 10 * CHIP_B.decode_step_s(1, 1000), rel=1e-6)
+    assert done["a"] == pytest.approx(1.5 + 10 * TOY_B.decode_step_s(1, 1000), rel=1e-6)
 
 
 def test_md_hit_is_decided_when_the_transfer_starts():
@@ -74,7 +74,7 @@ def test_md_hit_is_decided_when_the_transfer_starts():
     r2 = TraceRequest(1.0, 17 * 512, 4, ids + (99,))
     sim = Simulation(cfg)
     s = sim.run([r1, r2])
-    kvb = CHIP_A.kv_bytes_per_token
+    kvb = TOY_A.kv_bytes_per_token
     assert sim.kv_link.bytes_sent == pytest.approx((16 * 512 + 512) * kvb)
     assert s.mean_md_hit == pytest.approx(16 * 512 / (33 * 512))
 
@@ -93,12 +93,12 @@ def test_blocks_a_transfer_relies_on_are_pinned():
 
 def test_same_dc_transfers_do_not_share_one_link():
     slow_rdma = LinkProfile("rdma", gbps=1.0, one_way_latency_s=0.0)
-    cfg = ScenarioConfig("pd", "pd", n_prefill=2, n_md=2, prefill_hw=CHIP_A, md_hw=CHIP_A, wan=INSTANT,
+    cfg = ScenarioConfig("pd", "pd", n_prefill=2, n_md=2, prefill_hw=TOY_A, md_hw=TOY_A, wan=INSTANT,
                          rdma=slow_rdma, drc=False)
     reqs = [TraceRequest(0.0, 4096, 2, tuple(range(8))), TraceRequest(0.0, 4096, 2, tuple(range(10, 18)))]
     sim = Simulation(cfg)
     sim.run(reqs)
-    alone = CHIP_A.prefill_time_s(4096, 0) + slow_rdma.serialisation_s(4096 * CHIP_A.kv_bytes_per_token)
+    alone = TOY_A.prefill_time_s(4096, 0) + slow_rdma.serialisation_s(4096 * TOY_A.kv_bytes_per_token)
     np.testing.assert_allclose(np.array(sim.log.ttft), [alone, alone], rtol=1e-9)
 
 
@@ -112,25 +112,25 @@ def test_p_first_token_is_not_counted_as_rld():
 
 def test_prefill_backlog_counts_attention():
     loop = EventLoop()
-    p = PrefillInstance(loop, CHIP_A, lambda now, j: None)
+    p = PrefillInstance(loop, TOY_A, lambda now, j: None)
     p.busy = True  # queue only
     p.submit(0.0, "a", 131_072, 0)
     p.submit(0.0, "b", 1000, 60_000)
-    want = (CHIP_A.prefill_time_s(131_072, 0) + CHIP_A.prefill_time_s(1000, 60_000) - 2 * CHIP_A.prefill_overhead_s)
+    want = (TOY_A.prefill_time_s(131_072, 0) + TOY_A.prefill_time_s(1000, 60_000) - 2 * TOY_A.prefill_overhead_s)
     assert p.backlog_s() == pytest.approx(want)
-    assert p.backlog_s() > 1.5 * (132_072 * CHIP_A.prefill_s_per_token)  # the attention term is big at 128k
+    assert p.backlog_s() > 1.5 * (132_072 * TOY_A.prefill_s_per_token)  # the attention term is big at 128k
     p._start(0.0)
     loop.run_until()
     assert p.backlog_s() == 0.0
 
 
 def _spec(**kw):
-    return ClusterSpec(n_prefill=2, n_rld=1, n_md=2, **kw)
+    return ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=2, n_rld=1, n_md=2, **kw)
 
 
 def test_idle_rld_hides_the_wan_busy_rld_does_not():
-    big_rld = replace(CHIP_A, max_running_requests=100_000)
-    tiny_rld = replace(CHIP_A, max_running_requests=1)
+    big_rld = replace(TOY_A, max_running_requests=100_000)
+    tiny_rld = replace(TOY_A, max_running_requests=1)
     base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
     idle = Simulation(replace(base, rld_hw=big_rld)).run(TRACE)
     busy = Simulation(replace(base, rld_hw=tiny_rld)).run(TRACE)
@@ -162,7 +162,7 @@ def test_rate_scale_compresses_arrivals_and_goodput_follows_offered_load():
 
 
 def test_closed_loop_turns_wait_for_the_previous_answer():
-    cfg = standard_scenarios(ClusterSpec(n_prefill=1, n_rld=1, n_md=1))[0]
+    cfg = standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=1, n_rld=1, n_md=1))[0]
     sess = [TraceRequest(0.0, 8192, 300, tuple(range(16)), 7, 0),
             TraceRequest(100.0, 8704, 10, tuple(range(17)), 7, 1)]  # 0.1 s think time
     sim = Simulation(cfg)
