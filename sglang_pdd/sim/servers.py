@@ -206,14 +206,14 @@ class DecodeInstance:
         self.waiting: deque = deque()  # (job, tokens_to_decode, ctx_tokens, reserve_tokens)
         self.reserved: Dict[Any, int] = {}
         self.kv_used = 0
+        self.waiting_reserve = 0  # KV the waiting queue will need (kept so load() is O(1))
 
     def _token_rate(self, n: int, kv_tokens: float) -> float:
         return 1.0 / self.hw.decode_step_s(n, int(kv_tokens))
 
     def load(self) -> float:
         """KV in use plus waiting, as a fraction of the pool (> 1 means a queue)."""
-        waiting = sum(w[3] for w in self.waiting) if self.waiting else 0
-        return (self.kv_used + waiting) / self.hw.kv_capacity_tokens
+        return (self.kv_used + self.waiting_reserve) / self.hw.kv_capacity_tokens
 
     def utilisation(self) -> float:
         """Running plus waiting requests over max running (> 1 means a queue)."""
@@ -234,12 +234,14 @@ class DecodeInstance:
     def submit(self, now: float, job: Any, tokens_to_decode: int, ctx_tokens: int) -> None:
         reserve = ctx_tokens + tokens_to_decode
         self.waiting.append((job, tokens_to_decode, ctx_tokens, reserve))
+        self.waiting_reserve += reserve
         self._admit(now)
 
     def cancel_waiting(self, job: Any) -> bool:
         for i, w in enumerate(self.waiting):
             if w[0] is job:
                 del self.waiting[i]
+                self.waiting_reserve -= w[3]
                 return True
         return False
 
@@ -267,6 +269,7 @@ class DecodeInstance:
             if len(self.batch) >= hw.max_running_requests or not fits:
                 return
             self.waiting.popleft()
+            self.waiting_reserve -= reserve
             self.reserved[job] = reserve
             self.kv_used += reserve
             self.on_start(now, job)
