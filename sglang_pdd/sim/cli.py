@@ -112,7 +112,8 @@ def cmd_size(a) -> int:
     if base.kind == "pdd":
         # Never recommend PDD without sizing PD for the same SLA: say so when PD wins.
         v = compare_designs(by_name["pd_same_dc"], base, trace, sla, a.target, range(lo_p, hi_p + 1),
-                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale)
+                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale,
+                            closed_loop=a.closed_loop)
         bar.close()
         print(f"# {label}: {v.message}")
         for tag, res in (("pd_same_dc", v.pd), (a.scenario, v.pdd)):
@@ -124,7 +125,7 @@ def cmd_size(a) -> int:
             print(format_table(shown))
         return 0 if v.winner != "none" else 1
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
-                        progress=lambda: bar.update(), rate_scale=a.rate_scale)
+                        progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=a.closed_loop)
     bar.close()
     if best is None:
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
@@ -142,7 +143,8 @@ def cmd_sweep(a) -> int:
     scenarios = [c for c in standard_scenarios(_spec(a)) if c.name in names]
     scales = [float(x) for x in a.scales.split(",")]
     bar = tqdm(total=len(scales) * len(scenarios), desc=f"load sweep {label}", file=sys.stderr)
-    knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update()) for cfg in scenarios]
+    knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(),
+                        closed_loop=a.closed_loop) for cfg in scenarios]
     bar.close()
     print(f"# {label}: goodput vs offered load; knee = highest rate with >= {a.target:.0%} SLA attainment")
     print(f"{'scenario':<20} {'x rate':>6} {'offered r/s':>11} {'good r/s':>8} {'SLA%':>6} {'TTFT p90':>8}")

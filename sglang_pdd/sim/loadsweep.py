@@ -46,7 +46,8 @@ class Knee:
 
 
 def load_sweep(cfg: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla, scales: Sequence[float],
-               target: float = 0.9, progress: Optional[Callable[[], None]] = None) -> Knee:
+               target: float = 0.9, progress: Optional[Callable[[], None]] = None,
+               closed_loop: bool = False) -> Knee:
     """Runs `cfg` at every rate scale (ascending) and finds the knee. Attainment is not
     strictly monotone in load (a slower replay can change cache timing), so the knee is
     the highest rate whose attainment meets the target with every lower rate meeting it."""
@@ -54,7 +55,7 @@ def load_sweep(cfg: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla, sca
     knee = None
     broken = False
     for k in sorted(scales):
-        s = run_scenario(cfg, trace, sla, rate_scale=k)
+        s = run_scenario(cfg, trace, sla, rate_scale=k, closed_loop=closed_loop)
         p = LoadPoint(k, s.offered_rps, s.goodput_rps, s.sla_attainment, s.ttft_p90, s)
         points.append(p)
         if progress:

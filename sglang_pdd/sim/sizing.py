@@ -36,6 +36,7 @@ def size_cluster(
     md_max: int,
     progress: Optional[Callable[[], None]] = None,
     rate_scale: float = 1.0,
+    closed_loop: bool = False,
 ) -> Optional[SizingResult]:
     best: Optional[SizingResult] = None
     rlds: List[int] = list(rld_range) if base.kind == "pdd" else [0]
@@ -45,7 +46,8 @@ def size_cluster(
 
             def attempt(n_md: int) -> Summary:
                 if n_md not in cache:
-                    cache[n_md] = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale)
+                    cache[n_md] = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale,
+                                               closed_loop)
                     if progress:
                         progress()
                 return cache[n_md]
@@ -78,15 +80,16 @@ class DesignVerdict:
 
 def compare_designs(pd_base: ScenarioConfig, pdd_base: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla,
                     target_attainment: float, prefill_range: Iterable[int], rld_range: Iterable[int], md_max: int,
-                    progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0) -> DesignVerdict:
+                    progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0,
+                    closed_loop: bool = False) -> DesignVerdict:
     if pd_base.kind != "pd" or pdd_base.kind != "pdd":
         raise ValueError("compare_designs needs a pd and a pdd scenario")
     prefill_range, rld_range = list(prefill_range), list(rld_range)
     # PD gets as many decode instances as PDD may have (RLD + MD) at most.
     pd = size_cluster(pd_base, trace, sla, target_attainment, prefill_range, [0], md_max + max(rld_range),
-                      progress, rate_scale)
+                      progress, rate_scale, closed_loop)
     pdd = size_cluster(pdd_base, trace, sla, target_attainment, prefill_range, rld_range, md_max, progress,
-                       rate_scale)
+                       rate_scale, closed_loop)
     goal = f"{target_attainment:.0%} SLA attainment"
     if pd is None and pdd is None:
         return DesignVerdict(pd, pdd, "none", f"neither PD nor PDD reaches {goal} within the searched ranges")

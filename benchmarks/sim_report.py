@@ -1,0 +1,123 @@
+"""The per-trace PD vs PDD report of docs/sim.md: for each trace and model class, the
+cheapest PD and PDD mixes meeting the SLA (sizing says which wins), then goodput vs offered
+load at both mixes (the knee and BCR at the knee). Writes JSON and PNGs.
+
+    PYTHONPATH=. python benchmarks/sim_report.py --model llama3-70b --out docs/img
+    PYTHONPATH=. python benchmarks/sim_report.py --model deepseek-v3 --out docs/img
+
+Slow (minutes per trace: every mix is a full run); tqdm shows progress.
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+
+from tqdm import tqdm
+
+from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
+from sglang_pdd.sim.loadsweep import load_sweep
+from sglang_pdd.sim.metrics import Sla
+from sglang_pdd.sim.plots import plot_load_sweep
+from sglang_pdd.sim.report import format_table
+from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
+from sglang_pdd.sim.sizing import compare_designs
+from sglang_pdd.workload import (conversation_config, generate_agentic_trace, ideal_prefix_hit_rate, load_trace,
+                                 per_request_hit_rates, realistic_agentic_config)
+
+CHIPS = {"llama3-70b": ("h100", "h20"), "deepseek-v3": ("h200", "h20")}
+
+
+def traces(a):
+    out = []
+    if "mooncake" in a.traces:
+        out.append(("mooncake", list(load_trace(a.mooncake, a.n)), False))
+    if "agentic" in a.traces:
+        out.append(("agentic", list(generate_agentic_trace(realistic_agentic_config(num_requests=a.n, seed=a.seed))),
+                    True))
+    if "conversation" in a.traces:
+        out.append(("conversation", list(generate_agentic_trace(conversation_config(num_requests=a.n, seed=a.seed))),
+                    True))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(CHIPS), default="llama3-70b")
+    ap.add_argument("--traces", default="mooncake,agentic,conversation")
+    ap.add_argument("--mooncake", default="/work/shared/traces/mooncake_synthetic_trace.jsonl")
+    ap.add_argument("--n", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
+    ap.add_argument("--prefill-max", type=int, default=12)
+    ap.add_argument("--rld-max", type=int, default=2)
+    ap.add_argument("--md-max", type=int, default=12)
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--ttft-slo", type=float, default=2.0)
+    ap.add_argument("--tpot-slo", type=float, default=0.06)
+    ap.add_argument("--itl-slo", type=float, default=1.0)
+    ap.add_argument("--scales", default="0.5,0.75,1,1.25,1.5,2,2.5,3")
+    ap.add_argument("--out", default="docs/img")
+    a = ap.parse_args()
+    chip_a, chip_b = CHIPS[a.model]
+    spec = ClusterSpec(chip_a=preset(a.model, chip_a), chip_b=preset(a.model, chip_b),
+                       wan=replace(WAN_DEFAULT, gbps=a.wan_gbps))
+    by = {c.name: c for c in standard_scenarios(spec)}
+    sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
+    os.makedirs(a.out, exist_ok=True)
+    tag = f"{a.model}_{a.wan_gbps:g}g"
+    results = []
+    for label, trace, closed in traces(a):
+        hits = per_request_hit_rates(trace)
+        print(f"## {label} ({a.model}, P/RLD {chip_a}, MD {chip_b}, WAN {a.wan_gbps:g} Gbps): {len(trace)} requests, "
+              f"mean input {sum(r.input_length for r in trace) / len(trace):.0f}, per-request hit "
+              f"{sum(hits) / len(hits):.2f}, reusable prefix {ideal_prefix_hit_rate(trace):.2f}", flush=True)
+        bar = tqdm(desc=f"sizing {label}", unit="sim", file=sys.stderr)
+        v = compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, sla, a.target,
+                            range(1, a.prefill_max + 1), range(0, a.rld_max + 1), a.md_max,
+                            progress=lambda: bar.update(), closed_loop=closed)
+        bar.close()
+        print(v.message, flush=True)
+        row = {"trace": label, "model": a.model, "wan_gbps": a.wan_gbps, "winner": v.winner, "message": v.message,
+               "requests": len(trace), "mean_hit": sum(hits) / len(hits), "reusable": ideal_prefix_hit_rate(trace)}
+        knees = []
+        for name, res in (("pd_same_dc", v.pd), ("pdd_drc_adaptive", v.pdd)):
+            if res is None:
+                continue
+            row[name] = {"n_prefill": res.n_prefill, "n_rld": res.n_rld, "n_md": res.n_md,
+                         "cost_per_hour": res.cost_per_hour, "summary": asdict(res.summary)}
+            cfg = with_counts(by[name], res.n_prefill, res.n_rld, res.n_md)
+            cfg = replace(cfg, name=f"{name} {res.n_prefill}P/{res.n_rld}R/{res.n_md}D")
+            scales = [float(x) for x in a.scales.split(",")]
+            bar = tqdm(total=len(scales), desc=f"load sweep {label} {name}", file=sys.stderr)
+            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), closed_loop=closed)
+            bar.close()
+            knees.append(k)
+            row[name].update(knee_goodput_rps=k.knee_goodput_rps, knee_bcr=k.knee_bcr,
+                             knee_scale=k.knee.rate_scale if k.knee else None)
+            # Handoff modes at the sized PDD mix: where stalls differ.
+        if v.pdd is not None:
+            modes = [with_counts(by[n], v.pdd.n_prefill, v.pdd.n_rld, v.pdd.n_md)
+                     for n in ("pdd_drc_oneshot", "pdd_drc_catchup", "pdd_drc_adaptive")]
+            from sglang_pdd.sim.cluster import run_scenario
+            sums = [run_scenario(c, trace, sla, closed_loop=closed) for c in modes]
+            if v.pd is not None:
+                sums.insert(0, v.pd.summary)
+            print(format_table(sums), flush=True)
+            row["modes"] = [asdict(s) for s in sums]
+        if knees:
+            png = plot_load_sweep(knees, f"{label}, {a.model}, WAN {a.wan_gbps:g} Gbps",
+                                  os.path.join(a.out, f"sim_sweep_{label}_{tag}.png"))
+            print(f"wrote {png}")
+        for k in knees:
+            print(f"{k.scenario}: ${k.cost_per_hour:.1f}/h, knee goodput {k.knee_goodput_rps:.2f} r/s "
+                  f"(x{k.knee.rate_scale if k.knee else 0:g}), knee BCR {k.knee_bcr:.0f}", flush=True)
+        results.append(row)
+        with open(os.path.join(a.out, f"sim_report_{tag}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
