@@ -42,7 +42,36 @@ def traces(a):
     return out
 
 
+def markdown(paths) -> str:
+    """The docs/sim.md table from the JSON files this script wrote."""
+    lines = ["| trace | model | mean hit / reusable | cheapest PD (P/D, $/h) | cheapest PDD (P/RLD/MD, $/h) | "
+             "verdict | knee good r/s PD / PDD | knee BCR PD / PDD | PDD WAN util, MD hit, RLD tok% |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)
+        for r in rows:
+            pd, pdd = r.get("pd_same_dc"), r.get("pdd_drc_adaptive")
+            fmt_pd = f"{pd['n_prefill']}/{pd['n_md']}, {pd['cost_per_hour']:.0f}" if pd else "none"
+            fmt_pdd = (f"{pdd['n_prefill']}/{pdd['n_rld']}/{pdd['n_md']}, {pdd['cost_per_hour']:.1f}"
+                       if pdd else "none")
+            kg = f"{pd['knee_goodput_rps'] if pd else 0:.2f} / {pdd['knee_goodput_rps'] if pdd else 0:.2f}"
+            kb = f"{pd['knee_bcr'] if pd else 0:.0f} / {pdd['knee_bcr'] if pdd else 0:.0f}"
+            extra = "-"
+            if pdd:
+                s = pdd["summary"]
+                extra = f"{s['wan_util']:.2f}, {s['mean_md_hit']:.2f}, {100 * s['rld_token_share']:.1f}"
+            verdict = r["message"].split(":")[0]
+            x = r.get("rate_scale", 1.0)
+            lines.append(f"| {r['trace']}{f' x{x:g}' if x != 1 else ''} | {r['model']} | {r['mean_hit']:.2f} / {r['reusable']:.2f} | {fmt_pd} | "
+                         f"{fmt_pdd} | {verdict} | {kg} | {kb} | {extra} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(CHIPS), default="llama3-70b")
     ap.add_argument("--traces", default="mooncake,agentic,conversation")
@@ -57,7 +86,8 @@ def main() -> int:
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--tpot-slo", type=float, default=0.06)
     ap.add_argument("--itl-slo", type=float, default=1.0)
-    ap.add_argument("--scales", default="0.5,0.75,1,1.25,1.5,2,2.5,3")
+    ap.add_argument("--scales", default="0.5,0.75,1,1.25,1.5,2,2.5,3", help="load sweep, relative to --rate-scale")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="size for the trace replayed this much faster")
     ap.add_argument("--out", default="docs/img")
     a = ap.parse_args()
     chip_a, chip_b = CHIPS[a.model]
@@ -66,7 +96,7 @@ def main() -> int:
     by = {c.name: c for c in standard_scenarios(spec)}
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
     os.makedirs(a.out, exist_ok=True)
-    tag = f"{a.model}_{a.wan_gbps:g}g"
+    tag = f"{a.model}_{a.wan_gbps:g}g" + (f"_x{a.rate_scale:g}" if a.rate_scale != 1 else "")
     results = []
     for label, trace, closed in traces(a):
         hits = per_request_hit_rates(trace)
@@ -76,10 +106,10 @@ def main() -> int:
         bar = tqdm(desc=f"sizing {label}", unit="sim", file=sys.stderr)
         v = compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, sla, a.target,
                             range(1, a.prefill_max + 1), range(0, a.rld_max + 1), a.md_max,
-                            progress=lambda: bar.update(), closed_loop=closed)
+                            progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=closed)
         bar.close()
         print(v.message, flush=True)
-        row = {"trace": label, "model": a.model, "wan_gbps": a.wan_gbps, "winner": v.winner, "message": v.message,
+        row = {"trace": label, "model": a.model, "wan_gbps": a.wan_gbps, "rate_scale": a.rate_scale, "winner": v.winner, "message": v.message,
                "requests": len(trace), "mean_hit": sum(hits) / len(hits), "reusable": ideal_prefix_hit_rate(trace)}
         knees = []
         for name, res in (("pd_same_dc", v.pd), ("pdd_drc_adaptive", v.pdd)):
@@ -89,7 +119,7 @@ def main() -> int:
                          "cost_per_hour": res.cost_per_hour, "summary": asdict(res.summary)}
             cfg = with_counts(by[name], res.n_prefill, res.n_rld, res.n_md)
             cfg = replace(cfg, name=f"{name} {res.n_prefill}P/{res.n_rld}R/{res.n_md}D")
-            scales = [float(x) for x in a.scales.split(",")]
+            scales = [a.rate_scale * float(x) for x in a.scales.split(",")]
             bar = tqdm(total=len(scales), desc=f"load sweep {label} {name}", file=sys.stderr)
             k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), closed_loop=closed)
             bar.close()
@@ -101,13 +131,13 @@ def main() -> int:
             modes = [with_counts(by[n], v.pdd.n_prefill, v.pdd.n_rld, v.pdd.n_md)
                      for n in ("pdd_drc_oneshot", "pdd_drc_catchup", "pdd_drc_adaptive")]
             from sglang_pdd.sim.cluster import run_scenario
-            sums = [run_scenario(c, trace, sla, closed_loop=closed) for c in modes]
+            sums = [run_scenario(c, trace, sla, rate_scale=a.rate_scale, closed_loop=closed) for c in modes]
             if v.pd is not None:
                 sums.insert(0, v.pd.summary)
             print(format_table(sums), flush=True)
             row["modes"] = [asdict(s) for s in sums]
         if knees:
-            png = plot_load_sweep(knees, f"{label}, {a.model}, WAN {a.wan_gbps:g} Gbps",
+            png = plot_load_sweep(knees, f"{label}, {a.model}, WAN {a.wan_gbps:g} Gbps, sized at x{a.rate_scale:g}",
                                   os.path.join(a.out, f"sim_sweep_{label}_{tag}.png"))
             print(f"wrote {png}")
         for k in knees:

@@ -170,3 +170,17 @@ def test_closed_loop_turns_wait_for_the_previous_answer():
     first_done = sim.log.arrival[0] + sim.log.e2e[0]
     assert sim.log.arrival[1] == pytest.approx(first_done + 0.1)
     assert sim.log.arrival[1] > 0.1  # open loop would have sent it at 0.1 s
+
+
+def test_a_faster_wan_never_makes_pdd_worse():
+    # Issue 12: with a fixed 25% budget and one counted trip, PDD looked best at 1 Gbps
+    # and worse at 25 (requests crossed the WAN while RLD idled). Now more bandwidth can
+    # only help: the load-aware budget keeps requests on RLD unless it is busy.
+    base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
+    sla = Sla(ttft_s=1.0, tpot_s=0.06)
+    att = []
+    for gbps in (1.0, 10.0, 25.0, 100.0):
+        wan = LinkProfile("wan", gbps=gbps, one_way_latency_s=0.02, jitter_s=0.005)
+        s = Simulation(replace(base, wan=wan), sla).run(TRACE)
+        att.append(s.sla_attainment)
+    assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
