@@ -61,7 +61,8 @@ def markdown(paths) -> str:
             if pdd:
                 s = pdd["summary"]
                 extra = f"{s['wan_util']:.2f}, {s['mean_md_hit']:.2f}, {100 * s['rld_token_share']:.1f}"
-            verdict = r["message"].split(":")[0]
+            verdict = {"pd": "**PD wins**", "none": "neither meets it"}.get(r["winner"]) or (
+                "**PDD wins** (no RLD: xDC PD + DRC)" if pdd["n_rld"] == 0 else "**PDD wins**")
             x = r.get("rate_scale", 1.0)
             lines.append(f"| {r['trace']}{f' x{x:g}' if x != 1 else ''} | {r['model']} | {r['mean_hit']:.2f} / {r['reusable']:.2f} | {fmt_pd} | "
                          f"{fmt_pdd} | {verdict} | {kg} | {kb} | {extra} |")

@@ -104,5 +104,7 @@ def compare_designs(pd_base: ScenarioConfig, pdd_base: ScenarioConfig, trace: Se
         return DesignVerdict(pd, pdd, "pd", f"PD wins here: ${pd.cost_per_hour:.1f}/h meets {goal}; the cheapest "
                                             f"PDD mix costs ${pdd.cost_per_hour:.1f}/h ({more:+.0f}%)")
     less = (1.0 - pdd.cost_per_hour / pd.cost_per_hour) * 100.0
-    return DesignVerdict(pd, pdd, "pdd", f"PDD wins: ${pdd.cost_per_hour:.1f}/h meets {goal}, {less:.0f}% less "
+    # Without RLD the "PDD" mix is cross-DC PD with a decode-side cache: say so.
+    what = "PDD (no RLD: cross-DC PD with DRC)" if pdd.n_rld == 0 else "PDD"
+    return DesignVerdict(pd, pdd, "pdd", f"{what} wins: ${pdd.cost_per_hour:.1f}/h meets {goal}, {less:.0f}% less "
                                          f"than PD's ${pd.cost_per_hour:.1f}/h")
