@@ -86,7 +86,7 @@ def test_size_cli_prints_the_verdict(capsys):
                "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5", "--wan-gbps", "400"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "PD wins here" in out or "PDD wins" in out
+    assert "PD wins here" in out or ") wins:" in out or "PDD wins" in out
     assert "cheapest pd_same_dc" in out
 
 
