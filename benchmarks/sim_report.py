@@ -69,9 +69,43 @@ def markdown(paths) -> str:
     return "\n".join(lines)
 
 
+def summary_plot(paths, out_png: str) -> str:
+    """Cost of the cheapest PD and PDD mix meeting the SLA, per trace and model class."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f)
+    labels = [f"{r['trace']}{' x%g' % r['rate_scale'] if r.get('rate_scale', 1) != 1 else ''}\n{r['model']}"
+              f"\n{r['wan_gbps']:g} Gbps" for r in rows]
+    pd = [r["pd_same_dc"]["cost_per_hour"] if r.get("pd_same_dc") else 0 for r in rows]
+    pdd = [r["pdd_drc_adaptive"]["cost_per_hour"] if r.get("pdd_drc_adaptive") else 0 for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(rows)), 4.8))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], pd, 0.4, label="cheapest PD meeting the SLA")
+    ax.bar([i + 0.2 for i in x], pdd, 0.4, label="cheapest PDD meeting the SLA (0 = none)")
+    for i, r in enumerate(rows):
+        ax.text(i, max(pd[i], pdd[i]) * 1.02 + 1, {"pd": "PD", "pdd": "PDD", "none": "-"}[r["winner"]],
+                ha="center", fontweight="bold")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("$/h of hardware")
+    ax.set_title("Who wins on cost at the same SLA (90% attainment)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--markdown":
         print(markdown(sys.argv[2:]))
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--summary-plot":
+        print(summary_plot(sys.argv[3:], sys.argv[2]))
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(CHIPS), default="llama3-70b")
@@ -80,6 +114,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
+    ap.add_argument("--prefill-min", type=int, default=1)
     ap.add_argument("--prefill-max", type=int, default=12)
     ap.add_argument("--rld-max", type=int, default=2)
     ap.add_argument("--md-max", type=int, default=12)
@@ -106,7 +141,7 @@ def main() -> int:
               f"{sum(hits) / len(hits):.2f}, reusable prefix {ideal_prefix_hit_rate(trace):.2f}", flush=True)
         bar = tqdm(desc=f"sizing {label}", unit="sim", file=sys.stderr)
         v = compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, sla, a.target,
-                            range(1, a.prefill_max + 1), range(0, a.rld_max + 1), a.md_max,
+                            range(a.prefill_min, a.prefill_max + 1), range(0, a.rld_max + 1), a.md_max,
                             progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=closed)
         bar.close()
         print(v.message, flush=True)
