@@ -44,7 +44,7 @@ def traces(a):
 
 def markdown(paths) -> str:
     """The docs/sim.md table from the JSON files this script wrote."""
-    lines = ["| trace | model | mean hit / reusable | cheapest PD (P/D, $/h) | cheapest PDD (P/RLD/MD, $/h) | "
+    lines = ["| trace | model, WAN | mean hit / reusable | cheapest PD (P/D, $/h) | cheapest PDD (P/RLD/MD, $/h) | "
              "verdict | knee good r/s PD / PDD | knee BCR PD / PDD | PDD WAN util, MD hit, RLD tok% |",
              "|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
@@ -55,8 +55,15 @@ def markdown(paths) -> str:
             fmt_pd = f"{pd['n_prefill']}/{pd['n_md']}, {pd['cost_per_hour']:.0f}" if pd else "none"
             fmt_pdd = (f"{pdd['n_prefill']}/{pdd['n_rld']}/{pdd['n_md']}, {pdd['cost_per_hour']:.1f}"
                        if pdd else "none")
-            kg = f"{pd['knee_goodput_rps'] if pd else 0:.2f} / {pdd['knee_goodput_rps'] if pdd else 0:.2f}"
-            kb = f"{pd['knee_bcr'] if pd else 0:.0f} / {pdd['knee_bcr'] if pdd else 0:.0f}"
+            top = 3.0 * r.get("rate_scale", 1.0)  # the sweep's highest scale (default --scales)
+
+            def knee(d, key, f):
+                if not d:
+                    return "-"
+                beyond = ">=" if d.get("knee_scale") is not None and d["knee_scale"] >= top else ""
+                return beyond + format(d[key], f)
+            kg = f"{knee(pd, 'knee_goodput_rps', '.2f')} / {knee(pdd, 'knee_goodput_rps', '.2f')}"
+            kb = f"{knee(pd, 'knee_bcr', '.0f')} / {knee(pdd, 'knee_bcr', '.0f')}"
             extra = "-"
             if pdd:
                 s = pdd["summary"]
@@ -64,7 +71,7 @@ def markdown(paths) -> str:
             verdict = {"pd": "**PD wins**", "none": "neither meets it"}.get(r["winner"]) or (
                 "**PDD wins** (no RLD: xDC PD + DRC)" if pdd["n_rld"] == 0 else "**PDD wins**")
             x = r.get("rate_scale", 1.0)
-            lines.append(f"| {r['trace']}{f' x{x:g}' if x != 1 else ''} | {r['model']} | {r['mean_hit']:.2f} / {r['reusable']:.2f} | {fmt_pd} | "
+            lines.append(f"| {r['trace']}{f' x{x:g}' if x != 1 else ''} | {r['model']}, {r['wan_gbps']:g} Gbps | {r['mean_hit']:.2f} / {r['reusable']:.2f} | {fmt_pd} | "
                          f"{fmt_pdd} | {verdict} | {kg} | {kb} | {extra} |")
     return "\n".join(lines)
 
