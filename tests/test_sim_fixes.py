@@ -184,3 +184,23 @@ def test_a_faster_wan_never_makes_pdd_worse():
         s = Simulation(replace(base, wan=wan), sla).run(TRACE)
         att.append(s.sla_attainment)
     assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
+
+
+def test_kv_of_a_request_that_ended_on_rld_still_lands_in_the_drc():
+    # docs/router.md step 9: RLD finishes a short answer before MD's KV has landed; the
+    # KV keeps crossing and fills MD's cache, so the next turn ships only its new block.
+    wan = LinkProfile("wan", gbps=1.0, one_way_latency_s=0.02)
+    ids = tuple(range(16))
+    turns = [TraceRequest(0.0, 16 * 512, 2, ids, 1, 0), TraceRequest(60_000.0, 17 * 512, 2, ids + (99,), 1, 1)]
+    cfg = _pdd(wan, mode=HandoffMode.ONE_SHOT, router=PathPolicyConfig(max_wan_transfer_ms=0.0,
+                                                                    enable_outlier_filter=False))
+    sim = Simulation(cfg)
+    s = sim.run(turns)
+    assert s.paths == {"p_rld_md": 2} and list(sim.log.rld_tokens) == [1, 1]  # both ended on RLD
+    kvb = TOY_A.kv_bytes_per_token
+    assert sim.kv_link.bytes_sent == pytest.approx((16 * 512 + 512) * kvb)
+    assert s.mean_md_hit == pytest.approx(16 * 512 / (33 * 512))
+    # Without a DRC the transfer is useless and cancelled.
+    nodrc = Simulation(replace(cfg, drc=False))
+    nodrc.run(turns)
+    assert nodrc.kv_link.bytes_cancelled > 0

@@ -7,7 +7,7 @@ Request lifecycle (PDD):
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands RLD hands its tokens over (`handoff.policy`: one-shot or
                 catch-up rounds), MD extends them and decodes the rest. A request that ends
-                on RLD first cancels its WAN transfer;
+                on RLD first lets its KV land in MD's DRC (cancels it without a DRC);
     P_RLD_ONLY: outliers decode entirely on RLD, nothing crosses the WAN.
 Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
 type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
@@ -395,8 +395,11 @@ class Simulation:
 
     def _rld_done(self, now: float, r: SimRequest) -> None:
         if r.path is Path.P_RLD_MD:
-            if self.kv_link.in_flight(r):
-                self.kv_link.cancel(now, r)  # the WAN transfer is no longer needed
+            # As the router does (docs/router.md, step 9): with a DRC the KV still crossing
+            # the WAN lands in MD's cache, so the session's next turn hits there; without
+            # one it is useless and cancelled.
+            if not self.cfg.drc and self.kv_link.in_flight(r):
+                self.kv_link.cancel(now, r)
                 self._unpin(r)  # it will never land
             self._md_unpend(r)
         # P produced the first token; RLD decoded the rest.
