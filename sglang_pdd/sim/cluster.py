@@ -194,7 +194,8 @@ class Simulation:
         return summarise(
             c.name, self.log, self.sla, c.cost_per_hour, wan_bytes, c.wan.bytes_per_s,
             c.wan.price_per_hour, c.wan.price_per_gb, PATH_NAMES,
-            mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0)
+            mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0,
+            wan_span_s=self.loop.now)  # arrivals start at 0; the last event may be a landing
 
     # ---- routing -------------------------------------------------------------------
     def _arrive(self, now: float, tr: TraceRequest) -> None:

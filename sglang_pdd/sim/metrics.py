@@ -111,7 +111,9 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 
 def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_bytes: float,
               wan_bytes_per_s: float, wan_price_per_hour: float, wan_price_per_gb: float,
-              path_names, mean_md_hit: float = 0.0) -> Summary:
+              path_names, mean_md_hit: float = 0.0, wan_span_s: float = 0.0) -> Summary:
+    """wan_span_s: how long the WAN was in use, if longer than the requests' span (KV of
+    finished requests still landing in MD's cache)."""
     ttft = np.frombuffer(log.ttft, dtype=np.float64)
     tpot = np.frombuffer(log.tpot, dtype=np.float64)
     arrival = np.frombuffer(log.arrival, dtype=np.float64)
@@ -143,7 +145,8 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         goodput_rps=good / duration if duration > 0 else 0.0,
         throughput_tok_s=float(out.sum()) / duration if duration > 0 else 0.0,
         wan_gb=wan_gb,
-        wan_util=(wan_bytes / (wan_bytes_per_s * duration)) if duration > 0 and wan_bytes_per_s > 0 else 0.0,
+        wan_util=(wan_bytes / (wan_bytes_per_s * max(duration, wan_span_s)))
+        if duration > 0 and wan_bytes_per_s > 0 else 0.0,
         rld_token_share=float(rld.sum()) / float(out.sum()) if out.sum() else 0.0,
         cost_per_hour=cost_per_hour,
         wan_cost=wan_price_per_hour * hours + wan_price_per_gb * wan_gb,
