@@ -174,8 +174,9 @@ def cmd_bathtub(a) -> int:
     scenarios = [c for c in standard_scenarios(_spec(a)) if c.name in names]
     hits = [float(h) for h in a.hits.split(",")]
     bar = tqdm(total=len(hits) * len(scenarios), desc="bathtub", file=sys.stderr)
+    grid = [int(x) for x in a.sessions_grid.split(",")] if a.sessions_grid else None
     points = sweep(scenarios, hits, a.n, sla, sessions=a.sessions, input_tokens=a.input_tokens,
-                   output_tokens=a.output_tokens, progress=lambda: bar.update())
+                   output_tokens=a.output_tokens, progress=lambda: bar.update(), sessions_grid=grid)
     bar.close()
     print(f"# closed loop: {a.sessions} sessions, {a.input_tokens} input / {a.output_tokens} output tokens, "
           f"hits in whole {BLOCK_TOKENS}-token blocks")
@@ -227,6 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sessions", type=int, default=640,
                    help="closed-loop clients (each sends its next turn when the last one ended); "
                         "enough to fill the default cluster's decode slots")
+    p.add_argument("--sessions-grid", default=None,
+                   help="client counts tried per point (default: sessions/8, /4, /2, sessions); "
+                        "goodput is the best of them, saturation throughput the largest")
     p.add_argument("--input-tokens", type=int, default=16_384)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--scenarios", default="pd_same_dc,naive_xdc,pdd_drc_adaptive")
