@@ -96,6 +96,23 @@ def ideal_prefix_hit_rate(requests: Iterable[TraceRequest]) -> float:
     return hit / total if total else 0.0
 
 
+def per_request_hit_rates(requests: Iterable[TraceRequest]) -> List[float]:
+    """Each request's prefix hit (whole blocks) with an infinite cache: the distribution
+    behind `ideal_prefix_hit_rate` (which is its token-weighted mean)."""
+    seen = set()
+    out = []
+    for r in requests:
+        full_blocks = r.input_length // BLOCK_TOKENS
+        n = 0
+        for h in r.hash_ids[:full_blocks]:
+            if h not in seen:
+                break
+            n += 1
+        out.append(n * BLOCK_TOKENS / r.input_length)
+        seen.update(r.hash_ids[:full_blocks])
+    return out
+
+
 @dataclass(frozen=True)
 class AgenticTraceConfig:
     num_requests: int = 10_000
@@ -113,6 +130,35 @@ class AgenticTraceConfig:
     outlier_fraction: float = 0.02
     outlier_input_tokens: Tuple[int, int] = (40_000, 120_000)
     outlier_output_tokens: Tuple[int, int] = (1, 8)
+    # Context management: after a turn, with this probability (or always once the context
+    # exceeds max_context_tokens) the agent compacts its history: the next prompt is the
+    # system prompt plus a fresh summary of `reset_tokens`, so it misses every cache.
+    context_reset_prob: float = 0.0
+    max_context_tokens: Optional[int] = None
+    reset_tokens: Tuple[int, int] = (2000, 8000)
+
+
+def realistic_agentic_config(**overrides) -> AgenticTraceConfig:
+    """Agent sessions whose per-request prefix hit averages ~0.75 (coding/tool agents: long
+    tool outputs, compaction at a context limit and now and then before it), not the
+    default generator's ~0.87 with a fifth of requests above 95%. See docs/sim.md."""
+    cfg = dict(turns_min=3, turns_max=25, system_prompt_tokens=4096, num_system_prompts=8,
+               first_user_tokens=(1000, 6000), tool_result_tokens=(1000, 8000), output_tokens=(50, 800),
+               think_time_s=3.0, session_rate_per_s=0.3, outlier_fraction=0.02,
+               context_reset_prob=0.12, max_context_tokens=64_000, reset_tokens=(2000, 8000))
+    cfg.update(overrides)
+    return AgenticTraceConfig(**cfg)
+
+
+def conversation_config(**overrides) -> AgenticTraceConfig:
+    """Chat-like traffic with little reuse: ~12k-token prompts (a document or a long paste
+    plus a question), one to two turns, a short shared system prompt; ~35-40% of prompt
+    tokens are a reusable prefix (token-weighted `ideal_prefix_hit_rate`)."""
+    cfg = dict(turns_min=1, turns_max=2, system_prompt_tokens=1024, num_system_prompts=32,
+               first_user_tokens=(3000, 17000), tool_result_tokens=(300, 3000), output_tokens=(100, 600),
+               think_time_s=30.0, session_rate_per_s=1.0, outlier_fraction=0.0)
+    cfg.update(overrides)
+    return AgenticTraceConfig(**cfg)
 
 
 class _IdAllocator:
@@ -183,10 +229,17 @@ def generate_agentic_trace(cfg: AgenticTraceConfig) -> Iterator[TraceRequest]:
         emitted += 1
         state["turn"] += 1
         if state["turn"] < state["turns"]:
-            # Next prompt = this prompt + our output + a tool result. Only full blocks of
-            # this prompt stay identical; the partial one is rewritten.
-            state["tokens"] = n_in + n_out
-            state["full_ids"] = full_ids[: state["tokens"] // BLOCK_TOKENS]
-            state["new"] = rng.randint(*cfg.tool_result_tokens)
+            too_long = cfg.max_context_tokens is not None and n_in + n_out >= cfg.max_context_tokens
+            if too_long or (cfg.context_reset_prob > 0 and rng.random() < cfg.context_reset_prob):
+                # Compaction: system prompt + a new summary; nothing after the system prompt is reused.
+                state["tokens"] = sys_blocks * BLOCK_TOKENS
+                state["full_ids"] = list(full_ids[:sys_blocks])
+                state["new"] = rng.randint(*cfg.reset_tokens)
+            else:
+                # Next prompt = this prompt + our output + a tool result. Only full blocks of
+                # this prompt stay identical; the partial one is rewritten.
+                state["tokens"] = n_in + n_out
+                state["full_ids"] = full_ids[: state["tokens"] // BLOCK_TOKENS]
+                state["new"] = rng.randint(*cfg.tool_result_tokens)
             gap_ms = rng.expovariate(1.0 / cfg.think_time_s) * 1000.0 if cfg.think_time_s > 0 else 0.0
             heapq.heappush(heap, (t_ms + gap_ms, next(tiebreak), state))

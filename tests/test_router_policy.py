@@ -118,3 +118,75 @@ def test_pick_instance_max_load_overrides_affinity():
     with pytest.raises(ValueError):
         pick_instance([], None)
 
+
+
+# ---- the WAN time P->MD makes the user wait, and the load-aware budget ----------------
+
+def test_p_md_pays_each_one_way_trip_of_its_message_sequence():
+    from sglang_pdd.router.policy import estimate_p_md_wan_ms
+    cfg = PathPolicyConfig(wan_gbps=8.0, wan_rtt_ms=40.0, kv_bytes_per_token=1000)
+    # registration there and back (in TTFT) + KV there + MD's first token back: 4 x 20 ms,
+    # plus 1 ms of serialisation. The old estimate counted one 20 ms trip.
+    assert estimate_p_md_wan_ms(1000, cfg) == pytest.approx(81.0)
+    no_reg = PathPolicyConfig(wan_gbps=8.0, wan_rtt_ms=40.0, kv_bytes_per_token=1000, p_md_registers_first=False)
+    assert estimate_p_md_wan_ms(1000, no_reg) == pytest.approx(41.0)
+    d = choose_path(RequestFacts(input_tokens=1000), cfg)
+    assert d.est_wan_transfer_ms == pytest.approx(81.0)
+
+
+def test_latency_alone_can_push_a_small_transfer_over_a_fixed_budget():
+    # 70 ms budget: one trip (21 ms) fitted it, the real four trips (81 ms) do not.
+    cfg = PathPolicyConfig(wan_gbps=8.0, wan_rtt_ms=40.0, kv_bytes_per_token=1000, max_wan_transfer_ms=70.0)
+    assert choose_path(RequestFacts(input_tokens=1000), cfg).path is Path.P_RLD_MD
+
+
+LOAD_CFG = PathPolicyConfig(wan_gbps=10.0, wan_rtt_ms=40.0, kv_bytes_per_token=1250, ttft_slo_ms=2000.0,
+                            rld_idle_at=0.5, rld_busy_at=0.9, ttft_safety_fraction=0.1)
+
+
+def test_idle_rld_keeps_requests_off_the_wan():
+    # A tiny transfer (81 ms) fits the old 500 ms fixed budget, but RLD idles: the user
+    # must not wait for the WAN when RLD can hide it for free.
+    small = dict(input_tokens=1000, p_prefill_ms=100.0)
+    assert choose_path(RequestFacts(**small), LOAD_CFG).path is Path.P_MD  # caller without load: old rule
+    for util in (0.0, 0.3, 0.5):
+        d = choose_path(RequestFacts(**small, rld_utilisation=util), LOAD_CFG)
+        assert d.path is Path.P_RLD_MD, d.reason
+        assert d.budget_ms == 0.0
+
+
+def test_busy_rld_sends_whatever_meets_the_slo_straight_to_md():
+    # RLD full: the budget is the whole TTFT slack (1800 - queue - prefill), far beyond 25%.
+    facts = RequestFacts(input_tokens=1_000_000, p_prefill_ms=300.0, rld_utilisation=1.0)  # 1000 ms + 80 ms
+    d = choose_path(facts, LOAD_CFG)
+    assert d.path is Path.P_MD, d.reason
+    assert d.budget_ms == pytest.approx(1500.0)
+    # Half-way between idle and busy: half the slack.
+    half = choose_path(RequestFacts(input_tokens=1000, p_prefill_ms=300.0, rld_utilisation=0.7), LOAD_CFG)
+    assert half.budget_ms == pytest.approx(750.0)
+
+
+def test_p_queue_eats_the_wan_budget():
+    base = dict(input_tokens=1_000_000, p_prefill_ms=300.0, rld_utilisation=1.0)
+    assert choose_path(RequestFacts(**base, p_queue_ms=400.0), LOAD_CFG).path is Path.P_MD
+    d = choose_path(RequestFacts(**base, p_queue_ms=600.0), LOAD_CFG)  # 1080 > 900
+    assert d.path is Path.P_RLD_MD and d.budget_ms == pytest.approx(900.0)
+    # P already past the SLO: no budget at all.
+    assert choose_path(RequestFacts(**base, p_queue_ms=5000.0), LOAD_CFG).budget_ms == 0.0
+
+
+def test_explicit_max_wan_transfer_overrides_the_load_budget():
+    cfg = PathPolicyConfig(**{**LOAD_CFG.__dict__, "max_wan_transfer_ms": 1e9})
+    assert choose_path(RequestFacts(input_tokens=1000, rld_utilisation=0.0), cfg).path is Path.P_MD
+
+
+@pytest.mark.parametrize("bad", [dict(rld_utilisation=-0.1), dict(p_queue_ms=-1.0), dict(p_prefill_ms=-1.0)])
+def test_load_facts_validation(bad):
+    with pytest.raises(ValueError):
+        RequestFacts(input_tokens=10, **bad)
+
+
+@pytest.mark.parametrize("bad", [dict(rld_idle_at=0.9, rld_busy_at=0.9), dict(ttft_safety_fraction=1.0)])
+def test_load_config_validation(bad):
+    with pytest.raises(ValueError):
+        PathPolicyConfig(**bad)

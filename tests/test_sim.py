@@ -11,7 +11,7 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.sim.cache import BlockCache
 from sglang_pdd.sim.cluster import PATH_NAMES, ScenarioConfig, Simulation
-from sglang_pdd.sim.hardware import CHIP_A, CHIP_B, LinkProfile
+from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
@@ -24,7 +24,7 @@ def trace(n=600, **kw):
 
 
 TRACE = trace()
-SPEC = ClusterSpec(n_prefill=2, n_rld=1, n_md=2)
+SPEC = ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=2, n_rld=1, n_md=2)
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +66,12 @@ def test_littles_law(runs, name):
 
 def test_pdd_reduces_to_pd_with_zero_wan_and_one_chip():
     instant = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
-    pd = ScenarioConfig("pd", "pd", n_prefill=2, n_md=2, prefill_hw=CHIP_A, md_hw=CHIP_A,
+    pd = ScenarioConfig("pd", "pd", n_prefill=2, n_md=2, prefill_hw=TOY_A, md_hw=TOY_A,
                         wan=instant, rdma=instant, drc=False)
-    pdd = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=2, prefill_hw=CHIP_A, rld_hw=CHIP_A,
-                         md_hw=CHIP_A, wan=instant, rdma=instant, drc=False,
-                         router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False))
+    pdd = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=2, prefill_hw=TOY_A, rld_hw=TOY_A,
+                         md_hw=TOY_A, wan=instant, rdma=instant, drc=False,
+                         router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False,
+                                                 max_wan_transfer_ms=1e9))
     a, b = Simulation(pd), Simulation(pdd)
     sa, sb = a.run(TRACE), b.run(TRACE)
     assert sb.paths == {"p_md": len(TRACE)}
@@ -112,9 +113,9 @@ def test_naive_cross_dc_pays_for_the_wan(runs):
 
 def test_cost_and_bcr_follow_counts():
     cfg = standard_scenarios(SPEC)[0]
-    assert cfg.cost_per_hour == pytest.approx(2 * CHIP_A.price_per_hour + 3 * CHIP_A.price_per_hour)
+    assert cfg.cost_per_hour == pytest.approx(2 * TOY_A.price_per_hour + 3 * TOY_A.price_per_hour)
     pdd = standard_scenarios(SPEC)[3]
-    assert pdd.cost_per_hour == pytest.approx(3 * CHIP_A.price_per_hour + 2 * CHIP_B.price_per_hour)
+    assert pdd.cost_per_hour == pytest.approx(3 * TOY_A.price_per_hour + 2 * TOY_B.price_per_hour)
 
 
 def test_sla_attainment_is_monotone_in_sla():
@@ -135,15 +136,15 @@ def test_single_request_latency_matches_hand_computation():
     # One request, idle cluster, PD over an instant link: TTFT = prefill time;
     # TPOT = one decode step at batch 1 holding its prompt.
     instant = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
-    cfg = ScenarioConfig("pd", "pd", n_prefill=1, n_md=1, prefill_hw=CHIP_A, md_hw=CHIP_A,
+    cfg = ScenarioConfig("pd", "pd", n_prefill=1, n_md=1, prefill_hw=TOY_A, md_hw=TOY_A,
                          wan=instant, rdma=instant, drc=False)
     r = TraceRequest(0.0, 3000, 11, tuple(range(6)))
     sim = Simulation(cfg)
     s = sim.run([r])
-    chunk = CHIP_A.prefill_chunk_tokens
+    chunk = TOY_A.prefill_chunk_tokens
     assert 3000 <= chunk
-    assert s.ttft_p50 == pytest.approx(CHIP_A.prefill_time_s(3000, 0))
-    assert s.tpot_p50 == pytest.approx(CHIP_A.decode_step_s(1, 3000))
+    assert s.ttft_p50 == pytest.approx(TOY_A.prefill_time_s(3000, 0))
+    assert s.tpot_p50 == pytest.approx(TOY_A.decode_step_s(1, 3000))
 
 
 def test_block_cache_lru_prefers_keeping_roots():

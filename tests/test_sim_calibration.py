@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from sglang_pdd.sim.hardware import CHIP_A, HardwareProfile
+from sglang_pdd.sim.hardware import TOY_A, HardwareProfile
 
 _path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "calibrate_profile.py"
 _spec = importlib.util.spec_from_file_location("calibrate_profile", _path)
@@ -49,5 +49,5 @@ def test_kv_bytes_per_token():
 
 def test_profile_json_roundtrip(tmp_path):
     p = tmp_path / "prof.json"
-    p.write_text(json.dumps({**json.loads(CHIP_A.to_json()), "_samples": {"prefill": []}}))
-    assert HardwareProfile.load(str(p)) == CHIP_A
+    p.write_text(json.dumps({**json.loads(TOY_A.to_json()), "_samples": {"prefill": []}}))
+    assert HardwareProfile.load(str(p)) == TOY_A

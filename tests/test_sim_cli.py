@@ -1,9 +1,12 @@
 import json
+
+import pytest
 import os
 
 from sglang_pdd.sim.bathtub import fixed_hit_trace, sweep
 from sglang_pdd.sim.cli import main
 from sglang_pdd.sim.metrics import Sla
+from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.sizing import size_cluster
 from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace, ideal_prefix_hit_rate
@@ -22,7 +25,7 @@ def test_compare_writes_table_plot_and_json(tmp_path, capsys):
 
 def test_sizing_finds_cheapest_mix_meeting_target():
     trace = list(generate_agentic_trace(AgenticTraceConfig(num_requests=300, seed=2)))
-    base = standard_scenarios(ClusterSpec())[0]  # PD: only prefill and decode counts matter
+    base = standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B))[0]  # PD: only prefill and decode counts matter
     sla = Sla(ttft_s=10.0, tpot_s=0.1)
     best = size_cluster(base, trace, sla, 0.9, range(1, 4), range(0, 1), md_max=4)
     assert best is not None and best.summary.sla_attainment >= 0.9
@@ -43,9 +46,58 @@ def test_fixed_hit_trace_hits_its_target():
 
 
 def test_bathtub_sweep_shape():
-    scen = [c for c in standard_scenarios(ClusterSpec(n_prefill=2, n_md=2)) if c.name == "pd_same_dc"]
+    scen = [c for c in standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=2, n_md=2)) if c.name == "pd_same_dc"]
     pts = sweep(scen, [0.0, 0.9], n=200, sla=Sla())
     assert len(pts) == 2
     low, high = pts
     # Prefill-bound at saturation: reusing 90% of the prompt must raise throughput.
     assert high.throughput_rps > low.throughput_rps
+
+
+def _designs(chip_b_price, wan_gbps=25.0):
+    from dataclasses import replace as _r
+    from sglang_pdd.sim.hardware import LinkProfile
+    from sglang_pdd.sim.sizing import compare_designs
+    trace = list(generate_agentic_trace(AgenticTraceConfig(num_requests=200, seed=2)))
+    spec = ClusterSpec(chip_a=TOY_A, chip_b=_r(TOY_B, price_per_chip_hour=chip_b_price),
+                       wan=LinkProfile("wan", gbps=wan_gbps, one_way_latency_s=0.02))
+    by = {c.name: c for c in standard_scenarios(spec)}
+    return compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, Sla(ttft_s=5.0, tpot_s=0.1), 0.9,
+                           range(1, 3), range(0, 2), md_max=3)
+
+
+def test_sizing_says_pd_wins_when_pdd_costs_more():
+    v = _designs(chip_b_price=6.0)  # MD's chip dearer than PD's: PDD cannot be cheaper
+    assert v.pd is not None
+    assert v.winner == "pd" and v.message.startswith("PD wins here")
+    if v.pdd is not None:
+        assert v.pdd.cost_per_hour >= v.pd.cost_per_hour
+
+
+def test_sizing_picks_pdd_only_when_cheaper():
+    v = _designs(chip_b_price=0.5)
+    assert v.winner == "pdd" and "wins" in v.message and v.message.startswith("PDD"), v.message
+    assert v.pdd.cost_per_hour < v.pd.cost_per_hour
+    assert v.pdd.summary.sla_attainment >= 0.9
+
+
+def test_size_cli_prints_the_verdict(capsys):
+    rc = main(["size", "--agentic", "150", "--prefill-range", "1:2", "--rld-range", "0:1", "--md-max", "2",
+               "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5", "--wan-gbps", "400"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "PD wins here" in out or ") wins:" in out or "PDD wins" in out
+    assert "cheapest pd_same_dc" in out
+
+
+def test_sweep_cli_finds_a_knee(tmp_path, capsys):
+    rc = main(["sweep", "--agentic", "200", "--scales", "0.25,1,8", "--prefill", "2", "--rld", "1", "--md", "2",
+               "--scenarios", "pd_same_dc", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "<- knee" in out
+    rows = json.loads((tmp_path / "sweep_agentic200.json").read_text())
+    pts = rows[0]["points"]
+    assert [p["rate_scale"] for p in pts] == [0.25, 1.0, 8.0]
+    # Offered load scales with the rate; goodput does not keep up at 8x.
+    assert pts[2]["offered_rps"] == pytest.approx(32 * pts[0]["offered_rps"], rel=1e-6)
+    assert pts[2]["goodput_rps"] < 0.9 * pts[2]["offered_rps"]

@@ -6,11 +6,14 @@ router does.
 
 The decision follows the knobs peers expose (Dynamo, llm-d, PrfaaS): it looks at the
 *uncached tokens* (what Main Decode lacks after its prefix-cache hit, i.e. what must cross
-the WAN) and the *estimated WAN transfer time* for them, and compares that time with a
-budget carved out of the TTFT SLO.
+the WAN) and the *WAN time P->MD makes the user wait* for them, and compares that time
+with a budget: the TTFT SLO left after P's queue and prefill, scaled by how busy RLD is.
+An idle RLD makes the budget 0 (its capacity is paid for and hides the WAN completely); a
+busy RLD leaves the whole slack to the WAN. Callers that know neither RLD's load nor P's
+queue get the old fixed budget (`wan_budget_fraction` of the SLO).
 
-- Transfer fits the budget -> P_MD: the user waits for the WAN once, nothing is recomputed.
-- Transfer does not fit    -> P_RLD_MD: Relay Decode (same DC as P, KV over RDMA) starts
+- WAN time fits the budget -> P_MD: the user waits for the WAN, nothing is handed over.
+- Does not fit             -> P_RLD_MD: Relay Decode (same DC as P, KV over RDMA) starts
   decoding at once and hides the WAN transfer; MD takes over when its KV has landed.
 - Outlier filter           -> P_RLD_ONLY: very long input with a very short expected
   output would spend seconds on the WAN for a handful of tokens, so it finishes on RLD
@@ -36,8 +39,9 @@ class PathPolicyConfig:
     wan_rtt_ms: float = 40.0
     kv_bytes_per_token: int = 46_000
     ttft_slo_ms: float = 2000.0
-    # The WAN may use at most this much of the TTFT budget; the rest is for queueing and
-    # prefill. `max_wan_transfer_ms`, when set, overrides the fraction.
+    # Fixed budget, used only when the caller does not pass RLD's load (RequestFacts.
+    # rld_utilisation None): the WAN may use this much of the TTFT SLO.
+    # `max_wan_transfer_ms`, when set, overrides every budget.
     wan_budget_fraction: float = 0.25
     max_wan_transfer_ms: Optional[float] = None
     # Caches hit in whole pages, so a partial page is always uncached.
@@ -45,6 +49,15 @@ class PathPolicyConfig:
     enable_outlier_filter: bool = True
     outlier_min_input_tokens: int = 32_768
     outlier_max_output_tokens: int = 16
+    # Load-aware budget: RLD utilisation at or below `rld_idle_at` -> budget 0 (requests go
+    # through RLD, the user never waits for the WAN while RLD idles); at or above
+    # `rld_busy_at` -> the whole TTFT slack; linear in between.
+    rld_idle_at: float = 0.5
+    rld_busy_at: float = 0.9
+    # Share of the TTFT SLO kept back for what the estimate misses (MD's queue, jitter).
+    ttft_safety_fraction: float = 0.1
+    # router/flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
+    p_md_registers_first: bool = True
 
     def __post_init__(self) -> None:
         if self.wan_gbps <= 0:
@@ -53,9 +66,14 @@ class PathPolicyConfig:
             raise ValueError("page_size must be > 0")
         if not 0.0 < self.wan_budget_fraction <= 1.0:
             raise ValueError("wan_budget_fraction must be in (0, 1]")
+        if not 0.0 <= self.rld_idle_at < self.rld_busy_at:
+            raise ValueError("need 0 <= rld_idle_at < rld_busy_at")
+        if not 0.0 <= self.ttft_safety_fraction < 1.0:
+            raise ValueError("ttft_safety_fraction must be in [0, 1)")
 
     @property
     def wan_budget_ms(self) -> float:
+        """The fixed budget, for callers that know neither RLD's load nor P's queue."""
         if self.max_wan_transfer_ms is not None:
             return self.max_wan_transfer_ms
         return self.ttft_slo_ms * self.wan_budget_fraction
@@ -70,20 +88,31 @@ class RequestFacts:
     # Bytes of other transfers that will share the WAN with this one before it completes
     # (under fair sharing: sum over in-flight flows of min(their remaining, ours)).
     wan_competing_bytes: int = 0
+    # Inputs of the load-aware budget. rld_utilisation None = unknown: the fixed budget.
+    # RLD's utilisation = running requests / max running of the RLD this request would
+    # use (> 1 when requests already wait for it).
+    rld_utilisation: Optional[float] = None
+    # P's expected wait before this request's prefill starts, and its own prefill time.
+    p_queue_ms: float = 0.0
+    p_prefill_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.input_tokens <= 0:
             raise ValueError("input_tokens must be > 0")
         if self.md_cached_tokens < 0 or self.p_cached_tokens < 0 or self.wan_competing_bytes < 0:
             raise ValueError("cached tokens and competing bytes must be >= 0")
+        if (self.rld_utilisation is not None and self.rld_utilisation < 0) or self.p_queue_ms < 0 \
+                or self.p_prefill_ms < 0:
+            raise ValueError("rld_utilisation, p_queue_ms and p_prefill_ms must be >= 0")
 
 
 @dataclass(frozen=True)
 class PathDecision:
     path: Path
     uncached_tokens: int
-    est_wan_transfer_ms: float
+    est_wan_transfer_ms: float  # WAN time P->MD makes the user wait (estimate_p_md_wan_ms)
     reason: str
+    budget_ms: float = 0.0
 
 
 def uncached_tokens(facts: RequestFacts, cfg: PathPolicyConfig) -> int:
@@ -96,9 +125,53 @@ def uncached_tokens(facts: RequestFacts, cfg: PathPolicyConfig) -> int:
 def estimate_wan_transfer_ms(
     kv_tokens: int, cfg: PathPolicyConfig, competing_bytes: int = 0
 ) -> float:
-    """One-way latency plus serialisation of our bytes and the bytes sharing the link."""
+    """Until the KV has landed on MD: one-way latency plus serialisation of our bytes and
+    the bytes sharing the link."""
     total_bytes = kv_tokens * cfg.kv_bytes_per_token + competing_bytes
     return cfg.wan_rtt_ms / 2.0 + total_bytes * 8.0 / (cfg.wan_gbps * 1e9) * 1e3
+
+
+# One-way WAN trips a P->MD user waits for, from the path's message sequence in
+# router/flow.py (router and user in datacenter A, MD in B):
+#   1. router -> MD: registration;  2. MD -> router: its prefix answer.
+#      flow.py sends these *before* starting P on P->MD, so both are in TTFT
+#      (P->RLD->MD registers concurrently with P and RLD and pays neither);
+#   -  P's first token reaches the user through RLD's one-token leg (same DC, no WAN);
+#   3. P -> MD: the KV pages (plus their serialisation);
+#   4. MD -> router: MD's first token, i.e. the user's 2nd token.
+# So 2 one-way trips in TTFT and 2 more (with the serialisation) before the 2nd token.
+P_MD_REGISTRATION_ONE_WAY_TRIPS = 2
+P_MD_AFTER_PREFILL_ONE_WAY_TRIPS = 2
+
+
+def estimate_p_md_wan_ms(
+    kv_tokens: int, cfg: PathPolicyConfig, competing_bytes: int = 0
+) -> float:
+    """WAN time the user of a P->MD request waits for until MD's first token, beyond a
+    same-DC request: the one-way trips above plus the serialisation."""
+    one_way = cfg.wan_rtt_ms / 2.0
+    trips = P_MD_AFTER_PREFILL_ONE_WAY_TRIPS
+    if cfg.p_md_registers_first:
+        trips += P_MD_REGISTRATION_ONE_WAY_TRIPS
+    # estimate_wan_transfer_ms holds one of the trips (trip 3)
+    return estimate_wan_transfer_ms(kv_tokens, cfg, competing_bytes) + (trips - 1) * one_way
+
+
+def wan_budget_ms(facts: RequestFacts, cfg: PathPolicyConfig) -> float:
+    """How much WAN time P->MD may make this request's user wait.
+
+    An explicit `max_wan_transfer_ms` wins. Without RLD's load, the fixed fraction of the
+    SLO. Otherwise: the TTFT SLO left after P's queue, P's prefill and a safety share,
+    times how busy RLD is: an idle RLD hides the WAN at no extra cost (budget 0), a busy
+    one should not take more (the whole slack, as long as P->MD still meets the SLO).
+    """
+    if cfg.max_wan_transfer_ms is not None:
+        return cfg.max_wan_transfer_ms
+    if facts.rld_utilisation is None:
+        return cfg.ttft_slo_ms * cfg.wan_budget_fraction
+    slack = cfg.ttft_slo_ms * (1.0 - cfg.ttft_safety_fraction) - facts.p_queue_ms - facts.p_prefill_ms
+    busy = (facts.rld_utilisation - cfg.rld_idle_at) / (cfg.rld_busy_at - cfg.rld_idle_at)
+    return max(0.0, slack) * min(1.0, max(0.0, busy))
 
 
 def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
@@ -112,7 +185,7 @@ def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
 
 def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:
     uncached = uncached_tokens(facts, cfg)
-    est_ms = estimate_wan_transfer_ms(uncached, cfg, facts.wan_competing_bytes)
+    est_ms = estimate_p_md_wan_ms(uncached, cfg, facts.wan_competing_bytes)
     if is_outlier(facts, cfg):
         return PathDecision(
             Path.P_RLD_ONLY,
@@ -121,13 +194,13 @@ def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:
             f"outlier: input {facts.input_tokens} >= {cfg.outlier_min_input_tokens} and "
             f"expected output {facts.expected_output_tokens} <= {cfg.outlier_max_output_tokens}",
         )
-    budget = cfg.wan_budget_ms
+    budget = wan_budget_ms(facts, cfg)
     if est_ms <= budget:
         return PathDecision(
             Path.P_MD, uncached, est_ms,
-            f"wan {est_ms:.1f} ms <= budget {budget:.1f} ms for {uncached} uncached tokens",
+            f"wan {est_ms:.1f} ms <= budget {budget:.1f} ms for {uncached} uncached tokens", budget,
         )
     return PathDecision(
         Path.P_RLD_MD, uncached, est_ms,
-        f"wan {est_ms:.1f} ms > budget {budget:.1f} ms for {uncached} uncached tokens",
+        f"wan {est_ms:.1f} ms > budget {budget:.1f} ms for {uncached} uncached tokens", budget,
     )

@@ -2,8 +2,9 @@
 
 Block ids chain over the prefix, so "longest run of cached ids from the start" is exactly
 what a radix cache would match. Like SGLang's radix cache we evict least-recently-used
-blocks; unlike it we do not pin blocks of running requests (their KV lives in the
-separate running pool of the instance, see hardware.HardwareProfile).
+blocks. Blocks a transfer in flight relies on (MD's hit, decided when the transfer
+starts) are pinned until it lands, as SGLang locks a matched radix node; blocks of running
+requests otherwise live in the instance's separate running pool (hardware.HardwareProfile).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class BlockCache:
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_blocks = max(0, capacity_tokens // BLOCK_TOKENS)
         self._blocks: "OrderedDict[int, None]" = OrderedDict()
+        self._pins: dict = {}  # block id -> number of transfers relying on it
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -45,10 +47,33 @@ class BlockCache:
             else:
                 blocks[h] = None  # a new key lands at the recent end already
 
+    def pin(self, hash_ids: Sequence[int]) -> None:
+        pins = self._pins
+        for h in hash_ids:
+            pins[h] = pins.get(h, 0) + 1
+
+    def unpin(self, hash_ids: Sequence[int]) -> None:
+        pins = self._pins
+        for h in hash_ids:
+            left = pins[h] - 1
+            if left:
+                pins[h] = left
+            else:
+                del pins[h]
+
+    def is_pinned(self, h: int) -> bool:
+        return h in self._pins
+
     def insert(self, hash_ids: Sequence[int]) -> None:
         if self.capacity_blocks == 0:
             return
         self._touch(hash_ids)
-        blocks = self._blocks
-        while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+        blocks, pins = self._blocks, self._pins
+        skipped = 0
+        # Evict least recent unpinned blocks; pinned ones move to the recent end. If only
+        # pinned blocks are left the cache runs over its size until they are released.
+        while len(blocks) > self.capacity_blocks and skipped < len(blocks):
+            h, _ = blocks.popitem(last=False)
+            if h in pins:
+                blocks[h] = None
+                skipped += 1

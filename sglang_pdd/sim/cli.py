@@ -11,42 +11,57 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
-from sglang_pdd.workload import BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, generate_agentic_trace, load_trace, save_trace
+from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
+                                  generate_agentic_trace, load_trace, realistic_agentic_config, save_trace)
 
 from .bathtub import sweep
 from .cluster import run_scenario
-from .hardware import CHIP_A, CHIP_B, WAN_DEFAULT, HardwareProfile
+from .hardware import CHIPS, MODELS, WAN_DEFAULT, HardwareProfile, preset
+from .loadsweep import load_sweep
 from .metrics import Sla
-from .plots import plot_bathtub, plot_comparison
+from .plots import plot_bathtub, plot_comparison, plot_load_sweep
 from .report import format_table
 from .scenarios import ClusterSpec, standard_scenarios
-from .sizing import size_cluster
+from .sizing import compare_designs, size_cluster
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
-    src.add_argument("--agentic", type=int, metavar="N", help="generate N synthetic agentic requests")
-    p.add_argument("--agentic-session-rate", type=float, default=0.5, help="new sessions per second")
+    src.add_argument("--agentic", type=int, metavar="N",
+                     help="generate N agentic requests (realistic hits: ~0.72 per request)")
+    src.add_argument("--conversation", type=int, metavar="N",
+                     help="generate N conversation-like requests (~36%% reusable prefix)")
+    p.add_argument("--agentic-session-rate", type=float, default=None,
+                   help="new sessions per second of the generator (default: the generator's)")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="replay arrivals this many times faster (2 = twice the offered load)")
+    p.add_argument("--closed-loop", action="store_true",
+                   help="a session's next turn arrives its think time after the previous one ended")
     p.add_argument("--limit", type=int, help="use only the first N requests of --trace")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill", type=int, default=4)
-    p.add_argument("--rld", type=int, default=1)
-    p.add_argument("--md", type=int, default=3)
-    p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (P, RLD, PD's D)")
-    p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (MD)")
+    p.add_argument("--prefill", type=int, default=ClusterSpec.n_prefill)
+    p.add_argument("--rld", type=int, default=ClusterSpec.n_rld)
+    p.add_argument("--md", type=int, default=ClusterSpec.n_md)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3-70b", help="model class of the presets")
+    p.add_argument("--chip-a", choices=sorted(CHIPS), default="h100", help="preset chip of P, RLD and PD's D")
+    p.add_argument("--chip-b", choices=sorted(CHIPS), default="h20", help="preset chip of MD")
+    p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (overrides --model/--chip-a)")
+    p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (overrides --model/--chip-b)")
     p.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
     p.add_argument("--wan-latency-ms", type=float, default=WAN_DEFAULT.one_way_latency_s * 1e3, help="one way")
     p.add_argument("--wan-jitter-ms", type=float, default=WAN_DEFAULT.jitter_s * 1e3)
     p.add_argument("--catch-up-threshold", type=int, default=64)
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=Sla().tpot_s, help="seconds")
+    p.add_argument("--itl-slo", type=float, default=None,
+                   help="seconds; longest inter-token gap (the handoff stall) allowed by the SLA")
     p.add_argument("--out", default="artifacts/sim", help="output directory for PNG/JSON")
 
 
 def _spec(a) -> ClusterSpec:
-    chip_a = HardwareProfile.load(a.profile_a) if a.profile_a else CHIP_A
-    chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else CHIP_B
+    chip_a = HardwareProfile.load(a.profile_a) if a.profile_a else preset(a.model, a.chip_a)
+    chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else preset(a.model, a.chip_b)
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
                   jitter_s=a.wan_jitter_ms / 1e3)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
@@ -56,17 +71,27 @@ def _spec(a) -> ClusterSpec:
 def _trace(a) -> (str, List[TraceRequest]):
     if a.trace:
         return os.path.basename(a.trace), list(load_trace(a.trace, a.limit))
+    rate = {} if a.agentic_session_rate is None else {"session_rate_per_s": a.agentic_session_rate}
+    if a.conversation:
+        cfg = conversation_config(num_requests=a.conversation, seed=a.seed, **rate)
+        return f"conversation{a.conversation}", list(generate_agentic_trace(cfg))
     n = a.agentic or 5000
-    cfg = AgenticTraceConfig(num_requests=n, seed=a.seed, session_rate_per_s=a.agentic_session_rate)
+    cfg = realistic_agentic_config(num_requests=n, seed=a.seed, **rate)
     return f"agentic{n}", list(generate_agentic_trace(cfg))
+
+
+def _sla(a) -> Sla:
+    return Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
 
 
 def cmd_compare(a) -> int:
     label, trace = _trace(a)
-    sla = Sla(a.ttft_slo, a.tpot_slo)
+    sla = _sla(a)
     scenarios = standard_scenarios(_spec(a))
-    summaries = [run_scenario(cfg, trace, sla) for cfg in tqdm(scenarios, desc=f"simulating {label}", file=sys.stderr)]
-    print(f"# {label}: {len(trace)} requests, SLA TTFT <= {sla.ttft_s}s, TPOT <= {sla.tpot_s * 1e3:.0f}ms")
+    summaries = [run_scenario(cfg, trace, sla, a.rate_scale, a.closed_loop)
+                 for cfg in tqdm(scenarios, desc=f"simulating {label}", file=sys.stderr)]
+    print(f"# {label}: {len(trace)} requests x{a.rate_scale:g} rate, SLA TTFT <= {sla.ttft_s}s, "
+          f"TPOT <= {sla.tpot_s * 1e3:.0f}ms" + (f", ITL <= {sla.max_itl_s * 1e3:.0f}ms" if sla.max_itl_s else ""))
     print(format_table(summaries))
     os.makedirs(a.out, exist_ok=True)
     png = plot_comparison(summaries, f"{label} ({len(trace)} requests)", os.path.join(a.out, f"compare_{label}.png"))
@@ -78,14 +103,29 @@ def cmd_compare(a) -> int:
 
 def cmd_size(a) -> int:
     label, trace = _trace(a)
-    sla = Sla(a.ttft_slo, a.tpot_slo)
+    sla = _sla(a)
     by_name = {c.name: c for c in standard_scenarios(_spec(a))}
     base = by_name[a.scenario]
     lo_p, hi_p = (int(x) for x in a.prefill_range.split(":"))
     lo_r, hi_r = (int(x) for x in a.rld_range.split(":"))
     bar = tqdm(desc=f"sizing {a.scenario}", unit="sim", file=sys.stderr)
+    if base.kind == "pdd":
+        # Never recommend PDD without sizing PD for the same SLA: say so when PD wins.
+        v = compare_designs(by_name["pd_same_dc"], base, trace, sla, a.target, range(lo_p, hi_p + 1),
+                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale,
+                            closed_loop=a.closed_loop)
+        bar.close()
+        print(f"# {label}: {v.message}")
+        for tag, res in (("pd_same_dc", v.pd), (a.scenario, v.pdd)):
+            if res is not None:
+                print(f"cheapest {tag}: prefill={res.n_prefill} rld={res.n_rld} md/d={res.n_md} "
+                      f"at ${res.cost_per_hour:.1f}/h")
+        shown = [r.summary for r in (v.pd, v.pdd) if r is not None]
+        if shown:
+            print(format_table(shown))
+        return 0 if v.winner != "none" else 1
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
-                        progress=lambda: bar.update())
+                        progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=a.closed_loop)
     bar.close()
     if best is None:
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
@@ -96,30 +136,66 @@ def cmd_size(a) -> int:
     return 0
 
 
+def cmd_sweep(a) -> int:
+    label, trace = _trace(a)
+    sla = _sla(a)
+    names = a.scenarios.split(",")
+    scenarios = [c for c in standard_scenarios(_spec(a)) if c.name in names]
+    scales = [float(x) for x in a.scales.split(",")]
+    bar = tqdm(total=len(scales) * len(scenarios), desc=f"load sweep {label}", file=sys.stderr)
+    knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(),
+                        closed_loop=a.closed_loop) for cfg in scenarios]
+    bar.close()
+    print(f"# {label}: goodput vs offered load; knee = highest rate with >= {a.target:.0%} SLA attainment")
+    print(f"{'scenario':<20} {'x rate':>6} {'offered r/s':>11} {'good r/s':>8} {'SLA%':>6} {'TTFT p90':>8}")
+    for k in knees:
+        for p in k.points:
+            mark = " <- knee" if p is k.knee else ""
+            print(f"{k.scenario:<20} {p.rate_scale:>6.2f} {p.offered_rps:>11.2f} {p.goodput_rps:>8.2f} "
+                  f"{100 * p.sla_attainment:>6.1f} {p.ttft_p90:>8.2f}{mark}")
+    print(f"{'scenario':<20} {'$/h':>7} {'knee good r/s':>13} {'knee BCR':>9}")
+    for k in knees:
+        print(f"{k.scenario:<20} {k.cost_per_hour:>7.1f} {k.knee_goodput_rps:>13.2f} {k.knee_bcr:>9.1f}")
+    os.makedirs(a.out, exist_ok=True)
+    png = plot_load_sweep(knees, f"{label}: goodput vs offered load", os.path.join(a.out, f"sweep_{label}.png"))
+    with open(os.path.join(a.out, f"sweep_{label}.json"), "w") as f:
+        json.dump([{"scenario": k.scenario, "cost_per_hour": k.cost_per_hour, "knee_goodput_rps": k.knee_goodput_rps,
+                    "knee_bcr": k.knee_bcr,
+                    "points": [{"rate_scale": p.rate_scale, "offered_rps": p.offered_rps, "goodput_rps": p.goodput_rps,
+                                "sla_attainment": p.sla_attainment, "summary": asdict(p.summary)} for p in k.points]}
+                   for k in knees], f, indent=1)
+    print(f"wrote {png}")
+    return 0
+
+
 def cmd_bathtub(a) -> int:
-    sla = Sla(a.ttft_slo, a.tpot_slo)
+    sla = _sla(a)
     names = a.scenarios.split(",")
     scenarios = [c for c in standard_scenarios(_spec(a)) if c.name in names]
     hits = [float(h) for h in a.hits.split(",")]
     bar = tqdm(total=len(hits) * len(scenarios), desc="bathtub", file=sys.stderr)
+    grid = [int(x) for x in a.sessions_grid.split(",")] if a.sessions_grid else None
     points = sweep(scenarios, hits, a.n, sla, sessions=a.sessions, input_tokens=a.input_tokens,
-                   output_tokens=a.output_tokens, progress=lambda: bar.update())
+                   output_tokens=a.output_tokens, progress=lambda: bar.update(), sessions_grid=grid)
     bar.close()
     print(f"# closed loop: {a.sessions} sessions, {a.input_tokens} input / {a.output_tokens} output tokens, "
           f"hits in whole {BLOCK_TOKENS}-token blocks")
-    print(f"{'scenario':<20} {'hit':>5} {'P hit':>6} {'MD hit':>7} {'req/s':>7} {'good r/s':>8} "
-          f"{'P busy':>6} {'WAN util':>8}")
+    print(f"{'scenario':<20} {'hit':>5} {'P hit':>6} {'MD hit':>7} {'good r/s':>8} {'@clients':>8} "
+          f"{'sat. r/s':>8} {'P busy':>6} {'WAN util':>8}")
     for p in points:
         print(f"{p.scenario:<20} {p.target_hit:>5.3f} {p.mean_p_hit:>6.3f} {p.mean_md_hit:>7.3f} "
-              f"{p.throughput_rps:>7.2f} {p.goodput_rps:>8.2f} {p.prefill_util:>6.2f} {p.wan_util:>8.2f}")
+              f"{p.goodput_rps:>8.2f} {p.best_sessions:>8d} {p.throughput_rps:>8.2f} {p.prefill_util:>6.2f} "
+              f"{p.wan_util:>8.2f}")
     png = plot_bathtub(points, os.path.join(a.out, "bathtub.png"))
     print(f"wrote {png}")
     return 0
 
 
 def cmd_gen_trace(a) -> int:
-    cfg = AgenticTraceConfig(num_requests=a.n, seed=a.seed, session_rate_per_s=a.session_rate)
-    n = save_trace(generate_agentic_trace(cfg), a.output)
+    make = {"agentic": realistic_agentic_config, "conversation": conversation_config,
+            "legacy-agentic": AgenticTraceConfig}[a.kind]
+    rate = {} if a.session_rate is None else {"session_rate_per_s": a.session_rate}
+    n = save_trace(generate_agentic_trace(make(num_requests=a.n, seed=a.seed, **rate)), a.output)
     print(f"wrote {n} requests to {a.output}")
     return 0
 
@@ -138,7 +214,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rld-range", default="0:2")
     p.add_argument("--md-max", type=int, default=8)
     p.set_defaults(fn=cmd_size)
-    p = sub.add_parser("bathtub", help="throughput vs mean prefix hit rate")
+    p = sub.add_parser("sweep", help="goodput vs offered load (rate scale) and the knee")
+    _add_common(p)
+    p.add_argument("--scales", default="0.25,0.5,0.75,1,1.5,2,3,4")
+    p.add_argument("--target", type=float, default=0.9, help="SLA attainment that defines the knee")
+    p.add_argument("--scenarios", default="pd_same_dc,pdd_drc_adaptive")
+    p.set_defaults(fn=cmd_sweep)
+    p = sub.add_parser("bathtub", help="goodput within the SLA vs mean prefix hit rate")
     _add_common(p)
     p.add_argument("--hits", default="0,0.25,0.5,0.7,0.8,0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98,0.99,0.995",
                    help="target hit rates; realised hits round down to whole 512-token blocks")
@@ -146,6 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sessions", type=int, default=640,
                    help="closed-loop clients (each sends its next turn when the last one ended); "
                         "enough to fill the default cluster's decode slots")
+    p.add_argument("--sessions-grid", default=None,
+                   help="client counts tried per point (default: sessions/8, /4, /2, sessions); "
+                        "goodput is the best of them, saturation throughput the largest")
     p.add_argument("--input-tokens", type=int, default=16_384)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--scenarios", default="pd_same_dc,naive_xdc,pdd_drc_adaptive")
@@ -153,7 +238,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("gen-trace", help="write a synthetic agentic trace as JSONL")
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--session-rate", type=float, default=0.5)
+    p.add_argument("--kind", choices=["agentic", "conversation", "legacy-agentic"], default="agentic")
+    p.add_argument("--session-rate", type=float, default=None)
     p.add_argument("--output", required=True)
     p.set_defaults(fn=cmd_gen_trace)
     a = ap.parse_args(argv)

@@ -7,13 +7,21 @@ Request lifecycle (PDD):
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands RLD hands its tokens over (`handoff.policy`: one-shot or
                 catch-up rounds), MD extends them and decodes the rest. A request that ends
-                on RLD first cancels its WAN transfer;
+                on RLD first lets its KV land in MD's DRC (cancels it without a DRC);
     P_RLD_ONLY: outliers decode entirely on RLD, nothing crosses the WAN.
 Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
 type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
 
-Omitted on purpose (see docs/sim.md): MD extend passes do not slow MD's other sequences;
-MD memory is not reserved during catch-up; decode context grows only at admission.
+Message timing follows router/flow.py: P->MD registers on MD first (a WAN round trip
+before P starts; `PathPolicyConfig.p_md_registers_first`) and its first token comes from
+P through RLD's one-token leg in datacenter A; MD's tokens reach the user one WAN trip
+later. Each catch-up round is a one-way trip of token ids to MD, an extend pass that holds
+MD (its running sequences stall), and the answer's trip back. MD's prefix hit (and so the
+bytes shipped) is decided when the transfer starts, and the blocks it relies on are pinned
+until it lands.
+
+Omitted on purpose (see docs/sim.md): MD memory is not reserved during catch-up; RLD's
+one-token leg of a P->MD request takes no RLD slot; decode context grows only at admission.
 """
 
 from __future__ import annotations
@@ -88,7 +96,8 @@ class ScenarioConfig:
 
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
-                 "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending")
+                 "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
+                 "t_switch", "stall", "pinned")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -100,11 +109,17 @@ class SimRequest:
         self.mode = None
         self.done = False
         self.md_pending = 0  # KV tokens counted on its MD before MD admits it
+        self.t_switch = None  # when the user got its last token before MD's (RLD's or P's)
+        self.stall = float("nan")  # gap at the switch to MD's tokens; NaN: no switch
+        self.pinned = None  # MD cache blocks this request's WAN transfer relies on
 
 
 class Simulation:
-    def __init__(self, cfg: ScenarioConfig, sla: Sla = Sla()) -> None:
+    def __init__(self, cfg: ScenarioConfig, sla: Sla = Sla(), rate_scale: float = 1.0) -> None:
+        if rate_scale <= 0:
+            raise ValueError("rate_scale must be > 0")
         self.cfg, self.sla = cfg, sla
+        self.rate_scale = rate_scale  # 2.0 = the trace's arrivals twice as fast
         self.loop = EventLoop()
         self.rng = random.Random(cfg.seed)
         self.route_cfg = cfg.router_config(sla)
@@ -124,7 +139,8 @@ class Simulation:
         self._p_ids = list(range(cfg.n_prefill))
         self._md_ids = list(range(cfg.n_md))
         kv_link = cfg.wan if cfg.md_remote else cfg.rdma
-        self.kv_link = SharedLink(self.loop, kv_link, self.rng, self._md_kv_landed)
+        # Only the WAN is one shared bottleneck; same-DC RDMA transfers do not queue on each other.
+        self.kv_link = SharedLink(self.loop, kv_link, self.rng, self._md_kv_landed, shared=cfg.md_remote)
         self.md_stream_latency = cfg.wan.one_way_latency_s if cfg.md_remote else 0.0
         self.last_mode: Optional[HandoffMode] = None
         self.log = RequestLog()
@@ -139,9 +155,26 @@ class Simulation:
         self.md_input_tokens = 0
         self._trace = None
         self._t0 = None
+        self._next_turn = {}  # id(turn) -> (next turn, think time): closed-loop sessions
 
     # ---- driving -------------------------------------------------------------------
-    def run(self, requests: Iterable[TraceRequest]) -> Summary:
+    def run(self, requests: Iterable[TraceRequest], closed_loop: bool = False) -> Summary:
+        """closed_loop: a session's next turn arrives its think time (the gap between the two
+        turns' timestamps in the trace) after the previous turn *finished*, as an agent or a
+        chat user does; first turns and requests without a session keep their timestamps."""
+        if closed_loop:
+            requests = list(requests)
+            first = []
+            last = {}
+            for tr in requests:
+                sid = tr.session_id
+                if sid is None or sid not in last:
+                    first.append(tr)
+                else:
+                    self._next_turn[id(last[sid])] = (tr, (tr.timestamp_ms - last[sid].timestamp_ms) / 1e3)
+                if sid is not None:
+                    last[sid] = tr
+            requests = first
         self._trace = iter(requests)
         self._schedule_next_arrival()
         self.loop.run_until()
@@ -153,7 +186,7 @@ class Simulation:
             return
         if self._t0 is None:
             self._t0 = tr.timestamp_ms
-        self.loop.at((tr.timestamp_ms - self._t0) / 1e3, self._arrive, tr)
+        self.loop.at((tr.timestamp_ms - self._t0) / 1e3 / self.rate_scale, self._arrive, tr)
 
     def summary(self) -> Summary:
         c = self.cfg
@@ -161,11 +194,15 @@ class Simulation:
         return summarise(
             c.name, self.log, self.sla, c.cost_per_hour, wan_bytes, c.wan.bytes_per_s,
             c.wan.price_per_hour, c.wan.price_per_gb, PATH_NAMES,
-            mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0)
+            mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0,
+            wan_span_s=self.loop.now)  # arrivals start at 0; the last event may be a landing
 
     # ---- routing -------------------------------------------------------------------
     def _arrive(self, now: float, tr: TraceRequest) -> None:
         self._schedule_next_arrival()
+        self._route(now, tr)
+
+    def _route(self, now: float, tr: TraceRequest) -> None:
         c = self.cfg
         r = SimRequest(tr, now)
         self.arrived += 1
@@ -191,27 +228,39 @@ class Simulation:
         r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
         r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
 
-        if c.kind == "pdd":
+        if self.rld:
+            r.rld = pick_instance([InstanceLoad(i, d.load()) for i, d in enumerate(self.rld)])
+        if c.kind == "pdd" and self.rld:
             kvb = c.prefill_hw.kv_bytes_per_token
             own = (tr.input_length - r.md_cached) * kvb
+            p = self.prefill[r.p]
+            # The router's view: MD's prefix from its index (the exact hit is decided when
+            # the transfer starts), RLD's load, P's queue and this request's prefill time.
             facts = RequestFacts(
                 input_tokens=tr.input_length, md_cached_tokens=r.md_cached, p_cached_tokens=r.p_cached,
                 expected_output_tokens=tr.output_length if c.expected_output_from_trace else None,
-                wan_competing_bytes=int(self.kv_link.competing_bytes(now, own)))
+                wan_competing_bytes=int(self.kv_link.competing_bytes(now, own)),
+                rld_utilisation=self.rld[r.rld].utilisation(),
+                p_queue_ms=1e3 * p.backlog_s(),
+                p_prefill_ms=1e3 * c.prefill_hw.prefill_time_s(tr.input_length - r.p_cached, r.p_cached))
             r.path = choose_path(facts, self.route_cfg).path
-            if not self.rld:
-                r.path = Path.P_MD
         else:
             r.path = Path.P_MD
-        if r.path is not Path.P_MD:
-            rld_loads = [InstanceLoad(i, d.load()) for i, d in enumerate(self.rld)]
-            r.rld = pick_instance(rld_loads)
         if r.path is not Path.P_RLD_ONLY:
             r.md_pending = tr.input_length + tr.output_length
             self.md_pending[r.md] += r.md_pending
-            self.md_hit_tokens += r.md_cached
-            self.md_input_tokens += tr.input_length
-        r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
+        if r.path is Path.P_MD and self._first_token_via_rld() and self.route_cfg.p_md_registers_first:
+            # flow.py: P->MD registers on MD (a WAN round trip) before P starts.
+            self.loop.after(2 * c.wan.one_way_latency_s, self._submit_prefill, r)
+        else:
+            self._submit_prefill(now, r)
+
+    def _first_token_via_rld(self) -> bool:
+        """PDD's P->MD streams P's first token through RLD's one-token leg (flow.py)."""
+        return self.cfg.kind == "pdd" and bool(self.rld)
+
+    def _submit_prefill(self, now: float, r: SimRequest) -> None:
+        tr = r.tr
         self.in_prefill.change(now, +1)
         r.t_prefill_in = now
         self.prefill[r.p].submit(now, r, tr.input_length - r.p_cached, r.p_cached)
@@ -237,20 +286,38 @@ class Simulation:
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
         self.p_cache[r.p].insert(full)
         self.p_index.record_blocks(r.p, full)
+        rd = c.rdma
+        rdma_s = rd.one_way_latency_s + rd.serialisation_s(tr.input_length * c.prefill_hw.kv_bytes_per_token)
         if r.path is not Path.P_RLD_ONLY:
+            # MD's hit is what its cache holds now, when the transfer starts (not at arrival);
+            # those blocks are pinned until the KV has landed.
+            if c.drc:
+                n = self.md_cache[r.md].match_prefix_blocks(full)
+                r.md_cached = n * BLOCK_TOKENS
+                r.pinned = full[:n]
+                self.md_cache[r.md].pin(r.pinned)
+            self.md_hit_tokens += r.md_cached
+            self.md_input_tokens += tr.input_length
+            r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
             self.kv_link.send(now, r, r.kv_bytes)
+        if r.path is Path.P_MD and self._first_token_via_rld():
+            r.t_first = r.t_switch = now + rdma_s  # P's first token, relayed by RLD
         if r.path is not Path.P_MD:
-            rd = c.rdma
-            dt = rd.one_way_latency_s + rd.serialisation_s(tr.input_length * c.prefill_hw.kv_bytes_per_token)
-            self.loop.after(dt, self._rld_kv_landed, r)
+            self.loop.after(rdma_s, self._rld_kv_landed, r)
 
     def _rld_kv_landed(self, now: float, r: SimRequest) -> None:
         if r.done or r.round < 0:  # MD already took it whole
             return
         self.rld[r.rld].submit(now, r, r.tr.output_length - 1, r.tr.input_length)
 
+    def _unpin(self, r: SimRequest) -> None:
+        if r.pinned is not None:
+            self.md_cache[r.md].unpin(r.pinned)
+            r.pinned = None
+
     def _md_kv_landed(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
+        self._unpin(r)
         if c.drc:
             full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
             self.md_cache[r.md].insert(full)
@@ -276,7 +343,7 @@ class Simulation:
         rld = self.rld[r.rld]
         if r.done or not rld.is_running(r):
             return
-        generated = 1 + rld.tokens_done(now, r)  # RLD delivered P's first token too
+        generated = 1 + rld.tokens_done(now, r)  # MD needs P's first token too (its KV is not in P's)
         backlog = generated - r.handed
         if r.mode is HandoffMode.ONE_SHOT:
             step = CatchUpStep(backlog, True)
@@ -289,9 +356,19 @@ class Simulation:
         if step.final:
             decoded_on_rld = rld.stop(now, r)
             assert 1 + decoded_on_rld == r.handed, (decoded_on_rld, r.handed)
-            self.loop.after(self.cfg.wan.one_way_latency_s + extend_s, self._md_take_over, r)
-        else:
-            self.loop.after(extend_s, self._handoff_round, r)
+            r.t_switch = now  # RLD's last token; the user waits for MD's first from here
+        # The token ids cross the WAN to MD, which extends them in a pass of its own.
+        self.loop.after(self.cfg.wan.one_way_latency_s, self._md_extend, (r, extend_s, step.final))
+
+    def _md_extend(self, now: float, job) -> None:
+        r, extend_s, final = job
+        if r.done:
+            return  # RLD finished the request while the batch was on its way
+        end = self.md[r.md].occupy(now, extend_s)
+        if final:
+            self.loop.at(end, self._md_take_over, r)
+        else:  # MD's answer crosses back before the router sends the next batch
+            self.loop.at(end + self.cfg.wan.one_way_latency_s, self._handoff_round, r)
 
     def _md_take_over(self, now: float, r: SimRequest) -> None:
         tr = r.tr
@@ -313,15 +390,24 @@ class Simulation:
     def _md_start(self, now: float, r: SimRequest) -> None:
         if r.t_first is None:
             r.t_first = now + self.md_stream_latency
+        elif r.t_switch is not None and r.tr.output_length > max(r.handed, 1):
+            # MD's first own token: one decode step after admission, then the way back.
+            r.stall = now + self.md[r.md].step_s() + self.md_stream_latency - r.t_switch
 
     def _rld_done(self, now: float, r: SimRequest) -> None:
         if r.path is Path.P_RLD_MD:
-            self.kv_link.cancel(now, r)  # the WAN transfer is no longer needed
+            # As the router does (docs/router.md, step 9): with a DRC the KV still crossing
+            # the WAN lands in MD's cache, so the session's next turn hits there; without
+            # one it is useless and cancelled.
+            if not self.cfg.drc and self.kv_link.in_flight(r):
+                self.kv_link.cancel(now, r)
+                self._unpin(r)  # it will never land
             self._md_unpend(r)
-        self._finish(now, r, rld_tokens=r.tr.output_length)
+        # P produced the first token; RLD decoded the rest.
+        self._finish(now, r, rld_tokens=r.tr.output_length - 1)
 
     def _md_done(self, now: float, r: SimRequest) -> None:
-        rld_tokens = r.handed if r.handed > 0 else 0
+        rld_tokens = r.handed - 1 if r.handed > 0 else 0  # handed = P's first token + RLD's
         self._finish(now + self.md_stream_latency, r, rld_tokens)
 
     def _finish(self, t_done: float, r: SimRequest, rld_tokens: int) -> None:
@@ -340,10 +426,16 @@ class Simulation:
         log.output.append(out)
         log.rld_tokens.append(rld_tokens)
         log.path.append(PATH_CODES.index(r.path))
+        log.stall.append(r.stall)
+        nxt = self._next_turn.pop(id(r.tr), None)
+        if nxt is not None:  # closed loop: the session's next turn after its think time
+            tr, think_s = nxt
+            self.loop.at(t_done + think_s, self._route, tr)
 
 
-def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla()) -> Summary:
-    return Simulation(cfg, sla).run(requests)
+def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla(),
+                 rate_scale: float = 1.0, closed_loop: bool = False) -> Summary:
+    return Simulation(cfg, sla, rate_scale).run(requests, closed_loop)
 
 
 __all__ = ["ScenarioConfig", "Simulation", "run_scenario", "PATH_NAMES"]

@@ -95,45 +95,115 @@ class LinkProfile:
         return 0.0 if math.isinf(self.gbps) else nbytes / self.bytes_per_s
 
 
-# Illustrative defaults, not measurements: a fast, pricey chip in datacenter A (prefill and
-# relay decode) and a slower, cheaper chip type in datacenter B (main decode). Replace them
-# with calibrated profiles (benchmarks/calibrate_profile.py) before trusting absolute numbers.
-CHIP_A = HardwareProfile(
-    name="chip_a",
-    chips_per_instance=8,
-    price_per_chip_hour=3.5,
-    kv_bytes_per_token=46_000,
-    kv_capacity_tokens=4_000_000,
-    cache_capacity_tokens=4_000_000,
-    max_running_requests=128,
-    prefill_overhead_s=0.015,
-    prefill_s_per_token=4.0e-5,
-    prefill_s_per_token_ctx=1.2e-9,
-    prefill_chunk_tokens=8192,
-    decode_step_overhead_s=0.010,
-    decode_step_s_per_seq=1.5e-4,
-    decode_step_s_per_kv_token=1.5e-8,
-    # ~1 ms per extra request in a pass: SGLang's scheduler does per-request Python work on
-    # every prefill batch (PrefillAdder, prepare_for_extend, req_to_token writes, radix
-    # insert and output handling after the forward) and a disaggregated prefill server
-    # submits each request's KV transfer separately; a few hundred us to ~2 ms per request
-    # is the usual range. Illustrative, like the rest: calibrate with k-request passes.
-    prefill_s_per_extra_request=1.0e-3,
-)
+# ---- coherent presets: one model class on one chip type ---------------------------------
+# Every number and its source is in docs/sim.md ("Hardware presets"). Spec-sheet numbers
+# are public figures; efficiencies and prices are estimates (marked there), so calibrate
+# (benchmarks/calibrate_profile.py) before trusting absolute numbers.
 
-CHIP_B = replace(
-    CHIP_A,
-    name="chip_b",
-    price_per_chip_hour=1.6,
-    kv_capacity_tokens=2_500_000,
-    cache_capacity_tokens=2_500_000,
-    prefill_overhead_s=0.02,
-    prefill_s_per_token=7.0e-5,
-    prefill_s_per_token_ctx=2.0e-9,
-    decode_step_overhead_s=0.014,
-    decode_step_s_per_seq=2.2e-4,
-    decode_step_s_per_kv_token=2.2e-8,
-)
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_gb: float  # per chip
+    hbm_tb_s: float  # memory bandwidth per chip
+    bf16_tflops: float  # dense
+    fp8_tflops: float  # dense
+    price_per_chip_hour: float  # estimate, see docs/sim.md
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    name: str
+    active_params_b: float  # parameters touched per token (MoE: activated), billions
+    weight_bytes_gb: float  # weights as served (bf16 for the GQA model, fp8 for the MLA one)
+    kv_bytes_per_token: int
+    attn_flops_per_token_ctx: float  # prefill attention FLOPs per (new token, context token)
+    fp8_compute: bool  # prefill matmuls in fp8
+
+
+H100 = Chip("h100", hbm_gb=80, hbm_tb_s=3.35, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.00)
+H200 = Chip("h200", hbm_gb=141, hbm_tb_s=4.8, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.75)
+H20 = Chip("h20", hbm_gb=96, hbm_tb_s=4.0, bf16_tflops=148, fp8_tflops=296, price_per_chip_hour=1.30)
+CHIPS = {c.name: c for c in (H100, H200, H20)}
+
+# Llama-3-70B: 80 layers, 8 KV heads x 128 dims (GQA), bf16 KV: 2 * 80 * 8 * 128 * 2 B.
+# Attention: 64 query heads x 128 dims, QK^T and AV: 4 * 80 * 64 * 128 FLOPs per pair.
+LLAMA3_70B = ModelClass("llama3-70b", active_params_b=70.6, weight_bytes_gb=141.0,
+                        kv_bytes_per_token=2 * 80 * 8 * 128 * 2,
+                        attn_flops_per_token_ctx=4 * 80 * 64 * 128, fp8_compute=False)
+# DeepSeek-V3: 61 layers, MLA latent 512 + rope 64 per token and layer, bf16: 576 * 61 * 2 B;
+# 671B parameters (37B activated), fp8 weights; prefill attention 128 heads x (192 qk + 128 v).
+DEEPSEEK_V3 = ModelClass("deepseek-v3", active_params_b=37.0, weight_bytes_gb=690.0,
+                         kv_bytes_per_token=(512 + 64) * 61 * 2,
+                         attn_flops_per_token_ctx=2 * 61 * 128 * (192 + 128), fp8_compute=True)
+MODELS = {m.name: m for m in (LLAMA3_70B, DEEPSEEK_V3)}
+
+# Estimated efficiencies (fractions of peak); see docs/sim.md for the sanity checks.
+PREFILL_MFU = 0.40
+DECODE_MFU = 0.50
+DECODE_MBU = 0.70
+USABLE_HBM = 0.90  # the rest: activations, CUDA graphs, fragmentation
+STEP_OVERHEAD_S = 0.003  # scheduler + launch per decode step, beyond the weight read
+
+
+def instance_chips(model: ModelClass, chip: Chip) -> int:
+    """Smallest power-of-two TP group whose memory holds the weights with >= 25% left for KV."""
+    n = 1
+    while n * chip.hbm_gb * USABLE_HBM < model.weight_bytes_gb * 1.25:
+        n *= 2
+    return n
+
+
+def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0) -> HardwareProfile:
+    """A HardwareProfile derived from the model's size and the chip's spec sheet."""
+    m = MODELS[model] if isinstance(model, str) else model
+    c = CHIPS[chip] if isinstance(chip, str) else chip
+    n = chips or instance_chips(m, c)
+    flops = 2.0 * m.active_params_b * 1e9
+    peak = (c.fp8_tflops if m.fp8_compute else c.bf16_tflops) * 1e12 * n
+    bw = c.hbm_tb_s * 1e12 * n * DECODE_MBU
+    free_bytes = n * c.hbm_gb * 1e9 * USABLE_HBM - m.weight_bytes_gb * 1e9
+    if free_bytes < 0.1 * m.weight_bytes_gb * 1e9:  # no room for a useful KV pool
+        raise ValueError(f"{m.name} does not fit {n} x {c.name} with room for KV")
+    kv_tokens = int(free_bytes / m.kv_bytes_per_token)
+    return HardwareProfile(
+        name=f"{m.name}@{n}x{c.name}",
+        chips_per_instance=n,
+        price_per_chip_hour=c.price_per_chip_hour,
+        kv_bytes_per_token=m.kv_bytes_per_token,
+        kv_capacity_tokens=kv_tokens,
+        # SGLang's radix cache lives in the same pool; half of it is a fair share when busy.
+        cache_capacity_tokens=kv_tokens // 2,
+        max_running_requests=512,
+        prefill_overhead_s=0.010,
+        prefill_s_per_token=flops / (peak * PREFILL_MFU),
+        prefill_s_per_token_ctx=m.attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * PREFILL_MFU),
+        prefill_chunk_tokens=8192,
+        decode_step_overhead_s=STEP_OVERHEAD_S + m.weight_bytes_gb * 1e9 / bw,
+        decode_step_s_per_seq=flops / (peak * DECODE_MFU),
+        decode_step_s_per_kv_token=m.kv_bytes_per_token / bw,
+        prefill_s_per_extra_request=1.0e-3,
+    )
+
+
+# Defaults: a Llama-3-70B-class model; P, RLD and PD's decode on H100, MD on the cheaper
+# decode chip (H20: more bandwidth per $, little compute). The old CHIP_A/CHIP_B mixed an
+# MLA-sized KV (46 KB/token) with 70B-class compute; these are one model on each chip.
+CHIP_A = preset(LLAMA3_70B, H100)
+CHIP_B = preset(LLAMA3_70B, H20)
+
+# A small, fast pair for unit tests of mechanisms only (the pre-issue-12 defaults): its KV
+# size is MLA-like beside 70B-class compute, i.e. no real model. Do not report with it.
+TOY_A = HardwareProfile(
+    name="toy_a", chips_per_instance=8, price_per_chip_hour=3.5, kv_bytes_per_token=46_000,
+    kv_capacity_tokens=4_000_000, cache_capacity_tokens=4_000_000, max_running_requests=128,
+    prefill_overhead_s=0.015, prefill_s_per_token=4.0e-5, prefill_s_per_token_ctx=1.2e-9,
+    prefill_chunk_tokens=8192, decode_step_overhead_s=0.010, decode_step_s_per_seq=1.5e-4,
+    decode_step_s_per_kv_token=1.5e-8, prefill_s_per_extra_request=1.0e-3)
+TOY_B = replace(
+    TOY_A, name="toy_b", price_per_chip_hour=1.6, kv_capacity_tokens=2_500_000, cache_capacity_tokens=2_500_000,
+    prefill_overhead_s=0.02, prefill_s_per_token=7.0e-5, prefill_s_per_token_ctx=2.0e-9,
+    decode_step_overhead_s=0.014, decode_step_s_per_seq=2.2e-4, decode_step_s_per_kv_token=2.2e-8)
 
 WAN_DEFAULT = LinkProfile("wan", gbps=25.0, one_way_latency_s=0.020, jitter_s=0.005,
                           price_per_hour=10.0, price_per_gb=0.0)

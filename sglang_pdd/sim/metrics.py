@@ -14,6 +14,9 @@ import numpy as np
 class Sla:
     ttft_s: float = 2.0
     tpot_s: float = 0.06
+    # Longest inter-token gap allowed (the handoff stall is the one that exceeds TPOT);
+    # None = not part of the SLA.
+    max_itl_s: "float | None" = None
 
 
 class TimeAverage:
@@ -42,6 +45,7 @@ class RequestLog:
         self.output = array("l")
         self.rld_tokens = array("l")
         self.path = array("b")  # index into PATH_CODES
+        self.stall = array("d")  # gap at the switch to MD's tokens; NaN: no switch
 
     def __len__(self) -> int:
         return len(self.ttft)
@@ -69,6 +73,12 @@ class Summary:
     bcr: float  # SLA-meeting requests per $ of hardware
     paths: Dict[str, int] = field(default_factory=dict)
     mean_md_hit: float = 0.0  # token-weighted prefix hit on MD (DRC), where MD exists
+    offered_rps: float = 0.0  # arrivals per second over the arrival span
+    switches: int = 0  # requests whose tokens moved to MD mid-stream (handoff or P->MD via RLD)
+    stall_p50: float = float("nan")  # gap at that switch, over those requests (s)
+    stall_p99: float = float("nan")
+    itl_p50: float = float("nan")  # inter-token latency over all gaps (s), see itl_samples
+    itl_p99: float = float("nan")
 
 
 def percentile(a: np.ndarray, q: float) -> float:
@@ -76,9 +86,34 @@ def percentile(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if a.size else float("nan")
 
 
+def itl_samples(tpot: np.ndarray, stall: np.ndarray, out: np.ndarray, e2e_minus_ttft: np.ndarray):
+    """Inter-token gaps as (value, weight) without per-token events: a request has out-1
+    gaps; one of them is its switch stall (if any), the others share the rest of its
+    decode time evenly (a decode step is near-constant within a batch)."""
+    has = ~np.isnan(stall)
+    gaps = np.maximum(out - 1, 0).astype(np.float64)
+    even_n = gaps - has
+    st = np.where(has, stall, 0.0)
+    even = np.where(even_n > 0, (e2e_minus_ttft - st) / np.maximum(even_n, 1), 0.0)
+    values = np.concatenate([even[even_n > 0], stall[has]])
+    weights = np.concatenate([even_n[even_n > 0], np.ones(int(has.sum()))])
+    return values, weights
+
+
+def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    if values.size == 0:
+        return float("nan")
+    order = np.argsort(values)
+    cw = np.cumsum(weights[order])
+    i = int(np.searchsorted(cw, q / 100.0 * cw[-1]))
+    return float(values[order][min(i, values.size - 1)])
+
+
 def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_bytes: float,
               wan_bytes_per_s: float, wan_price_per_hour: float, wan_price_per_gb: float,
-              path_names, mean_md_hit: float = 0.0) -> Summary:
+              path_names, mean_md_hit: float = 0.0, wan_span_s: float = 0.0) -> Summary:
+    """wan_span_s: how long the WAN was in use, if longer than the requests' span (KV of
+    finished requests still landing in MD's cache)."""
     ttft = np.frombuffer(log.ttft, dtype=np.float64)
     tpot = np.frombuffer(log.tpot, dtype=np.float64)
     arrival = np.frombuffer(log.arrival, dtype=np.float64)
@@ -87,8 +122,15 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
     rld = np.array(log.rld_tokens, dtype=np.int64)
     n = len(ttft)
     duration = float((arrival + e2e).max() - arrival.min()) if n else 0.0
+    stall = np.frombuffer(log.stall, dtype=np.float64)
     ok = (ttft <= sla.ttft_s) & (np.isnan(tpot) | (tpot <= sla.tpot_s))
+    itl_v, itl_w = itl_samples(tpot, stall, out, e2e - ttft)
+    if sla.max_itl_s is not None:
+        even_gap = np.where(out > 1, (e2e - ttft - np.nan_to_num(stall)) / np.maximum(out - 1 - ~np.isnan(stall), 1), 0)
+        ok &= (np.isnan(stall) | (stall <= sla.max_itl_s)) & (even_gap <= sla.max_itl_s)
     good = int(ok.sum())
+    switched = stall[~np.isnan(stall)]
+    arrival_span = float(arrival.max() - arrival.min()) if n else 0.0
     hours = duration / 3600.0
     hw_cost = cost_per_hour * hours
     wan_gb = wan_bytes / 1e9
@@ -103,11 +145,16 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         goodput_rps=good / duration if duration > 0 else 0.0,
         throughput_tok_s=float(out.sum()) / duration if duration > 0 else 0.0,
         wan_gb=wan_gb,
-        wan_util=(wan_bytes / (wan_bytes_per_s * duration)) if duration > 0 and wan_bytes_per_s > 0 else 0.0,
+        wan_util=(wan_bytes / (wan_bytes_per_s * max(duration, wan_span_s)))
+        if duration > 0 and wan_bytes_per_s > 0 else 0.0,
         rld_token_share=float(rld.sum()) / float(out.sum()) if out.sum() else 0.0,
         cost_per_hour=cost_per_hour,
         wan_cost=wan_price_per_hour * hours + wan_price_per_gb * wan_gb,
         bcr=good / hw_cost if hw_cost > 0 else 0.0,
         paths={name_: int((paths == i).sum()) for i, name_ in enumerate(path_names) if (paths == i).any()},
         mean_md_hit=mean_md_hit,
+        offered_rps=(n - 1) / arrival_span if arrival_span > 0 else 0.0,
+        switches=int(switched.size),
+        stall_p50=percentile(switched, 50), stall_p99=percentile(switched, 99),
+        itl_p50=weighted_percentile(itl_v, itl_w, 50), itl_p99=weighted_percentile(itl_v, itl_w, 99),
     )

@@ -16,6 +16,8 @@ COLUMNS = [
     ("TPOT p50 ms", "{:>11.1f}", "tpot_p50"),
     ("p90", "{:>6.1f}", "tpot_p90"),
     ("p99", "{:>6.1f}", "tpot_p99"),
+    ("stall p99 ms", "{:>12.0f}", "stall_p99"),
+    ("ITL p99 ms", "{:>10.0f}", "itl_p99"),
     ("SLA%", "{:>6.1f}", "sla_attainment"),
     ("good r/s", "{:>8.2f}", "goodput_rps"),
     ("WAN GB", "{:>7.0f}", "wan_gb"),
@@ -24,7 +26,7 @@ COLUMNS = [
     ("RLD tok%", "{:>8.1f}", "rld_token_share"),
     ("BCR", "{:>7.1f}", "bcr"),
 ]
-_SCALE = {"tpot_p50": 1e3, "tpot_p90": 1e3, "tpot_p99": 1e3, "sla_attainment": 100.0, "rld_token_share": 100.0}
+_SCALE = {"tpot_p50": 1e3, "tpot_p90": 1e3, "tpot_p99": 1e3, "stall_p99": 1e3, "itl_p99": 1e3, "sla_attainment": 100.0, "rld_token_share": 100.0}
 
 
 def format_table(summaries: Iterable[Summary]) -> str:

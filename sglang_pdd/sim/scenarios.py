@@ -17,7 +17,9 @@ from .hardware import CHIP_A, CHIP_B, RDMA_DEFAULT, WAN_DEFAULT, HardwareProfile
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    n_prefill: int = 4
+    # PD's sized mix for the realistic agentic trace with the default Llama-3-70B presets
+    # (7 P, 4 D at 90% SLA attainment, docs/sim.md); PDD splits the 4 decoders 1 RLD + 3 MD.
+    n_prefill: int = 7
     n_rld: int = 1
     n_md: int = 3
     chip_a: HardwareProfile = CHIP_A  # datacenter A: prefill, relay decode, PD's decode

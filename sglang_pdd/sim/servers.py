@@ -37,6 +37,7 @@ class EqualShareServer:
         self._heap: list = []  # (finish_v, seq, job); stale entries skipped lazily
         self._seq = 0
         self._version = 0
+        self.paused_until = 0.0  # no progress before this time (an extend pass holds the chip)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -68,6 +69,19 @@ class EqualShareServer:
         start_v, fv, _ = self.jobs[job]
         return min(self.v + self.rate * (now - self.t), fv) - start_v
 
+    def pause(self, now: float, until: float) -> None:
+        """No job progresses in [now, until): the instance runs something else (an extend)."""
+        self._advance(now)
+        self.paused_until = max(self.paused_until, until)
+        self._reschedule(now)
+        self.loop.at(self.paused_until, self._resume, None)
+
+    def _resume(self, now: float, _arg) -> None:
+        if now + _EPS < self.paused_until:
+            return  # a later pause superseded this one
+        self._advance(now)
+        self._reschedule(now)
+
     def remaining_work_total(self, now: float) -> float:
         v = self.v + self.rate * (now - self.t)
         return max(0.0, self.finish_v_sum - len(self.jobs) * v)
@@ -81,6 +95,9 @@ class EqualShareServer:
             self.rate = 0.0
             self.weight_sum = 0.0
             self.finish_v_sum = 0.0
+            return
+        if now + _EPS < self.paused_until:
+            self.rate = 0.0
             return
         self.rate = self.rate_fn(len(self.jobs), self.weight_sum)
         dt = (heap[0][0] - self.v) / self.rate if self.rate > 0 else math.inf
@@ -121,16 +138,25 @@ class PrefillInstance:
         self.queue: deque = deque()  # [job, remaining_new_tokens, ctx_tokens_done]
         self.busy = False
         self.queued_tokens = 0
+        self.queued_work_s = 0.0  # token and attention time of everything queued
         self.busy_s = 0.0
+
+    def _work_s(self, new_tokens: int, ctx_tokens: int) -> float:
+        # Additive over chunks: sum of n_i * (c_i + n_i / 2) over a request's chunks equals
+        # N * (ctx + N / 2), so the backlog can subtract each pass's share exactly.
+        hw = self.hw
+        return new_tokens * hw.prefill_s_per_token + new_tokens * (ctx_tokens + new_tokens / 2.0) * hw.prefill_s_per_token_ctx
 
     def submit(self, now: float, job: Any, new_tokens: int, cached_tokens: int) -> None:
         self.queue.append([job, new_tokens, cached_tokens])
         self.queued_tokens += new_tokens
+        self.queued_work_s += self._work_s(new_tokens, cached_tokens)
         if not self.busy:
             self._start(now)
 
     def backlog_s(self) -> float:
-        return self.queued_tokens * self.hw.prefill_s_per_token
+        """Time to clear the queue: per-token and attention terms (pass overheads left out)."""
+        return self.queued_work_s
 
     def _start(self, now: float) -> None:
         budget = self.hw.prefill_chunk_tokens
@@ -153,9 +179,12 @@ class PrefillInstance:
     def _finish_pass(self, now: float, batch: list) -> None:
         finished = []
         for item, n in batch:
+            self.queued_work_s -= self._work_s(n, item[2])
             item[1] -= n
             item[2] += n
             self.queued_tokens -= n
+        if self.queued_tokens == 0:
+            self.queued_work_s = 0.0  # no float drift across an empty queue
         while self.queue and self.queue[0][1] <= 0:
             finished.append(self.queue.popleft()[0])
         self._start(now)
@@ -177,27 +206,42 @@ class DecodeInstance:
         self.waiting: deque = deque()  # (job, tokens_to_decode, ctx_tokens, reserve_tokens)
         self.reserved: Dict[Any, int] = {}
         self.kv_used = 0
+        self.waiting_reserve = 0  # KV the waiting queue will need (kept so load() is O(1))
 
     def _token_rate(self, n: int, kv_tokens: float) -> float:
         return 1.0 / self.hw.decode_step_s(n, int(kv_tokens))
 
     def load(self) -> float:
         """KV in use plus waiting, as a fraction of the pool (> 1 means a queue)."""
-        waiting = sum(w[3] for w in self.waiting) if self.waiting else 0
-        return (self.kv_used + waiting) / self.hw.kv_capacity_tokens
+        return (self.kv_used + self.waiting_reserve) / self.hw.kv_capacity_tokens
 
     def utilisation(self) -> float:
-        return len(self.batch) / self.hw.max_running_requests
+        """Running plus waiting requests over max running (> 1 means a queue)."""
+        return (len(self.batch) + len(self.waiting)) / self.hw.max_running_requests
+
+    def occupy(self, now: float, seconds: float) -> float:
+        """An extend pass of `seconds` on this instance: it waits for earlier extends and
+        stalls every running sequence while it runs. Returns when it ends."""
+        end = max(now, self.batch.paused_until) + seconds
+        self.batch.pause(now, end)
+        return end
+
+    def step_s(self) -> float:
+        """Current decode step time (one token of every running sequence)."""
+        n = len(self.batch)
+        return self.hw.decode_step_s(max(1, n), int(self.batch.weight_sum))
 
     def submit(self, now: float, job: Any, tokens_to_decode: int, ctx_tokens: int) -> None:
         reserve = ctx_tokens + tokens_to_decode
         self.waiting.append((job, tokens_to_decode, ctx_tokens, reserve))
+        self.waiting_reserve += reserve
         self._admit(now)
 
     def cancel_waiting(self, job: Any) -> bool:
         for i, w in enumerate(self.waiting):
             if w[0] is job:
                 del self.waiting[i]
+                self.waiting_reserve -= w[3]
                 return True
         return False
 
@@ -225,6 +269,7 @@ class DecodeInstance:
             if len(self.batch) >= hw.max_running_requests or not fits:
                 return
             self.waiting.popleft()
+            self.waiting_reserve -= reserve
             self.reserved[job] = reserve
             self.kv_used += reserve
             self.on_start(now, job)
@@ -242,10 +287,13 @@ class DecodeInstance:
 
 class SharedLink:
     """A link whose in-flight transfers share the rate fairly; then latency (+ jitter).
-    With gbps = inf a transfer costs its latency only."""
+    With gbps = inf a transfer costs its latency only. `shared=False`: every transfer gets
+    the full rate (same-DC RDMA: each P's NICs to each D, no common bottleneck)."""
 
-    def __init__(self, loop: EventLoop, link: LinkProfile, rng, on_arrive: Callable[[float, Any], None]) -> None:
+    def __init__(self, loop: EventLoop, link: LinkProfile, rng, on_arrive: Callable[[float, Any], None],
+                 shared: bool = True) -> None:
         self.loop, self.link, self.rng, self.on_arrive = loop, link, rng, on_arrive
+        self.shared = shared
         self.flows = EqualShareServer(loop, self._flow_rate, self._sent)
         self.bytes_sent = 0.0
         self.bytes_cancelled = 0.0
@@ -259,9 +307,9 @@ class SharedLink:
         return self.link.one_way_latency_s + (self.rng.uniform(0.0, j) if j > 0 else 0.0)
 
     def send(self, now: float, job: Any, nbytes: float) -> None:
-        if nbytes <= 0 or math.isinf(self.link.gbps):
+        if nbytes <= 0 or math.isinf(self.link.gbps) or not self.shared:
             self.bytes_sent += nbytes
-            self.loop.after(self._latency(), self.on_arrive, job)
+            self.loop.after(self._latency() + self.link.serialisation_s(max(0.0, nbytes)), self.on_arrive, job)
             return
         self._sizes[job] = nbytes
         self.flows.add(now, job, nbytes)
