@@ -72,3 +72,13 @@ def pdd_cluster(run_root):
     topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]
     with LocalCluster(run_root / "cluster", topology=topology, router_args=TEST_ROUTER_ARGS) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def router_sglang_state():
+    """The router's SGLang serving state (tokenizer, model config, chatml template) for the tiny
+    model, built in-process as the router builds it: HTTP-front tests without servers."""
+    model = _require_sglang()
+    from sglang_pdd.router.serving import build_sglang_state
+
+    return build_sglang_state(["--model-path", model, "--device", "cpu", "--chat-template", "chatml"])

@@ -186,11 +186,12 @@ class Router:
         try:
             body = parse_json_object(await request.read())
             scope = self._scope(request, body.pop("pdd_options", None))
+            # ours first: its messages name the field; then SGLang's own contract (all types)
+            check_generate_body(body, cap=self.max_new_tokens_cap, vocab_size=self.manager.vocab_size,
+                                max_n=self.max_n)
             contract_error = generate_contract_error(body)
             if contract_error is not None:
                 raise ApiError(400, f"bad /generate body: {contract_error}")
-            check_generate_body(body, cap=self.max_new_tokens_cap, vocab_size=self.manager.vocab_size,
-                                max_n=self.max_n)
             if body.get("return_logprob") and not FLOW_TAKES_EXTRAS:
                 raise ApiError(400, "return_logprob is not supported by this router build")
             try:

@@ -259,22 +259,26 @@ def _finish_reason(flow) -> Optional[dict]:
 
 
 async def _until(events: AsyncIterator, abort: asyncio.Event) -> AsyncIterator:
-    """The flow's events until it ends or /abort_request sets ``abort`` (raises Aborted)."""
+    """The flow's events until it ends or /abort_request sets ``abort`` (raises Aborted). A
+    pending step is cancelled and awaited on any exit, so the flow can be closed right after."""
     aborted = asyncio.ensure_future(abort.wait())
+    nxt = None
     try:
         while True:
             nxt = asyncio.ensure_future(events.__anext__())
             done, _ = await asyncio.wait({nxt, aborted}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
                 raise Aborted()
             try:
-                yield nxt.result()
+                new = nxt.result()
             except StopAsyncIteration:
                 return
+            yield new
     finally:
         aborted.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
 
 
 async def _merge(runs: list) -> AsyncIterator[dict]:
