@@ -59,7 +59,8 @@ class Run:
 
 def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, control_url: Optional[str] = None,
              force_path: Optional[Path] = None, gates=None, timeout_s: float = 20.0, p_control: bool = False,
-             p_control_url: Optional[str] = None, md_estimate: int = 0) -> Run:
+             p_control_url: Optional[str] = None, md_estimate: int = 0, sampling: Optional[dict] = None,
+             extras: Optional[dict] = None, rid: Optional[str] = "req") -> Run:
     """Runs one request through PddFlow against fresh fakes. ``gates(run)`` may set hooks on
     ``knobs`` that read ``run.flow`` (the fakes share the flow's event loop). ``p_control``:
     P has its control API (late WAN destinations) at the fake's URL, or at ``p_control_url``;
@@ -76,8 +77,9 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             prefill = PrefillBackend(fakes.p_url, 8998,
                                      control_url=(p_control_url or fakes.p_control_url) if p_control else None)
             run.flow = PddFlow(session, cfg or flow_config(), prefill, fakes.rld_url,
-                               main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0},
-                               rid="req", rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate)
+                               main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0, **(sampling or {})},
+                               rid=rid, rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate,
+                               extras=extras)
             try:
                 async for tokens in run.flow.events():
                     run.last_chunk_t = time.monotonic()
