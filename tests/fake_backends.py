@@ -132,6 +132,7 @@ class Knobs:
     rld_fail_after: dict = field(default_factory=dict)  # leg -> drop the connection after N tokens
     rld_abort_lag_tokens: int = 0  # tokens still sent after an abort (late tokens)
     rld_prefill_wait_s: float = 5.0  # RLD waits this long for P's prefill of its room
+    rld_diverge_legs: tuple = ()  # these relay legs produce other tokens (a sampled replay)
     # MD control
     md_register: str = "ok"  # ok | error500 | text500
     md_register_delay_s: float = 0.0  # register answers after this (a WAN round trip)
@@ -279,6 +280,8 @@ class Fakes:
             aborted = self.rld_aborted.setdefault(rid, asyncio.Event())
             budget = int(body["sampling_params"]["max_new_tokens"])
             prompt, tokens = resumed_output(body, budget)
+            if leg in k.rld_diverge_legs:
+                tokens = [(t + 1) % VOCAB for t in tokens]
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             self.rld_active += 1

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import aiohttp
@@ -70,14 +71,51 @@ def test_md_death_mid_stream_recovery_leg_resumes_and_logprobs_stay_complete():
     assert_logprobs_complete(run, 40)
 
 
+@pytest.mark.parametrize("mode", ["resume", "replay", "continue", "auto"])
+def test_recovery_modes_after_md_dies_mid_stream(mode):
+    knobs = Knobs(md_die_after=5, md_token_delay_s=0.005)
+    cfg = dataclasses.replace(flow_config(), recovery=mode)
+    run = scenario(knobs, max_new=40, cfg=cfg, extras=LOGPROBS,
+                   gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 6)))
+    assert_invariants(run, 40)
+    r = run.flow.result
+    resumed_at = r.handoff_at + 5
+    body = run.fakes.records("rld", "generate")[1].body
+    sampling, custom = body["sampling_params"], body["sampling_params"].get("custom_params")
+    if mode == "resume":  # the resume contract: prompt + emitted, marker, total budget
+        assert body["input_ids"] == PROMPT + truth(PROMPT, resumed_at)
+        assert sampling["max_new_tokens"] == 40 and custom == {"pdd_resume_output_len": resumed_at}
+    elif mode == "continue":  # the old way: a new request on prompt + emitted
+        assert body["input_ids"] == PROMPT + truth(PROMPT, resumed_at)
+        assert sampling["max_new_tokens"] == 40 - resumed_at and custom is None
+    else:  # replay (auto picks it for greedy requests)
+        assert body["input_ids"] == PROMPT and sampling["max_new_tokens"] == 40 and custom is None
+    assert r.recovery_mode == (None if mode == "resume" else "replay" if mode == "auto" else mode)
+    assert_logprobs_complete(run, 40)
+
+
+def test_auto_recovery_continues_a_sampled_request():
+    knobs = Knobs(md_die_after=5, md_token_delay_s=0.005)
+    run = scenario(knobs, max_new=30, sampling={"temperature": 0.7},
+                   gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 6)))
+    assert_invariants(run, 30)  # the fakes are deterministic whatever the temperature
+    assert run.flow.result.recovery_mode == "continue"
+
+
+def test_a_replay_that_diverges_fails_the_request_instead_of_splicing_two_outputs():
+    knobs = Knobs(md_die_after=5, md_token_delay_s=0.005, rld_diverge_legs=(2,))
+    run = scenario(knobs, max_new=30, gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 6)))
+    assert_invariants(run, 30, complete=False)
+    assert run.error is not None and "diverged" in str(run.error)
+    assert run.emitted == truth(PROMPT, len(run.emitted))  # nothing from the diverged leg
+
+
 def test_p_md_recovery_leg_after_wan_failure():
     run = scenario(Knobs(md_ready="never"), max_new=20, cfg=p_md_cfg(), extras=LOGPROBS)
     assert_invariants(run, 20)
     legs = run.fakes.records("rld", "generate")
     assert legs[0].body["sampling_params"]["max_new_tokens"] == 1
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, 1)
-    assert legs[1].body["sampling_params"]["max_new_tokens"] == 20
-    assert legs[1].body["sampling_params"]["custom_params"] == {"pdd_resume_output_len": 1}
+    assert legs[1].body["input_ids"] == PROMPT and legs[1].body["sampling_params"]["max_new_tokens"] == 20
     assert_logprobs_complete(run, 20)
 
 

@@ -278,10 +278,11 @@ def test_md_dies_mid_stream_recovers_on_new_relay_leg():
     legs = run.fakes.records("rld", "generate")
     assert [g.body["rid"] for g in legs] == [leg_rid(run, "r1"), leg_rid(run, "r2")]
     resumed_at = r.handoff_at + 5
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, resumed_at)
-    assert legs[1].body["sampling_params"]["max_new_tokens"] == 40  # the total budget (resume contract)
-    # the resume marker only: no second WAN transfer
-    assert legs[1].body["sampling_params"]["custom_params"] == {"pdd_resume_output_len": resumed_at}
+    # greedy: the recovery leg replays the request (total budget), its first positions dropped
+    assert r.recovery_mode == "replay" and resumed_at == 5 + r.handoff_at
+    assert legs[1].body["input_ids"] == PROMPT
+    assert legs[1].body["sampling_params"]["max_new_tokens"] == 40
+    assert "custom_params" not in legs[1].body["sampling_params"]  # no second WAN transfer
     assert leg_rid(run, "r1") in run.fakes.aborted_rids("rld") and leg_rid(run, "m") in run.fakes.aborted_rids("md")
 
 
@@ -325,9 +326,9 @@ def test_p_md_md_fails_recovers_on_relay(fault):
     assert run.fallbacks == ["md_failed", "recovered_on_relay:md_failed"]
     legs = run.fakes.records("rld", "generate")
     assert [g.body["rid"] for g in legs] == [leg_rid(run, "r1"), leg_rid(run, "r2")]
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, 1)
+    assert legs[1].body["input_ids"] == PROMPT  # a replay (greedy)
     assert legs[1].body["sampling_params"]["max_new_tokens"] == 30
-    assert legs[1].body["sampling_params"]["custom_params"] == {"pdd_resume_output_len": 1}
+    assert "custom_params" not in legs[1].body["sampling_params"]
     assert run.flow.result.md_tokens == 0
 
 
@@ -358,7 +359,8 @@ def test_p_md_md_dies_mid_stream_recovers():
     assert_invariants(run, 20)
     assert run.fallbacks == ["md_failed", "recovered_on_relay:md_failed_mid_stream"]
     legs = run.fakes.records("rld", "generate")
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, 4)
+    assert legs[1].body["input_ids"] == PROMPT and run.flow.result.recovery_mode == "replay"  # greedy
+    assert legs[1].body["sampling_params"]["max_new_tokens"] == 20
 
 
 # ---------------------------------------------------------------------- P -> RLD only

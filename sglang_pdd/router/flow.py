@@ -23,9 +23,12 @@ sends them:
 The handoff continues the request on MD (the resume contract, docs/router.md): MD gets the
 eager token ids, the client's TOTAL max_new_tokens and the logprob fields, and its stream
 reports the whole output from position 0, the eager tokens included; the stitcher takes
-MD's positions from the cut on. A recovery leg (MD failed) sends prompt + emitted tokens with
-the resume marker (``custom_params["pdd_resume_output_len"]``) and the total budget to P and
-RLD, stitched the same way.
+MD's positions from the cut on. A recovery leg (a new P->RLD leg after MD failed) continues
+from what the client has as ``FlowConfig.recovery`` says (RecoveryMode): RESUME (prompt +
+emitted with the resume marker ``custom_params["pdd_resume_output_len"]`` and the total
+budget, stitched the same way; needs P / RLD that resume in PD mode), REPLAY (the request
+again, its first positions checked against the client's and dropped; the default for greedy
+requests, exact) or CONTINUE (prompt + emitted as a new request, the old behaviour).
 
 MD's room registration (``POST /pdd/rooms`` on MD, which answers MD's exact cached prefix):
 without a control URL for P it is awaited before P and RLD start, and P learns its WAN
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import json
 import logging
 import secrets
@@ -98,6 +102,33 @@ class FlowConfig:
     rld_max_running: int = 16
     request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
     default_max_new_tokens: int = 128
+    # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
+    # (RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
+    recovery: str = "auto"
+
+
+class RecoveryMode(str, enum.Enum):
+    """How a recovery leg continues the request on P and RLD (a PD pair).
+
+    RESUME: prompt + emitted tokens with the resume marker and the total budget (the resume
+      contract), for P / RLD servers that support resuming in PD mode. SGLang's PD path does
+      not (sglang_glue/resume.py: a PD server answers 400), hence not the default.
+    REPLAY: the original request again (prompt, total budget, the client's sampling); its
+      first positions must reproduce what the client has (checked, else the request fails)
+      and are dropped. Exact for greedy requests: grammar, stop strings, penalties,
+      min/max_new_tokens and logprobs behave as on one server. Costs re-decoding those tokens.
+    CONTINUE: prompt + emitted tokens as a NEW request with the remaining budget (the old
+      behaviour): the eager tokens count as prompt, so grammar / stop-string / penalty state
+      restarts at the cut; for sampled requests, whose replay would diverge.
+    """
+    RESUME = "resume"
+    REPLAY = "replay"
+    CONTINUE = "continue"
+
+
+def is_greedy(sampling: dict) -> bool:
+    temperature = sampling.get("temperature", 1.0)
+    return (temperature is not None and float(temperature) == 0.0) or sampling.get("top_k") == 1
 
 
 @dataclass
@@ -127,6 +158,7 @@ class FlowResult:
     fallbacks: list = field(default_factory=list)
     finish_reason: Optional[dict] = None
     ttft_s: Optional[float] = None
+    recovery_mode: Optional[str] = None  # how the last recovery leg continued (RecoveryMode)
 
 
 def new_room() -> int:
@@ -214,7 +246,11 @@ class PddFlow:
         self.use_drc = use_drc
         self._planned_wan = (0, 0)  # (bytes to send, bytes MD already has) for this request
         self._handoff_t = 0.0
+        self._handed = 0  # eager tokens MD has extended in catch-up rounds
+        self._round = 0  # catch-up rounds done
         self._out_meta = OutputMeta(self.extras)
+        self._leg_offset: dict[int, int] = {}  # leg -> output position of its own first token
+        self._leg_replays: dict[int, int] = {}  # leg -> positions it replays (checked once)
         self.t0 = time.perf_counter()
 
     @property
@@ -245,6 +281,9 @@ class PddFlow:
                 event, payload = lifecycle.Timeout(
                     f"request not finished within {self.cfg.request_timeout_s:.0f}s "
                     f"(--request-timeout-s); every leg is aborted"), None
+            if isinstance(event, lifecycle.CutReady) and self._more_catch_up():
+                self._spawn(self._handoff())
+                continue
             try:
                 self.state, actions = lifecycle.transition(self.state, event)
             except lifecycle.LifecycleError as e:
@@ -265,10 +304,14 @@ class PddFlow:
             self._spawn(self._register_and_deliver() if action.late_destination else self._watch_ready())
         elif isinstance(action, lifecycle.RelayOutput):
             leg, event = payload
-            ids = event.get("output_ids", [])
+            ids, offset = event.get("output_ids", []), self._leg_offset.get(leg, 0)
+            replayed = self._leg_replays.pop(leg, 0)
+            if replayed and ids[:replayed] != self.stitcher.emitted[:replayed]:
+                raise BackendError(f"recovery leg {leg} diverged from the {replayed} tokens the client has "
+                                   f"(a sampled request replayed? recovery 'continue' suits those)")
             before = len(self.stitcher.emitted)
-            self._out_meta.observe(("rld", leg), len(ids), event.get("meta_info", {}), first_leg=leg == 1)
-            out = self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens):])
+            self._out_meta.observe(("rld", leg), offset + len(ids), event.get("meta_info", {}), first_leg=leg == 1)
+            out = self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - offset:])
             self._out_meta.emitted(("rld", leg), before, len(self.stitcher.emitted))
             return out
         elif isinstance(action, lifecycle.StartHandoff):
@@ -302,7 +345,10 @@ class PddFlow:
             self.stitcher.resume_relay()
             self.result.finish_reason = None
         elif isinstance(action, lifecycle.Finish):
-            self.result.finish_reason = action.finish_reason
+            finish = action.finish_reason
+            if finish.get("type") == "length" and "length" in finish:  # a CONTINUE leg's own budget
+                finish = {**finish, "length": self.max_new}
+            self.result.finish_reason = finish
         elif isinstance(action, lifecycle.Fail):
             raise BackendError(action.message)
         else:  # pragma: no cover - a new action without its I/O
@@ -409,6 +455,11 @@ class PddFlow:
         await self._md_side_failed(fallback)
 
     # ------------------------------------------------------------------ legs
+    def _recovery_mode(self) -> RecoveryMode:
+        if self.cfg.recovery != "auto":
+            return RecoveryMode(self.cfg.recovery)
+        return RecoveryMode.REPLAY if is_greedy(self.sampling) else RecoveryMode.CONTINUE
+
     def _leg_rid(self, suffix: str) -> str:
         return f"{self.internal_rid}-{suffix}"
 
@@ -416,6 +467,12 @@ class PddFlow:
         """P prefills (and fans out to MD if ``wan``); RLD decodes, streaming eager tokens. A
         recovery leg resumes: prompt + emitted tokens, the resume marker, the total budget."""
         resumed = self.stitcher.emitted[:leg.resume_len]
+        mode = self._recovery_mode() if resumed else RecoveryMode.RESUME
+        self._leg_offset[leg.leg] = len(resumed) if mode is RecoveryMode.CONTINUE else 0
+        # positions a REPLAY (or RESUME) leg reports again: checked against the client's once
+        self._leg_replays[leg.leg] = len(resumed) if mode is not RecoveryMode.CONTINUE else 0
+        if mode is not RecoveryMode.RESUME:
+            self.result.recovery_mode = mode.value
         rid = self._leg_rid(f"r{leg.leg}")
         room = self.room if (leg.wan and leg.leg == 1) else new_room()
         sampling = dict(self.sampling)
@@ -423,8 +480,11 @@ class PddFlow:
         if leg.one_token:  # P->MD: RLD only bridges the time to the first token
             sampling["max_new_tokens"] = 1
             sampling["min_new_tokens"] = min(int(sampling.get("min_new_tokens") or 0), 1)
-        if resumed:
+        if resumed and mode is RecoveryMode.RESUME:
             custom[RESUME_KEY] = len(resumed)
+        elif mode is RecoveryMode.CONTINUE:
+            sampling["max_new_tokens"] = self.max_new - len(resumed)
+            sampling["min_new_tokens"] = max(0, int(sampling.get("min_new_tokens") or 0) - len(resumed))
         if leg.wan and self._destination is not None:  # P learns its destination later
             custom.update(pdd_room=self.room, pdd_wan_expected=True)
         elif leg.wan:
@@ -432,7 +492,8 @@ class PddFlow:
                           pdd_md_prefix_len=self.result.md_cached_tokens)
         if custom:
             sampling["custom_params"] = custom
-        body = {"input_ids": self.ids + resumed, "sampling_params": sampling, "rid": rid, **self.extras,
+        input_ids = self.ids if mode is RecoveryMode.REPLAY else self.ids + resumed
+        body = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid, **self.extras,
                 "bootstrap_host": self.prefill.host, "bootstrap_port": self.prefill.bootstrap_port,
                 "bootstrap_room": room}
         self.live_rids[rid] = self.relay_url
@@ -455,7 +516,13 @@ class PddFlow:
             async for event in generate_stream(self.session, self.relay_url, body):
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
-                produced = len(event.get("output_ids", []))
+                ids = event.get("output_ids", [])
+                if len(ids) < self._leg_replays.get(leg, 0):  # a replay still below what the client has
+                    if finish is not None:
+                        raise BackendError(f"recovery replay ended at {len(ids)} tokens, before the "
+                                           f"{self._leg_replays[leg]} the client has ({finish})")
+                    continue
+                produced = self._leg_offset.get(leg, 0) + len(ids)
                 await self.queue.put((lifecycle.RelayTokens(leg, produced, finish), (leg, event)))
             if not finished:
                 raise BackendError("relay stream ended without a finish reason")
@@ -480,28 +547,36 @@ class PddFlow:
             await self._md_side_failed(f"wan_failed: {reason}")
 
     async def _handoff(self) -> None:
-        """Catch-up rounds (optional), then CutReady: the lifecycle decides whether to cut."""
-        load = RldLoad(self.rld_inflight, self.cfg.rld_max_running)
-        mode = choose_mode(load, self.cfg.handoff)
-        self.result.handoff_mode = mode.value
-        self._handed = 0
+        """Catch-up rounds (optional), then CutReady: the lifecycle decides whether to cut.
+        Runs again (next rounds) when the backlog outgrew the threshold before the cut was
+        processed (``_more_catch_up``)."""
+        if self.result.handoff_mode is None:
+            self.result.handoff_mode = choose_mode(RldLoad(self.rld_inflight, self.cfg.rld_max_running),
+                                                   self.cfg.handoff).value
         try:
-            if mode is HandoffMode.CATCH_UP:
-                for round_index in range(self.cfg.handoff.max_catch_up_rounds):
-                    backlog = len(self.stitcher.emitted) - self._handed
-                    step = next_catch_up_batch(backlog, round_index, self.cfg.handoff)
-                    if step.final or self.stitcher.source is not Source.RELAY:
-                        break
-                    # Warm MD's radix cache with the next batch (one extend); RLD keeps decoding.
-                    self._handed += step.tokens
-                    self.result.catch_up_batches.append(step.tokens)
-                    await self.control.handoff(self.room, {
-                        "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
-                        "sampling_params": self.sampling, "rid": self._leg_rid(f"c{round_index}")})
+            while self.result.handoff_mode == HandoffMode.CATCH_UP.value:
+                step = next_catch_up_batch(len(self.stitcher.emitted) - self._handed, self._round, self.cfg.handoff)
+                if step.final or self.stitcher.source is not Source.RELAY:
+                    break
+                # Warm MD's radix cache with the next batch (one extend); RLD keeps decoding.
+                self._handed += step.tokens
+                self.result.catch_up_batches.append(step.tokens)
+                self._round += 1
+                await self.control.handoff(self.room, {
+                    "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
+                    "sampling_params": self.sampling, "rid": self._leg_rid(f"c{self._round - 1}")})
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
             return
         await self.queue.put((lifecycle.CutReady(), None))
+
+    def _more_catch_up(self) -> bool:
+        """Processing a CutReady: did RLD's tokens queued before it grow the backlog past what
+        the catch-up policy hands in one final batch? Then another round goes first."""
+        if self.result.handoff_mode != HandoffMode.CATCH_UP.value or self.state.phase is not lifecycle.Phase.RELAY:
+            return False
+        backlog = len(self.stitcher.emitted) - self._handed
+        return not next_catch_up_batch(backlog, self._round, self.cfg.handoff).final
 
     async def _final_handoff(self, eager: list[int]) -> None:
         """The cut: MD continues the request (total budget) and streams it from position 0."""
