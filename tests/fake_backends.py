@@ -149,6 +149,7 @@ class Knobs:
     md_token_delay_s: float = 0.002
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
+    md_restarts: bool = False  # MD without the resume contract: reports from the handoff point
 
 
 @dataclass
@@ -403,11 +404,13 @@ class Fakes:
             eager = list(body["token_ids"])
             total = int(body["sampling_params"]["max_new_tokens"])
             budget = total - len(eager)
+            k0 = len(eager)
             tokens = eager + continuation(state["ids"] + eager, budget)
+            if k.md_restarts:
+                tokens, k0 = tokens[len(eager):], 0
             sent = {**body, "input_ids": state["ids"] + eager,
                     "sampling_params": {**body["sampling_params"], "custom_params": {
                         **(body["sampling_params"].get("custom_params") or {}), "pdd_resume_output_len": len(eager)}}}
-            k0 = len(eager)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             if k.md_handoff_drop:

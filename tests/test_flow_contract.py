@@ -128,6 +128,14 @@ def test_p_md_bridge_leg_caps_min_new_tokens_to_its_one_token():
     assert final["sampling_params"]["min_new_tokens"] == 10  # MD counts the eager token as output
 
 
+def test_md_restarting_instead_of_continuing_is_refused_and_rld_finishes():
+    knobs = Knobs(md_restarts=True)
+    run = scenario(knobs, max_new=30, gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 4)))
+    assert_invariants(run, 30)
+    assert run.fallbacks == ["md_failed"] and "resume contract" in run.flow.result.fallbacks[0]
+    assert run.flow.result.md_tokens == 0
+
+
 def test_output_meta_without_logprobs_has_usage_and_finish_only():
     run = scenario(Knobs(md_ready="failed"), max_new=12)
     assert_invariants(run, 12)

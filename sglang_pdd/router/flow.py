@@ -65,7 +65,7 @@ import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choose_mode, next_catch_up_batch
 from sglang_pdd.handoff.output_meta import OutputMeta
-from sglang_pdd.handoff.stitcher import Source, StreamStitcher
+from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, abort, generate_once,
                                         generate_stream)
@@ -290,7 +290,11 @@ class PddFlow:
                 self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
                 raise BackendError(f"request broke off: {e}") from None
             for action in actions:
-                out = self._perform(action, payload)
+                try:
+                    out = self._perform(action, payload)
+                except StitchError as e:  # a backend broke the stream's invariants
+                    self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                    raise BackendError(f"request broke off: {e}") from None
                 if out:
                     yield out
             if self.state.phase.terminal:
@@ -589,11 +593,17 @@ class PddFlow:
                 "warmup": False, **self.extras}
         self.result.handoff_payload_bytes = len(json.dumps(body))
         try:
-            finished = False
+            finished, checked = False, False
             async for event in self.control.handoff_stream(self.room, body):
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
-                await self.queue.put((lifecycle.MainTokens(len(event.get("output_ids", [])), finish), event))
+                ids = event.get("output_ids", [])
+                if not checked and len(ids) > len(eager):  # MD continues the request, it does not restart it
+                    checked = True
+                    if ids[:len(eager)] != eager:
+                        raise BackendError("MD's output does not start with the eager tokens it was handed "
+                                           "(an MD without the resume contract?)")
+                await self.queue.put((lifecycle.MainTokens(len(ids), finish), event))
             if not finished:
                 raise BackendError("MD stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
