@@ -2,7 +2,8 @@
 
 Each leg (RLD's legs, MD's continuation) reports SGLang's cumulative meta_info lists; a list
 covers the LAST ``len(list)`` of the positions the leg has produced (a server that resumed k
-tokens cannot give their logprobs, so its list may be shorter by k, or hold ``None`` there).
+tokens cannot give their logprobs: its list may be shorter by k, or hold placeholders there,
+``None`` or ``[None, token_id, text]`` as sglang_glue/resume.py documents).
 A position's entry comes from the leg that emitted its token; where that leg gave none, it is
 spliced from any other leg that did (e.g. RLD's logprob for a position MD resumed).
 """
@@ -58,9 +59,14 @@ class OutputMeta:
                 self._prefill_input[key] = meta[key]
 
     def entry(self, source: Hashable, key: str, pos: int) -> Optional[Any]:
+        """``source``'s entry for output position ``pos``; None where it gave none (also a
+        resumed position's placeholder ``[None, token_id, text]``)."""
         produced, values = self._sources.get(source, {}).get(key, (0, []))
         j = pos - (produced - len(values))
-        return values[j] if 0 <= j < len(values) else None
+        value = values[j] if 0 <= j < len(values) else None
+        if isinstance(value, (list, tuple)) and key == "output_token_logprobs" and value and value[0] is None:
+            return None
+        return value
 
     def emitted(self, source: Hashable, start: int, end: int) -> None:
         """Positions ``start..end-1`` were emitted from ``source``'s tokens."""

@@ -17,7 +17,7 @@ sends them:
     CutReady()                          _handoff, after its catch-up rounds (if any)
     MainTokens(produced, finish)        _final_handoff: each event of MD's stream
     MainFailed(message)                 _handoff / _final_handoff: MD refused or died
-    Timeout()                           events(): --request-timeout-s passed
+    Timeout()                           _run: --request-timeout-s passed
     ClientDisconnected()                events(): the consumer closed the generator early
 
 The handoff continues the request on MD (the resume contract, docs/router.md): MD gets the
