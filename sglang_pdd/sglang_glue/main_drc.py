@@ -9,8 +9,9 @@ Runs inside MD's scheduler process. Three pieces:
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
 
-A handoff is then a plain SGLang /generate on MD with input_ids = prompt + eager tokens: the
-radix match covers the prompt, and one extend pass recomputes the eager tokens' KV.
+A handoff is then a plain SGLang /generate on MD with input_ids = prompt + eager tokens, the
+eager ones marked as output already produced (resume.py): the radix match covers the prompt,
+one extend pass recomputes the eager tokens' KV, and the request continues where RLD was.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.json_http import JsonRequestHandler
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
+from sglang_pdd.sglang_glue.resume import handoff_generate_body
 
 logger = logging.getLogger(__name__)
 
@@ -245,19 +247,14 @@ class MainDrcRuntime:
         eager = body.get("token_ids")
         if not isinstance(eager, list) or not all(isinstance(t, int) and t >= 0 for t in eager):
             raise RoomError("handoff needs 'token_ids': [non-negative int, ...]")
-        sampling = body.get("sampling_params") or {}
-        if not isinstance(sampling, dict):
-            raise RoomError("sampling_params must be an object")
-        warmup = bool(body.get("warmup"))  # a catch-up batch: extend only, no continuation
-        if not warmup:
+        # MD continues the request: the eager tokens are output already produced (resume.py)
+        gen, stream = handoff_generate_body(entry.token_ids, eager, body)
+        if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
             if room in self.handed_off:
                 logger.warning("duplicate handoff for room %s ignored", room)
                 raise RoomError(f"duplicate handoff for room {room}")
             self.handed_off.add(room)
-        gen = {"input_ids": list(entry.token_ids) + eager, "rid": body.get("rid"),
-               "sampling_params": {**sampling, "max_new_tokens": 1} if warmup else sampling,
-               "stream": not warmup}
-        return gen, not warmup
+        return gen, stream
 
     def stats(self) -> dict:
         """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""

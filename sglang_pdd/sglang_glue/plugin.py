@@ -14,6 +14,9 @@ Hooks (each a no-op unless --pdd-role asks for it):
   room commands and WAN completions there, on the scheduler thread;
 * PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
   serves (prompt ids, the router's WAN destination): SGLang builds senders without it.
+* Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
+  resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
+  the marker, which only the router / MD glue sets).
 """
 
 from __future__ import annotations
@@ -108,3 +111,13 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.__init__", _start_role_runtime, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.ingest_requests", _after_ingest, HookType.AFTER)
     HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)
+    _register_resume_hooks()
+
+
+def _register_resume_hooks() -> None:
+    from sglang_pdd.sglang_glue import resume
+
+    HookRegistry.register(f"{_SCHEDULER}._create_generation_req", resume.seed_resumed_output, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", resume.advance_resumed_request, HookType.BEFORE)
+    for target, seed in resume.PENALIZER_SEEDS.items():
+        HookRegistry.register(target, seed, HookType.AFTER)
