@@ -222,3 +222,25 @@ def test_openai_chat_and_completions_through_sglang_serving(router_sglang_state)
             assert chunks[-1].usage.completion_tokens == 4
             await client.close()
     run(main())
+
+
+def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
+    from fake_backends import fake_logprob
+
+    tok = router_sglang_state[2]
+    prompt = [11, 22, 33]
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}/generate", json={
+                    "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
+                    "sampling_params": {"max_new_tokens": 6}}) as r:
+                got = await r.json()
+            want_ids = truth(prompt, 6)
+            rows = got["meta_info"]["output_token_logprobs"]
+            assert [row[1] for row in rows] == want_ids
+            assert [row[2] for row in rows] == [tok.decode([t]) for t in want_ids]
+            seq = prompt + want_ids
+            assert rows[0][0] == pytest.approx(fake_logprob(seq[:3], want_ids[0]))
+            assert [row[1] for row in got["meta_info"]["input_token_logprobs"]] == prompt
+    run(main())
