@@ -244,3 +244,13 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
             assert rows[0][0] == pytest.approx(fake_logprob(seq[:3], want_ids[0]))
             assert [row[1] for row in got["meta_info"]["input_token_logprobs"]] == prompt
     run(main())
+
+
+def test_streaming_request_refused_before_the_stream_starts(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/generate", json={
+                    "input_ids": [5] * 1001, "stream": True, "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 400 and "--max-prompt-tokens" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+    run(main())

@@ -211,7 +211,19 @@ class Router:
                 return error_reply(502, e.detail, "BackendError")
             finally:
                 await gen.aclose()
-        return await sse_reply(request, _generate_events(gen))
+        # The first output before the 200: a request refused by the serving layer (duplicate
+        # rid, prompt too long, ...) still gets its 4xx, as on SGLang's OpenAI streams.
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            await gen.aclose()
+            return error_reply(400, str(e))
+        except UpstreamError as e:
+            await gen.aclose()
+            return error_reply(502, e.detail, "BackendError")
+        except StopAsyncIteration:
+            return error_reply(502, "the request produced no output", "BackendError")
+        return await sse_reply(request, _generate_events(first, gen))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.openai.handle(request, "chat", self._scope)
@@ -380,10 +392,11 @@ _FALLBACK_LABELS = {"wan_failed": "wan_failed", "md_failed": "md_failed", "md_un
                     "wan_destination_failed": "wan_failed"}  # P refused the late WAN destination
 
 
-async def _generate_events(gen: AsyncIterator) -> AsyncIterator[bytes]:
+async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[bytes]:
     """SGLang's /generate stream: one ``data:`` event per output dict, then [DONE]; a request
     refused after the stream began ends with an error event."""
     try:
+        yield b"data: " + _dumps(first).encode() + b"\n\n"
         async for out in gen:
             yield b"data: " + _dumps(out).encode() + b"\n\n"
     except ValueError as e:

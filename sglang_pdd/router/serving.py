@@ -133,7 +133,7 @@ class PddTokenizerManager:
                 async for out in runs[0]:
                     yield out
             elif not obj.stream:
-                yield list(await asyncio.gather(*(self._last(run) for run in runs)))
+                yield await _gather_all_or_none([self._last(run) for run in runs])
             else:
                 async for out in _merge(runs):
                     yield out
@@ -279,6 +279,18 @@ async def _until(events: AsyncIterator, abort: asyncio.Event) -> AsyncIterator:
         if nxt is not None and not nxt.done():
             nxt.cancel()
             await asyncio.gather(nxt, return_exceptions=True)
+
+
+async def _gather_all_or_none(coros: list) -> list:
+    """Every item's result, or the first failure with the other items' flows stopped (their
+    legs aborted) rather than left running for a reply nobody will read."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _merge(runs: list) -> AsyncIterator[dict]:
