@@ -254,3 +254,15 @@ def test_streaming_request_refused_before_the_stream_starts(router_sglang_state)
                 assert r.status == 400 and "--max-prompt-tokens" in (await r.json())["message"]
             assert not fakes.records("rld", "generate")
     run(main())
+
+
+def test_chat_without_max_tokens_decodes_up_to_the_cap(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+                assert r.status == 200, await r.text()
+                got = await r.json()
+            assert got["usage"]["completion_tokens"] == 64  # the test router's --max-new-tokens-cap
+            assert fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 64
+    run(main())

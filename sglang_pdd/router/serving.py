@@ -160,11 +160,16 @@ class PddTokenizerManager:
                                     f"--max-prompt-tokens {self.max_prompt_tokens}")
             sampling = dict(item.sampling_params or {})
             sampling.pop("n", None)  # the router fans n out into flows; a backend must not
-            if "max_new_tokens" in sampling:
+            if "max_new_tokens" not in sampling:
+                sampling["max_new_tokens"] = self.default_max_new_tokens
+            elif sampling["max_new_tokens"] is None:
+                # SGLang's OpenAI classes leave it None when the client sets no max_tokens: a
+                # server then decodes up to its context length; the router also stops at its cap.
+                sampling["max_new_tokens"] = max(0, min(self.max_new_tokens_cap,
+                                                        int(self.model_config.context_len) - len(ids)))
+            else:
                 check_token_budget(sampling["max_new_tokens"], "max_new_tokens", self.max_new_tokens_cap,
                                    allow_missing=False)
-            else:
-                sampling["max_new_tokens"] = self.default_max_new_tokens
             check_custom_params(sampling.get("custom_params"), "custom_params")
         except ApiError as e:
             raise ValueError(e.message) from None
