@@ -243,6 +243,11 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
             seq = prompt + want_ids
             assert rows[0][0] == pytest.approx(fake_logprob(seq[:3], want_ids[0]))
             assert [row[1] for row in got["meta_info"]["input_token_logprobs"]] == prompt
+            async with client.post(f"{base}/generate", json={  # top logprobs asked, none given: no 500
+                    "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
+                    "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 3}}) as r:
+                assert r.status == 200, await r.text()
+                assert [row[1] for row in (await r.json())["meta_info"]["output_token_logprobs"]] == want_ids[:3]
     run(main())
 
 

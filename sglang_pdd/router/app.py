@@ -407,8 +407,20 @@ async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[byt
     yield b"data: [DONE]\n\n"
 
 
+@web.middleware
+async def no_internals_in_errors(request: web.Request, handler):
+    """A bug answers a plain JSON 500 (logged with its traceback here), never internals."""
+    try:
+        return await handler(request)
+    except (web.HTTPException, asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s", request.path)
+        return error_reply(500, "internal error in the router (logged)", "InternalServerError")
+
+
 def build_app(router: Router, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[no_internals_in_errors])
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.close)
     app.router.add_get("/health", router.health)

@@ -240,10 +240,10 @@ class PddTokenizerManager:
                     meta[key] = values[:n] if key.startswith("output") else values
             if item.return_text_in_logprobs:
                 for key in ("output_token_logprobs", "input_token_logprobs"):
-                    if key in meta:
+                    if meta.get(key):
                         meta[key] = self._with_text(meta[key])
                 for key in ("output_top_logprobs", "input_top_logprobs"):
-                    if key in meta:
+                    if meta.get(key):
                         meta[key] = [self._with_text(row) if row else row for row in meta[key]]
         if getattr(flow, "operator", False):
             meta["pdd"] = asdict(r)
@@ -252,10 +252,11 @@ class PddTokenizerManager:
     def _with_text(self, entries: list) -> list:
         """(logprob, token_id, None) -> (logprob, token_id, text), as SGLang's
         ``detokenize_logprob_tokens`` (each id decoded on its own)."""
-        if not entries:
+        known = [e for e in entries if e is not None and e[1] is not None]
+        if not known:
             return entries
-        texts = self.tokenizer.batch_decode([[e[1]] for e in entries])
-        return [[e[0], e[1], t] for e, t in zip(entries, texts)]
+        texts = iter(self.tokenizer.batch_decode([[e[1]] for e in known]))
+        return [[e[0], e[1], next(texts)] if e is not None and e[1] is not None else e for e in entries]
 
 
 def _finish_reason(flow) -> Optional[dict]:
