@@ -103,7 +103,8 @@ class OpenAIFront:
             scope = scope_of(request, body.pop("pdd_options", None))
             check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=16)
             model = body.get("model")
-            if model is not None and model != self.served_model:
+            # "default" is what SGLang's request models fill in when a client names no model
+            if model not in (None, "default", self.served_model):
                 return _error(404, f"unknown model {json.dumps(model)[:80]}; this router serves "
                                    f"{json.dumps(self.served_model)}", "NotFoundError", "model")
             model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
