@@ -136,6 +136,10 @@ def test_malformed_json_oversized_body_and_openai_types(router_sglang_state):
                 assert r.status == 400 and "messages" in (await r.json())["message"]
             async with client.post(f"{base}/v1/completions", json={"model": "gpt-9", "prompt": "hi"}) as r:
                 assert r.status == 404 and "unknown model" in (await r.json())["message"]
+            for model in ("default", "tiny"):  # SGLang's default name and the served one
+                async with client.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi",
+                                                                       "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
     run(main())
 
 
