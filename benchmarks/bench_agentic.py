@@ -577,7 +577,8 @@ def main(argv=None) -> int:
     router_args = ["--max-wan-transfer-ms", str(args.max_wan_transfer_ms),  # link args: from topology
                    "--outlier-min-input-tokens", str(args.outlier_min_input_tokens),
                    "--outlier-max-output-tokens", str(args.outlier_max_output_tokens),
-                   "--wan-timeout-s", "30"]
+                   "--wan-timeout-s", "30",
+                   "--every-client-is-operator"]  # the baseline variant uses pdd_options (operator-only)
     variants = {"pdd": None, "baseline": {"path": "p_md", "drc": False}}
     order = ["pdd", "baseline"] if args.order == "pdd-first" else ["baseline", "pdd"]
     all_records: list[Record] = []

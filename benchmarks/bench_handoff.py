@@ -68,6 +68,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sglang_pdd.launcher.http import signed_headers  # noqa: E402
 from sglang_pdd.router.backends import SSE_DONE, parse_sse_line  # noqa: E402
 
+BENCH_ROUTER_ARGS = ["--every-client-is-operator"]  # pdd_options are operator-only
+
 REF_KV_BYTES_PER_TOKEN = 46_000  # the reference design's figure (router default --kv-bytes-per-token)
 REF_NUM_LAYERS = 40  # only shapes the chunking of the synthetic reference KV (40 x 1150 B/page)
 REAL_VOCAB = 128_256  # a real tokenizer's size, for the "real ids" payload estimate
@@ -467,7 +469,8 @@ def main(argv=None) -> int:
                                 "date": datetime.datetime.now().isoformat(timespec="seconds"),
                                 "kv_link_rate_gbps": topo.wan.rate_gbps, "ref_kv_bytes_per_token": REF_KV_BYTES_PER_TOKEN}}
     print(f"cluster logs: {run_dir}/logs", file=sys.stderr)
-    with LocalCluster(run_dir, model_path=model, topology=topo) as cluster:
+    # the benchmark steers paths with pdd_options, an operator-only option (docs/api.md)
+    with LocalCluster(run_dir, model_path=model, topology=topo, router_args=BENCH_ROUTER_ARGS) as cluster:
         # MD's control API behind its own emulated link (token-ID traffic: unscaled rate), and a
         # second router that reaches MD's control through it (router in datacenter A).
         ctl_listen, ctl_ctl, router2 = free_port(), free_port(), free_port()
@@ -476,7 +479,7 @@ def main(argv=None) -> int:
             "--upstream", f"127.0.0.1:{topo.main.control_port}", "--latency-ms", str(args.handoff_latency_ms),
             "--jitter-ms", str(args.jitter_ms), "--rate-gbps", str(args.equiv_gbps),
             "--control", f"127.0.0.1:{ctl_ctl}"], health_url=f"http://127.0.0.1:{ctl_ctl}/stats")
-        argv2 = router_argv(topo, model)
+        argv2 = router_argv(topo, model, BENCH_ROUTER_ARGS)
         i = argv2.index("--main") + 1
         argv2[i] = argv2[i].replace(topo.main.control_url, f"http://127.0.0.1:{ctl_listen}")
         argv2[argv2.index("--port") + 1] = str(router2)

@@ -46,7 +46,9 @@ def single_server(run_root):
 
     spec = ServerSpec("single", None, free_port())
     with ProcessGroup(run_root / "single-logs") as procs:
-        procs.start("single", server_argv(spec, model), health_url=f"{spec.url}/health", env=CPU_ENV)
+        # the same serving options as the router (TEST_ROUTER_ARGS): chat and tool calls compare
+        procs.start("single", server_argv(spec, model) + TEST_SERVING_ARGS, health_url=f"{spec.url}/health",
+                    env=CPU_ENV)
         procs.wait_healthy(timeout_s=600)
         yield spec.url
 
@@ -54,7 +56,12 @@ def single_server(run_root):
 # A slow emulated WAN (0.5 Mbit/s, 20 ms one way) so the tiny model's KV (512 B/token) takes
 # long enough to cross that RLD has streamed eager tokens before MD takes over.
 TEST_WAN_GBPS = 0.0005
-TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6"]
+# SGLang serving options shared by the router and the reference server (the tiny model has no
+# chat template of its own).
+TEST_SERVING_ARGS = ["--chat-template", "chatml", "--tool-call-parser", "qwen25"]
+# Tests steer paths with pdd_options, an operator-only option, hence --every-client-is-operator.
+TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6", "--every-client-is-operator",
+                    *TEST_SERVING_ARGS]
 TEST_DESTINATION_WAIT_MS = 10000
 
 
@@ -72,3 +79,13 @@ def pdd_cluster(run_root):
     topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]
     with LocalCluster(run_root / "cluster", topology=topology, router_args=TEST_ROUTER_ARGS) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def router_sglang_state():
+    """The router's SGLang serving state (tokenizer, model config, chatml template) for the tiny
+    model, built in-process as the router builds it: HTTP-front tests without servers."""
+    model = _require_sglang()
+    from sglang_pdd.router.serving import build_sglang_state
+
+    return build_sglang_state(["--model-path", model, "--device", "cpu", "--chat-template", "chatml"])

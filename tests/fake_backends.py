@@ -16,8 +16,14 @@ What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py)
 - RLD: POST /generate (stream) -> SSE, cumulative output_ids, finish_reason on the last event;
   POST /abort_request {"rid"} ends the stream with finish_reason {"type": "abort"} (after
   ``rld_abort_lag_tokens`` late tokens). Its first token is logged ("rld", "first_token").
-- MD: the control API (/pdd/rooms, /ready long-poll, /handoff warmup JSON or final SSE counted
-  from the handoff point, DELETE) plus /abort_request for MD's own request.
+- MD: the control API (/pdd/rooms, /ready long-poll, /handoff warmup JSON or final SSE, DELETE)
+  plus /abort_request for MD's own request. The final handoff follows the resume contract: the
+  eager tokens are output already produced, max_new_tokens is the request's total budget, and
+  the stream reports the whole output from position 0.
+- Resume marker (``custom_params["pdd_resume_output_len"] = k``) on an RLD leg: the last k
+  input ids are output already produced; the stream reports from position 0 as well.
+- Logprobs (``return_logprob``): deterministic ``fake_logprob`` entries in SGLang's format, for
+  the positions a server generated itself (none for resumed ones).
 """
 
 from __future__ import annotations
@@ -60,6 +66,46 @@ def truth(prompt: list[int], n: int) -> list[int]:
     return continuation(prompt, n)
 
 
+def fake_logprob(context: list[int], token: int) -> float:
+    """The fake model's logprob of ``token`` after ``context`` (deterministic, in (-1, 0])."""
+    state = 0
+    for t in context:
+        state = _step(state, t)
+    return -((state ^ token) % 997) / 1000.0
+
+
+def resumed_len(body: dict) -> int:
+    """The resume contract's marker on a /generate body (0: a fresh request)."""
+    custom = body["sampling_params"].get("custom_params") or {}
+    return int(custom.get("pdd_resume_output_len") or 0)
+
+
+def resumed_output(body: dict, budget: int) -> tuple[list[int], list[int]]:
+    """(prompt, whole output) of a request that may resume ``k`` output tokens: its output is
+    those k tokens, then the continuation, up to ``budget`` (the total max_new_tokens)."""
+    ids, k = list(body["input_ids"]), resumed_len(body)
+    prompt, done = (ids[:-k], ids[-k:]) if k else (ids, [])
+    return prompt, done + continuation(ids, budget - k)
+
+
+def fake_logprobs(body: dict, prompt: list[int], output: list[int]) -> dict:
+    """SGLang's logprob fields as the fake server gives them for ``output`` (cumulative): none
+    for the k positions the request resumed (a real server cannot give those either)."""
+    if not body.get("return_logprob"):
+        return {}
+    k = resumed_len(body)
+    seq = prompt + output
+    entries = [[fake_logprob(seq[:len(prompt) + j], output[j]), output[j], None] for j in range(k, len(output))]
+    meta = {"output_token_logprobs": entries,
+            "input_token_logprobs": [[None, prompt[0], None]] + [
+                [fake_logprob(prompt[:j], prompt[j]), prompt[j], None] for j in range(1, len(prompt))]}
+    n = int(body.get("top_logprobs_num") or 0)
+    if n:
+        meta["output_top_logprobs"] = [[e] * n for e in entries]
+        meta["input_top_logprobs"] = [None] + [[e] * n for e in meta["input_token_logprobs"][1:]]
+    return meta
+
+
 def closed_port() -> int:
     """A loopback port with nothing listening (connection refused)."""
     s = socket.socket()
@@ -86,6 +132,7 @@ class Knobs:
     rld_fail_after: dict = field(default_factory=dict)  # leg -> drop the connection after N tokens
     rld_abort_lag_tokens: int = 0  # tokens still sent after an abort (late tokens)
     rld_prefill_wait_s: float = 5.0  # RLD waits this long for P's prefill of its room
+    rld_diverge_legs: tuple = ()  # these relay legs produce other tokens (a sampled replay)
     # MD control
     md_register: str = "ok"  # ok | error500 | text500
     md_register_delay_s: float = 0.0  # register answers after this (a WAN round trip)
@@ -102,6 +149,7 @@ class Knobs:
     md_token_delay_s: float = 0.002
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
+    md_restarts: bool = False  # MD without the resume contract: reports from the handoff point
 
 
 @dataclass
@@ -232,7 +280,9 @@ class Fakes:
             leg = int(rid.rsplit("-r", 1)[1]) if "-r" in rid else 1
             aborted = self.rld_aborted.setdefault(rid, asyncio.Event())
             budget = int(body["sampling_params"]["max_new_tokens"])
-            tokens = continuation(body["input_ids"], budget)
+            prompt, tokens = resumed_output(body, budget)
+            if leg in k.rld_diverge_legs:
+                tokens = [(t + 1) % VOCAB for t in tokens]
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             self.rld_active += 1
@@ -244,26 +294,27 @@ class Fakes:
                     await _sse(resp, {"error": "KV transfer from P timed out"})
                     return resp
                 late = None
-                for i in range(budget):
+                for i in range(resumed_len(body), budget):
                     if aborted.is_set():
                         late = k.rld_abort_lag_tokens if late is None else late - 1
                         if late <= 0:
                             break
-                    if leg in k.rld_fail_after and i >= k.rld_fail_after[leg]:
+                    if leg in k.rld_fail_after and i - resumed_len(body) >= k.rld_fail_after[leg]:
                         request.transport.close()
                         return resp
                     if k.rld_before_token is not None:
-                        await k.rld_before_token(leg, i)
+                        await k.rld_before_token(leg, i - resumed_len(body))
                     await asyncio.sleep(k.rld_token_delay_s)
                     finish = {"type": "length", "length": budget} if i == budget - 1 else None
-                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {"finish_reason": finish}})
-                    if i == 0:
+                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {
+                        "finish_reason": finish, **fake_logprobs(body, prompt, tokens[:i + 1])}})
+                    if i == resumed_len(body):
                         self._record("rld", "first_token", {"rid": rid})
                     if finish is not None:
                         await _done(resp)
                         return resp
                 await _sse(resp, {"output_ids": tokens[:i], "meta_info": {
-                    "finish_reason": {"type": "abort", "message": "aborted"}}})
+                    "finish_reason": {"type": "abort", "message": "aborted"}, **fake_logprobs(body, prompt, tokens[:i])}})
                 await _done(resp)
                 return resp
             finally:
@@ -348,8 +399,18 @@ class Fakes:
                 return web.json_response({"error": "handoff refused (injected)"}, status=k.md_handoff_status)
             rid = body["rid"]
             aborted = self.md_aborted.setdefault(rid, asyncio.Event())
-            budget = int(body["sampling_params"]["max_new_tokens"])
-            tokens = continuation(state["ids"] + list(body["token_ids"]), budget)
+            # The resume contract: MD continues the request (eager tokens are output already
+            # produced, max_new_tokens is the total budget) and reports from position 0.
+            eager = list(body["token_ids"])
+            total = int(body["sampling_params"]["max_new_tokens"])
+            budget = total - len(eager)
+            k0 = len(eager)
+            tokens = eager + continuation(state["ids"] + eager, budget)
+            if k.md_restarts:
+                tokens, k0 = tokens[len(eager):], 0
+            sent = {**body, "input_ids": state["ids"] + eager,
+                    "sampling_params": {**body["sampling_params"], "custom_params": {
+                        **(body["sampling_params"].get("custom_params") or {}), "pdd_resume_output_len": len(eager)}}}
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             if k.md_handoff_drop:
@@ -360,12 +421,13 @@ class Fakes:
                 if k.md_burst:
                     await asyncio.sleep(k.md_token_delay_s)
                     await _sse(resp, {"output_ids": tokens, "meta_info": {
-                        "finish_reason": {"type": "length", "length": budget}}})
+                        "finish_reason": {"type": "length", "length": total},
+                        **fake_logprobs(sent, state["ids"], tokens)}})
                     await _done(resp)
                     return resp
                 for i in range(budget):
                     if aborted.is_set():
-                        await _sse(resp, {"output_ids": tokens[:i], "meta_info": {"finish_reason": {"type": "abort"}}})
+                        await _sse(resp, {"output_ids": tokens[:k0 + i], "meta_info": {"finish_reason": {"type": "abort"}}})
                         await _done(resp)
                         return resp
                     if k.md_die_after is not None and i >= k.md_die_after:
@@ -374,8 +436,9 @@ class Fakes:
                     if k.md_before_token is not None:
                         await k.md_before_token(i, budget)
                     await asyncio.sleep(k.md_token_delay_s)
-                    finish = {"type": "length", "length": budget} if i == budget - 1 else None
-                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {"finish_reason": finish}})
+                    finish = {"type": "length", "length": total} if i == budget - 1 else None
+                    await _sse(resp, {"output_ids": tokens[:k0 + i + 1], "meta_info": {
+                        "finish_reason": finish, **fake_logprobs(sent, state["ids"], tokens[:k0 + i + 1])}})
                 await _done(resp)
                 return resp
             finally:

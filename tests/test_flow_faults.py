@@ -59,7 +59,8 @@ class Run:
 
 def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, control_url: Optional[str] = None,
              force_path: Optional[Path] = None, gates=None, timeout_s: float = 20.0, p_control: bool = False,
-             p_control_url: Optional[str] = None, md_estimate: int = 0) -> Run:
+             p_control_url: Optional[str] = None, md_estimate: int = 0, sampling: Optional[dict] = None,
+             extras: Optional[dict] = None, rid: Optional[str] = "req") -> Run:
     """Runs one request through PddFlow against fresh fakes. ``gates(run)`` may set hooks on
     ``knobs`` that read ``run.flow`` (the fakes share the flow's event loop). ``p_control``:
     P has its control API (late WAN destinations) at the fake's URL, or at ``p_control_url``;
@@ -76,8 +77,9 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             prefill = PrefillBackend(fakes.p_url, 8998,
                                      control_url=(p_control_url or fakes.p_control_url) if p_control else None)
             run.flow = PddFlow(session, cfg or flow_config(), prefill, fakes.rld_url,
-                               main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0},
-                               rid="req", rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate)
+                               main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0, **(sampling or {})},
+                               rid=rid, rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate,
+                               extras=extras)
             try:
                 async for tokens in run.flow.events():
                     run.last_chunk_t = time.monotonic()
@@ -125,12 +127,17 @@ def assert_handed_off(run: Run, max_new: int) -> dict:
     final = finals[0].body
     cut = r.handoff_at
     assert cut is not None and final["token_ids"] == truth(PROMPT, cut)
-    assert final["sampling_params"]["max_new_tokens"] == max_new - cut
+    assert final["sampling_params"]["max_new_tokens"] == max_new  # the total budget (resume contract)
     assert "custom_params" not in final["sampling_params"]
     assert r.md_tokens == max_new - cut and r.rld_tokens == cut
-    assert "req-r1" in fakes.aborted_rids("rld")
-    assert fakes.rld_aborted["req-r1"].is_set()
+    assert leg_rid(run, "r1") in fakes.aborted_rids("rld")
+    assert fakes.rld_aborted[leg_rid(run, "r1")].is_set()
     return final
+
+
+def leg_rid(run: Run, leg: str) -> str:
+    """The internal rid the flow gave one of its backend requests (never the client's)."""
+    return f"{run.flow.internal_rid}-{leg}"
 
 
 def emitted_at_least(run: Run, n: int):
@@ -149,7 +156,7 @@ def takeover(knobs: Knobs, ready_after: int):
 
         async def last_token(i, budget):
             if i == budget - 1:
-                await wait_until(lambda: "req-r1" in run.fakes.aborted_rids("rld") and run.fakes.released_rooms(),
+                await wait_until(lambda: leg_rid(run, "r1") in run.fakes.aborted_rids("rld") and run.fakes.released_rooms(),
                                  timeout_s=5)
         knobs.md_before_token = last_token
     return gates
@@ -201,7 +208,7 @@ def test_catch_up_warmups_bounded_by_threshold_and_final_carries_all_eager():
     assert len(warmups) >= 4  # a backlog of >= 20 tokens, 4 per batch
     handed = 0
     for i, w in enumerate(warmups):
-        assert w["warmup"] is True and w["rid"] == f"req-c{i}"
+        assert w["warmup"] is True and w["rid"] == leg_rid(run, f"c{i}")
         assert 0 < len(w["token_ids"]) - handed <= 4
         assert w["token_ids"] == truth(PROMPT, len(w["token_ids"]))
         handed = len(w["token_ids"])
@@ -239,7 +246,7 @@ def test_md_never_ready_times_out_rld_finishes():
 
         async def hold(leg, i):  # RLD still decoding when the long-poll gives up
             if i == 10:
-                await wait_until(lambda: run.flow._ready_status != "pending", timeout_s=10)
+                await wait_until(lambda: run.flow.state.md.value in ("ready", "failed"), timeout_s=10)
         knobs.rld_before_token = hold
 
     run = scenario(knobs, max_new=30, gates=gates)
@@ -269,12 +276,14 @@ def test_md_dies_mid_stream_recovers_on_new_relay_leg():
     assert run.fallbacks == ["md_failed", "recovered_on_relay:md_failed_mid_stream"]
     assert r.md_tokens == 5
     legs = run.fakes.records("rld", "generate")
-    assert [g.body["rid"] for g in legs] == ["req-r1", "req-r2"]
+    assert [g.body["rid"] for g in legs] == [leg_rid(run, "r1"), leg_rid(run, "r2")]
     resumed_at = r.handoff_at + 5
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, resumed_at)
-    assert legs[1].body["sampling_params"]["max_new_tokens"] == 40 - resumed_at
+    # greedy: the recovery leg replays the request (total budget), its first positions dropped
+    assert r.recovery_mode == "replay" and resumed_at == 5 + r.handoff_at
+    assert legs[1].body["input_ids"] == PROMPT
+    assert legs[1].body["sampling_params"]["max_new_tokens"] == 40
     assert "custom_params" not in legs[1].body["sampling_params"]  # no second WAN transfer
-    assert "req-r1" in run.fakes.aborted_rids("rld") and "req-m" in run.fakes.aborted_rids("md")
+    assert leg_rid(run, "r1") in run.fakes.aborted_rids("rld") and leg_rid(run, "m") in run.fakes.aborted_rids("md")
 
 
 # ---------------------------------------------------------------------- P -> MD (RLD budget 1)
@@ -300,7 +309,7 @@ def test_p_md_ready_before_rld_first_token():
 
     def gates(run):
         async def hold(leg, i):
-            await wait_until(lambda: run.flow._ready_status == "ready", timeout_s=10)
+            await wait_until(lambda: run.flow.state.md.value == "ready", timeout_s=10)
         knobs.rld_before_token = hold
 
     run = scenario(knobs, max_new=30, cfg=p_md_cfg(), gates=gates, timeout_s=10)
@@ -316,9 +325,10 @@ def test_p_md_md_fails_recovers_on_relay(fault):
     assert_invariants(run, 30)
     assert run.fallbacks == ["md_failed", "recovered_on_relay:md_failed"]
     legs = run.fakes.records("rld", "generate")
-    assert [g.body["rid"] for g in legs] == ["req-r1", "req-r2"]
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, 1)
-    assert legs[1].body["sampling_params"]["max_new_tokens"] == 29
+    assert [g.body["rid"] for g in legs] == [leg_rid(run, "r1"), leg_rid(run, "r2")]
+    assert legs[1].body["input_ids"] == PROMPT  # a replay (greedy)
+    assert legs[1].body["sampling_params"]["max_new_tokens"] == 30
+    assert "custom_params" not in legs[1].body["sampling_params"]
     assert run.flow.result.md_tokens == 0
 
 
@@ -326,7 +336,7 @@ def test_p_md_never_ready_recovers_on_relay():
     run = scenario(Knobs(md_ready="never"), max_new=20, cfg=p_md_cfg())
     assert_invariants(run, 20)
     assert run.fallbacks == ["wan_failed", "recovered_on_relay:wan_failed_after_rld"]
-    assert [g.body["rid"] for g in run.fakes.records("rld", "generate")] == ["req-r1", "req-r2"]
+    assert [g.body["rid"] for g in run.fakes.records("rld", "generate")] == [leg_rid(run, "r1"), leg_rid(run, "r2")]
     assert run.fakes.records("md", "handoff") == []
 
 
@@ -336,7 +346,7 @@ def test_p_md_wan_failed_before_rld_token_recovers():
     def gates(run):
         async def hold(leg, i):
             if leg == 1:
-                await wait_until(lambda: run.flow._ready_status == "failed", timeout_s=10)
+                await wait_until(lambda: run.flow.state.md.value == "failed", timeout_s=10)
         knobs.rld_before_token = hold
 
     run = scenario(knobs, max_new=20, cfg=p_md_cfg(), gates=gates)
@@ -349,7 +359,8 @@ def test_p_md_md_dies_mid_stream_recovers():
     assert_invariants(run, 20)
     assert run.fallbacks == ["md_failed", "recovered_on_relay:md_failed_mid_stream"]
     legs = run.fakes.records("rld", "generate")
-    assert legs[1].body["input_ids"] == PROMPT + truth(PROMPT, 4)
+    assert legs[1].body["input_ids"] == PROMPT and run.flow.result.recovery_mode == "replay"  # greedy
+    assert legs[1].body["sampling_params"]["max_new_tokens"] == 20
 
 
 # ---------------------------------------------------------------------- P -> RLD only
@@ -415,7 +426,7 @@ class _Tokenizer:
         return [int(t) for t in text.split()]
 
 
-def test_router_client_disconnect_aborts_rld_and_releases_room():
+def test_router_client_disconnect_aborts_rld_and_releases_room(router_sglang_state):
     knobs = Knobs(md_ready="never", rld_token_delay_s=0.05)
 
     async def main():
@@ -423,7 +434,8 @@ def test_router_client_disconnect_aborts_rld_and_releases_room():
         pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
                       [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")])
         cfg = dataclasses.replace(flow_config(), wan_timeout_s=30.0)
-        router = Router(pools, cfg, _Tokenizer(), max_prompt_tokens=1000, served_model="fake")
+        router = Router(pools, cfg, _Tokenizer(), max_prompt_tokens=1000, served_model="fake",
+                        sglang_state=router_sglang_state)
         runner = web.AppRunner(build_app(router), handler_cancellation=True)  # as web.run_app in main()
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -442,7 +454,9 @@ def test_router_client_disconnect_aborts_rld_and_releases_room():
                     assert first["output_ids"] == truth(PROMPT, len(first["output_ids"]))
                     resp.connection.transport.abort()  # the client goes away mid-stream
             room = fakes.registered_rooms()[0]
-            await wait_until(lambda: "cli-r1" in fakes.aborted_rids("rld") and room in fakes.released_rooms(),
+            leg_rid = fakes.records("rld", "generate")[0].body["rid"]
+            assert not leg_rid.startswith("cli")  # backends never see the client's rid
+            await wait_until(lambda: leg_rid in fakes.aborted_rids("rld") and room in fakes.released_rooms(),
                              timeout_s=3)
             await wait_until(lambda: fakes.rld_active == 0, timeout_s=3)
             await wait_until(lambda: pools.rld_inflight[fakes.rld_url] == 0, timeout_s=3)

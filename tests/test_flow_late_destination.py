@@ -64,7 +64,7 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
     def gates(run):
         takeover(knobs, 3)(run)
         # RLD keeps producing until MD's KV is known to have landed, so the handoff happens.
-        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow._ready_status != "pending", 6)
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value in ("ready", "failed"), 6)
 
     run = scenario(knobs, max_new=40, p_control=True, md_estimate=0, gates=gates)
     assert_invariants(run, 40)
@@ -135,7 +135,7 @@ def test_registration_fails_destination_dropped_rld_finishes(fault):
     control = f"http://127.0.0.1:{closed_port()}" if fault == "refused" else None
 
     def gates(run):  # the failure lands while RLD is mid-stream
-        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow._ready_status == "failed", 5)
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value == "failed", 5)
 
     run = scenario(knobs, max_new=30, control_url=control, p_control=True, gates=gates)
     assert_invariants(run, 30)
@@ -160,7 +160,7 @@ def test_destination_refused_by_p_dropped_room_released_rld_finishes(status):
     knobs = Knobs(p_control_status=status, md_cached_tokens=2, rld_token_delay_s=0.01)
 
     def gates(run):
-        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow._ready_status == "failed", 5)
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value == "failed", 5)
 
     run = scenario(knobs, max_new=30, p_control=True, gates=gates)
     assert_invariants(run, 30)  # includes: the registered room released exactly once

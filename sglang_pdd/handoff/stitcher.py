@@ -86,3 +86,14 @@ class StreamStitcher:
         new = produced[len(self.emitted):]
         self.emitted.extend(new)
         return new
+
+    def on_md_output(self, output_ids: list[int]) -> list[int]:
+        """MD's cumulative stream, which reports the whole output from position 0 (the resume
+        contract: the eager tokens it was handed come first). Returns what to emit."""
+        if self.source is Source.HANDING_OFF and len(output_ids) > self.cut:
+            if output_ids[:self.cut] != self.emitted[:self.cut]:
+                raise StitchError("MD's output does not start with the eager tokens it was handed")
+        start = len(self.emitted)
+        if self.source is Source.MAIN or len(output_ids) > self.cut:
+            return self.on_md_tokens(start, output_ids[start:])
+        return []

@@ -1,7 +1,10 @@
-"""The PDD router's HTTP front (aiohttp): SGLang-native /generate over P, RLD and MD pools.
+"""The PDD router's HTTP front (aiohttp): SGLang's API over P, RLD and MD pools.
 
-I/O only: per request a ``PddFlow`` (router/flow.py) runs the legs; path and handoff
-decisions come from the pure policy modules. Also serves /health and Prometheus /metrics.
+I/O only: per request item a ``PddFlow`` (router/flow.py) runs the legs; path and handoff
+decisions come from the pure policy modules. ``/generate`` and the OpenAI endpoints are served
+by SGLang's own code on the router's ``PddTokenizerManager`` (router/serving.py,
+router/openai_front.py); what clients may send is checked by router/validate.py. The API,
+its limits and what is operator-only: docs/api.md.
 
     python -m sglang_pdd.router --tokenizer-path MODEL \\
         --prefill http://P:30000,8998[,http://P:31000] --relay http://RLD:30001 \\
@@ -12,16 +15,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
+import hmac
+import inspect
 import itertools
 import json
 import logging
+import shlex
 import time
-from dataclasses import asdict
-from typing import Optional
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
 
 import aiohttp
 from aiohttp import web
+
+from sglang.srt.entrypoints.api_contract import generate_contract_error
+from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.backends import BackendError
@@ -29,11 +40,14 @@ from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBack
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathPolicyConfig
+from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
 from sglang_pdd.router.prefix_index import PrefixIndex
+from sglang_pdd.router.serving import PddTokenizerManager, UpstreamError
+from sglang_pdd.router.validate import ApiError, check_generate_body, parse_json_object
 
 logger = logging.getLogger("sglang_pdd.router")
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024  # default of --max-body-bytes
 
 
 class Pools:
@@ -82,20 +96,56 @@ class RequestError(ValueError):
 # idle connections well before the server can.
 BACKEND_KEEPALIVE_S = 2.0
 
+OPERATOR_HEADER = "X-PDD-Operator-Token"
+PDD_OPTION_KEYS = {"path", "handoff_mode", "catch_up_threshold", "drc"}
+# Whether PddFlow takes logprob extras yet (router/flow.py, owned by the flow work).
+FLOW_TAKES_EXTRAS = "extras" in inspect.signature(PddFlow.__init__).parameters
+
+
+@dataclass
+class RequestScope:
+    """Per HTTP request, read where SGLang's serving code calls back into the router."""
+
+    operator: bool = False
+    options: Optional[dict] = None
+
+
+_scope: contextvars.ContextVar[RequestScope] = contextvars.ContextVar("pdd_request_scope", default=RequestScope())
+
 
 def backend_session(keepalive_s: float = BACKEND_KEEPALIVE_S) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=keepalive_s),
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
 
 
+def error_reply(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
+    """SGLang's error body shape (ErrorResponse), with the client-facing message only."""
+    return web.json_response({"object": "error", "message": message, "type": err_type, "param": None,
+                              "code": status, "error": message}, status=status)
+
+
 class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
-                 served_model: str):
+                 served_model: str, *, sglang_state=None, max_new_tokens_cap: int = 32768, max_n: int = 16,
+                 operator_token: Optional[str] = None, every_client_is_operator: bool = False,
+                 report_cached_tokens: bool = False):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
+        self.max_new_tokens_cap, self.max_n = max_new_tokens_cap, max_n
+        self.operator_token = operator_token
+        self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
         self.session: Optional[aiohttp.ClientSession] = None
+        self.manager = None
+        if sglang_state is not None:
+            server_args, model_config, tok = sglang_state
+            self.tokenizer = tok
+            self.manager = PddTokenizerManager(
+                server_args, model_config, tok, open_flow=self._open_flow, run_flow=self._run_flow,
+                max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
+                default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens)
+            self.openai = OpenAIFront(self.manager, served_model)
 
     async def start(self, app):
         self.session = backend_session()
@@ -103,171 +153,207 @@ class Router:
     async def close(self, app):
         await self.session.close()
 
+    def is_operator(self, request: web.Request) -> bool:
+        if self.every_client_is_operator:
+            return True
+        given = request.headers.get(OPERATOR_HEADER)
+        return bool(self.operator_token and given and hmac.compare_digest(given.encode(), self.operator_token.encode()))
+
     # ------------------------------------------------------------------ routes
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "prefill": len(self.pools.prefill),
                                   "relay": len(self.pools.relay), "main": len(self.pools.main)})
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """One token through a real PDD flow (P and RLD at least), as SGLang's /health_generate."""
+        flow = self._open_flow([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}, None)
+        try:
+            async with self._run_flow(flow) as events:
+                got = [t async for new in events for t in new]
+        except UpstreamError as e:
+            return error_reply(503, f"unhealthy: {e.detail}", "ServiceUnavailable")
+        return web.Response(status=200) if got else error_reply(503, "unhealthy: no token", "ServiceUnavailable")
+
+    def _probe_token(self) -> int:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return bos if bos is not None else 0
+
     async def metrics_route(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native /generate: single or batch, ``n``, streaming, logprobs."""
         try:
-            body = await self._json_body(request)
-            input_ids = self._input_ids(body)
-            sampling = body.get("sampling_params") or {}
-            if not isinstance(sampling, dict):
-                raise RequestError("sampling_params must be an object")
-            flow = self._flow(input_ids, sampling, body.get("rid"), body.get("pdd_options"))
-        except RequestError as e:
-            return web.json_response({"error": str(e)}, status=400)
-        if body.get("stream"):
-            return await self._stream(request, flow)
-        return await self._once(flow)
+            body = parse_json_object(await request.read())
+            scope = self._scope(request, body.pop("pdd_options", None))
+            # ours first: its messages name the field; then SGLang's own contract (all types)
+            check_generate_body(body, cap=self.max_new_tokens_cap, vocab_size=self.manager.vocab_size,
+                                max_n=self.max_n)
+            contract_error = generate_contract_error(body)
+            if contract_error is not None:
+                raise ApiError(400, f"bad /generate body: {contract_error}")
+            if body.get("return_logprob") and not FLOW_TAKES_EXTRAS:
+                raise ApiError(400, "return_logprob is not supported by this router build")
+            try:
+                obj = GenerateReqInput(**body)
+            except TypeError as e:
+                raise ApiError(400, f"unknown /generate field: {str(e).rsplit(' ', 1)[-1]}") from None
+        except ApiError as e:
+            return error_reply(e.status, e.message)
+        _scope.set(scope)
+        gen = self.manager.generate_request(obj, request)
+        if not obj.stream:
+            try:
+                return web.json_response(await gen.__anext__(), dumps=_dumps)
+            except ValueError as e:
+                return error_reply(400, str(e))
+            except UpstreamError as e:
+                return error_reply(502, e.detail, "BackendError")
+            finally:
+                await gen.aclose()
+        # The first output before the 200: a request refused by the serving layer (duplicate
+        # rid, prompt too long, ...) still gets its 4xx, as on SGLang's OpenAI streams.
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            await gen.aclose()
+            return error_reply(400, str(e))
+        except UpstreamError as e:
+            await gen.aclose()
+            return error_reply(502, e.detail, "BackendError")
+        except StopAsyncIteration:
+            return error_reply(502, "the request produced no output", "BackendError")
+        return await sse_reply(request, _generate_events(first, gen))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.openai.handle(request, "chat", self._scope)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI /v1/completions (text prompt, non-streaming and streaming)."""
+        return await self.openai.handle(request, "completion", self._scope)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return await self.openai.models()
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.openai.model_info())
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """A decode backend's /server_info (its internal states), plus the router's pools."""
+        url = self.pools.main[0].url if self.pools.main else self.pools.relay[0]
         try:
-            body = await self._json_body(request)
-            if body.get("model") not in (None, self.served_model):
-                return web.json_response({"error": {"message": f"unknown model {body.get('model')!r}; "
-                                                    f"this router serves {self.served_model!r}",
-                                                    "type": "invalid_request_error"}}, status=404)
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise RequestError("prompt must be a string")
-            input_ids = self._check_len(self.tokenizer.encode(prompt))
-            sampling = {"max_new_tokens": int(body.get("max_tokens", 16)),
-                        "temperature": float(body.get("temperature", 1.0))}
-        except (RequestError, TypeError, ValueError) as e:
-            return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=400)
-        flow = self._flow(input_ids, sampling, None)
-        tokens, error = await self._collect(flow)
-        if error:
-            return web.json_response({"error": {"message": error, "type": "server_error"}}, status=502)
-        finish = (flow.result.finish_reason or {}).get("type", "length")
-        return web.json_response({
-            "id": f"cmpl-{flow.result.rid}", "object": "text_completion", "created": int(time.time()),
-            "model": self.served_model,
-            "choices": [{"index": 0, "text": self.tokenizer.decode(tokens), "finish_reason": finish}],
-            "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(tokens),
-                      "total_tokens": len(input_ids) + len(tokens)}})
+            async with self.session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                info = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return error_reply(503, "no decode backend answered /server_info", "ServiceUnavailable")
+        info["pdd_router"] = {"prefill": len(self.pools.prefill), "relay": len(self.pools.relay),
+                              "main": len(self.pools.main), "served_model_name": self.served_model}
+        return web.json_response(info)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Operator only: POST /flush_cache to every backend (P, RLD, MD), answered per backend."""
+        if not self.is_operator(request):
+            return error_reply(403, f"/flush_cache is operator-only: send {OPERATOR_HEADER} "
+                                    f"(router flag --operator-token-file)", "Forbidden")
+        urls = [p.url for p in self.pools.prefill] + list(self.pools.relay) + [m.url for m in self.pools.main]
+
+        async def one(url: str) -> tuple[str, int]:
+            try:
+                async with self.session.post(f"{url}/flush_cache", timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                    return url, resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return url, 503
+
+        results = dict(await asyncio.gather(*(one(u) for u in urls)))
+        ok = all(code == 200 for code in results.values())
+        return web.json_response({"flushed": ok, "backends": results}, status=200 if ok else 503)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's body: {"rid": str} or {"abort_all": true} (operator only)."""
+        try:
+            body = parse_json_object(await request.read())
+            rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+            if not isinstance(rid, str) or not isinstance(abort_all, bool):
+                raise ApiError(400, "rid must be a string and abort_all a boolean")
+            if abort_all and not self.is_operator(request):
+                raise ApiError(403, f"abort_all is operator-only: send {OPERATOR_HEADER}")
+        except ApiError as e:
+            return error_reply(e.status, e.message)
+        n = self.manager.abort(rid, abort_all)
+        return web.json_response({"aborted": n})
 
     # ------------------------------------------------------------------ helpers
-    async def _json_body(self, request: web.Request) -> dict:
+    def _scope(self, request: web.Request, options) -> RequestScope:
+        """pdd_options (operators only) and whether replies carry meta_info.pdd."""
+        operator = self.is_operator(request)
+        if options is not None:
+            if not operator:
+                raise ApiError(403, f"pdd_options is operator-only: send {OPERATOR_HEADER} "
+                                    f"(router flag --operator-token-file)")
+            if not isinstance(options, dict) or set(options) - PDD_OPTION_KEYS:
+                raise ApiError(400, "pdd_options may set only path, handoff_mode, catch_up_threshold, drc")
+            try:
+                if "path" in options:
+                    Path(options["path"])
+                if "handoff_mode" in options:
+                    HandoffMode(options["handoff_mode"])
+                int(options.get("catch_up_threshold", 0))
+            except (TypeError, ValueError) as e:
+                raise ApiError(400, f"bad pdd_options: {e}") from None
+        return RequestScope(operator=operator, options=options)
+
+    def _open_flow(self, input_ids, sampling, extras) -> PddFlow:
+        scope = _scope.get()
+        flow = self._flow(input_ids, sampling, None, scope.options, extras)
+        flow.operator = scope.operator
+        return flow
+
+    @contextlib.asynccontextmanager
+    async def _run_flow(self, flow: PddFlow):
+        """Accounts for one running flow (load, metrics, log line); a backend failure becomes
+        UpstreamError (HTTP 502); the flow's cleanup (abort every leg) runs on any exit."""
+        self._admit(flow, +1)
+        events = flow.events()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError("body must be a JSON object")
-        return body
+            yield events
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.error("rid %s failed: %s", flow.result.rid, e)
+            raise UpstreamError(f"the request failed on a backend: {e}") from None
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.client_disconnect()
+            raise
+        finally:
+            await events.aclose()  # runs the flow's cleanup now, not whenever the GC gets to it
+            self._admit(flow, -1)
+            self._observe(flow, list(flow.stitcher.emitted))
 
-    def _input_ids(self, body: dict) -> list[int]:
-        if "input_ids" in body:
-            ids = body["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise RequestError("input_ids must be a non-empty list of non-negative ints")
-            return self._check_len(ids)
-        if isinstance(body.get("text"), str) and body["text"]:
-            return self._check_len(self.tokenizer.encode(body["text"]))
-        raise RequestError("body needs a non-empty 'text' or 'input_ids' (batches are not supported)")
-
-    def _check_len(self, ids: list[int]) -> list[int]:
-        if len(ids) > self.max_prompt_tokens:
-            raise RequestError(f"prompt has {len(ids)} tokens, more than --max-prompt-tokens "
-                               f"{self.max_prompt_tokens}")
-        return ids
-
-    def _flow(self, input_ids, sampling, rid, options: Optional[dict] = None) -> PddFlow:
-        """``options`` (body "pdd_options") override the router's knobs for one request:
-        path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc (false:
-        MD ignores its cache, i.e. plain cross-DC PD that ships the whole prompt). For tests,
-        benchmarks comparing variants side by side, and operators debugging one request."""
+    def _flow(self, input_ids, sampling, rid, options: Optional[dict] = None, extras: Optional[dict] = None) -> PddFlow:
+        """``options`` (body "pdd_options", operators only) override the router's knobs for one
+        request: path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc
+        (false: MD ignores its cache, i.e. plain cross-DC PD that ships the whole prompt). For
+        tests, benchmarks comparing variants side by side, and operators debugging one request."""
         cfg, force_path = self.flow_cfg, None
         if options is not None:
-            if not isinstance(options, dict) or set(options) - {"path", "handoff_mode", "catch_up_threshold", "drc"}:
-                raise RequestError("pdd_options may set only path, handoff_mode, catch_up_threshold, drc")
-            try:
-                force_path = Path(options["path"]) if "path" in options else None
-                handoff = dataclasses.replace(
-                    cfg.handoff,
-                    fixed_mode=HandoffMode(options["handoff_mode"]) if "handoff_mode" in options else cfg.handoff.fixed_mode,
-                    catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
-            except ValueError as e:
-                raise RequestError(f"bad pdd_options: {e}") from None
+            force_path = Path(options["path"]) if "path" in options else None
+            handoff = dataclasses.replace(
+                cfg.handoff,
+                fixed_mode=HandoffMode(options["handoff_mode"]) if "handoff_mode" in options else cfg.handoff.fixed_mode,
+                catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
             cfg = dataclasses.replace(cfg, handoff=handoff)
         prefill, relay, main = self.pools.pick(input_ids)
         # The MD prefix estimate routes a request whose P takes late WAN destinations
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, input_ids) if main is not None else 0
+        kwargs = {"extras": extras} if FLOW_TAKES_EXTRAS else {}
         flow = PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
                        rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
-                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate)
+                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, **kwargs)
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
         return flow
-
-    async def _collect(self, flow: PddFlow) -> tuple[list[int], Optional[str]]:
-        tokens, error = [], None
-        self._admit(flow, +1)
-        events = flow.events()
-        try:
-            async for new in events:
-                tokens.extend(new)
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            error = str(e)
-            logger.error("rid %s failed: %s", flow.result.rid, e)
-        finally:
-            await events.aclose()  # runs the flow's cleanup now, not whenever the GC gets to it
-            self._admit(flow, -1)
-            self._observe(flow, tokens)
-        return tokens, error
 
     def _admit(self, flow: PddFlow, delta: int) -> None:
         self.pools.rld_inflight[flow.relay_url] += delta
         if flow.main is not None:
             self.pools.md_inflight[flow.main.url] += delta
-
-    async def _once(self, flow: PddFlow) -> web.Response:
-        tokens, error = await self._collect(flow)
-        if error:
-            return web.json_response({"error": error, "meta_info": self._meta(flow, tokens)}, status=502)
-        return web.json_response({"text": self.tokenizer.decode(tokens), "output_ids": tokens,
-                                  "meta_info": self._meta(flow, tokens)})
-
-    async def _stream(self, request: web.Request, flow: PddFlow) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        tokens: list[int] = []
-        self._admit(flow, +1)
-        events = flow.events()
-        try:
-            async for new in events:
-                tokens.extend(new)
-                event = {"text": self.tokenizer.decode(tokens), "output_ids": list(tokens),
-                         "meta_info": self._meta(flow, tokens, final=False)}
-                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            final = {"text": self.tokenizer.decode(tokens), "output_ids": tokens,
-                     "meta_info": self._meta(flow, tokens)}
-            await out.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.client_disconnect()  # flow.events()' finally aborted every backend leg
-            raise
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            logger.error("rid %s failed mid-stream: %s", flow.result.rid, e)
-            await out.write(b"data: " + json.dumps({"error": str(e)}).encode() + b"\n\ndata: [DONE]\n\n")
-        finally:
-            await events.aclose()  # a disconnect aborts every backend leg before we return
-            self._admit(flow, -1)
-            self._observe(flow, tokens)
-        await out.write_eof()
-        return out
-
-    def _meta(self, flow: PddFlow, tokens: list[int], final: bool = True) -> dict:
-        r = flow.result
-        return {"id": r.rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": len(tokens),
-                "finish_reason": r.finish_reason if final else None, "cached_tokens": r.md_cached_tokens,
-                "pdd": asdict(r)}
 
     def _observe(self, flow: PddFlow, tokens: list[int]) -> None:
         self.pools.record(flow, tokens)
@@ -306,14 +392,51 @@ _FALLBACK_LABELS = {"wan_failed": "wan_failed", "md_failed": "md_failed", "md_un
                     "wan_destination_failed": "wan_failed"}  # P refused the late WAN destination
 
 
-def build_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[bytes]:
+    """SGLang's /generate stream: one ``data:`` event per output dict, then [DONE]; a request
+    refused after the stream began ends with an error event."""
+    try:
+        yield b"data: " + _dumps(first).encode() + b"\n\n"
+        async for out in gen:
+            yield b"data: " + _dumps(out).encode() + b"\n\n"
+    except ValueError as e:
+        err = {"error": {"message": str(e), "type": "invalid_request_error", "code": 400}}
+        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+    finally:
+        await gen.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+@web.middleware
+async def no_internals_in_errors(request: web.Request, handler):
+    """A bug answers a plain JSON 500 (logged with its traceback here), never internals."""
+    try:
+        return await handler(request)
+    except (web.HTTPException, asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s", request.path)
+        return error_reply(500, "internal error in the router (logged)", "InternalServerError")
+
+
+def build_app(router: Router, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[no_internals_in_errors])
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.close)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_route)
     app.router.add_post("/generate", router.generate)
-    app.router.add_post("/v1/completions", router.completions)
+    if router.manager is not None:
+        app.router.add_get("/health_generate", router.health_generate)
+        app.router.add_post("/v1/completions", router.completions)
+        app.router.add_post("/v1/chat/completions", router.chat_completions)
+        app.router.add_get("/v1/models", router.models)
+        for path in ("/get_model_info", "/model_info"):
+            app.router.add_get(path, router.model_info)
+        for path in ("/get_server_info", "/server_info"):
+            app.router.add_get(path, router.server_info)
+        app.router.add_post("/flush_cache", router.flush_cache)
+        app.router.add_post("/abort_request", router.abort_request)
     return app
 
 
@@ -358,6 +481,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--control-key-file", default=None,
                     help="the servers' --pdd-wan-key-file: the router signs its calls to MD's and P's control "
                          "APIs with it (they refuse unsigned ones); required with --main or a P CONTROL_URL")
+    lim = ap.add_argument_group("client input limits and operator access (docs/api.md)")
+    lim.add_argument("--max-new-tokens-cap", type=int, default=32768,
+                     help="largest max_new_tokens / max_tokens a client may ask for (400 above)")
+    lim.add_argument("--max-n", type=int, default=16, help="largest parallel sample count n")
+    lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
+    lim.add_argument("--operator-token-file", default=None,
+                     help="file holding the operator token: requests with header X-PDD-Operator-Token equal "
+                          "to it may send pdd_options, get meta_info.pdd, /flush_cache, abort_all")
+    lim.add_argument("--every-client-is-operator", action="store_true",
+                     help="tests and benchmarks only: every request is an operator request")
+    lim.add_argument("--enable-cache-report", action="store_true",
+                     help="report P's prefix hit as meta_info.cached_tokens / usage cached tokens "
+                          "(off: 0, so a tenant cannot probe another's prompts through the cache)")
+    sg = ap.add_argument_group("SGLang serving layer (chat template, parsers), as on a plain SGLang server")
+    sg.add_argument("--chat-template", default=None)
+    sg.add_argument("--completion-template", default=None)
+    sg.add_argument("--tool-call-parser", default=None)
+    sg.add_argument("--reasoning-parser", default=None)
+    sg.add_argument("--context-length", type=int, default=None)
+    sg.add_argument("--sglang-args", default="",
+                    help="further SGLang server flags for the serving layer, one shell-quoted string")
     g = ap.add_argument_group("path policy (uncached tokens and estimated WAN transfer time)")
     g.add_argument("--wan-gbps", type=float, default=10.0, help="WAN link rate used to estimate transfer time")
     g.add_argument("--wan-rtt-ms", type=float, default=40.0)
@@ -395,10 +539,34 @@ def flow_config(args) -> FlowConfig:
         request_timeout_s=args.request_timeout_s)
 
 
+def sglang_argv(args) -> list[str]:
+    """SGLang server flags for the router's serving layer (tokenizer, templates, parsers)."""
+    argv = ["--model-path", args.tokenizer_path, "--device", "cpu"]
+    for flag, value in (("--served-model-name", args.served_model_name), ("--chat-template", args.chat_template),
+                        ("--completion-template", args.completion_template),
+                        ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser),
+                        ("--context-length", args.context_length)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.enable_cache_report:
+        argv.append("--enable-cache-report")
+    return argv + shlex.split(args.sglang_args)
+
+
+def read_operator_token(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    with open(path) as f:
+        token = f.read().strip()
+    if len(token) < 16:
+        raise SystemExit(f"--operator-token-file {path}: the token must have at least 16 characters")
+    return token
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from transformers import AutoTokenizer
+    from sglang_pdd.router.serving import build_sglang_state
 
     from sglang_pdd.kv_channel.handshake import load_key
     from sglang_pdd.router.backends import use_control_key
@@ -411,7 +579,14 @@ def main(argv=None) -> None:
     elif args.main or any(p.control_url for p in args.prefill):
         raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main or a P CONTROL_URL "
                          "(MD and P accept only signed control calls)")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
-    router = Router(Pools(args.prefill, args.relay, args.main), flow_config(args), tokenizer,
-                    args.max_prompt_tokens, args.served_model_name or args.tokenizer_path)
-    web.run_app(build_app(router), host=args.host, port=args.port, print=None, handler_cancellation=True)
+    state = build_sglang_state(sglang_argv(args))
+    if args.every_client_is_operator:
+        logger.warning("--every-client-is-operator: any client may steer PDD (pdd_options); tests only")
+    router = Router(Pools(args.prefill, args.relay, args.main), flow_config(args), state[2],
+                    args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
+                    max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
+                    operator_token=read_operator_token(args.operator_token_file),
+                    every_client_is_operator=args.every_client_is_operator,
+                    report_cached_tokens=args.enable_cache_report)
+    web.run_app(build_app(router, args.max_body_bytes), host=args.host, port=args.port, print=None,
+                handler_cancellation=True)

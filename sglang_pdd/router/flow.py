@@ -1,24 +1,48 @@
-"""One request through PDD: path choice, P + RLD + MD legs, handoff, fallbacks (async I/O).
+"""One request through PDD: path choice, P + RLD + MD legs, handoff, fallbacks (async I/O shell).
 
-Decisions are delegated to pure modules (router/policy.py, handoff/policy.py,
-handoff/stitcher.py); this module only moves bytes and reacts to events, all of which go
-through one queue so the order of events is the order of decisions:
+The request's course is decided by one pure transition function (router/lifecycle.py: typed
+states, events and actions); path and handoff choices by router/policy.py and
+handoff/policy.py; token bookkeeping by handoff/stitcher.py. This module turns backend replies
+into lifecycle events, all through one queue (so the order of events is the order of
+decisions), and performs the actions the transition function returns. The events and who
+sends them:
 
-    ("rld", cumulative_ids, finish)   RLD's stream (eager tokens)
-    ("ready", status, fallback)       MD's room: its KV has landed, or not (``fallback``: the
-                                      tag recorded, e.g. "wan_failed: ...", "md_unavailable: ...")
-    ("md", cumulative_ids, finish)    MD's stream after a handoff
-    ("md_error", message)             MD refused or died
-    ("rld_error", message)            RLD (or P) failed
+    event (router/lifecycle.py)         sent by
+    PathChosen(path, late_destination)  _choose_path, before any leg starts
+    RelayTokens(leg, produced, finish)  _relay_leg: each event of RLD's stream
+    RelayFailed(leg, message)           _relay_leg / _prefill_leg: RLD or P failed
+    MdReady / MdNotReady(fallback)      _watch_ready (MD's KV landed, or not: "wan_failed: ..."),
+                                        _register_and_deliver ("md_unavailable: ...",
+                                        "wan_destination_failed: ...")
+    CutReady()                          _handoff, after its catch-up rounds (if any)
+    MainTokens(produced, finish)        _final_handoff: each event of MD's stream
+    MainFailed(message)                 _handoff / _final_handoff: MD refused or died
+    Timeout()                           _run: --request-timeout-s passed
+    ClientDisconnected()                events(): the consumer closed the generator early
+
+The handoff continues the request on MD (the resume contract, docs/router.md): MD gets the
+eager token ids, the client's TOTAL max_new_tokens and the logprob fields, and its stream
+reports the whole output from position 0, the eager tokens included; the stitcher takes
+MD's positions from the cut on. A recovery leg (a new P->RLD leg after MD failed) continues
+from what the client has as ``FlowConfig.recovery`` says (RecoveryMode): RESUME (prompt +
+emitted with the resume marker ``custom_params["pdd_resume_output_len"]`` and the total
+budget, stitched the same way; needs P / RLD that resume in PD mode), REPLAY (the request
+again, its first positions checked against the client's and dropped; the default for greedy
+requests, exact) or CONTINUE (prompt + emitted as a new request, the old behaviour).
 
 MD's room registration (``POST /pdd/rooms`` on MD, which answers MD's exact cached prefix):
 without a control URL for P it is awaited before P and RLD start, and P learns its WAN
-destination from the request itself (``custom_params`` pdd_room / pdd_wan_peer /
-pdd_md_prefix_len). With one (``PrefillBackend.control_url``), a P->RLD->MD request is routed
-on the router's *estimate* of MD's prefix, P and RLD start at once (``pdd_wan_expected``) and
-the registration runs concurrently; MD's answer is then posted to P's control API
+destination from the router's leg (``custom_params`` pdd_room / pdd_wan_peer /
+pdd_md_prefix_len, set by the router only: a client's ``pdd_*`` custom params are dropped).
+With one (``PrefillBackend.control_url``), a P->RLD->MD request is routed on the router's
+*estimate* of MD's prefix, P and RLD start at once (``pdd_wan_expected``) and the
+registration runs concurrently; MD's answer is then posted to P's control API
 (``PrefillControl``), so the registration round trip is off the time to first token. If MD or
 P's API fails, the destination is withdrawn on P and RLD finishes the request.
+
+Backends never see the client's rid: each leg gets an internal rid (a random id per flow plus
+the leg), so two clients with the same rid cannot abort each other's legs. Room ids are from a
+CSPRNG.
 
 Guarantees (tested end to end): the client gets each output position exactly once and in
 order; a WAN or MD failure falls back to relay decoding in datacenter A; every backend request
@@ -29,18 +53,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import json
 import logging
-import random
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choose_mode, next_catch_up_batch
-from sglang_pdd.handoff.stitcher import Source, StreamStitcher
+from sglang_pdd.handoff.output_meta import OutputMeta
+from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
+from sglang_pdd.router import lifecycle
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, abort, generate_once,
                                         generate_stream)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, RequestFacts, choose_path
@@ -76,6 +102,33 @@ class FlowConfig:
     rld_max_running: int = 16
     request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
     default_max_new_tokens: int = 128
+    # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
+    # (RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
+    recovery: str = "auto"
+
+
+class RecoveryMode(str, enum.Enum):
+    """How a recovery leg continues the request on P and RLD (a PD pair).
+
+    RESUME: prompt + emitted tokens with the resume marker and the total budget (the resume
+      contract), for P / RLD servers that support resuming in PD mode. SGLang's PD path does
+      not (sglang_glue/resume.py: a PD server answers 400), hence not the default.
+    REPLAY: the original request again (prompt, total budget, the client's sampling); its
+      first positions must reproduce what the client has (checked, else the request fails)
+      and are dropped. Exact for greedy requests: grammar, stop strings, penalties,
+      min/max_new_tokens and logprobs behave as on one server. Costs re-decoding those tokens.
+    CONTINUE: prompt + emitted tokens as a NEW request with the remaining budget (the old
+      behaviour): the eager tokens count as prompt, so grammar / stop-string / penalty state
+      restarts at the cut; for sampled requests, whose replay would diverge.
+    """
+    RESUME = "resume"
+    REPLAY = "replay"
+    CONTINUE = "continue"
+
+
+def is_greedy(sampling: dict) -> bool:
+    temperature = sampling.get("temperature", 1.0)
+    return (temperature is not None and float(temperature) == 0.0) or sampling.get("top_k") == 1
 
 
 @dataclass
@@ -105,26 +158,77 @@ class FlowResult:
     fallbacks: list = field(default_factory=list)
     finish_reason: Optional[dict] = None
     ttft_s: Optional[float] = None
+    recovery_mode: Optional[str] = None  # how the last recovery leg continued (RecoveryMode)
 
 
 def new_room() -> int:
-    return random.randint(0, 2**63 - 1)
+    """A bootstrap / MD room id nobody can guess (a CSPRNG, not ``random``)."""
+    return secrets.randbelow(2**63)
+
+
+# SGLang's /generate fields that ride along on every leg (beside input_ids, sampling_params,
+# stream, rid): the per-request logprob options.
+EXTRA_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
+RESUME_KEY = "pdd_resume_output_len"  # the resume contract's marker (router and MD glue only)
+
+
+def client_sampling(sampling: dict) -> dict:
+    """The client's sampling params without any ``pdd_*`` custom param: those are the router's
+    own wire (WAN peer, rooms, resume marker), never a client's to set."""
+    sampling = dict(sampling)
+    custom = sampling.get("custom_params")
+    if custom is None:
+        sampling.pop("custom_params", None)
+        return sampling
+    if not isinstance(custom, dict):
+        raise ValueError("sampling_params.custom_params must be an object")
+    custom = {k: v for k, v in custom.items() if not str(k).startswith("pdd_")}
+    if custom:
+        sampling["custom_params"] = custom
+    else:
+        sampling.pop("custom_params")
+    return sampling
 
 
 class PddFlow:
-    """Runs one request; ``events()`` yields lists of newly emitted token ids."""
+    """Runs one request; ``events()`` yields lists of newly emitted token ids.
+
+    ``extras``: SGLang's per-request logprob fields (``EXTRA_FIELDS``), sent on every leg.
+    ``output_meta`` (read it while or after iterating): a dict for building SGLang responses,
+
+    - ``output_token_logprobs``, ``output_top_logprobs``, ``output_token_ids_logprobs`` (only
+      the ones the request asked for, i.e. ``return_logprob`` / ``top_logprobs_num`` /
+      ``token_ids_logprob``): lists aligned with ALL emitted output positions, each entry in
+      SGLang's format (e.g. ``[logprob, token_id, text_or_None]``), taken from the leg that
+      emitted the position, spliced from another leg where that one gave none (MD cannot give
+      the positions it resumed); ``None`` where no leg gave one;
+    - ``input_token_logprobs``, ``input_top_logprobs``: from the first leg (RLD's stream, else
+      P's reply), when asked;
+    - ``finish_reason``: SGLang's dict from the leg that finished the request (incl.
+      ``matched``), ``None`` while running; ``prompt_tokens``; ``completion_tokens``.
+
+    ``rid`` is the client's id, kept for the client's response (``result.rid``); backends get
+    internal ids (``internal_rid`` + leg suffix) only.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, cfg: FlowConfig, prefill: PrefillBackend,
                  relay_url: str, main: Optional[MainBackend], input_ids: list[int], sampling: dict,
                  rid: Optional[str] = None, rld_inflight: int = 0, force_path: Optional[Path] = None,
-                 use_drc: bool = True, md_cached_estimate: int = 0):
+                 use_drc: bool = True, md_cached_estimate: int = 0, extras: Optional[dict] = None):
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
-        self.sampling = dict(sampling)
+        self.sampling = client_sampling(sampling)
         self.max_new = int(self.sampling.get("max_new_tokens", cfg.default_max_new_tokens))
-        self.result = FlowResult(rid=rid or uuid.uuid4().hex, prompt_tokens=len(self.ids),
+        self.sampling["max_new_tokens"] = self.max_new
+        unknown = set(extras or {}) - set(EXTRA_FIELDS)
+        if unknown:
+            raise ValueError(f"unsupported request fields {sorted(unknown)}")
+        self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
+        self.internal_rid = secrets.token_hex(16)
+        self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
                                  md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0)
+        self.state = lifecycle.State(max_new=self.max_new)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
@@ -137,15 +241,21 @@ class PddFlow:
         # "delivered" | "dropped". While pending, the end of the request withdraws it on P.
         self._destination: Optional[str] = None
         self._p_room: Optional[int] = None  # bootstrap room of the P leg that awaits it
-        self.leg = 0  # relay legs started (a recovery starts a new one)
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
         self.force_path = force_path
         self.use_drc = use_drc
-        self._ready_status = "pending"  # MD's room: pending -> ready | failed
         self._planned_wan = (0, 0)  # (bytes to send, bytes MD already has) for this request
-        self._handoff_after_first_token = False  # MD was ready before any token reached us
-        self._offset = 0  # output position where the current relay leg's own output starts
+        self._handoff_t = 0.0
+        self._handed = 0  # eager tokens MD has extended in catch-up rounds
+        self._round = 0  # catch-up rounds done
+        self._out_meta = OutputMeta(self.extras)
+        self._leg_offset: dict[int, int] = {}  # leg -> output position of its own first token
+        self._leg_replays: dict[int, int] = {}  # leg -> positions it replays (checked once)
         self.t0 = time.perf_counter()
+
+    @property
+    def output_meta(self) -> dict:
+        return self._out_meta.as_dict(self.result.finish_reason, len(self.ids), len(self.stitcher.emitted))
 
     # ------------------------------------------------------------------ entry point
     async def events(self) -> AsyncIterator[list[int]]:
@@ -156,87 +266,98 @@ class PddFlow:
                         self.result.ttft_s = time.perf_counter() - self.t0
                     yield tokens
         finally:
+            if not self.state.phase.terminal:  # the consumer stopped early: the client is gone
+                self.state, _ = lifecycle.transition(self.state, lifecycle.ClientDisconnected())
             await self._cleanup()
 
     async def _run(self) -> AsyncIterator[list[int]]:
         path = await self._choose_path()
-        rld_budget = self.max_new if path is not Path.P_MD else 1
-        self._start_relay_leg(self.ids, rld_budget, wan=path is not Path.P_RLD_ONLY)
-        if self._destination == "pending":
-            self._spawn(self._register_and_deliver())  # P and RLD are on their way already
-        elif path is not Path.P_RLD_ONLY:
-            self._spawn(self._watch_ready())
-        relay_done = False
+        await self.queue.put((lifecycle.PathChosen(path, late_destination=self._destination == "pending"), None))
         deadline = self.t0 + self.cfg.request_timeout_s
         while True:
             try:
-                kind, *payload = await asyncio.wait_for(self.queue.get(), deadline - time.perf_counter())
+                event, payload = await asyncio.wait_for(self.queue.get(), deadline - time.perf_counter())
             except asyncio.TimeoutError:
-                raise BackendError(f"request not finished within {self.cfg.request_timeout_s:.0f}s "
-                                   f"(--request-timeout-s); every leg is aborted") from None
-            if kind == "rld":
-                leg, ids, finish = payload
-                if leg != self.leg or self.stitcher.source is Source.MAIN:
-                    continue  # superseded relay leg, or MD owns the stream (RLD is being aborted)
-                yield self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - self._offset:])
-                if self._handoff_after_first_token and self.stitcher.emitted and (
-                        finish is None or not self._relay_finished_request(finish)):
-                    self._handoff_after_first_token = False
-                    self._spawn(self._handoff())
-                if finish is None:
-                    continue
-                relay_done = True
-                if self._relay_finished_request(finish):
-                    self.result.finish_reason = finish
-                    if self.stitcher.source is Source.HANDING_OFF:
-                        yield self.stitcher.handoff_failed()  # RLD finished first: its tokens stand
-                    return
-                if self._ready_status == "failed" and self.stitcher.source is Source.RELAY:
-                    relay_done = await self._recover("wan_failed_after_rld")
-            elif kind == "rld_error":
-                if self.stitcher.source is not Source.MAIN:
-                    raise BackendError(f"relay leg failed: {payload[0]}")
-            elif kind == "ready":
-                status, fallback = payload
-                self._ready_status = status
-                if status == "ready":
-                    self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
-                    if self.stitcher.emitted or relay_done:
-                        self._spawn(self._handoff())
-                    else:  # P's first token is on its way through RLD: TTFT stays same-DC
-                        self._handoff_after_first_token = True
-                    continue
-                self.result.fallbacks.append(fallback)
-                logger.warning("rid %s: MD room not ready (%s); RLD finishes", self.result.rid, fallback)
-                if relay_done:
-                    relay_done = await self._recover("wan_failed_after_rld")
-            elif kind == "md":
-                start, ids, finish = payload
-                new = ids[len(self.stitcher.emitted) - start:]
-                if self.stitcher.source is Source.RELAY:
-                    continue  # a late MD event after a failed handoff
-                if self.stitcher.source is Source.HANDING_OFF:
-                    if not new:
-                        continue
-                    self._on_md_first_token()  # commits the handoff: RLD is aborted
-                self.result.md_tokens += len(new)
-                yield self.stitcher.on_md_tokens(len(self.stitcher.emitted), new)
-                if finish is not None:
-                    self.result.finish_reason = finish
-                    return
-            elif kind == "md_error":
-                self.result.fallbacks.append(f"md_failed: {payload[0]}")
-                logger.warning("rid %s: MD failed (%s)", self.result.rid, payload[0])
-                if self.stitcher.source is Source.HANDING_OFF:
-                    yield self.stitcher.handoff_failed()
-                if self.stitcher.source is Source.MAIN:
-                    relay_done = await self._recover("md_failed_mid_stream")
-                elif relay_done:
-                    relay_done = await self._recover("md_failed")
+                event, payload = lifecycle.Timeout(
+                    f"request not finished within {self.cfg.request_timeout_s:.0f}s "
+                    f"(--request-timeout-s); every leg is aborted"), None
+            if isinstance(event, lifecycle.CutReady) and self._more_catch_up():
+                self._spawn(self._handoff())
+                continue
+            try:
+                self.state, actions = lifecycle.transition(self.state, event)
+            except lifecycle.LifecycleError as e:
+                self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                raise BackendError(f"request broke off: {e}") from None
+            for action in actions:
+                try:
+                    out = self._perform(action, payload)
+                except StitchError as e:  # a backend broke the stream's invariants
+                    self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                    raise BackendError(f"request broke off: {e}") from None
+                if out:
+                    yield out
+            if self.state.phase.terminal:
+                return
 
-    def _relay_finished_request(self, finish: dict) -> bool:
-        """RLD's leg ended: is the whole request done (budget used, or EOS / stop / abort)?"""
-        return len(self.stitcher.rld_tokens) >= self.max_new or finish.get("type") != "length"
+    def _perform(self, action, payload) -> list[int]:
+        """Carries out one lifecycle action; returns tokens to emit (if any)."""
+        if isinstance(action, lifecycle.StartRelayLeg):
+            self._start_relay_leg(action)
+        elif isinstance(action, lifecycle.StartMdSide):
+            self._spawn(self._register_and_deliver() if action.late_destination else self._watch_ready())
+        elif isinstance(action, lifecycle.RelayOutput):
+            leg, event = payload
+            ids, offset = event.get("output_ids", []), self._leg_offset.get(leg, 0)
+            replayed = self._leg_replays.pop(leg, 0)
+            if replayed and ids[:replayed] != self.stitcher.emitted[:replayed]:
+                raise BackendError(f"recovery leg {leg} diverged from the {replayed} tokens the client has "
+                                   f"(a sampled request replayed? recovery 'continue' suits those)")
+            before = len(self.stitcher.emitted)
+            self._out_meta.observe(("rld", leg), offset + len(ids), event.get("meta_info", {}), first_leg=leg == 1)
+            out = self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - offset:])
+            self._out_meta.emitted(("rld", leg), before, len(self.stitcher.emitted))
+            return out
+        elif isinstance(action, lifecycle.StartHandoff):
+            self._spawn(self._handoff())
+        elif isinstance(action, lifecycle.SendFinalHandoff):
+            eager = self.stitcher.begin_handoff()
+            assert len(eager) == action.cut, (len(eager), action.cut)
+            self._spawn(self._final_handoff(eager))
+        elif isinstance(action, lifecycle.HandoffCommitted):
+            self._on_handoff_committed()
+        elif isinstance(action, lifecycle.HandoffAbandoned):
+            before = len(self.stitcher.emitted)
+            out = self.stitcher.handoff_failed()
+            self._out_meta.emitted(("rld", self.state.leg), before, len(self.stitcher.emitted))
+            return out
+        elif isinstance(action, lifecycle.MainOutput):
+            ids = payload.get("output_ids", [])
+            before = len(self.stitcher.emitted)
+            self._out_meta.observe(("md", 0), len(ids), payload.get("meta_info", {}))
+            out = self.stitcher.on_md_output(ids)
+            self._out_meta.emitted(("md", 0), before, len(self.stitcher.emitted))
+            self.result.md_tokens += len(out)
+            return out
+        elif isinstance(action, lifecycle.RecordFallback):
+            self.result.fallbacks.append(action.tag)
+            logger.warning("rid %s: %s", self.result.rid, action.tag)
+        elif isinstance(action, lifecycle.AbortLegs):
+            for rid, url in list(self.live_rids.items()):
+                self._spawn(abort(self.session, url, rid), must_finish=True)
+                del self.live_rids[rid]
+            self.stitcher.resume_relay()
+            self.result.finish_reason = None
+        elif isinstance(action, lifecycle.Finish):
+            finish = action.finish_reason
+            if finish.get("type") == "length" and "length" in finish:  # a CONTINUE leg's own budget
+                finish = {**finish, "length": self.max_new}
+            self.result.finish_reason = finish
+        elif isinstance(action, lifecycle.Fail):
+            raise BackendError(action.message)
+        else:  # pragma: no cover - a new action without its I/O
+            raise AssertionError(f"unhandled lifecycle action {action!r}")
+        return []
 
     # ------------------------------------------------------------------ path choice
     async def _choose_path(self) -> Path:
@@ -335,37 +456,63 @@ class PddFlow:
     async def _no_destination(self, fallback: str) -> None:
         self._destination = "dropped"
         self._spawn(self.p_control.drop_wan_destination(self._p_room), must_finish=True)
-        await self.queue.put(("ready", "failed", fallback))
+        await self._md_side_failed(fallback)
 
     # ------------------------------------------------------------------ legs
-    def _start_relay_leg(self, input_ids: list[int], max_new: int, wan: bool) -> None:
-        """P prefills (and fans out to MD if ``wan``); RLD decodes, streaming eager tokens."""
-        self.leg += 1
-        self._offset = len(input_ids) - len(self.ids)
-        rid = f"{self.result.rid}-r{self.leg}"
-        room = self.room if (wan and self.leg == 1) else new_room()
-        sampling = {**self.sampling, "max_new_tokens": max_new}
-        if wan and self.leg == 1 and self._destination is not None:  # P learns it later
-            sampling["custom_params"] = {**(self.sampling.get("custom_params") or {}),
-                                         "pdd_room": self.room, "pdd_wan_expected": True}
-        elif wan and self.leg == 1:
-            sampling["custom_params"] = {**(self.sampling.get("custom_params") or {}),
-                                         "pdd_room": self.room, "pdd_wan_peer": self.main.wan_peer,
-                                         "pdd_md_prefix_len": self.result.md_cached_tokens}
-        body = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid,
+    def _recovery_mode(self) -> RecoveryMode:
+        if self.cfg.recovery != "auto":
+            return RecoveryMode(self.cfg.recovery)
+        return RecoveryMode.REPLAY if is_greedy(self.sampling) else RecoveryMode.CONTINUE
+
+    def _leg_rid(self, suffix: str) -> str:
+        return f"{self.internal_rid}-{suffix}"
+
+    def _start_relay_leg(self, leg: lifecycle.StartRelayLeg) -> None:
+        """P prefills (and fans out to MD if ``wan``); RLD decodes, streaming eager tokens. A
+        recovery leg resumes: prompt + emitted tokens, the resume marker, the total budget."""
+        resumed = self.stitcher.emitted[:leg.resume_len]
+        mode = self._recovery_mode() if resumed else RecoveryMode.RESUME
+        self._leg_offset[leg.leg] = len(resumed) if mode is RecoveryMode.CONTINUE else 0
+        # positions a REPLAY (or RESUME) leg reports again: checked against the client's once
+        self._leg_replays[leg.leg] = len(resumed) if mode is not RecoveryMode.CONTINUE else 0
+        if mode is not RecoveryMode.RESUME:
+            self.result.recovery_mode = mode.value
+        rid = self._leg_rid(f"r{leg.leg}")
+        room = self.room if (leg.wan and leg.leg == 1) else new_room()
+        sampling = dict(self.sampling)
+        custom = dict(sampling.get("custom_params") or {})
+        if leg.one_token:  # P->MD: RLD only bridges the time to the first token
+            sampling["max_new_tokens"] = 1
+            sampling["min_new_tokens"] = min(int(sampling.get("min_new_tokens") or 0), 1)
+        if resumed and mode is RecoveryMode.RESUME:
+            custom[RESUME_KEY] = len(resumed)
+        elif mode is RecoveryMode.CONTINUE:
+            sampling["max_new_tokens"] = self.max_new - len(resumed)
+            sampling["min_new_tokens"] = max(0, int(sampling.get("min_new_tokens") or 0) - len(resumed))
+        if leg.wan and self._destination is not None:  # P learns its destination later
+            custom.update(pdd_room=self.room, pdd_wan_expected=True)
+        elif leg.wan:
+            custom.update(pdd_room=self.room, pdd_wan_peer=self.main.wan_peer,
+                          pdd_md_prefix_len=self.result.md_cached_tokens)
+        if custom:
+            sampling["custom_params"] = custom
+        input_ids = self.ids if mode is RecoveryMode.REPLAY else self.ids + resumed
+        body = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid, **self.extras,
                 "bootstrap_host": self.prefill.host, "bootstrap_port": self.prefill.bootstrap_port,
                 "bootstrap_room": room}
         self.live_rids[rid] = self.relay_url
-        self._spawn(self._prefill_leg(body))
-        self._spawn(self._relay_leg(self.leg, body))
+        self._spawn(self._prefill_leg(leg.leg, body))
+        self._spawn(self._relay_leg(leg.leg, body))
 
-    async def _prefill_leg(self, body: dict) -> None:
+    async def _prefill_leg(self, leg: int, body: dict) -> None:
         try:
             reply = await generate_once(self.session, self.prefill.url, body)
-            if self.leg == 1:
-                self.result.p_cached_tokens = int(reply.get("meta_info", {}).get("cached_tokens") or 0)
+            if leg == 1:
+                meta = reply.get("meta_info", {}) if isinstance(reply, dict) else {}
+                self.result.p_cached_tokens = int(meta.get("cached_tokens") or 0)
+                self._out_meta.observe_prefill(meta)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            await self.queue.put(("rld_error", f"prefill: {e}"))
+            await self.queue.put((lifecycle.RelayFailed(leg, f"prefill: {e}"), None))
 
     async def _relay_leg(self, leg: int, body: dict) -> None:
         try:
@@ -373,12 +520,21 @@ class PddFlow:
             async for event in generate_stream(self.session, self.relay_url, body):
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
-                await self.queue.put(("rld", leg, event.get("output_ids", []), finish))
+                ids = event.get("output_ids", [])
+                if len(ids) < self._leg_replays.get(leg, 0):  # a replay still below what the client has
+                    if finish is not None:
+                        raise BackendError(f"recovery replay ended at {len(ids)} tokens, before the "
+                                           f"{self._leg_replays[leg]} the client has ({finish})")
+                    continue
+                produced = self._leg_offset.get(leg, 0) + len(ids)
+                await self.queue.put((lifecycle.RelayTokens(leg, produced, finish), (leg, event)))
             if not finished:
                 raise BackendError("relay stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            if leg == self.leg:
-                await self.queue.put(("rld_error", str(e)))
+            await self.queue.put((lifecycle.RelayFailed(leg, str(e)), None))
+
+    async def _md_side_failed(self, fallback: str) -> None:
+        await self.queue.put((lifecycle.MdNotReady(fallback), None))
 
     async def _watch_ready(self) -> None:
         try:
@@ -388,53 +544,72 @@ class PddFlow:
                 status, reason = "failed", f"not ready within {self.cfg.wan_timeout_s:.0f}s"
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             status, reason = "failed", f"control API: {e!r}"
-        await self.queue.put(("ready", status, f"wan_failed: {reason}"))
+        if status == "ready":
+            self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
+            await self.queue.put((lifecycle.MdReady(), None))
+        else:
+            await self._md_side_failed(f"wan_failed: {reason}")
 
     async def _handoff(self) -> None:
-        """Catch-up rounds (optional), then the final cut and MD's continuation stream."""
-        load = RldLoad(self.rld_inflight, self.cfg.rld_max_running)
-        mode = choose_mode(load, self.cfg.handoff)
-        self.result.handoff_mode = mode.value
-        handed = 0
+        """Catch-up rounds (optional), then CutReady: the lifecycle decides whether to cut.
+        Runs again (next rounds) when the backlog outgrew the threshold before the cut was
+        processed (``_more_catch_up``)."""
+        if self.result.handoff_mode is None:
+            self.result.handoff_mode = choose_mode(RldLoad(self.rld_inflight, self.cfg.rld_max_running),
+                                                   self.cfg.handoff).value
         try:
-            if mode is HandoffMode.CATCH_UP:
-                for round_index in range(self.cfg.handoff.max_catch_up_rounds):
-                    backlog = len(self.stitcher.emitted) - handed
-                    step = next_catch_up_batch(backlog, round_index, self.cfg.handoff)
-                    if step.final or self.stitcher.source is not Source.RELAY:
-                        break
-                    # Warm MD's radix cache with the next batch (one extend); RLD keeps decoding.
-                    handed += step.tokens
-                    self.result.catch_up_batches.append(step.tokens)
-                    await self.control.handoff(self.room, {
-                        "token_ids": self.stitcher.emitted[:handed], "warmup": True,
-                        "sampling_params": self._md_sampling(), "rid": f"{self.result.rid}-c{round_index}"})
-            if self.stitcher.source is not Source.RELAY or len(self.stitcher.emitted) >= self.max_new:
-                return
-            eager = self.stitcher.begin_handoff()
-            if mode is HandoffMode.CATCH_UP:
-                self.result.catch_up_batches.append(len(eager) - handed)
-            self._handoff_t = time.perf_counter()
-            rid = f"{self.result.rid}-m"
-            self.live_rids[rid] = self.main.url
-            body = {"token_ids": eager, "rid": rid,
-                    "sampling_params": {**self._md_sampling(), "max_new_tokens": self.max_new - len(eager)}}
-            self.result.handoff_payload_bytes = len(json.dumps(body))
-            finished = False
+            while self.result.handoff_mode == HandoffMode.CATCH_UP.value:
+                step = next_catch_up_batch(len(self.stitcher.emitted) - self._handed, self._round, self.cfg.handoff)
+                if step.final or self.stitcher.source is not Source.RELAY:
+                    break
+                # Warm MD's radix cache with the next batch (one extend); RLD keeps decoding.
+                self._handed += step.tokens
+                self.result.catch_up_batches.append(step.tokens)
+                self._round += 1
+                await self.control.handoff(self.room, {
+                    "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
+                    "sampling_params": self.sampling, "rid": self._leg_rid(f"c{self._round - 1}")})
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            await self.queue.put((lifecycle.MainFailed(str(e)), None))
+            return
+        await self.queue.put((lifecycle.CutReady(), None))
+
+    def _more_catch_up(self) -> bool:
+        """Processing a CutReady: did RLD's tokens queued before it grow the backlog past what
+        the catch-up policy hands in one final batch? Then another round goes first."""
+        if self.result.handoff_mode != HandoffMode.CATCH_UP.value or self.state.phase is not lifecycle.Phase.RELAY:
+            return False
+        backlog = len(self.stitcher.emitted) - self._handed
+        return not next_catch_up_batch(backlog, self._round, self.cfg.handoff).final
+
+    async def _final_handoff(self, eager: list[int]) -> None:
+        """The cut: MD continues the request (total budget) and streams it from position 0."""
+        if self.result.handoff_mode == HandoffMode.CATCH_UP.value:
+            self.result.catch_up_batches.append(len(eager) - self._handed)
+        self._handoff_t = time.perf_counter()
+        rid = self._leg_rid("m")
+        self.live_rids[rid] = self.main.url
+        body = {"token_ids": eager, "rid": rid, "sampling_params": self.sampling, "stream": True,
+                "warmup": False, **self.extras}
+        self.result.handoff_payload_bytes = len(json.dumps(body))
+        try:
+            finished, checked = False, False
             async for event in self.control.handoff_stream(self.room, body):
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
-                await self.queue.put(("md", len(eager), event.get("output_ids", []), finish))
+                ids = event.get("output_ids", [])
+                if not checked and len(ids) > len(eager):  # MD continues the request, it does not restart it
+                    checked = True
+                    if ids[:len(eager)] != eager:
+                        raise BackendError("MD's output does not start with the eager tokens it was handed "
+                                           "(an MD without the resume contract?)")
+                await self.queue.put((lifecycle.MainTokens(len(ids), finish), event))
             if not finished:
                 raise BackendError("MD stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            await self.queue.put(("md_error", str(e)))
+            await self.queue.put((lifecycle.MainFailed(str(e)), None))
 
-    def _md_sampling(self) -> dict:
-        sampling = {k: v for k, v in self.sampling.items() if k != "custom_params"}
-        return sampling
-
-    def _on_md_first_token(self) -> None:
+    def _on_handoff_committed(self) -> None:
         self.result.handoff_stall_s = time.perf_counter() - self._handoff_t
         self.result.handoff_at = self.stitcher.cut
         # MD owns the request now: stop RLD (frees its KV) and let MD's cache keep the prompt.
@@ -445,20 +620,6 @@ class PddFlow:
         if self.room is not None:
             self._spawn(self.control.release(self.room), must_finish=True)
             self.room = None
-
-    async def _recover(self, why: str) -> bool:
-        """MD cannot finish: a new P->RLD leg continues from what the client already has."""
-        self.result.fallbacks.append(f"recovered_on_relay: {why}")
-        logger.warning("rid %s: %s; continuing on RLD from position %d", self.result.rid, why,
-                       len(self.stitcher.emitted))
-        for rid, url in list(self.live_rids.items()):
-            self._spawn(abort(self.session, url, rid), must_finish=True)
-            del self.live_rids[rid]
-        self.stitcher.resume_relay()
-        self.result.finish_reason = None
-        self._start_relay_leg(self.ids + self.stitcher.emitted, self.max_new - len(self.stitcher.emitted),
-                              wan=False)
-        return False  # the new relay leg is running
 
     # ------------------------------------------------------------------ plumbing
     def _spawn(self, coro, must_finish: bool = False) -> None:

@@ -1,0 +1,168 @@
+"""Router overhead next to direct SGLang, on the same requests, side by side in one run (issue 10).
+
+Starts one ``LocalCluster`` (real P, RLD, MD, WAN emulator, the router) and one plain SGLang
+server (the "direct" reference, same model and flags), then sends the same streaming
+``/generate`` requests (greedy, fixed prompts) to both, in alternating rounds so drift on the
+shared machine hits both alike:
+
+* **TTFT**: client-side time to the first event with a token; the table shows the median and
+  p90 of each and the router's added TTFT (median difference) and ratio;
+* **tokens/s**: output tokens / wall time of a round at ``--concurrency`` (what one router
+  process streams, against what the direct server streams);
+* **router CPU**: user + system CPU seconds of the router process (psutil) during its rounds,
+  per 1 000 streamed tokens: the router's own cost (tokenize, flow, detokenize, SSE);
+* also through the OpenAI chat endpoint (SGLang's serving layer in the router), same numbers.
+
+On the 2-core CPU box every server shares the cores with the client, so the router's wall-time
+ratios include contention; the CPU per 1k tokens is the portable number.
+
+    .venv/bin/python benchmarks/bench_router_overhead.py                  # ~4 min
+    .venv/bin/python benchmarks/bench_router_overhead.py --requests 8 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sglang_pdd.launcher.cluster import LocalCluster, default_model_path  # noqa: E402
+from sglang_pdd.launcher.processes import ProcessGroup  # noqa: E402
+from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv  # noqa: E402
+
+SERVING = ["--chat-template", "chatml"]
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(40)) + f" #{i}" for i in range(n)]
+
+
+def stream_generate(url: str, prompt: str, max_new: int) -> tuple[float, int]:
+    """(TTFT seconds, output tokens) of one streaming /generate."""
+    body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                                                "ignore_eos": True}}
+    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, ttft, tokens = time.perf_counter(), None, 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                tokens = len(event.get("output_ids") or [])
+                if ttft is None and tokens:
+                    ttft = time.perf_counter() - t0
+    return ttft or float("nan"), tokens
+
+
+def stream_chat(url: str, prompt: str, max_new: int) -> tuple[float, int]:
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, ttft, tokens = time.perf_counter(), None, 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return ttft or float("nan"), tokens
+
+
+def one_round(send, url: str, batch: list[str], max_new: int, concurrency: int) -> tuple[list[float], int, float]:
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: send(url, p, max_new), batch))
+    return [r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - t0
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def measure(name, send, urls: dict, router_proc, args, bar) -> dict:
+    stats = {k: {"ttft": [], "tokens": 0, "wall": 0.0} for k in urls}
+    router_cpu = 0.0
+    batch = prompts(args.requests)
+    for _ in range(args.rounds):
+        for target, url in urls.items():  # alternate: drift hits both alike
+            before = cpu_s(router_proc)
+            ttfts, tokens, wall = one_round(send, url, batch, args.max_new_tokens, args.concurrency)
+            if target == "router":
+                router_cpu += cpu_s(router_proc) - before
+            s = stats[target]
+            s["ttft"] += ttfts
+            s["tokens"] += tokens
+            s["wall"] += wall
+            bar.update(1)
+    out = {"api": name}
+    for target, s in stats.items():
+        ttft = sorted(s["ttft"])
+        out[target] = {"ttft_median_ms": 1000 * statistics.median(ttft),
+                       "ttft_p90_ms": 1000 * ttft[int(0.9 * (len(ttft) - 1))],
+                       "tokens": s["tokens"], "tokens_per_s": s["tokens"] / s["wall"]}
+    r, d = out["router"], out["direct"]
+    out["added_ttft_ms"] = r["ttft_median_ms"] - d["ttft_median_ms"]
+    out["ttft_ratio"] = r["ttft_median_ms"] / d["ttft_median_ms"]
+    out["tokens_per_s_ratio"] = r["tokens_per_s"] / d["tokens_per_s"]
+    out["router_cpu_s_per_1k_tokens"] = 1000 * router_cpu / max(1, r["tokens"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=16, help="requests per round")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per target")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(REPO / "artifacts" / "bench_router_overhead"))
+    args = ap.parse_args()
+    model = default_model_path()
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    spec = ServerSpec("direct", None, free_port())
+    with ProcessGroup(run_dir / "direct-logs") as direct, \
+            LocalCluster(run_dir / "cluster", router_args=SERVING) as cluster:
+        direct.start("direct", server_argv(spec, model) + SERVING, health_url=f"{spec.url}/health", env=CPU_ENV)
+        direct.wait_healthy(timeout_s=600)
+        router_proc = psutil.Process(cluster.procs.procs["router"].popen.pid)
+        urls = {"direct": spec.url, "router": cluster.topology.router_url}
+        for url in urls.values():  # warm both (first-request compile and cache effects)
+            stream_generate(url, "warm up", 4)
+        results = []
+        with tqdm(total=2 * 2 * args.rounds, desc="rounds", file=sys.stderr) as bar:
+            for name, send in (("/generate", stream_generate), ("/v1/chat/completions", stream_chat)):
+                results.append(measure(name, send, urls, router_proc, args, bar))
+    print(f"\nrouter overhead: {args.requests} requests x {args.rounds} rounds per target, concurrency "
+          f"{args.concurrency}, {args.max_new_tokens} tokens each (greedy, streaming)\n")
+    print(f"{'api':<22}{'TTFT direct':>13}{'TTFT router':>13}{'added':>9}{'ratio':>7}"
+          f"{'tok/s direct':>14}{'tok/s router':>14}{'ratio':>7}{'router CPU s/1k tok':>21}")
+    for r in results:
+        print(f"{r['api']:<22}{r['direct']['ttft_median_ms']:>10.1f} ms{r['router']['ttft_median_ms']:>10.1f} ms"
+              f"{r['added_ttft_ms']:>6.1f} ms{r['ttft_ratio']:>7.2f}{r['direct']['tokens_per_s']:>14.1f}"
+              f"{r['router']['tokens_per_s']:>14.1f}{r['tokens_per_s_ratio']:>7.2f}"
+              f"{r['router_cpu_s_per_1k_tokens']:>21.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print(f"\nwrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""OpenAI endpoints of the router: SGLang's own serving classes behind aiohttp.
+
+``OpenAIServingChat`` / ``OpenAIServingCompletion`` (templates, tool-call and reasoning
+parsers, ``response_format``, usage, stream chunks) run unchanged on the router's
+``PddTokenizerManager``; this module parses bodies with SGLang's pydantic models, applies the
+router's own limits (router/validate.py) and turns the Starlette responses SGLang returns into
+aiohttp ones (a JSON body, or its SSE stream written as it comes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator, Callable
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from sglang_pdd.router.serving import UpstreamError
+from sglang_pdd.router.validate import ApiError, check_openai_body, parse_json_object
+
+logger = logging.getLogger("sglang_pdd.router")
+
+
+def _dumps(obj) -> str:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError", param=None) -> web.Response:
+    """OpenAI's error envelope as SGLang writes it (ErrorResponse)."""
+    return web.json_response({"object": "error", "message": message, "type": err_type, "param": param,
+                              "code": status}, status=status)
+
+
+def _pydantic_message(e: ValidationError) -> str:
+    """Field path and reason of each error; never the whole input echoed back."""
+    parts = []
+    for err in e.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+async def sse_reply(request: web.Request, chunks: AsyncIterator) -> web.StreamResponse:
+    """Writes an SSE stream of ready-made chunks (str or bytes); a backend failure mid-stream
+    becomes an error event and [DONE], as SGLang ends a failed stream."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    try:
+        async for chunk in chunks:
+            await out.write(chunk.encode() if isinstance(chunk, str) else chunk)
+    except UpstreamError as e:
+        err = {"error": {"message": e.detail, "type": "BackendError", "code": 502}}
+        await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    await out.write_eof()
+    return out
+
+
+async def to_aiohttp(request: web.Request, result) -> web.StreamResponse:
+    """A Starlette response (or pydantic model) from SGLang's serving code -> aiohttp."""
+    from starlette.responses import StreamingResponse
+
+    if isinstance(result, BaseModel):
+        return web.Response(body=result.model_dump_json(by_alias=True).encode(), content_type="application/json")
+    if isinstance(result, StreamingResponse):
+        if result.status_code != 200:
+            chunks = [c async for c in result.body_iterator]
+            return web.Response(status=result.status_code, body="".join(
+                c.decode() if isinstance(c, bytes) else c for c in chunks).encode())
+        return await sse_reply(request, result.body_iterator)
+    return web.Response(status=result.status_code, body=result.body,
+                        content_type=(result.media_type or "application/json").split(";")[0])
+
+
+class OpenAIFront:
+    def __init__(self, manager, served_model: str):
+        from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+        from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+        from sglang.srt.parser.template_manager import TemplateManager
+        from sglang.srt.runtime_context import get_serving
+
+        self.manager, self.served_model = manager, served_model
+        self.templates = TemplateManager()
+        manager.processor = None  # read by TemplateManager (multimodal processors: none here)
+        self.templates.initialize_templates(tokenizer_manager=manager, model_path=manager.model_path,
+                                            chat_template=get_serving().chat_template,
+                                            completion_template=get_serving().completion_template)
+        self.chat = OpenAIServingChat(manager, self.templates)
+        self.completion = OpenAIServingCompletion(manager, self.templates)
+
+    async def handle(self, request: web.Request, kind: str, scope_of: Callable) -> web.StreamResponse:
+        from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+        from sglang_pdd.router.app import _scope
+
+        try:
+            body = parse_json_object(await request.read())
+            scope = scope_of(request, body.pop("pdd_options", None))
+            check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=16)
+            model = body.get("model")
+            # "default" is what SGLang's request models fill in when a client names no model
+            if model not in (None, "default", self.served_model):
+                return _error(404, f"unknown model {json.dumps(model)[:80]}; this router serves "
+                                   f"{json.dumps(self.served_model)}", "NotFoundError", "model")
+            model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            try:
+                parsed = model_cls.model_validate(body)
+            except ValidationError as e:
+                raise ApiError(400, _pydantic_message(e)) from None
+        except ApiError as e:
+            return _error(e.status, e.message)
+        _scope.set(scope)
+        serving = self.chat if kind == "chat" else self.completion
+        try:
+            result = await serving.handle_request(parsed, request)
+        except UpstreamError as e:
+            return _error(502, e.detail, "BackendError")
+        return await to_aiohttp(request, result)
+
+    async def models(self) -> web.Response:
+        from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList
+
+        card = ModelCard(id=self.served_model, root=self.served_model,
+                         max_model_len=self.manager.model_config.context_len)
+        return web.Response(body=ModelList(data=[card]).model_dump_json().encode(), content_type="application/json")
+
+    def model_info(self) -> dict:
+        """The fields of SGLang's /model_info for this router's model."""
+        mc, m = self.manager.model_config, self.manager
+        from sglang.srt.runtime_context import get_serving
+
+        return {"model_path": m.model_path, "served_model_name": self.served_model,
+                "tokenizer_path": get_serving().tokenizer_path, "is_generation": True,
+                "preferred_sampling_params": get_serving().preferred_sampling_params,
+                "weight_version": m.config_value("weight_version"), "load_format": m.config_value("load_format"),
+                "reasoning_parser": m.config_value("reasoning_parser"),
+                "tool_call_parser": m.config_value("tool_call_parser"), "disaggregation_mode": "null",
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(mc.hf_config, "model_type", None),
+                "architectures": getattr(mc.hf_config, "architectures", None)}

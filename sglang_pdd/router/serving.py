@@ -1,0 +1,321 @@
+"""SGLang's serving layer on top of PDD flows: one adapter that quacks like SGLang's
+``TokenizerManager`` where its HTTP entry points need it.
+
+SGLang's ``/generate`` handler and its OpenAI classes (``OpenAIServingChat``,
+``OpenAIServingCompletion``: chat templates, tool-call and reasoning parsers,
+``response_format``, usage, streaming chunks) only call ``tokenizer_manager.generate_request(
+GenerateReqInput, raw_request)`` and read SGLang output dicts (``{"text", "output_ids",
+"meta_info", "index"}``), plus the tokenizer, model config and server args. ``PddTokenizerManager``
+provides exactly that; its ``generate_request`` runs one ``PddFlow`` per item (batch x ``n``,
+SGLang's ``GenerateReqInput`` normalization) and detokenizes incrementally
+(router/detokenize.py). So templates, parsers and response formats are SGLang's own code.
+
+The router process publishes a ``ServerArgs`` (role "tokenizer") built from the router's flags
+(``--tokenizer-path``, ``--chat-template``, ``--tool-call-parser``, ...) so that SGLang's
+``get_serving()`` / ``get_model()`` settings read here as on a plain server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import uuid
+from dataclasses import asdict
+from types import SimpleNamespace
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import HTTPException
+
+from sglang_pdd.router.detokenize import IncrementalDetokenizer
+from sglang_pdd.router.validate import ApiError, check_custom_params, check_token_budget, check_token_ids
+
+logger = logging.getLogger("sglang_pdd.router")
+
+LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+                  "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+class UpstreamError(HTTPException):
+    """A backend leg failed and the flow could not recover: HTTP 502 (SGLang's OpenAI classes
+    turn an ``HTTPException`` into an error reply with this status)."""
+
+    def __init__(self, message: str):
+        super().__init__(status_code=502, detail=message)
+
+
+class Aborted(Exception):
+    """/abort_request named this request."""
+
+
+def build_sglang_state(argv: list[str]):
+    """(server_args, model_config, tokenizer, template_manager) for the router process, as
+    SGLang's tokenizer process builds them; ``argv`` are SGLang server flags."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_serving, publish
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    server_args = prepare_server_args(argv)
+    publish(server_args, role="tokenizer")
+    model_config = ModelConfig.from_server_args(server_args)
+    serving = get_serving()
+    tokenizer = get_tokenizer(serving.tokenizer_path, tokenizer_mode=serving.tokenizer_mode,
+                              trust_remote_code=server_args.trust_remote_code)
+    return server_args, model_config, tokenizer
+
+
+class PddTokenizerManager:
+    """The TokenizerManager surface SGLang's entry points use, serving requests by PDD flows.
+
+    ``open_flow(input_ids, sampling_params, extras)`` returns a started-on-iteration flow
+    (``PddFlow``); ``run_flow(flow)`` is an async context manager that accounts for it (load,
+    metrics). Both come from the HTTP front (router/app.py), which owns the backend pools.
+    """
+
+    def __init__(self, server_args, model_config, tokenizer, *, open_flow: Callable, run_flow: Callable,
+                 max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
+                 report_cached_tokens: bool = False):
+        self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
+        self.model_path = server_args.model_path
+        self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.open_flow, self.run_flow = open_flow, run_flow
+        self.max_prompt_tokens, self.max_new_tokens_cap = max_prompt_tokens, max_new_tokens_cap
+        self.default_max_new_tokens = default_max_new_tokens
+        self.report_cached_tokens = report_cached_tokens
+        self.vocab_size = int(model_config.vocab_size)
+        # SGLang's serving code asks whether to log request bodies: never here (router logs
+        # one line per request itself).
+        self.request_logger = SimpleNamespace(log_requests=False, log_requests_level=0)
+        eos = getattr(model_config, "hf_eos_token_id", None) or set()
+        self.eos_token_ids = set(eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        # client rid -> abort events of its running items (duplicates in flight are refused)
+        self.inflight: dict[str, list[asyncio.Event]] = {}
+
+    # ---------------------------------------------------------------- SGLang's surface
+    def config_value(self, name: str):
+        if name in ("model_path", "served_model_name"):
+            return getattr(self, name)
+        from sglang.srt.runtime_context import get_context
+
+        return get_context().config_leaf(name)
+
+    def create_abort_task(self, obj):
+        return None  # a client disconnect cancels the handler, whose flows abort their legs
+
+    async def generate_request(self, obj, request=None) -> AsyncIterator:
+        """SGLang's contract: a single request yields its output dicts (cumulative; one final
+        dict unless streaming); a batch yields one list (non-streaming) or dicts tagged with
+        ``index`` (streaming, in completion order). Item order is SGLang's: batch i, sample j
+        at index i * n + j."""
+        client_rids = [obj.rid] if isinstance(obj.rid, str) else list(obj.rid or [])
+        obj.normalize_batch_and_arguments()
+        n = obj.parallel_sample_num
+        items = []
+        if obj.is_single:
+            items.append((obj, obj.rid))
+        else:
+            for i in range(obj.batch_size):
+                for _ in range(n):
+                    sub = copy.copy(obj[i])
+                    items.append((sub, obj[i].rid if n == 1 else uuid.uuid4().hex))
+        for rid in client_rids:
+            if rid in self.inflight:
+                raise ValueError(f"rid {rid!r} is already in flight; request ids must be unique")
+        prepared = [self._prepare(item) for item, _ in items]  # every item valid before any starts
+        aborts = [(rid, asyncio.Event()) for _, rid in items]
+        for rid, event in aborts:  # registered now: a duplicate rid racing this one is refused
+            self.inflight.setdefault(rid, []).append(event)
+        try:
+            runs = [self._run_item(item, rid, event, *prep)
+                    for (item, _), (rid, event), prep in zip(items, aborts, prepared)]
+            if len(runs) == 1 and obj.is_single:
+                async for out in runs[0]:
+                    yield out
+            elif not obj.stream:
+                yield await _gather_all_or_none([self._last(run) for run in runs])
+            else:
+                async for out in _merge(runs):
+                    yield out
+        finally:
+            for rid, event in aborts:
+                left = self.inflight.get(rid, [])
+                if event in left:
+                    left.remove(event)
+                if not left:
+                    self.inflight.pop(rid, None)
+
+    # ---------------------------------------------------------------- one item
+    def _prepare(self, item):
+        """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400."""
+        try:
+            if item.input_ids is not None:
+                ids = check_token_ids(list(item.input_ids), "input_ids", self.vocab_size)
+            elif isinstance(item.text, str) and item.text:
+                ids = self.tokenizer.encode(item.text)
+            else:
+                raise ApiError(400, "the request needs a non-empty 'text' or 'input_ids'")
+            if len(ids) > self.max_prompt_tokens:
+                raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this router's "
+                                    f"--max-prompt-tokens {self.max_prompt_tokens}")
+            sampling = dict(item.sampling_params or {})
+            sampling.pop("n", None)  # the router fans n out into flows; a backend must not
+            if "max_new_tokens" not in sampling:
+                sampling["max_new_tokens"] = self.default_max_new_tokens
+            elif sampling["max_new_tokens"] is None:
+                # SGLang's OpenAI classes leave it None when the client sets no max_tokens: a
+                # server then decodes up to its context length; the router also stops at its cap.
+                sampling["max_new_tokens"] = max(0, min(self.max_new_tokens_cap,
+                                                        int(self.model_config.context_len) - len(ids)))
+            else:
+                check_token_budget(sampling["max_new_tokens"], "max_new_tokens", self.max_new_tokens_cap,
+                                   allow_missing=False)
+            check_custom_params(sampling.get("custom_params"), "custom_params")
+        except ApiError as e:
+            raise ValueError(e.message) from None
+        extras = None
+        if item.return_logprob:
+            extras = {"return_logprob": True, "logprob_start_len": item.logprob_start_len,
+                      "top_logprobs_num": item.top_logprobs_num, "token_ids_logprob": item.token_ids_logprob}
+        return ids, sampling, extras
+
+    async def _last(self, run: AsyncIterator) -> dict:
+        out = None
+        async for out in run:
+            pass
+        return out
+
+    async def _run_item(self, item, rid: str, abort: asyncio.Event, ids: list[int], sampling: dict,
+                        extras: Optional[dict]):
+        flow = self.open_flow(ids, sampling, extras)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=sampling.get("skip_special_tokens", True),
+            spaces_between_special_tokens=sampling.get("spaces_between_special_tokens", True),
+            no_stop_trim=bool(sampling.get("no_stop_trim", False)))
+        stop = sampling.get("stop") or []
+        stop_strs = [stop] if isinstance(stop, str) else list(stop)
+        stop_ids = set(sampling.get("stop_token_ids") or [])
+        if not sampling.get("ignore_eos"):
+            stop_ids |= self.eos_token_ids
+        output_ids: list[int] = []
+        held: list[int] = []  # a stream step that may be the last one, until the flow says
+        finish: Optional[dict] = None
+        try:
+            async with self.run_flow(flow) as events:
+                async for new in _until(events, abort):
+                    step = held + list(new)
+                    if not item.stream or detok.may_finish_with(step, stop_strs, stop_ids):
+                        held = step
+                        continue
+                    held = []
+                    output_ids.extend(step)
+                    detok.add(step)
+                    yield self._output(flow, rid, ids, output_ids, detok.text, None, item)
+                finish = _finish_reason(flow) or {"type": "length", "length": len(output_ids) + len(held)}
+        except Aborted:
+            finish = {"type": "abort", "message": "aborted by /abort_request"}
+        output_ids.extend(held)
+        detok.add(held, finish)
+        yield self._output(flow, rid, ids, output_ids, detok.text, finish, item)
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
+        events = [e for r, evs in self.inflight.items() if abort_all or r == rid for e in evs]
+        for e in events:
+            e.set()
+        return len(events)
+
+    def _output(self, flow, rid, prompt_ids, output_ids, text, finish, item) -> dict:
+        meta_out = getattr(flow, "output_meta", None) or {}
+        r = flow.result
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt_ids),
+                "weight_version": self.config_value("weight_version"),
+                "completion_tokens": len(output_ids), "reasoning_tokens": 0,
+                # P's prefix hit; 0 unless --enable-cache-report (cross-tenant cache probing)
+                "cached_tokens": min(r.p_cached_tokens, len(prompt_ids)) if self.report_cached_tokens else 0}
+        if item.return_logprob:
+            n = len(output_ids)
+            for key in LOGPROB_FIELDS:
+                if key in meta_out:
+                    values = meta_out[key]
+                    meta[key] = values[:n] if key.startswith("output") else values
+            if item.return_text_in_logprobs:
+                for key in ("output_token_logprobs", "input_token_logprobs"):
+                    if meta.get(key):
+                        meta[key] = self._with_text(meta[key])
+                for key in ("output_top_logprobs", "input_top_logprobs"):
+                    if meta.get(key):
+                        meta[key] = [self._with_text(row) if row else row for row in meta[key]]
+        if getattr(flow, "operator", False):
+            meta["pdd"] = asdict(r)
+        return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+    def _with_text(self, entries: list) -> list:
+        """(logprob, token_id, None) -> (logprob, token_id, text), as SGLang's
+        ``detokenize_logprob_tokens`` (each id decoded on its own)."""
+        known = [e for e in entries if e is not None and e[1] is not None]
+        if not known:
+            return entries
+        texts = iter(self.tokenizer.batch_decode([[e[1]] for e in known]))
+        return [[e[0], e[1], next(texts)] if e is not None and e[1] is not None else e for e in entries]
+
+
+def _finish_reason(flow) -> Optional[dict]:
+    meta = getattr(flow, "output_meta", None) or {}
+    return meta.get("finish_reason") or flow.result.finish_reason
+
+
+async def _until(events: AsyncIterator, abort: asyncio.Event) -> AsyncIterator:
+    """The flow's events until it ends or /abort_request sets ``abort`` (raises Aborted). A
+    pending step is cancelled and awaited on any exit, so the flow can be closed right after."""
+    aborted = asyncio.ensure_future(abort.wait())
+    nxt = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({nxt, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                raise Aborted()
+            try:
+                new = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield new
+    finally:
+        aborted.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+
+
+async def _gather_all_or_none(coros: list) -> list:
+    """Every item's result, or the first failure with the other items' flows stopped (their
+    legs aborted) rather than left running for a reply nobody will read."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(runs: list) -> AsyncIterator[dict]:
+    """Streams of a batch, interleaved as they come, each output tagged with its item index."""
+    tasks = {asyncio.ensure_future(run.__anext__()): (i, run) for i, run in enumerate(runs)}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i, run = tasks.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                out["index"] = i
+                yield out
+                tasks[asyncio.ensure_future(run.__anext__())] = (i, run)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(run.aclose() for run in runs), return_exceptions=True)

@@ -1,0 +1,152 @@
+"""Strict validation of what clients send the router (pure; no I/O).
+
+Every check raises ``ApiError`` with the HTTP status and a message naming the offending
+field; the HTTP front turns it into a JSON error reply. Messages quote the client's own
+values (truncated), never ``repr()`` of router internals.
+
+What the router refuses beyond SGLang's own request contract:
+- ``max_new_tokens`` / ``max_tokens`` that are not a non-negative int (``"abc"``, ``null``,
+  ``true``, ``-1``) or exceed the operator's cap (``--max-new-tokens-cap``);
+- ``input_ids`` that are not ints in ``[0, vocab_size)`` (bools are not ints here);
+- ``sampling_params.custom_params`` keys starting with ``pdd_`` (the router's own markers to
+  P and MD: a client must never choose where KV goes or what counts as output);
+- request fields the PDD path cannot honour (images, embeddings, LoRA, sessions, ...);
+- a client ``rid`` that is not a string (batches: a list of strings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import json
+
+RESERVED_CUSTOM_PARAM_PREFIX = "pdd_"
+
+# GenerateReqInput fields the router cannot serve through a PDD flow: refused by name when
+# set to anything but their neutral value, instead of being silently dropped.
+UNSUPPORTED_GENERATE_FIELDS = (
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+    "session_params", "return_hidden_states", "return_routed_experts", "custom_logit_processor",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "data_parallel_rank",
+    "routed_dp_rank", "return_sampling_mask", "return_indexer_topk", "conversation_id",
+    "max_thinking_tokens",
+)
+
+
+@dataclass
+class ApiError(Exception):
+    status: int
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """The client's value for an error message, bounded (a 4 MiB string is not echoed)."""
+    text = json.dumps(value) if not isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e.msg if hasattr(e, 'msg') else 'not UTF-8'}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_token_budget(value: Any, field: str, cap: int, allow_missing: bool = True) -> Optional[int]:
+    """``max_new_tokens`` (or OpenAI's ``max_tokens``): a non-negative int up to ``cap``."""
+    if value is None and allow_missing:
+        return None
+    if not is_int(value) or value < 0:
+        raise ApiError(400, f"{field} must be a non-negative integer, got {_show(value)}")
+    if value > cap:
+        raise ApiError(400, f"{field} {value} exceeds this router's cap {cap} (--max-new-tokens-cap)")
+    return value
+
+
+def check_token_ids(ids: Any, field: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
+    if not isinstance(ids, list) or (not ids and not allow_empty):
+        raise ApiError(400, f"{field} must be a non-empty list of token ids")
+    for i, t in enumerate(ids):
+        if not is_int(t) or not 0 <= t < vocab_size:
+            raise ApiError(400, f"{field}[{i}] must be an integer token id in [0, {vocab_size}), got {_show(t)}")
+    return ids
+
+
+def check_custom_params(custom: Any, field: str) -> None:
+    if custom is None:
+        return
+    if not isinstance(custom, dict):
+        raise ApiError(400, f"{field} must be an object")
+    reserved = sorted(k for k in custom if str(k).startswith(RESERVED_CUSTOM_PARAM_PREFIX))
+    if reserved:
+        raise ApiError(400, f"{field} keys starting with '{RESERVED_CUSTOM_PARAM_PREFIX}' are reserved for "
+                            f"the PDD router: {', '.join(reserved)}")
+
+
+def check_sampling_params(sp: Any, field: str, *, cap: int, vocab_size: int) -> None:
+    """One sampling-params object (SGLang's names). Explicit ``null`` max_new_tokens is refused:
+    SGLang would read it as "up to the context length", a budget no client should get by typo."""
+    if sp is None:
+        return
+    if not isinstance(sp, dict):
+        raise ApiError(400, f"{field} must be an object")
+    if "max_new_tokens" in sp:
+        check_token_budget(sp["max_new_tokens"], f"{field}.max_new_tokens", cap, allow_missing=False)
+    if "min_new_tokens" in sp:
+        check_token_budget(sp["min_new_tokens"], f"{field}.min_new_tokens", cap)
+    if sp.get("stop_token_ids") is not None:
+        check_token_ids(sp["stop_token_ids"], f"{field}.stop_token_ids", vocab_size, allow_empty=True)
+    if "n" in sp and sp["n"] is not None and (not is_int(sp["n"]) or sp["n"] < 1):
+        raise ApiError(400, f"{field}.n must be a positive integer, got {_show(sp['n'])}")
+    check_custom_params(sp.get("custom_params"), f"{field}.custom_params")
+
+
+def _items(value: Any) -> Iterable[tuple[str, Any]]:
+    if isinstance(value, list):
+        return ((f"[{i}]", v) for i, v in enumerate(value))
+    return (("", value),)
+
+
+def check_generate_body(body: dict, *, cap: int, vocab_size: int, max_n: int) -> None:
+    """A native ``/generate`` body, after SGLang's own contract check (types of known fields)."""
+    for name in UNSUPPORTED_GENERATE_FIELDS:
+        if body.get(name) not in (None, False, [], {}):
+            raise ApiError(400, f"{name} is not supported by the PDD router")
+    ids = body.get("input_ids")
+    if ids is not None:
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        for suffix, one in (_items(ids) if batch else (("", ids),)):
+            check_token_ids(one, f"input_ids{suffix}", vocab_size)
+    elif body.get("text") in (None, "", []):
+        raise ApiError(400, "the body needs a non-empty 'text' or 'input_ids'")
+    for suffix, sp in _items(body.get("sampling_params")):
+        check_sampling_params(sp, f"sampling_params{suffix}", cap=cap, vocab_size=vocab_size)
+        if isinstance(sp, dict) and is_int(sp.get("n")) and sp["n"] > max_n:
+            raise ApiError(400, f"sampling_params{suffix}.n {sp['n']} exceeds this router's cap {max_n} (--max-n)")
+    rid = body.get("rid")
+    if rid is not None and not (isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise ApiError(400, "rid must be a string (a list of strings for a batch)")
+
+
+def check_openai_body(body: dict, *, cap: int, max_n: int) -> None:
+    """Router-specific limits on OpenAI bodies; types are checked by SGLang's pydantic models."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        if field in body and body[field] is not None:
+            check_token_budget(body[field], field, cap)
+    if is_int(body.get("n")) and body["n"] > max_n:
+        raise ApiError(400, f"n {body['n']} exceeds this router's cap {max_n} (--max-n)")
+    check_custom_params(body.get("custom_params"), "custom_params")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, (str, list)):
+        raise ApiError(400, "rid must be a string")

@@ -1,0 +1,332 @@
+"""router/lifecycle.py: every legal and illegal transition of a request, without HTTP or asyncio."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_pdd.router.lifecycle import (AbortLegs, ClientDisconnected, CutReady, Fail, Finish, HandoffAbandoned,
+                                         HandoffCommitted, LifecycleError, MainFailed, MainOutput, MainTokens, Md,
+                                         MdNotReady, MdReady, PathChosen, Phase, RecordFallback, RelayFailed,
+                                         RelayOutput, RelayTokens, SendFinalHandoff, StartHandoff, StartMdSide,
+                                         StartRelayLeg, State, Timeout, transition)
+from sglang_pdd.router.policy import Path
+
+MAX_NEW = 20
+LENGTH = {"type": "length", "length": MAX_NEW}
+STOP = {"type": "stop", "matched": 2}
+
+
+def drive(state: State, *events) -> tuple[State, list]:
+    actions = []
+    for event in events:
+        state, new = transition(state, event)
+        actions += new
+    return state, actions
+
+
+def kinds(actions) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def started(path: Path = Path.P_RLD_MD, late: bool = False) -> State:
+    state, _ = transition(State(max_new=MAX_NEW), PathChosen(path, late))
+    return state
+
+
+def handing_off(cut: int = 5) -> State:
+    state, actions = drive(started(), RelayTokens(1, cut), MdReady(), CutReady())
+    assert state.phase is Phase.HANDING_OFF and SendFinalHandoff(cut=cut) in actions
+    return state
+
+
+def in_main(cut: int = 5, produced: int = 7) -> State:
+    state, _ = transition(handing_off(cut), MainTokens(produced))
+    assert state.phase is Phase.MAIN
+    return state
+
+
+# ------------------------------------------------------------------------------ start
+@pytest.mark.parametrize("path, late, expect", [
+    (Path.P_RLD_MD, False, [StartRelayLeg(1, 0, one_token=False, wan=True), StartMdSide(False)]),
+    (Path.P_RLD_MD, True, [StartRelayLeg(1, 0, one_token=False, wan=True), StartMdSide(True)]),
+    (Path.P_MD, False, [StartRelayLeg(1, 0, one_token=True, wan=True), StartMdSide(False)]),
+    (Path.P_RLD_ONLY, False, [StartRelayLeg(1, 0, one_token=False, wan=False)]),
+])
+def test_path_chosen_starts_the_legs(path, late, expect):
+    state, actions = transition(State(max_new=MAX_NEW), PathChosen(path, late))
+    assert actions == expect
+    assert state.phase is Phase.RELAY and state.leg == 1
+    assert state.md is (Md.NONE if path is Path.P_RLD_ONLY else Md.PENDING)
+
+
+@pytest.mark.parametrize("event", [RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady("x"), CutReady(),
+                                   MainTokens(1), MainFailed("x")])
+def test_nothing_but_the_path_before_the_path(event):
+    with pytest.raises(LifecycleError):
+        transition(State(max_new=MAX_NEW), event)
+
+
+def test_path_chosen_twice_is_illegal():
+    with pytest.raises(LifecycleError):
+        transition(started(), PathChosen(Path.P_MD))
+
+
+def test_timeout_and_disconnect_are_legal_from_the_start():
+    assert drive(State(max_new=MAX_NEW), Timeout("late"))[1] == [Fail("late")]
+    state, actions = transition(State(max_new=MAX_NEW), ClientDisconnected())
+    assert state.phase is Phase.CLOSED and actions == []
+
+
+# ------------------------------------------------------------------------------ relay
+def test_relay_tokens_are_emitted_and_rld_finishing_ends_the_request():
+    state, actions = drive(started(Path.P_RLD_ONLY), RelayTokens(1, 3), RelayTokens(1, MAX_NEW, LENGTH))
+    assert state.phase is Phase.DONE and state.emitted == MAX_NEW
+    assert actions == [RelayOutput(), RelayOutput(), Finish(LENGTH)]
+
+
+def test_rld_stopping_early_ends_the_request():
+    state, actions = drive(started(), RelayTokens(1, 4, STOP))
+    assert state.phase is Phase.DONE and actions[-1] == Finish(STOP)
+
+
+def test_relay_tokens_going_backwards_or_past_the_budget_are_illegal():
+    state = drive(started(), RelayTokens(1, 5))[0]
+    with pytest.raises(LifecycleError):
+        transition(state, RelayTokens(1, 4))
+    with pytest.raises(LifecycleError):
+        transition(state, RelayTokens(1, MAX_NEW + 1))
+    with pytest.raises(LifecycleError):
+        transition(state, RelayTokens(2, 6))  # a leg that was never started
+
+
+def test_rld_death_fails_the_request():
+    state, actions = drive(started(), RelayTokens(1, 2), RelayFailed(1, "connection reset"))
+    assert state.phase is Phase.FAILED and actions[-1] == Fail("relay leg failed: connection reset")
+
+
+def test_rld_death_while_handing_off_fails_the_request():
+    state, actions = transition(handing_off(), RelayFailed(1, "gone"))
+    assert state.phase is Phase.FAILED and isinstance(actions[-1], Fail)
+
+
+def test_rld_death_after_md_took_over_is_ignored():
+    state = in_main()
+    assert transition(state, RelayFailed(1, "aborted")) == (state, [])
+    assert transition(state, RelayTokens(1, 9)) == (state, [])  # RLD's late tokens: dropped
+
+
+# ------------------------------------------------------------------------------ MD ready / handoff
+def test_md_ready_after_first_token_starts_the_handoff():
+    state, actions = drive(started(), RelayTokens(1, 3), MdReady())
+    assert state.md is Md.READY and actions[-1] == StartHandoff()
+
+
+def test_md_ready_before_first_token_waits_for_it():
+    state, actions = drive(started(), MdReady())
+    assert actions == [] and state.handoff_on_first_token
+    state, actions = transition(state, RelayTokens(1, 1))
+    assert actions == [RelayOutput(), StartHandoff()] and not state.handoff_on_first_token
+
+
+def test_md_ready_before_first_token_no_handoff_if_rld_finishes_with_it():
+    state, actions = drive(started(), MdReady(), RelayTokens(1, 1, STOP))
+    assert state.phase is Phase.DONE and StartHandoff() not in actions
+
+
+def test_md_ready_twice_is_illegal():
+    state = drive(started(), MdReady())[0]
+    for event in (MdReady(), MdNotReady("x")):
+        with pytest.raises(LifecycleError):
+            transition(state, event)
+
+
+def test_md_ready_without_md_is_illegal():
+    with pytest.raises(LifecycleError):
+        transition(started(Path.P_RLD_ONLY), MdReady())
+
+
+def test_cut_freezes_the_stream_and_rld_tokens_are_held_back():
+    state = handing_off(cut=5)
+    state, actions = transition(state, RelayTokens(1, 8))
+    assert actions == [RelayOutput()] and state.emitted == 5 and state.relay_produced == 8
+
+
+def test_cut_after_the_request_used_its_budget_does_nothing():
+    state = drive(started(), RelayTokens(1, MAX_NEW), MdReady())[0]
+    assert transition(state, CutReady()) == (state, [])
+
+
+def test_cut_without_md_ready_or_twice_is_illegal():
+    with pytest.raises(LifecycleError):
+        transition(drive(started(), RelayTokens(1, 2))[0], CutReady())
+    with pytest.raises(LifecycleError):
+        transition(handing_off(), CutReady())
+
+
+def test_md_first_token_past_the_cut_commits_the_handoff():
+    state, actions = transition(handing_off(cut=5), MainTokens(5))  # the eager tokens only
+    assert actions == [] and state.phase is Phase.HANDING_OFF
+    state, actions = transition(state, MainTokens(6))
+    assert actions == [HandoffCommitted(), MainOutput()] and state.phase is Phase.MAIN and state.emitted == 6
+    state, actions = transition(state, MainTokens(MAX_NEW, LENGTH))
+    assert actions == [MainOutput(), Finish(LENGTH)] and state.phase is Phase.DONE and state.emitted == MAX_NEW
+
+
+def test_md_finishing_in_its_first_event():
+    state, actions = transition(handing_off(cut=5), MainTokens(MAX_NEW, LENGTH))
+    assert actions == [HandoffCommitted(), MainOutput(), Finish(LENGTH)]
+
+
+def test_md_tokens_before_any_handoff_or_backwards_or_past_budget_are_illegal():
+    with pytest.raises(LifecycleError):
+        transition(drive(started(), RelayTokens(1, 2), MdReady())[0], MainTokens(3))
+    with pytest.raises(LifecycleError):
+        transition(in_main(produced=8), MainTokens(7))
+    with pytest.raises(LifecycleError):
+        transition(in_main(), MainTokens(MAX_NEW + 1))
+
+
+def test_rld_finishing_first_while_handing_off_keeps_rlds_tokens():
+    state, actions = transition(handing_off(cut=5), RelayTokens(1, 9, STOP))
+    assert actions == [RelayOutput(), HandoffAbandoned(), Finish(STOP)]
+    assert state.phase is Phase.DONE and state.emitted == 9
+
+
+# ------------------------------------------------------------------------------ faults
+def test_wan_failure_rld_finishes():
+    state, actions = drive(started(), RelayTokens(1, 3), MdNotReady("wan_failed: boom"))
+    assert actions[-1] == RecordFallback("wan_failed: boom") and state.md is Md.FAILED and state.phase is Phase.RELAY
+    state, actions = transition(state, RelayTokens(1, MAX_NEW, LENGTH))
+    assert state.phase is Phase.DONE
+
+
+def test_timeout_while_waiting_for_md():
+    state, actions = transition(drive(started(), RelayTokens(1, 3))[0], Timeout("deadline"))
+    assert state.phase is Phase.FAILED and actions == [Fail("deadline")]
+
+
+@pytest.mark.parametrize("order", ["leg_ends_then_not_ready", "not_ready_then_leg_ends"])
+def test_p_md_wan_failure_after_the_bridge_token_recovers_on_a_new_leg(order):
+    events = [RelayTokens(1, 1, {"type": "length", "length": 1}), MdNotReady("wan_failed: x")]
+    if order == "not_ready_then_leg_ends":
+        events = events[::-1]
+    state, actions = drive(started(Path.P_MD), *events)
+    assert actions[-3:] == [RecordFallback("recovered_on_relay: wan_failed_after_rld"), AbortLegs(),
+                            StartRelayLeg(2, resume_len=1, one_token=False, wan=False)]
+    assert state.leg == 2 and state.phase is Phase.RELAY and state.relay_produced == 1
+
+
+def test_p_md_wan_failure_before_the_bridge_token():
+    state, actions = drive(started(Path.P_MD), MdNotReady("wan_failed: x"))
+    assert AbortLegs() not in actions  # RLD's bridge leg still runs
+    state, actions = transition(state, RelayTokens(1, 1, {"type": "length", "length": 1}))
+    assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
+
+
+@pytest.mark.parametrize("relay_idle", [False, True])
+def test_md_refusing_the_handoff_releases_rlds_tokens(relay_idle):
+    if relay_idle:  # P->MD: the one-token bridge leg ended already
+        state = drive(started(Path.P_MD), RelayTokens(1, 1, {"type": "length", "length": 1}), MdReady(),
+                      CutReady())[0]
+    else:
+        state = drive(handing_off(cut=5), RelayTokens(1, 8))[0]
+    state, actions = transition(state, MainFailed("HTTP 409"))
+    assert actions[:2] == [RecordFallback("md_failed: HTTP 409"), HandoffAbandoned()]
+    assert state.md is Md.FAILED and state.cut is None
+    if relay_idle:
+        assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
+    else:
+        assert state.phase is Phase.RELAY and state.emitted == 8 and actions[-1] == HandoffAbandoned()
+        # late MD events after the failed handoff are dropped; RLD finishes
+        assert transition(state, MainTokens(9)) == (state, [])
+        assert transition(state, RelayTokens(1, MAX_NEW, LENGTH))[0].phase is Phase.DONE
+
+
+def test_md_death_mid_stream_recovers_on_a_new_leg_from_what_the_client_has():
+    state, actions = transition(in_main(cut=5, produced=9), MainFailed("connection reset"))
+    assert actions == [RecordFallback("md_failed: connection reset"),
+                       RecordFallback("recovered_on_relay: md_failed_mid_stream"), AbortLegs(),
+                       StartRelayLeg(2, resume_len=9, one_token=False, wan=False)]
+    assert state.phase is Phase.RELAY and state.leg == 2 and state.relay_produced == 9
+    # the old leg's stragglers are ignored; the new leg reports from position 0 (resumed ones too)
+    assert transition(state, RelayTokens(1, 12)) == (state, [])
+    assert transition(state, RelayFailed(1, "aborted")) == (state, [])
+    state, actions = drive(state, RelayTokens(2, 9), RelayTokens(2, 10), RelayTokens(2, MAX_NEW, LENGTH))
+    assert state.phase is Phase.DONE and state.emitted == MAX_NEW and actions[-1] == Finish(LENGTH)
+
+
+def test_recovery_leg_going_behind_the_resume_point_is_illegal():
+    state = transition(in_main(cut=5, produced=9), MainFailed("x"))[0]
+    with pytest.raises(LifecycleError):
+        transition(state, RelayTokens(2, 8))
+
+
+def test_catch_up_warmup_failure_rld_finishes():
+    state = drive(started(), RelayTokens(1, 3), MdReady())[0]
+    state, actions = transition(state, MainFailed("warmup HTTP 500"))
+    assert actions == [RecordFallback("md_failed: warmup HTTP 500")] and state.phase is Phase.RELAY
+    with pytest.raises(LifecycleError):  # no cut after MD failed
+        transition(state, CutReady())
+
+
+def test_md_failure_without_md_is_illegal():
+    with pytest.raises(LifecycleError):
+        transition(started(Path.P_RLD_ONLY), MainFailed("x"))
+
+
+@pytest.mark.parametrize("make", [started, handing_off, in_main])
+def test_client_disconnect_from_any_running_phase(make):
+    state, actions = transition(make(), ClientDisconnected())
+    assert state.phase is Phase.CLOSED and actions == []
+
+
+@pytest.mark.parametrize("terminal", [Phase.DONE, Phase.FAILED, Phase.CLOSED])
+@pytest.mark.parametrize("event", [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(),
+                                   MdNotReady("x"), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
+                                   ClientDisconnected()])
+def test_no_event_after_the_end(terminal, event):
+    with pytest.raises(LifecycleError):
+        transition(State(max_new=MAX_NEW, phase=terminal), event)
+
+
+def test_random_event_orders_keep_the_invariants():
+    """Whatever order the backends' events arrive in, a legal run never lets the client's
+    position go backwards, never exceeds the budget, and ends at most once."""
+    import random
+    rng = random.Random(7)
+    for _ in range(3000):
+        state = started(rng.choice(list(Path)), rng.random() < 0.5)
+        produced = {"rld": 0, "md": 0}
+        for _step in range(30):
+            if state.phase.terminal:
+                break
+            pick = rng.randrange(7)
+            if pick == 0:
+                produced["rld"] = min(MAX_NEW, max(produced["rld"], state.relay_produced) + rng.randint(0, 3))
+                fin = LENGTH if produced["rld"] == MAX_NEW else None
+                event = RelayTokens(state.leg, produced["rld"], fin)
+            elif pick == 1:
+                event = MdReady() if rng.random() < 0.7 else MdNotReady("x")
+            elif pick == 2:
+                event = CutReady()
+            elif pick == 3:
+                produced["md"] = min(MAX_NEW, max(produced["md"], (state.cut or 0) + rng.randint(0, 3)))
+                event = MainTokens(produced["md"], LENGTH if produced["md"] == MAX_NEW else None)
+            elif pick == 4:
+                event = MainFailed("x")
+            elif pick == 5:
+                event = RelayFailed(state.leg, "x") if rng.random() < 0.1 else RelayTokens(max(1, state.leg - 1), 0)
+            else:
+                event = Timeout() if rng.random() < 0.05 else ClientDisconnected() if rng.random() < 0.05 else CutReady()
+            before = state
+            try:
+                state, actions = transition(state, event)
+            except LifecycleError:
+                assert state is before
+                continue
+            assert state.emitted >= before.emitted and state.emitted <= MAX_NEW
+            assert len([a for a in actions if isinstance(a, (Finish, Fail))]) <= 1
+            if any(isinstance(a, StartRelayLeg) for a in actions) and before.phase is not Phase.STARTING:
+                produced["rld"] = state.emitted  # the new leg counts from 0, resumed positions included
+            if isinstance(event, MainFailed) and state.md is Md.FAILED:
+                produced["md"] = 0

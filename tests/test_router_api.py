@@ -1,0 +1,277 @@
+"""The router's HTTP front (SGLang's API) on fake P / RLD / MD backends: no SGLang servers.
+
+The fake model is deterministic (``truth``), so every output is checked against what the
+backends must have produced; the serving layer (chat template, usage, stream chunks) is
+SGLang's own, running in-process on the router's adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from fake_backends import Fakes, Knobs, truth
+from test_flow_faults import flow_config
+
+from sglang_pdd.router.app import OPERATOR_HEADER, Pools, Router, build_app
+from sglang_pdd.router.flow import MainBackend, PrefillBackend
+
+TOKEN = "operator-secret-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def front(state, knobs: Knobs = None, max_body_bytes: int = 1 << 20, **router_kwargs):
+    fakes = await Fakes(knobs or Knobs()).start()
+    pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
+                  [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")])
+    router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
+                    max_new_tokens_cap=64, operator_token=TOKEN, **router_kwargs)
+    runner = web.AppRunner(build_app(router, max_body_bytes), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield f"http://{host}:{port}", client, fakes, router
+    finally:
+        await runner.cleanup()
+        await fakes.stop()
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def sse(resp) -> list[dict]:
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def test_generate_single_batch_and_n_match_the_model(router_sglang_state):
+    tok = router_sglang_state[2]
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/generate", json={
+                    "input_ids": [11, 22, 33], "sampling_params": {"max_new_tokens": 6}}) as r:
+                one = await r.json()
+            assert one["output_ids"] == truth([11, 22, 33], 6)
+            assert one["meta_info"]["completion_tokens"] == 6 and one["meta_info"]["prompt_tokens"] == 3
+            assert "pdd" not in one["meta_info"]  # operator-only
+            async with client.post(f"{base}/generate", json={
+                    "text": ["hello", "world"], "sampling_params": {"max_new_tokens": 4}}) as r:
+                batch = await r.json()
+            assert [b["output_ids"] for b in batch] == [truth(tok.encode(t), 4) for t in ("hello", "world")]
+            async with client.post(f"{base}/generate", json={
+                    "text": ["hello", "world"], "sampling_params": {"max_new_tokens": 3, "n": 2}}) as r:
+                fanned = await r.json()
+            # SGLang's order: item i, sample j at i * n + j
+            assert [b["output_ids"] for b in fanned] == [truth(tok.encode(t), 3) for t in ("hello", "hello", "world", "world")]
+            # n never reaches a backend (it would fan out there too)
+            assert all("n" not in r.body["sampling_params"] for r in fakes.records("rld", "generate"))
+    run(main())
+
+
+def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}/generate", json={
+                    "input_ids": [[5, 6], [7, 8]], "stream": True, "sampling_params": {"max_new_tokens": 5}}) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                events = await sse(r)
+            for index, prompt in enumerate(([5, 6], [7, 8])):
+                mine = [e for e in events if e["index"] == index]
+                ids = [e["output_ids"] for e in mine]
+                assert ids[-1] == truth(prompt, 5)
+                assert all(ids[-1][:len(x)] == x for x in ids)  # cumulative
+                assert [e["meta_info"]["finish_reason"] is not None for e in mine].count(True) == 1
+                assert mine[-1]["meta_info"]["finish_reason"] is not None
+    run(main())
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"text": "x", "sampling_params": {"max_new_tokens": "abc"}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": None}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "--max-new-tokens-cap"),
+    ({"input_ids": [True]}, "input_ids[0]"),
+    ({"input_ids": [10**40]}, "input_ids[0]"),
+    ({"input_ids": [1, 999999]}, "input_ids[1]"),
+    ({"text": "x", "sampling_params": {"custom_params": {"pdd_wan_peer": "10.0.0.1:9"}}}, "pdd_wan_peer"),
+    ({"text": "x", "image_data": "http://x/y.png"}, "image_data"),
+    ({"text": "x", "no_such_field": 1}, "no_such_field"),
+    ({"sampling_params": {}}, "'text' or 'input_ids'"),
+])
+def test_generate_refuses_bad_input_with_400_naming_the_field(router_sglang_state, body, field):
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/generate", json=body) as r:
+                assert r.status == 400, await r.text()
+                got = await r.json()
+            assert field in got["message"]
+            assert "Traceback" not in got["message"] and "object at 0x" not in got["message"]
+            assert not fakes.records("rld", "generate")  # nothing reached a backend
+    run(main())
+
+
+def test_malformed_json_oversized_body_and_openai_types(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state, max_body_bytes=4096) as (base, client, _, _r):
+            async with client.post(f"{base}/generate", data=b"{oops") as r:
+                assert r.status == 400 and "malformed JSON" in (await r.json())["message"]
+            async with client.post(f"{base}/generate", json={"text": "x" * 10_000}) as r:
+                assert r.status == 413
+            async with client.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": "abc"}) as r:
+                assert r.status == 400 and "max_tokens" in (await r.json())["message"]
+            async with client.post(f"{base}/v1/chat/completions", json={"messages": "nope"}) as r:
+                assert r.status == 400 and "messages" in (await r.json())["message"]
+            async with client.post(f"{base}/v1/completions", json={"model": "gpt-9", "prompt": "hi"}) as r:
+                assert r.status == 404 and "unknown model" in (await r.json())["message"]
+            for model in ("default", "tiny"):  # SGLang's default name and the served one
+                async with client.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi",
+                                                                       "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
+    run(main())
+
+
+def test_pdd_options_and_pdd_meta_are_operator_only(router_sglang_state):
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}, "pdd_options": {"path": "p_rld_only"}}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/generate", json=body) as r:
+                assert r.status == 403 and OPERATOR_HEADER in (await r.json())["message"]
+            async with client.post(f"{base}/generate", json=body, headers={OPERATOR_HEADER: "wrong"}) as r:
+                assert r.status == 403
+            async with client.post(f"{base}/generate", json=body, headers={OPERATOR_HEADER: TOKEN}) as r:
+                got = await r.json()
+            assert got["meta_info"]["pdd"]["path"] == "p_rld_only"
+            assert got["output_ids"] == truth([1, 2, 3], 3)
+            async with client.post(f"{base}/flush_cache") as r:
+                assert r.status == 403
+    run(main())
+
+
+def test_client_rid_stays_at_the_front_and_duplicates_in_flight_are_refused(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state, Knobs(rld_token_delay_s=0.05)) as (base, client, fakes, _):
+            body = {"input_ids": [4, 5], "rid": "victim-1", "stream": True, "sampling_params": {"max_new_tokens": 20}}
+            async with client.post(f"{base}/generate", json=body) as first:
+                await first.content.readline()  # the first request is in flight
+                async with client.post(f"{base}/generate", json={**body, "stream": False}) as dup:
+                    assert dup.status == 400 and "already in flight" in (await dup.json())["message"]
+                events = await sse(first)
+            assert events[-1]["meta_info"]["id"] == "victim-1"
+            backend_rids = [r.body["rid"] for r in fakes.records("rld", "generate")]
+            assert backend_rids and not any("victim" in rid for rid in backend_rids)
+    run(main())
+
+
+def test_abort_request_ends_a_stream_with_abort(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state, Knobs(rld_token_delay_s=0.05)) as (base, client, fakes, router):
+            body = {"input_ids": [4, 5], "rid": "mine", "stream": True, "sampling_params": {"max_new_tokens": 60}}
+            async with client.post(f"{base}/generate", json=body) as r:
+                await r.content.readline()
+                async with client.post(f"{base}/abort_request", json={"rid": "mine"}) as a:
+                    assert (await a.json())["aborted"] == 1
+                events = await sse(r)
+            assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert len(events[-1]["output_ids"]) < 60
+            assert router.manager.inflight == {}
+            async with client.post(f"{base}/abort_request", json={"abort_all": True}) as a:
+                assert a.status == 403
+    run(main())
+
+
+def test_openai_chat_and_completions_through_sglang_serving(router_sglang_state):
+    import openai
+
+    tok = router_sglang_state[2]
+
+    async def main():
+        async with front(router_sglang_state) as (base, _, fakes, _r):
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+            comp = await client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0,
+                                                   frequency_penalty=0.5, stop=["zzz"], seed=3)
+            assert comp.usage.completion_tokens == 5 and comp.usage.prompt_tokens == len(tok.encode("hello"))
+            sp = fakes.records("rld", "generate")[-1].body["sampling_params"]
+            assert sp["frequency_penalty"] == 0.5 and sp["stop"] == ["zzz"] and sp["max_new_tokens"] == 5
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+            chat = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+            assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+            sp = fakes.records("rld", "generate")[-1].body["sampling_params"]
+            assert json.loads(sp["json_schema"]) == schema  # SGLang's conversion, passed to the legs
+            prompt_ids = fakes.records("rld", "generate")[-1].body["input_ids"]
+            assert "<|im_start|>user\nhi<|im_end|>" in tok.decode(prompt_ids)  # SGLang's chatml template
+            stream = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+                stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == chat.choices[0].message.content
+            assert chunks[-1].usage.completion_tokens == 4
+            await client.close()
+    run(main())
+
+
+def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
+    from fake_backends import fake_logprob
+
+    tok = router_sglang_state[2]
+    prompt = [11, 22, 33]
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}/generate", json={
+                    "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
+                    "sampling_params": {"max_new_tokens": 6}}) as r:
+                got = await r.json()
+            want_ids = truth(prompt, 6)
+            rows = got["meta_info"]["output_token_logprobs"]
+            assert [row[1] for row in rows] == want_ids
+            assert [row[2] for row in rows] == [tok.decode([t]) for t in want_ids]
+            seq = prompt + want_ids
+            assert rows[0][0] == pytest.approx(fake_logprob(seq[:3], want_ids[0]))
+            assert [row[1] for row in got["meta_info"]["input_token_logprobs"]] == prompt
+            async with client.post(f"{base}/generate", json={  # top logprobs asked, none given: no 500
+                    "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
+                    "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 3}}) as r:
+                assert r.status == 200, await r.text()
+                assert [row[1] for row in (await r.json())["meta_info"]["output_token_logprobs"]] == want_ids[:3]
+    run(main())
+
+
+def test_streaming_request_refused_before_the_stream_starts(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/generate", json={
+                    "input_ids": [5] * 1001, "stream": True, "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 400 and "--max-prompt-tokens" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+    run(main())
+
+
+def test_chat_without_max_tokens_decodes_up_to_the_cap(router_sglang_state):
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.post(f"{base}/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+                assert r.status == 200, await r.text()
+                got = await r.json()
+            assert got["usage"]["completion_tokens"] == 64  # the test router's --max-new-tokens-cap
+            assert fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 64
+    run(main())

@@ -1,0 +1,67 @@
+"""Router input validation (router/validate.py): pure, no servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_pdd.router.validate import (ApiError, check_generate_body, check_openai_body, check_token_budget,
+                                        check_token_ids, parse_json_object)
+
+LIMITS = dict(cap=100, vocab_size=1000, max_n=4)
+
+
+@pytest.mark.parametrize("value", ["abc", None, True, -1, 1.5, [3]])
+def test_max_new_tokens_must_be_a_non_negative_int(value):
+    with pytest.raises(ApiError) as e:
+        check_generate_body({"text": "x", "sampling_params": {"max_new_tokens": value}}, **LIMITS)
+    assert e.value.status == 400 and "sampling_params.max_new_tokens" in e.value.message
+
+
+def test_max_new_tokens_cap_and_missing_budget():
+    with pytest.raises(ApiError, match="--max-new-tokens-cap"):
+        check_token_budget(101, "max_new_tokens", 100)
+    assert check_token_budget(None, "max_tokens", 100) is None
+    assert check_token_budget(0, "max_tokens", 100) == 0
+
+
+@pytest.mark.parametrize("ids,where", [([True], "input_ids[0]"), ([10**40], "input_ids[0]"), ([1, -1], "input_ids[1]"),
+                                       ([1, 1000], "input_ids[1]"), ([], "non-empty"), ("12", "non-empty"),
+                                       ([[1], [2, "x"]], "input_ids[1][1]")])
+def test_input_ids_are_ints_in_the_vocab(ids, where):
+    with pytest.raises(ApiError) as e:
+        check_generate_body({"input_ids": ids}, **LIMITS)
+    assert where in e.value.message
+
+
+def test_batches_and_valid_bodies_pass():
+    check_generate_body({"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 5}, {"n": 2}]}, **LIMITS)
+    check_generate_body({"text": ["a", "b"], "rid": ["r1", "r2"]}, **LIMITS)
+    assert check_token_ids([0, 999], "input_ids", 1000) == [0, 999]
+
+
+def test_reserved_custom_params_unsupported_fields_n_and_rid():
+    with pytest.raises(ApiError, match="pdd_room"):
+        check_generate_body({"text": "x", "sampling_params": {"custom_params": {"pdd_room": 1, "ok": 2}}}, **LIMITS)
+    with pytest.raises(ApiError, match="input_embeds"):
+        check_generate_body({"input_embeds": [[0.1]], "text": "x"}, **LIMITS)
+    with pytest.raises(ApiError, match="--max-n"):
+        check_generate_body({"text": "x", "sampling_params": {"n": 5}}, **LIMITS)
+    with pytest.raises(ApiError, match="rid"):
+        check_generate_body({"text": "x", "rid": 7}, **LIMITS)
+    with pytest.raises(ApiError, match="custom_params"):
+        check_openai_body({"custom_params": {"pdd_wan_peer": "1.2.3.4:5"}}, cap=100, max_n=4)
+    with pytest.raises(ApiError, match="max_tokens"):
+        check_openai_body({"max_tokens": 10**9}, cap=100, max_n=4)
+
+
+@pytest.mark.parametrize("raw", [b"{oops", b"[1, 2]", b"\xff\xfe", b""])
+def test_body_must_be_a_json_object(raw):
+    with pytest.raises(ApiError) as e:
+        parse_json_object(raw)
+    assert e.value.status == 400
+
+
+def test_error_messages_bound_echoed_client_values():
+    with pytest.raises(ApiError) as e:
+        check_token_budget("x" * 100_000, "max_tokens", 100)
+    assert len(e.value.message) < 200
