@@ -1,10 +1,11 @@
 """MD (``--pdd-role main``): WAN KV lands in SGLang's own radix cache, which is MD's DRC.
 
 Runs inside MD's scheduler process. Three pieces:
-* ``SglangTreeOps`` — DrcRooms' TreeOps on SGLang's radix cache (match, lock, ingest = alloc
-  slots + write KV + insert under the prompt's token ids);
+* ``SglangTreeOps`` — DrcRooms' TreeOps on SGLang's radix cache (match, lock, reserve pool
+  pages, ingest = insert the landed pages under the prompt's token ids, page-aligned);
 * ``MainDrcRuntime`` — the WAN receiver, the room table, and a command queue drained by the
-  scheduler thread (the only thread that may touch the tree and the KV pool);
+  scheduler thread (the only thread that touches the tree and the allocator; the receiver's
+  threads write KV only into pages reserved for their room: md_ingest.py, docs/data_path.md);
 * ``ControlServer`` — a small HTTP API for the router: register a room (returns how many
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
