@@ -185,7 +185,9 @@ class MainDrcRuntime:
         for entry in self.rooms.pending():
             state = self.receiver.poll(entry.room)
             if state is RoomState.SUCCESS:
+                t0 = time.perf_counter()
                 self._finish(self._complete(entry.room, now))
+                self._record_stall("complete", time.perf_counter() - t0)
             elif state is RoomState.FAILED:
                 reason, detail = self.receiver.failure(entry.room)
                 self._finish(self.rooms.fail(entry.room, f"{reason}: {detail}"))
@@ -208,7 +210,20 @@ class MainDrcRuntime:
             self.held_tokens -= landing.num_tokens  # from here the tree (or ingest's frees) owns them
         return self.rooms.complete(room, landing.slots, now)
 
+    def _record_stall(self, what: str, seconds: float) -> None:
+        """Scheduler-thread time spent on a room (decode waits meanwhile): in /pdd/stats."""
+        ms = seconds * 1000
+        self.counters[f"{what}_ms_total"] = round(self.counters.get(f"{what}_ms_total", 0.0) + ms, 3)
+        self.counters[f"{what}_ms_max"] = round(max(self.counters.get(f"{what}_ms_max", 0.0), ms), 3)
+
     def _do_register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
+        t0 = time.perf_counter()
+        try:
+            return self._register(room, token_ids, use_cache)
+        finally:
+            self._record_stall("register", time.perf_counter() - t0)
+
+    def _register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
         entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
         landing = Landing.plan(self.ops.pool_layout, len(token_ids), entry.cached_len)
         try:
