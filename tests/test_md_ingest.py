@@ -282,7 +282,7 @@ def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
         close(md)
 
 
-def test_layout_mismatch_fails_the_room_naming_both_sides():
+def test_layout_mismatch_fails_the_room_naming_both_sides(caplog):
     md = build_md(16)  # MD: page size 16
     p = Prefill("mha", 1, md)  # P: page size 1
     try:
@@ -291,6 +291,13 @@ def test_layout_mismatch_fails_the_room_naming_both_sides():
         p.send(1, ids, reg["cached_tokens"], p.pages_for(32, seed=4))
         entry = drive_until(md, 1, status="failed")
         assert "layout_mismatch" in entry.reason and "page_size 16 vs 1" in entry.reason, entry.reason
+        def p_said_so():  # P hears it too (NACK), and says so as an error
+            return any(r.levelname == "ERROR" and "page_size 16 vs 1" in r.getMessage() for r in caplog.records)
+
+        deadline = time.monotonic() + 10
+        while not p_said_so() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p_said_so()
         settle(md)
         assert md.held_tokens == 0 and conserved(md)
     finally:

@@ -226,7 +226,9 @@ class WanFanout:
             room.sender.abort(room.dest.md_room, reason)
             if room not in self._live:  # else the reaper forgets it once its copies are unused
                 room.sender.release(room.dest.md_room)
-        logger.info("rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
+        # A layout mismatch is a deployment error (P and MD disagree), not a WAN hiccup.
+        level = logging.ERROR if FailureReason.LAYOUT_MISMATCH in reason else logging.INFO
+        logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
 
     def _copy_loop(self) -> None:
         while True:
@@ -334,6 +336,9 @@ class WanFanout:
                 if state is RoomState.FAILED and not room.aborted:
                     room.aborted, room.reason = True, room.transfer.failure_reason or FailureReason.ABORTED
                     self.counters["failed"] += 1
+                    if room.reason == FailureReason.LAYOUT_MISMATCH:  # a deployment error, not a WAN hiccup
+                        logger.error("rid %s: WAN transfer to room %s failed: %s: %s", room.rid, room.dest.md_room,
+                                     room.reason, room.transfer.failure_detail)
                 if room.sender is not None:
                     room.sender.release(room.dest.md_room)
             self._live = keep
