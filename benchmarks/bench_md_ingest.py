@@ -60,8 +60,9 @@ def stream_decode(url: str, max_new: int, events: list, started: threading.Event
 
 def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_bps: float, rng) -> tuple:
     """Register a room, send its KV paced at ``rate_bps`` (a WAN, not loopback speed), wait
-    until MD says ready. Returns (first byte sent, ready) times."""
+    until MD says ready. Returns (registration sent, ready) times and the KV bytes."""
     ids = rng.integers(1000, 30000, tokens).tolist()
+    t_reg = time.perf_counter()  # the room's life on MD starts with its registration
     reg = post_json(f"{md.control_url}/pdd/rooms", {"room": room, "token_ids": ids, "use_cache": False}, timeout=120)
     layout = KvPoolLayout.from_dict(reg["kv_layout"]).wire()
     pages = -(-tokens // layout.page_size)
@@ -87,12 +88,12 @@ def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_
     sender.release(room)
     urllib.request.urlopen(urllib.request.Request(f"{md.control_url}/pdd/rooms/{room}", method="DELETE"),
                            timeout=60).read()
-    return t0, t1, xfer.plan.total_bytes
+    return t_reg, t1, xfer.plan.total_bytes
 
 
 def decode_metrics(events: list, windows: list, baseline_end: float) -> dict:
     """Tokens/s and the longest gap between streamed tokens, before any room and while rooms
-    land (a window runs from a room's first byte to its ready, plus the next token)."""
+    land (a window runs from a room's registration to its ready, plus the next token)."""
     t = np.asarray([e[0] for e in events])
     n = np.asarray([e[1] for e in events], dtype=float)
     gaps, at = np.diff(t) * 1000, t[1:]
@@ -145,6 +146,92 @@ def run_mode(mode: str, args, model: str, key_file: Path, log_dir: Path, bar) ->
             "room_s": [round(b - a, 2) for a, b, _ in windows], "room_mb": windows[0][2] / 1e6}
 
 
+def in_process_md(mode: str, pool_tokens: int, staging_mb: int, key: bytes):
+    """MD's real runtime (MainDrcRuntime: WAN receiver, rooms, ingest) on SGLang's real radix
+    cache, allocator and an MHA pool shaped like the tiny model's, without a server."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from sglang_pdd.config import PddConfig
+    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+
+    pool = MHATokenToKVPool(size=pool_tokens, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=32,
+                            layer_num=2, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(pool_tokens, torch.bfloat16, "cpu", pool, need_sort=False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                      page_size=1))
+    cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
+                    wan_key_file="unused", wan_timeout_s=300.0, md_staging_mb=staging_mb, md_ingest=mode)
+    return MainDrcRuntime(SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=1), cfg, key)
+
+
+def run_mode_in_process(mode: str, args, bar) -> dict:
+    """The scheduler loop is this thread: a synthetic decode step (a fixed matmul, ~ a small
+    model's step on CPU) then MD's per-iteration hook, as SGLang runs it. Rooms are registered
+    through MD's command queue from a feeder thread and their KV sent over loopback."""
+    import torch
+
+    key = b"bench-md-ingest-key-0123456789abcdef"
+    md = in_process_md(mode, args.pool_tokens, args.staging_mb, key)
+    torch.set_num_threads(1)  # one core for the "model", like one of the server's threads; the rest is shared
+    a, b = torch.randn(128, 512), torch.randn(512, 512)
+    steps: list = []
+    windows: list = []
+    done = threading.Event()
+
+    def feeder():
+        sender = WanKvSender(md.receiver.address, key, name="bench-p", num_streams=4, transfer_timeout=300)
+        rng = np.random.default_rng(0)
+        try:
+            time.sleep(args.baseline_s)
+            for i in range(args.rooms):
+                room, ids = 1000 + i, rng.integers(1000, 30000, args.room_tokens).tolist()
+                t_reg = time.perf_counter()
+                md.call("register", room, ids, False, timeout=120)
+                layout = md.ops.layout
+                kv = rng.integers(0, 256, (layout.num_layers, args.room_tokens, layout.bytes_per_page), dtype=np.uint8)
+                xfer = sender.begin_transfer(room, layout, args.room_tokens, 0, token_ids=ids, timeout=300)
+                t0, sent, rate = time.perf_counter(), 0, args.wan_mbps * 1e6 / 8
+                for index in range(xfer.plan.num_chunks):
+                    c = xfer.plan.chunk(index)
+                    xfer.send_chunk(index, kv[c.layer, c.page_start:c.page_start + c.page_count])
+                    sent += c.nbytes
+                    time.sleep(max(0.0, sent / rate - (time.perf_counter() - t0)))
+                xfer.finish()
+                if md.wait_ready(room, 300)["status"] != "ready":
+                    raise RuntimeError(f"room {room} did not land")
+                windows.append((t_reg, time.perf_counter(), xfer.plan.total_bytes))
+                sender.release(room)
+                md.call("release", room, timeout=60)
+                bar.update(1)
+                time.sleep(args.gap_s)
+        finally:
+            sender.close()
+            done.set()
+
+    t = threading.Thread(target=feeder, daemon=True)
+    t.start()
+    tokens = 0
+    while not done.is_set():
+        torch.mm(a, b)  # the decode step
+        md.on_scheduler_iteration()
+        tokens += 1
+        steps.append((time.perf_counter(), tokens))
+    t.join()
+    md.receiver.close()
+    md.control.httpd.shutdown()
+    baseline_end = windows[0][0] if windows else steps[-1][0]
+    return {"mode": mode, **decode_metrics(steps, windows, baseline_end),
+            "md_complete_ms_max": md.counters.get("complete_ms_max"),
+            "md_register_ms_max": md.counters.get("register_ms_max"),
+            "room_s": [round(y - x, 2) for x, y, _ in windows], "room_mb": windows[0][2] / 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--room-tokens", type=int, default=120_000, help="prompt tokens of each landing room")
@@ -156,15 +243,20 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=1.0)
     ap.add_argument("--wan-mbps", type=float, default=400.0, help="pace of the KV sender (a WAN, not loopback)")
     ap.add_argument("--out", type=Path, default=Path("artifacts/bench_md_ingest"))
+    ap.add_argument("--in-process", action="store_true",
+                    help="no server: MD's runtime on SGLang's cache and pool in this process, a synthetic decode step")
     args = ap.parse_args()
-    model = default_model_path()
+    model = None if args.in_process else default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
     key_file = write_wan_key(Path(tempfile.mkdtemp()) / "wan.key")
     results = []
     with tqdm(total=2 * args.rooms, desc="rooms landed", unit="room") as bar:
         for mode in ("staged", "pool"):
-            results.append(run_mode(mode, args, model, key_file, args.out / "logs", bar))
-    (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+            if args.in_process:
+                results.append(run_mode_in_process(mode, args, bar))
+            else:
+                results.append(run_mode(mode, args, model, key_file, args.out / "logs", bar))
+    (args.out / ("results-in-process.json" if args.in_process else "results.json")).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "results": results}, indent=2))
     staged, pool = results
     print(f"\nMD decode while {args.rooms} rooms of {args.room_tokens} tokens "
