@@ -67,11 +67,12 @@ def test_layout_describes_the_pool(make, kind, buffers_per_layer, token_bytes, p
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("make", [mha_pool, mla_pool])
-def test_scattered_pages_round_trip_exactly(make, page_size):
+@pytest.mark.parametrize("dst_pages", [[1, 6, 2], [3, 4, 5]], ids=["scattered", "contiguous"])
+def test_pages_round_trip_exactly(make, page_size, dst_pages):
     src, dst = make(page_size), make(page_size)
     fill(src, 1)
     fill(dst, 2)
-    src_pages, dst_pages = torch.tensor([5, 0, 3]), torch.tensor([1, 6, 2])
+    src_pages, dst_pages = torch.tensor([5, 0, 3]), torch.tensor(dst_pages)
     untouched = [buf.clone() for buf in buffers(dst)]
     want = token_rows(src, src_pages, page_size)
 
@@ -147,3 +148,13 @@ def test_layout_mismatch_names_both_sides(p_pool, md_pool, named):
     with pytest.raises(KvLayoutMismatch, match=r"\(P vs MD\)"):
         p_layout.wire().check_same(md_layout.wire(), "P", "MD")
     p_layout.check_same(KvPoolLayout.from_dict(p_layout.to_dict()), "P", "P again")  # equal: no error
+
+
+def test_token_digest_is_sha256_of_int64_little_endian_ids():
+    import hashlib
+
+    from sglang_pdd.kv_channel.layout import token_digest
+
+    ids = [0, 1, 70000, 2**40, 5]
+    assert token_digest(ids) == hashlib.sha256(b"".join(t.to_bytes(8, "little", signed=True) for t in ids)).digest()
+    assert token_digest(None) == b""

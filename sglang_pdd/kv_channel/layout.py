@@ -22,6 +22,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
 
@@ -33,10 +35,9 @@ def token_digest(token_ids: Optional[Sequence[int]]) -> bytes:
     """sha256 of the prompt's token ids (so MD can check it got the prompt it expects)."""
     if token_ids is None:
         return b""
-    h = hashlib.sha256()
-    for t in token_ids:
-        h.update(int(t).to_bytes(8, "little", signed=True))
-    return h.digest()
+    # Each id as 8 little-endian signed bytes, hashed in one call: 120k ids cost ~1 ms instead
+    # of ~200 ms of a Python loop, on the scheduler threads of P and MD that call this.
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).digest()
 
 
 KV_KINDS = ("mha", "mla")

@@ -14,6 +14,8 @@ two ends agree by construction; the WAN receiver also checks the sender's layout
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout
@@ -87,9 +89,22 @@ def scatter_pages(pool, page_ids: torch.Tensor, page_size: int, data: torch.Tens
     buffers ``first_buffer, first_buffer + 1, ...``."""
     idx = page_ids.to(torch.int64)
     bufs = _buffers(pool)
+    run = _contiguous_run(idx)
     for i in range(data.shape[0]):
         view = _page_view(bufs[first_buffer + i], page_size)
-        view.index_copy_(0, idx.to(view.device), data[i].to(view.device))
+        if run is not None:  # freshly allocated pages usually are: one plain copy
+            view[run[0]:run[1]].copy_(data[i])
+        else:
+            view.index_copy_(0, idx.to(view.device), data[i].to(view.device))
+
+
+def _contiguous_run(idx: torch.Tensor) -> Optional[tuple[int, int]]:
+    if idx.numel() == 0:
+        return None
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    if hi - lo == idx.numel() and (idx.numel() == 1 or bool((idx[1:] - idx[:-1] == 1).all())):
+        return lo, hi
+    return None
 
 
 # ---- page size 1 names (a page is one token slot), kept for the callers that think in rows
