@@ -82,9 +82,10 @@ def pdd_cluster(run_root):
         yield cluster
 
 
-@pytest.fixture(scope="session", params=[16], ids=lambda n: f"page{n}")
+@pytest.fixture(scope="module", params=[16], ids=lambda n: f"page{n}")
 def pdd_cluster_paged(run_root, request):
-    """The same topology with ``--page-size N`` on P, RLD and MD."""
+    """The same topology with ``--page-size N`` on P, RLD and MD. Module-scoped: stopped before
+    the next module's cluster starts, so two clusters never share the machine."""
     with start_pdd_cluster(run_root, f"cluster-page{request.param}", page_size=request.param) as cluster:
         cluster.page_size = request.param
         yield cluster
