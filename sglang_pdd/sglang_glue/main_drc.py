@@ -115,12 +115,11 @@ class SglangTreeOps:
             if prefix_len:
                 prefix_idx = self.tree.path_device_indices(node)[:prefix_len].to(torch.int64)
                 value = torch.cat([prefix_idx.to(value.device), value])
-            result = self.tree.insert(InsertParams(key=self._key(token_ids[:insert_len]), value=value,
-                                                   prev_prefix_len=prefix_len))
-            # Pages a concurrent request inserted meanwhile keep the tree's copy: free ours.
-            dup = min(int(result.prefix_len), insert_len) - prefix_len
-            if dup > 0:
-                self.free(ours[:dup])
+            # prev_prefix_len: slots before it are the tree's own; any of ours that duplicate a
+            # concurrent insert are freed by the tree itself (MD's cache frees them: freeing
+            # them here too was a double free that SGLang's idle leak check caught).
+            self.tree.insert(InsertParams(key=self._key(token_ids[:insert_len]), value=value,
+                                          prev_prefix_len=prefix_len))
         full, prompt_node = self.match(token_ids)
         if full < insert_len:
             raise DrcFull(f"prompt of {len(token_ids)} tokens only {full} cached after insert")
