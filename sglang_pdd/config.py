@@ -16,6 +16,7 @@ from typing import Optional
 ROLES = ("prefill", "relay", "main")
 TRANSFER_BACKEND = "pdd"  # --disaggregation-transfer-backend of P and RLD
 INTRA_DC_TRANSPORTS = ("auto", "mooncake", "tcp")
+MD_INGEST_MODES = ("pool", "staged")
 
 # Which SGLang --disaggregation-mode each PDD role runs in. MD is a plain (non-disaggregated)
 # server: its KV arrives into its decode-side radix cache over the WAN, and a handoff is an
@@ -44,6 +45,8 @@ class PddConfig:
     wan_destination_wait_ms: int = 2000  # prefill: how long P keeps KV for a promised late destination
     wan_peers: Optional[str] = None  # prefill: HOST:PORT,... of the MDs' WAN receivers P may send KV to
     allow_wildcard_bind: bool = False  # main/prefill: permit 0.0.0.0 / :: in the *-listen flags
+    md_staging_mb: int = 4096  # main: KV of rooms in flight (reserved pool pages or host staging), at most
+    md_ingest: str = "pool"  # main: "pool" (write into reserved pages as chunks land) or "staged"
 
     @property
     def active(self) -> bool:
@@ -91,6 +94,14 @@ FLAGS = [
     ("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", dict(action="store_true", default=False,
         help="main and prefill: allow --pdd-control-listen / --pdd-wan-listen on a wildcard address "
              "(0.0.0.0, ::), i.e. on every interface. Refused without it: name the interface.")),
+    ("--pdd-md-staging-mb", "pdd_md_staging_mb", dict(type=int, default=4096,
+        help="main only: KV of rooms still crossing the WAN that MD holds (reserved pool pages, or host "
+             "staging with --pdd-md-ingest staged), at most; a room that does not fit is refused at "
+             "registration and the router keeps that request on RLD.")),
+    ("--pdd-md-ingest", "pdd_md_ingest", dict(choices=MD_INGEST_MODES, default="pool",
+        help="main only: pool (reserve the room's pool pages at registration and write KV into them as it "
+             "lands, off the scheduler thread) or staged (host buffer, copied into the pool on the "
+             "scheduler thread at completion; the earlier design, for comparison).")),
     ("--pdd-intra-dc-transport", "pdd_intra_dc_transport", dict(choices=INTRA_DC_TRANSPORTS, default="auto",
         help="prefill and relay: engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport "
              "with MC_FORCE_TCP=1), tcp (sglang-pdd's authenticated TCP engine, host memory), or "
@@ -190,6 +201,13 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
                        ("--pdd-wan-destination-wait-ms", "wan_destination_wait_ms")):
         if cfg.role != "prefill" and getattr(cfg, name) != getattr(defaults, name):
             raise PddConfigError(f"{flag} applies only to --pdd-role prefill, not {cfg.role}")
+    for flag, name in (("--pdd-md-staging-mb", "md_staging_mb"), ("--pdd-md-ingest", "md_ingest")):
+        if cfg.role != "main" and getattr(cfg, name) != getattr(defaults, name):
+            raise PddConfigError(f"{flag} applies only to --pdd-role main, not {cfg.role}")
+    if cfg.md_staging_mb < 1:
+        raise PddConfigError(f"--pdd-md-staging-mb must be >= 1, got {cfg.md_staging_mb}")
+    if cfg.md_ingest not in MD_INGEST_MODES:
+        raise PddConfigError(f"--pdd-md-ingest must be one of {MD_INGEST_MODES}, got {cfg.md_ingest!r}")
     if cfg.role == "main" and cfg.intra_dc_transport != defaults.intra_dc_transport:
         raise PddConfigError("--pdd-intra-dc-transport applies only to roles prefill and relay, not main")
     if cfg.intra_dc_transport not in INTRA_DC_TRANSPORTS:

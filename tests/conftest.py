@@ -65,9 +65,8 @@ TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6", "--ev
 TEST_DESTINATION_WAIT_MS = 10000
 
 
-@pytest.fixture(scope="session")
-def pdd_cluster(run_root):
-    """P + RLD + MD + WAN emulator + router, as real processes."""
+def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1):
+    """P + RLD + MD + WAN emulator + router, as real processes (a context manager)."""
     _require_sglang()
     from sglang_pdd.launcher.cluster import LocalCluster
     from sglang_pdd.launcher.topology import Topology
@@ -77,7 +76,25 @@ def pdd_cluster(run_root):
     # P keeps KV for a late WAN destination longer than the 2 s default: a loaded CI machine
     # can take that long between P's prefill and the router's POST.
     topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]
-    with LocalCluster(run_root / "cluster", topology=topology, router_args=TEST_ROUTER_ARGS) as cluster:
+    if page_size != 1:  # the last --page-size wins over the launcher's default
+        for server in topology.servers:
+            server.extra_args += ["--page-size", str(page_size)]
+    return LocalCluster(run_root / name, topology=topology, router_args=TEST_ROUTER_ARGS)
+
+
+@pytest.fixture(scope="session")
+def pdd_cluster(run_root):
+    """P + RLD + MD + WAN emulator + router, as real processes."""
+    with start_pdd_cluster(run_root) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module", params=[16], ids=lambda n: f"page{n}")
+def pdd_cluster_paged(run_root, request):
+    """The same topology with ``--page-size N`` on P, RLD and MD. Module-scoped: stopped before
+    the next module's cluster starts, so two clusters never share the machine."""
+    with start_pdd_cluster(run_root, f"cluster-page{request.param}", page_size=request.param) as cluster:
+        cluster.page_size = request.param
         yield cluster
 
 

@@ -35,6 +35,8 @@ GOOD = [
     (["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake"], None),
     (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-control-listen", "127.0.0.1:7001",
       "--pdd-wan-key-file", "k"], "main"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-control-listen", "127.0.0.1:7001",
+      "--pdd-wan-key-file", "k", "--pdd-md-staging-mb", "256", "--pdd-md-ingest", "staged"], "main"),
 ]
 
 
@@ -46,6 +48,12 @@ def test_consistent_flags_validate(argv, role):
 
 
 BAD = [
+    (["--pdd-role", "prefill", "--disaggregation-mode", "prefill", "--pdd-wan-key-file", "k",
+      "--pdd-md-staging-mb", "64"], "--pdd-md-staging-mb applies only to --pdd-role main"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-md-ingest", "staged"],
+     "--pdd-md-ingest applies only to --pdd-role main"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:8", "--pdd-wan-key-file", "k",
+      "--pdd-md-staging-mb", "0"], "--pdd-md-staging-mb must be >= 1"),
     (["--pdd-wan-streams", "8"], "--pdd-wan-streams was given without --pdd-role"),
     (["--pdd-role", "prefill", "--pdd-wan-key-file", "k"], "needs --disaggregation-mode prefill"),
     (["--pdd-role", "relay", "--disaggregation-mode", "prefill"], "needs --disaggregation-mode decode"),

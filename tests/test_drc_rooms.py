@@ -54,7 +54,7 @@ def test_complete_moves_lock_from_prefix_to_whole_prompt():
     tree = FakeTree(cached=[1, 2])
     rooms = DrcRooms(tree, ttl_s=10)
     rooms.register(1, [1, 2, 5, 6], now=0)
-    entry = rooms.complete(1, staged="kv", now=3)
+    entry = rooms.complete(1, kv="kv", now=3)
     assert entry.status is RoomStatus.READY and entry.deadline == 13
     assert tree.ingested == [((1, 2, 5, 6), 2, "kv")]
     assert tree.live_locks() == {(1, 2, 5, 6): 1}
@@ -66,7 +66,7 @@ def test_drc_full_fails_the_room_and_frees_locks():
     tree = FakeTree(cached=[1], full=True)
     rooms = DrcRooms(tree)
     rooms.register(1, [1, 2, 3], now=0)
-    entry = rooms.complete(1, staged=None, now=1)
+    entry = rooms.complete(1, kv=None, now=1)
     assert entry.status is RoomStatus.FAILED and entry.reason.startswith("drc_full")
     assert tree.live_locks() == {}
 
@@ -78,7 +78,7 @@ def test_wan_failure_frees_prefix_lock():
     assert rooms.fail(1, "checksum").reason == "checksum"
     assert tree.live_locks() == {}
     with pytest.raises(RoomError, match="failed, not pending"):
-        rooms.complete(1, staged=None, now=1)
+        rooms.complete(1, kv=None, now=1)
 
 
 def test_expiry_releases_pending_and_ready_rooms():
@@ -86,7 +86,7 @@ def test_expiry_releases_pending_and_ready_rooms():
     rooms = DrcRooms(tree, ttl_s=5)
     rooms.register(1, [1, 2], now=0)
     rooms.register(2, [1, 3], now=0)
-    rooms.complete(2, staged=None, now=4)  # ready until 9
+    rooms.complete(2, kv=None, now=4)  # ready until 9
     expired = rooms.expire(now=6)
     assert [e.room for e in expired] == [1] and expired[0].reason == "timeout"
     assert tree.live_locks() == {(1, 3): 1}
@@ -123,7 +123,7 @@ def test_use_cache_false_ignores_the_cached_prefix_and_locks_nothing():
     rooms = DrcRooms(tree)
     entry = rooms.register(1, [1, 2, 3, 4], now=0, use_cache=False)
     assert entry.cached_len == 0 and tree.live_locks() == {}
-    rooms.complete(1, staged="kv", now=1)
+    rooms.complete(1, kv="kv", now=1)
     assert tree.ingested == [((1, 2, 3, 4), 0, "kv")]
 
 
@@ -133,7 +133,7 @@ def test_release_while_kv_in_flight_can_keep_it_for_the_next_turn():
     rooms.register(1, [1, 2, 5, 6], now=0)
     assert rooms.release(1, keep_pending_kv=True)  # the request ended on RLD first
     assert tree.live_locks() == {(1, 2): 1}  # the matched prefix stays locked until the KV lands
-    entry = rooms.complete(1, staged="kv", now=1)
+    entry = rooms.complete(1, kv="kv", now=1)
     assert entry.status is RoomStatus.READY and tree.ingested == [((1, 2, 5, 6), 2, "kv")]
     assert tree.live_locks() == {} and 1 not in rooms.rooms  # cached, evictable, room gone
     assert rooms.register(2, [1, 2, 5, 6, 7], now=2).cached_len == 4  # the next turn hits it
@@ -155,5 +155,5 @@ def test_keep_pending_kv_does_not_hold_a_ready_room():
     tree = FakeTree()
     rooms = DrcRooms(tree, ttl_s=10)
     rooms.register(1, [4, 5], now=0)
-    rooms.complete(1, staged="kv", now=1)
+    rooms.complete(1, kv="kv", now=1)
     assert rooms.release(1, keep_pending_kv=True) and rooms.rooms == {} and tree.live_locks() == {}

@@ -51,7 +51,7 @@ import numpy as np
 
 from .acceptor import Acceptor, Slot
 from .handshake import AuthError, check_key, server_handshake
-from .layout import KvLayout, num_pages, token_digest
+from .layout import KvLayout, KvLayoutMismatch, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
 from .wire import (
@@ -437,10 +437,11 @@ class WanKvReceiver(RoomQueries):
                 return
             lay = entry.layout
             problems = []
-            if (msg.num_layers, msg.page_size, msg.bytes_per_page, msg.dtype) != (
-                lay.num_layers, lay.page_size, lay.bytes_per_page, lay.dtype):
-                problems.append(f"layout ({msg.num_layers}, {msg.page_size}, {msg.bytes_per_page}, {msg.dtype}) != "
-                                f"registered ({lay.num_layers}, {lay.page_size}, {lay.bytes_per_page}, {lay.dtype})")
+            try:
+                lay.check_same(KvLayout(msg.num_layers, msg.page_size, msg.bytes_per_page, msg.dtype, msg.kv_kind),
+                               "receiver (registered)", "sender")
+            except (KvLayoutMismatch, ValueError) as e:
+                problems.append(str(e))
             if msg.num_tokens != entry.num_tokens:
                 problems.append(f"num_tokens {msg.num_tokens} != registered {entry.num_tokens}")
             if msg.end_page != entry.total_pages or not 0 <= msg.first_page <= msg.end_page:

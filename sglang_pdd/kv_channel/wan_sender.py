@@ -212,6 +212,7 @@ class WanKvSender(RoomQueries):
             dtype=layout.dtype,
             num_chunks=plan.num_chunks,
             token_digest=token_digest(token_ids),
+            kv_kind=layout.kind,
         )
         with self._cv:
             if self._closed:

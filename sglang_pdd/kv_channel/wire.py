@@ -183,6 +183,7 @@ class TransferBegin:
     dtype: str
     num_chunks: int
     token_digest: bytes  # sha256 of the prompt token ids, or b"" if not given
+    kv_kind: str = "mha"  # what each "layer" buffer holds: K or V (mha) or MLA's latent (mla)
 
 
 @dataclass

@@ -31,9 +31,10 @@ class TreeOps(Protocol):
 
     def unlock(self, lock: Any) -> None: ...
 
-    def ingest(self, token_ids: Sequence[int], prefix_len: int, prefix_node: Any, staged: Any) -> Any:
-        """Allocate slots for token_ids[prefix_len:], write ``staged`` KV there, insert the whole
-        prompt into the tree; return the node of the full prompt. Raises DrcFull if no room."""
+    def ingest(self, token_ids: Sequence[int], prefix_len: int, prefix_node: Any, kv: Any) -> Any:
+        """Insert the prompt into the tree with ``kv`` (the arrived KV of token_ids[prefix_len:],
+        e.g. the pool slots it was written into; ingest owns it from here); return the node of
+        the full prompt. Raises DrcFull if no room."""
 
 
 class DrcFull(RuntimeError):
@@ -67,8 +68,9 @@ class DrcRoom:
 
 
 class DrcRooms:
-    def __init__(self, tree: TreeOps, ttl_s: float = 60.0, max_rooms: int = 4096):
+    def __init__(self, tree: TreeOps, ttl_s: float = 60.0, max_rooms: int = 4096, page_size: int = 1):
         self.tree = tree
+        self.page_size = page_size  # the tree holds whole pages: prefixes are cut on page boundaries
         self.ttl_s = ttl_s
         self.max_rooms = max_rooms
         self.rooms: dict[int, DrcRoom] = {}
@@ -87,19 +89,21 @@ class DrcRooms:
         if use_cache:
             cached_len, node = self.tree.match(token_ids)
             # At least the last prompt token always crosses the WAN, so every room has a
-            # transfer whose arrival marks it ready (a fully cached prompt sends 1 token).
-            entry.cached_len = min(cached_len, len(token_ids) - 1)
+            # transfer whose arrival marks it ready (a fully cached prompt sends its last
+            # page). P sends from this page boundary on.
+            last_page_start = (len(token_ids) - 1) // self.page_size * self.page_size
+            entry.cached_len = min(cached_len // self.page_size * self.page_size, last_page_start)
             entry.locks.append(self.tree.lock(node))
         self.rooms[room] = entry
         return entry
 
-    def complete(self, room: int, staged: Any, now: float) -> DrcRoom:
-        """The WAN delivered the suffix [cached_len, len) into ``staged``."""
+    def complete(self, room: int, kv: Any, now: float) -> DrcRoom:
+        """The WAN delivered the suffix [cached_len, len) into ``kv``."""
         entry = self._get(room)
         if entry.status is not RoomStatus.PENDING:
             raise RoomError(f"room {room} is {entry.status.value}, not pending")
         try:
-            prompt_node = self.tree.ingest(entry.token_ids, entry.cached_len, None, staged)
+            prompt_node = self.tree.ingest(entry.token_ids, entry.cached_len, None, kv)
         except DrcFull as e:
             return self.fail(room, f"drc_full: {e}")
         prefix_locks, entry.locks = entry.locks, [self.tree.lock(prompt_node)]

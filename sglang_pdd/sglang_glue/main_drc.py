@@ -1,10 +1,11 @@
 """MD (``--pdd-role main``): WAN KV lands in SGLang's own radix cache, which is MD's DRC.
 
 Runs inside MD's scheduler process. Three pieces:
-* ``SglangTreeOps`` — DrcRooms' TreeOps on SGLang's radix cache (match, lock, ingest = alloc
-  slots + write KV + insert under the prompt's token ids);
+* ``SglangTreeOps`` — DrcRooms' TreeOps on SGLang's radix cache (match, lock, reserve pool
+  pages, ingest = insert the landed pages under the prompt's token ids, page-aligned);
 * ``MainDrcRuntime`` — the WAN receiver, the room table, and a command queue drained by the
-  scheduler thread (the only thread that may touch the tree and the KV pool);
+  scheduler thread (the only thread that touches the tree and the allocator; the receiver's
+  threads write KV only into pages reserved for their room: md_ingest.py, docs/data_path.md);
 * ``ControlServer`` — a small HTTP API for the router: register a room (returns how many
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
@@ -39,15 +40,28 @@ from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, Jso
                                   serve_in_thread)
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
-from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of, scatter_rows
+from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
+from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
 
 logger = logging.getLogger(__name__)
 
 MAX_CONTROL_BODY = 16 * 1024 * 1024  # a prompt's token ids as JSON; refuse anything bigger
 
+_RUNTIMES: dict[int, "MainDrcRuntime"] = {}  # by id(allocator): one per scheduler process
+
+
+def held_kv_tokens(allocator) -> int:
+    """Pool slots MD's rooms in flight hold outside the tree (for SGLang's leak check)."""
+    runtime = _RUNTIMES.get(id(allocator))
+    return runtime.held_tokens if runtime is not None else 0
+
 
 class SglangTreeOps:
+    """DrcRooms' TreeOps on SGLang's radix cache, plus slot reservation for arriving KV.
+    Scheduler thread only. With page size > 1 the tree holds whole pages: matches are
+    page-aligned, and a prompt enters the tree up to its last full page."""
+
     def __init__(self, tree_cache, page_size: int):
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -56,7 +70,9 @@ class SglangTreeOps:
         self.tree = tree_cache
         self.allocator = tree_cache.token_to_kv_pool_allocator
         self.pool = self.allocator.get_kvcache()
-        self.layout = kv_layout_of(self.pool, page_size)
+        self.pool_layout = pool_layout(self.pool, page_size)
+        self.layout = self.pool_layout.wire()
+        self.page_size = page_size
 
     def _key(self, token_ids: Sequence[int]):
         return self._types[3](array("q", token_ids))
@@ -71,29 +87,46 @@ class SglangTreeOps:
     def unlock(self, lock):
         self.tree.unlock(lock)
 
-    def ingest(self, token_ids, prefix_len, prefix_node, staged):
-        EvictParams, InsertParams, _, _ = self._types
+    def reserve(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """Pool slots for ``num_tokens`` (whole pages), evicting unlocked cache if needed;
+        None if the pool cannot hold them even then."""
+        if num_tokens == 0:
+            return torch.empty(0, dtype=torch.int64)
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(self._types[0](num_tokens=short))
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: Optional[torch.Tensor]) -> None:
+        if slots is not None and slots.numel():
+            self.allocator.free(slots)
+
+    def ingest(self, token_ids, prefix_len, prefix_node, slots):
+        """Insert the prompt into the tree with ``slots`` (KV of tokens [prefix_len, ...),
+        whole pages, already written) after the locked prefix. Takes ownership of ``slots``:
+        the ones the tree does not keep (a partial last page, pages a concurrent insert
+        already added) are freed here."""
+        _, InsertParams, _, _ = self._types
         # Re-match: the prefix is locked, so at least prefix_len tokens still match.
         cached, node = self.match(token_ids[:prefix_len]) if prefix_len else (0, None)
         if cached < prefix_len:
+            self.free(slots)
             raise DrcFull(f"locked prefix shrank from {prefix_len} to {cached}")
-        need = len(token_ids) - prefix_len
-        short = need - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(EvictParams(num_tokens=short))
-        slots = self.allocator.alloc(need)
-        if slots is None:
-            raise DrcFull(f"cannot allocate {need} KV slots")
-        scatter_rows(self.pool, slots, staged)
-        value = slots.to(torch.int64)
-        if prefix_len:
-            prefix_idx = self.tree.path_device_indices(node)[:prefix_len].to(torch.int64)
-            value = torch.cat([prefix_idx.to(slots.device), value])
-        # prev_prefix_len: slots before it are the tree's own; any of ours that duplicate a
-        # concurrent insert are freed by the tree itself.
-        self.tree.insert(InsertParams(key=self._key(token_ids), value=value, prev_prefix_len=prefix_len))
+        insert_len = max(prefix_len, self.pool_layout.align_down(len(token_ids)))
+        ours, tail = slots[: insert_len - prefix_len], slots[insert_len - prefix_len:]
+        self.free(tail)  # the last, partial page: the tree holds whole pages only
+        if insert_len > prefix_len:
+            value = ours.to(torch.int64)
+            if prefix_len:
+                prefix_idx = self.tree.path_device_indices(node)[:prefix_len].to(torch.int64)
+                value = torch.cat([prefix_idx.to(value.device), value])
+            # prev_prefix_len: slots before it are the tree's own; any of ours that duplicate a
+            # concurrent insert are freed by the tree itself (MD's cache frees them: freeing
+            # them here too was a double free that SGLang's idle leak check caught).
+            self.tree.insert(InsertParams(key=self._key(token_ids[:insert_len]), value=value,
+                                          prev_prefix_len=prefix_len))
         full, prompt_node = self.match(token_ids)
-        if full < len(token_ids):
+        if full < insert_len:
             raise DrcFull(f"prompt of {len(token_ids)} tokens only {full} cached after insert")
         return prompt_node
 
@@ -106,24 +139,35 @@ class MainDrcRuntime:
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
         self.handed_off: set[int] = set()
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
-        self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2)
-        self.staged: dict[int, torch.Tensor] = {}
+        self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
+        self.ingest_mode = getattr(cfg, "md_ingest", "pool")
+        self.budget = InFlightBudget(getattr(cfg, "md_staging_mb", 4096) << 20)
+        self.landings: dict[int, Landing] = {}
+        # Pool slots held by rooms in flight (reserved, or waiting to be freed until the
+        # receiver has stopped writing): SGLang's leak check counts them (plugin.py hook).
+        self.held_tokens = 0
+        self._freed: "queue.Queue[Landing]" = queue.Queue()
         self.ready_events: dict[int, threading.Event] = {}
         self.commands: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=1024)
-        self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0}
+        self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0, "rooms_refused": 0}
         self.drc_stats = DrcStats()
-        self.kv_bytes_per_token = self.ops.layout.num_layers * self.ops.layout.bytes_per_page
+        self.kv_bytes_per_token = self.ops.pool_layout.bytes_per_token
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
                                       idle_timeout=cfg.wan_timeout_s,
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
                                                                   server_side=True))
-        self._receiver_releases: "queue.Queue[int]" = queue.Queue()
+        self._receiver_releases: "queue.Queue[tuple[int, Optional[Landing]]]" = queue.Queue()
         threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release", daemon=True).start()
+        _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
-        self.control = ControlServer((chost, cport), self)
-        logger.info("MD DRC runtime: WAN KV on %s:%s, control on %s:%s, layout %s",
-                    *self.receiver.address, chost, cport, self.ops.layout)
+        self.control = ControlServer((chost, cport), self, key)  # the key the WAN receiver uses
+        logger.info("MD DRC runtime: WAN KV on %s:%s, control on %s:%s, KV pool %s, ingest %s, in flight <= %d MiB",
+                    *self.receiver.address, chost, cport, self.layout_description(), self.ingest_mode,
+                    self.budget.limit_bytes >> 20)
+
+    def layout_description(self) -> str:
+        return self.ops.layout.describe()
 
     # ---- called from control threads: hand work to the scheduler thread and wait
     def call(self, op: str, *args, timeout: float = 30.0):
@@ -142,41 +186,88 @@ class MainDrcRuntime:
                 fut.set_result(getattr(self, f"_do_{op}")(*args))
             except Exception as e:  # the caller gets the error; the scheduler goes on
                 fut.set_exception(e)
+        self._free_released_slots()
         now = time.monotonic()
         for entry in self.rooms.pending():
             state = self.receiver.poll(entry.room)
             if state is RoomState.SUCCESS:
-                self._finish(self.rooms.complete(entry.room, self.staged.pop(entry.room), now))
+                t0 = time.perf_counter()
+                self._finish(self._complete(entry.room, now))
+                self._record_stall("complete", time.perf_counter() - t0)
             elif state is RoomState.FAILED:
                 reason, detail = self.receiver.failure(entry.room)
                 self._finish(self.rooms.fail(entry.room, f"{reason}: {detail}"))
         for entry in self.rooms.expire(now):
+            if entry.room in self.landings:  # expired in flight: stop the receiver's writes first
+                self.receiver.abort(entry.room, "expired on MD")
+                self._forget_in_receiver(entry.room)
             self._forget(entry.room)
 
+    def _complete(self, room: int, now: float):
+        """All of a room's KV is in (the receiver has no writer left): into the tree."""
+        landing = self.landings.pop(room)
+        self.budget.give_back(landing.nbytes)
+        if landing.staged is not None:  # the earlier design: copy the room now, on this thread
+            slots = self.ops.reserve(landing.num_tokens)
+            if slots is None:
+                return self.rooms.fail(room, f"drc_full: cannot allocate {landing.num_tokens} KV slots")
+            landing.flush_staged(self.ops.pool, slots)
+        else:
+            self.held_tokens -= landing.num_tokens  # from here the tree (or ingest's frees) owns them
+        return self.rooms.complete(room, landing.slots, now)
+
+    def _record_stall(self, what: str, seconds: float) -> None:
+        """Scheduler-thread time spent on a room (decode waits meanwhile): in /pdd/stats."""
+        ms = seconds * 1000
+        self.counters[f"{what}_ms_total"] = round(self.counters.get(f"{what}_ms_total", 0.0) + ms, 3)
+        self.counters[f"{what}_ms_max"] = round(max(self.counters.get(f"{what}_ms_max", 0.0), ms), 3)
+
     def _do_register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
-        entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
-        layout = self.ops.layout
-        sent = len(token_ids) - entry.cached_len
-        staged = torch.empty((layout.num_layers, sent, layout.bytes_per_page), dtype=torch.uint8)
-
-        def write(layer_start, layer_count, page_start, page_count, payload, first=entry.cached_len):
-            rows = torch.frombuffer(payload, dtype=torch.uint8).view(layer_count, page_count, -1)
-            staged[layer_start:layer_start + layer_count, page_start - first:page_start - first + page_count] = rows
-
+        t0 = time.perf_counter()
         try:
-            self.receiver.register_room(room, layout, len(token_ids), write,
+            return self._register(room, token_ids, use_cache)
+        finally:
+            self._record_stall("register", time.perf_counter() - t0)
+
+    def _register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
+        entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
+        landing = Landing.plan(self.ops.pool_layout, len(token_ids), entry.cached_len)
+        try:
+            self.budget.take(room, landing.nbytes)
+        except RoomRefused:
+            self.counters["rooms_refused"] += 1
+            self.rooms.release(room)
+            raise
+        try:
+            if self.ingest_mode == "staged":
+                landing.into_host()
+            else:
+                slots = self.ops.reserve(landing.num_tokens)
+                if slots is None:
+                    self.counters["rooms_refused"] += 1
+                    raise RoomRefused(f"room {room} refused: MD's KV pool cannot hold {landing.num_tokens} more "
+                                      f"tokens now ({self.ops.allocator.available_size()} free after eviction)")
+                landing.into_pool(self.ops.pool, slots)
+                self.held_tokens += landing.num_tokens
+            self.receiver.register_room(room, self.ops.layout, len(token_ids), landing.write,
                                         decode_prefix_len=entry.cached_len, token_ids=token_ids,
                                         timeout=self.cfg.wan_timeout_s)
         except Exception:
+            # Not registered in the receiver: nothing writes into the landing; free it now.
+            self.budget.give_back(landing.nbytes)
+            if landing.slots is not None:
+                self.ops.free(landing.slots)
+                self.held_tokens -= landing.num_tokens
             self.rooms.release(room)
             raise
-        self.staged[room] = staged
+        self.landings[room] = landing
         self.ready_events[room] = threading.Event()
         self.counters["rooms_registered"] += 1
         self.drc_stats.record_lookup(len(token_ids), entry.cached_len)
         return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
                 "wan_peer": "%s:%d" % self.receiver.address,
-                "kv_bytes_per_token": self.kv_bytes_per_token}
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_layout": self.ops.pool_layout.to_dict()}
 
     def _do_release(self, room: int, keep_kv: bool = False) -> bool:
         entry = self.rooms.rooms.get(room)
@@ -185,7 +276,7 @@ class MainDrcRuntime:
             # and enter the radix cache, so the session's next turn finds it on MD.
             self.counters["rooms_kept_in_flight"] = self.counters.get("rooms_kept_in_flight", 0) + 1
             return self.rooms.release(room, keep_pending_kv=True)
-        self.receiver.abort(room, "released by the router")  # no further writes into staging
+        self.receiver.abort(room, "released by the router")  # no further writes into its landing
         self._forget_in_receiver(room)
         released = self.rooms.release(room)
         self._forget(room)
@@ -209,20 +300,38 @@ class MainDrcRuntime:
 
     def _forget_in_receiver(self, room: int) -> None:
         """Drop the receiver's record of a room off the scheduler thread: release_room waits
-        for a chunk still being read (seconds on a slow WAN) and, past its timeout, cuts the
-        streams that other rooms share. Staging is Python-owned, so a late write is harmless."""
-        self._receiver_releases.put(room)
+        for a chunk still being written (seconds on a slow WAN) and, past its timeout, cuts
+        the streams that other rooms share. A landing still held (the room failed or was
+        released in flight) goes with it: its slots are freed only once nothing writes there."""
+        landing = self.landings.pop(room, None)
+        if landing is not None:
+            self.budget.give_back(landing.nbytes)
+        self._receiver_releases.put((room, landing))
 
     def _release_rooms_in_receiver(self) -> None:
         while True:
-            room = self._receiver_releases.get()
+            room, landing = self._receiver_releases.get()
             try:
                 self.receiver.release_room(room, timeout=60.0)
             except Exception:  # noqa: BLE001 — bookkeeping only; keep the thread alive
-                logger.exception("room %s: receiver release failed", room)
+                # A writer may still hold the room's pages: keep them (lost capacity, never
+                # corrupted KV) rather than free them.
+                logger.exception("room %s: receiver release failed; its %s reserved slots stay held", room,
+                                 landing.num_tokens if landing and landing.slots is not None else 0)
+                continue
+            if landing is not None and landing.slots is not None:
+                self._freed.put(landing)
+
+    def _free_released_slots(self) -> None:
+        while True:
+            try:
+                landing = self._freed.get_nowait()
+            except queue.Empty:
+                return
+            self.ops.free(landing.slots)
+            self.held_tokens -= landing.num_tokens
 
     def _forget(self, room: int) -> None:
-        self.staged.pop(room, None)
         event = self.ready_events.pop(room, None)
         if event is not None:
             event.set()
@@ -272,13 +381,9 @@ class ControlServer:
     """MD's control API for the router, on the interface ``--pdd-control-listen`` names.
     Every route but /health needs the router's signature (control_auth, on the shared key)."""
 
-    def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: Optional[bytes] = None,
+    def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
                  max_connections: int = 1024):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        if key is None:
-            from sglang_pdd.sglang_glue.transfer_backend import read_key  # the servers' one key loader
-
-            key = read_key(runtime.cfg)
         handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections)
         self.address = self.httpd.server_address[:2]

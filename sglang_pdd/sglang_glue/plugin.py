@@ -13,7 +13,9 @@ Hooks (each a no-op unless --pdd-role asks for it):
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
   room commands and WAN completions there, on the scheduler thread;
 * PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
-  serves (prompt ids, the router's WAN destination): SGLang builds senders without it.
+  serves (prompt ids, the router's WAN destination): SGLang builds senders without it;
+* SchedulerInvariantChecker._check_full_pool (around) — MD's pool pages reserved for KV in
+  flight count as held (SGLang's idle leak check would otherwise stop MD's scheduler).
 * Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
   resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
   the marker, which only the router / MD glue sets).
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _BOOTSTRAP_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
+_INVARIANT_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 
 
 def _add_cli_args(original, parser):
@@ -75,6 +78,14 @@ def _after_ingest(result, scheduler, *args, **kwargs):
         runtime.on_scheduler_iteration()
 
 
+def _count_md_held_slots(original, checker, ps, uncached=0):
+    """MD reserves pool pages for KV still crossing the WAN (in no request, not yet in the
+    tree): SGLang's pool-conservation check counts them with the other uncached tokens."""
+    from sglang_pdd.sglang_glue.main_drc import held_kv_tokens
+
+    return original(checker, ps, uncached=uncached + held_kv_tokens(checker.token_to_kv_pool_allocator))
+
+
 def _bind_sender(created, queue, req, *args, **kwargs):
     sender = getattr(req, "disagg_kv_sender", None) if created else None
     if sender is not None and hasattr(sender, "bind_request"):
@@ -111,6 +122,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.__init__", _start_role_runtime, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.ingest_requests", _after_ingest, HookType.AFTER)
     HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)
+    HookRegistry.register(f"{_INVARIANT_CHECKER}._check_full_pool", _count_md_held_slots, HookType.AROUND)
     _register_resume_hooks()
 
 

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from sglang_pdd.config import parse_host_port
-from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
+from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_sender import Transfer, WanKvSender
-from sglang_pdd.sglang_glue.kv_pool_view import gather_rows, kv_layout_of
+from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class WanFanout:
         self._sender_factory = sender_factory or self._new_sender
         self._senders: dict[tuple[str, int], WanKvSender] = {}
         self._pool = None
+        self._pool_layout: Optional[KvPoolLayout] = None
         self._layout: Optional[KvLayout] = None
         self._lock = threading.Condition()
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
@@ -141,8 +142,10 @@ class WanFanout:
     def attach_pool(self, pool, page_size: int) -> None:
         """The token pool to copy from (once; the first request brings it)."""
         if self._pool is None:
-            self._layout = kv_layout_of(pool, page_size)
+            self._pool_layout = pool_layout(pool, page_size)
+            self._layout = self._pool_layout.wire()
             self._pool = pool
+            logger.info("WAN fan-out: KV pool %s", self._layout.describe())
 
     def open_room(self, dest: WanDestination, *, rid: str, token_ids: Sequence[int],
                   first_offered_page: int) -> Optional[WanRoom]:
@@ -156,7 +159,9 @@ class WanFanout:
                            "there, RLD finishes", rid, *dest.peer)
             return None
         prompt_len = len(token_ids)
-        start = min(dest.md_prefix_len, prompt_len - 1)  # MD extends at least the last token
+        # MD extends at least the last token; both ends cut on the same page boundary (MD's
+        # radix cache holds whole pages only), so P sends from the page MD's prefix ends on.
+        start = self._pool_layout.align_down(min(dest.md_prefix_len, prompt_len - 1))
         room = WanRoom(dest, rid, first_offered_page, TransferPlan.build(self._layout, prompt_len, start))
         if room.plan.first_page < first_offered_page:
             # The pages in between stay on P but SGLang's sender never sees them (the RLD
@@ -243,7 +248,9 @@ class WanFanout:
             room.sender.abort(room.dest.md_room, reason)
             if room not in self._live:  # else the reaper forgets it once its copies are unused
                 room.sender.release(room.dest.md_room)
-        logger.info("rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
+        # A layout mismatch is a deployment error (P and MD disagree), not a WAN hiccup.
+        level = logging.ERROR if FailureReason.LAYOUT_MISMATCH in reason else logging.INFO
+        logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
 
     def _copy_loop(self) -> None:
         while True:
@@ -304,7 +311,7 @@ class WanFanout:
             specs = room.plan.group_chunks(group)
             lo = specs[0].page_start - room.first_offered_page
             slots = page_ids[lo : lo + specs[0].page_count]
-            rows = gather_rows(self._pool, slots)  # one host copy per layer
+            rows = gather_pages(self._pool, slots, self._layout.page_size)  # one host copy per buffer
             out.extend((spec.index, rows[spec.layer].cpu()) for spec in specs)
         return out
 
@@ -351,6 +358,9 @@ class WanFanout:
                 if state is RoomState.FAILED and not room.aborted:
                     room.aborted, room.reason = True, room.transfer.failure_reason or FailureReason.ABORTED
                     self.counters["failed"] += 1
+                    if room.reason == FailureReason.LAYOUT_MISMATCH:  # a deployment error, not a WAN hiccup
+                        logger.error("rid %s: WAN transfer to room %s failed: %s: %s", room.rid, room.dest.md_room,
+                                     room.reason, room.transfer.failure_detail)
                 if room.sender is not None:
                     room.sender.release(room.dest.md_room)
             self._live = keep

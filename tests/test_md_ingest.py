@@ -1,0 +1,317 @@
+"""MD's ingest on SGLang's own radix cache, allocator and pools (CPU), fed by P's real WAN fan-out
+over loopback: page sizes 1/16/64, MHA and MLA, DRC prefixes cut on page boundaries, pages
+reserved at registration and written as chunks land, admission (refused rooms hold nothing),
+and every reserved page accounted for."""
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import require_sglang_import
+
+KEY = b"k" * 32
+POOL_PAGES = 32
+
+
+def pool_pages(page_size):
+    return 256 if page_size == 1 else POOL_PAGES
+
+
+def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool"):
+    require_sglang_import()
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from sglang_pdd.config import PddConfig
+    from sglang_pdd.launcher.topology import free_port
+    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+
+    pool = make_pool(kind, page_size, seed=None)
+    size = pool_pages(page_size) * page_size
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(size, pool.dtype, "cpu", pool, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(size, page_size, pool.dtype, "cpu", pool, need_sort=False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                      page_size=page_size))
+    cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
+                    wan_timeout_s=10.0, md_staging_mb=tmp_budget_mb, md_ingest=ingest)
+    sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size)
+    return MainDrcRuntime(sched, cfg, KEY)
+
+
+def make_pool(kind, page_size, seed):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    common = dict(size=pool_pages(page_size) * page_size, page_size=page_size, dtype=torch.bfloat16, layer_num=2,
+                  device="cpu", enable_memory_saver=False)
+    pool = (MHATokenToKVPool(head_num=2, head_dim=8, **common) if kind == "mha"
+            else MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, **common))
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for buf in bufs(pool):
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    return pool
+
+
+def bufs(pool):
+    return pool.k_buffer + pool.v_buffer if getattr(pool, "k_buffer", None) else pool.kv_buffer
+
+
+class Prefill:
+    """P: a pool holding prompts on scattered pages, and the real WAN fan-out."""
+
+    def __init__(self, kind, page_size, md):
+        from sglang_pdd.sglang_glue.wan_fanout import WanFanout
+
+        self.page_size, self.md = page_size, md
+        self.pool = make_pool(kind, page_size, seed=7)
+        self.fanout = WanFanout(KEY, "p-test", num_streams=2, timeout_s=10.0,
+                                allowed_peers=[tuple(md.receiver.address)])
+        self.fanout.attach_pool(self.pool, page_size)
+
+    def pages_for(self, prompt_len, seed):
+        n = -(-prompt_len // self.page_size)
+        return np.random.default_rng(seed).permutation(pool_pages(self.page_size))[:n].astype(np.int64)
+
+    def send(self, room, token_ids, md_prefix_len, pages):
+        from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+
+        dest = WanDestination(room, self.md.receiver.address, md_prefix_len)
+        wan_room = self.fanout.open_room(dest, rid=f"r{room}", token_ids=token_ids, first_offered_page=0)
+        assert wan_room is not None
+        self.fanout.offer(wan_room, pages[:1], last=len(pages) == 1)  # as chunked prefill would
+        if len(pages) > 1:
+            self.fanout.offer(wan_room, pages[1:], last=True)
+
+    def token_rows(self, pages, start, end):
+        tokens = (torch.from_numpy(pages)[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        return [b[tokens[start:end]] for b in bufs(self.pool)]
+
+
+def drive_until(md, room, status="ready", timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        md.on_scheduler_iteration()
+        entry = md.rooms.rooms.get(room)
+        if entry is not None and entry.status.value == status:
+            return entry
+        time.sleep(0.01)
+    raise AssertionError(f"room {room} not {status}: {md.rooms.rooms.get(room)}")
+
+
+def settle(md, timeout=10.0):
+    """Let the release thread hand back reserved pages; the scheduler thread frees them."""
+    deadline = time.monotonic() + timeout
+    while md.held_tokens and time.monotonic() < deadline:
+        md.on_scheduler_iteration()
+        time.sleep(0.01)
+
+
+def conserved(md):
+    """SGLang's invariant: every pool slot is free, cached, locked in the tree, or held by MD."""
+    tree, alloc = md.ops.tree, md.ops.allocator
+    return alloc.available_size() + tree.evictable_size() + tree.protected_size() + md.held_tokens == alloc.size
+
+
+def md_rows(md, token_ids, start, end):
+    _, node = md.ops.match(token_ids)
+    slots = md.ops.tree.path_device_indices(node)[start:end].to(torch.int64)
+    return [b[slots] for b in bufs(md.ops.pool)]
+
+
+def close(md, p=None):
+    if p is not None:
+        p.fanout.close()
+    md.receiver.close()
+    md.control.httpd.shutdown()
+
+
+@pytest.mark.parametrize("kind,page_size,prompt_len", [
+    ("mha", 1, 37), ("mha", 16, 50), ("mha", 16, 48), ("mla", 16, 50), ("mha", 64, 150), ("mla", 64, 70),
+])
+@pytest.mark.parametrize("ingest", ["pool", "staged"])
+def test_kv_lands_in_the_tree_exactly(kind, page_size, prompt_len, ingest):
+    md = build_md(page_size, kind, ingest=ingest)
+    p = Prefill(kind, page_size, md)
+    try:
+        ids = list(range(1000, 1000 + prompt_len))
+        free_before = md.ops.allocator.available_size()
+        reg = md._do_register(1, ids)
+        assert reg["cached_tokens"] == 0 and reg["kv_layout"]["kind"] == kind
+        assert reg["kv_layout"]["page_size"] == page_size
+        sent_pages = -(-prompt_len // page_size)
+        if ingest == "pool":  # the room's pages are reserved up front, and counted
+            assert md.held_tokens == sent_pages * page_size
+            assert md.ops.allocator.available_size() == free_before - sent_pages * page_size
+        assert conserved(md)
+        pages = p.pages_for(prompt_len, seed=1)
+        p.send(1, ids, reg["cached_tokens"], pages)
+        drive_until(md, 1)
+        insert_len = prompt_len // page_size * page_size  # the tree holds whole pages only
+        cached, _ = md.ops.match(ids)
+        assert cached == insert_len
+        for want, got in zip(p.token_rows(pages, 0, insert_len), md_rows(md, ids, 0, insert_len)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+        # the partial last page went back to the allocator; the prompt's pages are locked
+        assert md.ops.allocator.available_size() == free_before - insert_len
+        md._do_release(1)
+        assert md.ops.tree.protected_size() == 0 and conserved(md)
+    finally:
+        close(md, p)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cached_prefix_is_page_aligned_and_p_sends_from_it(page_size):
+    md = build_md(page_size)
+    p = Prefill("mha", page_size, md)
+    try:
+        first = list(range(2000, 2040))
+        reg = md._do_register(1, first)
+        pages1 = p.pages_for(len(first), seed=2)
+        p.send(1, first, reg["cached_tokens"], pages1)
+        drive_until(md, 1)
+        md._do_release(1)
+        # a second turn shares 35 tokens: MD holds them up to the last whole page
+        second = first[:35] + list(range(3000, 3030))
+        reg = md._do_register(2, second)
+        shared = 35 // page_size * page_size
+        assert reg["cached_tokens"] == shared
+        # P's copy of the second prompt: the shared pages plus new ones
+        pages2 = p.pages_for(len(second), seed=3)
+        p.send(2, second, reg["cached_tokens"], pages2)
+        drive_until(md, 2)
+        insert_len = len(second) // page_size * page_size
+        assert md.ops.match(second)[0] == insert_len
+        for want, got in zip(p.token_rows(pages2, shared, insert_len), md_rows(md, second, shared, insert_len)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+        for want, got in zip(p.token_rows(pages1, 0, shared), md_rows(md, second, 0, shared)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))  # the prefix is turn 1's KV
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+        assert md.stats()["wan_tokens"] == len(first) + len(second) - shared
+    finally:
+        close(md, p)
+
+
+@pytest.mark.parametrize("ingest", ["pool", "staged"])
+def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
+    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+
+    md = build_md(16, ingest=ingest)
+    try:
+        per_page = md.ops.pool_layout.page_bytes * md.ops.pool_layout.num_buffers
+        md.budget.limit_bytes = 3 * per_page  # three pages in flight at most
+        free_before = md.ops.allocator.available_size()
+        md._do_register(1, list(range(20)))  # two pages: fits
+        with pytest.raises(RoomRefused, match=rf"needs {2 * per_page} bytes of KV in flight on MD, {per_page} of"):
+            md._do_register(2, list(range(100, 120)))
+        assert md.counters["rooms_refused"] == 1 and 2 not in md.rooms.rooms
+        assert md.budget.used_bytes == 2 * per_page and conserved(md)
+        md._do_register(3, list(range(200, 210)))  # one page still fits
+        for room in (1, 3):
+            md._do_release(room)
+        settle(md)
+        assert md.ops.allocator.available_size() == free_before and md.budget.used_bytes == 0
+    finally:
+        close(md)
+
+
+def test_room_larger_than_the_pool_is_refused_at_registration():
+    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+
+    md = build_md(16)
+    try:
+        free_before = md.ops.allocator.available_size()
+        with pytest.raises(RoomRefused, match="KV pool cannot hold"):
+            md._do_register(1, list(range(16 * POOL_PAGES + 5)))
+        assert md.rooms.rooms == {} and md.held_tokens == 0 and md.budget.used_bytes == 0
+        assert md.ops.allocator.available_size() == free_before and conserved(md)
+        assert md.counters["rooms_refused"] == 1
+    finally:
+        close(md)
+
+
+def test_refused_registration_answers_400_with_the_reason():
+    """Through MD's control API (the router treats any non-200 as 'RLD finishes')."""
+    import threading
+
+    md = build_md(16, tmp_budget_mb=1)
+    stop = threading.Event()
+
+    def scheduler():
+        while not stop.is_set():
+            md.on_scheduler_iteration()
+            time.sleep(0.005)
+
+    t = threading.Thread(target=scheduler, daemon=True)
+    t.start()
+    try:
+        from sglang_pdd.launcher.http import call_json
+
+        url = "http://%s:%d/pdd/rooms" % md.control.httpd.server_address[:2]
+        status, reply = call_json("POST", url, {"room": 5, "token_ids": list(range(16 * POOL_PAGES + 1))}, key=KEY)
+        assert status == 400
+        assert "refused" in reply["error"]
+    finally:
+        stop.set()
+        t.join()
+        close(md)
+
+
+@pytest.mark.parametrize("ingest", ["pool", "staged"])
+def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
+    md = build_md(16, ingest=ingest)
+    try:
+        free_before = md.ops.allocator.available_size()
+        md._do_register(1, list(range(100)))
+        assert md.budget.used_bytes > 0
+        md._do_release(1)  # the router gave up before any KV came
+        settle(md)
+        assert md.held_tokens == 0 and md.budget.used_bytes == 0 and md.rooms.rooms == {}
+        assert md.ops.allocator.available_size() == free_before and conserved(md)
+    finally:
+        close(md)
+
+
+def test_layout_mismatch_fails_the_room_naming_both_sides(caplog):
+    md = build_md(16)  # MD: page size 16
+    p = Prefill("mha", 1, md)  # P: page size 1
+    try:
+        ids = list(range(32))
+        reg = md._do_register(1, ids)
+        p.send(1, ids, reg["cached_tokens"], p.pages_for(32, seed=4))
+        entry = drive_until(md, 1, status="failed")
+        assert "layout_mismatch" in entry.reason and "page_size 16 vs 1" in entry.reason, entry.reason
+        def p_said_so():  # P hears it too (NACK), and says so as an error
+            return any(r.levelname == "ERROR" and "page_size 16 vs 1" in r.getMessage() for r in caplog.records)
+
+        deadline = time.monotonic() + 10
+        while not p_said_so() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p_said_so()
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+    finally:
+        close(md, p)
+
+
+def test_sglang_leak_check_counts_pages_held_in_flight():
+    from sglang_pdd.sglang_glue.plugin import _count_md_held_slots
+
+    md = build_md(16)
+    try:
+        md._do_register(1, list(range(40)))
+        checker = SimpleNamespace(token_to_kv_pool_allocator=md.ops.allocator)
+        seen = _count_md_held_slots(lambda c, ps, uncached=0: uncached, checker, None, uncached=5)
+        assert seen == 5 + 48 == 5 + md.held_tokens
+        other = SimpleNamespace(token_to_kv_pool_allocator=object())  # another scheduler's pool
+        assert _count_md_held_slots(lambda c, ps, uncached=0: uncached, other, None) == 0
+    finally:
+        close(md)
