@@ -566,9 +566,11 @@ class PddFlow:
                 self._handed += step.tokens
                 self.result.catch_up_batches.append(step.tokens)
                 self._round += 1
+                # (its output is discarded: no min_new_tokens, which MD's one-token warmup would refuse)
+                warm = {k: v for k, v in self.sampling.items() if k != "min_new_tokens"}
                 await self.control.handoff(self.room, {
                     "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
-                    "sampling_params": self.sampling, "rid": self._leg_rid(f"c{self._round - 1}")})
+                    "sampling_params": warm, "rid": self._leg_rid(f"c{self._round - 1}")})
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
             return
