@@ -292,8 +292,10 @@ class PddFlow:
             for action in actions:
                 try:
                     out = self._perform(action, payload)
-                except StitchError as e:  # a backend broke the stream's invariants
+                except (StitchError, BackendError) as e:  # a backend broke the stream's invariants
                     self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                    if isinstance(e, BackendError):
+                        raise
                     raise BackendError(f"request broke off: {e}") from None
                 if out:
                     yield out
