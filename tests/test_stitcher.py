@@ -102,3 +102,24 @@ def test_resume_relay_after_md_died_mid_stream():
     s.resume_relay()  # a new P->RLD request for prompt + TRUTH[:9]
     out += s.on_rld_tokens(TRUTH[9:])
     assert out == TRUTH and s.source is Source.RELAY
+
+
+def test_md_output_from_position_zero_is_taken_past_the_cut():
+    """The resume contract: MD's cumulative stream starts with the eager tokens it was handed."""
+    s = StreamStitcher()
+    out = s.on_rld_tokens(TRUTH[:5])
+    s.begin_handoff()
+    out += s.on_rld_tokens(TRUTH[5:7])  # held back
+    assert s.on_md_output(TRUTH[:5]) == []  # only the eager tokens so far: nothing new
+    out += s.on_md_output(TRUTH[:8])
+    out += s.on_md_output(TRUTH[:8])  # a repeated event adds nothing
+    out += s.on_md_output(TRUTH)
+    assert out == TRUTH and s.source is Source.MAIN
+
+
+def test_md_output_not_starting_with_the_eager_tokens_is_refused():
+    s = StreamStitcher()
+    s.on_rld_tokens(TRUTH[:5])
+    s.begin_handoff()
+    with pytest.raises(StitchError):
+        s.on_md_output(TRUTH[5:12])  # an MD that restarted instead of continuing

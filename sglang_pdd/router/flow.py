@@ -292,8 +292,10 @@ class PddFlow:
             for action in actions:
                 try:
                     out = self._perform(action, payload)
-                except StitchError as e:  # a backend broke the stream's invariants
+                except (StitchError, BackendError) as e:  # a backend broke the stream's invariants
                     self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                    if isinstance(e, BackendError):
+                        raise
                     raise BackendError(f"request broke off: {e}") from None
                 if out:
                     yield out
@@ -566,9 +568,11 @@ class PddFlow:
                 self._handed += step.tokens
                 self.result.catch_up_batches.append(step.tokens)
                 self._round += 1
+                # (its output is discarded: no min_new_tokens, which MD's one-token warmup would refuse)
+                warm = {k: v for k, v in self.sampling.items() if k != "min_new_tokens"}
                 await self.control.handoff(self.room, {
                     "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
-                    "sampling_params": self.sampling, "rid": self._leg_rid(f"c{self._round - 1}")})
+                    "sampling_params": warm, "rid": self._leg_rid(f"c{self._round - 1}")})
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
             return
