@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +93,10 @@ def test_peer_with_a_certificate_from_another_ca_is_refused(pki):
             assert xfer.wait(10) == RoomState.FAILED
             assert xfer.failure_reason in (FailureReason.CONNECT_FAILED, FailureReason.AUTH)
             assert rx.poll(room) == RoomState.WAITING_FOR_INPUT and not dest.any()
+        # The sender can see its failure before the receiver's handshake thread counts it.
+        deadline = time.monotonic() + 10
+        while rx.stats()["auth_failures"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert rx.stats()["auth_failures"] >= 2
     finally:
         rogue.close()
