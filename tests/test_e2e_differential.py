@@ -169,8 +169,6 @@ def test_router_equals_single_server(pdd_cluster, references, pd_references, pat
         assert any(h > 1 for h in handoffs), handoffs
 
 
-@pytest.mark.xfail(strict=True, reason="needs the router's SGLang-style detokenization (issue 10 item 3, "
-                   "wip/router): today's app.py decodes every output id, stop strings and EOS untrimmed")
 @pytest.mark.parametrize("path", ["p_md", "one_shot"])
 def test_router_text_equals_single_server(pdd_cluster, references, pd_references, path):
     """text, incl. stop strings trimmed as SGLang trims them (the router's detokenization)."""
