@@ -218,3 +218,21 @@ def test_colliding_client_rids_do_not_abort_each_others_legs():
             await fakes.stop()
 
     assert asyncio.run(main()) == truth(PROMPT, 40)
+
+
+def test_path_choice_uses_rlds_load_when_no_fixed_wan_budget_is_set():
+    """Without --max-wan-transfer-ms the router passes RLD's load to the policy: an idle RLD
+    hides the WAN (P->RLD->MD), a saturated one lets a fully cached prompt go P->MD."""
+    from sglang_pdd.router.policy import PathPolicyConfig
+
+    cfg = dataclasses.replace(flow_config(), path=PathPolicyConfig(ttft_slo_ms=2000, wan_gbps=10, wan_rtt_ms=2,
+                                                                   max_wan_transfer_ms=None),
+                              rld_max_running=4)
+    main = MainBackend("http://md", "http://md-control", "127.0.0.1:1", kv_bytes_per_token=512)
+
+    def decide(inflight: int):
+        flow = PddFlow(None, cfg, PrefillBackend("http://x", 1), "http://y", main, PROMPT, {}, rld_inflight=inflight)
+        return flow._decide(md_cached=len(PROMPT))
+
+    assert decide(0).path is Path.P_RLD_MD
+    assert decide(8).path is Path.P_MD

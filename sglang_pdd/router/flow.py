@@ -368,8 +368,12 @@ class PddFlow:
         return await self._register_and_choose_path()
 
     def _decide(self, md_cached: int) -> PathDecision:
+        # RLD's load feeds the load-aware WAN budget (an explicit --max-wan-transfer-ms wins);
+        # the router does not see P's queue, so that term stays 0 here.
+        rld_load = RldLoad(self.rld_inflight, self.cfg.rld_max_running).utilisation
         decision = choose_path(RequestFacts(input_tokens=len(self.ids), md_cached_tokens=md_cached,
-                                            expected_output_tokens=self.max_new), self.cfg.path)
+                                            expected_output_tokens=self.max_new, rld_utilisation=rld_load),
+                               self.cfg.path)
         if self.force_path is not None and self.force_path is not decision.path:
             decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
         return decision
