@@ -5,7 +5,7 @@ from that page boundary on."""
 import pytest
 
 from sglang_pdd.launcher.http import get_json, post_json
-from test_e2e_pdd import MAX_NEW, PROMPTS, greedy_body
+from test_e2e_pdd import PROMPTS, greedy_body
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.sim.cache import BlockCache
 from sglang_pdd.sim.cluster import PATH_NAMES, ScenarioConfig, Simulation

@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 

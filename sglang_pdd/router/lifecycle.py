@@ -45,7 +45,7 @@ An event that cannot happen in a state (a bug, or a backend that breaks its cont
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from sglang_pdd.router.policy import Path

@@ -26,7 +26,7 @@ import threading
 import time
 from array import array
 from concurrent.futures import Future
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 import torch

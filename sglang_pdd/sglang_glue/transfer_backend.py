@@ -34,7 +34,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port, parse_peer_list
 from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.kv_channel.fallback import MOONCAKE, TCP, intra_dc_transport
+from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer

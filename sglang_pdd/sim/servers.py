@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 from .engine import EventLoop
 from .hardware import HardwareProfile, LinkProfile

@@ -6,9 +6,7 @@ Certificates are made at test time with the openssl CLI: a CA, a leaf for MD (na
 
 import os
 import shutil
-import socket
 import subprocess
-import threading
 import time
 
 import numpy as np
