@@ -66,16 +66,24 @@ def _check_private_fd(fd: int, path) -> None:
                            f"run chmod 600 {path}")
 
 
-def check_private_file(path) -> None:
-    """Raise KeyFileError unless ``path`` is a regular file only its owner may access."""
+def _open_private(path) -> int:
+    """An fd of ``path``, checked to be a regular file only its owner may access (checked on
+    the opened file: no window between the check and the read)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
     try:
         _check_private_fd(fd, path)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def check_private_file(path) -> None:
+    """Raise KeyFileError unless ``path`` is a regular file only its owner may access."""
+    os.close(_open_private(path))
 
 
 def load_key(path) -> bytes:
@@ -85,16 +93,8 @@ def load_key(path) -> bytes:
     may read (``chmod 600`` it: anyone who reads the key can impersonate P or MD) and a
     key shorter than ``MIN_KEY_BYTES``. ``secrets.token_hex(32)`` makes a good one.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise KeyFileError(f"key file {path}: cannot open: {e.strerror}") from None
-    try:
-        _check_private_fd(fd, path)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            key = f.read(1 << 16).strip()
-    finally:
-        os.close(fd)
+    with os.fdopen(_open_private(path), "rb") as f:
+        key = f.read(1 << 16).strip()
     if len(key) < MIN_KEY_BYTES:
         raise KeyFileError(f"key file {path} holds a {len(key)}-byte key; need at least {MIN_KEY_BYTES} bytes")
     return key
