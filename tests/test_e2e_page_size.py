@@ -38,9 +38,10 @@ def test_paged_drc_second_turn_sends_from_the_page_boundary(pdd_cluster_paged, s
     turn1 = "def parse(config):\n    values = {}\n    for key in config:\n        values[key] = config[key]\n"
     first = route(pdd_cluster_paged, turn1, path="p_md")
     turn2 = turn1 + first["text"] + "\n# next turn\n"
-    before = get_json(f"{control}/pdd/stats")
+    key = pdd_cluster_paged.control_key  # MD's control API answers signed calls only
+    before = get_json(f"{control}/pdd/stats", key=key)
     second = route(pdd_cluster_paged, turn2, path="p_md")
-    after = get_json(f"{control}/pdd/stats")
+    after = get_json(f"{control}/pdd/stats", key=key)
     assert second["output_ids"] == post_json(f"{single_server}/generate", greedy_body(turn2))["output_ids"]
     cached = second["meta_info"]["pdd"]["md_cached_tokens"]
     assert cached % page == 0 and cached >= first["meta_info"]["prompt_tokens"] // page * page - page
