@@ -78,11 +78,9 @@ def blocks_for(tokens: int) -> int:
     return math.ceil(tokens / BLOCK_TOKENS)
 
 
-def ideal_prefix_hit_rate(requests: Iterable[TraceRequest]) -> float:
-    """Token-weighted prefix hit rate with an infinite cache of whole blocks: the most any
-    cache can reuse in this trace. Used to place a trace on the hit-rate axis."""
+def _ideal_hits(requests: Iterable[TraceRequest]):
+    """(hit tokens, input tokens) per request with an infinite cache of whole blocks."""
     seen = set()
-    hit = total = 0
     for r in requests:
         full_blocks = r.input_length // BLOCK_TOKENS
         n = 0
@@ -90,27 +88,24 @@ def ideal_prefix_hit_rate(requests: Iterable[TraceRequest]) -> float:
             if h not in seen:
                 break
             n += 1
-        hit += n * BLOCK_TOKENS
-        total += r.input_length
         seen.update(r.hash_ids[:full_blocks])
+        yield n * BLOCK_TOKENS, r.input_length
+
+
+def ideal_prefix_hit_rate(requests: Iterable[TraceRequest]) -> float:
+    """Token-weighted prefix hit rate with an infinite cache of whole blocks: the most any
+    cache can reuse in this trace. Used to place a trace on the hit-rate axis."""
+    hit = total = 0
+    for h, n in _ideal_hits(requests):
+        hit += h
+        total += n
     return hit / total if total else 0.0
 
 
 def per_request_hit_rates(requests: Iterable[TraceRequest]) -> List[float]:
     """Each request's prefix hit (whole blocks) with an infinite cache: the distribution
     behind `ideal_prefix_hit_rate` (which is its token-weighted mean)."""
-    seen = set()
-    out = []
-    for r in requests:
-        full_blocks = r.input_length // BLOCK_TOKENS
-        n = 0
-        for h in r.hash_ids[:full_blocks]:
-            if h not in seen:
-                break
-            n += 1
-        out.append(n * BLOCK_TOKENS / r.input_length)
-        seen.update(r.hash_ids[:full_blocks])
-    return out
+    return [h / n for h, n in _ideal_hits(requests)]
 
 
 @dataclass(frozen=True)
