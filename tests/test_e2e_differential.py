@@ -4,7 +4,8 @@ whatever the path (P->MD, P->RLD->MD one-shot and catch-up, P->RLD only), stream
 with a handoff mid-stream and after a WAN partition (recovery on RLD), for every sampling
 parameter that keeps state across the cut: stop strings, stop_token_ids, regex, json_schema,
 penalties, min_new_tokens; and logprobs (PddFlow's ``output_meta``, stitched from RLD and MD)
-equal within 1e-3.
+equal within 1e-3. Penalties included: RLD and MD count penalized tokens on one server's clock
+(sglang_glue/penalty_clock.py), so a handoff at any position changes nothing.
 
 Handoffs mid-stream: the test WAN is slow (conftest: 0.5 Mbit/s) and each P->RLD->MD request
 starts with the link stalled for a moment, so RLD has streamed eager tokens when MD's KV lands;
@@ -47,12 +48,6 @@ PATHS = {
     "catch_up": {"path": "p_rld_md", "handoff_mode": "catch_up", "catch_up_threshold": 2},
     "rld_only": {"path": "p_rld_only"},
 }
-
-# Penalties: SGLang 0.5.23's own PD pair (P + RLD, no PDD handoff) already differs from one
-# plain server here (the single server leaves the first output tokens unpenalized, PD does
-# not; measured on this suite's second prompt). A handoff must change nothing, so for these
-# cases the reference is SGLang's PD answer (the router's p_rld_only path, no MD involved).
-PD_REFERENCE_CASES = {"freq_presence", "repetition"}
 
 JSON_SCHEMA = json.dumps({"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}}, "required": ["name", "age"]})
@@ -98,19 +93,6 @@ def references(single_server):
         out[prompt] = {name: (sampling, post_json(f"{single_server}/generate", body(prompt, sampling)))
                        for name, sampling in cases(plain).items()}
     return out
-
-
-@pytest.fixture(scope="module")
-def pd_references(pdd_cluster, references):
-    """prompt -> case -> SGLang's PD answer (P + RLD only), for PD_REFERENCE_CASES."""
-    return {prompt: {name: post_json(f"{pdd_cluster.topology.router_url}/generate",
-                                     body(prompt, references[prompt][name][0], pdd_options=PATHS["rld_only"]))
-                     for name in PD_REFERENCE_CASES} for prompt in DIFF_PROMPTS}
-
-
-def reference_for(references, pd_references, prompt: str, name: str) -> tuple[dict, dict]:
-    sampling, want = references[prompt][name]
-    return sampling, pd_references[prompt][name] if name in PD_REFERENCE_CASES else want
 
 
 def stream_final(url: str, payload: dict) -> dict:
@@ -159,11 +141,11 @@ def assert_same(got: dict, want: dict, where: str) -> None:
     pytest.param(path, stream, id=f"{path}-{'stream' if stream else 'once'}")
     for stream in (False, True) for path in PATHS
     if FULL or not stream or path in ("p_md", "one_shot")])
-def test_router_equals_single_server(pdd_cluster, references, pd_references, path, stream):
+def test_router_equals_single_server(pdd_cluster, references, path, stream):
     handoffs, bad = [], []
     for prompt in DIFF_PROMPTS:
         for name in references[prompt]:
-            sampling, want = reference_for(references, pd_references, prompt, name)
+            sampling, want = references[prompt][name]
             got = route(pdd_cluster, prompt, sampling, PATHS[path], stream)
             pdd = got["meta_info"]["pdd"]
             bad += differences(got, want, f"{path}/{name}/{prompt[:20]!r}")
@@ -179,25 +161,25 @@ def test_router_equals_single_server(pdd_cluster, references, pd_references, pat
 
 
 @pytest.mark.parametrize("path", ["p_md", "one_shot"])
-def test_router_text_equals_single_server(pdd_cluster, references, pd_references, path):
+def test_router_text_equals_single_server(pdd_cluster, references, path):
     """text, incl. stop strings trimmed as SGLang trims them (the router's detokenization)."""
     bad = []
     for prompt in DIFF_PROMPTS:
         for name in references[prompt]:
-            sampling, want = reference_for(references, pd_references, prompt, name)
+            sampling, want = references[prompt][name]
             got = route(pdd_cluster, prompt, sampling, PATHS[path], stream=False)
             if got["text"] != want["text"]:
                 bad.append(f"{path}/{name}: {got['text']!r} != {want['text']!r}")
     assert not bad, "\n".join(bad)
 
 
-def test_recovery_after_wan_partition_equals_single_server(pdd_cluster, references, pd_references):
+def test_recovery_after_wan_partition_equals_single_server(pdd_cluster, references):
     """The WAN is down: P->MD recovers on a new relay leg after RLD's first token (a replay,
     for greedy requests), P->RLD->MD ends on RLD; outputs as on one server."""
     pdd_cluster.wan_control("partition")
     try:
         for name in ("plain", "stop_token_ids", "json_schema", "freq_presence", "min_new_tokens"):
-            sampling, want = reference_for(references, pd_references, PROMPTS[1], name)
+            sampling, want = references[PROMPTS[1]][name]
             for options in (PATHS["p_md"], PATHS["one_shot"]):
                 payload = body(PROMPTS[1], sampling, pdd_options=options)
                 got = post_json(f"{pdd_cluster.topology.router_url}/generate", payload)

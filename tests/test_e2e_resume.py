@@ -202,6 +202,17 @@ def test_penalties_count_resumed_tokens(server, prompt_ids, penalty):
     assert full["output_ids"] != plain["output_ids"], "the penalty changes nothing for this prompt"
 
 
+def test_penalties_follow_the_servers_clock(server, tokenizer):
+    """Under the overlap scheduler one server counts penalties one token late (penalty_clock.py):
+    on this prompt its greedy output repeats the first token under repetition_penalty, which a
+    resume at k=1 that counted the resumed token at once would not (measured before the fix)."""
+    ids = tokenizer("The history of the printing press begins")["input_ids"]
+    for penalty in ({"repetition_penalty": 1.4}, {"frequency_penalty": 0.8, "presence_penalty": 0.6}):
+        params = {"max_new_tokens": 16, "temperature": 0, **penalty}
+        full = check_cuts(server, ids, params, [1, 2, 3])
+        assert full["output_ids"][0] == full["output_ids"][1], "the case this test is about is gone"
+
+
 def test_min_new_tokens_counts_resumed_tokens(server, prompt_ids):
     base = generate(server, prompt_ids, {"max_new_tokens": 32, "temperature": 0})["output_ids"]
     stop_id = base[2]  # without min_new_tokens the request would stop after 3 tokens

@@ -60,8 +60,8 @@ def _req(ids, k=None, max_new=16, req_kwargs=None, **sampling):
                **(req_kwargs or {}))
 
 
-def _scheduler(mode="null"):
-    return SimpleNamespace(disaggregation_mode=SimpleNamespace(value=mode))
+def _scheduler(mode="null", overlap=False):
+    return SimpleNamespace(disaggregation_mode=SimpleNamespace(value=mode), enable_overlap=overlap)
 
 
 def _recv():
@@ -152,7 +152,9 @@ def test_grammar_rejecting_a_resumed_token_aborts_with_400(sglang_ctx):
     assert list(req.output_ids) == []
 
 
-# Penalizers: seeding at _prepare must equal sampling the resumed tokens one by one.
+# Penalizers: seeding at _prepare must equal what the server counts when it samples the resumed
+# tokens itself, one cumulation per step on its clock (penalty_clock.py): without overlap
+# out[0..k-1]; under overlap (one token late) prompt[-1], out[0..k-2].
 
 class _Orchestrator:
     def __init__(self, reqs, vocab_size=12):
@@ -162,7 +164,7 @@ class _Orchestrator:
         return self._reqs
 
 
-def _penalizer_state(cls_name, seed_fn, reqs, sequential: bool):
+def _penalizer_state(cls_name, seed_fn, reqs, sequential: bool, overlap: bool = False):
     import torch
     from sglang.srt.sampling import penaltylib
 
@@ -171,21 +173,24 @@ def _penalizer_state(cls_name, seed_fn, reqs, sequential: bool):
     pen = cls(orch)
     pen._orchestrator_ref = weakref.ref(orch)
     pen._prepare()
-    if sequential:  # what SGLang does when the tokens are sampled: one step per position
+    if sequential:  # what SGLang does when the tokens are sampled: one cumulation per step
         for pos in range(max(len(r.output_ids) for r in reqs)):
-            pen._cumulate_output_tokens(torch.tensor([r.output_ids[pos] for r in reqs], dtype=torch.int64))
+            last = [(r.output_ids[pos - 1] if pos else r.origin_input_ids[-1]) if overlap else r.output_ids[pos]
+                    for r in reqs]
+            pen._cumulate_output_tokens(torch.tensor(last, dtype=torch.int64))
     else:
         seed_fn(None, pen)
     return {name: value.clone() for name, value in vars(pen).items() if isinstance(value, torch.Tensor)}
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("cls_name,sampling", [
     ("BatchedFrequencyPenalizer", {"frequency_penalty": 0.7}),
     ("BatchedPresencePenalizer", {"presence_penalty": 0.4}),
     ("BatchedRepetitionPenalizer", {"repetition_penalty": 1.3}),
     ("BatchedMinNewTokensPenalizer", {"min_new_tokens": 9, "stop_token_ids": [11]}),
 ])
-def test_penalizer_seed_equals_sampling_the_tokens(sglang_ctx, cls_name, sampling):
+def test_penalizer_seed_equals_sampling_the_tokens(sglang_ctx, cls_name, sampling, overlap):
     import torch
 
     from sglang_pdd.sglang_glue.resume import PENALIZER_SEEDS, seed_resumed_output
@@ -196,13 +201,16 @@ def test_penalizer_seed_equals_sampling_the_tokens(sglang_ctx, cls_name, samplin
     def reqs():
         out = []
         for ids in ([1, 2, 3, 4, 4, 7, 4], [5, 6, 7, 8, 9, 8, 8]):
-            req = seed_resumed_output(_req(ids, k=4, **sampling), _scheduler(), _recv())
+            req = seed_resumed_output(_req(ids, k=4, **sampling), _scheduler(overlap=overlap), _recv())
             req.tokenizer = tokenizer
             out.append(req)
         return out
 
     seeded = _penalizer_state(cls_name, seed_fn, reqs(), sequential=False)
-    sampled = _penalizer_state(cls_name, seed_fn, reqs(), sequential=True)
+    sampled = _penalizer_state(cls_name, seed_fn, reqs(), sequential=True, overlap=overlap)
+    other_clock = _penalizer_state(cls_name, seed_fn, reqs(), sequential=True, overlap=not overlap)
+    if cls_name != "BatchedMinNewTokensPenalizer":  # a count: the same on both clocks
+        assert any(not torch.equal(seeded[n], other_clock[n]) for n in seeded), "the clock changed nothing"
     assert seeded.keys() == sampled.keys()
     for name in seeded:
         assert torch.equal(seeded[name], sampled[name]), name

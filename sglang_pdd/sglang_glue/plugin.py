@@ -19,6 +19,9 @@ Hooks (each a no-op unless --pdd-role asks for it):
 * Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
   resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
   the marker, which only the router / MD glue sets).
+* ScheduleBatch.process_prebuilt (after) / cumulate_penalty_output_tokens (around) —
+  penalty_clock.py: on the relay (a PD decode server) penalties count tokens on one server's
+  clock (inert on every other role).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ logger = logging.getLogger(__name__)
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _BOOTSTRAP_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
+_SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_DECODE_BATCH_MIXIN = "sglang.srt.disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin"
 _INVARIANT_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 
 
@@ -65,6 +70,10 @@ def get_pdd_config(server_args) -> PddConfig:
 def _start_role_runtime(result, scheduler, *args, **kwargs):
     cfg = get_pdd_config(scheduler.server_args)
     scheduler._pdd_runtime = None
+    if cfg.role == "relay":
+        from sglang_pdd.sglang_glue import penalty_clock
+
+        penalty_clock.align_pd_first_step()
     if cfg.role == "main":
         from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
         from sglang_pdd.sglang_glue.transfer_backend import read_key
@@ -127,9 +136,13 @@ def register() -> None:
 
 
 def _register_resume_hooks() -> None:
-    from sglang_pdd.sglang_glue import resume
+    from sglang_pdd.sglang_glue import penalty_clock, resume
 
     HookRegistry.register(f"{_SCHEDULER}._create_generation_req", resume.seed_resumed_output, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", resume.advance_resumed_request, HookType.BEFORE)
     for target, seed in resume.PENALIZER_SEEDS.items():
         HookRegistry.register(target, seed, HookType.AFTER)
+    HookRegistry.register(f"{_DECODE_BATCH_MIXIN}.process_prebuilt", penalty_clock.mark_transferred_requests,
+                          HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULE_BATCH}.cumulate_penalty_output_tokens", penalty_clock.count_prompt_tail_first,
+                          HookType.AROUND)

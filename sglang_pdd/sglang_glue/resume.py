@@ -18,8 +18,9 @@ no patch):
 * ``Scheduler._add_request_to_queue`` (before; both the direct and the grammar-queue path end
   there, once the grammar object is ready): the grammar (regex / json_schema / ebnf /
   structural_tag) accepts the k tokens; a token it rejects aborts the request with 400.
-* each penalizer's ``_prepare`` (after): frequency / presence / repetition count the k tokens
-  and min_new_tokens counts them, exactly as if they had been sampled.
+* each penalizer's ``_prepare`` (after): frequency / presence / repetition hold what the server
+  would have counted had it sampled the k tokens itself (its penalty clock, one token late under
+  the overlap scheduler: penalty_clock.py), and min_new_tokens counts them.
 * stop strings / stop regexes: SGLang checks the decoded tail of ``output_ids``, which now
   holds the k tokens, so a stop string straddling the cut is found at the first new token;
   stop token ids are checked per new token (the k tokens are known not to finish the request).
@@ -71,11 +72,14 @@ from array import array
 from http import HTTPStatus
 from typing import Any, Optional, Sequence
 
+from sglang_pdd.sglang_glue import penalty_clock
+
 logger = logging.getLogger(__name__)
 
 RESUME_KEY = "pdd_resume_output_len"
 _RESUMED_ATTR = "_pdd_resumed_len"  # set on a Req: how many of its output_ids were resumed
 _GRAMMAR_PENDING_ATTR = "_pdd_resume_grammar_pending"
+_OVERLAP_ATTR = "_pdd_resume_overlap"  # on a Req: the server's scheduler overlaps (penalty clock)
 
 
 class ResumeError(ValueError):
@@ -141,6 +145,7 @@ def seed_resumed_output(req, scheduler, recv_req, *args, **kwargs):
         _pad_resumed_logprobs(req.logprob, resumed)
     setattr(req, _RESUMED_ATTR, k)
     setattr(req, _GRAMMAR_PENDING_ATTR, True)
+    setattr(req, _OVERLAP_ATTR, bool(getattr(scheduler, "enable_overlap", False)))
     return req
 
 
@@ -191,13 +196,15 @@ def _resumed_rows(penalizer):
 
 
 def _ids_tensor(req, device):
+    """The tokens the server's penalizers would hold now (penalty_clock.history)."""
     import torch
 
-    return torch.tensor(list(req.output_ids), dtype=torch.int64, device=device)
+    counted = penalty_clock.history(req.origin_input_ids, req.output_ids, getattr(req, _OVERLAP_ATTR, False))
+    return torch.tensor(counted, dtype=torch.int64, device=device)
 
 
 def seed_frequency_penalty(result, penalizer, *args, **kwargs):
-    """AFTER BatchedFrequencyPenalizer._prepare: each resumed token adds its penalty once."""
+    """AFTER BatchedFrequencyPenalizer._prepare: each counted token adds its penalty once."""
     for i, req in _resumed_rows(penalizer):
         ids = _ids_tensor(req, penalizer.cumulated_frequency_penalties.device)
         row = penalizer.cumulated_frequency_penalties[i]
@@ -206,7 +213,7 @@ def seed_frequency_penalty(result, penalizer, *args, **kwargs):
 
 
 def seed_presence_penalty(result, penalizer, *args, **kwargs):
-    """AFTER BatchedPresencePenalizer._prepare: every token present in the output is penalized."""
+    """AFTER BatchedPresencePenalizer._prepare: every counted token is penalized."""
     for i, req in _resumed_rows(penalizer):
         ids = _ids_tensor(req, penalizer.cumulated_presence_penalties.device)
         penalizer.cumulated_presence_penalties[i, ids] = penalizer.presence_penalties[i, 0]
@@ -214,7 +221,7 @@ def seed_presence_penalty(result, penalizer, *args, **kwargs):
 
 
 def seed_repetition_penalty(result, penalizer, *args, **kwargs):
-    """AFTER BatchedRepetitionPenalizer._prepare: every token present in the output is scaled."""
+    """AFTER BatchedRepetitionPenalizer._prepare: every counted token is scaled."""
     for i, req in _resumed_rows(penalizer):
         ids = _ids_tensor(req, penalizer.cumulated_repetition_penalties.device)
         penalizer.cumulated_repetition_penalties[i, ids] = penalizer.repetition_penalties[i, 0]
