@@ -41,7 +41,7 @@ from sglang_pdd.kv_channel.layout import KvPoolLayout  # noqa: E402
 from sglang_pdd.kv_channel.states import RoomState  # noqa: E402
 from sglang_pdd.kv_channel.wan_sender import WanKvSender  # noqa: E402
 from sglang_pdd.launcher.cluster import default_model_path  # noqa: E402
-from sglang_pdd.launcher.http import get_json, post_json  # noqa: E402
+from sglang_pdd.launcher.http import get_json, post_json, stream_events  # noqa: E402
 from sglang_pdd.launcher.processes import ProcessGroup  # noqa: E402
 from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key  # noqa: E402
 
@@ -50,12 +50,9 @@ def stream_decode(url: str, max_new: int, events: list, started: threading.Event
     """The victim: one greedy streaming decode; records (arrival time, tokens so far) per event."""
     body = {"input_ids": list(range(100, 132)), "stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        for line in resp:
-            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
-                events.append((time.perf_counter(), len(json.loads(line[5:])["output_ids"])))
-                started.set()
+    for event in stream_events(f"{url}/generate", body, timeout=900):
+        events.append((time.perf_counter(), len(event["output_ids"])))
+        started.set()
 
 
 def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_bps: float, rng) -> tuple:

@@ -29,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sglang_pdd.launcher.cluster import LocalCluster, default_model_path  # noqa: E402
+from sglang_pdd.launcher.http import stream_events  # noqa: E402
 from sglang_pdd.launcher.processes import ProcessGroup  # noqa: E402
 from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv  # noqa: E402
 
@@ -54,34 +54,23 @@ def stream_generate(url: str, prompt: str, max_new: int) -> tuple[float, int]:
     """(TTFT seconds, output tokens) of one streaming /generate."""
     body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
                                                                 "ignore_eos": True}}
-    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     t0, ttft, tokens = time.perf_counter(), None, 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for line in resp:
-            if line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                tokens = len(event.get("output_ids") or [])
-                if ttft is None and tokens:
-                    ttft = time.perf_counter() - t0
+    for event in stream_events(f"{url}/generate", body, timeout=600):
+        tokens = len(event.get("output_ids") or [])
+        if ttft is None and tokens:
+            ttft = time.perf_counter() - t0
     return ttft or float("nan"), tokens
 
 
 def stream_chat(url: str, prompt: str, max_new: int) -> tuple[float, int]:
     body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     t0, ttft, tokens = time.perf_counter(), None, 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for line in resp:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    for chunk in stream_events(f"{url}/v1/chat/completions", body, timeout=600):
+        if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+            ttft = time.perf_counter() - t0
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     return ttft or float("nan"), tokens
 
 

@@ -97,17 +97,13 @@ def gpu_argv(argv: list[str], page_size: int, mem_fraction: float) -> list[str]:
 
 
 def stream_timed(url: str, body: dict) -> tuple[list[int], float, float]:
-    import urllib.request
+    from sglang_pdd.launcher.http import stream_events
 
     t0 = time.perf_counter()
-    req = urllib.request.Request(f"{url}/generate", json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
     first, ids = None, []
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for line in resp:
-            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
-                first = first or time.perf_counter()
-                ids = json.loads(line[5:])["output_ids"]
+    for event in stream_events(f"{url}/generate", {**body, "stream": True}, timeout=600):
+        first = first or time.perf_counter()
+        ids = event["output_ids"]
     return ids, (first - t0) * 1000, (time.perf_counter() - t0) * 1000
 
 

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +25,7 @@ def greedy(**extra) -> dict:
 
 
 def sse_events(url: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for line in resp:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
+    return list(stream_events(url, body))
 
 
 def same_output(router: dict, single: dict) -> None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import urllib.request
 
 import aiohttp
 import pytest
 
-from sglang_pdd.launcher.http import post_json
+from sglang_pdd.launcher.http import post_json, stream_events
 
 pytestmark = pytest.mark.e2e
 
@@ -97,14 +96,7 @@ def references(single_server):
 
 def stream_final(url: str, payload: dict) -> dict:
     """The last event of a cumulative SGLang stream (checked to be cumulative on the way)."""
-    req = urllib.request.Request(f"{url}/generate", data=json.dumps({**payload, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for line in resp:
-            line = line.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                events.append(json.loads(line[5:]))
+    events = list(stream_events(f"{url}/generate", {**payload, "stream": True}))
     assert events and "error" not in events[-1], events[-1:]
     for shorter, longer in zip(events, events[1:]):
         assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]

@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from sglang_pdd.launcher.http import call_json, get_json, post_json
+from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
 
 pytestmark = pytest.mark.e2e
 
@@ -97,14 +97,7 @@ def test_streaming_is_one_ordered_stream(pdd_cluster, single_server):
             "max_new_tokens": max_new, "temperature": 0}})["output_ids"]
         body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, "stream": True,
                 "pdd_options": {"path": "p_rld_md", "handoff_mode": "one_shot"}}
-        req = urllib.request.Request(f"{pdd_cluster.topology.router_url}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        events = []
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            for line in resp:
-                line = line.strip()
-                if line.startswith(b"data:") and line != b"data: [DONE]":
-                    events.append(json.loads(line[5:]))
+        events = list(stream_events(f"{pdd_cluster.topology.router_url}/generate", body))
         ids = [e["output_ids"] for e in events]
         assert ids[-1] == want
         for shorter, longer in zip(ids, ids[1:]):

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from sglang_pdd.launcher.http import post_json
+from sglang_pdd.launcher.http import post_json, stream_events
 from sglang_pdd.sglang_glue.resume import RESUME_KEY
 
 pytestmark = pytest.mark.e2e
@@ -63,13 +63,7 @@ def prompt_ids(tokenizer):
 
 def _stream(url: str, body: dict) -> dict:
     """The last event of a /generate stream; checks the stream is cumulative on the way."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data:"):]))
+    events = list(stream_events(url, body))
     assert events, "empty stream"
     for before, after in zip(events, events[1:]):
         assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]

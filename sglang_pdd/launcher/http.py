@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Optional
+from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
 
@@ -47,3 +47,15 @@ def call_json(method: str, url: str, body=None, timeout: float = 30.0,
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def stream_events(url: str, body: dict, timeout: float = 300.0) -> Iterator[dict]:
+    """The JSON events of an SGLang-style SSE reply (``data: {...}`` lines, ``data: [DONE]`` ends
+    it), yielded as they arrive."""
+    with urllib.request.urlopen(_request("POST", url, json.dumps(body).encode(), None), timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.strip()
+            if line == b"data: [DONE]":
+                return
+            if line.startswith(b"data:"):
+                yield json.loads(line[len(b"data:"):])
