@@ -10,7 +10,13 @@ shared machine hits both alike:
 * **tokens/s**: output tokens / wall time of a round at ``--concurrency`` (what one router
   process streams, against what the direct server streams);
 * **router CPU**: user + system CPU seconds of the router process (psutil) during its rounds,
-  per 1 000 streamed tokens: the router's own cost (tokenize, flow, detokenize, SSE);
+  per 1 000 streamed tokens: the router's own cost (tokenize, flow, detokenize, SSE), next to
+  the same for the direct server's front end (its HTTP / TokenizerManager process and its
+  detokenizer process: the work the router does in their place), each less its idle CPU rate
+  (measured on the same processes over an idle window first: SGLang's detokenizer polls) times
+  the round's wall time;
+* ``--py-spy FILE``: py-spy samples the router during the rounds (collapsed stacks), to see
+  where its CPU goes;
 * also through the OpenAI chat endpoint (SGLang's serving layer in the router), same numbers.
 
 On the 2-core CPU box every server shares the cores with the client, so the router's wall-time
@@ -25,7 +31,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,22 +89,35 @@ def one_round(send, url: str, batch: list[str], max_new: int, concurrency: int) 
     return [r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - t0
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
+def cpu_s(procs: list[psutil.Process]) -> float:
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
-def measure(name, send, urls: dict, router_proc, args, bar) -> dict:
-    stats = {k: {"ttft": [], "tokens": 0, "wall": 0.0} for k in urls}
-    router_cpu = 0.0
+def idle_cpu_rate(procs: list[psutil.Process], seconds: float) -> float:
+    """CPU seconds per second these processes burn with no request in flight."""
+    before, t0 = cpu_s(procs), time.perf_counter()
+    time.sleep(seconds)
+    return (cpu_s(procs) - before) / (time.perf_counter() - t0)
+
+
+def frontend_procs(server_pid: int) -> list[psutil.Process]:
+    """A plain SGLang server's front end: the main process (HTTP, TokenizerManager) and its
+    detokenizer (setproctitle ``sglang::detokenizer``); not the scheduler."""
+    main = psutil.Process(server_pid)
+    return [main] + [c for c in main.children(recursive=True) if "detokenizer" in " ".join(c.cmdline())]
+
+
+def measure(name, send, urls: dict, front_ends: dict, idle_rates: dict, args, bar) -> dict:
+    """``front_ends``: target -> the processes whose CPU is that target's front-end cost;
+    ``idle_rates``: target -> their idle CPU rate (subtracted)."""
+    stats = {k: {"ttft": [], "tokens": 0, "wall": 0.0, "cpu": 0.0} for k in urls}
     batch = prompts(args.requests)
     for _ in range(args.rounds):
         for target, url in urls.items():  # alternate: drift hits both alike
-            before = cpu_s(router_proc)
+            before = cpu_s(front_ends[target])
             ttfts, tokens, wall = one_round(send, url, batch, args.max_new_tokens, args.concurrency)
-            if target == "router":
-                router_cpu += cpu_s(router_proc) - before
             s = stats[target]
+            s["cpu"] += cpu_s(front_ends[target]) - before - idle_rates[target] * wall
             s["ttft"] += ttfts
             s["tokens"] += tokens
             s["wall"] += wall
@@ -106,12 +127,13 @@ def measure(name, send, urls: dict, router_proc, args, bar) -> dict:
         ttft = sorted(s["ttft"])
         out[target] = {"ttft_median_ms": 1000 * statistics.median(ttft),
                        "ttft_p90_ms": 1000 * ttft[int(0.9 * (len(ttft) - 1))],
-                       "tokens": s["tokens"], "tokens_per_s": s["tokens"] / s["wall"]}
+                       "tokens": s["tokens"], "tokens_per_s": s["tokens"] / s["wall"],
+                       "front_end_cpu_s_per_1k_tokens": 1000 * s["cpu"] / max(1, s["tokens"])}
     r, d = out["router"], out["direct"]
     out["added_ttft_ms"] = r["ttft_median_ms"] - d["ttft_median_ms"]
     out["ttft_ratio"] = r["ttft_median_ms"] / d["ttft_median_ms"]
     out["tokens_per_s_ratio"] = r["tokens_per_s"] / d["tokens_per_s"]
-    out["router_cpu_s_per_1k_tokens"] = 1000 * router_cpu / max(1, r["tokens"])
+    out["cpu_ratio"] = r["front_end_cpu_s_per_1k_tokens"] / d["front_end_cpu_s_per_1k_tokens"]
     return out
 
 
@@ -122,6 +144,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--out", default=str(REPO / "artifacts" / "bench_router_overhead"))
+    ap.add_argument("--py-spy", default=None, help="write py-spy's collapsed stacks of the router here")
     args = ap.parse_args()
     model = default_model_path()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
@@ -130,26 +153,41 @@ def main() -> None:
             LocalCluster(run_dir / "cluster", router_args=SERVING) as cluster:
         direct.start("direct", server_argv(spec, model) + SERVING, health_url=f"{spec.url}/health", env=CPU_ENV)
         direct.wait_healthy(timeout_s=600)
-        router_proc = psutil.Process(cluster.procs.procs["router"].popen.pid)
+        router_pid = cluster.procs.procs["router"].popen.pid
+        front_ends = {"direct": frontend_procs(direct.procs["direct"].popen.pid),
+                      "router": [psutil.Process(router_pid)]}
         urls = {"direct": spec.url, "router": cluster.topology.router_url}
         for url in urls.values():  # warm both (first-request compile and cache effects)
             stream_generate(url, "warm up", 4)
+        idle_rates = {target: idle_cpu_rate(procs, 5.0) for target, procs in front_ends.items()}
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(router_pid),
+                                    "-f", "raw", "-r", "250", "-o", args.py_spy], stdout=subprocess.DEVNULL)
         results = []
         with tqdm(total=2 * 2 * args.rounds, desc="rounds", file=sys.stderr) as bar:
             for name, send in (("/generate", stream_generate), ("/v1/chat/completions", stream_chat)):
-                results.append(measure(name, send, urls, router_proc, args, bar))
+                results.append(measure(name, send, urls, front_ends, idle_rates, args, bar))
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=60)
     print(f"\nrouter overhead: {args.requests} requests x {args.rounds} rounds per target, concurrency "
           f"{args.concurrency}, {args.max_new_tokens} tokens each (greedy, streaming)\n")
-    print(f"{'api':<22}{'TTFT direct':>13}{'TTFT router':>13}{'added':>9}{'ratio':>7}"
-          f"{'tok/s direct':>14}{'tok/s router':>14}{'ratio':>7}{'router CPU s/1k tok':>21}")
+    print(f"{'api':<22}{'TTFT direct':>13}{'TTFT router':>13}{'added':>11}{'ratio':>7}"
+          f"{'tok/s direct':>14}{'tok/s router':>14}{'ratio':>7}{'front-end CPU s/1k tok direct':>31}"
+          f"{'router':>8}{'ratio':>7}")
     for r in results:
-        print(f"{r['api']:<22}{r['direct']['ttft_median_ms']:>10.1f} ms{r['router']['ttft_median_ms']:>10.1f} ms"
-              f"{r['added_ttft_ms']:>6.1f} ms{r['ttft_ratio']:>7.2f}{r['direct']['tokens_per_s']:>14.1f}"
-              f"{r['router']['tokens_per_s']:>14.1f}{r['tokens_per_s_ratio']:>7.2f}"
-              f"{r['router_cpu_s_per_1k_tokens']:>21.3f}")
+        d, rt = r["direct"], r["router"]
+        print(f"{r['api']:<22}{d['ttft_median_ms']:>10.1f} ms{rt['ttft_median_ms']:>10.1f} ms"
+              f"{r['added_ttft_ms']:>8.1f} ms{r['ttft_ratio']:>7.2f}{d['tokens_per_s']:>14.1f}"
+              f"{rt['tokens_per_s']:>14.1f}{r['tokens_per_s_ratio']:>7.2f}"
+              f"{d['front_end_cpu_s_per_1k_tokens']:>31.3f}{rt['front_end_cpu_s_per_1k_tokens']:>8.3f}"
+              f"{r['cpu_ratio']:>7.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print("idle front-end CPU (subtracted): " + ", ".join(f"{t} {r:.3f} CPU s/s" for t, r in idle_rates.items()))
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "idle_cpu_rates": idle_rates,
+                                                  "results": results}, indent=2))
     print(f"\nwrote {out / 'results.json'}")
 
 
