@@ -159,7 +159,7 @@ def main() -> None:
         urls = {"direct": spec.url, "router": cluster.topology.router_url}
         for url in urls.values():  # warm both (first-request compile and cache effects)
             stream_generate(url, "warm up", 4)
-        idle_rates = {target: idle_cpu_rate(procs, 5.0) for target, procs in front_ends.items()}
+        idle_rates = {target: idle_cpu_rate(procs, 20.0) for target, procs in front_ends.items()}  # 10 ms ticks: a long window
         spy = None
         if args.py_spy:
             spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(router_pid),
