@@ -110,6 +110,9 @@ def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang
     ({"text": "x", "image_data": "http://x/y.png"}, "image_data"),
     ({"text": "x", "no_such_field": 1}, "no_such_field"),
     ({"sampling_params": {}}, "'text' or 'input_ids'"),
+    # one server refuses these too (400), a backend leg would fail on them (502)
+    ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
 ])
 def test_generate_refuses_bad_input_with_400_naming_the_field(router_sglang_state, body, field):
     async def main():
@@ -238,7 +241,7 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
         async with front(router_sglang_state) as (base, client, _, _r):
             async with client.post(f"{base}/generate", json={
                     "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
-                    "sampling_params": {"max_new_tokens": 6}}) as r:
+                    "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 6}}) as r:
                 got = await r.json()
             want_ids = truth(prompt, 6)
             rows = got["meta_info"]["output_token_logprobs"]
@@ -246,7 +249,9 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
             assert [row[2] for row in rows] == [tok.decode([t]) for t in want_ids]
             seq = prompt + want_ids
             assert rows[0][0] == pytest.approx(fake_logprob(seq[:3], want_ids[0]))
-            assert [row[1] for row in got["meta_info"]["input_token_logprobs"]] == prompt
+            # the prompt's (P's reply), first entry without a logprob, text per token as SGLang
+            assert got["meta_info"]["input_token_logprobs"] == [
+                [fake_logprob(prompt[:j], t) if j else None, t, tok.decode([t])] for j, t in enumerate(prompt)]
             async with client.post(f"{base}/generate", json={  # top logprobs asked, none given: no 500
                     "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
                     "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 3}}) as r:
