@@ -260,6 +260,38 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
     run(main())
 
 
+def test_openai_streams_with_logprobs_and_echo_carry_the_prompts_logprobs_first(router_sglang_state):
+    """SGLang's streaming OpenAI classes read ``output_token_logprobs_length`` and take the
+    prompt's logprobs (echo) from the first chunk only."""
+    from fake_backends import fake_logprob
+
+    tok = router_sglang_state[2]
+    prompt = tok.encode("hello there")
+    out = truth(prompt, 4)
+    seq = prompt + out
+    want = [None] + [pytest.approx(fake_logprob(seq[:j], seq[j])) for j in range(1, len(seq))]
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}/v1/completions", json={
+                    "prompt": "hello there", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1,
+                    "stream": True}) as r:
+                assert r.status == 200, await r.text()
+                chunks = [c for c in await sse(r) if c.get("choices")]
+            first = chunks[0]["choices"][0]["logprobs"]["token_logprobs"]
+            assert len(first) > len(prompt)  # the prompt's and the first output token's
+            got = [lp for c in chunks for lp in (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+            assert got == want
+            async with client.post(f"{base}/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True,
+                    "top_logprobs": 1, "stream": True}) as r:
+                assert r.status == 200, await r.text()
+                chunks = [c for c in await sse(r) if c.get("choices") and c["choices"][0].get("logprobs")]
+            # (SGLang's chat stream drops a token whose text is still empty with its logprob: <= 4)
+            assert 0 < sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks) <= 4
+    run(main())
+
+
 def test_streaming_request_refused_before_the_stream_starts(router_sglang_state):
     async def main():
         async with front(router_sglang_state) as (base, client, fakes, _):

@@ -250,6 +250,8 @@ class PddTokenizerManager:
                 if key in meta_out:
                     values = meta_out[key]
                     meta[key] = values[:n] if key.startswith("output") else values
+            if "output_token_logprobs" in meta:  # SGLang's streaming OpenAI classes read it
+                meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
             if item.return_text_in_logprobs:
                 for key in ("output_token_logprobs", "input_token_logprobs"):
                     if meta.get(key):
