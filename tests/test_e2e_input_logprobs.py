@@ -1,6 +1,6 @@
 """Differential end to end: the prompt's logprobs through the router equal one SGLang server's
 (within 1e-3, same layout) — ``/generate`` with ``logprob_start_len`` / ``top_logprobs_num`` /
-``token_ids_logprob`` / ``return_text_in_logprobs`` on P->MD and P->RLD->MD (one-shot),
+``token_ids_logprob`` / ``return_text_in_logprobs`` on P->MD, P->RLD->MD (one-shot) and P->RLD,
 streaming (the first event already carries them), and ``/v1/completions`` with ``echo`` +
 ``logprobs`` (SGLang builds the prompt part from them), streaming and not.
 
@@ -25,7 +25,8 @@ MAX_NEW = 6
 STALL_S = 0.6  # as test_e2e_differential: RLD streams eager tokens before MD's KV lands
 LOGPROB_FIELDS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
                   "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
-PATHS = {"p_md": {"path": "p_md"}, "one_shot": {"path": "p_rld_md", "handoff_mode": "one_shot"}}
+PATHS = {"p_md": {"path": "p_md"}, "one_shot": {"path": "p_rld_md", "handoff_mode": "one_shot"},
+         "rld_only": {"path": "p_rld_only"}}
 
 
 def assert_close(got, want, where: str) -> None:
