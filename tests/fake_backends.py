@@ -89,20 +89,45 @@ def resumed_output(body: dict, budget: int) -> tuple[list[int], list[int]]:
 
 
 def fake_logprobs(body: dict, prompt: list[int], output: list[int]) -> dict:
-    """SGLang's logprob fields as the fake server gives them for ``output`` (cumulative): none
-    for the k positions the request resumed (a real server cannot give those either)."""
+    """SGLang's logprob fields as a fake decode server gives them for ``output`` (cumulative):
+    none for the k positions the request resumed (a real server cannot give those either), and
+    empty prompt lists (a PD decode server never scores the prompt; MD's resume gives ``[]``)."""
     if not body.get("return_logprob"):
         return {}
     k = resumed_len(body)
     seq = prompt + output
     entries = [[fake_logprob(seq[:len(prompt) + j], output[j]), output[j], None] for j in range(k, len(output))]
-    meta = {"output_token_logprobs": entries,
-            "input_token_logprobs": [[None, prompt[0], None]] + [
-                [fake_logprob(prompt[:j], prompt[j]), prompt[j], None] for j in range(1, len(prompt))]}
+    meta = {"output_token_logprobs": entries, "input_token_logprobs": []}
     n = int(body.get("top_logprobs_num") or 0)
     if n:
         meta["output_top_logprobs"] = [[e] * n for e in entries]
-        meta["input_top_logprobs"] = [None] + [[e] * n for e in meta["input_token_logprobs"][1:]]
+        meta["input_top_logprobs"] = []
+    if body.get("token_ids_logprob") is not None:
+        # a PD decode leg's (RLD's) first new token is P's: SGLang's decode has no token-ids entry for it
+        pd_leg = "bootstrap_room" in body
+        meta["output_token_ids_logprobs"] = [None if j == 0 and pd_leg else [e] for j, e in enumerate(entries)]
+        meta["input_token_ids_logprobs"] = []
+    return meta
+
+
+def fake_prefill_logprobs(body: dict) -> dict:
+    """SGLang's logprob fields as P's reply carries them: the prompt's (from
+    ``logprob_start_len``; the first entry has no logprob) and its one output token's."""
+    if not body.get("return_logprob"):
+        return {}
+    prompt, start = list(body["input_ids"]), int(body.get("logprob_start_len", -1))
+    start = len(prompt) if start < 0 else start
+    entries = [[fake_logprob(prompt[:j], prompt[j]) if j else None, prompt[j], None] for j in range(start, len(prompt))]
+    first = continuation(prompt, 1)[0]
+    out = [[fake_logprob(prompt, first), first, None]]
+    meta = {"input_token_logprobs": entries, "output_token_logprobs": out}
+    n = int(body.get("top_logprobs_num") or 0)
+    if n:
+        meta["input_top_logprobs"] = [[e] * n if e[0] is not None else None for e in entries]
+        meta["output_top_logprobs"] = [out * n]
+    if body.get("token_ids_logprob") is not None:
+        meta["input_token_ids_logprobs"] = [[e] if e[0] is not None else None for e in entries]
+        meta["output_token_ids_logprobs"] = [out]
     return meta
 
 
@@ -124,6 +149,8 @@ class Knobs:
     p_status: int = 200
     p_text_error: bool = False  # error body is plain text, not JSON (a crashed handler)
     p_cached_tokens: int = 0
+    p_before_reply: Hook = None  # async fn(body) awaited before P replies (its KV is already sent)
+    p_logprobs: bool = True  # P's reply carries SGLang's logprob lists when asked (False: it lacks them)
     # P's control API (late WAN destinations)
     p_control_status: int = 200  # POST /pdd/wan_destinations: 409 / 500 to refuse
     # RLD
@@ -235,8 +262,12 @@ class Fakes:
             if (body["sampling_params"].get("custom_params") or {}).get("pdd_wan_expected"):
                 self.wan_expected.add(body["bootstrap_room"])
             self.prefilled.setdefault(body["bootstrap_room"], asyncio.Event()).set()
-            return web.json_response({"text": "", "meta_info": {"cached_tokens": k.p_cached_tokens,
-                                                                 "prompt_tokens": len(body["input_ids"])}})
+            if k.p_before_reply is not None:
+                await k.p_before_reply(body)
+            self._record("p", "reply", {"rid": body["rid"]})
+            return web.json_response({"text": "", "meta_info": {
+                "cached_tokens": k.p_cached_tokens, "prompt_tokens": len(body["input_ids"]),
+                **(fake_prefill_logprobs(body) if k.p_logprobs else {})}})
 
         app.router.add_post("/generate", generate)
         return app

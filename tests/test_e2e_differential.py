@@ -223,7 +223,7 @@ def assert_logprobs_close(got: list, want: list, where: str) -> None:
 
 @pytest.mark.parametrize("path", ["p_md", "p_rld_md"])
 def test_flow_logprobs_equal_single_server(pdd_cluster, single_server, path):
-    extras = {"return_logprob": True, "top_logprobs_num": 3}
+    extras = {"return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
     handoffs = []
     for prompt in DIFF_PROMPTS:
         want = post_json(f"{single_server}/generate", body(prompt, {}, return_logprob=True, top_logprobs_num=3,
@@ -237,10 +237,10 @@ def test_flow_logprobs_equal_single_server(pdd_cluster, single_server, path):
         assert_logprobs_close(meta["output_token_logprobs"], want["meta_info"]["output_token_logprobs"], path)
         for g, w in zip(meta["output_top_logprobs"], want["meta_info"]["output_top_logprobs"]):
             assert_logprobs_close(g, w, f"{path} top")
-        if meta.get("input_token_logprobs"):  # where the first leg gives them
-            got_in = meta["input_token_logprobs"][1:]
-            want_in = want["meta_info"]["input_token_logprobs"][1:]
-            assert_logprobs_close(got_in[-len(want_in):], want_in[-len(got_in):], f"{path} input")
+        # the prompt's: P's reply (first entry None, as SGLang's)
+        assert meta["input_token_logprobs"][0] == want["meta_info"]["input_token_logprobs"][0]
+        assert_logprobs_close(meta["input_token_logprobs"][1:], want["meta_info"]["input_token_logprobs"][1:],
+                              f"{path} input")
         if result.handoff_at is not None:
             handoffs.append(result.handoff_at)
     assert handoffs, "no handoff: MD's logprobs were never spliced"

@@ -35,7 +35,8 @@ def assert_logprobs_complete(run, max_new: int) -> None:
     assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(PROMPT)
     assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == max_new
     assert meta["finish_reason"] == {"type": "length", "length": max_new}
-    assert "output_token_ids_logprobs" not in meta  # not asked for
+    if run.flow.extras.get("token_ids_logprob") is None:
+        assert "output_token_ids_logprobs" not in meta  # not asked for
 
 
 # ---------------------------------------------------------------------- resume contract + logprobs
@@ -117,6 +118,70 @@ def test_p_md_recovery_leg_after_wan_failure():
     assert legs[0].body["sampling_params"]["max_new_tokens"] == 1
     assert legs[1].body["input_ids"] == PROMPT and legs[1].body["sampling_params"]["max_new_tokens"] == 20
     assert_logprobs_complete(run, 20)
+
+
+# ---------------------------------------------------------------------- the prompt's logprobs (P's reply)
+TOKEN_IDS = {**LOGPROBS, "token_ids_logprob": [3, 5]}
+
+
+def test_prompt_logprobs_come_from_ps_reply_on_every_path_and_token_ids_entry_of_ps_token_is_spliced():
+    for path, cfg in (("p_rld_md", flow_config()), ("p_md", p_md_cfg()), ("p_rld_only", flow_config())):
+        knobs = Knobs()
+        run = scenario(knobs, max_new=12, cfg=cfg, extras=TOKEN_IDS, force_path=Path(path),
+                       gates=takeover(knobs, 4) if path == "p_rld_md" else None)
+        assert_invariants(run, 12)
+        assert_logprobs_complete(run, 12)
+        meta = run.flow.output_meta
+        assert meta["input_token_ids_logprobs"][0] is None and len(meta["input_token_ids_logprobs"]) == len(PROMPT)
+        # RLD has no token-ids entry for P's first token: P's reply fills position 0
+        assert meta["output_token_ids_logprobs"] == [[expected_entry(i, 12)] for i in range(12)], path
+
+
+def p_replies_after_rld_token(knobs: Knobs, n: int) -> None:
+    """P's reply comes only once RLD is about to stream its token ``n`` (P's reply and RLD's
+    first tokens race on real servers)."""
+    gate = asyncio.Event()
+
+    async def before_token(leg, i):
+        if i == n:
+            gate.set()
+
+    async def before_reply(body):
+        await gate.wait()
+
+    knobs.rld_before_token, knobs.p_before_reply = before_token, before_reply
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_the_first_output_waits_for_ps_reply_only_when_logprobs_are_asked_for(asked):
+    knobs = Knobs()
+    p_replies_after_rld_token(knobs, 3)
+    run = scenario(knobs, max_new=10, force_path=Path.P_RLD_ONLY, extras=LOGPROBS if asked else None)
+    assert_invariants(run, 10)
+    replied = run.fakes.records("p", "reply")[0].t
+    if asked:  # held back until the prompt's logprobs are in
+        assert run.first_chunk_t >= replied and len(run.flow.output_meta["input_token_logprobs"]) == len(PROMPT)
+        assert_logprobs_complete(run, 10)
+    else:
+        assert run.first_chunk_t < replied
+
+
+@pytest.mark.parametrize("fault", ["no_lists", "p_error"])
+def test_a_request_p_gave_no_prompt_logprobs_for_fails_instead_of_returning_less(fault):
+    knobs = Knobs(p_logprobs=False) if fault == "no_lists" else Knobs(p_status=500)
+    run = scenario(knobs, max_new=8, force_path=Path.P_RLD_ONLY, extras=LOGPROBS)
+    assert run.error is not None and run.emitted == []
+    if fault == "no_lists":
+        assert "input_token_logprobs" in str(run.error)
+    assert run.fakes.aborted_rids("rld")  # the relay leg is stopped
+
+
+def test_a_recovery_leg_does_not_score_the_prompt_again():
+    run = scenario(Knobs(md_ready="never"), max_new=10, cfg=p_md_cfg(), extras=LOGPROBS)
+    assert_invariants(run, 10)
+    legs = run.fakes.records("p", "generate")
+    assert len(legs) == 2 and legs[0].body["logprob_start_len"] == 0 and legs[1].body["logprob_start_len"] == -1
+    assert_logprobs_complete(run, 10)  # leg 1's P gave them
 
 
 def test_p_md_bridge_leg_caps_min_new_tokens_to_its_one_token():

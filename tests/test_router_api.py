@@ -110,6 +110,9 @@ def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang
     ({"text": "x", "image_data": "http://x/y.png"}, "image_data"),
     ({"text": "x", "no_such_field": 1}, "no_such_field"),
     ({"sampling_params": {}}, "'text' or 'input_ids'"),
+    # one server refuses these too (400), a backend leg would fail on them (502)
+    ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
 ])
 def test_generate_refuses_bad_input_with_400_naming_the_field(router_sglang_state, body, field):
     async def main():
@@ -238,7 +241,7 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
         async with front(router_sglang_state) as (base, client, _, _r):
             async with client.post(f"{base}/generate", json={
                     "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
-                    "sampling_params": {"max_new_tokens": 6}}) as r:
+                    "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 6}}) as r:
                 got = await r.json()
             want_ids = truth(prompt, 6)
             rows = got["meta_info"]["output_token_logprobs"]
@@ -246,12 +249,46 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
             assert [row[2] for row in rows] == [tok.decode([t]) for t in want_ids]
             seq = prompt + want_ids
             assert rows[0][0] == pytest.approx(fake_logprob(seq[:3], want_ids[0]))
-            assert [row[1] for row in got["meta_info"]["input_token_logprobs"]] == prompt
+            # the prompt's (P's reply), first entry without a logprob, text per token as SGLang
+            assert got["meta_info"]["input_token_logprobs"] == [
+                [fake_logprob(prompt[:j], t) if j else None, t, tok.decode([t])] for j, t in enumerate(prompt)]
             async with client.post(f"{base}/generate", json={  # top logprobs asked, none given: no 500
                     "input_ids": prompt, "return_logprob": True, "return_text_in_logprobs": True,
                     "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 3}}) as r:
                 assert r.status == 200, await r.text()
                 assert [row[1] for row in (await r.json())["meta_info"]["output_token_logprobs"]] == want_ids[:3]
+    run(main())
+
+
+def test_openai_streams_with_logprobs_and_echo_carry_the_prompts_logprobs_first(router_sglang_state):
+    """SGLang's streaming OpenAI classes read ``output_token_logprobs_length`` and take the
+    prompt's logprobs (echo) from the first chunk only."""
+    from fake_backends import fake_logprob
+
+    tok = router_sglang_state[2]
+    prompt = tok.encode("hello there")
+    out = truth(prompt, 4)
+    seq = prompt + out
+    want = [None] + [pytest.approx(fake_logprob(seq[:j], seq[j])) for j in range(1, len(seq))]
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}/v1/completions", json={
+                    "prompt": "hello there", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1,
+                    "stream": True}) as r:
+                assert r.status == 200, await r.text()
+                chunks = [c for c in await sse(r) if c.get("choices")]
+            first = chunks[0]["choices"][0]["logprobs"]["token_logprobs"]
+            assert len(first) > len(prompt)  # the prompt's and the first output token's
+            got = [lp for c in chunks for lp in (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+            assert got == want
+            async with client.post(f"{base}/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True,
+                    "top_logprobs": 1, "stream": True}) as r:
+                assert r.status == 200, await r.text()
+                chunks = [c for c in await sse(r) if c.get("choices") and c["choices"][0].get("logprobs")]
+            # (SGLang's chat stream drops a token whose text is still empty with its logprob: <= 4)
+            assert 0 < sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks) <= 4
     run(main())
 
 

@@ -5,15 +5,17 @@ covers the LAST ``len(list)`` of the positions the leg has produced (a server th
 tokens cannot give their logprobs: its list may be shorter by k, or hold placeholders there,
 ``None`` or ``[None, token_id, text]`` as sglang_glue/resume.py documents).
 A position's entry comes from the leg that emitted its token; where that leg gave none, it is
-spliced from any other leg that did (e.g. RLD's logprob for a position MD resumed).
+spliced from any other leg that did (e.g. RLD's logprob for a position MD resumed). The
+prompt's logprobs (``input_*``) come from P's reply alone (``observe_prefill``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Hashable, Optional
 
+PREFILL = ("p", 1)  # P's reply to the first leg, as an output source (its first position)
 OUTPUT_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
-INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs")
+INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 def requested_keys(extras: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -24,8 +26,9 @@ def requested_keys(extras: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if int(extras.get("top_logprobs_num") or 0) > 0:
         out.append("output_top_logprobs")
         inp.append("input_top_logprobs")
-    if extras.get("token_ids_logprob"):
+    if extras.get("token_ids_logprob") is not None:  # SGLang's test: even an empty list
         out.append("output_token_ids_logprobs")
+        inp.append("input_token_ids_logprobs")
     return tuple(out), tuple(inp)
 
 
@@ -35,10 +38,9 @@ class OutputMeta:
         self._sources: dict[Hashable, dict[str, tuple[int, list]]] = {}  # source -> key -> (produced, list)
         self._rows: dict[str, list] = {k: [] for k in self.output_keys}
         self._holes: dict[str, set[int]] = {k: set() for k in self.output_keys}
-        self._input: dict[str, Any] = {}
-        self._prefill_input: dict[str, Any] = {}
+        self._input: dict[str, list] = {}  # the prompt's logprob lists, from P's reply
 
-    def observe(self, source: Hashable, produced: int, meta: dict, first_leg: bool = False) -> None:
+    def observe(self, source: Hashable, produced: int, meta: dict) -> None:
         """A leg's stream event: ``produced`` positions so far and its meta_info."""
         if not self.output_keys:
             return
@@ -47,16 +49,27 @@ class OutputMeta:
             value = meta.get(key)
             if isinstance(value, list):
                 lists[key] = (produced, value)
-        if first_leg:
-            for key in self.input_keys:
-                if meta.get(key):
-                    self._input[key] = meta[key]
 
     def observe_prefill(self, meta: dict) -> None:
-        """P's reply to the first leg: its input logprobs, used when RLD's stream has none."""
+        """P's reply to the first leg.
+
+        The prompt's logprobs: P prefills the prompt; the decode servers report none (SGLang's
+        PD decode never scores the prompt, MD's resumed request gives ``[]``:
+        sglang_glue/resume.py), so P's lists are taken as they are, ``logprob_start_len`` and
+        the leading ``None`` entry included. P's entries for the first output position are a
+        source like a leg's: RLD, handed P's first token, has no ``output_token_ids_logprobs``
+        entry for it."""
         for key in self.input_keys:
-            if meta.get(key):
-                self._prefill_input[key] = meta[key]
+            if isinstance(meta.get(key), list):
+                self._input[key] = meta[key]
+        lists = self._sources.setdefault(PREFILL, {})
+        for key in self.output_keys:
+            if isinstance(meta.get(key), list):  # from output position 0: P resumes nothing
+                lists[key] = (len(meta[key]), meta[key])
+
+    def missing_input(self) -> list[str]:
+        """The prompt's logprob lists asked for that P's reply did not carry."""
+        return [key for key in self.input_keys if key not in self._input]
 
     def entry(self, source: Hashable, key: str, pos: int) -> Optional[Any]:
         """``source``'s entry for output position ``pos``; None where it gave none (also a
@@ -84,7 +97,7 @@ class OutputMeta:
         self._splice()
         out: dict[str, Any] = {key: self._rows[key] for key in self.output_keys}
         for key in self.input_keys:
-            out[key] = self._input.get(key, self._prefill_input.get(key))
+            out[key] = self._input.get(key)
         out.update(finish_reason=finish_reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         return out
 

@@ -202,8 +202,10 @@ class PddFlow:
       SGLang's format (e.g. ``[logprob, token_id, text_or_None]``), taken from the leg that
       emitted the position, spliced from another leg where that one gave none (MD cannot give
       the positions it resumed); ``None`` where no leg gave one;
-    - ``input_token_logprobs``, ``input_top_logprobs``: from the first leg (RLD's stream, else
-      P's reply), when asked;
+    - ``input_token_logprobs``, ``input_top_logprobs``, ``input_token_ids_logprobs`` (when
+      asked): P's reply to the first leg, as SGLang made them (``logprob_start_len`` honoured,
+      first entry ``None``); every path's P prefills the prompt. ``events()`` yields nothing
+      before they are in, and fails the request where P gave none;
     - ``finish_reason``: SGLang's dict from the leg that finished the request (incl.
       ``matched``), ``None`` while running; ``prompt_tokens``; ``completion_tokens``.
 
@@ -251,6 +253,11 @@ class PddFlow:
         self._out_meta = OutputMeta(self.extras)
         self._leg_offset: dict[int, int] = {}  # leg -> output position of its own first token
         self._leg_replays: dict[int, int] = {}  # leg -> positions it replays (checked once)
+        # P's reply to the first leg: the prompt's logprobs come from it (P prefills the prompt; a
+        # PD decode server reports none). Asked for, the client's first output waits for it, as
+        # SGLang's mini_lb reads P's reply before the decode server's.
+        self._prefill_replied = asyncio.Event()
+        self._prefill_failure: Optional[str] = None
         self.t0 = time.perf_counter()
 
     @property
@@ -262,13 +269,33 @@ class PddFlow:
         try:
             async for tokens in self._run():
                 if tokens:
+                    await self._input_logprobs()
                     if self.result.ttft_s is None:
                         self.result.ttft_s = time.perf_counter() - self.t0
                     yield tokens
+            await self._input_logprobs()  # also a request without output tokens reports its prompt's
         finally:
             if not self.state.phase.terminal:  # the consumer stopped early: the client is gone
                 self.state, _ = lifecycle.transition(self.state, lifecycle.ClientDisconnected())
             await self._cleanup()
+
+    async def _input_logprobs(self) -> None:
+        """The prompt's logprobs, when asked for, are in before the client gets anything: wait
+        for P's reply to the first leg; a request P could not give them for fails (never less
+        than one server returns)."""
+        if not self._out_meta.input_keys:
+            return
+        if not self._prefill_replied.is_set():
+            left = self.t0 + self.cfg.request_timeout_s - time.perf_counter()
+            try:
+                await asyncio.wait_for(self._prefill_replied.wait(), max(0.0, left))
+            except asyncio.TimeoutError:
+                raise BackendError("P's reply (the prompt's logprobs) did not come within "
+                                   "--request-timeout-s") from None
+        missing = self._out_meta.missing_input()
+        if self._prefill_failure or missing:
+            raise BackendError(f"the prompt's logprobs ({', '.join(self._out_meta.input_keys)}) are P's to give "
+                               f"and P gave none: {self._prefill_failure or f'its reply lacks {missing}'}")
 
     async def _run(self) -> AsyncIterator[list[int]]:
         path = await self._choose_path()
@@ -316,7 +343,7 @@ class PddFlow:
                 raise BackendError(f"recovery leg {leg} diverged from the {replayed} tokens the client has "
                                    f"(a sampled request replayed? recovery 'continue' suits those)")
             before = len(self.stitcher.emitted)
-            self._out_meta.observe(("rld", leg), offset + len(ids), event.get("meta_info", {}), first_leg=leg == 1)
+            self._out_meta.observe(("rld", leg), offset + len(ids), event.get("meta_info", {}))
             out = self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - offset:])
             self._out_meta.emitted(("rld", leg), before, len(self.stitcher.emitted))
             return out
@@ -503,7 +530,10 @@ class PddFlow:
         if custom:
             sampling["custom_params"] = custom
         input_ids = self.ids if mode is RecoveryMode.REPLAY else self.ids + resumed
-        body = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid, **self.extras,
+        extras = dict(self.extras)
+        if leg.leg > 1 and "logprob_start_len" in extras:  # the prompt's logprobs are leg 1's P's
+            extras["logprob_start_len"] = -1  # (so a recovery leg's P may use its prefix cache)
+        body = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid, **extras,
                 "bootstrap_host": self.prefill.host, "bootstrap_port": self.prefill.bootstrap_port,
                 "bootstrap_room": room}
         self.live_rids[rid] = self.relay_url
@@ -516,9 +546,18 @@ class PddFlow:
             if leg == 1:
                 meta = reply.get("meta_info", {}) if isinstance(reply, dict) else {}
                 self.result.p_cached_tokens = int(meta.get("cached_tokens") or 0)
-                self._out_meta.observe_prefill(meta)
+                finish = meta.get("finish_reason") or {}
+                if finish.get("type") == "abort":  # SGLang empties an aborted request's input logprobs
+                    self._prefill_failure = f"P aborted the request: {finish.get('message')}"
+                else:
+                    self._out_meta.observe_prefill(meta)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if leg == 1:
+                self._prefill_failure = f"prefill: {e}"
             await self.queue.put((lifecycle.RelayFailed(leg, f"prefill: {e}"), None))
+        finally:
+            if leg == 1:
+                self._prefill_replied.set()
 
     async def _relay_leg(self, leg: int, body: dict) -> None:
         try:

@@ -175,9 +175,21 @@ class PddTokenizerManager:
             raise ValueError(e.message) from None
         extras = None
         if item.return_logprob:
+            self._check_logprob_fields(item, len(ids))
             extras = {"return_logprob": True, "logprob_start_len": item.logprob_start_len,
                       "top_logprobs_num": item.top_logprobs_num, "token_ids_logprob": item.token_ids_logprob}
         return ids, sampling, extras
+
+    def _check_logprob_fields(self, item, prompt_len: int) -> None:
+        """What one server refuses with a 400 (its scheduler or tokenizer manager), refused here
+        before any leg starts: a backend would fail the leg, i.e. a 502."""
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+        start = item.logprob_start_len
+        if start is not None and start > prompt_len:  # SGLang's scheduler message
+            raise ValueError(f"logprob_start_len={start} is higher than the number of input tokens "
+                             f"{prompt_len}. Please use a smaller logprob_start_len.")
+        TokenizerManager._validate_token_ids_logprob(self, item)  # SGLang's own check (vocab range)
 
     async def _last(self, run: AsyncIterator) -> dict:
         out = None
@@ -238,11 +250,14 @@ class PddTokenizerManager:
                 if key in meta_out:
                     values = meta_out[key]
                     meta[key] = values[:n] if key.startswith("output") else values
+            if "output_token_logprobs" in meta:  # SGLang's streaming OpenAI classes read it
+                meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
             if item.return_text_in_logprobs:
                 for key in ("output_token_logprobs", "input_token_logprobs"):
                     if meta.get(key):
                         meta[key] = self._with_text(meta[key])
-                for key in ("output_top_logprobs", "input_top_logprobs"):
+                for key in ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs",
+                            "input_token_ids_logprobs"):
                     if meta.get(key):
                         meta[key] = [self._with_text(row) if row else row for row in meta[key]]
         if getattr(flow, "operator", False):
