@@ -10,12 +10,9 @@ report none); short outputs keep this cheap on a 2-core machine.
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
-from sglang_pdd.launcher.http import post_json
+from sglang_pdd.launcher.http import post_json, stream_events
 
 pytestmark = pytest.mark.e2e
 
@@ -46,14 +43,7 @@ def assert_close(got, want, where: str) -> None:
 
 
 def sse_events(url: str, payload: dict) -> list[dict]:
-    req = urllib.request.Request(url, data=json.dumps({**payload, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for line in resp:
-            line = line.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                events.append(json.loads(line[5:]))
+    events = list(stream_events(url, {**payload, "stream": True}))
     assert events and "error" not in events[-1], events[-1:]
     return events
 
