@@ -54,7 +54,8 @@ def _attach_pdd_config(server_args, cls, args):
     cfg = config_from_namespace(args)
     try:
         validate(cfg, str(getattr(server_args, "disaggregation_mode", "null")),
-                 str(getattr(server_args, "disaggregation_transfer_backend", "")))
+                 str(getattr(server_args, "disaggregation_transfer_backend", "")),
+                 tp_size=int(getattr(server_args, "tp_size", 1) or 1))
     except PddConfigError as e:
         # argparse-style failure: one clear line, before any process is spawned.
         raise SystemExit(f"sglang-pdd: error: {e}") from None
