@@ -1,9 +1,11 @@
-"""Build a tiny Llama model + byte-level BPE tokenizer locally and deterministically (no downloads).
+"""Build a tiny model + byte-level BPE tokenizer locally and deterministically (no downloads).
 
 Random weights make the text meaningless, but greedy token IDs are deterministic, which is what
-the end-to-end tests compare (PDD output_ids == single-server output_ids).
+the end-to-end tests compare (PDD output_ids == single-server output_ids). Two architectures:
+``llama`` (MHA KV pool) and ``deepseek_v2`` (MLA: one latent KV buffer per layer).
 
     python scripts/build_tiny_model.py --out artifacts/tiny-llama
+    python scripts/build_tiny_model.py --arch deepseek_v2 --out artifacts/tiny-deepseek
 """
 
 import argparse
@@ -46,19 +48,50 @@ def build_tokenizer(out: Path):
     return fast
 
 
-def build_model(out: Path, tokenizer):
-    import torch
+def _common_config(tokenizer) -> dict:
+    return dict(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+
+
+def llama_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(SEED)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, head_dim=32, **_common_config(tokenizer)))
+
+
+def deepseek_v2_model(tokenizer):
+    """MLA attention (no q LoRA, kv_lora_rank 64, rope dim 16), dense MLPs only (no MoE layer)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32,
+        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=64,
+        # SGLang's CPU rope for MLA is DeepSeek's YaRN only (get_rope_cpu asserts rope_scaling),
+        # as every real DeepSeek-V2/V3 config has; factor 1 keeps it a plain rope in effect.
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                         "original_max_position_embeddings": 8192, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        n_group=1, topk_group=1, **_common_config(tokenizer),
     )
-    model = LlamaForCausalLM(config)
+    # Fields of real DeepSeek-V2 config.json files that transformers' class lacks; SGLang reads them.
+    config.moe_layer_freq, config.scoring_func = 1, "softmax"
+    return DeepseekV2ForCausalLM(config)
+
+
+ARCHITECTURES = {"llama": llama_model, "deepseek_v2": deepseek_v2_model}
+
+
+def build_model(out: Path, tokenizer, arch: str = "llama"):
+    import torch
+
+    torch.manual_seed(SEED)
+    model = ARCHITECTURES[arch](tokenizer)
     with torch.no_grad():
         # Wider-than-default init so greedy decoding wanders instead of repeating one token.
         for p in model.parameters():
@@ -80,6 +113,7 @@ def fingerprint(out: Path) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/tiny-llama")
+    ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -89,7 +123,7 @@ def main():
         return
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
-    build_model(out, tok)
+    build_model(out, tok, args.arch)
     stamp.write_text(fingerprint(out) + "\n")
     print(f"built tiny model at {out}: {json.loads((out / 'config.json').read_text())['model_type']}, "
           f"fingerprint {stamp.read_text().strip()}")

@@ -10,6 +10,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${PDD_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 MODEL_DIR="${PDD_MODEL_DIR:-$ROOT/artifacts/tiny-llama}"
+MLA_MODEL_DIR="${PDD_MLA_MODEL_DIR:-$ROOT/artifacts/tiny-deepseek}"
 STAMP="$VENV/.pdd-setup-stamp"
 log() { echo "[setup] $*"; }
 
@@ -76,7 +77,9 @@ echo "$ROOT/cpu_shims" > "$(site_packages)/sglang_pdd_cpu_shims.pth"
 # 4. Small upstreamable diffs SGLang (and a CPU-only torchvision) need; see patches/README.md.
 apply_patches apply
 
-# 5. Tiny model + tokenizer, built locally (deterministic, no downloads).
+# 5. Tiny models + tokenizer, built locally (deterministic, no downloads): a Llama (MHA KV pool)
+#    and a DeepSeek-V2-style model (MLA KV pool) for tests/test_e2e_mla.py.
 "$PY" "$ROOT/scripts/build_tiny_model.py" --out "$MODEL_DIR"
+"$PY" "$ROOT/scripts/build_tiny_model.py" --arch deepseek_v2 --out "$MLA_MODEL_DIR"
 
 "$PY" -c "import sglang, sglang_pdd, sgl_kernel, mooncake.engine; print('[setup] ok: sglang', sglang.__version__)"

@@ -147,7 +147,8 @@ def config_from_namespace(ns: argparse.Namespace) -> PddConfig:
                         if hasattr(ns, f"pdd_{f.name}")})
 
 
-def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = TRANSFER_BACKEND) -> PddConfig:
+def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = TRANSFER_BACKEND,
+             tp_size: int = 1) -> PddConfig:
     """Raise PddConfigError naming the first offending flag; return cfg unchanged if consistent."""
     defaults = PddConfig()
     uses_backend = (disaggregation_mode or "null") != "null" and transfer_backend == TRANSFER_BACKEND
@@ -160,6 +161,11 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
             if getattr(cfg, name) != getattr(defaults, name):
                 raise PddConfigError(f"{flag} was given without --pdd-role; set --pdd-role or drop it")
         return cfg
+    if tp_size > 1 and cfg.role in ("prefill", "main"):
+        # each TP rank has its own pool (its share of the KV heads); the WAN path moves one
+        # pool per server, so a TP > 1 end would send or land a part of the heads as the whole
+        raise PddConfigError(f"--pdd-role {cfg.role} runs with --tp 1 only (got --tp {tp_size}): the WAN KV "
+                             f"path does not re-layout per-rank pools yet (docs/data_path.md)")
     want_mode = REQUIRED_DISAGG_MODE[cfg.role]
     if (disaggregation_mode or "null") != want_mode:
         need = "no --disaggregation-mode" if want_mode == "null" else f"--disaggregation-mode {want_mode}"

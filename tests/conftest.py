@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -37,20 +39,26 @@ def run_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pdd-runs")
 
 
-@pytest.fixture(scope="session")
-def single_server(run_root):
-    """A plain SGLang server (no PD): the reference for greedy output_ids."""
-    model = _require_sglang()
+@contextlib.contextmanager
+def plain_server(run_root, model: str, name: str = "single"):
+    """A plain SGLang server (no PD) on ``model``; yields its URL."""
     from sglang_pdd.launcher.processes import ProcessGroup
     from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv
 
     spec = ServerSpec("single", None, free_port())
-    with ProcessGroup(run_root / "single-logs") as procs:
+    with ProcessGroup(run_root / f"{name}-logs") as procs:
         # the same serving options as the router (TEST_ROUTER_ARGS): chat and tool calls compare
         procs.start("single", server_argv(spec, model) + TEST_SERVING_ARGS, health_url=f"{spec.url}/health",
                     env=CPU_ENV)
         procs.wait_healthy(timeout_s=600)
         yield spec.url
+
+
+@pytest.fixture(scope="session")
+def single_server(run_root):
+    """A plain SGLang server (no PD): the reference for greedy output_ids."""
+    with plain_server(run_root, _require_sglang()) as url:
+        yield url
 
 
 # A slow emulated WAN (0.5 Mbit/s, 20 ms one way) so the tiny model's KV (512 B/token) takes
@@ -65,7 +73,7 @@ TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6", "--ev
 TEST_DESTINATION_WAIT_MS = 10000
 
 
-def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1):
+def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model_path: Optional[str] = None):
     """P + RLD + MD + WAN emulator + router, as real processes (a context manager)."""
     _require_sglang()
     from sglang_pdd.launcher.cluster import LocalCluster
@@ -79,7 +87,7 @@ def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1):
     if page_size != 1:  # the last --page-size wins over the launcher's default
         for server in topology.servers:
             server.extra_args += ["--page-size", str(page_size)]
-    return LocalCluster(run_root / name, topology=topology, router_args=TEST_ROUTER_ARGS)
+    return LocalCluster(run_root / name, model_path=model_path, topology=topology, router_args=TEST_ROUTER_ARGS)
 
 
 @pytest.fixture(scope="session")

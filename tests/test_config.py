@@ -104,3 +104,17 @@ def test_inconsistent_flags_name_the_flag(argv, message):
 def test_unknown_role_is_rejected_by_the_parser():
     with pytest.raises(SystemExit):
         parse("--pdd-role", "router")
+
+
+@pytest.mark.parametrize("argv", [GOOD[1][0], GOOD[7][0]], ids=["prefill", "main"])
+def test_the_wan_ends_refuse_tp_above_one(argv):
+    cfg, mode, backend = parse(*argv)
+    assert validate(cfg, mode, backend, tp_size=1) is cfg
+    with pytest.raises(PddConfigError, match=re.escape(f"--pdd-role {cfg.role} runs with --tp 1 only (got --tp 2)")):
+        validate(cfg, mode, backend, tp_size=2)
+
+
+def test_plain_servers_and_relays_keep_their_tp():
+    for argv in ([], GOOD[3][0]):  # no role; relay (its TP is SGLang's PD business)
+        cfg, mode, backend = parse(*argv)
+        assert validate(cfg, mode, backend, tp_size=2) is cfg

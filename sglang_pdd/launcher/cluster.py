@@ -18,13 +18,18 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "artifacts" / "tiny-llama"
+DEFAULT_MLA_MODEL = REPO_ROOT / "artifacts" / "tiny-deepseek"  # MLA attention (DeepSeek-V2 style)
 
 
-def default_model_path() -> str:
-    path = Path(os.environ.get("PDD_MODEL_DIR", DEFAULT_MODEL))
+def default_model_path(env: str = "PDD_MODEL_DIR", default: Path = DEFAULT_MODEL) -> str:
+    path = Path(os.environ.get(env, default))
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no model at {path}; run scripts/setup.sh (it builds the tiny model)")
+        raise FileNotFoundError(f"no model at {path}; run scripts/setup.sh (it builds the tiny models)")
     return str(path)
+
+
+def default_mla_model_path() -> str:
+    return default_model_path("PDD_MLA_MODEL_DIR", DEFAULT_MLA_MODEL)
 
 
 class LocalCluster:

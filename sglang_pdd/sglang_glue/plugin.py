@@ -9,6 +9,8 @@ transfer-backend registry (patches/sglang-0002-...) and adds it to the CLI choic
 
 Hooks (each a no-op unless --pdd-role asks for it):
 * ServerArgs.add_cli_args / from_cli_args — the --pdd-* flags and their validation;
+* Scheduler.__init__ (before) — MLA models on ``torch_native`` take SGLang's absorbed MLA
+  path (mla_attention.py; the fallback dispatch reads the latent pool as per-head K/V);
 * Scheduler.__init__ (after) — start MD's runtime in the scheduler process;
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
   room commands and WAN completions there, on the scheduler thread;
@@ -52,7 +54,8 @@ def _attach_pdd_config(server_args, cls, args):
     cfg = config_from_namespace(args)
     try:
         validate(cfg, str(getattr(server_args, "disaggregation_mode", "null")),
-                 str(getattr(server_args, "disaggregation_transfer_backend", "")))
+                 str(getattr(server_args, "disaggregation_transfer_backend", "")),
+                 tp_size=int(getattr(server_args, "tp_size", 1) or 1))
     except PddConfigError as e:
         # argparse-style failure: one clear line, before any process is spawned.
         raise SystemExit(f"sglang-pdd: error: {e}") from None
@@ -79,6 +82,12 @@ def _start_role_runtime(result, scheduler, *args, **kwargs):
         from sglang_pdd.sglang_glue.transfer_backend import read_key
 
         scheduler._pdd_runtime = MainDrcRuntime(scheduler, cfg, read_key(cfg))
+
+
+def _mla_dispatch(scheduler, *args, **kwargs):
+    from sglang_pdd.sglang_glue.mla_attention import register_torch_native_mla_dispatch
+
+    register_torch_native_mla_dispatch()
 
 
 def _after_ingest(result, scheduler, *args, **kwargs):
@@ -128,6 +137,7 @@ def register() -> None:
     _register_transfer_backend()
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _attach_pdd_config, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}.__init__", _mla_dispatch, HookType.BEFORE)
     HookRegistry.register(f"{_SCHEDULER}.__init__", _start_role_runtime, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.ingest_requests", _after_ingest, HookType.AFTER)
     HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)

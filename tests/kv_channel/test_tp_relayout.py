@@ -1,0 +1,99 @@
+"""Heterogeneous TP re-layout plan: applied to pools sharded the way SGLang shards them, it
+rebuilds exactly MD's shards, each head crosses the WAN once, MLA sends one rank's latent."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from sglang_pdd.kv_channel.tp_relayout import TpLayoutError, kv_heads_of_rank, plan_tp_relayout
+
+HEAD_DIM = 4
+TOKENS = 5
+
+
+def shard(full: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """One rank's pool rows [tokens, local heads, head_dim], per SGLang's sharding."""
+    return full[:, list(kv_heads_of_rank(full.shape[1], tp, rank))]
+
+
+def apply(plan, src_pools: list[np.ndarray], dst_heads_per_rank: int) -> tuple[list[np.ndarray], int]:
+    """Run the plan on real arrays: WAN slices first, then MD's local copies. Returns MD's pools
+    and the number of head rows that crossed the WAN."""
+    dst = [np.full((TOKENS, dst_heads_per_rank, HEAD_DIM), np.nan) for _ in range(plan.dst_tp)]
+    crossed = 0
+    for s in plan.wan:
+        rows = src_pools[s.src_rank][:, s.src_offset:s.src_offset + s.num_heads]
+        dst[s.dst_rank][:, s.dst_offset:s.dst_offset + s.num_heads] = rows
+        crossed += s.num_heads
+    for s in plan.local:
+        dst[s.dst_rank][:, s.dst_offset:s.dst_offset + s.num_heads] = dst[s.src_rank][:, s.src_offset:s.src_offset + s.num_heads]
+    return dst, crossed
+
+
+SHAPES = [(heads, a, b) for heads, a, b in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8])
+          if all((heads % t == 0) if heads >= t else (t % heads == 0) for t in (a, b))]
+
+
+@pytest.mark.parametrize("heads,src_tp,dst_tp", SHAPES, ids=lambda v: str(v))
+def test_mha_plan_rebuilds_md_shards_and_sends_each_head_once(heads, src_tp, dst_tp):
+    full = np.random.default_rng(heads * 100 + src_tp * 10 + dst_tp).normal(size=(TOKENS, heads, HEAD_DIM))
+    plan = plan_tp_relayout("mha", heads, src_tp, dst_tp)
+    src = [shard(full, src_tp, r) for r in range(src_tp)]
+    dst, crossed = apply(plan, src, len(kv_heads_of_rank(heads, dst_tp, 0)))
+    for rank in range(dst_tp):
+        np.testing.assert_array_equal(dst[rank], shard(full, dst_tp, rank))  # no NaN left: all filled
+    assert crossed == heads  # each head once, even when P or MD replicate it
+    assert sorted(h for s in plan.wan for h in range(s.first_head, s.first_head + s.num_heads)) == list(range(heads))
+    assert plan.wan_bytes_per_token(head_bytes=64) == heads * 64
+
+
+def test_equal_tp_is_rank_to_rank_one_range_each():
+    plan = plan_tp_relayout("mha", 8, 4, 4)
+    assert [(s.src_rank, s.dst_rank, s.num_heads, s.src_bytes(16), s.dst_bytes(16)) for s in plan.wan] == \
+        [(r, r, 2, (0, 32), (0, 32)) for r in range(4)]
+    assert plan.local == ()
+
+
+def test_p_tp2_to_md_tp1_concatenates_p_ranks_halves():
+    plan = plan_tp_relayout("mha", 4, 2, 1)
+    assert [(s.src_rank, s.dst_rank, s.dst_bytes(10)) for s in plan.wan] == [(0, 0, (0, 20)), (1, 0, (20, 40))]
+
+
+def test_p_tp1_to_md_tp2_splits_one_row():
+    plan = plan_tp_relayout("mha", 4, 1, 2)
+    assert [(s.src_rank, s.dst_rank, s.src_bytes(10), s.dst_bytes(10)) for s in plan.wan] == \
+        [(0, 0, (0, 20), (0, 20)), (0, 1, (20, 40), (0, 20))]
+
+
+def test_replicated_heads_on_p_are_sent_by_different_ranks_once():
+    # 2 KV heads on TP 4: ranks 0,1 hold head 0 and ranks 2,3 head 1
+    plan = plan_tp_relayout("mha", 2, 4, 1)
+    assert [(s.src_rank, s.first_head) for s in plan.wan] == [(0, 0), (3, 1)]
+    assert plan.senders == (0, 3)
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(1, 1), (2, 4), (8, 2), (4, 4)])
+def test_mla_sends_one_latent_and_md_replicates_it(src_tp, dst_tp):
+    plan = plan_tp_relayout("mla", 0, src_tp, dst_tp)
+    assert plan.total_kv_heads == 1
+    assert [(s.src_rank, s.dst_rank, s.src_bytes(160), s.dst_bytes(160)) for s in plan.wan] == [(0, 0, (0, 160), (0, 160))]
+    assert sorted(s.dst_rank for s in plan.local) == list(range(1, dst_tp))
+    assert all(s.src_rank == 0 for s in plan.local)
+    assert plan.wan_bytes_per_token(160) == 160
+
+
+@pytest.mark.parametrize("kind,heads,src_tp,dst_tp,match", [
+    ("mha", 6, 4, 1, "6 KV heads do not divide over TP 4"),
+    ("mha", 4, 1, 6, "TP 6 is not a multiple of 4 KV heads"),
+    ("mha", 0, 1, 1, "must be positive"),
+    ("gqa", 4, 1, 1, "kind must be mha or mla"),
+])
+def test_unshardable_layouts_are_refused_by_name(kind, heads, src_tp, dst_tp, match):
+    with pytest.raises(TpLayoutError, match=match):
+        plan_tp_relayout(kind, heads, src_tp, dst_tp)
+
+
+def test_rank_out_of_range():
+    with pytest.raises(TpLayoutError, match="rank 2 out of range for TP 2"):
+        kv_heads_of_rank(4, 2, 2)
