@@ -22,12 +22,13 @@ def require_sglang_import():
         pytest.skip(f"SGLang not installed here ({e}); run scripts/setup.sh")
 
 
-def _require_sglang():
+def _require_sglang(mla: bool = False):
+    """The tiny model's path (``mla``: the DeepSeek-V2-style one), or skip outside CI."""
     try:
         import sglang  # noqa: F401
-        from sglang_pdd.launcher.cluster import default_model_path
+        from sglang_pdd.launcher import cluster
 
-        return default_model_path()
+        return cluster.default_mla_model_path() if mla else cluster.default_model_path()
     except (ImportError, FileNotFoundError) as e:
         if os.environ.get("CI"):
             raise  # CI must run the end-to-end tests, never skip them

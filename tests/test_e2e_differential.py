@@ -48,6 +48,15 @@ PATHS = {
     "rld_only": {"path": "p_rld_only"},
 }
 
+# Greedy equality holds up to numerical ties: where the reference's best two tokens are within
+# TIE_GAP in logprob, one bf16 rounding elsewhere (MD extends eager tokens in passes where one
+# server decoded them one by one; other batch shapes) can pick the runner-up. Measured: the only
+# differences in a full-matrix run were at positions where the reference's gap was 0.002 and
+# the router took the runner-up; the penalty-clock bug (fixed) showed at gaps of 0.13-0.25.
+# After such a swap the outputs are not comparable; the prefix before it must be equal.
+TIE_GAP = 0.01
+TIES: list[str] = []  # every swap accepted, for the report and the "ties are rare" checks
+
 JSON_SCHEMA = json.dumps({"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}}, "required": ["name", "age"]})
 
@@ -85,11 +94,12 @@ def body(prompt: str, sampling: dict, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def references(single_server):
-    """prompt -> case -> the single server's answer."""
+    """prompt -> case -> the single server's answer (with its top-2 logprobs: tie_swap)."""
     out = {}
     for prompt in DIFF_PROMPTS:
         plain = post_json(f"{single_server}/generate", body(prompt, {}))
-        out[prompt] = {name: (sampling, post_json(f"{single_server}/generate", body(prompt, sampling)))
+        out[prompt] = {name: (sampling, post_json(f"{single_server}/generate",
+                                                  body(prompt, sampling, return_logprob=True, top_logprobs_num=2)))
                        for name, sampling in cases(plain).items()}
     return out
 
@@ -112,16 +122,40 @@ def route(cluster, prompt: str, sampling: dict, options: dict, stream: bool) -> 
     return post_json(f"{cluster.topology.router_url}/generate", payload)
 
 
+def tie_swap(got_ids: list[int], want: dict):
+    """The position of a numerical-tie swap that explains ``got_ids != want``, else None: equal up
+    to position i, the reference's top two there within TIE_GAP, and the router took the runner-up."""
+    ref = want["output_ids"]
+    i = next((j for j, (a, b) in enumerate(zip(got_ids, ref)) if a != b), None)
+    top = want["meta_info"].get("output_top_logprobs") or []
+    if i is None or i >= len(top) or len(top[i]) < 2:
+        return None
+    (best, _, _), (second, second_id, _) = top[i][:2]
+    return i if best - second <= TIE_GAP and got_ids[i] == second_id else None
+
+
 def differences(got: dict, want: dict, where: str) -> list[str]:
-    """What differs between the router's answer and the single server's (empty: equal)."""
+    """What differs between the router's answer and the single server's (empty: equal, or equal
+    up to a numerical tie, recorded in TIES)."""
     out = []
     if got["output_ids"] != want["output_ids"]:
+        tie = tie_swap(got["output_ids"], want)
+        if tie is not None:
+            TIES.append(f"{where}: tie swap at position {tie}")
+            return []
         out.append(f"{where}: output_ids {got['output_ids']} != {want['output_ids']} "
                    f"(pdd {got['meta_info'].get('pdd')})")
     for key in ("finish_reason", "completion_tokens"):
         if got["meta_info"][key] != want["meta_info"][key]:
             out.append(f"{where}: {key} {got['meta_info'][key]} != {want['meta_info'][key]}")
     return out
+
+
+def assert_ties_rare(ties_before: int, compared: int) -> None:
+    """A tie excuses one comparison; if they were common the suite would test little."""
+    new = TIES[ties_before:]
+    print("\n".join(new))
+    assert len(new) * 4 <= compared, new
 
 
 def assert_same(got: dict, want: dict, where: str) -> None:
@@ -134,16 +168,18 @@ def assert_same(got: dict, want: dict, where: str) -> None:
     for stream in (False, True) for path in PATHS
     if FULL or not stream or path in ("p_md", "one_shot")])
 def test_router_equals_single_server(pdd_cluster, references, path, stream):
-    handoffs, bad = [], []
+    handoffs, bad, ties_before, compared = [], [], len(TIES), 0
     for prompt in DIFF_PROMPTS:
         for name in references[prompt]:
             sampling, want = references[prompt][name]
             got = route(pdd_cluster, prompt, sampling, PATHS[path], stream)
             pdd = got["meta_info"]["pdd"]
             bad += differences(got, want, f"{path}/{name}/{prompt[:20]!r}")
+            compared += 1
             if pdd["handoff_at"] is not None:
                 handoffs.append(pdd["handoff_at"])
     assert not bad, "\n".join(bad)
+    assert_ties_rare(ties_before, compared)
     if path == "rld_only":
         assert not handoffs
     elif path == "p_md":
@@ -155,14 +191,18 @@ def test_router_equals_single_server(pdd_cluster, references, path, stream):
 @pytest.mark.parametrize("path", ["p_md", "one_shot"])
 def test_router_text_equals_single_server(pdd_cluster, references, path):
     """text, incl. stop strings trimmed as SGLang trims them (the router's detokenization)."""
-    bad = []
+    bad, ties_before, compared = [], len(TIES), 0
     for prompt in DIFF_PROMPTS:
         for name in references[prompt]:
             sampling, want = references[prompt][name]
             got = route(pdd_cluster, prompt, sampling, PATHS[path], stream=False)
-            if got["text"] != want["text"]:
+            compared += 1
+            if got["output_ids"] != want["output_ids"]:
+                bad += differences(got, want, f"{path}/{name}")  # a tie swap: the texts are not comparable
+            elif got["text"] != want["text"]:
                 bad.append(f"{path}/{name}: {got['text']!r} != {want['text']!r}")
     assert not bad, "\n".join(bad)
+    assert_ties_rare(ties_before, compared)
 
 
 def test_recovery_after_wan_partition_equals_single_server(pdd_cluster, references):

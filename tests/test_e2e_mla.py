@@ -6,11 +6,10 @@ plain single server's; a second turn hits MD's DRC and only the uncached suffix 
 One single server (stopped first) and one cluster, a few short requests: CI cost stays small.
 """
 
-import os
 
 import pytest
 
-from conftest import plain_server, start_pdd_cluster
+from conftest import _require_sglang, plain_server, start_pdd_cluster
 from sglang_pdd.launcher.http import get_json, post_json
 from test_e2e_pdd import greedy_body
 
@@ -30,15 +29,7 @@ def next_turn(first_text: str) -> str:
 
 @pytest.fixture(scope="module")
 def mla_model():
-    try:
-        import sglang  # noqa: F401
-        from sglang_pdd.launcher.cluster import default_mla_model_path
-
-        return default_mla_model_path()
-    except (ImportError, FileNotFoundError) as e:
-        if os.environ.get("CI"):
-            raise  # CI must run the end-to-end tests, never skip them
-        pytest.skip(f"MLA model or SGLang not set up here ({e}); run scripts/setup.sh")
+    return _require_sglang(mla=True)
 
 
 @pytest.fixture(scope="module")
