@@ -11,7 +11,7 @@ import pytest
 
 from conftest import _require_sglang, plain_server, start_pdd_cluster
 from sglang_pdd.launcher.http import get_json, post_json
-from test_e2e_pdd import greedy_body
+from test_e2e_pdd import assert_routes_equal_reference, greedy_body, route
 
 pytestmark = pytest.mark.e2e
 
@@ -53,22 +53,10 @@ def mla_cluster(run_root, mla_model, mla_reference):
         yield cluster
 
 
-def route(cluster, prompt: str, **options) -> dict:
-    return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
-
-
 @pytest.mark.parametrize("options", [{"path": "p_md"}, {"path": "p_rld_md", "handoff_mode": "one_shot"}],
                          ids=lambda o: o["path"])
 def test_mla_output_ids_equal_single_server(mla_cluster, mla_reference, options):
-    handoffs = 0
-    for prompt in PROMPTS:
-        got = route(mla_cluster, prompt, **options)
-        pdd = got["meta_info"]["pdd"]
-        assert got["output_ids"] == mla_reference[prompt], (prompt, pdd)
-        assert not pdd["fallbacks"], pdd
-        handoffs += pdd["handoff_at"] is not None
-    # p_md: MD decodes everything after P's first token; p_rld_md: RLD streams until MD's KV lands
-    assert handoffs >= (len(PROMPTS) if options["path"] == "p_md" else 1)
+    assert_routes_equal_reference(mla_cluster, {p: mla_reference[p] for p in PROMPTS}, options)
 
 
 def test_mla_drc_second_turn_sends_only_the_suffix(mla_cluster, mla_reference):

@@ -5,7 +5,7 @@ from that page boundary on."""
 import pytest
 
 from sglang_pdd.launcher.http import get_json, post_json
-from test_e2e_pdd import PROMPTS, greedy_body
+from test_e2e_pdd import PROMPTS, assert_routes_equal_reference, greedy_body, route
 
 pytestmark = pytest.mark.e2e
 
@@ -15,22 +15,13 @@ def reference(single_server):
     return {p: post_json(f"{single_server}/generate", greedy_body(p))["output_ids"] for p in PROMPTS}
 
 
-def route(cluster, prompt: str, **options) -> dict:
-    return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
-
-
 @pytest.mark.parametrize("options", [{"path": "p_md"}, {"path": "p_rld_md", "handoff_mode": "one_shot"}],
                          ids=lambda o: o["path"])
 def test_paged_output_ids_equal_single_server(pdd_cluster_paged, reference, options):
-    handoffs = 0
-    for prompt in PROMPTS:
-        got = route(pdd_cluster_paged, prompt, **options)
-        pdd = got["meta_info"]["pdd"]
-        assert got["output_ids"] == reference[prompt], (prompt, pdd)
-        assert not pdd["fallbacks"], pdd
+    def page_aligned(pdd):
         assert pdd["md_cached_tokens"] % pdd_cluster_paged.page_size == 0
-        handoffs += pdd["handoff_at"] is not None
-    assert handoffs >= (len(PROMPTS) if options["path"] == "p_md" else 1)
+
+    assert_routes_equal_reference(pdd_cluster_paged, reference, options, check=page_aligned)
 
 
 def test_paged_drc_second_turn_sends_from_the_page_boundary(pdd_cluster_paged, single_server):

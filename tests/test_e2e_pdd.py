@@ -42,6 +42,21 @@ def route(cluster, prompt: str, **options) -> dict:
     return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
 
 
+def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:
+    """Each prompt of ``reference`` through the router on ``options`` gives its greedy ids, with no
+    fallback; p_md hands every request to MD, p_rld_md at least one (MD's KV landing in time is
+    timing). ``check(meta_info.pdd)``: the caller's extra assertions."""
+    handoffs = 0
+    for prompt, want in reference.items():
+        got = route(cluster, prompt, **options)
+        pdd = got["meta_info"]["pdd"]
+        assert got["output_ids"] == want, (prompt, pdd)
+        assert not pdd["fallbacks"], pdd
+        check(pdd)
+        handoffs += pdd["handoff_at"] is not None
+    assert handoffs >= (len(reference) if options["path"] == "p_md" else 1)
+
+
 CONFIGS = [
     {"path": "p_rld_md", "handoff_mode": "one_shot"},
     {"path": "p_rld_md", "handoff_mode": "catch_up", "catch_up_threshold": 2},
