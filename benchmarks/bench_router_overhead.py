@@ -16,7 +16,8 @@ shared machine hits both alike:
   (measured on the same processes over an idle window first: SGLang's detokenizer polls) times
   the round's wall time;
 * ``--py-spy FILE``: py-spy samples the router during the rounds (collapsed stacks), to see
-  where its CPU goes;
+  where its CPU goes (``.venv/bin/pip install py-spy`` first; sampling inflates the router's
+  CPU, so compare shares, not totals);
 * also through the OpenAI chat endpoint (SGLang's serving layer in the router), same numbers.
 
 On the 2-core CPU box every server shares the cores with the client, so the router's wall-time
