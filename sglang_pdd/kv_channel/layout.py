@@ -31,6 +31,11 @@ def num_pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def align_down(num_tokens: int, page_size: int) -> int:
+    """The page boundary at or below ``num_tokens`` (SGLang's radix cache holds whole pages)."""
+    return num_tokens // page_size * page_size
+
+
 def token_digest(token_ids: Optional[Sequence[int]]) -> bytes:
     """sha256 of the prompt's token ids (so MD can check it got the prompt it expects)."""
     if token_ids is None:
@@ -41,6 +46,7 @@ def token_digest(token_ids: Optional[Sequence[int]]) -> bytes:
 
 
 KV_KINDS = ("mha", "mla")
+BUFFERS_PER_LAYER = {"mha": 2, "mla": 1}  # K and V, or MLA's one latent
 
 
 class KvLayoutMismatch(ValueError):
@@ -97,7 +103,7 @@ class KvPoolLayout:
 
     @property
     def buffers_per_layer(self) -> int:
-        return 2 if self.kind == "mha" else 1
+        return BUFFERS_PER_LAYER[self.kind]
 
     @property
     def num_buffers(self) -> int:
@@ -117,7 +123,7 @@ class KvPoolLayout:
         return KvLayout(self.num_buffers, self.page_size, self.page_bytes, self.dtype, self.kind)
 
     def align_down(self, tokens: int) -> int:
-        return tokens // self.page_size * self.page_size
+        return align_down(tokens, self.page_size)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

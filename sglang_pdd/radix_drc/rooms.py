@@ -20,6 +20,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
+from sglang_pdd.kv_channel.layout import align_down
+
 logger = logging.getLogger(__name__)
 
 
@@ -91,8 +93,8 @@ class DrcRooms:
             # At least the last prompt token always crosses the WAN, so every room has a
             # transfer whose arrival marks it ready (a fully cached prompt sends its last
             # page). P sends from this page boundary on.
-            last_page_start = (len(token_ids) - 1) // self.page_size * self.page_size
-            entry.cached_len = min(cached_len // self.page_size * self.page_size, last_page_start)
+            entry.cached_len = min(align_down(cached_len, self.page_size),
+                                   align_down(len(token_ids) - 1, self.page_size))
             entry.locks.append(self.tree.lock(node))
         self.rooms[room] = entry
         return entry

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout
+from sglang_pdd.kv_channel.layout import BUFFERS_PER_LAYER, KvLayout, KvPoolLayout, align_down
 
 
 class UnsupportedKvPool(RuntimeError):
@@ -52,9 +52,8 @@ def pool_layout(pool, page_size: int) -> KvPoolLayout:
         if b.dtype != bufs[0].dtype or b[0].numel() * b.element_size() != token_bytes or not b.is_contiguous():
             raise UnsupportedKvPool("sglang-pdd needs contiguous KV buffers of one dtype and row size "
                                     f"(got {[(tuple(x.shape), x.dtype) for x in bufs[:4]]}...)")
-    per_layer = 2 if kind == "mha" else 1
-    return KvPoolLayout(kind=kind, layers=len(bufs) // per_layer, page_size=page_size, token_bytes=token_bytes,
-                        dtype=str(bufs[0].dtype).removeprefix("torch."))
+    return KvPoolLayout(kind=kind, layers=len(bufs) // BUFFERS_PER_LAYER[kind], page_size=page_size,
+                        token_bytes=token_bytes, dtype=str(bufs[0].dtype).removeprefix("torch."))
 
 
 def kv_layout_of(pool, page_size: int) -> KvLayout:
@@ -64,7 +63,7 @@ def kv_layout_of(pool, page_size: int) -> KvLayout:
 
 def _page_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """``buf`` as [pages, page bytes] uint8, a view (writes go to the pool)."""
-    rows = buf.shape[0] // page_size * page_size
+    rows = align_down(buf.shape[0], page_size)
     return buf[:rows].view(torch.uint8).view(rows // page_size, -1)
 
 

@@ -140,8 +140,8 @@ class MainDrcRuntime:
         self.handed_off: set[int] = set()
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
-        self.ingest_mode = getattr(cfg, "md_ingest", "pool")
-        self.budget = InFlightBudget(getattr(cfg, "md_staging_mb", 4096) << 20)
+        self.ingest_mode = cfg.md_ingest
+        self.budget = InFlightBudget(cfg.md_staging_mb << 20)
         self.landings: dict[int, Landing] = {}
         # Pool slots held by rooms in flight (reserved, or waiting to be freed until the
         # receiver has stopped writing): SGLang's leak check counts them (plugin.py hook).

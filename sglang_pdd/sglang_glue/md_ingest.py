@@ -25,9 +25,6 @@ from sglang_pdd.kv_channel.layout import KvPoolLayout, num_pages
 from sglang_pdd.radix_drc.rooms import RoomError
 from sglang_pdd.sglang_glue.kv_pool_view import page_ids_of_slots, scatter_pages
 
-INGEST_MODES = ("pool", "staged")
-
-
 class RoomRefused(RoomError):
     """MD cannot take this room's KV now (budget or pool full); the router keeps it on RLD."""
 

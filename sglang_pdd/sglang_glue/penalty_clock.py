@@ -62,7 +62,10 @@ def mark_transferred_requests(result, batch, *args, **kwargs):
 
 def count_prompt_tail_first(original, batch, *args, **kwargs):
     """AROUND ScheduleBatch.cumulate_penalty_output_tokens: as SGLang's, except that a marked
-    request (its first decode after a PD transfer) counts prompt[-1], as one server does."""
+    request (its first decode after a PD transfer) counts prompt[-1], as one server does.
+    Every decode step of every role passes here: off the relay it is SGLang's call alone."""
+    if not _align_pd_first_step:
+        return original(batch, *args, **kwargs)
     marked = [getattr(req, _FIRST_STEP_ATTR, False) for req in batch.reqs]
     if not any(marked):
         return original(batch, *args, **kwargs)
