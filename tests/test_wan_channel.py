@@ -502,3 +502,88 @@ def test_tls_optional(tmp_path):
     finally:
         tx.close()
         rx.close()
+
+
+# ----------------------------------------------------------------------------- row slices (P with TP > 1)
+
+
+def _slice_of(kv: np.ndarray, layout: KvLayout, offset: int, width: int) -> np.ndarray:
+    """Bytes [offset, offset + width) of every token row: what one P rank holds of the KV."""
+    pages = kv.shape[1]
+    rows = kv.reshape(layout.num_layers, pages, layout.page_size, layout.token_bytes)
+    return np.ascontiguousarray(rows[..., offset:offset + width]).reshape(layout.num_layers, pages, -1)
+
+
+@pytest.mark.parametrize("destination", ["buffer", "callable"])
+def test_row_slices_from_two_senders_tile_the_room(receiver, destination):
+    """Two P ranks, each moving its heads' bytes of every row, fill one MD room; each gets
+    the ACK of its own part, and the room is SUCCESS only after both."""
+    from sglang_pdd.kv_channel.layout import RowSlice
+
+    layout = KvLayout(4, 16, 16 * 96, "bfloat16")  # 96-byte rows: 64 + 32
+    tokens, prefix = 16 * 6 + 3, 16 * 2
+    kv = kv_for(layout, tokens, seed=3)
+    got = np.zeros_like(kv)
+    rows = got.reshape(4, -1, 16, 96)
+    lock = threading.Lock()
+
+    def write(layer_start, layer_count, page_start, page_count, payload, row=None):
+        with lock:  # the row slice arrives strided: (offset, width) of each token row
+            offset, width = row
+            rows[layer_start:layer_start + layer_count, page_start:page_start + page_count, :, offset:offset + width] = \
+                np.frombuffer(payload, np.uint8).reshape(layer_count, page_count, 16, width)
+
+    receiver.register_room(7, layout, tokens, got if destination == "buffer" else write, decode_prefix_len=prefix)
+    parts = [RowSlice(0, 2, 0, 64), RowSlice(1, 2, 64, 32)]
+    senders = [make_sender(receiver.address, name=f"prefill-tp{i}", max_chunk_bytes=3 * 16 * 64) for i in range(2)]
+    try:
+        xfers = [tx.begin_transfer(7, layout, tokens, prefix, row=part) for tx, part in zip(senders, parts)]
+        assert xfers[0].send_kv(_slice_of(kv, layout, 0, 64))
+        time.sleep(0.3)
+        assert receiver.poll(7) != RoomState.SUCCESS  # one slice alone does not make the room
+        assert xfers[1].send_kv(_slice_of(kv, layout, 64, 32))
+        assert [x.wait(20) for x in xfers] == [RoomState.SUCCESS] * 2, [x.failure_detail for x in xfers]
+        assert receiver.wait(7, 5) == RoomState.SUCCESS
+        first = prefix // 16
+        assert np.array_equal(got[:, first:], kv[:, first:]) and not got[:, :first].any()
+    finally:
+        for tx in senders:
+            tx.close()
+
+
+@pytest.mark.parametrize("second, why", [
+    ((1, 2, 48, 48), "overlap slice 0's [0, 64)"),  # bytes 48..63 claimed twice
+    ((1, 3, 64, 32), "slice count 3"),  # the senders disagree on how many slices there are
+    ((1, 2, 64, 16), "cover 80 of 96 bytes"),  # two slices that leave bytes 80..95 out
+])
+def test_bad_row_slices_fail_the_room_naming_the_problem(receiver, second, why):
+    from sglang_pdd.kv_channel.layout import RowSlice
+
+    layout = KvLayout(2, 16, 16 * 96, "bfloat16")
+    kv = kv_for(layout, 64, seed=4)
+    receiver.register_room(8, layout, 64, np.zeros_like(kv))
+    senders = [make_sender(receiver.address, name=f"prefill-tp{i}") for i in range(2)]
+    try:
+        first = senders[0].begin_transfer(8, layout, 64, row=RowSlice(0, 2, 0, 64))
+        first.send_kv(_slice_of(kv, layout, 0, 64))
+        time.sleep(0.3)  # slice 0's frames first, so the failure is the second sender's
+        other = RowSlice(*second)
+        senders[1].begin_transfer(8, layout, 64, row=other).send_kv(_slice_of(kv, layout, other.offset, other.width))
+        assert receiver.wait(8, 10) == RoomState.FAILED
+        reason, detail = receiver.failure(8)
+        assert reason == FailureReason.LAYOUT_MISMATCH and why in detail, detail
+        assert first.wait(10) == RoomState.FAILED  # both senders hear of it (NACK)
+    finally:
+        for tx in senders:
+            tx.close()
+
+
+def test_a_row_slice_outside_the_row_is_refused_by_the_sender():
+    from sglang_pdd.kv_channel.layout import RowSlice
+
+    tx = WanKvSender(("127.0.0.1", 9), KEY, name="p", connect_timeout=0.5)
+    try:
+        with pytest.raises(ValueError, match=r"row bytes \[64, 128\) outside a 96-byte token row"):
+            tx.begin_transfer(1, KvLayout(2, 16, 16 * 96), 32, row=RowSlice(1, 2, 64, 64))
+    finally:
+        tx.close()

@@ -71,6 +71,15 @@ class KvLayout:
         if self.num_layers <= 0 or self.page_size <= 0 or self.bytes_per_page <= 0 or self.kind not in KV_KINDS:
             raise ValueError(f"invalid KV layout {self}")
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's row in one buffer."""
+        return self.bytes_per_page // self.page_size
+
+    def of_slice(self, row: "RowSlice") -> "KvLayout":
+        """The layout of one row slice's bytes (what its chunks carry): ``row.width`` of each row."""
+        return dataclasses.replace(self, bytes_per_page=self.page_size * row.width)
+
     def describe(self) -> str:
         return (f"kind={self.kind} buffers={self.num_layers} page_size={self.page_size} "
                 f"bytes_per_page={self.bytes_per_page} dtype={self.dtype}")
@@ -81,6 +90,36 @@ class KvLayout:
         if diffs:
             raise KvLayoutMismatch(f"KV layout mismatch ({mine} vs {theirs}): {'; '.join(diffs)} "
                                    f"[{mine}: {self.describe()}; {theirs}: {other.describe()}]")
+
+
+MAX_ROW_SLICES = 64  # senders of one room (P's TP ranks); more is a malformed frame
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """Bytes ``[offset, offset + width)`` of every token row: what one of ``count`` senders
+    moves of a room when P's TP ranks each hold some of the KV heads (tp_relayout.py). Every
+    page of every buffer is cut the same way; the ``count`` slices of a room tile the row."""
+
+    index: int
+    count: int
+    offset: int
+    width: int
+
+    @classmethod
+    def whole(cls, token_bytes: int) -> "RowSlice":
+        return cls(0, 1, 0, token_bytes)
+
+    def is_whole(self, token_bytes: int) -> bool:
+        return self.count == 1 and self.offset == 0 and self.width == token_bytes
+
+    def problem(self, token_bytes: int) -> str:
+        """Why this slice does not fit rows of ``token_bytes`` bytes ("" if it does)."""
+        if not 1 <= self.count <= MAX_ROW_SLICES or not 0 <= self.index < self.count:
+            return f"row slice {self.index} of {self.count} invalid (at most {MAX_ROW_SLICES} slices)"
+        if self.width <= 0 or self.offset < 0 or self.offset + self.width > token_bytes:
+            return f"row bytes [{self.offset}, {self.offset + self.width}) outside a {token_bytes}-byte token row"
+        return ""
 
 
 @dataclass(frozen=True)

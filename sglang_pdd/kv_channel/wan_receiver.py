@@ -30,6 +30,13 @@ What is checked, and what happens (the connection survives unless the framing is
 A room is SUCCESS when BEGIN and END arrived and every (layer, page) of the announced
 range was written exactly once with a good checksum; then the sender gets an ACK.
 
+Row slices (P with TP > 1, each rank holding some KV heads): a room may come from several
+senders, each moving bytes [offset, offset + width) of every token row (one *part* per slice,
+each bound to its sender's session). Slices must not overlap, their BEGINs must agree on how
+many there are, and the room is SUCCESS only when every part is complete and the slices tile
+the whole row; each sender gets the ACK of its part. The destination callable then receives
+``row=(offset, width)``; a destination buffer is written strided.
+
 Chunks may arrive before BEGIN (they were striped over other streams); they are checked
 against the registration, which is enough to write them safely.
 """
@@ -51,7 +58,7 @@ import numpy as np
 
 from .acceptor import Acceptor, Slot
 from .handshake import AuthError, check_key, server_handshake
-from .layout import KvLayout, KvLayoutMismatch, num_pages, token_digest
+from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
 from .wire import (
@@ -80,6 +87,29 @@ MAX_QUEUED_REPLIES = 4096  # per stream; more means the peer is not reading them
 
 
 @dataclass
+class _Part:
+    """What one sender moves of a room: all of every token row, or (P with TP > 1) the bytes
+    ``[offset, offset + width)`` of it. Its frames come from one sender session."""
+
+    index: int
+    session: "_Session"
+    covered: np.ndarray  # [layers, pages] bool: written (or being written) once
+    offset: Optional[int] = None  # known from the part's first chunk or BEGIN
+    width: int = 0  # 0: the whole row
+    begin: Optional[TransferBegin] = None
+    end: Optional[TransferEnd] = None
+    indices: set = field(default_factory=set)
+    bytes_received: int = 0
+
+    def page_bytes(self, layout: KvLayout) -> int:
+        return layout.bytes_per_page if self.width == 0 else layout.page_size * self.width
+
+    def expected_bytes(self, layout: KvLayout) -> int:
+        b = self.begin
+        return self.covered.shape[0] * (b.end_page - b.first_page) * self.page_bytes(layout)
+
+
+@dataclass
 class _Room:
     room: int
     layout: KvLayout
@@ -93,15 +123,19 @@ class _Room:
     state: RoomState = RoomState.WAITING_FOR_INPUT
     reason: str = ""
     detail: str = ""
-    session: Optional["_Session"] = None
-    begin: Optional[TransferBegin] = None
-    end: Optional[TransferEnd] = None
-    covered: np.ndarray = None  # [layers, pages] bool: written (or being written) once
-    indices: set = field(default_factory=set)
-    bytes_received: int = 0
+    parts: dict = field(default_factory=dict)  # slice index -> _Part
+    slice_count: Optional[int] = None  # from the first BEGIN; all must agree
     writers: int = 0  # reader threads currently writing into the destination
     last_progress: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def sessions(self) -> set:
+        return {p.session for p in self.parts.values()}
+
+
+def _row_range(offset: int, width: int) -> str:
+    return "(the whole row)" if width == 0 else f"[{offset}, {offset + width})"
 
 
 class _Conn:
@@ -230,7 +264,6 @@ class WanKvReceiver(RoomQueries):
             room, layout, num_tokens, total, decode_prefix_len, dest_view, dest_write,
             token_digest(token_ids), None if timeout is None else time.monotonic() + timeout,
         )
-        entry.covered = np.zeros((layout.num_layers, total), dtype=bool)
         with self._cv:
             old = self._rooms.get(room)
             if old is not None and not old.state.is_terminal:
@@ -254,9 +287,10 @@ class WanKvReceiver(RoomQueries):
                 return
             if not entry.state.is_terminal:
                 self._fail_room(entry, FailureReason.ABORTED, "released by owner", tell_peer=True)
-            if not self._cv.wait_for(lambda: entry.writers == 0, timeout) and entry.session is not None:
-                for conn in list(entry.session.conns):
-                    conn.shutdown()
+            if not self._cv.wait_for(lambda: entry.writers == 0, timeout):
+                for session in entry.sessions:
+                    for conn in list(session.conns):
+                        conn.shutdown()
                 self._cv.wait_for(lambda: entry.writers == 0, timeout)
             if self._rooms.get(room) is entry:
                 del self._rooms[room]
@@ -377,7 +411,7 @@ class WanKvReceiver(RoomQueries):
     def _kill_session(self, s: _Session, reason: str, detail: str) -> None:
         s.dead = True
         for entry in self._rooms.values():
-            if entry.session is s and not entry.state.is_terminal:
+            if s in entry.sessions and not entry.state.is_terminal:
                 self._fail_room(entry, reason, detail, tell_peer=False)
         for conn in s.conns:
             conn.shutdown()
@@ -395,7 +429,7 @@ class WanKvReceiver(RoomQueries):
             with self._cv:
                 entry = self._rooms.get(msg.room)
                 # An unbound room: its sender aborted before its BEGIN went out.
-                if entry is not None and entry.session in (None, conn.session):
+                if entry is not None and (not entry.parts or conn.session in entry.sessions):
                     self._fail_room(entry, FailureReason.ABORTED, f"sender aborted: {msg.reason}", tell_peer=False)
         elif isinstance(msg, Error):
             logger.warning("peer %s reports: room %s: %s: %s", conn.peer, msg.room, msg.reason, msg.detail)
@@ -415,23 +449,68 @@ class WanKvReceiver(RoomQueries):
                 self._post(conn, Nack(room, FailureReason.UNKNOWN_ROOM,
                                       f"room {room} is not registered at {self.name!r}"))
             return None
-        if entry.state.is_terminal:
-            return entry  # late frames of a finished room are dropped by the caller
-        if entry.session is None:
-            entry.session = conn.session
-        elif entry.session is not conn.session:
+        return entry  # late frames of a finished room are dropped by the caller
+
+    def _part_for(self, conn: _Conn, entry: _Room, index: int, what: str,
+                  row: Optional[tuple[int, int]] = None) -> Optional[_Part]:
+        """The room's part ``index`` (created by its first frame), bound to this session;
+        ``row`` = (offset, width or 0 for the whole row) from the frame. None (after replying
+        or failing the room) if refused."""
+        room = entry.room
+        part = entry.parts.get(index)
+        if part is None:
+            limit = entry.slice_count or MAX_ROW_SLICES
+            if not 0 <= index < limit:
+                self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"{what}: row slice {index} outside [0, {limit})",
+                                tell_peer=True, conn=conn)
+                return None
+            part = entry.parts[index] = _Part(index, conn.session,
+                                              np.zeros((entry.layout.num_layers, entry.total_pages), dtype=bool))
+        elif part.session is not conn.session:
             self.counters["wrong_session"] += 1
             logger.warning("room %s: %s from %s refused: room belongs to another session", room, what, conn.peer)
             self._post(conn, Error(room, "wrong_session", f"room {room} is being served by another sender session"))
             return None
-        return entry
+        problem = self._set_row(entry, part, *row) if row is not None else ""
+        if problem:
+            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"{what}: {problem}", tell_peer=True, conn=conn)
+            return None
+        return part
+
+    @staticmethod
+    def _set_row(entry: _Room, part: _Part, offset: int, width: int) -> str:
+        """Fix (first frame) or check the part's bytes of each token row; why not, or ""."""
+        lay = entry.layout
+        if width and offset == 0 and width * lay.page_size == lay.bytes_per_page:
+            width = 0  # the whole row, said explicitly
+        if part.offset is not None:
+            if (part.offset, part.width) != (offset, width):
+                return (f"slice {part.index}: row bytes {_row_range(offset, width)} differ from its earlier frames' "
+                        f"{_row_range(part.offset, part.width)}")
+            return ""
+        if width == 0 and offset:
+            return f"slice {part.index}: a whole row cannot start at byte {offset}"
+        if width and (lay.bytes_per_page % lay.page_size or offset + width > lay.token_bytes):
+            return (f"slice {part.index}: row bytes {_row_range(offset, width)} outside a {lay.token_bytes}-byte "
+                    f"token row")
+        for other in entry.parts.values():
+            if other is part or other.offset is None:
+                continue
+            if width == 0 or other.width == 0 or (offset < other.offset + other.width and other.offset < offset + width):
+                return (f"slice {part.index}'s row bytes {_row_range(offset, width)} overlap slice {other.index}'s "
+                        f"{_row_range(other.offset, other.width)}")
+        part.offset, part.width = offset, width
+        return ""
 
     def _on_begin(self, conn: _Conn, msg: TransferBegin) -> None:
         with self._cv:
             entry = self._room_for(conn, msg.room, "BEGIN")
             if entry is None or entry.state.is_terminal:
                 return
-            if entry.begin is not None:
+            part = self._part_for(conn, entry, msg.slice_index, "BEGIN", (msg.row_offset, msg.row_bytes))
+            if part is None or entry.state.is_terminal:
+                return
+            if part.begin is not None:
                 self.counters["duplicate"] += 1
                 self._post(conn, Error(msg.room, "duplicate", "TRANSFER_BEGIN received twice"))
                 return
@@ -450,12 +529,20 @@ class WanKvReceiver(RoomQueries):
                 problems.append(f"first page {msg.first_page} != decode_prefix_len {entry.decode_prefix_len} / page_size")
             if entry.expected_digest and msg.token_digest != entry.expected_digest:
                 problems.append("prompt token digest differs")
-            if any(i >= msg.num_chunks for i in entry.indices) or entry.covered[:, : msg.first_page].any():
+            if any(i >= msg.num_chunks for i in part.indices) or part.covered[:, : msg.first_page].any():
                 problems.append("chunks already received lie outside the announced range")
+            count = entry.slice_count or msg.slice_count
+            if msg.slice_count != count or not 1 <= count <= MAX_ROW_SLICES or max(entry.parts) >= count:
+                problems.append(f"slice count {msg.slice_count} (slice {msg.slice_index}) does not match the room's "
+                                f"{count} / slices {sorted(entry.parts)}")
+            others = [p.begin.first_page for p in entry.parts.values() if p.begin is not None]
+            if others and others[0] != msg.first_page:
+                problems.append(f"first page {msg.first_page} differs from another slice's {others[0]}")
             if problems:
                 self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, "; ".join(problems), tell_peer=True, conn=conn)
                 return
-            entry.begin = msg
+            entry.slice_count = count
+            part.begin = msg
             entry.state = RoomState.TRANSFERRING
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
@@ -465,23 +552,26 @@ class WanKvReceiver(RoomQueries):
             entry = self._room_for(conn, msg.room, "END")
             if entry is None or entry.state.is_terminal:
                 return
-            if entry.end is not None:
+            part = self._part_for(conn, entry, msg.slice_index, "END")
+            if part is None or entry.state.is_terminal:
+                return
+            if part.end is not None:
                 self.counters["duplicate"] += 1
                 self._post(conn, Error(msg.room, "duplicate", "TRANSFER_END received twice"))
                 return
-            entry.end = msg
+            part.end = msg
             entry.state = RoomState.TRANSFERRING
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
     def _on_chunk(self, conn: _Conn, reader: FrameReader, msg: Chunk, plen: int) -> None:
         with self._cv:
-            entry = self._accept_chunk(conn, msg, plen)
+            entry, part = self._accept_chunk(conn, msg, plen)
         if entry is None:
             reader.discard_payload()  # outside the lock: keeps the stream in sync, writes nothing
             return
         try:
-            crc = self._receive_payload(entry, reader, msg)
+            crc = self._receive_payload(entry, part, reader, msg)
         except IntegrityError as e:
             with self._cv:  # before any other stream can complete the room on altered bytes
                 self._fail_room(entry, FailureReason.INTEGRITY, f"chunk {msg.index}: {e}", tell_peer=False)
@@ -499,38 +589,41 @@ class WanKvReceiver(RoomQueries):
                                 f"chunk {msg.index}: crc32 {crc:#010x} != announced {msg.crc32:#010x}",
                                 tell_peer=True, conn=conn)
                 return
-            entry.bytes_received += plen
+            part.bytes_received += plen
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
-    def _accept_chunk(self, conn: _Conn, msg: Chunk, plen: int) -> Optional[_Room]:
+    def _accept_chunk(self, conn: _Conn, msg: Chunk, plen: int) -> tuple[Optional[_Room], Optional[_Part]]:
         """Decide (under the lock) whether a chunk's payload may be written; claim its pages."""
-        entry = self._room_for(conn, msg.room, f"chunk {msg.index}")
+        what = f"chunk {msg.index}"
+        entry = self._room_for(conn, msg.room, what)
         if entry is None or entry.state.is_terminal:
-            return None
-        problem = self._check_chunk(entry, msg, plen)
+            return None, None
+        part = self._part_for(conn, entry, msg.slice_index, what, (msg.row_offset, msg.row_bytes))
+        if part is None or entry.state.is_terminal:
+            return None, None
+        problem = self._check_chunk(entry, part, msg, plen)
         if problem:
-            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"chunk {msg.index}: {problem}",
-                            tell_peer=True, conn=conn)
-            return None
-        region = entry.covered[msg.layer_start : msg.layer_start + msg.layer_count,
-                               msg.page_start : msg.page_start + msg.page_count]
-        if msg.index in entry.indices or region.any():
+            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"{what}: {problem}", tell_peer=True, conn=conn)
+            return None, None
+        region = part.covered[msg.layer_start : msg.layer_start + msg.layer_count,
+                              msg.page_start : msg.page_start + msg.page_count]
+        if msg.index in part.indices or region.any():
             self.counters["duplicate"] += 1
             logger.warning("room %s: duplicate chunk %d from %s rejected", msg.room, msg.index, conn.peer)
             self._post(conn, Error(msg.room, "duplicate",
                                    f"chunk {msg.index} (or its pages) already received; ignored"))
-            return None
+            return None, None
         # Claim before reading so a copy racing on another stream is seen as a duplicate.
-        entry.indices.add(msg.index)
+        part.indices.add(msg.index)
         region[:] = True
         entry.writers += 1
         entry.state = RoomState.TRANSFERRING
-        return entry
+        return entry, part
 
-    def _check_chunk(self, entry: _Room, msg: Chunk, plen: int) -> str:
+    def _check_chunk(self, entry: _Room, part: _Part, msg: Chunk, plen: int) -> str:
         lay = entry.layout
-        first = entry.begin.first_page if entry.begin else 0
+        first = part.begin.first_page if part.begin else 0
         # Explicit lower bounds too, though the decoder refuses negatives: a slice with a
         # negative start would land in another layer of the destination.
         if msg.layer_start < 0 or msg.layer_count < 1 or msg.layer_start + msg.layer_count > lay.num_layers:
@@ -540,16 +633,19 @@ class WanKvReceiver(RoomQueries):
             return f"pages [{msg.page_start}, +{msg.page_count}) outside [{first}, {entry.total_pages})"
         if entry.decode_prefix_len is not None and msg.page_start * lay.page_size < entry.decode_prefix_len:
             return f"page {msg.page_start} is below decode_prefix_len {entry.decode_prefix_len}"
-        if plen != msg.layer_count * msg.page_count * lay.bytes_per_page:
-            return f"payload {plen} bytes != {msg.layer_count} layers x {msg.page_count} pages x {lay.bytes_per_page}"
-        if entry.begin is not None and msg.index >= entry.begin.num_chunks:
-            return f"index {msg.index} >= num_chunks {entry.begin.num_chunks}"
+        page_bytes = part.page_bytes(lay)
+        if plen != msg.layer_count * msg.page_count * page_bytes:
+            return f"payload {plen} bytes != {msg.layer_count} layers x {msg.page_count} pages x {page_bytes}"
+        if part.begin is not None and msg.index >= part.begin.num_chunks:
+            return f"index {msg.index} >= num_chunks {part.begin.num_chunks}"
         return ""
 
-    def _receive_payload(self, entry: _Room, reader: FrameReader, msg: Chunk) -> Optional[int]:
+    def _receive_payload(self, entry: _Room, part: _Part, reader: FrameReader, msg: Chunk) -> Optional[int]:
         """Read the payload into the destination; returns its crc32. Runs without the lock."""
-        bpp = entry.layout.bytes_per_page
-        if entry.dest_view is not None:
+        lay = entry.layout
+        whole = part.width == 0
+        if entry.dest_view is not None and whole:
+            bpp = lay.bytes_per_page
             crc = 0
             for layer in range(msg.layer_start, msg.layer_start + msg.layer_count):
                 start = (layer * entry.total_pages + msg.page_start) * bpp
@@ -559,31 +655,62 @@ class WanKvReceiver(RoomQueries):
             return crc & 0xFFFFFFFF
         payload = reader.read_payload()
         crc = zlib.crc32(payload) & 0xFFFFFFFF
-        if crc == msg.crc32 and not entry.state.is_terminal:
+        if crc != msg.crc32 or entry.state.is_terminal:
+            return crc
+        if entry.dest_view is not None:  # a row slice: strided into [layer][page][token][row bytes]
+            dest = np.frombuffer(entry.dest_view, dtype=np.uint8).reshape(
+                lay.num_layers, entry.total_pages, lay.page_size, lay.token_bytes)
+            dest[msg.layer_start : msg.layer_start + msg.layer_count, msg.page_start : msg.page_start + msg.page_count,
+                 :, part.offset : part.offset + part.width] = np.frombuffer(payload, dtype=np.uint8).reshape(
+                msg.layer_count, msg.page_count, lay.page_size, part.width)
+        elif whole:
             entry.dest_write(msg.layer_start, msg.layer_count, msg.page_start, msg.page_count, payload)
+        else:
+            entry.dest_write(msg.layer_start, msg.layer_count, msg.page_start, msg.page_count, payload,
+                             row=(part.offset, part.width))
         return crc
 
     def _check_complete(self, entry: _Room, conn: _Conn) -> None:
-        b, e = entry.begin, entry.end
-        if b is None or e is None or entry.writers:
+        parts = list(entry.parts.values())
+        if (entry.slice_count is None or len(parts) < entry.slice_count or entry.writers
+                or any(p.begin is None or p.end is None for p in parts)):
             return
-        expected = entry.layout.num_layers * (b.end_page - b.first_page) * entry.layout.bytes_per_page
-        if e.num_chunks != b.num_chunks or e.total_bytes != expected:
-            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH,
-                            f"END says {e.num_chunks} chunks / {e.total_bytes} bytes, expected "
-                            f"{b.num_chunks} / {expected}", tell_peer=True, conn=conn)
-            return
-        if len(entry.indices) < b.num_chunks or not entry.covered[:, b.first_page : b.end_page].all():
+        lay = entry.layout
+        for p in parts:
+            b, e, expected = p.begin, p.end, p.expected_bytes(lay)
+            if e.num_chunks != b.num_chunks or e.total_bytes != expected:
+                self._fail_room(entry, FailureReason.LAYOUT_MISMATCH,
+                                f"slice {p.index}: END says {e.num_chunks} chunks / {e.total_bytes} bytes, expected "
+                                f"{b.num_chunks} / {expected}", tell_peer=True, conn=conn)
+                return
+        if any(len(p.indices) < p.begin.num_chunks or not p.covered[:, p.begin.first_page : p.begin.end_page].all()
+               for p in parts):
             return  # chunks still in flight on other streams
-        if entry.bytes_received != expected:
-            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH,
-                            f"received {entry.bytes_received} bytes, expected {expected}", tell_peer=True, conn=conn)
+        for p in parts:
+            if p.bytes_received != p.expected_bytes(lay):
+                self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"slice {p.index}: received {p.bytes_received} "
+                                f"bytes, expected {p.expected_bytes(lay)}", tell_peer=True, conn=conn)
+                return
+        covered = sum(p.width for p in parts)  # slices never overlap (_set_row): this is the union
+        if parts[0].width and covered != lay.token_bytes:  # (a whole-row part is the only part)
+            self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"the {len(parts)} slices cover {covered} of "
+                            f"{entry.layout.token_bytes} bytes of each token row", tell_peer=True, conn=conn)
             return
         entry.state = RoomState.SUCCESS
         entry.done.set()
         self._cv.notify_all()
-        logger.debug("room %s: all %d chunks verified (%d bytes)", entry.room, b.num_chunks, expected)
-        self._post(conn, Ack(entry.room, expected))
+        logger.debug("room %s: all chunks of %d slice(s) verified", entry.room, len(parts))
+        for p in parts:
+            reply_to = self._conn_of(p.session, conn)
+            if reply_to is not None:
+                self._post(reply_to, Ack(entry.room, p.expected_bytes(lay)))
+
+    @staticmethod
+    def _conn_of(session: _Session, preferred: Optional[_Conn]) -> Optional[_Conn]:
+        """A connection of ``session`` to reply on: ``preferred`` if it is one."""
+        if preferred is not None and preferred.session is session:
+            return preferred
+        return next(iter(session.conns), None)
 
     def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool, conn: Optional[_Conn] = None) -> None:
         if entry.state.is_terminal:
@@ -593,10 +720,10 @@ class WanKvReceiver(RoomQueries):
         entry.done.set()
         self._cv.notify_all()
         if tell_peer:
-            if conn is None and entry.session is not None and entry.session.conns:
-                conn = next(iter(entry.session.conns))
-            if conn is not None:
-                self._post(conn, Nack(entry.room, reason, detail))
+            for session in entry.sessions | ({conn.session} if conn is not None and conn.session else set()):
+                reply_to = self._conn_of(session, conn)
+                if reply_to is not None:
+                    self._post(reply_to, Nack(entry.room, reason, detail))
 
     def _post(self, conn: _Conn, msg) -> None:
         """Queue a reply (called with the lock held); sent by the connection's reader thread
@@ -632,7 +759,7 @@ class WanKvReceiver(RoomQueries):
                         continue
                     if entry.deadline is not None and now > entry.deadline:
                         self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed", tell_peer=False)
-                    elif entry.session is not None and now - entry.last_progress > self.idle_timeout:
+                    elif entry.parts and now - entry.last_progress > self.idle_timeout:
                         # No NACK: the stream may be the stalled thing; the sender has its own timer.
                         self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
                                         f"no data for {now - entry.last_progress:.1f}s", tell_peer=False)

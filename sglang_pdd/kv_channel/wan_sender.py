@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .handshake import AuthError, SecureStream, check_key, client_handshake
-from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, TransferPlan, token_digest
+from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, RowSlice, TransferPlan, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wire import (
     Abort,
@@ -82,6 +82,7 @@ class _Room:
     session: "_Session"
     begin_msg: TransferBegin
     deadline: float
+    row: Optional[RowSlice] = None  # this sender's bytes of each token row (None: all of it)
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
     detail: str = ""
@@ -194,12 +195,23 @@ class WanKvSender(RoomQueries):
         request_id: str = "",
         token_ids: Optional[Sequence[int]] = None,
         timeout: Optional[float] = None,
+        row: Optional[RowSlice] = None,
     ) -> "Transfer":
         """Start sending a room's KV: pages from ``decode_prefix_len // page_size`` on.
+        ``layout`` is the whole pool's (what the receiver registered); ``row``, if given, is
+        the part of every token row this sender moves (one of P's TP ranks): the plan and the
+        chunks then cover only those bytes.
 
         Never blocks on the network; the room is BOOTSTRAPPING until the session is up.
         """
-        plan = TransferPlan.build(layout, num_tokens, decode_prefix_len, self.max_chunk_bytes)
+        if row is not None:
+            problem = row.problem(layout.token_bytes)
+            if problem:
+                raise ValueError(f"room {room}: {problem}")
+        plan = TransferPlan.build(layout if row is None else layout.of_slice(row), num_tokens, decode_prefix_len,
+                                  self.max_chunk_bytes)
+        sliced = {} if row is None else dict(slice_index=row.index, slice_count=row.count,
+                                             row_offset=row.offset, row_bytes=row.width)
         begin = TransferBegin(
             room=room,
             request_id=request_id,
@@ -213,6 +225,7 @@ class WanKvSender(RoomQueries):
             num_chunks=plan.num_chunks,
             token_digest=token_digest(token_ids),
             kv_kind=layout.kind,
+            **sliced,
         )
         with self._cv:
             if self._closed:
@@ -221,7 +234,7 @@ class WanKvSender(RoomQueries):
             if old is not None and not old.state.is_terminal:
                 raise ValueError(f"room {room} is already transferring")
             session = self._ensure_session()
-            entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout))
+            entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout), row)
             entry.state = RoomState.WAITING_FOR_INPUT if session.up else RoomState.BOOTSTRAPPING
             self._rooms[room] = entry
             if session.dead:  # it could not even start; the next begin_transfer tries again
@@ -275,7 +288,8 @@ class WanKvSender(RoomQueries):
         view = memoryview(payload).cast("B")
         if view.nbytes != spec.nbytes:
             raise ValueError(f"room {entry.room} chunk {index}: payload is {view.nbytes} bytes, expected {spec.nbytes}")
-        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count, 0)  # crc filled by writer
+        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count, 0,  # crc filled by writer
+                    *(() if entry.row is None else (entry.row.index, entry.row.offset, entry.row.width)))
         with self._cv:
             if index in entry.queued:
                 raise ValueError(f"room {entry.room}: chunk {index} sent twice")
@@ -305,7 +319,8 @@ class WanKvSender(RoomQueries):
             entry.end_queued = True
             if entry.state == RoomState.WAITING_FOR_INPUT:
                 entry.state = RoomState.TRANSFERRING
-            self._enqueue(entry, TransferEnd(entry.room, entry.plan.num_chunks, entry.plan.total_bytes))
+            self._enqueue(entry, TransferEnd(entry.room, entry.plan.num_chunks, entry.plan.total_bytes,
+                                             entry.row.index if entry.row else 0))
 
     # ------------------------------------------------------------------ internals (hold _cv)
 

@@ -48,7 +48,7 @@ from typing import ClassVar, Optional, Union
 import msgpack
 
 MAGIC = b"PDKV"
-VERSION = 2  # 2: frames after the handshake carry MAC tags
+VERSION = 3  # 2: frames after the handshake carry MAC tags; 3: row slices (P with TP > 1)
 PREFIX = struct.Struct("!4sBBHIQ")  # magic, version, msg type, reserved, header len, payload len
 PREFIX_SIZE = PREFIX.size  # 20
 
@@ -184,6 +184,13 @@ class TransferBegin:
     num_chunks: int
     token_digest: bytes  # sha256 of the prompt token ids, or b"" if not given
     kv_kind: str = "mha"  # what each "layer" buffer holds: K or V (mha) or MLA's latent (mla)
+    # P with TP > 1: this sender moves bytes [row_offset, row_offset + row_bytes) of every token
+    # row (its ranks' KV heads), one of slice_count senders of the room. row_bytes 0 = the whole
+    # row; bytes_per_page above is always the whole row's, as MD registered it.
+    slice_index: int = 0
+    slice_count: int = 1
+    row_offset: int = 0
+    row_bytes: int = 0
 
 
 @dataclass
@@ -198,6 +205,9 @@ class Chunk:
     page_start: int
     page_count: int
     crc32: int
+    slice_index: int = 0  # as in TransferBegin: chunks may overtake their BEGIN on other streams
+    row_offset: int = 0
+    row_bytes: int = 0  # 0 = the whole row
 
 
 @dataclass
@@ -206,6 +216,7 @@ class TransferEnd:
     room: int
     num_chunks: int
     total_bytes: int
+    slice_index: int = 0
 
 
 @dataclass
