@@ -161,11 +161,11 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
             if getattr(cfg, name) != getattr(defaults, name):
                 raise PddConfigError(f"{flag} was given without --pdd-role; set --pdd-role or drop it")
         return cfg
-    if tp_size > 1 and cfg.role in ("prefill", "main"):
-        # each TP rank has its own pool (its share of the KV heads); the WAN path moves one
-        # pool per server, so a TP > 1 end would send or land a part of the heads as the whole
-        raise PddConfigError(f"--pdd-role {cfg.role} runs with --tp 1 only (got --tp {tp_size}): the WAN KV "
-                             f"path does not re-layout per-rank pools yet (docs/data_path.md)")
+    if tp_size > 1 and cfg.role == "main":
+        # P's TP ranks each send their KV heads' bytes of every row into MD's one pool; an MD
+        # with several ranks would need its room commands run on every rank in the same step
+        raise PddConfigError(f"--pdd-role main runs with --tp 1 only (got --tp {tp_size}): MD's rooms do not "
+                             f"span TP ranks yet; P may run any --tp (docs/data_path.md)")
     want_mode = REQUIRED_DISAGG_MODE[cfg.role]
     if (disaggregation_mode or "null") != want_mode:
         need = "no --disaggregation-mode" if want_mode == "null" else f"--disaggregation-mode {want_mode}"

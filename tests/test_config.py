@@ -106,12 +106,13 @@ def test_unknown_role_is_rejected_by_the_parser():
         parse("--pdd-role", "router")
 
 
-@pytest.mark.parametrize("argv", [GOOD[1][0], GOOD[7][0]], ids=["prefill", "main"])
-def test_the_wan_ends_refuse_tp_above_one(argv):
-    cfg, mode, backend = parse(*argv)
+def test_md_refuses_tp_above_one_and_p_takes_any():
+    cfg, mode, backend = parse(*GOOD[7][0])  # main
     assert validate(cfg, mode, backend, tp_size=1) is cfg
-    with pytest.raises(PddConfigError, match=re.escape(f"--pdd-role {cfg.role} runs with --tp 1 only (got --tp 2)")):
+    with pytest.raises(PddConfigError, match=re.escape("--pdd-role main runs with --tp 1 only (got --tp 2)")):
         validate(cfg, mode, backend, tp_size=2)
+    cfg, mode, backend = parse(*GOOD[1][0])  # prefill: each rank sends its heads' slice
+    assert cfg.role == "prefill" and validate(cfg, mode, backend, tp_size=4) is cfg
 
 
 def test_plain_servers_and_relays_keep_their_tp():

@@ -20,7 +20,7 @@ def pool_pages(page_size):
     return 256 if page_size == 1 else POOL_PAGES
 
 
-def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool"):
+def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool", head_num=2):
     require_sglang_import()
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -30,7 +30,7 @@ def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool"):
     from sglang_pdd.launcher.topology import free_port
     from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
 
-    pool = make_pool(kind, page_size, seed=None)
+    pool = make_pool(kind, page_size, seed=None, head_num=head_num)
     size = pool_pages(page_size) * page_size
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(size, pool.dtype, "cpu", pool, need_sort=False)
@@ -44,12 +44,12 @@ def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool"):
     return MainDrcRuntime(sched, cfg, KEY)
 
 
-def make_pool(kind, page_size, seed):
+def make_pool(kind, page_size, seed, head_num=2):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     common = dict(size=pool_pages(page_size) * page_size, page_size=page_size, dtype=torch.bfloat16, layer_num=2,
                   device="cpu", enable_memory_saver=False)
-    pool = (MHATokenToKVPool(head_num=2, head_dim=8, **common) if kind == "mha"
+    pool = (MHATokenToKVPool(head_num=head_num, head_dim=8, **common) if kind == "mha"
             else MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, **common))
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
@@ -65,14 +65,16 @@ def bufs(pool):
 class Prefill:
     """P: a pool holding prompts on scattered pages, and the real WAN fan-out."""
 
-    def __init__(self, kind, page_size, md):
+    def __init__(self, kind, page_size, md, pool=None, shard=None):
+        from sglang_pdd.kv_channel.tp_relayout import TpShard
         from sglang_pdd.sglang_glue.wan_fanout import WanFanout
 
+        shard = shard or TpShard()
         self.page_size, self.md = page_size, md
-        self.pool = make_pool(kind, page_size, seed=7)
-        self.fanout = WanFanout(KEY, "p-test", num_streams=2, timeout_s=10.0,
+        self.pool = make_pool(kind, page_size, seed=7) if pool is None else pool
+        self.fanout = WanFanout(KEY, f"p-test-tp{shard.rank}", num_streams=2, timeout_s=10.0,
                                 allowed_peers=[tuple(md.receiver.address)])
-        self.fanout.attach_pool(self.pool, page_size)
+        self.fanout.attach_pool(self.pool, page_size, shard)
 
     def pages_for(self, prompt_len, seed):
         n = -(-prompt_len // self.page_size)
@@ -314,4 +316,79 @@ def test_sglang_leak_check_counts_pages_held_in_flight():
         other = SimpleNamespace(token_to_kv_pool_allocator=object())  # another scheduler's pool
         assert _count_md_held_slots(lambda c, ps, uncached=0: uncached, other, None) == 0
     finally:
+        close(md)
+
+
+def shard_pool(full, kind, page_size, heads):
+    """One TP rank's pool: KV heads ``heads`` of ``full`` (SGLang's sharding); MLA: all of it."""
+    rank = make_pool(kind, page_size, seed=None, head_num=len(heads))
+    for mine, whole in zip(bufs(rank), bufs(full)):
+        mine.copy_(whole if kind == "mla" else whole[:, heads.start:heads.stop])
+    return rank
+
+
+@pytest.mark.parametrize("kind,heads,tp,page_size,ingest", [
+    ("mha", 2, 2, 1, "pool"),  # one KV head per rank
+    ("mha", 4, 2, 16, "staged"),  # two per rank, staged ingest (strided host writes)
+    ("mha", 2, 4, 16, "pool"),  # heads replicated on two ranks each: two of four ranks send
+    ("mla", 1, 2, 16, "pool"),  # the latent is on every rank: rank 0 sends it, rank 1 nothing
+])
+def test_p_tp_ranks_each_send_their_heads_into_mds_one_pool(kind, heads, tp, page_size, ingest):
+    from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
+
+    md = build_md(page_size, kind, ingest=ingest, head_num=heads)
+    full = make_pool(kind, page_size, seed=11, head_num=heads)
+    ranks = [Prefill(kind, page_size, md, shard_pool(full, kind, page_size, kv_heads_of_rank(
+        1 if kind == "mla" else heads, tp, r)), TpShard(r, tp, 1 if kind == "mla" else heads)) for r in range(tp)]
+    try:
+        prompt_len = 3 * page_size + 5
+        ids = list(range(500, 500 + prompt_len))
+        reg = md._do_register(1, ids)
+        pages = ranks[0].pages_for(prompt_len, seed=2)  # SGLang's ranks allocate alike
+        senders = [p for p in ranks if p.fanout.sends]
+        assert len(senders) == (1 if kind == "mla" else min(heads, tp))
+        for p in ranks:
+            if p.fanout.sends:
+                p.send(1, ids, reg["cached_tokens"], pages)
+            else:  # a replica rank opens no room
+                assert p.fanout.open_room(WanDest(1, md), rid="r", token_ids=ids, first_offered_page=0) is None
+        drive_until(md, 1)
+        insert_len = prompt_len // page_size * page_size
+        whole = Prefill.token_rows(SimpleNamespace(pool=full, page_size=page_size), pages, 0, insert_len)
+        for want, got in zip(whole, md_rows(md, ids, 0, insert_len)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+    finally:
+        for p in ranks:
+            p.fanout.close()
+        close(md)
+
+
+def WanDest(room, md):
+    from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+
+    return WanDestination(room, md.receiver.address, 0)
+
+
+def test_a_missing_tp_slice_leaves_the_room_waiting():
+    """MD's room is ready only when the ranks' slices tile the row: one rank of two alone
+    leaves it waiting (until its deadline fails it and RLD finishes the request)."""
+    from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
+
+    md = build_md(1, "mha", head_num=2)
+    full = make_pool("mha", 1, seed=5, head_num=2)
+    rank0 = Prefill("mha", 1, md, shard_pool(full, "mha", 1, kv_heads_of_rank(2, 2, 0)), TpShard(0, 2, 2))
+    try:
+        ids = list(range(40))
+        reg = md._do_register(1, ids)
+        rank0.send(1, ids, reg["cached_tokens"], rank0.pages_for(40, seed=3))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            md.on_scheduler_iteration()
+            time.sleep(0.02)
+        assert md.rooms.rooms[1].status.value == "pending"  # half of every row landed: not ready
+        assert md.receiver.stats()["connections"] > 0
+    finally:
+        rank0.fanout.close()
         close(md)

@@ -15,6 +15,9 @@ byte range of every token row in each pool (rows are [local heads, head_dim]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from .layout import RowSlice
 
 
 class TpLayoutError(ValueError):
@@ -128,3 +131,50 @@ def _merge(slices: list[HeadSlice]) -> tuple[HeadSlice, ...]:
         else:
             merged.append(s)
     return tuple(merged)
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """Where a server's pool sits in its TP group (from SGLang's KV args)."""
+
+    rank: int = 0
+    size: int = 1
+    total_kv_heads: int = 1  # the model's KV heads; MLA: 1 (the latent)
+
+
+@dataclass(frozen=True)
+class SenderPart:
+    """What one P rank moves of every room to an MD with TP 1: bytes ``[src_offset, src_offset
+    + row.width)`` of its own token rows, landing at ``row.offset`` of MD's rows
+    (``dst_row_bytes`` wide); ``row.count`` P ranks send parts of each room."""
+
+    row: RowSlice
+    src_offset: int
+    dst_row_bytes: int
+
+    @property
+    def is_whole(self) -> bool:
+        return self.row.is_whole(self.dst_row_bytes) and self.src_offset == 0
+
+
+def sender_part(kind: str, shard: TpShard, local_token_bytes: int) -> Optional[SenderPart]:
+    """This P rank's part of each room for an MD with TP 1 (every head crosses the WAN once),
+    or None if its heads are replicas another rank sends. ``local_token_bytes``: one token row
+    of this rank's pool (its KV heads x head dim x dtype)."""
+    plan = plan_tp_relayout(kind, shard.total_kv_heads, shard.size, 1)
+    heads_here = len(kv_heads_of_rank(plan.total_kv_heads, shard.size, shard.rank))
+    if local_token_bytes % heads_here:
+        raise TpLayoutError(f"a {local_token_bytes}-byte token row does not hold {heads_here} KV heads")
+    head_bytes = local_token_bytes // heads_here
+    mine = [(i, s) for i, s in enumerate(plan.wan) if s.src_rank == shard.rank]
+    if not mine:
+        return None
+    (index, part), = mine  # to one MD rank, a rank's heads are one contiguous run
+    src, dst = part.src_bytes(head_bytes), part.dst_bytes(head_bytes)
+    return SenderPart(RowSlice(index, len(plan.wan), dst[0], dst[1] - dst[0]), src[0],
+                      plan.total_kv_heads * head_bytes)
+
+
+def sends_over_wan(kind: str, shard: TpShard) -> bool:
+    """Whether this P rank sends anything to an MD with TP 1 (``sender_part`` is not None)."""
+    return shard.rank in plan_tp_relayout(kind, shard.total_kv_heads, shard.size, 1).senders

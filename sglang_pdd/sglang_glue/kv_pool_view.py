@@ -77,24 +77,39 @@ def page_ids_of_slots(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     return slots[::page_size] // page_size
 
 
-def gather_pages(pool, page_ids: torch.Tensor, page_size: int) -> list[torch.Tensor]:
-    """Copies of pages ``page_ids`` of every buffer, each flattened to bytes (buffer-major)."""
+Row = Optional[tuple[int, int]]  # (offset, width): bytes of each token row (P's TP slices); None = all
+
+
+def _row_view(pages: torch.Tensor, page_size: int, row: Row) -> torch.Tensor:
+    """[pages, page bytes] -> [pages, page_size * width] of the row slice (strided) or itself."""
+    if row is None:
+        return pages
+    offset, width = row
+    return pages.view(pages.shape[0], page_size, -1)[:, :, offset:offset + width]
+
+
+def gather_pages(pool, page_ids: torch.Tensor, page_size: int, row: Row = None) -> list[torch.Tensor]:
+    """Copies of pages ``page_ids`` of every buffer, each flattened to bytes (buffer-major);
+    with ``row``, only those bytes of every token row (one strided copy per buffer)."""
     idx = page_ids.to(torch.int64)
-    return [_page_view(buf, page_size).index_select(0, idx.to(buf.device)).view(-1) for buf in _buffers(pool)]
+    return [_row_view(_page_view(buf, page_size).index_select(0, idx.to(buf.device)), page_size, row)
+            .contiguous().view(-1) for buf in _buffers(pool)]
 
 
-def scatter_pages(pool, page_ids: torch.Tensor, page_size: int, data: torch.Tensor, first_buffer: int = 0) -> None:
-    """Write ``data`` ([buffers, len(page_ids), page bytes] uint8) into pages ``page_ids`` of
-    buffers ``first_buffer, first_buffer + 1, ...``."""
+def scatter_pages(pool, page_ids: torch.Tensor, page_size: int, data: torch.Tensor, first_buffer: int = 0,
+                  row: Row = None) -> None:
+    """Write ``data`` ([buffers, len(page_ids), page bytes] uint8; with ``row``, only those
+    bytes of each token row) into pages ``page_ids`` of buffers ``first_buffer, ...``."""
     idx = page_ids.to(torch.int64)
     bufs = _buffers(pool)
     run = _contiguous_run(idx)
     for i in range(data.shape[0]):
         view = _page_view(bufs[first_buffer + i], page_size)
+        src = data[i] if row is None else data[i].reshape(data.shape[1], page_size, row[1])
         if run is not None:  # freshly allocated pages usually are: one plain copy
-            view[run[0]:run[1]].copy_(data[i])
+            _row_view(view[run[0]:run[1]], page_size, row).copy_(src)
         else:
-            view.index_copy_(0, idx.to(view.device), data[i].to(view.device))
+            _row_view(view, page_size, row).index_copy_(0, idx.to(view.device), src.to(view.device))
 
 
 def _contiguous_run(idx: torch.Tensor) -> Optional[tuple[int, int]]:

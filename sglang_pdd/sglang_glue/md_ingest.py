@@ -91,14 +91,20 @@ class Landing:
         """Staged mode: chunks land in host memory first."""
         self.staged = torch.empty((self.layout.num_buffers, self.num_pages, self.layout.page_bytes), dtype=torch.uint8)
 
-    def write(self, layer_start: int, layer_count: int, page_start: int, page_count: int, payload) -> None:
-        """The WAN receiver's write callback (its stream threads): one verified chunk."""
+    def write(self, layer_start: int, layer_count: int, page_start: int, page_count: int, payload,
+              row: Optional[tuple[int, int]] = None) -> None:
+        """The WAN receiver's write callback (its stream threads): one verified chunk; ``row``
+        = (offset, width) when it holds only those bytes of each token row (P with TP > 1)."""
         rows = torch.frombuffer(payload, dtype=torch.uint8).view(layer_count, page_count, -1)
         lo = page_start - self.first_page
         if self.staged is not None:
-            self.staged[layer_start:layer_start + layer_count, lo:lo + page_count] = rows
+            staged = self.staged[layer_start:layer_start + layer_count, lo:lo + page_count]
+            if row is not None:
+                staged = staged.view(layer_count, page_count, self.layout.page_size, -1)[..., row[0]:row[0] + row[1]]
+                rows = rows.view(staged.shape)
+            staged.copy_(rows)
         else:
-            scatter_pages(self.pool, self.page_ids[lo:lo + page_count], self.layout.page_size, rows, layer_start)
+            scatter_pages(self.pool, self.page_ids[lo:lo + page_count], self.layout.page_size, rows, layer_start, row)
         self.chunks_written += 1
 
     def flush_staged(self, pool, slots: torch.Tensor) -> None:

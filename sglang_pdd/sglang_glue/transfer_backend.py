@@ -37,6 +37,7 @@ from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import wan_tls_context
+from sglang_pdd.kv_channel.tp_relayout import TpShard, sends_over_wan
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
@@ -75,8 +76,14 @@ class PddKVManager(MooncakeKVManager):
             peers = parse_peer_list("--pdd-wan-peers", cfg.wan_peers) if cfg.wan_peers else frozenset()
             if not peers:
                 logger.warning("no --pdd-wan-peers: this P sends KV to no MD; RLD finishes every request")
+            # With TP each rank sends its KV heads' share of every room (tp_relayout.py), under its
+            # own sender name (MD treats a known name with a new session as a restarted peer).
+            self.tp_shard = TpShard(self.attn_tp_rank, self.attn_tp_size,
+                                    1 if is_mla_backend else int(getattr(args, "total_kv_head_num", 1) or 1))
+            self.wan_sends = sends_over_wan("mla" if is_mla_backend else "mha", self.tp_shard)
+            rank_tag = f"-tp{self.attn_tp_rank}" if self.attn_tp_size > 1 else ""
             self.wan_fanout = WanFanout(
-                read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}",
+                read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}{rank_tag}",
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
                 staging_bytes=cfg.wan_staging_mb << 20, allowed_peers=peers,
                 ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca, server_side=False))
@@ -142,7 +149,9 @@ class PddKVSender(MooncakeKVSender):
                 logger.warning("rid %s: a late WAN destination was promised but this P has no "
                                "--pdd-control-listen; RLD finishes the request", req.rid)
             return
-        mgr.wan_fanout.attach_pool(token_to_kv_pool, page_size)
+        mgr.wan_fanout.attach_pool(token_to_kv_pool, page_size, mgr.tp_shard)
+        if not mgr.wan_fanout.sends:
+            return  # this TP rank's heads are replicas another rank sends
         self._wan_lock = threading.Lock()
         self._pending_pages: list = []
         self._token_ids, self._rid, self._page_size = tuple(req.origin_input_ids), req.rid, page_size

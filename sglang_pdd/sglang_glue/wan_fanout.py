@@ -18,6 +18,7 @@ transfer: MD's room fails and RLD finishes the request. Nothing is lost either w
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import ssl
@@ -31,6 +32,7 @@ import torch
 from sglang_pdd.config import parse_host_port
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpShard, sender_part
 from sglang_pdd.kv_channel.wan_sender import Transfer, WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
 
@@ -119,7 +121,9 @@ class WanFanout:
         self._senders: dict[tuple[str, int], WanKvSender] = {}
         self._pool = None
         self._pool_layout: Optional[KvPoolLayout] = None
-        self._layout: Optional[KvLayout] = None
+        self._layout: Optional[KvLayout] = None  # MD's pool (TP 1): what BEGIN announces
+        self._part: Optional[SenderPart] = None  # this TP rank's bytes of each token row, if not all
+        self.shard = TpShard()
         self._lock = threading.Condition()
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
         self._send_queue: "queue.Queue" = queue.Queue()  # bounded in bytes by staging_bytes
@@ -139,20 +143,40 @@ class WanFanout:
 
     # ------------------------------------------------------------------ scheduler thread
 
-    def attach_pool(self, pool, page_size: int) -> None:
-        """The token pool to copy from (once; the first request brings it)."""
+    @property
+    def sends(self) -> bool:
+        """False on a TP rank whose KV heads another rank sends (e.g. rank > 0 of an MLA model):
+        its requests need no WAN leg. Known once the pool is attached."""
+        return self._pool is None or self._layout is not None
+
+    def attach_pool(self, pool, page_size: int, shard: TpShard = TpShard()) -> None:
+        """The token pool to copy from (once; the first request brings it), and where it sits
+        in P's TP group: with TP > 1 this rank sends its heads' bytes of each row (tp_relayout)."""
         if self._pool is None:
-            self._pool_layout = pool_layout(pool, page_size)
-            self._layout = self._pool_layout.wire()
+            local = pool_layout(pool, page_size)
+            part = sender_part(local.kind, shard, local.token_bytes)
+            self.shard, self._pool_layout = shard, local
+            if part is None:
+                self._layout, self._part = None, None
+                logger.info("WAN fan-out: TP rank %d of %d holds replicas of KV heads another rank sends; "
+                            "it sends nothing", shard.rank, shard.size)
+            else:
+                self._part = None if part.is_whole else part
+                self._layout = dataclasses.replace(local, token_bytes=part.dst_row_bytes).wire()
+                logger.info("WAN fan-out: KV pool %s%s", self._layout.describe(), "" if self._part is None else
+                            f"; TP rank {shard.rank} of {shard.size} sends row bytes "
+                            f"[{part.row.offset}, {part.row.offset + part.row.width}) as slice {part.row.index} "
+                            f"of {part.row.count}")
             self._pool = pool
-            logger.info("WAN fan-out: KV pool %s", self._layout.describe())
 
     def open_room(self, dest: WanDestination, *, rid: str, token_ids: Sequence[int],
                   first_offered_page: int) -> Optional[WanRoom]:
         """Start a request's WAN transfer (never blocks on the network). None if it cannot
         be served; MD's room then fails and RLD finishes the request."""
-        if self._layout is None:
+        if self._pool is None:
             raise RuntimeError("attach_pool() first")
+        if self._layout is None:
+            return None  # this rank sends nothing (callers check ``sends`` first)
         if not self.allows(dest.peer):
             self.counters["refused_peer"] += 1
             logger.warning("rid %s: WAN destination %s:%s is not one of P's --pdd-wan-peers; not sending KV "
@@ -174,7 +198,8 @@ class WanFanout:
             room.sender = self._sender(dest.peer)
             room.transfer = room.sender.begin_transfer(
                 dest.md_room, self._layout, prompt_len, start, request_id=rid,
-                token_ids=list(token_ids), timeout=self.timeout_s)
+                token_ids=list(token_ids), timeout=self.timeout_s,
+                row=None if self._part is None else self._part.row)
             room.plan = room.transfer.plan  # cut into chunks by the sender's chunk size
         except Exception as e:  # noqa: BLE001 — e.g. a duplicate room: refuse this one, keep serving
             self.counters["refused_begin"] += 1
@@ -311,7 +336,8 @@ class WanFanout:
             specs = room.plan.group_chunks(group)
             lo = specs[0].page_start - room.first_offered_page
             slots = page_ids[lo : lo + specs[0].page_count]
-            rows = gather_pages(self._pool, slots, self._layout.page_size)  # one host copy per buffer
+            src_row = None if self._part is None else (self._part.src_offset, self._part.row.width)
+            rows = gather_pages(self._pool, slots, self._layout.page_size, src_row)  # one host copy per buffer
             out.extend((spec.index, rows[spec.layer].cpu()) for spec in specs)
         return out
 
