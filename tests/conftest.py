@@ -74,13 +74,15 @@ TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6", "--ev
 TEST_DESTINATION_WAIT_MS = 10000
 
 
-def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model_path: Optional[str] = None):
-    """P + RLD + MD + WAN emulator + router, as real processes (a context manager)."""
+def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model_path: Optional[str] = None,
+                      prefill_tp: int = 1):
+    """P + RLD + MD + WAN emulator + router, as real processes (a context manager);
+    ``prefill_tp``: P's --tp."""
     _require_sglang()
     from sglang_pdd.launcher.cluster import LocalCluster
     from sglang_pdd.launcher.topology import Topology
 
-    topology = Topology.on_free_ports()
+    topology = Topology.on_free_ports(prefill_tp=prefill_tp)
     topology.wan.rate_gbps, topology.wan.latency_ms = TEST_WAN_GBPS, 20.0
     # P keeps KV for a late WAN destination longer than the 2 s default: a loaded CI machine
     # can take that long between P's prefill and the router's POST.

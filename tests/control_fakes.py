@@ -122,10 +122,12 @@ class MdControl:
 
 
 class PControl:
-    def __init__(self):
+    """P's control API; ``port``/``tp_*``/``sends_wan``: one TP rank's (PrefillControlServer's)."""
+
+    def __init__(self, port: int = 0, **tp):
         self.board = DestinationBoard()
-        self.server = PrefillControlServer(self.board, "127.0.0.1", 0, auth=ControlVerifier(KEY),
-                                           peer_allowed=lambda peer: peer == WAN_PEER)
+        self.server = PrefillControlServer(self.board, "127.0.0.1", port, auth=ControlVerifier(KEY),
+                                           peer_allowed=lambda peer: peer == WAN_PEER, **tp)
         self.url = "http://%s:%s" % self.server.address
 
     def close(self):

@@ -11,7 +11,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from sglang_pdd.launcher.processes import ProcessGroup
-from sglang_pdd.launcher.topology import (CPU_ENV, Topology, router_argv, server_argv, wan_emulator_argv,
+from sglang_pdd.launcher.topology import (Topology, router_argv, server_argv, server_env, wan_emulator_argv,
                                           write_wan_key)
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class LocalCluster:
         for spec in topo.servers:
             self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file),
                                                     topo.intra_dc_transport),
-                             health_url=f"{spec.url}/health", env=CPU_ENV)
+                             health_url=f"{spec.url}/health", env=server_env(spec))
         self.procs.start("wan-emulator", wan_emulator_argv(topo), health_url=f"{topo.wan.control_url}/stats")
         self.procs.start("router", router_argv(topo, self.model_path, self.router_args),
                          health_url=f"{topo.router_url}/health")

@@ -28,7 +28,7 @@ CPU_ENV = {
 
 CPU_SERVER_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-    "--skip-server-warmup", "--tp", "1",
+    "--skip-server-warmup",
     # On CPU the pool is sized from free system memory; a fixed token budget keeps it stable
     # when several servers share the machine.
     "--mem-fraction-static", "0.3", "--max-total-tokens", "65536",
@@ -47,24 +47,54 @@ def _ephemeral_range() -> tuple[int, int]:
 _handed_out: set[int] = set()
 
 
-def free_port(host: str = LOOPBACK) -> int:
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = LOOPBACK, count: int = 1) -> int:
     """A port nobody listens on, chosen *below* the kernel's ephemeral range: the servers bind
     it seconds later, and meanwhile other processes (Mooncake, ZMQ, TCP engines) bind port 0,
-    which the kernel serves from the ephemeral range, so they cannot take it in between."""
+    which the kernel serves from the ephemeral range, so they cannot take it in between.
+    ``count``: the first of that many consecutive free ports (one per TP rank of P's control API)."""
     low, _ = _ephemeral_range()
     lo, hi = (10000, low - 1) if low > 12000 else (low, 65535)  # odd ranges: fall back to any
     for _ in range(1000):
-        port = random.randint(lo, hi)
-        if port in _handed_out:
+        port = random.randint(lo, hi - count + 1)
+        ports = range(port, port + count)
+        if any(p in _handed_out for p in ports) or not all(_bindable(host, p) for p in ports):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
+        _handed_out.update(ports)
         return port
-    raise RuntimeError(f"no free port in {lo}..{hi}")
+    raise RuntimeError(f"no {count} free port(s) in {lo}..{hi}")
+
+
+def omp_threads_bind(tp: int, cores: list[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``tp`` ranks: the cores split into ``tp`` consecutive
+    groups, '|'-separated (with fewer cores than ranks, ranks share cores round-robin).
+    SGLang on CPU asserts without it when it runs more ranks than NUMA nodes."""
+    cores = sorted(cores)
+    if tp > len(cores):
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
+    per, extra = divmod(len(cores), tp)
+    groups, start = [], 0
+    for rank in range(tp):
+        group = cores[start:start + per + (rank < extra)]
+        start += len(group)
+        contiguous = group[-1] - group[0] == len(group) - 1
+        groups.append(f"{group[0]}-{group[-1]}" if contiguous and len(group) > 1 else ",".join(map(str, group)))
+    return "|".join(groups)
+
+
+def _machine_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 @dataclass
@@ -77,6 +107,9 @@ class ServerSpec:
     wan_listen_port: Optional[int] = None  # main only
     control_port: Optional[int] = None  # main: MD's control API; prefill: late WAN destinations
     wan_peers: list[str] = field(default_factory=list)  # prefill: the only MD WAN addresses P may send KV to
+    # SGLang --tp. Prefill: rank r serves its control API on control_port + r (control_port is
+    # the first of tp consecutive free ports).
+    tp: int = 1
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -92,7 +125,7 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
                 intra_dc_transport: str = "auto") -> list[str]:
     """``intra_dc_transport``: P -> RLD engine, ``auto`` (Mooncake if installed), ``mooncake`` or ``tcp``."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--host", LOOPBACK, "--port", str(spec.port), *CPU_SERVER_FLAGS]
+            "--host", LOOPBACK, "--port", str(spec.port), *CPU_SERVER_FLAGS, "--tp", str(spec.tp)]
     if spec.role == "prefill":
         argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "pdd",
                  "--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
@@ -115,6 +148,14 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
         if spec.role in ("prefill", "relay") and intra_dc_transport != "auto":
             argv += ["--pdd-intra-dc-transport", intra_dc_transport]
     return argv + list(spec.extra_args)
+
+
+def server_env(spec: ServerSpec, cores: Optional[list[int]] = None) -> dict[str, str]:
+    """CPU_ENV, plus the cores of each TP rank when the server runs more than one
+    (``cores``: the machine's, by default)."""
+    if spec.tp <= 1:
+        return dict(CPU_ENV)
+    return {**CPU_ENV, "SGLANG_CPU_OMP_THREADS_BIND": omp_threads_bind(spec.tp, cores or _machine_cores())}
 
 
 @dataclass
@@ -145,12 +186,14 @@ class Topology:
     key_file: Optional[str] = None  # the shared key; the router signs its control calls with it
 
     @classmethod
-    def on_free_ports(cls, intra_dc_transport: str = "auto") -> "Topology":
+    def on_free_ports(cls, intra_dc_transport: str = "auto", prefill_tp: int = 1) -> "Topology":
+        """``prefill_tp``: P's --tp (its control API then takes prefill_tp consecutive ports)."""
         wan = WanLinkSpec(listen_port=free_port(), control_port=free_port())
         return cls(
             # P reaches MD's WAN receiver only through the emulated link: that is its one WAN peer
             prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port(),
-                               control_port=free_port(), wan_peers=[f"{LOOPBACK}:{wan.listen_port}"]),
+                               control_port=free_port(count=prefill_tp), wan_peers=[f"{LOOPBACK}:{wan.listen_port}"],
+                               tp=prefill_tp),
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
             main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(),
                             control_port=free_port()),

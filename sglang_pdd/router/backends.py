@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import weakref
 from typing import AsyncIterator, Optional
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -166,10 +168,28 @@ class MainControl:
             return None
 
 
+# P's TP size per router session and control URL, asked once (a PrefillControl lives for one
+# request): the asking task, which concurrent first callers share.
+_prefill_tp_sizes: "weakref.WeakKeyDictionary[aiohttp.ClientSession, dict[str, asyncio.Task]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def prefill_rank_url(control_url: str, rank: int) -> str:
+    """TP rank ``rank``'s control API: rank 0's scheme and host, its port + ``rank``
+    (the convention of sglang_glue/prefill_control)."""
+    if rank == 0:
+        return control_url
+    parts = urlsplit(control_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return urlunsplit(parts._replace(netloc=f"{host}:{port + rank}"))
+
+
 class PrefillControl:
     """P's WAN-destination API (``--pdd-control-listen`` on a prefill server; served by the
     sglang-pdd plugin inside P's scheduler). Lets the router start P and RLD before MD has
-    answered the room registration and tell P afterwards where the request's KV goes."""
+    answered the room registration and tell P afterwards where the request's KV goes. With
+    ``--tp N`` on P every rank serves its own API (port + rank) and each gets every call."""
 
     PATH = "/pdd/wan_destinations"
 
@@ -177,27 +197,78 @@ class PrefillControl:
         self.session, self.url = session, control_url.rstrip("/")
         self.signer = signer or _control_signer
 
+    async def tp_size(self) -> int:
+        """P's TP ranks (GET /pdd/info on rank 0), asked once per session; a P older than
+        /pdd/info (404) has one. A failed ask is asked again by the next call."""
+        asking = _prefill_tp_sizes.setdefault(self.session, {})
+        task = asking.get(self.url)
+        if task is None:
+            task = asking[self.url] = asyncio.ensure_future(self._ask_tp_size())
+
+            def forget_failure(done: asyncio.Task, url=self.url) -> None:
+                if (done.cancelled() or done.exception() is not None) and asking.get(url) is done:
+                    del asking[url]
+
+            task.add_done_callback(forget_failure)
+        return await asyncio.shield(task)  # one caller giving up does not cancel the others' ask
+
+    async def _ask_tp_size(self) -> int:
+        url = f"{self.url}/pdd/info"
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5),
+                                    **_control_request(self.signer, "GET", url)) as resp:
+            if resp.status == 404:
+                return 1
+            payload = await _json_reply(resp)
+            if resp.status != 200:
+                raise BackendError(f"P info {url}: HTTP {resp.status} {payload}")
+        size = payload.get("tp_size") if isinstance(payload, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 4096:
+            raise BackendError(f"P info {url}: tp_size must be a positive int, got {payload!r:.200}")
+        logger.info("P control %s: %d TP rank(s)", self.url, size)
+        return size
+
+    async def _rank_urls(self) -> list[str]:
+        return [prefill_rank_url(self.url, rank) for rank in range(await self.tp_size())]
+
     async def set_wan_destination(self, bootstrap_room: int, md_room: int, wan_peer: str, md_prefix_len: int,
                                   timeout_s: float = 10.0) -> dict:
         """P sends the request's KV from token ``md_prefix_len`` on to ``wan_peer`` for MD's
-        ``md_room``. Raises BackendError unless P answers 200 (400 malformed, 409 the room
-        already has a destination or was dropped)."""
+        ``md_room``. Raises BackendError unless every TP rank answers 200 (400 malformed, 409
+        the room already has a destination or was dropped); the ranks that did accept then
+        have it withdrawn (best effort). Returns rank 0's answer."""
         body = {"bootstrap_room": int(bootstrap_room), "md_room": int(md_room), "wan_peer": wan_peer,
                 "md_prefix_len": int(md_prefix_len)}
-        return await _call_json(self.session, "POST", f"{self.url}{self.PATH}",
-                                f"P WAN destination for room {bootstrap_room}", json=body, timeout_s=timeout_s,
-                                signer=self.signer)
+        urls = await self._rank_urls()
+        replies = await asyncio.gather(*(
+            _call_json(self.session, "POST", f"{url}{self.PATH}",
+                       f"P WAN destination for room {bootstrap_room}" + (f" (TP rank {rank})" if rank else ""),
+                       json=body, timeout_s=timeout_s, signer=self.signer)
+            for rank, url in enumerate(urls)), return_exceptions=True)
+        failures = [r for r in replies if isinstance(r, BaseException)]
+        if failures:
+            accepted = [url for url, r in zip(urls, replies) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(self._drop(url, bootstrap_room) for url in accepted))
+            raise failures[0]
+        return replies[0]
 
     async def drop_wan_destination(self, bootstrap_room: int) -> None:
         """Best effort: no MD for this request after all; P stops holding its pages for the WAN."""
-        url = f"{self.url}{self.PATH}/{int(bootstrap_room)}"
+        try:
+            urls = await self._rank_urls()
+        except (BackendError, aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("P control %s: TP size unknown (%r); dropping on rank 0 only", self.url, e)
+            urls = [self.url]
+        await asyncio.gather(*(self._drop(url, bootstrap_room) for url in urls))
+
+    async def _drop(self, base_url: str, bootstrap_room: int) -> None:
+        url = f"{base_url}{self.PATH}/{int(bootstrap_room)}"
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
                                            **_control_request(self.signer, "DELETE", url)) as resp:
                 if resp.status != 200:
-                    logger.info("drop of WAN destination %s on %s: HTTP %s %s", bootstrap_room, self.url,
+                    logger.info("drop of WAN destination %s on %s: HTTP %s %s", bootstrap_room, base_url,
                                 resp.status, (await resp.text())[:200])
                 else:
                     await resp.read()
         except (aiohttp.ClientError, TimeoutError) as e:
-            logger.warning("drop of WAN destination %s on %s failed: %r", bootstrap_room, self.url, e)
+            logger.warning("drop of WAN destination %s on %s failed: %r", bootstrap_room, base_url, e)

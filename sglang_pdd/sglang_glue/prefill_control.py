@@ -5,11 +5,19 @@ It starts them at once, marking the request ``pdd_wan_expected``, registers the 
 parallel, and then tells P where the KV goes and from which token on:
 
     POST   /pdd/wan_destinations                {bootstrap_room, md_room, wan_peer, md_prefix_len}
-    DELETE /pdd/wan_destinations/{bootstrap_room}   (no MD for this request after all)
+    DELETE /pdd/wan_destinations/{bootstrap_room}   (no MD after all; withdraws one not yet claimed)
     GET    /pdd/stats
+    GET    /pdd/info                            {tp_rank, tp_size, sends_wan}
 
 The destination may come before or after the sender asks for it; ``DestinationBoard`` pairs
 the two. Runs in P's scheduler process (the KV manager starts it), on its own thread.
+
+Tensor parallelism (``--tp N``): every TP rank runs its own scheduler, KV manager and so its
+own control API, and each rank sends its own share of the KV heads, so each needs every
+destination. Rank r listens on the configured ``--pdd-control-listen`` port + r (ports
+port..port+N-1); the router learns N from rank 0's ``/pdd/info`` and posts to all N. A rank
+that sends nothing over the WAN (it holds only replicas of heads another rank sends, e.g.
+rank > 0 of an MLA model) checks each call as the others do and answers it, but keeps nothing.
 """
 
 from __future__ import annotations
@@ -63,9 +71,16 @@ class DestinationBoard:
         self.counters = Counter()
 
     def post(self, room: int, value: object) -> None:
-        """A destination (or DROPPED) for ``room``; raises DestinationError on a repeat."""
+        """A destination (or DROPPED) for ``room``; raises DestinationError on a repeat.
+        DROPPED for a destination no sender has claimed yet withdraws it."""
         with self._lock:
             self._expire()
+            entry = self._posted.get(room)
+            if value is DROPPED and entry is not None and entry.value is not DROPPED:
+                # Withdrawn before its sender claimed it (with TP: another rank refused it).
+                self._posted[room] = _Entry(DROPPED, entry.at)
+                self.counters["withdrawn"] += 1
+                return
             if room in self._seen:
                 self.counters["duplicate"] += 1
                 raise DestinationError(409, f"room {room} already has a WAN destination")
@@ -153,14 +168,17 @@ class PrefillControlServer:
     """The HTTP front of a DestinationBoard (stdlib server: P's scheduler process has no loop).
 
     Every route but /health needs the router's signature (``auth``); a destination whose
-    ``wan_peer`` is not one P was configured with (``peer_allowed``) is refused with 403."""
+    ``wan_peer`` is not one P was configured with (``peer_allowed``) is refused with 403.
+    ``port``: the configured port + ``tp_rank`` (module docstring); ``sends_wan`` False: the
+    destinations are checked and acknowledged but not stored (no sender here would claim them)."""
 
     PATH = "/pdd/wan_destinations"
 
     def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
-                 max_connections: int = 256):
+                 max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True):
         board_ref, path = board, self.PATH
+        info = {"tp_rank": int(tp_rank), "tp_size": int(tp_size), "sends_wan": bool(sends_wan)}
 
         class Handler(JsonRequestHandler):
             def do_POST(self):  # noqa: N802 — http.server's naming
@@ -171,6 +189,8 @@ class PrefillControlServer:
                     if not peer_allowed(dest.peer):
                         raise DestinationError(403, f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
                                                     f"--pdd-wan-peers; P sends KV only to the MDs it was given")
+                    if not sends_wan:
+                        return self._reply(200, {"accepted": True, "sends_wan": False})
                     board_ref.post(room, dest)
                 except DestinationError as e:
                     logger.warning("WAN destination refused: %s", e)
@@ -182,6 +202,8 @@ class PrefillControlServer:
                 if not self.path.startswith(prefix):
                     return self._reply(404, {"error": f"expected DELETE {prefix}<bootstrap_room>"})
                 room = parse_room_id(self.path[len(prefix):], "bootstrap_room")
+                if not sends_wan:
+                    return self._reply(200, {"dropped": True, "sends_wan": False})
                 try:
                     board_ref.post(room, DROPPED)
                 except DestinationError as e:
@@ -190,7 +212,9 @@ class PrefillControlServer:
 
             def do_GET(self):  # noqa: N802
                 if self.path == "/pdd/stats":
-                    return self._reply(200, {**board_ref.stats(), **stats()})
+                    return self._reply(200, {**board_ref.stats(), **stats(), **info})
+                if self.path == "/pdd/info":
+                    return self._reply(200, info)
                 if self.path == "/health":
                     return self._reply(200, {"ok": True})
                 self._reply(404, {"error": f"no such endpoint GET {self.path[:200]}"})
@@ -199,7 +223,8 @@ class PrefillControlServer:
         self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
-        logger.info("P control API on http://%s:%s%s", *self.address, self.PATH)
+        logger.info("P control API on http://%s:%s%s (TP rank %d of %d%s)", *self.address, self.PATH,
+                    tp_rank, tp_size, "" if sends_wan else ", sends no KV over the WAN")
 
     def close(self) -> None:
         self.httpd.shutdown()
