@@ -89,10 +89,12 @@ class PddKVManager(MooncakeKVManager):
                 ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca, server_side=False))
             if cfg.control_listen:  # late destinations: the router need not wait for MD first
                 self.wan_destinations = DestinationBoard()
-                self.control_server = PrefillControlServer(
-                    self.wan_destinations, *parse_host_port("--pdd-control-listen", cfg.control_listen),
+                host, port = parse_host_port("--pdd-control-listen", cfg.control_listen)
+                self.control_server = PrefillControlServer(  # rank r on port + r; the router finds them all
+                    self.wan_destinations, host, port + self.attn_tp_rank,
                     auth=ControlVerifier(read_key(cfg)), peer_allowed=self.wan_fanout.allows,
-                    stats=self.wan_fanout.stats)
+                    stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
+                    sends_wan=self.wan_sends)
         logger.info("pdd transfer backend: %s, intra-DC engine %s%s", disaggregation_mode.value,
                     self.intra_dc_transport, ", WAN fan-out on" if self.wan_fanout else "")
 
