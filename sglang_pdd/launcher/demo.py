@@ -37,10 +37,12 @@ def main(argv=None) -> int:
     ap.add_argument("--wan-mbps", type=float, default=2.0, help="emulated WAN rate (Mbit/s)")
     ap.add_argument("--wan-latency-ms", type=float, default=20.0)
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
+    ap.add_argument("--prefill-tp", type=int, default=1,
+                    help="P's --tp (each rank sends its KV heads' share to MD; slow on a 2-core CPU)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
-    topology = Topology.on_free_ports()
+    topology = Topology.on_free_ports(prefill_tp=args.prefill_tp)
     topology.wan.rate_gbps, topology.wan.latency_ms = args.wan_mbps / 1000, args.wan_latency_ms
     router_args = ["--max-wan-transfer-ms", "100"]
     with LocalCluster(Path(args.run_dir), topology=topology, router_args=router_args) as cluster:
@@ -55,7 +57,6 @@ def main(argv=None) -> int:
         context = SYSTEM
         for i, turn in enumerate(TURNS, 1):
             context += turn
-            t0 = time.perf_counter()
             out = post_json(f"{topo.router_url}/generate", {
                 "text": context, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}})
             pdd = out["meta_info"]["pdd"]
