@@ -151,6 +151,26 @@ def differences(got: dict, want: dict, where: str) -> list[str]:
     return out
 
 
+# A fallback on the path asked for is a bug (MD refused, failed, streamed wrong), except MD's KV
+# not landing within the router's --wan-timeout-s (6 s in these tests) on this loaded 2-core
+# machine: measured once, on the first p_md request after the cluster started. The request is
+# then finished on a relay leg (output still compared); such timeouts are reported and must stay
+# rare, like ties.
+LATE_WAN = "wan_failed: not ready within"
+LATE: list[str] = []
+
+
+def path_problems(pdd: dict, where: str) -> list[str]:
+    """Fallbacks that are not a late WAN (recorded in LATE); empty if the path held."""
+    fallbacks = pdd["fallbacks"]
+    if not fallbacks:
+        return []
+    if fallbacks[0].startswith(LATE_WAN) and all(f.startswith(("recovered_on_relay", LATE_WAN)) for f in fallbacks):
+        LATE.append(f"{where}: {fallbacks}")
+        return []
+    return [f"{where}: fell back: {fallbacks}"]
+
+
 def assert_ties_rare(ties_before: int, compared: int) -> None:
     """A tie excuses one comparison; if they were common the suite would test little."""
     new = TIES[ties_before:]
@@ -169,17 +189,21 @@ def assert_same(got: dict, want: dict, where: str) -> None:
     if FULL or not stream or path in ("p_md", "one_shot")])
 def test_router_equals_single_server(pdd_cluster, references, path, stream):
     handoffs, bad, ties_before, compared = [], [], len(TIES), 0
+    late_before = len(LATE)
     for prompt in DIFF_PROMPTS:
         for name in references[prompt]:
             sampling, want = references[prompt][name]
             got = route(pdd_cluster, prompt, sampling, PATHS[path], stream)
             pdd = got["meta_info"]["pdd"]
             bad += differences(got, want, f"{path}/{name}/{prompt[:20]!r}")
+            bad += path_problems(pdd, f"{path}/{name}/{prompt[:20]!r}")
             compared += 1
             if pdd["handoff_at"] is not None:
                 handoffs.append(pdd["handoff_at"])
     assert not bad, "\n".join(bad)
     assert_ties_rare(ties_before, compared)
+    print("\n".join(LATE[late_before:]))
+    assert len(LATE[late_before:]) * 4 <= compared, LATE[late_before:]
     if path == "rld_only":
         assert not handoffs
     elif path == "p_md":
