@@ -144,9 +144,9 @@ class TpShard:
 
 @dataclass(frozen=True)
 class SenderPart:
-    """What one P rank moves of every room to an MD with TP 1: bytes ``[src_offset, src_offset
-    + row.width)`` of its own token rows, landing at ``row.offset`` of MD's rows
-    (``dst_row_bytes`` wide); ``row.count`` P ranks send parts of each room."""
+    """What one P rank moves of every room to one MD rank: bytes ``[src_offset, src_offset
+    + row.width)`` of its own token rows, landing at ``row.offset`` of that MD rank's rows
+    (``dst_row_bytes`` wide); ``row.count`` slices (from one or more P ranks) tile each room."""
 
     row: RowSlice
     src_offset: int
@@ -157,24 +157,53 @@ class SenderPart:
         return self.row.is_whole(self.dst_row_bytes) and self.src_offset == 0
 
 
-def sender_part(kind: str, shard: TpShard, local_token_bytes: int) -> Optional[SenderPart]:
-    """This P rank's part of each room for an MD with TP 1 (every head crosses the WAN once),
-    or None if its heads are replicas another rank sends. ``local_token_bytes``: one token row
-    of this rank's pool (its KV heads x head dim x dtype)."""
-    plan = plan_tp_relayout(kind, shard.total_kv_heads, shard.size, 1)
+def plan_wan_to_every_holder(kind: str, total_kv_heads: int, src_tp: int, dst_tp: int) -> TpRelayoutPlan:
+    """Like ``plan_tp_relayout`` but every MD rank holding a head receives it over the WAN (MD
+    copies nothing between its ranks, so ``local`` is empty): what the WAN fan-out runs. P's
+    replicas of a head take turns (round robin over the head's MD holders), so with P and MD
+    replicating alike each P replica feeds its own MD replica."""
+    if kind not in ("mha", "mla"):
+        raise TpLayoutError(f"KV pool kind must be mha or mla, got {kind!r}")
+    heads = 1 if kind == "mla" else total_kv_heads
+    src_holders, dst_holders = _holders(heads, src_tp), _holders(heads, dst_tp)
+    wan = []
+    for head in range(heads):
+        srcs = src_holders[head]
+        for k, dst in enumerate(dst_holders[head]):
+            # k = 0 picks what plan_tp_relayout picks: MD TP 1 plans are unchanged
+            wan.append(_one_head(heads, head, (srcs[(head + k) % len(srcs)], src_tp), (dst, dst_tp)))
+    return TpRelayoutPlan(kind, heads, src_tp, dst_tp, _merge(wan), ())
+
+
+def sender_parts(kind: str, shard: TpShard, local_token_bytes: int, dst_tp: int = 1) -> list[tuple[int, SenderPart]]:
+    """This P rank's slices of each room for an MD on TP ``dst_tp``: ``(md_rank, part)`` for every
+    MD rank it sends to (empty if other P ranks send all its heads). Each MD rank's slices (from
+    all P ranks) are numbered 0..count-1 by their offset in that rank's row and tile it exactly.
+    ``local_token_bytes``: one token row of this rank's pool (its KV heads x head dim x dtype)."""
+    plan = plan_wan_to_every_holder(kind, shard.total_kv_heads, shard.size, dst_tp)
     heads_here = len(kv_heads_of_rank(plan.total_kv_heads, shard.size, shard.rank))
     if local_token_bytes % heads_here:
         raise TpLayoutError(f"a {local_token_bytes}-byte token row does not hold {heads_here} KV heads")
     head_bytes = local_token_bytes // heads_here
-    mine = [(i, s) for i, s in enumerate(plan.wan) if s.src_rank == shard.rank]
-    if not mine:
-        return None
-    (index, part), = mine  # to one MD rank, a rank's heads are one contiguous run
-    src, dst = part.src_bytes(head_bytes), part.dst_bytes(head_bytes)
-    return SenderPart(RowSlice(index, len(plan.wan), dst[0], dst[1] - dst[0]), src[0],
-                      plan.total_kv_heads * head_bytes)
+    parts = []
+    for md_rank in range(dst_tp):
+        into = sorted((s for s in plan.wan if s.dst_rank == md_rank), key=lambda s: s.dst_offset)
+        row_bytes = len(kv_heads_of_rank(plan.total_kv_heads, dst_tp, md_rank)) * head_bytes
+        for index, s in enumerate(into):
+            if s.src_rank == shard.rank:
+                (src, _), (lo, hi) = s.src_bytes(head_bytes), s.dst_bytes(head_bytes)
+                parts.append((md_rank, SenderPart(RowSlice(index, len(into), lo, hi - lo), src, row_bytes)))
+    return parts
 
 
-def sends_over_wan(kind: str, shard: TpShard) -> bool:
-    """Whether this P rank sends anything to an MD with TP 1 (``sender_part`` is not None)."""
-    return shard.rank in plan_tp_relayout(kind, shard.total_kv_heads, shard.size, 1).senders
+def sender_part(kind: str, shard: TpShard, local_token_bytes: int) -> Optional[SenderPart]:
+    """This P rank's part of each room for an MD with TP 1 (every head crosses the WAN once),
+    or None if its heads are replicas another rank sends."""
+    (part, *more) = [p for _, p in sender_parts(kind, shard, local_token_bytes, 1)] or [None]
+    assert not more, "to one MD rank, a P rank's heads are one contiguous run"
+    return part
+
+
+def sends_over_wan(kind: str, shard: TpShard, dst_tp: int = 1) -> bool:
+    """Whether this P rank sends anything to an MD with TP ``dst_tp``."""
+    return shard.rank in plan_wan_to_every_holder(kind, shard.total_kv_heads, shard.size, dst_tp).senders

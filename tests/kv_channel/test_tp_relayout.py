@@ -6,7 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from sglang_pdd.kv_channel.tp_relayout import TpLayoutError, kv_heads_of_rank, plan_tp_relayout
+from sglang_pdd.kv_channel.layout import RowSlice
+from sglang_pdd.kv_channel.tp_relayout import (
+    TpLayoutError, TpShard, kv_heads_of_rank, plan_tp_relayout, sender_part, sender_parts, sends_over_wan)
 
 HEAD_DIM = 4
 TOKENS = 5
@@ -97,3 +99,66 @@ def test_unshardable_layouts_are_refused_by_name(kind, heads, src_tp, dst_tp, ma
 def test_rank_out_of_range():
     with pytest.raises(TpLayoutError, match="rank 2 out of range for TP 2"):
         kv_heads_of_rank(4, 2, 2)
+
+
+# ---- every MD holder over the WAN (what P's fan-out runs: MD copies nothing between ranks)
+
+KINDS_SHAPES = [("mha", h, a, b) for h, a, b in SHAPES] + \
+    [("mla", 1, a, b) for a, b in itertools.product([1, 2, 4, 8], repeat=2)]
+
+
+@pytest.mark.parametrize("kind,heads,src_tp,dst_tp", KINDS_SHAPES, ids=lambda v: str(v))
+def test_sender_parts_tile_every_md_rank_with_its_direct_shard(kind, heads, src_tp, dst_tp):
+    """Each P rank's slices, applied byte-wise to its own SGLang shard, rebuild every MD rank's
+    shard exactly; each MD rank's slices are numbered 0..count-1 and tile its row, no overlap."""
+    dtype_bytes = 2
+    full = np.random.default_rng(heads * 100 + src_tp * 10 + dst_tp).integers(
+        0, 1 << 16, size=(TOKENS, heads, HEAD_DIM), dtype=np.uint16)
+    src_rows = [shard(full, src_tp, r).reshape(TOKENS, -1).view(np.uint8) for r in range(src_tp)]
+    want = [shard(full, dst_tp, r).reshape(TOKENS, -1).view(np.uint8) for r in range(dst_tp)]
+    got = [np.zeros_like(w) for w in want]
+    covered = [np.zeros(w.shape[1], dtype=int) for w in want]
+    slices = [[] for _ in range(dst_tp)]  # (index, count) per MD rank
+    for p in range(src_tp):
+        parts = sender_parts(kind, TpShard(p, src_tp, heads), src_rows[p].shape[1], dst_tp)
+        assert len({md for md, _ in parts}) == len(parts)  # one leg per MD rank
+        assert sends_over_wan(kind, TpShard(p, src_tp, heads), dst_tp) == bool(parts)
+        for md, part in parts:
+            row = part.row
+            assert part.dst_row_bytes == want[md].shape[1]
+            assert 0 <= part.src_offset and part.src_offset + row.width <= src_rows[p].shape[1]
+            assert row.problem(part.dst_row_bytes) == ""
+            got[md][:, row.offset:row.offset + row.width] = src_rows[p][:, part.src_offset:part.src_offset + row.width]
+            covered[md][row.offset:row.offset + row.width] += 1
+            slices[md].append((row.index, row.count, row.offset))
+    for md in range(dst_tp):
+        assert (covered[md] == 1).all()  # tiles the row: every byte exactly once
+        counts = {c for _, c, _ in slices[md]}
+        assert counts == {len(slices[md])}
+        assert [i for i, _, _ in sorted(slices[md], key=lambda s: s[2])] == list(range(len(slices[md])))
+        np.testing.assert_array_equal(got[md], want[md])
+
+
+def test_replicas_on_both_sides_pair_up_so_p_ranks_share_the_sending():
+    # MLA (or 1 KV head) on P TP 2 and MD TP 2: P rank 0 feeds MD rank 0, P rank 1 MD rank 1
+    assert [(md, p.row) for md, p in sender_parts("mla", TpShard(0, 2, 1), 64, 2)] == [(0, RowSlice(0, 1, 0, 64))]
+    assert [(md, p.row) for md, p in sender_parts("mla", TpShard(1, 2, 1), 64, 2)] == [(1, RowSlice(0, 1, 0, 64))]
+    # P TP 1 to MD TP 4 with 2 heads: each MD rank gets its one head, whole row, from rank 0
+    parts = sender_parts("mha", TpShard(0, 1, 2), 32, 4)
+    assert [(md, p.src_offset, p.row, p.dst_row_bytes) for md, p in parts] == \
+        [(0, 0, RowSlice(0, 1, 0, 16), 16), (1, 0, RowSlice(0, 1, 0, 16), 16),
+         (2, 16, RowSlice(0, 1, 0, 16), 16), (3, 16, RowSlice(0, 1, 0, 16), 16)]
+
+
+def test_md_tp1_parts_are_unchanged():
+    # the single-MD-rank plan is plan_tp_relayout's WAN half, slice for slice
+    for heads, a in [(2, 4), (4, 2), (8, 8), (1, 2)]:
+        plan = plan_tp_relayout("mha", heads, a, 1)
+        for r in range(a):
+            part = sender_part("mha", TpShard(r, a, heads), 16 * len(kv_heads_of_rank(heads, a, r)))
+            mine = [(i, s) for i, s in enumerate(plan.wan) if s.src_rank == r]
+            assert (part is None) == (not mine)
+            if mine:
+                (i, s), = mine
+                assert (part.row.index, part.row.count, part.row.offset, part.src_offset) == \
+                    (i, len(plan.wan), s.dst_bytes(16)[0], s.src_bytes(16)[0])
