@@ -98,6 +98,14 @@ def test_destination_for_a_sender_that_stopped_waiting_is_refused_with_410():
     (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": -3}).encode(), ">= 0"),
     (json.dumps({"bootstrap_room": True, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0}).encode(),
      "bootstrap_room must be int"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0, "md_tp": 0}).encode(),
+     "md_tp must be an integer in 1..64"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0, "md_tp": "2"}).encode(),
+     "md_tp must be an integer"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0, "md_tp": 2.0}).encode(),
+     "md_tp must be an integer"),
+    (json.dumps({"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:65534", "md_prefix_len": 0, "md_tp": 4}).encode(),
+     "md_tp: .*pass 65535"),
 ])
 def test_malformed_destinations_name_the_problem(body, message):
     with pytest.raises(DestinationError, match=message) as e:
@@ -135,3 +143,10 @@ def test_http_api_posts_withdraws_and_refuses():
         assert status == 200 and stats["rooms"] == 3 and stats["late"] == 1 and stats["duplicate"] == 1
     finally:
         server.close()
+
+
+def test_md_tp_is_optional_and_carried():
+    body = {"bootstrap_room": 1, "md_room": 2, "wan_peer": "10.0.0.2:7000", "md_prefix_len": 0}
+    assert parse_destination(json.dumps(body).encode())[1].md_tp == 1  # older routers: MD on TP 1
+    room, dest = parse_destination(json.dumps({**body, "md_tp": 4}).encode())
+    assert (room, dest) == (1, WanDestination(2, ("10.0.0.2", 7000), 0, 4))

@@ -105,8 +105,9 @@ def test_first_groups_leave_while_prefill_is_still_running(receiver):
     room = fanout.open_room(WanDestination(8, receiver.address, 0), rid="r",
                             token_ids=list(range(prompt_len)), first_offered_page=0)
     fanout.offer(room, slots[:20])  # first prefill chunk only
-    ready = room.plan.groups_ready(20)
-    first_pages = room.plan.group_chunks(ready - 1)[0]
+    plan = room.legs[0].plan
+    ready = plan.groups_ready(20)
+    first_pages = plan.group_chunks(ready - 1)[0]
     covered = first_pages.page_start + first_pages.page_count
     assert 0 < covered <= 20
     # The complete groups' bytes land on MD before the rest of the prompt even exists.
@@ -179,7 +180,7 @@ def test_unreachable_md_never_holds_p(receiver):
                             first_offered_page=0)
     fanout.offer(room, np.arange(40), last=True)
     assert wait_until(lambda: fanout.may_free_pages(room))  # copies done: P frees its pages
-    assert wait_until(lambda: room.transfer.poll() is RoomState.FAILED, timeout=10)
+    assert wait_until(lambda: room.legs[0].transfer.poll() is RoomState.FAILED, timeout=10)
     assert wait_until(lambda: fanout.stats()["staged_bytes"] == 0)
     fanout.close()
 

@@ -2,9 +2,10 @@
 
 Why: the router need not wait for MD's answer (one WAN round trip) before starting P and RLD.
 It starts them at once, marking the request ``pdd_wan_expected``, registers the room on MD in
-parallel, and then tells P where the KV goes and from which token on:
+parallel, and then tells P where the KV goes and from which token on (``md_tp``: MD's TP
+size, default 1; MD rank r's WAN receiver is ``wan_peer``'s port + r):
 
-    POST   /pdd/wan_destinations                {bootstrap_room, md_room, wan_peer, md_prefix_len}
+    POST   /pdd/wan_destinations                {bootstrap_room, md_room, wan_peer, md_prefix_len[, md_tp]}
     DELETE /pdd/wan_destinations/{bootstrap_room}   (no MD after all; withdraws one not yet claimed)
     GET    /pdd/stats
     GET    /pdd/info                            {tp_rank, tp_size, sends_wan}
@@ -33,7 +34,7 @@ from typing import Callable, Optional
 from sglang_pdd.config import PddConfigError, parse_host_port
 from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.json_http import MAX_ROOM_ID, ControlHTTPServer, JsonRequestHandler, parse_room_id, serve_in_thread
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+from sglang_pdd.sglang_glue.wan_fanout import MAX_MD_TP, WanDestination
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,16 @@ def parse_destination(body: bytes) -> tuple[int, WanDestination]:
         raise DestinationError(400, f"bootstrap_room and md_room must be in 0..{MAX_ROOM_ID}")
     if not 0 <= msg["md_prefix_len"] < 1 << 31:
         raise DestinationError(400, "md_prefix_len must be >= 0 and < 2^31")
+    md_tp = msg.get("md_tp", 1)  # MD's TP size (optional: older routers know only TP 1)
+    if not isinstance(md_tp, int) or isinstance(md_tp, bool) or not 1 <= md_tp <= MAX_MD_TP:
+        raise DestinationError(400, f"md_tp must be an integer in 1..{MAX_MD_TP}, got {repr(md_tp)[:60]}")
     try:
         peer = parse_host_port("wan_peer", msg["wan_peer"])
+        return msg["bootstrap_room"], WanDestination(msg["md_room"], peer, msg["md_prefix_len"], md_tp)
     except PddConfigError as e:
         raise DestinationError(400, str(e)) from None
-    return msg["bootstrap_room"], WanDestination(msg["md_room"], peer, msg["md_prefix_len"])
+    except ValueError as e:  # MD's rank ports would pass 65535
+        raise DestinationError(400, f"md_tp: {e}") from None
 
 
 class PrefillControlServer:

@@ -37,7 +37,7 @@ from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import wan_tls_context
-from sglang_pdd.kv_channel.tp_relayout import TpShard, sends_over_wan
+from sglang_pdd.kv_channel.tp_relayout import TpShard
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
@@ -80,7 +80,6 @@ class PddKVManager(MooncakeKVManager):
             # own sender name (MD treats a known name with a new session as a restarted peer).
             self.tp_shard = TpShard(self.attn_tp_rank, self.attn_tp_size,
                                     1 if is_mla_backend else int(getattr(args, "total_kv_head_num", 1) or 1))
-            self.wan_sends = sends_over_wan("mla" if is_mla_backend else "mha", self.tp_shard)
             rank_tag = f"-tp{self.attn_tp_rank}" if self.attn_tp_size > 1 else ""
             self.wan_fanout = WanFanout(
                 read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}{rank_tag}",
@@ -94,7 +93,9 @@ class PddKVManager(MooncakeKVManager):
                     self.wan_destinations, host, port + self.attn_tp_rank,
                     auth=ControlVerifier(read_key(cfg)), peer_allowed=self.wan_fanout.allows,
                     stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
-                    sends_wan=self.wan_sends)
+                    # What a rank sends depends on each destination's MD TP size, so every rank
+                    # keeps every destination; one whose heads other ranks send drops it (bind_request).
+                    sends_wan=True)
         logger.info("pdd transfer backend: %s, intra-DC engine %s%s", disaggregation_mode.value,
                     self.intra_dc_transport, ", WAN fan-out on" if self.wan_fanout else "")
 
@@ -152,8 +153,8 @@ class PddKVSender(MooncakeKVSender):
                                "--pdd-control-listen; RLD finishes the request", req.rid)
             return
         mgr.wan_fanout.attach_pool(token_to_kv_pool, page_size, mgr.tp_shard)
-        if not mgr.wan_fanout.sends:
-            return  # this TP rank's heads are replicas another rank sends
+        if dest is not None and not mgr.wan_fanout.sends_to(dest.md_tp):
+            return  # other P ranks send this rank's heads to an MD on that TP (a late one: _on_destination)
         self._wan_lock = threading.Lock()
         self._pending_pages: list = []
         self._token_ids, self._rid, self._page_size = tuple(req.origin_input_ids), req.rid, page_size
@@ -170,6 +171,9 @@ class PddKVSender(MooncakeKVSender):
                 return
             if value is DROPPED:
                 self._drop_wan_locked("withdrawn by the router")
+                return
+            if not self.kv_mgr.wan_fanout.sends_to(value.md_tp):
+                self._drop_wan_locked(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}")
                 return
             self._wan_dest = value
             self._open_wan_locked()

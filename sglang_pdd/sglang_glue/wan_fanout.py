@@ -9,6 +9,11 @@ The scheduler thread never waits on the network::
     send thread        hands the copies to WanKvSender (blocks only on its window), then
                        TRANSFER_END after the last group
 
+With MD on ``--tp b`` (the destination's ``md_tp``) a room is a set of *legs*, one per MD
+rank this P rank feeds (tp_relayout.sender_parts: every MD holder of a head gets it over the
+WAN): each leg has its own sender (MD rank r listens on the peer's port + r), transfer (its
+row slice) and gather (this rank's bytes for that MD rank); the room fails if any leg fails.
+
 P keeps a request's pages only until the copy thread has them (the sender's poll() holds
 Success until then), never until the WAN is done. Host copies are bounded by a staging
 budget; a room that would exceed it, a WAN failure, or an abort on P fails that room's WAN
@@ -30,24 +35,39 @@ import numpy as np
 import torch
 
 from sglang_pdd.config import parse_host_port
-from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, TransferPlan
+from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
-from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpShard, sender_part
+from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
 from sglang_pdd.kv_channel.wan_sender import Transfer, WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
 
 logger = logging.getLogger(__name__)
 
 
+MAX_MD_TP = 64  # MD's TP size as the router reports it: at most this many legs (and senders) per peer
+
+
 @dataclass(frozen=True)
 class WanDestination:
     """Where a request's KV goes over the WAN; the router puts it in the request's
-    ``sampling_params.custom_params``: ``pdd_room``, ``pdd_wan_peer`` (HOST:PORT) and
-    ``pdd_md_prefix_len`` (tokens MD already holds)."""
+    ``sampling_params.custom_params``: ``pdd_room``, ``pdd_wan_peer`` (HOST:PORT, MD rank 0's
+    WAN receiver), ``pdd_md_prefix_len`` (tokens MD already holds) and ``pdd_md_tp`` (MD's TP
+    size, default 1: MD rank r's receiver listens on the peer's port + r)."""
 
     md_room: int
     peer: tuple[str, int]
     md_prefix_len: int
+    md_tp: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.md_tp, int) or isinstance(self.md_tp, bool) or not 1 <= self.md_tp <= MAX_MD_TP:
+            raise ValueError(f"md_tp must be an integer in 1..{MAX_MD_TP}, got {repr(self.md_tp)[:40]}")
+        if self.peer[1] + self.md_tp - 1 > 65535:
+            raise ValueError(f"MD's {self.md_tp} rank ports from {self.peer[1]} on pass 65535")
+
+    def rank_peer(self, md_rank: int) -> tuple[str, int]:
+        """MD rank ``md_rank``'s WAN receiver."""
+        return self.peer[0], self.peer[1] + md_rank
 
     @classmethod
     def from_custom_params(cls, params) -> Optional["WanDestination"]:
@@ -56,35 +76,74 @@ class WanDestination:
         if not isinstance(params, dict) or "pdd_wan_peer" not in params:
             return None
         room, prefix = params.get("pdd_room"), params.get("pdd_md_prefix_len", 0)
+        md_tp = params.get("pdd_md_tp", 1)
         if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
             raise ValueError(f"pdd_room must be an integer in 0..2^63-1, got {repr(room)[:40]}")
         if not isinstance(prefix, int) or isinstance(prefix, bool) or not 0 <= prefix < 1 << 31:
             raise ValueError(f"pdd_md_prefix_len must be an integer in 0..2^31-1, got {repr(prefix)[:40]}")
-        return cls(room, parse_host_port("pdd_wan_peer", str(params["pdd_wan_peer"])[:300]), prefix)
+        if not isinstance(md_tp, int) or isinstance(md_tp, bool) or not 1 <= md_tp <= MAX_MD_TP:
+            raise ValueError(f"pdd_md_tp must be an integer in 1..{MAX_MD_TP}, got {repr(md_tp)[:40]}")
+        peer = parse_host_port("pdd_wan_peer", str(params["pdd_wan_peer"])[:300])
+        try:
+            return cls(room, peer, prefix, md_tp)
+        except ValueError as e:
+            raise ValueError(f"pdd_md_tp: {e}") from None
+
+
+@dataclass(frozen=True)
+class LegSpec:
+    """What this P rank sends of every room to one MD rank (for one MD TP size)."""
+
+    md_rank: int
+    layout: KvLayout  # that MD rank's whole-row layout: what BEGIN announces
+    row: Optional[RowSlice]  # the slice of MD's rows on the wire; None: all of each row (one sender)
+    src_row: Optional[tuple[int, int]]  # (offset, width) of P's rows to gather; None: all of each row
+
+    @classmethod
+    def of(cls, md_rank: int, part: SenderPart, local: KvPoolLayout) -> "LegSpec":
+        whole_src = part.src_offset == 0 and part.row.width == local.token_bytes
+        return cls(md_rank, dataclasses.replace(local, token_bytes=part.dst_row_bytes).wire(),
+                   None if part.row.is_whole(part.dst_row_bytes) else part.row,
+                   None if whole_src else (part.src_offset, part.row.width))
+
+
+@dataclass(eq=False)
+class WanLeg:
+    """One room's transfer to one MD rank (its own sender, plan and copy progress)."""
+
+    spec: LegSpec
+    peer: tuple[str, int]
+    plan: TransferPlan
+    sender: Optional[WanKvSender] = None
+    transfer: Optional[Transfer] = None
+    groups_copied: int = 0  # under WanFanout._lock
+
+    @property
+    def copy_done(self) -> bool:
+        return self.groups_copied == self.plan.chunks_per_layer
 
 
 @dataclass(eq=False)
 class WanRoom:
-    """One request's WAN leg on P. Shared by the scheduler thread and the fan-out threads
-    (fields below ``plan`` only under ``WanFanout._lock``)."""
+    """One request's WAN transfer on P: one leg per MD rank this P rank sends to. Shared by the
+    scheduler thread and the fan-out threads (fields below ``legs`` only under
+    ``WanFanout._lock``). It fails as a whole: a failed leg aborts the others."""
 
     dest: WanDestination
     rid: str
     first_offered_page: int  # pool pages arrive from this page on (RLD's own cached prefix ends here)
-    plan: TransferPlan
-    sender: Optional[WanKvSender] = None
-    transfer: Optional[Transfer] = None
+    legs: list  # [WanLeg]
     pages: list = field(default_factory=list)  # (page ids, event) in arrival order
     pages_offered: int = 0
     all_offered: bool = False
-    groups_copied: int = 0
     copying: bool = False
     queued: bool = False  # waiting for the copy thread
     aborted: bool = False
     reason: str = ""
-    payloads: list = field(default_factory=list)  # host copies, alive until the transfer ends
+    payloads: list = field(default_factory=list)  # host copies, alive until the transfers end
     page_ids: list = field(default_factory=list)  # copy thread only: ``pages`` as host int64, so far
     staged_bytes: int = 0
+    legs_finished: int = 0  # send thread only: TRANSFER_END sent
 
     @property
     def pages_available(self) -> int:
@@ -92,7 +151,12 @@ class WanRoom:
 
     @property
     def copy_done(self) -> bool:
-        return self.groups_copied == self.plan.chunks_per_layer
+        return all(leg.copy_done for leg in self.legs)
+
+    def legs_ready(self) -> list:
+        """(leg, first group, groups ready) for the legs with page groups left to copy."""
+        return [(leg, leg.groups_copied, ready) for leg in self.legs
+                if (ready := leg.plan.groups_ready(self.pages_available)) > leg.groups_copied]
 
 
 class WanFanout:
@@ -111,8 +175,8 @@ class WanFanout:
         ssl_context: Optional[ssl.SSLContext] = None,  # --pdd-wan-tls-*: TLS to MD
     ):
         self.key, self.name = key, name
-        # P's --pdd-wan-peers: the only MDs it sends KV to, so also the bound on its senders
-        # (one per peer, each with its streams and watchdog).
+        # P's --pdd-wan-peers: the only MDs it sends KV to (rank 0's address; MD rank r's is
+        # port + r), so also the bound on its senders (one per MD rank, each with its streams).
         self.allowed_peers = frozenset(allowed_peers)
         self.ssl_context = ssl_context
         self.num_streams, self.timeout_s = num_streams, timeout_s
@@ -121,8 +185,7 @@ class WanFanout:
         self._senders: dict[tuple[str, int], WanKvSender] = {}
         self._pool = None
         self._pool_layout: Optional[KvPoolLayout] = None
-        self._layout: Optional[KvLayout] = None  # MD's pool (TP 1): what BEGIN announces
-        self._part: Optional[SenderPart] = None  # this TP rank's bytes of each token row, if not all
+        self._legs_by_md_tp: dict[int, object] = {}  # md_tp -> [LegSpec] or the TpLayoutError
         self.shard = TpShard()
         self._lock = threading.Condition()
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
@@ -139,35 +202,57 @@ class WanFanout:
             t.start()
 
     def allows(self, peer: tuple[str, int]) -> bool:
+        """Whether ``peer`` (MD rank 0's WAN address) is one of P's --pdd-wan-peers; its other
+        ranks' addresses (port + r, r < md_tp) are derived from it, never taken from a request."""
         return peer in self.allowed_peers
 
     # ------------------------------------------------------------------ scheduler thread
 
     @property
     def sends(self) -> bool:
-        """False on a TP rank whose KV heads another rank sends (e.g. rank > 0 of an MLA model):
-        its requests need no WAN leg. Known once the pool is attached."""
-        return self._pool is None or self._layout is not None
+        """To an MD on TP 1 (see ``sends_to``)."""
+        return self.sends_to(1)
+
+    def sends_to(self, md_tp: int) -> bool:
+        """False on a TP rank whose KV heads other P ranks send to an MD on TP ``md_tp`` (e.g.
+        rank > 0 of an MLA model for MD TP 1): its requests to such an MD need no WAN leg. Known
+        once the pool is attached (True before; also True for an MD TP the heads do not shard
+        over, so that ``open_room`` refuses it by name)."""
+        legs = self._legs(md_tp)
+        return legs is None or not isinstance(legs, list) or bool(legs)
 
     def attach_pool(self, pool, page_size: int, shard: TpShard = TpShard()) -> None:
         """The token pool to copy from (once; the first request brings it), and where it sits
         in P's TP group: with TP > 1 this rank sends its heads' bytes of each row (tp_relayout)."""
         if self._pool is None:
-            local = pool_layout(pool, page_size)
-            part = sender_part(local.kind, shard, local.token_bytes)
-            self.shard, self._pool_layout = shard, local
-            if part is None:
-                self._layout, self._part = None, None
-                logger.info("WAN fan-out: TP rank %d of %d holds replicas of KV heads another rank sends; "
-                            "it sends nothing", shard.rank, shard.size)
-            else:
-                self._part = None if part.is_whole else part
-                self._layout = dataclasses.replace(local, token_bytes=part.dst_row_bytes).wire()
-                logger.info("WAN fan-out: KV pool %s%s", self._layout.describe(), "" if self._part is None else
-                            f"; TP rank {shard.rank} of {shard.size} sends row bytes "
-                            f"[{part.row.offset}, {part.row.offset + part.row.width}) as slice {part.row.index} "
-                            f"of {part.row.count}")
+            self.shard, self._pool_layout = shard, pool_layout(pool, page_size)
             self._pool = pool
+            legs = self._legs(1)
+            if not legs:
+                logger.info("WAN fan-out: TP rank %d of %d holds replicas of KV heads another rank sends "
+                            "to an MD on TP 1", shard.rank, shard.size)
+            else:
+                row = legs[0].row
+                logger.info("WAN fan-out: KV pool %s%s", legs[0].layout.describe(), "" if row is None
+                            else f"; TP rank {shard.rank} of {shard.size} sends row bytes [{row.offset}, "
+                                 f"{row.offset + row.width}) as slice {row.index} of {row.count} to an MD on TP 1")
+
+    def _legs(self, md_tp: int):
+        """This rank's LegSpecs to an MD on TP ``md_tp`` (cached), the TpLayoutError if its heads
+        do not shard over ``md_tp``, or None before the pool is attached."""
+        if self._pool_layout is None:
+            return None
+        legs = self._legs_by_md_tp.get(md_tp)
+        if legs is None:
+            local = self._pool_layout
+            try:
+                parts = sender_parts(local.kind, self.shard, local.token_bytes, md_tp)
+            except TpLayoutError as e:
+                legs = e
+            else:
+                legs = [LegSpec.of(md_rank, part, local) for md_rank, part in parts]
+            self._legs_by_md_tp[md_tp] = legs
+        return legs
 
     def open_room(self, dest: WanDestination, *, rid: str, token_ids: Sequence[int],
                   first_offered_page: int) -> Optional[WanRoom]:
@@ -175,8 +260,14 @@ class WanFanout:
         be served; MD's room then fails and RLD finishes the request."""
         if self._pool is None:
             raise RuntimeError("attach_pool() first")
-        if self._layout is None:
-            return None  # this rank sends nothing (callers check ``sends`` first)
+        specs = self._legs(dest.md_tp)
+        if isinstance(specs, TpLayoutError):
+            self.counters["refused_md_tp"] += 1
+            logger.warning("rid %s: MD's TP %d does not fit this model's KV heads (%s); not sending KV, RLD "
+                           "finishes", rid, dest.md_tp, specs)
+            return None
+        if not specs:
+            return None  # other P ranks send all of this rank's heads (callers check ``sends_to`` first)
         if not self.allows(dest.peer):
             self.counters["refused_peer"] += 1
             logger.warning("rid %s: WAN destination %s:%s is not one of P's --pdd-wan-peers; not sending KV "
@@ -186,28 +277,34 @@ class WanFanout:
         # MD extends at least the last token; both ends cut on the same page boundary (MD's
         # radix cache holds whole pages only), so P sends from the page MD's prefix ends on.
         start = self._pool_layout.align_down(min(dest.md_prefix_len, prompt_len - 1))
-        room = WanRoom(dest, rid, first_offered_page, TransferPlan.build(self._layout, prompt_len, start))
-        if room.plan.first_page < first_offered_page:
+        if start // self._pool_layout.page_size < first_offered_page:
             # The pages in between stay on P but SGLang's sender never sees them (the RLD
             # already held them); copying from outside the sender's pages is not safe.
             self.counters["refused_rld_prefix"] += 1
             logger.warning("rid %s: MD needs KV from token %d but P sends from %d (RLD's cached prefix); "
                            "WAN transfer not started, RLD finishes", rid, start, first_offered_page)
             return None
+        legs, md_rank = [], 0
         try:
-            room.sender = self._sender(dest.peer)
-            room.transfer = room.sender.begin_transfer(
-                dest.md_room, self._layout, prompt_len, start, request_id=rid,
-                token_ids=list(token_ids), timeout=self.timeout_s,
-                row=None if self._part is None else self._part.row)
-            room.plan = room.transfer.plan  # cut into chunks by the sender's chunk size
+            for spec in specs:
+                md_rank, peer = spec.md_rank, dest.rank_peer(spec.md_rank)
+                leg = WanLeg(spec, peer, TransferPlan.build(spec.layout, prompt_len, start), self._sender(peer))
+                legs.append(leg)
+                leg.transfer = leg.sender.begin_transfer(
+                    dest.md_room, spec.layout, prompt_len, start, request_id=rid,
+                    token_ids=list(token_ids), timeout=self.timeout_s,
+                    row=spec.row)
+                leg.plan = leg.transfer.plan  # cut into chunks by the sender's chunk size
         except Exception as e:  # noqa: BLE001 — e.g. a duplicate room: refuse this one, keep serving
+            for leg in legs:
+                if leg.transfer is not None:
+                    leg.sender.release(dest.md_room)
             self.counters["refused_begin"] += 1
-            logger.warning("rid %s: WAN transfer to room %s at %s:%s not started: %s",
-                           rid, dest.md_room, *dest.peer, e)
+            logger.warning("rid %s: WAN transfer to room %s at %s:%s (MD rank %d of %d) not started: %s",
+                           rid, dest.md_room, *dest.rank_peer(md_rank), md_rank, dest.md_tp, e)
             return None
         self.counters["rooms"] += 1
-        return room
+        return WanRoom(dest, rid, first_offered_page, legs)
 
     def offer(self, room: WanRoom, pages: np.ndarray, event=None, last: bool = False) -> None:
         """The next pool pages of the request (in order), produced by the forward that
@@ -264,18 +361,24 @@ class WanFanout:
             sender = self._senders[peer] = self._sender_factory(peer)
         return sender
 
-    def _abort_locked(self, room: WanRoom, reason: str) -> None:
+    def _abort_locked(self, room: WanRoom, reason: str, *, failed_leg: Optional[WanLeg] = None) -> None:
         if room.aborted:
             return
         room.aborted, room.reason = True, reason
-        self.counters["aborted"] += 1
-        if room.transfer is not None:
-            room.sender.abort(room.dest.md_room, reason)
-            if room not in self._live:  # else the reaper forgets it once its copies are unused
-                room.sender.release(room.dest.md_room)
+        self.counters["failed" if failed_leg else "aborted"] += 1
+        for leg in room.legs:  # every MD rank's room fails: none is ready without the others
+            if leg.transfer is not None:
+                leg.sender.abort(room.dest.md_room, reason)
+                if room not in self._live:  # else the reaper forgets it once its copies are unused
+                    leg.sender.release(room.dest.md_room)
         # A layout mismatch is a deployment error (P and MD disagree), not a WAN hiccup.
         level = logging.ERROR if FailureReason.LAYOUT_MISMATCH in reason else logging.INFO
-        logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
+        if failed_leg is not None:
+            logger.log(level, "rid %s: WAN transfer to room %s failed at MD rank %d of %d: %s: %s", room.rid,
+                       room.dest.md_room, failed_leg.spec.md_rank, room.dest.md_tp, reason,
+                       failed_leg.transfer.failure_detail)
+        else:
+            logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
 
     def _copy_loop(self) -> None:
         while True:
@@ -287,14 +390,13 @@ class WanFanout:
                 room.queued = False
                 if room.aborted:
                     continue
-                first = room.groups_copied
-                ready = room.plan.groups_ready(room.pages_available)
+                work = room.legs_ready()
                 batches = list(room.pages)
-                room.copying = ready > first
-            if ready <= first:
+                room.copying = bool(work)
+            if not work:
                 continue
             try:
-                copies = self._copy_groups(room, batches, first, ready)
+                copies = self._copy_groups(room, batches, work)
             except Exception as e:  # noqa: BLE001 — a failed copy drops this room only
                 logger.exception("rid %s: copying KV for the WAN failed", room.rid)
                 copies, err = None, f"copy failed: {e}"
@@ -304,27 +406,28 @@ class WanFanout:
                     # Aborted meanwhile: the pages may have been freed mid-copy; never send them.
                     self._abort_locked(room, room.reason or err)
                     continue
-                nbytes = sum(c.numel() for _, c in copies)
+                nbytes = sum(c.numel() for _, _, c in copies)
                 if self._staged + nbytes > self.staging_bytes:
                     self.counters["dropped_staging_budget"] += 1
                     self._abort_locked(room, f"staging budget of {self.staging_bytes} bytes exhausted")
                     continue
                 self._staged += nbytes
                 room.staged_bytes += nbytes
-                room.payloads.extend(c for _, c in copies)
+                room.payloads.extend(c for _, _, c in copies)
                 if room not in self._live:
                     self._live.append(room)
-                room.groups_copied = ready
-                done = room.copy_done
-                if room.plan.groups_ready(room.pages_available) > ready and not room.queued:
+                for leg, _, ready in work:
+                    leg.groups_copied = ready
+                finished = [leg for leg, _, _ in work if leg.copy_done]
+                if room.legs_ready() and not room.queued:
                     room.queued = True  # more pages arrived while copying
                     self._copy_queue.append(room)
-            for index, data in copies:
-                self._send_queue.put((room, index, data))
-            if done:
-                self._send_queue.put((room, None, None))
+            for leg, index, data in copies:
+                self._send_queue.put((room, leg, index, data))
+            for leg in finished:
+                self._send_queue.put((room, leg, None, None))
 
-    def _copy_groups(self, room: WanRoom, batches, first: int, ready: int) -> list[tuple[int, torch.Tensor]]:
+    def _copy_groups(self, room: WanRoom, batches, work) -> list[tuple[WanLeg, int, torch.Tensor]]:
         for pages, event in batches[len(room.page_ids):]:  # each batch is converted once
             if event is not None:
                 event.synchronize()  # the forward writing these pages (and their ids) has finished
@@ -332,13 +435,14 @@ class WanFanout:
                                             dtype=np.int64))
         page_ids = torch.from_numpy(np.concatenate(room.page_ids)) if room.page_ids else torch.empty(0, dtype=torch.int64)
         out = []
-        for group in range(first, ready):
-            specs = room.plan.group_chunks(group)
-            lo = specs[0].page_start - room.first_offered_page
-            slots = page_ids[lo : lo + specs[0].page_count]
-            src_row = None if self._part is None else (self._part.src_offset, self._part.row.width)
-            rows = gather_pages(self._pool, slots, self._layout.page_size, src_row)  # one host copy per buffer
-            out.extend((spec.index, rows[spec.layer].cpu()) for spec in specs)
+        for leg, first, ready in work:
+            for group in range(first, ready):
+                specs = leg.plan.group_chunks(group)
+                lo = specs[0].page_start - room.first_offered_page
+                slots = page_ids[lo : lo + specs[0].page_count]
+                # one host copy per buffer: the leg's bytes of every token row (strided), or all
+                rows = gather_pages(self._pool, slots, leg.plan.layout.page_size, leg.spec.src_row)
+                out.extend((leg, spec.index, rows[spec.layer].cpu()) for spec in specs)
         return out
 
     def _send_loop(self) -> None:
@@ -352,41 +456,44 @@ class WanFanout:
                 return
             if not item:
                 continue
-            room, index, data = item
-            if room.aborted or room.transfer is None:
+            room, leg, index, data = item
+            if room.aborted or leg.transfer is None:
                 continue
             try:
                 if index is None:
-                    room.transfer.finish()
-                    self.counters["finished"] += 1
-                    self.counters["bytes"] += room.plan.total_bytes
-                elif not room.transfer.send_chunk(index, data.numpy()):
+                    leg.transfer.finish()
+                    self.counters["bytes"] += leg.plan.total_bytes
+                    room.legs_finished += 1
+                    if room.legs_finished == len(room.legs):
+                        self.counters["finished"] += 1
+                elif not leg.transfer.send_chunk(index, data.numpy()):
                     with self._lock:
-                        self._abort_locked(room, f"WAN transfer failed: {room.transfer.failure_reason} "
-                                                 f"{room.transfer.failure_detail}".strip())
+                        self._abort_locked(room, f"WAN transfer to MD rank {leg.spec.md_rank} failed: "
+                                                 f"{leg.transfer.failure_reason} {leg.transfer.failure_detail}".strip())
             except Exception as e:  # noqa: BLE001 — this thread serves every room: never let it die
                 logger.exception("rid %s: WAN send failed", room.rid)
                 with self._lock:
                     self._abort_locked(room, f"WAN send failed: {e}")
 
     def _reap(self) -> None:
-        """Free the host copies of rooms whose WAN transfer ended (the sender no longer
-        reads them), and forget the room on the sender."""
+        """Fail a room whose leg failed (MD's other ranks wait for nothing then), and free the
+        host copies of rooms whose legs all ended (the senders no longer read them), forgetting
+        the room on each sender."""
         with self._lock:
             keep = []
             for room in self._live:
-                state = room.transfer.poll() if room.transfer is not None else None
-                if state is not None and not state.is_terminal:
+                states = [leg.transfer.poll() if leg.transfer is not None else None for leg in room.legs]
+                failed = next((leg for leg, state in zip(room.legs, states) if state is RoomState.FAILED), None)
+                if failed is not None and not room.aborted:  # the other MD ranks' rooms fail too
+                    self._abort_locked(room, failed.transfer.failure_reason or FailureReason.ABORTED,
+                                       failed_leg=failed)
+                    states = [leg.transfer.poll() if leg.transfer is not None else None for leg in room.legs]
+                if any(state is not None and not state.is_terminal for state in states):
                     keep.append(room)
                     continue
                 self._staged -= room.staged_bytes
                 room.staged_bytes, room.payloads = 0, []
-                if state is RoomState.FAILED and not room.aborted:
-                    room.aborted, room.reason = True, room.transfer.failure_reason or FailureReason.ABORTED
-                    self.counters["failed"] += 1
-                    if room.reason == FailureReason.LAYOUT_MISMATCH:  # a deployment error, not a WAN hiccup
-                        logger.error("rid %s: WAN transfer to room %s failed: %s: %s", room.rid, room.dest.md_room,
-                                     room.reason, room.transfer.failure_detail)
-                if room.sender is not None:
-                    room.sender.release(room.dest.md_room)
+                for leg in room.legs:
+                    if leg.sender is not None:
+                        leg.sender.release(room.dest.md_room)
             self._live = keep
