@@ -165,6 +165,7 @@ class Knobs:
     md_register_delay_s: float = 0.0  # register answers after this (a WAN round trip)
     md_cached_tokens: int = 0
     md_kv_bytes_per_token: int = 100
+    md_tp_size: object = None  # the registration answer's "tp_size" (None: left out, as an MD on TP 1)
     md_ready: str = "ready"  # ready | failed | never (long-poll times out: "pending")
     md_ready_delay_s: float = 0.0
     md_before_ready: Hook = None  # async fn(room) awaited before answering "ready"/"failed"
@@ -380,7 +381,8 @@ class Fakes:
             self._record("md", "registered", {"room": body["room"], "cached_tokens": cached})
             return web.json_response({"room": body["room"], "cached_tokens": cached, "wan_peer": "127.0.0.1:1",
                                       "kv_bytes_per_token": k.md_kv_bytes_per_token,
-                                      "prompt_tokens": len(body["token_ids"])})
+                                      "prompt_tokens": len(body["token_ids"]),
+                                      **({} if k.md_tp_size is None else {"tp_size": k.md_tp_size})})
 
         async def ready(request: web.Request) -> web.Response:
             room = int(request.match_info["room"])

@@ -20,6 +20,9 @@ from typing import Optional
 from .layout import RowSlice
 
 
+MAX_MD_TP = 64  # the largest MD TP size P accepts (one WAN leg, and sender, per MD rank)
+
+
 class TpLayoutError(ValueError):
     """A KV head count SGLang cannot shard over the given TP size."""
 

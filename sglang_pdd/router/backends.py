@@ -117,6 +117,18 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
         logger.warning("abort of %s on %s failed: %r", rid, url, e)
 
 
+MAX_MD_TP = 64  # = kv_channel.tp_relayout.MAX_MD_TP, P's bound (not imported: the router needs no numpy)
+
+
+def md_tp_of(registration: dict) -> int:
+    """MD's TP size from its registration answer (``tp_size``; an MD without it runs TP 1): P
+    sends each MD rank its KV heads, rank r's WAN receiver on MD's WAN port + r."""
+    size = registration.get("tp_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MD_TP:
+        raise BackendError(f"MD registration: tp_size must be an integer in 1..{MAX_MD_TP}, got {size!r:.60}")
+    return size
+
+
 class MainControl:
     """MD's control API (served by the sglang-pdd plugin inside MD's scheduler); every call is
     signed with the router's control key (``signer``, default: ``use_control_key``'s)."""
@@ -231,13 +243,14 @@ class PrefillControl:
         return [prefill_rank_url(self.url, rank) for rank in range(await self.tp_size())]
 
     async def set_wan_destination(self, bootstrap_room: int, md_room: int, wan_peer: str, md_prefix_len: int,
-                                  timeout_s: float = 10.0) -> dict:
+                                  timeout_s: float = 10.0, md_tp: int = 1) -> dict:
         """P sends the request's KV from token ``md_prefix_len`` on to ``wan_peer`` for MD's
-        ``md_room``. Raises BackendError unless every TP rank answers 200 (400 malformed, 409
-        the room already has a destination or was dropped); the ranks that did accept then
-        have it withdrawn (best effort). Returns rank 0's answer."""
+        ``md_room`` (MD on TP ``md_tp``: rank r at ``wan_peer``'s port + r). Raises BackendError
+        unless every TP rank answers 200 (400 malformed, 409 the room already has a destination
+        or was dropped); the ranks that did accept then have it withdrawn (best effort). Returns
+        rank 0's answer."""
         body = {"bootstrap_room": int(bootstrap_room), "md_room": int(md_room), "wan_peer": wan_peer,
-                "md_prefix_len": int(md_prefix_len)}
+                "md_prefix_len": int(md_prefix_len), **({"md_tp": int(md_tp)} if md_tp != 1 else {})}
         urls = await self._rank_urls()
         replies = await asyncio.gather(*(
             _call_json(self.session, "POST", f"{url}{self.PATH}",

@@ -68,7 +68,7 @@ from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, abort, generate_once,
-                                        generate_stream)
+                                        generate_stream, md_tp_of)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, RequestFacts, choose_path
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -237,6 +237,7 @@ class PddFlow:
         self._must_finish: set[asyncio.Task] = set()  # aborts / releases: awaited, never cancelled
         self.rld_inflight = rld_inflight
         self.room: Optional[int] = None
+        self.md_tp = 1  # MD's TP size, from its registration answer
         self.control = MainControl(session, main.control_url) if main else None
         self.p_control = PrefillControl(session, prefill.control_url) if prefill.control_url else None
         # Late WAN destination (P control API): None (not used), then "pending" ->
@@ -430,13 +431,15 @@ class PddFlow:
         cached = 0
         if self.main is not None:
             self.result.md_registration = "before_legs"
-            self.room = new_room()
+            self.room, reg = new_room(), None
             try:
                 reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
                 cached = self._on_registered(reg)
             except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
                 self.result.fallbacks.append(f"md_unavailable: {e}")
                 logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
+                if reg is not None:  # MD holds the room but its answer is unusable: unlock it now
+                    self._spawn(self.control.release(self.room), must_finish=True)
                 self.room = None
         if self.room is None:
             self.result.path, self.result.reason = Path.P_RLD_ONLY.value, "no MD available"
@@ -452,6 +455,7 @@ class PddFlow:
         """MD's registration answer: its exact cached prefix (returned) and KV size."""
         cached = int(reg["cached_tokens"])
         per_token = int(reg.get("kv_bytes_per_token") or 0)
+        self.md_tp = md_tp_of(reg)  # P feeds each of MD's TP ranks (their WAN ports: wan_peer's + r)
         self.result.md_cached_tokens = cached
         # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
         self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
@@ -465,11 +469,13 @@ class PddFlow:
         """P and RLD run already: register the room on MD, tell P the destination (MD's exact
         prefix), then wait for MD's KV as usual. Any failure withdraws the destination on P
         and ends in a failed "ready", so RLD finishes the request."""
-        room = self.room
+        room, reg = self.room, None
         try:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+            if reg is not None:  # MD holds the room but its answer is unusable: unlock it now
+                self._spawn(self.control.release(room), must_finish=True)
             self.room = None  # MD holds no room for it
             await self._no_destination(f"md_unavailable: {e}")
             return
@@ -477,7 +483,7 @@ class PddFlow:
             logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
                         self.result.rid, cached, self.result.md_cached_estimate, self.result.path)
         try:
-            await self.p_control.set_wan_destination(self._p_room, room, self.main.wan_peer, cached)
+            await self.p_control.set_wan_destination(self._p_room, room, self.main.wan_peer, cached, md_tp=self.md_tp)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._spawn(self.control.release(room), must_finish=True)  # unlock MD's prefix now
             self.room = None
@@ -526,7 +532,8 @@ class PddFlow:
             custom.update(pdd_room=self.room, pdd_wan_expected=True)
         elif leg.wan:
             custom.update(pdd_room=self.room, pdd_wan_peer=self.main.wan_peer,
-                          pdd_md_prefix_len=self.result.md_cached_tokens)
+                          pdd_md_prefix_len=self.result.md_cached_tokens,
+                          **({"pdd_md_tp": self.md_tp} if self.md_tp != 1 else {}))
         if custom:
             sampling["custom_params"] = custom
         input_ids = self.ids if mode is RecoveryMode.REPLAY else self.ids + resumed

@@ -37,14 +37,11 @@ import torch
 from sglang_pdd.config import parse_host_port
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
-from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
+from sglang_pdd.kv_channel.tp_relayout import MAX_MD_TP, SenderPart, TpLayoutError, TpShard, sender_parts
 from sglang_pdd.kv_channel.wan_sender import Transfer, WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
 
 logger = logging.getLogger(__name__)
-
-
-MAX_MD_TP = 64  # MD's TP size as the router reports it: at most this many legs (and senders) per peer
 
 
 @dataclass(frozen=True)
