@@ -75,14 +75,14 @@ TEST_DESTINATION_WAIT_MS = 10000
 
 
 def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model_path: Optional[str] = None,
-                      prefill_tp: int = 1):
+                      prefill_tp: int = 1, main_tp: int = 1):
     """P + RLD + MD + WAN emulator + router, as real processes (a context manager);
-    ``prefill_tp``: P's --tp."""
+    ``prefill_tp``: P's --tp; ``main_tp``: MD's --tp (one emulated WAN link per MD rank)."""
     _require_sglang()
     from sglang_pdd.launcher.cluster import LocalCluster
     from sglang_pdd.launcher.topology import Topology
 
-    topology = Topology.on_free_ports(prefill_tp=prefill_tp)
+    topology = Topology.on_free_ports(prefill_tp=prefill_tp, main_tp=main_tp)
     topology.wan.rate_gbps, topology.wan.latency_ms = TEST_WAN_GBPS, 20.0
     # P keeps KV for a late WAN destination longer than the 2 s default: a loaded CI machine
     # can take that long between P's prefill and the router's POST.

@@ -59,3 +59,82 @@ def test_p_control_port_is_the_first_of_tp_consecutive_free_ports():
             s.bind((LOOPBACK, port))  # free now
     assert not {free_port() for _ in range(200)} & set(ranks)  # and not handed out again
     assert Topology.on_free_ports().prefill.tp == 1
+
+
+# ---- MD with --tp N: N WAN receivers on consecutive ports, one emulated link per rank
+
+def test_md_tp_gets_its_tp_cores_and_the_first_of_n_wan_ports():
+    from sglang_pdd.launcher.topology import wan_emulator_argvs
+
+    topo = Topology.on_free_ports(main_tp=3)
+    argv = server_argv(topo.main, "/m", "/k")
+    assert topo.main.tp == 3 and flag_values(argv, "--tp") == ["3"]
+    assert flag_values(argv, "--pdd-wan-listen") == [f"{LOOPBACK}:{topo.main.wan_listen_port}"]  # rank r adds r
+    assert server_env(topo.main, cores=[0, 1, 2])["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|2"
+    links = wan_emulator_argvs(topo)
+    assert [name for name, _, _ in links] == ["wan-emulator", "wan-emulator-1", "wan-emulator-2"]
+    for r, (_, link, health) in enumerate(links):
+        assert flag_values(link, "--listen") == [f"{LOOPBACK}:{topo.wan.listen_port + r}"]
+        assert flag_values(link, "--upstream") == [f"{LOOPBACK}:{topo.main.wan_listen_port + r}"]
+        assert flag_values(link, "--control") == [f"{LOOPBACK}:{topo.wan.control_port + r}"]
+        assert health == f"http://{LOOPBACK}:{topo.wan.control_port + r}/stats"
+    # the router and P know link 0's address only: P adds MD's rank to the port
+    assert flag_values(router_argv(topo, "/m"), "--main")[0].endswith(f",{LOOPBACK}:{topo.wan.listen_port}")
+    assert flag_values(server_argv(topo.prefill, "/m", "/k"), "--pdd-wan-peers") == [
+        f"{LOOPBACK}:{topo.wan.listen_port}"]
+
+
+def test_md_tp_ports_are_consecutive_free_and_distinct():
+    topo = Topology.on_free_ports(prefill_tp=2, main_tp=4)
+    runs = [range(topo.main.wan_listen_port, topo.main.wan_listen_port + 4),
+            range(topo.wan.listen_port, topo.wan.listen_port + 4),
+            range(topo.wan.control_port, topo.wan.control_port + 4),
+            range(topo.prefill.control_port, topo.prefill.control_port + 2)]
+    singles = [topo.prefill.port, topo.prefill.bootstrap_port, topo.relay.port, topo.main.port,
+               topo.main.control_port, topo.router_port]
+    ports = [p for run in runs for p in run] + singles
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind((LOOPBACK, port))  # free now
+    default = Topology.on_free_ports()
+    assert default.main.tp == 1 and default.wan.links == 1 and len(default.wan.control_urls) == 1
+
+
+def test_wan_control_reaches_every_link(tmp_path):
+    """partition / heal / rate changes must hit all of MD's links, or one rank's KV still flows."""
+    import http.server
+    import threading
+
+    from sglang_pdd.launcher.cluster import LocalCluster
+
+    topo = Topology.on_free_ports(main_tp=2)
+    seen, servers = [], []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append((self.server.server_address[1], self.path))
+            body = b'{"ok": true, "port": %d}' % self.server.server_address[1]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    for r in range(2):
+        server = http.server.HTTPServer((LOOPBACK, topo.wan.control_port + r), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        cluster = LocalCluster(tmp_path, model_path="/m", topology=topo)
+        assert cluster.wan_control("partition") == {"ok": True, "port": topo.wan.control_port}
+        assert [a["port"] for a in cluster.wan_control_each("link", rate_gbps=0.5)] == \
+            [topo.wan.control_port, topo.wan.control_port + 1]
+        assert sorted(seen) == sorted([(topo.wan.control_port + r, path) for r in range(2)
+                                       for path in ("/partition", "/link?rate_gbps=0.5")])
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

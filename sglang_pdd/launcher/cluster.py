@@ -11,7 +11,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from sglang_pdd.launcher.processes import ProcessGroup
-from sglang_pdd.launcher.topology import (Topology, router_argv, server_argv, server_env, wan_emulator_argv,
+from sglang_pdd.launcher.topology import (Topology, router_argv, server_argv, server_env, wan_emulator_argvs,
                                           write_wan_key)
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ class LocalCluster:
             self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file),
                                                     topo.intra_dc_transport),
                              health_url=f"{spec.url}/health", env=server_env(spec))
-        self.procs.start("wan-emulator", wan_emulator_argv(topo), health_url=f"{topo.wan.control_url}/stats")
+        for name, argv, health_url in wan_emulator_argvs(topo):  # one link per MD rank
+            self.procs.start(name, argv, health_url=health_url)
         self.procs.start("router", router_argv(topo, self.model_path, self.router_args),
                          health_url=f"{topo.router_url}/health")
         with tqdm(total=len(self.procs.procs), desc="waiting for servers", unit="proc",
@@ -76,13 +77,17 @@ class LocalCluster:
         self.procs.wait_healthy(["router"], timeout_s=120)
 
     def wan_control(self, action: str, **params) -> dict:
-        """Drive the emulated WAN: stall, partition, heal, reset, corrupt, link (see kv_channel docs)."""
+        """Drive the emulated WAN: stall, partition, heal, reset, corrupt, link (see kv_channel
+        docs), on every link (one per MD rank); returns link 0's answer (``wan_control_each``: all)."""
+        return self.wan_control_each(action, **params)[0]
+
+    def wan_control_each(self, action: str, **params) -> list[dict]:
         from urllib.parse import urlencode
 
         from sglang_pdd.launcher.http import get_json
 
         query = f"?{urlencode(params)}" if params else ""
-        return get_json(f"{self.topology.wan.control_url}/{action}{query}")
+        return [get_json(f"{url}/{action}{query}") for url in self.topology.wan.control_urls]
 
     def stop(self) -> None:
         self.procs.stop_all()

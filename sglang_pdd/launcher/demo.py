@@ -39,10 +39,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
     ap.add_argument("--prefill-tp", type=int, default=1,
                     help="P's --tp (each rank sends its KV heads' share to MD; slow on a 2-core CPU)")
+    ap.add_argument("--main-tp", type=int, default=1,
+                    help="MD's --tp (P feeds each MD rank its KV heads over its own WAN link)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
-    topology = Topology.on_free_ports(prefill_tp=args.prefill_tp)
+    topology = Topology.on_free_ports(prefill_tp=args.prefill_tp, main_tp=args.main_tp)
     topology.wan.rate_gbps, topology.wan.latency_ms = args.wan_mbps / 1000, args.wan_latency_ms
     router_args = ["--max-wan-transfer-ms", "100"]
     with LocalCluster(Path(args.run_dir), topology=topology, router_args=router_args) as cluster:

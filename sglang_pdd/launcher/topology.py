@@ -104,11 +104,11 @@ class ServerSpec:
     port: int
     datacenter: str = ""
     bootstrap_port: Optional[int] = None  # prefill only
-    wan_listen_port: Optional[int] = None  # main only
+    wan_listen_port: Optional[int] = None  # main only: rank r's WAN receiver on this port + r
     control_port: Optional[int] = None  # main: MD's control API; prefill: late WAN destinations
     wan_peers: list[str] = field(default_factory=list)  # prefill: the only MD WAN addresses P may send KV to
     # SGLang --tp. Prefill: rank r serves its control API on control_port + r (control_port is
-    # the first of tp consecutive free ports).
+    # the first of tp consecutive free ports). Main: rank r's WAN receiver on wan_listen_port + r.
     tp: int = 1
     extra_args: list[str] = field(default_factory=list)
 
@@ -160,17 +160,26 @@ def server_env(spec: ServerSpec, cores: Optional[list[int]] = None) -> dict[str,
 
 @dataclass
 class WanLinkSpec:
-    """The emulated WAN between datacenter A (P) and datacenter B (MD's KV receiver)."""
+    """The emulated WAN between datacenter A (P) and datacenter B (MD's KV receivers). With MD
+    on ``--tp N`` it is N links (one emulator process each, with the same settings): link r
+    listens on ``listen_port + r``, forwards to MD rank r's receiver and takes its faults on
+    ``control_port + r``."""
 
     rate_gbps: Optional[float] = 1.0
     latency_ms: float = 20.0
     jitter_ms: float = 1.0
     listen_port: int = 0
     control_port: int = 0
+    links: int = 1  # MD's TP size
 
     @property
     def control_url(self) -> str:
+        """Link 0's (MD rank 0's) fault/config endpoint."""
         return f"http://{LOOPBACK}:{self.control_port}"
+
+    @property
+    def control_urls(self) -> list[str]:
+        return [f"http://{LOOPBACK}:{self.control_port + r}" for r in range(self.links)]
 
 
 @dataclass
@@ -186,17 +195,20 @@ class Topology:
     key_file: Optional[str] = None  # the shared key; the router signs its control calls with it
 
     @classmethod
-    def on_free_ports(cls, intra_dc_transport: str = "auto", prefill_tp: int = 1) -> "Topology":
-        """``prefill_tp``: P's --tp (its control API then takes prefill_tp consecutive ports)."""
-        wan = WanLinkSpec(listen_port=free_port(), control_port=free_port())
+    def on_free_ports(cls, intra_dc_transport: str = "auto", prefill_tp: int = 1, main_tp: int = 1) -> "Topology":
+        """``prefill_tp``: P's --tp (its control API then takes prefill_tp consecutive ports);
+        ``main_tp``: MD's --tp (its WAN receivers, and the WAN links before them, take main_tp
+        consecutive ports each)."""
+        wan = WanLinkSpec(listen_port=free_port(count=main_tp), control_port=free_port(count=main_tp),
+                          links=main_tp)
         return cls(
             # P reaches MD's WAN receiver only through the emulated link: that is its one WAN peer
             prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port(),
                                control_port=free_port(count=prefill_tp), wan_peers=[f"{LOOPBACK}:{wan.listen_port}"],
                                tp=prefill_tp),
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
-            main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(),
-                            control_port=free_port()),
+            main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(count=main_tp),
+                            control_port=free_port(), tp=main_tp),
             router_port=free_port(),
             wan=wan,
             intra_dc_transport=intra_dc_transport,
@@ -211,15 +223,23 @@ class Topology:
         return f"http://{LOOPBACK}:{self.router_port}"
 
 
-def wan_emulator_argv(topo: Topology) -> list[str]:
+def wan_emulator_argv(topo: Topology, rank: int = 0) -> list[str]:
+    """The emulated link to MD rank ``rank``'s WAN receiver (``wan_emulator_argvs``: all of them)."""
     argv = [sys.executable, "-m", "sglang_pdd.kv_channel.wan_emulator",
-            "--listen", f"{LOOPBACK}:{topo.wan.listen_port}",
-            "--upstream", f"{LOOPBACK}:{topo.main.wan_listen_port}",
+            "--listen", f"{LOOPBACK}:{topo.wan.listen_port + rank}",
+            "--upstream", f"{LOOPBACK}:{topo.main.wan_listen_port + rank}",
             "--latency-ms", str(topo.wan.latency_ms), "--jitter-ms", str(topo.wan.jitter_ms),
-            "--control", f"{LOOPBACK}:{topo.wan.control_port}"]
+            "--control", f"{LOOPBACK}:{topo.wan.control_port + rank}"]
     if topo.wan.rate_gbps:
         argv += ["--rate-gbps", str(topo.wan.rate_gbps)]
     return argv
+
+
+def wan_emulator_argvs(topo: Topology) -> list[tuple[str, list[str], str]]:
+    """(process name, argv, health URL) of each emulated link, one per MD rank; link 0 is
+    "wan-emulator" as with MD on TP 1."""
+    return [("wan-emulator" + (f"-{r}" if r else ""), wan_emulator_argv(topo, r), f"{url}/stats")
+            for r, url in enumerate(topo.wan.control_urls)]
 
 
 def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = None) -> list[str]:
@@ -233,7 +253,8 @@ def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = No
             # P's control URL: the router posts WAN destinations there, MD's answer off the TTFT path
             "--prefill", f"{p.url},{p.bootstrap_port}" + (f",{p.control_url}" if p.control_url else ""),
             "--relay", topo.relay.url,
-            # P reaches MD's WAN receiver through the emulated link
+            # P reaches MD's WAN receiver through the emulated link (with MD on TP N: rank 0's;
+            # P adds the rank to the port, so links listen on consecutive ports too)
             "--main", f"{m.url},{m.control_url},{LOOPBACK}:{topo.wan.listen_port}",
             *(["--control-key-file", str(topo.key_file)] if topo.key_file else []),
             *link, *(extra or [])]
