@@ -223,8 +223,11 @@ class WanFanout:
         in P's TP group: with TP > 1 this rank sends its heads' bytes of each row (tp_relayout)."""
         if self._pool is None:
             self.shard, self._pool_layout = shard, pool_layout(pool, page_size)
-            self._pool = pool
             legs = self._legs(1)
+            if isinstance(legs, TpLayoutError):  # P's own pool does not shard as SGLang says: a bug
+                self._pool_layout = None
+                raise legs
+            self._pool = pool
             if not legs:
                 logger.info("WAN fan-out: TP rank %d of %d holds replicas of KV heads another rank sends "
                             "to an MD on TP 1", shard.rank, shard.size)
