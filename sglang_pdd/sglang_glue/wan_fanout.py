@@ -467,9 +467,9 @@ class WanFanout:
                     if room.legs_finished == len(room.legs):
                         self.counters["finished"] += 1
                 elif not leg.transfer.send_chunk(index, data.numpy()):
-                    with self._lock:
-                        self._abort_locked(room, f"WAN transfer to MD rank {leg.spec.md_rank} failed: "
-                                                 f"{leg.transfer.failure_reason} {leg.transfer.failure_detail}".strip())
+                    with self._lock:  # the leg failed (as the reaper would find): the room fails
+                        self._abort_locked(room, leg.transfer.failure_reason or FailureReason.ABORTED,
+                                           failed_leg=leg)
             except Exception as e:  # noqa: BLE001 — this thread serves every room: never let it die
                 logger.exception("rid %s: WAN send failed", room.rid)
                 with self._lock:
