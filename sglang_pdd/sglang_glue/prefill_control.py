@@ -16,9 +16,11 @@ the two. Runs in P's scheduler process (the KV manager starts it), on its own th
 Tensor parallelism (``--tp N``): every TP rank runs its own scheduler, KV manager and so its
 own control API, and each rank sends its own share of the KV heads, so each needs every
 destination. Rank r listens on the configured ``--pdd-control-listen`` port + r (ports
-port..port+N-1); the router learns N from rank 0's ``/pdd/info`` and posts to all N. A rank
-that sends nothing over the WAN (it holds only replicas of heads another rank sends, e.g.
-rank > 0 of an MLA model) checks each call as the others do and answers it, but keeps nothing.
+port..port+N-1); the router learns N from rank 0's ``/pdd/info`` and posts to all N. What a
+rank sends depends on the destination's MD TP size (``md_tp``), so P's ranks keep every
+destination, and a rank whose heads other ranks send to that MD drops it when its request
+claims it (transfer_backend). A server built with ``sends_wan=False`` checks each call as the
+others do and answers it, but keeps nothing.
 """
 
 from __future__ import annotations
