@@ -10,8 +10,8 @@ One single server (stopped first) and one cluster, a few short requests: CI cost
 import pytest
 
 from conftest import _require_sglang, plain_server, start_pdd_cluster
-from sglang_pdd.launcher.http import get_json, post_json
-from test_e2e_pdd import assert_routes_equal_reference, greedy_body, route
+from sglang_pdd.launcher.http import post_json
+from test_e2e_pdd import assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body, route
 
 pytestmark = pytest.mark.e2e
 
@@ -60,18 +60,9 @@ def test_mla_output_ids_equal_single_server(mla_cluster, mla_reference, options)
 
 
 def test_mla_drc_second_turn_sends_only_the_suffix(mla_cluster, mla_reference):
-    control, key = mla_cluster.topology.main.control_url, mla_cluster.control_key
-    first = route(mla_cluster, TURN1, path="p_md")
-    assert first["output_ids"] == mla_reference[TURN1]
-    turn2 = next_turn(first["text"])
-    before = get_json(f"{control}/pdd/stats", key=key)
-    second = route(mla_cluster, turn2, path="p_md")
-    after = get_json(f"{control}/pdd/stats", key=key)
-    assert second["output_ids"] == mla_reference[turn2]
-    cached = second["meta_info"]["pdd"]["md_cached_tokens"]
-    assert cached >= first["meta_info"]["prompt_tokens"] - 1  # turn 1's prompt (the last token may be recomputed)
-    assert after["wan_tokens"] - before["wan_tokens"] == second["meta_info"]["prompt_tokens"] - cached
-    assert after["rooms_failed"] == before["rooms_failed"]
+    turn1_tokens, cached = assert_second_turn_sends_only_the_suffix(mla_cluster, TURN1, mla_reference.__getitem__,
+                                                                    next_turn)
+    assert cached >= turn1_tokens - 1  # turn 1's prompt (the last token may be recomputed)
 
 
 def test_mla_pools_are_latent_on_both_ends(mla_cluster):
