@@ -6,7 +6,9 @@ Runs inside MD's scheduler process. Three pieces:
 * ``MainDrcRuntime`` — the WAN receiver, the room table, and a command queue drained by the
   scheduler thread (the only thread that touches the tree and the allocator; the receiver's
   threads write KV only into pages reserved for their room: md_ingest.py, docs/data_path.md);
-* ``ControlServer`` — a small HTTP API for the router: register a room (returns how many
+  with SGLang ``--tp N`` one per rank (own pool, receiver on port + rank), the ranks' room
+  tables changed in lockstep (md_tp_sync.py);
+* ``ControlServer`` — a small HTTP API for the router (rank 0 only): register a room (returns how many
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
 
