@@ -41,10 +41,10 @@ class FakeTpSync:
     def __init__(self, group, rank):
         self.group, self.rank, self.size = group, rank, group.size
 
-    def broadcast(self, obj):
+    def share(self, now, ops):
         g = self.group
         if self.rank == 0:
-            g.slots[0] = obj
+            g.slots[0] = (now, ops)
         g.barrier.wait()
         out = copy.deepcopy(g.slots[0])  # what pickling over the wire would give
         g.barrier.wait()
@@ -353,7 +353,8 @@ def test_single_rank_has_no_collectives():
     assert isinstance(tp_sync_of(SimpleNamespace()), SingleRank)
     assert isinstance(tp_sync_of(SimpleNamespace(tp_group=SimpleNamespace(world_size=1))), SingleRank)
     one = SingleRank()
-    assert one.broadcast({"a": 1}) == {"a": 1} and one.all_min([3, 1]) == [3, 1]
+    assert one.share(1.5, [("release", (1, False))]) == (1.5, [("release", (1, False))])
+    assert one.all_min([3, 1]) == [3, 1]
 
 
 def _gloo_rank(rank, port, out):
@@ -364,14 +365,16 @@ def _gloo_rank(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         sync = GroupTpSync(rank, 2, dist.group.WORLD, rank, 0)
-        out.put((rank, sync.broadcast((1.5, [("register", (rank, [1, 2], True))]) if rank == 0 else None),
-                 sync.broadcast(None), sync.all_min([rank, 5 - rank, 7]), sync.all_min([])))
+        now = 1234.5678901 if rank == 0 else 9.0  # rank 0's clock wins
+        out.put((rank, sync.share(now, [("register", (rank, [1, 2], True))] if rank == 0 else []),
+                 sync.share(now + 1, []), sync.all_min([rank, 5 - rank, 7]), sync.all_min([])))
     finally:
         dist.destroy_process_group()
 
 
 def test_group_tp_sync_over_real_gloo():
-    """The real collectives (SGLang's broadcast_pyobj, a MIN all-reduce) between two processes."""
+    """The real collectives (rank 0's clock and commands broadcast, a MIN all-reduce) between two
+    gloo processes."""
     require_sglang_import()
     import torch.multiprocessing as mp
 
@@ -389,4 +392,4 @@ def test_group_tp_sync_over_real_gloo():
         for p in procs:
             p.join(60)
     for r in range(2):
-        assert got[r] == [(1.5, [("register", (0, [1, 2], True))]), None, [0, 4, 7], []]
+        assert got[r] == [(1234.5678901, [("register", (0, [1, 2], True))]), (1234.5678901 + 1, []), [0, 4, 7], []]

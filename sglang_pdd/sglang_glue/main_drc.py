@@ -201,8 +201,8 @@ class MainDrcRuntime:
         collectives run on every rank every iteration, whatever fails in between: a rank that
         skipped one would hang the group."""
         futures: list[Future] = []
-        batch = self._take_commands(futures) if self.tp.rank == 0 else None
-        now, ops = self.tp.broadcast(batch)
+        ops = self._take_commands(futures) if self.tp.rank == 0 else []
+        now, ops = self.tp.share(time.monotonic(), ops)
         results = [self._apply(op, args, now) for op, args in ops]
         try:
             if any(op == "register" for op, _ in ops):  # the same on every rank: ops are rank 0's
@@ -214,13 +214,13 @@ class MainDrcRuntime:
             for fut, (ok, value) in zip(futures, results):
                 fut.set_result(value) if ok else fut.set_exception(value)
 
-    def _take_commands(self, futures: list[Future]) -> tuple[float, list[tuple[str, tuple]]]:
+    def _take_commands(self, futures: list[Future]) -> list[tuple[str, tuple]]:
         ops = []
         while True:
             try:
                 op, args, fut = self.commands.get_nowait()
             except queue.Empty:
-                return time.monotonic(), ops
+                return ops
             ops.append((op, args))
             futures.append(fut)
 

@@ -3,23 +3,24 @@
 Every TP rank runs its own scheduler with its own KV pool, allocator and radix tree; SGLang
 keeps them identical by running the same schedule on every rank. MD's room commands (reserve
 pages, insert into the tree, free pages) must therefore change every rank in the same
-scheduler iteration (main_drc.py): rank 0 decides what happens (``broadcast``), and a room is
-ready / its pages free only when every rank agrees (``all_min``).
+scheduler iteration (main_drc.py): rank 0 decides what happens (``share`` its clock and room
+commands), and a room is ready / its pages free only when every rank agrees (``all_min``).
 
 ``SingleRank`` (TP 1) does no collective at all: MD at TP 1 behaves and costs as before.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import pickle
+from typing import Protocol
 
 
 class TpSync(Protocol):
     rank: int  # this scheduler's rank in MD's TP group
     size: int
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (the others pass None)."""
+    def share(self, now: float, ops: list) -> tuple[float, list]:
+        """Rank 0's clock reading and room commands, on every rank (the others' are ignored)."""
 
     def all_min(self, values: list[int]) -> list[int]:
         """Element-wise minimum over the ranks; every rank passes a list of the same length."""
@@ -29,8 +30,8 @@ class SingleRank:
     rank = 0
     size = 1
 
-    def broadcast(self, obj: Any) -> Any:
-        return obj
+    def share(self, now: float, ops: list) -> tuple[float, list]:
+        return now, ops
 
     def all_min(self, values: list[int]) -> list[int]:
         return list(values)
@@ -38,7 +39,8 @@ class SingleRank:
 
 class GroupTpSync:
     """Over a torch.distributed CPU (gloo) group: SGLang's own ``tp_cpu_group``, the one its
-    scheduler broadcasts requests over (``broadcast_pyobj``)."""
+    scheduler broadcasts requests over. An iteration without room commands costs one broadcast
+    of two numbers (as SGLang's own ``broadcast_pyobj`` of no request does); commands add one."""
 
     def __init__(self, rank: int, size: int, cpu_group, global_rank: int, global_src: int):
         self.rank, self.size = rank, size
@@ -49,11 +51,21 @@ class GroupTpSync:
         """From SGLang's GroupCoordinator (``scheduler.tp_group``)."""
         return cls(group.rank_in_group, group.world_size, group.cpu_group, group.rank, group.ranks[0])
 
-    def broadcast(self, obj: Any) -> Any:
-        from sglang.srt.utils.common import broadcast_pyobj
+    def share(self, now: float, ops: list) -> tuple[float, list]:
+        import torch
+        import torch.distributed as dist
 
-        # broadcast_pyobj sends a list ([] stands for "nothing"): wrap obj so None travels too
-        return broadcast_pyobj([obj], self._global_rank, self._group, src=self._global_src)[0]
+        payload = pickle.dumps(ops) if self.rank == 0 and ops else b""
+        # float64 holds the clock and the size exactly; rank 0 uses the value it sent, too
+        header = torch.tensor([now, len(payload)], dtype=torch.float64)
+        dist.broadcast(header, src=self._global_src, group=self._group)
+        now, size = header[0].item(), int(header[1].item())
+        if not size:
+            return now, []
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
+                else torch.empty(size, dtype=torch.uint8))
+        dist.broadcast(data, src=self._global_src, group=self._group)
+        return now, (ops if self.rank == 0 else pickle.loads(data.numpy().tobytes()))
 
     def all_min(self, values: list[int]) -> list[int]:
         import torch
