@@ -161,11 +161,6 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
             if getattr(cfg, name) != getattr(defaults, name):
                 raise PddConfigError(f"{flag} was given without --pdd-role; set --pdd-role or drop it")
         return cfg
-    if tp_size > 1 and cfg.role == "main":
-        # P's TP ranks each send their KV heads' bytes of every row into MD's one pool; an MD
-        # with several ranks would need its room commands run on every rank in the same step
-        raise PddConfigError(f"--pdd-role main runs with --tp 1 only (got --tp {tp_size}): MD's rooms do not "
-                             f"span TP ranks yet; P may run any --tp (docs/data_path.md)")
     want_mode = REQUIRED_DISAGG_MODE[cfg.role]
     if (disaggregation_mode or "null") != want_mode:
         need = "no --disaggregation-mode" if want_mode == "null" else f"--disaggregation-mode {want_mode}"
@@ -177,7 +172,10 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     if cfg.role == "main":
         if not cfg.wan_listen:
             raise PddConfigError("--pdd-role main needs --pdd-wan-listen HOST:PORT")
-        parse_listen("--pdd-wan-listen", cfg.wan_listen, cfg.allow_wildcard_bind)
+        _, wan_port = parse_listen("--pdd-wan-listen", cfg.wan_listen, cfg.allow_wildcard_bind)
+        if wan_port + tp_size - 1 > 65535:  # with --tp N, rank r's WAN receiver listens on port + r
+            raise PddConfigError(f"--pdd-wan-listen port {wan_port} + {tp_size - 1} (one port per TP rank) "
+                                 f"exceeds 65535")
         if not cfg.control_listen:
             raise PddConfigError("--pdd-role main needs --pdd-control-listen HOST:PORT")
         parse_listen("--pdd-control-listen", cfg.control_listen, cfg.allow_wildcard_bind)

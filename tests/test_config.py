@@ -106,11 +106,15 @@ def test_unknown_role_is_rejected_by_the_parser():
         parse("--pdd-role", "router")
 
 
-def test_md_refuses_tp_above_one_and_p_takes_any():
+def test_md_and_p_take_any_tp_with_one_wan_port_per_md_rank():
     cfg, mode, backend = parse(*GOOD[7][0])  # main
     assert validate(cfg, mode, backend, tp_size=1) is cfg
-    with pytest.raises(PddConfigError, match=re.escape("--pdd-role main runs with --tp 1 only (got --tp 2)")):
-        validate(cfg, mode, backend, tp_size=2)
+    assert validate(cfg, mode, backend, tp_size=2) is cfg  # ranks' rooms run in lockstep (main_drc.py)
+    port = int(cfg.wan_listen.rpartition(":")[2])
+    assert validate(cfg, mode, backend, tp_size=65536 - port) is cfg  # the last rank on port 65535
+    with pytest.raises(PddConfigError, match=re.escape(f"--pdd-wan-listen port {port} + {65536 - port} "
+                                                       f"(one port per TP rank) exceeds 65535")):
+        validate(cfg, mode, backend, tp_size=65537 - port)
     cfg, mode, backend = parse(*GOOD[1][0])  # prefill: each rank sends its heads' slice
     assert cfg.role == "prefill" and validate(cfg, mode, backend, tp_size=4) is cfg
 

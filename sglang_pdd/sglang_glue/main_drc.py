@@ -6,7 +6,9 @@ Runs inside MD's scheduler process. Three pieces:
 * ``MainDrcRuntime`` — the WAN receiver, the room table, and a command queue drained by the
   scheduler thread (the only thread that touches the tree and the allocator; the receiver's
   threads write KV only into pages reserved for their room: md_ingest.py, docs/data_path.md);
-* ``ControlServer`` — a small HTTP API for the router: register a room (returns how many
+  with SGLang ``--tp N`` one per rank (own pool, receiver on port + rank), the ranks' room
+  tables changed in lockstep (md_tp_sync.py);
+* ``ControlServer`` — a small HTTP API for the router (rank 0 only): register a room (returns how many
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
 
@@ -26,6 +28,7 @@ import threading
 import time
 from array import array
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
@@ -42,6 +45,7 @@ from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, 
 from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
+from sglang_pdd.sglang_glue.md_tp_sync import TpSync, tp_sync_of
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
 
 logger = logging.getLogger(__name__)
@@ -134,8 +138,11 @@ class SglangTreeOps:
 class MainDrcRuntime:
     """Owned by MD's scheduler; ``on_scheduler_iteration`` runs on the scheduler thread."""
 
-    def __init__(self, scheduler, cfg: PddConfig, key: bytes):
+    def __init__(self, scheduler, cfg: PddConfig, key: bytes, tp_sync: Optional[TpSync] = None):
         self.cfg = cfg
+        # MD's TP group (SGLang --tp N): every rank runs one of these, in lockstep (see
+        # on_scheduler_iteration); TP 1 has no collectives at all.
+        self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
         self.handed_off: set[int] = set()
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
@@ -146,30 +153,41 @@ class MainDrcRuntime:
         # Pool slots held by rooms in flight (reserved, or waiting to be freed until the
         # receiver has stopped writing): SGLang's leak check counts them (plugin.py hook).
         self.held_tokens = 0
-        self._freed: "queue.Queue[Landing]" = queue.Queue()
+        # Landings of rooms the receiver is letting go of, in the order every rank forgot them:
+        # their pages go back only once every rank's receiver has stopped writing there.
+        self._releasing: list[_PagesRelease] = []
+        self._unregistered: dict[int, Landing] = {}  # pages of a registration only this rank refused
         self.ready_events: dict[int, threading.Event] = {}
         self.commands: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=1024)
         self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0, "rooms_refused": 0}
         self.drc_stats = DrcStats()
         self.kv_bytes_per_token = self.ops.pool_layout.bytes_per_token
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
+        port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
                                       idle_timeout=cfg.wan_timeout_s,
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
                                                                   server_side=True))
-        self._receiver_releases: "queue.Queue[tuple[int, Optional[Landing]]]" = queue.Queue()
+        self._receiver_releases: "queue.Queue[tuple[int, Optional[_PagesRelease]]]" = queue.Queue()
         threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release", daemon=True).start()
         _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
-        self.control = ControlServer((chost, cport), self, key)  # the key the WAN receiver uses
-        logger.info("MD DRC runtime: WAN KV on %s:%s, control on %s:%s, KV pool %s, ingest %s, in flight <= %d MiB",
-                    *self.receiver.address, chost, cport, self.layout_description(), self.ingest_mode,
-                    self.budget.limit_bytes >> 20)
+        # The router talks to rank 0 only; rank 0 drives the other ranks' room tables.
+        self.control = ControlServer((chost, cport), self, key) if self.tp.rank == 0 else None
+        logger.info("MD DRC runtime (TP rank %d of %d): WAN KV on %s:%s, control %s, KV pool %s, ingest %s, "
+                    "in flight <= %d MiB", self.tp.rank, self.tp.size, *self.receiver.address,
+                    f"on {chost}:{cport}" if self.control else "on rank 0", self.layout_description(),
+                    self.ingest_mode, self.budget.limit_bytes >> 20)
+
+    def close(self) -> None:
+        self.receiver.close()
+        if self.control is not None:
+            self.control.close()
 
     def layout_description(self) -> str:
         return self.ops.layout.describe()
 
-    # ---- called from control threads: hand work to the scheduler thread and wait
+    # ---- called from control threads (rank 0's): hand work to the scheduler thread and wait
     def call(self, op: str, *args, timeout: float = 30.0):
         fut: Future = Future()
         self.commands.put((op, args, fut), timeout=timeout)
@@ -177,31 +195,123 @@ class MainDrcRuntime:
 
     # ---- scheduler thread
     def on_scheduler_iteration(self) -> None:
+        """One scheduler iteration, on every TP rank in lockstep. Rank 0 drains the commands
+        and reads the clock, every rank applies them in the same order; a room completes, fails
+        and gives its pages back only as every rank's receiver agrees (one all-min). The
+        collectives run on every rank every iteration, whatever fails in between: a rank that
+        skipped one would hang the group."""
+        futures: list[Future] = []
+        ops = self._take_commands(futures) if self.tp.rank == 0 else []
+        now, ops = self.tp.share(time.monotonic(), ops)
+        results = [self._apply(op, args, now) for op, args in ops]
+        try:
+            if any(op == "register" for op, _ in ops):  # the same on every rank: ops are rank 0's
+                self._agree_on_registrations(ops, results)
+            self._agree_on_rooms_and_releases(now)
+            for entry in self.rooms.expire(now):  # rank 0's clock: the same rooms everywhere
+                self._guarded("expiry", entry.room, lambda room=entry.room: self._expired(room))
+        finally:
+            for fut, (ok, value) in zip(futures, results):
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+    def _take_commands(self, futures: list[Future]) -> list[tuple[str, tuple]]:
+        ops = []
         while True:
             try:
                 op, args, fut = self.commands.get_nowait()
             except queue.Empty:
-                break
-            try:
-                fut.set_result(getattr(self, f"_do_{op}")(*args))
-            except Exception as e:  # the caller gets the error; the scheduler goes on
-                fut.set_exception(e)
-        self._free_released_slots()
-        now = time.monotonic()
-        for entry in self.rooms.pending():
-            state = self.receiver.poll(entry.room)
-            if state is RoomState.SUCCESS:
-                t0 = time.perf_counter()
-                self._finish(self._complete(entry.room, now))
-                self._record_stall("complete", time.perf_counter() - t0)
-            elif state is RoomState.FAILED:
-                reason, detail = self.receiver.failure(entry.room)
-                self._finish(self.rooms.fail(entry.room, f"{reason}: {detail}"))
-        for entry in self.rooms.expire(now):
-            if entry.room in self.landings:  # expired in flight: stop the receiver's writes first
-                self.receiver.abort(entry.room, "expired on MD")
-                self._forget_in_receiver(entry.room)
-            self._forget(entry.room)
+                return ops
+            ops.append((op, args))
+            futures.append(fut)
+
+    def _apply(self, op: str, args: tuple, now: float) -> tuple[bool, object]:
+        try:
+            fn = getattr(self, f"_do_{op}")
+            return True, (fn(*args, now=now) if op == "register" else fn(*args))
+        except Exception as e:  # the caller gets the error; the scheduler goes on
+            return False, e
+
+    def _agree_on_registrations(self, ops, results) -> None:
+        """A registration stands only if every rank made it (a rank's receiver may refuse a
+        room id it is still letting go of); otherwise it is undone everywhere, and the pages
+        any rank reserved for it come back on all ranks together."""
+        regs = [i for i, (op, _) in enumerate(ops) if op == "register"]
+        agreed = self.tp.all_min([1 if results[i][0] else 0 for i in regs])
+        for i, everywhere in zip(regs, agreed):
+            if everywhere:
+                continue
+            room = ops[i][1][0]
+            if results[i][0]:  # made here, refused on another rank: undo it here
+                self.receiver.abort(room, "refused on another MD TP rank")
+                landing = self.landings.pop(room, None)
+                if landing is not None:
+                    self.budget.give_back(landing.nbytes)
+                record = self._pages_release(room, landing, always=True)
+                self._receiver_releases.put((room, record))
+                self.rooms.release(room)
+                self._forget(room)
+                self.counters["rooms_registered"] -= 1
+                self.counters["rooms_refused"] += 1
+                results[i] = (False, RoomRefused(f"room {room} refused: another MD TP rank could not register it"))
+            else:  # refused here: pages it had reserved come back with the other ranks' undo
+                record = self._pages_release(room, self._unregistered.pop(room, None), always=True)
+                record.outcome = True  # this rank's receiver never had the room
+
+    def _agree_on_rooms_and_releases(self, now: float) -> None:
+        pending = self.rooms.pending()  # the same rooms, in the same order, on every rank
+        releasing = list(self._releasing)
+        states = [self._poll(entry.room) for entry in pending]
+        local = [flag for state in states for flag in (int(state is RoomState.SUCCESS),
+                                                      int(state is not RoomState.FAILED))]
+        local += [flag for r in releasing for flag in (int(r.outcome is not None), int(r.outcome is not False))]
+        if not local:
+            return
+        agreed = self.tp.all_min(local)
+        base = 2 * len(pending)
+        for k, record in enumerate(releasing):  # pages first: a staged completion may need them
+            if agreed[base + 2 * k]:
+                self._releasing.remove(record)
+                self._guarded("page release", record.room,
+                              lambda r=record, ok=agreed[base + 2 * k + 1]: self._free_pages(r, ok))
+        for k, (entry, state) in enumerate(zip(pending, states)):
+            success, not_failed = agreed[2 * k], agreed[2 * k + 1]
+            if success:
+                self._guarded("completion", entry.room, lambda room=entry.room: self._completed(room, now))
+            elif not not_failed:
+                self._guarded("failure", entry.room, lambda room=entry.room, st=state: self._failed(room, st))
+
+    def _poll(self, room: int):
+        try:
+            return self.receiver.poll(room)
+        except Exception:  # noqa: BLE001 — never skip the collective; this rank votes 'failed'
+            logger.exception("room %s: polling the WAN receiver failed", room)
+            return RoomState.FAILED
+
+    def _completed(self, room: int, now: float) -> None:
+        t0 = time.perf_counter()
+        self._finish(self._complete(room, now))
+        self._record_stall("complete", time.perf_counter() - t0)
+
+    def _failed(self, room: int, local_state) -> None:
+        if local_state is RoomState.FAILED:
+            reason, detail = self.receiver.failure(room)
+            why = f"{reason}: {detail}"
+        else:
+            why = "a TP rank's WAN slice failed (see that rank's log)"
+        self._finish(self.rooms.fail(room, why))
+
+    def _expired(self, room: int) -> None:
+        if room in self.landings:  # expired in flight: stop the receiver's writes first
+            self.receiver.abort(room, "expired on MD")
+            self._forget_in_receiver(room)
+        self._forget(room)
+
+    def _guarded(self, what: str, room: int, fn) -> None:
+        """A decision every rank takes: an error is logged, never raised past the collectives."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            logger.exception("room %s: %s failed on MD TP rank %d", room, what, self.tp.rank)
 
     def _complete(self, room: int, now: float):
         """All of a room's KV is in (the receiver has no writer left): into the tree."""
@@ -222,15 +332,16 @@ class MainDrcRuntime:
         self.counters[f"{what}_ms_total"] = round(self.counters.get(f"{what}_ms_total", 0.0) + ms, 3)
         self.counters[f"{what}_ms_max"] = round(max(self.counters.get(f"{what}_ms_max", 0.0), ms), 3)
 
-    def _do_register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
+    def _do_register(self, room: int, token_ids: list[int], use_cache: bool = True,
+                     now: Optional[float] = None) -> dict:
         t0 = time.perf_counter()
         try:
-            return self._register(room, token_ids, use_cache)
+            return self._register(room, token_ids, use_cache, time.monotonic() if now is None else now)
         finally:
             self._record_stall("register", time.perf_counter() - t0)
 
-    def _register(self, room: int, token_ids: list[int], use_cache: bool = True) -> dict:
-        entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
+    def _register(self, room: int, token_ids: list[int], use_cache: bool, now: float) -> dict:
+        entry = self.rooms.register(room, token_ids, now, use_cache=use_cache)
         landing = Landing.plan(self.ops.pool_layout, len(token_ids), entry.cached_len)
         try:
             self.budget.take(room, landing.nbytes)
@@ -256,8 +367,11 @@ class MainDrcRuntime:
             # Not registered in the receiver: nothing writes into the landing; free it now.
             self.budget.give_back(landing.nbytes)
             if landing.slots is not None:
-                self.ops.free(landing.slots)
-                self.held_tokens -= landing.num_tokens
+                if self.tp.size == 1:
+                    self.ops.free(landing.slots)
+                    self.held_tokens -= landing.num_tokens
+                else:  # the other ranks may have made it: free with their undo, in step
+                    self._unregistered[room] = landing
             self.rooms.release(room)
             raise
         self.landings[room] = landing
@@ -265,7 +379,8 @@ class MainDrcRuntime:
         self.counters["rooms_registered"] += 1
         self.drc_stats.record_lookup(len(token_ids), entry.cached_len)
         return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
-                "wan_peer": "%s:%d" % self.receiver.address,
+                "wan_peer": "%s:%d" % self.receiver.address,  # rank r listens on its port + r
+                "tp_size": self.tp.size,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "kv_layout": self.ops.pool_layout.to_dict()}
 
@@ -302,34 +417,48 @@ class MainDrcRuntime:
         """Drop the receiver's record of a room off the scheduler thread: release_room waits
         for a chunk still being written (seconds on a slow WAN) and, past its timeout, cuts
         the streams that other rooms share. A landing still held (the room failed or was
-        released in flight) goes with it: its slots are freed only once nothing writes there."""
+        released in flight) goes with it: its slots are freed only once nothing writes there,
+        on any rank."""
         landing = self.landings.pop(room, None)
         if landing is not None:
             self.budget.give_back(landing.nbytes)
-        self._receiver_releases.put((room, landing))
+        self._receiver_releases.put((room, self._pages_release(room, landing)))
+
+    def _pages_release(self, room: int, landing: Optional[Landing], always: bool = False) -> Optional["_PagesRelease"]:
+        """Queue ``landing``'s pages (if any) to go back once every rank's receiver let go.
+        Only in decisions every rank takes, so the queue is the same list on every rank."""
+        if landing is None or landing.slots is None:
+            if not always:
+                return None
+            landing = None
+        record = _PagesRelease(room, landing)
+        self._releasing.append(record)
+        return record
 
     def _release_rooms_in_receiver(self) -> None:
         while True:
-            room, landing = self._receiver_releases.get()
+            room, record = self._receiver_releases.get()
             try:
                 self.receiver.release_room(room, timeout=60.0)
+                ok = True
             except Exception:  # noqa: BLE001 — bookkeeping only; keep the thread alive
-                # A writer may still hold the room's pages: keep them (lost capacity, never
-                # corrupted KV) rather than free them.
-                logger.exception("room %s: receiver release failed; its %s reserved slots stay held", room,
-                                 landing.num_tokens if landing and landing.slots is not None else 0)
-                continue
-            if landing is not None and landing.slots is not None:
-                self._freed.put(landing)
+                logger.exception("room %s: receiver release failed", room)
+                ok = False
+            if record is not None:
+                record.outcome = ok
 
-    def _free_released_slots(self) -> None:
-        while True:
-            try:
-                landing = self._freed.get_nowait()
-            except queue.Empty:
-                return
-            self.ops.free(landing.slots)
-            self.held_tokens -= landing.num_tokens
+    def _free_pages(self, record: "_PagesRelease", released_everywhere: int) -> None:
+        landing = record.landing
+        if landing is None:
+            return
+        if not released_everywhere:
+            # A writer may still hold the room's pages on some rank: keep them on every rank
+            # (lost capacity, never corrupted KV, allocators still alike) rather than free them.
+            logger.error("room %s: a receiver release failed; its %d reserved slots stay held", record.room,
+                         landing.num_tokens)
+            return
+        self.ops.free(landing.slots)
+        self.held_tokens -= landing.num_tokens
 
     def _forget(self, room: int) -> None:
         event = self.ready_events.pop(room, None)
@@ -374,7 +503,16 @@ class MainDrcRuntime:
         """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""
         drc = self.drc_stats.as_dict()
         return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
-                "open_rooms": len(self.rooms.rooms), "wan_receiver": dict(self.receiver.counters)}
+                "open_rooms": len(self.rooms.rooms), "tp_size": self.tp.size,
+                "wan_receiver": dict(self.receiver.counters)}
+
+
+@dataclass(eq=False)
+class _PagesRelease:
+    """A room's reserved pages, waiting for the receiver (release thread) to let go of it."""
+    room: int
+    landing: Optional[Landing]
+    outcome: Optional[bool] = None  # set by the release thread: True released, False failed
 
 
 class ControlServer:
