@@ -117,3 +117,26 @@ def router_sglang_state():
     from sglang_pdd.router.serving import build_sglang_state
 
     return build_sglang_state(["--model-path", model, "--device", "cpu", "--chat-template", "chatml"])
+
+
+@contextlib.contextmanager
+def on_consecutive_ports(n: int, first, at_port, port_of):
+    """n servers on consecutive ports, as TP ranks listen (rank r on rank 0's port + r):
+    ``first()`` binds rank 0 anywhere, ``at_port(rank, port)`` binds the others, ``port_of(server)``
+    reads rank 0's port; a taken port means another base. Yields the list, closes them all."""
+    for _ in range(50):
+        servers = [first()]
+        try:
+            for rank in range(1, n):
+                servers.append(at_port(rank, port_of(servers[0]) + rank))
+            break
+        except OSError:  # port + r taken by someone else: try another base port
+            for server in servers:
+                server.close()
+    else:
+        raise RuntimeError(f"no {n} consecutive free ports")
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.close()

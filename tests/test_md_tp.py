@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import require_sglang_import
-from test_md_ingest import KEY, Prefill, bufs, conserved, make_pool, md_rows, pool_pages, shard_pool
+from test_md_ingest import KEY, Prefill, conserved, make_pool, md_rows, pool_pages, shard_pool
 
 PAGE = 16
 

@@ -5,7 +5,6 @@ loopback (PrefillControlServer per rank), no SGLang."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import aiohttp
 import pytest
@@ -16,32 +15,19 @@ from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_rank_url
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, DestinationError
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+from conftest import on_consecutive_ports
 from control_fakes import KEY, WAN_PEER, PControl
 
 PEER = "%s:%d" % WAN_PEER
 DEST = WanDestination(md_room=7, peer=WAN_PEER, md_prefix_len=3)
 
 
-@contextlib.contextmanager
 def tp_ranks(n: int, sends_wan=lambda rank: True):
     """n PControl ranks on consecutive ports (rank r on rank 0's port + r)."""
-    for _ in range(50):
-        ranks = [PControl(0, tp_rank=0, tp_size=n, sends_wan=sends_wan(0))]
-        try:
-            for rank in range(1, n):
-                ranks.append(PControl(ranks[0].server.address[1] + rank, tp_rank=rank, tp_size=n,
-                                      sends_wan=sends_wan(rank)))
-            break
-        except OSError:  # port + r taken by someone else: try another base port
-            for r in ranks:
-                r.close()
-    else:
-        raise RuntimeError(f"no {n} consecutive free ports")
-    try:
-        yield ranks
-    finally:
-        for r in ranks:
-            r.close()
+    return on_consecutive_ports(
+        n, lambda: PControl(0, tp_rank=0, tp_size=n, sends_wan=sends_wan(0)),
+        lambda rank, port: PControl(port, tp_rank=rank, tp_size=n, sends_wan=sends_wan(rank)),
+        lambda first: first.server.address[1])
 
 
 def run_with_control(url: str, body):

@@ -8,7 +8,6 @@ rank's SGLang shard, byte for byte, with every MD holder of a head fed over the 
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
+from conftest import on_consecutive_ports
 
 KEY = b"k" * 32
 LAYERS, DIM, SLOTS = 2, 8, 128
@@ -53,25 +53,11 @@ class Pool:
                          for b in self.buffers])
 
 
-@contextlib.contextmanager
 def md_ranks(n: int):
     """n WAN receivers on consecutive ports (MD rank r on rank 0's port + r)."""
-    for _ in range(50):
-        ranks = [WanKvReceiver(KEY, "md-tp0", idle_timeout=5.0)]
-        try:
-            for r in range(1, n):
-                ranks.append(WanKvReceiver(KEY, f"md-tp{r}", port=ranks[0].address[1] + r, idle_timeout=5.0))
-            break
-        except OSError:
-            for r in ranks:
-                r.close()
-    else:
-        raise RuntimeError(f"no {n} consecutive free ports")
-    try:
-        yield ranks
-    finally:
-        for r in ranks:
-            r.close()
+    return on_consecutive_ports(n, lambda: WanKvReceiver(KEY, "md-tp0", idle_timeout=5.0),
+                                lambda rank, port: WanKvReceiver(KEY, f"md-tp{rank}", port=port, idle_timeout=5.0),
+                                lambda first: first.address[1])
 
 
 def p_ranks(kind, heads, p_tp, full, peer, **kw):

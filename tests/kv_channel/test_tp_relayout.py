@@ -111,7 +111,6 @@ KINDS_SHAPES = [("mha", h, a, b) for h, a, b in SHAPES] + \
 def test_sender_parts_tile_every_md_rank_with_its_direct_shard(kind, heads, src_tp, dst_tp):
     """Each P rank's slices, applied byte-wise to its own SGLang shard, rebuild every MD rank's
     shard exactly; each MD rank's slices are numbered 0..count-1 and tile its row, no overlap."""
-    dtype_bytes = 2
     full = np.random.default_rng(heads * 100 + src_tp * 10 + dst_tp).integers(
         0, 1 << 16, size=(TOKENS, heads, HEAD_DIM), dtype=np.uint16)
     src_rows = [shard(full, src_tp, r).reshape(TOKENS, -1).view(np.uint8) for r in range(src_tp)]
