@@ -15,7 +15,6 @@ byte range of every token row in each pool (rows are [local heads, head_dim]).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .layout import RowSlice
 
@@ -197,16 +196,3 @@ def sender_parts(kind: str, shard: TpShard, local_token_bytes: int, dst_tp: int 
                 (src, _), (lo, hi) = s.src_bytes(head_bytes), s.dst_bytes(head_bytes)
                 parts.append((md_rank, SenderPart(RowSlice(index, len(into), lo, hi - lo), src, row_bytes)))
     return parts
-
-
-def sender_part(kind: str, shard: TpShard, local_token_bytes: int) -> Optional[SenderPart]:
-    """This P rank's part of each room for an MD with TP 1 (every head crosses the WAN once),
-    or None if its heads are replicas another rank sends."""
-    (part, *more) = [p for _, p in sender_parts(kind, shard, local_token_bytes, 1)] or [None]
-    assert not more, "to one MD rank, a P rank's heads are one contiguous run"
-    return part
-
-
-def sends_over_wan(kind: str, shard: TpShard, dst_tp: int = 1) -> bool:
-    """Whether this P rank sends anything to an MD with TP ``dst_tp``."""
-    return shard.rank in plan_wan_to_every_holder(kind, shard.total_kv_heads, shard.size, dst_tp).senders
