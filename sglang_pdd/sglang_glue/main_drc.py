@@ -499,6 +499,14 @@ class MainDrcRuntime:
             self.handed_off.add(room)
         return gen, stream
 
+    def flush_blocker(self) -> Optional[str]:
+        """Why SGLang's flush_cache must not run now, or None. A flush resets the radix tree
+        and the pool allocator under MD's rooms: the prefixes they locked and the pages they
+        reserved for KV still landing would be handed out again."""
+        if self.rooms.rooms or self.held_tokens:
+            return f"{len(self.rooms.rooms)} PDD rooms open, {self.held_tokens} KV slots held for the WAN"
+        return None
+
     def stats(self) -> dict:
         """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""
         drc = self.drc_stats.as_dict()

@@ -96,6 +96,17 @@ def _after_ingest(result, scheduler, *args, **kwargs):
         runtime.on_scheduler_iteration()
 
 
+def _flush_cache_without_rooms(original, scheduler, *args, **kwargs):
+    """SGLang refuses to flush while requests run; MD also while rooms hold prefixes or pool
+    pages for KV in flight (MD's control API serves them from another thread)."""
+    runtime = getattr(scheduler, "_pdd_runtime", None)
+    blocker = runtime.flush_blocker() if runtime is not None else None
+    if blocker is not None:
+        logger.warning("Cache not flushed because %s", blocker)
+        return False
+    return original(scheduler, *args, **kwargs)
+
+
 def _count_md_held_slots(original, checker, ps, uncached=0):
     """MD reserves pool pages for KV still crossing the WAN (in no request, not yet in the
     tree): SGLang's pool-conservation check counts them with the other uncached tokens."""
@@ -142,6 +153,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.ingest_requests", _after_ingest, HookType.AFTER)
     HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)
     HookRegistry.register(f"{_INVARIANT_CHECKER}._check_full_pool", _count_md_held_slots, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.flush_cache", _flush_cache_without_rooms, HookType.AROUND)
     _register_resume_hooks()
 
 
