@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from sglang_pdd.launcher.processes import ProcessGroup
 from sglang_pdd.launcher.topology import (Topology, router_argv, server_argv, server_env, wan_emulator_argvs,
-                                          write_wan_key)
+                                          write_operator_token, write_wan_key)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class LocalCluster:
         self.procs = ProcessGroup(self.run_dir / "logs")
         self.wan_key_file = write_wan_key(self.run_dir / "wan.key")
         self.topology.key_file = str(self.wan_key_file)  # the router signs its control calls with it
+        self.operator_token_file = write_operator_token(self.run_dir / "operator.token")
+        self.topology.operator_token_file = str(self.operator_token_file)
 
     @property
     def control_key(self) -> bytes:
@@ -52,6 +54,13 @@ class LocalCluster:
         from sglang_pdd.kv_channel.handshake import load_key
 
         return load_key(str(self.wan_key_file))
+
+    @property
+    def operator_headers(self) -> dict[str, str]:
+        """Headers that make a request to the router an operator's (pdd_options, meta_info.pdd)."""
+        from sglang_pdd.router.app import OPERATOR_HEADER
+
+        return {OPERATOR_HEADER: self.operator_token_file.read_text().strip()}
 
     def start(self, timeout_s: float = 600.0) -> "LocalCluster":
         topo = self.topology

@@ -1,6 +1,7 @@
 """The main job: a local PDD topology across an emulated WAN, serving a short agent session.
 
-    python -m sglang_pdd.launcher.demo [--run-dir runs/demo] [--wan-mbps 0.5] [--keep-running]
+    python -m sglang_pdd.launcher.demo [--run-dir runs/demo] [--wan-mbps 2] [--turns N]
+                                       [--summary-json PATH] [--keep-running]
 
 P and RLD ("datacenter A") and MD ("datacenter B") are real SGLang servers; the WAN between P
 and MD is the userspace emulator, slowed down so that the tiny model's KV (512 B/token) takes
@@ -10,6 +11,7 @@ about as long to cross as a real model's does on a busy datacenter interconnect.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -36,6 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--wan-mbps", type=float, default=2.0, help="emulated WAN rate (Mbit/s)")
     ap.add_argument("--wan-latency-ms", type=float, default=20.0)
+    ap.add_argument("--turns", type=int, default=len(TURNS), choices=range(1, len(TURNS) + 1),
+                    help="how many of the session's turns to send")
+    ap.add_argument("--summary-json", default=None,
+                    help="also write each turn's meta_info.pdd and MD's DRC stats to this file")
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
     ap.add_argument("--prefill-tp", type=int, default=1,
                     help="P's --tp (each rank sends its KV heads' share to MD; slow on a 2-core CPU)")
@@ -56,12 +62,17 @@ def main(argv=None) -> int:
               f"  logs: {cluster.procs.log_dir}\n")
         print(f"{'turn':>4} {'path':>10} {'prompt':>6} {'MD hit':>6} {'WAN KB':>7} {'TTFT ms':>8} "
               f"{'handoff@':>8} {'RLD':>4} {'MD':>4}  text")
-        context = SYSTEM
-        for i, turn in enumerate(TURNS, 1):
+        # The demo is the router's operator: only operators see meta_info.pdd (what happened to
+        # a request), and the launcher wrote the router's operator token for this run.
+        headers = cluster.operator_headers
+        context, turns = SYSTEM, []
+        for i, turn in enumerate(TURNS[:args.turns], 1):
             context += turn
             out = post_json(f"{topo.router_url}/generate", {
-                "text": context, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}})
+                "text": context, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}},
+                headers=headers)
             pdd = out["meta_info"]["pdd"]
+            turns.append(pdd)
             print(f"{i:>4} {pdd['path']:>10} {pdd['prompt_tokens']:>6} {pdd['md_cached_tokens']:>6} "
                   f"{(pdd['wan_bytes'] or 0) / 1024:>7.1f} {1000 * (pdd['ttft_s'] or 0):>8.0f} "
                   f"{str(pdd['handoff_at']):>8} {pdd['rld_tokens']:>4} {pdd['md_tokens']:>4}  "
@@ -72,6 +83,8 @@ def main(argv=None) -> int:
         stats = get_json(f"{topo.main.control_url}/pdd/stats", key=cluster.control_key)
         print(f"\nMD's DRC: hit rate {stats['hit_rate']:.0%}, {stats['bytes_saved'] / 1024:.1f} KB not sent "
               f"over the WAN, {stats['wan_bytes'] / 1024:.1f} KB sent. Router metrics: {topo.router_url}/metrics")
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps({"turns": turns, "drc": stats}, indent=1))
         if args.keep_running:
             print("serving; Ctrl-C to stop")
             try:

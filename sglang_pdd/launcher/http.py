@@ -22,14 +22,18 @@ def signed_headers(method: str, url: str, body: bytes, key: Optional[bytes]) -> 
     return ControlSigner(key).header(method, target, body)
 
 
-def _request(method: str, url: str, data: Optional[bytes], key: Optional[bytes]) -> urllib.request.Request:
-    headers = {"Content-Type": "application/json"} if data is not None else {}
+def _request(method: str, url: str, data: Optional[bytes], key: Optional[bytes],
+             headers: Optional[dict] = None) -> urllib.request.Request:
+    headers = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
     headers.update(signed_headers(method, url, data or b"", key))
     return urllib.request.Request(url, data=data, method=method, headers=headers)
 
 
-def post_json(url: str, body: dict, timeout: float = 120.0, key: Optional[bytes] = None) -> dict:
-    with urllib.request.urlopen(_request("POST", url, json.dumps(body).encode(), key), timeout=timeout) as resp:
+def post_json(url: str, body: dict, timeout: float = 120.0, key: Optional[bytes] = None,
+              headers: Optional[dict] = None) -> dict:
+    """``headers``: extra request headers (e.g. the router's operator token)."""
+    with urllib.request.urlopen(_request("POST", url, json.dumps(body).encode(), key, headers),
+                                timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
