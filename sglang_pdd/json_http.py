@@ -178,6 +178,8 @@ class ControlHTTPServer(ThreadingHTTPServer):
         super().__init__(address, handler)
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self.in_use = 0  # connections holding a handler thread now
         self.refused_busy = 0
 
     def process_request(self, request, client_address):
@@ -189,9 +191,11 @@ class ControlHTTPServer(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
+        self._count(+1)
         try:
             super().process_request(request, client_address)
         except BaseException:  # the thread did not start: give its slot back
+            self._count(-1)
             self._slots.release()
             self.shutdown_request(request)
             logger.exception("control server could not start a handler thread")
@@ -200,7 +204,12 @@ class ControlHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._count(-1)
             self._slots.release()
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self.in_use += delta
 
 
 def serve_in_thread(server: ControlHTTPServer, name: str) -> threading.Thread:

@@ -10,13 +10,13 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 import torch
 from control_fakes import KEY, WAN_PEER, MdControl, PControl
+from waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ControlSigner
@@ -223,15 +223,14 @@ def test_connections_past_the_cap_get_503_not_a_thread():
     try:
         u = urlsplit(server.url)
         held = [socket.create_connection((u.hostname, u.port)) for _ in range(2)]
-        time.sleep(0.2)  # both accepted, each holding a handler thread (no request yet)
+        # both accepted, each holding a handler thread (no request yet)
+        assert wait_until(lambda: server.server.httpd.in_use == 2)
         status, body = raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 503 and b"retry" in body
         for s in held:
             s.close()
-        deadline = time.monotonic() + 5
-        while raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0] != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert wait_until(lambda: server.server.httpd.in_use == 0)
+        assert raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
     finally:
         server.close()
 

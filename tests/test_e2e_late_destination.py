@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json
 
@@ -42,13 +43,6 @@ def _run_pd(topo, body: dict) -> list[int]:
 
 def _p_stats(cluster) -> dict:
     return get_json(f"{cluster.topology.prefill.control_url}/pdd/stats", key=cluster.control_key)
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return cond()
 
 
 def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, single_server):
@@ -90,9 +84,9 @@ def test_promised_destination_that_never_comes_only_delays_ps_release(pdd_cluste
     room = random.getrandbits(62)
     out = _run_pd(topo, _pd_body(topo, room, 3))
     assert len(out) == 3  # RLD served the request regardless
-    assert _wait(lambda: _p_stats(pdd_cluster).get("destination_wait_expired", 0) == before + 1,
+    assert wait_until(lambda: _p_stats(pdd_cluster).get("destination_wait_expired", 0) == before + 1,
                  TEST_DESTINATION_WAIT_MS / 1000 + 10)
-    assert _wait(lambda: _p_stats(pdd_cluster)["waiting_senders"] == 0, 5)
+    assert wait_until(lambda: _p_stats(pdd_cluster)["waiting_senders"] == 0, 5)
     # a destination that comes after P gave up is refused at once (the router then falls back
     # instead of waiting for MD's KV until --wan-timeout-s)
     dest = {"bootstrap_room": room, "md_room": room, "wan_peer": f"127.0.0.1:{topo.wan.listen_port}",

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
 
@@ -34,11 +35,9 @@ def test_stop_all_kills_children_and_grandchildren_even_if_they_ignore_sigterm(t
     with ProcessGroup(tmp_path) as group:
         group.start("stubborn", sleeper(marker, ignore_term=True))
         group.start("polite", sleeper(marker))
-        time.sleep(1.0)
-        assert alive(marker) == 4
+        assert wait_until(lambda: alive(marker) == 4)  # both sleepers and their children
         group.stop_all(grace_s=0.5)
-    time.sleep(0.5)
-    assert alive(marker) == 0
+    assert wait_until(lambda: alive(marker) == 0)
 
 
 def test_killed_launcher_leaves_no_orphans(tmp_path):
@@ -57,14 +56,10 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     """)
     proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "started"
-    time.sleep(1.0)
-    assert alive(marker) == 2
+    assert wait_until(lambda: alive(marker) == 2)  # the child and its own child
     proc.kill()  # SIGKILL: no handler runs; the child dies with its parent (PDEATHSIG)
     proc.wait()
-    deadline = time.time() + 10
-    while alive(marker) > 1 and time.time() < deadline:
-        time.sleep(0.2)
-    assert alive(marker) <= 1  # the direct child is gone at once
+    assert wait_until(lambda: alive(marker) <= 1)  # the direct child is gone at once
     subprocess.run(["pkill", "-f", marker])  # a grandchild of a SIGKILLed tree is outside our reach
 
 

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from waiting import wait_until
 import torch
 
 from sglang_pdd.kv_channel.states import RoomState
@@ -69,11 +70,6 @@ def wait_state(receiver, room, timeout=10.0):
     return receiver.poll(room)
 
 
-def wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 def test_pages_md_lacks_arrive_exact_and_p_is_held_only_until_copied(receiver):

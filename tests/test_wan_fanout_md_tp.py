@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from waiting import wait_until
 import torch
 
 from sglang_pdd.kv_channel.states import RoomState
@@ -87,11 +88,6 @@ def register(md, kind, heads, full, room, prompt_len, md_prefix=0):
     return dests
 
 
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 CASES = [("mha", h, a, b) for h in (2, 4) for a in (1, 2) for b in (2, 4)] + \

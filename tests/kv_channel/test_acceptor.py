@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from waiting import wait_until
 
 from sglang_pdd.kv_channel.acceptor import Acceptor, Slot
 from sglang_pdd.kv_channel.tcp_engine import TcpTransferEngine
@@ -29,11 +30,6 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return True
 
 
-def wait_until(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return pred()
 
 
 class Server:
