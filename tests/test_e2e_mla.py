@@ -13,7 +13,8 @@ from conftest import _require_sglang, plain_server, start_pdd_cluster
 from sglang_pdd.launcher.http import post_json
 from test_e2e_pdd import assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body, route
 
-pytestmark = pytest.mark.e2e
+# the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -33,10 +34,11 @@ def mla_model():
 
 
 @pytest.fixture(scope="module")
-def mla_reference(run_root, mla_model):
+def mla_reference(run_root, mla_model, servers_under_test):
     """Greedy output_ids of a plain single server on the MLA model, stopped before the cluster
     starts (two servers' worth of CPU less)."""
-    with plain_server(run_root, mla_model, name="single-mla") as url:
+    servers_under_test.stop()
+    with plain_server(run_root, mla_model, name="single-mla", extra_args=()) as url:
         def generate(prompt):
             return post_json(f"{url}/generate", greedy_body(prompt))
 
@@ -48,9 +50,9 @@ def mla_reference(run_root, mla_model):
 
 
 @pytest.fixture(scope="module")
-def mla_cluster(run_root, mla_model, mla_reference):
-    with start_pdd_cluster(run_root, "cluster-mla", model_path=mla_model) as cluster:
-        yield cluster
+def mla_cluster(run_root, mla_model, mla_reference, servers_under_test):
+    return servers_under_test.get("cluster-mla", lambda: start_pdd_cluster(run_root, "cluster-mla",
+                                                                           model_path=mla_model, extra_args=()))
 
 
 @pytest.mark.parametrize("options", [{"path": "p_md"}, {"path": "p_rld_md", "handoff_mode": "one_shot"}],

@@ -20,7 +20,8 @@ import pytest
 from sglang_pdd.launcher.http import post_json, stream_events
 from sglang_pdd.sglang_glue.resume import RESUME_KEY
 
-pytestmark = pytest.mark.e2e
+# the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 # bounded values: the tiny random model would otherwise write one string / number forever
@@ -31,20 +32,15 @@ REGEX = r"[a-z]+( [a-z]+){4,8}\."
 
 
 @pytest.fixture(scope="module")
-def server(run_root):
+def server(run_root, servers_under_test):
     """One plain SGLang server with the plugin (like conftest's single_server), whose JSON
     grammar allows no free whitespace: the tiny random model would otherwise pad JSON with
     whitespace until max_new_tokens."""
-    from conftest import _require_sglang
-    from sglang_pdd.launcher.processes import ProcessGroup
-    from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv
+    from conftest import _require_sglang, plain_server
 
     model = _require_sglang()
-    spec = ServerSpec("resume", None, free_port(), extra_args=["--constrained-json-disable-any-whitespace"])
-    with ProcessGroup(run_root / "resume-logs") as procs:
-        procs.start("resume", server_argv(spec, model), health_url=f"{spec.url}/health", env=CPU_ENV)
-        procs.wait_healthy(timeout_s=600)
-        yield spec.url
+    return servers_under_test.get("resume", lambda: plain_server(
+        run_root, model, name="resume", extra_args=("--constrained-json-disable-any-whitespace",)))  # its own reference: default dtype
 
 
 @pytest.fixture(scope="module")

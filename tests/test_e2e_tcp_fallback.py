@@ -9,7 +9,8 @@ import pytest
 
 from sglang_pdd.launcher.http import post_json
 
-pytestmark = pytest.mark.e2e
+# the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 MAX_NEW = 24
 PROMPTS = [
@@ -24,30 +25,33 @@ def greedy_body(prompt: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tcp_cluster(run_root):
-    from conftest import TEST_ROUTER_ARGS, TEST_WAN_GBPS, _require_sglang
-    from sglang_pdd.launcher.cluster import LocalCluster
-    from sglang_pdd.launcher.topology import Topology
+def tcp_cluster(run_root, servers_under_test):
+    from conftest import start_pdd_cluster
 
-    _require_sglang()
-    topology = Topology.on_free_ports(intra_dc_transport="tcp")
-    topology.wan.rate_gbps, topology.wan.latency_ms = TEST_WAN_GBPS, 20.0
-    with LocalCluster(run_root / "cluster-tcp", topology=topology, router_args=TEST_ROUTER_ARGS) as cluster:
-        yield cluster
+    return servers_under_test.get("cluster-tcp", lambda: start_pdd_cluster(run_root, "cluster-tcp",
+                                                                           intra_dc_transport="tcp"))
 
 
 @pytest.mark.parametrize("path", ["p_rld_only", "p_rld_md"])
 def test_tcp_intra_dc_path_equals_single_server(single_server, tcp_cluster, path):
+    from test_e2e_pdd import RELAY_MAX_NEW, hand_off_after
+
     logs = tcp_cluster.procs.log_dir
     for role in ("prefill-0", "relay-0"):
         assert "intra-DC engine tcp" in (logs / f"{role}.log").read_text(), role
-    handoffs = 0
     for prompt in PROMPTS:
-        want = post_json(f"{single_server}/generate", greedy_body(prompt))["output_ids"]
-        got = post_json(f"{tcp_cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options={"path": path}))
+        if path == "p_rld_md":  # MD takes over after RLD's third token, every time
+            want = post_json(f"{single_server}/generate", {"text": prompt, "sampling_params": {
+                "max_new_tokens": RELAY_MAX_NEW, "temperature": 0}})["output_ids"]
+            got = hand_off_after(tcp_cluster, prompt, 3, handoff_mode="one_shot")
+        else:
+            want = post_json(f"{single_server}/generate", greedy_body(prompt))["output_ids"]
+            got = post_json(f"{tcp_cluster.topology.router_url}/generate",
+                            greedy_body(prompt, pdd_options={"path": path}))
         pdd = got["meta_info"]["pdd"]
         assert got["output_ids"] == want, (prompt, pdd)
         assert pdd["path"] == path and not pdd["fallbacks"], pdd
-        handoffs += pdd["handoff_at"] is not None
-    if path == "p_rld_only":
-        assert handoffs == 0
+        if path == "p_rld_only":
+            assert pdd["handoff_at"] is None, pdd
+        else:
+            assert pdd["handoff_at"] >= 3 and pdd["md_tokens"] > 0, pdd

@@ -18,7 +18,8 @@ from conftest import start_pdd_cluster
 from sglang_pdd.launcher.http import get_json, post_json
 from test_e2e_pdd import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
 
-pytestmark = pytest.mark.e2e
+# the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +28,14 @@ def reference(single_server):
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p_tp2", "md_tp2"])
-def tp_cluster(run_root, request):
-    """(P's TP, MD's TP); module-scoped and parametrized: pytest stops one before the next starts."""
+def tp_cluster(run_root, servers_under_test, request):
+    """(P's TP, MD's TP); one at a time: the next configuration stops this one."""
     prefill_tp, main_tp = request.param
-    with start_pdd_cluster(run_root, f"cluster-tp{prefill_tp}{main_tp}", prefill_tp=prefill_tp,
-                           main_tp=main_tp) as cluster:
-        cluster.tp = request.param
-        yield cluster
+    name = f"cluster-tp{prefill_tp}{main_tp}"
+    cluster = servers_under_test.get(name, lambda: start_pdd_cluster(run_root, name, prefill_tp=prefill_tp,
+                                                                     main_tp=main_tp))
+    cluster.tp = request.param
+    return cluster
 
 
 def p_rank_stats(cluster):
