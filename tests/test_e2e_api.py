@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
@@ -164,7 +165,7 @@ def _status(url: str, method: str = "GET", body: dict | None = None) -> tuple[in
         return code, raw.decode()
 
 
-def test_other_endpoints_answer_like_sglang(urls):
+def test_other_endpoints_answer_like_sglang(urls, pdd_cluster):
     router, single = urls
     for path in ("/health", "/health_generate"):
         assert _status(f"{router}{path}")[0] == _status(f"{single}{path}")[0] == 200
@@ -172,6 +173,9 @@ def test_other_endpoints_answer_like_sglang(urls):
     for key in ("model_path", "is_generation", "tool_call_parser", "architectures", "weight_version"):
         assert got[key] == want[key], key
     assert "internal_states" in get_json(f"{router}/get_server_info")
+    # MD refuses to flush while a room is open (test_e2e_pdd); earlier requests' rooms close first
+    md_stats = f"{pdd_cluster.topology.main.control_url}/pdd/stats"
+    assert wait_until(lambda: get_json(md_stats, key=pdd_cluster.control_key)["open_rooms"] == 0, 60)
     code, flushed = _status(f"{router}/flush_cache", "POST")  # tests run with --every-client-is-operator
     assert code == 200 and flushed["flushed"] is True
     assert _status(f"{router}/abort_request", "POST", {"rid": "nobody"})[0] == 200

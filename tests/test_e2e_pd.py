@@ -19,20 +19,22 @@ PROMPTS = [
 ]
 
 
-def greedy(url: str, text: str, max_new_tokens: int = 32) -> dict:
+def greedy(url: str, text: str, max_new_tokens: int = 32, **extra) -> dict:
     return post_json(f"{url}/generate", {
-        "text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+        "text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra})
 
 
 def test_pd_output_ids_equal_single_server(single_server, pdd_cluster):
     router = pdd_cluster.topology.router_url
     for prompt in PROMPTS:
         ref = greedy(single_server, prompt)
-        got = greedy(router, prompt)
+        got = greedy(router, prompt, pdd_options={"path": "p_rld_only"})  # plain PD: P, then RLD decodes it all
+        pdd = got["meta_info"]["pdd"]
         assert len(ref["output_ids"]) == 32
         assert got["output_ids"] == ref["output_ids"], prompt
         assert got["meta_info"]["prompt_tokens"] == ref["meta_info"]["prompt_tokens"]
         assert got["meta_info"]["completion_tokens"] == 32
+        assert pdd["path"] == "p_rld_only" and not pdd["fallbacks"] and pdd["md_tokens"] == 0, pdd
 
 
 def test_outputs_differ_across_prompts(single_server):

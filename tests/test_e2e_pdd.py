@@ -6,6 +6,7 @@ failures (RLD finishes the request). The WAN is slow on purpose (1 Mbit/s, 20 ms
 RLD has produced eager tokens by the time MD's KV lands and handoffs happen mid-stream.
 """
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -13,12 +14,16 @@ import urllib.request
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 24
+# P->RLD->MD requests run longer, so that RLD is still decoding when MD's held-back KV lands
+# (hand_off_after): a handoff mid-stream on every request, not only when timing allows.
+RELAY_MAX_NEW = 64
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -38,8 +43,54 @@ def reference(single_server):
     return {p: post_json(f"{single_server}/generate", greedy_body(p))["output_ids"] for p in PROMPTS}
 
 
+@pytest.fixture(scope="module")
+def relay_reference(single_server):
+    """The single server's greedy ids at RELAY_MAX_NEW tokens."""
+    return {p: post_json(f"{single_server}/generate", {"text": p, "sampling_params": {
+        "max_new_tokens": RELAY_MAX_NEW, "temperature": 0}})["output_ids"] for p in PROMPTS}
+
+
 def route(cluster, prompt: str, **options) -> dict:
     return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
+
+
+@contextlib.contextmanager
+def wan_held(cluster):
+    """MD's KV held back on the WAN (a long stall) until ``release()``, then let through on a fast
+    link, so it lands at once; the link's test settings come back afterwards."""
+    from conftest import TEST_WAN_GBPS
+
+    held = [True]
+
+    def release():
+        if held[0]:
+            held[0] = False
+            cluster.wan_control("link", rate_gbps=1.0)
+            cluster.wan_control("heal")
+
+    cluster.wan_control("stall", seconds=60)
+    try:
+        yield release
+    finally:
+        release()
+        cluster.wan_control("link", rate_gbps=TEST_WAN_GBPS)
+
+
+def hand_off_after(cluster, prompt: str, eager: int, max_new: int = RELAY_MAX_NEW, **options) -> dict:
+    """A P->RLD->MD request, streamed, whose KV reaches MD only once the client holds ``eager``
+    tokens from RLD: MD takes over mid-stream, while RLD still decodes. Returns the last event,
+    after checking the stream is one cumulative stream."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, "stream": True,
+            "pdd_options": {"path": "p_rld_md", **options}}
+    events = []
+    with wan_held(cluster) as release:
+        for event in stream_events(f"{cluster.topology.router_url}/generate", body):
+            events.append(event)
+            if len(event["output_ids"]) >= eager:
+                release()
+    for shorter, longer in zip(events, events[1:]):
+        assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]
+    return events[-1]
 
 
 def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:
@@ -67,37 +118,38 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("options", CONFIGS, ids=lambda o: "-".join(str(v) for v in o.values()))
-def test_pdd_output_ids_equal_single_server(pdd_cluster, reference, options):
-    handoffs = 0
+def test_pdd_output_ids_equal_single_server(pdd_cluster, reference, relay_reference, options):
+    eager = 3
     for prompt in PROMPTS:
-        got = route(pdd_cluster, prompt, **options)
+        if options["path"] == "p_rld_md":  # MD's KV held until RLD has streamed `eager` tokens
+            got, want = hand_off_after(pdd_cluster, prompt, eager, **options), relay_reference[prompt]
+        else:
+            got, want = route(pdd_cluster, prompt, **options), reference[prompt]
         pdd = got["meta_info"]["pdd"]
-        assert got["output_ids"] == reference[prompt], (prompt, pdd)
-        assert got["meta_info"]["completion_tokens"] == MAX_NEW
+        assert got["output_ids"] == want, (prompt, pdd)
+        assert got["meta_info"]["completion_tokens"] == len(want)
         assert pdd["path"] == options["path"]
-        assert pdd["rld_tokens"] + pdd["md_tokens"] == MAX_NEW
-        if pdd["handoff_at"] is not None:
-            handoffs += 1
-            assert pdd["md_tokens"] == MAX_NEW - pdd["handoff_at"] > 0
-            assert pdd["handoff_payload_bytes"] < 1500
+        assert pdd["rld_tokens"] + pdd["md_tokens"] == len(want)
         assert not pdd["fallbacks"], pdd
-    if options["path"] == "p_rld_only":
-        assert handoffs == 0
-    elif options["path"] == "p_md":
-        assert handoffs == len(PROMPTS)  # RLD only relays P's first token; MD does the rest
-    else:
-        # Whether MD's KV lands before RLD finishes is timing; on the slow test WAN it
-        # happens for most prompts, and it must happen for some.
-        assert handoffs >= 1
+        if options["path"] == "p_rld_only":
+            assert pdd["handoff_at"] is None and pdd["md_tokens"] == 0, pdd
+        elif options["path"] == "p_md":  # RLD only relays P's first token; MD does the rest
+            assert pdd["handoff_at"] == 1, pdd
+        else:
+            assert pdd["handoff_at"] >= eager and pdd["md_tokens"] == len(want) - pdd["handoff_at"] > 0, pdd
+        if pdd["handoff_at"] is not None:
+            assert pdd["handoff_payload_bytes"] < 1500
 
 
-def test_catch_up_hands_over_in_batches(pdd_cluster, reference):
-    prompt = PROMPTS[3]
-    got = route(pdd_cluster, prompt, path="p_rld_md", handoff_mode="catch_up", catch_up_threshold=1)
+def test_catch_up_hands_over_in_batches(pdd_cluster, relay_reference):
+    prompt, threshold = PROMPTS[3], 2
+    got = hand_off_after(pdd_cluster, prompt, 8, handoff_mode="catch_up", catch_up_threshold=threshold)
     pdd = got["meta_info"]["pdd"]
-    assert got["output_ids"] == reference[prompt]
-    if pdd["handoff_at"] and pdd["handoff_at"] > 1:
-        assert len(pdd["catch_up_batches"]) >= 2 and sum(pdd["catch_up_batches"]) == pdd["handoff_at"]
+    assert got["output_ids"] == relay_reference[prompt] and not pdd["fallbacks"], pdd
+    assert pdd["handoff_mode"] == "catch_up" and pdd["handoff_at"] >= 8, pdd
+    batches = pdd["catch_up_batches"]
+    assert len(batches) >= 2 and sum(batches) == pdd["handoff_at"], pdd
+    assert all(0 < b <= threshold for b in batches[:-1]), pdd  # bounded while RLD kept going
 
 
 def test_streaming_is_one_ordered_stream(pdd_cluster, single_server):
@@ -168,11 +220,8 @@ def test_wan_partition_rld_finishes_without_loss(pdd_cluster, reference):
                 assert any(f.startswith("recovered_on_relay") for f in pdd["fallbacks"]), pdd
     finally:
         pdd_cluster.wan_control("heal")
-    deadline = time.time() + 30
     stats_url, key = f"{pdd_cluster.topology.main.control_url}/pdd/stats", pdd_cluster.control_key
-    while get_json(stats_url, key=key)["open_rooms"] and time.time() < deadline:
-        time.sleep(0.5)
-    assert get_json(stats_url, key=key)["open_rooms"] == 0
+    assert wait_until(lambda: get_json(stats_url, key=key)["open_rooms"] == 0, 30)
 
 
 def _status(url: str, body: bytes, method: str = "POST", key=None) -> tuple[int, dict]:
@@ -190,6 +239,33 @@ def test_md_refuses_stale_and_malformed_handoffs(pdd_cluster):
     code, body = _status(f"{control}/pdd/rooms/abc/ready", b"", method="GET", key=key)
     assert code == 400 and "room id" in body["error"]
     assert get_json(f"{control}/health")["status"] == "ok"
+
+
+def test_md_refuses_to_flush_under_an_open_room_and_keeps_serving(pdd_cluster):
+    """A flush would free the pages and prefix a room holds for KV still on the WAN."""
+    topo, key = pdd_cluster.topology, pdd_cluster.control_key
+    room = int(time.time() * 1e6)
+    post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": list(range(100, 164))}, key=key)
+    try:
+        code, _ = _raw_status(f"{topo.main.url}/flush_cache")
+        assert code == 400
+        with urllib.request.urlopen(f"{topo.main.url}/health_generate", timeout=60) as resp:
+            assert resp.status == 200  # MD still generates
+    finally:
+        call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=key)
+    stats_url = f"{topo.main.control_url}/pdd/stats"
+    assert wait_until(lambda: get_json(stats_url, key=key)["open_rooms"] == 0, 30)
+    assert _raw_status(f"{topo.main.url}/flush_cache")[0] == 200
+    assert route(pdd_cluster, PROMPTS[0], path="p_md")["meta_info"]["pdd"]["fallbacks"] == []
+
+
+def _raw_status(url: str) -> tuple[int, bytes]:
+    """(status, body) of a bodiless POST, whatever the status (SGLang's flush answers text)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def test_md_and_p_refuse_unsigned_control_calls_on_real_servers(pdd_cluster):
@@ -228,11 +304,17 @@ def test_openai_completions_match_generate(pdd_cluster, reference):
 
 
 def test_metrics_count_paths_and_handoffs(pdd_cluster):
-    with urllib.request.urlopen(f"{pdd_cluster.topology.router_url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    assert 'pdd:requests_total{path="p_rld_md"}' in text
-    count = [l for l in text.splitlines() if l.startswith('pdd:handoffs_total{mode="one_shot"}')]
-    assert count and float(count[0].split()[-1]) >= 1
+    def counters() -> dict[str, float]:
+        with urllib.request.urlopen(f"{pdd_cluster.topology.router_url}/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+        wanted = ('pdd:requests_total{path="p_rld_md"}', 'pdd:handoffs_total{mode="one_shot"}')
+        return {name: sum(float(l.split()[-1]) for l in lines if l.startswith(name + " ")) for name in wanted}
+
+    before = counters()
+    got = hand_off_after(pdd_cluster, PROMPTS[0], 2, handoff_mode="one_shot")
+    assert got["meta_info"]["pdd"]["handoff_at"] is not None
+    after = counters()
+    assert {name: after[name] - before[name] for name in after} == {name: 1.0 for name in after}
 
 
 def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
@@ -252,7 +334,4 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
         call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=pdd_cluster.control_key)
         return int(reg["cached_tokens"])
 
-    deadline = time.monotonic() + 30
-    while md_cached() < len(ids) - 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert md_cached() == len(ids) - 1
+    assert wait_until(lambda: md_cached() == len(ids) - 1, 30, poll_s=0.5)
