@@ -312,3 +312,19 @@ def test_chat_without_max_tokens_decodes_up_to_the_cap(router_sglang_state):
             assert got["usage"]["completion_tokens"] == 64  # the test router's --max-new-tokens-cap
             assert fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 64
     run(main())
+
+
+def test_deeply_nested_json_is_a_400_on_every_endpoint(router_sglang_state):
+    deep = b"[" * 1000 + b"]" * 1000  # past Python's recursion limit
+    bodies = {"/generate": b'{"text": %s}', "/v1/completions": b'{"prompt": %s}',
+              "/v1/chat/completions": b'{"messages": %s}'}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            for path, body in bodies.items():
+                for nested in (deep, b"[" * 100 + b"]" * 100):  # parses, but deeper than the cap
+                    async with client.post(f"{base}{path}", data=body % nested) as r:
+                        assert r.status == 400, (path, await r.text())
+                        assert "nested deeper than" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+    run(main())

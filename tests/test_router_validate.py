@@ -65,3 +65,15 @@ def test_error_messages_bound_echoed_client_values():
     with pytest.raises(ApiError) as e:
         check_token_budget("x" * 100_000, "max_tokens", 100)
     assert len(e.value.message) < 200
+
+
+def test_json_nested_too_deep_is_refused_not_a_recursion_error():
+    from sglang_pdd.router.validate import MAX_JSON_DEPTH, json_depth
+
+    assert json_depth({"a": [1, {"b": []}]}) == 4 and json_depth(5) == 0
+    ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert parse_json_object(ok)["a"]
+    for depth in (MAX_JSON_DEPTH, 100_000):
+        with pytest.raises(ApiError, match="nested deeper than") as e:
+            parse_json_object(b'{"a": ' + b"[" * depth + b"]" * depth + b"}")
+        assert e.value.status == 400

@@ -11,7 +11,8 @@ What the router refuses beyond SGLang's own request contract:
 - ``sampling_params.custom_params`` keys starting with ``pdd_`` (the router's own markers to
   P and MD: a client must never choose where KV goes or what counts as output);
 - request fields the PDD path cannot honour (images, embeddings, LoRA, sessions, ...);
-- a client ``rid`` that is not a string (batches: a list of strings).
+- a client ``rid`` that is not a string (batches: a list of strings);
+- JSON nested deeper than ``MAX_JSON_DEPTH`` (Python's parser would hit its recursion limit).
 """
 
 from __future__ import annotations
@@ -49,13 +50,34 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# Deeper bodies are refused: Python's JSON parser, pydantic and SGLang's own code recurse per
+# level. A real request (a JSON schema in response_format included) stays far below.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """Containers nested in a parsed JSON value (a scalar: 0, ``[]``: 1), without recursion."""
+    depth, level = 0, [value]
+    while True:
+        containers = [c for c in level if isinstance(c, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for c in containers for v in (c.values() if isinstance(c, dict) else c)]
+
+
 def parse_json_object(raw: bytes) -> dict:
+    too_deep = ApiError(400, f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e.msg if hasattr(e, 'msg') else 'not UTF-8'}") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
     return body
 
 
