@@ -328,3 +328,21 @@ def test_deeply_nested_json_is_a_400_on_every_endpoint(router_sglang_state):
                         assert "nested deeper than" in (await r.json())["message"]
             assert not fakes.records("rld", "generate")
     run(main())
+
+
+def test_max_n_holds_on_every_endpoint(router_sglang_state):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        async with front(router_sglang_state, max_n=2) as (base, client, fakes, _):
+            for path, body in (("/generate", {"text": "hi", "sampling_params": {"n": 3, "max_new_tokens": 2}}),
+                               ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 3}),
+                               ("/v1/chat/completions", {**chat, "n": 3})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-n" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+            async with client.post(f"{base}/v1/chat/completions", json={**chat, "n": 2}) as r:
+                assert r.status == 200, await r.text()
+                assert len((await r.json())["choices"]) == 2
+    run(main())

@@ -145,7 +145,7 @@ class Router:
                 server_args, model_config, tok, open_flow=self._open_flow, run_flow=self._run_flow,
                 max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
                 default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens)
-            self.openai = OpenAIFront(self.manager, served_model)
+            self.openai = OpenAIFront(self.manager, served_model, max_n=max_n)
 
     async def start(self, app):
         self.session = backend_session()
