@@ -346,3 +346,32 @@ def test_max_n_holds_on_every_endpoint(router_sglang_state):
                 assert r.status == 200, await r.text()
                 assert len((await r.json())["choices"]) == 2
     run(main())
+
+
+def test_flows_per_request_and_grammar_size_are_capped(router_sglang_state):
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(100)}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        async with front(router_sglang_state, max_flows_per_request=4, max_grammar_bytes=1024) as (
+                base, client, fakes, _):
+            for path, body in (
+                    ("/generate", {"text": ["a", "b", "c"], "sampling_params": {"n": 2, "max_new_tokens": 2}}),
+                    ("/generate", {"input_ids": [[1]] * 5, "sampling_params": {"max_new_tokens": 2}}),
+                    ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-flows-per-request" in (await r.json())["message"]
+            for path, body in (
+                    ("/generate", {"text": "a", "sampling_params": {"regex": "a" * 1025}}),
+                    ("/v1/chat/completions", {**chat, "response_format": {
+                        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-grammar-bytes" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+            async with client.post(f"{base}/generate", json={
+                    "text": ["a", "b"], "sampling_params": {"n": 2, "max_new_tokens": 2, "regex": "a+"}}) as r:
+                assert r.status == 200, await r.text()
+                assert len(await r.json()) == 4
+    run(main())

@@ -77,3 +77,12 @@ def test_json_nested_too_deep_is_refused_not_a_recursion_error():
         with pytest.raises(ApiError, match="nested deeper than") as e:
             parse_json_object(b'{"a": ' + b"[" * depth + b"]" * depth + b"}")
         assert e.value.status == 400
+
+
+def test_grammar_size_is_capped_for_every_grammar_kind():
+    from sglang_pdd.router.validate import GRAMMAR_FIELDS, check_grammar_size
+
+    for name in GRAMMAR_FIELDS:
+        check_grammar_size({name: "x" * 100}, "sampling_params", 100)
+        with pytest.raises(ApiError, match=f"sampling_params.{name} has 101 bytes.*--max-grammar-bytes"):
+            check_grammar_size({name: "é" * 50 + "x"}, "sampling_params", 100)  # bytes, not characters

@@ -28,7 +28,8 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
-from sglang_pdd.router.validate import ApiError, check_custom_params, check_token_budget, check_token_ids
+from sglang_pdd.router.validate import (ApiError, check_custom_params, check_grammar_size, check_token_budget,
+                                        check_token_ids)
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -75,13 +76,15 @@ class PddTokenizerManager:
 
     def __init__(self, server_args, model_config, tokenizer, *, open_flow: Callable, run_flow: Callable,
                  max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
-                 report_cached_tokens: bool = False):
+                 report_cached_tokens: bool = False, max_flows_per_request: int = 64,
+                 max_grammar_bytes: int = 16384):
         self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.open_flow, self.run_flow = open_flow, run_flow
         self.max_prompt_tokens, self.max_new_tokens_cap = max_prompt_tokens, max_new_tokens_cap
         self.default_max_new_tokens = default_max_new_tokens
+        self.max_flows_per_request, self.max_grammar_bytes = max_flows_per_request, max_grammar_bytes
         self.report_cached_tokens = report_cached_tokens
         self.vocab_size = int(model_config.vocab_size)
         # SGLang's serving code asks whether to log request bodies: never here (router logs
@@ -111,6 +114,10 @@ class PddTokenizerManager:
         client_rids = [obj.rid] if isinstance(obj.rid, str) else list(obj.rid or [])
         obj.normalize_batch_and_arguments()
         n = obj.parallel_sample_num
+        flows = 1 if obj.is_single else obj.batch_size * n
+        if flows > self.max_flows_per_request:  # each flow is a P, an RLD and an MD leg
+            raise ValueError(f"the request asks for {flows} generations (batch items x n), more than this "
+                             f"router's cap {self.max_flows_per_request} (--max-flows-per-request)")
         items = []
         if obj.is_single:
             items.append((obj, obj.rid))
@@ -149,6 +156,9 @@ class PddTokenizerManager:
     def _prepare(self, item):
         """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400."""
         try:
+            sampling = dict(item.sampling_params or {})
+            sampling.pop("n", None)  # the router fans n out into flows; a backend must not
+            check_grammar_size(sampling, "sampling_params", self.max_grammar_bytes)
             if item.input_ids is not None:
                 ids = check_token_ids(list(item.input_ids), "input_ids", self.vocab_size)
             elif isinstance(item.text, str) and item.text:
@@ -158,8 +168,6 @@ class PddTokenizerManager:
             if len(ids) > self.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this router's "
                                     f"--max-prompt-tokens {self.max_prompt_tokens}")
-            sampling = dict(item.sampling_params or {})
-            sampling.pop("n", None)  # the router fans n out into flows; a backend must not
             if "max_new_tokens" not in sampling:
                 sampling["max_new_tokens"] = self.default_max_new_tokens
             elif sampling["max_new_tokens"] is None:

@@ -12,7 +12,10 @@ What the router refuses beyond SGLang's own request contract:
   P and MD: a client must never choose where KV goes or what counts as output);
 - request fields the PDD path cannot honour (images, embeddings, LoRA, sessions, ...);
 - a client ``rid`` that is not a string (batches: a list of strings);
-- JSON nested deeper than ``MAX_JSON_DEPTH`` (Python's parser would hit its recursion limit).
+- JSON nested deeper than ``MAX_JSON_DEPTH`` (Python's parser would hit its recursion limit);
+- more flows than ``--max-flows-per-request`` (batch items x ``n``), and a grammar
+  (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``) over ``--max-grammar-bytes``:
+  every item runs on P, RLD and MD, and each of them compiles the grammar.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def _show(value: Any, limit: int = 60) -> str:
 # Deeper bodies are refused: Python's JSON parser, pydantic and SGLang's own code recurse per
 # level. A real request (a JSON schema in response_format included) stays far below.
 MAX_JSON_DEPTH = 64
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def json_depth(value: Any) -> int:
@@ -172,3 +177,15 @@ def check_openai_body(body: dict, *, cap: int, max_n: int) -> None:
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, (str, list)):
         raise ApiError(400, "rid must be a string")
+
+
+def check_grammar_size(sampling: dict, field: str, max_bytes: int) -> None:
+    """P, RLD and MD each compile a request's grammar: its size bounds their work."""
+    for name in GRAMMAR_FIELDS:
+        grammar = sampling.get(name)
+        if grammar is None:
+            continue
+        size = len(grammar.encode("utf-8", "replace")) if isinstance(grammar, str) else len(json.dumps(grammar))
+        if size > max_bytes:
+            raise ApiError(400, f"{field}.{name} has {size} bytes, more than this router's cap {max_bytes} "
+                                f"(--max-grammar-bytes)")
