@@ -375,3 +375,33 @@ def test_flows_per_request_and_grammar_size_are_capped(router_sglang_state):
                 assert r.status == 200, await r.text()
                 assert len(await r.json()) == 4
     run(main())
+
+
+def test_long_prompts_are_refused_before_tokenizing_and_tokenized_off_the_loop(router_sglang_state, monkeypatch):
+    import threading
+
+    tok = router_sglang_state[2]
+    calls = []
+    encode = tok.encode
+
+    def spy(text, *a, **kw):
+        calls.append((len(text), threading.current_thread() is threading.main_thread()))
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    long = "a" * 16_001  # the test router: --max-prompt-tokens 1000, 16 characters a token
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, router):
+            assert router.manager.max_prompt_chars == 16_000
+            for path, body in (("/generate", {"text": long}), ("/v1/completions", {"prompt": long}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-prompt-chars" in (await r.json())["message"]
+            assert not [c for c in calls if c[0] > 16_000]  # never tokenized
+            async with client.post(f"{base}/generate", json={"text": "hello there",
+                                                             "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 200, await r.text()
+            assert (len("hello there"), False) in calls  # in a worker thread, not the event loop's
+    run(main())

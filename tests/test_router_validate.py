@@ -86,3 +86,15 @@ def test_grammar_size_is_capped_for_every_grammar_kind():
         check_grammar_size({name: "x" * 100}, "sampling_params", 100)
         with pytest.raises(ApiError, match=f"sampling_params.{name} has 101 bytes.*--max-grammar-bytes"):
             check_grammar_size({name: "é" * 50 + "x"}, "sampling_params", 100)  # bytes, not characters
+
+
+def test_openai_prompt_characters_are_capped_per_prompt_and_per_conversation():
+    from sglang_pdd.router.validate import text_chars
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "ab"}]}, {"role": "system", "content": "cde"}]
+    assert text_chars(messages) == len("user" + "text" + "ab" + "system" + "cde")
+    check_openai_body({"prompt": ["x" * 10, "y" * 10]}, cap=100, max_n=4, max_prompt_chars=10)
+    with pytest.raises(ApiError, match=r"prompt\[1\] has 11 characters.*--max-prompt-chars"):
+        check_openai_body({"prompt": ["x", "y" * 11]}, cap=100, max_n=4, max_prompt_chars=10)
+    with pytest.raises(ApiError, match="messages has 19 characters"):
+        check_openai_body({"messages": messages}, cap=100, max_n=4, max_prompt_chars=18)

@@ -128,7 +128,8 @@ class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
                  served_model: str, *, sglang_state=None, max_new_tokens_cap: int = 32768, max_n: int = 16,
                  operator_token: Optional[str] = None, every_client_is_operator: bool = False,
-                 report_cached_tokens: bool = False, max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
+                 report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
+                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -145,7 +146,8 @@ class Router:
                 server_args, model_config, tok, open_flow=self._open_flow, run_flow=self._run_flow,
                 max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
                 default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens,
-                max_flows_per_request=max_flows_per_request, max_grammar_bytes=max_grammar_bytes)
+                max_prompt_chars=max_prompt_chars, max_flows_per_request=max_flows_per_request,
+                max_grammar_bytes=max_grammar_bytes)
             self.openai = OpenAIFront(self.manager, served_model, max_n=max_n)
 
     async def start(self, app):
@@ -490,6 +492,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD)")
     lim.add_argument("--max-grammar-bytes", type=int, default=16384,
                      help="largest json_schema / regex / ebnf / structural_tag (P, RLD and MD each compile it)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
     lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
     lim.add_argument("--operator-token-file", default=None,
                      help="file holding the operator token: requests with header X-PDD-Operator-Token equal "
@@ -592,7 +596,7 @@ def main(argv=None) -> None:
                     max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
                     operator_token=read_operator_token(args.operator_token_file),
                     every_client_is_operator=args.every_client_is_operator,
-                    report_cached_tokens=args.enable_cache_report,
+                    report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes)
     web.run_app(build_app(router, args.max_body_bytes), host=args.host, port=args.port, print=None,
                 handler_cancellation=True)

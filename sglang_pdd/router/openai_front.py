@@ -101,7 +101,8 @@ class OpenAIFront:
         try:
             body = parse_json_object(await request.read())
             scope = scope_of(request, body.pop("pdd_options", None))
-            check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=self.max_n)
+            check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=self.max_n,
+                              max_prompt_chars=self.manager.max_prompt_chars)
             model = body.get("model")
             # "default" is what SGLang's request models fill in when a client names no model
             if model not in (None, "default", self.served_model):

@@ -28,13 +28,18 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
-from sglang_pdd.router.validate import (ApiError, check_custom_params, check_grammar_size, check_token_budget,
-                                        check_token_ids)
+from sglang_pdd.router.validate import (ApiError, check_custom_params, check_grammar_size, check_prompt_chars,
+                                        check_token_budget, check_token_ids)
 
 logger = logging.getLogger("sglang_pdd.router")
 
 LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
                   "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+# Default --max-prompt-chars per --max-prompt-tokens: far above what real text takes per token
+# (~4 characters), so only prompts that could never fit are refused before tokenizing.
+PROMPT_CHARS_PER_TOKEN = 16
 
 
 class UpstreamError(HTTPException):
@@ -76,14 +81,16 @@ class PddTokenizerManager:
 
     def __init__(self, server_args, model_config, tokenizer, *, open_flow: Callable, run_flow: Callable,
                  max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
-                 report_cached_tokens: bool = False, max_flows_per_request: int = 64,
-                 max_grammar_bytes: int = 16384):
+                 report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
+                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
         self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.open_flow, self.run_flow = open_flow, run_flow
         self.max_prompt_tokens, self.max_new_tokens_cap = max_prompt_tokens, max_new_tokens_cap
         self.default_max_new_tokens = default_max_new_tokens
+        self.max_prompt_chars = max_prompt_chars if max_prompt_chars is not None else \
+            max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
         self.max_flows_per_request, self.max_grammar_bytes = max_flows_per_request, max_grammar_bytes
         self.report_cached_tokens = report_cached_tokens
         self.vocab_size = int(model_config.vocab_size)
@@ -129,7 +136,7 @@ class PddTokenizerManager:
         for rid in client_rids:
             if rid in self.inflight:
                 raise ValueError(f"rid {rid!r} is already in flight; request ids must be unique")
-        prepared = [self._prepare(item) for item, _ in items]  # every item valid before any starts
+        prepared = [await self._prepare(item) for item, _ in items]  # every item valid before any starts
         aborts = [(rid, asyncio.Event()) for _, rid in items]
         for rid, event in aborts:  # registered now: a duplicate rid racing this one is refused
             self.inflight.setdefault(rid, []).append(event)
@@ -153,8 +160,9 @@ class PddTokenizerManager:
                     self.inflight.pop(rid, None)
 
     # ---------------------------------------------------------------- one item
-    def _prepare(self, item):
-        """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400."""
+    async def _prepare(self, item):
+        """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400.
+        Cheap checks first: tokenizing runs only for a request otherwise valid."""
         try:
             sampling = dict(item.sampling_params or {})
             sampling.pop("n", None)  # the router fans n out into flows; a backend must not
@@ -162,7 +170,9 @@ class PddTokenizerManager:
             if item.input_ids is not None:
                 ids = check_token_ids(list(item.input_ids), "input_ids", self.vocab_size)
             elif isinstance(item.text, str) and item.text:
-                ids = self.tokenizer.encode(item.text)
+                check_prompt_chars(len(item.text), "the prompt", self.max_prompt_chars)
+                # off the event loop: a long prompt takes seconds (the Rust tokenizer drops the GIL)
+                ids = await asyncio.to_thread(self.tokenizer.encode, item.text)
             else:
                 raise ApiError(400, "the request needs a non-empty 'text' or 'input_ids'")
             if len(ids) > self.max_prompt_tokens:

@@ -166,8 +166,14 @@ def check_generate_body(body: dict, *, cap: int, vocab_size: int, max_n: int) ->
         raise ApiError(400, "rid must be a string (a list of strings for a batch)")
 
 
-def check_openai_body(body: dict, *, cap: int, max_n: int) -> None:
+def check_openai_body(body: dict, *, cap: int, max_n: int, max_prompt_chars: Optional[int] = None) -> None:
     """Router-specific limits on OpenAI bodies; types are checked by SGLang's pydantic models."""
+    if max_prompt_chars is not None:
+        if "messages" in body:  # one conversation is one prompt
+            check_prompt_chars(text_chars(body["messages"]), "messages", max_prompt_chars)
+        for suffix, prompt in _items(body.get("prompt")):  # a completions batch: per prompt
+            if isinstance(prompt, str):
+                check_prompt_chars(len(prompt), f"prompt{suffix}", max_prompt_chars)
     for field in ("max_tokens", "max_completion_tokens"):
         if field in body and body[field] is not None:
             check_token_budget(body[field], field, cap)
@@ -189,3 +195,25 @@ def check_grammar_size(sampling: dict, field: str, max_bytes: int) -> None:
         if size > max_bytes:
             raise ApiError(400, f"{field}.{name} has {size} bytes, more than this router's cap {max_bytes} "
                                 f"(--max-grammar-bytes)")
+
+
+def text_chars(value: Any) -> int:
+    """Characters in every string of a parsed JSON value (a prompt, chat messages), iteratively."""
+    total, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return total
+
+
+def check_prompt_chars(chars: int, field: str, max_chars: int) -> None:
+    """Before tokenizing: a prompt this long cannot fit --max-prompt-tokens anyway, and
+    tokenizing it would hold the router for seconds."""
+    if chars > max_chars:
+        raise ApiError(400, f"{field} has {chars} characters, more than this router's limit {max_chars} "
+                            f"(--max-prompt-chars)")
