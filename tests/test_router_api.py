@@ -113,6 +113,13 @@ def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang
     # one server refuses these too (400), a backend leg would fail on them (502)
     ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
     ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
+    # SGLang's own checks, with its words (a leg would fail: 502; or compile nothing: empty 200)
+    ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature must be a non-negative finite number"),
+    ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
+    ({"text": "x", "input_ids": [1, 2]}, "text and input_ids cannot be provided at the same time"),
+    ({"text": "x", "sampling_params": {"regex": "("}}, "Failed to compile regex grammar"),
+    ({"text": "x", "sampling_params": {"json_schema": "{nope"}}, "Failed to compile json grammar"),
+    ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "Only one of json_schema"),
 ])
 def test_generate_refuses_bad_input_with_400_naming_the_field(router_sglang_state, body, field):
     async def main():
@@ -404,4 +411,21 @@ def test_long_prompts_are_refused_before_tokenizing_and_tokenized_off_the_loop(r
                                                              "sampling_params": {"max_new_tokens": 2}}) as r:
                 assert r.status == 200, await r.text()
             assert (len("hello there"), False) in calls  # in a worker thread, not the event loop's
+    run(main())
+
+
+def test_openai_sampling_checked_as_one_server_before_any_leg(router_sglang_state):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            for path, body, words in (
+                    ("/v1/chat/completions", {**chat, "temperature": -1}, "temperature must be a non-negative"),
+                    ("/v1/chat/completions", {**chat, "stream": True, "temperature": -1}, "temperature must be"),
+                    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "regex": "("},
+                     "Failed to compile regex grammar")):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert words in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
     run(main())

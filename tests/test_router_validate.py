@@ -98,3 +98,32 @@ def test_openai_prompt_characters_are_capped_per_prompt_and_per_conversation():
         check_openai_body({"prompt": ["x", "y" * 11]}, cap=100, max_n=4, max_prompt_chars=10)
     with pytest.raises(ApiError, match="messages has 19 characters"):
         check_openai_body({"messages": messages}, cap=100, max_n=4, max_prompt_chars=18)
+
+
+@pytest.mark.parametrize("sampling,words", [
+    ({"temperature": -1}, "temperature must be a non-negative finite number, got -1"),
+    ({"temperature": float("nan")}, "temperature must be a non-negative finite number"),
+    ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2]"),
+    ({"logit_bias": {"1000": 1.0}}, "logit_bias must has keys in [0, 999]"),
+    ({"stop": ["s"] * 33}, "at most 32 stop strings"),
+    ({"regex": "("}, "Failed to compile regex grammar: "),
+    ({"json_schema": "{"}, "Failed to compile json grammar: "),
+    ({"temperature": "hot"}, "bad sampling_params"),
+])
+def test_sampling_params_are_checked_as_one_sglang_server_checks_them(sampling, words):
+    from sglang_pdd.router.validate import check_sampling_as_sglang
+
+    with pytest.raises(ApiError) as e:
+        check_sampling_as_sglang(sampling, None, 1000)
+    assert e.value.status == 400 and words in e.value.message
+    assert "regex_converter.cc" not in e.value.message  # xgrammar's C++ location stays out
+
+
+def test_valid_sampling_params_and_grammars_pass():
+    from sglang_pdd.router.validate import check_sampling_as_sglang
+
+    for sampling in ({"temperature": 0, "top_p": 0.5, "max_new_tokens": None}, {"regex": "hello (world|there)"},
+                     {"json_schema": '{"type": "object"}'}, {"json_schema": "$$ANY$$"}):
+        check_sampling_as_sglang(sampling, None, 1000)
+    with pytest.raises(ApiError, match="text and input_ids cannot be provided at the same time"):
+        check_generate_body({"text": "x", "input_ids": [1]}, **LIMITS)

@@ -29,7 +29,7 @@ from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
 from sglang_pdd.router.validate import (ApiError, check_custom_params, check_grammar_size, check_prompt_chars,
-                                        check_token_budget, check_token_ids)
+                                        check_sampling_as_sglang, check_token_budget, check_token_ids)
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -119,6 +119,8 @@ class PddTokenizerManager:
         ``index`` (streaming, in completion order). Item order is SGLang's: batch i, sample j
         at index i * n + j."""
         client_rids = [obj.rid] if isinstance(obj.rid, str) else list(obj.rid or [])
+        if obj.text is not None and obj.input_ids is not None:  # SGLang's words
+            raise ValueError("text and input_ids cannot be provided at the same time")
         obj.normalize_batch_and_arguments()
         n = obj.parallel_sample_num
         flows = 1 if obj.is_single else obj.batch_size * n
@@ -167,6 +169,8 @@ class PddTokenizerManager:
             sampling = dict(item.sampling_params or {})
             sampling.pop("n", None)  # the router fans n out into flows; a backend must not
             check_grammar_size(sampling, "sampling_params", self.max_grammar_bytes)
+            # in a thread: SGLang's normalize tokenizes the stop strings
+            await asyncio.to_thread(check_sampling_as_sglang, sampling, self.tokenizer, self.vocab_size)
             if item.input_ids is not None:
                 ids = check_token_ids(list(item.input_ids), "input_ids", self.vocab_size)
             elif isinstance(item.text, str) and item.text:

@@ -15,7 +15,10 @@ What the router refuses beyond SGLang's own request contract:
 - JSON nested deeper than ``MAX_JSON_DEPTH`` (Python's parser would hit its recursion limit);
 - more flows than ``--max-flows-per-request`` (batch items x ``n``), and a grammar
   (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``) over ``--max-grammar-bytes``:
-  every item runs on P, RLD and MD, and each of them compiles the grammar.
+  every item runs on P, RLD and MD, and each of them compiles the grammar;
+- what one SGLang server refuses before scheduling (``SamplingParams.verify``, a regex or
+  JSON schema that cannot compile, ``text`` with ``input_ids``): a PDD leg would fail on it
+  after the others started (a 502, or an empty 200).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import json
+import re
 
 RESERVED_CUSTOM_PARAM_PREFIX = "pdd_"
 
@@ -155,6 +159,8 @@ def check_generate_body(body: dict, *, cap: int, vocab_size: int, max_n: int) ->
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         for suffix, one in (_items(ids) if batch else (("", ids),)):
             check_token_ids(one, f"input_ids{suffix}", vocab_size)
+        if body.get("text") is not None:  # SGLang's words
+            raise ApiError(400, "text and input_ids cannot be provided at the same time")
     elif body.get("text") in (None, "", []):
         raise ApiError(400, "the body needs a non-empty 'text' or 'input_ids'")
     for suffix, sp in _items(body.get("sampling_params")):
@@ -217,3 +223,52 @@ def check_prompt_chars(chars: int, field: str, max_chars: int) -> None:
     if chars > max_chars:
         raise ApiError(400, f"{field} has {chars} characters, more than this router's limit {max_chars} "
                             f"(--max-prompt-chars)")
+
+
+_XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^:]*:\d+: ")
+
+
+def _regex_error(regex: str) -> Optional[str]:
+    """Why ``regex`` does not compile, as SGLang's default grammar backend (xgrammar) says;
+    Python's ``re`` where xgrammar is not installed."""
+    try:
+        import xgrammar
+    except ImportError:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            return str(e)
+        return None
+    try:
+        xgrammar.Grammar.from_regex(regex)  # the regex -> grammar conversion only: milliseconds
+    except RuntimeError as e:
+        return _XGRAMMAR_ERROR_PREFIX.sub("", str(e).strip())  # no C++ source location
+    return None
+
+
+def check_sampling_as_sglang(sampling: dict, tokenizer, vocab_size: int) -> None:
+    """What one SGLang server refuses with a 400 before scheduling a request, with its words:
+    ``SamplingParams`` normalize + verify (temperature, top_p, penalties, stop strings, one
+    grammar at most, ...), and grammars that cannot compile (SGLang's scheduler would end the
+    request with an empty output instead). Raises ApiError."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(**sampling)
+        params.normalize(tokenizer)
+        params.verify(vocab_size)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except TypeError as e:  # a wrong type SGLang's own checks do not expect (e.g. "temperature": "x")
+        raise ApiError(400, f"bad sampling_params: {e}") from None
+    if params.regex is not None:
+        problem = _regex_error(params.regex) if isinstance(params.regex, str) else "not a string"
+        if problem:
+            raise ApiError(400, f"Failed to compile regex grammar: {problem}")
+    if params.json_schema is not None and params.json_schema != "$$ANY$$":
+        try:
+            json.loads(params.json_schema)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"Failed to compile json grammar: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "Failed to compile json grammar: nested too deeply") from None
