@@ -429,3 +429,17 @@ def test_openai_sampling_checked_as_one_server_before_any_leg(router_sglang_stat
                     assert words in (await r.json())["message"]
             assert not fakes.records("rld", "generate")
     run(main())
+
+
+def test_operator_token_file_must_be_private(tmp_path):
+    import os
+
+    from sglang_pdd.router.app import read_operator_token
+
+    path = tmp_path / "operator-token"
+    path.write_text(TOKEN + "\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(SystemExit, match="mode 0644"):
+        read_operator_token(str(path))
+    os.chmod(path, 0o600)
+    assert read_operator_token(str(path)) == TOKEN

@@ -23,6 +23,7 @@ import inspect
 import itertools
 import json
 import logging
+import os
 import shlex
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
+from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
 from sglang_pdd.router.backends import BackendError
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -563,10 +565,16 @@ def sglang_argv(args) -> list[str]:
 
 
 def read_operator_token(path: Optional[str]) -> Optional[str]:
+    """The token in ``path``, refused (SystemExit naming the file) when group or others may
+    access the file, as the key files are: anyone who reads it may steer PDD and flush caches."""
     if path is None:
         return None
-    with open(path) as f:
-        token = f.read().strip()
+    try:
+        fd = open_private(path)
+    except KeyFileError as e:
+        raise SystemExit(f"--operator-token-file: {e}") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        token = f.read(1 << 16).strip()
     if len(token) < 16:
         raise SystemExit(f"--operator-token-file {path}: the token must have at least 16 characters")
     return token
