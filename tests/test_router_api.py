@@ -407,10 +407,16 @@ def test_long_prompts_are_refused_before_tokenizing_and_tokenized_off_the_loop(r
                     assert r.status == 400, (path, await r.text())
                     assert "--max-prompt-chars" in (await r.json())["message"]
             assert not [c for c in calls if c[0] > 16_000]  # never tokenized
-            async with client.post(f"{base}/generate", json={"text": "hello there",
-                                                             "sampling_params": {"max_new_tokens": 2}}) as r:
+            from sglang_pdd.router.serving import INLINE_TEXT_CHARS
+
+            tokenized = "a" * (INLINE_TEXT_CHARS + 1)  # under the character cap: tokenized, then too many tokens
+            async with client.post(f"{base}/generate", json={"text": tokenized}) as r:
+                assert r.status == 400 and "--max-prompt-tokens" in (await r.json())["message"]
+            async with client.post(f"{base}/generate",
+                                   json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}) as r:
                 assert r.status == 200, await r.text()
-            assert (len("hello there"), False) in calls  # in a worker thread, not the event loop's
+            assert (len(tokenized), False) in calls  # in a worker thread, not the event loop's
+            assert (len("hi"), True) in calls  # a short one inline: a thread hop would cost more
     run(main())
 
 

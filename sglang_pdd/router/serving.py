@@ -28,8 +28,9 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
-from sglang_pdd.router.validate import (ApiError, check_custom_params, check_grammar_size, check_prompt_chars,
-                                        check_sampling_as_sglang, check_token_budget, check_token_ids)
+from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, check_custom_params, check_grammar_size,
+                                        check_prompt_chars, check_sampling_as_sglang, check_token_budget,
+                                        check_token_ids, load_grammar_checker, text_chars)
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -40,6 +41,9 @@ LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_token_
 # Default --max-prompt-chars per --max-prompt-tokens: far above what real text takes per token
 # (~4 characters), so only prompts that could never fit are refused before tokenizing.
 PROMPT_CHARS_PER_TOKEN = 16
+# Text up to this long is tokenized (or its stop strings and regex checked) inline: well under a
+# millisecond, less than a hop to a worker thread costs. Longer text goes off the event loop.
+INLINE_TEXT_CHARS = 4096
 
 
 class UpstreamError(HTTPException):
@@ -93,6 +97,7 @@ class PddTokenizerManager:
             max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
         self.max_flows_per_request, self.max_grammar_bytes = max_flows_per_request, max_grammar_bytes
         self.report_cached_tokens = report_cached_tokens
+        load_grammar_checker()  # at start, not on the first request with a regex
         self.vocab_size = int(model_config.vocab_size)
         # SGLang's serving code asks whether to log request bodies: never here (router logs
         # one line per request itself).
@@ -169,14 +174,15 @@ class PddTokenizerManager:
             sampling = dict(item.sampling_params or {})
             sampling.pop("n", None)  # the router fans n out into flows; a backend must not
             check_grammar_size(sampling, "sampling_params", self.max_grammar_bytes)
-            # in a thread: SGLang's normalize tokenizes the stop strings
-            await asyncio.to_thread(check_sampling_as_sglang, sampling, self.tokenizer, self.vocab_size)
+            # SGLang's normalize tokenizes the stop strings
+            await _off_loop_if_long(text_chars([sampling.get(k) for k in ("stop", *GRAMMAR_FIELDS)]),
+                                    check_sampling_as_sglang, sampling, self.tokenizer, self.vocab_size)
             if item.input_ids is not None:
                 ids = check_token_ids(list(item.input_ids), "input_ids", self.vocab_size)
             elif isinstance(item.text, str) and item.text:
                 check_prompt_chars(len(item.text), "the prompt", self.max_prompt_chars)
-                # off the event loop: a long prompt takes seconds (the Rust tokenizer drops the GIL)
-                ids = await asyncio.to_thread(self.tokenizer.encode, item.text)
+                # a long prompt takes seconds (the Rust tokenizer drops the GIL meanwhile)
+                ids = await _off_loop_if_long(len(item.text), self.tokenizer.encode, item.text)
             else:
                 raise ApiError(400, "the request needs a non-empty 'text' or 'input_ids'")
             if len(ids) > self.max_prompt_tokens:
@@ -294,6 +300,14 @@ class PddTokenizerManager:
             return entries
         texts = iter(self.tokenizer.batch_decode([[e[1]] for e in known]))
         return [[e[0], e[1], next(texts)] if e is not None and e[1] is not None else e for e in entries]
+
+
+async def _off_loop_if_long(chars: int, fn: Callable, *args):
+    """``fn(*args)`` for work on ``chars`` characters of text: inline when short, else in a
+    worker thread so the event loop keeps serving other requests."""
+    if chars <= INLINE_TEXT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _finish_reason(flow) -> Optional[dict]:

@@ -228,12 +228,21 @@ def check_prompt_chars(chars: int, field: str, max_chars: int) -> None:
 _XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^:]*:\d+: ")
 
 
-def _regex_error(regex: str) -> Optional[str]:
-    """Why ``regex`` does not compile, as SGLang's default grammar backend (xgrammar) says;
-    Python's ``re`` where xgrammar is not installed."""
+def load_grammar_checker():
+    """xgrammar, SGLang's default grammar backend (None if not installed); importing it takes
+    seconds the first time, so the router does it at start."""
     try:
         import xgrammar
     except ImportError:
+        return None
+    return xgrammar
+
+
+def _regex_error(regex: str) -> Optional[str]:
+    """Why ``regex`` does not compile, as SGLang's default grammar backend (xgrammar) says;
+    Python's ``re`` where xgrammar is not installed."""
+    xgrammar = load_grammar_checker()
+    if xgrammar is None:
         try:
             re.compile(regex)
         except re.error as e:
