@@ -15,15 +15,15 @@ from sglang_pdd.kv_channel.wire import FrameReader, send_frame
 
 class RawStream:
     def __init__(self, addr, key: bytes, name: str = "raw", session_id: Optional[bytes] = None,
-                 rcvbuf: Optional[int] = None):
+                 rcvbuf: Optional[int] = None, stream_index: int = 0, num_streams: int = 1):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:  # before connect, so the window never grows past it
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.settimeout(5)
         self.sock.connect(addr)
         self.reader = FrameReader(self.sock)
-        self.secure: SecureStream = client_handshake(self.sock, key, name, session_id or os.urandom(16), 0, 1,
-                                                     self.reader)
+        self.secure: SecureStream = client_handshake(self.sock, key, name, session_id or os.urandom(16), stream_index,
+                                                     num_streams, self.reader)
 
     def send(self, msg, payload=None) -> None:
         send_frame(self.sock, msg, payload, mac=self.secure.send_mac)

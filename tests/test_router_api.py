@@ -113,6 +113,13 @@ def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang
     # one server refuses these too (400), a backend leg would fail on them (502)
     ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
     ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
+    # SGLang's own checks, with its words (a leg would fail: 502; or compile nothing: empty 200)
+    ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature must be a non-negative finite number"),
+    ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
+    ({"text": "x", "input_ids": [1, 2]}, "text and input_ids cannot be provided at the same time"),
+    ({"text": "x", "sampling_params": {"regex": "("}}, "Failed to compile regex grammar"),
+    ({"text": "x", "sampling_params": {"json_schema": "{nope"}}, "Failed to compile json grammar"),
+    ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "Only one of json_schema"),
 ])
 def test_generate_refuses_bad_input_with_400_naming_the_field(router_sglang_state, body, field):
     async def main():
@@ -312,3 +319,133 @@ def test_chat_without_max_tokens_decodes_up_to_the_cap(router_sglang_state):
             assert got["usage"]["completion_tokens"] == 64  # the test router's --max-new-tokens-cap
             assert fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 64
     run(main())
+
+
+def test_deeply_nested_json_is_a_400_on_every_endpoint(router_sglang_state):
+    deep = b"[" * 1000 + b"]" * 1000  # past Python's recursion limit
+    bodies = {"/generate": b'{"text": %s}', "/v1/completions": b'{"prompt": %s}',
+              "/v1/chat/completions": b'{"messages": %s}'}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            for path, body in bodies.items():
+                for nested in (deep, b"[" * 100 + b"]" * 100):  # parses, but deeper than the cap
+                    async with client.post(f"{base}{path}", data=body % nested) as r:
+                        assert r.status == 400, (path, await r.text())
+                        assert "nested deeper than" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+    run(main())
+
+
+def test_max_n_holds_on_every_endpoint(router_sglang_state):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        async with front(router_sglang_state, max_n=2) as (base, client, fakes, _):
+            for path, body in (("/generate", {"text": "hi", "sampling_params": {"n": 3, "max_new_tokens": 2}}),
+                               ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 3}),
+                               ("/v1/chat/completions", {**chat, "n": 3})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-n" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+            async with client.post(f"{base}/v1/chat/completions", json={**chat, "n": 2}) as r:
+                assert r.status == 200, await r.text()
+                assert len((await r.json())["choices"]) == 2
+    run(main())
+
+
+def test_flows_per_request_and_grammar_size_are_capped(router_sglang_state):
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(100)}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        async with front(router_sglang_state, max_flows_per_request=4, max_grammar_bytes=1024) as (
+                base, client, fakes, _):
+            for path, body in (
+                    ("/generate", {"text": ["a", "b", "c"], "sampling_params": {"n": 2, "max_new_tokens": 2}}),
+                    ("/generate", {"input_ids": [[1]] * 5, "sampling_params": {"max_new_tokens": 2}}),
+                    ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-flows-per-request" in (await r.json())["message"]
+            for path, body in (
+                    ("/generate", {"text": "a", "sampling_params": {"regex": "a" * 1025}}),
+                    ("/v1/chat/completions", {**chat, "response_format": {
+                        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-grammar-bytes" in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+            async with client.post(f"{base}/generate", json={
+                    "text": ["a", "b"], "sampling_params": {"n": 2, "max_new_tokens": 2, "regex": "a+"}}) as r:
+                assert r.status == 200, await r.text()
+                assert len(await r.json()) == 4
+    run(main())
+
+
+def test_long_prompts_are_refused_before_tokenizing_and_tokenized_off_the_loop(router_sglang_state, monkeypatch):
+    import threading
+
+    tok = router_sglang_state[2]
+    calls = []
+    encode = tok.encode
+
+    def spy(text, *a, **kw):
+        calls.append((len(text), threading.current_thread() is threading.main_thread()))
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    long = "a" * 16_001  # the test router: --max-prompt-tokens 1000, 16 characters a token
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, router):
+            assert router.manager.max_prompt_chars == 16_000
+            for path, body in (("/generate", {"text": long}), ("/v1/completions", {"prompt": long}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert "--max-prompt-chars" in (await r.json())["message"]
+            assert not [c for c in calls if c[0] > 16_000]  # never tokenized
+            from sglang_pdd.router.serving import INLINE_TEXT_CHARS
+
+            tokenized = "a" * (INLINE_TEXT_CHARS + 1)  # under the character cap: tokenized, then too many tokens
+            async with client.post(f"{base}/generate", json={"text": tokenized}) as r:
+                assert r.status == 400 and "--max-prompt-tokens" in (await r.json())["message"]
+            async with client.post(f"{base}/generate",
+                                   json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 200, await r.text()
+            assert (len(tokenized), False) in calls  # in a worker thread, not the event loop's
+            assert (len("hi"), True) in calls  # a short one inline: a thread hop would cost more
+    run(main())
+
+
+def test_openai_sampling_checked_as_one_server_before_any_leg(router_sglang_state):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            for path, body, words in (
+                    ("/v1/chat/completions", {**chat, "temperature": -1}, "temperature must be a non-negative"),
+                    ("/v1/chat/completions", {**chat, "stream": True, "temperature": -1}, "temperature must be"),
+                    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "regex": "("},
+                     "Failed to compile regex grammar")):
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400, (path, await r.text())
+                    assert words in (await r.json())["message"]
+            assert not fakes.records("rld", "generate")
+    run(main())
+
+
+def test_operator_token_file_must_be_private(tmp_path):
+    import os
+
+    from sglang_pdd.router.app import read_operator_token
+
+    path = tmp_path / "operator-token"
+    path.write_text(TOKEN + "\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(SystemExit, match="mode 0644"):
+        read_operator_token(str(path))
+    os.chmod(path, 0o600)
+    assert read_operator_token(str(path)) == TOKEN

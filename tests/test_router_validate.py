@@ -65,3 +65,65 @@ def test_error_messages_bound_echoed_client_values():
     with pytest.raises(ApiError) as e:
         check_token_budget("x" * 100_000, "max_tokens", 100)
     assert len(e.value.message) < 200
+
+
+def test_json_nested_too_deep_is_refused_not_a_recursion_error():
+    from sglang_pdd.router.validate import MAX_JSON_DEPTH, json_depth
+
+    assert json_depth({"a": [1, {"b": []}]}) == 4 and json_depth(5) == 0
+    ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert parse_json_object(ok)["a"]
+    for depth in (MAX_JSON_DEPTH, 100_000):
+        with pytest.raises(ApiError, match="nested deeper than") as e:
+            parse_json_object(b'{"a": ' + b"[" * depth + b"]" * depth + b"}")
+        assert e.value.status == 400
+
+
+def test_grammar_size_is_capped_for_every_grammar_kind():
+    from sglang_pdd.router.validate import GRAMMAR_FIELDS, check_grammar_size
+
+    for name in GRAMMAR_FIELDS:
+        check_grammar_size({name: "x" * 100}, "sampling_params", 100)
+        with pytest.raises(ApiError, match=f"sampling_params.{name} has 101 bytes.*--max-grammar-bytes"):
+            check_grammar_size({name: "é" * 50 + "x"}, "sampling_params", 100)  # bytes, not characters
+
+
+def test_openai_prompt_characters_are_capped_per_prompt_and_per_conversation():
+    from sglang_pdd.router.validate import text_chars
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "ab"}]}, {"role": "system", "content": "cde"}]
+    assert text_chars(messages) == len("user" + "text" + "ab" + "system" + "cde")
+    check_openai_body({"prompt": ["x" * 10, "y" * 10]}, cap=100, max_n=4, max_prompt_chars=10)
+    with pytest.raises(ApiError, match=r"prompt\[1\] has 11 characters.*--max-prompt-chars"):
+        check_openai_body({"prompt": ["x", "y" * 11]}, cap=100, max_n=4, max_prompt_chars=10)
+    with pytest.raises(ApiError, match="messages has 19 characters"):
+        check_openai_body({"messages": messages}, cap=100, max_n=4, max_prompt_chars=18)
+
+
+@pytest.mark.parametrize("sampling,words", [
+    ({"temperature": -1}, "temperature must be a non-negative finite number, got -1"),
+    ({"temperature": float("nan")}, "temperature must be a non-negative finite number"),
+    ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2]"),
+    ({"logit_bias": {"1000": 1.0}}, "logit_bias must has keys in [0, 999]"),
+    ({"stop": ["s"] * 33}, "at most 32 stop strings"),
+    ({"regex": "("}, "Failed to compile regex grammar: "),
+    ({"json_schema": "{"}, "Failed to compile json grammar: "),
+    ({"temperature": "hot"}, "bad sampling_params"),
+])
+def test_sampling_params_are_checked_as_one_sglang_server_checks_them(sampling, words):
+    from sglang_pdd.router.validate import check_sampling_as_sglang
+
+    with pytest.raises(ApiError) as e:
+        check_sampling_as_sglang(sampling, None, 1000)
+    assert e.value.status == 400 and words in e.value.message
+    assert "regex_converter.cc" not in e.value.message  # xgrammar's C++ location stays out
+
+
+def test_valid_sampling_params_and_grammars_pass():
+    from sglang_pdd.router.validate import check_sampling_as_sglang
+
+    for sampling in ({"temperature": 0, "top_p": 0.5, "max_new_tokens": None}, {"regex": "hello (world|there)"},
+                     {"json_schema": '{"type": "object"}'}, {"json_schema": "$$ANY$$"}):
+        check_sampling_as_sglang(sampling, None, 1000)
+    with pytest.raises(ApiError, match="text and input_ids cannot be provided at the same time"):
+        check_generate_body({"text": "x", "input_ids": [1]}, **LIMITS)

@@ -66,7 +66,7 @@ def _check_private_fd(fd: int, path) -> None:
                            f"run chmod 600 {path}")
 
 
-def _open_private(path) -> int:
+def open_private(path) -> int:
     """An fd of ``path``, checked to be a regular file only its owner may access (checked on
     the opened file: no window between the check and the read)."""
     try:
@@ -83,7 +83,7 @@ def _open_private(path) -> int:
 
 def check_private_file(path) -> None:
     """Raise KeyFileError unless ``path`` is a regular file only its owner may access."""
-    os.close(_open_private(path))
+    os.close(open_private(path))
 
 
 def load_key(path) -> bytes:
@@ -93,7 +93,7 @@ def load_key(path) -> bytes:
     may read (``chmod 600`` it: anyone who reads the key can impersonate P or MD) and a
     key shorter than ``MIN_KEY_BYTES``. ``secrets.token_hex(32)`` makes a good one.
     """
-    with os.fdopen(_open_private(path), "rb") as f:
+    with os.fdopen(open_private(path), "rb") as f:
         key = f.read(1 << 16).strip()
     if len(key) < MIN_KEY_BYTES:
         raise KeyFileError(f"key file {path} holds a {len(key)}-byte key; need at least {MIN_KEY_BYTES} bytes")

@@ -572,15 +572,18 @@ class WanKvReceiver(RoomQueries):
             return
         try:
             crc = self._receive_payload(entry, part, reader, msg)
-        except IntegrityError as e:
-            with self._cv:  # before any other stream can complete the room on altered bytes
-                self._fail_room(entry, FailureReason.INTEGRITY, f"chunk {msg.index}: {e}", tell_peer=False)
-            raise
-        finally:
+        except BaseException as e:
             with self._cv:
+                if isinstance(e, IntegrityError):  # before any other stream can complete the room on altered bytes
+                    self._fail_room(entry, FailureReason.INTEGRITY, f"chunk {msg.index}: {e}", tell_peer=False)
                 entry.writers -= 1
                 self._cv.notify_all()
+            raise
+        # One critical section: once this writer is no longer counted, its bytes are, else
+        # another stream's completion check can see every writer gone and bytes missing.
         with self._cv:
+            entry.writers -= 1
+            self._cv.notify_all()
             if entry.state.is_terminal:
                 return  # failed/aborted meanwhile
             if crc is not None and crc != msg.crc32:

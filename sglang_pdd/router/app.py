@@ -23,6 +23,7 @@ import inspect
 import itertools
 import json
 import logging
+import os
 import shlex
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
+from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
 from sglang_pdd.router.backends import BackendError
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -128,7 +130,8 @@ class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
                  served_model: str, *, sglang_state=None, max_new_tokens_cap: int = 32768, max_n: int = 16,
                  operator_token: Optional[str] = None, every_client_is_operator: bool = False,
-                 report_cached_tokens: bool = False):
+                 report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
+                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -144,8 +147,10 @@ class Router:
             self.manager = PddTokenizerManager(
                 server_args, model_config, tok, open_flow=self._open_flow, run_flow=self._run_flow,
                 max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
-                default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens)
-            self.openai = OpenAIFront(self.manager, served_model)
+                default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens,
+                max_prompt_chars=max_prompt_chars, max_flows_per_request=max_flows_per_request,
+                max_grammar_bytes=max_grammar_bytes)
+            self.openai = OpenAIFront(self.manager, served_model, max_n=max_n)
 
     async def start(self, app):
         self.session = backend_session()
@@ -485,6 +490,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     lim.add_argument("--max-new-tokens-cap", type=int, default=32768,
                      help="largest max_new_tokens / max_tokens a client may ask for (400 above)")
     lim.add_argument("--max-n", type=int, default=16, help="largest parallel sample count n")
+    lim.add_argument("--max-flows-per-request", type=int, default=64,
+                     help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD)")
+    lim.add_argument("--max-grammar-bytes", type=int, default=16384,
+                     help="largest json_schema / regex / ebnf / structural_tag (P, RLD and MD each compile it)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
     lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
     lim.add_argument("--operator-token-file", default=None,
                      help="file holding the operator token: requests with header X-PDD-Operator-Token equal "
@@ -554,10 +565,16 @@ def sglang_argv(args) -> list[str]:
 
 
 def read_operator_token(path: Optional[str]) -> Optional[str]:
+    """The token in ``path``, refused (SystemExit naming the file) when group or others may
+    access the file, as the key files are: anyone who reads it may steer PDD and flush caches."""
     if path is None:
         return None
-    with open(path) as f:
-        token = f.read().strip()
+    try:
+        fd = open_private(path)
+    except KeyFileError as e:
+        raise SystemExit(f"--operator-token-file: {e}") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        token = f.read(1 << 16).strip()
     if len(token) < 16:
         raise SystemExit(f"--operator-token-file {path}: the token must have at least 16 characters")
     return token
@@ -587,6 +604,7 @@ def main(argv=None) -> None:
                     max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
                     operator_token=read_operator_token(args.operator_token_file),
                     every_client_is_operator=args.every_client_is_operator,
-                    report_cached_tokens=args.enable_cache_report)
+                    report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
+                    max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes)
     web.run_app(build_app(router, args.max_body_bytes), host=args.host, port=args.port, print=None,
                 handler_cancellation=True)

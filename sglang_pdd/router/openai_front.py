@@ -78,13 +78,13 @@ async def to_aiohttp(request: web.Request, result) -> web.StreamResponse:
 
 
 class OpenAIFront:
-    def __init__(self, manager, served_model: str):
+    def __init__(self, manager, served_model: str, max_n: int = 16):
         from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
         from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
         from sglang.srt.parser.template_manager import TemplateManager
         from sglang.srt.runtime_context import get_serving
 
-        self.manager, self.served_model = manager, served_model
+        self.manager, self.served_model, self.max_n = manager, served_model, max_n
         self.templates = TemplateManager()
         manager.processor = None  # read by TemplateManager (multimodal processors: none here)
         self.templates.initialize_templates(tokenizer_manager=manager, model_path=manager.model_path,
@@ -101,7 +101,8 @@ class OpenAIFront:
         try:
             body = parse_json_object(await request.read())
             scope = scope_of(request, body.pop("pdd_options", None))
-            check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=16)
+            check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=self.max_n,
+                              max_prompt_chars=self.manager.max_prompt_chars)
             model = body.get("model")
             # "default" is what SGLang's request models fill in when a client names no model
             if model not in (None, "default", self.served_model):

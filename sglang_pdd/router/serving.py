@@ -28,12 +28,22 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
-from sglang_pdd.router.validate import ApiError, check_custom_params, check_token_budget, check_token_ids
+from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, check_custom_params, check_grammar_size,
+                                        check_prompt_chars, check_sampling_as_sglang, check_token_budget,
+                                        check_token_ids, load_grammar_checker, text_chars)
 
 logger = logging.getLogger("sglang_pdd.router")
 
 LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
                   "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+# Default --max-prompt-chars per --max-prompt-tokens: far above what real text takes per token
+# (~4 characters), so only prompts that could never fit are refused before tokenizing.
+PROMPT_CHARS_PER_TOKEN = 16
+# Text up to this long is tokenized (or its stop strings and regex checked) inline: well under a
+# millisecond, less than a hop to a worker thread costs. Longer text goes off the event loop.
+INLINE_TEXT_CHARS = 4096
 
 
 class UpstreamError(HTTPException):
@@ -75,14 +85,19 @@ class PddTokenizerManager:
 
     def __init__(self, server_args, model_config, tokenizer, *, open_flow: Callable, run_flow: Callable,
                  max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
-                 report_cached_tokens: bool = False):
+                 report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
+                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
         self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.open_flow, self.run_flow = open_flow, run_flow
         self.max_prompt_tokens, self.max_new_tokens_cap = max_prompt_tokens, max_new_tokens_cap
         self.default_max_new_tokens = default_max_new_tokens
+        self.max_prompt_chars = max_prompt_chars if max_prompt_chars is not None else \
+            max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
+        self.max_flows_per_request, self.max_grammar_bytes = max_flows_per_request, max_grammar_bytes
         self.report_cached_tokens = report_cached_tokens
+        load_grammar_checker()  # at start, not on the first request with a regex
         self.vocab_size = int(model_config.vocab_size)
         # SGLang's serving code asks whether to log request bodies: never here (router logs
         # one line per request itself).
@@ -109,8 +124,14 @@ class PddTokenizerManager:
         ``index`` (streaming, in completion order). Item order is SGLang's: batch i, sample j
         at index i * n + j."""
         client_rids = [obj.rid] if isinstance(obj.rid, str) else list(obj.rid or [])
+        if obj.text is not None and obj.input_ids is not None:  # SGLang's words
+            raise ValueError("text and input_ids cannot be provided at the same time")
         obj.normalize_batch_and_arguments()
         n = obj.parallel_sample_num
+        flows = 1 if obj.is_single else obj.batch_size * n
+        if flows > self.max_flows_per_request:  # each flow is a P, an RLD and an MD leg
+            raise ValueError(f"the request asks for {flows} generations (batch items x n), more than this "
+                             f"router's cap {self.max_flows_per_request} (--max-flows-per-request)")
         items = []
         if obj.is_single:
             items.append((obj, obj.rid))
@@ -122,7 +143,7 @@ class PddTokenizerManager:
         for rid in client_rids:
             if rid in self.inflight:
                 raise ValueError(f"rid {rid!r} is already in flight; request ids must be unique")
-        prepared = [self._prepare(item) for item, _ in items]  # every item valid before any starts
+        prepared = [await self._prepare(item) for item, _ in items]  # every item valid before any starts
         aborts = [(rid, asyncio.Event()) for _, rid in items]
         for rid, event in aborts:  # registered now: a duplicate rid racing this one is refused
             self.inflight.setdefault(rid, []).append(event)
@@ -146,20 +167,27 @@ class PddTokenizerManager:
                     self.inflight.pop(rid, None)
 
     # ---------------------------------------------------------------- one item
-    def _prepare(self, item):
-        """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400."""
+    async def _prepare(self, item):
+        """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400.
+        Cheap checks first: tokenizing runs only for a request otherwise valid."""
         try:
+            sampling = dict(item.sampling_params or {})
+            sampling.pop("n", None)  # the router fans n out into flows; a backend must not
+            check_grammar_size(sampling, "sampling_params", self.max_grammar_bytes)
+            # SGLang's normalize tokenizes the stop strings
+            await _off_loop_if_long(text_chars([sampling.get(k) for k in ("stop", *GRAMMAR_FIELDS)]),
+                                    check_sampling_as_sglang, sampling, self.tokenizer, self.vocab_size)
             if item.input_ids is not None:
                 ids = check_token_ids(list(item.input_ids), "input_ids", self.vocab_size)
             elif isinstance(item.text, str) and item.text:
-                ids = self.tokenizer.encode(item.text)
+                check_prompt_chars(len(item.text), "the prompt", self.max_prompt_chars)
+                # a long prompt takes seconds (the Rust tokenizer drops the GIL meanwhile)
+                ids = await _off_loop_if_long(len(item.text), self.tokenizer.encode, item.text)
             else:
                 raise ApiError(400, "the request needs a non-empty 'text' or 'input_ids'")
             if len(ids) > self.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this router's "
                                     f"--max-prompt-tokens {self.max_prompt_tokens}")
-            sampling = dict(item.sampling_params or {})
-            sampling.pop("n", None)  # the router fans n out into flows; a backend must not
             if "max_new_tokens" not in sampling:
                 sampling["max_new_tokens"] = self.default_max_new_tokens
             elif sampling["max_new_tokens"] is None:
@@ -272,6 +300,14 @@ class PddTokenizerManager:
             return entries
         texts = iter(self.tokenizer.batch_decode([[e[1]] for e in known]))
         return [[e[0], e[1], next(texts)] if e is not None and e[1] is not None else e for e in entries]
+
+
+async def _off_loop_if_long(chars: int, fn: Callable, *args):
+    """``fn(*args)`` for work on ``chars`` characters of text: inline when short, else in a
+    worker thread so the event loop keeps serving other requests."""
+    if chars <= INLINE_TEXT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _finish_reason(flow) -> Optional[dict]:

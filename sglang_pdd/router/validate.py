@@ -11,7 +11,14 @@ What the router refuses beyond SGLang's own request contract:
 - ``sampling_params.custom_params`` keys starting with ``pdd_`` (the router's own markers to
   P and MD: a client must never choose where KV goes or what counts as output);
 - request fields the PDD path cannot honour (images, embeddings, LoRA, sessions, ...);
-- a client ``rid`` that is not a string (batches: a list of strings).
+- a client ``rid`` that is not a string (batches: a list of strings);
+- JSON nested deeper than ``MAX_JSON_DEPTH`` (Python's parser would hit its recursion limit);
+- more flows than ``--max-flows-per-request`` (batch items x ``n``), and a grammar
+  (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``) over ``--max-grammar-bytes``:
+  every item runs on P, RLD and MD, and each of them compiles the grammar;
+- what one SGLang server refuses before scheduling (``SamplingParams.verify``, a regex or
+  JSON schema that cannot compile, ``text`` with ``input_ids``): a PDD leg would fail on it
+  after the others started (a 502, or an empty 200).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import json
+import re
 
 RESERVED_CUSTOM_PARAM_PREFIX = "pdd_"
 
@@ -49,13 +57,36 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# Deeper bodies are refused: Python's JSON parser, pydantic and SGLang's own code recurse per
+# level. A real request (a JSON schema in response_format included) stays far below.
+MAX_JSON_DEPTH = 64
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def json_depth(value: Any) -> int:
+    """Containers nested in a parsed JSON value (a scalar: 0, ``[]``: 1), without recursion."""
+    depth, level = 0, [value]
+    while True:
+        containers = [c for c in level if isinstance(c, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for c in containers for v in (c.values() if isinstance(c, dict) else c)]
+
+
 def parse_json_object(raw: bytes) -> dict:
+    too_deep = ApiError(400, f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e.msg if hasattr(e, 'msg') else 'not UTF-8'}") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
     return body
 
 
@@ -128,6 +159,8 @@ def check_generate_body(body: dict, *, cap: int, vocab_size: int, max_n: int) ->
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         for suffix, one in (_items(ids) if batch else (("", ids),)):
             check_token_ids(one, f"input_ids{suffix}", vocab_size)
+        if body.get("text") is not None:  # SGLang's words
+            raise ApiError(400, "text and input_ids cannot be provided at the same time")
     elif body.get("text") in (None, "", []):
         raise ApiError(400, "the body needs a non-empty 'text' or 'input_ids'")
     for suffix, sp in _items(body.get("sampling_params")):
@@ -139,8 +172,14 @@ def check_generate_body(body: dict, *, cap: int, vocab_size: int, max_n: int) ->
         raise ApiError(400, "rid must be a string (a list of strings for a batch)")
 
 
-def check_openai_body(body: dict, *, cap: int, max_n: int) -> None:
+def check_openai_body(body: dict, *, cap: int, max_n: int, max_prompt_chars: Optional[int] = None) -> None:
     """Router-specific limits on OpenAI bodies; types are checked by SGLang's pydantic models."""
+    if max_prompt_chars is not None:
+        if "messages" in body:  # one conversation is one prompt
+            check_prompt_chars(text_chars(body["messages"]), "messages", max_prompt_chars)
+        for suffix, prompt in _items(body.get("prompt")):  # a completions batch: per prompt
+            if isinstance(prompt, str):
+                check_prompt_chars(len(prompt), f"prompt{suffix}", max_prompt_chars)
     for field in ("max_tokens", "max_completion_tokens"):
         if field in body and body[field] is not None:
             check_token_budget(body[field], field, cap)
@@ -150,3 +189,95 @@ def check_openai_body(body: dict, *, cap: int, max_n: int) -> None:
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, (str, list)):
         raise ApiError(400, "rid must be a string")
+
+
+def check_grammar_size(sampling: dict, field: str, max_bytes: int) -> None:
+    """P, RLD and MD each compile a request's grammar: its size bounds their work."""
+    for name in GRAMMAR_FIELDS:
+        grammar = sampling.get(name)
+        if grammar is None:
+            continue
+        size = len(grammar.encode("utf-8", "replace")) if isinstance(grammar, str) else len(json.dumps(grammar))
+        if size > max_bytes:
+            raise ApiError(400, f"{field}.{name} has {size} bytes, more than this router's cap {max_bytes} "
+                                f"(--max-grammar-bytes)")
+
+
+def text_chars(value: Any) -> int:
+    """Characters in every string of a parsed JSON value (a prompt, chat messages), iteratively."""
+    total, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return total
+
+
+def check_prompt_chars(chars: int, field: str, max_chars: int) -> None:
+    """Before tokenizing: a prompt this long cannot fit --max-prompt-tokens anyway, and
+    tokenizing it would hold the router for seconds."""
+    if chars > max_chars:
+        raise ApiError(400, f"{field} has {chars} characters, more than this router's limit {max_chars} "
+                            f"(--max-prompt-chars)")
+
+
+_XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^:]*:\d+: ")
+
+
+def load_grammar_checker():
+    """xgrammar, SGLang's default grammar backend (None if not installed); importing it takes
+    seconds the first time, so the router does it at start."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
+
+
+def _regex_error(regex: str) -> Optional[str]:
+    """Why ``regex`` does not compile, as SGLang's default grammar backend (xgrammar) says;
+    Python's ``re`` where xgrammar is not installed."""
+    xgrammar = load_grammar_checker()
+    if xgrammar is None:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            return str(e)
+        return None
+    try:
+        xgrammar.Grammar.from_regex(regex)  # the regex -> grammar conversion only: milliseconds
+    except RuntimeError as e:
+        return _XGRAMMAR_ERROR_PREFIX.sub("", str(e).strip())  # no C++ source location
+    return None
+
+
+def check_sampling_as_sglang(sampling: dict, tokenizer, vocab_size: int) -> None:
+    """What one SGLang server refuses with a 400 before scheduling a request, with its words:
+    ``SamplingParams`` normalize + verify (temperature, top_p, penalties, stop strings, one
+    grammar at most, ...), and grammars that cannot compile (SGLang's scheduler would end the
+    request with an empty output instead). Raises ApiError."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(**sampling)
+        params.normalize(tokenizer)
+        params.verify(vocab_size)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except TypeError as e:  # a wrong type SGLang's own checks do not expect (e.g. "temperature": "x")
+        raise ApiError(400, f"bad sampling_params: {e}") from None
+    if params.regex is not None:
+        problem = _regex_error(params.regex) if isinstance(params.regex, str) else "not a string"
+        if problem:
+            raise ApiError(400, f"Failed to compile regex grammar: {problem}")
+    if params.json_schema is not None and params.json_schema != "$$ANY$$":
+        try:
+            json.loads(params.json_schema)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"Failed to compile json grammar: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "Failed to compile json grammar: nested too deeply") from None
