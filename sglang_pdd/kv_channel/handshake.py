@@ -11,11 +11,11 @@
     transcript = nonce_c | nonce_s | name_c | name_s | session | stream | num_streams
     mac_s = HMAC(key, "server" | transcript)
     mac_c = HMAC(key, "client" | transcript)
-    (c2s, s2c) = HKDF(key, salt = sha256(transcript))   -> per-frame MAC keys (wire.FrameMac)
+    (c2s, s2c) = HKDF(key, salt = sha256(transcript))   -> per-frame GMAC keys (wire.FrameMac)
 
 Both sides prove knowledge of the key over fresh nonces, so neither a wrong-key peer
 nor a replayed handshake gets in; the role tag stops a reflection of the server's
-proof. Every frame after that (HELLO_OK first) carries HMAC-SHA256 tags under keys
+proof. Every frame after that (HELLO_OK first) carries AES-GMAC tags under keys
 derived from the key and this connection's transcript, with implicit sequence numbers
 (wire.py): a keyless relay that alters, drops, replays or reorders a frame is detected.
 Frames are authenticated, not encrypted: for confidentiality pass an ``ssl.SSLContext``
@@ -114,7 +114,7 @@ def _proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
 
 
 def derive_frame_keys(key: bytes, transcript: bytes) -> tuple[bytes, bytes]:
-    """(client->server, server->client) frame-MAC keys of one connection.
+    """(client->server, server->client) frame-MAC keys (AES-256-GMAC) of one connection.
 
     HKDF-SHA256 (RFC 5869): extract with both nonces' transcript hash as salt over the
     shared key, expand once per direction. Fresh nonces from both sides make the keys
@@ -124,7 +124,7 @@ def derive_frame_keys(key: bytes, transcript: bytes) -> tuple[bytes, bytes]:
     prk = hmac.new(hashlib.sha256(transcript).digest(), key, hashlib.sha256).digest()
 
     def expand(label: bytes) -> bytes:
-        return hmac.new(prk, b"pdkv frame mac v2 " + label + b"\x01", hashlib.sha256).digest()
+        return hmac.new(prk, b"pdkv frame mac v4 " + label + b"\x01", hashlib.sha256).digest()
 
     return expand(b"c2s"), expand(b"s2c")
 

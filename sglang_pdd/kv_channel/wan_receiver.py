@@ -9,7 +9,7 @@ Destination of a room, either:
     ``num_layers * total_pages * bytes_per_page`` bytes laid out [layer][page][byte]:
     payloads are ``recv_into``'d straight into it (no copy), or
   * a callable ``write(layer_start, layer_count, page_start, page_count, payload)``,
-    called after the chunk's checksum is verified; ``payload`` is a memoryview that is
+    called after the chunk's MAC tag is verified; ``payload`` is a memoryview that is
     only valid during the call (an SGLang backend scatters it into its KV pool pages).
 Pages below ``decode_prefix_len // page_size`` are never written.
 
@@ -22,13 +22,12 @@ What is checked, and what happens (the connection survives unless the framing is
   * chunk or BEGIN for an unregistered room  -> NACK(unknown_room), payload discarded
   * BEGIN / chunk not matching the room      -> room FAILED(layout_mismatch), NACK
   * duplicate or overlapping chunk           -> ERROR(duplicate), payload discarded, not written
-  * CRC mismatch                             -> room FAILED(checksum), NACK
   * stream of the room's session drops       -> room FAILED(connection_lost)
   * no bytes for ``idle_timeout`` mid-transfer -> room FAILED(idle_timeout)
   * the same peer name reconnects with a new session (restart) -> the old session's
     unfinished rooms FAILED(peer_restarted), its sockets closed.
 A room is SUCCESS when BEGIN and END arrived and every (layer, page) of the announced
-range was written exactly once with a good checksum; then the sender gets an ACK.
+range was written exactly once with a verified tag; then the sender gets an ACK.
 
 Row slices (P with TP > 1, each rank holding some KV heads): a room may come from several
 senders, each moving bytes [offset, offset + width) of every token row (one *part* per slice,
@@ -50,7 +49,6 @@ import ssl
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -571,7 +569,7 @@ class WanKvReceiver(RoomQueries):
             reader.discard_payload()  # outside the lock: keeps the stream in sync, writes nothing
             return
         try:
-            crc = self._receive_payload(entry, part, reader, msg)
+            self._receive_payload(entry, part, reader, msg)
         except IntegrityError as e:
             with self._cv:  # before any other stream can complete the room on altered bytes
                 self._fail_room(entry, FailureReason.INTEGRITY, f"chunk {msg.index}: {e}", tell_peer=False)
@@ -583,12 +581,6 @@ class WanKvReceiver(RoomQueries):
         with self._cv:
             if entry.state.is_terminal:
                 return  # failed/aborted meanwhile
-            if crc is not None and crc != msg.crc32:
-                self.counters["checksum_failures"] += 1
-                self._fail_room(entry, FailureReason.CHECKSUM,
-                                f"chunk {msg.index}: crc32 {crc:#010x} != announced {msg.crc32:#010x}",
-                                tell_peer=True, conn=conn)
-                return
             part.bytes_received += plen
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
@@ -640,23 +632,21 @@ class WanKvReceiver(RoomQueries):
             return f"index {msg.index} >= num_chunks {part.begin.num_chunks}"
         return ""
 
-    def _receive_payload(self, entry: _Room, part: _Part, reader: FrameReader, msg: Chunk) -> Optional[int]:
-        """Read the payload into the destination; returns its crc32. Runs without the lock."""
+    def _receive_payload(self, entry: _Room, part: _Part, reader: FrameReader, msg: Chunk) -> None:
+        """Read the payload into the destination. Runs without the lock. The reader checks
+        the frame's tag when the last byte is read (IntegrityError): bytes written straight
+        into a destination buffer before that only count once the room is SUCCESS."""
         lay = entry.layout
         whole = part.width == 0
         if entry.dest_view is not None and whole:
             bpp = lay.bytes_per_page
-            crc = 0
             for layer in range(msg.layer_start, msg.layer_start + msg.layer_count):
                 start = (layer * entry.total_pages + msg.page_start) * bpp
-                view = entry.dest_view[start : start + msg.page_count * bpp]
-                reader.read_payload_into(view)  # zero-copy: straight into the KV destination
-                crc = zlib.crc32(view, crc)
-            return crc & 0xFFFFFFFF
-        payload = reader.read_payload()
-        crc = zlib.crc32(payload) & 0xFFFFFFFF
-        if crc != msg.crc32 or entry.state.is_terminal:
-            return crc
+                reader.read_payload_into(entry.dest_view[start : start + msg.page_count * bpp])  # zero-copy
+            return
+        payload = reader.read_payload()  # verified (or IntegrityError) before anything is written
+        if entry.state.is_terminal:
+            return
         if entry.dest_view is not None:  # a row slice: strided into [layer][page][token][row bytes]
             dest = np.frombuffer(entry.dest_view, dtype=np.uint8).reshape(
                 lay.num_layers, entry.total_pages, lay.page_size, lay.token_bytes)
@@ -668,7 +658,6 @@ class WanKvReceiver(RoomQueries):
         else:
             entry.dest_write(msg.layer_start, msg.layer_count, msg.page_start, msg.page_count, payload,
                              row=(part.offset, part.width))
-        return crc
 
     def _check_complete(self, entry: _Room, conn: _Conn) -> None:
         parts = list(entry.parts.values())

@@ -7,7 +7,7 @@ streams (default 4) that each authenticate (see handshake.py). Many rooms share 
 Data path::
 
     producer --send_layer/send_chunk--> bounded queue (window_bytes) --> N stream writers
-                                                                          (crc32, sendall)
+                                                                          (GMAC tag, sendmsg)
     N stream readers <-- ACK / NACK / ERROR / ABORT from the receiver
 
 * Striping: the writers pull from one shared queue, so chunks spread over all streams
@@ -19,8 +19,8 @@ Data path::
   until the room is SUCCESS or FAILED (same contract as Mooncake's transfer).
 * Success means the receiver verified every chunk (ACK), not that bytes left this host.
 
-Failures (room -> FAILED with a ``FailureReason``): a NACK from the receiver (checksum,
-unknown_room, layout_mismatch, ...), a broken stream (connection_lost: every unfinished
+Failures (room -> FAILED with a ``FailureReason``): a NACK from the receiver
+(unknown_room, layout_mismatch, ...), a broken stream (connection_lost: every unfinished
 room of that session fails, since its chunks were striped over all streams), a stream
 stuck in ``send`` or a room without progress for ``idle_timeout`` (stall / partition),
 the per-transfer deadline ``transfer_timeout``, connect or auth failure, ``abort()``.
@@ -55,7 +55,6 @@ from .wire import (
     ProtocolError,
     TransferBegin,
     TransferEnd,
-    checksum,
     send_frame,
 )
 
@@ -288,7 +287,7 @@ class WanKvSender(RoomQueries):
         view = memoryview(payload).cast("B")
         if view.nbytes != spec.nbytes:
             raise ValueError(f"room {entry.room} chunk {index}: payload is {view.nbytes} bytes, expected {spec.nbytes}")
-        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count, 0,  # crc filled by writer
+        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count,
                     *(() if entry.row is None else (entry.row.index, entry.row.offset, entry.row.width)))
         with self._cv:
             if index in entry.queued:
@@ -454,10 +453,8 @@ class WanKvSender(RoomQueries):
                     continue
                 stream.busy_since = time.monotonic()
             try:
-                msg = item.msg
-                if isinstance(msg, Chunk):
-                    msg.crc32 = checksum(item.payload)  # here, so N writers checksum in parallel
-                send_frame(sock, msg, item.payload, mac=stream.secure.send_mac)
+                # Tagged here, so N writers tag in parallel (OpenSSL's GMAC releases the GIL).
+                send_frame(sock, item.msg, item.payload, mac=stream.secure.send_mac)
             except OSError as e:
                 with self._cv:
                     stream.busy_since = None
