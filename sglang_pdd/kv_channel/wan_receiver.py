@@ -143,7 +143,7 @@ class _Conn:
         self.send_lock = threading.Lock()
         self.session: Optional[_Session] = None
         self.peer = f"{addr[0]}:{addr[1]}"
-        self.mac: Optional[FrameMac] = None  # set by the handshake; every later frame is tagged
+        self.mac: Optional[FrameMac] = None  # from the handshake: tags every later frame (None if TLS-bound)
 
         # Replies decided under the receiver's lock wait here; they are sent without it
         # (flush), so a peer that stops reading stalls only its own threads.

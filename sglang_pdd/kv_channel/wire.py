@@ -40,6 +40,10 @@ is unique to the connection and direction, the nonce to the frame and part. GMAC
 HMAC-SHA256 (wire version 4) because it is ~10x cheaper per byte with AES-NI/PCLMUL and
 OpenSSL releases the GIL on it (benchmarks/bench_frame_mac.py); the tag also replaced the
 chunks' CRC-32, which could only catch what the tag already does.
+
+On a stream whose handshake ran inside TLS 1.3 and is bound to it (handshake.py,
+``SecureStream.tls_bound``), frames carry no tags: TLS records are already authenticated
+and ordered, and the binding proves the TLS peer is the one that knew the shared key.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAGIC = b"PDKV"
 # 2: frames after the handshake carry MAC tags; 3: row slices (P with TP > 1); 4: GMAC tags instead
-# of HMAC-SHA256, no CRC-32 in CHUNK
+# of HMAC-SHA256, no CRC-32 in CHUNK, no tags on a TLS-bound stream
 VERSION = 4
 PREFIX = struct.Struct("!4sBBHIQ")  # magic, version, msg type, reserved, header len, payload len
 PREFIX_SIZE = PREFIX.size  # 20
