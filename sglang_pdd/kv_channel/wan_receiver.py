@@ -211,7 +211,12 @@ class WanKvReceiver(RoomQueries):
         self.socket_buffer_bytes = socket_buffer_bytes
         self.ssl_context = ssl_context
 
-        self._cv = threading.Condition()
+        # One lock; the flusher and the watchdog wait on conditions of their own, so the
+        # notifications of the per-chunk path do not wake them.
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # room states, writers leaving a destination
+        self._flush_cv = threading.Condition(lock)  # the flusher: replies were posted
+        self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
         self._rooms: dict[int, _Room] = {}
         self._sessions: dict[bytes, _Session] = {}
         self._conns: set[_Conn] = set()
@@ -304,6 +309,8 @@ class WanKvReceiver(RoomQueries):
             for conn in self._conns:
                 conn.shutdown()
             self._cv.notify_all()
+            self._flush_cv.notify_all()
+            self._tick.notify_all()
         deadline = time.monotonic() + timeout
         self._acceptor.close(timeout)
         for t in [self._watchdog, self._flusher]:
@@ -723,14 +730,14 @@ class WanKvReceiver(RoomQueries):
             return
         conn.outbox.append(msg)
         self._to_flush.add(conn)
-        self._cv.notify_all()
+        self._flush_cv.notify()
 
     def _flush_loop(self) -> None:
         """Sends the replies that no reader thread is about to send (owner aborts, other
         streams' rooms), without the lock."""
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._to_flush or self._closed)
+                self._flush_cv.wait_for(lambda: self._to_flush or self._closed)
                 if self._closed:
                     return
                 conns, self._to_flush = self._to_flush, set()
@@ -752,4 +759,4 @@ class WanKvReceiver(RoomQueries):
                         # No NACK: the stream may be the stalled thing; the sender has its own timer.
                         self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
                                         f"no data for {now - entry.last_progress:.1f}s", tell_peer=False)
-                self._cv.wait(min(0.1, self.idle_timeout / 4))
+                self._tick.wait(min(0.1, self.idle_timeout / 4))

@@ -167,7 +167,13 @@ class WanKvSender(RoomQueries):
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname
 
-        self._cv = threading.Condition()  # guards rooms, sessions and the send queue
+        # One lock guards rooms, sessions and the send queue. Waiters of different things wait
+        # on different conditions of it, so a queued chunk wakes one writer, and a written one
+        # only a producer blocked on the window, not every thread (per chunk, on the hot path).
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # room states, window space, session up/dead
+        self._work = threading.Condition(lock)  # writers: the queue got an item, or the session changed
+        self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
         self._rooms: dict[int, _Room] = {}
         self._session: Optional[_Session] = None
         self._threads: list[threading.Thread] = []
@@ -266,6 +272,7 @@ class WanKvSender(RoomQueries):
             if self._session is not None:
                 self._kill_session(self._session, FailureReason.CLOSED, "sender closed")
             self._cv.notify_all()
+            self._tick.notify_all()
         deadline = time.monotonic() + timeout
         for t in [self._watchdog, *self._threads]:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -331,7 +338,7 @@ class WanKvSender(RoomQueries):
         session.queue.append(item)
         session.queued_bytes += item.nbytes
         entry.last_progress = time.monotonic()
-        self._cv.notify_all()
+        self._work.notify()
 
     def _ensure_session(self) -> _Session:
         s = self._session
@@ -385,6 +392,7 @@ class WanKvSender(RoomQueries):
                 except OSError:
                     pass
         self._cv.notify_all()
+        self._work.notify_all()
 
     # ------------------------------------------------------------------ threads
 
@@ -428,6 +436,7 @@ class WanKvSender(RoomQueries):
                         entry.state = RoomState.TRANSFERRING if entry.queued or entry.end_queued \
                             else RoomState.WAITING_FOR_INPUT
                 self._cv.notify_all()
+                self._work.notify_all()
         reader = threading.Thread(target=self._read_stream, args=(s, stream, frame_reader), daemon=True,
                                   name=f"kv-send-rd-{self.name}-{s.tag}-{stream.index}")
         with self._cv:
@@ -442,7 +451,7 @@ class WanKvSender(RoomQueries):
     def _write_stream(self, s: _Session, stream: _Stream, sock: socket.socket) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: s.dead or (s.up and s.queue))
+                self._work.wait_for(lambda: s.dead or (s.up and s.queue))
                 if s.dead:
                     return
                 item = s.queue.popleft()
@@ -530,7 +539,7 @@ class WanKvSender(RoomQueries):
                     elif now - entry.last_progress > self.idle_timeout:
                         self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
                                         f"no progress for {now - entry.last_progress:.1f}s in {entry.state.name}")
-                self._cv.wait(min(0.1, self.idle_timeout / 4))
+                self._tick.wait(min(0.1, self.idle_timeout / 4))
 
 
 class Transfer:
