@@ -14,6 +14,19 @@
     PYTHONPATH=. python benchmarks/bench_wan_channel.py            # full run (~1-2 min)
     PYTHONPATH=. python benchmarks/bench_wan_channel.py --quick    # smaller sizes
 
+3. ``--side-by-side``: only the loopback comparison that the line-rate goal is stated in:
+   the channel (``--streams`` streams) vs. plain ``sendall`` over the *same number* of TCP
+   connections (each moves 1/N of the bytes into a preallocated buffer), with and without
+   mutual TLS (test certificates made with the openssl CLI), best of ``--repeats``
+   interleaved runs, for ``--loopback-sizes-mb``. Without TLS also "sendall+GMAC": plain
+   sendall plus the AES-GMAC of every frame on both sides and nothing else, the ceiling of
+   any channel with per-frame MACs on the machine at hand. Besides the best wall-clock rate
+   it prints the CPU seconds per GB (user + system, both ends, median run): on a host whose
+   cores are busy with other work, wall-clock ratios swing with the neighbours, while the
+   CPU ratio is what the throughput ratio becomes once the transfer is CPU-bound::
+
+    PYTHONPATH=. python benchmarks/bench_wan_channel.py --side-by-side --loopback-sizes-mb 64,1024
+
 Prints a table and writes ``results.json`` and ``bench_wan.png`` under ``--out``.
 """
 
@@ -23,6 +36,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import socket
 import sys
 import threading
@@ -54,12 +68,13 @@ def make_kv(size_bytes: int, num_layers: int = 32):
 class Channel:
     """One receiver (+ optional emulator) and one sender, reused across transfers."""
 
-    def __init__(self, streams: int, emu_kw: dict | None):
-        self.rx = WanKvReceiver(KEY, name="bench-md", idle_timeout=30)
+    def __init__(self, streams: int, emu_kw: dict | None, tls: tuple | None = None):
+        server_ctx, client_ctx = tls or (None, None)
+        self.rx = WanKvReceiver(KEY, name="bench-md", idle_timeout=30, ssl_context=server_ctx)
         self.emu = WanEmulator(self.rx.address, **emu_kw).start() if emu_kw is not None else None
         target = self.emu.address if self.emu else self.rx.address
         self.tx = WanKvSender(target, KEY, name="bench-p", num_streams=streams, idle_timeout=30,
-                              transfer_timeout=600)
+                              transfer_timeout=600, ssl_context=client_ctx)
         assert self.tx.connect(10), "could not connect"
         self.room = 0
 
@@ -67,11 +82,12 @@ class Channel:
         self.room += 1
         self.rx.register_room(self.room, layout, num_tokens, dest)
         wire0 = self.emu.stats()["bytes_up"] if self.emu else 0
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         xfer = self.tx.begin_transfer(self.room, layout, num_tokens, 0)
         xfer.send_kv(kv)
         state = xfer.wait(600)
         elapsed = time.perf_counter() - t0
+        self.last_cpu = _cpu_seconds() - c0
         if state != RoomState.SUCCESS:
             raise RuntimeError(f"transfer failed: {xfer.failure_reason} {xfer.failure_detail}")
         wire = (self.emu.stats()["bytes_up"] - wire0) if self.emu else xfer.plan.total_bytes
@@ -109,6 +125,162 @@ def plain_sendall(data: np.ndarray, dest: np.ndarray) -> float:
         elapsed = time.perf_counter() - t0
     server.close()
     return elapsed
+
+
+def plain_sendall_streams(data: np.ndarray, dest: np.ndarray, streams: int, tls: tuple | None = None,
+                          mac_piece: int = 0) -> tuple[float, float]:
+    """Baseline of the same shape as the channel: ``streams`` TCP connections (TLS-wrapped if
+    ``tls`` = (server, client) contexts), each ``sendall``s 1/N of the bytes, the receiver
+    ``recv_into``s them into ``dest``. Returns (seconds from the first send to the last byte
+    received, CPU seconds of the process meanwhile); connecting is not counted.
+
+    ``mac_piece`` > 0: the same, plus what any per-frame MAC costs and nothing else: each
+    side computes an AES-GMAC tag (the channel's primitive) of every ``mac_piece`` bytes,
+    the sender before sending them, the receiver once they are in; tags are not sent. The
+    ceiling of a channel with frame MACs on this machine."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from sglang_pdd.kv_channel.wan_sender import tune_socket
+
+    src, dst = memoryview(data).cast("B"), memoryview(dest).cast("B")
+    n = len(src)
+    bounds = [(i * n // streams, (i + 1) * n // streams) for i in range(streams)]
+    server = socket.create_server(("127.0.0.1", 0), backlog=streams)
+    conns, clients = [], []
+    for _ in range(streams):  # connect (and TLS handshake) outside the timing
+        c = socket.create_connection(server.getsockname()[:2])
+        a, _ = server.accept()
+        tune_socket(c)
+        tune_socket(a)
+        if tls:
+            hs = threading.Thread(target=lambda: conns.append(tls[0].wrap_socket(a, server_side=True)))
+            hs.start()
+            c = tls[1].wrap_socket(c, server_hostname="127.0.0.1")
+            hs.join()
+        else:
+            conns.append(a)
+        clients.append(c)
+
+    gmac = AESGCM(bytes(32))
+
+    def recv(conn, lo, hi):
+        view = dst[lo:hi]
+        got = tagged = 0
+        while got < len(view):
+            r = conn.recv_into(view[got:])
+            if not r:
+                raise ConnectionError("closed early")
+            got += r
+            while mac_piece and (got - tagged >= mac_piece or (got == len(view) and tagged < got)):
+                end = min(tagged + mac_piece, got)
+                gmac.encrypt(bytes(12), b"", view[tagged:end])
+                tagged = end
+
+    def send(c, lo, hi):
+        if not mac_piece:
+            c.sendall(src[lo:hi])
+            return
+        for o in range(lo, hi, mac_piece):
+            piece = src[o:min(o + mac_piece, hi)]
+            gmac.encrypt(bytes(12), b"", piece)
+            c.sendall(piece)
+
+    threads = [threading.Thread(target=recv, args=(conns[i], *bounds[i])) for i in range(streams)]
+    threads += [threading.Thread(target=send, args=(clients[i], *bounds[i])) for i in range(streams)]
+    c0, t0 = _cpu_seconds(), time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    for s in conns + clients:
+        s.close()
+    server.close()
+    return elapsed, cpu
+
+
+def tls_contexts(d: str) -> tuple:
+    """(server, client) mutual-TLS contexts from throwaway certificates made in ``d``."""
+    import subprocess
+
+    from sglang_pdd.kv_channel.tls import client_context, server_context
+
+    def ossl(*a):
+        subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=d)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ossl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=ca", "-keyout", "ca.key", "-out", "ca.pem")
+    for name, san in (("md", "IP:127.0.0.1"), ("p", "DNS:prefill")):
+        ossl("req", "-new", *ec, "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        with open(os.path.join(d, f"{name}.ext"), "w") as f:
+            f.write(f"subjectAltName={san}\n")
+        ossl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days",
+             "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+        os.chmod(os.path.join(d, f"{name}.key"), 0o600)
+    j = lambda f: os.path.join(d, f)  # noqa: E731
+    return (server_context(j("md.pem"), j("md.key"), j("ca.pem")),
+            client_context(j("p.pem"), j("p.key"), j("ca.pem")))
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process (both ends of the loopback run in it)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def side_by_side(sizes: list[int], streams: int, repeats: int, out: str) -> list[dict]:
+    """Channel vs plain N-stream sendall on loopback, without and with mutual TLS."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for tls_name, tls in (("off", None), ("mutual", tls_contexts(d))):
+            ch = Channel(streams, None, tls)
+            try:
+                for size in sizes:
+                    layout, kv, ntok = make_kv(size)
+                    dest = np.zeros_like(kv)
+                    ch.transfer(layout, kv, ntok, dest)  # warm-up (page faults in dest)
+                    assert np.array_equal(dest, kv)
+                    plain_sendall_streams(kv, dest, streams, tls)
+                    piece = min(ch.tx.max_chunk_bytes, kv.nbytes // layout.num_layers)  # the channel's frames
+                    def channel():
+                        return ch.transfer(layout, kv, ntok, dest)[0], ch.last_cpu
+
+                    runs = {"channel": channel,
+                            "sendall": lambda: plain_sendall_streams(kv, dest, streams, tls)}
+                    if tls is None:
+                        runs["sendall+gmac"] = lambda: plain_sendall_streams(kv, dest, streams, None, piece)
+                    wall = {k: [] for k in runs}
+                    cpu = {k: [] for k in runs}
+                    for _ in range(repeats):  # interleaved: a noisy neighbour hits all alike
+                        for name, run in runs.items():
+                            w, c = run()
+                            wall[name].append(w)
+                            cpu[name].append(c)
+                    best = {k: min(v) for k, v in wall.items()}
+                    cpu_med = {k: float(np.median(v)) for k, v in cpu.items()}
+                    row = dict(tls=tls_name, kv_bytes=kv.nbytes, streams=streams, frame_bytes=piece,
+                               **{f"{k}_gbps": gbps(kv.nbytes, v) for k, v in best.items()},
+                               **{f"{k}_cpu_s_per_gb": v / kv.nbytes * 1e9 for k, v in cpu_med.items()},
+                               ratio=best["sendall"] / best["channel"],
+                               cpu_ratio=cpu_med["sendall"] / cpu_med["channel"], wall_s=wall, cpu_s=cpu)
+                    line = (f"  TLS {tls_name:<6} {kv.nbytes / MB:>6.0f} MiB  sendall {gbps(kv.nbytes, best['sendall']):6.2f}"
+                            f"  channel {gbps(kv.nbytes, best['channel']):6.2f} Gbit/s  ratio {row['ratio']:.2f}"
+                            f"   CPU s/GB: sendall {row['sendall_cpu_s_per_gb']:.2f} channel "
+                            f"{row['channel_cpu_s_per_gb']:.2f}  ratio {row['cpu_ratio']:.2f}")
+                    if "sendall+gmac" in best:
+                        row["sendall+gmac_ratio"] = best["sendall"] / best["sendall+gmac"]
+                        row["sendall+gmac_cpu_ratio"] = cpu_med["sendall"] / cpu_med["sendall+gmac"]
+                        line += (f"\n  {'':>21}sendall+GMAC {gbps(kv.nbytes, best['sendall+gmac']):6.2f} Gbit/s  ratio "
+                                 f"{row['sendall+gmac_ratio']:.2f}   CPU s/GB {row['sendall+gmac_cpu_s_per_gb']:.2f}"
+                                 f"  ratio {row['sendall+gmac_cpu_ratio']:.2f}")
+                    rows.append(row)
+                    print(line, flush=True)
+            finally:
+                ch.close()
+    with open(os.path.join(out, "side_by_side.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
 
 
 # Writes per engine call: Mooncake's TCP transport rejects much larger batches (lane queue
@@ -195,8 +367,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-case-seconds", type=float, default=12.0, help="skip cases expected to take longer")
     ap.add_argument("--quick", action="store_true", help="sizes 16,64 MB, rates 0.1,0.5,1")
     ap.add_argument("--out", default="artifacts/bench_wan")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="only: channel vs plain sendall, same stream count, TLS off and on (best of --repeats)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.side_by_side:
+        os.makedirs(args.out, exist_ok=True)
+        print(f"loopback, {args.streams} streams each side, {args.repeats} interleaved runs; Gbit/s: best run; "
+              f"CPU s/GB: median run, both ends; ratio = channel (or sendall+GMAC) / sendall, in rate")
+        side_by_side([int(s) * MB for s in args.loopback_sizes_mb.split(",")], args.streams, args.repeats, args.out)
+        return 0
     if args.quick:
         args.rates_gbps, args.sizes_mb, args.loopback_sizes_mb = "0.1,0.5,1", "16,64", "64"
     rates = [float(r) for r in args.rates_gbps.split(",")]

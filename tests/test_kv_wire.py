@@ -22,7 +22,6 @@ from sglang_pdd.kv_channel.wire import (
     MsgType,
     ProtocolError,
     TransferBegin,
-    checksum,
     decode_frame,
     encode_frame,
     send_frame,
@@ -38,7 +37,7 @@ def _begin(**kw):
 
 def test_roundtrip_header_and_payload_without_copy():
     payload = bytearray(os.urandom(10_000))
-    msg = Chunk(room=5, index=3, layer_start=1, layer_count=1, page_start=2, page_count=7, crc32=checksum(payload))
+    msg = Chunk(room=5, index=3, layer_start=1, layer_count=1, page_start=2, page_count=7)
     buf = encode_frame(msg, len(payload)) + payload
     decoded, view, used = decode_frame(buf)
     assert decoded == msg and used == len(buf)
@@ -99,7 +98,7 @@ def test_frame_reader_streams_payload_into_caller_buffer():
     a, b = socket.socketpair()
     with a, b:
         payload = os.urandom(200_000)
-        msg = Chunk(1, 0, 0, 1, 0, 1, checksum(payload))
+        msg = Chunk(1, 0, 0, 1, 0, 1)
         send_frame(a, msg, memoryview(payload))
         send_frame(a, Ack(1, 2))
         reader = FrameReader(b, max_payload_bytes=1 << 20)
@@ -114,7 +113,7 @@ def test_frame_reader_streams_payload_into_caller_buffer():
 def test_frame_reader_enforces_limits():
     a, b = socket.socketpair()
     with a, b:
-        send_frame(a, Chunk(1, 0, 0, 1, 0, 1, 0), memoryview(bytes(5000)))
+        send_frame(a, Chunk(1, 0, 0, 1, 0, 1), memoryview(bytes(5000)))
         with pytest.raises(ProtocolError, match="payload of 5000 bytes exceeds limit 4096"):
             FrameReader(b, max_payload_bytes=4096).read_message()
 

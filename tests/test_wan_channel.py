@@ -32,7 +32,7 @@ from sglang_pdd.kv_channel.wire import (
     Nack,
     TransferBegin,
     TransferEnd,
-    checksum,
+    encode_frame,
     send_frame,
 )
 
@@ -265,13 +265,13 @@ def test_duplicate_chunk_rejected_not_double_written(receiver):
     a, b = os.urandom(1000), os.urandom(1000)
     with raw_client(receiver.address) as s:
         s.send(begin)
-        s.send(Chunk(77, 0, 0, 1, 0, 1, checksum(a)), a)
-        s.send(Chunk(77, 0, 0, 1, 0, 1, checksum(b)), b)  # same index, other bytes
+        s.send(Chunk(77, 0, 0, 1, 0, 1), a)
+        s.send(Chunk(77, 0, 0, 1, 0, 1), b)  # same index, other bytes
         err = read_until(s, Error)
         assert err.reason == "duplicate" and err.room == 77
-        s.send(Chunk(77, 1, 0, 1, 0, 1, checksum(b)), b)  # other index, same pages
+        s.send(Chunk(77, 1, 0, 1, 0, 1), b)  # other index, same pages
         assert read_until(s, Error).reason == "duplicate"
-        s.send(Chunk(77, 1, 0, 1, 1, 1, checksum(b)), b)
+        s.send(Chunk(77, 1, 0, 1, 1, 1), b)
         s.send(TransferEnd(77, 2, 2000))
         assert read_until(s, Ack).room == 77
     assert receiver.poll(77) == RoomState.SUCCESS
@@ -279,16 +279,21 @@ def test_duplicate_chunk_rejected_not_double_written(receiver):
     assert receiver.stats()["duplicate"] == 2
 
 
-def test_crafted_bad_checksum_fails_room(receiver):
+def test_chunk_whose_payload_does_not_match_its_tag_fails_room(receiver):
+    """What the per-chunk CRC used to catch: payload bytes that are not the ones the sender
+    tagged. The receiver never reports SUCCESS on them and closes the stream."""
     layout = KvLayout(1, 16, 1000)
     dest, plan, begin = _craft_room(receiver, 78, layout, 16)
     data = os.urandom(1000)
     with raw_client(receiver.address) as s:
         s.send(begin)
-        s.send(Chunk(78, 0, 0, 1, 0, 1, checksum(data) ^ 1), data)
-        nack = read_until(s, Nack)
-        assert (nack.room, nack.reason) == (78, FailureReason.CHECKSUM)
-    assert receiver.poll(78) == RoomState.FAILED and receiver.failure_reason(78) == FailureReason.CHECKSUM
+        head = encode_frame(Chunk(78, 0, 0, 1, 0, 1), len(data))
+        tag_h, tag_p = s.secure.send_mac.seal(head, data)
+        s.sendall(head + tag_h + bytes([data[0] ^ 1]) + data[1:] + tag_p)
+        err = read_until(s, Error)
+        assert (err.room, err.reason) == (-1, FailureReason.INTEGRITY) and "payload MAC mismatch" in err.detail
+        assert_closed(s)
+    assert receiver.wait(78, 5) == RoomState.FAILED and receiver.failure_reason(78) == FailureReason.INTEGRITY
 
 
 def test_corrupted_chunk_on_the_wire_fails_both_sides(receiver):

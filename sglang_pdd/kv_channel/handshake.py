@@ -8,18 +8,29 @@
                                              verify mac_c
                                           <- HELLO_OK   (or ERROR + close)
 
-    transcript = nonce_c | nonce_s | name_c | name_s | session | stream | num_streams
+    transcript = nonce_c | nonce_s | name_c | name_s | session | stream | num_streams [| tls_binding]
     mac_s = HMAC(key, "server" | transcript)
     mac_c = HMAC(key, "client" | transcript)
-    (c2s, s2c) = HKDF(key, salt = sha256(transcript))   -> per-frame MAC keys (wire.FrameMac)
+    (c2s, s2c) = HKDF(key, salt = sha256(transcript))   -> per-frame GMAC keys (wire.FrameMac)
 
 Both sides prove knowledge of the key over fresh nonces, so neither a wrong-key peer
 nor a replayed handshake gets in; the role tag stops a reflection of the server's
-proof. Every frame after that (HELLO_OK first) carries HMAC-SHA256 tags under keys
+proof. Every frame after that (HELLO_OK first) carries AES-GMAC tags under keys
 derived from the key and this connection's transcript, with implicit sequence numbers
 (wire.py): a keyless relay that alters, drops, replays or reorders a frame is detected.
 Frames are authenticated, not encrypted: for confidentiality pass an ``ssl.SSLContext``
 to sender and receiver (``--pdd-wan-tls-*``).
+
+TLS-bound streams. When the handshake runs inside TLS 1.3 (mutual TLS, tls.py), both sides
+append the connection's channel binding (``tls-unique``: the first Finished message, which
+only the two TLS endpoints share) to the transcript, so the proofs above are valid only on
+this TLS connection: a relay that terminates TLS towards each side (even one holding a
+certificate from the CA) has two TLS connections with different bindings and cannot pass
+the proofs on to the other side. On such a stream the frames carry no MAC tags
+(``SecureStream.tls_bound``): TLS records are already encrypted and authenticated, with
+implicit per-direction sequence numbers (nothing altered, replayed, reordered, dropped or
+injected gets through), and the binding proves that the TLS peer is the one that knew the
+shared key. Without TLS, or with TLS 1.2, frames keep their tags.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import hashlib
 import hmac
 import os
 import socket
+import ssl
 import stat
 from dataclasses import dataclass
 from typing import Optional
@@ -100,13 +112,22 @@ def load_key(path) -> bytes:
     return key
 
 
-def _transcript(hello: Hello, server_name: str, server_nonce: bytes) -> bytes:
-    """Everything both sides said in the handshake, in one unambiguous encoding."""
-    return msgpack.packb(
-        [hello.nonce, server_nonce, hello.peer_name, server_name, hello.session_id, hello.stream_index,
-         hello.num_streams],
-        use_bin_type=True,
-    )
+def _transcript(hello: Hello, server_name: str, server_nonce: bytes, tls_binding: bytes = b"") -> bytes:
+    """Everything both sides said in the handshake, in one unambiguous encoding, plus the
+    TLS channel binding when the stream is TLS-bound (see the module docstring)."""
+    fields = [hello.nonce, server_nonce, hello.peer_name, server_name, hello.session_id, hello.stream_index,
+              hello.num_streams]
+    if tls_binding:
+        fields.append(tls_binding)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def tls_binding(sock: socket.socket) -> bytes:
+    """The channel binding of a TLS 1.3 stream (b"" for plain TCP or older TLS: frames then
+    keep their MAC tags). Both ends of one TLS connection get the same bytes."""
+    if not isinstance(sock, ssl.SSLSocket) or sock.version() != "TLSv1.3":
+        return b""
+    return sock.get_channel_binding("tls-unique") or b""
 
 
 def _proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
@@ -114,7 +135,7 @@ def _proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
 
 
 def derive_frame_keys(key: bytes, transcript: bytes) -> tuple[bytes, bytes]:
-    """(client->server, server->client) frame-MAC keys of one connection.
+    """(client->server, server->client) frame-MAC keys (AES-256-GMAC) of one connection.
 
     HKDF-SHA256 (RFC 5869): extract with both nonces' transcript hash as salt over the
     shared key, expand once per direction. Fresh nonces from both sides make the keys
@@ -124,7 +145,7 @@ def derive_frame_keys(key: bytes, transcript: bytes) -> tuple[bytes, bytes]:
     prk = hmac.new(hashlib.sha256(transcript).digest(), key, hashlib.sha256).digest()
 
     def expand(label: bytes) -> bytes:
-        return hmac.new(prk, b"pdkv frame mac v2 " + label + b"\x01", hashlib.sha256).digest()
+        return hmac.new(prk, b"pdkv frame mac v4 " + label + b"\x01", hashlib.sha256).digest()
 
     return expand(b"c2s"), expand(b"s2c")
 
@@ -132,12 +153,17 @@ def derive_frame_keys(key: bytes, transcript: bytes) -> tuple[bytes, bytes]:
 @dataclass
 class SecureStream:
     """An authenticated stream: the peer's name, its HELLO (server side) and the frame
-    MACs to pass to ``send_frame(..., mac=send_mac)``; the reader already verifies."""
+    MACs to pass to ``send_frame(..., mac=send_mac)``; the reader already verifies.
+    On a TLS-bound stream both MACs are None: TLS authenticates every record."""
 
     peer_name: str
     hello: Hello
-    send_mac: FrameMac
-    recv_mac: FrameMac
+    send_mac: Optional[FrameMac]
+    recv_mac: Optional[FrameMac]
+
+    @property
+    def tls_bound(self) -> bool:
+        return self.send_mac is None
 
 
 def client_handshake(
@@ -159,12 +185,14 @@ def client_handshake(
         raise AuthError(f"server refused: {msg.reason}: {msg.detail}")
     if not isinstance(msg, HelloChallenge):
         raise AuthError(f"expected HELLO_CHALLENGE, got {type(msg).__name__}")
-    transcript = _transcript(hello, msg.peer_name, msg.nonce)
+    binding = tls_binding(sock)
+    transcript = _transcript(hello, msg.peer_name, msg.nonce, binding)
     if not hmac.compare_digest(msg.mac, _proof(key, b"server", transcript)):
-        raise AuthError(f"server {msg.peer_name!r} failed to prove the shared key")
+        raise AuthError(f"server {msg.peer_name!r} failed to prove the shared key"
+                        + (" on this TLS connection" if binding else ""))
     send_frame(sock, HelloAuth(_proof(key, b"client", transcript)))
     c2s, s2c = derive_frame_keys(key, transcript)
-    reader.mac = FrameMac(s2c)  # HELLO_OK is the server's first authenticated frame
+    reader.mac = None if binding else FrameMac(s2c)  # HELLO_OK is the server's first authenticated frame
     try:
         reply, _ = reader.read_message()
     except (ProtocolError, ConnectionClosed) as e:
@@ -172,7 +200,7 @@ def client_handshake(
         raise AuthError(f"server {msg.peer_name!r} did not accept our proof: {e}") from None
     if not isinstance(reply, HelloOk):
         raise AuthError(f"expected HELLO_OK, got {type(reply).__name__}")
-    return SecureStream(msg.peer_name, hello, FrameMac(c2s), reader.mac)
+    return SecureStream(msg.peer_name, hello, None if binding else FrameMac(c2s), reader.mac)
 
 
 def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameReader) -> SecureStream:
@@ -184,7 +212,8 @@ def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameRe
     if len(hello.nonce) != NONCE_BYTES or not (1 <= len(hello.session_id) <= 64):
         raise ProtocolError("HELLO: bad nonce or session id length")
     nonce = os.urandom(NONCE_BYTES)
-    transcript = _transcript(hello, name, nonce)
+    binding = tls_binding(sock)
+    transcript = _transcript(hello, name, nonce, binding)
     send_frame(sock, HelloChallenge(name, nonce, _proof(key, b"server", transcript)))
     auth, _ = reader.read_message()
     if not isinstance(auth, HelloAuth):
@@ -196,7 +225,7 @@ def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameRe
             pass
         raise AuthError(f"peer {hello.peer_name!r} failed HMAC authentication")
     c2s, s2c = derive_frame_keys(key, transcript)
-    stream = SecureStream(hello.peer_name, hello, FrameMac(s2c), FrameMac(c2s))
+    stream = SecureStream(hello.peer_name, hello, *((None, None) if binding else (FrameMac(s2c), FrameMac(c2s))))
     reader.mac = stream.recv_mac
     send_frame(sock, HelloOk(), mac=stream.send_mac)
     return stream

@@ -4,6 +4,8 @@ Mutual TLS: MD (receiver) and P (sender) each present a certificate signed by th
 ``ca`` and require the peer's. P also checks that MD's certificate names the address it
 dials (IP or DNS subjectAltName). TLS adds confidentiality; integrity and peer
 authentication hold without it too (HMAC handshake and per-frame MACs, handshake.py).
+With TLS 1.3 the handshake is bound to the TLS connection and frames drop their own MAC
+tags, so TLS replaces their cost instead of adding to it (handshake.py, "TLS-bound streams").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Destination of a room, either:
     ``num_layers * total_pages * bytes_per_page`` bytes laid out [layer][page][byte]:
     payloads are ``recv_into``'d straight into it (no copy), or
   * a callable ``write(layer_start, layer_count, page_start, page_count, payload)``,
-    called after the chunk's checksum is verified; ``payload`` is a memoryview that is
+    called after the chunk's MAC tag is verified; ``payload`` is a memoryview that is
     only valid during the call (an SGLang backend scatters it into its KV pool pages).
 Pages below ``decode_prefix_len // page_size`` are never written.
 
@@ -22,13 +22,12 @@ What is checked, and what happens (the connection survives unless the framing is
   * chunk or BEGIN for an unregistered room  -> NACK(unknown_room), payload discarded
   * BEGIN / chunk not matching the room      -> room FAILED(layout_mismatch), NACK
   * duplicate or overlapping chunk           -> ERROR(duplicate), payload discarded, not written
-  * CRC mismatch                             -> room FAILED(checksum), NACK
   * stream of the room's session drops       -> room FAILED(connection_lost)
   * no bytes for ``idle_timeout`` mid-transfer -> room FAILED(idle_timeout)
   * the same peer name reconnects with a new session (restart) -> the old session's
     unfinished rooms FAILED(peer_restarted), its sockets closed.
 A room is SUCCESS when BEGIN and END arrived and every (layer, page) of the announced
-range was written exactly once with a good checksum; then the sender gets an ACK.
+range was written exactly once with a verified tag; then the sender gets an ACK.
 
 Row slices (P with TP > 1, each rank holding some KV heads): a room may come from several
 senders, each moving bytes [offset, offset + width) of every token row (one *part* per slice,
@@ -50,7 +49,6 @@ import ssl
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -145,7 +143,7 @@ class _Conn:
         self.send_lock = threading.Lock()
         self.session: Optional[_Session] = None
         self.peer = f"{addr[0]}:{addr[1]}"
-        self.mac: Optional[FrameMac] = None  # set by the handshake; every later frame is tagged
+        self.mac: Optional[FrameMac] = None  # from the handshake: tags every later frame (None if TLS-bound)
 
         # Replies decided under the receiver's lock wait here; they are sent without it
         # (flush), so a peer that stops reading stalls only its own threads.
@@ -213,7 +211,12 @@ class WanKvReceiver(RoomQueries):
         self.socket_buffer_bytes = socket_buffer_bytes
         self.ssl_context = ssl_context
 
-        self._cv = threading.Condition()
+        # One lock; the flusher and the watchdog wait on conditions of their own, so the
+        # notifications of the per-chunk path do not wake them.
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # room states, writers leaving a destination
+        self._flush_cv = threading.Condition(lock)  # the flusher: replies were posted
+        self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
         self._rooms: dict[int, _Room] = {}
         self._sessions: dict[bytes, _Session] = {}
         self._conns: set[_Conn] = set()
@@ -306,6 +309,8 @@ class WanKvReceiver(RoomQueries):
             for conn in self._conns:
                 conn.shutdown()
             self._cv.notify_all()
+            self._flush_cv.notify_all()
+            self._tick.notify_all()
         deadline = time.monotonic() + timeout
         self._acceptor.close(timeout)
         for t in [self._watchdog, self._flusher]:
@@ -571,7 +576,7 @@ class WanKvReceiver(RoomQueries):
             reader.discard_payload()  # outside the lock: keeps the stream in sync, writes nothing
             return
         try:
-            crc = self._receive_payload(entry, part, reader, msg)
+            self._receive_payload(entry, part, reader, msg)
         except BaseException as e:
             with self._cv:
                 if isinstance(e, IntegrityError):  # before any other stream can complete the room on altered bytes
@@ -586,12 +591,6 @@ class WanKvReceiver(RoomQueries):
             self._cv.notify_all()
             if entry.state.is_terminal:
                 return  # failed/aborted meanwhile
-            if crc is not None and crc != msg.crc32:
-                self.counters["checksum_failures"] += 1
-                self._fail_room(entry, FailureReason.CHECKSUM,
-                                f"chunk {msg.index}: crc32 {crc:#010x} != announced {msg.crc32:#010x}",
-                                tell_peer=True, conn=conn)
-                return
             part.bytes_received += plen
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
@@ -643,23 +642,21 @@ class WanKvReceiver(RoomQueries):
             return f"index {msg.index} >= num_chunks {part.begin.num_chunks}"
         return ""
 
-    def _receive_payload(self, entry: _Room, part: _Part, reader: FrameReader, msg: Chunk) -> Optional[int]:
-        """Read the payload into the destination; returns its crc32. Runs without the lock."""
+    def _receive_payload(self, entry: _Room, part: _Part, reader: FrameReader, msg: Chunk) -> None:
+        """Read the payload into the destination. Runs without the lock. The reader checks
+        the frame's tag when the last byte is read (IntegrityError): bytes written straight
+        into a destination buffer before that only count once the room is SUCCESS."""
         lay = entry.layout
         whole = part.width == 0
         if entry.dest_view is not None and whole:
             bpp = lay.bytes_per_page
-            crc = 0
             for layer in range(msg.layer_start, msg.layer_start + msg.layer_count):
                 start = (layer * entry.total_pages + msg.page_start) * bpp
-                view = entry.dest_view[start : start + msg.page_count * bpp]
-                reader.read_payload_into(view)  # zero-copy: straight into the KV destination
-                crc = zlib.crc32(view, crc)
-            return crc & 0xFFFFFFFF
-        payload = reader.read_payload()
-        crc = zlib.crc32(payload) & 0xFFFFFFFF
-        if crc != msg.crc32 or entry.state.is_terminal:
-            return crc
+                reader.read_payload_into(entry.dest_view[start : start + msg.page_count * bpp])  # zero-copy
+            return
+        payload = reader.read_payload()  # verified (or IntegrityError) before anything is written
+        if entry.state.is_terminal:
+            return
         if entry.dest_view is not None:  # a row slice: strided into [layer][page][token][row bytes]
             dest = np.frombuffer(entry.dest_view, dtype=np.uint8).reshape(
                 lay.num_layers, entry.total_pages, lay.page_size, lay.token_bytes)
@@ -671,7 +668,6 @@ class WanKvReceiver(RoomQueries):
         else:
             entry.dest_write(msg.layer_start, msg.layer_count, msg.page_start, msg.page_count, payload,
                              row=(part.offset, part.width))
-        return crc
 
     def _check_complete(self, entry: _Room, conn: _Conn) -> None:
         parts = list(entry.parts.values())
@@ -737,14 +733,14 @@ class WanKvReceiver(RoomQueries):
             return
         conn.outbox.append(msg)
         self._to_flush.add(conn)
-        self._cv.notify_all()
+        self._flush_cv.notify()
 
     def _flush_loop(self) -> None:
         """Sends the replies that no reader thread is about to send (owner aborts, other
         streams' rooms), without the lock."""
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._to_flush or self._closed)
+                self._flush_cv.wait_for(lambda: self._to_flush or self._closed)
                 if self._closed:
                     return
                 conns, self._to_flush = self._to_flush, set()
@@ -766,4 +762,4 @@ class WanKvReceiver(RoomQueries):
                         # No NACK: the stream may be the stalled thing; the sender has its own timer.
                         self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
                                         f"no data for {now - entry.last_progress:.1f}s", tell_peer=False)
-                self._cv.wait(min(0.1, self.idle_timeout / 4))
+                self._tick.wait(min(0.1, self.idle_timeout / 4))

@@ -7,7 +7,7 @@ streams (default 4) that each authenticate (see handshake.py). Many rooms share 
 Data path::
 
     producer --send_layer/send_chunk--> bounded queue (window_bytes) --> N stream writers
-                                                                          (crc32, sendall)
+                                                                          (GMAC tag, sendmsg)
     N stream readers <-- ACK / NACK / ERROR / ABORT from the receiver
 
 * Striping: the writers pull from one shared queue, so chunks spread over all streams
@@ -19,8 +19,8 @@ Data path::
   until the room is SUCCESS or FAILED (same contract as Mooncake's transfer).
 * Success means the receiver verified every chunk (ACK), not that bytes left this host.
 
-Failures (room -> FAILED with a ``FailureReason``): a NACK from the receiver (checksum,
-unknown_room, layout_mismatch, ...), a broken stream (connection_lost: every unfinished
+Failures (room -> FAILED with a ``FailureReason``): a NACK from the receiver
+(unknown_room, layout_mismatch, ...), a broken stream (connection_lost: every unfinished
 room of that session fails, since its chunks were striped over all streams), a stream
 stuck in ``send`` or a room without progress for ``idle_timeout`` (stall / partition),
 the per-transfer deadline ``transfer_timeout``, connect or auth failure, ``abort()``.
@@ -55,7 +55,6 @@ from .wire import (
     ProtocolError,
     TransferBegin,
     TransferEnd,
-    checksum,
     send_frame,
 )
 
@@ -168,7 +167,13 @@ class WanKvSender(RoomQueries):
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname
 
-        self._cv = threading.Condition()  # guards rooms, sessions and the send queue
+        # One lock guards rooms, sessions and the send queue. Waiters of different things wait
+        # on different conditions of it, so a queued chunk wakes one writer, and a written one
+        # only a producer blocked on the window, not every thread (per chunk, on the hot path).
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # room states, window space, session up/dead
+        self._work = threading.Condition(lock)  # writers: the queue got an item, or the session changed
+        self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
         self._rooms: dict[int, _Room] = {}
         self._session: Optional[_Session] = None
         self._threads: list[threading.Thread] = []
@@ -267,6 +272,7 @@ class WanKvSender(RoomQueries):
             if self._session is not None:
                 self._kill_session(self._session, FailureReason.CLOSED, "sender closed")
             self._cv.notify_all()
+            self._tick.notify_all()
         deadline = time.monotonic() + timeout
         for t in [self._watchdog, *self._threads]:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -288,7 +294,7 @@ class WanKvSender(RoomQueries):
         view = memoryview(payload).cast("B")
         if view.nbytes != spec.nbytes:
             raise ValueError(f"room {entry.room} chunk {index}: payload is {view.nbytes} bytes, expected {spec.nbytes}")
-        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count, 0,  # crc filled by writer
+        msg = Chunk(entry.room, index, spec.layer, 1, spec.page_start, spec.page_count,
                     *(() if entry.row is None else (entry.row.index, entry.row.offset, entry.row.width)))
         with self._cv:
             if index in entry.queued:
@@ -332,7 +338,7 @@ class WanKvSender(RoomQueries):
         session.queue.append(item)
         session.queued_bytes += item.nbytes
         entry.last_progress = time.monotonic()
-        self._cv.notify_all()
+        self._work.notify()
 
     def _ensure_session(self) -> _Session:
         s = self._session
@@ -386,6 +392,7 @@ class WanKvSender(RoomQueries):
                 except OSError:
                     pass
         self._cv.notify_all()
+        self._work.notify_all()
 
     # ------------------------------------------------------------------ threads
 
@@ -429,6 +436,7 @@ class WanKvSender(RoomQueries):
                         entry.state = RoomState.TRANSFERRING if entry.queued or entry.end_queued \
                             else RoomState.WAITING_FOR_INPUT
                 self._cv.notify_all()
+                self._work.notify_all()
         reader = threading.Thread(target=self._read_stream, args=(s, stream, frame_reader), daemon=True,
                                   name=f"kv-send-rd-{self.name}-{s.tag}-{stream.index}")
         with self._cv:
@@ -443,7 +451,7 @@ class WanKvSender(RoomQueries):
     def _write_stream(self, s: _Session, stream: _Stream, sock: socket.socket) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: s.dead or (s.up and s.queue))
+                self._work.wait_for(lambda: s.dead or (s.up and s.queue))
                 if s.dead:
                     return
                 item = s.queue.popleft()
@@ -454,10 +462,8 @@ class WanKvSender(RoomQueries):
                     continue
                 stream.busy_since = time.monotonic()
             try:
-                msg = item.msg
-                if isinstance(msg, Chunk):
-                    msg.crc32 = checksum(item.payload)  # here, so N writers checksum in parallel
-                send_frame(sock, msg, item.payload, mac=stream.secure.send_mac)
+                # Tagged here, so N writers tag in parallel (OpenSSL's GMAC releases the GIL).
+                send_frame(sock, item.msg, item.payload, mac=stream.secure.send_mac)
             except OSError as e:
                 with self._cv:
                     stream.busy_since = None
@@ -533,7 +539,7 @@ class WanKvSender(RoomQueries):
                     elif now - entry.last_progress > self.idle_timeout:
                         self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
                                         f"no progress for {now - entry.last_progress:.1f}s in {entry.state.name}")
-                self._cv.wait(min(0.1, self.idle_timeout / 4))
+                self._tick.wait(min(0.1, self.idle_timeout / 4))
 
 
 class Transfer:

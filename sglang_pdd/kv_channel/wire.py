@@ -13,9 +13,10 @@ Every frame on a stream is::
 Only CHUNK frames (the KV bytes, layer-major: for each layer of the chunk,
 ``page_count * bytes_per_page`` bytes) and MEM_WRITE frames (raw bytes for a one-sided
 write, see tcp_engine.py) carry a payload. Payloads are never copied by the codec:
-the sender hands a memoryview to ``sendall`` and the receiver ``recv_into``s straight
-into the destination buffer (or, for MEM_WRITE, into a scratch buffer that is checked
-before it is copied to the target address).
+the sender hands the header, the caller's memoryview and the tag to one ``sendmsg``
+(gather write) and the receiver ``recv_into``s straight into the destination buffer (or,
+for MEM_WRITE, into a scratch buffer that is checked before it is copied to the target
+address).
 
 Why a fixed prefix before the msgpack header: the reader learns both lengths from
 20 bytes and checks them against hard limits *before* allocating anything, so a
@@ -24,14 +25,25 @@ malformed or hostile peer cannot make us allocate 4 GiB or read forever.
 Every malformed input raises :class:`ProtocolError` whose message names what was wrong.
 
 Frame authentication (after the handshake, see handshake.py): every frame carries
-HMAC-SHA256 tags, truncated to 16 bytes, under a per-connection, per-direction key::
+AES-256-GMAC tags (AES-GCM with an empty plaintext: the bytes are authenticated, not
+encrypted) under a per-connection, per-direction key, with the frame counter as nonce::
 
     prefix | header | tag_h [| payload | tag_p]
-    tag_h = HMAC(k, seq | "H" | prefix | header)            -- checked before acting on the header
-    tag_p = HMAC(k, seq | "P" | prefix | header | payload)  -- checked once the payload is read
+    tag_h = GMAC(k, nonce = 00 00 00 01 | seq, aad = prefix | header)  -- checked before acting on the header
+    tag_p = GMAC(k, nonce = 00 00 00 02 | seq, aad = payload)          -- checked once the payload is read
 
-``seq`` counts the frames of that direction from 0 and is not sent, so a replayed,
-reordered, dropped or injected frame fails its tag like an altered one (IntegrityError).
+``seq`` (u64) counts the frames of that direction from 0 and is not sent, so a replayed,
+reordered, dropped or injected frame fails its tag like an altered one (IntegrityError);
+tag_p is bound to its frame's header through the shared ``seq``, and the header (tag_h)
+fixes the payload's length. Each (key, nonce) pair is used once, as GCM requires: the key
+is unique to the connection and direction, the nonce to the frame and part. GMAC replaced
+HMAC-SHA256 (wire version 4) because it is ~10x cheaper per byte with AES-NI/PCLMUL and
+OpenSSL releases the GIL on it (benchmarks/bench_frame_mac.py); the tag also replaced the
+chunks' CRC-32, which could only catch what the tag already does.
+
+On a stream whose handshake ran inside TLS 1.3 and is bound to it (handshake.py,
+``SecureStream.tls_bound``), frames carry no tags: TLS records are already authenticated
+and ordered, and the binding proves the TLS peer is the one that knew the shared key.
 """
 
 from __future__ import annotations
@@ -40,15 +52,20 @@ import dataclasses
 import enum
 import hmac
 import socket
+import ssl
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
 import msgpack
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAGIC = b"PDKV"
-VERSION = 3  # 2: frames after the handshake carry MAC tags; 3: row slices (P with TP > 1)
+# 2: frames after the handshake carry MAC tags; 3: row slices (P with TP > 1); 4: GMAC tags instead
+# of HMAC-SHA256, no CRC-32 in CHUNK, no tags on a TLS-bound stream
+VERSION = 4
 PREFIX = struct.Struct("!4sBBHIQ")  # magic, version, msg type, reserved, header len, payload len
 PREFIX_SIZE = PREFIX.size  # 20
 
@@ -67,7 +84,46 @@ class IntegrityError(ProtocolError):
 
 
 TAG_BYTES = 16
-_SEQ = struct.Struct("!Q")
+_NONCE = struct.Struct("!IQ")  # part (1 = header, 2 = payload), frame counter: 12 bytes
+_PART_HEADER, _PART_PAYLOAD = 1, 2
+
+
+class PayloadMac:
+    """The running tag of one frame's payload, fed as its pieces arrive.
+
+    A payload read in one piece (the common case) is tagged in one ``AESGCM.encrypt`` call,
+    which releases the GIL; one read in pieces goes through GCM's incremental interface.
+    """
+
+    __slots__ = ("_key", "_aead", "_nonce", "_left", "_ctx", "_tag")
+
+    def __init__(self, key: bytes, aead: AESGCM, nonce: bytes, nbytes: int):
+        self._key, self._aead, self._nonce, self._left = key, aead, nonce, nbytes
+        self._ctx = None
+        self._tag: Optional[bytes] = None
+
+    def update(self, piece) -> None:
+        n = memoryview(piece).nbytes
+        if n > self._left:
+            raise ValueError("more bytes than the payload has")
+        if self._ctx is None and self._tag is None and n == self._left:
+            self._tag = self._aead.encrypt(self._nonce, b"", piece)
+        else:
+            if self._ctx is None:
+                self._ctx = Cipher(algorithms.AES(self._key), modes.GCM(self._nonce)).encryptor()
+            self._ctx.authenticate_additional_data(piece)
+        self._left -= n
+
+    def digest(self) -> bytes:
+        if self._left:
+            raise ValueError(f"payload tag asked for with {self._left} bytes still unread")
+        if self._tag is None:
+            if self._ctx is None:  # an empty payload: no frame has one, but keep it well-defined
+                self._tag = self._aead.encrypt(self._nonce, b"", None)
+            else:
+                self._ctx.finalize()
+                self._tag = self._ctx.tag
+        return self._tag
 
 
 class FrameMac:
@@ -77,28 +133,29 @@ class FrameMac:
     """
 
     def __init__(self, key: bytes):
-        if len(key) < 32:
-            raise ValueError("frame MAC key must be at least 32 bytes")
+        if len(key) != 32:
+            raise ValueError("frame MAC key must be 32 bytes (AES-256)")
         self._key = bytes(key)
+        self._aead = AESGCM(self._key)
         self.seq = 0
 
-    def begin(self, head) -> tuple[bytes, "hmac.HMAC"]:
-        """Tag of a frame's prefix+header, and the running MAC its payload (if any) extends."""
-        seq = _SEQ.pack(self.seq)
+    def begin(self, head, payload_len: int = 0) -> tuple[bytes, Optional[PayloadMac]]:
+        """Tag of a frame's prefix+header, and the running tag of its payload (None without one)."""
+        seq = self.seq
         self.seq += 1
-        h = hmac.new(self._key, seq + b"H", "sha256")
-        h.update(head)
-        p = hmac.new(self._key, seq + b"P", "sha256")
-        p.update(head)
-        return h.digest()[:TAG_BYTES], p
+        tag_h = self._aead.encrypt(_NONCE.pack(_PART_HEADER, seq), b"", bytes(head))
+        if not payload_len:
+            return tag_h, None
+        return tag_h, PayloadMac(self._key, self._aead, _NONCE.pack(_PART_PAYLOAD, seq), payload_len)
 
     def seal(self, head, payload=None) -> tuple[bytes, bytes]:
         """(tag_h, tag_p) of an outgoing frame; tag_p is b"" without a payload."""
-        tag_h, p = self.begin(head)
-        if payload is None or not memoryview(payload).nbytes:
+        n = 0 if payload is None else memoryview(payload).nbytes
+        tag_h, p = self.begin(head, n)
+        if p is None:
             return tag_h, b""
-        p.update(payload)  # hashlib releases the GIL on large buffers
-        return tag_h, p.digest()[:TAG_BYTES]
+        p.update(payload)
+        return tag_h, p.digest()
 
 
 class MsgType(enum.IntEnum):
@@ -120,7 +177,7 @@ class MsgType(enum.IntEnum):
 
 
 def checksum(data) -> int:
-    """Per-chunk checksum (CRC-32; zlib releases the GIL on large buffers)."""
+    """CRC-32 of a MEM_WRITE payload (tcp_engine.py; zlib releases the GIL on large buffers)."""
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
@@ -204,7 +261,6 @@ class Chunk:
     layer_count: int
     page_start: int
     page_count: int
-    crc32: int
     slice_index: int = 0  # as in TransferBegin: chunks may overtake their BEGIN on other streams
     row_offset: int = 0
     row_bytes: int = 0  # 0 = the whole row
@@ -333,21 +389,37 @@ def encode_frame(msg: Message, payload_len: int = 0) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, int(msg.TYPE), 0, len(header), payload_len) + header
 
 
+def sendmsg_all(sock: socket.socket, parts: list) -> None:
+    """``sendall`` of several buffers as one gather write (no joining copy), resumed after
+    partial writes. A TLS socket has no ``sendmsg``: its parts go one ``sendall`` each."""
+    if isinstance(sock, ssl.SSLSocket):
+        for part in parts:
+            if memoryview(part).nbytes:
+                sock.sendall(part)
+        return
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
 def send_frame(sock: socket.socket, msg: Message, payload=None, mac: Optional[FrameMac] = None) -> None:
     """Write one frame (with its tags when ``mac`` is given: every frame after the
-    handshake). Small payloads are joined to the header (one syscall); large ones go as
-    a separate ``sendall`` of the caller's memoryview (no copy)."""
+    handshake, unless the stream is TLS-bound). Header, payload (the caller's memoryview,
+    not copied) and tag go in one gather write."""
     n = 0 if payload is None else memoryview(payload).nbytes
     head = encode_frame(msg, n)
     tag_h, tag_p = mac.seal(head, payload if n else None) if mac is not None else (b"", b"")
     if n == 0:
         sock.sendall(head + tag_h)
-    elif n <= 64 * 1024:
-        sock.sendall(head + tag_h + bytes(payload) + tag_p)
+    elif n <= 64 * 1024:  # small: one buffer, one TLS record or syscall
+        sock.sendall(b"".join((head, tag_h, payload, tag_p)))
     else:
-        sock.sendall(head + tag_h)
-        sock.sendall(payload)
-        sock.sendall(tag_p)
+        sendmsg_all(sock, [head + tag_h, payload, tag_p])
 
 
 # ---------------------------------------------------------------------------
@@ -480,11 +552,9 @@ class FrameReader:
         recv_exactly_into(self.sock, memoryview(header))
         if self.mac is not None:
             seq = self.mac.seq
-            tag_h, self._payload_mac = self.mac.begin(prefix + header)
+            tag_h, self._payload_mac = self.mac.begin(prefix + header, plen)
             self._frame_name = f"{msg_type.name} frame #{seq}"
             self._check_tag(tag_h, "header")
-            if not plen:
-                self._payload_mac = None
         msg = decode_header(msg_type, bytes(header))
         self.pending_payload = plen
         return msg, plen
@@ -507,7 +577,7 @@ class FrameReader:
             self._payload_mac.update(view)
             if not self.pending_payload:
                 p, self._payload_mac = self._payload_mac, None
-                self._check_tag(p.digest()[:TAG_BYTES], "payload")
+                self._check_tag(p.digest(), "payload")
 
     def read_payload(self) -> memoryview:
         """Whole payload into a reusable scratch buffer (valid until the next read)."""

@@ -20,7 +20,6 @@ from sglang_pdd.kv_channel.wire import (
     ProtocolError,
     TransferBegin,
     TransferEnd,
-    checksum,
     decode_frame,
     encode_frame,
 )
@@ -60,7 +59,7 @@ def test_negative_layer_start_is_refused_before_any_write(receiver):
     with RawStream(receiver.address, KEY) as s:
         s.send(TransferBegin(7, "", 32, 16, 0, 2, 2, 1000, layout.dtype, 4, b""))
         # layer -1 used to pass validation and land in layer 1 of the destination, uncounted.
-        s.send(Chunk(7, 0, -1, 1, 0, 1, checksum(evil)), evil)
+        s.send(Chunk(7, 0, -1, 1, 0, 1), evil)
         reply, _ = s.read_message()
         assert isinstance(reply, Error) and reply.reason == FailureReason.PROTOCOL
         assert "CHUNK.layer_start: integer -1 out of range" in reply.detail

@@ -138,3 +138,55 @@ def test_tls_flags_go_together_and_only_on_wan_roles():
         validate(PddConfig(role="relay", wan_tls_cert="c", wan_tls_key="k", wan_tls_ca="a"), "decode", "pdd")
     with pytest.raises(PddConfigError, match="--pdd-wan-tls-ca was given without --pdd-role"):
         validate(PddConfig(wan_tls_ca="a"), "null")
+
+
+def _contexts(pki, max_version=None):
+    server = wan_tls_context(*pki["md"], pki["ca"], server_side=True)
+    client = wan_tls_context(*pki["p"], pki["ca"], server_side=False)
+    if max_version is not None:
+        client.maximum_version = max_version
+    return server, client
+
+
+@pytest.mark.parametrize("version", ["TLSv1.3", "TLSv1.2"])
+def test_tls13_streams_are_bound_and_drop_frame_tags_tls12_keeps_them(pki, version):
+    """TLS 1.3: the handshake is bound to the TLS connection and frames go untagged (TLS
+    authenticates them); TLS 1.2: no binding, frames keep their GMAC tags. Both move KV."""
+    import ssl
+
+    server, client = _contexts(pki, None if version == "TLSv1.3" else ssl.TLSVersion.TLSv1_2)
+    rx = WanKvReceiver(KEY, name="md", ssl_context=server)
+    tx = WanKvSender(rx.address, KEY, name="p", num_streams=2, ssl_context=client)
+    try:
+        xfer, kv, dest = _transfer(rx, tx, 5)
+        assert xfer.wait(10) == RoomState.SUCCESS, xfer.failure_detail
+        assert rx.wait(5, 5) == RoomState.SUCCESS and np.array_equal(dest, kv)
+        streams = tx._session.streams
+        assert all(s.sock.version() == version for s in streams)
+        assert all(s.secure.tls_bound == (version == "TLSv1.3") for s in streams)
+        assert all((s.secure.send_mac is None) == (version == "TLSv1.3") for s in streams)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_handshake_proofs_do_not_pass_to_another_tls_connection(pki, monkeypatch):
+    """A relay that terminates TLS towards each side (with a certificate from the CA) has two
+    TLS connections with different bindings: the proofs it relays fail, so it never gets a
+    stream whose frames go untagged. Emulated by making the client see another binding."""
+    from sglang_pdd.kv_channel import handshake
+
+    real = handshake.tls_binding
+    monkeypatch.setattr(handshake, "tls_binding",
+                        lambda sock: real(sock) + (b"" if sock.server_side else b"other connection"))
+    server, client = _contexts(pki)
+    rx = WanKvReceiver(KEY, name="md", ssl_context=server)
+    tx = WanKvSender(rx.address, KEY, name="p", num_streams=1, connect_timeout=2, ssl_context=client)
+    try:
+        xfer, _, dest = _transfer(rx, tx, 6)
+        assert xfer.wait(10) == RoomState.FAILED and xfer.failure_reason == FailureReason.AUTH
+        assert "failed to prove the shared key on this TLS connection" in xfer.failure_detail
+        assert rx.poll(6) == RoomState.WAITING_FOR_INPUT and not dest.any()
+    finally:
+        tx.close()
+        rx.close()

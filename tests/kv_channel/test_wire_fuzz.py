@@ -32,7 +32,7 @@ from sglang_pdd.kv_channel.wire import (
 
 FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 OWN_ERRORS = (ProtocolError, ConnectionClosed, AuthError)
-KEY = b"fuzz-key-0123456789abcdef-0123456"
+KEY = b"fuzz-key-0123456789abcdef-012345"  # 32 bytes: an AES-256 frame key
 SMALL_HEADER, SMALL_PAYLOAD = 1024, 4096
 
 
