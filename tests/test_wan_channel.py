@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
@@ -410,7 +411,7 @@ def test_restarted_receiver_accepts_new_transfer():
     try:
         xfer = tx.begin_transfer(51, layout, 32, 0)
         xfer.send_layer(0, bytearray(2048))
-        time.sleep(0.2)
+        assert wait_until(lambda: rx.bytes_received(51) == 2048)
         rx.close()  # the MD process dies mid-transfer
         assert xfer.wait(5) == RoomState.FAILED
         assert xfer.failure_reason == FailureReason.CONNECTION_LOST
@@ -544,7 +545,8 @@ def test_row_slices_from_two_senders_tile_the_room(receiver, destination):
     try:
         xfers = [tx.begin_transfer(7, layout, tokens, prefix, row=part) for tx, part in zip(senders, parts)]
         assert xfers[0].send_kv(_slice_of(kv, layout, 0, 64))
-        time.sleep(0.3)
+        sent = (-(-tokens // 16) - prefix // 16) * 16 * 64 * layout.num_layers  # slice 0, pages past the prefix
+        assert wait_until(lambda: receiver.bytes_received(7) == sent)
         assert receiver.poll(7) != RoomState.SUCCESS  # one slice alone does not make the room
         assert xfers[1].send_kv(_slice_of(kv, layout, 64, 32))
         assert [x.wait(20) for x in xfers] == [RoomState.SUCCESS] * 2, [x.failure_detail for x in xfers]
@@ -571,7 +573,8 @@ def test_bad_row_slices_fail_the_room_naming_the_problem(receiver, second, why):
     try:
         first = senders[0].begin_transfer(8, layout, 64, row=RowSlice(0, 2, 0, 64))
         first.send_kv(_slice_of(kv, layout, 0, 64))
-        time.sleep(0.3)  # slice 0's frames first, so the failure is the second sender's
+        # slice 0's frames first, so the failure is the second sender's
+        assert wait_until(lambda: receiver.bytes_received(8) == 64 * layout.num_layers * 64)
         other = RowSlice(*second)
         senders[1].begin_transfer(8, layout, 64, row=other).send_kv(_slice_of(kv, layout, other.offset, other.width))
         assert receiver.wait(8, 10) == RoomState.FAILED

@@ -274,6 +274,12 @@ class WanKvReceiver(RoomQueries):
             self._rooms[room] = entry
             self._rejected_rooms.pop(room, None)
 
+    def bytes_received(self, room: int) -> int:
+        """KV bytes of ``room`` written into its destination so far (all slices; 0 if unknown)."""
+        with self._cv:
+            entry = self._rooms.get(room)
+            return sum(part.bytes_received for part in entry.parts.values()) if entry is not None else 0
+
     def abort(self, room: int, reason: str = "aborted by owner") -> None:
         with self._cv:
             entry = self._rooms.get(room)
@@ -297,6 +303,19 @@ class WanKvReceiver(RoomQueries):
                 self._cv.wait_for(lambda: entry.writers == 0, timeout)
             if self._rooms.get(room) is entry:
                 del self._rooms[room]
+                # Its sender heard why (or ends on its own failure): frames still on their way
+                # on other streams are dropped, not answered "unknown room", which could reach
+                # the sender first and hide the reason.
+                self._mark_rejected(room)
+
+    def _mark_rejected(self, room: int) -> bool:
+        """Remember a room whose late frames are dropped without a reply; False if it was."""
+        if room in self._rejected_rooms:
+            return False
+        self._rejected_rooms[room] = None
+        if len(self._rejected_rooms) > 4096:
+            self._rejected_rooms.popitem(last=False)
+        return True
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, fail unfinished rooms (``closed``), close sockets, join threads."""
@@ -446,10 +465,7 @@ class WanKvReceiver(RoomQueries):
         entry = self._rooms.get(room)
         if entry is None:
             self.counters["unknown_room"] += 1
-            if room not in self._rejected_rooms:  # log and NACK once per room, not per chunk
-                self._rejected_rooms[room] = None
-                if len(self._rejected_rooms) > 4096:
-                    self._rejected_rooms.popitem(last=False)
+            if self._mark_rejected(room):  # log and NACK once per room, not per chunk
                 logger.warning("room %s: %s from %s refused: room not registered", room, what, conn.peer)
                 self._post(conn, Nack(room, FailureReason.UNKNOWN_ROOM,
                                       f"room {room} is not registered at {self.name!r}"))

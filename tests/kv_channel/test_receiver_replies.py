@@ -56,3 +56,33 @@ def test_peer_that_never_reads_does_not_stall_the_owner():
         peer.close()
         rx.close()
         flooder.join(5)
+
+
+def test_late_frames_of_a_released_room_get_no_unknown_room_reply():
+    """A released room's sender was told ``aborted``; its frames still on other streams must
+    not draw an ``unknown_room`` NACK that could reach the sender first and hide the reason."""
+    from kv_raw_stream import RawStream
+    from waiting import wait_until
+
+    from sglang_pdd.kv_channel.layout import KvLayout
+    from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
+    from sglang_pdd.kv_channel.wire import Chunk, Nack, TransferBegin
+
+    key = b"late-frames-test-key-0123456789ab"
+    rx = WanKvReceiver(key, name="md", idle_timeout=5.0)
+    layout = KvLayout(1, 16, 1000)
+    rx.register_room(61, layout, 32, bytearray(2000))
+    try:
+        with RawStream(rx.address, key, "p") as stream:
+            stream.send(TransferBegin(61, "", 32, 16, 0, 2, 1, 1000, layout.dtype, 2, b""))
+            stream.send(Chunk(61, 0, 0, 1, 0, 1), bytes(1000))
+            assert wait_until(lambda: rx.bytes_received(61) == 1000)  # the room is bound to this sender
+            rx.release_room(61)  # e.g. RLD already finished the request
+            first = stream.read_message()[0]
+            assert isinstance(first, Nack) and first.room == 61 and first.reason == "aborted", first
+            stream.send(Chunk(61, 1, 0, 1, 1, 1), bytes(1000))  # late: the room is gone
+            stream.send(Chunk(62, 0, 0, 1, 0, 1), bytes(1000))  # never registered
+            reply = stream.read_message()[0]
+            assert isinstance(reply, Nack) and (reply.room, reply.reason) == (62, "unknown_room"), reply
+    finally:
+        rx.close()
