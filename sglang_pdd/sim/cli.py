@@ -52,6 +52,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-latency-ms", type=float, default=WAN_DEFAULT.one_way_latency_s * 1e3, help="one way")
     p.add_argument("--wan-jitter-ms", type=float, default=WAN_DEFAULT.jitter_s * 1e3)
     p.add_argument("--catch-up-threshold", type=int, default=64)
+    p.add_argument("--md-staging-mb", type=float, default=ClusterSpec.md_staging_mb,
+                   help="KV of rooms in flight to one MD, at most (MD's --pdd-md-staging-mb); "
+                        "a room beyond it is refused and stays on RLD")
+    p.add_argument("--keep-finished-kv", action="store_true",
+                   help="KV of a request that ended on RLD still lands in MD's DRC (default: cancelled)")
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=Sla().tpot_s, help="seconds")
     p.add_argument("--itl-slo", type=float, default=None,
@@ -65,7 +70,8 @@ def _spec(a) -> ClusterSpec:
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
                   jitter_s=a.wan_jitter_ms / 1e3)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
-                       catch_up_threshold_tokens=a.catch_up_threshold, seed=a.seed)
+                       catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
+                       keep_finished_kv=a.keep_finished_kv, seed=a.seed)
 
 
 def _trace(a) -> (str, List[TraceRequest]):
