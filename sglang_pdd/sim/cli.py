@@ -107,7 +107,16 @@ def cmd_compare(a) -> int:
     return 0
 
 
+def _print_edges(edges) -> None:
+    for e in edges:
+        print(f"warning: {e}; a wider range may hold a cheaper mix")
+
+
 def cmd_size(a) -> int:
+    if a.closed_loop:
+        # A closed loop offers a slow design less load; sizing compares designs at equal load.
+        print("note: size replays the trace open loop (every design faces the same offered load); "
+              "--closed-loop is ignored", file=sys.stderr)
     label, trace = _trace(a)
     sla = _sla(a)
     by_name = {c.name: c for c in standard_scenarios(_spec(a))}
@@ -118,26 +127,27 @@ def cmd_size(a) -> int:
     if base.kind == "pdd":
         # Never recommend PDD without sizing PD for the same SLA: say so when PD wins.
         v = compare_designs(by_name["pd_same_dc"], base, trace, sla, a.target, range(lo_p, hi_p + 1),
-                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale,
-                            closed_loop=a.closed_loop)
+                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale)
         bar.close()
         print(f"# {label}: {v.message}")
         for tag, res in (("pd_same_dc", v.pd), (a.scenario, v.pdd)):
             if res is not None:
                 print(f"cheapest {tag}: prefill={res.n_prefill} rld={res.n_rld} md/d={res.n_md} "
                       f"at ${res.cost_per_hour:.1f}/h")
+        _print_edges(v.warnings)
         shown = [r.summary for r in (v.pd, v.pdd) if r is not None]
         if shown:
             print(format_table(shown))
         return 0 if v.winner != "none" else 1
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
-                        progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=a.closed_loop)
+                        progress=lambda: bar.update(), rate_scale=a.rate_scale)
     bar.close()
     if best is None:
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
         return 1
     print(f"cheapest {a.scenario} meeting {a.target:.0%} SLA on {label}: prefill={best.n_prefill} "
           f"rld={best.n_rld} md/d={best.n_md} at ${best.cost_per_hour:.0f}/h")
+    _print_edges(best.edges)
     print(format_table([best.summary]))
     return 0
 
