@@ -217,9 +217,10 @@ class Simulation:
             c.name, self.log, self.sla, c.cost_per_hour, wan_bytes, c.wan.bytes_per_s,
             c.wan.price_per_hour, c.wan.price_per_gb, PATH_NAMES,
             mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0,
-            wan_span_s=self.loop.now, md_refused=self.md_refused,
+            wan_span_s=self.loop.now,  # arrivals start at 0; the last event may be a landing
+            md_refused=self.md_refused,
             kv_wan_s_mean=self.kv_wan_s_sum / self.kv_landed if self.kv_landed else float("nan"),
-            wan_cancelled_gb=self.kv_link.bytes_cancelled / 1e9 if c.md_remote else 0.0)  # arrivals start at 0; the last event may be a landing
+            wan_cancelled_gb=self.kv_link.bytes_cancelled / 1e9 if c.md_remote else 0.0, kv_landed=self.kv_landed)
 
     # ---- routing -------------------------------------------------------------------
     def _arrive(self, now: float, tr: TraceRequest) -> None:

@@ -81,6 +81,7 @@ class Summary:
     itl_p99: float = float("nan")
     md_refused: int = 0  # registrations MD refused (staging budget full): kept on RLD
     kv_wan_s_mean: float = float("nan")  # mean time from a WAN transfer's start to its landing
+    kv_landed: int = 0  # WAN transfers that landed on MD (the others were cancelled)
     wan_cancelled_gb: float = 0.0  # KV not sent because its request had ended
     # SLA attainment of the last tenth of arrivals: a backlog that builds up late in the run
     # shows here while the whole run's percentage still looks fine.
@@ -118,7 +119,7 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_bytes: float,
               wan_bytes_per_s: float, wan_price_per_hour: float, wan_price_per_gb: float,
               path_names, mean_md_hit: float = 0.0, wan_span_s: float = 0.0, md_refused: int = 0,
-              kv_wan_s_mean: float = float("nan"), wan_cancelled_gb: float = 0.0) -> Summary:
+              kv_wan_s_mean: float = float("nan"), wan_cancelled_gb: float = 0.0, kv_landed: int = 0) -> Summary:
     """wan_span_s: how long the WAN was in use, if longer than the requests' span (KV of
     finished requests still landing in MD's cache)."""
     ttft = np.frombuffer(log.ttft, dtype=np.float64)
@@ -165,6 +166,6 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         switches=int(switched.size),
         stall_p50=percentile(switched, 50), stall_p99=percentile(switched, 99),
         itl_p50=weighted_percentile(itl_v, itl_w, 50), itl_p99=weighted_percentile(itl_v, itl_w, 99),
-        md_refused=md_refused, kv_wan_s_mean=kv_wan_s_mean, wan_cancelled_gb=wan_cancelled_gb,
+        md_refused=md_refused, kv_wan_s_mean=kv_wan_s_mean, wan_cancelled_gb=wan_cancelled_gb, kv_landed=kv_landed,
         tail_sla_attainment=float(tail.mean()) if tail.size else 0.0,
     )
