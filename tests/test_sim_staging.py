@@ -138,3 +138,15 @@ def test_can_admit_is_what_admission_does():
     assert d.can_admit(300) and not d.can_admit(301)
     d.submit(0.0, "y", 100, 200)
     assert not d.can_admit(1)  # batch full
+
+
+def test_a_room_that_shrinks_at_transfer_start_lets_waiters_in():
+    # No RLD. Request 2 repeats request 1's prompt: registered while MD's cache was empty, it
+    # finds the whole prompt cached by the time P is done and ships nothing, so its budget
+    # comes back at transfer start, where request 3 (waiting behind it) must be let in;
+    # waiting for a landing that frees nothing left it stuck for ever.
+    wan = LinkProfile("wan", gbps=1.0, one_way_latency_s=0.02)
+    trace = [_req(0.0, 16, 4, 0), _req(1.0, 16, 4, 0), _req(2.0, 8, 4, 100)]
+    cfg = replace(_cfg(wan, n_rld=0, md_staging_bytes=17 * 512 * KVB), drc=True)
+    s = Simulation(cfg).run(trace)
+    assert s.requests == 3 and s.paths == {"p_md": 3}

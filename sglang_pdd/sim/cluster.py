@@ -341,9 +341,8 @@ class Simulation:
             self.md_hit_tokens += r.md_cached
             self.md_input_tokens += tr.input_length
             r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
-            if c.kind == "pdd":  # the hit may have grown since registration
-                self.md_staged[r.md] += r.kv_bytes - r.staged
-                r.staged = r.kv_bytes
+            if c.kind == "pdd":  # the hit may have changed since registration
+                self._restage(now, r, r.kv_bytes)
             r.t_kv_sent = now
             self.kv_link.send(now, r, r.kv_bytes)
         if r.path is Path.P_MD and self._first_token_via_rld():
@@ -362,19 +361,26 @@ class Simulation:
             r.pinned = None
 
     def _unstage(self, now: float, r: SimRequest) -> None:
-        """The room no longer holds MD's staging budget: admit waiting registrations."""
-        if r.staged:
-            i = r.md
-            self.md_staged[i] -= r.staged
-            r.staged = 0.0
-            if self.md_staged[i] < 1.0:
-                self.md_staged[i] = 0.0  # no float drift across an empty budget
-            wait = self.md_reg_wait[i]
-            while wait and (self.md_staged[i] + wait[0].staged <= self.cfg.md_staging_bytes
-                            or self.md_staged[i] <= 0):
-                w = wait.popleft()
-                self.md_staged[i] += w.staged
-                self._registered(now, w)
+        """The room no longer holds MD's staging budget."""
+        self._restage(now, r, 0.0)
+
+    def _restage(self, now: float, r: SimRequest, nbytes: float) -> None:
+        """The room now holds `nbytes` of MD's staging budget; if that freed some, admit
+        waiting registrations (every decrease must, or a waiter could wait forever)."""
+        i = r.md
+        freed = r.staged - nbytes
+        self.md_staged[i] -= freed
+        r.staged = nbytes
+        if freed <= 0:
+            return
+        if self.md_staged[i] < 1.0:
+            self.md_staged[i] = 0.0  # no float drift across an empty budget
+        wait = self.md_reg_wait[i]
+        while wait and (self.md_staged[i] + wait[0].staged <= self.cfg.md_staging_bytes
+                        or self.md_staged[i] <= 0):
+            w = wait.popleft()
+            self.md_staged[i] += w.staged
+            self._registered(now, w)
 
     def _md_kv_landed(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
