@@ -20,7 +20,7 @@ linear models that a calibration run (benchmarks/calibrate_profile.py) can fit:
                                    decode_weights_s + kv * decode_step_s_per_kv_token).
   Attention compute grows with the context like the KV read does, but for MLA it is ~30x
   larger per KV byte than for GQA, so a long-context MLA decode is compute bound: counting
-  bandwidth only made a 64k-context DeepSeek-V3 batch on 16 H20s look ~6x faster than it is.
+  bandwidth only made a 64k-context DeepSeek-V3 batch on 16 H20s look ~4x faster than it is.
 """
 
 from __future__ import annotations
