@@ -149,9 +149,11 @@ def main() -> int:
         bar = tqdm(desc=f"sizing {label}", unit="sim", file=sys.stderr)
         v = compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, sla, a.target,
                             range(a.prefill_min, a.prefill_max + 1), range(0, a.rld_max + 1), a.md_max,
-                            progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=closed)
+                            progress=lambda: bar.update(), rate_scale=a.rate_scale)
         bar.close()
         print(v.message, flush=True)
+        for w in v.warnings:
+            print(f"warning: {w}", flush=True)
         row = {"trace": label, "model": a.model, "wan_gbps": a.wan_gbps, "rate_scale": a.rate_scale, "winner": v.winner, "message": v.message,
                "requests": len(trace), "mean_hit": sum(hits) / len(hits), "reusable": ideal_prefix_hit_rate(trace)}
         knees = []

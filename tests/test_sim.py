@@ -68,7 +68,7 @@ def test_pdd_reduces_to_pd_with_zero_wan_and_one_chip():
     pd = ScenarioConfig("pd", "pd", n_prefill=2, n_md=2, prefill_hw=TOY_A, md_hw=TOY_A,
                         wan=instant, rdma=instant, drc=False)
     pdd = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=2, prefill_hw=TOY_A, rld_hw=TOY_A,
-                         md_hw=TOY_A, wan=instant, rdma=instant, drc=False,
+                         md_hw=TOY_A, wan=instant, rdma=instant, drc=False, md_staging_bytes=math.inf,
                          router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False,
                                                  max_wan_transfer_ms=1e9))
     a, b = Simulation(pd), Simulation(pdd)

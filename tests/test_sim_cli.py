@@ -62,7 +62,7 @@ def _designs(chip_b_price, wan_gbps=25.0):
     spec = ClusterSpec(chip_a=TOY_A, chip_b=_r(TOY_B, price_per_chip_hour=chip_b_price),
                        wan=LinkProfile("wan", gbps=wan_gbps, one_way_latency_s=0.02))
     by = {c.name: c for c in standard_scenarios(spec)}
-    return compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, Sla(ttft_s=5.0, tpot_s=0.1), 0.9,
+    return compare_designs(by["pd_same_dc"], by["pdd_drc_adaptive"], trace, Sla(ttft_s=10.0, tpot_s=0.1), 0.9,
                            range(1, 3), range(0, 2), md_max=3)
 
 
@@ -82,7 +82,7 @@ def test_sizing_picks_pdd_only_when_cheaper():
 
 
 def test_size_cli_prints_the_verdict(capsys):
-    rc = main(["size", "--agentic", "150", "--prefill-range", "1:2", "--rld-range", "0:1", "--md-max", "2",
+    rc = main(["size", "--agentic", "150", "--prefill-range", "4:4", "--rld-range", "0:1", "--md-max", "2",
                "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5", "--wan-gbps", "400"])
     out = capsys.readouterr().out
     assert rc == 0

@@ -186,22 +186,30 @@ def test_a_faster_wan_never_makes_pdd_worse():
     assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
 
 
-def test_kv_of_a_request_that_ended_on_rld_still_lands_in_the_drc():
-    # docs/router.md step 9: RLD finishes a short answer before MD's KV has landed; the
-    # KV keeps crossing and fills MD's cache, so the next turn ships only its new block.
+def test_kv_of_a_request_that_ended_on_rld_is_not_sent_unless_kept():
+    # RLD finishes a short answer before MD's KV has landed. By default the rest of the
+    # transfer is cancelled (nothing more is sent for a finished request), so the next turn
+    # misses MD and ships whole; keep_finished_kv lets it land in MD's cache instead
+    # (docs/router.md step 9), and the next turn ships only its new block.
     wan = LinkProfile("wan", gbps=1.0, one_way_latency_s=0.02)
     ids = tuple(range(16))
     turns = [TraceRequest(0.0, 16 * 512, 2, ids, 1, 0), TraceRequest(60_000.0, 17 * 512, 2, ids + (99,), 1, 1)]
     cfg = _pdd(wan, mode=HandoffMode.ONE_SHOT, router=PathPolicyConfig(max_wan_transfer_ms=0.0,
                                                                     enable_outlier_filter=False))
+    kvb = TOY_A.kv_bytes_per_token
     sim = Simulation(cfg)
     s = sim.run(turns)
     assert s.paths == {"p_rld_md": 2} and list(sim.log.rld_tokens) == [1, 1]  # both ended on RLD
-    kvb = TOY_A.kv_bytes_per_token
-    assert sim.kv_link.bytes_sent == pytest.approx((16 * 512 + 512) * kvb)
-    assert s.mean_md_hit == pytest.approx(16 * 512 / (33 * 512))
-    # Without a DRC the transfer is useless and cancelled.
-    nodrc = Simulation(replace(cfg, drc=False))
+    assert sim.kv_link.bytes_cancelled > 0.9 * (16 + 17) * 512 * kvb  # barely anything crossed
+    assert s.wan_cancelled_gb == pytest.approx(sim.kv_link.bytes_cancelled / 1e9)
+    assert s.mean_md_hit == 0.0
+    assert not any(sim.md_staged)  # cancelled rooms gave MD's staging budget back
+    kept = Simulation(replace(cfg, keep_finished_kv=True))
+    sk = kept.run(turns)
+    assert kept.kv_link.bytes_sent == pytest.approx((16 * 512 + 512) * kvb)
+    assert sk.mean_md_hit == pytest.approx(16 * 512 / (33 * 512))
+    # Without a DRC the transfer is useless and cancelled whatever keep_finished_kv says.
+    nodrc = Simulation(replace(cfg, drc=False, keep_finished_kv=True))
     nodrc.run(turns)
     assert nodrc.kv_link.bytes_cancelled > 0
 
@@ -210,7 +218,7 @@ def test_wan_utilisation_never_exceeds_one_when_kv_outlives_its_requests():
     # A slow WAN and short answers: KV keeps landing in MD's cache after every request ended.
     wan = LinkProfile("wan", gbps=0.5, one_way_latency_s=0.02)
     base = [c for c in standard_scenarios(_spec(wan=wan)) if c.name == "pdd_drc_adaptive"][0]
-    sim = Simulation(base)
+    sim = Simulation(replace(base, keep_finished_kv=True))
     s = sim.run(TRACE[:200])
     assert sim.loop.now > s.duration_s  # the link was still busy after the last request
     assert 0.5 < s.wan_util <= 1.0 + 1e-9

@@ -42,3 +42,49 @@ def test_cheap_decode_chip_is_cheaper_per_decoded_token_and_slower_at_prefill():
 def test_a_model_that_does_not_fit_is_an_error():
     with pytest.raises(ValueError):
         preset(DEEPSEEK_V3, H20, chips=8)
+
+
+def test_long_context_mla_decode_is_compute_bound_on_h20():
+    # 16 H20s' KV pool filled with 64k-token contexts: attention on the MLA latent costs
+    # 2 * 61 * 128 * (576 + 512) FLOPs per context token, ~1.1 TFLOP per sequence and step;
+    # at 50% of 16 x 148 TFLOPS that is ~0.94 ms per sequence, ~140 ms for the batch.
+    hw = preset(DEEPSEEK_V3, H20)
+    assert hw.chips_per_instance == 16
+    b = hw.kv_capacity_tokens // 65536
+    step = hw.decode_step_s(b, b * 65536)
+    assert 0.12 < step < 0.17
+    memory_side = hw.decode_weights_s + b * 65536 * hw.decode_step_s_per_kv_token
+    assert memory_side < step / 3  # bandwidth alone would have said ~35 ms
+    # The same batch on 16 H100s (6.7x the compute) is far faster.
+    assert preset(DEEPSEEK_V3, H100).decode_step_s(b, b * 65536) < step / 3
+
+
+def test_gqa_decode_attention_is_bandwidth_bound():
+    # Llama-3-70B reads 320 KB of KV per context token for 2.6 MFLOP of attention (8 FLOP/B),
+    # under any of these chips' compute/bandwidth ratio: more context costs KV bandwidth.
+    for chip in (H100, H200, H20):
+        hw = preset(LLAMA3_70B, chip)
+        assert LLAMA3_70B.decode_attn_flops_per_token_ctx / LLAMA3_70B.kv_bytes_per_token < 10
+        assert hw.decode_attn_s_per_kv_token < hw.decode_step_s_per_kv_token
+        one = hw.decode_step_s(1, 100_000)
+        assert one == pytest.approx(hw.decode_step_overhead_s + hw.decode_weights_s
+                                    + 100_000 * hw.decode_step_s_per_kv_token)
+
+
+@pytest.mark.parametrize("model", [LLAMA3_70B, DEEPSEEK_V3])
+def test_roofline_step_is_the_larger_of_compute_and_memory(model):
+    hw = preset(model, H20)
+    for b, kv in ((1, 1000), (64, 64 * 4000), (256, 256 * 16000)):
+        compute = b * hw.decode_step_s_per_seq + kv * hw.decode_attn_s_per_kv_token
+        memory = hw.decode_weights_s + kv * hw.decode_step_s_per_kv_token
+        assert hw.decode_step_s(b, kv) == pytest.approx(hw.decode_step_overhead_s + max(compute, memory))
+        # Never cheaper than either side alone, never more than both together.
+        assert hw.decode_step_s(b, kv) <= hw.decode_step_overhead_s + compute + memory
+
+
+def test_linear_profiles_keep_the_summed_model():
+    # Fitted (calibrated) profiles are linear in batch and KV; the roofline must not change them.
+    from sglang_pdd.sim.hardware import TOY_A
+    assert not TOY_A.decode_roofline
+    assert TOY_A.decode_step_s(10, 5000) == pytest.approx(
+        TOY_A.decode_step_overhead_s + 10 * TOY_A.decode_step_s_per_seq + 5000 * TOY_A.decode_step_s_per_kv_token)

@@ -52,6 +52,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-latency-ms", type=float, default=WAN_DEFAULT.one_way_latency_s * 1e3, help="one way")
     p.add_argument("--wan-jitter-ms", type=float, default=WAN_DEFAULT.jitter_s * 1e3)
     p.add_argument("--catch-up-threshold", type=int, default=64)
+    p.add_argument("--md-staging-mb", type=float, default=ClusterSpec.md_staging_mb,
+                   help="KV of rooms in flight to one MD, at most (MD's --pdd-md-staging-mb); "
+                        "a room beyond it is refused and stays on RLD")
+    p.add_argument("--keep-finished-kv", action="store_true",
+                   help="KV of a request that ended on RLD still lands in MD's DRC (default: cancelled)")
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=Sla().tpot_s, help="seconds")
     p.add_argument("--itl-slo", type=float, default=None,
@@ -65,7 +70,8 @@ def _spec(a) -> ClusterSpec:
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
                   jitter_s=a.wan_jitter_ms / 1e3)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
-                       catch_up_threshold_tokens=a.catch_up_threshold, seed=a.seed)
+                       catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
+                       keep_finished_kv=a.keep_finished_kv, seed=a.seed)
 
 
 def _trace(a) -> (str, List[TraceRequest]):
@@ -101,7 +107,16 @@ def cmd_compare(a) -> int:
     return 0
 
 
+def _print_edges(edges) -> None:
+    for e in edges:
+        print(f"warning: {e}; a wider range may hold a cheaper mix")
+
+
 def cmd_size(a) -> int:
+    if a.closed_loop:
+        # A closed loop offers a slow design less load; sizing compares designs at equal load.
+        print("note: size replays the trace open loop (every design faces the same offered load); "
+              "--closed-loop is ignored", file=sys.stderr)
     label, trace = _trace(a)
     sla = _sla(a)
     by_name = {c.name: c for c in standard_scenarios(_spec(a))}
@@ -112,26 +127,27 @@ def cmd_size(a) -> int:
     if base.kind == "pdd":
         # Never recommend PDD without sizing PD for the same SLA: say so when PD wins.
         v = compare_designs(by_name["pd_same_dc"], base, trace, sla, a.target, range(lo_p, hi_p + 1),
-                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale,
-                            closed_loop=a.closed_loop)
+                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale)
         bar.close()
         print(f"# {label}: {v.message}")
         for tag, res in (("pd_same_dc", v.pd), (a.scenario, v.pdd)):
             if res is not None:
                 print(f"cheapest {tag}: prefill={res.n_prefill} rld={res.n_rld} md/d={res.n_md} "
                       f"at ${res.cost_per_hour:.1f}/h")
+        _print_edges(v.warnings)
         shown = [r.summary for r in (v.pd, v.pdd) if r is not None]
         if shown:
             print(format_table(shown))
         return 0 if v.winner != "none" else 1
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
-                        progress=lambda: bar.update(), rate_scale=a.rate_scale, closed_loop=a.closed_loop)
+                        progress=lambda: bar.update(), rate_scale=a.rate_scale)
     bar.close()
     if best is None:
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
         return 1
     print(f"cheapest {a.scenario} meeting {a.target:.0%} SLA on {label}: prefill={best.n_prefill} "
           f"rld={best.n_rld} md/d={best.n_md} at ${best.cost_per_hour:.0f}/h")
+    _print_edges(best.edges)
     print(format_table([best.summary]))
     return 0
 

@@ -5,9 +5,10 @@ Request lifecycle (PDD):
   `router.policy.choose_path` -> chunked prefill on P ->
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
-                to MD; when it lands RLD hands its tokens over (`handoff.policy`: one-shot or
-                catch-up rounds), MD extends them and decodes the rest. A request that ends
-                on RLD first lets its KV land in MD's DRC (cancels it without a DRC);
+                to MD; when it lands and MD can admit it, RLD hands its tokens over
+                (`handoff.policy`: one-shot or catch-up rounds), MD extends them and decodes
+                the rest. A request that ends on RLD first cancels the rest of its transfer
+                (`keep_finished_kv` lets it land in MD's DRC instead);
     P_RLD_ONLY: outliers decode entirely on RLD, nothing crosses the WAN.
 Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
 type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
@@ -20,6 +21,11 @@ MD (its running sequences stall), and the answer's trip back. MD's prefix hit (a
 bytes shipped) is decided when the transfer starts, and the blocks it relies on are pinned
 until it lands.
 
+MD registration (PDD only) is bounded as a real MD's `--pdd-md-staging-mb`: the bytes of
+rooms in flight to one MD may not exceed `md_staging_bytes`; a room that does not fit is
+refused and the request stays on RLD (P_RLD_ONLY). Without an RLD it waits for room (the
+router retries), and a room larger than the whole budget is let in alone.
+
 Omitted on purpose (see docs/sim.md): MD memory is not reserved during catch-up; RLD's
 one-token leg of a P->MD request takes no RLD slot; decode context grows only at admission.
 """
@@ -27,6 +33,7 @@ one-token leg of a P->MD request takes no RLD slot; decode context grows only at
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -66,6 +73,11 @@ class ScenarioConfig:
     # The outlier filter needs an output estimate; the trace's true length stands in for a
     # client's max_tokens or a predictor. False = unknown (filter never fires).
     expected_output_from_trace: bool = True
+    # KV of rooms in flight to one MD, at most (PDD; the real MD's --pdd-md-staging-mb, 4096).
+    md_staging_bytes: float = 4096 * 2 ** 20
+    # A request that ended on RLD: False cancels the rest of its WAN transfer (nothing more is
+    # sent for it); True lets it land in MD's DRC for the session's next turn (router.md step 9).
+    keep_finished_kv: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,7 +109,7 @@ class ScenarioConfig:
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
-                 "t_switch", "stall", "pinned")
+                 "t_switch", "stall", "pinned", "staged", "t_kv_sent")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -112,6 +124,8 @@ class SimRequest:
         self.t_switch = None  # when the user got its last token before MD's (RLD's or P's)
         self.stall = float("nan")  # gap at the switch to MD's tokens; NaN: no switch
         self.pinned = None  # MD cache blocks this request's WAN transfer relies on
+        self.staged = 0.0  # bytes of MD's staging budget this request's room holds
+        self.t_kv_sent = 0.0  # when its WAN transfer started
 
 
 class Simulation:
@@ -156,6 +170,14 @@ class Simulation:
         self._trace = None
         self._t0 = None
         self._next_turn = {}  # id(turn) -> (next turn, think time): closed-loop sessions
+        # MD staging (PDD only): bytes of rooms in flight per MD, registrations waiting for
+        # room (no RLD to fall back on), landed requests waiting for MD to admit a handoff.
+        self.md_staged = [0.0] * cfg.n_md
+        self.md_reg_wait = [deque() for _ in range(cfg.n_md)]
+        self.md_handoff_wait = [deque() for _ in range(cfg.n_md)]
+        self.md_refused = 0
+        self.kv_landed = 0
+        self.kv_wan_s_sum = 0.0
 
     # ---- driving -------------------------------------------------------------------
     def run(self, requests: Iterable[TraceRequest], closed_loop: bool = False) -> Summary:
@@ -195,7 +217,10 @@ class Simulation:
             c.name, self.log, self.sla, c.cost_per_hour, wan_bytes, c.wan.bytes_per_s,
             c.wan.price_per_hour, c.wan.price_per_gb, PATH_NAMES,
             mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0,
-            wan_span_s=self.loop.now)  # arrivals start at 0; the last event may be a landing
+            wan_span_s=self.loop.now,  # arrivals start at 0; the last event may be a landing
+            md_refused=self.md_refused,
+            kv_wan_s_mean=self.kv_wan_s_sum / self.kv_landed if self.kv_landed else float("nan"),
+            wan_cancelled_gb=self.kv_link.bytes_cancelled / 1e9 if c.md_remote else 0.0, kv_landed=self.kv_landed)
 
     # ---- routing -------------------------------------------------------------------
     def _arrive(self, now: float, tr: TraceRequest) -> None:
@@ -246,6 +271,23 @@ class Simulation:
             r.path = choose_path(facts, self.route_cfg).path
         else:
             r.path = Path.P_MD
+        if r.path is not Path.P_RLD_ONLY and c.kind == "pdd":
+            want = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
+            if self.md_staged[r.md] + want > c.md_staging_bytes:
+                if self.rld:  # MD refuses the room: the router keeps the request on RLD
+                    self.md_refused += 1
+                    r.path = Path.P_RLD_ONLY
+                elif self.md_staged[r.md] > 0 or self.md_reg_wait[r.md]:
+                    r.staged = want
+                    self.md_reg_wait[r.md].append(r)
+                    return
+            if r.path is not Path.P_RLD_ONLY:
+                r.staged = want
+                self.md_staged[r.md] += want
+        self._registered(now, r)
+
+    def _registered(self, now: float, r: SimRequest) -> None:
+        tr, c = r.tr, self.cfg
         if r.path is not Path.P_RLD_ONLY:
             r.md_pending = tr.input_length + tr.output_length
             self.md_pending[r.md] += r.md_pending
@@ -299,6 +341,9 @@ class Simulation:
             self.md_hit_tokens += r.md_cached
             self.md_input_tokens += tr.input_length
             r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
+            if c.kind == "pdd":  # the hit may have changed since registration
+                self._restage(now, r, r.kv_bytes)
+            r.t_kv_sent = now
             self.kv_link.send(now, r, r.kv_bytes)
         if r.path is Path.P_MD and self._first_token_via_rld():
             r.t_first = r.t_switch = now + rdma_s  # P's first token, relayed by RLD
@@ -315,9 +360,34 @@ class Simulation:
             self.md_cache[r.md].unpin(r.pinned)
             r.pinned = None
 
+    def _unstage(self, now: float, r: SimRequest) -> None:
+        """The room no longer holds MD's staging budget."""
+        self._restage(now, r, 0.0)
+
+    def _restage(self, now: float, r: SimRequest, nbytes: float) -> None:
+        """The room now holds `nbytes` of MD's staging budget; if that freed some, admit
+        waiting registrations (every decrease must, or a waiter could wait forever)."""
+        i = r.md
+        freed = r.staged - nbytes
+        self.md_staged[i] -= freed
+        r.staged = nbytes
+        if freed <= 0:
+            return
+        if self.md_staged[i] < 1.0:
+            self.md_staged[i] = 0.0  # no float drift across an empty budget
+        wait = self.md_reg_wait[i]
+        while wait and (self.md_staged[i] + wait[0].staged <= self.cfg.md_staging_bytes
+                        or self.md_staged[i] <= 0):
+            w = wait.popleft()
+            self.md_staged[i] += w.staged
+            self._registered(now, w)
+
     def _md_kv_landed(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
         self._unpin(r)
+        self._unstage(now, r)
+        self.kv_landed += 1
+        self.kv_wan_s_sum += now - r.t_kv_sent
         if c.drc:
             full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
             self.md_cache[r.md].insert(full)
@@ -334,9 +404,32 @@ class Simulation:
             r.round = -1  # RLD bypassed: a late RDMA arrival must not start it
             self._md_submit(now, r, tr.output_length - 1, tr.input_length)
             return
-        r.mode = choose_mode(rld.utilisation(), c.handoff, self.last_mode)
+        self._try_handoff(now, r)
+
+    def _try_handoff(self, now: float, r: SimRequest) -> None:
+        """Hand over only when MD would admit the request now; else RLD keeps decoding and
+        the handoff waits for MD to free a slot (handing over to a full MD would stop RLD
+        and leave the user waiting in MD's queue)."""
+        md = self.md[r.md]
+        if not md.can_admit(r.tr.input_length + r.tr.output_length):
+            self.md_handoff_wait[r.md].append(r)
+            return
+        r.mode = choose_mode(self.rld[r.rld].utilisation(), self.cfg.handoff, self.last_mode)
         self.last_mode = r.mode
         self._handoff_round(now, r)
+
+    def _retry_handoffs(self, now: float, i: int) -> None:
+        wait = self.md_handoff_wait[i]
+        md = self.md[i]
+        while wait:
+            r = wait[0]
+            if r.done:
+                wait.popleft()
+                continue
+            if not md.can_admit(r.tr.input_length + r.tr.output_length):
+                return
+            wait.popleft()
+            self._try_handoff(now, r)
 
     # ---- handoff -------------------------------------------------------------------
     def _handoff_round(self, now: float, r: SimRequest) -> None:
@@ -396,12 +489,13 @@ class Simulation:
 
     def _rld_done(self, now: float, r: SimRequest) -> None:
         if r.path is Path.P_RLD_MD:
-            # As the router does (docs/router.md, step 9): with a DRC the KV still crossing
-            # the WAN lands in MD's cache, so the session's next turn hits there; without
-            # one it is useless and cancelled.
-            if not self.cfg.drc and self.kv_link.in_flight(r):
+            # Nothing more is sent for a request that is over (P drops a destination it no
+            # longer needs); keep_finished_kv lets it land in MD's DRC instead, for the
+            # session's next turn (docs/router.md, step 9). Without a DRC it is useless.
+            if (not self.cfg.drc or not self.cfg.keep_finished_kv) and self.kv_link.in_flight(r):
                 self.kv_link.cancel(now, r)
                 self._unpin(r)  # it will never land
+                self._unstage(now, r)
             self._md_unpend(r)
         # P produced the first token; RLD decoded the rest.
         self._finish(now, r, rld_tokens=r.tr.output_length - 1)
@@ -409,6 +503,8 @@ class Simulation:
     def _md_done(self, now: float, r: SimRequest) -> None:
         rld_tokens = r.handed - 1 if r.handed > 0 else 0  # handed = P's first token + RLD's
         self._finish(now + self.md_stream_latency, r, rld_tokens)
+        if self.md_handoff_wait[r.md]:
+            self._retry_handoffs(now, r.md)
 
     def _finish(self, t_done: float, r: SimRequest, rld_tokens: int) -> None:
         assert not r.done, "request finished twice"

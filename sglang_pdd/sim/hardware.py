@@ -11,8 +11,16 @@ linear models that a calibration run (benchmarks/calibrate_profile.py) can fit:
   allocation, result processing, the KV sender's per-request submission). The first
   request's share is inside prefill_overhead_s, which is what a one-request pass measures
   (benchmarks/calibrate_profile.py), so calibrated profiles do not count it twice;
-- one decode step of a batch of `b` sequences holding `kv` tokens in all:
-      decode_step_overhead_s + b * decode_step_s_per_seq + kv * decode_step_s_per_kv_token.
+- one decode step of a batch of `b` sequences holding `kv` tokens in all, either linear (what
+  a calibration fits; `decode_roofline` False):
+      decode_step_overhead_s + b * decode_step_s_per_seq + kv * decode_step_s_per_kv_token
+  or a roofline (the presets; `decode_roofline` True): the step takes the longer of its compute
+  and its memory traffic, since the GPU overlaps the two:
+      decode_step_overhead_s + max(b * decode_step_s_per_seq + kv * decode_attn_s_per_kv_token,
+                                   decode_weights_s + kv * decode_step_s_per_kv_token).
+  Attention compute grows with the context like the KV read does, but for MLA it is ~30x
+  larger per KV byte than for GQA, so a long-context MLA decode is compute bound: counting
+  bandwidth only made a 64k-context DeepSeek-V3 batch on 16 H20s look ~4x faster than it is.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ class HardwareProfile:
     # Added by each request beyond the first in one prefill pass (see the module docstring).
     # 0 for profiles written before it existed (their overhead was fitted on 1-request passes).
     prefill_s_per_extra_request: float = 0.0
+    # Roofline decode (see the module docstring); False keeps the linear model fitted profiles use.
+    decode_roofline: bool = False
+    decode_weights_s: float = 0.0  # weight read per step (memory side of the roofline)
+    decode_attn_s_per_kv_token: float = 0.0  # attention compute per KV token per step
 
     @property
     def price_per_hour(self) -> float:
@@ -55,6 +67,10 @@ class HardwareProfile:
         )
 
     def decode_step_s(self, batch: int, kv_tokens: int) -> float:
+        if self.decode_roofline:
+            return self.decode_step_overhead_s + max(
+                batch * self.decode_step_s_per_seq + kv_tokens * self.decode_attn_s_per_kv_token,
+                self.decode_weights_s + kv_tokens * self.decode_step_s_per_kv_token)
         return (
             self.decode_step_overhead_s
             + batch * self.decode_step_s_per_seq
@@ -119,23 +135,38 @@ class ModelClass:
     kv_bytes_per_token: int
     attn_flops_per_token_ctx: float  # prefill attention FLOPs per (new token, context token)
     fp8_compute: bool  # prefill matmuls in fp8
+    # Decode attention FLOPs per (new token, context token), bf16; MLA decodes on the latent.
+    decode_attn_flops_per_token_ctx: float = 0.0
 
 
+# Chip figures: vendor datasheets, dense (no sparsity) tensor-core peaks.
+# H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3, 3.35 TB/s, BF16 989 / FP8 1979 TFLOPS.
 H100 = Chip("h100", hbm_gb=80, hbm_tb_s=3.35, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.00)
+# H200 SXM: NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, same tensor cores as H100 SXM5.
 H200 = Chip("h200", hbm_gb=141, hbm_tb_s=4.8, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.75)
+# H20: NVIDIA HGX H20 spec as publicly reported (2024): 96 GB HBM3, 4.0 TB/s, BF16 148 / FP8 296 TFLOPS.
 H20 = Chip("h20", hbm_gb=96, hbm_tb_s=4.0, bf16_tflops=148, fp8_tflops=296, price_per_chip_hour=1.30)
 CHIPS = {c.name: c for c in (H100, H200, H20)}
 
-# Llama-3-70B: 80 layers, 8 KV heads x 128 dims (GQA), bf16 KV: 2 * 80 * 8 * 128 * 2 B.
-# Attention: 64 query heads x 128 dims, QK^T and AV: 4 * 80 * 64 * 128 FLOPs per pair.
+# Llama-3-70B (meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, 64 attention
+# heads, 8 KV heads, so head dim 128), GQA, bf16 KV: 2 (K, V) * 80 * 8 * 128 * 2 B per token.
+# Attention, prefill and decode alike: every one of the 64 query heads does QK^T and AV over
+# 128 dims per context token, 2 FLOPs per multiply-add: 4 * 80 * 64 * 128 per (token, context token).
 LLAMA3_70B = ModelClass("llama3-70b", active_params_b=70.6, weight_bytes_gb=141.0,
                         kv_bytes_per_token=2 * 80 * 8 * 128 * 2,
-                        attn_flops_per_token_ctx=4 * 80 * 64 * 128, fp8_compute=False)
-# DeepSeek-V3: 61 layers, MLA latent 512 + rope 64 per token and layer, bf16: 576 * 61 * 2 B;
-# 671B parameters (37B activated), fp8 weights; prefill attention 128 heads x (192 qk + 128 v).
+                        attn_flops_per_token_ctx=4 * 80 * 64 * 128, fp8_compute=False,
+                        decode_attn_flops_per_token_ctx=4 * 80 * 64 * 128)
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json: 61 layers, 128 heads, kv_lora_rank 512,
+# qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; arXiv:2412.19437: 671B
+# parameters, 37B activated, fp8 weights). MLA caches the 512 latent + 64 rope dims per token
+# and layer, bf16: 576 * 61 * 2 B. Prefill attention runs per head on decompressed K/V:
+# 128 heads x (192 qk + 128 v). Decode absorbs the up-projections (FlashMLA, SGLang's MLA
+# decode): each of the 128 heads scores the 576-dim latent and sums the 512-dim latent per
+# context token, 2 * 128 * (576 + 512) FLOPs per layer, bf16.
 DEEPSEEK_V3 = ModelClass("deepseek-v3", active_params_b=37.0, weight_bytes_gb=690.0,
                          kv_bytes_per_token=(512 + 64) * 61 * 2,
-                         attn_flops_per_token_ctx=2 * 61 * 128 * (192 + 128), fp8_compute=True)
+                         attn_flops_per_token_ctx=2 * 61 * 128 * (192 + 128), fp8_compute=True,
+                         decode_attn_flops_per_token_ctx=2 * 61 * 128 * (576 + 512))
 MODELS = {m.name: m for m in (LLAMA3_70B, DEEPSEEK_V3)}
 
 # Estimated efficiencies (fractions of peak); see docs/sim.md for the sanity checks.
@@ -179,10 +210,13 @@ def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0) -> Har
         prefill_s_per_token=flops / (peak * PREFILL_MFU),
         prefill_s_per_token_ctx=m.attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * PREFILL_MFU),
         prefill_chunk_tokens=8192,
-        decode_step_overhead_s=STEP_OVERHEAD_S + m.weight_bytes_gb * 1e9 / bw,
+        decode_step_overhead_s=STEP_OVERHEAD_S,
         decode_step_s_per_seq=flops / (peak * DECODE_MFU),
         decode_step_s_per_kv_token=m.kv_bytes_per_token / bw,
         prefill_s_per_extra_request=1.0e-3,
+        decode_roofline=True,
+        decode_weights_s=m.weight_bytes_gb * 1e9 / bw,
+        decode_attn_s_per_kv_token=m.decode_attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * DECODE_MFU),
     )
 
 

@@ -79,6 +79,13 @@ class Summary:
     stall_p99: float = float("nan")
     itl_p50: float = float("nan")  # inter-token latency over all gaps (s), see itl_samples
     itl_p99: float = float("nan")
+    md_refused: int = 0  # registrations MD refused (staging budget full): kept on RLD
+    kv_wan_s_mean: float = float("nan")  # mean time from a WAN transfer's start to its landing
+    kv_landed: int = 0  # WAN transfers that landed on MD (the others were cancelled)
+    wan_cancelled_gb: float = 0.0  # KV not sent because its request had ended
+    # SLA attainment of the last tenth of arrivals: a backlog that builds up late in the run
+    # shows here while the whole run's percentage still looks fine.
+    tail_sla_attainment: float = 0.0
 
 
 def percentile(a: np.ndarray, q: float) -> float:
@@ -111,7 +118,8 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 
 def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_bytes: float,
               wan_bytes_per_s: float, wan_price_per_hour: float, wan_price_per_gb: float,
-              path_names, mean_md_hit: float = 0.0, wan_span_s: float = 0.0) -> Summary:
+              path_names, mean_md_hit: float = 0.0, wan_span_s: float = 0.0, md_refused: int = 0,
+              kv_wan_s_mean: float = float("nan"), wan_cancelled_gb: float = 0.0, kv_landed: int = 0) -> Summary:
     """wan_span_s: how long the WAN was in use, if longer than the requests' span (KV of
     finished requests still landing in MD's cache)."""
     ttft = np.frombuffer(log.ttft, dtype=np.float64)
@@ -129,6 +137,7 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         even_gap = np.where(out > 1, (e2e - ttft - np.nan_to_num(stall)) / np.maximum(out - 1 - ~np.isnan(stall), 1), 0)
         ok &= (np.isnan(stall) | (stall <= sla.max_itl_s)) & (even_gap <= sla.max_itl_s)
     good = int(ok.sum())
+    tail = ok[np.argsort(arrival, kind="stable")[n - max(1, n // 10):]] if n else ok
     switched = stall[~np.isnan(stall)]
     arrival_span = float(arrival.max() - arrival.min()) if n else 0.0
     hours = duration / 3600.0
@@ -157,4 +166,6 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         switches=int(switched.size),
         stall_p50=percentile(switched, 50), stall_p99=percentile(switched, 99),
         itl_p50=weighted_percentile(itl_v, itl_w, 50), itl_p99=weighted_percentile(itl_v, itl_w, 99),
+        md_refused=md_refused, kv_wan_s_mean=kv_wan_s_mean, wan_cancelled_gb=wan_cancelled_gb, kv_landed=kv_landed,
+        tail_sla_attainment=float(tail.mean()) if tail.size else 0.0,
     )

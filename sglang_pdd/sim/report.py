@@ -23,6 +23,7 @@ COLUMNS = [
     ("WAN GB", "{:>7.0f}", "wan_gb"),
     ("WAN util", "{:>8.2f}", "wan_util"),
     ("MD hit", "{:>6.2f}", "mean_md_hit"),
+    ("refused", "{:>7d}", "md_refused"),
     ("RLD tok%", "{:>8.1f}", "rld_token_share"),
     ("BCR", "{:>7.1f}", "bcr"),
 ]

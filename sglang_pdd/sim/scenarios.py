@@ -27,6 +27,8 @@ class ClusterSpec:
     wan: LinkProfile = WAN_DEFAULT
     rdma: LinkProfile = RDMA_DEFAULT
     catch_up_threshold_tokens: int = 64
+    md_staging_mb: float = 4096  # MD's --pdd-md-staging-mb
+    keep_finished_kv: bool = False  # KV of a request that ended on RLD still lands in the DRC
     seed: int = 0
 
 
@@ -35,7 +37,7 @@ def pdd(spec: ClusterSpec, name: str, drc: bool, mode: "HandoffMode | None") -> 
         name=name, kind="pdd", n_prefill=spec.n_prefill, n_rld=spec.n_rld, n_md=spec.n_md,
         prefill_hw=spec.chip_a, rld_hw=spec.chip_a, md_hw=spec.chip_b, wan=spec.wan, rdma=spec.rdma,
         drc=drc, handoff=HandoffConfig(catch_up_threshold_tokens=spec.catch_up_threshold_tokens, fixed_mode=mode),
-        seed=spec.seed)
+        md_staging_bytes=spec.md_staging_mb * 2 ** 20, keep_finished_kv=spec.keep_finished_kv, seed=spec.seed)
 
 
 def standard_scenarios(spec: ClusterSpec) -> List[ScenarioConfig]:

@@ -245,6 +245,11 @@ class DecodeInstance:
                 return True
         return False
 
+    def can_admit(self, reserve: int) -> bool:
+        """Would a job needing `reserve` KV tokens start now (nobody queued ahead of it)?"""
+        return (not self.waiting and len(self.batch) < self.hw.max_running_requests
+                and (self.kv_used + reserve <= self.hw.kv_capacity_tokens or not self.reserved))
+
     def is_running(self, job: Any) -> bool:
         return job in self.batch.jobs
 

@@ -1,13 +1,23 @@
 """Sizing: the cheapest instance mix that meets an SLA-attainment target on a trace.
 
+Every candidate faces the **same offered load**: the trace is replayed open loop at its own
+timestamps (times `rate_scale`), whatever the design does. Closed-loop replay would let a slow
+design receive less load (its sessions' next turns wait for its answers) and so look cheaper:
+a slower MD made PDD win. Every run's offered rate is checked against the trace's (the
+demand). A mix meets the target when its SLA attainment reaches it **over the whole run and
+over its last tenth of arrivals** (`Summary.tail_sla_attainment`): a backlog that builds up
+late in the trace would otherwise hide in the overall percentage.
+
 For each (prefill, RLD) count, binary-search the smallest MD count that meets the target
-(attainment rises with MD count), then keep the cheapest mix. Instance counts are small
-integers, so this exhaustive-with-bisection search is exact on the given ranges.
+(meeting it rises with MD count), then keep the cheapest mix. Instance counts are small
+integers, so this exhaustive-with-bisection search is exact on the given ranges; when the
+cheapest mix sits on an edge of a range, `SizingResult.edges` says which (a wider range may
+hold a cheaper mix).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from sglang_pdd.workload import TraceRequest
@@ -17,6 +27,24 @@ from .metrics import Sla, Summary
 from .scenarios import with_counts
 
 
+def keeps_up(s: Summary, target_attainment: float) -> bool:
+    """Did the run keep serving its demand to the end (no backlog building up late)?"""
+    return s.tail_sla_attainment >= target_attainment
+
+
+def meets(s: Summary, target_attainment: float) -> bool:
+    return s.sla_attainment >= target_attainment and keeps_up(s, target_attainment)
+
+
+def offered_rps(trace: Sequence[TraceRequest], rate_scale: float = 1.0) -> float:
+    """The demand: arrivals per second of the trace replayed open loop."""
+    if len(trace) < 2:
+        return 0.0
+    ts = [tr.timestamp_ms for tr in trace]
+    span_s = (max(ts) - min(ts)) / 1e3 / rate_scale
+    return (len(trace) - 1) / span_s if span_s > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class SizingResult:
     n_prefill: int
@@ -24,6 +52,23 @@ class SizingResult:
     n_md: int
     cost_per_hour: float
     summary: Summary
+    edges: List[str] = field(default_factory=list)  # range edges the optimum sits on
+
+
+def _edges(n_p: int, n_rld: int, n_md: int, prefill_range: List[int], rlds: List[int], md_max: int,
+           md_name: str) -> List[str]:
+    out = []
+    if n_p == max(prefill_range) and len(prefill_range) > 1:
+        out.append(f"prefill={n_p} is the top of the prefill range")
+    if n_p == min(prefill_range) and n_p > 1:
+        out.append(f"prefill={n_p} is the bottom of the prefill range")
+    if n_md == md_max:
+        out.append(f"{md_name}={n_md} is the top of the {md_name} range")
+    if len(rlds) > 1 and n_rld == max(rlds):
+        out.append(f"rld={n_rld} is the top of the RLD range")
+    if n_rld == min(rlds) and n_rld > 0:
+        out.append(f"rld={n_rld} is the bottom of the RLD range")
+    return out
 
 
 def size_cluster(
@@ -36,34 +81,41 @@ def size_cluster(
     md_max: int,
     progress: Optional[Callable[[], None]] = None,
     rate_scale: float = 1.0,
-    closed_loop: bool = False,
 ) -> Optional[SizingResult]:
     best: Optional[SizingResult] = None
+    prefill_range = list(prefill_range)
     rlds: List[int] = list(rld_range) if base.kind == "pdd" else [0]
+    demand = offered_rps(trace, rate_scale)
     for n_p in prefill_range:
         for n_rld in rlds:
             cache = {}
 
             def attempt(n_md: int) -> Summary:
                 if n_md not in cache:
-                    cache[n_md] = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale,
-                                               closed_loop)
+                    s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale)
+                    if abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
+                        raise RuntimeError(f"a sizing run saw {s.offered_rps} r/s, not the demand {demand}")
+                    cache[n_md] = s
                     if progress:
                         progress()
                 return cache[n_md]
 
-            if attempt(md_max).sla_attainment < target_attainment:
+            if not meets(attempt(md_max), target_attainment):
                 continue  # more MD does not help: prefill or RLD is the bottleneck
             lo, hi = 1, md_max
             while lo < hi:
                 mid = (lo + hi) // 2
-                if attempt(mid).sla_attainment >= target_attainment:
+                if meets(attempt(mid), target_attainment):
                     hi = mid
                 else:
                     lo = mid + 1
             cfg = with_counts(base, n_p, n_rld, lo)
             if best is None or cfg.cost_per_hour < best.cost_per_hour:
                 best = SizingResult(n_p, n_rld, lo, cfg.cost_per_hour, attempt(lo))
+    if best is not None:
+        name = "md" if base.kind == "pdd" else "d"
+        best = SizingResult(best.n_prefill, best.n_rld, best.n_md, best.cost_per_hour, best.summary,
+                            _edges(best.n_prefill, best.n_rld, best.n_md, prefill_range, rlds, md_max, name))
     return best
 
 
@@ -77,19 +129,23 @@ class DesignVerdict:
     winner: str  # "pd" | "pdd" | "none"
     message: str
 
+    @property
+    def warnings(self) -> List[str]:
+        """Where a cheapest mix sits on an edge of its search range (widen it and rerun)."""
+        return [f"cheapest {tag} mix: {e}" for tag, r in (("PD", self.pd), ("PDD", self.pdd)) if r for e in r.edges]
+
 
 def compare_designs(pd_base: ScenarioConfig, pdd_base: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla,
                     target_attainment: float, prefill_range: Iterable[int], rld_range: Iterable[int], md_max: int,
-                    progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0,
-                    closed_loop: bool = False) -> DesignVerdict:
+                    progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0) -> DesignVerdict:
     if pd_base.kind != "pd" or pdd_base.kind != "pdd":
         raise ValueError("compare_designs needs a pd and a pdd scenario")
     prefill_range, rld_range = list(prefill_range), list(rld_range)
     # PD gets as many decode instances as PDD may have (RLD + MD) at most.
     pd = size_cluster(pd_base, trace, sla, target_attainment, prefill_range, [0], md_max + max(rld_range),
-                      progress, rate_scale, closed_loop)
+                      progress, rate_scale)
     pdd = size_cluster(pdd_base, trace, sla, target_attainment, prefill_range, rld_range, md_max, progress,
-                       rate_scale, closed_loop)
+                       rate_scale)
     goal = f"{target_attainment:.0%} SLA attainment"
     if pd is None and pdd is None:
         return DesignVerdict(pd, pdd, "none", f"neither PD nor PDD reaches {goal} within the searched ranges")

@@ -1,0 +1,72 @@
+"""Open-loop sizing: every design faces the same offered load, a run must keep up with its
+demand, and an optimum on the edge of the searched ranges is flagged."""
+
+from dataclasses import replace
+
+import pytest
+
+from sglang_pdd.sim.cli import main
+from sglang_pdd.sim.cluster import run_scenario
+from sglang_pdd.sim.hardware import TOY_A, TOY_B
+from sglang_pdd.sim.metrics import Sla
+from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
+from sglang_pdd.sim.sizing import keeps_up, meets, offered_rps, size_cluster
+from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
+
+TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=300, seed=2)))
+SLA = Sla(ttft_s=10.0, tpot_s=0.1)
+
+
+def _pd(**kw):
+    return standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, **kw))[0]
+
+
+def test_a_slower_decoder_at_the_same_price_never_sizes_cheaper():
+    # Closed-loop sizing offered a slow design less load (its sessions waited for it), so a
+    # slower decoder could come out cheaper. Open loop: same arrivals, so it cannot.
+    fast = _pd()
+    slow_hw = replace(TOY_A, decode_step_overhead_s=3 * TOY_A.decode_step_overhead_s,
+                      decode_step_s_per_seq=3 * TOY_A.decode_step_s_per_seq)
+    slow = replace(fast, md_hw=slow_hw)
+    sla = Sla(ttft_s=10.0, tpot_s=0.05)
+    a = size_cluster(fast, TRACE, sla, 0.9, range(1, 4), [0], md_max=6)
+    b = size_cluster(slow, TRACE, sla, 0.9, range(1, 4), [0], md_max=6)
+    assert a is not None
+    assert b is None or b.cost_per_hour >= a.cost_per_hour
+    # And both saw the same arrivals.
+    if b is not None:
+        assert b.summary.offered_rps == pytest.approx(a.summary.offered_rps)
+
+
+def test_a_backlog_at_the_end_of_the_run_does_not_meet_the_target():
+    # The trace plus a burst of 34 fresh prompts at its last timestamp: 2 P and 2 D serve
+    # 93% of all requests within the SLA, but only ~30% of the last tenth.
+    last = max(t.timestamp_ms for t in TRACE)
+    burst = [replace(t, timestamp_ms=last, hash_ids=tuple(h + 10 ** 6 for h in t.hash_ids), session_id=None)
+             for t in TRACE[:34]]
+    s = run_scenario(with_counts(_pd(), 2, 0, 2), TRACE + burst, SLA)
+    assert s.sla_attainment >= 0.9 and s.tail_sla_attainment < 0.5
+    assert not keeps_up(s, 0.9) and not meets(s, 0.9)
+    best = size_cluster(_pd(), TRACE + burst, SLA, 0.9, range(1, 5), [0], md_max=4)
+    assert best is not None and best.summary.tail_sla_attainment >= 0.9
+    assert (best.n_prefill, best.n_md) != (2, 2)
+
+
+def test_every_sizing_run_faces_the_trace_demand():
+    assert offered_rps(TRACE, 2.0) == pytest.approx(2 * offered_rps(TRACE))
+    best = size_cluster(_pd(), TRACE, SLA, 0.9, range(1, 6), [0], md_max=6, rate_scale=2.0)
+    assert best is not None and best.summary.offered_rps == pytest.approx(offered_rps(TRACE, 2.0))
+
+
+def test_an_optimum_on_the_edge_of_the_range_is_flagged(capsys):
+    best = size_cluster(_pd(), TRACE, SLA, 0.9, range(2, 3), [0], md_max=1)
+    assert best is not None and (best.n_prefill, best.n_md) == (2, 1)
+    assert any("top of the d range" in e for e in best.edges)
+    assert any("bottom of the prefill range" in e for e in best.edges)
+    wide = size_cluster(_pd(), TRACE, SLA, 0.9, range(1, 4), [0], md_max=6)
+    assert wide is not None and wide.n_prefill < 3 and wide.n_md < 6
+    assert not any("top" in e for e in wide.edges)
+    rc = main(["size", "--agentic", "150", "--scenario", "pd_same_dc", "--prefill-range", "4:4", "--md-max", "2",
+               "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "warning: " in out and "wider range" in out
