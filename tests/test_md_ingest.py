@@ -65,14 +65,14 @@ def bufs(pool):
 class Prefill:
     """P: a pool holding prompts on scattered pages, and the real WAN fan-out."""
 
-    def __init__(self, kind, page_size, md, pool=None, shard=None):
+    def __init__(self, kind, page_size, md, pool=None, shard=None, num_streams=2):
         from sglang_pdd.kv_channel.tp_relayout import TpShard
         from sglang_pdd.sglang_glue.wan_fanout import WanFanout
 
         shard = shard or TpShard()
         self.page_size, self.md = page_size, md
         self.pool = make_pool(kind, page_size, seed=7) if pool is None else pool
-        self.fanout = WanFanout(KEY, f"p-test-tp{shard.rank}", num_streams=2, timeout_s=10.0,
+        self.fanout = WanFanout(KEY, f"p-test-tp{shard.rank}", num_streams=num_streams, timeout_s=10.0,
                                 allowed_peers=[tuple(md.receiver.address)])
         self.fanout.attach_pool(self.pool, page_size, shard)
 
@@ -284,7 +284,9 @@ def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
 
 def test_layout_mismatch_fails_the_room_naming_both_sides(caplog):
     md = build_md(16)  # MD: page size 16
-    p = Prefill("mha", 1, md)  # P: page size 1
+    # P: page size 1, one stream: its TRANSFER_BEGIN (which names P's layout) comes before any
+    # chunk; on two, a chunk can overtake it and fail the room on its page range alone
+    p = Prefill("mha", 1, md, num_streams=1)
     try:
         ids = list(range(32))
         reg = md._do_register(1, ids)
