@@ -12,7 +12,8 @@ from typing import List, Optional
 from tqdm import tqdm
 
 from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
-                                  generate_agentic_trace, load_trace, realistic_agentic_config, save_trace)
+                                  generate_agentic_trace, load_trace, realistic_agentic_config,
+                                  report_agentic_config, save_trace)
 
 from .bathtub import sweep
 from .cluster import run_scenario
@@ -30,6 +31,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
     src.add_argument("--agentic", type=int, metavar="N",
                      help="generate N agentic requests (realistic hits: ~0.72 per request)")
+    src.add_argument("--agentic-report", type=int, metavar="N",
+                     help="generate N agentic requests with the report's hits (~80%% at >= 90%%)")
     src.add_argument("--conversation", type=int, metavar="N",
                      help="generate N conversation-like requests (~36%% reusable prefix)")
     p.add_argument("--agentic-session-rate", type=float, default=None,
@@ -81,6 +84,9 @@ def _trace(a) -> (str, List[TraceRequest]):
     if a.conversation:
         cfg = conversation_config(num_requests=a.conversation, seed=a.seed, **rate)
         return f"conversation{a.conversation}", list(generate_agentic_trace(cfg))
+    if a.agentic_report:
+        cfg = report_agentic_config(num_requests=a.agentic_report, seed=a.seed, **rate)
+        return f"agentic_report{a.agentic_report}", list(generate_agentic_trace(cfg))
     n = a.agentic or 5000
     cfg = realistic_agentic_config(num_requests=n, seed=a.seed, **rate)
     return f"agentic{n}", list(generate_agentic_trace(cfg))
@@ -208,7 +214,8 @@ def cmd_bathtub(a) -> int:
 
 
 def cmd_gen_trace(a) -> int:
-    make = {"agentic": realistic_agentic_config, "conversation": conversation_config,
+    make = {"agentic": realistic_agentic_config, "agentic-report": report_agentic_config,
+            "conversation": conversation_config,
             "legacy-agentic": AgenticTraceConfig}[a.kind]
     rate = {} if a.session_rate is None else {"session_rate_per_s": a.session_rate}
     n = save_trace(generate_agentic_trace(make(num_requests=a.n, seed=a.seed, **rate)), a.output)
@@ -254,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("gen-trace", help="write a synthetic agentic trace as JSONL")
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kind", choices=["agentic", "conversation", "legacy-agentic"], default="agentic")
+    p.add_argument("--kind", choices=["agentic", "agentic-report", "conversation", "legacy-agentic"], default="agentic")
     p.add_argument("--session-rate", type=float, default=None)
     p.add_argument("--output", required=True)
     p.set_defaults(fn=cmd_gen_trace)
