@@ -49,6 +49,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-70b", help="model class of the presets")
     p.add_argument("--chip-a", choices=sorted(CHIPS), default="h100", help="preset chip of P, RLD and PD's D")
     p.add_argument("--chip-b", choices=sorted(CHIPS), default="h20", help="preset chip of MD")
+    p.add_argument("--rld-chip", choices=sorted(CHIPS), default=None, help="preset chip of RLD (default: --chip-a)")
+    p.add_argument("--rld-chips", type=int, default=0,
+                   help="chips per RLD instance, any count (e.g. 3); 0 = the smallest power of two "
+                        "that holds the weights with room for KV")
+    p.add_argument("--p-affinity", action="store_true", default=None,
+                   help="PDD places P by prefix affinity (what-if; the router places P round robin)")
     p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (overrides --model/--chip-a)")
     p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (overrides --model/--chip-b)")
     p.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
@@ -72,7 +78,13 @@ def _spec(a) -> ClusterSpec:
     chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else preset(a.model, a.chip_b)
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
                   jitter_s=a.wan_jitter_ms / 1e3)
+    rld_hw = None
+    if a.rld_chip or a.rld_chips:
+        if a.profile_a:
+            raise SystemExit("--rld-chip/--rld-chips derive RLD from the presets; not with --profile-a")
+        rld_hw = preset(a.model, a.rld_chip or a.chip_a, a.rld_chips)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
+                       rld_hw=rld_hw, p_affinity=a.p_affinity,
                        catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
                        keep_finished_kv=a.keep_finished_kv, seed=a.seed)
 
