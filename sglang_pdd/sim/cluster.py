@@ -1,8 +1,10 @@
 """The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
 
 Request lifecycle (PDD):
-  arrive -> router picks P (prefix affinity), MD (DRC affinity) and a path with
-  `router.policy.choose_path` -> chunked prefill on P ->
+  arrive -> router picks P (round robin, as router/app.py; prefix affinity for the
+  baselines or with `p_affinity`), RLD (fewest flows in flight), MD (DRC affinity) and a
+  path with `router.policy.decide_path`, the router's own call and inputs -> chunked
+  prefill on P ->
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
