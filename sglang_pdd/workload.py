@@ -145,6 +145,22 @@ def realistic_agentic_config(**overrides) -> AgenticTraceConfig:
     return AgenticTraceConfig(**cfg)
 
 
+def report_agentic_config(**overrides) -> AgenticTraceConfig:
+    """Long agent sessions with the hit distribution of the PDD report: over 70% of requests
+    high-hit (~80% of requests at >= 90% prefix hit, ~45% above 95%, mean ~0.92). Sessions
+    run 20-60 turns on an 8k-token system prompt / tool spec; each turn appends a short
+    output and a 0.2-2.5k-token tool result to a ~30k-token context, so a turn's new tokens
+    are a few percent of its prompt; compaction only at 128k tokens or with 2% chance a
+    turn. `realistic_agentic_config` (mean ~0.72, 13% of requests at >= 90%) is the
+    pessimistic case."""
+    cfg = dict(turns_min=20, turns_max=60, system_prompt_tokens=8192, num_system_prompts=8,
+               first_user_tokens=(1000, 4000), tool_result_tokens=(200, 2500), output_tokens=(30, 400),
+               think_time_s=3.0, session_rate_per_s=0.05, outlier_fraction=0.01,
+               context_reset_prob=0.02, max_context_tokens=128_000, reset_tokens=(4000, 12000))
+    cfg.update(overrides)
+    return AgenticTraceConfig(**cfg)
+
+
 def conversation_config(**overrides) -> AgenticTraceConfig:
     """Chat-like traffic with little reuse: ~12k-token prompts (a document or a long paste
     plus a question), one to two turns, a short shared system prompt; ~35-40% of prompt

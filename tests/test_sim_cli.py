@@ -101,3 +101,25 @@ def test_sweep_cli_finds_a_knee(tmp_path, capsys):
     # Offered load scales with the rate; goodput does not keep up at 8x.
     assert pts[2]["offered_rps"] == pytest.approx(32 * pts[0]["offered_rps"], rel=1e-6)
     assert pts[2]["goodput_rps"] < 0.9 * pts[2]["offered_rps"]
+
+
+def test_relay_of_any_chip_count(tmp_path, capsys):
+    """A 3xH100 RLD (not a power of two) beside 4xH100 P: its own price, pool and speed."""
+    from sglang_pdd.sim.cli import _add_common, _spec
+    from sglang_pdd.sim.hardware import preset
+    import argparse
+    p = argparse.ArgumentParser()
+    _add_common(p)
+    spec = _spec(p.parse_args(["--model", "llama3-70b", "--chip-a", "h100", "--rld-chips", "3", "--rld", "2"]))
+    four, three = preset("llama3-70b", "h100"), preset("llama3-70b", "h100", 3)
+    assert (four.chips_per_instance, three.chips_per_instance) == (4, 3)
+    assert spec.rld_hw == three and spec.chip_a == four
+    cfg = {c.name: c for c in standard_scenarios(spec)}["pdd_drc_adaptive"]
+    assert cfg.rld_hw == three and cfg.prefill_hw == four
+    assert cfg.cost_per_hour == pytest.approx(7 * four.price_per_hour + 2 * three.price_per_hour + 3 * spec.chip_b.price_per_hour)
+    # 3 chips hold the same 141 GB of weights: about half the KV room of 4 (75 vs 147 GB)
+    assert three.kv_capacity_tokens < 0.6 * four.kv_capacity_tokens
+    assert three.decode_step_s(8, 8 * 4096) > four.decode_step_s(8, 8 * 4096)
+    rc = main(["compare", "--agentic", "200", "--prefill", "2", "--md", "1", "--rld-chips", "3",
+               "--out", str(tmp_path)])
+    assert rc == 0 and "pdd_drc_adaptive" in capsys.readouterr().out

@@ -124,3 +124,22 @@ def test_conversation_generator_reuses_little():
     assert 0.30 <= hit <= 0.42, hit
     mean_in = sum(r.input_length for r in reqs) / len(reqs)
     assert 9_000 <= mean_in <= 15_000, mean_in
+
+
+def test_report_agentic_hits_match_the_report():
+    """The report: over 70% of requests are high-hit. Here >= 90% prefix hit, per request,
+    with an infinite cache (what the trace offers; a real cache can only lose some)."""
+    import numpy as np
+
+    from sglang_pdd.workload import per_request_hit_rates, report_agentic_config
+    for seed in (0, 3):
+        reqs = list(generate_agentic_trace(report_agentic_config(num_requests=3000, seed=seed)))
+        hits = np.array(per_request_hit_rates(reqs))
+        assert np.mean(hits >= 0.9) > 0.70
+        assert np.mean(hits > 0.95) > 0.30
+        # not a trace of pure hits: outliers miss, first turns hit only the system prompt
+        assert 0.005 < np.mean(hits < 0.5) < 0.05
+        assert 0.05 < np.mean(hits < 0.9)
+        # long agent contexts, short outputs
+        assert 20_000 < np.median([r.input_length for r in reqs]) < 60_000
+        assert np.mean([r.output_length for r in reqs]) < 400

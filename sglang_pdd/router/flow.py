@@ -69,7 +69,7 @@ from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, abort, generate_once,
                                         generate_stream, md_tp_of)
-from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, RequestFacts, choose_path
+from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -397,11 +397,9 @@ class PddFlow:
 
     def _decide(self, md_cached: int) -> PathDecision:
         # RLD's load feeds the load-aware WAN budget (an explicit --max-wan-transfer-ms wins);
-        # the router does not see P's queue, so that term stays 0 here.
-        rld_load = RldLoad(self.rld_inflight, self.cfg.rld_max_running).utilisation
-        decision = choose_path(RequestFacts(input_tokens=len(self.ids), md_cached_tokens=md_cached,
-                                            expected_output_tokens=self.max_new, rld_utilisation=rld_load),
-                               self.cfg.path)
+        # the simulator decides through the same decide_path with the same inputs.
+        decision = decide_path(len(self.ids), md_cached, self.max_new, self.rld_inflight,
+                               self.cfg.rld_max_running, self.cfg.path)
         if self.force_path is not None and self.force_path is not decision.path:
             decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
         return decision

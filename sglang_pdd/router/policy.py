@@ -183,6 +183,26 @@ def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
     )
 
 
+def router_facts(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optional[int],
+                 rld_running: int, rld_max_running: int) -> RequestFacts:
+    """The facts the real router has when it chooses a path, and only those: the prompt, MD's
+    prefix (the index's estimate, or MD's registration answer), the request's
+    max_new_tokens and the chosen RLD's requests in flight against its max running.
+    router/flow.py and the simulator both build their facts here, so the simulator cannot
+    decide on what the router does not see (P's queue, P's prefill time, other WAN flows):
+    those stay 0 in the budget."""
+    util = rld_running / rld_max_running if rld_max_running > 0 else 1.0
+    return RequestFacts(input_tokens=input_tokens, md_cached_tokens=md_cached_tokens,
+                        expected_output_tokens=max_new_tokens, rld_utilisation=util)
+
+
+def decide_path(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optional[int],
+                rld_running: int, rld_max_running: int, cfg: PathPolicyConfig) -> PathDecision:
+    """The router's path decision (router/flow.py and the simulator call this)."""
+    return choose_path(router_facts(input_tokens, md_cached_tokens, max_new_tokens, rld_running,
+                                    rld_max_running), cfg)
+
+
 def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:
     uncached = uncached_tokens(facts, cfg)
     est_ms = estimate_p_md_wan_ms(uncached, cfg, facts.wan_competing_bytes)

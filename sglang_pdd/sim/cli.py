@@ -12,7 +12,8 @@ from typing import List, Optional
 from tqdm import tqdm
 
 from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
-                                  generate_agentic_trace, load_trace, realistic_agentic_config, save_trace)
+                                  generate_agentic_trace, load_trace, realistic_agentic_config,
+                                  report_agentic_config, save_trace)
 
 from .bathtub import sweep
 from .cluster import run_scenario
@@ -30,6 +31,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
     src.add_argument("--agentic", type=int, metavar="N",
                      help="generate N agentic requests (realistic hits: ~0.72 per request)")
+    src.add_argument("--agentic-report", type=int, metavar="N",
+                     help="generate N agentic requests with the report's hits (~80%% at >= 90%%)")
     src.add_argument("--conversation", type=int, metavar="N",
                      help="generate N conversation-like requests (~36%% reusable prefix)")
     p.add_argument("--agentic-session-rate", type=float, default=None,
@@ -46,6 +49,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-70b", help="model class of the presets")
     p.add_argument("--chip-a", choices=sorted(CHIPS), default="h100", help="preset chip of P, RLD and PD's D")
     p.add_argument("--chip-b", choices=sorted(CHIPS), default="h20", help="preset chip of MD")
+    p.add_argument("--rld-chip", choices=sorted(CHIPS), default=None, help="preset chip of RLD (default: --chip-a)")
+    p.add_argument("--rld-chips", type=int, default=0,
+                   help="chips per RLD instance, any count (e.g. 3); 0 = the smallest power of two "
+                        "that holds the weights with room for KV")
+    p.add_argument("--p-affinity", action="store_true", default=None,
+                   help="PDD places P by prefix affinity (what-if; the router places P round robin)")
     p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (overrides --model/--chip-a)")
     p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (overrides --model/--chip-b)")
     p.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
@@ -69,7 +78,13 @@ def _spec(a) -> ClusterSpec:
     chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else preset(a.model, a.chip_b)
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
                   jitter_s=a.wan_jitter_ms / 1e3)
+    rld_hw = None
+    if a.rld_chip or a.rld_chips:
+        if a.profile_a:
+            raise SystemExit("--rld-chip/--rld-chips derive RLD from the presets; not with --profile-a")
+        rld_hw = preset(a.model, a.rld_chip or a.chip_a, a.rld_chips)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
+                       rld_hw=rld_hw, p_affinity=a.p_affinity,
                        catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
                        keep_finished_kv=a.keep_finished_kv, seed=a.seed)
 
@@ -81,6 +96,9 @@ def _trace(a) -> (str, List[TraceRequest]):
     if a.conversation:
         cfg = conversation_config(num_requests=a.conversation, seed=a.seed, **rate)
         return f"conversation{a.conversation}", list(generate_agentic_trace(cfg))
+    if a.agentic_report:
+        cfg = report_agentic_config(num_requests=a.agentic_report, seed=a.seed, **rate)
+        return f"agentic_report{a.agentic_report}", list(generate_agentic_trace(cfg))
     n = a.agentic or 5000
     cfg = realistic_agentic_config(num_requests=n, seed=a.seed, **rate)
     return f"agentic{n}", list(generate_agentic_trace(cfg))
@@ -208,7 +226,8 @@ def cmd_bathtub(a) -> int:
 
 
 def cmd_gen_trace(a) -> int:
-    make = {"agentic": realistic_agentic_config, "conversation": conversation_config,
+    make = {"agentic": realistic_agentic_config, "agentic-report": report_agentic_config,
+            "conversation": conversation_config,
             "legacy-agentic": AgenticTraceConfig}[a.kind]
     rate = {} if a.session_rate is None else {"session_rate_per_s": a.session_rate}
     n = save_trace(generate_agentic_trace(make(num_requests=a.n, seed=a.seed, **rate)), a.output)
@@ -254,7 +273,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("gen-trace", help="write a synthetic agentic trace as JSONL")
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kind", choices=["agentic", "conversation", "legacy-agentic"], default="agentic")
+    p.add_argument("--kind", choices=["agentic", "agentic-report", "conversation", "legacy-agentic"], default="agentic")
     p.add_argument("--session-rate", type=float, default=None)
     p.add_argument("--output", required=True)
     p.set_defaults(fn=cmd_gen_trace)

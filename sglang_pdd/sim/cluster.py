@@ -1,8 +1,10 @@
 """The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
 
 Request lifecycle (PDD):
-  arrive -> router picks P (prefix affinity), MD (DRC affinity) and a path with
-  `router.policy.choose_path` -> chunked prefill on P ->
+  arrive -> router picks P (round robin, as router/app.py; prefix affinity for the
+  baselines or with `p_affinity`), RLD (fewest flows in flight), MD (DRC affinity) and a
+  path with `router.policy.decide_path`, the router's own call and inputs -> chunked
+  prefill on P ->
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
@@ -39,7 +41,7 @@ from typing import Iterable, Optional
 
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, choose_mode, next_catch_up_batch
 from sglang_pdd.router.placement import InstanceLoad, pick_instance
-from sglang_pdd.router.policy import Path, PathPolicyConfig, RequestFacts, choose_path
+from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
@@ -78,6 +80,10 @@ class ScenarioConfig:
     # A request that ended on RLD: False cancels the rest of its WAN transfer (nothing more is
     # sent for it); True lets it land in MD's DRC for the session's next turn (router.md step 9).
     keep_finished_kv: bool = False
+    # P placement. None: as the PDD router does (router/app.py: P round robin) for "pdd", and
+    # prefix affinity weighed against P's queue (SGLang's cache-aware router) for the
+    # baselines. True/False force affinity / round robin (what-if for the PDD router).
+    p_affinity: Optional[bool] = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -87,6 +93,10 @@ class ScenarioConfig:
             raise ValueError("need >= 1 prefill and >= 1 decode instance")
         if self.kind != "pdd" and self.n_rld:
             raise ValueError("only pdd uses relay decode")
+
+    @property
+    def uses_p_affinity(self) -> bool:
+        return self.kind != "pdd" if self.p_affinity is None else self.p_affinity
 
     @property
     def md_remote(self) -> bool:
@@ -151,6 +161,12 @@ class Simulation:
         self.p_index = PrefixIndex(max(1, self.p_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
         self.md_index = PrefixIndex(max(1, self.md_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
         self._p_ids = list(range(cfg.n_prefill))
+        self.p_affinity = cfg.uses_p_affinity
+        # The router's in-flight count per RLD (router/app.py's rld_inflight): every request
+        # routed through that RLD, from arrival to its end, whatever its path (a P->MD request
+        # decoding on MD counts too). It is RLD's load in the path decision.
+        self.rld_flows = [0] * cfg.n_rld
+        self._p_rr = 0
         self._md_ids = list(range(cfg.n_md))
         kv_link = cfg.wan if cfg.md_remote else cfg.rdma
         # Only the WAN is one shared bottleneck; same-DC RDMA transfers do not queue on each other.
@@ -234,16 +250,20 @@ class Simulation:
         self.in_system.change(now, +1)
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
 
-        slo = self.sla.ttft_s
-        p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
-        p_aff = self._affinity(self.p_index, self._p_ids, p_loads, full)
-        # Leaving the instance that holds our prefix costs recomputing it: only worth it when
-        # the queue difference exceeds that cost (both in units of the TTFT SLO).
-        recompute_s = 0.0
-        if p_aff is not None:
-            held = self.p_cache[p_aff].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS
-            recompute_s = c.prefill_hw.prefill_time_s(held, 0)
-        r.p = pick_instance(p_loads, p_aff, c.affinity_excess + recompute_s / slo)
+        if self.p_affinity:
+            slo = self.sla.ttft_s
+            p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
+            p_aff = self._affinity(self.p_index, self._p_ids, p_loads, full)
+            # Leaving the instance that holds our prefix costs recomputing it: only worth it
+            # when the queue difference exceeds that cost (both in units of the TTFT SLO).
+            recompute_s = 0.0
+            if p_aff is not None:
+                held = self.p_cache[p_aff].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS
+                recompute_s = c.prefill_hw.prefill_time_s(held, 0)
+            r.p = pick_instance(p_loads, p_aff, c.affinity_excess + recompute_s / slo)
+        else:  # router/app.py's Pools.pick
+            r.p = self._p_rr % c.n_prefill
+            self._p_rr += 1
         # At least one token is always computed (it produces the first output token).
         r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
 
@@ -253,22 +273,12 @@ class Simulation:
         r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
         r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
 
-        if self.rld:
-            r.rld = pick_instance([InstanceLoad(i, d.load()) for i, d in enumerate(self.rld)])
+        if self.rld:  # router/app.py: the RLD with the fewest flows in flight (first on ties)
+            flows = self.rld_flows
+            r.rld = min(range(len(flows)), key=flows.__getitem__)
+            flows[r.rld] += 1
         if c.kind == "pdd" and self.rld:
-            kvb = c.prefill_hw.kv_bytes_per_token
-            own = (tr.input_length - r.md_cached) * kvb
-            p = self.prefill[r.p]
-            # The router's view: MD's prefix from its index (the exact hit is decided when
-            # the transfer starts), RLD's load, P's queue and this request's prefill time.
-            facts = RequestFacts(
-                input_tokens=tr.input_length, md_cached_tokens=r.md_cached, p_cached_tokens=r.p_cached,
-                expected_output_tokens=tr.output_length if c.expected_output_from_trace else None,
-                wan_competing_bytes=int(self.kv_link.competing_bytes(now, own)),
-                rld_utilisation=self.rld[r.rld].utilisation(),
-                p_queue_ms=1e3 * p.backlog_s(),
-                p_prefill_ms=1e3 * c.prefill_hw.prefill_time_s(tr.input_length - r.p_cached, r.p_cached))
-            r.path = choose_path(facts, self.route_cfg).path
+            r.path = self.decide(tr, r.md_cached, r.rld).path
         else:
             r.path = Path.P_MD
         if r.path is not Path.P_RLD_ONLY and c.kind == "pdd":
@@ -285,6 +295,16 @@ class Simulation:
                 r.staged = want
                 self.md_staged[r.md] += want
         self._registered(now, r)
+
+    def decide(self, tr: TraceRequest, md_cached: int, rld: int) -> PathDecision:
+        """The router's decision with the router's inputs (router/flow.py's _decide): MD's
+        prefix as MD's registration reports it, the request's max_new_tokens (the trace's
+        output length stands in), the other flows in flight on its RLD (this one already
+        counted, as app.py counts it after the decision). Not P's queue, P's prefill time or
+        other WAN flows: the router does not see them (docs/sim.md)."""
+        return decide_path(tr.input_length, md_cached,
+                           tr.output_length if self.cfg.expected_output_from_trace else None,
+                           self.rld_flows[rld] - 1, self.cfg.rld_hw.max_running_requests, self.route_cfg)
 
     def _registered(self, now: float, r: SimRequest) -> None:
         tr, c = r.tr, self.cfg
@@ -508,6 +528,8 @@ class Simulation:
 
     def _finish(self, t_done: float, r: SimRequest, rld_tokens: int) -> None:
         assert not r.done, "request finished twice"
+        if self.rld:
+            self.rld_flows[r.rld] -= 1
         r.done = True
         r.t_done = t_done
         self.finished += 1

@@ -7,7 +7,7 @@ both what each design costs and what it delivers; BCR puts the two on one axis.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List
+from typing import List, Optional
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 
@@ -29,13 +29,18 @@ class ClusterSpec:
     catch_up_threshold_tokens: int = 64
     md_staging_mb: float = 4096  # MD's --pdd-md-staging-mb
     keep_finished_kv: bool = False  # KV of a request that ended on RLD still lands in the DRC
+    # RLD's own hardware (any chip count, e.g. preset(model, "h100", 3)); None: chip_a.
+    rld_hw: Optional[HardwareProfile] = None
+    # PDD's P placement: None = the router's (round robin), True = prefix affinity (what-if).
+    p_affinity: Optional[bool] = None
     seed: int = 0
 
 
 def pdd(spec: ClusterSpec, name: str, drc: bool, mode: "HandoffMode | None") -> ScenarioConfig:
     return ScenarioConfig(
         name=name, kind="pdd", n_prefill=spec.n_prefill, n_rld=spec.n_rld, n_md=spec.n_md,
-        prefill_hw=spec.chip_a, rld_hw=spec.chip_a, md_hw=spec.chip_b, wan=spec.wan, rdma=spec.rdma,
+        prefill_hw=spec.chip_a, rld_hw=spec.rld_hw or spec.chip_a, md_hw=spec.chip_b, wan=spec.wan,
+        rdma=spec.rdma, p_affinity=spec.p_affinity,
         drc=drc, handoff=HandoffConfig(catch_up_threshold_tokens=spec.catch_up_threshold_tokens, fixed_mode=mode),
         md_staging_bytes=spec.md_staging_mb * 2 ** 20, keep_finished_kv=spec.keep_finished_kv, seed=spec.seed)
 

@@ -215,9 +215,13 @@ class DecodeInstance:
         """KV in use plus waiting, as a fraction of the pool (> 1 means a queue)."""
         return (self.kv_used + self.waiting_reserve) / self.hw.kv_capacity_tokens
 
+    def in_flight(self) -> int:
+        """Running plus waiting requests (the router's in-flight count for this instance)."""
+        return len(self.batch) + len(self.waiting)
+
     def utilisation(self) -> float:
         """Running plus waiting requests over max running (> 1 means a queue)."""
-        return (len(self.batch) + len(self.waiting)) / self.hw.max_running_requests
+        return self.in_flight() / self.hw.max_running_requests
 
     def occupy(self, now: float, seconds: float) -> float:
         """An extend pass of `seconds` on this instance: it waits for earlier extends and

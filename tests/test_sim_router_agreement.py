@@ -1,0 +1,93 @@
+"""The simulator decides a request's path exactly as the real router does: same function,
+same inputs (router/flow.py's PddFlow._decide vs sim's Simulation.decide)."""
+
+import pytest
+
+from sglang_pdd.router.flow import FlowConfig, PddFlow
+from sglang_pdd.router.policy import Path
+from sglang_pdd.sim.cluster import ScenarioConfig, Simulation
+from sglang_pdd.sim.hardware import TOY_A, TOY_B
+from sglang_pdd.sim.metrics import Sla
+from sglang_pdd.workload import TraceRequest
+
+SLA = Sla(ttft_s=2.0)
+CFG = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=1, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
+MAX_RUNNING = TOY_A.max_running_requests  # 128
+
+# (input tokens, MD's cached prefix, max_new_tokens or None, other flows in flight on RLD)
+TABLE = [
+    (2_000, 0, 200, 0),  # idle RLD: budget 0, RLD hides the WAN
+    (2_000, 0, 200, 127),  # busy RLD: the whole slack, a short transfer fits
+    (20_000, 19_500, 300, 110),  # high MD hit, busy RLD: a tiny suffix -> P->MD
+    (20_000, 0, 300, 110),  # same prompt, no hit: 20k tokens on the WAN miss the budget
+    (60_000, 0, 8, 0),  # outlier: long prompt, tiny output -> RLD only
+    (60_000, 0, None, 0),  # unknown output: no outlier filter
+    (40_000, 39_000, 500, 90),  # between idle and busy: part of the slack
+    (40_000, 39_000, 500, 70),  # a little less busy: that share of the slack is 0
+    (8_000, 7_680, 64, 200),  # RLD overloaded (util > 1)
+]
+
+
+def router_decision(route_cfg, inp, md_cached, max_new, rld_others):
+    flow = object.__new__(PddFlow)  # only the attributes _decide reads
+    flow.ids = [7] * inp
+    flow.max_new = max_new
+    flow.rld_inflight = rld_others
+    flow.cfg = FlowConfig(path=route_cfg, rld_max_running=MAX_RUNNING)
+    flow.force_path = None
+    return flow._decide(md_cached)
+
+
+def sim_decision(sim, inp, md_cached, max_new, rld_others):
+    sim.rld_flows[0] = rld_others + 1  # the request itself is counted once routed
+    tr = TraceRequest(0.0, inp, max_new if max_new is not None else 100, ())
+    return sim.decide(tr, md_cached, 0)
+
+
+@pytest.mark.parametrize("row", TABLE)
+def test_sim_and_router_choose_the_same_path(row):
+    inp, md_cached, max_new, others = row
+    cfg = CFG if max_new is not None else ScenarioConfig(**{**CFG.__dict__, "expected_output_from_trace": False})
+    sim = Simulation(cfg, SLA)
+    a = router_decision(sim.route_cfg, *row)
+    b = sim_decision(sim, *row)
+    assert (b.path, b.budget_ms, b.est_wan_transfer_ms) == (a.path, a.budget_ms, a.est_wan_transfer_ms)
+
+
+def test_table_covers_every_path_and_both_budget_ends():
+    sim = Simulation(CFG, SLA)
+    decisions = [router_decision(sim.route_cfg, *row) for row in TABLE if row[2] is not None]
+    assert {d.path for d in decisions} == set(Path)
+    budgets = [d.budget_ms for d in decisions if d.path is not Path.P_RLD_ONLY]
+    slack = SLA.ttft_s * 1e3 * (1 - sim.route_cfg.ttft_safety_fraction)
+    assert min(budgets) == 0.0 and max(budgets) == pytest.approx(slack)
+    assert any(0.0 < b < slack for b in budgets)
+
+
+def test_sim_decision_ignores_what_the_router_cannot_see():
+    """A long P queue and WAN traffic in flight do not change the sim's decision: the router
+    sees neither."""
+    sim = Simulation(CFG, SLA)
+    row = (20_000, 19_500, 300, 110)
+    before = sim_decision(sim, *row)
+    sim.prefill[0].submit(0.0, object(), 500_000, 0)  # a big backlog on P 0
+    assert sim.prefill[0].backlog_s() > SLA.ttft_s
+    assert sim_decision(sim, *row) == before
+
+
+def test_pdd_places_prefill_round_robin_like_the_router():
+    sim = Simulation(CFG, SLA)
+    trace = [TraceRequest(1000.0 * i, 1024, 4, (1, 2)) for i in range(4)]  # one shared prefix
+    seen = []
+    real = sim.prefill[0].submit, sim.prefill[1].submit
+    for i, p in enumerate(sim.prefill):
+        p.submit = (lambda i, f: lambda now, r, *a: (seen.append(i), f(now, r, *a)))(i, real[i])
+    sim.run(trace)
+    assert seen == [0, 1, 0, 1]  # prefix affinity would have kept them all on one P
+    aff = Simulation(ScenarioConfig(**{**CFG.__dict__, "p_affinity": True}), SLA)
+    seen.clear()
+    real = aff.prefill[0].submit, aff.prefill[1].submit
+    for i, p in enumerate(aff.prefill):
+        p.submit = (lambda i, f: lambda now, r, *a: (seen.append(i), f(now, r, *a)))(i, real[i])
+    aff.run(trace)
+    assert len(set(seen)) == 1
