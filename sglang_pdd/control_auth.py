@@ -50,7 +50,11 @@ def derive_control_key(shared_key: bytes) -> bytes:
 
 
 def _mac(control_key: bytes, method: str, target: str, ts: str, nonce: str, body: bytes) -> str:
-    msg = "\n".join(("pdd-control-v1", method.upper(), target, ts, nonce, hashlib.sha256(body).hexdigest()))
+    return _mac_digest(control_key, method, target, ts, nonce, hashlib.sha256(body).hexdigest())
+
+
+def _mac_digest(control_key: bytes, method: str, target: str, ts: str, nonce: str, body_sha256: str) -> str:
+    msg = "\n".join(("pdd-control-v1", method.upper(), target, ts, nonce, body_sha256))
     return hmac.new(control_key, msg.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
 
 
@@ -76,16 +80,30 @@ class ControlVerifier:
         self._nonces: "OrderedDict[str, float]" = OrderedDict()  # nonce -> its request's ts, oldest first
 
     def verify(self, method: str, target: str, header: Optional[str], body: bytes) -> None:
+        self.verify_digest(method, target, self.precheck(header), hashlib.sha256(body).hexdigest())
+
+    def precheck(self, header: Optional[str]) -> tuple[str, str, str]:
+        """What can be checked before the body is read (presence, shape, time window):
+        (ts, nonce, sig), or AuthError. A server calls it before reading any body, so an
+        unsigned or stale request costs no body buffer."""
         if not header:
             raise AuthError(f"missing {HEADER} header: control requests must be signed ({SCHEME})")
         m = _HEADER_RE.fullmatch(header.strip())
         if m is None:
             raise AuthError(f"malformed {HEADER} header: expected '{SCHEME} ts=...,nonce=<32 hex>,sig=<64 hex>'")
         ts, nonce, sig = m.groups()
-        now = self._clock()
-        if abs(now - int(ts)) > self.window_s:
+        if abs(self._clock() - int(ts)) > self.window_s:
             raise AuthError(f"request timestamp outside the {self.window_s:g} s window (clock skew or replay)")
-        if not hmac.compare_digest(sig, _mac(self._key, method, target, ts, nonce, body)):
+        return ts, nonce, sig
+
+    def verify_digest(self, method: str, target: str, parsed: tuple[str, str, str], body_sha256: str) -> None:
+        """The rest of ``verify``, given ``precheck``'s answer and the body's SHA-256 (hex),
+        hashed as the body was read."""
+        ts, nonce, sig = parsed
+        now = self._clock()
+        if abs(now - int(ts)) > self.window_s:  # again: the body may have taken a while
+            raise AuthError(f"request timestamp outside the {self.window_s:g} s window (clock skew or replay)")
+        if not hmac.compare_digest(sig, _mac_digest(self._key, method, target, ts, nonce, body_sha256)):
             raise AuthError("bad signature (wrong key, or the request was altered)")
         with self._lock:  # only validly signed requests reach the cache: an outsider cannot fill it
             self._expire(now)

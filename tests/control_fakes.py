@@ -106,10 +106,11 @@ class FakeMdRuntime:
 
 
 class MdControl:
-    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024):
+    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024, **server_kw):
         self.generate = FakeGenerate()
         self.runtime = FakeMdRuntime(self.generate.port, max_rooms=max_rooms)
-        self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections)
+        self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections,
+                                    **server_kw)
         self.url = "http://%s:%s" % self.server.address
 
     def reset(self):

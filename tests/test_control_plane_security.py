@@ -10,6 +10,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -323,3 +324,78 @@ def test_router_will_not_start_unable_to_sign():
     with pytest.raises(SystemExit, match="--control-key-file is required"):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
               "--main", "http://md:1,http://md:2,md:3"])
+
+
+# ---------------------------------------------------------------------------- pre-auth memory
+def first_reply(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
+    """Send ``request`` and keep the connection open for writing (a client still to send its
+    body): the server's answer, read until it closes; socket.timeout if it waits for the body."""
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head + b"\r\n\r\n" + body
+
+
+def shaped_header(ts=None) -> bytes:
+    """A header of the right shape and time that anyone can write without the key."""
+    ts = int(time.time()) if ts is None else ts
+    return b"Authorization: PDD-HMAC-SHA256 ts=%d,nonce=%s,sig=%s\r\n" % (ts, b"0" * 32, b"0" * 64)
+
+
+@pytest.mark.parametrize("auth", [b"", shaped_header(ts=1), b"Authorization: PDD-HMAC-SHA256 garbage\r\n"],
+                         ids=["unsigned", "stale", "malformed"])
+def test_unsigned_requests_are_refused_before_the_body_is_read(md, auth):
+    # 16 MiB announced, none sent: the answer must come without waiting for (or buffering) it
+    status, reply = first_reply(md.url, b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+                                % (16 << 20, auth))
+    assert status == 401, reply
+    assert md.server.httpd.body_budget.held == 0
+
+
+def test_a_body_over_the_routes_cap_is_refused_before_reading(md):
+    status, reply = first_reply(md.url, b"DELETE /pdd/rooms/1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+                                % (1 << 20, shaped_header()))
+    assert status == 413, reply
+
+
+def test_bodies_being_read_share_one_byte_budget():
+    server = MdControl(max_body_bytes_in_flight=1 << 20)
+    try:
+        u = urlsplit(server.url)
+        # a header of the right shape passes the pre-check; its body trickles in
+        slow = socket.create_connection((u.hostname, u.port), timeout=5)
+        slow.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n{" % (800 << 10, shaped_header()))
+        budget = server.server.httpd.body_budget
+        assert wait_until(lambda: budget.held == 800 << 10)
+        status, reply = first_reply(server.url, b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+                                    % (400 << 10, shaped_header()))
+        assert status == 503 and b"Retry-After: 1" in reply and b"retry" in reply
+        # a small signed call still fits, and is served
+        assert call_json("POST", server.url + "/pdd/rooms", {"room": 1, "token_ids": [1]}, key=KEY)[0] == 200
+        slow.close()  # its reservation goes with it
+        assert wait_until(lambda: budget.held == 0)
+    finally:
+        server.close()
+
+
+def test_a_trickled_body_is_cut_off_at_the_total_deadline(md, monkeypatch):
+    monkeypatch.setattr(md.server.httpd.RequestHandlerClass, "body_deadline_s", 0.5)
+    u = urlsplit(md.url)
+    with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+        s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n%s\r\n" % shaped_header())
+        data, start = b"", time.monotonic()
+        while not data and time.monotonic() - start < 4:  # one byte at a time, each well within the read timeout
+            s.sendall(b" ")
+            s.settimeout(0.1)
+            try:
+                data = s.recv(65536)
+            except socket.timeout:
+                pass
+    assert data.split()[1] == b"408", data

@@ -528,10 +528,11 @@ class ControlServer:
     Every route but /health needs the router's signature (control_auth, on the shared key)."""
 
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
         handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key)})
-        self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections)
+        self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
+                                       max_body_bytes_in_flight=max_body_bytes_in_flight)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-md-control")
 
@@ -547,6 +548,11 @@ MAX_TOKEN_ID = (1 << 31) - 1  # far above any vocabulary; keeps ids inside the r
 class _ControlHandler(JsonRequestHandler):
     runtime: MainDrcRuntime
     max_body_bytes = MAX_CONTROL_BODY
+
+    def body_cap(self, method: str, path: str) -> int:
+        # Only POSTs carry a body (register: the prompt's ids; handoff: eager tokens and
+        # sampling params); the other routes take none worth more than a few bytes.
+        return self.max_body_bytes if method == "POST" else 4096
 
     def _body(self) -> dict:
         """The request's JSON object (read and authenticated by JsonRequestHandler)."""

@@ -228,7 +228,9 @@ class PrefillControlServer:
                 self._reply(404, {"error": f"no such endpoint GET {self.path[:200]}"})
 
         Handler.auth = auth
-        self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections)
+        # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.
+        self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections,
+                                       max_body_bytes_in_flight=4 << 20)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
         logger.info("P control API on http://%s:%s%s (TP rank %d of %d%s)", *self.address, self.PATH,
