@@ -13,6 +13,16 @@ timestamp bounds a replay to ``window_s``; within it each nonce is accepted once
 cache). The control key is derived from the WAN key (domain separation: a control signature
 is never a valid WAN handshake proof, nor the reverse). The Host header is not signed on
 purpose: the router may reach MD through a proxy or tunnel.
+
+Replies are signed too, so a relay on the path cannot alter them (MD's registration reply
+sets how many WAN ports P dials; its handoff stream is the user's output)::
+
+    X-PDD-Reply-Signature: HMAC-SHA256(control_key, "pdd-control-reply-v1" \n request sig \n status \n SHA256(body) hex)
+
+and each event of a streamed reply is followed by the SSE comment line
+``:pdd-sig HMAC-SHA256(control_key, "pdd-control-event-v1" \n request sig \n index \n SHA256(data) hex)``,
+index 0, 1, ... up to and including ``[DONE]``. Binding to the request's signature means a
+reply (or event) recorded for one request does not verify for another.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from typing import Callable, Optional
 from sglang_pdd.kv_channel.handshake import MIN_KEY_BYTES
 
 HEADER = "Authorization"
+REPLY_HEADER = "X-PDD-Reply-Signature"
+EVENT_SIG = b":pdd-sig "  # an SSE comment line after each data line of a signed stream
 SCHEME = "PDD-HMAC-SHA256"
 _DOMAIN = b"sglang-pdd control plane v1"
 _HEADER_RE = re.compile(r"PDD-HMAC-SHA256 ts=([0-9]{1,12}),nonce=([0-9a-f]{32}),sig=([0-9a-f]{64})")
@@ -58,8 +70,23 @@ def _mac_digest(control_key: bytes, method: str, target: str, ts: str, nonce: st
     return hmac.new(control_key, msg.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
 
 
+def _reply_mac(control_key: bytes, request_sig: str, status: int, body: bytes) -> str:
+    msg = "\n".join(("pdd-control-reply-v1", request_sig, str(int(status)), hashlib.sha256(body).hexdigest()))
+    return hmac.new(control_key, msg.encode(), hashlib.sha256).hexdigest()
+
+
+def _event_mac(control_key: bytes, request_sig: str, index: int, data: bytes) -> str:
+    msg = "\n".join(("pdd-control-event-v1", request_sig, str(int(index)), hashlib.sha256(data).hexdigest()))
+    return hmac.new(control_key, msg.encode(), hashlib.sha256).hexdigest()
+
+
+def request_sig_of(header: str) -> str:
+    """The ``sig`` of a request's signature header (what its reply is bound to)."""
+    return header.rsplit("sig=", 1)[-1].strip()
+
+
 class ControlSigner:
-    """The router's side: the header for one request."""
+    """The router's side: the header for one request, and the checks of its reply."""
 
     def __init__(self, shared_key: bytes, clock: Callable[[], float] = time.time):
         self._key, self._clock = derive_control_key(shared_key), clock
@@ -67,6 +94,22 @@ class ControlSigner:
     def header(self, method: str, target: str, body: bytes = b"") -> dict[str, str]:
         ts, nonce = str(int(self._clock())), secrets.token_hex(16)
         return {HEADER: f"{SCHEME} ts={ts},nonce={nonce},sig={_mac(self._key, method, target, ts, nonce, body)}"}
+
+    def check_reply(self, request_header: str, status: int, body: bytes, reply_sig: Optional[str]) -> None:
+        """AuthError unless ``reply_sig`` is the server's signature of this reply (status and
+        body) to exactly this request (its signature: a reply cannot answer another request)."""
+        if not reply_sig:
+            raise AuthError(f"reply not signed (no {REPLY_HEADER})")
+        if not hmac.compare_digest(reply_sig.strip(), _reply_mac(self._key, request_sig_of(request_header),
+                                                                 status, body)):
+            raise AuthError("bad reply signature (altered on the way, or not from the server)")
+
+    def check_event(self, request_header: str, index: int, data: bytes, event_sig: bytes) -> None:
+        """AuthError unless ``event_sig`` signs event ``index`` (0, 1, ...) of this request's
+        stream: an event altered, dropped, reordered or taken from another stream fails."""
+        want = _event_mac(self._key, request_sig_of(request_header), index, data)
+        if not hmac.compare_digest(event_sig.strip(), want.encode()):
+            raise AuthError(f"bad signature on stream event {index} (altered on the way, or not from the server)")
 
 
 class ControlVerifier:
@@ -113,6 +156,12 @@ class ControlVerifier:
                 raise AuthError(f"more than {self.max_nonces} signed requests within {self.window_s:g} s; "
                                 f"retry shortly", status=503)
             self._nonces[nonce] = float(ts)
+
+    def sign_reply(self, request_sig: str, status: int, body: bytes) -> str:
+        return _reply_mac(self._key, request_sig, status, body)
+
+    def sign_event(self, request_sig: str, index: int, data: bytes) -> bytes:
+        return _event_mac(self._key, request_sig, index, data).encode()
 
     def _expire(self, now: float) -> None:
         # Entries are in arrival order, their ts roughly so; a ts older than the window can no

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 from urllib.parse import urlsplit
 
-from sglang_pdd.control_auth import HEADER, AuthError, ControlVerifier
+from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
     server_version = "sglang-pdd"
     sys_version = ""  # no Python version in the Server header
     body: bytes = b""
+    request_sig: Optional[str] = None  # the verified request's signature
     _replied = False
 
     def parse_request(self) -> bool:
@@ -109,7 +110,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         MAC checked over that hash."""
         if not super().parse_request():
             return False
-        self._replied, self._body_read, self._reserved = False, True, 0
+        self._replied, self._body_read, self._reserved, self.request_sig = False, True, 0, None
         try:
             length = self._content_length()
             cap = self.body_cap(self.command, urlsplit(self.path).path)
@@ -237,6 +238,13 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             self.auth.verify_digest(self.command, self.path, parsed, digest)
         except AuthError as e:
             self._refused(e)
+        self.request_sig = parsed[2]  # its reply is signed, bound to it
+
+    def reply_signature(self, status: int, body: bytes) -> dict:
+        """The header signing this reply, for a request that was signed (else none)."""
+        if self.request_sig is None:
+            return {}
+        return {REPLY_HEADER: self.auth.sign_reply(self.request_sig, status, body)}
 
     def _refused(self, e: AuthError):
         _refusals.warn("control %s %s from %s refused: %s", self.command, self.path[:200],
@@ -259,7 +267,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
+        for name, value in {**(headers or {}), **self.reply_signature(status, data)}.items():
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")

@@ -46,9 +46,11 @@ class FakeGenerate:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                body = b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n'
+                stream = fake.requests[-1].get("stream", True)
+                body = (b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n' if stream
+                        else b'{"output_ids": [7, 8]}')
                 self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -399,3 +399,119 @@ def test_a_trickled_body_is_cut_off_at_the_total_deadline(md, monkeypatch):
             except socket.timeout:
                 pass
     assert data.split()[1] == b"408", data
+
+
+# ---------------------------------------------------------------------------- replies on the path
+class Relay:
+    """An on-path relay in front of MD's control URL: forwards each request as it is (the
+    router's signature stays valid) and hands MD's reply to ``rewrite(path, body, headers)``,
+    which returns the (body, headers) the router then gets."""
+
+    def __init__(self, target: str, rewrite):
+        self.target, self.rewrite = target, rewrite
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        async def forward(request: web.Request) -> web.Response:
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            async with aiohttp.ClientSession() as s, s.request(request.method, self.target + request.path_qs,
+                                                                data=await request.read(), headers=headers) as r:
+                body, got = await r.read(), {k: v for k, v in r.headers.items()
+                                             if k.lower() in ("content-type", "x-pdd-reply-signature")}
+                status = r.status
+            body, got = self.rewrite(request.path, body, got)
+            return web.Response(status=status, body=body, headers=got)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = "http://127.0.0.1:%d" % self.runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def _raise_tp(path, body, headers):
+    if path == "/pdd/rooms":
+        body = json.dumps({**json.loads(body), "tp_size": 8}).encode()  # within --max-md-tp: the MAC must catch it
+    return body, headers
+
+
+def _rewrite_tokens(path, body, headers):
+    return body.replace(b"[7", b"[9"), headers
+
+
+def _cut_before_done(path, body, headers):
+    return body[:body.find(b"data: [DONE]")] if b"[DONE]" in body else body, headers
+
+
+@pytest.mark.parametrize("rewrite,call", [
+    (_raise_tp, "register"), (_rewrite_tokens, "handoff_stream"), (_cut_before_done, "handoff_stream"),
+    (_rewrite_tokens, "handoff"),
+], ids=["registration-tp_size", "handoff-stream-tokens", "handoff-stream-cut", "handoff-json-tokens"])
+def test_a_relay_cannot_alter_mds_replies(md, rewrite, call):
+    async def run():
+        async with aiohttp.ClientSession() as session, Relay(md.url, rewrite) as relay:
+            signer = ControlSigner(KEY)
+            direct, relayed = MainControl(session, md.url, signer=signer), MainControl(session, relay.url, signer=signer)
+            if call == "register":
+                with pytest.raises(BackendError, match="reply signature"):
+                    await relayed.register(31, [5, 6, 7])
+                return
+            await direct.register(31, [5, 6, 7])
+            md.runtime.mark_ready(31)
+            with pytest.raises(BackendError, match="signature|signed end"):
+                if call == "handoff":
+                    await relayed.handoff(31, {"token_ids": [8], "sampling_params": {}, "warmup": True})
+                else:
+                    [e async for e in relayed.handoff_stream(31, {"token_ids": [8], "sampling_params": {}})]
+
+    asyncio.run(run())
+
+
+def test_a_signed_reply_does_not_answer_another_request(md):
+    """The relay serves a reply recorded for one call (same body) to the next one."""
+    recorded = {}
+
+    def replay_first(path, body, headers):
+        recorded.setdefault(path, (body, headers))
+        return recorded[path]
+
+    async def run():
+        async with aiohttp.ClientSession() as session, Relay(md.url, replay_first) as relay:
+            mc = MainControl(session, relay.url, signer=ControlSigner(KEY))
+            assert await mc.stats() == {"open_rooms": 0}  # the first, genuine
+            assert await mc.stats() is None  # the same bytes, for another request: refused
+
+    asyncio.run(run())
+
+
+def test_p_and_the_router_bound_md_tp_by_their_own_configuration():
+    server = PControl(max_md_tp=8)
+    try:
+        dest = {"bootstrap_room": 41, "md_room": 41, "wan_peer": "%s:%d" % WAN_PEER, "md_prefix_len": 0}
+        status, reply = call_json("POST", server.url + "/pdd/wan_destinations", {**dest, "md_tp": 9}, key=KEY)
+        assert status == 400 and "--pdd-max-md-tp" in reply["error"]
+        assert call_json("POST", server.url + "/pdd/wan_destinations", {**dest, "md_tp": 8}, key=KEY)[0] == 200
+    finally:
+        server.close()
+    with pytest.raises(PddConfigError, match="--pdd-max-md-tp"):
+        validate(PddConfig(role="prefill", max_md_tp=65, wan_key_file="k"), "prefill")
+    with pytest.raises(PddConfigError, match="--pdd-max-md-tp applies only"):
+        validate(PddConfig(role="main", max_md_tp=4, wan_listen="10.0.0.1:1", control_listen="10.0.0.1:2",
+                           wan_key_file="k"), "null")
+    from sglang_pdd.router import backends
+    from sglang_pdd.router.app import parse_args
+
+    base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
+    assert parse_args(base + ["--max-md-tp", "4"]).max_md_tp == 4 and parse_args(base).max_md_tp == 8
+    assert backends.md_tp_of({"tp_size": 8}) == 8
+    with pytest.raises(BackendError, match="--max-md-tp"):
+        backends.md_tp_of({"tp_size": 9})
+    with pytest.raises(BackendError):
+        backends.md_tp_of({"tp_size": 5}, max_md_tp=4)
