@@ -5,13 +5,15 @@ The router signs every call to MD's and P's control APIs; the servers verify in 
 
     Authorization: PDD-HMAC-SHA256 ts=<unix seconds>,nonce=<32 hex>,sig=<64 hex>
     sig = HMAC-SHA256(control_key, "pdd-control-v1" \\n METHOD \\n TARGET \\n ts \\n nonce \\n SHA256(body) hex)
-    control_key = HMAC-SHA256(shared key, "sglang-pdd control plane v1")
+    control_key = HKDF-SHA256(shared key, salt "sglang-pdd control plane v2", info "role:" ROLE)
+    ROLE = "router->md" (MD's API) or "router->p" (P's API)
 
 TARGET is the request target as sent (path and query), so neither the route, the room id,
 the query (``timeout_s``, ``keep_kv``) nor the body can be changed without the key. The
 timestamp bounds a replay to ``window_s``; within it each nonce is accepted once (bounded
 cache). The control key is derived from the WAN key (domain separation: a control signature
-is never a valid WAN handshake proof, nor the reverse). The Host header is not signed on
+is never a valid WAN handshake proof, nor the reverse), one per role, so a call signed for
+MD's API does not verify on P's and the reverse. The Host header is not signed on
 purpose: the router may reach MD through a proxy or tunnel.
 
 Replies are signed too, so a relay on the path cannot alter them (MD's registration reply
@@ -42,7 +44,10 @@ HEADER = "Authorization"
 REPLY_HEADER = "X-PDD-Reply-Signature"
 EVENT_SIG = b":pdd-sig "  # an SSE comment line after each data line of a signed stream
 SCHEME = "PDD-HMAC-SHA256"
-_DOMAIN = b"sglang-pdd control plane v1"
+_SALT = b"sglang-pdd control plane v2"
+ROLE_MD = "router->md"  # MD's room API
+ROLE_P = "router->p"  # P's WAN-destination API
+ROLES = (ROLE_MD, ROLE_P)
 _HEADER_RE = re.compile(r"PDD-HMAC-SHA256 ts=([0-9]{1,12}),nonce=([0-9a-f]{32}),sig=([0-9a-f]{64})")
 
 
@@ -55,10 +60,14 @@ class AuthError(ValueError):
         self.status = status
 
 
-def derive_control_key(shared_key: bytes) -> bytes:
+def derive_control_key(shared_key: bytes, role: str) -> bytes:
+    """HKDF-SHA256 (RFC 5869, one output block) of the shared key for one role's API."""
     if len(shared_key) < MIN_KEY_BYTES:
         raise ValueError(f"control key must be at least {MIN_KEY_BYTES} bytes")
-    return hmac.new(shared_key, _DOMAIN, hashlib.sha256).digest()
+    if role not in ROLES:
+        raise ValueError(f"control role must be one of {ROLES}, got {role!r}")
+    prk = hmac.new(_SALT, shared_key, hashlib.sha256).digest()
+    return hmac.new(prk, b"role:" + role.encode() + b"\x01", hashlib.sha256).digest()
 
 
 def _mac(control_key: bytes, method: str, target: str, ts: str, nonce: str, body: bytes) -> str:
@@ -86,10 +95,11 @@ def request_sig_of(header: str) -> str:
 
 
 class ControlSigner:
-    """The router's side: the header for one request, and the checks of its reply."""
+    """The router's side: the header for one request, and the checks of its reply. ``role``:
+    whose API the calls go to (ROLE_MD or ROLE_P)."""
 
-    def __init__(self, shared_key: bytes, clock: Callable[[], float] = time.time):
-        self._key, self._clock = derive_control_key(shared_key), clock
+    def __init__(self, shared_key: bytes, clock: Callable[[], float] = time.time, *, role: str = ROLE_MD):
+        self._key, self._clock, self.role = derive_control_key(shared_key, role), clock, role
 
     def header(self, method: str, target: str, body: bytes = b"") -> dict[str, str]:
         ts, nonce = str(int(self._clock())), secrets.token_hex(16)
@@ -113,11 +123,12 @@ class ControlSigner:
 
 
 class ControlVerifier:
-    """The servers' side (thread-safe). ``verify`` raises AuthError naming what is wrong."""
+    """The servers' side (thread-safe). ``verify`` raises AuthError naming what is wrong.
+    ``role``: the API this server serves (ROLE_MD or ROLE_P)."""
 
     def __init__(self, shared_key: bytes, window_s: float = 30.0, max_nonces: int = 1 << 16,
-                 clock: Callable[[], float] = time.time):
-        self._key, self._clock = derive_control_key(shared_key), clock
+                 clock: Callable[[], float] = time.time, *, role: str = ROLE_MD):
+        self._key, self._clock, self.role = derive_control_key(shared_key, role), clock, role
         self.window_s, self.max_nonces = window_s, max_nonces
         self._lock = threading.Lock()
         self._nonces: "OrderedDict[str, float]" = OrderedDict()  # nonce -> its request's ts, oldest first

@@ -13,7 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.radix_drc.rooms import DrcRooms
 from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
@@ -129,7 +129,7 @@ class PControl:
 
     def __init__(self, port: int = 0, **tp):
         self.board = DestinationBoard()
-        self.server = PrefillControlServer(self.board, "127.0.0.1", port, auth=ControlVerifier(KEY),
+        self.server = PrefillControlServer(self.board, "127.0.0.1", port, auth=ControlVerifier(KEY, role=ROLE_P),
                                            peer_allowed=lambda peer: peer == WAN_PEER, **tp)
         self.url = "http://%s:%s" % self.server.address
 

@@ -20,7 +20,7 @@ from control_fakes import KEY, WAN_PEER, MdControl, PControl
 from waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
@@ -252,7 +252,7 @@ def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
             assert md.generate.requests[0]["input_ids"] == [5, 6, 7, 8]  # the room's prompt + eager token
             await mc.release(21)
             assert 21 not in md.runtime.rooms.rooms
-            pc = PrefillControl(session, p.url, signer=signer)
+            pc = PrefillControl(session, p.url, signer=ControlSigner(KEY, role=ROLE_P))
             assert await pc.set_wan_destination(4, 4, "%s:%d" % WAN_PEER, 0) == {"accepted": True}
             await pc.drop_wan_destination(5)
             with pytest.raises(BackendError, match="403"):
@@ -515,3 +515,20 @@ def test_p_and_the_router_bound_md_tp_by_their_own_configuration():
         backends.md_tp_of({"tp_size": 9})
     with pytest.raises(BackendError):
         backends.md_tp_of({"tp_size": 5}, max_md_tp=4)
+
+
+def test_calls_signed_for_md_are_refused_by_p_and_the_reverse(md, p):
+    """One shared key, two role keys: what MD received cannot be replayed to P."""
+    for server, path, own, other in ((md, "/pdd/stats", ROLE_MD, ROLE_P), (p, "/pdd/stats", ROLE_P, ROLE_MD),
+                                     (p, "/pdd/info", ROLE_P, ROLE_MD)):
+        for role, want in ((other, 401), (own, 200)):
+            header = ControlSigner(KEY, role=role).header("GET", path, b"")["Authorization"]
+            status, _ = raw(server.url, b"GET %s HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n"
+                            % (path.encode(), header.encode()))
+            assert status == want, (server, path, role)
+    body = json.dumps({"bootstrap_room": 51, "md_room": 51, "wan_peer": "%s:%d" % WAN_PEER,
+                       "md_prefix_len": 0}).encode()
+    header = ControlSigner(KEY, role=ROLE_MD).header("POST", "/pdd/wan_destinations", body)["Authorization"]
+    status, _ = raw(p.url, b"POST /pdd/wan_destinations HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                    b"Authorization: %s\r\n\r\n%s" % (len(body), header.encode(), body))
+    assert status == 401 and p.board.wait_for(51, lambda v: None) is None

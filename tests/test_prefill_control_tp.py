@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control_auth import ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_rank_url
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, DestinationError
@@ -42,7 +42,7 @@ def run_with_control(url: str, body):
         trace = aiohttp.TraceConfig()
         trace.on_request_start.append(on_start)
         async with aiohttp.ClientSession(trace_configs=[trace]) as session:
-            return await body(PrefillControl(session, url, signer=ControlSigner(KEY)), info_requests)
+            return await body(PrefillControl(session, url, signer=ControlSigner(KEY, role=ROLE_P)), info_requests)
 
     return asyncio.run(main())
 
@@ -57,7 +57,7 @@ def test_each_rank_reports_its_place_and_stats_name_it():
     with tp_ranks(2) as (r0, r1):
         assert call_json("GET", r1.url + "/pdd/info", key=KEY) == (
             200, {"tp_rank": 1, "tp_size": 2, "sends_wan": True})
-        status, stats = call_json("GET", r0.url + "/pdd/stats", key=KEY)
+        status, stats = call_json("GET", r0.url + "/pdd/stats", key=KEY, role=ROLE_P)
         assert status == 200 and stats["tp_rank"] == 0 and stats["tp_size"] == 2
         assert call_json("GET", r0.url + "/pdd/info")[0] == 401  # signed like every other route
 
@@ -189,7 +189,7 @@ def test_unsigned_info_or_destination_replies_are_backend_failures():
             url = "http://127.0.0.1:%d" % runner.addresses[0][1]
             try:
                 async with aiohttp.ClientSession() as session:
-                    pc = PrefillControl(session, url, signer=ControlSigner(KEY))
+                    pc = PrefillControl(session, url, signer=ControlSigner(KEY, role=ROLE_P))
                     with pytest.raises(BackendError):
                         await pc.tp_size()
                     with pytest.raises(BackendError):

@@ -11,18 +11,21 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, AuthError, ControlSigner
+from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
 
 logger = logging.getLogger(__name__)
 
-_control_signer: Optional[ControlSigner] = None
+_control_signer: Optional[ControlSigner] = None  # MD's role
+_prefill_signer: Optional[ControlSigner] = None  # P's role
 
 
 def use_control_key(key: Optional[bytes]) -> None:
     """The router's --control-key-file: every MainControl / PrefillControl made afterwards in
-    this process signs its calls with it (MD and P refuse unsigned control calls)."""
-    global _control_signer
-    _control_signer = ControlSigner(key) if key is not None else None
+    this process signs its calls with it (MD and P refuse unsigned control calls), each with
+    its role's key (a call signed for MD does not verify on P)."""
+    global _control_signer, _prefill_signer
+    _control_signer = ControlSigner(key, role=ROLE_MD) if key is not None else None
+    _prefill_signer = ControlSigner(key, role=ROLE_P) if key is not None else None
 
 
 def _control_request(signer: Optional[ControlSigner], method: str, url: str, body=None) -> dict:
@@ -270,7 +273,7 @@ class PrefillControl:
 
     def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None):
         self.session, self.url = session, control_url.rstrip("/")
-        self.signer = signer or _control_signer
+        self.signer = signer or _prefill_signer
 
     async def tp_size(self) -> int:
         """P's TP ranks (GET /pdd/info on rank 0, a signed reply), asked once per session. A

@@ -38,7 +38,7 @@ from sglang_pdd.config import PddConfig, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
-from sglang_pdd.control_auth import EVENT_SIG, ControlVerifier
+from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
                                   serve_in_thread)
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
@@ -530,7 +530,7 @@ class ControlServer:
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
                  max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key)})
+        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
                                        max_body_bytes_in_flight=max_body_bytes_in_flight)
         self.address = self.httpd.server_address[:2]

@@ -33,7 +33,7 @@ from sglang.srt.disaggregation.mooncake.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port, parse_peer_list
-from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import wan_tls_context
@@ -91,7 +91,7 @@ class PddKVManager(MooncakeKVManager):
                 host, port = parse_host_port("--pdd-control-listen", cfg.control_listen)
                 self.control_server = PrefillControlServer(  # rank r on port + r; the router finds them all
                     self.wan_destinations, host, port + self.attn_tp_rank,
-                    auth=ControlVerifier(read_key(cfg)), peer_allowed=self.wan_fanout.allows,
+                    auth=ControlVerifier(read_key(cfg), role=ROLE_P), peer_allowed=self.wan_fanout.allows,
                     max_md_tp=cfg.max_md_tp,
                     stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
                     # What a rank sends depends on each destination's MD TP size, so every rank
