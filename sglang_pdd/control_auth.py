@@ -11,7 +11,8 @@ The router signs every call to MD's and P's control APIs; the servers verify in 
 TARGET is the request target as sent (path and query), so neither the route, the room id,
 the query (``timeout_s``, ``keep_kv``) nor the body can be changed without the key. The
 timestamp bounds a replay to ``window_s``; within it each nonce is accepted once (bounded
-cache). The control key is derived from the WAN key (domain separation: a control signature
+cache); a nonce leaves the cache only with a timestamp no newer than which anything is
+refused, so a wall clock stepped back does not re-admit it. The control key is derived from the WAN key (domain separation: a control signature
 is never a valid WAN handshake proof, nor the reverse), one per role, so a call signed for
 MD's API does not verify on P's and the reverse. The Host header is not signed on
 purpose: the router may reach MD through a proxy or tunnel.
@@ -132,6 +133,9 @@ class ControlVerifier:
         self.window_s, self.max_nonces = window_s, max_nonces
         self._lock = threading.Lock()
         self._nonces: "OrderedDict[str, float]" = OrderedDict()  # nonce -> its request's ts, oldest first
+        # The newest ts whose nonce was forgotten: anything that old or older is refused, so a
+        # wall clock stepped back cannot bring a forgotten request into the window again.
+        self._forgotten_ts = float("-inf")
 
     def verify(self, method: str, target: str, header: Optional[str], body: bytes) -> None:
         self.verify_digest(method, target, self.precheck(header), hashlib.sha256(body).hexdigest())
@@ -161,6 +165,9 @@ class ControlVerifier:
             raise AuthError("bad signature (wrong key, or the request was altered)")
         with self._lock:  # only validly signed requests reach the cache: an outsider cannot fill it
             self._expire(now)
+            if int(ts) <= self._forgotten_ts:
+                raise AuthError("request no newer than one the replay cache has forgotten (replay, or the "
+                                "clock stepped back)")
             if nonce in self._nonces:
                 raise AuthError("replayed request (nonce already used)")
             if len(self._nonces) >= self.max_nonces:
@@ -183,3 +190,4 @@ class ControlVerifier:
             if ts >= cutoff:
                 break
             del self._nonces[nonce]
+            self._forgotten_ts = max(self._forgotten_ts, ts)

@@ -127,3 +127,17 @@ def test_the_role_keys_are_hkdf_of_the_shared_key():
     """RFC 5869 HKDF-SHA256, salt and info as documented in control_auth (one block)."""
     prk = hmac.new(b"sglang-pdd control plane v2", KEY, hashlib.sha256).digest()
     assert derive_control_key(KEY, ROLE_P) == hmac.new(prk, b"role:router->p\x01", hashlib.sha256).digest()
+
+
+def test_a_clock_stepped_back_does_not_readmit_a_forgotten_request():
+    clock = Clock(1_000.0)
+    v = ControlVerifier(KEY, window_s=30, clock=clock)
+    first = signed(clock=clock)
+    v.verify("POST", "/pdd/rooms", first, b'{"room": 1}')
+    clock.t = 1_031.0  # past the window: the next request forgets the first's nonce
+    v.verify("POST", "/pdd/rooms", signed(clock=clock), b'{"room": 1}')
+    clock.t = 1_000.0  # NTP steps the wall clock back: the first is inside the window again
+    with pytest.raises(AuthError, match="forgotten"):
+        v.verify("POST", "/pdd/rooms", first, b'{"room": 1}')
+    clock.t = 1_032.0
+    v.verify("POST", "/pdd/rooms", signed(clock=clock), b'{"room": 1}')  # fresh requests still pass
