@@ -42,9 +42,10 @@ if [ "${1:-}" = "--check" ]; then
   apply_patches check; exit $?
 fi
 
-# 1. Debian libraries: Mooncake's engine.so links libibverbs even when it only speaks TCP.
+# 1. Debian packages: Mooncake's engine.so links libibverbs even when it only speaks TCP; the TLS
+#    tests make their certificates with openssl.
 missing=()
-for pkg in libibverbs1 librdmacm1 libnuma1 patch; do
+for pkg in libibverbs1 librdmacm1 libnuma1 patch openssl; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -22,6 +22,8 @@ import os
 import aiohttp
 import pytest
 
+from takeover import md_takes_over
+
 from sglang_pdd.launcher.http import post_json, stream_events
 from sglang_pdd.sglang_glue.resume import RESUME_KEY
 
@@ -29,7 +31,10 @@ pytestmark = pytest.mark.e2e
 
 MAX_NEW = 40
 LOGPROB_TOL = 1e-3
-STALL_S = 0.6  # the WAN holds MD's KV back this long: RLD streams eager tokens meanwhile
+# P->RLD->MD (takeover.py): streamed, MD takes over once the client holds EAGER tokens from RLD;
+# not streamed, TAKE_OVER_S after the request is sent (mid-output, or after RLD finished it).
+EAGER = 3
+TAKE_OVER_S = 0.25
 
 # The full tier's prompts, whatever their margins; CI takes the first of CANDIDATE_PROMPTS on
 # which the single server never has a near-tie (below).
@@ -153,9 +158,13 @@ def references(single_server) -> dict[str, Reference]:
                 f"bite: (smallest gap, penalties bite) per prompt {margins}")
 
 
-def stream_final(url: str, payload: dict) -> dict:
-    """The last event of a cumulative SGLang stream (checked to be cumulative on the way)."""
-    events = list(stream_events(f"{url}/generate", {**payload, "stream": True}))
+def stream_final(url: str, payload: dict, on_event=lambda ids: None) -> dict:
+    """The last event of a cumulative SGLang stream (checked to be cumulative on the way);
+    ``on_event(output_ids so far)`` for each event."""
+    events = []
+    for event in stream_events(f"{url}/generate", {**payload, "stream": True}):
+        events.append(event)
+        on_event(event.get("output_ids", []))
     assert events and "error" not in events[-1], events[-1:]
     for shorter, longer in zip(events, events[1:]):
         assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]
@@ -163,12 +172,13 @@ def stream_final(url: str, payload: dict) -> dict:
 
 
 def route(cluster, prompt: str, sampling: dict, options: dict, stream: bool) -> dict:
-    if options.get("path") == "p_rld_md":
-        cluster.wan_control("stall", seconds=STALL_S)
-    payload = body(prompt, sampling, pdd_options=options)
-    if stream:
-        return stream_final(cluster.topology.router_url, payload)
-    return post_json(f"{cluster.topology.router_url}/generate", payload)
+    payload, url = body(prompt, sampling, pdd_options=options), cluster.topology.router_url
+    if options.get("path") != "p_rld_md":
+        return stream_final(url, payload) if stream else post_json(f"{url}/generate", payload)
+    with md_takes_over(cluster, after_s=None if stream else TAKE_OVER_S) as take_over:
+        if stream:
+            return stream_final(url, payload, lambda ids: len(ids) >= EAGER and take_over())
+        return post_json(f"{url}/generate", payload)
 
 
 def tie_gap(got_ids: list[int], want: dict, i: int):
@@ -229,10 +239,14 @@ def print_excuses(before: int, compared: int) -> None:
     assert sum("late WAN" in e for e in new) * 4 <= compared, new
 
 
+# CI: every path once, and streamed where a handoff's place is chosen (and P->MD's).
+CI_PAIRS = {("p_md", False), ("one_shot", False), ("rld_only", False), ("p_md", True), ("one_shot", True),
+            ("catch_up", True)}
+
+
 @pytest.mark.parametrize("path,stream", [
     pytest.param(path, stream, id=f"{path}-{'stream' if stream else 'once'}")
-    for stream in (False, True) for path in PATHS
-    if FULL or not stream or path in ("p_md", "one_shot")])
+    for stream in (False, True) for path in PATHS if FULL or (path, stream) in CI_PAIRS])
 def test_router_equals_single_server(pdd_cluster, references, path, stream):
     handoffs, bad, before, compared = [], [], len(EXCUSES), 0
     for prompt, ref in references.items():
@@ -250,8 +264,8 @@ def test_router_equals_single_server(pdd_cluster, references, path, stream):
         assert not handoffs
     elif path == "p_md":
         assert len(handoffs) == compared and set(handoffs) == {1}, handoffs
-    else:  # mid-stream: MD took over after RLD had streamed several tokens
-        assert any(h > 1 for h in handoffs), handoffs
+    elif stream:  # MD took over mid-stream, at the token chosen, on every case
+        assert len(handoffs) == compared and min(handoffs) >= EAGER, handoffs
 
 
 @pytest.mark.parametrize("path", ["p_md", "one_shot"])
@@ -304,7 +318,7 @@ def flow_output(cluster, prompt_ids: list[int], sampling: dict, extras: dict, pa
     topo = cluster.topology
     p, m = topo.prefill, topo.main
 
-    async def run():
+    async def run(take_over):
         async with aiohttp.ClientSession() as session:
             cfg = FlowConfig(handoff=HandoffConfig(fixed_mode=HandoffMode.ONE_SHOT), wan_timeout_s=6.0)
             flow = PddFlow(session, cfg, PrefillBackend(p.url, p.bootstrap_port, control_url=p.control_url),
@@ -314,11 +328,14 @@ def flow_output(cluster, prompt_ids: list[int], sampling: dict, extras: dict, pa
             ids = []
             async for new in flow.events():
                 ids += new
+                if len(ids) >= EAGER:
+                    take_over()  # blocks the loop for a few ms: the flow's legs wait meanwhile
             return ids, flow.output_meta, flow.result
 
-    if path == "p_rld_md":
-        cluster.wan_control("stall", seconds=STALL_S)
-    return asyncio.run(run())
+    if path != "p_rld_md":
+        return asyncio.run(run(lambda: None))
+    with md_takes_over(cluster) as take_over:
+        return asyncio.run(run(take_over))
 
 
 def assert_logprobs_close(got: list, want: list, where: str) -> None:
@@ -350,4 +367,7 @@ def test_flow_logprobs_equal_single_server(pdd_cluster, single_server, reference
                               f"{path} input")
         if result.handoff_at is not None:
             handoffs.append(result.handoff_at)
-    assert handoffs, "no handoff: MD's logprobs were never spliced"
+    if path == "p_md":
+        assert handoffs == [1] * len(references), handoffs
+    else:  # MD's logprobs spliced after RLD's, at the token chosen
+        assert len(handoffs) == len(references) and min(handoffs) >= EAGER, handoffs

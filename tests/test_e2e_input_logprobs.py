@@ -10,7 +10,10 @@ report none); short outputs keep this cheap on a 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+from takeover import md_takes_over
 
 from sglang_pdd.launcher.http import post_json, stream_events
 
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.e2e
 TOL = 1e-3
 PROMPT = "The history of the printing press begins"
 MAX_NEW = 6
-STALL_S = 0.6  # as test_e2e_differential: RLD streams eager tokens before MD's KV lands
+TAKE_OVER_S = 0.15  # P->RLD->MD: MD takes over this long after the request is sent (takeover.py)
 LOGPROB_FIELDS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
                   "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 PATHS = {"p_md": {"path": "p_md"}, "one_shot": {"path": "p_rld_md", "handoff_mode": "one_shot"},
@@ -58,9 +61,10 @@ def generate_body(**extra) -> dict:
 def test_generate_input_logprobs_equal_single_server(pdd_cluster, single_server, path):
     want = post_json(f"{single_server}/generate", generate_body())
     assert len(want["meta_info"]["input_token_logprobs"]) > 1  # from logprob_start_len 3: not empty
-    if PATHS[path]["path"] == "p_rld_md":
-        pdd_cluster.wan_control("stall", seconds=STALL_S)
-    got = post_json(f"{pdd_cluster.topology.router_url}/generate", generate_body(pdd_options=PATHS[path]))
+    with contextlib.ExitStack() as stack:
+        if PATHS[path]["path"] == "p_rld_md":
+            stack.enter_context(md_takes_over(pdd_cluster, after_s=TAKE_OVER_S))
+        got = post_json(f"{pdd_cluster.topology.router_url}/generate", generate_body(pdd_options=PATHS[path]))
     assert got["output_ids"] == want["output_ids"], got["meta_info"].get("pdd")
     for key in LOGPROB_FIELDS:
         assert_close(got["meta_info"][key], want["meta_info"][key], f"{path} {key}")

@@ -2,11 +2,11 @@
 
 The reference is a plain single server: greedy output_ids through every PDD path, handoff
 mode and threshold must equal it, token for token, streaming or not, and through WAN / MD
-failures (RLD finishes the request). The WAN is slow on purpose (1 Mbit/s, 20 ms) so that
-RLD has produced eager tokens by the time MD's KV lands and handoffs happen mid-stream.
+failures (RLD finishes the request). The WAN is slow on purpose (0.5 Mbit/s, 20 ms): MD's KV
+lands after RLD's first tokens; where a test needs the handoff at a chosen token, MD takes over
+there (takeover.py).
 """
 
-import contextlib
 import json
 import time
 import urllib.error
@@ -14,6 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from takeover import md_takes_over
 from waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
@@ -21,8 +22,7 @@ from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_even
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 24
-# P->RLD->MD requests run longer, so that RLD is still decoding when MD's held-back KV lands
-# (hand_off_after): a handoff mid-stream on every request, not only when timing allows.
+# P->RLD->MD requests run longer: MD takes over after a few tokens and does most of the output.
 RELAY_MAX_NEW = 64
 
 PROMPTS = [
@@ -54,58 +54,42 @@ def route(cluster, prompt: str, **options) -> dict:
     return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
 
 
-@contextlib.contextmanager
-def wan_held(cluster):
-    """MD's KV held back on the WAN (a long stall) until ``release()``, then let through on a fast
-    link, so it lands at once; the link's test settings come back afterwards."""
-    from conftest import TEST_WAN_GBPS
-
-    held = [True]
-
-    def release():
-        if held[0]:
-            held[0] = False
-            cluster.wan_control("link", rate_gbps=1.0)
-            cluster.wan_control("heal")
-
-    cluster.wan_control("stall", seconds=60)
-    try:
-        yield release
-    finally:
-        release()
-        cluster.wan_control("link", rate_gbps=TEST_WAN_GBPS)
-
-
 def hand_off_after(cluster, prompt: str, eager: int, max_new: int = RELAY_MAX_NEW, **options) -> dict:
-    """A P->RLD->MD request, streamed, whose KV reaches MD only once the client holds ``eager``
-    tokens from RLD: MD takes over mid-stream, while RLD still decodes. Returns the last event,
-    after checking the stream is one cumulative stream."""
+    """A P->RLD->MD request, streamed, that MD takes over once the client holds ``eager`` tokens
+    from RLD (takeover.py). Returns the last event, after checking the stream is one cumulative
+    stream."""
     body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, "stream": True,
             "pdd_options": {"path": "p_rld_md", **options}}
     events = []
-    with wan_held(cluster) as release:
+    with md_takes_over(cluster) as take_over:
         for event in stream_events(f"{cluster.topology.router_url}/generate", body):
             events.append(event)
             if len(event["output_ids"]) >= eager:
-                release()
+                take_over()
     for shorter, longer in zip(events, events[1:]):
         assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]
     return events[-1]
 
 
 def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:
-    """Each prompt of ``reference`` through the router on ``options`` gives its greedy ids, with no
-    fallback; p_md hands every request to MD, p_rld_md at least one (MD's KV landing in time is
-    timing). ``check(meta_info.pdd)``: the caller's extra assertions."""
-    handoffs = 0
+    """Each prompt of ``reference`` (greedy ids at MAX_NEW) through the router on ``options``
+    gives its greedy ids, with no fallback; p_md hands every request to MD at its first token,
+    p_rld_md (streamed) after RLD's third (takeover.py). ``check(meta_info.pdd)``: the caller's
+    extra assertions."""
     for prompt, want in reference.items():
-        got = route(cluster, prompt, **options)
+        if options["path"] == "p_rld_md":
+            handoff = {k: v for k, v in options.items() if k != "path"}
+            got = hand_off_after(cluster, prompt, 3, max_new=MAX_NEW, **handoff)
+        else:
+            got = route(cluster, prompt, **options)
         pdd = got["meta_info"]["pdd"]
         assert got["output_ids"] == want, (prompt, pdd)
         assert not pdd["fallbacks"], pdd
         check(pdd)
-        handoffs += pdd["handoff_at"] is not None
-    assert handoffs >= (len(reference) if options["path"] == "p_md" else 1)
+        if options["path"] == "p_md":
+            assert pdd["handoff_at"] == 1, pdd
+        elif options["path"] == "p_rld_md":
+            assert pdd["handoff_at"] >= 3 and pdd["md_tokens"] == len(want) - pdd["handoff_at"], pdd
 
 
 CONFIGS = [
@@ -319,19 +303,37 @@ def test_metrics_count_paths_and_handoffs(pdd_cluster):
 
 def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
     """A one-token request ends on RLD long before its KV reaches MD over the slow test WAN;
-    MD still lets it land and caches the prompt, so the session's next turn hits it."""
-    topo = pdd_cluster.topology
+    MD still lets it land and caches the prompt, so the session's next turn hits it.
+
+    P is paused (SGLang's /pause_generation) until it holds the request's WAN destination: a
+    request that ends before the router has registered on MD and told P drops the destination
+    by design (the end of a request does not wait on MD), which would test nothing here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    topo, key = pdd_cluster.topology, pdd_cluster.control_key
     ids = [int(x) for x in np.random.default_rng(7).integers(100, 900, 96)]
-    got = post_json(f"{topo.router_url}/generate", {"input_ids": ids, "sampling_params": {
-        "max_new_tokens": 1, "temperature": 0}, "pdd_options": {"path": "p_rld_md"}})
+    p_stats = f"{topo.prefill.control_url}/pdd/stats"
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "pdd_options": {"path": "p_rld_md"}}
+    post_json(f"{topo.prefill.url}/pause_generation", {"mode": "in_place"})
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(post_json, f"{topo.router_url}/generate", body)
+            assert wait_until(lambda: get_json(p_stats, key=key)["waiting_destinations"] == 1, 30), \
+                get_json(p_stats, key=key)
+            post_json(f"{topo.prefill.url}/continue_generation", {})
+            got = reply.result(timeout=60)
+    finally:
+        post_json(f"{topo.prefill.url}/continue_generation", {})
     pdd = got["meta_info"]["pdd"]
     assert pdd["handoff_at"] is None and pdd["md_tokens"] == 0 and not pdd["fallbacks"], pdd
+    assert pdd["md_registration"] == "concurrent", pdd
 
     def md_cached() -> int:
         room = int(time.time() * 1e6)
-        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids},
-                        key=pdd_cluster.control_key)
-        call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=pdd_cluster.control_key)
+        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids}, key=key)
+        call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=key)
         return int(reg["cached_tokens"])
 
-    assert wait_until(lambda: md_cached() == len(ids) - 1, 30, poll_s=0.5)
+    cached = []
+    assert wait_until(lambda: cached.append(md_cached()) or cached[-1] == len(ids) - 1, 30, poll_s=0.5), cached

@@ -20,15 +20,15 @@ import pytest
 from sglang_pdd.launcher.http import post_json, stream_events
 from sglang_pdd.sglang_glue.resume import RESUME_KEY
 
-# the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = pytest.mark.e2e
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 # bounded values: the tiny random model would otherwise write one string / number forever
 JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                                  "ok": {"type": "boolean"}},
                "required": ["name", "ok"], "additionalProperties": False}
-REGEX = r"[a-z]+( [a-z]+){4,8}\."
+# bounded words: the match must end (with its ".") well within max_new_tokens on the tiny model
+REGEX = r"[a-z]{1,6}( [a-z]{1,6}){3,5}\."
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_penalties_follow_the_servers_clock(server, tokenizer):
     """Under the overlap scheduler one server counts penalties one token late (penalty_clock.py):
     on this prompt its greedy output repeats the first token under repetition_penalty, which a
     resume at k=1 that counted the resumed token at once would not (measured before the fix)."""
-    ids = tokenizer("The history of the printing press begins")["input_ids"]
+    ids = tokenizer("call error the printing")["input_ids"]
     for penalty in ({"repetition_penalty": 1.4}, {"frequency_penalty": 0.8, "presence_penalty": 0.6}):
         params = {"max_new_tokens": 16, "temperature": 0, **penalty}
         full = check_cuts(server, ids, params, [1, 2, 3])

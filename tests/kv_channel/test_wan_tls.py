@@ -20,8 +20,10 @@ from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 
 KEY = b"tls-test-key-0123456789abcdef-0123"
+# scripts/setup.sh installs openssl; under scripts/test.sh (CI set) a missing one fails, not skips
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not shutil.which("openssl"), reason="openssl CLI needed to make test certificates")]
+              pytest.mark.skipif(not shutil.which("openssl") and not os.environ.get("CI"),
+                                 reason="openssl CLI needed to make test certificates")]
 
 
 def _openssl(*args, cwd):
