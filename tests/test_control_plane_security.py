@@ -532,3 +532,38 @@ def test_calls_signed_for_md_are_refused_by_p_and_the_reverse(md, p):
     status, _ = raw(p.url, b"POST /pdd/wan_destinations HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
                     b"Authorization: %s\r\n\r\n%s" % (len(body), header.encode(), body))
     assert status == 401 and p.board.wait_for(51, lambda v: None) is None
+
+
+def test_trickled_unauthenticated_bodies_hold_no_more_than_the_budget():
+    """24 POSTs announcing MD's 16 MiB cap with a forged (well-shaped) header, trickling:
+    four fit the 64 MiB budget, the rest get 503 at once, and memory follows the bytes that
+    arrived, not the lengths announced."""
+    import tracemalloc
+
+    server = MdControl()
+    held = []
+    tracemalloc.start()
+    try:
+        u = urlsplit(server.url)
+        budget = server.server.httpd.body_budget
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(24):
+            s = socket.create_connection((u.hostname, u.port), timeout=5)
+            s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n{"
+                      % (16 << 20, shaped_header()))
+            held.append(s)
+        assert wait_until(lambda: budget.held == 64 << 20 and server.server.httpd.in_use == 4)
+        refused = 0
+        for s in held:
+            s.settimeout(0.05)
+            try:
+                refused += s.recv(65536).split()[1] == b"503"
+            except socket.timeout:
+                pass
+        assert refused == 20
+        assert tracemalloc.get_traced_memory()[0] - before < 8 << 20
+    finally:
+        tracemalloc.stop()
+        for s in held:
+            s.close()
+        server.close()
