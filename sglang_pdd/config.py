@@ -44,6 +44,7 @@ class PddConfig:
     intra_dc_transport: str = "auto"  # prefill/relay: engine of the P -> RLD path
     wan_destination_wait_ms: int = 2000  # prefill: how long P keeps KV for a promised late destination
     wan_peers: Optional[str] = None  # prefill: HOST:PORT,... of the MDs' WAN receivers P may send KV to
+    max_md_tp: int = 8  # prefill: the largest MD TP size (WAN ports per MD) P sends to
     allow_wildcard_bind: bool = False  # main/prefill: permit 0.0.0.0 / :: in the *-listen flags
     md_staging_mb: int = 4096  # main: KV of rooms in flight (reserved pool pages or host staging), at most
     md_ingest: str = "pool"  # main: "pool" (write into reserved pages as chunks land) or "staged"
@@ -91,6 +92,9 @@ FLAGS = [
         help="prefill only: HOST:PORT,... of the MD WAN receivers (--pdd-wan-listen, as the router's "
              "--main names them) that P may send KV to. Any other destination, from a request or the "
              "control API, is refused and RLD finishes the request. Without it P sends no KV over the WAN.")),
+    ("--pdd-max-md-tp", "pdd_max_md_tp", dict(type=int, default=8,
+        help="prefill only: the largest MD TP size P sends KV to (it dials one WAN port per MD rank); a "
+             "destination naming more is refused and RLD finishes the request.")),
     ("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", dict(action="store_true", default=False,
         help="main and prefill: allow --pdd-control-listen / --pdd-wan-listen on a wildcard address "
              "(0.0.0.0, ::), i.e. on every interface. Refused without it: name the interface.")),
@@ -201,6 +205,7 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     if cfg.wan_peers is not None:
         parse_peer_list("--pdd-wan-peers", cfg.wan_peers)
     for flag, name in (("--pdd-wan-peers", "wan_peers"), ("--pdd-wan-streams", "wan_streams"),
+                       ("--pdd-max-md-tp", "max_md_tp"),
                        ("--pdd-wan-staging-mb", "wan_staging_mb"),
                        ("--pdd-wan-destination-wait-ms", "wan_destination_wait_ms")):
         if cfg.role != "prefill" and getattr(cfg, name) != getattr(defaults, name):
@@ -220,6 +225,8 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         raise PddConfigError(f"--pdd-wan-destination-wait-ms must be in 0..60000, got {cfg.wan_destination_wait_ms}")
     if cfg.wan_staging_mb < 16:
         raise PddConfigError(f"--pdd-wan-staging-mb must be >= 16, got {cfg.wan_staging_mb}")
+    if not 1 <= cfg.max_md_tp <= 64:  # 64: kv_channel.tp_relayout.MAX_MD_TP
+        raise PddConfigError(f"--pdd-max-md-tp must be in 1..64, got {cfg.max_md_tp}")
     if not 1 <= cfg.wan_streams <= 64:
         raise PddConfigError(f"--pdd-wan-streams must be in 1..64, got {cfg.wan_streams}")
     if not cfg.wan_timeout_s > 0:

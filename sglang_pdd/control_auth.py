@@ -5,14 +5,27 @@ The router signs every call to MD's and P's control APIs; the servers verify in 
 
     Authorization: PDD-HMAC-SHA256 ts=<unix seconds>,nonce=<32 hex>,sig=<64 hex>
     sig = HMAC-SHA256(control_key, "pdd-control-v1" \\n METHOD \\n TARGET \\n ts \\n nonce \\n SHA256(body) hex)
-    control_key = HMAC-SHA256(shared key, "sglang-pdd control plane v1")
+    control_key = HKDF-SHA256(shared key, salt "sglang-pdd control plane v2", info "role:" ROLE)
+    ROLE = "router->md" (MD's API) or "router->p" (P's API)
 
 TARGET is the request target as sent (path and query), so neither the route, the room id,
 the query (``timeout_s``, ``keep_kv``) nor the body can be changed without the key. The
 timestamp bounds a replay to ``window_s``; within it each nonce is accepted once (bounded
-cache). The control key is derived from the WAN key (domain separation: a control signature
-is never a valid WAN handshake proof, nor the reverse). The Host header is not signed on
+cache); a nonce leaves the cache only with a timestamp no newer than which anything is
+refused, so a wall clock stepped back does not re-admit it. The control key is derived from the WAN key (domain separation: a control signature
+is never a valid WAN handshake proof, nor the reverse), one per role, so a call signed for
+MD's API does not verify on P's and the reverse. The Host header is not signed on
 purpose: the router may reach MD through a proxy or tunnel.
+
+Replies are signed too, so a relay on the path cannot alter them (MD's registration reply
+sets how many WAN ports P dials; its handoff stream is the user's output)::
+
+    X-PDD-Reply-Signature: HMAC-SHA256(control_key, "pdd-control-reply-v1" \n request sig \n status \n SHA256(body) hex)
+
+and each event of a streamed reply is followed by the SSE comment line
+``:pdd-sig HMAC-SHA256(control_key, "pdd-control-event-v1" \n request sig \n index \n SHA256(data) hex)``,
+index 0, 1, ... up to and including ``[DONE]``. Binding to the request's signature means a
+reply (or event) recorded for one request does not verify for another.
 """
 
 from __future__ import annotations
@@ -29,8 +42,13 @@ from typing import Callable, Optional
 from sglang_pdd.kv_channel.handshake import MIN_KEY_BYTES
 
 HEADER = "Authorization"
+REPLY_HEADER = "X-PDD-Reply-Signature"
+EVENT_SIG = b":pdd-sig "  # an SSE comment line after each data line of a signed stream
 SCHEME = "PDD-HMAC-SHA256"
-_DOMAIN = b"sglang-pdd control plane v1"
+_SALT = b"sglang-pdd control plane v2"
+ROLE_MD = "router->md"  # MD's room API
+ROLE_P = "router->p"  # P's WAN-destination API
+ROLES = (ROLE_MD, ROLE_P)
 _HEADER_RE = re.compile(r"PDD-HMAC-SHA256 ts=([0-9]{1,12}),nonce=([0-9a-f]{32}),sig=([0-9a-f]{64})")
 
 
@@ -43,58 +61,125 @@ class AuthError(ValueError):
         self.status = status
 
 
-def derive_control_key(shared_key: bytes) -> bytes:
+def derive_control_key(shared_key: bytes, role: str) -> bytes:
+    """HKDF-SHA256 (RFC 5869, one output block) of the shared key for one role's API."""
     if len(shared_key) < MIN_KEY_BYTES:
         raise ValueError(f"control key must be at least {MIN_KEY_BYTES} bytes")
-    return hmac.new(shared_key, _DOMAIN, hashlib.sha256).digest()
+    if role not in ROLES:
+        raise ValueError(f"control role must be one of {ROLES}, got {role!r}")
+    prk = hmac.new(_SALT, shared_key, hashlib.sha256).digest()
+    return hmac.new(prk, b"role:" + role.encode() + b"\x01", hashlib.sha256).digest()
 
 
 def _mac(control_key: bytes, method: str, target: str, ts: str, nonce: str, body: bytes) -> str:
-    msg = "\n".join(("pdd-control-v1", method.upper(), target, ts, nonce, hashlib.sha256(body).hexdigest()))
+    return _mac_digest(control_key, method, target, ts, nonce, hashlib.sha256(body).hexdigest())
+
+
+def _mac_digest(control_key: bytes, method: str, target: str, ts: str, nonce: str, body_sha256: str) -> str:
+    msg = "\n".join(("pdd-control-v1", method.upper(), target, ts, nonce, body_sha256))
     return hmac.new(control_key, msg.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
 
 
-class ControlSigner:
-    """The router's side: the header for one request."""
+def _reply_mac(control_key: bytes, request_sig: str, status: int, body: bytes) -> str:
+    msg = "\n".join(("pdd-control-reply-v1", request_sig, str(int(status)), hashlib.sha256(body).hexdigest()))
+    return hmac.new(control_key, msg.encode(), hashlib.sha256).hexdigest()
 
-    def __init__(self, shared_key: bytes, clock: Callable[[], float] = time.time):
-        self._key, self._clock = derive_control_key(shared_key), clock
+
+def _event_mac(control_key: bytes, request_sig: str, index: int, data: bytes) -> str:
+    msg = "\n".join(("pdd-control-event-v1", request_sig, str(int(index)), hashlib.sha256(data).hexdigest()))
+    return hmac.new(control_key, msg.encode(), hashlib.sha256).hexdigest()
+
+
+def request_sig_of(header: str) -> str:
+    """The ``sig`` of a request's signature header (what its reply is bound to)."""
+    return header.rsplit("sig=", 1)[-1].strip()
+
+
+class ControlSigner:
+    """The router's side: the header for one request, and the checks of its reply. ``role``:
+    whose API the calls go to (ROLE_MD or ROLE_P)."""
+
+    def __init__(self, shared_key: bytes, clock: Callable[[], float] = time.time, *, role: str = ROLE_MD):
+        self._key, self._clock, self.role = derive_control_key(shared_key, role), clock, role
 
     def header(self, method: str, target: str, body: bytes = b"") -> dict[str, str]:
         ts, nonce = str(int(self._clock())), secrets.token_hex(16)
         return {HEADER: f"{SCHEME} ts={ts},nonce={nonce},sig={_mac(self._key, method, target, ts, nonce, body)}"}
 
+    def check_reply(self, request_header: str, status: int, body: bytes, reply_sig: Optional[str]) -> None:
+        """AuthError unless ``reply_sig`` is the server's signature of this reply (status and
+        body) to exactly this request (its signature: a reply cannot answer another request)."""
+        if not reply_sig:
+            raise AuthError(f"reply not signed (no {REPLY_HEADER})")
+        if not hmac.compare_digest(reply_sig.strip(), _reply_mac(self._key, request_sig_of(request_header),
+                                                                 status, body)):
+            raise AuthError("bad reply signature (altered on the way, or not from the server)")
+
+    def check_event(self, request_header: str, index: int, data: bytes, event_sig: bytes) -> None:
+        """AuthError unless ``event_sig`` signs event ``index`` (0, 1, ...) of this request's
+        stream: an event altered, dropped, reordered or taken from another stream fails."""
+        want = _event_mac(self._key, request_sig_of(request_header), index, data)
+        if not hmac.compare_digest(event_sig.strip(), want.encode()):
+            raise AuthError(f"bad signature on stream event {index} (altered on the way, or not from the server)")
+
 
 class ControlVerifier:
-    """The servers' side (thread-safe). ``verify`` raises AuthError naming what is wrong."""
+    """The servers' side (thread-safe). ``verify`` raises AuthError naming what is wrong.
+    ``role``: the API this server serves (ROLE_MD or ROLE_P)."""
 
     def __init__(self, shared_key: bytes, window_s: float = 30.0, max_nonces: int = 1 << 16,
-                 clock: Callable[[], float] = time.time):
-        self._key, self._clock = derive_control_key(shared_key), clock
+                 clock: Callable[[], float] = time.time, *, role: str = ROLE_MD):
+        self._key, self._clock, self.role = derive_control_key(shared_key, role), clock, role
         self.window_s, self.max_nonces = window_s, max_nonces
         self._lock = threading.Lock()
         self._nonces: "OrderedDict[str, float]" = OrderedDict()  # nonce -> its request's ts, oldest first
+        # The newest ts whose nonce was forgotten: anything that old or older is refused, so a
+        # wall clock stepped back cannot bring a forgotten request into the window again.
+        self._forgotten_ts = float("-inf")
 
     def verify(self, method: str, target: str, header: Optional[str], body: bytes) -> None:
+        self.verify_digest(method, target, self.precheck(header), hashlib.sha256(body).hexdigest())
+
+    def precheck(self, header: Optional[str]) -> tuple[str, str, str]:
+        """What can be checked before the body is read (presence, shape, time window):
+        (ts, nonce, sig), or AuthError. A server calls it before reading any body, so an
+        unsigned or stale request costs no body buffer."""
         if not header:
             raise AuthError(f"missing {HEADER} header: control requests must be signed ({SCHEME})")
         m = _HEADER_RE.fullmatch(header.strip())
         if m is None:
             raise AuthError(f"malformed {HEADER} header: expected '{SCHEME} ts=...,nonce=<32 hex>,sig=<64 hex>'")
         ts, nonce, sig = m.groups()
-        now = self._clock()
-        if abs(now - int(ts)) > self.window_s:
+        if abs(self._clock() - int(ts)) > self.window_s:
             raise AuthError(f"request timestamp outside the {self.window_s:g} s window (clock skew or replay)")
-        if not hmac.compare_digest(sig, _mac(self._key, method, target, ts, nonce, body)):
+        return ts, nonce, sig
+
+    def verify_digest(self, method: str, target: str, parsed: tuple[str, str, str], body_sha256: str) -> None:
+        """The rest of ``verify``, given ``precheck``'s answer and the body's SHA-256 (hex),
+        hashed as the body was read."""
+        ts, nonce, sig = parsed
+        now = self._clock()
+        if abs(now - int(ts)) > self.window_s:  # again: the body may have taken a while
+            raise AuthError(f"request timestamp outside the {self.window_s:g} s window (clock skew or replay)")
+        if not hmac.compare_digest(sig, _mac_digest(self._key, method, target, ts, nonce, body_sha256)):
             raise AuthError("bad signature (wrong key, or the request was altered)")
         with self._lock:  # only validly signed requests reach the cache: an outsider cannot fill it
             self._expire(now)
+            if int(ts) <= self._forgotten_ts:
+                raise AuthError("request no newer than one the replay cache has forgotten (replay, or the "
+                                "clock stepped back)")
             if nonce in self._nonces:
                 raise AuthError("replayed request (nonce already used)")
             if len(self._nonces) >= self.max_nonces:
                 raise AuthError(f"more than {self.max_nonces} signed requests within {self.window_s:g} s; "
                                 f"retry shortly", status=503)
             self._nonces[nonce] = float(ts)
+
+    def sign_reply(self, request_sig: str, status: int, body: bytes) -> str:
+        return _reply_mac(self._key, request_sig, status, body)
+
+    def sign_event(self, request_sig: str, index: int, data: bytes) -> bytes:
+        return _event_mac(self._key, request_sig, index, data).encode()
 
     def _expire(self, now: float) -> None:
         # Entries are in arrival order, their ts roughly so; a ts older than the window can no
@@ -105,3 +190,4 @@ class ControlVerifier:
             if ts >= cutoff:
                 break
             del self._nonces[nonce]
+            self._forgotten_ts = max(self._forgotten_ts, ts)

@@ -2,13 +2,15 @@
 (inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's.
 
 Every request passes one gate before a route runs (``parse_request``): the body is read only
-with a valid Content-Length under the handler's cap (411/413/400), and, where the handler has
-a ``ControlVerifier``, its signature is checked (control_auth; 401). Errors are JSON with a
+with a valid Content-Length under the route's cap (411/413/400), only after the signature
+header's shape and time check out (control_auth; 401), and only within the server's budget of
+bytes being read at once (503); its MAC is then checked over the body as read (401). Errors are JSON with a
 clear message; internals (reprs, tracebacks) go to the log only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -18,11 +20,33 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 from urllib.parse import urlsplit
 
-from sglang_pdd.control_auth import HEADER, AuthError, ControlVerifier
+from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier
 
 logger = logging.getLogger(__name__)
 
 MAX_ROOM_ID = (1 << 63) - 1
+_CHUNK = 64 * 1024
+_DRAIN_BYTES = 64 * 1024  # at most this much of a refused request's body is read (and dropped)
+
+
+class ByteBudget:
+    """Bytes of request bodies all of a server's connections may be reading at once: a
+    request reserves its Content-Length before reading, or is refused (503)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.held + n > self.limit:
+                return False
+            self.held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
 
 
 class _RefusalLog:
@@ -53,9 +77,9 @@ _refusals = _RefusalLog()
 class HttpError(Exception):
     """Answer the request with ``status`` and ``{"error": message}``."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
 
 def parse_room_id(text: str, what: str = "room id") -> int:
@@ -70,25 +94,43 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
     open_paths = frozenset({"/health"})  # answered without a signature
     max_body_bytes = 64 * 1024
     timeout = 30  # seconds a read may stall before the connection is dropped
+    body_deadline_s = 30.0  # seconds for a whole body, however it trickles in
     server_version = "sglang-pdd"
     sys_version = ""  # no Python version in the Server header
     body: bytes = b""
+    request_sig: Optional[str] = None  # the verified request's signature
     _replied = False
 
     def parse_request(self) -> bool:
         """http.server's parse, then the body and the signature: the single gate every
-        request passes before any do_* route runs."""
+        request passes before any do_* route runs. Everything that can be refused without the
+        body is refused before a byte of it is read (length, the route's cap, the signature
+        header's presence, shape and time); the body is then read in chunks, within the
+        server's budget of bytes held by all requests being read, hashed as it comes, and the
+        MAC checked over that hash."""
         if not super().parse_request():
             return False
-        self._replied = False
+        self._replied, self._body_read, self._reserved, self.request_sig = False, True, 0, None
         try:
-            self.body = self._read_body()
-            self._authenticate()
+            length = self._content_length()
+            cap = self.body_cap(self.command, urlsplit(self.path).path)
+            if length > cap:
+                raise HttpError(413, f"body of {length} bytes exceeds this API's limit of {cap}")
+            parsed = self._precheck()
+            self._reserve(length)
+            self.body, digest = self._read_body(length)
+            self._authenticate(parsed, digest)
         except HttpError as e:
             self.close_connection = True  # the rest of the stream is not trusted
-            self._reply(e.status, {"error": e.message})
+            self._reply(e.status, {"error": e.message}, headers=e.headers)
+            self._drain_unread()
+            self._unreserve()
             return False
         return True
+
+    def body_cap(self, method: str, path: str) -> int:
+        """The largest body this route takes (subclasses narrow it per route)."""
+        return self.max_body_bytes
 
     def handle_one_request(self):
         try:
@@ -96,7 +138,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         except HttpError as e:  # a route refused the request (e.g. a malformed room id)
             self.close_connection = True
             if not self._replied:
-                self._reply(e.status, {"error": e.message})
+                self._reply(e.status, {"error": e.message}, headers=e.headers)
         except (ConnectionError, socket.timeout):
             self.close_connection = True
         except Exception:  # noqa: BLE001 — a route's bug: log it, answer without internals
@@ -104,37 +146,110 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             if not self._replied:
                 self._reply(500, {"error": "internal error; details are in the server's log"})
+        finally:
+            self.body = b""
+            self._unreserve()
 
-    def _read_body(self) -> bytes:
+    def _content_length(self) -> int:
         if self.headers.get("Transfer-Encoding"):
             raise HttpError(411, "Transfer-Encoding is not supported; send the body with a Content-Length")
         values = self.headers.get_all("Content-Length") or []
         if not values:
             if self.command in ("POST", "PUT", "PATCH"):
                 raise HttpError(411, "Content-Length is required")
-            return b""
+            return 0
         raw = values[0].strip()
         if any(v.strip() != raw for v in values[1:]):
             raise HttpError(400, "conflicting Content-Length headers")
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 15:
             raise HttpError(400, "Content-Length must be a non-negative decimal integer")
-        length = int(raw)
-        if length > self.max_body_bytes:
-            raise HttpError(413, f"body of {length} bytes exceeds this API's limit of {self.max_body_bytes}")
-        data = self.rfile.read(length)
-        if len(data) < length:
-            raise HttpError(400, f"body ended after {len(data)} of {length} bytes")
-        return data
+        return int(raw)
 
-    def _authenticate(self) -> None:
-        if self.auth is None or urlsplit(self.path).path in self.open_paths:
+    def _needs_auth(self) -> bool:
+        return self.auth is not None and urlsplit(self.path).path not in self.open_paths
+
+    def _precheck(self):
+        if not self._needs_auth():
+            return None
+        try:
+            return self.auth.precheck(self.headers.get(HEADER))
+        except AuthError as e:
+            self._refused(e)
+
+    def _reserve(self, length: int) -> None:
+        budget = getattr(self.server, "body_budget", None)
+        if budget is None or length == 0:
+            return
+        if not budget.take(length):
+            raise HttpError(503, f"too many control request bodies being read at once (over "
+                                 f"{budget.limit} bytes); retry shortly", headers={"Retry-After": "1"})
+        self._reserved = length
+
+    def _unreserve(self) -> None:
+        if getattr(self, "_reserved", 0):
+            self.server.body_budget.give(self._reserved)
+            self._reserved = 0
+
+    def _read_body(self, length: int) -> tuple[bytes, str]:
+        """The body, read in chunks (memory grows with what arrived, not with what was
+        announced) within ``body_deadline_s`` in all, and its SHA-256 (hex)."""
+        digest, parts, got = hashlib.sha256(), [], 0
+        self._body_read = length == 0
+        deadline = time.monotonic() + self.body_deadline_s
+        sock = self.connection
+        try:
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise HttpError(408, f"body not received within {self.body_deadline_s:g} s")
+                sock.settimeout(min(left, self.timeout or left))
+                try:
+                    chunk = self.rfile.read1(min(_CHUNK, length - got))
+                except socket.timeout:
+                    raise HttpError(408, f"body not received within {self.body_deadline_s:g} s") from None
+                if not chunk:
+                    raise HttpError(400, f"body ended after {got} of {length} bytes")
+                digest.update(chunk)
+                parts.append(chunk)
+                got += len(chunk)
+        finally:
+            sock.settimeout(self.timeout)
+        self._body_read = True
+        return b"".join(parts), digest.hexdigest()
+
+    def _drain_unread(self) -> None:
+        """After a refusal with the body unread: a short, bounded drain (discarded) so that a
+        client still sending a small body reads the answer instead of a reset."""
+        if self._body_read:
             return
         try:
-            self.auth.verify(self.command, self.path, self.headers.get(HEADER), self.body)
+            self.wfile.flush()
+            self.connection.settimeout(0.2)
+            left = _DRAIN_BYTES
+            while left > 0 and (chunk := self.connection.recv(min(left, _CHUNK))):
+                left -= len(chunk)
+        except OSError:
+            pass
+
+    def _authenticate(self, parsed, digest: str) -> None:
+        if parsed is None:
+            return
+        try:
+            self.auth.verify_digest(self.command, self.path, parsed, digest)
         except AuthError as e:
-            _refusals.warn("control %s %s from %s refused: %s", self.command, self.path[:200],
-                           self.client_address[0], e)
-            raise HttpError(e.status, str(e)) from None
+            self._refused(e)
+        self.request_sig = parsed[2]  # its reply is signed, bound to it
+
+    def reply_signature(self, status: int, body: bytes) -> dict:
+        """The header signing this reply, for a request that was signed (else none)."""
+        if self.request_sig is None:
+            return {}
+        return {REPLY_HEADER: self.auth.sign_reply(self.request_sig, status, body)}
+
+    def _refused(self, e: AuthError):
+        _refusals.warn("control %s %s from %s refused: %s", self.command, self.path[:200],
+                       self.client_address[0], e)
+        raise HttpError(e.status, str(e)) from None
 
     def json_body(self) -> dict:
         """The body as a JSON object (an empty body is ``{}``); HttpError(400) otherwise."""
@@ -152,7 +267,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
+        for name, value in {**(headers or {}), **self.reply_signature(status, data)}.items():
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -174,9 +289,10 @@ class ControlHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address, handler, max_connections: int = 128):
+    def __init__(self, address, handler, max_connections: int = 128, max_body_bytes_in_flight: int = 64 << 20):
         super().__init__(address, handler)
         self.max_connections = max_connections
+        self.body_budget = ByteBudget(max_body_bytes_in_flight)
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self.in_use = 0  # connections holding a handler thread now

@@ -13,7 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.radix_drc.rooms import DrcRooms
 from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
@@ -46,9 +46,11 @@ class FakeGenerate:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                body = b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n'
+                stream = fake.requests[-1].get("stream", True)
+                body = (b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n' if stream
+                        else b'{"output_ids": [7, 8]}')
                 self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -106,10 +108,11 @@ class FakeMdRuntime:
 
 
 class MdControl:
-    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024):
+    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024, **server_kw):
         self.generate = FakeGenerate()
         self.runtime = FakeMdRuntime(self.generate.port, max_rooms=max_rooms)
-        self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections)
+        self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections,
+                                    **server_kw)
         self.url = "http://%s:%s" % self.server.address
 
     def reset(self):
@@ -126,7 +129,7 @@ class PControl:
 
     def __init__(self, port: int = 0, **tp):
         self.board = DestinationBoard()
-        self.server = PrefillControlServer(self.board, "127.0.0.1", port, auth=ControlVerifier(KEY),
+        self.server = PrefillControlServer(self.board, "127.0.0.1", port, auth=ControlVerifier(KEY, role=ROLE_P),
                                            peer_allowed=lambda peer: peer == WAN_PEER, **tp)
         self.url = "http://%s:%s" % self.server.address
 

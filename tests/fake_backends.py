@@ -10,7 +10,8 @@ What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py)
 - P: POST /generate (non-stream) -> {"meta_info": {"cached_tokens": N}}; it marks the request's
   bootstrap_room as prefilled, which RLD waits for (as a real PD decode waits for its KV).
 - P's control API (its own server, ``p_control_url``): POST /pdd/wan_destinations (late WAN
-  destination; 409 on a repeat, as the real one) and DELETE /pdd/wan_destinations/{room}.
+  destination; 409 on a repeat, as the real one), DELETE /pdd/wan_destinations/{room} and
+  GET /pdd/info (one TP rank).
   A room whose P leg carried ``pdd_wan_expected`` gets MD "ready" only once its destination
   was posted (as the real P sends nothing over the WAN before).
 - RLD: POST /generate (stream) -> SSE, cumulative output_ids, finish_reason on the last event;
@@ -296,8 +297,12 @@ class Fakes:
             self.p_control_seen.add(room)
             return web.json_response({"dropped": True})
 
+        async def info(request: web.Request) -> web.Response:
+            return web.json_response({"tp_rank": 0, "tp_size": 1, "sends_wan": True})
+
         app.router.add_post("/pdd/wan_destinations", set_destination)
         app.router.add_delete("/pdd/wan_destinations/{room}", drop_destination)
+        app.router.add_get("/pdd/info", info)
         return app
 
     # ------------------------------------------------------------------ RLD

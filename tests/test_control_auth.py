@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sglang_pdd.control_auth import HEADER, AuthError, ControlSigner, ControlVerifier
+from sglang_pdd.control_auth import HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner, ControlVerifier, derive_control_key
 
 KEY = b"k" * 32
 
@@ -107,3 +107,37 @@ def test_short_keys_are_refused():
         ControlSigner(b"short")
     with pytest.raises(ValueError, match="32"):
         ControlSigner(b"k" * 16)
+
+
+def test_a_call_signed_for_one_role_does_not_verify_on_the_other():
+    """MD's and P's APIs have their own keys (HKDF of the shared key with the role as label):
+    a call MD received (or the router signed for MD) cannot be replayed to P, nor the reverse."""
+    assert derive_control_key(KEY, ROLE_MD) != derive_control_key(KEY, ROLE_P)
+    clock = Clock()
+    for signer_role, verifier_role in ((ROLE_MD, ROLE_P), (ROLE_P, ROLE_MD)):
+        h = ControlSigner(KEY, clock, role=signer_role).header("GET", "/pdd/stats", b"")[HEADER]
+        with pytest.raises(AuthError, match="bad signature"):
+            ControlVerifier(KEY, clock=clock, role=verifier_role).verify("GET", "/pdd/stats", h, b"")
+        ControlVerifier(KEY, clock=clock, role=signer_role).verify("GET", "/pdd/stats", h, b"")
+    with pytest.raises(ValueError, match="role"):
+        ControlSigner(KEY, role="router->rld")
+
+
+def test_the_role_keys_are_hkdf_of_the_shared_key():
+    """RFC 5869 HKDF-SHA256, salt and info as documented in control_auth (one block)."""
+    prk = hmac.new(b"sglang-pdd control plane v2", KEY, hashlib.sha256).digest()
+    assert derive_control_key(KEY, ROLE_P) == hmac.new(prk, b"role:router->p\x01", hashlib.sha256).digest()
+
+
+def test_a_clock_stepped_back_does_not_readmit_a_forgotten_request():
+    clock = Clock(1_000.0)
+    v = ControlVerifier(KEY, window_s=30, clock=clock)
+    first = signed(clock=clock)
+    v.verify("POST", "/pdd/rooms", first, b'{"room": 1}')
+    clock.t = 1_031.0  # past the window: the next request forgets the first's nonce
+    v.verify("POST", "/pdd/rooms", signed(clock=clock), b'{"room": 1}')
+    clock.t = 1_000.0  # NTP steps the wall clock back: the first is inside the window again
+    with pytest.raises(AuthError, match="forgotten"):
+        v.verify("POST", "/pdd/rooms", first, b'{"room": 1}')
+    clock.t = 1_032.0
+    v.verify("POST", "/pdd/rooms", signed(clock=clock), b'{"room": 1}')  # fresh requests still pass

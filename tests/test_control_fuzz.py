@@ -14,7 +14,7 @@ from control_fakes import KEY, WAN_PEER, MdControl, PControl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -122,7 +122,7 @@ def test_signed_fuzz_is_answered_with_4xx_not_500(servers, method, path, body, t
         path = path.replace("/handoff", "/handof")
     if method == "GET":
         body = b""
-    headers = ControlSigner(KEY).header(method, path, body)
+    headers = ControlSigner(KEY, role=ROLE_P if to_p else ROLE_MD).header(method, path, body)
     request = (f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Length: {len(body)}\r\n"
                f"Authorization: {headers['Authorization']}\r\n\r\n").encode() + body
     status = _status(_exchange(server.server.address[1], request))

@@ -10,6 +10,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -19,7 +20,7 @@ from control_fakes import KEY, WAN_PEER, MdControl, PControl
 from waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
@@ -251,7 +252,7 @@ def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
             assert md.generate.requests[0]["input_ids"] == [5, 6, 7, 8]  # the room's prompt + eager token
             await mc.release(21)
             assert 21 not in md.runtime.rooms.rooms
-            pc = PrefillControl(session, p.url, signer=signer)
+            pc = PrefillControl(session, p.url, signer=ControlSigner(KEY, role=ROLE_P))
             assert await pc.set_wan_destination(4, 4, "%s:%d" % WAN_PEER, 0) == {"accepted": True}
             await pc.drop_wan_destination(5)
             with pytest.raises(BackendError, match="403"):
@@ -323,3 +324,246 @@ def test_router_will_not_start_unable_to_sign():
     with pytest.raises(SystemExit, match="--control-key-file is required"):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
               "--main", "http://md:1,http://md:2,md:3"])
+
+
+# ---------------------------------------------------------------------------- pre-auth memory
+def first_reply(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
+    """Send ``request`` and keep the connection open for writing (a client still to send its
+    body): the server's answer, read until it closes; socket.timeout if it waits for the body."""
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head + b"\r\n\r\n" + body
+
+
+def shaped_header(ts=None) -> bytes:
+    """A header of the right shape and time that anyone can write without the key."""
+    ts = int(time.time()) if ts is None else ts
+    return b"Authorization: PDD-HMAC-SHA256 ts=%d,nonce=%s,sig=%s\r\n" % (ts, b"0" * 32, b"0" * 64)
+
+
+@pytest.mark.parametrize("auth", [b"", shaped_header(ts=1), b"Authorization: PDD-HMAC-SHA256 garbage\r\n"],
+                         ids=["unsigned", "stale", "malformed"])
+def test_unsigned_requests_are_refused_before_the_body_is_read(md, auth):
+    # 16 MiB announced, none sent: the answer must come without waiting for (or buffering) it
+    status, reply = first_reply(md.url, b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+                                % (16 << 20, auth))
+    assert status == 401, reply
+    assert md.server.httpd.body_budget.held == 0
+
+
+def test_a_body_over_the_routes_cap_is_refused_before_reading(md):
+    status, reply = first_reply(md.url, b"DELETE /pdd/rooms/1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+                                % (1 << 20, shaped_header()))
+    assert status == 413, reply
+
+
+def test_bodies_being_read_share_one_byte_budget():
+    server = MdControl(max_body_bytes_in_flight=1 << 20)
+    try:
+        u = urlsplit(server.url)
+        # a header of the right shape passes the pre-check; its body trickles in
+        slow = socket.create_connection((u.hostname, u.port), timeout=5)
+        slow.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n{" % (800 << 10, shaped_header()))
+        budget = server.server.httpd.body_budget
+        assert wait_until(lambda: budget.held == 800 << 10)
+        status, reply = first_reply(server.url, b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+                                    % (400 << 10, shaped_header()))
+        assert status == 503 and b"Retry-After: 1" in reply and b"retry" in reply
+        # a small signed call still fits, and is served
+        assert call_json("POST", server.url + "/pdd/rooms", {"room": 1, "token_ids": [1]}, key=KEY)[0] == 200
+        slow.close()  # its reservation goes with it
+        assert wait_until(lambda: budget.held == 0)
+    finally:
+        server.close()
+
+
+def test_a_trickled_body_is_cut_off_at_the_total_deadline(md, monkeypatch):
+    monkeypatch.setattr(md.server.httpd.RequestHandlerClass, "body_deadline_s", 0.5)
+    u = urlsplit(md.url)
+    with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+        s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n%s\r\n" % shaped_header())
+        data, start = b"", time.monotonic()
+        while not data and time.monotonic() - start < 4:  # one byte at a time, each well within the read timeout
+            s.sendall(b" ")
+            s.settimeout(0.1)
+            try:
+                data = s.recv(65536)
+            except socket.timeout:
+                pass
+    assert data.split()[1] == b"408", data
+
+
+# ---------------------------------------------------------------------------- replies on the path
+class Relay:
+    """An on-path relay in front of MD's control URL: forwards each request as it is (the
+    router's signature stays valid) and hands MD's reply to ``rewrite(path, body, headers)``,
+    which returns the (body, headers) the router then gets."""
+
+    def __init__(self, target: str, rewrite):
+        self.target, self.rewrite = target, rewrite
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        async def forward(request: web.Request) -> web.Response:
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            async with aiohttp.ClientSession() as s, s.request(request.method, self.target + request.path_qs,
+                                                                data=await request.read(), headers=headers) as r:
+                body, got = await r.read(), {k: v for k, v in r.headers.items()
+                                             if k.lower() in ("content-type", "x-pdd-reply-signature")}
+                status = r.status
+            body, got = self.rewrite(request.path, body, got)
+            return web.Response(status=status, body=body, headers=got)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = "http://127.0.0.1:%d" % self.runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def _raise_tp(path, body, headers):
+    if path == "/pdd/rooms":
+        body = json.dumps({**json.loads(body), "tp_size": 8}).encode()  # within --max-md-tp: the MAC must catch it
+    return body, headers
+
+
+def _rewrite_tokens(path, body, headers):
+    return body.replace(b"[7", b"[9"), headers
+
+
+def _cut_before_done(path, body, headers):
+    return body[:body.find(b"data: [DONE]")] if b"[DONE]" in body else body, headers
+
+
+@pytest.mark.parametrize("rewrite,call", [
+    (_raise_tp, "register"), (_rewrite_tokens, "handoff_stream"), (_cut_before_done, "handoff_stream"),
+    (_rewrite_tokens, "handoff"),
+], ids=["registration-tp_size", "handoff-stream-tokens", "handoff-stream-cut", "handoff-json-tokens"])
+def test_a_relay_cannot_alter_mds_replies(md, rewrite, call):
+    async def run():
+        async with aiohttp.ClientSession() as session, Relay(md.url, rewrite) as relay:
+            signer = ControlSigner(KEY)
+            direct, relayed = MainControl(session, md.url, signer=signer), MainControl(session, relay.url, signer=signer)
+            if call == "register":
+                with pytest.raises(BackendError, match="reply signature"):
+                    await relayed.register(31, [5, 6, 7])
+                return
+            await direct.register(31, [5, 6, 7])
+            md.runtime.mark_ready(31)
+            with pytest.raises(BackendError, match="signature|signed end"):
+                if call == "handoff":
+                    await relayed.handoff(31, {"token_ids": [8], "sampling_params": {}, "warmup": True})
+                else:
+                    [e async for e in relayed.handoff_stream(31, {"token_ids": [8], "sampling_params": {}})]
+
+    asyncio.run(run())
+
+
+def test_a_signed_reply_does_not_answer_another_request(md):
+    """The relay serves a reply recorded for one call (same body) to the next one."""
+    recorded = {}
+
+    def replay_first(path, body, headers):
+        recorded.setdefault(path, (body, headers))
+        return recorded[path]
+
+    async def run():
+        async with aiohttp.ClientSession() as session, Relay(md.url, replay_first) as relay:
+            mc = MainControl(session, relay.url, signer=ControlSigner(KEY))
+            assert await mc.stats() == {"open_rooms": 0}  # the first, genuine
+            assert await mc.stats() is None  # the same bytes, for another request: refused
+
+    asyncio.run(run())
+
+
+def test_p_and_the_router_bound_md_tp_by_their_own_configuration():
+    server = PControl(max_md_tp=8)
+    try:
+        dest = {"bootstrap_room": 41, "md_room": 41, "wan_peer": "%s:%d" % WAN_PEER, "md_prefix_len": 0}
+        status, reply = call_json("POST", server.url + "/pdd/wan_destinations", {**dest, "md_tp": 9}, key=KEY)
+        assert status == 400 and "--pdd-max-md-tp" in reply["error"]
+        assert call_json("POST", server.url + "/pdd/wan_destinations", {**dest, "md_tp": 8}, key=KEY)[0] == 200
+    finally:
+        server.close()
+    with pytest.raises(PddConfigError, match="--pdd-max-md-tp"):
+        validate(PddConfig(role="prefill", max_md_tp=65, wan_key_file="k"), "prefill")
+    with pytest.raises(PddConfigError, match="--pdd-max-md-tp applies only"):
+        validate(PddConfig(role="main", max_md_tp=4, wan_listen="10.0.0.1:1", control_listen="10.0.0.1:2",
+                           wan_key_file="k"), "null")
+    from sglang_pdd.router import backends
+    from sglang_pdd.router.app import parse_args
+
+    base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
+    assert parse_args(base + ["--max-md-tp", "4"]).max_md_tp == 4 and parse_args(base).max_md_tp == 8
+    assert backends.md_tp_of({"tp_size": 8}) == 8
+    with pytest.raises(BackendError, match="--max-md-tp"):
+        backends.md_tp_of({"tp_size": 9})
+    with pytest.raises(BackendError):
+        backends.md_tp_of({"tp_size": 5}, max_md_tp=4)
+
+
+def test_calls_signed_for_md_are_refused_by_p_and_the_reverse(md, p):
+    """One shared key, two role keys: what MD received cannot be replayed to P."""
+    for server, path, own, other in ((md, "/pdd/stats", ROLE_MD, ROLE_P), (p, "/pdd/stats", ROLE_P, ROLE_MD),
+                                     (p, "/pdd/info", ROLE_P, ROLE_MD)):
+        for role, want in ((other, 401), (own, 200)):
+            header = ControlSigner(KEY, role=role).header("GET", path, b"")["Authorization"]
+            status, _ = raw(server.url, b"GET %s HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n"
+                            % (path.encode(), header.encode()))
+            assert status == want, (server, path, role)
+    body = json.dumps({"bootstrap_room": 51, "md_room": 51, "wan_peer": "%s:%d" % WAN_PEER,
+                       "md_prefix_len": 0}).encode()
+    header = ControlSigner(KEY, role=ROLE_MD).header("POST", "/pdd/wan_destinations", body)["Authorization"]
+    status, _ = raw(p.url, b"POST /pdd/wan_destinations HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                    b"Authorization: %s\r\n\r\n%s" % (len(body), header.encode(), body))
+    assert status == 401 and p.board.wait_for(51, lambda v: None) is None
+
+
+def test_trickled_unauthenticated_bodies_hold_no_more_than_the_budget():
+    """24 POSTs announcing MD's 16 MiB cap with a forged (well-shaped) header, trickling:
+    four fit the 64 MiB budget, the rest get 503 at once, and memory follows the bytes that
+    arrived, not the lengths announced."""
+    import tracemalloc
+
+    server = MdControl()
+    held = []
+    tracemalloc.start()
+    try:
+        u = urlsplit(server.url)
+        budget = server.server.httpd.body_budget
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(24):
+            s = socket.create_connection((u.hostname, u.port), timeout=5)
+            s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n{"
+                      % (16 << 20, shaped_header()))
+            held.append(s)
+        assert wait_until(lambda: budget.held == 64 << 20 and server.server.httpd.in_use == 4)
+        refused = 0
+        for s in held:
+            s.settimeout(0.05)
+            try:
+                refused += s.recv(65536).split()[1] == b"503"
+            except socket.timeout:
+                pass
+        assert refused == 20
+        assert tracemalloc.get_traced_memory()[0] - before < 8 << 20
+    finally:
+        tracemalloc.stop()
+        for s in held:
+            s.close()
+        server.close()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from waiting import wait_until
 
+from sglang_pdd.control_auth import ROLE_P
 from sglang_pdd.launcher.http import call_json, get_json, post_json
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +43,7 @@ def _run_pd(topo, body: dict) -> list[int]:
 
 
 def _p_stats(cluster) -> dict:
-    return get_json(f"{cluster.topology.prefill.control_url}/pdd/stats", key=cluster.control_key)
+    return get_json(f"{cluster.topology.prefill.control_url}/pdd/stats", key=cluster.control_key, role=ROLE_P)
 
 
 def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, single_server):

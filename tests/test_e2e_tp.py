@@ -15,6 +15,7 @@ suffix crossing the WAN."""
 import pytest
 
 from conftest import start_pdd_cluster
+from sglang_pdd.control_auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
 from test_e2e_pdd import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
 
@@ -43,7 +44,8 @@ def p_rank_stats(cluster):
     from sglang_pdd.router.backends import prefill_rank_url
 
     url = cluster.topology.prefill.control_url
-    return [get_json(f"{prefill_rank_url(url, r)}/pdd/stats", key=cluster.control_key) for r in range(cluster.tp[0])]
+    return [get_json(f"{prefill_rank_url(url, r)}/pdd/stats", key=cluster.control_key, role=ROLE_P)
+            for r in range(cluster.tp[0])]
 
 
 def md_stats(cluster):

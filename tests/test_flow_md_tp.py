@@ -52,7 +52,7 @@ def test_md_on_tp_1_or_silent_about_it_changes_nothing(p_control):
     assert all("md_tp" not in p.body for p in run.fakes.records("p", "destination"))
 
 
-@pytest.mark.parametrize("bad", [0, 65, "2", True, 2.0])
+@pytest.mark.parametrize("bad", [0, 9, 64, 65, "2", True, 2.0])  # 9, 64: over the router's --max-md-tp (8)
 @pytest.mark.parametrize("p_control", [False, True])
 def test_bad_tp_size_from_md_falls_back_to_rld_and_releases_mds_room(bad, p_control):
     knobs = Knobs(md_tp_size=bad, md_register_delay_s=0.05)
@@ -69,3 +69,18 @@ def test_routers_bound_is_ps():
     from sglang_pdd.router.backends import MAX_MD_TP as router_bound
 
     assert router_bound == p_bound
+
+
+def test_unsigned_md_replies_fall_back_to_rld(monkeypatch):
+    """With the router signing, a registration reply without MD's signature (a relay on the
+    path, or not MD at all) is an MD failure: the request stays on RLD."""
+    from sglang_pdd.control_auth import ControlSigner
+    from sglang_pdd.router import backends
+
+    monkeypatch.setattr(backends, "_control_signer", ControlSigner(b"k" * 32))
+    knobs = Knobs(md_tp_size=1, md_register_delay_s=0.05)
+    run = scenario(knobs, max_new=20, cfg=flow_config(policy=SLOW_WAN), p_control=False, md_estimate=len(PROMPT))
+    assert_invariants(run, 20)
+    assert run.fallbacks == ["md_unavailable"]
+    assert run.fakes.released_rooms() == run.fakes.registered_rooms()  # it may hold the room: released
+    assert run.fakes.records("md", "handoff") == [] and run.fakes.records("p", "destination") == []

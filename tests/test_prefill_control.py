@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.sglang_glue.prefill_control import (
     DROPPED,
@@ -117,13 +117,13 @@ KEY = b"p" * 32
 
 
 def _call(method: str, url: str, body=None):
-    return call_json(method, url, body, timeout=5, key=KEY)
+    return call_json(method, url, body, timeout=5, key=KEY, role=ROLE_P)  # all to P's API
 
 
 def test_http_api_posts_withdraws_and_refuses():
     board = DestinationBoard()
-    server = PrefillControlServer(board, "127.0.0.1", 0, stats=lambda: {"rooms": 3}, auth=ControlVerifier(KEY),
-                                  peer_allowed=lambda peer: peer == ("127.0.0.1", 9000))
+    server = PrefillControlServer(board, "127.0.0.1", 0, stats=lambda: {"rooms": 3},
+                                  auth=ControlVerifier(KEY, role=ROLE_P), peer_allowed=lambda peer: peer == ("127.0.0.1", 9000))
     base = "http://%s:%s" % server.address
     try:
         got = []

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control_auth import ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_rank_url
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, DestinationError
@@ -42,7 +42,7 @@ def run_with_control(url: str, body):
         trace = aiohttp.TraceConfig()
         trace.on_request_start.append(on_start)
         async with aiohttp.ClientSession(trace_configs=[trace]) as session:
-            return await body(PrefillControl(session, url, signer=ControlSigner(KEY)), info_requests)
+            return await body(PrefillControl(session, url, signer=ControlSigner(KEY, role=ROLE_P)), info_requests)
 
     return asyncio.run(main())
 
@@ -57,7 +57,7 @@ def test_each_rank_reports_its_place_and_stats_name_it():
     with tp_ranks(2) as (r0, r1):
         assert call_json("GET", r1.url + "/pdd/info", key=KEY) == (
             200, {"tp_rank": 1, "tp_size": 2, "sends_wan": True})
-        status, stats = call_json("GET", r0.url + "/pdd/stats", key=KEY)
+        status, stats = call_json("GET", r0.url + "/pdd/stats", key=KEY, role=ROLE_P)
         assert status == 200 and stats["tp_rank"] == 0 and stats["tp_size"] == 2
         assert call_json("GET", r0.url + "/pdd/info")[0] == 401  # signed like every other route
 
@@ -164,32 +164,41 @@ def test_rank_that_sends_nothing_acknowledges_and_the_sending_rank_keeps_it():
         assert r1.board.stats()["waiting_destinations"] == 0 and claimed(r1.board, 7) is None
 
 
-def test_p_without_info_route_is_one_rank():
-    """A P from before /pdd/info (404) has one rank: calls go to its URL only, as before."""
+def test_unsigned_info_or_destination_replies_are_backend_failures():
+    """A P that does not sign its replies (an older one, or a relay in front of P answering
+    for it: 404 on /pdd/info, a forged tp_size or acceptance) is a failure, not one rank."""
     got = []
 
     async def body(_, info_requests):
+        async def info(request):
+            return web.json_response({"tp_rank": 0, "tp_size": 64, "sends_wan": True})
+
         async def destination(request):
             got.append(await request.json())
             return web.json_response({"accepted": True})
 
-        app = web.Application()
-        app.router.add_post("/pdd/wan_destinations", destination)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = "http://127.0.0.1:%d" % runner.addresses[0][1]
-        try:
-            async with aiohttp.ClientSession() as session:
-                pc = PrefillControl(session, url, signer=ControlSigner(KEY))
-                assert await pc.tp_size() == 1
-                assert await pc.set_wan_destination(7, 7, PEER, 3) == {"accepted": True}
-        finally:
-            await runner.cleanup()
+        for routes in ([], [("GET", "/pdd/info", info)]):
+            app = web.Application()
+            app.router.add_post("/pdd/wan_destinations", destination)
+            for method, path, handler in routes:
+                app.router.add_route(method, path, handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = "http://127.0.0.1:%d" % runner.addresses[0][1]
+            try:
+                async with aiohttp.ClientSession() as session:
+                    pc = PrefillControl(session, url, signer=ControlSigner(KEY, role=ROLE_P))
+                    with pytest.raises(BackendError):
+                        await pc.tp_size()
+                    with pytest.raises(BackendError):
+                        await pc.set_wan_destination(7, 7, PEER, 3)
+            finally:
+                await runner.cleanup()
 
     asyncio.run(body(None, None))
-    assert [d["bootstrap_room"] for d in got] == [7]
+    assert got == []
 
 
 def test_failed_discovery_is_asked_again():

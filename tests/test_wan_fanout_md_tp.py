@@ -214,6 +214,20 @@ def test_md_tp_that_the_heads_do_not_shard_over_is_refused_by_name(caplog):
             fanout.close()
 
 
+def test_md_tp_over_ps_own_bound_is_refused_without_dialing(caplog):
+    """--pdd-max-md-tp: a destination naming more MD ranks than P was configured for dials none."""
+    full = Pool.full("mha", 4, seed=5)
+    with md_ranks(1) as md:
+        (fanout,) = p_ranks("mha", 4, 1, full, md[0].address, max_md_tp=2)
+        try:
+            assert fanout.open_room(WanDestination(7, md[0].address, 0, 4), rid="r", token_ids=list(range(10)),
+                                    first_offered_page=0) is None
+            assert fanout.stats()["refused_md_tp"] == 1 and fanout._senders == {}
+            assert any("--pdd-max-md-tp 2" in r.getMessage() for r in caplog.records)
+        finally:
+            fanout.close()
+
+
 @pytest.mark.parametrize("params,match", [
     ({"pdd_md_tp": 0}, "pdd_md_tp must be an integer in 1..64"),
     ({"pdd_md_tp": 65}, "pdd_md_tp must be an integer in 1..64"),

@@ -483,6 +483,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30300)
     ap.add_argument("--max-prompt-tokens", type=int, default=32768)
+    ap.add_argument("--max-md-tp", type=int, default=8,
+                    help="the largest TP size an MD may report at registration (P dials one WAN port per MD "
+                         "rank); a larger one is a failed registration and the request stays on RLD")
     ap.add_argument("--control-key-file", default=None,
                     help="the servers' --pdd-wan-key-file: the router signs its calls to MD's and P's control "
                          "APIs with it (they refuse unsigned ones); required with --main or a P CONTROL_URL")
@@ -586,7 +589,12 @@ def main(argv=None) -> None:
     from sglang_pdd.router.serving import build_sglang_state
 
     from sglang_pdd.kv_channel.handshake import load_key
-    from sglang_pdd.router.backends import use_control_key
+    from sglang_pdd.router.backends import set_max_md_tp, use_control_key
+
+    try:
+        set_max_md_tp(args.max_md_tp)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: {e}") from None
 
     if args.control_key_file:
         try:

@@ -11,18 +11,21 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
 
 logger = logging.getLogger(__name__)
 
-_control_signer: Optional[ControlSigner] = None
+_control_signer: Optional[ControlSigner] = None  # MD's role
+_prefill_signer: Optional[ControlSigner] = None  # P's role
 
 
 def use_control_key(key: Optional[bytes]) -> None:
     """The router's --control-key-file: every MainControl / PrefillControl made afterwards in
-    this process signs its calls with it (MD and P refuse unsigned control calls)."""
-    global _control_signer
-    _control_signer = ControlSigner(key) if key is not None else None
+    this process signs its calls with it (MD and P refuse unsigned control calls), each with
+    its role's key (a call signed for MD does not verify on P)."""
+    global _control_signer, _prefill_signer
+    _control_signer = ControlSigner(key, role=ROLE_MD) if key is not None else None
+    _prefill_signer = ControlSigner(key, role=ROLE_P) if key is not None else None
 
 
 def _control_request(signer: Optional[ControlSigner], method: str, url: str, body=None) -> dict:
@@ -36,8 +39,25 @@ def _control_request(signer: Optional[ControlSigner], method: str, url: str, bod
     return {"data": data if body is not None else None, "headers": headers}
 
 
+def _check_reply(signer: Optional[ControlSigner], sent: dict, resp: aiohttp.ClientResponse, body: bytes,
+                 what: str) -> None:
+    """BackendError unless the reply carries the server's signature for this request (a relay
+    on the path cannot alter or swap it); nothing to check for an unsigned call."""
+    if signer is None:
+        return
+    try:
+        signer.check_reply(sent["headers"][HEADER], resp.status, body, resp.headers.get(REPLY_HEADER))
+    except AuthError as e:
+        raise UnverifiedReply(f"{what}: {e}") from None
+
+
 class BackendError(RuntimeError):
     """A backend answered with an error status, a malformed stream, or not at all."""
+
+
+class UnverifiedReply(BackendError):
+    """A 200 whose signature does not verify: the server may have acted on the request (a
+    relay altered only the reply), so what it holds for it is to be released."""
 
 
 async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict) -> AsyncIterator[dict]:
@@ -79,6 +99,36 @@ async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[di
             yield event
 
 
+async def signed_sse_events(resp: aiohttp.ClientResponse, url: str, signer: ControlSigner,
+                            request_header: str) -> AsyncIterator[dict]:
+    """``sse_events`` of a control stream: each data line must be followed by its signature
+    line (control_auth), in order, up to a signed ``[DONE]``; a stream cut short, or any event
+    unsigned or altered, is a BackendError."""
+    if resp.status != 200:
+        body = await resp.read()
+        raise BackendError(f"{url} -> HTTP {resp.status}: {body[:300]!r}")
+    pending, index = None, 0
+    async for raw in resp.content:
+        line = raw.strip()
+        if line.startswith(b"data:"):
+            if pending is not None:
+                raise BackendError(f"{url}: stream event {index} is not signed")
+            pending = line
+        elif line.startswith(EVENT_SIG.strip()):
+            if pending is None:
+                raise BackendError(f"{url}: a signature without an event")
+            try:
+                signer.check_event(request_header, index, pending[5:].strip(), line[len(EVENT_SIG.strip()):])
+            except AuthError as e:
+                raise BackendError(f"{url}: {e}") from None
+            index += 1
+            event, pending = parse_sse_line(pending, url), None
+            if event is SSE_DONE:
+                return
+            yield event
+    raise BackendError(f"{url}: stream ended before its signed end ({index} events)")
+
+
 async def _json_reply(resp: aiohttp.ClientResponse):
     """The reply's JSON; a body that is not JSON (e.g. the text page of a crashed handler) is a
     BackendError, which callers handle, instead of a JSONDecodeError, which they do not."""
@@ -92,7 +142,10 @@ async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what
                      json=None, timeout_s: Optional[float] = None, signer: Optional[ControlSigner] = None) -> dict:
     """One control-API call: the JSON reply of a 200, else BackendError naming ``what``."""
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-    async with session.request(method, url, timeout=timeout, **_control_request(signer, method, url, json)) as resp:
+    sent = _control_request(signer, method, url, json)
+    async with session.request(method, url, timeout=timeout, **sent) as resp:
+        if resp.status == 200:  # the signature before anything is read from the reply
+            _check_reply(signer, sent, resp, await resp.read(), what)
         payload = await _json_reply(resp)
         if resp.status != 200:
             raise BackendError(f"{what}: HTTP {resp.status} {payload}")
@@ -118,14 +171,26 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
 
 
 MAX_MD_TP = 64  # = kv_channel.tp_relayout.MAX_MD_TP, P's bound (not imported: the router needs no numpy)
+_max_md_tp = 8  # the router's --max-md-tp
 
 
-def md_tp_of(registration: dict) -> int:
+def set_max_md_tp(limit: int) -> None:
+    """The router's --max-md-tp: the largest MD TP size a registration reply may report."""
+    global _max_md_tp
+    if not 1 <= limit <= MAX_MD_TP:
+        raise ValueError(f"--max-md-tp must be in 1..{MAX_MD_TP}, got {limit}")
+    _max_md_tp = limit
+
+
+def md_tp_of(registration: dict, max_md_tp: Optional[int] = None) -> int:
     """MD's TP size from its registration answer (``tp_size``; an MD without it runs TP 1): P
-    sends each MD rank its KV heads, rank r's WAN receiver on MD's WAN port + r."""
+    sends each MD rank its KV heads, rank r's WAN receiver on MD's WAN port + r. Bounded by
+    what the router was configured with (``--max-md-tp``), not by what the reply says."""
+    limit = _max_md_tp if max_md_tp is None else max_md_tp
     size = registration.get("tp_size", 1)
-    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MD_TP:
-        raise BackendError(f"MD registration: tp_size must be an integer in 1..{MAX_MD_TP}, got {size!r:.60}")
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= limit:
+        raise BackendError(f"MD registration: tp_size must be an integer in 1..{limit} (--max-md-tp), "
+                           f"got {size!r:.60}")
     return size
 
 
@@ -155,8 +220,11 @@ class MainControl:
     async def handoff_stream(self, room: int, body: dict) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events."""
         url = f"{self.url}/pdd/rooms/{room}/handoff"
-        async with self.session.post(url, **_control_request(self.signer, "POST", url, body)) as resp:
-            async for event in sse_events(resp, f"MD room {room} handoff"):
+        sent = _control_request(self.signer, "POST", url, body)
+        async with self.session.post(url, **sent) as resp:
+            events = (sse_events(resp, f"MD room {room} handoff") if self.signer is None else
+                      signed_sse_events(resp, f"MD room {room} handoff", self.signer, sent["headers"][HEADER]))
+            async for event in events:
                 yield event
 
     async def release(self, room: int, keep_kv: bool = False) -> None:
@@ -173,10 +241,8 @@ class MainControl:
     async def stats(self) -> Optional[dict]:
         url = f"{self.url}/pdd/stats"
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5),
-                                        **_control_request(self.signer, "GET", url)) as resp:
-                return await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError):
+            return await _call_json(self.session, "GET", url, "MD stats", timeout_s=5, signer=self.signer)
+        except (BackendError, aiohttp.ClientError, TimeoutError):
             return None
 
 
@@ -207,11 +273,11 @@ class PrefillControl:
 
     def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None):
         self.session, self.url = session, control_url.rstrip("/")
-        self.signer = signer or _control_signer
+        self.signer = signer or _prefill_signer
 
     async def tp_size(self) -> int:
-        """P's TP ranks (GET /pdd/info on rank 0), asked once per session; a P older than
-        /pdd/info (404) has one. A failed ask is asked again by the next call."""
+        """P's TP ranks (GET /pdd/info on rank 0, a signed reply), asked once per session. A
+        failed ask is asked again by the next call."""
         asking = _prefill_tp_sizes.setdefault(self.session, {})
         task = asking.get(self.url)
         if task is None:
@@ -226,10 +292,10 @@ class PrefillControl:
 
     async def _ask_tp_size(self) -> int:
         url = f"{self.url}/pdd/info"
-        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5),
-                                    **_control_request(self.signer, "GET", url)) as resp:
-            if resp.status == 404:
-                return 1
+        sent = _control_request(self.signer, "GET", url)
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5), **sent) as resp:
+            if resp.status == 200:
+                _check_reply(self.signer, sent, resp, await resp.read(), f"P info {url}")
             payload = await _json_reply(resp)
             if resp.status != 200:
                 raise BackendError(f"P info {url}: HTTP {resp.status} {payload}")

@@ -67,8 +67,8 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choos
 from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
-from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, abort, generate_once,
-                                        generate_stream, md_tp_of)
+from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply, abort,
+                                        generate_once, generate_stream, md_tp_of)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -436,7 +436,7 @@ class PddFlow:
             except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
                 self.result.fallbacks.append(f"md_unavailable: {e}")
                 logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
-                if reg is not None:  # MD holds the room but its answer is unusable: unlock it now
+                if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
                     self._spawn(self.control.release(self.room), must_finish=True)
                 self.room = None
         if self.room is None:
@@ -472,7 +472,7 @@ class PddFlow:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-            if reg is not None:  # MD holds the room but its answer is unusable: unlock it now
+            if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
                 self._spawn(self.control.release(room), must_finish=True)
             self.room = None  # MD holds no room for it
             await self._no_destination(f"md_unavailable: {e}")

@@ -38,7 +38,7 @@ from sglang_pdd.config import PddConfig, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
-from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
                                   serve_in_thread)
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
@@ -528,10 +528,11 @@ class ControlServer:
     Every route but /health needs the router's signature (control_auth, on the shared key)."""
 
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key)})
-        self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections)
+        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD)})
+        self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
+                                       max_body_bytes_in_flight=max_body_bytes_in_flight)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-md-control")
 
@@ -547,6 +548,11 @@ MAX_TOKEN_ID = (1 << 31) - 1  # far above any vocabulary; keeps ids inside the r
 class _ControlHandler(JsonRequestHandler):
     runtime: MainDrcRuntime
     max_body_bytes = MAX_CONTROL_BODY
+
+    def body_cap(self, method: str, path: str) -> int:
+        # Only POSTs carry a body (register: the prompt's ids; handoff: eager tokens and
+        # sampling params); the other routes take none worth more than a few bytes.
+        return self.max_body_bytes if method == "POST" else 4096
 
     def _body(self) -> dict:
         """The request's JSON object (read and authenticated by JsonRequestHandler)."""
@@ -620,28 +626,46 @@ class _ControlHandler(JsonRequestHandler):
             gen, stream = self.runtime.handoff_request(room, self._body())
         except (RoomError, ValueError) as e:
             return self._reply(409 if "stale" in str(e) or "duplicate" in str(e) else 400, {"error": str(e)})
-        # Relay MD's own /generate (loopback) back to the router, streaming as it comes.
+        # Relay MD's own /generate (loopback) back to the router, streaming as it comes; the
+        # reply, or each event of a stream, signed for this request (control_auth).
         conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=600)
         try:
             conn.request("POST", "/generate", body=json.dumps(gen), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            self.send_response(resp.status)
-            self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+            if not stream or resp.status != 200:
+                return self._relay_whole(resp)
+            self.send_response(200)
+            self.send_header("Content-Type", resp.getheader("Content-Type", "text/event-stream"))
             self.send_header("Connection", "close")
             self.end_headers()
-            while True:
-                chunk = resp.read1(65536) if stream else resp.read()
-                if not chunk:
-                    break
-                self.wfile.write(chunk)
+            self._replied = True
+            index = 0
+            while line := resp.readline():
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                sig = self.auth.sign_event(self.request_sig, index, data) if self.request_sig else None
+                self.wfile.write(b"data: " + data + b"\n" + (EVENT_SIG + sig + b"\n" if sig else b"") + b"\n")
                 self.wfile.flush()
-                if not stream:
-                    break
+                index += 1
         except (OSError, http.client.HTTPException) as e:
             logger.warning("handoff for room %s: MD generate failed: %r", room, e)
         finally:
             conn.close()
             self.close_connection = True
+
+    def _relay_whole(self, resp) -> None:
+        body = resp.read()
+        self._replied = True
+        self.send_response(resp.status)
+        self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        for name, value in self.reply_signature(resp.status, body).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_DELETE(self):
         url = urlsplit(self.path)

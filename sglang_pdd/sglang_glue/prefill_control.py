@@ -184,7 +184,8 @@ class PrefillControlServer:
 
     def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
-                 max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True):
+                 max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
+                 max_md_tp: int = MAX_MD_TP):
         board_ref, path = board, self.PATH
         info = {"tp_rank": int(tp_rank), "tp_size": int(tp_size), "sends_wan": bool(sends_wan)}
 
@@ -194,6 +195,9 @@ class PrefillControlServer:
                     return self._reply(404, {"error": f"no such endpoint POST {self.path[:200]}"})
                 try:
                     room, dest = parse_destination(self.body)
+                    if dest.md_tp > max_md_tp:
+                        raise DestinationError(400, f"md_tp {dest.md_tp} is over this P's --pdd-max-md-tp "
+                                                    f"{max_md_tp} (WAN ports it dials per MD)")
                     if not peer_allowed(dest.peer):
                         raise DestinationError(403, f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
                                                     f"--pdd-wan-peers; P sends KV only to the MDs it was given")
@@ -228,7 +232,9 @@ class PrefillControlServer:
                 self._reply(404, {"error": f"no such endpoint GET {self.path[:200]}"})
 
         Handler.auth = auth
-        self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections)
+        # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.
+        self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections,
+                                       max_body_bytes_in_flight=4 << 20)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
         logger.info("P control API on http://%s:%s%s (TP rank %d of %d%s)", *self.address, self.PATH,

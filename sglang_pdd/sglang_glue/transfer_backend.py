@@ -33,7 +33,7 @@ from sglang.srt.disaggregation.mooncake.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port, parse_peer_list
-from sglang_pdd.control_auth import ControlVerifier
+from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import wan_tls_context
@@ -84,14 +84,15 @@ class PddKVManager(MooncakeKVManager):
             self.wan_fanout = WanFanout(
                 read_key(cfg), f"prefill-{cfg.datacenter or 'a'}-{server_args.port}{rank_tag}",
                 num_streams=cfg.wan_streams, timeout_s=cfg.wan_timeout_s,
-                staging_bytes=cfg.wan_staging_mb << 20, allowed_peers=peers,
+                staging_bytes=cfg.wan_staging_mb << 20, allowed_peers=peers, max_md_tp=cfg.max_md_tp,
                 ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca, server_side=False))
             if cfg.control_listen:  # late destinations: the router need not wait for MD first
                 self.wan_destinations = DestinationBoard()
                 host, port = parse_host_port("--pdd-control-listen", cfg.control_listen)
                 self.control_server = PrefillControlServer(  # rank r on port + r; the router finds them all
                     self.wan_destinations, host, port + self.attn_tp_rank,
-                    auth=ControlVerifier(read_key(cfg)), peer_allowed=self.wan_fanout.allows,
+                    auth=ControlVerifier(read_key(cfg), role=ROLE_P), peer_allowed=self.wan_fanout.allows,
+                    max_md_tp=cfg.max_md_tp,
                     stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
                     # What a rank sends depends on each destination's MD TP size, so every rank
                     # keeps every destination; one whose heads other ranks send drops it (bind_request).

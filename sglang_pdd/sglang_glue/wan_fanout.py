@@ -170,7 +170,9 @@ class WanFanout:
         sender_factory: Optional[Callable[[tuple[str, int]], WanKvSender]] = None,
         allowed_peers: Iterable[tuple[str, int]] = (),
         ssl_context: Optional[ssl.SSLContext] = None,  # --pdd-wan-tls-*: TLS to MD
+        max_md_tp: int = MAX_MD_TP,  # --pdd-max-md-tp: MD ranks (WAN ports) one destination may name
     ):
+        self.max_md_tp = max_md_tp
         self.key, self.name = key, name
         # P's --pdd-wan-peers: the only MDs it sends KV to (rank 0's address; MD rank r's is
         # port + r), so also the bound on its senders (one per MD rank, each with its streams).
@@ -260,6 +262,11 @@ class WanFanout:
         be served; MD's room then fails and RLD finishes the request."""
         if self._pool is None:
             raise RuntimeError("attach_pool() first")
+        if dest.md_tp > self.max_md_tp:
+            self.counters["refused_md_tp"] += 1
+            logger.warning("rid %s: MD's TP %d is over P's --pdd-max-md-tp %d; not sending KV, RLD finishes",
+                           rid, dest.md_tp, self.max_md_tp)
+            return None
         specs = self._legs(dest.md_tp)
         if isinstance(specs, TpLayoutError):
             self.counters["refused_md_tp"] += 1

@@ -1,0 +1,176 @@
+"""Cost of signing control replies (not a timed test): MD's real ControlServer on loopback,
+the router's MainControl calling it, with reply signatures (as shipped) and without (the
+server's reply_signature and the router's check patched out), side by side.
+
+* ``stats``:    GET /pdd/stats, sequential calls (one connection each, as the router's do):
+  requests/s and ms per call;
+* ``register``: POST /pdd/rooms with a ``--prompt-tokens`` prompt (a larger signed request,
+  a small reply);
+* ``stream``:   one handoff stream of ``--events`` events (MD signs each, the router checks
+  each): ms per stream and us per event.
+
+Modes alternate per round and the median round is reported, so a machine shared with other
+work skews both the same way.
+
+    PYTHONPATH=. python benchmarks/bench_control_reply_sig.py              # ~20 s
+    PYTHONPATH=. python benchmarks/bench_control_reply_sig.py --seconds 1 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import aiohttp
+
+from sglang_pdd import json_http
+from sglang_pdd.control_auth import ROLE_MD, ControlSigner, ControlVerifier
+from sglang_pdd.router import backends
+from sglang_pdd.sglang_glue.main_drc import ControlServer
+
+KEY = b"bench-control-reply-signing-key-0123456789"
+
+
+class _Generate:
+    """MD's own /generate, streaming ``events`` small events."""
+
+    def __init__(self, events: int):
+        body = b"".join(b'data: {"output_ids": [%d], "meta_info": {"completion_tokens": %d}}\n\n' % (i, i + 1)
+                        for i in range(events)) + b"data: [DONE]\n\n"
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+class _Runtime:
+    """Just enough of MD's runtime for the routes measured (no rooms, no scheduler)."""
+
+    def __init__(self, http_port: int):
+        self.http_port = http_port
+        self.rooms: dict[int, list] = {}
+
+    def call(self, op, *args, timeout=30.0):
+        room, ids, _ = args  # register
+        self.rooms[room] = ids
+        return {"room": room, "cached_tokens": 0, "prompt_tokens": len(ids)}
+
+    def stats(self):
+        return {"open_rooms": len(self.rooms), "ready": 0, "failed": 0}
+
+    def handoff_request(self, room, body):
+        return {"input_ids": self.rooms.get(room, []) + body["token_ids"], "stream": True}, True
+
+
+@contextlib.contextmanager
+def reply_signing(on: bool):
+    """Off: the server sends no reply signature, the router checks none (what the wire was)."""
+    saved = (json_http.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
+             backends.signed_sse_events)
+    if not on:
+        json_http.JsonRequestHandler.reply_signature = lambda self, status, body: {}
+        ControlVerifier.sign_event = lambda self, request_sig, index, data: None  # no signature line
+        backends._check_reply = lambda *args: None
+        backends.signed_sse_events = lambda resp, url, signer, header: backends.sse_events(resp, url)
+    try:
+        yield
+    finally:
+        (json_http.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
+         backends.signed_sse_events) = saved
+
+
+async def _timed(fn, seconds: float) -> tuple[int, float]:
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        await fn()
+        n += 1
+    return n, time.perf_counter() - start
+
+
+async def run(args) -> dict:
+    gen = _Generate(args.events)
+    runtime = _Runtime(gen.port)
+    server = ControlServer(("127.0.0.1", 0), runtime, key=KEY)
+    url = "http://%s:%s" % server.address
+    ids = list(range(1000, 1000 + args.prompt_tokens))
+    results = {mode: {"stats": [], "register": [], "stream": []} for mode in ("signed", "unsigned")}
+    room = iter(range(1, 1 << 62))
+
+    async def handoff_stream(mc):
+        events = [e async for e in mc.handoff_stream(next(room), {"token_ids": [1], "sampling_params": {}})]
+        assert len(events) == args.events, len(events)
+
+    async with aiohttp.ClientSession() as session:
+        mc = backends.MainControl(session, url, signer=ControlSigner(KEY, role=ROLE_MD))
+        for _ in range(args.rounds):
+            for mode in ("signed", "unsigned"):
+                with reply_signing(mode == "signed"):
+                    assert (await mc.stats()) is not None  # the mode works end to end
+                    n, t = await _timed(mc.stats, args.seconds)
+                    results[mode]["stats"].append(t / n)
+                    n, t = await _timed(lambda: mc.register(next(room), ids), args.seconds)
+                    results[mode]["register"].append(t / n)
+                    runtime.rooms.clear()
+                    n, t = await _timed(lambda: handoff_stream(mc), args.seconds)
+                    results[mode]["stream"].append(t / n)
+    server.close()
+    gen.httpd.shutdown()
+    return {mode: {k: statistics.median(v) for k, v in per.items()} for mode, per in results.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=0.5, help="per measurement")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--events", type=int, default=256)
+    args = ap.parse_args()
+    res = asyncio.run(run(args))
+    s, u = res["signed"], res["unsigned"]
+    print(f"{'call':<34}{'signed':>14}{'unsigned':>14}{'ratio':>8}")
+    for key, label in (("stats", "GET /pdd/stats"), ("register", f"POST /pdd/rooms ({args.prompt_tokens} ids)")):
+        print(f"{label + ' ms/call':<34}{s[key] * 1e3:>14.3f}{u[key] * 1e3:>14.3f}{s[key] / u[key]:>8.3f}")
+        print(f"{label + ' req/s':<34}{1 / s[key]:>14.0f}{1 / u[key]:>14.0f}{u[key] / s[key]:>8.3f}")
+    print(f"{f'handoff stream ({args.events} ev) ms':<34}{s['stream'] * 1e3:>14.3f}{u['stream'] * 1e3:>14.3f}"
+          f"{s['stream'] / u['stream']:>8.3f}")
+    print(f"{'  us/event':<34}{s['stream'] / args.events * 1e6:>14.1f}{u['stream'] / args.events * 1e6:>14.1f}")
+    print(f"{'HMAC alone, sign + check: reply':<34}{_hmac_us('reply'):>12.1f} us")
+    print(f"{'HMAC alone, sign + check: event':<34}{_hmac_us('event'):>12.1f} us")
+    print(json.dumps({"args": vars(args), **res}))
+
+
+def _hmac_us(what: str, n: int = 20000) -> float:
+    """The signatures' own cost (server signs, router checks), without HTTP around them."""
+    signer, verifier = ControlSigner(KEY, role=ROLE_MD), ControlVerifier(KEY, role=ROLE_MD)
+    header = signer.header("GET", "/pdd/stats")["Authorization"]
+    sig = header.rsplit("sig=", 1)[1]
+    body = json.dumps({"room": 1, "cached_tokens": 0, "prompt_tokens": 4096, "tp_size": 1}).encode()
+    start = time.perf_counter()
+    for i in range(n):
+        if what == "reply":
+            signer.check_reply(header, 200, body, verifier.sign_reply(sig, 200, body))
+        else:
+            signer.check_event(header, i, body, verifier.sign_event(sig, i, body))
+    return (time.perf_counter() - start) / n * 1e6
+
+
+if __name__ == "__main__":
+    main()
