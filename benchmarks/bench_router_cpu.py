@@ -1,0 +1,234 @@
+"""The router's own CPU cost, without SGLang: fake P, RLD and MD, the real router process.
+
+Starts ``tests/fake_backends.py``'s fake P, P control API, RLD and MD (a deterministic "model",
+SGLang's SSE stream format, one token every ``--token-delay-ms`` per stream) in their own
+process, then the router as a real subprocess (``python -m sglang_pdd.router`` on the tiny
+model's tokenizer, pointed at the fakes), and sends streaming ``/generate`` requests at a
+concurrency. Two phases:
+
+* **long** (``--max-new`` tokens per request): router CPU seconds per 1 000 streamed tokens;
+* **short** (``--short-new`` tokens): router CPU milliseconds per request, i.e. the fixed
+  cost (tokenize, path choice, MD room registration, P's WAN destination, P and RLD legs,
+  ready wait, handoff, releases);
+
+and from both the marginal CPU per 1k tokens (long minus short, per extra token). Router CPU
+is user + system of the router process and its children (psutil, /proc), over the phase.
+``--workers N`` runs the router with N worker processes; ``--compare-workers`` runs 1 and then
+N workers side by side with no token delay (backends as fast as they go: the router is the
+bottleneck) and prints the throughput ratio. Prints a table and JSON (also to ``--out``).
+
+    .venv/bin/python benchmarks/bench_router_cpu.py                       # ~30 s
+    .venv/bin/python benchmarks/bench_router_cpu.py --compare-workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+# ---------------------------------------------------------------------- fake backends process
+def serve_fakes(token_delay_s: float) -> None:
+    """Runs the fakes until killed; prints their URLs as one JSON line."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from fake_backends import Fakes, Knobs
+
+    async def main() -> None:
+        fakes = await Fakes(Knobs(rld_token_delay_s=token_delay_s, md_token_delay_s=token_delay_s)).start()
+        print(json.dumps({"p": fakes.p_url, "p_control": fakes.p_control_url, "rld": fakes.rld_url,
+                          "md": fakes.md_url}), flush=True)
+        while True:  # the fakes keep a request log: drop it, the benchmark reads nothing from it
+            await asyncio.sleep(1.0)
+            fakes.log.clear()
+            fakes.rooms = {r: s for r, s in fakes.rooms.items() if not s["released"]}
+
+    asyncio.run(main())
+
+
+def start_fakes(token_delay_s: float) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-fakes", str(token_delay_s)],
+                            stdout=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_router(urls: dict, workers: int, key_file: str, tokenizer: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_pdd.router", "--port", str(port), "--tokenizer-path", tokenizer,
+            "--prefill", f"{urls['p']},8998,{urls['p_control']}", "--relay", urls["rld"],
+            "--main", f"{urls['md']},{urls['md']},127.0.0.1:1", "--control-key-file", key_file,
+            "--every-client-is-operator"]  # replies carry meta_info.pdd: who streamed the tokens
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"router exited with {proc.returncode}")
+            try:
+                async with s.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise SystemExit("router not healthy in time")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its live children (the workers)."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+# ---------------------------------------------------------------------- client
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_new: int) -> tuple[int, bool]:
+    """(output tokens, whether MD streamed any of them)."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    tokens, event = 0, {}
+    async with session.post(f"{url}/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            if raw.startswith(b"data:") and not raw.startswith(b"data: [DONE]"):
+                event = json.loads(raw[5:])
+                tokens = event["meta_info"]["completion_tokens"]
+    return tokens, bool(event.get("meta_info", {}).get("pdd", {}).get("md_tokens"))
+
+
+async def run_phase(url: str, pid: int, requests: int, concurrency: int, max_new: int, prompt_len: int,
+                    label: str) -> dict:
+    rng = random.Random(max_new)
+    prompts = [[rng.randrange(1, 1000) for _ in range(prompt_len)] for _ in range(requests)]
+    sem = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=requests, desc=label, leave=False)
+    tokens = on_md = 0
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def go(prompt):
+            nonlocal tokens, on_md
+            async with sem:
+                got, md = await one_request(session, url, prompt, max_new)
+                tokens, on_md = tokens + got, on_md + md
+            bar.update(1)
+
+        await one_request(session, url, prompts[0], 2)  # warm connections and code paths
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(go(p) for p in prompts))
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    bar.close()
+    return {"requests": requests, "max_new": max_new, "tokens": tokens, "wall_s": round(wall, 3),
+            "router_cpu_s": round(cpu, 3), "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 4),
+            "cpu_ms_per_request": round(1000 * cpu / requests, 2), "tokens_per_s": round(tokens / wall, 1), "handed_to_md": on_md}
+
+
+async def measure(args, workers: int, token_delay_s: float, key_file: str) -> dict:
+    fakes, urls = start_fakes(token_delay_s)
+    router, url = start_router(urls, workers, key_file, args.tokenizer_path)
+    try:
+        await wait_healthy(url, router)
+        long = await run_phase(url, router.pid, args.requests, args.concurrency, args.max_new, args.prompt_len,
+                               f"{workers}w long")
+        short = await run_phase(url, router.pid, args.requests, args.concurrency, args.short_new,
+                                args.prompt_len, f"{workers}w short")
+    finally:
+        router.send_signal(signal.SIGINT)
+        fakes.terminate()
+        for proc in (router, fakes):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    extra = (long["tokens"] - short["tokens"]) or 1
+    marginal = 1000 * (long["router_cpu_s"] - short["router_cpu_s"]) / extra
+    return {"workers": workers, "token_delay_ms": token_delay_s * 1000, "long": long, "short": short,
+            "marginal_cpu_s_per_1k_tokens": round(marginal, 4)}
+
+
+def show(r: dict) -> None:
+    print(f"workers {r['workers']}, token delay {r['token_delay_ms']:.1f} ms:")
+    for name in ("long", "short"):
+        p = r[name]
+        print(f"  {name:5s} {p['requests']} req x {p['max_new']} tok: {p['tokens_per_s']:8.0f} tok/s  "
+              f"CPU {p['cpu_s_per_1k_tokens']:.3f} s/1k tok  {p['cpu_ms_per_request']:.1f} ms/req  "
+              f"({p['handed_to_md']} handed to MD)")
+    print(f"  marginal CPU per 1k tokens (long - short): {r['marginal_cpu_s_per_1k_tokens']:.3f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--serve-fakes", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--short-new", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--token-delay-ms", type=float, default=5.0, help="per stream, as a decode step")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--compare-workers", type=int, default=None, metavar="N",
+                    help="1 worker, then N, with no token delay (throughput ratio)")
+    ap.add_argument("--tokenizer-path", default=str(REPO / "artifacts" / "tiny-llama"))
+    ap.add_argument("--out", default=str(REPO / "artifacts" / "bench_router_cpu" / "results.json"))
+    args = ap.parse_args()
+    if args.serve_fakes is not None:
+        serve_fakes(args.serve_fakes)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        key_file = os.path.join(tmp, "control.key")
+        with open(os.open(key_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+        if args.compare_workers:
+            runs = [asyncio.run(measure(args, n, 0.0, key_file)) for n in (1, args.compare_workers)]
+        else:
+            runs = [asyncio.run(measure(args, args.workers, args.token_delay_ms / 1000, key_file))]
+    for r in runs:
+        show(r)
+    result = {"runs": runs}
+    if args.compare_workers:
+        ratio = runs[1]["long"]["tokens_per_s"] / runs[0]["long"]["tokens_per_s"]
+        result["throughput_ratio"] = round(ratio, 3)
+        print(f"throughput {args.compare_workers} workers / 1 worker: {ratio:.2f}x (os.cpu_count() = "
+              f"{os.cpu_count()}, fakes and client on the same cores)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
