@@ -13,12 +13,15 @@ concurrency. Two phases:
 
 and from both the marginal CPU per 1k tokens (long minus short, per extra token). Router CPU
 is user + system of the router process and its children (psutil, /proc), over the phase.
-``--workers N`` runs the router with N worker processes; ``--compare-workers`` runs 1 and then
-N workers side by side with no token delay (backends as fast as they go: the router is the
-bottleneck) and prints the throughput ratio. Prints a table and JSON (also to ``--out``).
+``--workers N`` runs the router with N worker processes. Side by side, in alternating rounds
+against the same fakes (drift on a shared machine hits both alike): ``--baseline-src DIR``
+runs the router from another source tree (before / after), ``--compare-workers N`` 1 and N
+workers with no token delay (backends as fast as they go: the router is the bottleneck) and
+prints the throughput ratio. Prints a table and JSON (also to ``--out``).
 
     .venv/bin/python benchmarks/bench_router_cpu.py                       # ~30 s
     .venv/bin/python benchmarks/bench_router_cpu.py --compare-workers 2
+    git archive BASE | tar -x -C /tmp/base && .venv/bin/python benchmarks/bench_router_cpu.py --baseline-src /tmp/base
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_router(urls: dict, workers: int, key_file: str, tokenizer: str) -> tuple[subprocess.Popen, str]:
+def start_router(urls: dict, workers: int, key_file: str, tokenizer: str,
+                 src: Path = REPO) -> tuple[subprocess.Popen, str]:
+    """The router from source tree ``src`` (another checkout: a baseline), on a free port."""
     port = free_port()
     argv = [sys.executable, "-m", "sglang_pdd.router", "--port", str(port), "--tokenizer-path", tokenizer,
             "--prefill", f"{urls['p']},8998,{urls['p_control']}", "--relay", urls["rld"],
@@ -83,7 +88,8 @@ def start_router(urls: dict, workers: int, key_file: str, tokenizer: str) -> tup
             "--every-client-is-operator"]  # replies carry meta_info.pdd: who streamed the tokens
     if workers > 1:
         argv += ["--workers", str(workers)]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    proc = subprocess.Popen(argv, cwd=src, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -158,31 +164,62 @@ async def run_phase(url: str, pid: int, requests: int, concurrency: int, max_new
             "cpu_ms_per_request": round(1000 * cpu / requests, 2), "tokens_per_s": round(tokens / wall, 1), "handed_to_md": on_md}
 
 
-async def measure(args, workers: int, token_delay_s: float, key_file: str) -> dict:
+def summarize(name: str, workers: int, phases: list[dict]) -> dict:
+    """One router's rounds summed: per phase (long, short) and the marginal CPU per 1k tokens."""
+    out = {"router": name, "workers": workers}
+    for kind in ("long", "short"):
+        ps = [p for p in phases if p["kind"] == kind]
+        tokens, wall, cpu = (sum(p[k] for p in ps) for k in ("tokens", "wall_s", "router_cpu_s"))
+        requests = sum(p["requests"] for p in ps)
+        out[kind] = {"requests": requests, "max_new": ps[0]["max_new"], "tokens": tokens, "wall_s": round(wall, 3),
+                     "router_cpu_s": round(cpu, 3), "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 4),
+                     "cpu_ms_per_request": round(1000 * cpu / requests, 2),
+                     "tokens_per_s": round(tokens / wall, 1), "handed_to_md": sum(p["handed_to_md"] for p in ps)}
+    extra = (out["long"]["tokens"] - out["short"]["tokens"]) or 1
+    out["marginal_cpu_s_per_1k_tokens"] = round(
+        1000 * (out["long"]["router_cpu_s"] - out["short"]["router_cpu_s"]) / extra, 4)
+    return out
+
+
+async def measure(args, routers: list[tuple[str, int, Path]], token_delay_s: float, key_file: str) -> list[dict]:
+    """Routers (name, workers, source tree) side by side against the same fakes, in alternating
+    rounds, so drift on a shared machine hits each alike."""
     fakes, urls = start_fakes(token_delay_s)
-    router, url = start_router(urls, workers, key_file, args.tokenizer_path)
+    started = [start_router(urls, workers, key_file, args.tokenizer_path, src) for _, workers, src in routers]
+    spy = None
+    phases: list[list[dict]] = [[] for _ in routers]
     try:
-        await wait_healthy(url, router)
-        long = await run_phase(url, router.pid, args.requests, args.concurrency, args.max_new, args.prompt_len,
-                               f"{workers}w long")
-        short = await run_phase(url, router.pid, args.requests, args.concurrency, args.short_new,
-                                args.prompt_len, f"{workers}w short")
+        for proc, url in started:
+            await wait_healthy(url, proc)
+        if args.py_spy:  # sampling costs the router CPU too: compare shares, not totals
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                                    str(started[-1][0].pid), "--format", "raw", "-o", args.py_spy,
+                                    "--subprocesses", "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for rnd in range(args.rounds):
+            for i, ((name, workers, _), (proc, url)) in enumerate(zip(routers, started)):
+                for kind, max_new in (("long", args.max_new), ("short", args.short_new)):
+                    p = await run_phase(url, proc.pid, args.requests, args.concurrency, max_new, args.prompt_len,
+                                        f"round {rnd + 1} {name} {kind}")
+                    phases[i].append({**p, "kind": kind})
     finally:
-        router.send_signal(signal.SIGINT)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
+        for proc, _ in started:
+            proc.send_signal(signal.SIGINT)
         fakes.terminate()
-        for proc in (router, fakes):
+        for proc in [p for p, _ in started] + [fakes]:
             try:
-                proc.wait(10)
+                proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    extra = (long["tokens"] - short["tokens"]) or 1
-    marginal = 1000 * (long["router_cpu_s"] - short["router_cpu_s"]) / extra
-    return {"workers": workers, "token_delay_ms": token_delay_s * 1000, "long": long, "short": short,
-            "marginal_cpu_s_per_1k_tokens": round(marginal, 4)}
+    return [{**summarize(name, workers, ph), "token_delay_ms": token_delay_s * 1000}
+            for (name, workers, _), ph in zip(routers, phases)]
 
 
 def show(r: dict) -> None:
-    print(f"workers {r['workers']}, token delay {r['token_delay_ms']:.1f} ms:")
+    print(f"{r['router']} ({r['workers']} worker(s)), token delay {r['token_delay_ms']:.1f} ms:")
     for name in ("long", "short"):
         p = r[name]
         print(f"  {name:5s} {p['requests']} req x {p['max_new']} tok: {p['tokens_per_s']:8.0f} tok/s  "
@@ -200,9 +237,14 @@ def main() -> None:
     ap.add_argument("--short-new", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--token-delay-ms", type=float, default=5.0, help="per stream, as a decode step")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per router")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--baseline-src", default=None, metavar="DIR",
+                    help="also run the router from this source tree (e.g. `git archive` of an older commit), "
+                         "side by side")
     ap.add_argument("--compare-workers", type=int, default=None, metavar="N",
                     help="1 worker, then N, with no token delay (throughput ratio)")
+    ap.add_argument("--py-spy", default=None, metavar="FILE", help="py-spy samples the router (collapsed stacks)")
     ap.add_argument("--tokenizer-path", default=str(REPO / "artifacts" / "tiny-llama"))
     ap.add_argument("--out", default=str(REPO / "artifacts" / "bench_router_cpu" / "results.json"))
     args = ap.parse_args()
@@ -214,16 +256,29 @@ def main() -> None:
         with open(os.open(key_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(secrets.token_hex(32))
         if args.compare_workers:
-            runs = [asyncio.run(measure(args, n, 0.0, key_file)) for n in (1, args.compare_workers)]
+            runs = asyncio.run(measure(args, [("1 worker", 1, REPO), (f"{args.compare_workers} workers",
+                                                                      args.compare_workers, REPO)], 0.0, key_file))
+        elif args.baseline_src:
+            runs = asyncio.run(measure(args, [("baseline", args.workers, Path(args.baseline_src).resolve()),
+                                              ("this tree", args.workers, REPO)], args.token_delay_ms / 1000,
+                                       key_file))
         else:
-            runs = [asyncio.run(measure(args, args.workers, args.token_delay_ms / 1000, key_file))]
+            runs = asyncio.run(measure(args, [("this tree", args.workers, REPO)], args.token_delay_ms / 1000,
+                                       key_file))
     for r in runs:
         show(r)
-    result = {"runs": runs}
+    result = {"runs": runs, "args": {k: v for k, v in vars(args).items() if k != "serve_fakes"}}
+    if args.baseline_src:
+        base, new = runs
+        for key in ("cpu_s_per_1k_tokens", "cpu_ms_per_request"):
+            for kind in ("long", "short"):
+                result[f"{kind}_{key}_ratio"] = round(new[kind][key] / base[kind][key], 3)
+        print(f"this tree / baseline: CPU per 1k tokens {result['long_cpu_s_per_1k_tokens_ratio']:.2f}x (long), "
+              f"CPU per request {result['short_cpu_ms_per_request_ratio']:.2f}x (short)")
     if args.compare_workers:
         ratio = runs[1]["long"]["tokens_per_s"] / runs[0]["long"]["tokens_per_s"]
         result["throughput_ratio"] = round(ratio, 3)
-        print(f"throughput {args.compare_workers} workers / 1 worker: {ratio:.2f}x (os.cpu_count() = "
+        print(f"throughput {args.compare_workers} workers / 1 worker (long phase): {ratio:.2f}x (os.cpu_count() = "
               f"{os.cpu_count()}, fakes and client on the same cores)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
