@@ -129,14 +129,14 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     """(output tokens, whether MD streamed any of them)."""
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-    tokens, event = 0, {}
+    last = None
     async with session.post(f"{url}/generate", json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
+        async for raw in resp.content:  # only the last event is parsed: the client's CPU is not the subject
             if raw.startswith(b"data:") and not raw.startswith(b"data: [DONE]"):
-                event = json.loads(raw[5:])
-                tokens = event["meta_info"]["completion_tokens"]
-    return tokens, bool(event.get("meta_info", {}).get("pdd", {}).get("md_tokens"))
+                last = raw
+    meta = json.loads(last[5:])["meta_info"]
+    return meta["completion_tokens"], bool(meta.get("pdd", {}).get("md_tokens"))
 
 
 async def run_phase(url: str, pid: int, requests: int, concurrency: int, max_new: int, prompt_len: int,
@@ -175,7 +175,8 @@ def summarize(name: str, workers: int, phases: list[dict]) -> dict:
         out[kind] = {"requests": requests, "max_new": ps[0]["max_new"], "tokens": tokens, "wall_s": round(wall, 3),
                      "router_cpu_s": round(cpu, 3), "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 4),
                      "cpu_ms_per_request": round(1000 * cpu / requests, 2),
-                     "tokens_per_s": round(tokens / wall, 1), "handed_to_md": sum(p["handed_to_md"] for p in ps)}
+                     "tokens_per_s": round(tokens / wall, 1), "handed_to_md": sum(p["handed_to_md"] for p in ps),
+                     "router_cores_busy": round(cpu / wall, 2)}
     extra = (out["long"]["tokens"] - out["short"]["tokens"]) or 1
     out["marginal_cpu_s_per_1k_tokens"] = round(
         1000 * (out["long"]["router_cpu_s"] - out["short"]["router_cpu_s"]) / extra, 4)
@@ -225,6 +226,7 @@ def show(r: dict) -> None:
         p = r[name]
         print(f"  {name:5s} {p['requests']} req x {p['max_new']} tok: {p['tokens_per_s']:8.0f} tok/s  "
               f"CPU {p['cpu_s_per_1k_tokens']:.3f} s/1k tok  {p['cpu_ms_per_request']:.1f} ms/req  "
+              f"router {p['router_cores_busy']:.2f} cores busy  "
               f"({p['handed_to_md']} handed to MD)")
     print(f"  marginal CPU per 1k tokens (long - short): {r['marginal_cpu_s_per_1k_tokens']:.3f} s")
 
