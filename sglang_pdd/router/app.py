@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shlex
+import sys
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -482,6 +483,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30300)
+    ap.add_argument("--workers", type=int, default=1,
+                    help="router processes serving --port (SO_REUSEPORT); each keeps its own prefix index, "
+                         "in-flight counts and metrics (docs/router.md)")
+    ap.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on each worker
     ap.add_argument("--max-prompt-tokens", type=int, default=32768)
     ap.add_argument("--max-md-tp", type=int, default=8,
                     help="the largest TP size an MD may report at registration (P dials one WAN port per MD "
@@ -585,6 +590,12 @@ def read_operator_token(path: Optional[str]) -> Optional[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.workers < 1:
+        raise SystemExit("sglang_pdd.router: error: --workers must be at least 1")
+    if args.workers > 1:
+        from sglang_pdd.router.workers import run_workers
+
+        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from sglang_pdd.router.serving import build_sglang_state
 
@@ -615,4 +626,4 @@ def main(argv=None) -> None:
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes)
     web.run_app(build_app(router, args.max_body_bytes), host=args.host, port=args.port, print=None,
-                handler_cancellation=True)
+                handler_cancellation=True, reuse_port=args.reuse_port or None)

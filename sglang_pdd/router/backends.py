@@ -10,6 +10,7 @@ from typing import AsyncIterator, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import orjson
 
 from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
 
@@ -80,9 +81,12 @@ def parse_sse_line(raw: bytes, source: str):
     if data == b"[DONE]":
         return SSE_DONE
     try:
-        event = json.loads(data)
-    except json.JSONDecodeError as e:
-        raise BackendError(f"{source}: malformed stream event {data[:100]!r}") from e
+        event = orjson.loads(data)  # several times json's speed on every backend event
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses and json reads (NaN / Infinity, integers past 64 bits)
+            event = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise BackendError(f"{source}: malformed stream event {data[:100]!r}") from e
     if isinstance(event, dict) and "error" in event:
         raise BackendError(f"{source}: {event['error']}")
     return event

@@ -21,7 +21,7 @@ import asyncio
 import copy
 import logging
 import uuid
-from dataclasses import asdict
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable, Optional
 
@@ -289,7 +289,7 @@ class PddTokenizerManager:
                     if meta.get(key):
                         meta[key] = [self._with_text(row) if row else row for row in meta[key]]
         if getattr(flow, "operator", False):
-            meta["pdd"] = asdict(r)
+            meta["pdd"] = result_dict(r)
         return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
     def _with_text(self, entries: list) -> list:
@@ -315,23 +315,59 @@ def _finish_reason(flow) -> Optional[dict]:
     return meta.get("finish_reason") or flow.result.finish_reason
 
 
+def result_dict(result) -> dict:
+    """``dataclasses.asdict`` of a FlowResult (scalars, lists of scalars, the finish-reason
+    dict), for a fraction of its cost: an operator's stream carries it in every event."""
+    out = {}
+    for name in _result_fields(type(result)):
+        value = getattr(result, name)
+        if isinstance(value, list):
+            value = [copy.deepcopy(v) if isinstance(v, (list, dict)) else v for v in value]
+        elif isinstance(value, dict):
+            value = copy.deepcopy(value)
+        out[name] = value
+    return out
+
+
+_RESULT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _result_fields(cls: type) -> tuple[str, ...]:
+    names = _RESULT_FIELDS.get(cls)
+    if names is None:
+        names = _RESULT_FIELDS[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
 async def _until(events: AsyncIterator, abort: asyncio.Event) -> AsyncIterator:
     """The flow's events until it ends or /abort_request sets ``abort`` (raises Aborted). A
-    pending step is cancelled and awaited on any exit, so the flow can be closed right after."""
+    pending step is cancelled and awaited on any exit, so the flow can be closed right after.
+    The abort cancels the pending step from a callback, so a step costs one task, not an
+    ``asyncio.wait`` over two (this runs once per streamed event)."""
     aborted = asyncio.ensure_future(abort.wait())
     nxt = None
+
+    def stop(_) -> None:
+        if nxt is not None:
+            nxt.cancel()
+
+    aborted.add_done_callback(stop)
     try:
         while True:
-            nxt = asyncio.ensure_future(events.__anext__())
-            done, _ = await asyncio.wait({nxt, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
+            if aborted.done():
                 raise Aborted()
+            nxt = asyncio.ensure_future(events.__anext__())
             try:
-                new = nxt.result()
+                new = await nxt
             except StopAsyncIteration:
                 return
+            except asyncio.CancelledError:
+                if aborted.done() and not asyncio.current_task().cancelling():
+                    raise Aborted() from None
+                raise
             yield new
     finally:
+        aborted.remove_done_callback(stop)
         aborted.cancel()
         if nxt is not None and not nxt.done():
             nxt.cancel()
