@@ -82,10 +82,6 @@ def test_generate_stream_final_event_equals_single_server(urls):
 
 
 def test_generate_logprobs(urls):
-    from sglang_pdd.router.app import FLOW_TAKES_EXTRAS
-
-    if not FLOW_TAKES_EXTRAS:
-        pytest.skip("PddFlow does not carry logprob requests yet (router/flow.py extras)")
     body = {"text": PROMPTS[0], "sampling_params": greedy(), "return_logprob": True, "top_logprobs_num": 2,
             "return_text_in_logprobs": True}
     got, want = both(urls, "/generate", body)

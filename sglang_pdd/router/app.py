@@ -19,7 +19,6 @@ import contextlib
 import contextvars
 import dataclasses
 import hmac
-import inspect
 import itertools
 import json
 import logging
@@ -101,8 +100,6 @@ BACKEND_KEEPALIVE_S = 2.0
 
 OPERATOR_HEADER = "X-PDD-Operator-Token"
 PDD_OPTION_KEYS = {"path", "handoff_mode", "catch_up_threshold", "drc"}
-# Whether PddFlow takes logprob extras yet (router/flow.py, owned by the flow work).
-FLOW_TAKES_EXTRAS = "extras" in inspect.signature(PddFlow.__init__).parameters
 
 
 @dataclass
@@ -198,8 +195,6 @@ class Router:
             contract_error = generate_contract_error(body)
             if contract_error is not None:
                 raise ApiError(400, f"bad /generate body: {contract_error}")
-            if body.get("return_logprob") and not FLOW_TAKES_EXTRAS:
-                raise ApiError(400, "return_logprob is not supported by this router build")
             try:
                 obj = GenerateReqInput(**body)
             except TypeError as e:
@@ -349,10 +344,9 @@ class Router:
         # The MD prefix estimate routes a request whose P takes late WAN destinations
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, input_ids) if main is not None else 0
-        kwargs = {"extras": extras} if FLOW_TAKES_EXTRAS else {}
         flow = PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
                        rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
-                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, **kwargs)
+                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, extras=extras)
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
         return flow
 
