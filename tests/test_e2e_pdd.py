@@ -310,6 +310,8 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
     by design (the end of a request does not wait on MD), which would test nothing here."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from sglang_pdd.control_auth import ROLE_P
+
     topo, key = pdd_cluster.topology, pdd_cluster.control_key
     ids = [int(x) for x in np.random.default_rng(7).integers(100, 900, 96)]
     p_stats = f"{topo.prefill.control_url}/pdd/stats"
@@ -319,8 +321,8 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
     try:
         with ThreadPoolExecutor(1) as pool:
             reply = pool.submit(post_json, f"{topo.router_url}/generate", body)
-            assert wait_until(lambda: get_json(p_stats, key=key)["waiting_destinations"] == 1, 30), \
-                get_json(p_stats, key=key)
+            assert wait_until(lambda: get_json(p_stats, key=key, role=ROLE_P)["waiting_destinations"] == 1, 30), \
+                get_json(p_stats, key=key, role=ROLE_P)
             post_json(f"{topo.prefill.url}/continue_generation", {})
             got = reply.result(timeout=60)
     finally:
