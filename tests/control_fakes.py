@@ -9,6 +9,7 @@ records what it got and streams two SSE events. P: the real ``PrefillControlServ
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,3 +136,24 @@ class PControl:
 
     def close(self):
         self.server.close()
+
+
+def exchange_raw(host: str, port: int, request: bytes, timeout: float = 10.0, finish_body: bool = True) -> bytes:
+    """Send bytes as they are (no client fixes the headers up) and read the answer until the
+    server closes. ``finish_body``: shut our side after sending, so a body shorter than its
+    Content-Length ends there rather than at the server's read timeout; without it the
+    connection stays open for writing (a client still to send its body)."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        try:
+            s.sendall(request)
+            if finish_body:
+                s.shutdown(socket.SHUT_WR)
+        except OSError:  # the server answered and closed before reading it all (e.g. 503 busy)
+            pass
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+    return data

@@ -6,11 +6,10 @@ answered with 4xx/503 too: the routes themselves hold, not only the signature ga
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import pytest
-from control_fakes import KEY, WAN_PEER, MdControl, PControl
+from control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,19 +79,7 @@ def _request(method: str, path: str, body: bytes, length: str, auth: str) -> byt
 
 
 def _exchange(port: int, request: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        try:
-            s.sendall(request)
-            s.shutdown(socket.SHUT_WR)  # a body shorter than its Content-Length ends here
-        except OSError:
-            pass  # answered and closed before reading all of it
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
-    return data
+    return exchange_raw("127.0.0.1", port, request)
 
 
 def _status(reply: bytes) -> int:

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 import torch
-from control_fakes import KEY, WAN_PEER, MdControl, PControl
+from control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
@@ -50,19 +50,7 @@ def p():
 def raw(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
     """Send bytes as they are (no client fixes the headers up); (status, body)."""
     u = urlsplit(url)
-    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
-        try:
-            s.sendall(request)
-            s.shutdown(socket.SHUT_WR)  # a short body ends here, not after the server's read timeout
-        except OSError:  # the server answered and closed before reading it all (e.g. 503 busy)
-            pass
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, body = exchange_raw(u.hostname, u.port, request, timeout).partition(b"\r\n\r\n")
     return int(head.split()[1]), body
 
 
@@ -331,14 +319,7 @@ def first_reply(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, by
     """Send ``request`` and keep the connection open for writing (a client still to send its
     body): the server's answer, read until it closes; socket.timeout if it waits for the body."""
     u = urlsplit(url)
-    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
-        s.sendall(request)
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
+    data = exchange_raw(u.hostname, u.port, request, timeout, finish_body=False)
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), head + b"\r\n\r\n" + body
 
