@@ -72,6 +72,8 @@ class FakeMdRuntime:
     wait_ready = MainDrcRuntime.wait_ready
     handoff_request = MainDrcRuntime.handoff_request
 
+    kv_bytes_per_token = 512  # a tiny model's
+
     def __init__(self, http_port: int, max_rooms: int = 4096):
         self.http_port = http_port
         self.reset(max_rooms)
@@ -101,7 +103,7 @@ class FakeMdRuntime:
     def stats(self) -> dict:
         if self.fail_stats_with is not None:
             raise self.fail_stats_with
-        return {"open_rooms": len(self.rooms.rooms)}
+        return {"open_rooms": len(self.rooms.rooms), "kv_bytes_per_token": self.kv_bytes_per_token}
 
     def state(self):
         """Everything a control call can change."""

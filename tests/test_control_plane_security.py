@@ -466,7 +466,7 @@ def test_a_signed_reply_does_not_answer_another_request(md):
     async def run():
         async with aiohttp.ClientSession() as session, Relay(md.url, replay_first) as relay:
             mc = MainControl(session, relay.url, signer=ControlSigner(KEY))
-            assert await mc.stats() == {"open_rooms": 0}  # the first, genuine
+            assert (await mc.stats())["open_rooms"] == 0  # the first, genuine
             assert await mc.stats() is None  # the same bytes, for another request: refused
 
     asyncio.run(run())

@@ -37,7 +37,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router.backends import BackendError
+from sglang_pdd.router.backends import BackendError, MainControl
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.placement import InstanceLoad, pick_instance
@@ -124,6 +124,25 @@ def error_reply(status: int, message: str, err_type: str = "BadRequestError") ->
                               "code": status, "error": message}, status=status)
 
 
+
+async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBackend], attempts: int = 30,
+                            interval_s: float = 2.0) -> None:
+    """Each MD's KV bytes per token from its stats, asked at start until it answers, so that the
+    first requests' WAN estimates use MD's real size rather than the policy's default (46 KB, a
+    70B-class model: orders of magnitude off for a small one). A registration answer also sets it."""
+    waiting = list(mains)
+    for _ in range(attempts):
+        for main in list(waiting):
+            stats = await MainControl(session, main.control_url).stats() if main.control_url else None
+            if stats is not None:
+                waiting.remove(main)
+                size = stats.get("kv_bytes_per_token")
+                if isinstance(size, int) and size > 0 and not main.kv_bytes_per_token:
+                    main.kv_bytes_per_token = size
+        if not waiting:
+            return
+        await asyncio.sleep(interval_s)
+
 class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
                  served_model: str, *, sglang_state=None, max_new_tokens_cap: int = 32768, max_n: int = 16,
@@ -138,6 +157,7 @@ class Router:
         self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
         self.session: Optional[aiohttp.ClientSession] = None
+        self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
         self.manager = None
         if sglang_state is not None:
             server_args, model_config, tok = sglang_state
@@ -152,8 +172,11 @@ class Router:
 
     async def start(self, app):
         self.session = backend_session()
+        self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
 
     async def close(self, app):
+        if self._md_sizes is not None:
+            self._md_sizes.cancel()
         await self.session.close()
 
     def is_operator(self, request: web.Request) -> bool:
@@ -518,7 +541,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = ap.add_argument_group("path policy (uncached tokens and estimated WAN transfer time)")
     g.add_argument("--wan-gbps", type=float, default=10.0, help="WAN link rate used to estimate transfer time")
     g.add_argument("--wan-rtt-ms", type=float, default=40.0)
-    g.add_argument("--kv-bytes-per-token", type=int, default=46_000)
+    g.add_argument("--kv-bytes-per-token", type=int, default=46_000,
+                   help="KV size for the WAN estimate until MD reports its own (its stats, asked at start, "
+                        "and each registration answer)")
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     g.add_argument("--max-wan-transfer-ms", type=float, default=None,
                    help="P->MD when the uncached suffix crosses the WAN within this; default: 25%% of the TTFT SLO")
