@@ -10,22 +10,38 @@ after WATCHDOG_S so a handoff that never comes fails the test instead of hanging
 
 import contextlib
 import threading
-from typing import Optional
+from waiting import wait_until
 
-from sglang_pdd.launcher.http import post_json
+from sglang_pdd.launcher.http import get_json, post_json
 
 WATCHDOG_S = 30.0
 
 
+def _running_requests(loads: dict) -> int:
+    """Requests in RLD's running batch, from SGLang's /v1/loads (one entry per DP rank)."""
+    return sum(int(load.get("num_running_reqs", load.get("core", {}).get("num_running_reqs", 0)))
+               for load in loads.get("loads", []))
+
+
 @contextlib.contextmanager
-def md_takes_over(cluster, after_s: Optional[float] = None):
-    """Yields ``take_over()`` (idempotent, thread-safe); ``after_s``: also called by a timer
-    (for non-streamed requests, whose progress the client cannot see)."""
+def md_takes_over(cluster, once_relay_decodes: bool = False):
+    """Yields ``take_over()`` (idempotent, thread-safe). ``once_relay_decodes``: also called as
+    soon as RLD has a request in its running batch (SGLang's /v1/loads), for non-streamed
+    requests whose progress the client cannot see; pausing RLD before it admitted the request
+    would hold P's prefill (P waits for RLD's side of the transfer) until the watchdog."""
     from conftest import TEST_WAN_GBPS
 
     relay = cluster.topology.relay.url
     lock = threading.Lock()
     state = {"held": True, "paused": False}
+    done = threading.Event()
+
+    def watch_relay():
+        while not done.is_set() and state["held"]:
+            if _running_requests(get_json(f"{relay}/v1/loads?include=core")) > 0:
+                take_over()
+                return
+            done.wait(0.01)
 
     def take_over():
         with lock:
@@ -43,17 +59,25 @@ def md_takes_over(cluster, after_s: Optional[float] = None):
                 state["paused"] = False
                 post_json(f"{relay}/continue_generation", {})
 
-    timers = [threading.Timer(WATCHDOG_S, resume_relay)]
-    if after_s is not None:
-        timers.append(threading.Timer(after_s, take_over))
+    watchdog = threading.Timer(WATCHDOG_S, resume_relay)
+    watcher = None
+    if once_relay_decodes:
+        # A request of an earlier take-over (aborted while RLD was paused) may still sit in RLD's
+        # batch for an iteration or two: the watcher must see this request, not that one.
+        assert wait_until(lambda: _running_requests(get_json(f"{relay}/v1/loads?include=core")) == 0, 30), \
+            "RLD still runs an earlier request"
+        watcher = threading.Thread(target=watch_relay, daemon=True)
     cluster.wan_control("stall", seconds=WATCHDOG_S * 2)
-    for timer in timers:
-        timer.start()
+    watchdog.start()
+    if watcher is not None:
+        watcher.start()
     try:
         yield take_over
     finally:
-        for timer in timers:
-            timer.cancel()
+        done.set()
+        watchdog.cancel()
+        if watcher is not None:
+            watcher.join()
         with lock:
             state["held"] = False
         resume_relay()

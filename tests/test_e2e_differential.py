@@ -32,9 +32,8 @@ pytestmark = pytest.mark.e2e
 MAX_NEW = 40
 LOGPROB_TOL = 1e-3
 # P->RLD->MD (takeover.py): streamed, MD takes over once the client holds EAGER tokens from RLD;
-# not streamed, TAKE_OVER_S after the request is sent (mid-output, or after RLD finished it).
+# not streamed, as soon as RLD decodes the request (the client sees nothing before the end).
 EAGER = 3
-TAKE_OVER_S = 0.25
 
 # The full tier's prompts, whatever their margins; CI takes the first of CANDIDATE_PROMPTS on
 # which the single server never has a near-tie (below).
@@ -175,7 +174,7 @@ def route(cluster, prompt: str, sampling: dict, options: dict, stream: bool) -> 
     payload, url = body(prompt, sampling, pdd_options=options), cluster.topology.router_url
     if options.get("path") != "p_rld_md":
         return stream_final(url, payload) if stream else post_json(f"{url}/generate", payload)
-    with md_takes_over(cluster, after_s=None if stream else TAKE_OVER_S) as take_over:
+    with md_takes_over(cluster, once_relay_decodes=not stream) as take_over:
         if stream:
             return stream_final(url, payload, lambda ids: len(ids) >= EAGER and take_over())
         return post_json(f"{url}/generate", payload)
@@ -264,8 +263,8 @@ def test_router_equals_single_server(pdd_cluster, references, path, stream):
         assert not handoffs
     elif path == "p_md":
         assert len(handoffs) == compared and set(handoffs) == {1}, handoffs
-    elif stream:  # MD took over mid-stream, at the token chosen, on every case
-        assert len(handoffs) == compared and min(handoffs) >= EAGER, handoffs
+    else:  # MD took over on every case: streamed at the token chosen, else where RLD was paused
+        assert len(handoffs) == compared and min(handoffs) >= (EAGER if stream else 1), handoffs
 
 
 @pytest.mark.parametrize("path", ["p_md", "one_shot"])

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.e2e
 TOL = 1e-3
 PROMPT = "The history of the printing press begins"
 MAX_NEW = 6
-TAKE_OVER_S = 0.15  # P->RLD->MD: MD takes over this long after the request is sent (takeover.py)
 LOGPROB_FIELDS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
                   "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 PATHS = {"p_md": {"path": "p_md"}, "one_shot": {"path": "p_rld_md", "handoff_mode": "one_shot"},
@@ -63,7 +62,7 @@ def test_generate_input_logprobs_equal_single_server(pdd_cluster, single_server,
     assert len(want["meta_info"]["input_token_logprobs"]) > 1  # from logprob_start_len 3: not empty
     with contextlib.ExitStack() as stack:
         if PATHS[path]["path"] == "p_rld_md":
-            stack.enter_context(md_takes_over(pdd_cluster, after_s=TAKE_OVER_S))
+            stack.enter_context(md_takes_over(pdd_cluster, once_relay_decodes=True))
         got = post_json(f"{pdd_cluster.topology.router_url}/generate", generate_body(pdd_options=PATHS[path]))
     assert got["output_ids"] == want["output_ids"], got["meta_info"].get("pdd")
     for key in LOGPROB_FIELDS:
