@@ -126,7 +126,8 @@ def test_server_still_serves_after_fuzzing(servers):
     md, p = servers
     from sglang_pdd.launcher.http import call_json
 
-    assert call_json("GET", md.url + "/pdd/stats", key=KEY) == (200, {"open_rooms": 1})
+    status, stats = call_json("GET", md.url + "/pdd/stats", key=KEY)
+    assert status == 200 and stats["open_rooms"] == 1, stats
     dest = {"bootstrap_room": 123, "md_room": 1, "wan_peer": "%s:%d" % WAN_PEER, "md_prefix_len": 0}
     assert call_json("POST", p.url + "/pdd/wan_destinations", dest, key=KEY) == (200, {"accepted": True})
     assert threading.active_count() < 50  # handler threads ended with their connections
