@@ -10,17 +10,39 @@ after WATCHDOG_S so a handoff that never comes fails the test instead of hanging
 
 import contextlib
 import threading
+
 from waiting import wait_until
 
-from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
 WATCHDOG_S = 30.0
 
 
-def _running_requests(loads: dict) -> int:
-    """Requests in RLD's running batch, from SGLang's /v1/loads (one entry per DP rank)."""
+def running_requests(server_url: str) -> int:
+    """Requests in a server's running batch, from SGLang's /v1/loads (one entry per DP rank)."""
+    loads = get_json(f"{server_url}/v1/loads?include=core")
     return sum(int(load.get("num_running_reqs", load.get("core", {}).get("num_running_reqs", 0)))
                for load in loads.get("loads", []))
+
+
+def stream_final(url: str, payload: dict, on_event=lambda ids: None) -> dict:
+    """The last event of a cumulative SGLang /generate stream from ``url`` (checked to be
+    cumulative and error-free); ``on_event(output_ids so far)`` for each event."""
+    events = []
+    for event in stream_events(f"{url}/generate", {**payload, "stream": True}):
+        events.append(event)
+        on_event(event.get("output_ids", []))
+    assert events and "error" not in events[-1], events[-1:]
+    for shorter, longer in zip(events, events[1:]):
+        assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]
+    return events[-1]
+
+
+def stream_taken_over(cluster, payload: dict, eager: int) -> dict:
+    """``payload`` streamed through the router, MD taking over once the client holds ``eager``
+    tokens; the last event."""
+    with md_takes_over(cluster) as take_over:
+        return stream_final(cluster.topology.router_url, payload, lambda ids: len(ids) >= eager and take_over())
 
 
 @contextlib.contextmanager
@@ -38,7 +60,7 @@ def md_takes_over(cluster, once_relay_decodes: bool = False):
 
     def watch_relay():
         while not done.is_set() and state["held"]:
-            if _running_requests(get_json(f"{relay}/v1/loads?include=core")) > 0:
+            if running_requests(relay) > 0:
                 take_over()
                 return
             done.wait(0.01)
@@ -64,8 +86,7 @@ def md_takes_over(cluster, once_relay_decodes: bool = False):
     if once_relay_decodes:
         # A request of an earlier take-over (aborted while RLD was paused) may still sit in RLD's
         # batch for an iteration or two: the watcher must see this request, not that one.
-        assert wait_until(lambda: _running_requests(get_json(f"{relay}/v1/loads?include=core")) == 0, 30), \
-            "RLD still runs an earlier request"
+        assert wait_until(lambda: running_requests(relay) == 0, 30), "RLD still runs an earlier request"
         watcher = threading.Thread(target=watch_relay, daemon=True)
     cluster.wan_control("stall", seconds=WATCHDOG_S * 2)
     watchdog.start()

@@ -22,9 +22,9 @@ import os
 import aiohttp
 import pytest
 
-from takeover import assert_taken_over, md_takes_over
+from takeover import assert_taken_over, md_takes_over, stream_final, stream_taken_over
 
-from sglang_pdd.launcher.http import post_json, stream_events
+from sglang_pdd.launcher.http import post_json
 from sglang_pdd.sglang_glue.resume import RESUME_KEY
 
 pytestmark = pytest.mark.e2e
@@ -157,26 +157,13 @@ def references(single_server) -> dict[str, Reference]:
                 f"bite: (smallest gap, penalties bite) per prompt {margins}")
 
 
-def stream_final(url: str, payload: dict, on_event=lambda ids: None) -> dict:
-    """The last event of a cumulative SGLang stream (checked to be cumulative on the way);
-    ``on_event(output_ids so far)`` for each event."""
-    events = []
-    for event in stream_events(f"{url}/generate", {**payload, "stream": True}):
-        events.append(event)
-        on_event(event.get("output_ids", []))
-    assert events and "error" not in events[-1], events[-1:]
-    for shorter, longer in zip(events, events[1:]):
-        assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]
-    return events[-1]
-
-
 def route(cluster, prompt: str, sampling: dict, options: dict, stream: bool) -> dict:
     payload, url = body(prompt, sampling, pdd_options=options), cluster.topology.router_url
     if options.get("path") != "p_rld_md":
         return stream_final(url, payload) if stream else post_json(f"{url}/generate", payload)
-    with md_takes_over(cluster, once_relay_decodes=not stream) as take_over:
-        if stream:
-            return stream_final(url, payload, lambda ids: len(ids) >= EAGER and take_over())
+    if stream:
+        return stream_taken_over(cluster, payload, EAGER)
+    with md_takes_over(cluster, once_relay_decodes=True):
         return post_json(f"{url}/generate", payload)
 
 

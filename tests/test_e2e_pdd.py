@@ -14,7 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from takeover import assert_taken_over, md_takes_over
+from takeover import assert_taken_over, stream_taken_over
 from waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
@@ -56,19 +56,10 @@ def route(cluster, prompt: str, **options) -> dict:
 
 def hand_off_after(cluster, prompt: str, eager: int, max_new: int = RELAY_MAX_NEW, **options) -> dict:
     """A P->RLD->MD request, streamed, that MD takes over once the client holds ``eager`` tokens
-    from RLD (takeover.py). Returns the last event, after checking the stream is one cumulative
-    stream."""
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, "stream": True,
+    from RLD (takeover.py). Returns the last event of the (checked cumulative) stream."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0},
             "pdd_options": {"path": "p_rld_md", **options}}
-    events = []
-    with md_takes_over(cluster) as take_over:
-        for event in stream_events(f"{cluster.topology.router_url}/generate", body):
-            events.append(event)
-            if len(event["output_ids"]) >= eager:
-                take_over()
-    for shorter, longer in zip(events, events[1:]):
-        assert longer["output_ids"][:len(shorter["output_ids"])] == shorter["output_ids"]
-    return events[-1]
+    return stream_taken_over(cluster, body, eager)
 
 
 def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:

@@ -95,10 +95,15 @@ def test_a_held_port_is_refused_before_any_worker_starts():
             check_port_free("127.0.0.1", s.getsockname()[1])
 
 
+def two_pid_workers(port: int) -> subprocess.Popen:
+    """The supervisor over two workers that answer their pid on ``port``."""
+    cmd = [sys.executable, "-c", PID_WORKER, str(port)]
+    return subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(cmds=[cmd, cmd])], cwd=REPO)
+
+
 def test_workers_share_one_port_and_stop_with_the_supervisor():
     port = free_port()
-    cmd = [sys.executable, "-c", PID_WORKER, str(port)]
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(cmds=[cmd, cmd])], cwd=REPO)
+    sup = two_pid_workers(port)
     try:
         pids = pids_answering(port, 2)
         assert len(pids) == 2, pids  # both workers accept on the one port
@@ -112,8 +117,7 @@ def test_workers_share_one_port_and_stop_with_the_supervisor():
 
 def test_one_worker_dying_stops_the_others_and_the_supervisor_reports_it():
     port = free_port()
-    cmd = [sys.executable, "-c", PID_WORKER, str(port)]
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(cmds=[cmd, cmd])], cwd=REPO)
+    sup = two_pid_workers(port)
     try:
         pids = pids_answering(port, 2)
         assert len(pids) == 2, pids

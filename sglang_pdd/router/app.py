@@ -124,7 +124,6 @@ def error_reply(status: int, message: str, err_type: str = "BadRequestError") ->
                               "code": status, "error": message}, status=status)
 
 
-
 async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBackend], attempts: int = 30,
                             interval_s: float = 2.0) -> None:
     """Each MD's KV bytes per token from its stats, asked at start until it answers, so that the
@@ -142,6 +141,7 @@ async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBack
         if not waiting:
             return
         await asyncio.sleep(interval_s)
+
 
 class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
