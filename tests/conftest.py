@@ -121,15 +121,20 @@ def servers_under_test():
 
 
 def warm_up(cluster) -> None:
-    """One request through P, RLD and MD before any test: the first request after start pays
+    """Requests through P, RLD and MD before any test: the first request after start pays
     one-time costs (connections, Mooncake and WAN handshakes, lazy initialisation) that would
-    otherwise land on whichever test runs first."""
+    otherwise land on whichever test runs first. One of them is a streamed take-over
+    (takeover.py): the first pause and first handoff on a cold cluster lag RLD by 20-odd tokens."""
+    from takeover import stream_taken_over
+
     from sglang_pdd.launcher.http import post_json
 
     for options in ({"path": "p_rld_md", "handoff_mode": "one_shot"}, {"path": "p_md"}):
         post_json(f"{cluster.topology.router_url}/generate", {
             "text": "warm up", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
             "pdd_options": options}, timeout=120)
+    stream_taken_over(cluster, {"text": "warm up", "sampling_params": {"max_new_tokens": 32, "temperature": 0},
+                                "pdd_options": {"path": "p_rld_md", "handoff_mode": "one_shot"}}, 2)
 
 
 @contextlib.contextmanager

@@ -34,13 +34,14 @@ def tcp_cluster(run_root, servers_under_test):
 
 @pytest.mark.parametrize("path", ["p_rld_only", "p_rld_md"])
 def test_tcp_intra_dc_path_equals_single_server(single_server, tcp_cluster, path):
+    from takeover import assert_taken_over
     from test_e2e_pdd import RELAY_MAX_NEW, hand_off_after
 
-    logs = tcp_cluster.procs.log_dir
+    handoffs, logs = [], tcp_cluster.procs.log_dir
     for role in ("prefill-0", "relay-0"):
         assert "intra-DC engine tcp" in (logs / f"{role}.log").read_text(), role
     for prompt in PROMPTS:
-        if path == "p_rld_md":  # MD takes over after RLD's third token, every time
+        if path == "p_rld_md":  # MD takes over after RLD's third token (takeover.py)
             want = post_json(f"{single_server}/generate", {"text": prompt, "sampling_params": {
                 "max_new_tokens": RELAY_MAX_NEW, "temperature": 0}})["output_ids"]
             got = hand_off_after(tcp_cluster, prompt, 3, handoff_mode="one_shot")
@@ -53,5 +54,8 @@ def test_tcp_intra_dc_path_equals_single_server(single_server, tcp_cluster, path
         assert pdd["path"] == path and not pdd["fallbacks"], pdd
         if path == "p_rld_only":
             assert pdd["handoff_at"] is None, pdd
-        else:
-            assert pdd["handoff_at"] >= 3 and pdd["md_tokens"] > 0, pdd
+        elif pdd["handoff_at"] is not None:
+            assert pdd["md_tokens"] == len(want) - pdd["handoff_at"] > 0, pdd
+        handoffs.append(pdd["handoff_at"])
+    if path == "p_rld_md":
+        assert_taken_over(handoffs, len(PROMPTS), 3)
