@@ -42,12 +42,23 @@ class FakeGenerate:
 
     def __init__(self):
         self.requests: list[dict] = []
+        self.aborted: list[str] = []  # rids of /abort_request calls
+        self.endless = False  # stream an event every 20 ms until the reader goes (or 10 s)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
-                fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/abort_request":
+                    fake.aborted.append(body.get("rid"))
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                fake.requests.append(body)
                 stream = fake.requests[-1].get("stream", True)
+                if stream and fake.endless:
+                    return self._stream_endlessly()
                 body = (b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n' if stream
                         else b'{"output_ids": [7, 8]}')
                 self.send_response(200)
@@ -55,6 +66,20 @@ class FakeGenerate:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _stream_endlessly(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                ids = []
+                for token in range(500):
+                    ids.append(token)
+                    try:
+                        self.wfile.write(b"data: " + json.dumps({"output_ids": ids}).encode() + b"\n\n")
+                    except OSError:
+                        return
+                    time.sleep(0.02)
 
             def log_message(self, *args):
                 pass
@@ -81,7 +106,8 @@ class FakeMdRuntime:
     def reset(self, max_rooms: int = 4096) -> None:
         self.rooms = DrcRooms(FakeTree(), ttl_s=60.0, max_rooms=max_rooms)
         self.ready_events: dict[int, threading.Event] = {}
-        self.handed_off: set[int] = set()
+        self._handoff_lock = threading.Lock()
+        self.counters: dict = {}
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
 
     def call(self, op: str, *args, timeout: float = 30.0):
@@ -107,7 +133,7 @@ class FakeMdRuntime:
 
     def state(self):
         """Everything a control call can change."""
-        return ({r: (e.status, e.token_ids) for r, e in self.rooms.rooms.items()}, set(self.handed_off))
+        return {r: (e.status, e.token_ids, e.handed_off) for r, e in self.rooms.rooms.items()}
 
 
 class MdControl:

@@ -77,6 +77,7 @@ def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, sin
             _delete(f"{topo.main.control_url}/pdd/rooms/{room}", key)
 
 
+@pytest.mark.full  # waits out P's hold; the expiry itself is unit-tested (test_prefill_control)
 def test_promised_destination_that_never_comes_only_delays_ps_release(pdd_cluster):
     from conftest import TEST_DESTINATION_WAIT_MS
 

@@ -461,6 +461,8 @@ def test_router_client_disconnect_aborts_rld_and_releases_room(router_sglang_sta
             await wait_until(lambda: fakes.rld_active == 0, timeout_s=3)
             await wait_until(lambda: pools.rld_inflight[fakes.rld_url] == 0, timeout_s=3)
             assert fakes.released_rooms().count(room) == 1
+            # MD's KV was still crossing: a client gone cancels it (a finished request keeps it)
+            assert [r.body["keep_kv"] for r in fakes.records("md", "release")] == [False]
             assert len(fakes.records("rld", "generate")) == 1
         finally:
             await runner.cleanup()

@@ -67,6 +67,7 @@ class DrcRoom:
     reason: str = ""
     locks: list = field(default_factory=list)
     release_when_done: bool = False  # released while its KV was in flight: cache it, then go
+    handed_off: bool = False  # the final handoff came: a second one is a duplicate
 
 
 class DrcRooms:

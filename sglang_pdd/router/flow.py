@@ -640,13 +640,17 @@ class PddFlow:
             self.result.catch_up_batches.append(len(eager) - self._handed)
         self._handoff_t = time.perf_counter()
         rid = self._leg_rid("m")
-        self.live_rids[rid] = self.main.url
         body = {"token_ids": eager, "rid": rid, "sampling_params": self.sampling, "stream": True,
                 "warmup": False, **self.extras}
         self.result.handoff_payload_bytes = len(json.dumps(body))
         try:
             finished, checked = False, False
             async for event in self.control.handoff_stream(self.room, body):
+                # Aborted by rid only once MD runs it: an abort that reaches MD's front end while
+                # the request waits there (SGLang then ignores any later abort of that rid) would
+                # be lost. Before that, closing the handoff stream is the abort (MD's control
+                # API aborts a continuation whose reader went away).
+                self.live_rids.setdefault(rid, self.main.url)
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
                 ids = event.get("output_ids", [])
@@ -689,8 +693,9 @@ class PddFlow:
                 task.cancel()
         cleanup = [abort(self.session, url, rid) for rid, url in self.live_rids.items()]
         if self.room is not None and self.control is not None:
-            # KV still in flight is kept on MD: the session's next turn will hit it (DRC)
-            cleanup.append(self.control.release(self.room, keep_kv=True))
+            # A finished request's KV still in flight is kept on MD: the session's next turn will
+            # hit it (DRC). A client gone, an abort or a failure frees the room (and P's WAN leg) now.
+            cleanup.append(self.control.release(self.room, keep_kv=self.state.phase is lifecycle.Phase.DONE))
         if self._destination == "pending":  # ended before P got a destination: P stops waiting
             self._destination = "dropped"
             cleanup.append(self.p_control.drop_wan_destination(self._p_room))

@@ -144,7 +144,7 @@ class MainDrcRuntime:
         # on_scheduler_iteration); TP 1 has no collectives at all.
         self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
-        self.handed_off: set[int] = set()
+        self._handoff_lock = threading.Lock()  # control threads: one final handoff per room
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
         self.ingest_mode = cfg.md_ingest
@@ -493,10 +493,12 @@ class MainDrcRuntime:
         # MD continues the request: the eager tokens are output already produced (resume.py)
         gen, stream = handoff_generate_body(entry.token_ids, eager, body)
         if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
-            if room in self.handed_off:
-                logger.warning("duplicate handoff for room %s ignored", room)
-                raise RoomError(f"duplicate handoff for room {room}")
-            self.handed_off.add(room)
+            with self._handoff_lock:
+                if entry.handed_off:
+                    logger.warning("duplicate handoff for room %s ignored", room)
+                    raise RoomError(f"duplicate handoff for room {room}")
+                entry.handed_off = True
+                self.counters["handoffs"] = self.counters.get("handoffs", 0) + 1
         return gen, stream
 
     def flush_blocker(self) -> Optional[str]:
@@ -651,10 +653,26 @@ class _ControlHandler(JsonRequestHandler):
                 self.wfile.flush()
                 index += 1
         except (OSError, http.client.HTTPException) as e:
-            logger.warning("handoff for room %s: MD generate failed: %r", room, e)
+            # Mostly the router gone (its client went away): MD must not decode on for nobody.
+            # The router's own abort may have reached MD before this request did, so abort here.
+            logger.warning("handoff for room %s: relay of MD's generate ended: %r; aborting it", room, e)
+            self._abort_generate(gen.get("rid"))
         finally:
             conn.close()
             self.close_connection = True
+
+    def _abort_generate(self, rid) -> None:
+        if not isinstance(rid, str):
+            return
+        conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=10)
+        try:
+            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}),
+                         headers={"Content-Type": "application/json"})
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException) as e:
+            logger.warning("abort of MD request %s failed: %r", rid, e)
+        finally:
+            conn.close()
 
     def _relay_whole(self, resp) -> None:
         body = resp.read()
