@@ -43,6 +43,7 @@ def test_a_continuation_whose_reader_went_away_is_aborted_on_md():
         ready_room(md, 3)
         assert len(handoff_events(md, 3, "leg-m", read=2)) == 2
         assert wait_until(lambda: md.generate.aborted == ["leg-m"], 5), md.generate.aborted
+        assert md.runtime.counters["handoffs_abandoned"] == 1
     finally:
         md.close()
 
@@ -52,6 +53,6 @@ def test_a_continuation_read_to_its_end_is_not_aborted():
     try:
         ready_room(md, 4)
         assert handoff_events(md, 4, "leg-m", read=0)[-1]["output_ids"] == [7, 8]
-        assert md.generate.aborted == []
+        assert md.generate.aborted == [] and "handoffs_abandoned" not in md.runtime.counters
     finally:
         md.close()

@@ -657,6 +657,8 @@ class _ControlHandler(JsonRequestHandler):
             # The router's own abort may have reached MD before this request did, so abort here.
             logger.warning("handoff for room %s: relay of MD's generate ended: %r; aborting it", room, e)
             self._abort_generate(gen.get("rid"))
+            counters = self.runtime.counters
+            counters["handoffs_abandoned"] = counters.get("handoffs_abandoned", 0) + 1
         finally:
             conn.close()
             self.close_connection = True
