@@ -16,8 +16,9 @@ import argparse
 import pytest
 
 from fake_backends import Knobs, closed_port, wait_until
-from sglang_pdd.router.app import _FALLBACK_LABELS, Pools, Router, _prefill_arg, parse_args
+from sglang_pdd.router.app import Pools, Router, _prefill_arg, parse_args
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
 from test_flow_faults import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants, flow_config, scenario,
                               takeover)
@@ -86,6 +87,8 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
     assert run.fakes.dropped_rooms() == []
     assert_handed_off(run, 40)
     assert r.wan_bytes == (len(PROMPT) - 3) * 100 and r.wan_bytes_saved == 3 * 100
+    # The ready wait (the metrics' kv_transfer_latency_ms) starts after P has its destination.
+    assert 0 < r.wan_ready_s < run.last_chunk_t - t_of(run, "p", "destination")
 
 
 def test_destination_carries_md_exact_prefix_and_room_path_kept_on_estimate():
@@ -176,7 +179,7 @@ def test_destination_refused_by_p_dropped_room_released_rld_finishes(status):
     assert t_of(run, "md", "release") < run.last_chunk_t
     assert run.fakes.records("md", "ready") == [] and run.fakes.records("md", "handoff") == []
     assert len(run.fakes.records("rld", "generate")) == 1
-    assert _FALLBACK_LABELS["wan_destination_failed"] == "wan_failed"
+    assert FLOW_FALLBACK_REASONS["wan_destination_failed"] == "wan_failed"
 
 
 def test_wan_fails_after_destination_delivered_no_drop():
@@ -186,6 +189,7 @@ def test_wan_fails_after_destination_delivered_no_drop():
     assert_invariants(run, 30)
     assert run.fallbacks == ["wan_failed"]
     assert len(run.fakes.records("p", "destination")) == 1 and run.fakes.dropped_rooms() == []
+    assert run.flow.result.wan_ready_s is None  # no KV landed: no transfer time
 
 
 def test_request_ends_before_registration_answers_drops_destination_and_releases_room():

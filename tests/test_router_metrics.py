@@ -1,4 +1,6 @@
+import importlib.util
 import math
+import pathlib
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -57,7 +59,8 @@ def test_all_series_exist_at_zero_before_any_event():
                  "pdd:num_transfer_failed_reqs_total", "pdd:handoff_payload_bytes_count",
                  "pdd:md_prefix_hit_ratio_count", "pdd:p_prefix_hit_ratio_count",
                  "pdd:e2e_latency_seconds_count", "pdd:tpot_seconds_count",
-                 "pdd:handoff_stall_seconds_count"):
+                 "pdd:handoff_stall_seconds_count", "pdd:kv_transfer_latency_ms_count",
+                 "pdd:kv_transfer_speed_gb_s_count", "pdd:kv_transfer_total_mb_count"):
         assert any(k[0] == name and v == 0 for k, v in s.items()), name
 
 
@@ -242,3 +245,87 @@ def test_render_is_exposition_text():
     assert b'pdd:requests_total{path="p_md"} 1.0' in text
     assert b"sglang:" not in text  # SGLang's own prefix stays SGLang's
     assert CONTENT_TYPE.startswith("text/plain")
+
+
+def test_kv_transfer_in_sglang_units():
+    m = RouterMetrics()
+    m.kv_transfer(0.5, 512 * 2**20)  # 512 MiB in 0.5 s: 1 GB/s in SGLang's units (MB/1024/s)
+    m.kv_transfer(0.1, 0)  # a full DRC hit: latency and size, no speed
+    assert value(m, "pdd:kv_transfer_latency_ms_count") == 2
+    assert value(m, "pdd:kv_transfer_latency_ms_sum") == pytest.approx(600.0)
+    assert value(m, "pdd:kv_transfer_latency_ms_bucket", le="100.0") == 1
+    assert value(m, "pdd:kv_transfer_total_mb_sum") == pytest.approx(512.0)
+    assert value(m, "pdd:kv_transfer_total_mb_bucket", le="1.0") == 1
+    assert value(m, "pdd:kv_transfer_speed_gb_s_count") == 1
+    assert value(m, "pdd:kv_transfer_speed_gb_s_sum") == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        m.kv_transfer(-0.1, 10)
+    with pytest.raises(ValueError):
+        m.kv_transfer(0.1, -10)
+
+
+def test_kv_transfer_buckets_are_sglangs():
+    """Same bounds as SGLang's own histograms, so both line up on one panel."""
+    # Read from the installed SGLang's source (importing it pulls in torch).
+    spec = importlib.util.find_spec("sglang")
+    src = (pathlib.Path(spec.origin).parent / "srt/observability/metrics_collector.py").read_text()
+    sglang_buckets = {}
+    for name in ("kv_transfer_latency_ms", "kv_transfer_speed_gb_s", "kv_transfer_total_mb"):
+        tail = src[src.index(f'name="sglang:{name}"'):]
+        tail = tail[tail.index("buckets=(") + len("buckets=("):]
+        sglang_buckets[name] = [float(b) for b in tail[:tail.index(")")].split(",") if b.strip()]
+    s = samples(RouterMetrics())
+    for name, bounds in sglang_buckets.items():
+        ours = sorted(float(dict(k[1])["le"]) for k in s if k[0] == f"pdd:{name}_bucket")
+        assert ours == bounds + [math.inf], name
+
+
+def test_backends_inflight_read_at_scrape_time():
+    rld, md = {"http://rld:1": 0}, {"http://md:1": 0, "http://md:2": 0}
+    m = RouterMetrics()
+    m.track_backends({"relay": rld, "main": md})
+    assert value(m, "pdd:backend_inflight_requests", role="main", url="http://md:2") == 0
+    rld["http://rld:1"], md["http://md:2"] = 3, 1  # the router's own counts change
+    assert value(m, "pdd:backend_inflight_requests", role="relay", url="http://rld:1") == 3
+    assert value(m, "pdd:backend_inflight_requests", role="main", url="http://md:2") == 1
+    assert value(m, "pdd:backend_fallbacks_total", role="main", url="http://md:1") == 0
+    m.backend_fallback("main", "http://md:1")
+    assert value(m, "pdd:backend_fallbacks_total", role="main", url="http://md:1") == 1
+    assert m.snapshot()["pdd:backend_inflight_requests"][("relay", "http://rld:1")] == 3
+    for call in (lambda: m.backend_fallback("main", "http://elsewhere:1"),
+                 lambda: m.backend_fallback("prefill", "http://md:1"),
+                 lambda: m.track_backends({"main": md})):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(ValueError):
+        RouterMetrics().track_backends({"decode": md})
+
+
+def test_observe_flow_from_flow_results():
+    from sglang_pdd.router.flow import FlowResult
+    m = RouterMetrics()
+    md_url = "http://md:1"
+    m.track_backends({"relay": {"http://rld:1": 0}, "main": {md_url: 0}})
+    handed = FlowResult(rid="a", path="p_rld_md", prompt_tokens=100, md_cached_tokens=60, p_cached_tokens=120,
+                        wan_bytes=40 * 2**20, wan_bytes_saved=60 * 2**20, wan_ready_s=0.25, handoff_at=8,
+                        handoff_mode="one_shot", handoff_stall_s=0.03, handoff_payload_bytes=900,
+                        rld_tokens=8, md_tokens=24, ttft_s=0.2)
+    m.observe_flow(handed, e2e_s=1.75, output_tokens=32, main_url=md_url)
+    failed = FlowResult(rid="b", path="p_rld_md", prompt_tokens=10, rld_tokens=5, ttft_s=0.1,
+                        fallbacks=["wan_failed: not ready within 30s"])
+    m.observe_flow(failed, e2e_s=0.5, output_tokens=5, main_url=md_url)
+    m.observe_flow(FlowResult(rid="c", prompt_tokens=4, fallbacks=["md_unavailable: refused"]), e2e_s=0.1, output_tokens=0)
+    assert value(m, "pdd:requests_total", path="p_rld_md") == 2
+    assert value(m, "pdd:requests_total", path="p_rld_only") == 1  # no path: MD never came in
+    assert value(m, "pdd:tpot_seconds_sum", path="p_rld_md") == pytest.approx(1.55 / 31 + 0.4 / 4)
+    assert value(m, "pdd:p_prefix_hit_ratio_sum") == pytest.approx(1.0 + 0.0 + 0.0)  # P's 120 capped at 100
+    assert value(m, "pdd:wan_bytes_total") == 40 * 2**20
+    assert value(m, "pdd:kv_transfer_latency_ms_sum") == pytest.approx(250.0)
+    assert value(m, "pdd:kv_transfer_speed_gb_s_sum") == pytest.approx(40 / 1024 / 0.25)
+    assert value(m, "pdd:handoff_stall_seconds_count", mode="one_shot") == 1
+    assert value(m, "pdd:fallbacks_total", reason="wan_failed") == 1
+    assert value(m, "pdd:fallbacks_total", reason="md_failed") == 1
+    assert value(m, "pdd:num_transfer_failed_reqs_total") == 1
+    assert value(m, "pdd:backend_fallbacks_total", role="main", url=md_url) == 1  # "c" had no MD
+    assert value(m, "pdd:rld_output_tokens_total") == 13
+    assert value(m, "pdd:md_output_tokens_total") == 24

@@ -156,6 +156,7 @@ class Router:
         self.operator_token = operator_token
         self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
+        self.metrics.track_backends({"relay": pools.rld_inflight, "main": pools.md_inflight})
         self.session: Optional[aiohttp.ClientSession] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
         self.manager = None
@@ -390,29 +391,10 @@ class Router:
             "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
             "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
             "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens, "fallbacks": r.fallbacks}))
-        tpot = (e2e - r.ttft_s) / (n_tokens - 1) if r.ttft_s is not None and n_tokens > 1 else None
         try:
-            self.metrics.observe_request(r.path or "p_rld_only", ttft_s=r.ttft_s, tpot_s=tpot, e2e_s=e2e,
-                                         prompt_tokens=r.prompt_tokens, md_cached_tokens=r.md_cached_tokens,
-                                         p_cached_tokens=min(r.p_cached_tokens, r.prompt_tokens),
-                                         rld_output_tokens=r.rld_tokens, md_output_tokens=r.md_tokens)
-            if r.wan_bytes is not None:
-                self.metrics.wan_transfer(r.wan_bytes, r.wan_bytes_saved)
-            if r.handoff_mode and r.handoff_at is not None:
-                self.metrics.observe_handoff(r.handoff_mode, r.handoff_stall_s, r.handoff_payload_bytes or 0)
-            for fb in r.fallbacks:
-                reason = fb.split(":", 1)[0]
-                if reason in ("wan_failed",):
-                    self.metrics.transfer_failed()
-                self.metrics.fallback(_FALLBACK_LABELS.get(reason, "md_failed"))
+            self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
         except ValueError as e:  # metrics must never break serving
             logger.warning("metrics: %s", e)
-
-
-# Flow fallback tags -> the closed label set of pdd:fallbacks_total.
-_FALLBACK_LABELS = {"wan_failed": "wan_failed", "md_failed": "md_failed", "md_unavailable": "md_failed",
-                    "recovered_on_relay": "md_failed",
-                    "wan_destination_failed": "wan_failed"}  # P refused the late WAN destination
 
 
 async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[bytes]:

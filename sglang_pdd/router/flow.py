@@ -148,6 +148,10 @@ class FlowResult:
     p_cached_estimate: int = 0  # the router's estimate before sending (prefix index)
     wan_bytes: Optional[int] = None  # KV bytes that reached MD over the WAN (None: none landed)
     wan_bytes_saved: int = 0  # KV bytes MD already had (DRC hit)
+    # Seconds from the router starting to wait for MD's KV (P has its WAN destination) to MD
+    # reporting it landed; None unless it landed. Includes P's queueing and prefill, so it
+    # bounds the WAN transfer time from above.
+    wan_ready_s: Optional[float] = None
     handoff_at: Optional[int] = None
     handoff_mode: Optional[str] = None
     handoff_stall_s: Optional[float] = None
@@ -587,6 +591,7 @@ class PddFlow:
         await self.queue.put((lifecycle.MdNotReady(fallback), None))
 
     async def _watch_ready(self) -> None:
+        started = time.perf_counter()
         try:
             reply = await self.control.wait_ready(self.room, self.cfg.wan_timeout_s)
             status, reason = reply.get("status"), reply.get("reason", "")
@@ -595,6 +600,7 @@ class PddFlow:
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             status, reason = "failed", f"control API: {e!r}"
         if status == "ready":
+            self.result.wan_ready_s = time.perf_counter() - started
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))
         else:

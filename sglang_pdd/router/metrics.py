@@ -1,5 +1,9 @@
 """The PDD router's Prometheus metrics (`pdd:*`; `sglang:*` stays SGLang's own).
 
+Where SGLang has a metric for the same quantity, ours takes its name, unit and buckets under
+our prefix (`pdd:kv_transfer_latency_ms` as `sglang:kv_transfer_latency_ms`): dashboards line
+them up, and a query summing `sglang:*` over all targets does not mix in the router's view.
+
 Each `RouterMetrics` owns its `CollectorRegistry` instead of the process-global one, so
 tests, benchmarks and several routers in one process can each have their own without
 "Duplicated timeseries" errors. The router serves `render()` on /metrics.
@@ -15,9 +19,10 @@ metrics are thread-safe anyway).
 from __future__ import annotations
 
 import enum
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from sglang_pdd.handoff.policy import HandoffMode
@@ -33,6 +38,15 @@ FALLBACK_REASONS: Tuple[str, ...] = (
     "md_rejected",  # Main Decode refused the request or the handoff (full, draining)
 )
 
+# The flow's fallback tags (FlowResult.fallbacks, "tag: detail") -> FALLBACK_REASONS.
+FLOW_FALLBACK_REASONS: Dict[str, str] = {
+    "wan_failed": "wan_failed", "md_failed": "md_failed", "md_unavailable": "md_failed",
+    "recovered_on_relay": "md_failed",
+    "wan_destination_failed": "wan_failed",  # P refused the late WAN destination
+}
+# Backend roles in the per-backend series (the router's pools: RLD and MD).
+BACKEND_ROLES: Tuple[str, ...] = ("relay", "main")
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the Content-Type header for render()'s bytes
 
 # Bucket bounds sized for the cross-DC setting: TTFT includes a WAN transfer (up to
@@ -44,6 +58,10 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 32
 _STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BYTES_BUCKETS = tuple(float(256 * 4**i) for i in range(12))  # 256 B .. 1 GiB
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+# SGLang's own buckets (sglang/srt/observability/metrics_collector.py), so both line up.
+_KV_LATENCY_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+_KV_SPEED_GB_S_BUCKETS = (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)
+_KV_TOTAL_MB_BUCKETS = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)
 
 LabelValue = Union[str, enum.Enum]
 
@@ -87,6 +105,23 @@ class RouterMetrics:
         self._transfer_failed = counter(
             "pdd:num_transfer_failed_reqs",
             "Requests whose KV transfer failed (as SGLang's num_transfer_failed_reqs).")
+        # SGLang measures on P from the transfer queue to the last chunk; the router sees
+        # from arming MD's wait to MD's "ready", P's queueing and prefill included.
+        self._kv_latency = histogram(
+            "pdd:kv_transfer_latency_ms",
+            "WAN KV transfer latency in ms as the router sees it (P's prefill included).",
+            _KV_LATENCY_MS_BUCKETS)
+        self._kv_speed = histogram(
+            "pdd:kv_transfer_speed_gb_s",
+            "WAN KV transfer speed in GB/s (SGLang's GB: MB/1024), bytes over the router's latency.",
+            _KV_SPEED_GB_S_BUCKETS)
+        self._kv_total = histogram(
+            "pdd:kv_transfer_total_mb", "KV MB one request sent over the WAN.", _KV_TOTAL_MB_BUCKETS)
+        self._backend_fallbacks = counter(
+            "pdd:backend_fallbacks",
+            "Requests that fell back while routed to this backend (MD-side fallbacks on MDs).",
+            ["role", "url"])
+        self._backends: Dict[str, Mapping[str, int]] = {}
 
         for family, allowed in ((self._requests, PATHS), (self._ttft, PATHS), (self._tpot, PATHS),
                                 (self._e2e, PATHS), (self._handoffs, HANDOFF_MODES),
@@ -159,6 +194,58 @@ class RouterMetrics:
     def transfer_failed(self) -> None:
         self._transfer_failed.inc()
 
+    def kv_transfer(self, latency_s: float, bytes_sent: int) -> None:
+        """One request's KV landed on MD: `latency_s` as the router saw it, `bytes_sent` over
+        the WAN. SGLang's units (ms, MB = 2**20 B, GB/s = MB/1024/s); no speed for 0 bytes
+        (a full DRC hit moved nothing, a speed of 0 would read as a stalled link)."""
+        _check_non_negative("latency_s", latency_s)
+        _check_non_negative("bytes_sent", bytes_sent)
+        total_mb = bytes_sent / (1024 * 1024)
+        self._kv_latency.observe(latency_s * 1000)
+        self._kv_total.observe(total_mb)
+        if latency_s > 0 and bytes_sent > 0:
+            self._kv_speed.observe(total_mb / 1024 / latency_s)
+
+    def track_backends(self, inflight: Mapping[str, Mapping[str, int]]) -> None:
+        """The router's live in-flight counts, role -> {url: requests}; read at each scrape
+        as `pdd:backend_inflight_requests{role, url}`. The urls become the closed label set
+        of `pdd:backend_fallbacks_total` (configured backends, not request data)."""
+        if self._backends:
+            raise ValueError("backends are tracked already")
+        for role, counts in inflight.items():
+            _label(role, BACKEND_ROLES, "backend role")
+            for url in counts:
+                self._backend_fallbacks.labels(role, url)
+        self._backends = dict(inflight)
+        self.registry.register(_InflightCollector(self._backends))
+
+    def backend_fallback(self, role: str, url: str) -> None:
+        if url not in self._backends.get(_label(role, BACKEND_ROLES, "backend role"), {}):
+            raise ValueError(f"unknown {role} backend {url!r}")
+        self._backend_fallbacks.labels(role, url).inc()
+
+    def observe_flow(self, r, e2e_s: float, output_tokens: int, main_url: Optional[str] = None) -> None:
+        """Everything one finished request's FlowResult (router/flow.py) tells the metrics;
+        `main_url`: the MD it was routed to (its fallbacks count against that MD)."""
+        tpot = (e2e_s - r.ttft_s) / (output_tokens - 1) if r.ttft_s is not None and output_tokens > 1 else None
+        self.observe_request(r.path or "p_rld_only", ttft_s=r.ttft_s, tpot_s=tpot, e2e_s=e2e_s,
+                             prompt_tokens=r.prompt_tokens, md_cached_tokens=r.md_cached_tokens,
+                             p_cached_tokens=min(r.p_cached_tokens, r.prompt_tokens),
+                             rld_output_tokens=r.rld_tokens, md_output_tokens=r.md_tokens)
+        if r.wan_bytes is not None:
+            self.wan_transfer(r.wan_bytes, r.wan_bytes_saved)
+            if r.wan_ready_s is not None:
+                self.kv_transfer(r.wan_ready_s, r.wan_bytes)
+        if r.handoff_mode and r.handoff_at is not None:
+            self.observe_handoff(r.handoff_mode, r.handoff_stall_s, r.handoff_payload_bytes or 0)
+        for fb in r.fallbacks:
+            tag = fb.split(":", 1)[0]
+            if tag == "wan_failed":
+                self.transfer_failed()
+            self.fallback(FLOW_FALLBACK_REASONS.get(tag, "md_failed"))
+            if main_url is not None and main_url in self._backends.get("main", {}):
+                self.backend_fallback("main", main_url)
+
     def outlier(self) -> None:
         self._outliers.inc()
 
@@ -174,17 +261,19 @@ class RouterMetrics:
     def snapshot(self) -> Dict[str, object]:
         """Plain numbers for benchmarks and tests, keyed by the exposed names.
 
-        Counter -> value, histogram -> {"count", "sum"}; a labelled metric maps each label
-        value to that, e.g. snap["pdd:requests_total"]["p_md"],
-        snap["pdd:ttft_seconds"]["p_md"]["count"], snap["pdd:wan_bytes_total"].
+        Counter or gauge -> value, histogram -> {"count", "sum"}; a labelled metric maps each
+        label value (a tuple of them for several labels) to that, e.g.
+        snap["pdd:requests_total"]["p_md"], snap["pdd:ttft_seconds"]["p_md"]["count"],
+        snap["pdd:wan_bytes_total"], snap["pdd:backend_inflight_requests"][("main", url)].
         """
         snap: Dict[str, object] = {}
         for family in self.registry.collect():
             for s in family.samples:
                 if s.name.endswith("_created") or s.name.endswith("_bucket"):
                     continue
-                label = next(iter(s.labels.values()), None)  # each metric has <= 1 label
-                if family.type == "counter":
+                values = tuple(s.labels.values())
+                label = values[0] if len(values) == 1 else (values or None)
+                if family.type in ("counter", "gauge"):
                     key, field = s.name, None
                 else:  # histogram: _count / _sum
                     key, field = family.name, s.name[len(family.name) + 1:]
@@ -197,6 +286,22 @@ class RouterMetrics:
                 else:
                     slot.setdefault(key, {})[field] = s.value
         return snap
+
+
+class _InflightCollector:
+    """`pdd:backend_inflight_requests`, read from the router's own counts at scrape time."""
+
+    def __init__(self, backends: Mapping[str, Mapping[str, int]]) -> None:
+        self._backends = backends
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily("pdd:backend_inflight_requests",
+                              "Requests in flight on this backend, as the router counts them.",
+                              labels=["role", "url"])
+        for role, counts in self._backends.items():
+            for url, n in counts.items():
+                g.add_metric([role, url], n)
+        yield g
 
 
 def _label(value: LabelValue, allowed: Tuple[str, ...], kind: str) -> str:
