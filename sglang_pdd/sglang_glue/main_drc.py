@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from sglang_pdd.config import PddConfig, parse_host_port
+from sglang_pdd.config import PddConfig, admission_limits, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
@@ -165,7 +165,7 @@ class MainDrcRuntime:
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
-                                      idle_timeout=cfg.wan_timeout_s,
+                                      idle_timeout=cfg.wan_timeout_s, admission=admission_limits(cfg),
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
                                                                   server_side=True))
         self._receiver_releases: "queue.Queue[tuple[int, Optional[_PagesRelease]]]" = queue.Queue()
