@@ -42,11 +42,13 @@ class FakeGenerate:
 
     def __init__(self):
         self.requests: list[dict] = []
+        self.authorization: list = []  # each request's Authorization header (None: none sent)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                fake.authorization.append(self.headers.get("Authorization"))
                 stream = fake.requests[-1].get("stream", True)
                 body = (b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n' if stream
                         else b'{"output_ids": [7, 8]}')
@@ -83,6 +85,7 @@ class FakeMdRuntime:
         self.ready_events: dict[int, threading.Event] = {}
         self.handed_off: set[int] = set()
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
+        self.http_api_key = None  # MD's own SGLang --api-key
 
     def call(self, op: str, *args, timeout: float = 30.0):
         return getattr(self, f"_do_{op}")(*args)
@@ -121,6 +124,7 @@ class MdControl:
     def reset(self):
         self.runtime.reset()
         self.generate.requests.clear()
+        self.generate.authorization.clear()
 
     def close(self):
         self.server.close()

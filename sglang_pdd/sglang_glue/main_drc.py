@@ -144,6 +144,7 @@ class MainDrcRuntime:
         # on_scheduler_iteration); TP 1 has no collectives at all.
         self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
+        self.http_api_key = getattr(scheduler.server_args, "api_key", None)  # its --api-key guards /generate
         self.handed_off: set[int] = set()
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
@@ -631,7 +632,10 @@ class _ControlHandler(JsonRequestHandler):
         # reply, or each event of a stream, signed for this request (control_auth).
         conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=600)
         try:
-            conn.request("POST", "/generate", body=json.dumps(gen), headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if getattr(self.runtime, "http_api_key", None):
+                headers["Authorization"] = f"Bearer {self.runtime.http_api_key}"
+            conn.request("POST", "/generate", body=json.dumps(gen), headers=headers)
             resp = conn.getresponse()
             if not stream or resp.status != 200:
                 return self._relay_whole(resp)
