@@ -514,7 +514,7 @@ class MainDrcRuntime:
         return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
                 "open_rooms": len(self.rooms.rooms), "tp_size": self.tp.size,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
-                "wan_receiver": dict(self.receiver.counters)}
+                "wan_receiver": self.receiver.stats()}  # its counters, incl. the acceptor's refusals by kind
 
 
 @dataclass(eq=False)
