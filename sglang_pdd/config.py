@@ -48,6 +48,9 @@ class PddConfig:
     allow_wildcard_bind: bool = False  # main/prefill: permit 0.0.0.0 / :: in the *-listen flags
     md_staging_mb: int = 4096  # main: KV of rooms in flight (reserved pool pages or host staging), at most
     md_ingest: str = "pool"  # main: "pool" (write into reserved pages as chunks land) or "staged"
+    kv_trusted_sources: Optional[str] = None  # all roles: ADDR[/PREFIX],... of known KV peers (reserved slots)
+    kv_max_handshakes_per_source: int = 16  # all roles: pre-auth KV connections from one unknown source
+    kv_reserved_handshakes: int = 32  # all roles: of the 64 pre-auth slots, those only known peers may take
 
     @property
     def active(self) -> bool:
@@ -106,6 +109,19 @@ FLAGS = [
         help="main only: pool (reserve the room's pool pages at registration and write KV into them as it "
              "lands, off the scheduler thread) or staged (host buffer, copied into the pool on the "
              "scheduler thread at completion; the earlier design, for comparison).")),
+    ("--pdd-kv-trusted-sources", "pdd_kv_trusted_sources", dict(default=None,
+        help="all roles: ADDR or ADDR/PREFIX,... of the hosts that send this server KV (on MD: the P hosts; "
+             "on RLD and P, for the TCP engine: the P and RLD hosts). They take the handshake slots reserved "
+             "by --pdd-kv-reserved-handshakes, with no per-source cap, so keyless connection floods cannot "
+             "keep them out. A source that authenticated in the last 24 h is treated the same way.")),
+    ("--pdd-kv-max-handshakes-per-source", "pdd_kv_max_handshakes_per_source", dict(type=int, default=16,
+        help="all roles: most KV connections one source outside --pdd-kv-trusted-sources (an IPv4 address "
+             "or an IPv6 /64) may hold before authenticating; more are refused (counted, logged at a rate "
+             "limit). A new P opens --pdd-wan-streams connections per P rank at once: raise this, or list "
+             "P in --pdd-kv-trusted-sources, when that is more.")),
+    ("--pdd-kv-reserved-handshakes", "pdd_kv_reserved_handshakes", dict(type=int, default=32,
+        help="all roles: of the 64 KV connections that may be authenticating at once, how many only known "
+             "peers (--pdd-kv-trusted-sources, or recently authenticated) may take (0..63).")),
     ("--pdd-intra-dc-transport", "pdd_intra_dc_transport", dict(choices=INTRA_DC_TRANSPORTS, default="auto",
         help="prefill and relay: engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport "
              "with MC_FORCE_TCP=1), tcp (sglang-pdd's authenticated TCP engine, host memory), or "
@@ -213,6 +229,14 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     for flag, name in (("--pdd-md-staging-mb", "md_staging_mb"), ("--pdd-md-ingest", "md_ingest")):
         if cfg.role != "main" and getattr(cfg, name) != getattr(defaults, name):
             raise PddConfigError(f"{flag} applies only to --pdd-role main, not {cfg.role}")
+    if cfg.kv_max_handshakes_per_source < 1:
+        raise PddConfigError(f"--pdd-kv-max-handshakes-per-source must be >= 1, got {cfg.kv_max_handshakes_per_source}")
+    if not 0 <= cfg.kv_reserved_handshakes <= 63:  # of the acceptor's 64 pre-auth slots
+        raise PddConfigError(f"--pdd-kv-reserved-handshakes must be in 0..63, got {cfg.kv_reserved_handshakes}")
+    try:
+        admission_limits(cfg)
+    except ValueError as e:
+        raise PddConfigError(f"--pdd-kv-trusted-sources: {e}") from None
     if cfg.md_staging_mb < 1:
         raise PddConfigError(f"--pdd-md-staging-mb must be >= 1, got {cfg.md_staging_mb}")
     if cfg.md_ingest not in MD_INGEST_MODES:
@@ -232,3 +256,11 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     if not cfg.wan_timeout_s > 0:
         raise PddConfigError(f"--pdd-wan-timeout-s must be > 0, got {cfg.wan_timeout_s}")
     return cfg
+
+
+def admission_limits(cfg: PddConfig):
+    """The KV acceptor's pre-auth limits (kv_channel.acceptor.AdmissionLimits) from the flags."""
+    from sglang_pdd.kv_channel.acceptor import AdmissionLimits, parse_networks
+
+    return AdmissionLimits(per_source=cfg.kv_max_handshakes_per_source, reserved=cfg.kv_reserved_handshakes,
+                           trusted=parse_networks(cfg.kv_trusted_sources))

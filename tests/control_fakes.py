@@ -44,6 +44,7 @@ class FakeGenerate:
         self.requests: list[dict] = []
         self.aborted: list[str] = []  # rids of /abort_request calls
         self.endless = False  # stream an event every 20 ms until the reader goes (or 10 s)
+        self.authorization: list = []  # each /generate's Authorization header (None: none sent)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,6 +57,7 @@ class FakeGenerate:
                     self.end_headers()
                     return
                 fake.requests.append(body)
+                fake.authorization.append(self.headers.get("Authorization"))
                 stream = fake.requests[-1].get("stream", True)
                 if stream and fake.endless:
                     return self._stream_endlessly()
@@ -109,6 +111,7 @@ class FakeMdRuntime:
         self._handoff_lock = threading.Lock()
         self.counters: dict = {}
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
+        self.http_api_key = None  # MD's own SGLang --api-key
 
     def call(self, op: str, *args, timeout: float = 30.0):
         return getattr(self, f"_do_{op}")(*args)
@@ -147,6 +150,7 @@ class MdControl:
     def reset(self):
         self.runtime.reset()
         self.generate.requests.clear()
+        self.generate.authorization.clear()
 
     def close(self):
         self.server.close()

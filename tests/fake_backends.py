@@ -208,6 +208,7 @@ class Fakes:
         self.md_active = 0
         self._runners: list[web.AppRunner] = []
         self.p_url = self.rld_url = self.md_url = self.p_control_url = ""
+        self.authorization: list[tuple[str, str, Optional[str]]] = []  # (server URL, path, Authorization)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Fakes":
@@ -222,6 +223,13 @@ class Fakes:
             await runner.cleanup()
 
     async def _serve(self, app: web.Application) -> str:
+        @web.middleware
+        async def note_authorization(request: web.Request, handler):
+            sent = request.headers.getall("Authorization", [])  # all of them: one header must not ride along another
+            self.authorization.append((f"http://{request.host}", request.path, ", ".join(sent) or None))
+            return await handler(request)
+
+        app.middlewares.append(note_authorization)
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -37,6 +37,11 @@ GOOD = [
       "--pdd-wan-key-file", "k"], "main"),
     (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-control-listen", "127.0.0.1:7001",
       "--pdd-wan-key-file", "k", "--pdd-md-staging-mb", "256", "--pdd-md-ingest", "staged"], "main"),
+    (["--pdd-role", "main", "--pdd-wan-listen", "127.0.0.1:7000", "--pdd-control-listen", "127.0.0.1:7001",
+      "--pdd-wan-key-file", "k", "--pdd-kv-trusted-sources", "10.0.0.5,10.1.0.0/16,fd00::/8",
+      "--pdd-kv-max-handshakes-per-source", "4", "--pdd-kv-reserved-handshakes", "48"], "main"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-intra-dc-transport", "tcp",
+      "--pdd-wan-key-file", "k", "--pdd-kv-trusted-sources", "10.0.0.5"], "relay"),
 ]
 
 
@@ -91,6 +96,13 @@ BAD = [
       "--disaggregation-transfer-backend", "mooncake"], "needs --disaggregation-transfer-backend pdd"),
     (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "pdd"],
      "needs --pdd-role prefill (P) or relay (RLD)"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-kv-trusted-sources", "10.0.0.300"],
+     "--pdd-kv-trusted-sources: not an IP address or network: '10.0.0.300'"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-kv-max-handshakes-per-source", "0"],
+     "--pdd-kv-max-handshakes-per-source must be >= 1"),
+    (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-kv-reserved-handshakes", "64"],
+     "--pdd-kv-reserved-handshakes must be in 0..63"),
+    (["--pdd-kv-trusted-sources", "10.0.0.5"], "--pdd-kv-trusted-sources was given without --pdd-role"),
 ]
 
 
@@ -99,6 +111,18 @@ def test_inconsistent_flags_name_the_flag(argv, message):
     cfg, mode, backend = parse(*argv)
     with pytest.raises(PddConfigError, match=re.escape(message)):
         validate(cfg, mode, backend)
+
+
+def test_kv_admission_flags_reach_the_acceptors_limits():
+    from sglang_pdd.config import admission_limits
+    from sglang_pdd.kv_channel.acceptor import AdmissionLimits, parse_networks
+
+    cfg, _, _ = parse("--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-kv-trusted-sources",
+                      "10.0.0.5, 10.1.0.0/16", "--pdd-kv-max-handshakes-per-source", "4",
+                      "--pdd-kv-reserved-handshakes", "40")
+    assert admission_limits(cfg) == AdmissionLimits(per_source=4, reserved=40,
+                                                    trusted=parse_networks("10.0.0.5,10.1.0.0/16"))
+    assert admission_limits(PddConfig()) == AdmissionLimits()  # the flags' defaults are the acceptor's
 
 
 def test_unknown_role_is_rejected_by_the_parser():

@@ -455,6 +455,23 @@ def test_a_relay_cannot_alter_mds_replies(md, rewrite, call):
     asyncio.run(run())
 
 
+def test_md_handoff_relay_sends_mds_own_api_key(md):
+    """MD with SGLang's --api-key guards its /generate; the handoff relayed there must carry
+    it (else every handoff is a 401 and every request ends on RLD)."""
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            mc = MainControl(session, md.url, signer=ControlSigner(KEY))
+            for room, key in ((41, None), (42, "md-api-key-0123456789")):
+                md.runtime.http_api_key = key
+                await mc.register(room, [5, 6, 7])
+                md.runtime.mark_ready(room)
+                [e async for e in mc.handoff_stream(room, {"token_ids": [8], "sampling_params": {}})]
+
+    asyncio.run(run())
+    assert md.generate.authorization == [None, "Bearer md-api-key-0123456789"]
+
+
 def test_a_signed_reply_does_not_answer_another_request(md):
     """The relay serves a reply recorded for one call (same body) to the next one."""
     recorded = {}

@@ -6,6 +6,11 @@ authenticated is limited here, once for both:
 
   * at most ``max_connections`` connections, of which at most ``max_handshaking`` are still
     in their handshake; excess connections are closed at once and logged (rate-limited);
+  * known peers first (``AdmissionPolicy``): one source address (an IPv6 /64) that is not
+    known may hold at most ``per_source`` handshakes, and all unknown sources together at
+    most ``max_handshaking - reserved``; the ``reserved`` slots are for known peers, i.e.
+    sources in the allow-list (``trusted``) or that authenticated recently. A flood of keyless
+    sockets from a few hosts (or many) then cannot keep a known P out;
   * the handshake has a TOTAL deadline (``handshake_deadline`` seconds from accept): a peer
     that trickles bytes (slowloris) is cut off then, whatever its per-recv timing;
   * a thread that cannot be started (thread exhaustion) costs that one connection, never
@@ -19,11 +24,14 @@ socket, e.g. TLS, so the deadline can still cut it off). The socket is closed wh
 
 from __future__ import annotations
 
+import collections
+import ipaddress
 import logging
 import socket
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -32,28 +40,157 @@ _BACKOFF_S = 0.05  # after a failed thread start
 _LOG_EVERY_S = 5.0  # refusals are logged at most this often (a flood must not flood the log)
 
 
-class Slot:
-    """One accepted connection: ``handshake`` -> ``authenticated``, or -> ``expired``."""
+IpNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 
-    def __init__(self, sock: socket.socket, addr, deadline: float):
+
+def parse_networks(value: Union[str, Iterable[str], None]) -> tuple[IpNetwork, ...]:
+    """``"10.0.0.5,10.1.0.0/16,fd00::/8"`` (or a list of such) as networks; ValueError names
+    the bad entry."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    nets = []
+    for item in (i.strip() for i in items):
+        if item:
+            try:
+                nets.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                raise ValueError(f"not an IP address or network: {item!r}") from None
+    return tuple(nets)
+
+
+def source_of(host: str) -> Union[ipaddress.IPv4Address, ipaddress.IPv6Network]:
+    """The unit a per-source limit counts: an IPv4 address (IPv4-mapped IPv6 included), or
+    an IPv6 /64 (one host commonly holds a whole /64, so counting addresses would not bound it)."""
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped
+        return ipaddress.ip_network(f"{ip}/64", strict=False)
+    return ip
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Pre-auth limits of one acceptor (``--pdd-kv-*`` flags; defaults for tests and tools)."""
+
+    max_handshaking: int = 64  # connections still in their handshake, all sources
+    per_source: int = 16  # of those, from one unknown source
+    reserved: int = 32  # of those, only for known sources
+    trusted: tuple[IpNetwork, ...] = ()  # allow-list: always known
+    remember_s: float = 24 * 3600.0  # a source that authenticated stays known this long
+    max_remembered: int = 4096
+
+    def __post_init__(self):
+        if self.max_handshaking < 1 or self.per_source < 1:
+            raise ValueError("max_handshaking and per_source must be >= 1")
+        if not 0 <= self.reserved < self.max_handshaking:
+            raise ValueError(f"reserved must be in 0..{self.max_handshaking - 1}, got {self.reserved}")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One admitted handshake; handed back to ``AdmissionPolicy.release`` exactly once."""
+
+    source: object
+    known: bool
+
+
+class AdmissionPolicy:
+    """Who may start a handshake now. Pure (no sockets, no clock of its own); the acceptor
+    calls it under its lock: ``admit`` on accept, ``release`` when the handshake ends (passed,
+    failed or cut off), ``authenticated`` when one passed."""
+
+    def __init__(self, limits: AdmissionLimits = AdmissionLimits()):
+        self.limits = limits
+        self._in_flight: collections.Counter = collections.Counter()  # unknown source -> handshakes
+        self._unknown = 0  # handshakes of unknown sources
+        self._total = 0
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # source -> last auth time
+
+    def is_known(self, source, now: float) -> bool:
+        seen = self._recent.get(source)
+        if seen is not None:
+            if now - seen <= self.limits.remember_s:
+                return True
+            del self._recent[source]
+        addr = source.network_address if isinstance(source, ipaddress.IPv6Network) else source
+        return any(addr in net for net in self.limits.trusted)
+
+    def admit(self, host: str, now: float) -> tuple[Optional[Ticket], str, str]:
+        """(ticket, "", "") if admitted, else (None, why, counter)."""
+        lim = self.limits
+        try:
+            source = source_of(host)
+        except ValueError:  # not an IP (e.g. a Unix socket): one source of its own
+            source = host
+        known = self.is_known(source, now)
+        if self._total >= lim.max_handshaking:
+            return None, f"{self._total} handshakes already in progress", "refused"
+        if not known:
+            if self._in_flight[source] >= lim.per_source:
+                return None, (f"{self._in_flight[source]} handshakes already in progress from this unknown "
+                              f"source (--pdd-kv-max-handshakes-per-source)"), "refused_per_source"
+            if self._unknown >= lim.max_handshaking - lim.reserved:
+                return None, (f"{self._unknown} handshakes of unknown sources in progress; the other "
+                              f"{lim.reserved} are reserved for known peers (--pdd-kv-trusted-sources)"), \
+                    "refused_unknown"
+            self._in_flight[source] += 1
+            self._unknown += 1
+        self._total += 1
+        return Ticket(source, known), "", ""
+
+    def release(self, ticket: Ticket) -> None:
+        self._total -= 1
+        if not ticket.known:
+            self._unknown -= 1
+            self._in_flight[ticket.source] -= 1
+            if self._in_flight[ticket.source] <= 0:
+                del self._in_flight[ticket.source]
+
+    def authenticated(self, ticket: Ticket, now: float) -> None:
+        """The source proved the key: known from now on (for ``remember_s``)."""
+        self._recent[ticket.source] = now
+        self._recent.move_to_end(ticket.source)
+        while len(self._recent) > self.limits.max_remembered:
+            self._recent.popitem(last=False)
+
+    def stats(self) -> dict:
+        return {"handshaking_unknown": self._unknown, "unknown_sources": len(self._in_flight),
+                "known_sources_remembered": len(self._recent)}
+
+
+class Slot:
+    """One accepted connection: ``handshake`` -> ``authenticated``, or -> ``expired`` (the
+    deadline cut it off) or ``failed`` (``serve`` returned without authenticating)."""
+
+    def __init__(self, sock: socket.socket, addr, deadline: float,
+                 on_leave: Optional[Callable[["Slot", bool], None]] = None, ticket: Optional[Ticket] = None):
         self.sock = sock
         self.addr = addr
         self.peer = f"{addr[0]}:{addr[1]}"
         self.deadline = deadline
         self.state = "handshake"
+        self.ticket = ticket
+        self._on_leave = on_leave  # the acceptor's: frees the handshake slot, once
         self._lock = threading.Lock()
 
     @property
     def handshaking(self) -> bool:
         return self.state == "handshake"
 
+    def _leave(self, new_state: str, now: Optional[float] = None) -> bool:
+        with self._lock:
+            if self.state != "handshake" or (now is not None and now < self.deadline):
+                return False
+            self.state = new_state
+        if self._on_leave is not None:
+            self._on_leave(self, new_state == "authenticated")
+        return True
+
     def authenticated(self) -> bool:
         """The handshake passed: no longer subject to its deadline. False if the deadline
         already cut the connection off (the caller should then stop)."""
-        with self._lock:
-            if self.state == "handshake":
-                self.state = "authenticated"
-            return self.state == "authenticated"
+        self._leave("authenticated")
+        return self.state == "authenticated"
 
     @property
     def expired(self) -> bool:
@@ -61,11 +198,7 @@ class Slot:
         return self.state == "expired"
 
     def _expire(self, now: float) -> bool:
-        with self._lock:
-            if self.state != "handshake" or now < self.deadline:
-                return False
-            self.state = "expired"  # authenticated() now answers False
-            return True
+        return self._leave("expired", now)  # authenticated() now answers False
 
     def shutdown(self) -> None:
         try:
@@ -82,17 +215,17 @@ class Acceptor:
         *,
         name: str,
         max_connections: int = 256,
-        max_handshaking: int = 64,
+        admission: AdmissionLimits = AdmissionLimits(),
         handshake_deadline: float = 5.0,
         start_thread: Callable[[threading.Thread], None] = threading.Thread.start,
     ):
-        if max_connections < 1 or max_handshaking < 1 or handshake_deadline <= 0:
-            raise ValueError("max_connections, max_handshaking and handshake_deadline must be positive")
+        if max_connections < 1 or handshake_deadline <= 0:
+            raise ValueError("max_connections and handshake_deadline must be positive")
         self.listener = listener
         self.serve = serve
         self.name = name
         self.max_connections = max_connections
-        self.max_handshaking = max_handshaking
+        self.policy = AdmissionPolicy(admission)  # guarded by self._lock
         self.handshake_deadline = handshake_deadline
         self._start_thread = start_thread  # a seam for tests of thread exhaustion
         self._lock = threading.Lock()
@@ -100,7 +233,8 @@ class Acceptor:
         self._threads: set[threading.Thread] = set()
         self._closed = False
         self._last_log = 0.0
-        self.counters = {"accepted": 0, "refused": 0, "handshake_timeouts": 0, "thread_start_failures": 0}
+        self.counters = {"accepted": 0, "refused": 0, "refused_per_source": 0, "refused_unknown": 0,
+                         "handshake_timeouts": 0, "thread_start_failures": 0}
         listener.settimeout(_POLL_S)
         self._thread = threading.Thread(target=self._loop, name=f"kv-accept-{name}", daemon=True)
         self._thread.start()
@@ -114,6 +248,7 @@ class Acceptor:
                 "connections": len(self._slots),
                 "handshaking": sum(s.handshaking for s in self._slots),
                 "threads_alive": sum(t.is_alive() for t in self._threads),
+                **self.policy.stats(),
             }
 
     def close(self, timeout: float = 5.0) -> None:
@@ -163,18 +298,18 @@ class Acceptor:
         sock.close()  # last: whoever sees the close also sees the count and the log
 
     def _admit(self, sock: socket.socket, addr) -> None:
+        now = time.monotonic()
         with self._lock:
             if self._closed:
                 sock.close()
                 return
-            handshaking = sum(s.handshaking for s in self._slots)
             full = len(self._slots) >= self.max_connections
-        if full:
-            return self._refuse(sock, addr, f"{self.max_connections} connections already", "refused")
-        if handshaking >= self.max_handshaking:
-            return self._refuse(sock, addr, f"{handshaking} handshakes already in progress", "refused")
+            ticket, why, counter = (None, f"{self.max_connections} connections already", "refused") if full \
+                else self.policy.admit(addr[0], now)
+        if ticket is None:
+            return self._refuse(sock, addr, why, counter)
         sock.settimeout(None)  # accepted sockets inherit the listener's poll timeout
-        slot = Slot(sock, addr, time.monotonic() + self.handshake_deadline)
+        slot = Slot(sock, addr, now + self.handshake_deadline, self._left_handshake, ticket)
         thread = threading.Thread(target=self._run, args=(slot,), daemon=True, name=f"kv-{self.name}-{slot.peer}")
         with self._lock:
             self._slots.add(slot)
@@ -184,11 +319,18 @@ class Acceptor:
         try:
             self._start_thread(thread)
         except RuntimeError as e:  # "can't start new thread": keep accepting, just not this one
+            slot._leave("failed")
             with self._lock:
                 self._slots.discard(slot)
                 self._threads.discard(thread)
             self._refuse(sock, addr, f"cannot start a thread ({e})", "thread_start_failures")
             time.sleep(_BACKOFF_S)
+
+    def _left_handshake(self, slot: Slot, authenticated: bool) -> None:
+        with self._lock:
+            self.policy.release(slot.ticket)
+            if authenticated:
+                self.policy.authenticated(slot.ticket, time.monotonic())
 
     def _run(self, slot: Slot) -> None:
         try:
@@ -196,6 +338,7 @@ class Acceptor:
         except Exception:  # the owner's serve should not raise; never let it go unnoticed
             logger.exception("%s: error serving %s", self.name, slot.peer)
         finally:
+            slot._leave("failed")  # serve returned still in its handshake (refused peer)
             with self._lock:
                 self._slots.discard(slot)
             try:

@@ -51,7 +51,7 @@ import socket
 import threading
 from typing import Optional, Sequence
 
-from .acceptor import Acceptor, Slot
+from .acceptor import Acceptor, AdmissionLimits, Slot
 from .handshake import AuthError, check_key, client_handshake, server_handshake
 from .wan_sender import tune_socket
 from .wire import (
@@ -218,6 +218,7 @@ class TcpTransferEngine:
         connect_timeout: float = 5.0,
         io_timeout: float = 30.0,
         max_write_bytes: int = 64 * 1024 * 1024,
+        admission: AdmissionLimits = AdmissionLimits(),
     ):
         if num_streams < 1 or max_write_bytes < 1:
             raise ValueError("num_streams and max_write_bytes must be >= 1")
@@ -242,7 +243,8 @@ class TcpTransferEngine:
         self.port: int = listener.getsockname()[1]
         self._session_id = f"[{hostname}]:{self.port}" if family == socket.AF_INET6 else f"{hostname}:{self.port}"
         self._acceptor = Acceptor(listener, self._serve, name=f"tcp-engine-{name}",
-                                  max_connections=MAX_SERVER_CONNECTIONS, handshake_deadline=connect_timeout)
+                                  max_connections=MAX_SERVER_CONNECTIONS, admission=admission,
+                                  handshake_deadline=connect_timeout)
         logger.info("TCP transfer engine %r listening on %s", name, self._session_id)
 
     # ------------------------------------------------------------------ Mooncake surface

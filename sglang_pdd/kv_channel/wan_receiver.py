@@ -54,7 +54,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from .acceptor import Acceptor, Slot
+from .acceptor import Acceptor, AdmissionLimits, Slot
 from .handshake import AuthError, check_key, server_handshake
 from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
@@ -200,6 +200,7 @@ class WanKvReceiver(RoomQueries):
         max_connections: int = 256,
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         ssl_context: Optional[ssl.SSLContext] = None,
+        admission: AdmissionLimits = AdmissionLimits(),
     ):
         self.key = check_key(auth_key)
         self.name = name
@@ -232,7 +233,7 @@ class WanKvReceiver(RoomQueries):
         self._watchdog.start()
         self._flusher.start()
         self._acceptor = Acceptor(listener, self._serve, name=f"recv-{name}", max_connections=max_connections,
-                                  handshake_deadline=handshake_timeout)
+                                  admission=admission, handshake_deadline=handshake_timeout)
         logger.info("WAN KV receiver %r listening on %s:%s", name, *self.address)
 
     # ------------------------------------------------------------------ owner API
@@ -340,7 +341,8 @@ class WanKvReceiver(RoomQueries):
         with self._cv:
             return {
                 **self.counters,
-                **{k: front[k] for k in ("refused", "handshake_timeouts", "thread_start_failures")},
+                **{k: front[k] for k in ("refused", "refused_per_source", "refused_unknown", "handshake_timeouts",
+                                         "thread_start_failures")},
                 "connections": len(self._conns),
                 "sessions": len(self._sessions),
                 "threads_alive": front["threads_alive"],

@@ -37,6 +37,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
+from sglang_pdd.router import client_auth
 from sglang_pdd.router.backends import BackendError, MainControl
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -115,7 +116,8 @@ _scope: contextvars.ContextVar[RequestScope] = contextvars.ContextVar("pdd_reque
 
 def backend_session(keepalive_s: float = BACKEND_KEEPALIVE_S) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=keepalive_s),
-                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                 headers=client_auth.backend_headers())  # --backend-api-key
 
 
 def error_reply(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
@@ -542,6 +544,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto follows RLD load (one-shot when busy, catch-up when idle)")
     h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
     h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
+    client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key
     return ap.parse_args(argv)
 
 
@@ -600,6 +603,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from sglang_pdd.router.serving import build_sglang_state
 
+    client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
+    client_auth.use_backend_api_key(args.backend_api_key)
+
     from sglang_pdd.kv_channel.handshake import load_key
     from sglang_pdd.router.backends import set_max_md_tp, use_control_key
 
@@ -626,5 +632,6 @@ def main(argv=None) -> None:
                     every_client_is_operator=args.every_client_is_operator,
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes)
-    web.run_app(build_app(router, args.max_body_bytes), host=args.host, port=args.port, print=None,
-                handler_cancellation=True, reuse_port=args.reuse_port or None)
+    web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
+                port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
+                ssl_context=client_ssl)

@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from sglang_pdd.config import PddConfig, parse_host_port
+from sglang_pdd.config import PddConfig, admission_limits, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.tls import wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
@@ -144,6 +144,7 @@ class MainDrcRuntime:
         # on_scheduler_iteration); TP 1 has no collectives at all.
         self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
+        self.http_api_key = getattr(scheduler.server_args, "api_key", None)  # its --api-key guards /generate
         self._handoff_lock = threading.Lock()  # control threads: one final handoff per room
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
@@ -165,7 +166,7 @@ class MainDrcRuntime:
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
-                                      idle_timeout=cfg.wan_timeout_s,
+                                      idle_timeout=cfg.wan_timeout_s, admission=admission_limits(cfg),
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
                                                                   server_side=True))
         self._receiver_releases: "queue.Queue[tuple[int, Optional[_PagesRelease]]]" = queue.Queue()
@@ -515,7 +516,7 @@ class MainDrcRuntime:
         return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
                 "open_rooms": len(self.rooms.rooms), "tp_size": self.tp.size,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
-                "wan_receiver": dict(self.receiver.counters)}
+                "wan_receiver": self.receiver.stats()}  # its counters, incl. the acceptor's refusals by kind
 
 
 @dataclass(eq=False)
@@ -633,7 +634,7 @@ class _ControlHandler(JsonRequestHandler):
         # reply, or each event of a stream, signed for this request (control_auth).
         conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=600)
         try:
-            conn.request("POST", "/generate", body=json.dumps(gen), headers={"Content-Type": "application/json"})
+            conn.request("POST", "/generate", body=json.dumps(gen), headers=self._loopback_headers())
             resp = conn.getresponse()
             if not stream or resp.status != 200:
                 return self._relay_whole(resp)
@@ -663,13 +664,19 @@ class _ControlHandler(JsonRequestHandler):
             conn.close()
             self.close_connection = True
 
+    def _loopback_headers(self) -> dict:
+        """For MD's own SGLang API: its --api-key, if it has one, guards /generate and /abort_request."""
+        headers = {"Content-Type": "application/json"}
+        if getattr(self.runtime, "http_api_key", None):
+            headers["Authorization"] = f"Bearer {self.runtime.http_api_key}"
+        return headers
+
     def _abort_generate(self, rid) -> None:
         if not isinstance(rid, str):
             return
         conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=10)
         try:
-            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}),
-                         headers={"Content-Type": "application/json"})
+            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}), headers=self._loopback_headers())
             conn.getresponse().read()
         except (OSError, http.client.HTTPException) as e:
             logger.warning("abort of MD request %s failed: %r", rid, e)

@@ -32,7 +32,7 @@ from sglang.srt.disaggregation.mooncake.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_pdd.config import PddConfig, PddConfigError, parse_host_port, parse_peer_list
+from sglang_pdd.config import PddConfig, PddConfigError, admission_limits, parse_host_port, parse_peer_list
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
@@ -115,7 +115,8 @@ class PddKVManager(MooncakeKVManager):
             from sglang_pdd.kv_channel.tcp_engine import TcpTransferEngine
 
             self.engine = TcpTransferEngine(_local_host(), read_key(self.pdd_config),
-                                            name=f"pdd-{self.disaggregation_mode.value}")
+                                            name=f"pdd-{self.disaggregation_mode.value}",
+                                            admission=admission_limits(self.pdd_config))
 
 
 class PddKVSender(MooncakeKVSender):

@@ -10,7 +10,7 @@ import time
 import pytest
 from waiting import wait_until
 
-from sglang_pdd.kv_channel.acceptor import Acceptor, Slot
+from sglang_pdd.kv_channel.acceptor import Acceptor, AdmissionLimits, Slot
 from sglang_pdd.kv_channel.tcp_engine import TcpTransferEngine
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wire import Hello, encode_frame
@@ -78,7 +78,8 @@ def test_connections_over_the_cap_are_refused_and_logged(caplog):
 
 
 def test_handshakes_in_progress_are_bounded_separately():
-    server = Server(authenticate=False, max_connections=10, max_handshaking=2, handshake_deadline=30)
+    server = Server(authenticate=False, max_connections=10, handshake_deadline=30,
+                    admission=AdmissionLimits(max_handshaking=2, reserved=0))
     try:
         silent = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
         assert wait_until(lambda: server.acceptor.stats()["handshaking"] == 2)

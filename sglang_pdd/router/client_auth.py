@@ -1,0 +1,114 @@
+"""The router's client port as a plain SGLang server's: ``--api-key`` and TLS.
+
+Same flags, same meaning as ``sglang.launch_server`` (sglang/srt/utils/auth.py and its
+server-args checks), so a client of SGLang works unchanged against the router:
+
+  * ``--api-key KEY``: every request needs ``Authorization: Bearer KEY`` (scheme
+    case-insensitive, constant-time compare), else 401 ``{"error": "Unauthorized"}``;
+    exempt, as in SGLang: ``OPTIONS`` and paths starting with ``/health``, ``/ready`` or
+    ``/metrics`` (probes and Prometheus without the secret; that includes
+    ``/health_generate``, which runs one token through P and RLD).
+  * ``--ssl-certfile`` / ``--ssl-keyfile`` (both or neither) [``--ssl-keyfile-password``]:
+    HTTPS on the client port. Stricter than SGLang in one point: the key file must not be
+    readable by group/others (as every key file of sglang-pdd).
+  * ``--backend-api-key KEY``: the ``--api-key`` of the P, RLD and MD SGLang servers; the
+    router sends ``Authorization: Bearer KEY`` on its calls to them (control calls keep
+    their own signature header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import ssl
+from typing import Optional
+
+from aiohttp import web
+
+from sglang_pdd.kv_channel.handshake import KeyFileError, check_private_file
+
+EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
+
+_backend_api_key: Optional[str] = None
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("client port security, as on a plain SGLang server (docs/security.md)")
+    g.add_argument("--api-key", default=None,
+                   help="as SGLang's --api-key: clients must send 'Authorization: Bearer KEY' (else 401); "
+                        "/health*, /ready* and /metrics* are exempt, as on SGLang")
+    g.add_argument("--ssl-certfile", default=None, help="as SGLang's: certificate (PEM) for HTTPS on --port")
+    g.add_argument("--ssl-keyfile", default=None,
+                   help="as SGLang's: private key (PEM) of --ssl-certfile; must not be readable by group/others")
+    g.add_argument("--ssl-keyfile-password", default=None, help="as SGLang's: password of an encrypted --ssl-keyfile")
+    g.add_argument("--backend-api-key", default=None,
+                   help="the --api-key of the P, RLD and MD servers: sent to them as 'Authorization: Bearer KEY'")
+
+
+def check_bearer(header: Optional[str], key: str) -> bool:
+    """SGLang's check: ``Bearer <key>``, scheme in any case, compared in constant time
+    (as bytes, so a non-ASCII header is a mismatch, not an error)."""
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode())
+
+
+def api_key_middleware(key: str):
+    @web.middleware
+    async def require_api_key(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path.startswith(EXEMPT_PREFIXES):
+            return await handler(request)
+        if not check_bearer(request.headers.get("Authorization"), key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return require_api_key
+
+
+def install(app: web.Application, api_key: Optional[str]) -> web.Application:
+    """Guard ``app`` (before anything else runs) when an API key is set."""
+    if api_key:
+        app.middlewares.insert(0, api_key_middleware(api_key))
+    return app
+
+
+def ssl_context(args: argparse.Namespace) -> Optional[ssl.SSLContext]:
+    """The server context of ``--ssl-certfile/--ssl-keyfile`` (None: plain HTTP), checked as
+    SGLang checks them; SystemExit names the flag or file."""
+    cert, key, password = args.ssl_certfile, args.ssl_keyfile, args.ssl_keyfile_password
+    if bool(cert) != bool(key):
+        have, need = ("--ssl-keyfile", "--ssl-certfile") if key else ("--ssl-certfile", "--ssl-keyfile")
+        raise SystemExit(f"sglang_pdd.router: error: {have} requires {need} to be specified as well.")
+    if not cert:
+        if password:
+            raise SystemExit("sglang_pdd.router: error: --ssl-keyfile-password has no effect without "
+                             "--ssl-certfile and --ssl-keyfile.")
+        return None
+    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"sglang_pdd.router: error: {flag}: file not found: {path!r}")
+    try:
+        check_private_file(key)
+    except KeyFileError as e:
+        raise SystemExit(f"sglang_pdd.router: error: --ssl-keyfile: {e}") from None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key, password=password)
+    except (OSError, ssl.SSLError) as e:
+        raise SystemExit(f"sglang_pdd.router: error: --ssl-certfile/--ssl-keyfile ({cert}, {key}): {e}") from None
+    return ctx
+
+
+def use_backend_api_key(key: Optional[str]) -> None:
+    """--backend-api-key: backend sessions made afterwards in this process send it."""
+    global _backend_api_key
+    _backend_api_key = key or None
+
+
+def backend_headers() -> dict:
+    """Default headers of the router's backend session (a request's own Authorization, e.g.
+    a control-plane signature, replaces this one)."""
+    return {"Authorization": f"Bearer {_backend_api_key}"} if _backend_api_key else {}
