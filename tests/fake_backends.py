@@ -176,6 +176,8 @@ class Knobs:
     md_handoff_drop: bool = False  # final handoff: headers sent, connection dropped, no token
     md_die_after: Optional[int] = None  # final handoff: connection dropped after N tokens
     md_token_delay_s: float = 0.002
+    # every server: what GET /health answers, per role ("p", "rld", "md"; 200 when not named)
+    health_status: dict = field(default_factory=dict)
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
     md_restarts: bool = False  # MD without the resume contract: reports from the handoff point
@@ -257,9 +259,17 @@ class Fakes:
     def dropped_rooms(self) -> list[int]:
         return [r.body["bootstrap_room"] for r in self.records("p", "drop")]
 
+    def _add_health(self, app: web.Application, role: str) -> None:
+        async def health(request):
+            self._record(role, "health", {})
+            return web.Response(status=self.knobs.health_status.get(role, 200))
+
+        app.router.add_get("/health", health)
+
     # ------------------------------------------------------------------ P
     def _p_app(self) -> web.Application:
         app = web.Application()
+        self._add_health(app, "p")
 
         async def generate(request: web.Request) -> web.Response:
             body = await request.json()
@@ -316,6 +326,7 @@ class Fakes:
     # ------------------------------------------------------------------ RLD
     def _rld_app(self) -> web.Application:
         app = web.Application()
+        self._add_health(app, "rld")
 
         async def generate(request: web.Request) -> web.StreamResponse:
             body = await request.json()
@@ -378,6 +389,7 @@ class Fakes:
     # ------------------------------------------------------------------ MD
     def _md_app(self) -> web.Application:
         app = web.Application()
+        self._add_health(app, "md")
 
         async def register(request: web.Request) -> web.Response:
             body = await request.json()

@@ -39,13 +39,15 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
 from sglang_pdd.router import client_auth
 from sglang_pdd.router.backends import BackendError, MainControl
+from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
+from sglang_pdd.router.health import Drain, Failed, HealthBoard, HealthConfig, Succeeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
 from sglang_pdd.router.prefix_index import PrefixIndex
-from sglang_pdd.router.serving import PddTokenizerManager, UpstreamError
+from sglang_pdd.router.serving import BackendsUnavailable, PddTokenizerManager, UpstreamError
 from sglang_pdd.router.validate import ApiError, check_generate_body, parse_json_object
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -53,34 +55,72 @@ logger = logging.getLogger("sglang_pdd.router")
 MAX_BODY_BYTES = 4 * 1024 * 1024  # default of --max-body-bytes
 
 
+class NoBackend(Exception):
+    """No server of a role the request needs may be picked now (breakers open, draining)."""
+
+
 class Pools:
-    """Backend pools and what the router knows of them: in-flight counts and cached prefixes."""
+    """Backend pools and what the router knows of them: in-flight counts, cached prefixes and
+    health (router/health.py: breakers per server and per P pair, drain)."""
 
     def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
-                 index_blocks_per_instance: int = 1 << 16):
+                 index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None):
         if not prefill or not relay:
             raise ValueError("the router needs at least one --prefill and one --relay server")
         self.prefill, self.relay, self.main = prefill, relay, main
         self._rr = itertools.count()
+        self.p_inflight = {p.url: 0 for p in prefill}
         self.rld_inflight = {url: 0 for url in relay}
         self.md_inflight = {m.url: 0 for m in main}
-        # Approximate prefix index (16-token blocks): P's hit estimate and MD session affinity.
+        # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
         self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
+        self.health = HealthBoard(health or HealthConfig())
 
-    def pick(self, input_ids: list[int]) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
-        prefill = self.prefill[next(self._rr) % len(self.prefill)]
-        relay = min(self.relay, key=lambda url: self.rld_inflight[url])  # least loaded RLD
-        main = None
-        if self.main:
-            # Least loaded first: among MDs holding equally long prefixes (e.g. a shared system
-            # prompt) the tie goes to the idlest, not always to the first configured one.
-            by_load = sorted(self.main, key=lambda m: self.md_inflight[m.url])
-            owner, matched = self.prefixes.best([m.url for m in by_load], input_ids)
-            loads = [InstanceLoad(m.url, self.md_inflight[m.url]) for m in self.main]
-            # Stay with the MD holding the session's prefix unless it has 4+ more requests in flight.
-            chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=4)
-            main = next(m for m in self.main if m.url == chosen)
+    def roles(self) -> dict[str, list[str]]:
+        return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
+
+    def pick(self, input_ids: list[int], now: Optional[float] = None) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
+        """P and MD by cached prefix with load balance, RLD by load; only servers (and P pairs)
+        the health board lets through. No P or no RLD: NoBackend. No MD: None (RLD serves)."""
+        now = time.monotonic() if now is None else now
+        ok = self.health.pickable
+        prefills = [p for p in self.prefill if ok(("prefill", p.url), now)]
+        if not prefills:
+            raise NoBackend("no prefill server is available (every one is failing or draining)")
+        turn = next(self._rr) % len(prefills)  # equal candidates take turns
+        prefill = self._by_prefix(prefills[turn:] + prefills[:turn], self.p_inflight, input_ids)
+        relays = [url for url in self.relay if ok(("relay", url), now) and ok(("pair", prefill.url, url), now)]
+        if not relays:
+            raise NoBackend("no relay decode server is available (every one is failing or draining)")
+        relay = min(relays, key=lambda url: self.rld_inflight[url])  # least loaded RLD
+        mains = [m for m in self.main if ok(("main", m.url), now) and ok(("pair", prefill.url, m.url), now)]
+        main = self._by_prefix(mains, self.md_inflight, input_ids) if mains else None
         return prefill, relay, main
+
+    def _by_prefix(self, servers: list, inflight: dict[str, int], input_ids: list[int]):
+        """The server holding the longest cached prefix of the prompt, unless it has 4+ more
+        requests in flight than the least loaded (then that one); ties to the least loaded."""
+        by_load = sorted(servers, key=lambda s: inflight[s.url])
+        owner, matched = self.prefixes.best([s.url for s in by_load], input_ids)
+        loads = [InstanceLoad(s.url, inflight[s.url]) for s in servers]
+        chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=4)
+        return next(s for s in servers if s.url == chosen)
+
+    def record_health(self, flow: PddFlow, now: float) -> None:
+        """A finished flow's outcome on the board: each backend a leg broke on fails; a request
+        that completed is a success for every server and pair it used (closes a half-open
+        breaker). A client gone or a timeout is neither."""
+        failed = set(map(tuple, flow.result.failed_backends))
+        for key in failed:
+            self.health.record(key, Failed(now, "a request failed on it"))
+        if flow.state.phase is not lifecycle.Phase.DONE:
+            return
+        used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
+        if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
+            used += [("main", flow.main.url), ("pair", flow.prefill.url, flow.main.url)]
+        for key in used:
+            if key not in failed:
+                self.health.record(key, Succeeded(now))
 
     def record(self, flow: PddFlow, output_ids: list[int]) -> None:
         """After a request: P holds its prompt; the MD that decoded it holds prompt + output."""
@@ -126,6 +166,13 @@ def error_reply(status: int, message: str, err_type: str = "BadRequestError") ->
                               "code": status, "error": message}, status=status)
 
 
+def upstream_reply(e: UpstreamError) -> web.Response:
+    """A backend failure (502), or no backend to take the request (503 with Retry-After)."""
+    reply = error_reply(e.status_code, e.detail, "ServiceUnavailable" if e.status_code == 503 else "BackendError")
+    reply.headers.update(e.headers or {})
+    return reply
+
+
 async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBackend], attempts: int = 30,
                             interval_s: float = 2.0) -> None:
     """Each MD's KV bytes per token from its stats, asked at start until it answers, so that the
@@ -150,7 +197,8 @@ class Router:
                  served_model: str, *, sglang_state=None, max_new_tokens_cap: int = 32768, max_n: int = 16,
                  operator_token: Optional[str] = None, every_client_is_operator: bool = False,
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
-                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
+                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
+                 health_check_interval_s: float = 5.0):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -158,7 +206,11 @@ class Router:
         self.operator_token = operator_token
         self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
-        self.metrics.track_backends({"relay": pools.rld_inflight, "main": pools.md_inflight})
+        self.metrics.track_backends({"prefill": pools.p_inflight, "relay": pools.rld_inflight,
+                                     "main": pools.md_inflight})
+        self.metrics.track_health(self._health_rows)
+        self.health_check_interval_s = health_check_interval_s
+        self._probes: Optional[asyncio.Task] = None
         self.session: Optional[aiohttp.ClientSession] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
         self.manager = None
@@ -176,10 +228,13 @@ class Router:
     async def start(self, app):
         self.session = backend_session()
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
+        if self.health_check_interval_s > 0:
+            self._probes = asyncio.ensure_future(self._probe_forever())
 
     async def close(self, app):
-        if self._md_sizes is not None:
-            self._md_sizes.cancel()
+        for task in (self._md_sizes, self._probes):
+            if task is not None:
+                task.cancel()
         await self.session.close()
 
     def is_operator(self, request: web.Request) -> bool:
@@ -190,13 +245,20 @@ class Router:
 
     # ------------------------------------------------------------------ routes
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "prefill": len(self.pools.prefill),
-                                  "relay": len(self.pools.relay), "main": len(self.pools.main)})
+        """200 while the router can serve (a P and an RLD may be picked), else 503: what a load
+        balancer in front of several routers needs."""
+        now = time.monotonic()
+        up = {role: sum(self.pools.health.pickable((role, url), now) for url in urls)
+              for role, urls in self.pools.roles().items()}
+        serving = up["prefill"] > 0 and up["relay"] > 0
+        return web.json_response({"status": "ok" if serving else "unavailable",
+                                  **{role: len(urls) for role, urls in self.pools.roles().items()},
+                                  "available": up}, status=200 if serving else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """One token through a real PDD flow (P and RLD at least), as SGLang's /health_generate."""
-        flow = self._open_flow([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}, None)
         try:
+            flow = self._open_flow([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}, None)
             async with self._run_flow(flow) as events:
                 got = [t async for new in events for t in new]
         except UpstreamError as e:
@@ -235,7 +297,7 @@ class Router:
             except ValueError as e:
                 return error_reply(400, str(e))
             except UpstreamError as e:
-                return error_reply(502, e.detail, "BackendError")
+                return upstream_reply(e)
             finally:
                 await gen.aclose()
         # The first output before the 200: a request refused by the serving layer (duplicate
@@ -247,7 +309,7 @@ class Router:
             return error_reply(400, str(e))
         except UpstreamError as e:
             await gen.aclose()
-            return error_reply(502, e.detail, "BackendError")
+            return upstream_reply(e)
         except StopAsyncIteration:
             return error_reply(502, "the request produced no output", "BackendError")
         return await sse_reply(request, _generate_events(first, gen))
@@ -308,6 +370,73 @@ class Router:
         n = self.manager.abort(rid, abort_all)
         return web.json_response({"aborted": n})
 
+    # ------------------------------------------------------------------ backend health
+    async def _probe_forever(self) -> None:
+        """Active checks: each backend's SGLang /health every --health-check-interval-s; a
+        failed probe counts as a failure, a passing one closes a half-open breaker."""
+        while True:
+            await self.probe_backends()
+            await asyncio.sleep(self.health_check_interval_s)
+
+    async def probe_backends(self) -> None:
+        async def one(role: str, url: str) -> None:
+            try:
+                async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    await resp.read()
+                    ok, error = resp.status == 200, f"/health answered {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                ok, error = False, f"/health failed: {e!r}"
+            self.pools.health.record((role, url), Succeeded(time.monotonic()) if ok else Failed(time.monotonic(), error))
+
+        await asyncio.gather(*(one(role, url) for role, urls in self.pools.roles().items() for url in urls))
+
+    def _health_rows(self):
+        now = time.monotonic()
+        for role, urls in self.pools.roles().items():
+            for url in urls:
+                state = self.pools.health.view((role, url), now)
+                yield role, url, self.pools.health.pickable((role, url), now), state.draining
+
+    async def backends(self, request: web.Request) -> web.Response:
+        """Operator only: GET /pdd/backends, each backend's health and load as the router sees it."""
+        if not self.is_operator(request):
+            return error_reply(403, f"/pdd/backends is operator-only: send {OPERATOR_HEADER}", "Forbidden")
+        now, inflight = time.monotonic(), {"prefill": self.pools.p_inflight, "relay": self.pools.rld_inflight,
+                                           "main": self.pools.md_inflight}
+        rows = []
+        for role, urls in self.pools.roles().items():
+            for url in urls:
+                state = self.pools.health.view((role, url), now)
+                rows.append({"role": role, "url": url, "pickable": self.pools.health.pickable((role, url), now),
+                             "breaker": state.breaker.value, "draining": state.draining,
+                             "last_error": state.last_error, "inflight": inflight[role][url]})
+        pairs = [{"prefill": key[1], "peer": key[2], "breaker": self.pools.health.view(key, now).breaker.value}
+                 for key in self.pools.health.states if key[0] == "pair"]
+        return web.json_response({"backends": rows, "pairs": pairs})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """Operator only: POST /pdd/backends/drain {"url": ..., "draining": true|false}. A
+        draining backend gets no new requests; those it has run to their end."""
+        if not self.is_operator(request):
+            return error_reply(403, f"/pdd/backends/drain is operator-only: send {OPERATOR_HEADER}", "Forbidden")
+        try:
+            body = parse_json_object(await request.read())
+            url, draining = body.get("url"), body.get("draining", True)
+            if not isinstance(url, str) or not isinstance(draining, bool):
+                raise ApiError(400, "the body is {\"url\": backend url, \"draining\": true|false}")
+        except ApiError as e:
+            return error_reply(e.status, e.message)
+        roles = [role for role, urls in self.pools.roles().items() if url in urls]
+        if not roles:
+            return error_reply(404, f"no backend {url[:200]!r} (see GET /pdd/backends)", "NotFoundError")
+        for role in roles:
+            self.pools.health.record((role, url), Drain(draining))
+        return web.json_response({"url": url, "roles": roles, "draining": draining,
+                                  "inflight": sum(self._inflight_of(role, url) for role in roles)})
+
+    def _inflight_of(self, role: str, url: str) -> int:
+        return {"prefill": self.pools.p_inflight, "relay": self.pools.rld_inflight, "main": self.pools.md_inflight}[role][url]
+
     # ------------------------------------------------------------------ helpers
     def _scope(self, request: web.Request, options) -> RequestScope:
         """pdd_options (operators only) and whether replies carry meta_info.pdd."""
@@ -366,23 +495,30 @@ class Router:
                 fixed_mode=HandoffMode(options["handoff_mode"]) if "handoff_mode" in options else cfg.handoff.fixed_mode,
                 catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
             cfg = dataclasses.replace(cfg, handoff=handoff)
-        prefill, relay, main = self.pools.pick(input_ids)
+        try:
+            prefill, relay, main = self.pools.pick(input_ids)
+        except NoBackend as e:
+            raise BackendsUnavailable(str(e)) from None
         # The MD prefix estimate routes a request whose P takes late WAN destinations
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, input_ids) if main is not None else 0
         flow = PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
                        rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
                        use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, extras=extras)
+        if main is None and self.pools.main:
+            flow.result.fallbacks.append("md_unavailable: every MD is failing or draining")
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
         return flow
 
     def _admit(self, flow: PddFlow, delta: int) -> None:
+        self.pools.p_inflight[flow.prefill.url] += delta
         self.pools.rld_inflight[flow.relay_url] += delta
         if flow.main is not None:
             self.pools.md_inflight[flow.main.url] += delta
 
     def _observe(self, flow: PddFlow, tokens: list[int]) -> None:
         self.pools.record(flow, tokens)
+        self.pools.record_health(flow, time.monotonic())
         n_tokens = len(tokens)
         r = flow.result
         e2e = time.perf_counter() - flow.t0
@@ -444,6 +580,8 @@ def build_app(router: Router, max_body_bytes: int = MAX_BODY_BYTES) -> web.Appli
             app.router.add_get(path, router.server_info)
         app.router.add_post("/flush_cache", router.flush_cache)
         app.router.add_post("/abort_request", router.abort_request)
+    app.router.add_get("/pdd/backends", router.backends)
+    app.router.add_post("/pdd/backends/drain", router.drain)
     return app
 
 
@@ -544,6 +682,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto follows RLD load (one-shot when busy, catch-up when idle)")
     h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
     h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
+    hc = ap.add_argument_group("backend health (docs/router.md)")
+    hc.add_argument("--health-check-interval-s", type=float, default=5.0,
+                    help="GET /health on every backend this often (0: passive checks only)")
+    hc.add_argument("--breaker-failures", type=int, default=3,
+                    help="consecutive failures (requests or probes) that take a backend or P pair out")
+    hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
+                    help="how long a backend stays out before it gets a trial request again")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key
     return ap.parse_args(argv)
 
@@ -625,13 +770,18 @@ def main(argv=None) -> None:
     state = build_sglang_state(sglang_argv(args))
     if args.every_client_is_operator:
         logger.warning("--every-client-is-operator: any client may steer PDD (pdd_options); tests only")
-    router = Router(Pools(args.prefill, args.relay, args.main), flow_config(args), state[2],
+    try:
+        health = HealthConfig(failure_threshold=args.breaker_failures, cooldown_s=args.breaker_cooldown_s)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
+    router = Router(Pools(args.prefill, args.relay, args.main, health=health), flow_config(args), state[2],
                     args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
                     max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
                     operator_token=read_operator_token(args.operator_token_file),
                     every_client_is_operator=args.every_client_is_operator,
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
-                    max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes)
+                    max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
+                    health_check_interval_s=args.health_check_interval_s)
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
                 ssl_context=client_ssl)

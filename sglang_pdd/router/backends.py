@@ -53,7 +53,12 @@ def _check_reply(signer: Optional[ControlSigner], sent: dict, resp: aiohttp.Clie
 
 
 class BackendError(RuntimeError):
-    """A backend answered with an error status, a malformed stream, or not at all."""
+    """A backend answered with an error status, a malformed stream, or not at all.
+    ``status``: the HTTP status it answered with, if that was the error."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
 
 
 class UnverifiedReply(BackendError):
@@ -94,7 +99,7 @@ def parse_sse_line(raw: bytes, source: str):
 
 async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[dict]:
     if resp.status != 200:
-        raise BackendError(f"{url} -> HTTP {resp.status}: {(await resp.text())[:300]}")
+        raise BackendError(f"{url} -> HTTP {resp.status}: {(await resp.text())[:300]}", resp.status)
     async for raw in resp.content:
         event = parse_sse_line(raw, url)
         if event is SSE_DONE:
@@ -152,7 +157,7 @@ async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what
             _check_reply(signer, sent, resp, await resp.read(), what)
         payload = await _json_reply(resp)
         if resp.status != 200:
-            raise BackendError(f"{what}: HTTP {resp.status} {payload}")
+            raise BackendError(f"{what}: HTTP {resp.status} {payload}", resp.status)
         return payload
 
 
@@ -160,7 +165,7 @@ async def generate_once(session: aiohttp.ClientSession, url: str, body: dict) ->
     async with session.post(f"{url}/generate", json={**body, "stream": False}) as resp:
         payload = await _json_reply(resp)
         if resp.status != 200:
-            raise BackendError(f"{url} /generate -> HTTP {resp.status}: {str(payload)[:300]}")
+            raise BackendError(f"{url} /generate -> HTTP {resp.status}: {str(payload)[:300]}", resp.status)
         return payload
 
 

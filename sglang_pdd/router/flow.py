@@ -163,6 +163,9 @@ class FlowResult:
     finish_reason: Optional[dict] = None
     ttft_s: Optional[float] = None
     recovery_mode: Optional[str] = None  # how the last recovery leg continued (RecoveryMode)
+    # Backends a leg broke on, as health keys (router/health.py): ("prefill" | "relay" | "main",
+    # url) when the server itself did not answer, ("pair", P url, url) for a failure between them.
+    failed_backends: list = field(default_factory=list)
 
 
 def new_room() -> int:
@@ -438,6 +441,7 @@ class PddFlow:
                 reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
                 cached = self._on_registered(reg)
             except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
+                self._blame("main", self.main.url, e, server_only=True)
                 self.result.fallbacks.append(f"md_unavailable: {e}")
                 logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
                 if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
@@ -476,6 +480,7 @@ class PddFlow:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+            self._blame("main", self.main.url, e, server_only=True)
             if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
                 self._spawn(self.control.release(room), must_finish=True)
             self.room = None  # MD holds no room for it
@@ -561,6 +566,7 @@ class PddFlow:
                 else:
                     self._out_meta.observe_prefill(meta)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._blame("prefill", self.prefill.url, e)
             if leg == 1:
                 self._prefill_failure = f"prefill: {e}"
             await self.queue.put((lifecycle.RelayFailed(leg, f"prefill: {e}"), None))
@@ -585,6 +591,7 @@ class PddFlow:
             if not finished:
                 raise BackendError("relay stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._blame("relay", self.relay_url, e)
             await self.queue.put((lifecycle.RelayFailed(leg, str(e)), None))
 
     async def _md_side_failed(self, fallback: str) -> None:
@@ -603,7 +610,8 @@ class PddFlow:
             self.result.wan_ready_s = time.perf_counter() - started
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))
-        else:
+        else:  # P's KV did not reach MD: the link between them, or either end
+            self.result.failed_backends.append(("pair", self.prefill.url, self.main.url))
             await self._md_side_failed(f"wan_failed: {reason}")
 
     async def _handoff(self) -> None:
@@ -628,6 +636,7 @@ class PddFlow:
                     "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
                     "sampling_params": warm, "rid": self._leg_rid(f"c{self._round - 1}")})
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._blame("main", self.main.url, e)
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
             return
         await self.queue.put((lifecycle.CutReady(), None))
@@ -669,6 +678,7 @@ class PddFlow:
             if not finished:
                 raise BackendError("MD stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._blame("main", self.main.url, e)
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
 
     def _on_handoff_committed(self) -> None:
@@ -684,6 +694,18 @@ class PddFlow:
             self.room = None
 
     # ------------------------------------------------------------------ plumbing
+    def _blame(self, role: str, url: str, error: BaseException, server_only: bool = False) -> None:
+        """Note a leg's failure for the router's health board. A server that refused or dropped
+        the connection, or answered 5xx (but 503: busy, not broken), is at fault itself; any
+        other failure of a P-fed leg is the pair's (P and RLD, or P and MD, can each be healthy
+        and fail together). ``server_only``: a call that involves no P (MD's control API)
+        counts only when MD itself failed."""
+        status = getattr(error, "status", None)
+        if isinstance(error, aiohttp.ClientConnectionError) or (status is not None and status >= 500 and status != 503):
+            self.result.failed_backends.append((role, url))
+        elif not server_only and role != "prefill":
+            self.result.failed_backends.append(("pair", self.prefill.url, url))
+
     def _spawn(self, coro, must_finish: bool = False) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)

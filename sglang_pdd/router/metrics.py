@@ -19,7 +19,7 @@ metrics are thread-safe anyway).
 from __future__ import annotations
 
 import enum
-from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -45,7 +45,7 @@ FLOW_FALLBACK_REASONS: Dict[str, str] = {
     "wan_destination_failed": "wan_failed",  # P refused the late WAN destination
 }
 # Backend roles in the per-backend series (the router's pools: RLD and MD).
-BACKEND_ROLES: Tuple[str, ...] = ("relay", "main")
+BACKEND_ROLES: Tuple[str, ...] = ("prefill", "relay", "main")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the Content-Type header for render()'s bytes
 
@@ -219,6 +219,10 @@ class RouterMetrics:
         self._backends = dict(inflight)
         self.registry.register(_InflightCollector(self._backends))
 
+    def track_health(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]]) -> None:
+        """``read()``: (role, url, up, draining) per backend, at each scrape."""
+        self.registry.register(_HealthCollector(read))
+
     def backend_fallback(self, role: str, url: str) -> None:
         if url not in self._backends.get(_label(role, BACKEND_ROLES, "backend role"), {}):
             raise ValueError(f"unknown {role} backend {url!r}")
@@ -286,6 +290,25 @@ class RouterMetrics:
                 else:
                     slot.setdefault(key, {})[field] = s.value
         return snap
+
+
+class _HealthCollector:
+    """`pdd:backend_up` (1: the router may pick it) and `pdd:backend_draining`, per backend, from
+    the router's health board (router/health.py) at scrape time."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("pdd:backend_up", "1 if the router may pick this backend now (breaker not "
+                               "open, not draining), else 0.", labels=["role", "url"])
+        draining = GaugeMetricFamily("pdd:backend_draining", "1 while an operator drains this backend.",
+                                     labels=["role", "url"])
+        for role, url, is_up, is_draining in self._read():
+            up.add_metric([role, url], int(is_up))
+            draining.add_metric([role, url], int(is_draining))
+        yield up
+        yield draining
 
 
 class _InflightCollector:

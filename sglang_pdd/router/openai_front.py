@@ -51,7 +51,7 @@ async def sse_reply(request: web.Request, chunks: AsyncIterator) -> web.StreamRe
         async for chunk in chunks:
             await out.write(chunk.encode() if isinstance(chunk, str) else chunk)
     except UpstreamError as e:
-        err = {"error": {"message": e.detail, "type": "BackendError", "code": 502}}
+        err = {"error": {"message": e.detail, "type": "BackendError", "code": e.status_code}}
         await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
     finally:
         aclose = getattr(chunks, "aclose", None)
@@ -120,7 +120,9 @@ class OpenAIFront:
         try:
             result = await serving.handle_request(parsed, request)
         except UpstreamError as e:
-            return _error(502, e.detail, "BackendError")
+            reply = _error(e.status_code, e.detail, "ServiceUnavailable" if e.status_code == 503 else "BackendError")
+            reply.headers.update(e.headers or {})
+            return reply
         return await to_aiohttp(request, result)
 
     async def models(self) -> web.Response:

@@ -50,8 +50,16 @@ class UpstreamError(HTTPException):
     """A backend leg failed and the flow could not recover: HTTP 502 (SGLang's OpenAI classes
     turn an ``HTTPException`` into an error reply with this status)."""
 
-    def __init__(self, message: str):
-        super().__init__(status_code=502, detail=message)
+    def __init__(self, message: str, status_code: int = 502, headers: Optional[dict] = None):
+        super().__init__(status_code=status_code, detail=message, headers=headers)
+
+
+class BackendsUnavailable(UpstreamError):
+    """No backend of a needed role may take the request now (failing or draining): 503 with
+    Retry-After, as an overloaded SGLang server answers; nothing was started."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, 503, {"Retry-After": str(retry_after_s)})
 
 
 class Aborted(Exception):

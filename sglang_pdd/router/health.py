@@ -1,0 +1,116 @@
+"""What the router knows of each backend's health: a circuit breaker per server and per pair
+(pure logic; the router feeds it events and asks it which servers it may pick).
+
+Per server (P, RLD, MD) and per pair (P with the RLD or MD it sends KV to: two healthy servers
+can still fail together, e.g. a broken link between them), one state machine:
+
+    CLOSED ──failure_threshold consecutive failures──▶ OPEN (not picked)
+    OPEN ──cooldown_s passed──▶ HALF_OPEN (picked again: a trial)
+    HALF_OPEN ──a success (request or /health probe)──▶ CLOSED
+    HALF_OPEN ──a failure──▶ OPEN (cooldown again)
+
+A failure is a leg that broke on the backend (connection refused or reset, 5xx, a stream cut
+short) or a failed /health probe; a client that went away, a timeout the client chose and a
+request refused as bad input count as neither. Draining is the operator's, not the
+breaker's: a draining server gets no new requests and finishes the ones it has.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Hashable, Iterable
+
+
+class Breaker(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    failure_threshold: int = 3  # consecutive failures that open the breaker
+    cooldown_s: float = 10.0  # how long an open breaker keeps the server out
+
+    def __post_init__(self):
+        if self.failure_threshold < 1 or not self.cooldown_s >= 0:
+            raise ValueError("failure_threshold must be >= 1 and cooldown_s >= 0")
+
+
+@dataclass(frozen=True)
+class BackendHealth:
+    breaker: Breaker = Breaker.CLOSED
+    failures: int = 0  # consecutive, while CLOSED
+    opened_at: float = 0.0
+    draining: bool = False
+    last_error: str = ""
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Failed:
+    now: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    now: float
+
+
+@dataclass(frozen=True)
+class Drain:
+    draining: bool
+
+
+Event = Failed | Succeeded | Drain
+
+
+def settle(state: BackendHealth, now: float, cfg: HealthConfig) -> BackendHealth:
+    """An OPEN breaker whose cooldown has passed is HALF_OPEN (time is an input, not a timer)."""
+    if state.breaker is Breaker.OPEN and now - state.opened_at >= cfg.cooldown_s:
+        return replace(state, breaker=Breaker.HALF_OPEN)
+    return state
+
+
+def transition(state: BackendHealth, event: Event, cfg: HealthConfig) -> BackendHealth:
+    if isinstance(event, Drain):
+        return replace(state, draining=event.draining)
+    state = settle(state, event.now, cfg)
+    if isinstance(event, Succeeded):
+        return replace(state, breaker=Breaker.CLOSED, failures=0)
+    if state.breaker is Breaker.OPEN:  # already out: a further failure does not extend the cooldown
+        return replace(state, last_error=event.error or state.last_error)
+    failures = state.failures + 1
+    if state.breaker is Breaker.HALF_OPEN or failures >= cfg.failure_threshold:
+        return replace(state, breaker=Breaker.OPEN, failures=0, opened_at=event.now, last_error=event.error)
+    return replace(state, failures=failures, last_error=event.error)
+
+
+def pickable(state: BackendHealth, now: float, cfg: HealthConfig) -> bool:
+    return not state.draining and settle(state, now, cfg).breaker is not Breaker.OPEN
+
+
+class HealthBoard:
+    """Every backend's and pair's health, keyed by ("prefill" | "relay" | "main", url) or
+    ("pair", p_url, other_url)."""
+
+    def __init__(self, cfg: HealthConfig = HealthConfig()):
+        self.cfg = cfg
+        self.states: dict[Hashable, BackendHealth] = {}
+
+    def record(self, key: Hashable, event: Event) -> BackendHealth:
+        state = transition(self.states.get(key, BackendHealth()), event, self.cfg)
+        self.states[key] = state
+        return state
+
+    def pickable(self, key: Hashable, now: float) -> bool:
+        state = self.states.get(key)
+        return state is None or pickable(state, now, self.cfg)
+
+    def usable(self, keys: Iterable[Hashable], now: float) -> bool:
+        return all(self.pickable(k, now) for k in keys)
+
+    def view(self, key: Hashable, now: float) -> BackendHealth:
+        return settle(self.states.get(key, BackendHealth()), now, self.cfg)

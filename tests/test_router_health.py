@@ -1,0 +1,234 @@
+"""Backend health: breakers per server and per P pair, drain, and what the router answers when
+no backend may take a request. The state machine and the pick are pure; the router's probes,
+operator calls and replies run against the fake backends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from fake_backends import Fakes, Knobs, truth
+from test_flow_faults import PROMPT, flow_config
+from waiting import wait_until
+
+from sglang_pdd.router.app import OPERATOR_HEADER, NoBackend, Pools, Router, build_app
+from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.health import (BackendHealth, Breaker, Drain, Failed, HealthBoard, HealthConfig, Succeeded,
+                                      pickable, transition)
+
+CFG = HealthConfig(failure_threshold=2, cooldown_s=10.0)
+TOKEN = "operator-secret-0123456789"
+
+
+# ---------------------------------------------------------------------------- state machine
+def test_consecutive_failures_open_the_breaker_and_a_success_in_between_resets_them():
+    s = transition(BackendHealth(), Failed(0.0, "reset"), CFG)
+    assert s.breaker is Breaker.CLOSED and s.failures == 1
+    s = transition(s, Succeeded(1.0), CFG)
+    assert s.failures == 0
+    s = transition(transition(s, Failed(2.0), CFG), Failed(3.0, "refused"), CFG)
+    assert s.breaker is Breaker.OPEN and s.opened_at == 3.0 and s.last_error == "refused"
+    assert not pickable(s, 12.9, CFG) and pickable(s, 13.0, CFG)  # out for the cooldown, then a trial
+
+
+def test_half_open_trial_closes_on_success_and_reopens_on_failure():
+    opened = transition(transition(BackendHealth(), Failed(0.0), CFG), Failed(0.0), CFG)
+    assert transition(opened, Succeeded(10.0), CFG).breaker is Breaker.CLOSED
+    again = transition(opened, Failed(10.5), CFG)  # one failure in the trial is enough
+    assert again.breaker is Breaker.OPEN and again.opened_at == 10.5
+    # while open, more failures do not push the cooldown further out
+    assert transition(opened, Failed(5.0), CFG).opened_at == 0.0
+
+
+def test_drain_is_the_operators_and_outlives_breaker_changes():
+    s = transition(BackendHealth(), Drain(True), CFG)
+    s = transition(transition(s, Failed(0.0), CFG), Succeeded(1.0), CFG)
+    assert s.draining and not pickable(s, 1.0, CFG)
+    assert pickable(transition(s, Drain(False), CFG), 1.0, CFG)
+
+
+def test_config_is_checked():
+    for bad in ({"failure_threshold": 0}, {"cooldown_s": -1.0}, {"cooldown_s": float("nan")}):
+        with pytest.raises(ValueError):
+            HealthConfig(**bad)
+
+
+# ---------------------------------------------------------------------------- the pick
+def pools(n_p=2, n_rld=2, n_md=2) -> Pools:
+    return Pools([PrefillBackend(f"http://p{i}", 8998) for i in range(n_p)], [f"http://r{i}" for i in range(n_rld)],
+                 [MainBackend(f"http://m{i}", f"http://m{i}c", f"m{i}:1") for i in range(n_md)], health=CFG)
+
+
+def open_breaker(board: HealthBoard, key) -> None:
+    for _ in range(CFG.failure_threshold):
+        board.record(key, Failed(0.0))
+
+
+def test_pick_routes_around_open_breakers_draining_servers_and_failing_pairs():
+    p = pools()
+    open_breaker(p.health, ("relay", "http://r0"))
+    p.health.record(("main", "http://m1"), Drain(True))
+    for _ in range(4):
+        prefill, relay, main = p.pick(PROMPT, now=1.0)
+        assert relay == "http://r1" and main.url == "http://m0"
+    open_breaker(p.health, ("pair", "http://p0", "http://m0"))  # P0's KV does not reach MD0
+    picks = [p.pick(PROMPT, now=1.0) for _ in range(4)]
+    assert {(pf.url, m.url if m else None) for pf, _, m in picks} == {("http://p0", None), ("http://p1", "http://m0")}
+    assert p.pick(PROMPT, now=11.0)[1] in ("http://r0", "http://r1")  # r0's cooldown is over: a trial
+
+
+def test_no_prefill_or_no_relay_is_no_backend_and_no_md_is_none():
+    p = pools(n_p=1, n_rld=1, n_md=1)
+    open_breaker(p.health, ("main", "http://m0"))
+    assert p.pick(PROMPT, now=1.0)[2] is None
+    p.health.record(("relay", "http://r0"), Drain(True))
+    with pytest.raises(NoBackend, match="relay"):
+        p.pick(PROMPT, now=1.0)
+    open_breaker(p.health, ("prefill", "http://p0"))
+    with pytest.raises(NoBackend, match="prefill"):
+        p.pick(PROMPT, now=1.0)
+
+
+def test_p_is_chosen_by_cached_prefix_and_new_prompts_take_turns():
+    p = pools()
+    p.prefixes.record("http://p1", PROMPT * 4)
+    assert {p.pick(PROMPT * 4)[0].url for _ in range(4)} == {"http://p1"}  # the session's P holds its prefix
+    other = [9000 + i for i in range(64)]
+    assert {p.pick(other)[0].url for _ in range(4)} == {"http://p0", "http://p1"}
+    p.p_inflight["http://p1"] = 5  # 4+ more in flight than the idlest: load wins over the cache
+    assert p.pick(PROMPT * 4)[0].url == "http://p0"
+
+
+# ---------------------------------------------------------------------------- the router
+@contextlib.asynccontextmanager
+async def router_on_fakes(state, knobs: Knobs, cooldown_s: float = 0.3, interval_s: float = 0.05):
+    fakes = await Fakes(knobs).start()
+    pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
+                  [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
+                  health=HealthConfig(failure_threshold=2, cooldown_s=cooldown_s))
+    router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
+                    max_new_tokens_cap=64, operator_token=TOKEN, health_check_interval_s=interval_s)
+    runner = web.AppRunner(build_app(router), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield f"http://{host}:{port}", client, fakes
+    finally:
+        await runner.cleanup()
+        await fakes.stop()
+
+
+async def generate(client, base: str) -> tuple[int, dict, dict]:
+    async with client.post(f"{base}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}},
+                           headers={OPERATOR_HEADER: TOKEN}) as resp:
+        return resp.status, dict(resp.headers), await resp.json()
+
+
+async def poll(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def test_a_failing_relay_is_taken_out_by_its_probes_and_back_after_recovering(router_sglang_state):
+    knobs = Knobs()
+
+    async def main():
+        async with router_on_fakes(router_sglang_state, knobs) as (base, client, fakes):
+            status, _, body = await generate(client, base)
+            assert status == 200 and body["output_ids"] == truth(PROMPT, 8)
+            knobs.health_status["rld"] = 500
+
+            assert await poll(lambda: _out(client, base, "relay"))  # two failed probes in a row
+            status, headers, body = await generate(client, base)
+            assert status == 503 and headers["Retry-After"] == "1" and "relay" in body["message"], body
+            assert len(fakes.records("rld", "generate")) == 1  # nothing started
+            async with client.get(f"{base}/health") as resp:
+                assert resp.status == 503 and (await resp.json())["available"]["relay"] == 0
+            knobs.health_status["rld"] = 200  # recovered: after the cooldown a probe closes the breaker
+
+            async def served():
+                return (await generate(client, base))[0] == 200
+
+            assert await poll(served)
+            async with client.get(f"{base}/pdd/backends", headers={OPERATOR_HEADER: TOKEN}) as resp:
+                rows = {r["role"]: r for r in (await resp.json())["backends"]}
+            assert rows["relay"]["breaker"] == "closed" and rows["relay"]["pickable"]
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_failing_md_leaves_requests_to_rld_with_the_reason(router_sglang_state):
+    knobs = Knobs(health_status={"md": 503})
+
+    async def main():
+        async with router_on_fakes(router_sglang_state, knobs, cooldown_s=60) as (base, client, fakes):
+            assert await poll(lambda: _out(client, base, "main"))
+            status, _, body = await generate(client, base)
+            pdd = body["meta_info"]["pdd"]
+            assert status == 200 and body["output_ids"] == truth(PROMPT, 8)
+            assert pdd["path"] == "p_rld_only" and pdd["fallbacks"] == ["md_unavailable: every MD is failing or draining"]
+            assert fakes.records("md", "register") == []  # not asked at all
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+async def _out(client, base, role: str) -> bool:
+    """The router's own view (GET /pdd/backends): may it pick the ``role`` server now?"""
+    async with client.get(f"{base}/pdd/backends", headers={OPERATOR_HEADER: TOKEN}) as resp:
+        return not next(r for r in (await resp.json())["backends"] if r["role"] == role)["pickable"]
+
+
+def test_drain_is_operator_only_and_stops_new_requests_not_running_ones(router_sglang_state):
+    knobs = Knobs(rld_token_delay_s=0.05)
+
+    async def main():
+        async with router_on_fakes(router_sglang_state, knobs, interval_s=0) as (base, client, fakes):
+            drain = f"{base}/pdd/backends/drain"
+            async with client.post(drain, json={"url": fakes.rld_url}) as resp:
+                assert resp.status == 403
+            for bad, status in (({"url": 5}, 400), ({"url": "http://nowhere:1"}, 404),
+                                ({"url": fakes.rld_url, "draining": "yes"}, 400)):
+                async with client.post(drain, json=bad, headers={OPERATOR_HEADER: TOKEN}) as resp:
+                    assert resp.status == status, bad
+            running = asyncio.ensure_future(generate(client, base))  # 8 tokens at 50 ms: still running below
+            assert await poll(lambda: _async(len(fakes.records("rld", "generate")) == 1))
+            async with client.post(drain, json={"url": fakes.rld_url}, headers={OPERATOR_HEADER: TOKEN}) as resp:
+                assert resp.status == 200 and (await resp.json())["inflight"] == 1
+            status, headers, _ = await generate(client, base)
+            assert status == 503 and headers["Retry-After"] == "1"
+            status, _, body = await running
+            assert status == 200 and body["output_ids"] == truth(PROMPT, 8)  # the running one finished
+            async with client.post(drain, json={"url": fakes.rld_url, "draining": False},
+                                   headers={OPERATOR_HEADER: TOKEN}) as resp:
+                assert resp.status == 200
+            assert (await generate(client, base))[0] == 200
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+async def _async(value):
+    return value
+
+
+def test_legs_that_break_on_a_server_open_its_breaker_passively(router_sglang_state):
+    knobs = Knobs(rld_fail_after={1: 2}, md_ready="never")
+
+    async def main():
+        async with router_on_fakes(router_sglang_state, knobs, cooldown_s=60, interval_s=0) as (base, client, fakes):
+            for _ in range(2):  # RLD drops the connection mid-stream: a failure of that server
+                assert (await generate(client, base))[0] == 502
+            status, headers, body = await generate(client, base)
+            assert status == 503 and "relay" in body["message"], body
+
+    asyncio.run(asyncio.wait_for(main(), 60))
