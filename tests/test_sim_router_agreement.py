@@ -193,3 +193,25 @@ def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
     assert s.requests == len(trace) and s.switches == 0 and "p_md" not in s.paths
     assert s.rld_token_share == pytest.approx(1 - len(trace) / sum(r.output_length for r in trace))  # P makes token 1
     assert sim.loop.pending() == 0
+
+
+def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
+    """flow.py with P's control API: decide on the prefix index's estimate; only P->MD
+    registers first (a round trip before P) and decides again on MD's exact prefix."""
+    from sglang_pdd.sim.cluster import SimRequest
+    full = list(range(117))  # 117 blocks of 512 tokens
+    tr = TraceRequest(0.0, 60_000, 300, tuple(full))  # ~1 s of WAN uncached, more than the budget
+
+    def request(sim, md_cached):
+        sim.rld_flows[0] = 91  # 90 others: P->MD gets half the slack (~0.9 s)
+        r = SimRequest(tr, 0.0)
+        r.rld, r.md, r.md_cached = 0, 0, md_cached
+        return r
+    sim = Simulation(CFG, SLA)
+    r = request(sim, 59_904)  # MD holds it, the index does not know yet
+    assert sim.choose_path(r, full) is Path.P_RLD_MD and not r.reg_first
+    sim.md_index.record_blocks(0, full)
+    r = request(sim, 59_904)
+    assert sim.choose_path(r, full) is Path.P_MD and r.reg_first
+    r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD
+    assert sim.choose_path(r, full) is Path.P_RLD_MD and r.reg_first

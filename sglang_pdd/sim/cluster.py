@@ -127,7 +127,8 @@ class ScenarioConfig:
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
-                 "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan")
+                 "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
+                 "reg_first")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -149,6 +150,7 @@ class SimRequest:
         self.state = None
         self.rld_others = 0  # other flows in flight on its RLD when it arrived (router's rld_inflight)
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
+        self.reg_first = False  # registered on MD (a WAN round trip) before P starts
 
 
 class Simulation:
@@ -302,7 +304,11 @@ class Simulation:
             r.rld = self.pick_rld()
             r.rld_others = self.rld_flows[r.rld]
             self.rld_flows[r.rld] += 1
-        r.path = self.decide(tr, r.md_cached, r.rld).path if routed else Path.P_MD
+        if routed:
+            r.path = self.choose_path(r, full)
+        else:
+            r.path = Path.P_MD
+            r.reg_first = c.kind == "pdd" and self.route_cfg.p_md_registers_first
         chosen = r.path
         if r.path is not Path.P_RLD_ONLY and c.kind == "pdd":
             want = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
@@ -326,8 +332,22 @@ class Simulation:
                 self._event(now, r, lc.PathChosen(chosen, late_destination=True))
                 self._event(now, r, lc.MdNotReady("md_unavailable: staging full"))
             else:
-                self._event(now, r, lc.PathChosen(r.path, late_destination=r.path is Path.P_RLD_MD))
+                self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first
+                                                  and r.path is Path.P_RLD_MD))
         self._registered(now, r)
+
+    def choose_path(self, r: SimRequest, full) -> Path:
+        """flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
+        on the router's prefix-index estimate of MD's prefix; P->MD registers on MD first
+        (a WAN round trip before P) and decides again on MD's exact answer, which may turn
+        it into P->RLD->MD (registered before the legs, so no late destination)."""
+        tr = r.tr
+        estimate = self.md_index.match_blocks(r.md, full) * BLOCK_TOKENS if self.cfg.drc else 0
+        path = self.decide(tr, estimate, r.rld).path
+        if path is Path.P_MD:
+            r.reg_first = self.route_cfg.p_md_registers_first
+            path = self.decide(tr, r.md_cached, r.rld).path
+        return path
 
     def pick_rld(self) -> int:
         """router/app.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
@@ -373,7 +393,7 @@ class Simulation:
 
     def decide(self, tr: TraceRequest, md_cached: int, rld: int) -> PathDecision:
         """The router's decision with the router's inputs (router/flow.py's _decide): MD's
-        prefix as MD's registration reports it, the request's max_new_tokens (the trace's
+        prefix (the index's estimate or MD's registration answer), the request's max_new_tokens (the trace's
         output length stands in), the other flows in flight on its RLD (this one already
         counted, as app.py counts it after the decision). Not P's queue, P's prefill time or
         other WAN flows: the router does not see them (docs/sim.md). Called through the
@@ -387,7 +407,7 @@ class Simulation:
         if r.path is not Path.P_RLD_ONLY:
             r.md_pending = tr.input_length + tr.output_length
             self.md_pending[r.md] += r.md_pending
-        if r.path is Path.P_MD and self._first_token_via_rld() and self.route_cfg.p_md_registers_first:
+        if r.reg_first and self._first_token_via_rld():
             # flow.py: P->MD registers on MD (a WAN round trip) before P starts.
             self.loop.after(2 * c.wan.one_way_latency_s, self._submit_prefill, r)
         else:
