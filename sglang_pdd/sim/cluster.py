@@ -1,17 +1,24 @@
 """The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
 
-Request lifecycle (PDD):
-  arrive -> router picks P (round robin, as router/app.py; prefix affinity for the
-  baselines or with `p_affinity`), RLD (fewest flows in flight), MD (DRC affinity) and a
-  path with `router.policy.decide_path`, the router's own call and inputs -> chunked
-  prefill on P ->
+Routing and the request's course (PDD with an RLD) are the router's own functions, called
+at run time so that a change to them changes the sim: P round robin, RLD with the fewest
+flows in flight and MD by `router.placement.pick_instance` on flows in flight
+(`pick_rld`, `pick_md`: router/app.py's Pools.pick, checked against it in
+tests/test_sim_router_agreement.py); the path by `router.policy.decide_path` on the prefix
+index's estimate, again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's
+control API); the handoff mode by `handoff.policy.choose_mode` on RLD's flows at arrival;
+and every request's life by `router.lifecycle.transition` (`_event`), fed the events the
+router's I/O shell would feed (PathChosen, RLD's first and last tokens, MdReady / MD's
+refusal as MdNotReady, the cut, MD's tokens). The sim does what the returned actions say:
+StartHandoff starts the handoff (at once, or after RLD's first token), SendFinalHandoff
+stops RLD at the cut, Finish ends the request. What the sim models itself is time:
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
-                (`handoff.policy`: one-shot or catch-up rounds), MD extends them and decodes
-                the rest. A request that ends on RLD first cancels the rest of its transfer
-                (`keep_finished_kv` lets it land in MD's DRC instead);
-    P_RLD_ONLY: outliers decode entirely on RLD, nothing crosses the WAN.
+                (one-shot or catch-up rounds, `handoff.policy.next_catch_up_batch`), MD
+                extends them and decodes the rest. A request that ends on RLD first cancels
+                the rest of its transfer (`keep_finished_kv` lets it land in MD's DRC);
+    P_RLD_ONLY: outliers and MD refusals decode entirely on RLD, nothing crosses the WAN.
 Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
 type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
 
