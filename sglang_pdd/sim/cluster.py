@@ -195,7 +195,8 @@ class Simulation:
         # sim accounts for in time, and failures are not modelled.
         self._actions = {lc.StartRelayLeg: self._act_relay_leg, lc.StartHandoff: self._act_start_handoff,
                          lc.SendFinalHandoff: self._act_final_handoff, lc.HandoffAbandoned: self._act_unmodelled,
-                         lc.AbortLegs: self._act_unmodelled, lc.Fail: self._act_unmodelled}
+                         lc.AbortLegs: self._act_unmodelled, lc.Fail: self._act_unmodelled,
+                         lc.Finish: self._act_finish}
         self._p_rr = 0
         self._md_ids = list(range(cfg.n_md))
         kv_link = cfg.wan if cfg.md_remote else cfg.rdma
@@ -353,7 +354,8 @@ class Simulation:
         path = self.decide(tr, estimate, r.rld).path
         if path is Path.P_MD:
             r.reg_first = self.route_cfg.p_md_registers_first
-            path = self.decide(tr, r.md_cached, r.rld).path
+            if r.md_cached != estimate:  # (the same inputs give the same decision)
+                path = self.decide(tr, r.md_cached, r.rld).path
         return path
 
     def pick_rld(self) -> int:
@@ -375,19 +377,19 @@ class Simulation:
         """Feed one event to router/lifecycle.transition, the router's own state machine,
         and do what its actions say (the sim acts on these, it does not re-decide them)."""
         r.state, actions = lc.transition(r.state, event)
+        acts = self._actions
         for a in actions:
-            t = type(a)
-            if t is lc.Finish:
-                (self._md_finished if type(event) is lc.MainTokens else self._rld_finished)(now, r)
-            else:
-                act = self._actions.get(t)
-                if act is not None:
-                    act(now, r, a)
+            act = acts.get(type(a))
+            if act is not None:
+                act(now, r, a, event)
 
-    def _act_relay_leg(self, now: float, r: SimRequest, a: lc.StartRelayLeg) -> None:
+    def _act_finish(self, now: float, r: SimRequest, a: lc.Finish, event) -> None:
+        (self._md_finished if type(event) is lc.MainTokens else self._rld_finished)(now, r)
+
+    def _act_relay_leg(self, now: float, r: SimRequest, a: lc.StartRelayLeg, event) -> None:
         r.wan = a.wan  # whether P also sends the KV to MD
 
-    def _act_start_handoff(self, now: float, r: SimRequest, a: lc.StartHandoff) -> None:
+    def _act_start_handoff(self, now: float, r: SimRequest, a: lc.StartHandoff, event) -> None:
         if r.path is Path.P_MD:  # the one-token bridge ended: MD continues after token 1
             self._event(now, r, lc.CutReady())
         elif self.rld[r.rld].is_running(r):
@@ -395,7 +397,7 @@ class Simulation:
         else:  # RLD's first token, reported while RLD admits the request
             self.loop.after(0.0, self._try_handoff, r)
 
-    def _act_unmodelled(self, now: float, r: SimRequest, a) -> None:
+    def _act_unmodelled(self, now: float, r: SimRequest, a, event) -> None:
         raise RuntimeError(f"lifecycle action {a!r}: failures and recovery are not simulated")
 
     def decide(self, tr: TraceRequest, md_cached: int, rld: int) -> PathDecision:
@@ -578,7 +580,7 @@ class Simulation:
         # The token ids cross the WAN to MD, which extends them in a pass of its own.
         self.loop.after(self.cfg.wan.one_way_latency_s, self._md_extend, (r, extend_s, final))
 
-    def _act_final_handoff(self, now: float, r: SimRequest, a: lc.SendFinalHandoff) -> None:
+    def _act_final_handoff(self, now: float, r: SimRequest, a: lc.SendFinalHandoff, event) -> None:
         tr = r.tr
         if r.path is Path.P_MD:  # MD decodes all but P's first token (KV landed, no extend)
             self._md_submit(now, r, tr.output_length - 1, tr.input_length)
