@@ -172,8 +172,9 @@ def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
     done_events = [e for e, ph in seen if ph is Phase.DONE]
     assert len(done_events) == len(trace)
     assert {"RelayTokens", "MainTokens"} >= set(done_events)
-    # handoffs went MdReady -> CutReady (the cut) -> MainTokens (MD's tokens commit it)
+    # every switch to MD was a cut (CutReady) and ended on MD's tokens (MainTokens)
     assert names.count("CutReady") >= s.switches > 0
+    assert done_events.count("MainTokens") >= s.switches
     assert "MdReady" in names and s.requests == len(trace)
 
 
@@ -185,7 +186,7 @@ def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     import dataclasses
     no_p_md = ScenarioConfig(**{**CFG.__dict__, "router": dataclasses.replace(
-        Simulation(CFG, SLA).route_cfg, max_wan_transfer_ms=0.0)})  # P->MD needs a cut too
+        Simulation(CFG, SLA).route_cfg, max_wan_transfer_ms=0.0)})  # no P->MD: it needs the cut too
     assert Simulation(no_p_md, SLA).run(trace).switches > 0
     _counting_transition(monkeypatch, drop=lifecycle.CutReady)
     sim = Simulation(no_p_md, SLA)
