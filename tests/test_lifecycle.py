@@ -330,3 +330,17 @@ def test_random_event_orders_keep_the_invariants():
                 produced["rld"] = state.emitted  # the new leg counts from 0, resumed positions included
             if isinstance(event, MainFailed) and state.md is Md.FAILED:
                 produced["md"] = 0
+
+
+def test_fast_replace_matches_dataclasses_replace():
+    import dataclasses
+
+    from sglang_pdd.router import lifecycle
+    s = lifecycle.State(max_new=9, emitted=2)
+    fast = lifecycle._replace(s, phase=lifecycle.Phase.MAIN, cut=3)
+    assert fast == dataclasses.replace(s, phase=lifecycle.Phase.MAIN, cut=3) and s.cut is None
+    assert hash(fast) == hash(dataclasses.replace(fast))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.cut = 4
+    with pytest.raises(TypeError):
+        lifecycle._replace(s, emited=3)

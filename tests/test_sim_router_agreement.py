@@ -91,3 +91,128 @@ def test_pdd_places_prefill_round_robin_like_the_router():
         p.submit = (lambda i, f: lambda now, r, *a: (seen.append(i), f(now, r, *a)))(i, real[i])
     aff.run(trace)
     assert len(set(seen)) == 1
+
+
+# ---- one place: the router's own functions decide the sim's placement, path and lifecycle
+
+def test_sim_places_rld_and_md_as_pools_pick():
+    """Random in-flight counts and prefix owners: the sim's RLD and MD choice for a PDD
+    request is router/app.py's Pools.pick (16-token blocks there, one trace block here)."""
+    import random
+    from types import SimpleNamespace
+
+    from sglang_pdd.router.app import Pools
+    rng = random.Random(1)
+    cfg = ScenarioConfig("pdd", "pdd", n_prefill=1, n_rld=3, n_md=4, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
+    tokens = list(range(1000, 1000 + 16 * 6))
+    hashes = list(range(6))
+    for _ in range(300):
+        sim = Simulation(cfg, SLA)
+        rlds = [f"http://rld{i}" for i in range(3)]
+        mds = [SimpleNamespace(url=f"http://md{i}") for i in range(4)]
+        pools = Pools([SimpleNamespace(url="http://p")], rlds, mds)
+        for i in range(3):
+            pools.rld_inflight[rlds[i]] = sim.rld_flows[i] = rng.randrange(4)
+        for i in range(4):
+            pools.md_inflight[mds[i].url] = sim.md_flows[i] = rng.randrange(9)
+            held = rng.choice((0, 0, 1, 3, 6))
+            if held:
+                pools.prefixes.record(mds[i].url, tokens[:16 * held])
+                sim.md_index.record_blocks(i, hashes[:held])
+        _, relay, main = pools.pick(tokens)
+        assert rlds[sim.pick_rld()] == relay
+        assert mds[sim.pick_md(hashes)] is main
+
+
+def test_a_change_to_the_router_policy_changes_the_sims_routing(monkeypatch):
+    """The sim calls router/policy.py at run time: patching the policy (here the function
+    decide_path calls) moves both the router's decision and every simulated request."""
+    from sglang_pdd.router import policy
+    from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+    trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
+    base = Simulation(CFG, SLA).run(trace)
+    assert base.paths.get("p_rld_md", 0) > 0
+    for forced in (Path.P_MD, Path.P_RLD_ONLY):
+        monkeypatch.setattr(policy, "choose_path",
+                            lambda facts, cfg, forced=forced: policy.PathDecision(forced, facts.input_tokens, 0.0, "test"))
+        sim = Simulation(ScenarioConfig(**{**CFG.__dict__, "md_staging_bytes": float("inf")}), SLA)  # no refusals
+        assert router_decision(sim.route_cfg, 2_000, 0, 200, 0).path is forced
+        s = sim.run(trace)
+        assert s.paths == {forced.value: len(trace)}
+        if forced is Path.P_RLD_ONLY:
+            assert s.wan_gb == 0 and s.switches == 0 and s.kv_landed == 0
+
+
+def _counting_transition(monkeypatch, drop=None):
+    """Wrap router/lifecycle.transition: record every (event, phase after); optionally make
+    one event type a no-op (state kept, no actions)."""
+    from sglang_pdd.router import lifecycle
+    real, seen = lifecycle.transition, []
+
+    def wrapped(state, event):
+        if drop is not None and isinstance(event, drop):
+            return state, []
+        new, actions = real(state, event)
+        seen.append((type(event).__name__, new.phase))
+        return new, actions
+    monkeypatch.setattr(lifecycle, "transition", wrapped)
+    return seen
+
+
+def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
+    from sglang_pdd.router.lifecycle import Phase
+    from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+    trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
+    seen = _counting_transition(monkeypatch)
+    cfg = ScenarioConfig(**{**CFG.__dict__, "n_md": 2})
+    s = Simulation(cfg, SLA).run(trace)
+    names = [e for e, _ in seen]
+    assert names.count("PathChosen") == len(trace)
+    # every request ends in DONE exactly once (the sim finishes it on the lifecycle's Finish)
+    done_events = [e for e, ph in seen if ph is Phase.DONE]
+    assert len(done_events) == len(trace)
+    assert {"RelayTokens", "MainTokens"} >= set(done_events)
+    # every switch to MD was a cut (CutReady) and ended on MD's tokens (MainTokens)
+    assert names.count("CutReady") >= s.switches > 0
+    assert done_events.count("MainTokens") >= s.switches
+    assert "MdReady" in names and s.requests == len(trace)
+
+
+def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
+    """Make CutReady a no-op in the lifecycle (as it is when the request ends on RLD anyway)
+    and no simulated request is handed to MD: the sim does what the lifecycle says."""
+    from sglang_pdd.router import lifecycle
+    from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+    trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
+    import dataclasses
+    no_p_md = ScenarioConfig(**{**CFG.__dict__, "router": dataclasses.replace(
+        Simulation(CFG, SLA).route_cfg, max_wan_transfer_ms=0.0)})  # no P->MD: it needs the cut too
+    assert Simulation(no_p_md, SLA).run(trace).switches > 0
+    _counting_transition(monkeypatch, drop=lifecycle.CutReady)
+    sim = Simulation(no_p_md, SLA)
+    s = sim.run(trace)
+    assert s.requests == len(trace) and s.switches == 0 and "p_md" not in s.paths
+    assert s.rld_token_share == pytest.approx(1 - len(trace) / sum(r.output_length for r in trace))  # P makes token 1
+    assert sim.loop.pending() == 0
+
+
+def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
+    """flow.py with P's control API: decide on the prefix index's estimate; only P->MD
+    registers first (a round trip before P) and decides again on MD's exact prefix."""
+    from sglang_pdd.sim.cluster import SimRequest
+    full = list(range(117))  # 117 blocks of 512 tokens
+    tr = TraceRequest(0.0, 60_000, 300, tuple(full))  # ~1 s of WAN uncached, more than the budget
+
+    def request(sim, md_cached):
+        sim.rld_flows[0] = 91  # 90 others: P->MD gets half the slack (~0.9 s)
+        r = SimRequest(tr, 0.0)
+        r.rld, r.md, r.md_cached = 0, 0, md_cached
+        return r
+    sim = Simulation(CFG, SLA)
+    r = request(sim, 59_904)  # MD holds it, the index does not know yet
+    assert sim.choose_path(r, full) is Path.P_RLD_MD and not r.reg_first
+    sim.md_index.record_blocks(0, full)
+    r = request(sim, 59_904)
+    assert sim.choose_path(r, full) is Path.P_MD and r.reg_first
+    r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD
+    assert sim.choose_path(r, full) is Path.P_RLD_MD and r.reg_first

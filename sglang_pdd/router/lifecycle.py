@@ -45,7 +45,7 @@ An event that cannot happen in a state (a bug, or a backend that breaks its cont
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from sglang_pdd.router.policy import Path
@@ -226,6 +226,32 @@ class State:
     main_produced: int = 0
 
 
+_TERMINAL = (Phase.DONE, Phase.FAILED, Phase.CLOSED)
+_STATE_FIELDS = frozenset(f.name for f in fields(State))
+_new = object.__new__
+
+# Actions are immutable, so the constant ones are made once (the simulator steps this
+# machine for every simulated request; a frozen dataclass costs ~1 us to build).
+_RELAY_OUTPUT, _START_HANDOFF = RelayOutput(), StartHandoff()
+_HANDOFF_COMMITTED, _MAIN_OUTPUT = HandoffCommitted(), MainOutput()
+_FIRST_LEG = {(one_token, wan): StartRelayLeg(leg=1, resume_len=0, one_token=one_token, wan=wan)
+              for one_token in (False, True) for wan in (False, True)}
+_MD_SIDE = {late: StartMdSide(late_destination=late) for late in (False, True)}
+
+
+def _replace(s: State, **changes) -> State:
+    """dataclasses.replace for State, without re-running __init__ (several times faster,
+    for the simulator as above). State has no __post_init__, so the result is the same;
+    an unknown field name still raises."""
+    new = _new(State)
+    d = new.__dict__
+    d.update(s.__dict__)
+    d.update(changes)
+    if len(d) != len(_STATE_FIELDS):
+        raise TypeError(f"unknown State fields {sorted(changes.keys() - _STATE_FIELDS)}")
+    return new
+
+
 def relay_finished_request(state: State, produced: int, finish: dict) -> bool:
     """A relay leg ended: is the whole request done (budget used, or EOS / stop / abort)?"""
     return produced >= state.max_new or finish.get("type") != "length"
@@ -236,14 +262,13 @@ Result = tuple[State, list]
 
 def transition(state: State, event: Event) -> Result:
     """The request's one transition function. Raises LifecycleError for an illegal event."""
-    if state.phase.terminal:
-        raise LifecycleError(f"{type(event).__name__} after the request ended ({state.phase.value})")
+    phase = state.phase
+    if phase in _TERMINAL:
+        raise LifecycleError(f"{type(event).__name__} after the request ended ({phase.value})")
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise LifecycleError(f"unknown event {event!r}")
-    if isinstance(event, (Timeout, ClientDisconnected)):
-        return handler(state, event)
-    if state.phase is Phase.STARTING and not isinstance(event, PathChosen):
+    if phase is Phase.STARTING and not isinstance(event, (PathChosen, Timeout, ClientDisconnected)):
         raise LifecycleError(f"{type(event).__name__} before the path was chosen")
     return handler(state, event)
 
@@ -252,10 +277,10 @@ def _path_chosen(s: State, e: PathChosen) -> Result:
     if s.phase is not Phase.STARTING:
         raise LifecycleError("the path was already chosen")
     with_md = e.path is not Path.P_RLD_ONLY
-    s = replace(s, phase=Phase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
-    actions = [StartRelayLeg(leg=1, resume_len=0, one_token=e.path is Path.P_MD, wan=with_md)]
+    s = _replace(s, phase=Phase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
+    actions = [_FIRST_LEG[e.path is Path.P_MD, with_md]]
     if with_md:
-        actions.append(StartMdSide(late_destination=e.late_destination))
+        actions.append(_MD_SIDE[bool(e.late_destination)])
     return s, actions
 
 
@@ -268,22 +293,23 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
         raise LifecycleError(f"relay leg {e.leg} went back from {s.relay_produced} to {e.produced}")
     if e.produced > s.max_new:
         raise LifecycleError(f"relay leg {e.leg} produced {e.produced} > max_new_tokens {s.max_new}")
-    actions: list = [RelayOutput()]
-    s = replace(s, relay_produced=e.produced)
+    actions: list = [_RELAY_OUTPUT]
     if s.phase is Phase.RELAY:
-        s = replace(s, emitted=e.produced)
+        s = _replace(s, relay_produced=e.produced, emitted=e.produced)
+    else:
+        s = _replace(s, relay_produced=e.produced)
     request_done = e.finish is not None and relay_finished_request(s, e.produced, e.finish)
     if s.handoff_on_first_token and s.emitted and not request_done:
-        s = replace(s, handoff_on_first_token=False)
-        actions.append(StartHandoff())
+        s = _replace(s, handoff_on_first_token=False)
+        actions.append(_START_HANDOFF)
     if e.finish is None:
         return s, actions
     if request_done:
         if s.phase is Phase.HANDING_OFF:  # RLD finished first: its tokens stand
             actions.append(HandoffAbandoned())
-            s = replace(s, emitted=s.relay_produced)
-        return replace(s, phase=Phase.DONE), actions + [Finish(e.finish)]
-    s = replace(s, relay_idle=True)
+            s = _replace(s, emitted=s.relay_produced)
+        return _replace(s, phase=Phase.DONE), actions + [Finish(e.finish)]
+    s = _replace(s, relay_idle=True)
     if s.md is Md.FAILED and s.phase is Phase.RELAY:
         return _recover(s, actions, "wan_failed_after_rld")
     return s, actions
@@ -294,24 +320,24 @@ def _relay_failed(s: State, e: RelayFailed) -> Result:
         raise LifecycleError(f"failure of relay leg {e.leg}, only {s.leg} started")
     if e.leg < s.leg or s.phase is Phase.MAIN:
         return s, []  # a superseded leg, or the aborted RLD of a committed handoff
-    return replace(s, phase=Phase.FAILED), [Fail(f"relay leg failed: {e.message}")]
+    return _replace(s, phase=Phase.FAILED), [Fail(f"relay leg failed: {e.message}")]
 
 
 def _md_ready(s: State, e: MdReady) -> Result:
     if s.md is not Md.PENDING:
         raise LifecycleError(f"MD ready, but MD is {s.md.value}")
-    s = replace(s, md=Md.READY)
+    s = _replace(s, md=Md.READY)
     if s.phase is not Phase.RELAY:
         raise LifecycleError(f"MD ready in phase {s.phase.value}")
     if s.emitted or s.relay_idle:
-        return s, [StartHandoff()]
-    return replace(s, handoff_on_first_token=True), []  # P's first token comes via RLD: same-DC TTFT
+        return s, [_START_HANDOFF]
+    return _replace(s, handoff_on_first_token=True), []  # P's first token comes via RLD: same-DC TTFT
 
 
 def _md_not_ready(s: State, e: MdNotReady) -> Result:
     if s.md is not Md.PENDING:
         raise LifecycleError(f"MD not ready, but MD is {s.md.value}")
-    s = replace(s, md=Md.FAILED)
+    s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(e.fallback)]
     if s.relay_idle and s.phase is Phase.RELAY:
         return _recover(s, actions, "wan_failed_after_rld")
@@ -323,7 +349,7 @@ def _cut_ready(s: State, e: CutReady) -> Result:
         raise LifecycleError(f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}")
     if s.phase is not Phase.RELAY or s.emitted >= s.max_new:
         return s, []  # the request ends on RLD anyway
-    return replace(s, phase=Phase.HANDING_OFF, cut=s.emitted, md_stream=True), [SendFinalHandoff(cut=s.emitted)]
+    return _replace(s, phase=Phase.HANDING_OFF, cut=s.emitted, md_stream=True), [SendFinalHandoff(cut=s.emitted)]
 
 
 def _main_tokens(s: State, e: MainTokens) -> Result:
@@ -335,28 +361,28 @@ def _main_tokens(s: State, e: MainTokens) -> Result:
         return s, []  # a late MD event after a failed handoff
     if e.produced < s.main_produced:
         raise LifecycleError(f"MD went back from {s.main_produced} to {e.produced}")
-    s = replace(s, main_produced=e.produced)
+    s = _replace(s, main_produced=e.produced)
     actions: list = []
     if s.phase is Phase.HANDING_OFF:
         if e.produced <= s.cut:
             return s, []  # MD repeated the eager tokens only; wait for its first own token
-        s = replace(s, phase=Phase.MAIN)
-        actions.append(HandoffCommitted())
-    actions.append(MainOutput())
-    s = replace(s, emitted=max(s.emitted, e.produced))
+        s = _replace(s, phase=Phase.MAIN)
+        actions.append(_HANDOFF_COMMITTED)
+    actions.append(_MAIN_OUTPUT)
+    s = _replace(s, emitted=max(s.emitted, e.produced))
     if e.finish is not None:
-        return replace(s, phase=Phase.DONE), actions + [Finish(e.finish)]
+        return _replace(s, phase=Phase.DONE), actions + [Finish(e.finish)]
     return s, actions
 
 
 def _main_failed(s: State, e: MainFailed) -> Result:
     if s.md is Md.NONE:
         raise LifecycleError("MD failed, but the request has no MD")
-    s = replace(s, md=Md.FAILED)
+    s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(f"md_failed: {e.message}")]
     if s.phase is Phase.HANDING_OFF:
         actions.append(HandoffAbandoned())
-        s = replace(s, phase=Phase.RELAY, emitted=s.relay_produced, cut=None)
+        s = _replace(s, phase=Phase.RELAY, emitted=s.relay_produced, cut=None)
         if s.relay_idle:
             return _recover(s, actions, "md_failed")
         return s, actions
@@ -370,18 +396,18 @@ def _main_failed(s: State, e: MainFailed) -> Result:
 def _recover(s: State, actions: list, why: str) -> Result:
     """MD cannot finish: a new P->RLD leg continues from what the client already has."""
     leg = s.leg + 1
-    s = replace(s, phase=Phase.RELAY, leg=leg, relay_produced=s.emitted, relay_idle=False, cut=None,
+    s = _replace(s, phase=Phase.RELAY, leg=leg, relay_produced=s.emitted, relay_idle=False, cut=None,
                 md=Md.FAILED)
     return s, actions + [RecordFallback(f"recovered_on_relay: {why}"), AbortLegs(),
                          StartRelayLeg(leg=leg, resume_len=s.emitted, one_token=False, wan=False)]
 
 
 def _timeout(s: State, e: Timeout) -> Result:
-    return replace(s, phase=Phase.FAILED), [Fail(e.message)]
+    return _replace(s, phase=Phase.FAILED), [Fail(e.message)]
 
 
 def _client_disconnected(s: State, e: ClientDisconnected) -> Result:
-    return replace(s, phase=Phase.CLOSED), []
+    return _replace(s, phase=Phase.CLOSED), []
 
 
 _HANDLERS = {PathChosen: _path_chosen, RelayTokens: _relay_tokens, RelayFailed: _relay_failed, MdReady: _md_ready,

@@ -69,6 +69,14 @@ class BlockCache:
             return
         self._touch(hash_ids)
         blocks, pins = self._blocks, self._pins
+        excess = len(blocks) - self.capacity_blocks
+        if excess <= 0:
+            return
+        if not pins:  # the common case (P's caches are never pinned): evict in one loop
+            popitem = blocks.popitem
+            for _ in range(excess):
+                popitem(last=False)
+            return
         skipped = 0
         # Evict least recent unpinned blocks; pinned ones move to the recent end. If only
         # pinned blocks are left the cache runs over its size until they are released.

@@ -1,17 +1,24 @@
 """The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
 
-Request lifecycle (PDD):
-  arrive -> router picks P (round robin, as router/app.py; prefix affinity for the
-  baselines or with `p_affinity`), RLD (fewest flows in flight), MD (DRC affinity) and a
-  path with `router.policy.decide_path`, the router's own call and inputs -> chunked
-  prefill on P ->
+Routing and the request's course (PDD with an RLD) are the router's own functions, called
+at run time so that a change to them changes the sim: P round robin, RLD with the fewest
+flows in flight and MD by `router.placement.pick_instance` on flows in flight
+(`pick_rld`, `pick_md`: router/app.py's Pools.pick, checked against it in
+tests/test_sim_router_agreement.py); the path by `router.policy.decide_path` on the prefix
+index's estimate, again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's
+control API); the handoff mode by `handoff.policy.choose_mode` on RLD's flows at arrival;
+and every request's life by `router.lifecycle.transition` (`_event`), fed the events the
+router's I/O shell would feed (PathChosen, RLD's first and last tokens, MdReady / MD's
+refusal as MdNotReady, the cut, MD's tokens). The sim does what the returned actions say:
+StartHandoff starts the handoff (at once, or after RLD's first token), SendFinalHandoff
+stops RLD at the cut, Finish ends the request. What the sim models itself is time:
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
-                (`handoff.policy`: one-shot or catch-up rounds), MD extends them and decodes
-                the rest. A request that ends on RLD first cancels the rest of its transfer
-                (`keep_finished_kv` lets it land in MD's DRC instead);
-    P_RLD_ONLY: outliers decode entirely on RLD, nothing crosses the WAN.
+                (one-shot or catch-up rounds, `handoff.policy.next_catch_up_batch`), MD
+                extends them and decodes the rest. A request that ends on RLD first cancels
+                the rest of its transfer (`keep_finished_kv` lets it land in MD's DRC);
+    P_RLD_ONLY: outliers and MD refusals decode entirely on RLD, nothing crosses the WAN.
 Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
 type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
 
@@ -39,9 +46,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, choose_mode, next_catch_up_batch
-from sglang_pdd.router.placement import InstanceLoad, pick_instance
-from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
+from sglang_pdd.handoff import policy as handoff_policy
+from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, RldLoad, next_catch_up_batch
+from sglang_pdd.router import lifecycle as lc
+from sglang_pdd.router import policy
+from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
+from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig
 from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
@@ -54,6 +64,7 @@ from .servers import DecodeInstance, PrefillInstance, SharedLink
 PATH_CODES = (Path.P_MD, Path.P_RLD_MD, Path.P_RLD_ONLY)
 PATH_NAMES = tuple(p.value for p in PATH_CODES)
 TOKEN_ID_BYTES = 15  # what a handed-over token costs on the wire (id + framing)
+_LENGTH = {"type": "length"}  # SGLang's finish_reason when the output budget is used up
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,10 @@ class ScenarioConfig:
     # prefix affinity weighed against P's queue (SGLang's cache-aware router) for the
     # baselines. True/False force affinity / round robin (what-if for the PDD router).
     p_affinity: Optional[bool] = None
+    # MD placement. None: the PDD router's (router/app.py: flows in flight, affinity kept
+    # within MD_AFFINITY_EXCESS_FLOWS) for "pdd" with an RLD; KV load + pending KV within
+    # `affinity_excess` otherwise. True forces the KV-load rule (what-if, and PD equivalence).
+    md_kv_load: Optional[bool] = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -119,7 +134,8 @@ class ScenarioConfig:
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
-                 "t_switch", "stall", "pinned", "staged", "t_kv_sent")
+                 "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
+                 "reg_first")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -136,6 +152,12 @@ class SimRequest:
         self.pinned = None  # MD cache blocks this request's WAN transfer relies on
         self.staged = 0.0  # bytes of MD's staging budget this request's room holds
         self.t_kv_sent = 0.0  # when its WAN transfer started
+        # The router's request lifecycle (router/lifecycle.State); None where no PDD router
+        # with an RLD serves the request (baselines, PDD without RLD).
+        self.state = None
+        self.rld_others = 0  # other flows in flight on its RLD when it arrived (router's rld_inflight)
+        self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
+        self.reg_first = False  # registered on MD (a WAN round trip) before P starts
 
 
 class Simulation:
@@ -166,13 +188,21 @@ class Simulation:
         # routed through that RLD, from arrival to its end, whatever its path (a P->MD request
         # decoding on MD counts too). It is RLD's load in the path decision.
         self.rld_flows = [0] * cfg.n_rld
+        # app.py's md_inflight: every PDD request assigned to that MD, arrival to end. The
+        # PDD router places MD on it (baselines keep KV load, SGLang's cache-aware router).
+        self.md_flows = [0] * cfg.n_md
+        # What the sim does for each lifecycle action; the rest (streaming, bookkeeping) the
+        # sim accounts for in time, and failures are not modelled.
+        self._actions = {lc.StartRelayLeg: self._act_relay_leg, lc.StartHandoff: self._act_start_handoff,
+                         lc.SendFinalHandoff: self._act_final_handoff, lc.HandoffAbandoned: self._act_unmodelled,
+                         lc.AbortLegs: self._act_unmodelled, lc.Fail: self._act_unmodelled,
+                         lc.Finish: self._act_finish}
         self._p_rr = 0
         self._md_ids = list(range(cfg.n_md))
         kv_link = cfg.wan if cfg.md_remote else cfg.rdma
         # Only the WAN is one shared bottleneck; same-DC RDMA transfers do not queue on each other.
         self.kv_link = SharedLink(self.loop, kv_link, self.rng, self._md_kv_landed, shared=cfg.md_remote)
         self.md_stream_latency = cfg.wan.one_way_latency_s if cfg.md_remote else 0.0
-        self.last_mode: Optional[HandoffMode] = None
         self.log = RequestLog()
         self.in_system = TimeAverage()
         self.in_prefill = TimeAverage()
@@ -267,20 +297,27 @@ class Simulation:
         # At least one token is always computed (it produces the first output token).
         r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
 
-        md_cap = c.md_hw.kv_capacity_tokens
-        md_loads = [InstanceLoad(i, m.load() + self.md_pending[i] / md_cap) for i, m in enumerate(self.md)]
-        md_affinity = self._affinity(self.md_index, self._md_ids, md_loads, full) if c.drc else None
-        r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
+        routed = c.kind == "pdd" and bool(self.rld)  # through the PDD router (flow.py, app.py)
+        if routed and not self.cfg.md_kv_load:
+            r.md = self.pick_md(full)
+        else:
+            md_cap = c.md_hw.kv_capacity_tokens
+            md_loads = [InstanceLoad(i, m.load() + self.md_pending[i] / md_cap) for i, m in enumerate(self.md)]
+            md_affinity = self._affinity(self.md_index, self._md_ids, md_loads, full) if c.drc else None
+            r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
+        self.md_flows[r.md] += 1
         r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
 
-        if self.rld:  # router/app.py: the RLD with the fewest flows in flight (first on ties)
-            flows = self.rld_flows
-            r.rld = min(range(len(flows)), key=flows.__getitem__)
-            flows[r.rld] += 1
-        if c.kind == "pdd" and self.rld:
-            r.path = self.decide(tr, r.md_cached, r.rld).path
+        if self.rld:
+            r.rld = self.pick_rld()
+            r.rld_others = self.rld_flows[r.rld]
+            self.rld_flows[r.rld] += 1
+        if routed:
+            r.path = self.choose_path(r, full)
         else:
             r.path = Path.P_MD
+            r.reg_first = c.kind == "pdd" and self.route_cfg.p_md_registers_first
+        chosen = r.path
         if r.path is not Path.P_RLD_ONLY and c.kind == "pdd":
             want = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
             if self.md_staged[r.md] + want > c.md_staging_bytes:
@@ -294,15 +331,83 @@ class Simulation:
             if r.path is not Path.P_RLD_ONLY:
                 r.staged = want
                 self.md_staged[r.md] += want
+        if routed:
+            r.state = lc.State(max_new=tr.output_length)
+            if chosen is Path.P_RLD_MD and r.path is Path.P_RLD_ONLY:
+                # flow.py registers P->RLD->MD concurrently: MD's refusal comes after the
+                # legs started, as a fallback; a refused P->MD registration (before the
+                # legs) makes the path P->RLD only.
+                self._event(now, r, lc.PathChosen(chosen, late_destination=True))
+                self._event(now, r, lc.MdNotReady("md_unavailable: staging full"))
+            else:
+                self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first
+                                                  and r.path is Path.P_RLD_MD))
         self._registered(now, r)
+
+    def choose_path(self, r: SimRequest, full) -> Path:
+        """flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
+        on the router's prefix-index estimate of MD's prefix; P->MD registers on MD first
+        (a WAN round trip before P) and decides again on MD's exact answer, which may turn
+        it into P->RLD->MD (registered before the legs, so no late destination)."""
+        tr = r.tr
+        estimate = self.md_index.match_blocks(r.md, full) * BLOCK_TOKENS if self.cfg.drc else 0
+        path = self.decide(tr, estimate, r.rld).path
+        if path is Path.P_MD:
+            r.reg_first = self.route_cfg.p_md_registers_first
+            if r.md_cached != estimate:  # (the same inputs give the same decision)
+                path = self.decide(tr, r.md_cached, r.rld).path
+        return path
+
+    def pick_rld(self) -> int:
+        """router/app.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
+        flows = self.rld_flows
+        return min(range(len(flows)), key=flows.__getitem__)
+
+    def pick_md(self, full) -> int:
+        """router/app.py's Pools.pick for MD: the MD whose prefix index holds the longest
+        prefix (least loaded first among equals), kept unless it has
+        MD_AFFINITY_EXCESS_FLOWS more flows in flight than the least loaded MD."""
+        flows = self.md_flows
+        loads = [InstanceLoad(i, f) for i, f in enumerate(flows)]
+        affinity = self._affinity(self.md_index, self._md_ids, loads, full) if self.cfg.drc else None
+        return pick_instance(loads, affinity, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
+
+    # ---- the router's request lifecycle ------------------------------------------------
+    def _event(self, now: float, r: SimRequest, event) -> None:
+        """Feed one event to router/lifecycle.transition, the router's own state machine,
+        and do what its actions say (the sim acts on these, it does not re-decide them)."""
+        r.state, actions = lc.transition(r.state, event)
+        acts = self._actions
+        for a in actions:
+            act = acts.get(type(a))
+            if act is not None:
+                act(now, r, a, event)
+
+    def _act_finish(self, now: float, r: SimRequest, a: lc.Finish, event) -> None:
+        (self._md_finished if type(event) is lc.MainTokens else self._rld_finished)(now, r)
+
+    def _act_relay_leg(self, now: float, r: SimRequest, a: lc.StartRelayLeg, event) -> None:
+        r.wan = a.wan  # whether P also sends the KV to MD
+
+    def _act_start_handoff(self, now: float, r: SimRequest, a: lc.StartHandoff, event) -> None:
+        if r.path is Path.P_MD:  # the one-token bridge ended: MD continues after token 1
+            self._event(now, r, lc.CutReady())
+        elif self.rld[r.rld].is_running(r):
+            self._try_handoff(now, r)
+        else:  # RLD's first token, reported while RLD admits the request
+            self.loop.after(0.0, self._try_handoff, r)
+
+    def _act_unmodelled(self, now: float, r: SimRequest, a, event) -> None:
+        raise RuntimeError(f"lifecycle action {a!r}: failures and recovery are not simulated")
 
     def decide(self, tr: TraceRequest, md_cached: int, rld: int) -> PathDecision:
         """The router's decision with the router's inputs (router/flow.py's _decide): MD's
-        prefix as MD's registration reports it, the request's max_new_tokens (the trace's
+        prefix (the index's estimate or MD's registration answer), the request's max_new_tokens (the trace's
         output length stands in), the other flows in flight on its RLD (this one already
         counted, as app.py counts it after the decision). Not P's queue, P's prefill time or
-        other WAN flows: the router does not see them (docs/sim.md)."""
-        return decide_path(tr.input_length, md_cached,
+        other WAN flows: the router does not see them (docs/sim.md). Called through the
+        module so that a change to router/policy.py (or a test's patch) changes the sim."""
+        return policy.decide_path(tr.input_length, md_cached,
                            tr.output_length if self.cfg.expected_output_from_trace else None,
                            self.rld_flows[rld] - 1, self.cfg.rld_hw.max_running_requests, self.route_cfg)
 
@@ -311,7 +416,7 @@ class Simulation:
         if r.path is not Path.P_RLD_ONLY:
             r.md_pending = tr.input_length + tr.output_length
             self.md_pending[r.md] += r.md_pending
-        if r.path is Path.P_MD and self._first_token_via_rld() and self.route_cfg.p_md_registers_first:
+        if r.reg_first and self._first_token_via_rld():
             # flow.py: P->MD registers on MD (a WAN round trip) before P starts.
             self.loop.after(2 * c.wan.one_way_latency_s, self._submit_prefill, r)
         else:
@@ -347,10 +452,12 @@ class Simulation:
         self.prefill_sojourn_sum += now - r.t_prefill_in
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
         self.p_cache[r.p].insert(full)
-        self.p_index.record_blocks(r.p, full)
+        if self.p_affinity:  # only P affinity reads the router's P index
+            self.p_index.record_blocks(r.p, full)
         rd = c.rdma
         rdma_s = rd.one_way_latency_s + rd.serialisation_s(tr.input_length * c.prefill_hw.kv_bytes_per_token)
-        if r.path is not Path.P_RLD_ONLY:
+        st = r.state
+        if r.wan and (st is None or st.md is not lc.Md.FAILED):
             # MD's hit is what its cache holds now, when the transfer starts (not at arrival);
             # those blocks are pinned until the KV has landed.
             if c.drc:
@@ -365,13 +472,15 @@ class Simulation:
                 self._restage(now, r, r.kv_bytes)
             r.t_kv_sent = now
             self.kv_link.send(now, r, r.kv_bytes)
-        if r.path is Path.P_MD and self._first_token_via_rld():
+        if st is not None and r.path is Path.P_MD:
             r.t_first = r.t_switch = now + rdma_s  # P's first token, relayed by RLD
+            # RLD's one-token leg ends (its token lands rdma_s later, long before the KV on MD)
+            self._event(now, r, lc.RelayTokens(1, 1, _LENGTH))
         if r.path is not Path.P_MD:
             self.loop.after(rdma_s, self._rld_kv_landed, r)
 
     def _rld_kv_landed(self, now: float, r: SimRequest) -> None:
-        if r.done or r.round < 0:  # MD already took it whole
+        if r.done:
             return
         self.rld[r.rld].submit(now, r, r.tr.output_length - 1, r.tr.input_length)
 
@@ -414,17 +523,11 @@ class Simulation:
             self.md_index.record_blocks(r.md, full)
         if r.done:
             return
-        if r.path is Path.P_MD:
+        if r.state is None:  # no PDD router: MD decodes it all
             self._md_submit(now, r, tr.output_length - 1, tr.input_length)
             return
-        rld = self.rld[r.rld]
-        if not rld.is_running(r):
-            # RLD has not started it (queued, or its KV still on the way): MD takes it whole.
-            rld.cancel_waiting(r)
-            r.round = -1  # RLD bypassed: a late RDMA arrival must not start it
-            self._md_submit(now, r, tr.output_length - 1, tr.input_length)
-            return
-        self._try_handoff(now, r)
+        # The lifecycle hands over now, or (RLD has not streamed the first token yet) after it.
+        self._event(now, r, lc.MdReady())
 
     def _try_handoff(self, now: float, r: SimRequest) -> None:
         """Hand over only when MD would admit the request now; else RLD keeps decoding and
@@ -434,8 +537,9 @@ class Simulation:
         if not md.can_admit(r.tr.input_length + r.tr.output_length):
             self.md_handoff_wait[r.md].append(r)
             return
-        r.mode = choose_mode(self.rld[r.rld].utilisation(), self.cfg.handoff, self.last_mode)
-        self.last_mode = r.mode
+        # flow.py's _handoff: RLD's flows in flight when the request arrived, no hysteresis
+        r.mode = handoff_policy.choose_mode(RldLoad(r.rld_others, self.cfg.rld_hw.max_running_requests),
+                                            self.cfg.handoff)
         self._handoff_round(now, r)
 
     def _retry_handoffs(self, now: float, i: int) -> None:
@@ -463,15 +567,28 @@ class Simulation:
         else:
             step = next_catch_up_batch(backlog, r.round, self.cfg.handoff)
         r.round += 1
-        extend_s = self.cfg.md_hw.prefill_time_s(step.tokens, r.tr.input_length + r.handed)
-        r.handed += step.tokens
-        self.token_id_bytes += step.tokens * TOKEN_ID_BYTES
-        if step.final:
-            decoded_on_rld = rld.stop(now, r)
-            assert 1 + decoded_on_rld == r.handed, (decoded_on_rld, r.handed)
-            r.t_switch = now  # RLD's last token; the user waits for MD's first from here
+        if step.final:  # the cut: the lifecycle freezes the stream where RLD has got to
+            self._event(now, r, lc.RelayTokens(1, generated))
+            self._event(now, r, lc.CutReady())
+            return
+        self._send_batch(now, r, step.tokens, False)
+
+    def _send_batch(self, now: float, r: SimRequest, tokens: int, final: bool) -> None:
+        extend_s = self.cfg.md_hw.prefill_time_s(tokens, r.tr.input_length + r.handed)
+        r.handed += tokens
+        self.token_id_bytes += tokens * TOKEN_ID_BYTES
         # The token ids cross the WAN to MD, which extends them in a pass of its own.
-        self.loop.after(self.cfg.wan.one_way_latency_s, self._md_extend, (r, extend_s, step.final))
+        self.loop.after(self.cfg.wan.one_way_latency_s, self._md_extend, (r, extend_s, final))
+
+    def _act_final_handoff(self, now: float, r: SimRequest, a: lc.SendFinalHandoff, event) -> None:
+        tr = r.tr
+        if r.path is Path.P_MD:  # MD decodes all but P's first token (KV landed, no extend)
+            self._md_submit(now, r, tr.output_length - 1, tr.input_length)
+            return
+        decoded_on_rld = self.rld[r.rld].stop(now, r)
+        assert 1 + decoded_on_rld == a.cut, (decoded_on_rld, a.cut)
+        r.t_switch = now  # RLD's last token; the user waits for MD's first from here
+        self._send_batch(now, r, a.cut - r.handed, True)
 
     def _md_extend(self, now: float, job) -> None:
         r, extend_s, final = job
@@ -499,6 +616,11 @@ class Simulation:
     def _rld_start(self, now: float, r: SimRequest) -> None:
         if r.t_first is None:
             r.t_first = now
+        st = r.state
+        if st is not None and (st.md is lc.Md.PENDING or st.md is lc.Md.READY):
+            # P's first token, streamed by RLD: the lifecycle may start the handoff now. A
+            # request without MD (NONE, FAILED) decides nothing on it: skipped for speed.
+            self._event(now, r, lc.RelayTokens(1, 1))
 
     def _md_start(self, now: float, r: SimRequest) -> None:
         if r.t_first is None:
@@ -508,7 +630,14 @@ class Simulation:
             r.stall = now + self.md[r.md].step_s() + self.md_stream_latency - r.t_switch
 
     def _rld_done(self, now: float, r: SimRequest) -> None:
-        if r.path is Path.P_RLD_MD:
+        if r.state is None:
+            self._rld_finished(now, r)
+        else:
+            self._event(now, r, lc.RelayTokens(1, r.tr.output_length, _LENGTH))
+
+    def _rld_finished(self, now: float, r: SimRequest) -> None:
+        """The request ended on RLD (its last relay leg), or on RLD's one-token bridge."""
+        if r.path is not Path.P_RLD_ONLY:
             # Nothing more is sent for a request that is over (P drops a destination it no
             # longer needs); keep_finished_kv lets it land in MD's DRC instead, for the
             # session's next turn (docs/router.md, step 9). Without a DRC it is useless.
@@ -518,9 +647,15 @@ class Simulation:
                 self._unstage(now, r)
             self._md_unpend(r)
         # P produced the first token; RLD decoded the rest.
-        self._finish(now, r, rld_tokens=r.tr.output_length - 1)
+        self._finish(max(now, r.t_first), r, rld_tokens=r.tr.output_length - 1)
 
     def _md_done(self, now: float, r: SimRequest) -> None:
+        if r.state is None:
+            self._md_finished(now, r)
+        else:
+            self._event(now, r, lc.MainTokens(r.tr.output_length, _LENGTH))
+
+    def _md_finished(self, now: float, r: SimRequest) -> None:
         rld_tokens = r.handed - 1 if r.handed > 0 else 0  # handed = P's first token + RLD's
         self._finish(now + self.md_stream_latency, r, rld_tokens)
         if self.md_handoff_wait[r.md]:
@@ -530,6 +665,7 @@ class Simulation:
         assert not r.done, "request finished twice"
         if self.rld:
             self.rld_flows[r.rld] -= 1
+        self.md_flows[r.md] -= 1
         r.done = True
         r.t_done = t_done
         self.finished += 1

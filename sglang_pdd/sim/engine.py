@@ -6,6 +6,8 @@ import heapq
 import itertools
 from typing import Any, Callable
 
+_heappush, _heappop = heapq.heappush, heapq.heappop  # hot: one push and one pop per event
+
 
 class EventLoop:
     def __init__(self) -> None:
@@ -17,10 +19,13 @@ class EventLoop:
     def at(self, t: float, fn: Callable[[float, Any], None], arg: Any = None) -> None:
         if t < self.now:
             t = self.now
-        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
+        _heappush(self._heap, (t, next(self._seq), fn, arg))
 
     def after(self, dt: float, fn: Callable[[float, Any], None], arg: Any = None) -> None:
-        self.at(self.now + dt, fn, arg)
+        t = self.now + dt
+        if dt < 0:
+            t = self.now
+        _heappush(self._heap, (t, next(self._seq), fn, arg))
 
     def pending(self) -> int:
         return len(self._heap)
@@ -30,8 +35,12 @@ class EventLoop:
 
     def run_until(self, t_stop: float = float("inf")) -> None:
         heap = self._heap
-        while heap and heap[0][0] <= t_stop:
-            t, _, fn, arg = heapq.heappop(heap)
-            self.now = t
-            self.events_run += 1
-            fn(t, arg)
+        n = 0
+        try:
+            while heap and heap[0][0] <= t_stop:
+                t, _, fn, arg = _heappop(heap)
+                self.now = t
+                n += 1
+                fn(t, arg)
+        finally:
+            self.events_run += n
