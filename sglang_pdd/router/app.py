@@ -43,7 +43,7 @@ from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.health import Drain, Failed, HealthBoard, HealthConfig, Succeeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
-from sglang_pdd.router.placement import InstanceLoad, pick_instance
+from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
 from sglang_pdd.router.prefix_index import PrefixIndex
@@ -103,7 +103,7 @@ class Pools:
         by_load = sorted(servers, key=lambda s: inflight[s.url])
         owner, matched = self.prefixes.best([s.url for s in by_load], input_ids)
         loads = [InstanceLoad(s.url, inflight[s.url]) for s in servers]
-        chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=4)
+        chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
         return next(s for s in servers if s.url == chosen)
 
     def record_health(self, flow: PddFlow, now: float) -> None:
