@@ -16,16 +16,14 @@ be ready. Reported per mode: decode tokens/s and the longest gap between streame
 any room and while rooms land, and MD's own scheduler-thread time per room (``/pdd/stats``:
 ``complete_ms_max`` = the completion step, ``register_ms_max``); then staged / pool ratios.
 
-    .venv/bin/python benchmarks/bench_md_ingest.py                       # ~3-4 min on 2 cores
-    .venv/bin/python benchmarks/bench_md_ingest.py --room-tokens 100000 --rooms 2
+    .venv/bin/python -m benchmarks.bench_md_ingest                       # ~3-4 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_md_ingest --room-tokens 100000 --rooms 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import threading
 import time
@@ -35,23 +33,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from sglang_pdd.kv_channel.layout import KvPoolLayout  # noqa: E402
-from sglang_pdd.kv_channel.states import RoomState  # noqa: E402
-from sglang_pdd.kv_channel.wan_sender import WanKvSender  # noqa: E402
-from sglang_pdd.launcher.cluster import default_model_path  # noqa: E402
-from sglang_pdd.launcher.http import get_json, post_json, stream_events  # noqa: E402
-from sglang_pdd.launcher.processes import ProcessGroup  # noqa: E402
-from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key  # noqa: E402
+from benchmarks.common import greedy, timed_events
+from sglang_pdd.kv_channel.layout import KvPoolLayout
+from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.wan_sender import WanKvSender
+from sglang_pdd.launcher.cluster import default_model_path
+from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.processes import ProcessGroup
+from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key
+from sglang_pdd.router.bodies import register_body
 
 
 def stream_decode(url: str, max_new: int, events: list, started: threading.Event) -> None:
     """The victim: one greedy streaming decode; records (arrival time, tokens so far) per event."""
-    body = {"input_ids": list(range(100, 132)), "stream": True,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-    for event in stream_events(f"{url}/generate", body, timeout=900):
-        events.append((time.perf_counter(), len(event["output_ids"])))
+    body = {"input_ids": list(range(100, 132)), "stream": True, "sampling_params": greedy(max_new)}
+    for t, event in timed_events(f"{url}/generate", body, timeout=900):
+        events.append((t, len(event["output_ids"])))
         started.set()
 
 
@@ -60,7 +57,7 @@ def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_
     until MD says ready. Returns (registration sent, ready) times and the KV bytes."""
     ids = rng.integers(1000, 30000, tokens).tolist()
     t_reg = time.perf_counter()  # the room's life on MD starts with its registration
-    reg = post_json(f"{md.control_url}/pdd/rooms", {"room": room, "token_ids": ids, "use_cache": False}, timeout=120)
+    reg = post_json(f"{md.control_url}/pdd/rooms", register_body(room, ids, use_cache=False), timeout=120)
     layout = KvPoolLayout.from_dict(reg["kv_layout"]).wire()
     pages = -(-tokens // layout.page_size)
     kv = rng.integers(0, 256, (layout.num_layers, pages, layout.bytes_per_page), dtype=np.uint8)
