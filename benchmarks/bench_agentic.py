@@ -28,8 +28,8 @@ same-datacenter for every path, baseline included. The time to the first token *
 produced ("TTFMD") is what a plain cross-DC PD client would see as its TTFT (prefill + the
 whole prompt's KV over the WAN + one MD step), so it is reported too, with end-to-end.
 
-    cd /work/main && .venv/bin/python benchmarks/bench_agentic.py            # ~5-8 min
-    .venv/bin/python benchmarks/bench_agentic.py --sessions 3 --turns 3 4    # smoke run
+    .venv/bin/python -m benchmarks.bench_agentic            # ~5-8 min
+    .venv/bin/python -m benchmarks.bench_agentic --sessions 3 --turns 3 4    # smoke run
 
 Prints tables and writes results.json, requests.jsonl and bench_agentic.png under --out.
 """
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import queue
 import random
 import sys
@@ -54,9 +53,8 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from sglang_pdd.launcher.http import get_json  # noqa: E402
+from benchmarks.common import greedy, timed_events
+from sglang_pdd.launcher.http import get_json
 
 VOCAB = 1024
 FIRST_TOKEN_ID = 3  # 0..2 are bos / eos / pad in the tiny model
@@ -212,18 +210,12 @@ class Record:
 
 def stream_generate(url: str, body: dict, timeout: float) -> tuple[list[dict], list[float], float]:
     """POST a streaming /generate; return (events, arrival times relative to send, e2e)."""
-    req = urllib.request.Request(f"{url}/generate", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
     events, times = [], []
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                events.append(json.loads(line[5:]))
-                times.append(time.perf_counter() - t0)
+        for t, event in timed_events(f"{url}/generate", {**body, "stream": True}, timeout=timeout):
+            events.append(event)
+            times.append(t - t0)
     except Exception as e:  # say how far the stream got (which leg stalled)
         last = events[-1]["meta_info"]["pdd"] if events else {}
         raise RuntimeError(f"{e!r} after {time.perf_counter() - t0:.0f}s, {len(events)} events; last pdd meta: "
@@ -234,8 +226,7 @@ def stream_generate(url: str, body: dict, timeout: float) -> tuple[list[dict], l
 def run_request(router_url: str, variant: str, job: Job, turn: int, ids: list[int], max_new: int,
                 options: Optional[dict], timeout: float) -> tuple[Record, list[int]]:
     rec = Record(variant, job.kind, job.index, turn, len(ids), max_new)
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                                  "ignore_eos": True}}
+    body = {"input_ids": ids, "sampling_params": greedy(max_new)}
     if options:
         body["pdd_options"] = options
     try:

@@ -12,8 +12,8 @@ server's reply_signature and the router's check patched out), side by side.
 Modes alternate per round and the median round is reported, so a machine shared with other
 work skews both the same way.
 
-    PYTHONPATH=. python benchmarks/bench_control_reply_sig.py              # ~20 s
-    PYTHONPATH=. python benchmarks/bench_control_reply_sig.py --seconds 1 --rounds 3
+    python -m benchmarks.bench_control_reply_sig              # ~20 s
+    python -m benchmarks.bench_control_reply_sig --seconds 1 --rounds 3
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ loopback socket pair (reader ``recv_into`` a preallocated buffer). Each scheme a
 ``--threads`` threads at once: a ratio near ``threads`` means the GIL is released during
 the computation (the channel tags on N stream threads in parallel).
 
-    PYTHONPATH=. python benchmarks/bench_frame_mac.py            # ~20 s
-    PYTHONPATH=. python benchmarks/bench_frame_mac.py --mb 256 --threads 2
+    python -m benchmarks.bench_frame_mac            # ~20 s
+    python -m benchmarks.bench_frame_mac --mb 256 --threads 2
 """
 
 from __future__ import annotations

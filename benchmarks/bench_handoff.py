@@ -4,7 +4,7 @@ One ``LocalCluster`` (P + RLD in datacenter A, MD in datacenter B, the WAN emula
 router) and, side by side in the same run:
 
 (a) token-ID handoff + MD extend. Per room: register the prompt at MD, make P send its KV
-    over the WAN (the PD request to P and RLD exactly as router/flow.py builds it), wait
+    over the WAN (the PD request to P and RLD from the router's builders, router/bodies.py), wait
     until MD's room is ready, then POST the E eager tokens (the real greedy continuation,
     from a reference generation) to MD's handoff API *through an emulated WAN link* (a
     second emulator in front of MD's control port: the router sits in datacenter A).
@@ -35,8 +35,8 @@ in the reference design, so the KV link is slowed by that ratio (KV transfer *ti
 a 1 Gbps link with the real model); token-ID traffic (control link) runs at the unscaled
 rate since its size does not depend on the model.
 
-    .venv/bin/python benchmarks/bench_handoff.py                 # ~5-8 min on 2 cores
-    .venv/bin/python benchmarks/bench_handoff.py --n 5 --ttft-requests 2 --latencies-ms 5,200
+    .venv/bin/python -m benchmarks.bench_handoff                 # ~5-8 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 2 --latencies-ms 5,200
 
 Writes results.json and bench_handoff.png under --out (default artifacts/bench_handoff/).
 """
@@ -63,10 +63,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from sglang_pdd.launcher.http import signed_headers  # noqa: E402
-from sglang_pdd.router.backends import SSE_DONE, parse_sse_line  # noqa: E402
+from sglang_pdd.launcher.http import get_json, post_json, signed_headers
+from sglang_pdd.router.backends import SSE_DONE, parse_sse_line
+from sglang_pdd.router.bodies import handoff_body, pd_leg_body, register_body, wan_destination_params
 
 BENCH_ROUTER_ARGS = ["--every-client-is-operator"]  # pdd_options are operator-only
 
@@ -97,10 +96,11 @@ def scaled_rate_gbps(equiv_gbps: float, kv_bytes_per_token: int,
     return equiv_gbps * kv_bytes_per_token / ref_kv_bytes_per_token
 
 
-def handoff_body(eager: Sequence[int], rid: str, max_new_tokens: int, sampling: Optional[dict] = None) -> dict:
-    """The final handoff body exactly as router/flow.py builds it."""
-    return {"token_ids": list(eager), "rid": rid,
-            "sampling_params": {**(sampling or {}), "max_new_tokens": max_new_tokens}}
+def handoff_message(eager: Sequence[int], rid: str, continuation_tokens: int,
+                    sampling: Optional[dict] = None) -> dict:
+    """MD's final handoff of ``eager`` tokens for ``continuation_tokens`` more, built by the
+    router's own builder (its max_new_tokens is the whole budget, eager tokens included)."""
+    return handoff_body(list(eager), rid, {**(sampling or {}), "max_new_tokens": len(eager) + continuation_tokens})
 
 
 def payload_sizes(body: dict) -> dict:
@@ -128,20 +128,6 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------- HTTP
-
-
-def post_json(url: str, body: dict, timeout: float = 120.0, key: Optional[bytes] = None) -> dict:
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
-                                                          **signed_headers("POST", url, data, key)})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def get_json(url: str, timeout: float = 60.0, key: Optional[bytes] = None) -> dict:
-    req = urllib.request.Request(url, headers=signed_headers("GET", url, b"", key))
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 def delete(url: str, key: Optional[bytes] = None) -> None:
@@ -206,13 +192,11 @@ class Bench:
 
     def pd_bodies(self, ids: list[int], room: int, max_new: int, md_room: Optional[int] = None,
                   md_cached: int = 0, rid: str = "") -> dict:
-        """The P/RLD request of flow._start_relay_leg (with the WAN fan-out when md_room)."""
+        """The router's P/RLD leg (with the WAN fan-out when md_room), from its own builders."""
         sampling = {**self.greedy, "max_new_tokens": max_new}
         if md_room is not None:
-            sampling["custom_params"] = {"pdd_room": md_room, "pdd_wan_peer": self.wan_peer,
-                                         "pdd_md_prefix_len": md_cached}
-        return {"input_ids": ids, "sampling_params": sampling, "rid": rid or f"bench-{room:x}",
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": self.p.bootstrap_port, "bootstrap_room": room}
+            sampling["custom_params"] = wan_destination_params(md_room, self.wan_peer, md_cached)
+        return pd_leg_body(ids, sampling, rid or f"bench-{room:x}", "127.0.0.1", self.p.bootstrap_port, room)
 
     # ------------------------------------------------------------------ (a)
     def references(self, prompts: list[list[int]], n_tokens: int) -> list[list[int]]:
@@ -229,7 +213,7 @@ class Bench:
     def token_handoff(self, ids: list[int], ref: list[int]) -> dict:
         a, E, K = self.args, self.args.eager_tokens, self.args.continuation_tokens
         room = random.getrandbits(63)
-        reg = post_json(f"{self.control}/pdd/rooms", {"room": room, "token_ids": ids}, key=self.key)
+        reg = post_json(f"{self.control}/pdd/rooms", register_body(room, ids), key=self.key)
         body = self.pd_bodies(ids, room, 1, md_room=room, md_cached=int(reg["cached_tokens"]))
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(2) as pool:
@@ -243,14 +227,14 @@ class Bench:
             delete(f"{self.control}/pdd/rooms/{room}", self.key)
             raise RuntimeError(f"room {room} not ready: {ready}")
         eager = ref[:E]
-        msg = handoff_body(eager, f"bench-{room:x}-m", K, self.greedy)
+        msg = handoff_message(eager, f"bench-{room:x}-m", K, self.greedy)
         up0 = get_json(f"{self.ctl_emu_url}/stats")["bytes_up"]
         t_first = None
         out: list[int] = []
         meta: dict = {}
         t_send = time.perf_counter()
         for t, event in sse_post(f"{self.ctl_wan_url}/pdd/rooms/{room}/handoff", msg, key=self.key):
-            if event.get("output_ids") and t_first is None:
+            if len(event.get("output_ids") or []) > E and t_first is None:  # MD streams from position 0
                 t_first = t
             out = event.get("output_ids") or out
             meta = event.get("meta_info") or meta
@@ -261,7 +245,7 @@ class Bench:
                 "prompt_kv_ready_s": t_ready, **{f"payload_{k}": v for k, v in payload_sizes(msg).items()},
                 "wire_bytes_up": wire_up, "stall_s": (t_first - t_send) if t_first else None,
                 "total_s": t_done - t_send, "md_cached_tokens": meta.get("cached_tokens"),
-                "md_output_tokens": len(out), "matches_reference": out == ref[E:E + K]}
+                "md_output_tokens": len(out) - E, "matches_reference": out == ref[:E + K]}
 
     # ------------------------------------------------------------------ (b)
     def kv_transfers(self, kv_bytes_per_token: int, num_layers: int, rate_gbps: float, latency_ms: float,
@@ -509,7 +493,7 @@ def main(argv=None) -> int:
         if kv_per_token != tiny_kv:
             print(f"note: MD reports {kv_per_token} KV B/token (config estimate {tiny_kv})", file=sys.stderr)
         real_ids = random.Random(1).choices(range(REAL_VOCAB), k=args.eager_tokens)
-        real_sizes = payload_sizes(handoff_body(real_ids, "0" * 32 + "-m", args.continuation_tokens, bench.greedy))
+        real_sizes = payload_sizes(handoff_message(real_ids, "0" * 32 + "-m", args.continuation_tokens, bench.greedy))
         a = {"rows": rows_a, "stall_s": [r["stall_s"] for r in rows_a], "total_s": [r["total_s"] for r in rows_a],
              "payload_json_mean": float(np.mean([r["payload_json"] for r in rows_a])),
              "payload_msgpack_mean": float(np.mean([r["payload_msgpack"] for r in rows_a])),

@@ -16,51 +16,51 @@ be ready. Reported per mode: decode tokens/s and the longest gap between streame
 any room and while rooms land, and MD's own scheduler-thread time per room (``/pdd/stats``:
 ``complete_ms_max`` = the completion step, ``register_ms_max``); then staged / pool ratios.
 
-    .venv/bin/python benchmarks/bench_md_ingest.py                       # ~3-4 min on 2 cores
-    .venv/bin/python benchmarks/bench_md_ingest.py --room-tokens 100000 --rooms 2
+    .venv/bin/python -m benchmarks.bench_md_ingest                       # ~3-4 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_md_ingest --room-tokens 100000 --rooms 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from sglang_pdd.kv_channel.layout import KvPoolLayout  # noqa: E402
-from sglang_pdd.kv_channel.states import RoomState  # noqa: E402
-from sglang_pdd.kv_channel.wan_sender import WanKvSender  # noqa: E402
-from sglang_pdd.launcher.cluster import default_model_path  # noqa: E402
-from sglang_pdd.launcher.http import get_json, post_json, stream_events  # noqa: E402
-from sglang_pdd.launcher.processes import ProcessGroup  # noqa: E402
-from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key  # noqa: E402
+from benchmarks.common import greedy, timed_events
+from sglang_pdd.kv_channel.handshake import load_key
+from sglang_pdd.kv_channel.layout import KvPoolLayout
+from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.wan_sender import WanKvSender
+from sglang_pdd.launcher.cluster import default_model_path
+from sglang_pdd.launcher.http import call_json, get_json, post_json
+from sglang_pdd.launcher.processes import ProcessGroup
+from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key
+from sglang_pdd.router.bodies import register_body
 
 
 def stream_decode(url: str, max_new: int, events: list, started: threading.Event) -> None:
     """The victim: one greedy streaming decode; records (arrival time, tokens so far) per event."""
-    body = {"input_ids": list(range(100, 132)), "stream": True,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
-    for event in stream_events(f"{url}/generate", body, timeout=900):
-        events.append((time.perf_counter(), len(event["output_ids"])))
+    body = {"input_ids": list(range(100, 132)), "stream": True, "sampling_params": greedy(max_new)}
+    for t, event in timed_events(f"{url}/generate", body, timeout=900):
+        events.append((t, len(event["output_ids"])))
         started.set()
 
 
-def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_bps: float, rng) -> tuple:
+def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_bps: float, rng,
+              key: bytes) -> tuple:
     """Register a room, send its KV paced at ``rate_bps`` (a WAN, not loopback speed), wait
-    until MD says ready. Returns (registration sent, ready) times and the KV bytes."""
+    until MD says ready (MD's control calls signed with the shared ``key``). Returns
+    (registration sent, ready) times and the KV bytes."""
     ids = rng.integers(1000, 30000, tokens).tolist()
     t_reg = time.perf_counter()  # the room's life on MD starts with its registration
-    reg = post_json(f"{md.control_url}/pdd/rooms", {"room": room, "token_ids": ids, "use_cache": False}, timeout=120)
+    reg = post_json(f"{md.control_url}/pdd/rooms", register_body(room, ids, use_cache=False), timeout=120,
+                    key=key)
     layout = KvPoolLayout.from_dict(reg["kv_layout"]).wire()
     pages = -(-tokens // layout.page_size)
     kv = rng.integers(0, 256, (layout.num_layers, pages, layout.bytes_per_page), dtype=np.uint8)
@@ -78,13 +78,12 @@ def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_
     xfer.finish()
     if sender.wait(room, 300) is not RoomState.SUCCESS:
         raise RuntimeError(f"room {room}: WAN transfer failed: {sender.failure(room)}")
-    ready = get_json(f"{md.control_url}/pdd/rooms/{room}/ready?timeout_s=300", timeout=320)
+    ready = get_json(f"{md.control_url}/pdd/rooms/{room}/ready?timeout_s=300", timeout=320, key=key)
     t1 = time.perf_counter()
     if ready["status"] != "ready":
         raise RuntimeError(f"room {room} not ready on MD: {ready}")
     sender.release(room)
-    urllib.request.urlopen(urllib.request.Request(f"{md.control_url}/pdd/rooms/{room}", method="DELETE"),
-                           timeout=60).read()
+    call_json("DELETE", f"{md.control_url}/pdd/rooms/{room}", timeout=60, key=key)
     return t_reg, t1, xfer.plan.total_bytes
 
 
@@ -125,18 +124,19 @@ def run_mode(mode: str, args, model: str, key_file: Path, log_dir: Path, bar) ->
         started.wait(300)
         time.sleep(args.baseline_s)
         baseline_end = time.perf_counter()
-        sender = WanKvSender(("127.0.0.1", md.wan_listen_port), key_file.read_bytes().strip(), name="bench-p",
-                             num_streams=4, transfer_timeout=300)
+        key = load_key(str(key_file))
+        sender = WanKvSender(("127.0.0.1", md.wan_listen_port), key, name="bench-p", num_streams=4,
+                             transfer_timeout=300)
         rng = np.random.default_rng(0)
         windows = []
         try:
             for i in range(args.rooms):
-                windows.append(land_room(md, sender, 1000 + i, args.room_tokens, args.wan_mbps * 1e6 / 8, rng))
+                windows.append(land_room(md, sender, 1000 + i, args.room_tokens, args.wan_mbps * 1e6 / 8, rng, key))
                 bar.update(1)
                 time.sleep(args.gap_s)
         finally:
             sender.close()
-        stats = get_json(f"{md.control_url}/pdd/stats")
+        stats = get_json(f"{md.control_url}/pdd/stats", key=key)
         victim.join(900)
     return {"mode": mode, **decode_metrics(events, windows, baseline_end),
             "md_complete_ms_max": stats.get("complete_ms_max"), "md_register_ms_max": stats.get("register_ms_max"),

@@ -20,9 +20,9 @@ workers at 1 ms per token (16 streams want 16 000 tokens/s: the router is the bo
 and MD still takes over the requests as it does at real decode rates) and prints the
 throughput ratio. Prints a table and JSON (also to ``--out``).
 
-    .venv/bin/python benchmarks/bench_router_cpu.py                       # ~30 s
-    .venv/bin/python benchmarks/bench_router_cpu.py --compare-workers 2
-    git archive BASE | tar -x -C /tmp/base && .venv/bin/python benchmarks/bench_router_cpu.py --baseline-src /tmp/base
+    .venv/bin/python -m benchmarks.bench_router_cpu                       # ~30 s
+    .venv/bin/python -m benchmarks.bench_router_cpu --compare-workers 2
+    git archive BASE | tar -x -C /tmp/base && .venv/bin/python -m benchmarks.bench_router_cpu --baseline-src /tmp/base
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ import aiohttp
 import psutil
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO, greedy, load_module
+from sglang_pdd.launcher.topology import free_port
 
 
 # ---------------------------------------------------------------------- fake backends process
 def serve_fakes(token_delay_s: float) -> None:
     """Runs the fakes until killed; prints their URLs as one JSON line."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from fake_backends import Fakes, Knobs
+    fake_backends = load_module(REPO / "tests" / "fake_backends.py")
+    Fakes, Knobs = fake_backends.Fakes, fake_backends.Knobs
 
     async def main() -> None:
         fakes = await Fakes(Knobs(rld_token_delay_s=token_delay_s, md_token_delay_s=token_delay_s)).start()
@@ -67,16 +67,9 @@ def serve_fakes(token_delay_s: float) -> None:
 
 
 def start_fakes(token_delay_s: float) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-fakes", str(token_delay_s)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_router_cpu", "--serve-fakes", str(token_delay_s)],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
     return proc, json.loads(proc.stdout.readline())
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_router(urls: dict, workers: int, key_file: str, tokenizer: str,
@@ -127,8 +120,7 @@ def cpu_seconds(pid: int) -> float:
 # ---------------------------------------------------------------------- client
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_new: int) -> tuple[int, bool]:
     """(output tokens, whether MD streamed any of them)."""
-    body = {"input_ids": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    body = {"input_ids": prompt, "stream": True, "sampling_params": greedy(max_new)}
     last = None
     async with session.post(f"{url}/generate", json=body) as resp:
         assert resp.status == 200, await resp.text()

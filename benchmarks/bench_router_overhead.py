@@ -23,8 +23,8 @@ shared machine hits both alike:
 On the 2-core CPU box every server shares the cores with the client, so the router's wall-time
 ratios include contention; the CPU per 1k tokens is the portable number.
 
-    .venv/bin/python benchmarks/bench_router_overhead.py                  # ~4 min
-    .venv/bin/python benchmarks/bench_router_overhead.py --requests 8 --rounds 1
+    .venv/bin/python -m benchmarks.bench_router_overhead                  # ~4 min
+    .venv/bin/python -m benchmarks.bench_router_overhead --requests 8 --rounds 1
 """
 
 from __future__ import annotations
@@ -43,13 +43,11 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from sglang_pdd.launcher.cluster import LocalCluster, default_model_path  # noqa: E402
-from sglang_pdd.launcher.http import stream_events  # noqa: E402
-from sglang_pdd.launcher.processes import ProcessGroup  # noqa: E402
-from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv  # noqa: E402
+from benchmarks.common import REPO, greedy, timed_events
+from sglang_pdd.launcher.cluster import LocalCluster, default_model_path
+from sglang_pdd.launcher.http import stream_events
+from sglang_pdd.launcher.processes import ProcessGroup
+from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv
 
 SERVING = ["--chat-template", "chatml"]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -61,13 +59,12 @@ def prompts(n: int) -> list[str]:
 
 def stream_generate(url: str, prompt: str, max_new: int) -> tuple[float, int]:
     """(TTFT seconds, output tokens) of one streaming /generate."""
-    body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                                                "ignore_eos": True}}
+    body = {"text": prompt, "stream": True, "sampling_params": greedy(max_new)}
     t0, ttft, tokens = time.perf_counter(), None, 0
-    for event in stream_events(f"{url}/generate", body, timeout=600):
+    for t, event in timed_events(f"{url}/generate", body):
         tokens = len(event.get("output_ids") or [])
         if ttft is None and tokens:
-            ttft = time.perf_counter() - t0
+            ttft = t - t0
     return ttft or float("nan"), tokens
 
 

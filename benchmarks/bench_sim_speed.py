@@ -3,7 +3,7 @@
 CPU time (time.process_time), not wall clock: on a shared machine wall time measures the
 neighbours too.
 
-    PYTHONPATH=. python benchmarks/bench_sim_speed.py --n 100000
+    python -m benchmarks.bench_sim_speed --n 100000
 """
 
 import argparse

@@ -11,8 +11,8 @@
    fallback) doing the same writes: once as one write, once as a batch of 64 KiB pages (the
    shape SGLang's Mooncake manager gives an engine).
 
-    PYTHONPATH=. python benchmarks/bench_wan_channel.py            # full run (~1-2 min)
-    PYTHONPATH=. python benchmarks/bench_wan_channel.py --quick    # smaller sizes
+    python -m benchmarks.bench_wan_channel            # full run (~1-2 min)
+    python -m benchmarks.bench_wan_channel --quick    # smaller sizes
 
 3. ``--side-by-side``: only the loopback comparison that the line-rate goal is stated in:
    the channel (``--streams`` streams) vs. plain ``sendall`` over the *same number* of TCP
@@ -25,7 +25,7 @@
    cores are busy with other work, wall-clock ratios swing with the neighbours, while the
    CPU ratio is what the throughput ratio becomes once the transfer is CPU-bound::
 
-    PYTHONPATH=. python benchmarks/bench_wan_channel.py --side-by-side --loopback-sizes-mb 64,1024
+    python -m benchmarks.bench_wan_channel --side-by-side --loopback-sizes-mb 64,1024
 
 Prints a table and writes ``results.json`` and ``bench_wan.png`` under ``--out``.
 """
@@ -45,13 +45,11 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from sglang_pdd.kv_channel.layout import KvLayout  # noqa: E402
-from sglang_pdd.kv_channel.states import RoomState  # noqa: E402
-from sglang_pdd.kv_channel.wan_emulator import WanEmulator  # noqa: E402
-from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver  # noqa: E402
-from sglang_pdd.kv_channel.wan_sender import WanKvSender  # noqa: E402
+from sglang_pdd.kv_channel.layout import KvLayout
+from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.wan_emulator import WanEmulator
+from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
+from sglang_pdd.kv_channel.wan_sender import WanKvSender
 
 KEY = b"bench-shared-key-0123456789abcdef"
 MB = 1 << 20

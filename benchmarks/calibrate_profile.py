@@ -1,6 +1,6 @@
 """Measure a hardware profile for the simulator from running SGLang servers over HTTP.
 
-    python benchmarks/calibrate_profile.py --prefill-url http://p:30000 --decode-url http://d:30001 \
+    python -m benchmarks.calibrate_profile --prefill-url http://p:30000 --decode-url http://d:30001 \
         --name h200x8 --chips 8 --price-per-chip-hour 3.5 --out profiles/h200x8.json
 
 Prefill: single requests with max_new_tokens=1 and random (uncacheable) prompts of several

@@ -12,8 +12,8 @@ What it does (skips with a clear message, exit code 0, when no CUDA device is vi
    server: output_ids must be equal (exit code 1 otherwise), and prints per path the time to
    first token and total latency, MD's DRC stats and P's WAN fan-out counters.
 
-    .venv/bin/python benchmarks/gpu_pdd_backend.py                       # llama, page size 16
-    .venv/bin/python benchmarks/gpu_pdd_backend.py --arch deepseek_v2 --page-size 64
+    .venv/bin/python -m benchmarks.gpu_pdd_backend                       # llama, page size 16
+    .venv/bin/python -m benchmarks.gpu_pdd_backend --arch deepseek_v2 --page-size 64
 
 Each server holds its own copy of the model (tiny) and a KV pool of --mem-fraction-static of
 the GPU, so four servers fit on one 24+ GB device at the default 0.12.
@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from benchmarks.common import REPO, load_module, timed_events
 
 PROMPTS = ["def fibonacci(n):", "import collections\n\nclass LRUCache:\n    def __init__(self, capacity):",
            "The quick brown fox jumps over the lazy dog. " * 20, "for i in range(10):\n    print(i)" * 8]
@@ -51,7 +49,7 @@ def cuda_available() -> tuple[bool, str]:
 def build_model(out: Path, arch: str) -> str:
     import torch
 
-    import build_tiny_model as tiny
+    tiny = load_module(REPO / "scripts" / "build_tiny_model.py")
 
     if (out / "config.json").exists():
         return str(out)
@@ -97,12 +95,10 @@ def gpu_argv(argv: list[str], page_size: int, mem_fraction: float) -> list[str]:
 
 
 def stream_timed(url: str, body: dict) -> tuple[list[int], float, float]:
-    from sglang_pdd.launcher.http import stream_events
-
     t0 = time.perf_counter()
     first, ids = None, []
-    for event in stream_events(f"{url}/generate", {**body, "stream": True}, timeout=600):
-        first = first or time.perf_counter()
+    for t, event in timed_events(f"{url}/generate", {**body, "stream": True}):
+        first = first or t
         ids = event["output_ids"]
     return ids, (first - t0) * 1000, (time.perf_counter() - t0) * 1000
 

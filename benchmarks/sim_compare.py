@@ -1,7 +1,7 @@
 """Comparison of PD, naive cross-DC PD and PDD variants on the Mooncake trace and on a
 synthetic agentic trace; prints tables, writes PNG/JSON under --out.
 
-    PYTHONPATH=. python benchmarks/sim_compare.py \
+    python -m benchmarks.sim_compare \
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --agentic 20000 --out artifacts/sim
 """
 

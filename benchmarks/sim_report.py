@@ -2,8 +2,8 @@
 cheapest PD and PDD mixes meeting the SLA (sizing says which wins), then goodput vs offered
 load at both mixes (the knee and BCR at the knee). Writes JSON and PNGs.
 
-    PYTHONPATH=. python benchmarks/sim_report.py --model llama3-70b --out docs/img
-    PYTHONPATH=. python benchmarks/sim_report.py --model deepseek-v3 --out docs/img
+    python -m benchmarks.sim_report --model llama3-70b --out docs/img
+    python -m benchmarks.sim_report --model deepseek-v3 --out docs/img
 
 Slow (minutes per trace: every mix is a full run); tqdm shows progress.
 """

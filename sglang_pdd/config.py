@@ -167,6 +167,12 @@ def config_from_namespace(ns: argparse.Namespace) -> PddConfig:
                         if hasattr(ns, f"pdd_{f.name}")})
 
 
+def get_pdd_config(server_args) -> PddConfig:
+    """The PddConfig a server was started with (inactive default when the flags were not used).
+    Here rather than in the glue so that plugin.py and transfer_backend.py both read it from below."""
+    return getattr(server_args, "_pdd_config", None) or PddConfig()
+
+
 def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = TRANSFER_BACKEND,
              tp_size: int = 1) -> PddConfig:
     """Raise PddConfigError naming the first offending flag; return cfg unchanged if consistent."""

@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
-from sglang_pdd.kv_channel.handshake import MIN_KEY_BYTES
+from sglang_pdd.shared_key import MIN_KEY_BYTES
 
 HEADER = "Authorization"
 REPLY_HEADER = "X-PDD-Reply-Signature"

@@ -38,9 +38,12 @@ def test_ideal_transfer_time():
     assert bh.ideal_transfer_s(4_600_000, 1.0, 20.0) == pytest.approx(0.020 + 0.0368)
 
 
-def test_handoff_body_matches_flow_and_sizes():
-    body = bh.handoff_body([5, 6, 7], "r-m", 9, {"temperature": 0.0})
-    assert body == {"token_ids": [5, 6, 7], "rid": "r-m", "sampling_params": {"temperature": 0.0, "max_new_tokens": 9}}
+def test_handoff_message_is_the_routers_body_and_sizes():
+    from sglang_pdd.router.bodies import handoff_body
+
+    body = bh.handoff_message([5, 6, 7], "r-m", 9, {"temperature": 0.0})
+    # the router's max_new_tokens is the whole budget: 3 eager tokens + 9 more
+    assert body == handoff_body([5, 6, 7], "r-m", {"temperature": 0.0, "max_new_tokens": 12})
     sizes = bh.payload_sizes(body)
     assert sizes["json"] == len(json.dumps(body))
     assert sizes["json_compact"] < sizes["json"]

@@ -1,13 +1,8 @@
 """The MD-ingest benchmark's decode metrics (pure)."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
-from bench_md_ingest import decode_metrics  # noqa: E402
+from benchmarks.bench_md_ingest import decode_metrics
 
 
 def test_a_stall_during_a_landing_shows_as_gap_and_lower_rate():

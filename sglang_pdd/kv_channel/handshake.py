@@ -48,9 +48,9 @@ import msgpack
 
 from .wire import (ConnectionClosed, Error, FrameMac, FrameReader, Hello, HelloAuth, HelloChallenge, HelloOk,
                    ProtocolError, send_frame)
+from sglang_pdd.shared_key import MIN_KEY_BYTES
 
 NONCE_BYTES = 32
-MIN_KEY_BYTES = 32  # 256 bits: the session keys derived from it are HMAC-SHA256 keys
 
 
 class AuthError(Exception):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
 import hmac
 import itertools
@@ -26,7 +25,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 import aiohttp
@@ -47,6 +45,8 @@ from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, 
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
 from sglang_pdd.router.prefix_index import PrefixIndex
+from sglang_pdd.router.scope import RequestScope
+from sglang_pdd.router.scope import current_scope as _scope
 from sglang_pdd.router.serving import BackendsUnavailable, PddTokenizerManager, UpstreamError
 from sglang_pdd.router.validate import ApiError, check_generate_body, parse_json_object
 
@@ -141,17 +141,6 @@ BACKEND_KEEPALIVE_S = 2.0
 
 OPERATOR_HEADER = "X-PDD-Operator-Token"
 PDD_OPTION_KEYS = {"path", "handoff_mode", "catch_up_threshold", "drc"}
-
-
-@dataclass
-class RequestScope:
-    """Per HTTP request, read where SGLang's serving code calls back into the router."""
-
-    operator: bool = False
-    options: Optional[dict] = None
-
-
-_scope: contextvars.ContextVar[RequestScope] = contextvars.ContextVar("pdd_request_scope", default=RequestScope())
 
 
 def backend_session(keepalive_s: float = BACKEND_KEEPALIVE_S) -> aiohttp.ClientSession:

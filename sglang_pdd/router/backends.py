@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 
 from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
+from sglang_pdd.router.bodies import register_body
 
 logger = logging.getLogger(__name__)
 
@@ -213,9 +214,9 @@ class MainControl:
 
     async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0,
                        use_cache: bool = True) -> dict:
-        body = {"room": room, "token_ids": token_ids, "use_cache": use_cache}
         return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms", f"MD register room {room}",
-                                json=body, timeout_s=timeout_s, signer=self.signer)
+                                json=register_body(room, token_ids, use_cache), timeout_s=timeout_s,
+                                signer=self.signer)
 
     async def wait_ready(self, room: int, timeout_s: float) -> dict:
         return await _call_json(self.session, "GET", f"{self.url}/pdd/rooms/{room}/ready?timeout_s={float(timeout_s)}",

@@ -69,6 +69,7 @@ from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply, abort,
                                         generate_once, generate_stream, md_tp_of)
+from sglang_pdd.router.bodies import handoff_body, pd_leg_body, wan_destination_params
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -538,18 +539,15 @@ class PddFlow:
         if leg.wan and self._destination is not None:  # P learns its destination later
             custom.update(pdd_room=self.room, pdd_wan_expected=True)
         elif leg.wan:
-            custom.update(pdd_room=self.room, pdd_wan_peer=self.main.wan_peer,
-                          pdd_md_prefix_len=self.result.md_cached_tokens,
-                          **({"pdd_md_tp": self.md_tp} if self.md_tp != 1 else {}))
+            custom.update(wan_destination_params(self.room, self.main.wan_peer, self.result.md_cached_tokens,
+                                                 self.md_tp))
         if custom:
             sampling["custom_params"] = custom
         input_ids = self.ids if mode is RecoveryMode.REPLAY else self.ids + resumed
         extras = dict(self.extras)
         if leg.leg > 1 and "logprob_start_len" in extras:  # the prompt's logprobs are leg 1's P's
             extras["logprob_start_len"] = -1  # (so a recovery leg's P may use its prefix cache)
-        body = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid, **extras,
-                "bootstrap_host": self.prefill.host, "bootstrap_port": self.prefill.bootstrap_port,
-                "bootstrap_room": room}
+        body = pd_leg_body(input_ids, sampling, rid, self.prefill.host, self.prefill.bootstrap_port, room, extras)
         self.live_rids[rid] = self.relay_url
         self._spawn(self._prefill_leg(leg.leg, body))
         self._spawn(self._relay_leg(leg.leg, body))
@@ -655,8 +653,7 @@ class PddFlow:
             self.result.catch_up_batches.append(len(eager) - self._handed)
         self._handoff_t = time.perf_counter()
         rid = self._leg_rid("m")
-        body = {"token_ids": eager, "rid": rid, "sampling_params": self.sampling, "stream": True,
-                "warmup": False, **self.extras}
+        body = handoff_body(eager, rid, self.sampling, self.extras)
         self.result.handoff_payload_bytes = len(json.dumps(body))
         try:
             finished, checked = False, False

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from sglang_pdd.router.scope import current_scope
 from sglang_pdd.router.serving import UpstreamError
 from sglang_pdd.router.validate import ApiError, check_openai_body, parse_json_object
 
@@ -96,8 +97,6 @@ class OpenAIFront:
     async def handle(self, request: web.Request, kind: str, scope_of: Callable) -> web.StreamResponse:
         from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
-        from sglang_pdd.router.app import _scope
-
         try:
             body = parse_json_object(await request.read())
             scope = scope_of(request, body.pop("pdd_options", None))
@@ -115,7 +114,7 @@ class OpenAIFront:
                 raise ApiError(400, _pydantic_message(e)) from None
         except ApiError as e:
             return _error(e.status, e.message)
-        _scope.set(scope)
+        current_scope.set(scope)
         serving = self.chat if kind == "chat" else self.completion
         try:
             result = await serving.handle_request(parsed, request)

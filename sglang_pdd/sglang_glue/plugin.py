@@ -32,7 +32,8 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_pdd.config import TRANSFER_BACKEND, PddConfig, PddConfigError, add_pdd_args, config_from_namespace, validate
+from sglang_pdd.config import (TRANSFER_BACKEND, PddConfigError, add_pdd_args, config_from_namespace, get_pdd_config,
+                               validate)
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,6 @@ def _attach_pdd_config(server_args, cls, args):
     if cfg.active:
         logger.info("sglang-pdd active: role=%s datacenter=%s", cfg.role, cfg.datacenter or "-")
     return server_args
-
-
-def get_pdd_config(server_args) -> PddConfig:
-    """The PddConfig a server was started with (inactive default when the flags were not used)."""
-    return getattr(server_args, "_pdd_config", None) or PddConfig()
 
 
 def _start_role_runtime(result, scheduler, *args, **kwargs):

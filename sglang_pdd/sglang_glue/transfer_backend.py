@@ -32,7 +32,8 @@ from sglang.srt.disaggregation.mooncake.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_pdd.config import PddConfig, PddConfigError, admission_limits, parse_host_port, parse_peer_list
+from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, get_pdd_config, parse_host_port,
+                               parse_peer_list)
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
@@ -63,8 +64,6 @@ def _local_host() -> str:
 
 class PddKVManager(MooncakeKVManager):
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
-        from sglang_pdd.sglang_glue.plugin import get_pdd_config
-
         self.pdd_config = get_pdd_config(server_args)
         self.intra_dc_transport = intra_dc_transport(self.pdd_config.intra_dc_transport)
         self.wan_fanout: Optional[WanFanout] = None
