@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from fake_backends import Fakes, Knobs, truth
+from fake_backends import Fakes, Knobs, closed_port, truth
 from test_flow_faults import PROMPT, flow_config
 from waiting import wait_until
 
@@ -105,9 +106,13 @@ def test_p_is_chosen_by_cached_prefix_and_new_prompts_take_turns():
 
 # ---------------------------------------------------------------------------- the router
 @contextlib.asynccontextmanager
-async def router_on_fakes(state, knobs: Knobs, cooldown_s: float = 0.3, interval_s: float = 0.05):
+async def router_on_fakes(state, knobs: Knobs, cooldown_s: float = 0.3, interval_s: float = 0.05,
+                          dead_relays: int = 0):
+    """The router on one set of fake backends; ``dead_relays``: RLD urls where nothing listens,
+    listed first (so the least-loaded pick tries them first)."""
     fakes = await Fakes(knobs).start()
-    pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
+    relays = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_relays)] + [fakes.rld_url]
+    pools = Pools([PrefillBackend(fakes.p_url, 8998)], relays,
                   [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
                   health=HealthConfig(failure_threshold=2, cooldown_s=cooldown_s))
     router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
@@ -232,3 +237,28 @@ def test_legs_that_break_on_a_server_open_its_breaker_passively(router_sglang_st
             assert status == 503 and "relay" in body["message"], body
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_request_whose_relay_refuses_before_the_first_token_starts_over_elsewhere(router_sglang_state):
+    async def main():
+        async with router_on_fakes(router_sglang_state, Knobs(), interval_s=0, dead_relays=1) as (base, client, fakes):
+            for stream in (False, True):
+                async with client.post(f"{base}/generate", headers={OPERATOR_HEADER: TOKEN}, json={
+                        "input_ids": PROMPT, "stream": stream, "sampling_params": {"max_new_tokens": 8}}) as resp:
+                    assert resp.status == 200
+                    body = (await sse(resp))[-1] if stream else await resp.json()
+                assert body["output_ids"] == truth(PROMPT, 8)
+                fallbacks = body["meta_info"]["pdd"]["fallbacks"]
+                assert len(fallbacks) == 1 and fallbacks[0].startswith("retried_elsewhere: http://127.0.0.1:"), fallbacks
+            # every MD room the failed attempts registered was released
+            assert sorted(fakes.released_rooms()) == sorted(fakes.registered_rooms())
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+async def sse(resp) -> list[dict]:
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events

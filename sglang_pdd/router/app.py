@@ -79,11 +79,16 @@ class Pools:
     def roles(self) -> dict[str, list[str]]:
         return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
 
-    def pick(self, input_ids: list[int], now: Optional[float] = None) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
+    def pick(self, input_ids: list[int], now: Optional[float] = None,
+             exclude: frozenset = frozenset()) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
         """P and MD by cached prefix with load balance, RLD by load; only servers (and P pairs)
-        the health board lets through. No P or no RLD: NoBackend. No MD: None (RLD serves)."""
+        the health board lets through, none of the urls in ``exclude``. No P or no RLD:
+        NoBackend. No MD: None (RLD serves)."""
         now = time.monotonic() if now is None else now
-        ok = self.health.pickable
+
+        def ok(key, now) -> bool:
+            return key[-1] not in exclude and self.health.pickable(key, now)
+
         prefills = [p for p in self.prefill if ok(("prefill", p.url), now)]
         if not prefills:
             raise NoBackend("no prefill server is available (every one is failing or draining)")
@@ -208,6 +213,7 @@ class Router:
             self.tokenizer = tok
             self.manager = PddTokenizerManager(
                 server_args, model_config, tok, open_flow=self._open_flow, run_flow=self._run_flow,
+                retry_flow=self._retry_flow,
                 max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
                 default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens,
                 max_prompt_chars=max_prompt_chars, max_flows_per_request=max_flows_per_request,
@@ -446,10 +452,29 @@ class Router:
                 raise ApiError(400, f"bad pdd_options: {e}") from None
         return RequestScope(operator=operator, options=options)
 
-    def _open_flow(self, input_ids, sampling, extras) -> PddFlow:
+    def _open_flow(self, input_ids, sampling, extras, exclude: frozenset = frozenset()) -> PddFlow:
         scope = _scope.get()
-        flow = self._flow(input_ids, sampling, None, scope.options, extras)
+        flow = self._flow(input_ids, sampling, None, scope.options, extras, exclude)
         flow.operator = scope.operator
+        return flow
+
+    def _retry_flow(self, failed: PddFlow) -> Optional[PddFlow]:
+        """A request whose P or RLD leg broke before its first token starts over once, on
+        other servers (the failed ones' breakers counted the failure): None when it was
+        already a retry, failed elsewhere, or nothing else may take it."""
+        if failed.retry_of is not None:
+            return None
+        bad = frozenset(key[-1] for key in failed.result.failed_backends if key[0] in ("prefill", "relay", "pair"))
+        if not bad:
+            return None
+        try:
+            flow = self._open_flow(failed.ids, dict(failed.sampling), failed.extras or None, exclude=bad)
+        except BackendsUnavailable:
+            return None
+        flow.retry_of = failed
+        flow.result.fallbacks[:0] = failed.result.fallbacks + [f"retried_elsewhere: {', '.join(sorted(bad))}"]
+        logger.warning("rid %s failed before its first token on %s; retried on other servers",
+                       failed.result.rid, sorted(bad))
         return flow
 
     @contextlib.asynccontextmanager
@@ -471,7 +496,8 @@ class Router:
             self._admit(flow, -1)
             self._observe(flow, list(flow.stitcher.emitted))
 
-    def _flow(self, input_ids, sampling, rid, options: Optional[dict] = None, extras: Optional[dict] = None) -> PddFlow:
+    def _flow(self, input_ids, sampling, rid, options: Optional[dict] = None, extras: Optional[dict] = None,
+              exclude: frozenset = frozenset()) -> PddFlow:
         """``options`` (body "pdd_options", operators only) override the router's knobs for one
         request: path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc
         (false: MD ignores its cache, i.e. plain cross-DC PD that ships the whole prompt). For
@@ -485,7 +511,7 @@ class Router:
                 catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
             cfg = dataclasses.replace(cfg, handoff=handoff)
         try:
-            prefill, relay, main = self.pools.pick(input_ids)
+            prefill, relay, main = self.pools.pick(input_ids, exclude=exclude)
         except NoBackend as e:
             raise BackendsUnavailable(str(e)) from None
         # The MD prefix estimate routes a request whose P takes late WAN destinations

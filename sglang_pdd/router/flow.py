@@ -236,6 +236,7 @@ class PddFlow:
             raise ValueError(f"unsupported request fields {sorted(unknown)}")
         self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
         self.internal_rid = secrets.token_hex(16)
+        self.retry_of: Optional["PddFlow"] = None  # the flow this one starts over for (router's retry)
         self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
                                  md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0)
         self.state = lifecycle.State(max_new=self.max_new)

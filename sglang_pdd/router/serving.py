@@ -94,11 +94,13 @@ class PddTokenizerManager:
     def __init__(self, server_args, model_config, tokenizer, *, open_flow: Callable, run_flow: Callable,
                  max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
-                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384):
+                 max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
+                 retry_flow: Callable = lambda failed: None):
         self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.open_flow, self.run_flow = open_flow, run_flow
+        self.retry_flow = retry_flow  # a flow that failed before its first token -> a new one, or None
         self.max_prompt_tokens, self.max_new_tokens_cap = max_prompt_tokens, max_new_tokens_cap
         self.default_max_new_tokens = default_max_new_tokens
         self.max_prompt_chars = max_prompt_chars if max_prompt_chars is not None else \
@@ -248,20 +250,29 @@ class PddTokenizerManager:
         output_ids: list[int] = []
         held: list[int] = []  # a stream step that may be the last one, until the flow says
         finish: Optional[dict] = None
-        try:
-            async with self.run_flow(flow) as events:
-                async for new in _until(events, abort):
-                    step = held + list(new)
-                    if not item.stream or detok.may_finish_with(step, stop_strs, stop_ids):
-                        held = step
-                        continue
-                    held = []
-                    output_ids.extend(step)
-                    detok.add(step)
-                    yield self._output(flow, rid, ids, output_ids, detok.text, None, item)
-                finish = _finish_reason(flow) or {"type": "length", "length": len(output_ids) + len(held)}
-        except Aborted:
-            finish = {"type": "abort", "message": "aborted by /abort_request"}
+        while True:
+            try:
+                async with self.run_flow(flow) as events:
+                    async for new in _until(events, abort):
+                        step = held + list(new)
+                        if not item.stream or detok.may_finish_with(step, stop_strs, stop_ids):
+                            held = step
+                            continue
+                        held = []
+                        output_ids.extend(step)
+                        detok.add(step)
+                        yield self._output(flow, rid, ids, output_ids, detok.text, None, item)
+                    finish = _finish_reason(flow) or {"type": "length", "length": len(output_ids) + len(held)}
+                break
+            except Aborted:
+                finish = {"type": "abort", "message": "aborted by /abort_request"}
+                break
+            except UpstreamError:
+                # Nothing reached the client yet: the request starts over on other servers, once.
+                retry = None if output_ids or held else self.retry_flow(flow)
+                if retry is None:
+                    raise
+                flow = retry
         output_ids.extend(held)
         detok.add(held, finish)
         yield self._output(flow, rid, ids, output_ids, detok.text, finish, item)
