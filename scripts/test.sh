@@ -64,7 +64,7 @@ else
   # the modules on the default cluster with the whole differential matrix, then the modules
   # that each bring their own configuration (TP, MLA, page size, TCP engine, resume).
   stage "end-to-end shard 1: default cluster, full matrix" 5400 \
-    "${PYTEST[@]}" -m e2e --timeout 1800 "$@" tests/test_e2e_demo.py tests/test_e2e_aborts.py tests/test_e2e_api.py \
+    "${PYTEST[@]}" -m e2e --timeout 1800 "$@" tests/test_e2e_demo.py tests/test_e2e_aborts.py tests/test_e2e_api.py tests/test_e2e_health.py \
     tests/test_e2e_differential.py tests/test_e2e_input_logprobs.py tests/test_e2e_late_destination.py \
     tests/test_e2e_pd.py tests/test_e2e_pdd.py
   stage "end-to-end shard 2: other configurations" 5400 \
