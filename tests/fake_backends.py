@@ -30,11 +30,12 @@ What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -539,3 +540,18 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, pol
         if time.monotonic() > deadline:
             raise AssertionError("wait_until: condition not met in time")
         await asyncio.sleep(poll_s)
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application, ssl_context=None) -> AsyncIterator[str]:
+    """``app`` on a loopback port as the router's main() serves it (a client that goes away
+    cancels its handler); yields the base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"{'https' if ssl_context else 'http'}://{host}:{port}"
+    finally:
+        await runner.cleanup()

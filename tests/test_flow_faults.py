@@ -16,14 +16,13 @@ from typing import Optional
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.app import Pools, Router, build_app
 from sglang_pdd.router.backends import BackendError
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig
-from fake_backends import Fakes, Knobs, closed_port, truth, wait_until
+from fake_backends import Fakes, Knobs, closed_port, serve_app, truth, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -436,14 +435,9 @@ def test_router_client_disconnect_aborts_rld_and_releases_room(router_sglang_sta
         cfg = dataclasses.replace(flow_config(), wan_timeout_s=30.0)
         router = Router(pools, cfg, _Tokenizer(), max_prompt_tokens=1000, served_model="fake",
                         sglang_state=router_sglang_state)
-        runner = web.AppRunner(build_app(router), handler_cancellation=True)  # as web.run_app in main()
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
         try:
-            async with aiohttp.ClientSession() as client:
-                async with client.post(f"http://{host}:{port}/generate",
+            async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
+                async with client.post(f"{base}/generate",
                                        json={"input_ids": PROMPT, "stream": True, "rid": "cli",
                                              "sampling_params": {"max_new_tokens": 200}}) as resp:
                     assert resp.status == 200
@@ -465,7 +459,6 @@ def test_router_client_disconnect_aborts_rld_and_releases_room(router_sglang_sta
             assert [r.body["keep_kv"] for r in fakes.records("md", "release")] == [False]
             assert len(fakes.records("rld", "generate")) == 1
         finally:
-            await runner.cleanup()
             await fakes.stop()
 
     asyncio.run(asyncio.wait_for(main(), 20))

@@ -13,9 +13,8 @@ import json
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from fake_backends import Fakes, Knobs, truth
+from fake_backends import Fakes, Knobs, serve_app, truth
 from test_flow_faults import flow_config
 
 from sglang_pdd.router.app import OPERATOR_HEADER, Pools, Router, build_app
@@ -31,16 +30,10 @@ async def front(state, knobs: Knobs = None, max_body_bytes: int = 1 << 20, **rou
                   [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")])
     router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
                     max_new_tokens_cap=64, operator_token=TOKEN, **router_kwargs)
-    runner = web.AppRunner(build_app(router, max_body_bytes), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
     try:
-        async with aiohttp.ClientSession() as client:
-            yield f"http://{host}:{port}", client, fakes, router
+        async with serve_app(build_app(router, max_body_bytes)) as base, aiohttp.ClientSession() as client:
+            yield base, client, fakes, router
     finally:
-        await runner.cleanup()
         await fakes.stop()
 
 

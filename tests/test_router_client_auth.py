@@ -13,9 +13,8 @@ import ssl
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from fake_backends import Fakes, truth
+from fake_backends import Fakes, serve_app, truth
 from test_flow_faults import flow_config
 
 from sglang_pdd.router import client_auth
@@ -33,16 +32,11 @@ async def front(state=None, api_key=None, ssl_ctx=None):
                   [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")])
     router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
                     max_new_tokens_cap=64)
-    runner = web.AppRunner(client_auth.install(build_app(router), api_key), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_ctx)
-    await site.start()
-    host, port = runner.addresses[0][:2]
     try:
-        async with aiohttp.ClientSession() as client:
-            yield f"{'https' if ssl_ctx else 'http'}://{host}:{port}", client, fakes
+        async with serve_app(client_auth.install(build_app(router), api_key), ssl_ctx) as base, \
+                aiohttp.ClientSession() as client:
+            yield base, client, fakes
     finally:
-        await runner.cleanup()
         await fakes.stop()
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from fake_backends import Fakes, Knobs, closed_port, truth
+from fake_backends import Fakes, Knobs, closed_port, serve_app, truth
 from test_flow_faults import PROMPT, flow_config
-from waiting import wait_until
+from test_router_api import sse
 
 from sglang_pdd.router.app import OPERATOR_HEADER, NoBackend, Pools, Router, build_app
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
@@ -117,16 +115,10 @@ async def router_on_fakes(state, knobs: Knobs, cooldown_s: float = 0.3, interval
                   health=HealthConfig(failure_threshold=2, cooldown_s=cooldown_s))
     router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
                     max_new_tokens_cap=64, operator_token=TOKEN, health_check_interval_s=interval_s)
-    runner = web.AppRunner(build_app(router), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
     try:
-        async with aiohttp.ClientSession() as client:
-            yield f"http://{host}:{port}", client, fakes
+        async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
+            yield base, client, fakes
     finally:
-        await runner.cleanup()
         await fakes.stop()
 
 
@@ -254,11 +246,3 @@ def test_a_request_whose_relay_refuses_before_the_first_token_starts_over_elsewh
             assert sorted(fakes.released_rooms()) == sorted(fakes.registered_rooms())
 
     asyncio.run(asyncio.wait_for(main(), 60))
-
-
-async def sse(resp) -> list[dict]:
-    events = []
-    async for line in resp.content:
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            events.append(json.loads(line[6:]))
-    return events
