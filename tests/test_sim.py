@@ -69,7 +69,7 @@ def test_pdd_reduces_to_pd_with_zero_wan_and_one_chip():
                         wan=instant, rdma=instant, drc=False)
     pdd = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=2, prefill_hw=TOY_A, rld_hw=TOY_A,
                          md_hw=TOY_A, wan=instant, rdma=instant, drc=False, md_staging_bytes=math.inf,
-                         p_affinity=True,  # PD's P placement (the PDD router's is round robin)
+                         p_affinity=True,  # PD's P placement (the PDD router's counts flows)
                          md_kv_load=True,  # and PD's D placement (the router's counts flows)
                          router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False,
                                                  max_wan_transfer_ms=1e9))

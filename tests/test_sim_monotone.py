@@ -46,7 +46,11 @@ GBPS = (1, 2, 5, 10, 25, 100, 400)
 @pytest.mark.parametrize("name", ["pdd_drc_adaptive", "pdd_nodrc_oneshot", "naive_xdc"])
 def test_more_wan_bandwidth_never_makes_wan_time_or_attainment_worse(name):
     trace = _trace()
-    runs = [run_scenario(_scenarios(g, n_prefill=2, n_rld=1, n_md=2)[name], trace, SLA) for g in GBPS]
+    # P round robin (what-if): the router's P rule counts a request on its P until the
+    # request ends, so a faster WAN moves later requests' P, and TTFT with it, either way
+    # (docs/sim.md); this trend is about the WAN and the path policy.
+    runs = [run_scenario(_scenarios(g, n_prefill=2, n_rld=1, n_md=2, p_affinity=False)[name], trace, SLA)
+            for g in GBPS]
     landed = [s.kv_landed for s in runs]
     assert _non_decreasing(landed), landed  # fewer transfers outrun by their request's end
     wan_s = [s.kv_wan_s_mean for s in runs if s.kv_landed]

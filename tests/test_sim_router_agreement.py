@@ -75,42 +75,63 @@ def test_sim_decision_ignores_what_the_router_cannot_see():
     assert sim_decision(sim, *row) == before
 
 
-def test_pdd_places_prefill_round_robin_like_the_router():
-    sim = Simulation(CFG, SLA)
-    trace = [TraceRequest(1000.0 * i, 1024, 4, (1, 2)) for i in range(4)]  # one shared prefix
+def _p_choices(cfg, trace):
+    sim = Simulation(cfg, SLA)
     seen = []
-    real = sim.prefill[0].submit, sim.prefill[1].submit
     for i, p in enumerate(sim.prefill):
-        p.submit = (lambda i, f: lambda now, r, *a: (seen.append(i), f(now, r, *a)))(i, real[i])
+        p.submit = (lambda i, f: lambda now, r, *a: (seen.append(i), f(now, r, *a)))(i, p.submit)
     sim.run(trace)
-    assert seen == [0, 1, 0, 1]  # prefix affinity would have kept them all on one P
-    aff = Simulation(ScenarioConfig(**{**CFG.__dict__, "p_affinity": True}), SLA)
-    seen.clear()
-    real = aff.prefill[0].submit, aff.prefill[1].submit
-    for i, p in enumerate(aff.prefill):
-        p.submit = (lambda i, f: lambda now, r, *a: (seen.append(i), f(now, r, *a)))(i, real[i])
-    aff.run(trace)
-    assert len(set(seen)) == 1
+    return seen
+
+
+def test_pdd_places_prefill_by_prefix_like_the_router():
+    """One shared prefix, requests far apart: the router's P index keeps them on the P that
+    served the first one; the round-robin what-if alternates."""
+    trace = [TraceRequest(1000.0 * i, 1024, 4, (1, 2)) for i in range(4)]
+    assert _p_choices(CFG, trace) == [0, 0, 0, 0]
+    assert _p_choices(ScenarioConfig(**{**CFG.__dict__, "p_affinity": False}), trace) == [0, 1, 0, 1]
+    assert len(set(_p_choices(ScenarioConfig(**{**CFG.__dict__, "p_affinity": True}), trace))) == 1
+    # no shared prefix, equal loads: the rotation makes them take turns
+    fresh = [TraceRequest(1000.0 * i, 1024, 4, (10 * i + 1, 10 * i + 2)) for i in range(4)]
+    assert _p_choices(CFG, fresh) == [0, 1, 0, 1]
 
 
 # ---- one place: the router's own functions decide the sim's placement, path and lifecycle
 
-def test_sim_places_rld_and_md_as_pools_pick():
-    """Random in-flight counts and prefix owners: the sim's RLD and MD choice for a PDD
-    request is router/app.py's Pools.pick (16-token blocks there, one trace block here)."""
+def test_sim_places_p_rld_and_md_as_pools_pick():
+    """Random in-flight counts and prefix owners: the sim's P, RLD and MD choice for a PDD
+    request is router/app.py's Pools.pick (16-token blocks there, one trace block here),
+    every server healthy. Several picks per state with the counters in step: P's rotation
+    decides among equal candidates (frequent here: loads from 0-2, often no prefix)."""
     import random
     from types import SimpleNamespace
 
     from sglang_pdd.router.app import Pools
     rng = random.Random(1)
-    cfg = ScenarioConfig("pdd", "pdd", n_prefill=1, n_rld=3, n_md=4, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
+    cfg = ScenarioConfig("pdd", "pdd", n_prefill=3, n_rld=3, n_md=4, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
     tokens = list(range(1000, 1000 + 16 * 6))
     hashes = list(range(6))
+    p_seen, p_rotated = set(), 0
     for _ in range(300):
         sim = Simulation(cfg, SLA)
+        ps = [SimpleNamespace(url=f"http://p{i}") for i in range(3)]
         rlds = [f"http://rld{i}" for i in range(3)]
         mds = [SimpleNamespace(url=f"http://md{i}") for i in range(4)]
-        pools = Pools([SimpleNamespace(url="http://p")], rlds, mds)
+        pools = Pools(ps, rlds, mds)
+        assert all(pools.health.pickable(("prefill", p.url), 0.0) for p in ps)
+        for i in range(3):
+            pools.p_inflight[ps[i].url] = sim.p_flows[i] = rng.choice((0, 0, 1, 2, 6))
+            held = rng.choice((0, 0, 1, 3, 6))
+            if held:
+                pools.prefixes.record(ps[i].url, tokens[:16 * held])
+                sim.p_index.record_blocks(i, hashes[:held])
+        for turn in range(rng.randrange(3) + 1):  # both counters advance together
+            prefill, _, _ = pools.pick(tokens, now=0.0)
+            p = sim.pick_p(hashes)
+            assert ps[p] is prefill
+            p_seen.add(p)
+            p_rotated += p != 0 and sim.p_flows[p] == min(sim.p_flows) == sim.p_flows[0] \
+                and sim.p_index.match_blocks(p, hashes) == sim.p_index.match_blocks(0, hashes)
         for i in range(3):
             pools.rld_inflight[rlds[i]] = sim.rld_flows[i] = rng.randrange(4)
         for i in range(4):
@@ -119,9 +140,10 @@ def test_sim_places_rld_and_md_as_pools_pick():
             if held:
                 pools.prefixes.record(mds[i].url, tokens[:16 * held])
                 sim.md_index.record_blocks(i, hashes[:held])
-        _, relay, main = pools.pick(tokens)
+        _, relay, main = pools.pick(tokens, now=0.0)
         assert rlds[sim.pick_rld()] == relay
         assert mds[sim.pick_md(hashes)] is main
+    assert p_seen == {0, 1, 2} and p_rotated > 10  # ties broken by the rotation, not index order
 
 
 def test_a_change_to_the_router_policy_changes_the_sims_routing(monkeypatch):

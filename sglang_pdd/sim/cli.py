@@ -53,8 +53,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rld-chips", type=int, default=0,
                    help="chips per RLD instance, any count (e.g. 3); 0 = the smallest power of two "
                         "that holds the weights with room for KV")
-    p.add_argument("--p-affinity", action="store_true", default=None,
-                   help="PDD places P by prefix affinity (what-if; the router places P round robin)")
+    p.add_argument("--p-affinity", action=argparse.BooleanOptionalAction, default=None,
+                   help="what-ifs for PDD's P placement: --p-affinity = the baselines' cache-aware rule "
+                        "(prefix affinity weighed against P's queue), --no-p-affinity = round robin; "
+                        "neither = the PDD router's (flows in flight and its prefix index)")
     p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (overrides --model/--chip-a)")
     p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (overrides --model/--chip-b)")
     p.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)

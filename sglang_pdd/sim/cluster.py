@@ -1,9 +1,10 @@
 """The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
 
 Routing and the request's course (PDD with an RLD) are the router's own functions, called
-at run time so that a change to them changes the sim: P round robin, RLD with the fewest
-flows in flight and MD by `router.placement.pick_instance` on flows in flight
-(`pick_rld`, `pick_md`: router/app.py's Pools.pick, checked against it in
+at run time so that a change to them changes the sim: P and MD by
+`router.placement.pick_instance` on flows in flight and the router's prefix index (P's
+candidates rotated so equal ones take turns), RLD with the fewest flows in flight
+(`pick_p`, `pick_rld`, `pick_md`: router/app.py's Pools.pick, checked against it in
 tests/test_sim_router_agreement.py); the path by `router.policy.decide_path` on the prefix
 index's estimate, again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's
 control API); the handoff mode by `handoff.policy.choose_mode` on RLD's flows at arrival;
@@ -91,9 +92,10 @@ class ScenarioConfig:
     # A request that ended on RLD: False cancels the rest of its WAN transfer (nothing more is
     # sent for it); True lets it land in MD's DRC for the session's next turn (router.md step 9).
     keep_finished_kv: bool = False
-    # P placement. None: as the PDD router does (router/app.py: P round robin) for "pdd", and
-    # prefix affinity weighed against P's queue (SGLang's cache-aware router) for the
-    # baselines. True/False force affinity / round robin (what-if for the PDD router).
+    # P placement. None: as the PDD router does for "pdd" (router/app.py: flows in flight and
+    # the router's prefix index, `pick_p`), and prefix affinity weighed against P's queue
+    # (SGLang's cache-aware router) for the baselines. What-ifs: True = that cache-aware
+    # rule for PDD too, False = round robin (no P affinity at all).
     p_affinity: Optional[bool] = None
     # MD placement. None: the PDD router's (router/app.py: flows in flight, affinity kept
     # within MD_AFFINITY_EXCESS_FLOWS) for "pdd" with an RLD; KV load + pending KV within
@@ -110,8 +112,11 @@ class ScenarioConfig:
             raise ValueError("only pdd uses relay decode")
 
     @property
-    def uses_p_affinity(self) -> bool:
-        return self.kind != "pdd" if self.p_affinity is None else self.p_affinity
+    def p_placement(self) -> str:
+        """"router" (app.py's Pools.pick), "cache_aware" (backlog-weighed) or "round_robin"."""
+        if self.p_affinity is None:
+            return "router" if self.kind == "pdd" else "cache_aware"
+        return "cache_aware" if self.p_affinity else "round_robin"
 
     @property
     def md_remote(self) -> bool:
@@ -183,7 +188,13 @@ class Simulation:
         self.p_index = PrefixIndex(max(1, self.p_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
         self.md_index = PrefixIndex(max(1, self.md_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
         self._p_ids = list(range(cfg.n_prefill))
-        self.p_affinity = cfg.uses_p_affinity
+        self.p_placement = cfg.p_placement
+        # app.py's p_inflight: every request placed on that P, arrival to end, whatever its
+        # path. The PDD router places P on it (pick_p).
+        self.p_flows = [0] * cfg.n_prefill
+        # Pools.pick rotates P's candidates by a counter before the stable sorts, so equal
+        # ones take turns; one precomputed order per turn.
+        self._p_turns = [self._p_ids[t:] + self._p_ids[:t] for t in range(cfg.n_prefill)]
         # The router's in-flight count per RLD (router/app.py's rld_inflight): every request
         # routed through that RLD, from arrival to its end, whatever its path (a P->MD request
         # decoding on MD counts too). It is RLD's load in the path decision.
@@ -280,7 +291,10 @@ class Simulation:
         self.in_system.change(now, +1)
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
 
-        if self.p_affinity:
+        placement = self.p_placement
+        if placement == "router":
+            r.p = self.pick_p(full)
+        elif placement == "cache_aware":
             slo = self.sla.ttft_s
             p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
             p_aff = self._affinity(self.p_index, self._p_ids, p_loads, full)
@@ -291,9 +305,10 @@ class Simulation:
                 held = self.p_cache[p_aff].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS
                 recompute_s = c.prefill_hw.prefill_time_s(held, 0)
             r.p = pick_instance(p_loads, p_aff, c.affinity_excess + recompute_s / slo)
-        else:  # router/app.py's Pools.pick
+        else:  # what-if: round robin
             r.p = self._p_rr % c.n_prefill
             self._p_rr += 1
+        self.p_flows[r.p] += 1
         # At least one token is always computed (it produces the first output token).
         r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
 
@@ -362,6 +377,20 @@ class Simulation:
         """router/app.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
         flows = self.rld_flows
         return min(range(len(flows)), key=flows.__getitem__)
+
+    def pick_p(self, full) -> int:
+        """router/app.py's Pools.pick for P (every P healthy): the candidates rotated by a
+        round-robin counter, then as MD: the P whose prefix index holds the longest prefix
+        (least loaded first among equals, then rotated order), kept unless it has
+        MD_AFFINITY_EXCESS_FLOWS more flows in flight than the least loaded P."""
+        order = self._p_turns[self._p_rr % len(self._p_turns)]
+        self._p_rr += 1
+        flows = self.p_flows
+        inst, matched = self.p_index.best_blocks(sorted(order, key=flows.__getitem__), full)
+        if not matched:  # least loaded, first in rotated order (pick_instance's tie rule)
+            return min(order, key=flows.__getitem__)
+        return pick_instance([InstanceLoad(i, flows[i]) for i in order], inst,
+                             max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
 
     def pick_md(self, full) -> int:
         """router/app.py's Pools.pick for MD: the MD whose prefix index holds the longest
@@ -452,7 +481,7 @@ class Simulation:
         self.prefill_sojourn_sum += now - r.t_prefill_in
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
         self.p_cache[r.p].insert(full)
-        if self.p_affinity:  # only P affinity reads the router's P index
+        if self.p_placement == "cache_aware":  # SGLang's router: P holds it once prefilled
             self.p_index.record_blocks(r.p, full)
         rd = c.rdma
         rdma_s = rd.one_way_latency_s + rd.serialisation_s(tr.input_length * c.prefill_hw.kv_bytes_per_token)
@@ -666,6 +695,10 @@ class Simulation:
         if self.rld:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
+        self.p_flows[r.p] -= 1
+        if self.p_placement == "router":  # app.py's Pools.record: P's prompt, at request end
+            tr = r.tr
+            self.p_index.record_blocks(r.p, tr.hash_ids[: tr.input_length // BLOCK_TOKENS])
         r.done = True
         r.t_done = t_done
         self.finished += 1

@@ -31,7 +31,8 @@ class ClusterSpec:
     keep_finished_kv: bool = False  # KV of a request that ended on RLD still lands in the DRC
     # RLD's own hardware (any chip count, e.g. preset(model, "h100", 3)); None: chip_a.
     rld_hw: Optional[HardwareProfile] = None
-    # PDD's P placement: None = the router's (round robin), True = prefix affinity (what-if).
+    # PDD's P placement: None = the router's (flows in flight + prefix index), True = the
+    # baselines' cache-aware rule, False = round robin (what-ifs).
     p_affinity: Optional[bool] = None
     seed: int = 0
 
