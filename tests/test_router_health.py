@@ -246,3 +246,26 @@ def test_a_request_whose_relay_refuses_before_the_first_token_starts_over_elsewh
             assert sorted(fakes.released_rooms()) == sorted(fakes.registered_rooms())
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_request_counts_on_p_until_ps_reply_and_on_rld_to_its_end(router_sglang_state):
+    async def main():
+        async with router_on_fakes(router_sglang_state, Knobs(rld_token_delay_s=0.05), interval_s=0) as (
+                base, client, fakes):
+            running = asyncio.ensure_future(generate(client, base))  # 8 tokens at 50 ms on RLD
+
+            async def inflight() -> dict:
+                async with client.get(f"{base}/pdd/backends", headers={OPERATOR_HEADER: TOKEN}) as resp:
+                    return {r["role"]: r["inflight"] for r in (await resp.json())["backends"]}
+
+            assert await poll(lambda: _async(len(fakes.records("rld", "generate")) == 1))
+            assert await poll(lambda: _p_done_rld_busy(inflight))  # P replied; RLD still decodes
+            assert (await running)[0] == 200
+            assert await inflight() == {"prefill": 0, "relay": 0, "main": 0}
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+async def _p_done_rld_busy(inflight) -> bool:
+    counts = await inflight()
+    return counts["prefill"] == 0 and counts["relay"] == 1

@@ -526,10 +526,28 @@ class Router:
         return flow
 
     def _admit(self, flow: PddFlow, delta: int) -> None:
-        self.pools.p_inflight[flow.prefill.url] += delta
+        if delta > 0:
+            self._count_on_p(flow)
+        else:
+            flow.on_prefill_replied()
         self.pools.rld_inflight[flow.relay_url] += delta
         if flow.main is not None:
             self.pools.md_inflight[flow.main.url] += delta
+
+    def _count_on_p(self, flow: PddFlow) -> None:
+        """P's load is the requests whose prefill it still runs: counted until P's leg replies
+        (or the request ends first), not for the whole request as RLD's and MD's are. Counted
+        to the end, a P whose requests all decode elsewhere would look busy while idle, and
+        the pick would queue prefills unevenly behind the ones really running."""
+        url = flow.prefill.url
+        self.pools.p_inflight[url] += 1
+
+        def release() -> None:
+            if flow.on_prefill_replied is release:
+                flow.on_prefill_replied = lambda: None
+                self.pools.p_inflight[url] -= 1
+
+        flow.on_prefill_replied = release
 
     def _observe(self, flow: PddFlow, tokens: list[int]) -> None:
         self.pools.record(flow, tokens)

@@ -59,7 +59,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import aiohttp
 
@@ -267,6 +267,7 @@ class PddFlow:
         # PD decode server reports none). Asked for, the client's first output waits for it, as
         # SGLang's mini_lb reads P's reply before the decode server's.
         self._prefill_replied = asyncio.Event()
+        self.on_prefill_replied: Callable[[], None] = lambda: None  # the router's P load count
         self._prefill_failure: Optional[str] = None
         self.t0 = time.perf_counter()
 
@@ -572,6 +573,7 @@ class PddFlow:
         finally:
             if leg == 1:
                 self._prefill_replied.set()
+                self.on_prefill_replied()
 
     async def _relay_leg(self, leg: int, body: dict) -> None:
         try:

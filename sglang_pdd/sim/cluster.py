@@ -481,6 +481,7 @@ class Simulation:
     def _prefill_done(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
         self.in_prefill.change(now, -1)
+        self.p_flows[r.p] -= 1  # the router counts a request on P until P's leg replies
         self.prefill_sojourn_sum += now - r.t_prefill_in
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
         self.p_cache[r.p].insert(full)
@@ -698,7 +699,6 @@ class Simulation:
         if self.rld:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
-        self.p_flows[r.p] -= 1
         if self.p_placement == "router":  # app.py's Pools.record: P's prompt, at request end
             tr = r.tr
             self.p_index.record_blocks(r.p, tr.hash_ids[: tr.input_length // BLOCK_TOKENS])
