@@ -125,23 +125,11 @@ def plain_sendall(data: np.ndarray, dest: np.ndarray) -> float:
     return elapsed
 
 
-def plain_sendall_streams(data: np.ndarray, dest: np.ndarray, streams: int, tls: tuple | None = None,
-                          mac_piece: int = 0) -> tuple[float, float]:
-    """Baseline of the same shape as the channel: ``streams`` TCP connections (TLS-wrapped if
-    ``tls`` = (server, client) contexts), each ``sendall``s 1/N of the bytes, the receiver
-    ``recv_into``s them into ``dest``. Returns (seconds from the first send to the last byte
-    received, CPU seconds of the process meanwhile); connecting is not counted.
-
-    ``mac_piece`` > 0: the same, plus what any per-frame MAC costs and nothing else: each
-    side computes an AES-GMAC tag (the channel's primitive) of every ``mac_piece`` bytes,
-    the sender before sending them, the receiver once they are in; tags are not sent. The
-    ceiling of a channel with frame MACs on this machine."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+def _connect_streams(streams: int, tls: tuple | None) -> tuple:
+    """``streams`` loopback TCP connections (TLS-wrapped if ``tls`` = (server, client)
+    contexts), tuned like the channel's: (listening socket, receiving ends, sending ends)."""
     from sglang_pdd.kv_channel.wan_sender import tune_socket
 
-    src, dst = memoryview(data).cast("B"), memoryview(dest).cast("B")
-    n = len(src)
-    bounds = [(i * n // streams, (i + 1) * n // streams) for i in range(streams)]
     server = socket.create_server(("127.0.0.1", 0), backlog=streams)
     conns, clients = [], []
     for _ in range(streams):  # connect (and TLS handshake) outside the timing
@@ -157,7 +145,66 @@ def plain_sendall_streams(data: np.ndarray, dest: np.ndarray, streams: int, tls:
         else:
             conns.append(a)
         clients.append(c)
+    return server, conns, clients
 
+
+def _vmsplice_sender():
+    """A ``send(sock, data_array, lo, hi)`` that hands the pages of ``data_array[lo:hi]`` to
+    the socket without copying them (vmsplice into a pipe, splice to the socket), or None
+    where the C library has no vmsplice. Prototype only: the kernel keeps referencing the
+    caller's pages after the call returns (no completion is reported), so the buffer must
+    not change until the receiver has read it."""
+    import ctypes
+    import fcntl
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        vmsplice = libc.vmsplice
+    except (OSError, AttributeError):
+        return None
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    vmsplice.argtypes = [ctypes.c_int, ctypes.POINTER(IoVec), ctypes.c_ulong, ctypes.c_uint]
+    vmsplice.restype = ctypes.c_ssize_t
+    pipe_bytes = 1 << 20  # the default /proc/sys/fs/pipe-max-size
+    pipes = threading.local()
+
+    def send(sock, data: np.ndarray, lo: int, hi: int) -> None:
+        if not hasattr(pipes, "fds"):
+            pipes.fds = os.pipe()
+            fcntl.fcntl(pipes.fds[1], 1031, pipe_bytes)  # F_SETPIPE_SZ
+        r, w = pipes.fds
+        iov, base = IoVec(), data.ctypes.data
+        while lo < hi:
+            iov.base, iov.len = base + lo, min(hi - lo, pipe_bytes)
+            n = vmsplice(w, ctypes.byref(iov), 1, 0)
+            if n < 0:
+                raise OSError(ctypes.get_errno(), "vmsplice")
+            left = n
+            while left:
+                left -= os.splice(r, sock.fileno(), left, flags=os.SPLICE_F_MOVE)
+            lo += n
+
+    return send
+
+
+def _move(conns, clients, data: np.ndarray, dest: np.ndarray, mac_piece: int = 0, zero_copy=None) -> tuple:
+    """Each connection moves 1/N of ``data`` into ``dest`` (``recv_into`` a preallocated
+    buffer). Returns (seconds from the first send to the last byte received, CPU seconds of
+    the process meanwhile).
+
+    ``mac_piece`` > 0: plus what any per-frame MAC costs and nothing else: each side computes
+    an AES-GMAC tag (the channel's primitive) of every ``mac_piece`` bytes, the sender before
+    sending them, the receiver once they are in; tags are not sent. ``zero_copy``: a sender
+    from ``_vmsplice_sender`` instead of ``sendall``."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    streams = len(conns)
+    src, dst = memoryview(data).cast("B"), memoryview(dest).cast("B")
+    n = len(src)
+    bounds = [(i * n // streams, (i + 1) * n // streams) for i in range(streams)]
     gmac = AESGCM(bytes(32))
 
     def recv(conn, lo, hi):
@@ -174,13 +221,15 @@ def plain_sendall_streams(data: np.ndarray, dest: np.ndarray, streams: int, tls:
                 tagged = end
 
     def send(c, lo, hi):
-        if not mac_piece:
-            c.sendall(src[lo:hi])
-            return
-        for o in range(lo, hi, mac_piece):
-            piece = src[o:min(o + mac_piece, hi)]
-            gmac.encrypt(bytes(12), b"", piece)
-            c.sendall(piece)
+        step = mac_piece or (hi - lo)
+        for o in range(lo, hi, step):
+            e = min(o + step, hi)
+            if mac_piece:
+                gmac.encrypt(bytes(12), b"", src[o:e])
+            if zero_copy is not None:
+                zero_copy(c, data, o, e)
+            else:
+                c.sendall(src[o:e])
 
     threads = [threading.Thread(target=recv, args=(conns[i], *bounds[i])) for i in range(streams)]
     threads += [threading.Thread(target=send, args=(clients[i], *bounds[i])) for i in range(streams)]
@@ -189,11 +238,56 @@ def plain_sendall_streams(data: np.ndarray, dest: np.ndarray, streams: int, tls:
         t.start()
     for t in threads:
         t.join()
-    elapsed, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
-    for s in conns + clients:
-        s.close()
-    server.close()
-    return elapsed, cpu
+    return time.perf_counter() - t0, _cpu_seconds() - c0
+
+
+def plain_sendall_streams(data: np.ndarray, dest: np.ndarray, streams: int, tls: tuple | None = None,
+                          mac_piece: int = 0, zero_copy=None) -> tuple[float, float]:
+    """Baseline of the same shape as the channel: ``streams`` new TCP connections (TLS-wrapped
+    if ``tls`` = (server, client) contexts), each ``sendall``s 1/N of the bytes, the receiver
+    ``recv_into``s them into ``dest`` (see ``_move`` for ``mac_piece`` and ``zero_copy``).
+    Returns (seconds, CPU seconds); connecting is not counted."""
+    server, conns, clients = _connect_streams(streams, tls)
+    try:
+        return _move(conns, clients, data, dest, mac_piece, zero_copy)
+    finally:
+        for s in conns + clients:
+            s.close()
+        server.close()
+
+
+class WarmSendall:
+    """The same baseline on connections kept open across runs, as the channel keeps its."""
+
+    def __init__(self, streams: int, tls: tuple | None = None):
+        self.server, self.conns, self.clients = _connect_streams(streams, tls)
+
+    def run(self, data: np.ndarray, dest: np.ndarray) -> tuple[float, float]:
+        return _move(self.conns, self.clients, data, dest)
+
+    def close(self):
+        for s in self.conns + self.clients:
+            s.close()
+        self.server.close()
+
+
+class _FrameTagsOff:
+    """Diagnostic only: while active, every frame tag in this process is a constant and no
+    payload is tagged, on both ends (the benchmark runs both), so the channel's run shows
+    its cost without the MAC. Never a mode of the channel itself."""
+
+    def __enter__(self):
+        from sglang_pdd.kv_channel import wire
+
+        def begin(mac, head, payload_len=0):
+            mac.seq += 1
+            return bytes(wire.TAG_BYTES), None
+
+        self._wire, self._begin = wire, wire.FrameMac.begin
+        wire.FrameMac.begin = begin
+
+    def __exit__(self, *exc):
+        self._wire.FrameMac.begin = self._begin
 
 
 def tls_contexts(d: str) -> tuple:
@@ -225,29 +319,51 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def side_by_side(sizes: list[int], streams: int, repeats: int, out: str) -> list[dict]:
-    """Channel vs plain N-stream sendall on loopback, without and with mutual TLS."""
+def side_by_side(sizes: list[int], streams: int, repeats: int, out: str, tls_modes=("off", "mutual")) -> list[dict]:
+    """Channel vs plain N-stream sendall on loopback, without and with mutual TLS.
+
+    Rows besides the channel and ``sendall`` (new connections per run, the reference of the
+    ratios): ``sendall warm`` (connections kept open, as the channel's are), and without TLS
+    ``sendall+GMAC`` (the ceiling of any channel with per-frame MACs here), ``channel tags
+    off`` (diagnostic: the channel with its frame MACs patched out, so channel minus this
+    row is the MAC's cost and this row minus sendall the channel's own) and
+    ``vmsplice+GMAC`` (prototype: sendall+GMAC whose sender hands its pages to the socket
+    instead of copying them)."""
     import tempfile
 
+    zero_copy = _vmsplice_sender()
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for tls_name, tls in (("off", None), ("mutual", tls_contexts(d))):
+        for tls_name in tls_modes:
+            tls = tls_contexts(d) if tls_name != "off" else None
             ch = Channel(streams, None, tls)
+            warm = WarmSendall(streams, tls)
             try:
                 for size in sizes:
                     layout, kv, ntok = make_kv(size)
                     dest = np.zeros_like(kv)
                     ch.transfer(layout, kv, ntok, dest)  # warm-up (page faults in dest)
                     assert np.array_equal(dest, kv)
-                    plain_sendall_streams(kv, dest, streams, tls)
                     piece = min(ch.tx.max_chunk_bytes, kv.nbytes // layout.num_layers)  # the channel's frames
+
                     def channel():
                         return ch.transfer(layout, kv, ntok, dest)[0], ch.last_cpu
 
+                    def channel_tags_off():
+                        with _FrameTagsOff():
+                            return channel()
+
                     runs = {"channel": channel,
-                            "sendall": lambda: plain_sendall_streams(kv, dest, streams, tls)}
+                            "sendall": lambda: plain_sendall_streams(kv, dest, streams, tls),
+                            "sendall warm": lambda: warm.run(kv, dest)}
                     if tls is None:
-                        runs["sendall+gmac"] = lambda: plain_sendall_streams(kv, dest, streams, None, piece)
+                        runs["sendall+GMAC"] = lambda: plain_sendall_streams(kv, dest, streams, None, piece)
+                        runs["channel tags off"] = channel_tags_off
+                        if zero_copy is not None:
+                            runs["vmsplice+GMAC"] = lambda: plain_sendall_streams(kv, dest, streams, None, piece,
+                                                                                  zero_copy)
+                    for run in runs.values():  # warm-up of each, then interleaved runs
+                        run()
                     wall = {k: [] for k in runs}
                     cpu = {k: [] for k in runs}
                     for _ in range(repeats):  # interleaved: a noisy neighbour hits all alike
@@ -255,27 +371,27 @@ def side_by_side(sizes: list[int], streams: int, repeats: int, out: str) -> list
                             w, c = run()
                             wall[name].append(w)
                             cpu[name].append(c)
+                    assert np.array_equal(dest, kv)
                     best = {k: min(v) for k, v in wall.items()}
                     cpu_med = {k: float(np.median(v)) for k, v in cpu.items()}
                     row = dict(tls=tls_name, kv_bytes=kv.nbytes, streams=streams, frame_bytes=piece,
+                               load_avg=os.getloadavg()[0],
                                **{f"{k}_gbps": gbps(kv.nbytes, v) for k, v in best.items()},
                                **{f"{k}_cpu_s_per_gb": v / kv.nbytes * 1e9 for k, v in cpu_med.items()},
+                               **{f"{k}_ratio": best["sendall"] / v for k, v in best.items()},
+                               **{f"{k}_cpu_ratio": cpu_med["sendall"] / v for k, v in cpu_med.items()},
                                ratio=best["sendall"] / best["channel"],
                                cpu_ratio=cpu_med["sendall"] / cpu_med["channel"], wall_s=wall, cpu_s=cpu)
-                    line = (f"  TLS {tls_name:<6} {kv.nbytes / MB:>6.0f} MiB  sendall {gbps(kv.nbytes, best['sendall']):6.2f}"
-                            f"  channel {gbps(kv.nbytes, best['channel']):6.2f} Gbit/s  ratio {row['ratio']:.2f}"
-                            f"   CPU s/GB: sendall {row['sendall_cpu_s_per_gb']:.2f} channel "
-                            f"{row['channel_cpu_s_per_gb']:.2f}  ratio {row['cpu_ratio']:.2f}")
-                    if "sendall+gmac" in best:
-                        row["sendall+gmac_ratio"] = best["sendall"] / best["sendall+gmac"]
-                        row["sendall+gmac_cpu_ratio"] = cpu_med["sendall"] / cpu_med["sendall+gmac"]
-                        line += (f"\n  {'':>21}sendall+GMAC {gbps(kv.nbytes, best['sendall+gmac']):6.2f} Gbit/s  ratio "
-                                 f"{row['sendall+gmac_ratio']:.2f}   CPU s/GB {row['sendall+gmac_cpu_s_per_gb']:.2f}"
-                                 f"  ratio {row['sendall+gmac_cpu_ratio']:.2f}")
+                    print(f"  TLS {tls_name:<6} {kv.nbytes / MB:>6.0f} MiB, {piece / MB:g} MiB frames, "
+                          f"load {row['load_avg']:.1f}", flush=True)
+                    for k in runs:
+                        print(f"    {k:<17} {gbps(kv.nbytes, best[k]):6.2f} Gbit/s  ratio {row[f'{k}_ratio']:.2f}"
+                              f"   CPU {row[f'{k}_cpu_s_per_gb']:.3f} s/GB  ratio {row[f'{k}_cpu_ratio']:.2f}",
+                              flush=True)
                     rows.append(row)
-                    print(line, flush=True)
             finally:
                 ch.close()
+                warm.close()
     with open(os.path.join(out, "side_by_side.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return rows
@@ -367,13 +483,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="artifacts/bench_wan")
     ap.add_argument("--side-by-side", action="store_true",
                     help="only: channel vs plain sendall, same stream count, TLS off and on (best of --repeats)")
+    ap.add_argument("--tls", choices=("off", "mutual", "both"), default="both", help="with --side-by-side")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.side_by_side:
         os.makedirs(args.out, exist_ok=True)
         print(f"loopback, {args.streams} streams each side, {args.repeats} interleaved runs; Gbit/s: best run; "
-              f"CPU s/GB: median run, both ends; ratio = channel (or sendall+GMAC) / sendall, in rate")
-        side_by_side([int(s) * MB for s in args.loopback_sizes_mb.split(",")], args.streams, args.repeats, args.out)
+              f"CPU s/GB: median run, both ends; ratios: sendall's rate / the row's, sendall's CPU / the row's")
+        side_by_side([int(s) * MB for s in args.loopback_sizes_mb.split(",")], args.streams, args.repeats, args.out,
+                     ("off", "mutual") if args.tls == "both" else (args.tls,))
         return 0
     if args.quick:
         args.rates_gbps, args.sizes_mb, args.loopback_sizes_mb = "0.1,0.5,1", "16,64", "64"
