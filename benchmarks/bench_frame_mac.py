@@ -10,6 +10,9 @@ frame's payload with:
 * ``aes-gmac``     AES-256-GCM with an empty plaintext and the payload as associated data
   (a MAC: the tag covers the bytes, nothing is encrypted);
 * ``chacha-mac``   ChaCha20-Poly1305 likewise (Poly1305 over the payload);
+* ``poly1305``     a standalone Poly1305 (``cryptography``; a real use needs a one-time key
+  per frame, e.g. from ChaCha20, as ChaCha20-Poly1305 derives it);
+* ``blake2b-key``  keyed BLAKE2b (``hashlib``), 16-byte tag;
 * ``gmac-stream``  AES-GCM's incremental interface (``Cipher(..., GCM).encryptor()`` and
   ``authenticate_additional_data`` per 1 MiB piece), what a reader uses when a payload
   arrives in pieces;
@@ -21,11 +24,17 @@ the computation (the channel tags on N stream threads in parallel).
 
     python -m benchmarks.bench_frame_mac            # ~20 s
     python -m benchmarks.bench_frame_mac --mb 256 --threads 2
+    python -m benchmarks.bench_frame_mac --hot   # the same frame again and again (in cache)
+
+``--hot`` tags one frame repeatedly, so it stays in the CPU's caches: if a scheme's rate
+does not rise with it, the scheme is compute-bound, and tagging bytes while they are still
+hot from the socket copy (smaller frames, MAC per received piece) would not make it cheaper.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import os
 import socket
@@ -36,6 +45,7 @@ import zlib
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 KEY = os.urandom(32)
 KiB, MiB = 1 << 10, 1 << 20
@@ -66,6 +76,12 @@ def schemes():
     def chacha_mac(frame, i):
         return chacha.encrypt(nonce(i), b"", frame)
 
+    def poly1305(frame, i):
+        return Poly1305.generate_tag(KEY, frame)
+
+    def blake2b_key(frame, i):
+        return hashlib.blake2b(frame, key=KEY, digest_size=16).digest()
+
     def gmac_stream(frame, i):
         enc = Cipher(algorithms.AES(KEY), modes.GCM(nonce(i))).encryptor()
         for off in range(0, len(frame), MiB):
@@ -80,12 +96,16 @@ def schemes():
         np.copyto(dst, np.frombuffer(frame, np.uint8))
 
     return {"memcpy": memcpy, "hmac-sha256": hmac_sha256, "crc32": crc32, "aes-gcm-enc": gcm_enc,
-            "chacha-enc": chacha_enc, "aes-gmac": gmac, "chacha-mac": chacha_mac, "gmac-stream": gmac_stream}
+            "chacha-enc": chacha_enc, "aes-gmac": gmac, "chacha-mac": chacha_mac, "poly1305": poly1305, "blake2b-key": blake2b_key,
+            "gmac-stream": gmac_stream}
 
 
-def run_scheme(fn, data: memoryview, frame: int, threads: int) -> float:
-    """Seconds for ``threads`` threads to each tag all of ``data`` in ``frame``-byte frames."""
+def run_scheme(fn, data: memoryview, frame: int, threads: int, hot: bool = False) -> float:
+    """Seconds for ``threads`` threads to each tag all of ``data`` in ``frame``-byte frames
+    (``hot``: as many frames, all the first one)."""
     frames = [data[o:o + frame] for o in range(0, len(data) - frame + 1, frame)]
+    if hot:
+        frames = [frames[0]] * len(frames)
 
     def work():
         for i, f in enumerate(frames):
@@ -134,10 +154,16 @@ def main(argv=None) -> int:
     ap.add_argument("--frames-kib", default="256,1024,4096")
     ap.add_argument("--threads", type=int, default=2, help="parallel threads for the GIL check")
     ap.add_argument("--repeats", type=int, default=3, help="best of")
+    ap.add_argument("--hot", action="store_true", help="tag the same frame again and again (in cache)")
+    ap.add_argument("--schemes", default="", help="comma-separated subset (memcpy is always run)")
     args = ap.parse_args(argv)
     data = memoryview(np.random.default_rng(0).integers(0, 256, args.mb * MiB, dtype=np.uint8).tobytes())
     table = schemes()
-    print(f"{args.mb} MiB per measurement, best of {args.repeats}; GB/s = 1e9 bytes/s; "
+    if args.schemes:
+        keep = {"memcpy", *args.schemes.split(",")}
+        table = {k: v for k, v in table.items() if k in keep}
+    print(f"{args.mb} MiB per measurement{' (one frame, hot)' if args.hot else ''}, best of {args.repeats}; "
+          f"GB/s = 1e9 bytes/s; "
           f"xN = {args.threads} threads' total rate / 1 thread's")
     for frame_kib in (int(x) for x in args.frames_kib.split(",")):
         frame = frame_kib * KiB
@@ -145,10 +171,10 @@ def main(argv=None) -> int:
         rates = {"sendall": len(data) / send / 1e9}
         par = {}
         for name, fn in table.items():
-            one = min(run_scheme(fn, data, frame, 1) for _ in range(args.repeats))
+            one = min(run_scheme(fn, data, frame, 1, args.hot) for _ in range(args.repeats))
             rates[name] = len(data) / one / 1e9
             if args.threads > 1:
-                many = min(run_scheme(fn, data, frame, args.threads) for _ in range(args.repeats))
+                many = min(run_scheme(fn, data, frame, args.threads, args.hot) for _ in range(args.repeats))
                 par[name] = (args.threads * len(data) / many / 1e9) / rates[name]
         print(f"\nframe {frame_kib} KiB: plain sendall {rates['sendall']:.2f} GB/s, memcpy {rates['memcpy']:.2f} GB/s")
         print(f"  {'scheme':<12} {'GB/s':>7} {'s/GB':>6} {'/memcpy':>8} {'/sendall':>9} {'x' + str(args.threads):>5}")
