@@ -18,14 +18,18 @@
    the channel (``--streams`` streams) vs. plain ``sendall`` over the *same number* of TCP
    connections (each moves 1/N of the bytes into a preallocated buffer), with and without
    mutual TLS (test certificates made with the openssl CLI), best of ``--repeats``
-   interleaved runs, for ``--loopback-sizes-mb``. Without TLS also "sendall+GMAC": plain
-   sendall plus the AES-GMAC of every frame on both sides and nothing else, the ceiling of
-   any channel with per-frame MACs on the machine at hand. Besides the best wall-clock rate
+   interleaved runs, for ``--loopback-sizes-mb`` (``--tls off|mutual|both``). Also "sendall
+   warm" (the same on connections kept open, as the channel's are) and, without TLS,
+   "sendall+GMAC": plain sendall plus the AES-GMAC of every frame on both sides and nothing
+   else, the ceiling of any channel with per-frame MACs on the machine at hand; "channel tags
+   off" (diagnostic: the frame MACs patched out in this process, to split the channel's cost
+   into MAC and the rest); "vmsplice+GMAC" (prototype: a zero-copy sender). Besides the best wall-clock rate
    it prints the CPU seconds per GB (user + system, both ends, median run): on a host whose
    cores are busy with other work, wall-clock ratios swing with the neighbours, while the
    CPU ratio is what the throughput ratio becomes once the transfer is CPU-bound::
 
-    python -m benchmarks.bench_wan_channel --side-by-side --loopback-sizes-mb 64,1024
+    python -m benchmarks.bench_wan_channel --side-by-side --loopback-sizes-mb 64 --repeats 7
+    python -m benchmarks.bench_wan_channel --side-by-side --loopback-sizes-mb 1024 --tls off
 
 Prints a table and writes ``results.json`` and ``bench_wan.png`` under ``--out``.
 """
