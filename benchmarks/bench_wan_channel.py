@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     if args.side_by_side:
         os.makedirs(args.out, exist_ok=True)
         print(f"loopback, {args.streams} streams each side, {args.repeats} interleaved runs; Gbit/s: best run; "
-              f"CPU s/GB: median run, both ends; ratios: sendall's rate / the row's, sendall's CPU / the row's")
+              f"CPU s/GB: median run, both ends; ratios: the row's rate / sendall's, sendall's CPU / the row's")
         side_by_side([int(s) * MB for s in args.loopback_sizes_mb.split(",")], args.streams, args.repeats, args.out,
                      ("off", "mutual") if args.tls == "both" else (args.tls,))
         return 0
