@@ -77,8 +77,10 @@ TEST_WAN_GBPS = 0.0005
 # chat template of its own).
 TEST_SERVING_ARGS = ["--chat-template", "chatml", "--tool-call-parser", "qwen25"]
 # Tests steer paths with pdd_options, an operator-only option, hence --every-client-is-operator.
+# No /health probes: each is a one-token request on every backend, which tests that count a
+# server's queued requests (takeover.py, the abort tests) would see; test_e2e_multi probes.
 TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6", "--every-client-is-operator",
-                    *TEST_SERVING_ARGS]
+                    "--health-check-interval-s", "0", *TEST_SERVING_ARGS]
 TEST_DESTINATION_WAIT_MS = 10000
 
 

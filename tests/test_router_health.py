@@ -1,4 +1,4 @@
-"""Backend health: breakers per server and per P pair, drain, and what the router answers when
+"""Backend health: breakers per server and per P-RLD pair, drain, and what the router answers when
 no backend may take a request. The state machine and the pick are pure; the router's probes,
 operator calls and replies run against the fake backends."""
 
@@ -74,10 +74,10 @@ def test_pick_routes_around_open_breakers_draining_servers_and_failing_pairs():
     for _ in range(4):
         prefill, relay, main = p.pick(PROMPT, now=1.0)
         assert relay == "http://r1" and main.url == "http://m0"
-    open_breaker(p.health, ("pair", "http://p0", "http://m0"))  # P0's KV does not reach MD0
+    open_breaker(p.health, ("pair", "http://p0", "http://r1"))  # P0's KV does not reach RLD1
     picks = [p.pick(PROMPT, now=1.0) for _ in range(4)]
-    assert {(pf.url, m.url if m else None) for pf, _, m in picks} == {("http://p0", None), ("http://p1", "http://m0")}
-    assert p.pick(PROMPT, now=11.0)[1] in ("http://r0", "http://r1")  # r0's cooldown is over: a trial
+    assert {(pf.url, r) for pf, r, _ in picks} == {("http://p1", "http://r1")}  # P0 has no RLD left
+    assert p.pick(PROMPT, now=11.0)[1] in ("http://r0", "http://r1")  # the cooldowns are over: trials
 
 
 def test_no_prefill_or_no_relay_is_no_backend_and_no_md_is_none():
@@ -87,6 +87,7 @@ def test_no_prefill_or_no_relay_is_no_backend_and_no_md_is_none():
     p.health.record(("relay", "http://r0"), Drain(True))
     with pytest.raises(NoBackend, match="relay"):
         p.pick(PROMPT, now=1.0)
+    p.health.record(("relay", "http://r0"), Drain(False))
     open_breaker(p.health, ("prefill", "http://p0"))
     with pytest.raises(NoBackend, match="prefill"):
         p.pick(PROMPT, now=1.0)
@@ -146,7 +147,7 @@ def test_a_failing_relay_is_taken_out_by_its_probes_and_back_after_recovering(ro
             assert status == 200 and body["output_ids"] == truth(PROMPT, 8)
             knobs.health_status["rld"] = 500
 
-            assert await poll(lambda: _out(client, base, "relay"))  # two failed probes in a row
+            assert await poll(lambda: _out(client, base, "relay"))  # two failed probes in a row (seen up before)
             status, headers, body = await generate(client, base)
             assert status == 503 and headers["Retry-After"] == "1" and "relay" in body["message"], body
             assert len(fakes.records("rld", "generate")) == 1  # nothing started
@@ -166,10 +167,12 @@ def test_a_failing_relay_is_taken_out_by_its_probes_and_back_after_recovering(ro
 
 
 def test_a_failing_md_leaves_requests_to_rld_with_the_reason(router_sglang_state):
-    knobs = Knobs(health_status={"md": 503})
+    knobs = Knobs()
 
     async def main():
         async with router_on_fakes(router_sglang_state, knobs, cooldown_s=60) as (base, client, fakes):
+            assert await poll(lambda: _async(len(fakes.records("md", "health")) >= 1))  # seen up
+            knobs.health_status["md"] = 503
             assert await poll(lambda: _out(client, base, "main"))
             status, _, body = await generate(client, base)
             pdd = body["meta_info"]["pdd"]
@@ -269,3 +272,16 @@ def test_a_request_counts_on_p_until_ps_reply_and_on_rld_to_its_end(router_sglan
 async def _p_done_rld_busy(inflight) -> bool:
     counts = await inflight()
     return counts["prefill"] == 0 and counts["relay"] == 1
+
+
+def test_failed_probes_of_a_server_never_seen_up_do_not_open_its_breaker():
+    s = BackendHealth()
+    for t in range(5):  # the router started before its backends finished loading
+        s = transition(s, Failed(float(t), "connection refused", probe=True), CFG)
+    assert s.breaker is Breaker.CLOSED and s.last_error == "connection refused"
+    s = transition(s, Failed(5.0, "a request failed on it"), CFG)  # requests count regardless
+    assert s.failures == 1
+    s = transition(s, Succeeded(6.0), CFG)
+    for t in (7.0, 8.0):  # once seen up, probes count
+        s = transition(s, Failed(t, "503", probe=True), CFG)
+    assert s.breaker is Breaker.OPEN

@@ -61,7 +61,7 @@ class NoBackend(Exception):
 
 class Pools:
     """Backend pools and what the router knows of them: in-flight counts, cached prefixes and
-    health (router/health.py: breakers per server and per P pair, drain)."""
+    health (router/health.py: breakers per server and per P-RLD pair, drain)."""
 
     def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
                  index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None):
@@ -81,7 +81,7 @@ class Pools:
 
     def pick(self, input_ids: list[int], now: Optional[float] = None,
              exclude: frozenset = frozenset()) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
-        """P and MD by cached prefix with load balance, RLD by load; only servers (and P pairs)
+        """P and MD by cached prefix with load balance, RLD by load; only servers (and P-RLD pairs)
         the health board lets through, none of the urls in ``exclude``. No P or no RLD:
         NoBackend. No MD: None (RLD serves)."""
         now = time.monotonic() if now is None else now
@@ -89,16 +89,20 @@ class Pools:
         def ok(key, now) -> bool:
             return key[-1] not in exclude and self.health.pickable(key, now)
 
-        prefills = [p for p in self.prefill if ok(("prefill", p.url), now)]
-        if not prefills:
-            raise NoBackend("no prefill server is available (every one is failing or draining)")
-        turn = next(self._rr) % len(prefills)  # equal candidates take turns
-        prefill = self._by_prefix(prefills[turn:] + prefills[:turn], self.p_inflight, input_ids)
-        relays = [url for url in self.relay if ok(("relay", url), now) and ok(("pair", prefill.url, url), now)]
+        relays = [url for url in self.relay if ok(("relay", url), now)]
         if not relays:
             raise NoBackend("no relay decode server is available (every one is failing or draining)")
+        # a P whose pairs with every available RLD are failing cannot serve either
+        prefills = [p for p in self.prefill
+                    if ok(("prefill", p.url), now) and any(ok(("pair", p.url, url), now) for url in relays)]
+        if not prefills:
+            raise NoBackend("no prefill server is available (every one is failing or draining, "
+                            "or failing with every available relay decode server)")
+        turn = next(self._rr) % len(prefills)  # equal candidates take turns
+        prefill = self._by_prefix(prefills[turn:] + prefills[:turn], self.p_inflight, input_ids)
+        relays = [url for url in relays if ok(("pair", prefill.url, url), now)]
         relay = min(relays, key=lambda url: self.rld_inflight[url])  # least loaded RLD
-        mains = [m for m in self.main if ok(("main", m.url), now) and ok(("pair", prefill.url, m.url), now)]
+        mains = [m for m in self.main if ok(("main", m.url), now)]
         main = self._by_prefix(mains, self.md_inflight, input_ids) if mains else None
         return prefill, relay, main
 
@@ -122,7 +126,7 @@ class Pools:
             return
         used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
         if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
-            used += [("main", flow.main.url), ("pair", flow.prefill.url, flow.main.url)]
+            used.append(("main", flow.main.url))
         for key in used:
             if key not in failed:
                 self.health.record(key, Succeeded(now))
@@ -192,7 +196,7 @@ class Router:
                  operator_token: Optional[str] = None, every_client_is_operator: bool = False,
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
-                 health_check_interval_s: float = 5.0):
+                 health_check_interval_s: float = 10.0):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -376,12 +380,14 @@ class Router:
     async def probe_backends(self) -> None:
         async def one(role: str, url: str) -> None:
             try:
-                async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                # SGLang's /health decodes one token and may take its HEALTH_CHECK_TIMEOUT (20 s)
+                async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=20)) as resp:
                     await resp.read()
                     ok, error = resp.status == 200, f"/health answered {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 ok, error = False, f"/health failed: {e!r}"
-            self.pools.health.record((role, url), Succeeded(time.monotonic()) if ok else Failed(time.monotonic(), error))
+            now = time.monotonic()
+            self.pools.health.record((role, url), Succeeded(now) if ok else Failed(now, error, probe=True))
 
         await asyncio.gather(*(one(role, url) for role, urls in self.pools.roles().items() for url in urls))
 
@@ -716,10 +722,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
     h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
     hc = ap.add_argument_group("backend health (docs/router.md)")
-    hc.add_argument("--health-check-interval-s", type=float, default=5.0,
-                    help="GET /health on every backend this often (0: passive checks only)")
+    hc.add_argument("--health-check-interval-s", type=float, default=10.0,
+                    help="GET /health on every backend this often (SGLang's /health decodes one token; "
+                         "0: passive checks only)")
     hc.add_argument("--breaker-failures", type=int, default=3,
-                    help="consecutive failures (requests or probes) that take a backend or P pair out")
+                    help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
     hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
                     help="how long a backend stays out before it gets a trial request again")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key

@@ -444,7 +444,7 @@ class PddFlow:
                 reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
                 cached = self._on_registered(reg)
             except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
-                self._blame("main", self.main.url, e, server_only=True)
+                self._blame("main", self.main.url, e)
                 self.result.fallbacks.append(f"md_unavailable: {e}")
                 logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
                 if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
@@ -483,7 +483,7 @@ class PddFlow:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-            self._blame("main", self.main.url, e, server_only=True)
+            self._blame("main", self.main.url, e)
             if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
                 self._spawn(self.control.release(room), must_finish=True)
             self.room = None  # MD holds no room for it
@@ -611,8 +611,7 @@ class PddFlow:
             self.result.wan_ready_s = time.perf_counter() - started
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))
-        else:  # P's KV did not reach MD: the link between them, or either end
-            self.result.failed_backends.append(("pair", self.prefill.url, self.main.url))
+        else:  # not a breaker failure: RLD finishes this request, the next one tries the WAN again
             await self._md_side_failed(f"wan_failed: {reason}")
 
     async def _handoff(self) -> None:
@@ -694,16 +693,18 @@ class PddFlow:
             self.room = None
 
     # ------------------------------------------------------------------ plumbing
-    def _blame(self, role: str, url: str, error: BaseException, server_only: bool = False) -> None:
+    def _blame(self, role: str, url: str, error: BaseException) -> None:
         """Note a leg's failure for the router's health board. A server that refused or dropped
-        the connection, or answered 5xx (but 503: busy, not broken), is at fault itself; any
-        other failure of a P-fed leg is the pair's (P and RLD, or P and MD, can each be healthy
-        and fail together). ``server_only``: a call that involves no P (MD's control API)
-        counts only when MD itself failed."""
+        the connection, cut its reply short, or answered 5xx (but 503: busy, not broken), is at
+        fault itself. RLD's
+        stream failing otherwise (e.g. P's KV never reached it) is the P-RLD pair's: each can be
+        healthy and the two fail together. MD's other failures fall back to RLD and count
+        against nothing."""
         status = getattr(error, "status", None)
-        if isinstance(error, aiohttp.ClientConnectionError) or (status is not None and status >= 500 and status != 503):
+        if isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)) or \
+                (status is not None and status >= 500 and status != 503):
             self.result.failed_backends.append((role, url))
-        elif not server_only and role != "prefill":
+        elif role == "relay":
             self.result.failed_backends.append(("pair", self.prefill.url, url))
 
     def _spawn(self, coro, must_finish: bool = False) -> None:

@@ -1,8 +1,8 @@
 """What the router knows of each backend's health: a circuit breaker per server and per pair
 (pure logic; the router feeds it events and asks it which servers it may pick).
 
-Per server (P, RLD, MD) and per pair (P with the RLD or MD it sends KV to: two healthy servers
-can still fail together, e.g. a broken link between them), one state machine:
+Per server (P, RLD, MD) and per P-RLD pair (two healthy servers can still fail together, e.g.
+over a broken link between them), one state machine:
 
     CLOSED ──failure_threshold consecutive failures──▶ OPEN (not picked)
     OPEN ──cooldown_s passed──▶ HALF_OPEN (picked again: a trial)
@@ -11,7 +11,9 @@ can still fail together, e.g. a broken link between them), one state machine:
 
 A failure is a leg that broke on the backend (connection refused or reset, 5xx, a stream cut
 short) or a failed /health probe; a client that went away, a timeout the client chose and a
-request refused as bad input count as neither. Draining is the operator's, not the
+request refused as bad input count as neither. A failed probe of a server never seen up since
+the router started does not count: a router started beside its backends would otherwise
+open their breakers while they load their weights (requests that fail on it still count). Draining is the operator's, not the
 breaker's: a draining server gets no new requests and finishes the ones it has.
 """
 
@@ -45,6 +47,7 @@ class BackendHealth:
     opened_at: float = 0.0
     draining: bool = False
     last_error: str = ""
+    seen_up: bool = False  # a success (request or probe) since the router started
 
 
 # ---------------------------------------------------------------------------------- events
@@ -52,6 +55,7 @@ class BackendHealth:
 class Failed:
     now: float
     error: str = ""
+    probe: bool = False  # a failed /health probe (not a request's leg)
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,9 @@ def transition(state: BackendHealth, event: Event, cfg: HealthConfig) -> Backend
         return replace(state, draining=event.draining)
     state = settle(state, event.now, cfg)
     if isinstance(event, Succeeded):
-        return replace(state, breaker=Breaker.CLOSED, failures=0)
+        return replace(state, breaker=Breaker.CLOSED, failures=0, seen_up=True)
+    if event.probe and not state.seen_up:  # still starting, as far as the router knows
+        return replace(state, last_error=event.error)
     if state.breaker is Breaker.OPEN:  # already out: a further failure does not extend the cooldown
         return replace(state, last_error=event.error or state.last_error)
     failures = state.failures + 1
