@@ -69,7 +69,7 @@ else
     tests/test_e2e_pd.py tests/test_e2e_pdd.py
   stage "end-to-end shard 2: other configurations" 5400 \
     "${PYTEST[@]}" -m e2e --timeout 1800 "$@" tests/test_e2e_mla.py tests/test_e2e_page_size.py \
-    tests/test_e2e_resume.py tests/test_e2e_tcp_fallback.py tests/test_e2e_tp.py
+    tests/test_e2e_multi.py tests/test_e2e_resume.py tests/test_e2e_tcp_fallback.py tests/test_e2e_tp.py
 fi
 if [ "$SELECTED" = 0 ]; then
   echo "FAILED: no test selected by: $*"

@@ -87,7 +87,7 @@ class LocalCluster:
 
     def wan_control(self, action: str, **params) -> dict:
         """Drive the emulated WAN: stall, partition, heal, reset, corrupt, link (see kv_channel
-        docs), on every link (one per MD rank); returns link 0's answer (``wan_control_each``: all)."""
+        docs), on every link (one per MD and MD rank); returns the first MD's link 0's answer (``wan_control_each``: all)."""
         return self.wan_control_each(action, **params)[0]
 
     def wan_control_each(self, action: str, **params) -> list[dict]:
@@ -96,7 +96,7 @@ class LocalCluster:
         from sglang_pdd.launcher.http import get_json
 
         query = f"?{urlencode(params)}" if params else ""
-        return [get_json(f"{url}/{action}{query}") for url in self.topology.wan.control_urls]
+        return [get_json(f"{url}/{action}{query}") for wan in self.topology.wans for url in wan.control_urls]
 
     def stop(self) -> None:
         self.procs.stop_all()

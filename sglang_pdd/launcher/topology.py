@@ -190,7 +190,9 @@ class WanLinkSpec:
 
 @dataclass
 class Topology:
-    """One P and one RLD in datacenter A, one MD in datacenter B, the WAN between, a router."""
+    """P(s) and one RLD in datacenter A, MD(s) in datacenter B, the WAN between, a router.
+    ``prefill``/``main``/``wan`` are the first P, MD and MD's link; ``prefills``/``mains``/``wans``
+    all of them (one emulated WAN link per MD, every P allowed to send to each)."""
 
     prefill: ServerSpec
     relay: ServerSpec
@@ -200,57 +202,80 @@ class Topology:
     intra_dc_transport: str = "auto"  # P -> RLD engine: auto, mooncake or tcp
     key_file: Optional[str] = None  # the shared key; the router signs its control calls with it
     operator_token_file: Optional[str] = None  # the router's --operator-token-file
+    # P and MD beyond the first (prefill-1.., main-1..), and the WAN link of each such MD
+    more_prefills: list[ServerSpec] = field(default_factory=list)
+    more_mains: list[ServerSpec] = field(default_factory=list)
+    more_wans: list[WanLinkSpec] = field(default_factory=list)
 
     @classmethod
-    def on_free_ports(cls, intra_dc_transport: str = "auto", prefill_tp: int = 1, main_tp: int = 1) -> "Topology":
+    def on_free_ports(cls, intra_dc_transport: str = "auto", prefill_tp: int = 1, main_tp: int = 1,
+                      prefills: int = 1, mains: int = 1) -> "Topology":
         """``prefill_tp``: P's --tp (its control API then takes prefill_tp consecutive ports);
         ``main_tp``: MD's --tp (its WAN receivers, and the WAN links before them, take main_tp
-        consecutive ports each)."""
-        wan = WanLinkSpec(listen_port=free_port(count=main_tp), control_port=free_port(count=main_tp),
-                          links=main_tp)
+        consecutive ports each). ``prefills``/``mains``: how many P and MD."""
+        wans = [WanLinkSpec(listen_port=free_port(count=main_tp), control_port=free_port(count=main_tp),
+                            links=main_tp) for _ in range(mains)]
+        # P reaches an MD's WAN receiver only through its emulated link: those are P's WAN peers
+        peers = [f"{LOOPBACK}:{w.listen_port}" for w in wans]
+        ps = [ServerSpec(f"prefill-{i}", "prefill", free_port(), "dc-a", bootstrap_port=free_port(),
+                         control_port=free_port(count=prefill_tp), wan_peers=list(peers), tp=prefill_tp)
+              for i in range(prefills)]
+        ms = [ServerSpec(f"main-{i}", "main", free_port(), "dc-b", wan_listen_port=free_port(count=main_tp),
+                         control_port=free_port(), tp=main_tp) for i in range(mains)]
         return cls(
-            # P reaches MD's WAN receiver only through the emulated link: that is its one WAN peer
-            prefill=ServerSpec("prefill-0", "prefill", free_port(), "dc-a", bootstrap_port=free_port(),
-                               control_port=free_port(count=prefill_tp), wan_peers=[f"{LOOPBACK}:{wan.listen_port}"],
-                               tp=prefill_tp),
+            prefill=ps[0],
             relay=ServerSpec("relay-0", "relay", free_port(), "dc-a"),
-            main=ServerSpec("main-0", "main", free_port(), "dc-b", wan_listen_port=free_port(count=main_tp),
-                            control_port=free_port(), tp=main_tp),
+            main=ms[0],
             router_port=free_port(),
-            wan=wan,
+            wan=wans[0],
             intra_dc_transport=intra_dc_transport,
+            more_prefills=ps[1:], more_mains=ms[1:], more_wans=wans[1:],
         )
 
     @property
+    def prefills(self) -> list[ServerSpec]:
+        return [self.prefill, *self.more_prefills]
+
+    @property
+    def mains(self) -> list[ServerSpec]:
+        return [self.main, *self.more_mains]
+
+    @property
+    def wans(self) -> list[WanLinkSpec]:
+        """MD i's emulated link is wans[i]."""
+        return [self.wan, *self.more_wans]
+
+    @property
     def servers(self) -> list[ServerSpec]:
-        return [self.prefill, self.relay, self.main]
+        return [*self.prefills, self.relay, *self.mains]
 
     @property
     def router_url(self) -> str:
         return f"http://{LOOPBACK}:{self.router_port}"
 
 
-def wan_emulator_argv(topo: Topology, rank: int = 0) -> list[str]:
-    """The emulated link to MD rank ``rank``'s WAN receiver (``wan_emulator_argvs``: all of them)."""
+def wan_emulator_argv(topo: Topology, rank: int = 0, md: int = 0) -> list[str]:
+    """The emulated link to MD ``md``'s rank ``rank`` WAN receiver (``wan_emulator_argvs``: all of them)."""
+    wan, main = topo.wans[md], topo.mains[md]
     argv = [sys.executable, "-m", "sglang_pdd.kv_channel.wan_emulator",
-            "--listen", f"{LOOPBACK}:{topo.wan.listen_port + rank}",
-            "--upstream", f"{LOOPBACK}:{topo.main.wan_listen_port + rank}",
-            "--latency-ms", str(topo.wan.latency_ms), "--jitter-ms", str(topo.wan.jitter_ms),
-            "--control", f"{LOOPBACK}:{topo.wan.control_port + rank}"]
-    if topo.wan.rate_gbps:
-        argv += ["--rate-gbps", str(topo.wan.rate_gbps)]
+            "--listen", f"{LOOPBACK}:{wan.listen_port + rank}",
+            "--upstream", f"{LOOPBACK}:{main.wan_listen_port + rank}",
+            "--latency-ms", str(wan.latency_ms), "--jitter-ms", str(wan.jitter_ms),
+            "--control", f"{LOOPBACK}:{wan.control_port + rank}"]
+    if wan.rate_gbps:
+        argv += ["--rate-gbps", str(wan.rate_gbps)]
     return argv
 
 
 def wan_emulator_argvs(topo: Topology) -> list[tuple[str, list[str], str]]:
-    """(process name, argv, health URL) of each emulated link, one per MD rank; link 0 is
-    "wan-emulator" as with MD on TP 1."""
-    return [("wan-emulator" + (f"-{r}" if r else ""), wan_emulator_argv(topo, r), f"{url}/stats")
-            for r, url in enumerate(topo.wan.control_urls)]
+    """(process name, argv, health URL) of each emulated link, one per MD and MD rank; the first
+    MD's link 0 is "wan-emulator" as with one MD on TP 1, MD i's are "wan-emulator-main-i[-r]"."""
+    return [("wan-emulator" + (f"-main-{md}" if md else "") + (f"-{r}" if r else ""),
+             wan_emulator_argv(topo, r, md), f"{url}/stats")
+            for md, wan in enumerate(topo.wans) for r, url in enumerate(wan.control_urls)]
 
 
 def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = None) -> list[str]:
-    p, m = topo.prefill, topo.main
     # The router's transfer-time estimate describes the link it routes over: the emulated one.
     link = ["--wan-rtt-ms", str(2 * topo.wan.latency_ms)]
     if topo.wan.rate_gbps:
@@ -258,11 +283,13 @@ def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = No
     return [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK, "--port", str(topo.router_port),
             "--tokenizer-path", model_path,
             # P's control URL: the router posts WAN destinations there, MD's answer off the TTFT path
-            "--prefill", f"{p.url},{p.bootstrap_port}" + (f",{p.control_url}" if p.control_url else ""),
+            *[a for p in topo.prefills
+              for a in ("--prefill", f"{p.url},{p.bootstrap_port}" + (f",{p.control_url}" if p.control_url else ""))],
             "--relay", topo.relay.url,
             # P reaches MD's WAN receiver through the emulated link (with MD on TP N: rank 0's;
             # P adds the rank to the port, so links listen on consecutive ports too)
-            "--main", f"{m.url},{m.control_url},{LOOPBACK}:{topo.wan.listen_port}",
+            *[a for m, wan in zip(topo.mains, topo.wans)
+              for a in ("--main", f"{m.url},{m.control_url},{LOOPBACK}:{wan.listen_port}")],
             *(["--control-key-file", str(topo.key_file)] if topo.key_file else []),
             *(["--operator-token-file", str(topo.operator_token_file)] if topo.operator_token_file else []),
             *link, *(extra or [])]

@@ -167,6 +167,10 @@ class FlowResult:
     # Backends a leg broke on, as health keys (router/health.py): ("prefill" | "relay" | "main",
     # url) when the server itself did not answer, ("pair", P url, url) for a failure between them.
     failed_backends: list = field(default_factory=list)
+    # The P and MD this request was routed to (MD: None on a path without one); with several of
+    # each, what shows an operator where prefix affinity and load balance sent it.
+    prefill_url: Optional[str] = None
+    main_url: Optional[str] = None
 
 
 def new_room() -> int:
@@ -238,7 +242,8 @@ class PddFlow:
         self.internal_rid = secrets.token_hex(16)
         self.retry_of: Optional["PddFlow"] = None  # the flow this one starts over for (router's retry)
         self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
-                                 md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0)
+                                 md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0,
+                                 prefill_url=prefill.url, main_url=main.url if main is not None else None)
         self.state = lifecycle.State(max_new=self.max_new)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
