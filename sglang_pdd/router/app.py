@@ -79,6 +79,10 @@ class Pools:
     def roles(self) -> dict[str, list[str]]:
         return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
 
+    def inflight(self) -> dict[str, dict[str, int]]:
+        """Role -> {url: requests in flight}, the live counts (not copies)."""
+        return {"prefill": self.p_inflight, "relay": self.rld_inflight, "main": self.md_inflight}
+
     def pick(self, input_ids: list[int], now: Optional[float] = None,
              exclude: frozenset = frozenset()) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
         """P and MD by cached prefix with load balance, RLD by load; only servers (and P-RLD pairs)
@@ -204,8 +208,7 @@ class Router:
         self.operator_token = operator_token
         self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
-        self.metrics.track_backends({"prefill": pools.p_inflight, "relay": pools.rld_inflight,
-                                     "main": pools.md_inflight})
+        self.metrics.track_backends(pools.inflight())
         self.metrics.track_health(self._health_rows)
         self.health_check_interval_s = health_check_interval_s
         self._probes: Optional[asyncio.Task] = None
@@ -402,8 +405,7 @@ class Router:
         """Operator only: GET /pdd/backends, each backend's health and load as the router sees it."""
         if not self.is_operator(request):
             return error_reply(403, f"/pdd/backends is operator-only: send {OPERATOR_HEADER}", "Forbidden")
-        now, inflight = time.monotonic(), {"prefill": self.pools.p_inflight, "relay": self.pools.rld_inflight,
-                                           "main": self.pools.md_inflight}
+        now, inflight = time.monotonic(), self.pools.inflight()
         rows = []
         for role, urls in self.pools.roles().items():
             for url in urls:
@@ -433,10 +435,7 @@ class Router:
         for role in roles:
             self.pools.health.record((role, url), Drain(draining))
         return web.json_response({"url": url, "roles": roles, "draining": draining,
-                                  "inflight": sum(self._inflight_of(role, url) for role in roles)})
-
-    def _inflight_of(self, role: str, url: str) -> int:
-        return {"prefill": self.pools.p_inflight, "relay": self.pools.rld_inflight, "main": self.pools.md_inflight}[role][url]
+                                  "inflight": sum(self.pools.inflight()[role][url] for role in roles)})
 
     # ------------------------------------------------------------------ helpers
     def _scope(self, request: web.Request, options) -> RequestScope:
