@@ -11,7 +11,8 @@ Hooks (each a no-op unless --pdd-role asks for it):
 * ServerArgs.add_cli_args / from_cli_args — the --pdd-* flags and their validation;
 * Scheduler.__init__ (before) — MLA models on ``torch_native`` take SGLang's absorbed MLA
   path (mla_attention.py; the fallback dispatch reads the latent pool as per-head K/V);
-* Scheduler.__init__ (after) — start MD's runtime in the scheduler process;
+* Scheduler.__init__ (after) — compile SGLang's lazily compiled sampling kernels
+  (compile_warmup.py), start MD's runtime in the scheduler process;
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
   room commands and WAN completions there, on the scheduler thread;
 * PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
@@ -69,6 +70,8 @@ def _attach_pdd_config(server_args, cls, args):
 def _start_role_runtime(result, scheduler, *args, **kwargs):
     cfg = get_pdd_config(scheduler.server_args)
     scheduler._pdd_runtime = None
+    if cfg.active:
+        _warm_compiled_kernels(scheduler)
     if cfg.role == "relay":
         from sglang_pdd.sglang_glue import penalty_clock
 
@@ -78,6 +81,16 @@ def _start_role_runtime(result, scheduler, *args, **kwargs):
         from sglang_pdd.sglang_glue.transfer_backend import read_key
 
         scheduler._pdd_runtime = MainDrcRuntime(scheduler, cfg, read_key(cfg))
+
+
+def _warm_compiled_kernels(scheduler) -> None:
+    from sglang_pdd.sglang_glue.compile_warmup import warm_sampling_kernels
+
+    try:
+        warm_sampling_kernels(str(scheduler.device), int(scheduler.model_config.vocab_size),
+                              scheduler.model_config.dtype)
+    except Exception:  # noqa: BLE001 — a failed warm-up only moves the compile to the first request
+        logger.exception("sglang-pdd: warming SGLang's compiled sampling kernels failed")
 
 
 def _mla_dispatch(scheduler, *args, **kwargs):
