@@ -66,7 +66,7 @@ def hand_off_after(cluster, prompt: str, eager: int, max_new: int = RELAY_MAX_NE
 def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:
     """Each prompt of ``reference`` (greedy ids at MAX_NEW) through the router on ``options``
     gives its greedy ids, with no fallback; p_md hands every request to MD at its first token,
-    p_rld_md (streamed) after RLD's third, at least on 3/4 of them (takeover.py).
+    p_rld_md (streamed) after RLD's third, on at least half of them (takeover.py).
     ``check(meta_info.pdd)``: the caller's extra assertions."""
     handoffs = []
     for prompt, want in reference.items():
