@@ -36,7 +36,7 @@ import torch
 
 from sglang_pdd.config import PddConfig, admission_limits, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
-from sglang_pdd.kv_channel.tls import wan_tls_context
+from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
@@ -174,7 +174,8 @@ class MainDrcRuntime:
         _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
         # The router talks to rank 0 only; rank 0 drives the other ranks' room tables.
-        self.control = ControlServer((chost, cport), self, key) if self.tp.rank == 0 else None
+        self.control = ControlServer((chost, cport), self, key, ssl_context=control_tls_context(
+            cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True)) if self.tp.rank == 0 else None
         logger.info("MD DRC runtime (TP rank %d of %d): WAN KV on %s:%s, control %s, KV pool %s, ingest %s, "
                     "in flight <= %d MiB", self.tp.rank, self.tp.size, *self.receiver.address,
                     f"on {chost}:{cport}" if self.control else "on rank 0", self.layout_description(),
@@ -529,14 +530,16 @@ class _PagesRelease:
 
 class ControlServer:
     """MD's control API for the router, on the interface ``--pdd-control-listen`` names.
-    Every route but /health needs the router's signature (control_auth, on the shared key)."""
+    Every route but /health needs the router's signature (control_auth, on the shared key).
+    ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate required."""
 
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
-                 max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY):
+                 max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY,
+                 ssl_context=None):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
         handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=max_body_bytes_in_flight)
+                                       max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-md-control")
 
