@@ -44,6 +44,7 @@ from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, Jso
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
+from sglang_pdd.sglang_glue.loopback import LoopbackServer
 from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
 from sglang_pdd.sglang_glue.md_tp_sync import TpSync, tp_sync_of
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
@@ -145,6 +146,7 @@ class MainDrcRuntime:
         self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
         self.http_api_key = getattr(scheduler.server_args, "api_key", None)  # its --api-key guards /generate
+        self.http_ssl_certfile = getattr(scheduler.server_args, "ssl_certfile", None)  # then it serves HTTPS
         self._handoff_lock = threading.Lock()  # control threads: one final handoff per room
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
@@ -635,9 +637,10 @@ class _ControlHandler(JsonRequestHandler):
             return self._reply(409 if "stale" in str(e) or "duplicate" in str(e) else 400, {"error": str(e)})
         # Relay MD's own /generate (loopback) back to the router, streaming as it comes; the
         # reply, or each event of a stream, signed for this request (control_auth).
-        conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=600)
+        server = self._loopback()
+        conn = server.connection(timeout=600)
         try:
-            conn.request("POST", "/generate", body=json.dumps(gen), headers=self._loopback_headers())
+            conn.request("POST", "/generate", body=json.dumps(gen), headers=server.headers())
             resp = conn.getresponse()
             if not stream or resp.status != 200:
                 return self._relay_whole(resp)
@@ -667,19 +670,18 @@ class _ControlHandler(JsonRequestHandler):
             conn.close()
             self.close_connection = True
 
-    def _loopback_headers(self) -> dict:
-        """For MD's own SGLang API: its --api-key, if it has one, guards /generate and /abort_request."""
-        headers = {"Content-Type": "application/json"}
-        if getattr(self.runtime, "http_api_key", None):
-            headers["Authorization"] = f"Bearer {self.runtime.http_api_key}"
-        return headers
+    def _loopback(self) -> LoopbackServer:
+        """MD's own SGLang API: HTTPS when it has --ssl-certfile, its --api-key if it has one."""
+        return LoopbackServer(self.runtime.http_port, getattr(self.runtime, "http_api_key", None),
+                              getattr(self.runtime, "http_ssl_certfile", None))
 
     def _abort_generate(self, rid) -> None:
         if not isinstance(rid, str):
             return
-        conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=10)
+        server = self._loopback()
+        conn = server.connection(timeout=10)
         try:
-            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}), headers=self._loopback_headers())
+            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}), headers=server.headers())
             conn.getresponse().read()
         except (OSError, http.client.HTTPException) as e:
             logger.warning("abort of MD request %s failed: %r", rid, e)
