@@ -324,3 +324,28 @@ def test_the_router_will_not_start_with_part_of_the_flags(pki):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
               "--main", "https://md:1,https://md:2,md:3", "--control-key-file", "k",
               "--control-tls-cert", pki["router"][0], "--control-tls-key", pki["router"][1]])
+
+
+def test_the_local_topology_puts_the_control_plane_on_tls_only_when_asked(pki, tmp_path):
+    from sglang_pdd.launcher.topology import ControlTlsFiles, Topology, router_argv, server_argv
+    from sglang_pdd.router.app import parse_args
+
+    topo = Topology.on_free_ports(prefills=2)
+    topo.key_file = str(tmp_path / "wan.key")
+    plain = [server_argv(s, "m", topo.key_file) for s in topo.servers] + [router_argv(topo, "m")]
+    assert not any("tls" in a or a.startswith("https") or ",https" in a for argv in plain for a in argv)
+
+    files = ControlTlsFiles(*pki["server"], *pki["router"], pki["ca"])
+    topo.use_control_tls(files)
+    for spec in topo.servers:
+        argv = server_argv(spec, "m", topo.key_file)
+        if spec.role == "relay":  # no control API
+            assert argv == plain[topo.servers.index(spec)]
+            continue
+        assert argv[argv.index("--pdd-control-tls-cert"):][:6] == files.server_flags()
+    r_argv = router_argv(topo, "m")
+    args = parse_args(r_argv[3:])
+    control_urls = [p.control_url for p in args.prefill] + [m.control_url for m in args.main]
+    assert control_urls == [p.control_url for p in topo.prefills] + [topo.main.control_url]
+    assert all(url.startswith("https://127.0.0.1:") for url in control_urls)
+    assert control_client_context(args, control_urls) is not None  # the router would start with them
