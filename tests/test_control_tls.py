@@ -349,3 +349,32 @@ def test_the_local_topology_puts_the_control_plane_on_tls_only_when_asked(pki, t
     assert control_urls == [p.control_url for p in topo.prefills] + [topo.main.control_url]
     assert all(url.startswith("https://127.0.0.1:") for url in control_urls)
     assert control_client_context(args, control_urls) is not None  # the router would start with them
+
+
+# ---------------------------------------------------------------------------- server resources
+def test_a_silent_connection_does_not_hold_up_the_others_handshakes(pki, md):
+    """The handshake runs on the connection's handler thread, not in the accept loop: a client
+    that connects and says nothing delays no one else."""
+    md.reset()
+    with socket.create_connection(md.server.address, timeout=5):
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                mc = MainControl(session, md.url, signer=ControlSigner(KEY), tls=router_tls(pki))
+                return await asyncio.wait_for(mc.stats(), 3)
+
+        assert asyncio.run(run())["open_rooms"] == 0
+
+
+def test_an_idle_kept_alive_connection_gives_its_thread_back(pki):
+    server = MdControl(ssl_context=server_tls(pki))
+    server.server.httpd.RequestHandlerClass.keepalive_idle_s = 0.3
+    try:
+        client = router_tls(pki)
+        with socket.create_connection(server.server.address, timeout=5) as raw_sock, \
+                client.wrap_socket(raw_sock, server_hostname="127.0.0.1") as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            assert server.server.httpd.in_use == 1  # kept alive, waiting for the next request
+            assert wait_until(lambda: server.server.httpd.in_use == 0, timeout=5)
+    finally:
+        server.close()
