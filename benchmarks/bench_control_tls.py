@@ -16,7 +16,7 @@ Requests and replies are signed in both modes. Modes alternate per round and the
 round is reported, so a machine shared with other work skews both the same way. The
 certificates (EC P-256) are made with openssl in a temporary directory.
 
-    python -m benchmarks.bench_control_tls              # ~30 s
+    python -m benchmarks.bench_control_tls              # ~40 s
     python -m benchmarks.bench_control_tls --seconds 1 --rounds 3
 """
 
