@@ -38,6 +38,9 @@ class PddConfig:
     wan_tls_cert: Optional[str] = None  # prefill/main: this side's certificate (PEM) for TLS on the WAN KV channel
     wan_tls_key: Optional[str] = None  # prefill/main: its private key (PEM, mode 0600)
     wan_tls_ca: Optional[str] = None  # prefill/main: CA that signed the peers' certificates
+    control_tls_cert: Optional[str] = None  # prefill/main: the control API's certificate (HTTPS only with it)
+    control_tls_key: Optional[str] = None  # prefill/main: its private key (PEM, mode 0600)
+    control_tls_ca: Optional[str] = None  # prefill/main: CA that signed the router's client certificate
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
     wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
@@ -80,6 +83,14 @@ FLAGS = [
         help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-wan-tls-cert.")),
     ("--pdd-wan-tls-ca", "pdd_wan_tls_ca", dict(default=None,
         help="prefill and main: CA certificate(s) (PEM) that the WAN peer's certificate must be signed by.")),
+    ("--pdd-control-tls-cert", "pdd_control_tls_cert", dict(default=None,
+        help="prefill and main: certificate (PEM) of the control API (--pdd-control-listen), which then "
+             "serves HTTPS only and requires the router's client certificate; give all three "
+             "--pdd-control-tls-* flags or none. It must name the host of the router's CONTROL_URL.")),
+    ("--pdd-control-tls-key", "pdd_control_tls_key", dict(default=None,
+        help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-control-tls-cert.")),
+    ("--pdd-control-tls-ca", "pdd_control_tls_ca", dict(default=None,
+        help="prefill and main: CA certificate(s) (PEM) that the router's client certificate must be signed by.")),
     ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
         help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
     ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
@@ -222,6 +233,17 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         missing = [flag for flag, value in tls.items() if not value]
         if missing:
             raise PddConfigError(f"mutual TLS needs all of --pdd-wan-tls-cert/-key/-ca; missing {', '.join(missing)}")
+    control_tls = {"--pdd-control-tls-cert": cfg.control_tls_cert, "--pdd-control-tls-key": cfg.control_tls_key,
+                   "--pdd-control-tls-ca": cfg.control_tls_ca}
+    if any(control_tls.values()):
+        if cfg.role not in ("prefill", "main"):
+            raise PddConfigError(f"--pdd-control-tls-* apply only to roles prefill and main, not {cfg.role}")
+        if not cfg.control_listen:
+            raise PddConfigError("--pdd-control-tls-* need --pdd-control-listen (the API they protect)")
+        missing = [flag for flag, value in control_tls.items() if not value]
+        if missing:
+            raise PddConfigError(f"mutual TLS on the control API needs all of --pdd-control-tls-cert/-key/-ca; "
+                                 f"missing {', '.join(missing)}")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
     if cfg.wan_peers is not None:

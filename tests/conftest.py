@@ -142,15 +142,18 @@ def warm_up(cluster) -> None:
 @contextlib.contextmanager
 def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model_path: Optional[str] = None,
                       prefill_tp: int = 1, main_tp: int = 1, intra_dc_transport: str = "auto",
-                      extra_args: tuple = EXACT_ARGS):
+                      extra_args: tuple = EXACT_ARGS, control_tls=None):
     """P + RLD + MD + WAN emulator + router, as real processes, warmed up (a context manager);
-    ``prefill_tp``: P's --tp; ``main_tp``: MD's --tp (one emulated WAN link per MD rank)."""
+    ``prefill_tp``: P's --tp; ``main_tp``: MD's --tp (one emulated WAN link per MD rank);
+    ``control_tls``: launcher.topology.ControlTlsFiles, the control plane on mutual TLS."""
     _require_sglang()
     from sglang_pdd.launcher.cluster import LocalCluster
     from sglang_pdd.launcher.topology import Topology
 
     topology = Topology.on_free_ports(intra_dc_transport=intra_dc_transport, prefill_tp=prefill_tp, main_tp=main_tp)
     topology.wan.rate_gbps, topology.wan.latency_ms = TEST_WAN_GBPS, 20.0
+    if control_tls is not None:
+        topology.use_control_tls(control_tls)
     # P keeps KV for a late WAN destination longer than the 2 s default: a loaded CI machine
     # can take that long between P's prefill and the router's POST.
     topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]

@@ -38,9 +38,10 @@ class FakeTree:
 
 
 class FakeGenerate:
-    """MD's own SGLang /generate, as a handoff reaches it (loopback)."""
+    """MD's own SGLang /generate, as a handoff reaches it (loopback); ``ssl_context``: served
+    over HTTPS, as SGLang with --ssl-certfile."""
 
-    def __init__(self):
+    def __init__(self, ssl_context=None):
         self.requests: list[dict] = []
         self.aborted: list[str] = []  # rids of /abort_request calls
         self.endless = False  # stream an event every 20 ms until the reader goes (or 10 s)
@@ -87,6 +88,8 @@ class FakeGenerate:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if ssl_context is not None:
+            self.httpd.socket = ssl_context.wrap_socket(self.httpd.socket, server_side=True)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
 
@@ -112,6 +115,7 @@ class FakeMdRuntime:
         self.counters: dict = {}
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
         self.http_api_key = None  # MD's own SGLang --api-key
+        self.http_ssl_certfile = None  # MD's own SGLang --ssl-certfile (then it serves HTTPS)
 
     def call(self, op: str, *args, timeout: float = 30.0):
         return getattr(self, f"_do_{op}")(*args)
@@ -139,13 +143,20 @@ class FakeMdRuntime:
         return {r: (e.status, e.token_ids, e.handed_off) for r, e in self.rooms.rooms.items()}
 
 
+def _scheme(server_kw: dict) -> str:
+    return "https" if server_kw.get("ssl_context") is not None else "http"
+
+
 class MdControl:
-    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024, **server_kw):
-        self.generate = FakeGenerate()
+    """``server_kw``: ControlServer's, e.g. ``ssl_context`` (then ``url`` is https);
+    ``generate_tls``: MD's own /generate served over HTTPS with this context."""
+
+    def __init__(self, max_rooms: int = 4096, max_connections: int = 1024, generate_tls=None, **server_kw):
+        self.generate = FakeGenerate(generate_tls)
         self.runtime = FakeMdRuntime(self.generate.port, max_rooms=max_rooms)
         self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections,
                                     **server_kw)
-        self.url = "http://%s:%s" % self.server.address
+        self.url = f"{_scheme(server_kw)}://%s:%s" % self.server.address
 
     def reset(self):
         self.runtime.reset()
@@ -158,13 +169,14 @@ class MdControl:
 
 
 class PControl:
-    """P's control API; ``port``/``tp_*``/``sends_wan``: one TP rank's (PrefillControlServer's)."""
+    """P's control API; ``port``/``tp_*``/``sends_wan``/``ssl_context``: one TP rank's
+    (PrefillControlServer's)."""
 
     def __init__(self, port: int = 0, **tp):
         self.board = DestinationBoard()
         self.server = PrefillControlServer(self.board, "127.0.0.1", port, auth=ControlVerifier(KEY, role=ROLE_P),
                                            peer_allowed=lambda peer: peer == WAN_PEER, **tp)
-        self.url = "http://%s:%s" % self.server.address
+        self.url = f"{_scheme(tp)}://%s:%s" % self.server.address
 
     def close(self):
         self.server.close()

@@ -1,4 +1,5 @@
-"""TLS for the WAN KV channel (``--pdd-wan-tls-cert/--pdd-wan-tls-key/--pdd-wan-tls-ca``).
+"""Mutual TLS contexts: the WAN KV channel (``--pdd-wan-tls-cert/--pdd-wan-tls-key/--pdd-wan-tls-ca``)
+and the control plane (``--pdd-control-tls-*`` on P and MD, ``--control-tls-*`` on the router).
 
 Mutual TLS: MD (receiver) and P (sender) each present a certificate signed by the CA in
 ``ca`` and require the peer's. P also checks that MD's certificate names the address it
@@ -51,11 +52,27 @@ def client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
     return ctx
 
 
-def wan_tls_context(cert: Optional[str], key: Optional[str], ca: Optional[str], *,
-                    server_side: bool) -> Optional[ssl.SSLContext]:
-    """The context for ``--pdd-wan-tls-*`` (None when TLS is off: all three unset)."""
+def mutual_tls_context(cert: Optional[str], key: Optional[str], ca: Optional[str], *, server_side: bool,
+                       flags: str) -> Optional[ssl.SSLContext]:
+    """The context of a set of three TLS flags named ``flags`` (e.g. ``--pdd-wan-tls-*``):
+    None when all three are unset, TlsConfigError naming them when only some are."""
     if not (cert or key or ca):
         return None
     if not (cert and key and ca):
-        raise TlsConfigError("mutual TLS needs a certificate, its key and a CA (all three --pdd-wan-tls-* flags)")
+        raise TlsConfigError(f"mutual TLS needs a certificate, its key and a CA (all three {flags} flags)")
     return server_context(cert, key, ca) if server_side else client_context(cert, key, ca)
+
+
+def wan_tls_context(cert: Optional[str], key: Optional[str], ca: Optional[str], *,
+                    server_side: bool) -> Optional[ssl.SSLContext]:
+    """The context for ``--pdd-wan-tls-*`` (None when TLS is off: all three unset)."""
+    return mutual_tls_context(cert, key, ca, server_side=server_side, flags="--pdd-wan-tls-*")
+
+
+def control_tls_context(cert: Optional[str], key: Optional[str], ca: Optional[str], *,
+                        server_side: bool) -> Optional[ssl.SSLContext]:
+    """The control plane's: P's and MD's control servers (``--pdd-control-tls-*``, server side:
+    a client certificate from ``ca`` required) and the router's client (``--control-tls-*``:
+    verifies the server against ``ca`` and that its certificate names the host dialled)."""
+    return mutual_tls_context(cert, key, ca, server_side=server_side,
+                              flags="--pdd-control-tls-*" if server_side else "--control-tls-*")

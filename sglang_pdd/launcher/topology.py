@@ -97,6 +97,27 @@ def _machine_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+@dataclass(frozen=True)
+class ControlTlsFiles:
+    """PEM files for mutual TLS on the control plane: the certificate P and MD serve their
+    control APIs with (it must name 127.0.0.1, the address the router dials here), the
+    router's client certificate, their keys (mode 0600) and the CA that signed both."""
+
+    server_cert: str
+    server_key: str
+    router_cert: str
+    router_key: str
+    ca: str
+
+    def server_flags(self) -> list[str]:
+        return ["--pdd-control-tls-cert", self.server_cert, "--pdd-control-tls-key", self.server_key,
+                "--pdd-control-tls-ca", self.ca]
+
+    def router_flags(self) -> list[str]:
+        return ["--control-tls-cert", self.router_cert, "--control-tls-key", self.router_key,
+                "--control-tls-ca", self.ca]
+
+
 @dataclass
 class ServerSpec:
     name: str  # "prefill-0", "relay-0", "main-0", "single"
@@ -111,6 +132,7 @@ class ServerSpec:
     # the first of tp consecutive free ports). Main: rank r's WAN receiver on wan_listen_port + r.
     tp: int = 1
     extra_args: list[str] = field(default_factory=list)
+    control_tls: Optional[ControlTlsFiles] = None  # prefill/main: the control API on mutual TLS (https)
 
     @property
     def url(self) -> str:
@@ -118,7 +140,8 @@ class ServerSpec:
 
     @property
     def control_url(self) -> Optional[str]:
-        return f"http://{LOOPBACK}:{self.control_port}" if self.control_port else None
+        scheme = "https" if self.control_tls else "http"
+        return f"{scheme}://{LOOPBACK}:{self.control_port}" if self.control_port else None
 
 
 def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] = None,
@@ -143,6 +166,8 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
         argv += ["--sleep-on-idle"]
     if spec.role in ("prefill", "main") and spec.control_port:
         argv += ["--pdd-control-listen", f"{LOOPBACK}:{spec.control_port}"]
+        if spec.control_tls:
+            argv += spec.control_tls.server_flags()
     if spec.role == "prefill" and spec.wan_peers:
         argv += ["--pdd-wan-peers", ",".join(spec.wan_peers)]
     if spec.role is not None:
@@ -206,6 +231,15 @@ class Topology:
     more_prefills: list[ServerSpec] = field(default_factory=list)
     more_mains: list[ServerSpec] = field(default_factory=list)
     more_wans: list[WanLinkSpec] = field(default_factory=list)
+    control_tls: Optional[ControlTlsFiles] = None  # set by use_control_tls
+
+    def use_control_tls(self, files: ControlTlsFiles) -> "Topology":
+        """Every P's and MD's control API on mutual TLS, the router dialling them over https
+        with its client certificate."""
+        self.control_tls = files
+        for spec in (*self.prefills, *self.mains):
+            spec.control_tls = files
+        return self
 
     @classmethod
     def on_free_ports(cls, intra_dc_transport: str = "auto", prefill_tp: int = 1, main_tp: int = 1,
@@ -291,6 +325,7 @@ def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = No
             *[a for m, wan in zip(topo.mains, topo.wans)
               for a in ("--main", f"{m.url},{m.control_url},{LOOPBACK}:{wan.listen_port}")],
             *(["--control-key-file", str(topo.key_file)] if topo.key_file else []),
+            *(topo.control_tls.router_flags() if topo.control_tls else []),
             *(["--operator-token-file", str(topo.operator_token_file)] if topo.operator_token_file else []),
             *link, *(extra or [])]
 

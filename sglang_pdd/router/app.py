@@ -35,7 +35,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router import client_auth
+from sglang_pdd.router import client_auth, control_tls
 from sglang_pdd.router.backends import BackendError, MainControl
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
@@ -729,6 +729,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
                     help="how long a backend stays out before it gets a trial request again")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key
+    control_tls.add_args(ap)  # --control-tls-*
     return ap.parse_args(argv)
 
 
@@ -791,7 +792,10 @@ def main(argv=None) -> None:
     client_auth.use_backend_api_key(args.backend_api_key)
 
     from sglang_pdd.kv_channel.handshake import load_key
-    from sglang_pdd.router.backends import set_max_md_tp, use_control_key
+    from sglang_pdd.router.backends import set_max_md_tp, use_control_key, use_control_tls
+
+    control_urls = [p.control_url for p in args.prefill if p.control_url] + [m.control_url for m in args.main]
+    use_control_tls(control_tls.control_client_context(args, control_urls))
 
     try:
         set_max_md_tp(args.max_md_tp)

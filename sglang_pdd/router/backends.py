@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import weakref
 from typing import AsyncIterator, Optional
 from urllib.parse import urlsplit, urlunsplit
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _control_signer: Optional[ControlSigner] = None  # MD's role
 _prefill_signer: Optional[ControlSigner] = None  # P's role
+_control_tls: Optional[ssl.SSLContext] = None  # --control-tls-*: client certificate, the servers' CA
 
 
 def use_control_key(key: Optional[bytes]) -> None:
@@ -30,15 +32,24 @@ def use_control_key(key: Optional[bytes]) -> None:
     _prefill_signer = ControlSigner(key, role=ROLE_P) if key is not None else None
 
 
-def _control_request(signer: Optional[ControlSigner], method: str, url: str, body=None) -> dict:
+def use_control_tls(context: Optional[ssl.SSLContext]) -> None:
+    """The router's --control-tls-*: every MainControl / PrefillControl made afterwards in this
+    process dials its (https) control URL with this client context (None: aiohttp's default)."""
+    global _control_tls
+    _control_tls = context
+
+
+def _control_request(signer: Optional[ControlSigner], method: str, url: str, body=None,
+                     tls: Optional[ssl.SSLContext] = None) -> dict:
     """aiohttp request kwargs: the JSON body as bytes and, with a signer, the signature over
-    exactly those bytes and the URL's path and query as sent."""
+    exactly those bytes and the URL's path and query as sent; with ``tls``, the client TLS
+    context (aiohttp checks the server's certificate names the URL's host)."""
     data = json.dumps(body).encode() if body is not None else b""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     if signer is not None:
         parts = urlsplit(url)
         headers.update(signer.header(method, parts.path + (f"?{parts.query}" if parts.query else ""), data))
-    return {"data": data if body is not None else None, "headers": headers}
+    return {"data": data if body is not None else None, "headers": headers, **({"ssl": tls} if tls else {})}
 
 
 def _check_reply(signer: Optional[ControlSigner], sent: dict, resp: aiohttp.ClientResponse, body: bytes,
@@ -149,10 +160,11 @@ async def _json_reply(resp: aiohttp.ClientResponse):
 
 
 async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what: str, *,
-                     json=None, timeout_s: Optional[float] = None, signer: Optional[ControlSigner] = None) -> dict:
+                     json=None, timeout_s: Optional[float] = None, signer: Optional[ControlSigner] = None,
+                     tls: Optional[ssl.SSLContext] = None) -> dict:
     """One control-API call: the JSON reply of a 200, else BackendError naming ``what``."""
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-    sent = _control_request(signer, method, url, json)
+    sent = _control_request(signer, method, url, json, tls)
     async with session.request(method, url, timeout=timeout, **sent) as resp:
         if resp.status == 200:  # the signature before anything is read from the reply
             _check_reply(signer, sent, resp, await resp.read(), what)
@@ -206,31 +218,34 @@ def md_tp_of(registration: dict, max_md_tp: Optional[int] = None) -> int:
 
 class MainControl:
     """MD's control API (served by the sglang-pdd plugin inside MD's scheduler); every call is
-    signed with the router's control key (``signer``, default: ``use_control_key``'s)."""
+    signed with the router's control key (``signer``, default: ``use_control_key``'s) and, with
+    ``tls`` (default: ``use_control_tls``'s), made over mutual TLS."""
 
-    def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None):
+    def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None,
+                 tls: Optional[ssl.SSLContext] = None):
         self.session, self.url = session, control_url
         self.signer = signer or _control_signer
+        self.tls = tls or _control_tls
 
     async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0,
                        use_cache: bool = True) -> dict:
         return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms", f"MD register room {room}",
                                 json=register_body(room, token_ids, use_cache), timeout_s=timeout_s,
-                                signer=self.signer)
+                                signer=self.signer, tls=self.tls)
 
     async def wait_ready(self, room: int, timeout_s: float) -> dict:
         return await _call_json(self.session, "GET", f"{self.url}/pdd/rooms/{room}/ready?timeout_s={float(timeout_s)}",
-                                f"MD ready room {room}", timeout_s=timeout_s + 10, signer=self.signer)
+                                f"MD ready room {room}", timeout_s=timeout_s + 10, signer=self.signer, tls=self.tls)
 
     async def handoff(self, room: int, body: dict) -> dict:
         """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
         return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms/{room}/handoff",
-                                f"MD handoff room {room}", json=body, signer=self.signer)
+                                f"MD handoff room {room}", json=body, signer=self.signer, tls=self.tls)
 
     async def handoff_stream(self, room: int, body: dict) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events."""
         url = f"{self.url}/pdd/rooms/{room}/handoff"
-        sent = _control_request(self.signer, "POST", url, body)
+        sent = _control_request(self.signer, "POST", url, body, self.tls)
         async with self.session.post(url, **sent) as resp:
             events = (sse_events(resp, f"MD room {room} handoff") if self.signer is None else
                       signed_sse_events(resp, f"MD room {room} handoff", self.signer, sent["headers"][HEADER]))
@@ -243,7 +258,7 @@ class MainControl:
         url = f"{self.url}/pdd/rooms/{room}?keep_kv={'1' if keep_kv else '0'}"
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
-                                           **_control_request(self.signer, "DELETE", url)) as resp:
+                                           **_control_request(self.signer, "DELETE", url, tls=self.tls)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             logger.warning("release of room %s on %s failed: %r", room, self.url, e)
@@ -251,7 +266,8 @@ class MainControl:
     async def stats(self) -> Optional[dict]:
         url = f"{self.url}/pdd/stats"
         try:
-            return await _call_json(self.session, "GET", url, "MD stats", timeout_s=5, signer=self.signer)
+            return await _call_json(self.session, "GET", url, "MD stats", timeout_s=5, signer=self.signer,
+                                    tls=self.tls)
         except (BackendError, aiohttp.ClientError, TimeoutError):
             return None
 
@@ -281,9 +297,11 @@ class PrefillControl:
 
     PATH = "/pdd/wan_destinations"
 
-    def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None):
+    def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None,
+                 tls: Optional[ssl.SSLContext] = None):
         self.session, self.url = session, control_url.rstrip("/")
         self.signer = signer or _prefill_signer
+        self.tls = tls or _control_tls  # as MainControl's
 
     async def tp_size(self) -> int:
         """P's TP ranks (GET /pdd/info on rank 0, a signed reply), asked once per session. A
@@ -302,7 +320,7 @@ class PrefillControl:
 
     async def _ask_tp_size(self) -> int:
         url = f"{self.url}/pdd/info"
-        sent = _control_request(self.signer, "GET", url)
+        sent = _control_request(self.signer, "GET", url, tls=self.tls)
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5), **sent) as resp:
             if resp.status == 200:
                 _check_reply(self.signer, sent, resp, await resp.read(), f"P info {url}")
@@ -331,7 +349,7 @@ class PrefillControl:
         replies = await asyncio.gather(*(
             _call_json(self.session, "POST", f"{url}{self.PATH}",
                        f"P WAN destination for room {bootstrap_room}" + (f" (TP rank {rank})" if rank else ""),
-                       json=body, timeout_s=timeout_s, signer=self.signer)
+                       json=body, timeout_s=timeout_s, signer=self.signer, tls=self.tls)
             for rank, url in enumerate(urls)), return_exceptions=True)
         failures = [r for r in replies if isinstance(r, BaseException)]
         if failures:
@@ -353,7 +371,7 @@ class PrefillControl:
         url = f"{base_url}{self.PATH}/{int(bootstrap_room)}"
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
-                                           **_control_request(self.signer, "DELETE", url)) as resp:
+                                           **_control_request(self.signer, "DELETE", url, tls=self.tls)) as resp:
                 if resp.status != 200:
                     logger.info("drop of WAN destination %s on %s: HTTP %s %s", bootstrap_room, base_url,
                                 resp.status, (await resp.text())[:200])

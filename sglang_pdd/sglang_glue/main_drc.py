@@ -36,7 +36,7 @@ import torch
 
 from sglang_pdd.config import PddConfig, admission_limits, parse_host_port
 from sglang_pdd.kv_channel.states import RoomState
-from sglang_pdd.kv_channel.tls import wan_tls_context
+from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
@@ -44,6 +44,7 @@ from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, Jso
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomsFull, RoomStatus
 from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
+from sglang_pdd.sglang_glue.loopback import LoopbackServer
 from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
 from sglang_pdd.sglang_glue.md_tp_sync import TpSync, tp_sync_of
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
@@ -145,6 +146,7 @@ class MainDrcRuntime:
         self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
         self.http_api_key = getattr(scheduler.server_args, "api_key", None)  # its --api-key guards /generate
+        self.http_ssl_certfile = getattr(scheduler.server_args, "ssl_certfile", None)  # then it serves HTTPS
         self._handoff_lock = threading.Lock()  # control threads: one final handoff per room
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         self.rooms = DrcRooms(self.ops, ttl_s=cfg.wan_timeout_s * 2, page_size=scheduler.page_size)
@@ -174,7 +176,8 @@ class MainDrcRuntime:
         _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
         # The router talks to rank 0 only; rank 0 drives the other ranks' room tables.
-        self.control = ControlServer((chost, cport), self, key) if self.tp.rank == 0 else None
+        self.control = ControlServer((chost, cport), self, key, ssl_context=control_tls_context(
+            cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True)) if self.tp.rank == 0 else None
         logger.info("MD DRC runtime (TP rank %d of %d): WAN KV on %s:%s, control %s, KV pool %s, ingest %s, "
                     "in flight <= %d MiB", self.tp.rank, self.tp.size, *self.receiver.address,
                     f"on {chost}:{cport}" if self.control else "on rank 0", self.layout_description(),
@@ -529,14 +532,16 @@ class _PagesRelease:
 
 class ControlServer:
     """MD's control API for the router, on the interface ``--pdd-control-listen`` names.
-    Every route but /health needs the router's signature (control_auth, on the shared key)."""
+    Every route but /health needs the router's signature (control_auth, on the shared key).
+    ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate required."""
 
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
-                 max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY):
+                 max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY,
+                 ssl_context=None):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
         handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=max_body_bytes_in_flight)
+                                       max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-md-control")
 
@@ -632,9 +637,10 @@ class _ControlHandler(JsonRequestHandler):
             return self._reply(409 if "stale" in str(e) or "duplicate" in str(e) else 400, {"error": str(e)})
         # Relay MD's own /generate (loopback) back to the router, streaming as it comes; the
         # reply, or each event of a stream, signed for this request (control_auth).
-        conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=600)
+        server = self._loopback()
+        conn = server.connection(timeout=600)
         try:
-            conn.request("POST", "/generate", body=json.dumps(gen), headers=self._loopback_headers())
+            conn.request("POST", "/generate", body=json.dumps(gen), headers=server.headers())
             resp = conn.getresponse()
             if not stream or resp.status != 200:
                 return self._relay_whole(resp)
@@ -664,19 +670,18 @@ class _ControlHandler(JsonRequestHandler):
             conn.close()
             self.close_connection = True
 
-    def _loopback_headers(self) -> dict:
-        """For MD's own SGLang API: its --api-key, if it has one, guards /generate and /abort_request."""
-        headers = {"Content-Type": "application/json"}
-        if getattr(self.runtime, "http_api_key", None):
-            headers["Authorization"] = f"Bearer {self.runtime.http_api_key}"
-        return headers
+    def _loopback(self) -> LoopbackServer:
+        """MD's own SGLang API: HTTPS when it has --ssl-certfile, its --api-key if it has one."""
+        return LoopbackServer(self.runtime.http_port, getattr(self.runtime, "http_api_key", None),
+                              getattr(self.runtime, "http_ssl_certfile", None))
 
     def _abort_generate(self, rid) -> None:
         if not isinstance(rid, str):
             return
-        conn = http.client.HTTPConnection("127.0.0.1", self.runtime.http_port, timeout=10)
+        server = self._loopback()
+        conn = server.connection(timeout=10)
         try:
-            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}), headers=self._loopback_headers())
+            conn.request("POST", "/abort_request", body=json.dumps({"rid": rid}), headers=server.headers())
             conn.getresponse().read()
         except (OSError, http.client.HTTPException) as e:
             logger.warning("abort of MD request %s failed: %r", rid, e)

@@ -178,14 +178,15 @@ class PrefillControlServer:
     Every route but /health needs the router's signature (``auth``); a destination whose
     ``wan_peer`` is not one P was configured with (``peer_allowed``) is refused with 403.
     ``port``: the configured port + ``tp_rank`` (module docstring); ``sends_wan`` False: the
-    destinations are checked and acknowledged but not stored (no sender here would claim them)."""
+    destinations are checked and acknowledged but not stored (no sender here would claim them).
+    ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate required."""
 
     PATH = "/pdd/wan_destinations"
 
     def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
                  max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
-                 max_md_tp: int = MAX_MD_TP):
+                 max_md_tp: int = MAX_MD_TP, ssl_context=None):
         board_ref, path = board, self.PATH
         info = {"tp_rank": int(tp_rank), "tp_size": int(tp_size), "sends_wan": bool(sends_wan)}
 
@@ -234,10 +235,11 @@ class PrefillControlServer:
         Handler.auth = auth
         # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.
         self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=4 << 20)
+                                       max_body_bytes_in_flight=4 << 20, ssl_context=ssl_context)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
-        logger.info("P control API on http://%s:%s%s (TP rank %d of %d%s)", *self.address, self.PATH,
+        logger.info("P control API on %s://%s:%s%s (TP rank %d of %d%s)", "https" if ssl_context else "http",
+                    *self.address, self.PATH,
                     tp_rank, tp_size, "" if sends_wan else ", sends no KV over the WAN")
 
     def close(self) -> None:

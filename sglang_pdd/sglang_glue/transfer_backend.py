@@ -37,7 +37,7 @@ from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, get_
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
-from sglang_pdd.kv_channel.tls import wan_tls_context
+from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.tp_relayout import TpShard
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
@@ -91,7 +91,8 @@ class PddKVManager(MooncakeKVManager):
                 self.control_server = PrefillControlServer(  # rank r on port + r; the router finds them all
                     self.wan_destinations, host, port + self.attn_tp_rank,
                     auth=ControlVerifier(read_key(cfg), role=ROLE_P), peer_allowed=self.wan_fanout.allows,
-                    max_md_tp=cfg.max_md_tp,
+                    max_md_tp=cfg.max_md_tp, ssl_context=control_tls_context(
+                        cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True),
                     stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
                     # What a rank sends depends on each destination's MD TP size, so every rank
                     # keeps every destination; one whose heads other ranks send drops it (bind_request).
