@@ -197,8 +197,9 @@ class Record:
 class Fakes:
     """Start with ``await fakes.start()``; ``await fakes.stop()`` at the end."""
 
-    def __init__(self, knobs: Optional[Knobs] = None):
+    def __init__(self, knobs: Optional[Knobs] = None, ssl_context=None):
         self.knobs = knobs or Knobs()
+        self.ssl_context = ssl_context  # P, RLD and MD serve https:// with it
         self.log: list[Record] = []
         self.prefilled: dict[int, asyncio.Event] = {}
         self.rld_aborted: dict[str, asyncio.Event] = {}
@@ -229,17 +230,17 @@ class Fakes:
         @web.middleware
         async def note_authorization(request: web.Request, handler):
             sent = request.headers.getall("Authorization", [])  # all of them: one header must not ride along another
-            self.authorization.append((f"http://{request.host}", request.path, ", ".join(sent) or None))
+            self.authorization.append((f"{request.scheme}://{request.host}", request.path, ", ".join(sent) or None))
             return await handler(request)
 
         app.middlewares.append(note_authorization)
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
         await site.start()
         self._runners.append(runner)
         host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.ssl_context else 'http'}://{host}:{port}"
 
     def _record(self, server: str, kind: str, body: dict) -> None:
         self.log.append(Record(server, kind, body, time.monotonic()))

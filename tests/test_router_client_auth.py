@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from fake_backends import Fakes, serve_app, truth
+from pki import make_ca, make_leaf, needs_openssl
 from test_flow_faults import flow_config
 
 from sglang_pdd.router import client_auth
@@ -26,8 +27,8 @@ ROUTER_ARGV = ["--prefill", "http://p:1,8998", "--relay", "http://r:1", "--token
 
 
 @contextlib.asynccontextmanager
-async def front(state=None, api_key=None, ssl_ctx=None):
-    fakes = await Fakes().start()
+async def front(state=None, api_key=None, ssl_ctx=None, backend_ssl=None):
+    fakes = await Fakes(ssl_context=backend_ssl).start()
     pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
                   [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")])
     router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
@@ -202,3 +203,43 @@ def test_tls_flags_are_checked_as_sglang_checks_them(tmp_path):
     assert client_auth.ssl_context(parse_args(ROUTER_ARGV)) is None
     args = parse_args(ROUTER_ARGV + ["--api-key", "k", "--backend-api-key", "b"])
     assert (args.api_key, args.backend_api_key) == ("k", "b")
+
+
+# ---------------------------------------------------------------------------- https backends
+
+
+@needs_openssl
+def test_https_backends_are_verified_against_the_backend_ca_file(router_sglang_state, tmp_path):
+    """P, RLD and MD on SGLang's --ssl-certfile: with --backend-ca-file the router serves through
+    them; without it (a private CA is not in the system's store) no request reaches them."""
+    ca = make_ca(tmp_path, "backend-ca")
+    cert, key = make_leaf(tmp_path, "backend", "backend-ca", "IP:127.0.0.1")
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 4}}
+
+    async def main(ca_file):
+        client_auth.use_backend_ca(ca_file)
+        try:
+            async with front(router_sglang_state, backend_ssl=served) as (base, client, fakes):
+                assert fakes.p_url.startswith("https://")
+                async with client.post(f"{base}/generate", json=body) as r:
+                    return r.status, await r.json(), {path for _, path, _ in fakes.authorization}
+        finally:
+            client_auth.use_backend_ca(None)
+
+    status, reply, paths = asyncio.run(asyncio.wait_for(main(ca), 60))
+    assert status == 200 and reply["output_ids"] == truth([4, 5, 6], 4)
+    assert "/generate" in paths
+    status, reply, paths = asyncio.run(asyncio.wait_for(main(None), 60))
+    assert status >= 500 and "/generate" not in paths, (status, reply, paths)
+
+
+def test_backend_ca_file_that_cannot_be_read_stops_the_router(tmp_path):
+    with pytest.raises(SystemExit, match="--backend-ca-file"):
+        client_auth.use_backend_ca(str(tmp_path / "missing.pem"))
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(SystemExit, match="--backend-ca-file"):
+        client_auth.use_backend_ca(str(bad))
+    assert client_auth.backend_ssl() is None

@@ -157,7 +157,9 @@ PDD_OPTION_KEYS = {"path", "handoff_mode", "catch_up_threshold", "drc"}
 
 
 def backend_session(keepalive_s: float = BACKEND_KEEPALIVE_S) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=keepalive_s),
+    tls = client_auth.backend_ssl()  # --backend-ca-file
+    connector = aiohttp.TCPConnector(keepalive_timeout=keepalive_s, **({"ssl": tls} if tls else {}))
+    return aiohttp.ClientSession(connector=connector,
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                                  headers=client_auth.backend_headers())  # --backend-api-key
 
@@ -728,7 +730,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
     hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
                     help="how long a backend stays out before it gets a trial request again")
-    client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key
+    client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
     control_tls.add_args(ap)  # --control-tls-*
     return ap.parse_args(argv)
 
@@ -790,6 +792,7 @@ def main(argv=None) -> None:
 
     client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
     client_auth.use_backend_api_key(args.backend_api_key)
+    client_auth.use_backend_ca(args.backend_ca_file)
 
     from sglang_pdd.kv_channel.handshake import load_key
     from sglang_pdd.router.backends import set_max_md_tp, use_control_key, use_control_tls

@@ -31,6 +31,7 @@ from sglang_pdd.kv_channel.handshake import KeyFileError, check_private_file
 EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
 
 _backend_api_key: Optional[str] = None
+_backend_ssl: Optional[ssl.SSLContext] = None  # --backend-ca-file
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -44,6 +45,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile-password", default=None, help="as SGLang's: password of an encrypted --ssl-keyfile")
     g.add_argument("--backend-api-key", default=None,
                    help="the --api-key of the P, RLD and MD servers: sent to them as 'Authorization: Bearer KEY'")
+    g.add_argument("--backend-ca-file", default=None,
+                   help="CA certificate(s) (PEM) that https:// P, RLD and MD URLs (SGLang's --ssl-certfile) must be "
+                        "signed by, each naming the host dialled; default: the system's trust store")
 
 
 def check_bearer(header: Optional[str], key: str) -> bool:
@@ -106,6 +110,26 @@ def use_backend_api_key(key: Optional[str]) -> None:
     """--backend-api-key: backend sessions made afterwards in this process send it."""
     global _backend_api_key
     _backend_api_key = key or None
+
+
+def use_backend_ca(path: Optional[str]) -> None:
+    """--backend-ca-file: backend sessions made afterwards in this process verify https:// P,
+    RLD and MD servers against it (MD across the WAN: the router's aborts, probes and flushes
+    reach MD's own port, not only its signed control API). SystemExit naming the file if unusable."""
+    global _backend_ssl
+    if not path:
+        _backend_ssl = None
+        return
+    try:
+        _backend_ssl = ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as e:
+        raise SystemExit(f"sglang_pdd.router: error: --backend-ca-file {path}: {e}") from None
+    _backend_ssl.minimum_version = ssl.TLSVersion.TLSv1_2
+
+
+def backend_ssl() -> Optional[ssl.SSLContext]:
+    """The TLS context for https:// backends (None: aiohttp's default, the system's CAs)."""
+    return _backend_ssl
 
 
 def backend_headers() -> dict:
