@@ -143,13 +143,13 @@ def run_mode(mode: str, args, model: str, key_file: Path, log_dir: Path, bar) ->
             "room_s": [round(b - a, 2) for a, b, _ in windows], "room_mb": windows[0][2] / 1e6}
 
 
-def in_process_md(mode: str, pool_tokens: int, staging_mb: int, key: bytes):
+def in_process_md(mode: str, pool_tokens: int, staging_mb: int, key: bytes, page_size: int = 1):
     """MD's real runtime (MainDrcRuntime: WAN receiver, rooms, ingest) on SGLang's real radix
     cache, allocator and an MHA pool shaped like the tiny model's, without a server."""
     from types import SimpleNamespace
 
     import torch
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -157,14 +157,18 @@ def in_process_md(mode: str, pool_tokens: int, staging_mb: int, key: bytes):
     from sglang_pdd.config import PddConfig
     from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
 
-    pool = MHATokenToKVPool(size=pool_tokens, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=32,
+    pool = MHATokenToKVPool(size=pool_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=32,
                             layer_num=2, device="cpu", enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(pool_tokens, torch.bfloat16, "cpu", pool, need_sort=False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(pool_tokens, torch.bfloat16, "cpu", pool, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(pool_tokens, page_size, torch.bfloat16, "cpu", pool, need_sort=False)
     tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                                      page_size=1))
+                                      page_size=page_size))
     cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
                     wan_key_file="unused", wan_timeout_s=300.0, md_staging_mb=staging_mb, md_ingest=mode)
-    return MainDrcRuntime(SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=1), cfg, key)
+    return MainDrcRuntime(SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size),
+                          cfg, key)
 
 
 def run_mode_in_process(mode: str, args, bar) -> dict:
@@ -174,7 +178,7 @@ def run_mode_in_process(mode: str, args, bar) -> dict:
     import torch
 
     key = b"bench-md-ingest-key-0123456789abcdef"
-    md = in_process_md(mode, args.pool_tokens, args.staging_mb, key)
+    md = in_process_md(mode, args.pool_tokens, args.staging_mb, key, args.page_size)
     torch.set_num_threads(1)  # one core for the "model", like one of the server's threads; the rest is shared
     a, b = torch.randn(128, 512), torch.randn(512, 512)
     steps: list = []
@@ -191,7 +195,8 @@ def run_mode_in_process(mode: str, args, bar) -> dict:
                 t_reg = time.perf_counter()
                 md.call("register", room, ids, False, timeout=120)
                 layout = md.ops.layout
-                kv = rng.integers(0, 256, (layout.num_layers, args.room_tokens, layout.bytes_per_page), dtype=np.uint8)
+                pages = -(-args.room_tokens // layout.page_size)
+                kv = rng.integers(0, 256, (layout.num_layers, pages, layout.bytes_per_page), dtype=np.uint8)
                 xfer = sender.begin_transfer(room, layout, args.room_tokens, 0, token_ids=ids, timeout=300)
                 t0, sent, rate = time.perf_counter(), 0, args.wan_mbps * 1e6 / 8
                 for index in range(xfer.plan.num_chunks):
@@ -240,9 +245,13 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=1.0)
     ap.add_argument("--wan-mbps", type=float, default=400.0, help="pace of the KV sender (a WAN, not loopback)")
     ap.add_argument("--out", type=Path, default=Path("artifacts/bench_md_ingest"))
+    ap.add_argument("--page-size", type=int, default=1,
+                    help="MD's --page-size (--in-process only): pool, radix cache and the KV's layout")
     ap.add_argument("--in-process", action="store_true",
                     help="no server: MD's runtime on SGLang's cache and pool in this process, a synthetic decode step")
     args = ap.parse_args()
+    if args.page_size != 1 and not args.in_process:
+        ap.error("--page-size is for --in-process (a server's page size is its own --page-size)")
     model = None if args.in_process else default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
     key_file = write_wan_key(Path(tempfile.mkdtemp()) / "wan.key")
@@ -257,7 +266,7 @@ def main() -> None:
                                                        "results": results}, indent=2))
     staged, pool = results
     print(f"\nMD decode while {args.rooms} rooms of {args.room_tokens} tokens "
-          f"({results[0]['room_mb']:.0f} MB of KV each) land one at a time "
+          f"({results[0]['room_mb']:.0f} MB of KV each, page size {args.page_size}) land one at a time "
           f"at {args.wan_mbps} Mbit/s:")
     cols = ["baseline_tok_s", "landing_tok_s", "baseline_max_gap_ms", "landing_max_gap_ms", "landing_p99_gap_ms",
             "md_complete_ms_max", "md_register_ms_max"]
