@@ -106,3 +106,16 @@ def test_simulator_runs_the_same_requests_with_a_fitted_profile():
     assert len(recs) == 20 and all(r.ttft_s is not None and r.ttft_s > 0 for r in recs)
     assert any(r.stall_s is not None for r in recs)  # a slow WAN: RLD hands off to MD mid-stream
     assert not math.isnan(bsc.summarise(recs)["tpot_p50"])
+
+
+def test_min_steps_keeps_the_fastest_run_per_batch():
+    runs = [[(1, 100, 0.02), (4, 400, 0.05)], [(4, 400, 0.03), (1, 100, 0.04), (8, 800, 0.1)]]
+    assert bsc.min_steps(runs) == [(1, 100, 0.02), (4, 400, 0.03), (8, 800, 0.1)]
+
+
+def test_kv_bytes_come_from_the_model_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+         "head_dim": 32}))
+    assert bsc.kv_bytes_of_model(str(tmp_path)) == 2 * 2 * 2 * 32 * 2  # K and V, 16-bit
+    assert bsc.kv_bytes_of_model(str(tmp_path), "float32") == 1024
