@@ -355,7 +355,7 @@ def measure_profile(url: str, name: str, model_dir: str):
     cp.measure_prefill(url, [64, 1536], VOCAB, rng, repeats=1)
     cp.measure_decode(url, [1, 8], 256, 8, VOCAB, rng)
     pre = cp.measure_prefill(url, [64, 256, 1024, 1536], VOCAB, rng, repeats=3)
-    dec = min_steps(cp.measure_decode(url, [1, 4, 8], 256, 32, VOCAB, rng) for _ in range(2))
+    dec = min_steps(cp.measure_decode(url, [1, 2, 4, 8], 256, 32, VOCAB, rng) for _ in range(3))
     capacity = int(info.get("max_total_num_tokens", 0)) or 65536
     prof = cp.build_profile(name, 1, 1.0, kvb, capacity, int(info.get("max_running_requests") or 16),
                             cp.fit_prefill(pre), cp.fit_decode_step(dec))
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
         print(f"profile: prefill {profile.prefill_overhead_s * 1e3:.1f} ms + {profile.prefill_s_per_token * 1e6:.1f} "
               f"us/token; decode step {profile.decode_step_overhead_s * 1e3:.1f} ms + "
               f"{profile.decode_step_s_per_seq * 1e3:.2f} ms/seq; KV {profile.kv_bytes_per_token} B/token; "
-              f"serial rate {rate1:.2f} r/s", file=sys.stderr)
+              f"serial rate {rate1:.2f} r/s; samples {samples}", file=sys.stderr)
         cfg = sim_config(profile, args.wan_gbps, args.wan_latency_ms, router_rld_max_running=16)
         log = RouterLog(out / "cluster" / "logs" / "router.log")
         for frac in (float(x) for x in args.loads.split(",")):
