@@ -16,7 +16,7 @@ One LocalCluster (real SGLang P + RLD + MD on the tiny model, the WAN emulator, 
 5. print measured vs simulated per load and metric with the error sim/measured - 1, and write
    calibration.json and calibration.png under --out.
 
-    .venv/bin/python -m benchmarks.bench_sim_calibration            # ~10-15 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_sim_calibration            # ~6 min on 2 cores
     .venv/bin/python -m benchmarks.bench_sim_calibration --n 10 --loads 0.5   # smoke run
 """
 
@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -212,15 +212,15 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 # ----------------------------------------------------------------------------- simulator
-def sim_config(profile, wan_gbps: float, wan_latency_ms: float, router_rld_max_running: int):
+def sim_config(profile, wan_gbps: float, wan_latency_ms: float, router_rld_max_running: int = 16):
     """PDD as the local cluster runs it: 1 P + 1 RLD + 1 MD on one profile, the emulated WAN,
-    and the router's path policy (page size 1, the measured KV bytes per token)."""
+    and the router's path policy (page size 1, the measured KV bytes per token). RLD's
+    ``max_running_requests`` is what the sim's router divides RLD's flows by, so it is the
+    router's ``--rld-max-running`` (16, as the launcher's servers run)."""
     from sglang_pdd.handoff.policy import HandoffConfig
     from sglang_pdd.router.policy import PathPolicyConfig
     from sglang_pdd.sim.cluster import ScenarioConfig
     from sglang_pdd.sim.hardware import WAN_DEFAULT
-
-    from dataclasses import replace
 
     wan = replace(WAN_DEFAULT, gbps=wan_gbps, one_way_latency_s=wan_latency_ms / 1e3, jitter_s=0.0)
     router = PathPolicyConfig(wan_gbps=wan_gbps, wan_rtt_ms=2 * wan_latency_ms,
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
               f"us/token; decode step {profile.decode_step_overhead_s * 1e3:.1f} ms + "
               f"{profile.decode_step_s_per_seq * 1e3:.2f} ms/seq; KV {profile.kv_bytes_per_token} B/token; "
               f"serial rate {rate1:.2f} r/s; samples {samples}", file=sys.stderr)
-        cfg = sim_config(profile, args.wan_gbps, args.wan_latency_ms, router_rld_max_running=16)
+        cfg = sim_config(profile, args.wan_gbps, args.wan_latency_ms)
         log = RouterLog(out / "cluster" / "logs" / "router.log")
         for frac in (float(x) for x in args.loads.split(",")):
             res["loads"].append(run_load(cluster, log, spec, frac, frac * rate1, cfg, args.request_timeout))
