@@ -105,6 +105,33 @@ async def _timed(fn, seconds: float) -> tuple[int, float]:
     return n, time.perf_counter() - start
 
 
+async def measure_calls(mc, runtime: "_Runtime", ids: list[int], room, args, into: dict) -> None:
+    """One round of the router's calls on ``mc`` (stats, a registration of ``ids``, a handoff
+    stream of ``args.events`` events), each repeated for ``args.seconds``: seconds per call
+    appended to ``into[call]``. ``room``: an iterator of fresh room ids."""
+    assert (await mc.stats()) is not None  # the mode works end to end
+    n, t = await _timed(mc.stats, args.seconds)
+    into["stats"].append(t / n)
+    n, t = await _timed(lambda: mc.register(next(room), ids), args.seconds)
+    into["register"].append(t / n)
+    runtime.rooms.clear()
+
+    async def handoff_stream():
+        events = [e async for e in mc.handoff_stream(next(room), {"token_ids": [1], "sampling_params": {}})]
+        assert len(events) == args.events, len(events)
+
+    n, t = await _timed(handoff_stream, args.seconds)
+    into["stream"].append(t / n)
+
+
+def add_call_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of measure_calls' rounds."""
+    ap.add_argument("--seconds", type=float, default=0.5, help="per measurement")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--events", type=int, default=256)
+
+
 async def run(args) -> dict:
     gen = _Generate(args.events)
     runtime = _Runtime(gen.port)
@@ -114,23 +141,12 @@ async def run(args) -> dict:
     results = {mode: {"stats": [], "register": [], "stream": []} for mode in ("signed", "unsigned")}
     room = iter(range(1, 1 << 62))
 
-    async def handoff_stream(mc):
-        events = [e async for e in mc.handoff_stream(next(room), {"token_ids": [1], "sampling_params": {}})]
-        assert len(events) == args.events, len(events)
-
     async with aiohttp.ClientSession() as session:
         mc = backends.MainControl(session, url, signer=ControlSigner(KEY, role=ROLE_MD))
         for _ in range(args.rounds):
             for mode in ("signed", "unsigned"):
                 with reply_signing(mode == "signed"):
-                    assert (await mc.stats()) is not None  # the mode works end to end
-                    n, t = await _timed(mc.stats, args.seconds)
-                    results[mode]["stats"].append(t / n)
-                    n, t = await _timed(lambda: mc.register(next(room), ids), args.seconds)
-                    results[mode]["register"].append(t / n)
-                    runtime.rooms.clear()
-                    n, t = await _timed(lambda: handoff_stream(mc), args.seconds)
-                    results[mode]["stream"].append(t / n)
+                    await measure_calls(mc, runtime, ids, room, args, results[mode])
     server.close()
     gen.httpd.shutdown()
     return {mode: {k: statistics.median(v) for k, v in per.items()} for mode, per in results.items()}
@@ -138,10 +154,7 @@ async def run(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=0.5, help="per measurement")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--events", type=int, default=256)
+    add_call_args(ap)
     args = ap.parse_args()
     res = asyncio.run(run(args))
     s, u = res["signed"], res["unsigned"]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.bench_control_reply_sig import KEY, _Generate, _Runtime, _timed
+from benchmarks.bench_control_reply_sig import KEY, _Generate, _Runtime, _timed, add_call_args, measure_calls
 from benchmarks.common import REPO, load_module
 from sglang_pdd.control_auth import ROLE_MD, ControlSigner
 from sglang_pdd.kv_channel.tls import control_tls_context
@@ -63,10 +63,6 @@ async def run(args, certs: dict) -> dict:
     results = {mode: {"stats": [], "register": [], "stream": [], "connect": []} for mode in MODES}
     room = iter(range(1, 1 << 62))
 
-    async def handoff_stream(mc):
-        events = [e async for e in mc.handoff_stream(next(room), {"token_ids": [1], "sampling_params": {}})]
-        assert len(events) == args.events, len(events)
-
     async def fresh_connection(mode):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as one:
             assert await backends.MainControl(one, urls[mode], signer=signer, tls=tls[mode]).stats() is not None
@@ -75,14 +71,7 @@ async def run(args, certs: dict) -> dict:
         for _ in range(args.rounds):
             for mode in MODES:
                 mc = backends.MainControl(session, urls[mode], signer=signer, tls=tls[mode])
-                assert (await mc.stats()) is not None  # the mode works end to end
-                n, t = await _timed(mc.stats, args.seconds)
-                results[mode]["stats"].append(t / n)
-                n, t = await _timed(lambda: mc.register(next(room), ids), args.seconds)
-                results[mode]["register"].append(t / n)
-                runtime.rooms.clear()
-                n, t = await _timed(lambda: handoff_stream(mc), args.seconds)
-                results[mode]["stream"].append(t / n)
+                await measure_calls(mc, runtime, ids, room, args, results[mode])
                 n, t = await _timed(lambda: fresh_connection(mode), args.seconds)
                 results[mode]["connect"].append(t / n)
     for server in servers.values():
@@ -93,10 +82,7 @@ async def run(args, certs: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=0.5, help="per measurement")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--events", type=int, default=256)
+    add_call_args(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-control-tls-") as d:
         res = asyncio.run(run(args, _certificates(Path(d))))

@@ -18,7 +18,7 @@ import time
 
 import aiohttp
 import pytest
-from control_fakes import KEY, WAN_PEER, MdControl, PControl
+from control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from fake_backends import Knobs
 from pki import make_ca, make_leaf, needs_openssl
 from test_flow_faults import PROMPT, assert_invariants, flow_config, scenario
@@ -146,24 +146,13 @@ def test_the_routers_module_settings_reach_every_client(pki, md, monkeypatch):
         backends.use_control_tls(None)
 
 
-def raw_exchange(port: int, data: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(data)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except ConnectionResetError:
-            pass
-    return out
-
-
 def test_plain_http_is_refused_before_any_route(md, p):
     md.reset()
     for server in (md, p):
         refused = server.server.httpd.tls_refused
         port = server.server.address[1]
-        reply = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = exchange_raw("127.0.0.1", port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", timeout=5,
+                             finish_body=False)
         assert not reply.startswith(b"HTTP/"), reply[:80]  # no HTTP answer, not even to /health
         with pytest.raises(OSError):  # the router's plain client: no answer at all
             call_json("GET", server.url.replace("https://", "http://") + "/health", timeout=5)
@@ -172,8 +161,9 @@ def test_plain_http_is_refused_before_any_route(md, p):
     for _ in range(2):  # even a correctly signed registration changes nothing over plain HTTP
         body = b'{"room": 5, "token_ids": [1]}'
         head = "".join(f"{k}: {v}\r\n" for k, v in signed.header("POST", "/pdd/rooms", body).items())
-        raw_exchange(md.server.address[1], (f"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-                                            f"{head}\r\n").encode() + body)
+        exchange_raw("127.0.0.1", md.server.address[1], (f"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\n"
+                                                         f"Content-Length: {len(body)}\r\n{head}\r\n").encode() + body,
+                     timeout=5, finish_body=False)
     assert md.runtime.state() == {}
 
 

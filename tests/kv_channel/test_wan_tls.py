@@ -4,13 +4,12 @@ Certificates are made at test time with the openssl CLI: a CA, a leaf for MD (na
 127.0.0.1) and one for P; and a second, unrelated CA whose leaf must be refused.
 """
 
-import os
 import shutil
-import subprocess
 import time
 
 import numpy as np
 import pytest
+from pki import make_ca, make_leaf, needs_openssl
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.kv_channel.layout import KvLayout
@@ -20,41 +19,19 @@ from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 
 KEY = b"tls-test-key-0123456789abcdef-0123"
-# scripts/setup.sh installs openssl; under scripts/test.sh (CI set) a missing one fails, not skips
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not shutil.which("openssl") and not os.environ.get("CI"),
-                                 reason="openssl CLI needed to make test certificates")]
-
-
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=cwd)
-
-
-def _ca(d, name):
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
-
-
-def _leaf(d, name, ca, san):
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-    (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
-    os.chmod(d / f"{name}.key", 0o600)
-    return str(d / f"{name}.pem"), str(d / f"{name}.key")
+pytestmark = [pytest.mark.timeout(60), needs_openssl]
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
-    _ca(d, "ca")
-    _ca(d, "rogue-ca")
+    make_ca(d, "ca")
+    make_ca(d, "rogue-ca")
     return {
         "ca": str(d / "ca.pem"),
-        "md": _leaf(d, "md", "ca", "IP:127.0.0.1,DNS:localhost"),
-        "p": _leaf(d, "p", "ca", "DNS:prefill"),
-        "rogue": _leaf(d, "rogue", "rogue-ca", "DNS:prefill"),
+        "md": make_leaf(d, "md", "ca", "IP:127.0.0.1,DNS:localhost"),
+        "p": make_leaf(d, "p", "ca", "DNS:prefill"),
+        "rogue": make_leaf(d, "rogue", "rogue-ca", "DNS:prefill"),
         "rogue_ca": str(d / "rogue-ca.pem"),
     }
 
