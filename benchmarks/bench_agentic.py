@@ -193,6 +193,7 @@ class Record:
     path: str = ""
     reason: str = ""
     md_cached_tokens: int = 0
+    md_registration: str = "none"  # as the router reports it: "none" if MD never saw the request
     p_cached_tokens: int = 0
     wan_bytes: Optional[int] = None
     wan_bytes_saved: int = 0
@@ -242,7 +243,7 @@ def run_request(router_url: str, variant: str, job: Job, turn: int, ids: list[in
     meta = final["meta_info"]
     pdd = meta["pdd"]
     rec.completion_tokens = meta["completion_tokens"]
-    for k in ("path", "reason", "md_cached_tokens", "p_cached_tokens", "wan_bytes", "wan_bytes_saved",
+    for k in ("path", "reason", "md_cached_tokens", "md_registration", "p_cached_tokens", "wan_bytes", "wan_bytes_saved",
               "handoff_at", "handoff_mode", "rld_tokens", "md_tokens", "fallbacks"):
         setattr(rec, k, pdd[k])
     rec.router_ttft_s = pdd["ttft_s"]
@@ -372,7 +373,9 @@ def summarize(records: list[Record], md_delta: dict, metrics_delta: dict) -> dic
     s["router_metrics_delta"] = {k: v for k, v in metrics_delta.items()
                                  if k.startswith(("pdd:wan_bytes", "pdd:requests_total", "pdd:outliers",
                                                   "pdd:fallbacks", "pdd:handoffs_total"))}
-    registered = [r for r in ok if r.path]  # every request registered a room on MD first
+    # MD counts a request's prompt when its room is registered; an outlier decided on its
+    # length alone goes P->RLD and never reaches MD.
+    registered = [r for r in ok if r.md_registration != "none"]
     ready = [r for r in ok if r.path in ("p_md", "p_rld_md") and not any(
         f.startswith("wan_failed") for f in r.fallbacks)]
     s["crosscheck"] = {
