@@ -14,6 +14,7 @@ import pytest
 from waiting import wait_until
 import torch
 
+from sglang_pdd.kv_channel.fanout_room import DropReason, Phase
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
@@ -124,7 +125,7 @@ def test_request_ending_early_drops_the_room_and_md_fails(receiver):
     fanout.offer(room, np.arange(10))
     # P's request failed before its last chunk: settling must not wait forever for pages.
     assert wait_until(lambda: fanout.may_free_pages(room))
-    assert room.aborted and "ended before" in room.reason
+    assert (room.state.phase, room.state.reason) == (Phase.CANCELLED, DropReason.INCOMPLETE)
     assert wait_state(receiver, 9) is RoomState.FAILED
     fanout.close()
 
@@ -152,7 +153,8 @@ def test_staging_budget_drops_the_room_instead_of_stalling_p(receiver):
                             token_ids=list(range(prompt_len)), first_offered_page=0)
     fanout.offer(room, np.arange(prompt_len), last=True)
     assert wait_until(lambda: fanout.may_free_pages(room))
-    assert "staging budget" in room.reason and fanout.stats()["dropped_staging_budget"] == 1
+    assert (room.state.phase, room.state.reason) == (Phase.FAILED, DropReason.STAGING_BUDGET)
+    assert fanout.stats()["dropped_staging_budget"] == 1
     assert wait_state(receiver, 11) is RoomState.FAILED
     fanout.close()
 

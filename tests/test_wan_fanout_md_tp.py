@@ -15,7 +15,8 @@ import pytest
 from waiting import wait_until
 import torch
 
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.fanout_room import DropReason
+from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
@@ -153,8 +154,9 @@ def test_one_md_rank_failing_fails_the_room_on_p_and_every_other_rank():
                                     token_ids=list(range(prompt_len)), first_offered_page=0)
             assert [leg.peer for leg in room.legs] == [md[0].address, md[1].address]
             fanout.offer(room, np.arange(20))  # prefill still running when MD rank 1 says no
-            assert wait_until(lambda: room.aborted)
-            assert "layout_mismatch" in room.reason
+            assert wait_until(lambda: room.state.dropped)
+            assert (room.state.reason, room.state.leg_failure) == (DropReason.LEG_FAILED,
+                                                                   FailureReason.LAYOUT_MISMATCH)
             fanout.offer(room, np.arange(20, prompt_len), last=True)  # ignored
             assert wait_until(lambda: fanout.may_free_pages(room))  # P frees its pages at once
             for receiver in md:
@@ -178,8 +180,9 @@ def test_an_unreachable_md_rank_fails_the_whole_room():
                                     first_offered_page=0)
             fanout.offer(room, np.arange(30), last=True)
             assert wait_until(lambda: fanout.may_free_pages(room))  # copies done: P frees its pages
-            assert wait_until(lambda: room.aborted, timeout=15), fanout.stats()
-            assert "connect_failed" in room.reason and fanout.stats()["failed"] == 1
+            assert wait_until(lambda: room.state.dropped, timeout=15), fanout.stats()
+            assert (room.state.reason, room.state.leg_failure) == (DropReason.LEG_FAILED, FailureReason.CONNECT_FAILED)
+            assert fanout.stats()["failed"] == 1
             assert wait_until(lambda: md[0].poll(5).is_terminal) and md[0].poll(5) is RoomState.FAILED
             assert wait_until(lambda: fanout.stats()["staged_bytes"] == 0 and fanout.stats()["live_rooms"] == 0)
         finally:

@@ -3,7 +3,8 @@
 An SGLang transfer backend maps ``RoomState`` to ``KVPoll`` with ``KVPoll(int(state))``:
 Failed=0, Bootstrapping=1, WaitingForInput=2, Transferring=3, Success=4.
 
-Sender side:   BOOTSTRAPPING (streams not connected yet) -> WAITING_FOR_INPUT (ready,
+Sender side (send_room.py, its state machine):
+               BOOTSTRAPPING (streams not connected yet) -> WAITING_FOR_INPUT (ready,
                no chunk queued yet) -> TRANSFERRING (chunks queued / END sent, no ACK yet)
                -> SUCCESS (receiver verified every chunk) | FAILED.
 Receiver side: WAITING_FOR_INPUT (room registered, nothing arrived) -> TRANSFERRING

@@ -25,7 +25,8 @@ room of that session fails, since its chunks were striped over all streams), a s
 stuck in ``send`` or a room without progress for ``idle_timeout`` (stall / partition),
 the per-transfer deadline ``transfer_timeout``, connect or auth failure, ``abort()``.
 After a session breaks, the next ``begin_transfer`` opens a new one (a restarted
-receiver just works).
+receiver just works). A room's state changes only in ``WanKvSender._apply``, through the
+pure state machine in send_room.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .handshake import AuthError, SecureStream, check_key, client_handshake
+from . import send_room
 from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, RowSlice, TransferPlan, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wire import (
@@ -81,15 +83,29 @@ class _Room:
     session: "_Session"
     begin_msg: TransferBegin
     deadline: float
-    row: Optional[RowSlice] = None  # this sender's bytes of each token row (None: all of it)
-    state: RoomState = RoomState.BOOTSTRAPPING
-    reason: str = ""
-    detail: str = ""
+    row: Optional[RowSlice]  # this sender's bytes of each token row (None: all of it)
+    # The room's state (send_room.py); replaced only by WanKvSender._apply, under its lock.
+    lifecycle: send_room.SendRoom
     last_progress: float = field(default_factory=time.monotonic)
     queued: set = field(default_factory=set)  # chunk indices handed to us by the producer
     bytes_written: int = 0
-    end_queued: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def state(self) -> RoomState:
+        return self.lifecycle.state
+
+    @property
+    def reason(self) -> str:
+        return self.lifecycle.reason
+
+    @property
+    def detail(self) -> str:
+        return self.lifecycle.detail
+
+    @property
+    def end_queued(self) -> bool:
+        return self.lifecycle.end_queued
 
 
 @dataclass
@@ -239,8 +255,8 @@ class WanKvSender(RoomQueries):
             if old is not None and not old.state.is_terminal:
                 raise ValueError(f"room {room} is already transferring")
             session = self._ensure_session()
-            entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout), row)
-            entry.state = RoomState.WAITING_FOR_INPUT if session.up else RoomState.BOOTSTRAPPING
+            entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout), row,
+                          send_room.start(plan.num_chunks, plan.total_bytes, session.up))
             self._rooms[room] = entry
             if session.dead:  # it could not even start; the next begin_transfer tries again
                 self._fail_room(entry, session.dead_reason, "the session to the receiver could not start")
@@ -310,8 +326,7 @@ class WanKvSender(RoomQueries):
             if entry.state.is_terminal:
                 return False
             entry.queued.add(index)
-            if entry.state == RoomState.WAITING_FOR_INPUT:
-                entry.state = RoomState.TRANSFERRING
+            self._apply(entry, send_room.ChunkQueued())
             self._enqueue(entry, msg, view)
             return True
 
@@ -322,9 +337,7 @@ class WanKvSender(RoomQueries):
             missing = entry.plan.num_chunks - len(entry.queued)
             if missing:
                 raise ValueError(f"room {entry.room}: finish() with {missing} chunks not sent")
-            entry.end_queued = True
-            if entry.state == RoomState.WAITING_FOR_INPUT:
-                entry.state = RoomState.TRANSFERRING
+            self._apply(entry, send_room.EndQueued())
             self._enqueue(entry, TransferEnd(entry.room, entry.plan.num_chunks, entry.plan.total_bytes,
                                              entry.row.index if entry.row else 0))
 
@@ -359,20 +372,25 @@ class WanKvSender(RoomQueries):
             self._threads.append(t)
         return s
 
-    def _set_terminal(self, entry: _Room, state: RoomState, reason: str = "", detail: str = "") -> None:
-        entry.state, entry.reason, entry.detail = state, reason, detail
-        entry.done.set()
-        self._cv.notify_all()
+    def _apply(self, entry: _Room, event: send_room.Event) -> None:
+        """Feed one event to the room's state machine and perform its actions: the only
+        place a room's state changes."""
+        before = entry.lifecycle
+        entry.lifecycle, actions = send_room.transition(before, event)
+        if entry.state is RoomState.FAILED and before.state is not RoomState.FAILED:
+            logger.warning("room %s: transfer to %s:%s failed: %s (%s)", entry.room, *self.peer, entry.reason,
+                           entry.detail)
+        for action in actions:
+            if isinstance(action, send_room.Settled):
+                entry.done.set()
+                self._cv.notify_all()
+            elif isinstance(action, send_room.AbortPeer):
+                # Also before the session is up: its BEGIN may already be queued (writers skip
+                # it now), and the receiver must not wait for this room until its own timeout.
+                self._enqueue(entry, Abort(entry.room, action.reason))
 
     def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool = True) -> None:
-        if entry.state.is_terminal:
-            return
-        logger.warning("room %s: transfer to %s:%s failed: %s (%s)", entry.room, *self.peer, reason, detail)
-        self._set_terminal(entry, RoomState.FAILED, reason, detail)
-        if tell_peer and not entry.session.dead:
-            # Also before the session is up: its BEGIN may already be queued (writers skip it
-            # now), and the receiver must not wait for this room until its own timeout.
-            self._enqueue(entry, Abort(entry.room, reason))
+        self._apply(entry, send_room.Fail(reason, detail, tell_peer))
 
     def _kill_session(self, s: _Session, reason: str, detail: str) -> None:
         if s.dead:
@@ -433,8 +451,7 @@ class WanKvSender(RoomQueries):
                 logger.info("session %s to %s:%s up (%d streams)", s.tag, *self.peer, len(s.streams))
                 for entry in self._rooms.values():
                     if entry.session is s and entry.state == RoomState.BOOTSTRAPPING:
-                        entry.state = RoomState.TRANSFERRING if entry.queued or entry.end_queued \
-                            else RoomState.WAITING_FOR_INPUT
+                        self._apply(entry, send_room.SessionUp())
                 self._cv.notify_all()
                 self._work.notify_all()
         reader = threading.Thread(target=self._read_stream, args=(s, stream, frame_reader), daemon=True,
@@ -497,13 +514,11 @@ class WanKvSender(RoomQueries):
             if entry is not None and entry.session is not s:
                 entry = None  # a reply about an older incarnation of this room id
             if isinstance(msg, Ack):
-                if entry is not None and not entry.state.is_terminal:
-                    if entry.end_queued and msg.total_bytes == entry.plan.total_bytes:
-                        entry.last_progress = time.monotonic()
-                        self._set_terminal(entry, RoomState.SUCCESS)
+                if entry is not None and not entry.state.is_terminal:  # SUCCESS, or FAILED if premature
+                    entry.last_progress = time.monotonic()
+                    self._apply(entry, send_room.Ack(msg.total_bytes))
+                    if entry.state is RoomState.SUCCESS:
                         logger.debug("room %s: receiver verified %d bytes", entry.room, msg.total_bytes)
-                    else:
-                        self._fail_room(entry, FailureReason.PROTOCOL, f"premature ACK ({msg.total_bytes} bytes)")
             elif isinstance(msg, Nack):
                 if entry is not None:
                     self._fail_room(entry, msg.reason, f"receiver: {msg.detail}", tell_peer=False)

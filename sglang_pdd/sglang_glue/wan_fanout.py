@@ -18,6 +18,9 @@ P keeps a request's pages only until the copy thread has them (the sender's poll
 Success until then), never until the WAN is done. Host copies are bounded by a staging
 budget; a room that would exceed it, a WAN failure, or an abort on P fails that room's WAN
 transfer: MD's room fails and RLD finishes the request. Nothing is lost either way.
+
+A room's phase, the copy thread's hold on it and why it was dropped change only in
+``WanFanout._apply``, through the pure state machine in kv_channel/fanout_room.py.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ import queue
 import ssl
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from sglang_pdd.config import parse_host_port
+from sglang_pdd.kv_channel import fanout_room
+from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, FanoutRoom
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import MAX_MD_TP, SenderPart, TpLayoutError, TpShard, sender_parts
@@ -130,21 +135,17 @@ class WanRoom:
     rid: str
     first_offered_page: int  # pool pages arrive from this page on (RLD's own cached prefix ends here)
     legs: list  # [WanLeg]
+    # Phase, copy hold, progress and drop reason (kv_channel/fanout_room.py); replaced only
+    # by WanFanout._apply.
+    state: FanoutRoom
     pages: list = field(default_factory=list)  # (page ids, event) in arrival order
-    pages_offered: int = 0
-    all_offered: bool = False
-    copying: bool = False
-    queued: bool = False  # waiting for the copy thread
-    aborted: bool = False
-    reason: str = ""
     payloads: list = field(default_factory=list)  # host copies, alive until the transfers end
     page_ids: list = field(default_factory=list)  # copy thread only: ``pages`` as host int64, so far
-    staged_bytes: int = 0
-    legs_finished: int = 0  # send thread only: TRANSFER_END sent
+    staged_bytes: int = 0  # what ``payloads`` count against the staging budget
 
     @property
     def pages_available(self) -> int:
-        return self.first_offered_page + self.pages_offered
+        return self.first_offered_page + self.state.pages_offered
 
     @property
     def copy_done(self) -> bool:
@@ -154,6 +155,30 @@ class WanRoom:
         """(leg, first group, groups ready) for the legs with page groups left to copy."""
         return [(leg, leg.groups_copied, ready) for leg in self.legs
                 if (ready := leg.plan.groups_ready(self.pages_available)) > leg.groups_copied]
+
+
+@dataclass(frozen=True, eq=False)
+class SendChunk:
+    """For the send thread: one chunk's host copy, to the leg's sender."""
+    room: WanRoom
+    leg: WanLeg
+    index: int
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class SendEnd:
+    """For the send thread: the leg's last chunk is queued; send TRANSFER_END."""
+    room: WanRoom
+    leg: WanLeg
+
+
+@dataclass(frozen=True)
+class StopSending:
+    """For the send thread: the fan-out is closed."""
+
+
+SendItem = Union[SendChunk, SendEnd, StopSending]
 
 
 class WanFanout:
@@ -188,7 +213,7 @@ class WanFanout:
         self.shard = TpShard()
         self._lock = threading.Condition()
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
-        self._send_queue: "queue.Queue" = queue.Queue()  # bounded in bytes by staging_bytes
+        self._send_queue: "queue.Queue[SendItem]" = queue.Queue()  # bounded in bytes by staging_bytes
         self._live: list[WanRoom] = []  # rooms whose copies are still referenced
         self._staged = 0
         self._closed = False
@@ -311,43 +336,36 @@ class WanFanout:
                            rid, dest.md_room, *dest.rank_peer(md_rank), md_rank, dest.md_tp, e)
             return None
         self.counters["rooms"] += 1
-        return WanRoom(dest, rid, first_offered_page, legs)
+        return WanRoom(dest, rid, first_offered_page, legs, FanoutRoom(len(legs)))
 
     def offer(self, room: WanRoom, pages: np.ndarray, event=None, last: bool = False) -> None:
         """The next pool pages of the request (in order), produced by the forward that
         ``event`` (if any) marks. Cheap: the copy happens on the copy thread."""
         with self._lock:
-            if room.aborted:
+            if room.state.dropped:
                 return
             room.pages.append((pages, event))
-            room.pages_offered += len(pages)
-            room.all_offered = room.all_offered or last
-            if not room.queued and not room.copying:
-                room.queued = True
-                self._copy_queue.append(room)
-                self._lock.notify_all()
+            self._apply(room, fanout_room.PagesOffered(len(pages), last))
 
-    def abort(self, room: WanRoom, reason: str) -> None:
-        """Stop this room now (P is about to free its pages): later copies are discarded."""
+    def abort(self, room: WanRoom, detail: str) -> None:
+        """Stop this room now (P is about to free its pages): later copies are discarded.
+        ``detail``: why, in words, for the log."""
         with self._lock:
-            self._abort_locked(room, reason)
+            self._apply(room, fanout_room.Cancel(detail))
 
     def may_free_pages(self, room: WanRoom) -> bool:
         """Called once P's request is done with its pages (its sender is terminal): True once
         they may be freed — all copied, or the room dropped and no copy in progress. A room
         whose pages did not all arrive is dropped here (the request ended early)."""
         with self._lock:
-            if not room.aborted and room.all_offered and room.copy_done:
-                return True
-            if not room.aborted and not room.all_offered:
-                self._abort_locked(room, "P's request ended before all of its KV was produced")
-            return room.aborted and not room.copying and not room.queued
+            self._apply(room, fanout_room.RequestEnded())
+            return room.state.may_free_pages(room.copy_done)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._send_queue.put(None)
+        self._send_queue.put(StopSending())
         for s in self._senders.values():
             s.close()
 
@@ -368,24 +386,41 @@ class WanFanout:
             sender = self._senders[peer] = self._sender_factory(peer)
         return sender
 
-    def _abort_locked(self, room: WanRoom, reason: str, *, failed_leg: Optional[WanLeg] = None) -> None:
-        if room.aborted:
-            return
-        room.aborted, room.reason = True, reason
-        self.counters["failed" if failed_leg else "aborted"] += 1
+    def _apply(self, room: WanRoom, event: fanout_room.Event, *, failed_leg: Optional[WanLeg] = None) -> None:
+        """(under _lock) Feed one event to the room's state machine and perform its actions:
+        the only place a room's state changes. ``failed_leg``: the leg a Fail is about."""
+        room.state, actions = fanout_room.transition(room.state, event)
+        for action in actions:
+            if isinstance(action, fanout_room.QueueCopy):
+                self._copy_queue.append(room)
+                self._lock.notify_all()
+            elif isinstance(action, fanout_room.AbortLegs):
+                self._abort_legs(room, failed_leg)
+            elif isinstance(action, fanout_room.AllSent):
+                self.counters["finished"] += 1
+
+    def _abort_legs(self, room: WanRoom, failed_leg: Optional[WanLeg]) -> None:
+        state = room.state
+        self.counters["failed" if state.reason is DropReason.LEG_FAILED else "aborted"] += 1
         for leg in room.legs:  # every MD rank's room fails: none is ready without the others
             if leg.transfer is not None:
-                leg.sender.abort(room.dest.md_room, reason)
+                leg.sender.abort(room.dest.md_room, state.summary)
                 if room not in self._live:  # else the reaper forgets it once its copies are unused
                     leg.sender.release(room.dest.md_room)
         # A layout mismatch is a deployment error (P and MD disagree), not a WAN hiccup.
-        level = logging.ERROR if FailureReason.LAYOUT_MISMATCH in reason else logging.INFO
+        level = logging.ERROR if state.leg_failure == FailureReason.LAYOUT_MISMATCH else logging.INFO
         if failed_leg is not None:
             logger.log(level, "rid %s: WAN transfer to room %s failed at MD rank %d of %d: %s: %s", room.rid,
-                       room.dest.md_room, failed_leg.spec.md_rank, room.dest.md_tp, reason,
-                       failed_leg.transfer.failure_detail)
+                       room.dest.md_room, failed_leg.spec.md_rank, room.dest.md_tp, state.leg_failure,
+                       state.detail)
         else:
-            logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room, reason)
+            logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room,
+                       state.summary)
+
+    def _fail_leg(self, room: WanRoom, leg: WanLeg) -> None:
+        """(under _lock) ``leg``'s transfer failed: the room fails (the other MD ranks' too)."""
+        self._apply(room, fanout_room.Fail(DropReason.LEG_FAILED, leg.transfer.failure_detail,
+                                           leg.transfer.failure_reason or FailureReason.ABORTED), failed_leg=leg)
 
     def _copy_loop(self) -> None:
         while True:
@@ -394,29 +429,29 @@ class WanFanout:
                 if self._closed:
                     return
                 room = self._copy_queue.popleft()
-                room.queued = False
-                if room.aborted:
+                work = [] if room.state.dropped else room.legs_ready()
+                self._apply(room, fanout_room.CopyTaken(bool(work)))
+                if room.state.copy is not CopySlot.COPYING:
                     continue
-                work = room.legs_ready()
                 batches = list(room.pages)
-                room.copying = bool(work)
-            if not work:
-                continue
             try:
                 copies = self._copy_groups(room, batches, work)
             except Exception as e:  # noqa: BLE001 — a failed copy drops this room only
                 logger.exception("rid %s: copying KV for the WAN failed", room.rid)
                 copies, err = None, f"copy failed: {e}"
             with self._lock:
-                room.copying = False
-                if copies is None or room.aborted:
-                    # Aborted meanwhile: the pages may have been freed mid-copy; never send them.
-                    self._abort_locked(room, room.reason or err)
+                if copies is None or room.state.dropped:
+                    # Dropped meanwhile: the pages may have been freed mid-copy; never send them.
+                    self._apply(room, fanout_room.CopyEnded(more_ready=False))
+                    if copies is None:
+                        self._apply(room, fanout_room.Fail(DropReason.COPY_FAILED, err))
                     continue
                 nbytes = sum(c.numel() for _, _, c in copies)
                 if self._staged + nbytes > self.staging_bytes:
                     self.counters["dropped_staging_budget"] += 1
-                    self._abort_locked(room, f"staging budget of {self.staging_bytes} bytes exhausted")
+                    self._apply(room, fanout_room.CopyEnded(more_ready=False))
+                    self._apply(room, fanout_room.Fail(DropReason.STAGING_BUDGET,
+                                                       f"staging budget of {self.staging_bytes} bytes exhausted"))
                     continue
                 self._staged += nbytes
                 room.staged_bytes += nbytes
@@ -426,13 +461,12 @@ class WanFanout:
                 for leg, _, ready in work:
                     leg.groups_copied = ready
                 finished = [leg for leg, _, _ in work if leg.copy_done]
-                if room.legs_ready() and not room.queued:
-                    room.queued = True  # more pages arrived while copying
-                    self._copy_queue.append(room)
+                # more pages arrived while copying: another round
+                self._apply(room, fanout_room.CopyEnded(more_ready=bool(room.legs_ready())))
             for leg, index, data in copies:
-                self._send_queue.put((room, leg, index, data))
+                self._send_queue.put(SendChunk(room, leg, index, data))
             for leg in finished:
-                self._send_queue.put((room, leg, None, None))
+                self._send_queue.put(SendEnd(room, leg))
 
     def _copy_groups(self, room: WanRoom, batches, work) -> list[tuple[WanLeg, int, torch.Tensor]]:
         for pages, event in batches[len(room.page_ids):]:  # each batch is converted once
@@ -455,32 +489,28 @@ class WanFanout:
     def _send_loop(self) -> None:
         while True:
             try:
-                item = self._send_queue.get(timeout=0.2)
+                item: Optional[SendItem] = self._send_queue.get(timeout=0.2)
             except queue.Empty:
-                item = ()
+                item = None  # nothing to send: only reap
             self._reap()
-            if item is None:
+            if isinstance(item, StopSending):
                 return
-            if not item:
+            if item is None or item.room.state.dropped or item.leg.transfer is None:
                 continue
-            room, leg, index, data = item
-            if room.aborted or leg.transfer is None:
-                continue
+            room, leg = item.room, item.leg
             try:
-                if index is None:
+                if isinstance(item, SendEnd):
                     leg.transfer.finish()
                     self.counters["bytes"] += leg.plan.total_bytes
-                    room.legs_finished += 1
-                    if room.legs_finished == len(room.legs):
-                        self.counters["finished"] += 1
-                elif not leg.transfer.send_chunk(index, data.numpy()):
+                    with self._lock:
+                        self._apply(room, fanout_room.LegEnded())
+                elif not leg.transfer.send_chunk(item.index, item.data.numpy()):
                     with self._lock:  # the leg failed (as the reaper would find): the room fails
-                        self._abort_locked(room, leg.transfer.failure_reason or FailureReason.ABORTED,
-                                           failed_leg=leg)
+                        self._fail_leg(room, leg)
             except Exception as e:  # noqa: BLE001 — this thread serves every room: never let it die
                 logger.exception("rid %s: WAN send failed", room.rid)
                 with self._lock:
-                    self._abort_locked(room, f"WAN send failed: {e}")
+                    self._apply(room, fanout_room.Fail(DropReason.SEND_FAILED, f"WAN send failed: {e}"))
 
     def _reap(self) -> None:
         """Fail a room whose leg failed (MD's other ranks wait for nothing then), and free the
@@ -491,9 +521,8 @@ class WanFanout:
             for room in self._live:
                 states = [leg.transfer.poll() if leg.transfer is not None else None for leg in room.legs]
                 failed = next((leg for leg, state in zip(room.legs, states) if state is RoomState.FAILED), None)
-                if failed is not None and not room.aborted:  # the other MD ranks' rooms fail too
-                    self._abort_locked(room, failed.transfer.failure_reason or FailureReason.ABORTED,
-                                       failed_leg=failed)
+                if failed is not None and not room.state.dropped:  # the other MD ranks' rooms fail too
+                    self._fail_leg(room, failed)
                     states = [leg.transfer.poll() if leg.transfer is not None else None for leg in room.legs]
                 if any(state is not None and not state.is_terminal for state in states):
                     keep.append(room)

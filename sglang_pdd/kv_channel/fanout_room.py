@@ -1,0 +1,255 @@
+"""P's WAN room (one request's KV to MD, sglang_glue/wan_fanout.py) as an explicit state
+machine (pure; the house model is router/lifecycle.py).
+
+``transition(state, event) -> (state, actions)`` decides every change of the room; WanFanout
+is the I/O shell that feeds it events from the scheduler thread (pages offered, the request
+ended, an abort), the copy thread and the send thread, under its lock, and performs the
+actions. A room exists once P knows its destination (the fan-out opens it then); how far each
+leg's copies got (``WanLeg.groups_copied``) and which pages arrived are data, not state.
+
+Phases::
+
+    RECEIVING ──PagesOffered(last)──▶ OFFERED ──LegEnded (every leg)──▶ SENT
+        │                                │                               │
+        └─── Cancel / RequestEnded ──────┴──── Cancel ───────────────────┴──▶ CANCELLED
+        └─── Fail (a leg, the copy, the staging budget, a send) ──────────────▶ FAILED
+
+SENT means every leg's TRANSFER_END is with its sender; the ACKs are the sender's business
+(its room's state, send_room.py), and a leg that fails after that still fails this room.
+
+Orthogonal to the phase, the copy thread's hold on the room: IDLE -> QUEUED (pages to copy)
+-> COPYING -> IDLE, or QUEUED again when more pages arrived meanwhile. It keeps moving after
+the room is dropped, since P may free the pages only once no copy reads them.
+
+Events (who sends them):
+
+    PagesOffered(count, last)  scheduler  the next pool pages; queue a copy if none is pending
+    CopyTaken(has_work)        copy       took the room off its queue: COPYING if there is
+                                          work and the room is live, else IDLE
+    CopyEnded(more_ready)      copy       a copy round ended; QUEUED again if pages wait
+    LegEnded()                 send       one leg's TRANSFER_END was handed to its sender
+    RequestEnded()             scheduler  P is done with the pages: a room still RECEIVING
+                                          is CANCELLED(incomplete)
+    Cancel(detail)             scheduler  P drops the room (request aborted, destination
+                                          withdrawn): CANCELLED(cancelled)
+    Fail(reason, ...)          any        FAILED with a DropReason (and a leg's FailureReason)
+
+Pages, cancels and failures after the room was dropped are ignored (P keeps offering until
+it learns; a leg fails while another failure drops the room). Events that cannot happen
+(pages after the last, a copy round that was not started, more ENDs than legs) raise
+``FanoutRoomError``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+
+class FanoutRoomError(RuntimeError):
+    """An event that is illegal in the room's current state."""
+
+
+class Phase(str, enum.Enum):
+    RECEIVING = "receiving"  # P's pages still arriving; copies and sends follow them
+    OFFERED = "offered"  # P's last page offered; copies and ENDs may remain
+    SENT = "sent"  # every leg's TRANSFER_END is with its sender
+    CANCELLED = "cancelled"  # P dropped the room
+    FAILED = "failed"  # the WAN transfer failed
+
+    @property
+    def dropped(self) -> bool:
+        return self in (Phase.CANCELLED, Phase.FAILED)
+
+
+class CopySlot(str, enum.Enum):
+    IDLE = "idle"
+    QUEUED = "queued"  # on the copy thread's queue
+    COPYING = "copying"  # the copy thread reads the room's pages now
+
+
+class DropReason(str, enum.Enum):
+    """Why a room was dropped (MD's room fails with it and RLD finishes the request)."""
+
+    CANCELLED = "cancelled"  # P's request was aborted, or its destination withdrawn
+    INCOMPLETE = "incomplete"  # P's request ended before all of its KV was produced
+    STAGING_BUDGET = "staging_budget"  # its host copies would pass --pdd-wan-staging-mb
+    COPY_FAILED = "copy_failed"  # copying pages out of the pool raised
+    SEND_FAILED = "send_failed"  # handing a chunk or the END to a sender raised
+    LEG_FAILED = "leg_failed"  # one MD rank's transfer failed (``leg_failure`` says why)
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.CANCELLED if self in (DropReason.CANCELLED, DropReason.INCOMPLETE) else Phase.FAILED
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class PagesOffered:
+    count: int
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class CopyTaken:
+    has_work: bool  # some leg has page groups ready to copy
+
+
+@dataclass(frozen=True)
+class CopyEnded:
+    more_ready: bool  # page groups became ready while copying
+
+
+@dataclass(frozen=True)
+class LegEnded:
+    pass
+
+
+@dataclass(frozen=True)
+class RequestEnded:
+    pass
+
+
+@dataclass(frozen=True)
+class Cancel:
+    detail: str  # the owner's words, for the log
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: DropReason
+    detail: str = ""
+    leg_failure: str = ""  # LEG_FAILED: the leg's FailureReason value (states.py)
+
+
+Event = Union[PagesOffered, CopyTaken, CopyEnded, LegEnded, RequestEnded, Cancel, Fail]
+
+
+# ---------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class QueueCopy:
+    """Put the room on the copy thread's queue."""
+
+
+@dataclass(frozen=True)
+class AbortLegs:
+    """Abort every leg's room on its sender: every MD rank's room fails, none is ready
+    without the others."""
+
+
+@dataclass(frozen=True)
+class AllSent:
+    """Every leg's TRANSFER_END is with its sender (a room finished on P's side)."""
+
+
+Action = Union[QueueCopy, AbortLegs, AllSent]
+
+
+# ---------------------------------------------------------------------------------- state
+@dataclass(frozen=True)
+class FanoutRoom:
+    legs: int  # MD ranks this room goes to
+    phase: Phase = Phase.RECEIVING
+    copy: CopySlot = CopySlot.IDLE
+    pages_offered: int = 0
+    legs_ended: int = 0  # TRANSFER_ENDs handed to the senders
+    reason: Optional[DropReason] = None
+    leg_failure: str = ""  # FailureReason value of the failed leg (reason LEG_FAILED)
+    detail: str = ""
+
+    @property
+    def dropped(self) -> bool:
+        return self.phase.dropped
+
+    @property
+    def summary(self) -> str:
+        """Why the room was dropped, in words (for logs and the senders' abort detail)."""
+        return self.leg_failure if self.reason is DropReason.LEG_FAILED else self.detail
+
+    def may_free_pages(self, copy_done: bool) -> bool:
+        """After RequestEnded: whether P may free the request's pages — every page copied,
+        or the room dropped and no copy reading them."""
+        if self.dropped:
+            return self.copy is CopySlot.IDLE
+        return self.phase is not Phase.RECEIVING and copy_done
+
+
+Result = tuple[FanoutRoom, list]
+_QUEUE_COPY, _ABORT_LEGS, _ALL_SENT = QueueCopy(), AbortLegs(), AllSent()
+INCOMPLETE_DETAIL = "P's request ended before all of its KV was produced"
+
+
+def transition(room: FanoutRoom, event: Event) -> Result:
+    """The room's one transition function. Raises FanoutRoomError for an illegal event."""
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise FanoutRoomError(f"unknown event {event!r}")
+    return handler(room, event)
+
+
+def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
+    if r.dropped:
+        return r, []  # later pages are discarded
+    if r.phase is not Phase.RECEIVING:
+        raise FanoutRoomError(f"{e.count} pages offered after the last ({r.phase.value})")
+    phase = r.phase
+    if e.last:
+        phase = Phase.SENT if r.legs_ended == r.legs else Phase.OFFERED
+    r = replace(r, phase=phase, pages_offered=r.pages_offered + e.count)
+    if r.copy is CopySlot.IDLE:
+        return replace(r, copy=CopySlot.QUEUED), [_QUEUE_COPY]
+    return r, []  # the copy thread takes the new pages on this round or the next
+
+
+def _copy_taken(r: FanoutRoom, e: CopyTaken) -> Result:
+    if r.copy is not CopySlot.QUEUED:
+        raise FanoutRoomError(f"copy taken, but the room is {r.copy.value}")
+    return replace(r, copy=CopySlot.COPYING if e.has_work and not r.dropped else CopySlot.IDLE), []
+
+
+def _copy_ended(r: FanoutRoom, e: CopyEnded) -> Result:
+    if r.copy is not CopySlot.COPYING:
+        raise FanoutRoomError(f"copy ended, but the room is {r.copy.value}")
+    if e.more_ready and not r.dropped:
+        return replace(r, copy=CopySlot.QUEUED), [_QUEUE_COPY]
+    return replace(r, copy=CopySlot.IDLE), []
+
+
+def _leg_ended(r: FanoutRoom, e: LegEnded) -> Result:
+    if r.dropped:
+        return r, []  # the senders' rooms were aborted: this END is no success
+    if r.legs_ended >= r.legs:
+        raise FanoutRoomError(f"TRANSFER_END {r.legs_ended + 1} of a room with {r.legs} legs")
+    r = replace(r, legs_ended=r.legs_ended + 1)
+    if r.legs_ended < r.legs:
+        return r, []
+    return (replace(r, phase=Phase.SENT) if r.phase is Phase.OFFERED else r), [_ALL_SENT]
+
+
+def _request_ended(r: FanoutRoom, e: RequestEnded) -> Result:
+    if r.dropped or r.phase is not Phase.RECEIVING:
+        return r, []
+    return _drop(r, DropReason.INCOMPLETE, INCOMPLETE_DETAIL)
+
+
+def _cancel(r: FanoutRoom, e: Cancel) -> Result:
+    return _drop(r, DropReason.CANCELLED, e.detail)
+
+
+def _fail(r: FanoutRoom, e: Fail) -> Result:
+    if e.reason.phase is not Phase.FAILED:
+        raise FanoutRoomError(f"{e.reason.value} is a cancel, not a failure")
+    if (e.reason is DropReason.LEG_FAILED) != bool(e.leg_failure):
+        raise FanoutRoomError("a leg's failure reason comes with LEG_FAILED, and only with it")
+    return _drop(r, e.reason, e.detail, e.leg_failure)
+
+
+def _drop(r: FanoutRoom, reason: DropReason, detail: str, leg_failure: str = "") -> Result:
+    if r.dropped:
+        return r, []  # the first reason stands
+    return replace(r, phase=reason.phase, reason=reason, detail=detail, leg_failure=leg_failure), [_ABORT_LEGS]
+
+
+_HANDLERS = {PagesOffered: _pages_offered, CopyTaken: _copy_taken, CopyEnded: _copy_ended, LegEnded: _leg_ended,
+             RequestEnded: _request_ended, Cancel: _cancel, Fail: _fail}

@@ -1,0 +1,166 @@
+"""One room on the WAN sender as an explicit state machine (pure; the house model is
+router/lifecycle.py).
+
+``transition(state, event) -> (state, actions)`` decides every change of a room's
+``RoomState``; wan_sender.py is the I/O shell that turns producer calls, session changes,
+receiver replies and the watchdog into events, applies them under its lock and performs the
+actions. The states are SGLang's KVPoll numbering (states.py)::
+
+    BOOTSTRAPPING ──SessionUp──▶ WAITING_FOR_INPUT ──ChunkQueued / EndQueued──▶ TRANSFERRING
+         │  └──────────SessionUp (a chunk or END already queued)─────────────────▲   │
+         │                                                                       Ack (END queued,
+         └── Fail (any non-terminal state) ──▶ FAILED            SUCCESS ◀──── every byte)
+
+Events (who sends them):
+
+    SessionUp()                 the stream threads, once all N streams are authenticated
+    ChunkQueued()               the producer (send_chunk) queued one chunk
+    EndQueued()                 the producer (finish) queued TRANSFER_END after the last chunk
+    Ack(total_bytes)            the receiver: SUCCESS if END was queued and the byte count
+                                matches, else FAILED(protocol): a premature ACK
+    Fail(reason, detail, tell_peer)  NACK / ABORT from the receiver, a broken session, the
+                                watchdog (timeout, idle), abort() / release() by the owner
+
+Replies and failures race with each other (a NACK after the watchdog failed the room, an ACK
+after an abort), so Ack and Fail on a terminal room are ignored. The producer's and the
+session's events are refused there (``SendRoomError``): the shell checks for a terminal
+room first, under the same lock, so one arriving is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+from .states import FailureReason, RoomState
+
+
+class SendRoomError(RuntimeError):
+    """An event that is illegal in the room's current state."""
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class SessionUp:
+    pass
+
+
+@dataclass(frozen=True)
+class ChunkQueued:
+    pass
+
+
+@dataclass(frozen=True)
+class EndQueued:
+    pass
+
+
+@dataclass(frozen=True)
+class Ack:
+    total_bytes: int  # what the receiver verified
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str  # a FailureReason value
+    detail: str
+    tell_peer: bool = True  # send ABORT so the receiver stops waiting (not when it told us, or is gone)
+
+
+Event = Union[SessionUp, ChunkQueued, EndQueued, Ack, Fail]
+
+
+# ---------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Settled:
+    """The room reached SUCCESS or FAILED: wake its waiters."""
+
+
+@dataclass(frozen=True)
+class AbortPeer:
+    """Queue ABORT(reason) to the receiver (the writers skip the room's other frames now)."""
+    reason: str
+
+
+Action = Union[Settled, AbortPeer]
+
+
+# ---------------------------------------------------------------------------------- state
+@dataclass(frozen=True)
+class SendRoom:
+    num_chunks: int
+    total_bytes: int
+    state: RoomState = RoomState.BOOTSTRAPPING
+    chunks_queued: int = 0
+    end_queued: bool = False
+    reason: str = ""  # FailureReason value once FAILED
+    detail: str = ""
+
+    @property
+    def has_input(self) -> bool:
+        return self.chunks_queued > 0 or self.end_queued
+
+
+def start(num_chunks: int, total_bytes: int, session_up: bool) -> SendRoom:
+    """A new room: WAITING_FOR_INPUT on a session that is up, else BOOTSTRAPPING."""
+    return SendRoom(num_chunks, total_bytes,
+                    RoomState.WAITING_FOR_INPUT if session_up else RoomState.BOOTSTRAPPING)
+
+
+Result = tuple[SendRoom, list]
+_SETTLED = Settled()
+
+
+def transition(room: SendRoom, event: Event) -> Result:
+    """The room's one transition function. Raises SendRoomError for an illegal event."""
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise SendRoomError(f"unknown event {event!r}")
+    if room.state.is_terminal:
+        if isinstance(event, (Ack, Fail)):
+            return room, []  # a late reply or failure: the room already ended
+        raise SendRoomError(f"{type(event).__name__} after the room ended ({room.state.name})")
+    return handler(room, event)
+
+
+def _session_up(r: SendRoom, e: SessionUp) -> Result:
+    if r.state is not RoomState.BOOTSTRAPPING:
+        raise SendRoomError(f"session up, but the room is {r.state.name}")
+    return replace(r, state=RoomState.TRANSFERRING if r.has_input else RoomState.WAITING_FOR_INPUT), []
+
+
+def _input_state(r: SendRoom) -> RoomState:
+    # Before the session is up the room stays BOOTSTRAPPING; its frames wait in the queue.
+    return RoomState.TRANSFERRING if r.state is RoomState.WAITING_FOR_INPUT else r.state
+
+
+def _chunk_queued(r: SendRoom, e: ChunkQueued) -> Result:
+    if r.end_queued:
+        raise SendRoomError("chunk queued after TRANSFER_END")
+    if r.chunks_queued >= r.num_chunks:
+        raise SendRoomError(f"chunk {r.chunks_queued + 1} queued, the plan has {r.num_chunks}")
+    return replace(r, state=_input_state(r), chunks_queued=r.chunks_queued + 1), []
+
+
+def _end_queued(r: SendRoom, e: EndQueued) -> Result:
+    if r.end_queued:
+        raise SendRoomError("TRANSFER_END queued twice")
+    if r.chunks_queued != r.num_chunks:
+        raise SendRoomError(f"TRANSFER_END with {r.num_chunks - r.chunks_queued} chunks not queued")
+    return replace(r, state=_input_state(r), end_queued=True), []
+
+
+def _ack(r: SendRoom, e: Ack) -> Result:
+    if r.end_queued and e.total_bytes == r.total_bytes:
+        return replace(r, state=RoomState.SUCCESS), [_SETTLED]
+    return _fail(r, Fail(FailureReason.PROTOCOL, f"premature ACK ({e.total_bytes} bytes)"))
+
+
+def _fail(r: SendRoom, e: Fail) -> Result:
+    actions: list = [_SETTLED]
+    if e.tell_peer:
+        actions.append(AbortPeer(e.reason))
+    return replace(r, state=RoomState.FAILED, reason=e.reason, detail=e.detail), actions
+
+
+_HANDLERS = {SessionUp: _session_up, ChunkQueued: _chunk_queued, EndQueued: _end_queued, Ack: _ack, Fail: _fail}

@@ -1,0 +1,177 @@
+"""P's WAN room (kv_channel/fanout_room.py, driven by sglang_glue/wan_fanout.py), without
+sockets, threads or a pool."""
+
+import pytest
+
+from sglang_pdd.kv_channel import fanout_room as fr
+from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, Phase
+from sglang_pdd.kv_channel.states import FailureReason
+
+QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortLegs(), fr.AllSent()
+
+
+def run(room, *events):
+    actions = []
+    for event in events:
+        room, acts = fr.transition(room, event)
+        actions += acts
+    return room, actions
+
+
+def copy_round(more_ready=False):
+    return [fr.CopyTaken(True), fr.CopyEnded(more_ready)]
+
+
+def test_happy_path_one_leg():
+    room = fr.FanoutRoom(legs=1)
+    room, actions = fr.transition(room, fr.PagesOffered(10))
+    assert (room.phase, room.copy, room.pages_offered, actions) == (Phase.RECEIVING, CopySlot.QUEUED, 10, [QUEUE])
+    room, actions = fr.transition(room, fr.CopyTaken(has_work=True))
+    assert (room.copy, actions) == (CopySlot.COPYING, [])
+    # pages arriving during a copy queue nothing: the copy thread looks again when it ends
+    room, actions = fr.transition(room, fr.PagesOffered(10))
+    assert (room.copy, room.pages_offered, actions) == (CopySlot.COPYING, 20, [])
+    room, actions = fr.transition(room, fr.CopyEnded(more_ready=True))
+    assert (room.copy, actions) == (CopySlot.QUEUED, [QUEUE])
+    room, actions = run(room, *copy_round(), fr.PagesOffered(20, last=True))
+    assert (room.phase, room.copy, room.pages_offered, actions) == (Phase.OFFERED, CopySlot.QUEUED, 40, [QUEUE])
+    assert not room.may_free_pages(copy_done=False)
+    room, actions = run(room, *copy_round())
+    assert room.copy is CopySlot.IDLE and room.may_free_pages(copy_done=True)
+    room, actions = fr.transition(room, fr.LegEnded())
+    assert (room.phase, room.legs_ended, actions) == (Phase.SENT, 1, [ALL_SENT])
+    room, actions = fr.transition(room, fr.RequestEnded())
+    assert (room.phase, actions) == (Phase.SENT, [])
+    assert room.may_free_pages(copy_done=True) and room.reason is None and not room.dropped
+
+
+def test_a_copy_round_with_nothing_ready_leaves_the_room_idle():
+    room, _ = run(fr.FanoutRoom(legs=1), fr.PagesOffered(3))
+    room, actions = fr.transition(room, fr.CopyTaken(has_work=False))
+    assert (room.copy, actions) == (CopySlot.IDLE, [])
+    room, actions = fr.transition(room, fr.PagesOffered(3))
+    assert (room.copy, actions) == (CopySlot.QUEUED, [QUEUE])
+
+
+@pytest.mark.parametrize("legs", [1, 2, 4])
+def test_the_room_is_sent_once_every_leg_ended(legs):
+    room, _ = run(fr.FanoutRoom(legs=legs), fr.PagesOffered(8, last=True), *copy_round())
+    for i in range(legs - 1):
+        room, actions = fr.transition(room, fr.LegEnded())
+        assert (room.phase, room.legs_ended, actions) == (Phase.OFFERED, i + 1, [])
+    room, actions = fr.transition(room, fr.LegEnded())
+    assert (room.phase, actions) == (Phase.SENT, [ALL_SENT])
+    with pytest.raises(fr.FanoutRoomError, match=f"TRANSFER_END {legs + 1} of a room with {legs} legs"):
+        fr.transition(room, fr.LegEnded())
+
+
+def test_legs_ending_before_the_last_offer_are_sent_with_it():
+    room, actions = run(fr.FanoutRoom(legs=1), fr.PagesOffered(8), *copy_round(), fr.LegEnded())
+    assert room.phase is Phase.RECEIVING and actions == [QUEUE, ALL_SENT]
+    room, _ = fr.transition(room, fr.PagesOffered(0, last=True))
+    assert room.phase is Phase.SENT
+
+
+# Every live point of the room: (the events that reach it, its copy slot there).
+LIVE = {
+    "new": ([], CopySlot.IDLE),
+    "receiving_queued": ([fr.PagesOffered(4)], CopySlot.QUEUED),
+    "receiving_copying": ([fr.PagesOffered(4), fr.CopyTaken(True)], CopySlot.COPYING),
+    "receiving_idle": ([fr.PagesOffered(4), *copy_round()], CopySlot.IDLE),
+    "offered_copying": ([fr.PagesOffered(4, last=True), fr.CopyTaken(True)], CopySlot.COPYING),
+    "offered_idle": ([fr.PagesOffered(4, last=True), *copy_round()], CopySlot.IDLE),
+    "one_leg_ended": ([fr.PagesOffered(4, last=True), *copy_round(), fr.LegEnded()], CopySlot.IDLE),
+    "sent": ([fr.PagesOffered(4, last=True), *copy_round(), fr.LegEnded(), fr.LegEnded()], CopySlot.IDLE),
+}
+FAILURES = [fr.Fail(DropReason.STAGING_BUDGET, "staging budget of 1024 bytes exhausted"),
+            fr.Fail(DropReason.COPY_FAILED, "copy failed: boom"),
+            fr.Fail(DropReason.SEND_FAILED, "WAN send failed: boom"),
+            fr.Fail(DropReason.LEG_FAILED, "receiver: bad layout", FailureReason.LAYOUT_MISMATCH)]
+
+
+def live(name):
+    room, _ = run(fr.FanoutRoom(legs=2), *LIVE[name][0])
+    assert room.copy is LIVE[name][1] and not room.dropped
+    return room
+
+
+def finish_copy(room):
+    """What the copy thread does next with a dropped room, whatever its hold on it."""
+    if room.copy is CopySlot.QUEUED:
+        room, actions = fr.transition(room, fr.CopyTaken(has_work=True))
+        assert room.copy is CopySlot.IDLE and actions == []  # a dropped room is not copied
+    elif room.copy is CopySlot.COPYING:
+        room, actions = fr.transition(room, fr.CopyEnded(more_ready=True))
+        assert room.copy is CopySlot.IDLE and actions == []  # nor copied again
+    return room
+
+
+@pytest.mark.parametrize("where", LIVE)
+def test_cancel_in_every_state(where):
+    room = live(where)
+    room, actions = fr.transition(room, fr.Cancel("withdrawn by the router"))
+    assert (room.phase, room.reason, room.summary, actions) == (
+        Phase.CANCELLED, DropReason.CANCELLED, "withdrawn by the router", [ABORT])
+    # P may free its pages only once no copy reads them
+    assert room.may_free_pages(copy_done=False) is (room.copy is CopySlot.IDLE)
+    room = finish_copy(room)
+    assert room.may_free_pages(copy_done=False)
+
+
+@pytest.mark.parametrize("where", LIVE)
+@pytest.mark.parametrize("fail", FAILURES, ids=lambda f: f.reason.value)
+def test_failure_in_every_state(where, fail):
+    room, actions = fr.transition(live(where), fail)
+    assert (room.phase, room.reason, room.detail, room.leg_failure, actions) == (
+        Phase.FAILED, fail.reason, fail.detail, fail.leg_failure, [ABORT])
+    assert room.summary == (FailureReason.LAYOUT_MISMATCH if fail.reason is DropReason.LEG_FAILED else fail.detail)
+    assert finish_copy(room).may_free_pages(copy_done=False)
+
+
+@pytest.mark.parametrize("where", LIVE)
+def test_request_ending_drops_only_a_room_still_receiving(where):
+    before = live(where)
+    room, actions = fr.transition(before, fr.RequestEnded())
+    if before.phase is Phase.RECEIVING:
+        assert (room.phase, room.reason, room.detail, actions) == (
+            Phase.CANCELLED, DropReason.INCOMPLETE, fr.INCOMPLETE_DETAIL, [ABORT])
+    else:
+        assert (room, actions) == (before, [])
+        assert room.may_free_pages(copy_done=True) and not room.may_free_pages(copy_done=False)
+
+
+def dropped_rooms():
+    cancelled, _ = run(live("receiving_copying"), fr.Cancel("request aborted on P"))
+    failed, _ = run(live("offered_idle"), FAILURES[-1])
+    return {"cancelled": cancelled, "failed": failed}
+
+
+@pytest.mark.parametrize("which", ["cancelled", "failed"])
+@pytest.mark.parametrize("late", [fr.PagesOffered(4), fr.PagesOffered(4, last=True), fr.LegEnded(), fr.RequestEnded(),
+                                  fr.Cancel("again"), *FAILURES], ids=repr)
+def test_late_events_after_a_drop_are_ignored_and_the_first_reason_stands(which, late):
+    room = dropped_rooms()[which]
+    assert fr.transition(room, late) == (room, [])
+
+
+@pytest.mark.parametrize("events, match", [
+    ([fr.PagesOffered(4, last=True), fr.PagesOffered(1)], "1 pages offered after the last"),
+    ([fr.CopyTaken(True)], "copy taken, but the room is idle"),
+    ([fr.PagesOffered(4), fr.CopyTaken(True), fr.CopyTaken(True)], "copy taken, but the room is copying"),
+    ([fr.CopyEnded(False)], "copy ended, but the room is idle"),
+    ([fr.PagesOffered(4), fr.CopyEnded(False)], "copy ended, but the room is queued"),
+    ([fr.Fail(DropReason.CANCELLED)], "cancelled is a cancel, not a failure"),
+    ([fr.Fail(DropReason.INCOMPLETE)], "incomplete is a cancel, not a failure"),
+    ([fr.Fail(DropReason.LEG_FAILED, "no reason")], "comes with LEG_FAILED"),
+    ([fr.Fail(DropReason.SEND_FAILED, "x", FailureReason.TIMEOUT)], "comes with LEG_FAILED"),
+    (["not an event"], "unknown event"),
+])
+def test_invalid_transitions_are_refused(events, match):
+    with pytest.raises(fr.FanoutRoomError, match=match):
+        run(fr.FanoutRoom(legs=1), *events)
+
+
+def test_copy_thread_events_still_refused_when_they_cannot_happen_after_a_drop():
+    room, _ = run(fr.FanoutRoom(legs=1), fr.Cancel("gone"))
+    with pytest.raises(fr.FanoutRoomError, match="copy taken, but the room is idle"):
+        fr.transition(room, fr.CopyTaken(True))
