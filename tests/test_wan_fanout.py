@@ -144,6 +144,19 @@ def test_abort_discards_later_pages_and_fails_md(receiver):
     fanout.close()
 
 
+def test_pages_after_the_last_fail_the_room_without_raising_on_the_scheduler(receiver):
+    pool, fanout = FakePool(), make_fanout(receiver)
+    expect_room(receiver, 12, pool, 40, 0)
+    fanout.attach_pool(pool, 1)
+    room = fanout.open_room(WanDestination(12, receiver.address, 0), rid="r",
+                            token_ids=list(range(40)), first_offered_page=0)
+    fanout.offer(room, np.arange(40), last=True)
+    fanout.offer(room, np.arange(40, 44))  # out of turn: the room fails, the caller goes on
+    assert (room.state.phase, room.state.reason) == (Phase.FAILED, DropReason.SEND_FAILED)
+    assert wait_until(lambda: fanout.may_free_pages(room))
+    fanout.close()
+
+
 def test_staging_budget_drops_the_room_instead_of_stalling_p(receiver):
     pool, fanout = FakePool(), make_fanout(receiver, staging_bytes=1024)
     prompt_len = 40  # 40 tokens x 4 buffers x 16 B = 2560 B > 1024 B budget

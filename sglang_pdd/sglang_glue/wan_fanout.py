@@ -344,8 +344,15 @@ class WanFanout:
         with self._lock:
             if room.state.dropped:
                 return
+            try:
+                self._apply(room, fanout_room.PagesOffered(len(pages), last))
+            except fanout_room.FanoutRoomError as e:
+                # Pages out of turn are a producer bug; this runs on SGLang's scheduler thread,
+                # which must not die of it: the room fails and RLD finishes the request.
+                logger.error("rid %s: WAN room %s: %s", room.rid, room.dest.md_room, e)
+                self._apply(room, fanout_room.Fail(DropReason.SEND_FAILED, str(e)))
+                return
             room.pages.append((pages, event))
-            self._apply(room, fanout_room.PagesOffered(len(pages), last))
 
     def abort(self, room: WanRoom, detail: str) -> None:
         """Stop this room now (P is about to free its pages): later copies are discarded.
