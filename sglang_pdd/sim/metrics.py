@@ -103,6 +103,9 @@ class Summary:
     stall_p99: float = float("nan")
     itl_p50: float = float("nan")  # inter-token gaps, token-weighted (s), see itl_samples
     itl_p99: float = float("nan")
+    # Each request's longest gap (what Sla.max_itl_s checks), over the requests with 2+ tokens.
+    max_itl_p50: float = float("nan")
+    max_itl_p99: float = float("nan")
     md_refused: int = 0  # registrations MD refused (staging budget full): kept on RLD
     kv_wan_s_mean: float = float("nan")  # mean time from a WAN transfer's start to its landing
     kv_landed: int = 0  # WAN transfers that landed on MD (the others were cancelled)
@@ -160,6 +163,7 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
     stall = np.frombuffer(log.stall, dtype=np.float64)
     ok = (ttft <= sla.ttft_s) & (np.isnan(tpot) | (tpot <= sla.tpot_s)) & itl_ok(log, sla)
     itl_v, itl_w = itl_samples(log)
+    max_gap = np.frombuffer(log.max_gap, dtype=np.float64)
     good = int(ok.sum())
     tail = ok[np.argsort(arrival, kind="stable")[n - max(1, n // 10):]] if n else ok
     switched = stall[~np.isnan(stall)]
@@ -190,6 +194,7 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         switches=int(switched.size),
         stall_p50=percentile(switched, 50), stall_p99=percentile(switched, 99),
         itl_p50=weighted_percentile(itl_v, itl_w, 50), itl_p99=weighted_percentile(itl_v, itl_w, 99),
+        max_itl_p50=percentile(max_gap, 50), max_itl_p99=percentile(max_gap, 99),
         md_refused=md_refused, kv_wan_s_mean=kv_wan_s_mean, wan_cancelled_gb=wan_cancelled_gb, kv_landed=kv_landed,
         tail_sla_attainment=float(tail.mean()) if tail.size else 0.0,
     )

@@ -35,6 +35,7 @@ class StepHistory:
 
     def __init__(self, samples: GapSamples) -> None:
         self.samples = samples
+        self._values, self._weights = samples.values, samples.weights
         self.n = 0  # sequences progressing in the current segment
         self.step = 0.0  # its step time (s)
         self.v0 = 0.0  # the batch's virtual time (tokens per sequence) at its start
@@ -54,8 +55,19 @@ class StepHistory:
     def changed(self, now: float, v: float, n: int, step: float, paused_until: float) -> None:
         """The batch now has n sequences stepping every `step` s, or none progress before
         `paused_until` (an extend); v is its virtual time now."""
-        if self.n and not self.paused:
-            self._emit(self.step, self.n * (v - self.v0))
+        if self.n and not self.paused:  # the segment that ends now, less any debt (hot: inlined)
+            w = self.n * (v - self.v0)
+            if self.debt > 0.0:
+                d = self.debt if self.debt < w else w
+                w -= d
+                self.debt -= d
+            if w > _EPS:
+                values = self._values
+                if values and values[-1] == self.step:
+                    self._weights[-1] += w
+                else:
+                    values.append(self.step)
+                    self._weights.append(w)
         self.v0 = v
         if n and now + _EPS < paused_until:
             if not self.paused:
@@ -97,14 +109,6 @@ class StepHistory:
         self.debt += tokens
 
     # ---- internals -------------------------------------------------------------------
-    def _emit(self, value: float, w: float) -> None:
-        if self.debt > 0.0:
-            d = self.debt if self.debt < w else w
-            w -= d
-            self.debt -= d
-        if w > _EPS:
-            self.samples.add(value, w)
-
     def _push(self, value: float) -> None:
         self.seg += 1
         idx, val = self._idx, self._val
