@@ -201,6 +201,8 @@ def test_every_decoded_token_is_one_gap(cfg):
           & (np.isnan(gap) | (gap <= bound)))
     assert tight.sla_attainment == pytest.approx(ok.mean()) and tight.sla_attainment < s.sla_attainment + 1e-12
     assert s.itl_p50 <= s.itl_p99 <= gap[many].max()
+    # every request's history was read and let go
+    assert all(not d.history.start and not d.history.exit_gap for d in sim.md + sim.rld)
 
 
 def test_itl_samples_include_each_stall_once():

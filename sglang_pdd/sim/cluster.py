@@ -727,7 +727,8 @@ class Simulation:
         log.rld_tokens.append(rld_tokens)
         log.path.append(PATH_CODES.index(r.path))
         log.stall.append(r.stall)
-        log.max_gap.append(float("nan") if out <= 1 else r.max_gap if r.stall != r.stall else max(r.max_gap, r.stall))
+        gap = r.max_gap if r.stall != r.stall else max(r.max_gap, r.stall)  # stall NaN: no switch
+        log.max_gap.append(gap if out > 1 else float("nan"))
         nxt = self._next_turn.pop(id(r.tr), None)
         if nxt is not None:  # closed loop: the session's next turn after its think time
             tr, think_s = nxt
