@@ -151,16 +151,17 @@ def test_handoff_stall_is_one_gap_between_two_instances_steps():
     stall = sim.log.stall[0]
     v, w = itl_samples(sim.log)
     md_tokens = out - 1 - rld_tokens  # MD's first token is the stall
-    want = {TOY_A.decode_step_s(1, inp): rld_tokens, stall: 1, TOY_B.decode_step_s(1, inp + 1 + rld_tokens): md_tokens - 1}
+    rld_step, md_step = TOY_A.decode_step_s(1, inp), TOY_B.decode_step_s(1, inp + 1 + rld_tokens)
+    want = {rld_step: rld_tokens, stall: 1, md_step: md_tokens - 1}
     got = {}
     for x, y in zip(v, w):
         key = min(want, key=lambda k: abs(k - x))
         assert x == pytest.approx(key, rel=1e-9)
         got[key] = got.get(key, 0.0) + y
     assert got == pytest.approx(want)
-    assert stall > 3 * max(TOY_A.decode_step_s(1, inp), TOY_B.decode_step_s(1, inp))
+    assert stall > 3 * max(rld_step, md_step)
     assert sim.log.max_gap[0] == pytest.approx(stall)
-    assert s.itl_p99 == pytest.approx(max(TOY_A.decode_step_s(1, inp), TOY_B.decode_step_s(1, inp + 1 + rld_tokens)))
+    assert s.itl_p99 == pytest.approx(max(rld_step, md_step))  # one stall in ~400 gaps is under the p99
     # the SLA's gap bound reads that one gap
     assert Simulation(_one_shot(wan), Sla(100, 10, max_itl_s=stall * 0.99)).run(
         [TraceRequest(0.0, inp, out, tuple(range(4)))]).sla_attainment == 0.0
