@@ -39,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common import greedy
+from sglang_pdd.sim.hardware import CHIP_A, check_profile
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
 VOCAB = 1024
@@ -355,11 +356,23 @@ def measure_profile(url: str, name: str, model_dir: str):
     cp.measure_prefill(url, [64, 1536], VOCAB, rng, repeats=1)
     cp.measure_decode(url, [1, 8], 256, 8, VOCAB, rng)
     pre = cp.measure_prefill(url, [64, 256, 1024, 1536], VOCAB, rng, repeats=3)
-    dec = min_steps(cp.measure_decode(url, [1, 2, 4, 8], 256, 32, VOCAB, rng) for _ in range(3))
+    runs = [cp.measure_decode(url, [1, 2, 4, 8], 256, 32, VOCAB, rng) for _ in range(3)]
+    dec = min_steps(runs)
     capacity = int(info.get("max_total_num_tokens", 0)) or 65536
     prof = cp.build_profile(name, 1, 1.0, kvb, capacity, int(info.get("max_running_requests") or 16),
-                            cp.fit_prefill(pre), cp.fit_decode_step(dec))
-    return prof, {"prefill": pre, "decode": dec}
+                            cp.fit_prefill(pre), cp.fit_decode_step(dec), template=LINEAR_TEMPLATE)
+    return prof, {"prefill": pre, "decode": dec, "decode_runs": runs}
+
+
+# build_profile's default template is a Llama-3-70B roofline preset; its decode_roofline and
+# weight read (15 ms a step) would be added to the tiny model's fitted step. A fit is linear.
+LINEAR_TEMPLATE = replace(CHIP_A, decode_roofline=False, decode_weights_s=0.0, decode_attn_s_per_kv_token=0.0)
+
+
+def profile_warnings(profile, samples: dict) -> list[str]:
+    """The sim's plausibility check on the measured profile, with every repeated sample."""
+    decode = [s for run in samples.get("decode_runs", [samples.get("decode", [])]) for s in run]
+    return check_profile(profile, decode, samples.get("prefill", []), source="measured")
 
 
 def load_average() -> list[float]:
@@ -446,6 +459,7 @@ def main(argv=None) -> int:
     with LocalCluster(out / "cluster", topology=topology, router_args=router_args) as cluster:
         profile, samples = measure_profile(topology.main.url, "tiny-llama-cpu", cluster.model_path)
         res["profile"], res["profile_samples"] = asdict(profile), samples
+        res["profile_warnings"] = profile_warnings(profile, samples)  # also printed, as warnings
         # The router's path estimate must use the real KV size (its default is a large model's).
         cluster.restart_router(router_args + ["--kv-bytes-per-token", str(profile.kv_bytes_per_token)])
         rate1 = serial_rate(topology.router_url, spec)

@@ -30,7 +30,7 @@ import numpy as np
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest, blocks_for
 
 from .cluster import ScenarioConfig, Simulation
-from .metrics import Sla
+from .metrics import Sla, itl_ok
 
 
 class FixedHitTurns:
@@ -117,10 +117,7 @@ class ClosedLoopSimulation(Simulation):
         done, t0, t1 = self._steady_window()
         ttft = np.frombuffer(self.log.ttft, dtype=np.float64)
         tpot = np.frombuffer(self.log.tpot, dtype=np.float64)
-        stall = np.frombuffer(self.log.stall, dtype=np.float64)
-        ok = (ttft <= self.sla.ttft_s) & (np.isnan(tpot) | (tpot <= self.sla.tpot_s))
-        if self.sla.max_itl_s is not None:
-            ok &= np.isnan(stall) | (stall <= self.sla.max_itl_s)
+        ok = (ttft <= self.sla.ttft_s) & (np.isnan(tpot) | (tpot <= self.sla.tpot_s)) & itl_ok(self.log, self.sla)
         inside = (done > t0) & (done <= t1)
         return float((ok & inside).sum()) / (t1 - t0)
 

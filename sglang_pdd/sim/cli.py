@@ -71,7 +71,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=Sla().tpot_s, help="seconds")
     p.add_argument("--itl-slo", type=float, default=None,
-                   help="seconds; longest inter-token gap (the handoff stall) allowed by the SLA")
+                   help="seconds; longest inter-token gap allowed by the SLA (a handoff stall, a decode step, "
+                        "a step held by an extend)")
     p.add_argument("--out", default="artifacts/sim", help="output directory for PNG/JSON")
 
 

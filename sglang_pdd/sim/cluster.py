@@ -140,7 +140,7 @@ class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first")
+                 "reg_first", "max_gap")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -163,6 +163,7 @@ class SimRequest:
         self.rld_others = 0  # other flows in flight on its RLD when it arrived (router's rld_inflight)
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
+        self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
 
 
 class Simulation:
@@ -176,13 +177,16 @@ class Simulation:
         self.route_cfg = cfg.router_config(sla)
         self.prefill = [PrefillInstance(self.loop, cfg.prefill_hw, self._prefill_done) for _ in range(cfg.n_prefill)]
         self.p_cache = [BlockCache(cfg.prefill_hw.cache_capacity_tokens) for _ in range(cfg.n_prefill)]
-        self.md = [DecodeInstance(self.loop, cfg.md_hw, self._md_start, self._md_done) for _ in range(cfg.n_md)]
+        self.log = RequestLog()
+        gaps = self.log.gaps  # every decode instance's inter-token gaps (sim/steps.py)
+        self.md = [DecodeInstance(self.loop, cfg.md_hw, self._md_start, self._md_done, gaps) for _ in range(cfg.n_md)]
         # KV of requests already assigned to each MD but not yet submitted to it (prefill,
         # WAN, relay decode). Like the real router's in-flight count, it keeps a burst of
         # new sessions from all landing on the MD that happens to be idle right now.
         self.md_pending = [0] * cfg.n_md
         self.md_cache = [BlockCache(cfg.md_hw.cache_capacity_tokens if cfg.drc else 0) for _ in range(cfg.n_md)]
-        self.rld = [DecodeInstance(self.loop, cfg.rld_hw, self._rld_start, self._rld_done) for _ in range(cfg.n_rld)]
+        self.rld = [DecodeInstance(self.loop, cfg.rld_hw, self._rld_start, self._rld_done, gaps)
+                    for _ in range(cfg.n_rld)]
         # The router's own prefix index (per instance, block hashes straight from the trace),
         # each instance's share bounded by its cache: n x capacity blocks in all.
         self.p_index = PrefixIndex(max(1, self.p_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
@@ -214,7 +218,6 @@ class Simulation:
         # Only the WAN is one shared bottleneck; same-DC RDMA transfers do not queue on each other.
         self.kv_link = SharedLink(self.loop, kv_link, self.rng, self._md_kv_landed, shared=cfg.md_remote)
         self.md_stream_latency = cfg.wan.one_way_latency_s if cfg.md_remote else 0.0
-        self.log = RequestLog()
         self.in_system = TimeAverage()
         self.in_prefill = TimeAverage()
         self.prefill_sojourn_sum = 0.0
@@ -618,7 +621,9 @@ class Simulation:
         if r.path is Path.P_MD:  # MD decodes all but P's first token (KV landed, no extend)
             self._md_submit(now, r, tr.output_length - 1, tr.input_length)
             return
-        decoded_on_rld = self.rld[r.rld].stop(now, r)
+        rld = self.rld[r.rld]
+        decoded_on_rld = rld.stop(now, r)
+        r.max_gap = max(r.max_gap, rld.pop_max_gap(r))
         assert 1 + decoded_on_rld == a.cut, (decoded_on_rld, a.cut)
         r.t_switch = now  # RLD's last token; the user waits for MD's first from here
         self._send_batch(now, r, a.cut - r.handed, True)
@@ -659,10 +664,14 @@ class Simulation:
         if r.t_first is None:
             r.t_first = now + self.md_stream_latency
         elif r.t_switch is not None and r.tr.output_length > max(r.handed, 1):
-            # MD's first own token: one decode step after admission, then the way back.
-            r.stall = now + self.md[r.md].step_s() + self.md_stream_latency - r.t_switch
+            # MD's first own token: one decode step after admission (and after any extend
+            # still holding MD), then the way back. That gap is this stall, not a step sample.
+            md = self.md[r.md]
+            r.stall = max(now, md.batch.paused_until) + md.step_s() + self.md_stream_latency - r.t_switch
+            md.first_token_elsewhere()
 
     def _rld_done(self, now: float, r: SimRequest) -> None:
+        r.max_gap = max(r.max_gap, self.rld[r.rld].pop_max_gap(r))
         if r.state is None:
             self._rld_finished(now, r)
         else:
@@ -683,6 +692,7 @@ class Simulation:
         self._finish(max(now, r.t_first), r, rld_tokens=r.tr.output_length - 1)
 
     def _md_done(self, now: float, r: SimRequest) -> None:
+        r.max_gap = max(r.max_gap, self.md[r.md].pop_max_gap(r))
         if r.state is None:
             self._md_finished(now, r)
         else:
@@ -717,6 +727,8 @@ class Simulation:
         log.rld_tokens.append(rld_tokens)
         log.path.append(PATH_CODES.index(r.path))
         log.stall.append(r.stall)
+        gap = r.max_gap if r.stall != r.stall else max(r.max_gap, r.stall)  # stall NaN: no switch
+        log.max_gap.append(gap if out > 1 else float("nan"))
         nxt = self._next_turn.pop(id(r.tr), None)
         if nxt is not None:  # closed loop: the session's next turn after its think time
             tr, think_s = nxt

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Iterable, List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,15 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str) -> "HardwareProfile":
+        """A hand-given or measured profile; warns (ProfileWarning) if it looks implausible.
+        A calibration file's own samples (`_samples`, benchmarks/calibrate_profile.py) are
+        checked against it too."""
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            d = json.load(f)
+        prof = cls.from_dict(d)
+        samples = d.get("_samples") or {}
+        check_profile(prof, samples.get("decode", ()), samples.get("prefill", ()), source=path)
+        return prof
 
 
 @dataclass(frozen=True)
@@ -242,3 +252,149 @@ TOY_B = replace(
 WAN_DEFAULT = LinkProfile("wan", gbps=25.0, one_way_latency_s=0.020, jitter_s=0.005,
                           price_per_hour=10.0, price_per_gb=0.0)
 RDMA_DEFAULT = LinkProfile("rdma", gbps=400.0, one_way_latency_s=0.000_05)
+
+
+# ---- plausibility of a measured or hand-given profile ------------------------------------
+# The sim trusts its profile completely: a cold server or one noisy decode sample once made
+# the calibration's TPOT +1,300-4,100% off (docs/sim.md, "Calibration against the e2e
+# cluster") without a word. These checks say so. Thresholds are loose on purpose: every
+# preset passes with a wide margin, the failures seen were off by 10x or more.
+REF_CTX = 1024  # context per sequence at which the per-token comparisons are made
+# One more sequence in a step vs one more prefill token: <= 0.4x on the presets, ~40x for the
+# tiny model on a CPU (Python work per sequence), ~2,400x for the noisy fit the calibration got.
+MAX_DECODE_VS_PREFILL_TOKEN = 100.0
+MAX_STEP_VS_SHORT_PREFILL = 5.0  # a one-sequence step vs a 256-token prefill pass
+ROOFLINE_BAND = (0.5, 4.0)  # a named preset's step time, as a fraction of its roofline's
+MAX_SAMPLE_SPREAD = 3.0  # repeated measurements of the same shape, slowest / fastest
+MAX_SAMPLE_MISFIT = 2.0  # a sample vs what the profile predicts for it, either way
+
+
+class ProfileWarning(UserWarning):
+    """A hardware profile whose numbers look implausible (see profile_problems)."""
+
+
+_PRESET_NAME = re.compile(r"^([\w.-]+)@(\d+)x([\w.-]+)$")
+
+
+def reference_preset(name: str) -> Optional[HardwareProfile]:
+    """The spec-sheet preset a profile's name ("model@Nxchip") refers to, if any."""
+    m = _PRESET_NAME.match(name)
+    if not m or m.group(1) not in MODELS or m.group(3) not in CHIPS:
+        return None
+    try:
+        return preset(m.group(1), m.group(3), int(m.group(2)))
+    except ValueError:
+        return None
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g} ms"
+
+
+def profile_problems(hw: HardwareProfile, decode_samples: Iterable[Sequence[float]] = (),
+                     prefill_samples: Iterable[Sequence[float]] = (),
+                     reference: Optional[HardwareProfile] = None) -> List[str]:
+    """What looks wrong with `hw`, one sentence each (empty: nothing found).
+
+    decode_samples: measured (batch, kv_tokens, step_s); prefill_samples: (new_tokens,
+    ctx_tokens, seconds), repeats of one shape allowed (benchmarks/calibrate_profile.py's
+    format). reference: the roofline to compare with; default: the preset the name names.
+    """
+    out: List[str] = []
+    coeffs = ("prefill_overhead_s", "prefill_s_per_token", "prefill_s_per_token_ctx", "decode_step_overhead_s",
+              "decode_step_s_per_seq", "decode_step_s_per_kv_token", "decode_weights_s", "decode_attn_s_per_kv_token")
+    for c in coeffs:
+        if getattr(hw, c) < 0:
+            out.append(f"{c} is negative ({getattr(hw, c):.3g}): time cannot fall as work grows; a fit to "
+                       f"noisy or too few samples")
+    steps = [(b, hw.decode_step_s(b, b * REF_CTX)) for b in _batches(hw.max_running_requests)]
+    if steps[0][1] <= 0:
+        out.append(f"a decode step of one sequence takes {_ms(steps[0][1])}")
+    for (b1, s1), (b2, s2) in zip(steps, steps[1:]):
+        if s2 < s1 * (1 - 1e-9):
+            out.append(f"decode step falls with batch: {_ms(s1)} at {b1} x {REF_CTX} tokens, {_ms(s2)} at {b2}")
+            break
+    pre_tok = hw.prefill_s_per_token + (REF_CTX + 0.5) * hw.prefill_s_per_token_ctx
+    dec_tok = hw.decode_step_s(2, 2 * REF_CTX) - hw.decode_step_s(1, REF_CTX)
+    if pre_tok > 0 and dec_tok > MAX_DECODE_VS_PREFILL_TOKEN * pre_tok:
+        out.append(f"one more sequence in a decode step costs {_ms(dec_tok)}, {dec_tok / pre_tok:.0f}x a prefill "
+                   f"token ({_ms(pre_tok)}) at {REF_CTX} tokens of context: both run the same matmuls for "
+                   f"one token; noisy decode samples, or a fit that put the step on the KV term")
+    # Both read every weight once; the presets' prefill leaves that read out, so a big MoE's
+    # step is up to 2.2x such a pass (deepseek-v3@8xh200), a cold server's 6x and more.
+    short_pass = hw.prefill_time_s(256, REF_CTX)
+    one_step = hw.decode_step_s(1, REF_CTX)
+    if short_pass > 0 and one_step > MAX_STEP_VS_SHORT_PREFILL * short_pass:
+        out.append(f"a one-sequence decode step ({_ms(one_step)}) is {one_step / short_pass:.0f}x a 256-token "
+                   f"prefill pass ({_ms(short_pass)}), which reads the same weights: a cold server "
+                   f"(first kernels at each shape) or a loaded host in the decode samples")
+    ref = reference if reference is not None else reference_preset(hw.name)
+    if ref is not None:
+        lo, hi = ROOFLINE_BAND
+        for b, ctx in ((1, REF_CTX), (16, 4096), (128, 4096)):
+            got, want = hw.decode_step_s(b, b * ctx), ref.decode_step_s(b, b * ctx)
+            if want > 0 and not lo <= got / want <= hi:
+                out.append(f"decode step at batch {b} x {ctx} tokens is {_ms(got)}, {got / want:.2g}x the "
+                           f"{ref.name} roofline's {_ms(want)} (plausible: {lo}-{hi}x)")
+                break
+        got, want = hw.prefill_time_s(4096, 0), ref.prefill_time_s(4096, 0)
+        if want > 0 and not lo <= got / want <= hi:
+            out.append(f"a 4096-token prefill takes {_ms(got)}, {got / want:.2g}x the {ref.name} estimate's "
+                       f"{_ms(want)} (plausible: {lo}-{hi}x)")
+    out += _sample_problems("decode", [(int(b), kv, t) for b, kv, t in decode_samples],
+                            lambda b, kv: hw.decode_step_s(b, int(kv)), "batch")
+    out += _sample_problems("prefill", [(int(n), ctx, t) for n, ctx, t in prefill_samples],
+                            lambda n, ctx: hw.prefill_time_s(n, int(ctx)), "tokens")
+    if decode_samples:
+        best = {}
+        for b, kv, t in decode_samples:
+            if b not in best or t < best[b][1]:
+                best[b] = (kv, t)
+        shapes = sorted(best.items())
+        for (b1, (kv1, t1)), (b2, (kv2, t2)) in zip(shapes, shapes[1:]):
+            # A step is linear in batch and KV at most: twice the work, at most twice the time.
+            grow = max(1.0, b2 / b1, kv2 / kv1 if kv1 > 0 else 1.0)
+            if t2 > 1.5 * grow * t1:
+                out.append(f"decode samples jump {t2 / t1:.0f}x from batch {b1} ({_ms(t1)}) to {b2} ({_ms(t2)}) "
+                           f"for {grow:.2g}x the work: a noisy sample")
+            elif t1 > 1.5 * t2:
+                out.append(f"decode samples fall with batch: {_ms(t1)} at batch {b1}, {_ms(t2)} at {b2}: a "
+                           f"noisy sample")
+    return out
+
+
+def _batches(max_running: int) -> List[int]:
+    out, b = [], 1
+    while b < max_running:
+        out.append(b)
+        b *= 2
+    return out + [max(1, max_running)]
+
+
+def _sample_problems(kind: str, samples, predict, unit: str) -> List[str]:
+    out: List[str] = []
+    by_shape: dict = {}
+    for n, x, t in samples:
+        by_shape.setdefault((n, x), []).append(t)
+    for (n, x), ts in sorted(by_shape.items()):
+        lo, hi = min(ts), max(ts)
+        if lo > 0 and hi / lo > MAX_SAMPLE_SPREAD:
+            out.append(f"{kind} samples at {unit} {n} spread {hi / lo:.0f}x ({_ms(lo)} - {_ms(hi)}): a cold "
+                       f"server or a loaded host; the fastest is the closest to the hardware")
+    for (n, x), ts in sorted(by_shape.items()):
+        want, got = predict(n, x), min(ts)
+        if want > 0 and got > 0 and not 1 / MAX_SAMPLE_MISFIT <= got / want <= MAX_SAMPLE_MISFIT:
+            out.append(f"{kind} sample at {unit} {n} ({_ms(got)}) is {got / want:.2g}x what the profile "
+                       f"predicts ({_ms(want)}): the fit does not describe its samples")
+    return out
+
+
+def check_profile(hw: HardwareProfile, decode_samples: Iterable[Sequence[float]] = (),
+                  prefill_samples: Iterable[Sequence[float]] = (), reference: Optional[HardwareProfile] = None,
+                  source: str = "") -> List[str]:
+    """profile_problems, each also issued as a ProfileWarning; returns them."""
+    problems = profile_problems(hw, list(decode_samples), list(prefill_samples), reference)
+    for p in problems:
+        warnings.warn(f"hardware profile {hw.name!r}{f' ({source})' if source else ''}: {p}", ProfileWarning,
+                      stacklevel=2)
+    return problems

@@ -34,8 +34,30 @@ class TimeAverage:
         self.value += delta
 
 
+class GapSamples:
+    """Inter-token gaps as (value s, weight tokens) pairs; equal neighbours are merged."""
+
+    def __init__(self) -> None:
+        self.values = array("d")
+        self.weights = array("d")
+
+    def add(self, value: float, weight: float) -> None:
+        if self.values and self.values[-1] == value:
+            self.weights[-1] += weight
+        else:
+            self.values.append(value)
+            self.weights.append(weight)
+
+    def arrays(self):
+        return np.frombuffer(self.values, dtype=np.float64), np.frombuffer(self.weights, dtype=np.float64)
+
+    def total(self) -> float:
+        return float(sum(self.weights))
+
+
 class RequestLog:
-    """Compact columns of finished requests (memory ~60 B per request)."""
+    """Compact columns of finished requests (memory ~70 B per request), and the inter-token
+    gaps of every decoded token (`gaps`, one pair per decode batch change, sim/steps.py)."""
 
     def __init__(self) -> None:
         self.arrival = array("d")
@@ -46,6 +68,8 @@ class RequestLog:
         self.rld_tokens = array("l")
         self.path = array("b")  # index into PATH_CODES
         self.stall = array("d")  # gap at the switch to MD's tokens; NaN: no switch
+        self.max_gap = array("d")  # longest inter-token gap, stall included; NaN: one token
+        self.gaps = GapSamples()  # decode-step gaps; the stalls are in `stall`
 
     def __len__(self) -> int:
         return len(self.ttft)
@@ -77,8 +101,11 @@ class Summary:
     switches: int = 0  # requests whose tokens moved to MD mid-stream (handoff or P->MD via RLD)
     stall_p50: float = float("nan")  # gap at that switch, over those requests (s)
     stall_p99: float = float("nan")
-    itl_p50: float = float("nan")  # inter-token latency over all gaps (s), see itl_samples
+    itl_p50: float = float("nan")  # inter-token gaps, token-weighted (s), see itl_samples
     itl_p99: float = float("nan")
+    # Each request's longest gap (what Sla.max_itl_s checks), over the requests with 2+ tokens.
+    max_itl_p50: float = float("nan")
+    max_itl_p99: float = float("nan")
     md_refused: int = 0  # registrations MD refused (staging budget full): kept on RLD
     kv_wan_s_mean: float = float("nan")  # mean time from a WAN transfer's start to its landing
     kv_landed: int = 0  # WAN transfers that landed on MD (the others were cancelled)
@@ -93,18 +120,21 @@ def percentile(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if a.size else float("nan")
 
 
-def itl_samples(tpot: np.ndarray, stall: np.ndarray, out: np.ndarray, e2e_minus_ttft: np.ndarray):
-    """Inter-token gaps as (value, weight) without per-token events: a request has out-1
-    gaps; one of them is its switch stall (if any), the others share the rest of its
-    decode time evenly (a decode step is near-constant within a batch)."""
-    has = ~np.isnan(stall)
-    gaps = np.maximum(out - 1, 0).astype(np.float64)
-    even_n = gaps - has
-    st = np.where(has, stall, 0.0)
-    even = np.where(even_n > 0, (e2e_minus_ttft - st) / np.maximum(even_n, 1), 0.0)
-    values = np.concatenate([even[even_n > 0], stall[has]])
-    weights = np.concatenate([even_n[even_n > 0], np.ones(int(has.sum()))])
-    return values, weights
+def itl_samples(log: RequestLog):
+    """Every inter-token gap of the run as (values, weights): the decode steps each token
+    waited for (sim/steps.py), and each switch's stall once."""
+    v, w = log.gaps.arrays()
+    stall = np.frombuffer(log.stall, dtype=np.float64)
+    stall = stall[~np.isnan(stall)]
+    return np.concatenate([v, stall]), np.concatenate([w, np.ones(stall.size)])
+
+
+def itl_ok(log: RequestLog, sla: Sla) -> np.ndarray:
+    """Per request: its longest gap within `sla.max_itl_s` (True where the SLA has none)."""
+    gap = np.frombuffer(log.max_gap, dtype=np.float64)
+    if sla.max_itl_s is None:
+        return np.ones(gap.size, dtype=bool)
+    return np.isnan(gap) | (gap <= sla.max_itl_s)
 
 
 def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -131,11 +161,9 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
     n = len(ttft)
     duration = float((arrival + e2e).max() - arrival.min()) if n else 0.0
     stall = np.frombuffer(log.stall, dtype=np.float64)
-    ok = (ttft <= sla.ttft_s) & (np.isnan(tpot) | (tpot <= sla.tpot_s))
-    itl_v, itl_w = itl_samples(tpot, stall, out, e2e - ttft)
-    if sla.max_itl_s is not None:
-        even_gap = np.where(out > 1, (e2e - ttft - np.nan_to_num(stall)) / np.maximum(out - 1 - ~np.isnan(stall), 1), 0)
-        ok &= (np.isnan(stall) | (stall <= sla.max_itl_s)) & (even_gap <= sla.max_itl_s)
+    ok = (ttft <= sla.ttft_s) & (np.isnan(tpot) | (tpot <= sla.tpot_s)) & itl_ok(log, sla)
+    itl_v, itl_w = itl_samples(log)
+    max_gap = np.frombuffer(log.max_gap, dtype=np.float64)
     good = int(ok.sum())
     tail = ok[np.argsort(arrival, kind="stable")[n - max(1, n // 10):]] if n else ok
     switched = stall[~np.isnan(stall)]
@@ -166,6 +194,7 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         switches=int(switched.size),
         stall_p50=percentile(switched, 50), stall_p99=percentile(switched, 99),
         itl_p50=weighted_percentile(itl_v, itl_w, 50), itl_p99=weighted_percentile(itl_v, itl_w, 99),
+        max_itl_p50=percentile(max_gap, 50), max_itl_p99=percentile(max_gap, 99),
         md_refused=md_refused, kv_wan_s_mean=kv_wan_s_mean, wan_cancelled_gb=wan_cancelled_gb, kv_landed=kv_landed,
         tail_sla_attainment=float(tail.mean()) if tail.size else 0.0,
     )

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict
 
 from .engine import EventLoop
 from .hardware import HardwareProfile, LinkProfile
+from .steps import GapSamples, StepHistory
 
 _EPS = 1e-9
 
@@ -38,6 +39,7 @@ class EqualShareServer:
         self._seq = 0
         self._version = 0
         self.paused_until = 0.0  # no progress before this time (an extend pass holds the chip)
+        self.history: "StepHistory | None" = None  # a decode batch's step times (sim/steps.py)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -55,6 +57,8 @@ class EqualShareServer:
         self._seq += 1
         heapq.heappush(self._heap, (fv, self._seq, job))
         self._reschedule(now)
+        if self.history is not None:
+            self.history.joined(job)
 
     def remove(self, now: float, job: Any) -> float:
         """Take a job out before it finishes; returns the work it received."""
@@ -62,6 +66,8 @@ class EqualShareServer:
         start_v, fv, weight = self.jobs.pop(job)
         self.weight_sum -= weight
         self.finish_v_sum -= fv
+        if self.history is not None:
+            self.history.left(job)
         self._reschedule(now)
         return min(self.v, fv) - start_v
 
@@ -91,15 +97,22 @@ class EqualShareServer:
         heap = self._heap
         while heap and (heap[0][2] not in self.jobs or self.jobs[heap[0][2]][1] != heap[0][0]):
             heapq.heappop(heap)
+        hist = self.history
         if not self.jobs:
             self.rate = 0.0
             self.weight_sum = 0.0
             self.finish_v_sum = 0.0
+            if hist is not None:
+                hist.changed(now, self.v, 0, 0.0, self.paused_until)
             return
         if now + _EPS < self.paused_until:
             self.rate = 0.0
+            if hist is not None:
+                hist.changed(now, self.v, len(self.jobs), 0.0, self.paused_until)
             return
         self.rate = self.rate_fn(len(self.jobs), self.weight_sum)
+        if hist is not None:
+            hist.changed(now, self.v, len(self.jobs), 1.0 / self.rate, self.paused_until)
         dt = (heap[0][0] - self.v) / self.rate if self.rate > 0 else math.inf
         if math.isfinite(dt):
             self.loop.at(now + max(0.0, dt), self._on_event, self._version)
@@ -119,6 +132,8 @@ class EqualShareServer:
             if entry is None or entry[1] != fv:
                 continue
             del self.jobs[job]
+            if self.history is not None:
+                self.history.left(job)
             self.weight_sum -= entry[2]
             self.finish_v_sum -= fv
             done.append(job)
@@ -199,14 +214,17 @@ class DecodeInstance:
     stand-in for SGLang's incremental allocation with retraction."""
 
     def __init__(self, loop: EventLoop, hw: HardwareProfile, on_start: Callable[[float, Any], None],
-                 on_done: Callable[[float, Any], None]) -> None:
+                 on_done: Callable[[float, Any], None], gaps: "GapSamples | None" = None) -> None:
         self.loop, self.hw, self.on_start = loop, hw, on_start
         self._on_done_cb = on_done
         self.batch = EqualShareServer(loop, self._token_rate, self._done)
+        # Inter-token gaps of the tokens decoded here, into `gaps` (shared by a run's instances).
+        self.history = self.batch.history = StepHistory(gaps if gaps is not None else GapSamples())
         self.waiting: deque = deque()  # (job, tokens_to_decode, ctx_tokens, reserve_tokens)
         self.reserved: Dict[Any, int] = {}
         self.kv_used = 0
         self.waiting_reserve = 0  # KV the waiting queue will need (kept so load() is O(1))
+        self._owe_on_join = False
 
     def _token_rate(self, n: int, kv_tokens: float) -> float:
         return 1.0 / self.hw.decode_step_s(n, int(kv_tokens))
@@ -262,10 +280,23 @@ class DecodeInstance:
 
     def stop(self, now: float, job: Any) -> int:
         """Stop a running job early (handoff); returns the tokens it decoded here."""
-        n = int(self.batch.remove(now, job) + _EPS)
+        work = self.batch.progress(now, job)
+        n = int(work + _EPS)
+        if work > n:  # the token it was decoding never comes: that time is the next gap's
+            self.history.owe(work - n)
+        self.batch.remove(now, job)
         self._release(job)
         self._admit(now)
         return n
+
+    def first_token_elsewhere(self) -> None:
+        """From on_start: the job starting now has its first gap counted by the caller (a
+        handoff stall), so its first token is not a step sample."""
+        self._owe_on_join = True
+
+    def pop_max_gap(self, job: Any) -> float:
+        """The longest step (or step plus pause) a job that has left lived through here."""
+        return self.history.exit_gap.pop(job, 0.0)
 
     def _release(self, job: Any) -> None:
         self.kv_used -= self.reserved.pop(job)
@@ -287,6 +318,10 @@ class DecodeInstance:
                 self._on_done_cb(now, job)
             else:
                 self.batch.add(now, job, n, weight=ctx)
+            if self._owe_on_join:
+                self._owe_on_join = False
+                if n > 0:
+                    self.history.owe(1.0)
 
     def _done(self, now: float, job: Any) -> None:
         self._release(job)
