@@ -39,7 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common import greedy
-from sglang_pdd.sim.hardware import CHIP_A, check_profile
+from sglang_pdd.sim.hardware import check_profile
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
 VOCAB = 1024
@@ -360,13 +360,8 @@ def measure_profile(url: str, name: str, model_dir: str):
     dec = min_steps(runs)
     capacity = int(info.get("max_total_num_tokens", 0)) or 65536
     prof = cp.build_profile(name, 1, 1.0, kvb, capacity, int(info.get("max_running_requests") or 16),
-                            cp.fit_prefill(pre), cp.fit_decode_step(dec), template=LINEAR_TEMPLATE)
+                            cp.fit_prefill(pre), cp.fit_decode_step(dec))
     return prof, {"prefill": pre, "decode": dec, "decode_runs": runs}
-
-
-# build_profile's default template is a Llama-3-70B roofline preset; its decode_roofline and
-# weight read (15 ms a step) would be added to the tiny model's fitted step. A fit is linear.
-LINEAR_TEMPLATE = replace(CHIP_A, decode_roofline=False, decode_weights_s=0.0, decode_attn_s_per_kv_token=0.0)
 
 
 def profile_warnings(profile, samples: dict) -> list[str]:

@@ -77,13 +77,17 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 def build_profile(name: str, chips: int, price: float, kvb: int, kv_capacity_tokens: int,
                   max_running: int, prefill_fit, decode_fit, template: HardwareProfile = CHIP_A) -> HardwareProfile:
+    """The fitted profile; ``template`` gives only what is not measured (chunk size, the extra
+    request's cost). The decode step is the fitted linear sum: a roofline template's weight
+    read and attention terms are the preset model's, not the measured one's, and are cleared."""
     return replace(
         template, name=name, chips_per_instance=chips, price_per_chip_hour=price, kv_bytes_per_token=kvb,
         kv_capacity_tokens=kv_capacity_tokens // 2, cache_capacity_tokens=kv_capacity_tokens // 2,
         max_running_requests=max_running,
         prefill_overhead_s=prefill_fit[0], prefill_s_per_token=prefill_fit[1], prefill_s_per_token_ctx=prefill_fit[2],
         decode_step_overhead_s=decode_fit[0], decode_step_s_per_seq=decode_fit[1],
-        decode_step_s_per_kv_token=decode_fit[2])
+        decode_step_s_per_kv_token=decode_fit[2],
+        decode_roofline=False, decode_weights_s=0.0, decode_attn_s_per_kv_token=0.0)
 
 
 # ---- HTTP ------------------------------------------------------------------------------

@@ -99,7 +99,8 @@ def test_summary_and_error_table():
 def test_simulator_runs_the_same_requests_with_a_fitted_profile():
     from benchmarks import calibrate_profile as cp
 
-    prof = cp.build_profile("t", 1, 1.0, 512, 65536, 16, (0.01, 2e-5, 0.0), (0.005, 1e-4, 1e-7))
+    # 20 ms a step: RLD is still decoding when MD's KV lands, so requests hand off.
+    prof = cp.build_profile("t", 1, 1.0, 512, 65536, 16, (0.01, 2e-5, 0.0), (0.02, 1e-4, 1e-7))
     cfg = bsc.sim_config(prof, 0.004, 20.0, 16)
     trace = bsc.to_trace(bsc.build_workload(bsc.WorkloadSpec(n=20), 2.0))
     recs = bsc.simulate(cfg, trace)

@@ -22,9 +22,21 @@ NOISY = [(1, 272, 0.0045), (2, 544, 0.0051), (4, 1088, 0.014), (8, 2176, 0.175)]
 COLD = [(1, 272, 0.150), (2, 544, 0.155), (4, 1088, 0.160), (8, 2176, 0.158)]  # first kernels at each shape
 
 
-def fitted(decode, template=bsc.LINEAR_TEMPLATE):
-    return cp.build_profile("tiny", 1, 1.0, 512, 65536, 16, cp.fit_prefill(PREFILL), cp.fit_decode_step(decode),
-                            template=template)
+def fitted(decode):
+    return cp.build_profile("tiny", 1, 1.0, 512, 65536, 16, cp.fit_prefill(PREFILL), cp.fit_decode_step(decode))
+
+
+def on_roofline_template(profile):
+    """A fit with a roofline preset's weight read and attention terms left in (15 ms a step)."""
+    return replace(profile, decode_roofline=True, decode_weights_s=CHIP_A.decode_weights_s,
+                   decode_attn_s_per_kv_token=CHIP_A.decode_attn_s_per_kv_token)
+
+
+def test_a_fitted_profile_is_the_linear_fit_whatever_the_template():
+    prof = fitted(WARM)
+    assert not prof.decode_roofline and prof.decode_weights_s == 0 == prof.decode_attn_s_per_kv_token
+    for batch, kv, seconds in WARM:
+        assert abs(prof.decode_step_s(batch, kv) - seconds) < 0.001
 
 
 def presets():
@@ -70,9 +82,8 @@ def test_repeated_samples_that_disagree_warn():
 
 
 def test_samples_the_profile_does_not_describe_warn():
-    # The fit on top of a roofline template: the template's 15 ms weight read is added to
-    # every step, 4x what was measured.
-    prof = fitted(WARM, template=CHIP_A)
+    # The template's 15 ms weight read added to every step: 4x what was measured.
+    prof = on_roofline_template(fitted(WARM))
     assert prof.decode_step_s(1, 272) > 3 * 0.0045
     assert any("does not describe" in p for p in profile_problems(prof, WARM, PREFILL))
 
@@ -101,7 +112,7 @@ def test_loading_a_profile_file_checks_it_with_its_samples(tmp_path):
         warnings.simplefilter("error")
         assert HardwareProfile.load(str(good)) == fitted(WARM)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**asdict(fitted(WARM, template=CHIP_A)), "_samples": {"prefill": PREFILL,
-                                                                                     "decode": WARM}}))
+    bad.write_text(json.dumps({**asdict(on_roofline_template(fitted(WARM))), "_samples": {"prefill": PREFILL,
+                                                                                         "decode": WARM}}))
     with pytest.warns(ProfileWarning, match="bad.json.*does not describe"):
         HardwareProfile.load(str(bad))
