@@ -123,3 +123,20 @@ def test_relay_of_any_chip_count(tmp_path, capsys):
     rc = main(["compare", "--agentic", "200", "--prefill", "2", "--md", "1", "--rld-chips", "3",
                "--out", str(tmp_path)])
     assert rc == 0 and "pdd_drc_adaptive" in capsys.readouterr().out
+
+
+def test_decode_attention_scale_slows_long_context_mla_decode_only():
+    """--decode-attn-scale: what the sizing says if MLA decode ran on generic kernels (3-4x
+    slower attention, timed on an H200) instead of the fused kernel the presets assume."""
+    from sglang_pdd.sim.cli import _add_common, _spec
+    from sglang_pdd.sim.hardware import preset
+    import argparse
+    p = argparse.ArgumentParser()
+    _add_common(p)
+    base = ["--model", "deepseek-v3", "--chip-a", "h200"]
+    spec, slow = _spec(p.parse_args(base)), _spec(p.parse_args(base + ["--decode-attn-scale", "3"]))
+    assert spec.chip_b == preset("deepseek-v3", "h20")
+    assert slow.chip_b.decode_attn_s_per_kv_token == pytest.approx(3 * spec.chip_b.decode_attn_s_per_kv_token)
+    # a short-context batch reads its weights for longer than it computes: unchanged
+    assert slow.chip_b.decode_step_s(8, 8 * 1024) == spec.chip_b.decode_step_s(8, 8 * 1024)
+    assert slow.chip_b.decode_step_s(150, 150 * 65536) > 2.5 * spec.chip_b.decode_step_s(150, 150 * 65536)

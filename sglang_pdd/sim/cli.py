@@ -53,6 +53,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rld-chips", type=int, default=0,
                    help="chips per RLD instance, any count (e.g. 3); 0 = the smallest power of two "
                         "that holds the weights with room for KV")
+    p.add_argument("--decode-attn-scale", type=float, default=1.0,
+                   help="multiply the presets' decode attention compute (e.g. 3: MLA on generic kernels, "
+                        "as timed on an H200 by benchmarks/bench_gpu_roofline.py, instead of a fused one)")
     p.add_argument("--p-affinity", action=argparse.BooleanOptionalAction, default=None,
                    help="what-ifs for PDD's P placement: --p-affinity = the baselines' cache-aware rule "
                         "(prefix affinity weighed against P's queue), --no-p-affinity = round robin; "
@@ -76,16 +79,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="artifacts/sim", help="output directory for PNG/JSON")
 
 
+def _preset(a, chip: str, chips: int = 0) -> HardwareProfile:
+    hw = preset(a.model, chip, chips)
+    return replace(hw, decode_attn_s_per_kv_token=hw.decode_attn_s_per_kv_token * a.decode_attn_scale)
+
+
 def _spec(a) -> ClusterSpec:
-    chip_a = HardwareProfile.load(a.profile_a) if a.profile_a else preset(a.model, a.chip_a)
-    chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else preset(a.model, a.chip_b)
+    chip_a = HardwareProfile.load(a.profile_a) if a.profile_a else _preset(a, a.chip_a)
+    chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else _preset(a, a.chip_b)
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
                   jitter_s=a.wan_jitter_ms / 1e3)
     rld_hw = None
     if a.rld_chip or a.rld_chips:
         if a.profile_a:
             raise SystemExit("--rld-chip/--rld-chips derive RLD from the presets; not with --profile-a")
-        rld_hw = preset(a.model, a.rld_chip or a.chip_a, a.rld_chips)
+        rld_hw = _preset(a, a.rld_chip or a.chip_a, a.rld_chips)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
                        rld_hw=rld_hw, p_affinity=a.p_affinity,
                        catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
