@@ -498,10 +498,11 @@ class MainDrcRuntime:
         gen, stream = handoff_generate_body(entry.token_ids, eager, body)
         if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
             with self._handoff_lock:
-                if entry.handed_off:
-                    logger.warning("duplicate handoff for room %s ignored", room)
-                    raise RoomError(f"duplicate handoff for room {room}")
-                entry.handed_off = True
+                try:
+                    self.rooms.hand_off(room)
+                except RoomError as e:
+                    logger.warning("%s ignored", e)
+                    raise
                 self.counters["handoffs"] = self.counters.get("handoffs", 0) + 1
         return gen, stream
 
