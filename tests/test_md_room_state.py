@@ -169,3 +169,4 @@ def test_the_status_the_router_sees(phase, status):
     assert entry.status is status
     assert entry.handed_off is (phase is Phase.HANDED_OFF)
     assert entry.reason == ("timeout" if phase is Phase.EXPIRED else WAN.text if phase is Phase.FAILED else "")
+    assert entry.report() == {"status": status.value, "reason": entry.reason}

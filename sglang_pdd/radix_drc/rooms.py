@@ -74,12 +74,17 @@ class DrcRoom:
     @property
     def status(self) -> RoomStatus:
         """What the router sees: pending until the KV landed or failed."""
-        return _STATUS[self.state.phase] if not self.state.phase.terminal else (
-            RoomStatus.FAILED if self.state.failure else RoomStatus.READY if self.state.landed else RoomStatus.PENDING)
+        return _status(self.state)
 
     @property
     def reason(self) -> str:
-        return self.state.failure.text if self.state.failure else ""
+        return _reason(self.state)
+
+    def report(self) -> dict:
+        """Status and reason from one reading of the state (a control thread reads it while the
+        scheduler thread may replace it)."""
+        state = self.state
+        return {"status": _status(state).value, "reason": _reason(state)}
 
     @property
     def deadline(self) -> float:
@@ -94,6 +99,16 @@ class DrcRoom:
     def release_when_done(self) -> bool:
         """Released by the router (terminal phase) or kept while its KV lands: nobody waits for it."""
         return self.state.phase is Phase.LANDING_KEPT or self.state.phase.terminal
+
+
+def _status(state: MdRoomState) -> RoomStatus:
+    if not state.phase.terminal:
+        return _STATUS[state.phase]
+    return RoomStatus.FAILED if state.failure else RoomStatus.READY if state.landed else RoomStatus.PENDING
+
+
+def _reason(state: MdRoomState) -> str:
+    return state.failure.text if state.failure else ""
 
 
 _STATUS = {Phase.NEW: RoomStatus.PENDING, Phase.LANDING: RoomStatus.PENDING, Phase.LANDING_KEPT: RoomStatus.PENDING,

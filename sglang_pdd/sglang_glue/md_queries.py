@@ -26,7 +26,7 @@ class MdRoomQueries:
         entry = self.rooms.rooms.get(room)
         if entry is None:
             return {"room": room, "status": "failed", "reason": "released or expired"}
-        return {"room": room, "status": entry.status.value, "reason": entry.reason}
+        return {"room": room, **entry.report()}
 
     def handoff_request(self, room: int, body: dict) -> tuple[dict, bool]:
         """Turn a compact handoff (eager token ids) into MD's own /generate request.
