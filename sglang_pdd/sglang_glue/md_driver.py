@@ -20,8 +20,6 @@ from sglang_pdd.sglang_glue.md_tp_sync import TpSync
 
 logger = logging.getLogger(__name__)
 
-COMMANDS = ("register", "release")  # RankRooms' operations a control thread may ask for
-
 
 class CommandQueue:
     def __init__(self, maxsize: int = 1024):
