@@ -95,11 +95,6 @@ class DrcRoom:
         """The final handoff came: a second one is a duplicate."""
         return self.state.phase is Phase.HANDED_OFF
 
-    @property
-    def release_when_done(self) -> bool:
-        """Released by the router (terminal phase) or kept while its KV lands: nobody waits for it."""
-        return self.state.phase is Phase.LANDING_KEPT or self.state.phase.terminal
-
 
 def _status(state: MdRoomState) -> RoomStatus:
     if not state.phase.terminal:
