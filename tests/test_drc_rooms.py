@@ -157,3 +157,29 @@ def test_keep_pending_kv_does_not_hold_a_ready_room():
     rooms.register(1, [4, 5], now=0)
     rooms.complete(1, kv="kv", now=1)
     assert rooms.release(1, keep_pending_kv=True) and rooms.rooms == {} and tree.live_locks() == {}
+
+
+def test_final_handoff_is_taken_once_and_only_for_a_ready_room():
+    rooms = DrcRooms(FakeTree(), ttl_s=10)
+    rooms.register(1, [4, 5], now=0)
+    with pytest.raises(RoomError, match="stale handoff: room 1 is pending"):
+        rooms.hand_off(1)
+    rooms.complete(1, kv="kv", now=1)
+    assert rooms.hand_off(1).handed_off and rooms.rooms[1].status is RoomStatus.READY
+    with pytest.raises(RoomError, match="duplicate handoff for room 1"):
+        rooms.hand_off(1)
+    with pytest.raises(RoomError, match="stale handoff: room 2 is unknown"):
+        rooms.hand_off(2)
+
+
+def test_wan_outcome_for_a_landed_room_is_refused_and_changes_nothing():
+    tree = FakeTree()
+    rooms = DrcRooms(tree, ttl_s=10)
+    rooms.register(1, [4, 5], now=0)
+    rooms.complete(1, kv="kv", now=1)
+    locks = dict(tree.locks)
+    with pytest.raises(RoomError, match="Failed in phase ready"):
+        rooms.fail(1, "late")
+    with pytest.raises(RoomError, match="ready, not pending"):
+        rooms.complete(1, kv="kv", now=2)
+    assert rooms.rooms[1].status is RoomStatus.READY and tree.locks == locks and len(tree.ingested) == 1

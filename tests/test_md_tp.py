@@ -11,7 +11,6 @@ each rank (SGLang's leak check)."""
 import copy
 import threading
 import time
-from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -143,8 +142,7 @@ class MdTp:
 
     def call(self, op, *args):
         """A control-API command on rank 0, answered within one lockstep iteration."""
-        fut = Future()
-        self.ranks[0].commands.put((op, args, fut))
+        fut = self.ranks[0].commands.submit(op, args)
         self.step()
         assert fut.done()
         return fut.result(timeout=0)
@@ -280,11 +278,11 @@ def test_pages_go_back_only_when_every_ranks_receiver_let_go():
         assert c.call("release", 7, False) is True  # the router gave up before any KV came
         for _ in range(20):
             c.step()
-        assert md0._releasing[0].outcome is True and md1._releasing[0].outcome is None
+        assert md0.pages.releasing[0].outcome is True and md1.pages.releasing[0].outcome is None
         assert md0.held_tokens == md1.held_tokens == held  # rank 0 let go, rank 1 not: held on both
         gate.set()
         c.settle()
-        assert md0.ops.allocator.available_size() == free_before and md0._releasing == md1._releasing == []
+        assert md0.ops.allocator.available_size() == free_before and md0.pages.releasing == md1.pages.releasing == []
     finally:
         gate.set()
         c.close()
@@ -302,7 +300,7 @@ def test_a_failed_receiver_release_keeps_the_pages_held_on_every_rank():
         c.call("register", 8, list(range(50)), True)
         held = md0.held_tokens
         c.call("release", 8, False)
-        c.step_until(lambda: not md0._releasing)
+        c.step_until(lambda: not md0.pages.releasing)
         for _ in range(5):
             c.step()
         assert md0.held_tokens == md1.held_tokens == held > 0  # lost capacity, allocators still alike

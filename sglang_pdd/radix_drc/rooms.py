@@ -1,8 +1,10 @@
 """MD's side of a WAN KV transfer, per bootstrap room, on top of a radix tree (pure logic).
 
-Lifecycle of a room (all calls on the scheduler thread, which owns the tree):
+The room table: each room's course is decided by radix_drc/room_state.py's ``transition``
+(every change of a room's state goes through it); this module performs its actions on the
+tree. All calls but ``hand_off`` on the scheduler thread, which owns the tree:
 
-    register  -> PENDING   match the prompt in the tree and LOCK the matched prefix, so what
+    register  -> LANDING   match the prompt in the tree and LOCK the matched prefix, so what
                            P is told MD has (decode_prefix_len) cannot be evicted before the
                            suffix lands: P-side and MD-side hit rates stay aligned by design
     wan ok    -> READY     the suffix's KV enters the tree under the prompt's token ids and the
@@ -17,10 +19,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 from sglang_pdd.kv_channel.layout import align_down
+from sglang_pdd.radix_drc.room_state import (Event, Expired, Failed, FailReason, Failure, Forget, HandedOff,
+                                             IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, Phase,
+                                             Registered, Released, UnlockAll, transition)
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +68,46 @@ class DrcRoom:
     room: int
     token_ids: tuple[int, ...]
     cached_len: int
-    deadline: float
-    status: RoomStatus = RoomStatus.PENDING
-    reason: str = ""
+    state: MdRoomState = MdRoomState()  # changed only by DrcRooms, through room_state.transition
     locks: list = field(default_factory=list)
-    release_when_done: bool = False  # released while its KV was in flight: cache it, then go
-    handed_off: bool = False  # the final handoff came: a second one is a duplicate
+
+    @property
+    def status(self) -> RoomStatus:
+        """What the router sees: pending until the KV landed or failed."""
+        return _status(self.state)
+
+    @property
+    def reason(self) -> str:
+        return _reason(self.state)
+
+    def report(self) -> dict:
+        """Status and reason from one reading of the state (a control thread reads it while the
+        scheduler thread may replace it)."""
+        state = self.state
+        return {"status": _status(state).value, "reason": _reason(state)}
+
+    @property
+    def deadline(self) -> float:
+        return self.state.deadline
+
+    @property
+    def handed_off(self) -> bool:
+        """The final handoff came: a second one is a duplicate."""
+        return self.state.phase is Phase.HANDED_OFF
+
+
+def _status(state: MdRoomState) -> RoomStatus:
+    if not state.phase.terminal:
+        return _STATUS[state.phase]
+    return RoomStatus.FAILED if state.failure else RoomStatus.READY if state.landed else RoomStatus.PENDING
+
+
+def _reason(state: MdRoomState) -> str:
+    return state.failure.text if state.failure else ""
+
+
+_STATUS = {Phase.NEW: RoomStatus.PENDING, Phase.LANDING: RoomStatus.PENDING, Phase.LANDING_KEPT: RoomStatus.PENDING,
+           Phase.READY: RoomStatus.READY, Phase.HANDED_OFF: RoomStatus.READY, Phase.FAILED: RoomStatus.FAILED}
 
 
 class DrcRooms:
@@ -77,6 +117,9 @@ class DrcRooms:
         self.ttl_s = ttl_s
         self.max_rooms = max_rooms
         self.rooms: dict[int, DrcRoom] = {}
+        # The final handoff (a control thread) and the scheduler thread's events may meet on a
+        # READY room: each reads and replaces a room's state under this lock.
+        self._lock = threading.Lock()
 
     def register(self, room: int, token_ids: Sequence[int], now: float,
                  ttl_s: Optional[float] = None, use_cache: bool = True) -> DrcRoom:
@@ -88,7 +131,7 @@ class DrcRooms:
             raise RoomError(f"room {room}: empty prompt")
         if len(self.rooms) >= self.max_rooms:
             raise RoomsFull(f"room {room}: too many open rooms ({self.max_rooms})")
-        entry = DrcRoom(room, tuple(token_ids), 0, now + (ttl_s or self.ttl_s))
+        entry = DrcRoom(room, tuple(token_ids), 0)
         if use_cache:
             cached_len, node = self.tree.match(token_ids)
             # At least the last prompt token always crosses the WAN, so every room has a
@@ -97,33 +140,29 @@ class DrcRooms:
             entry.cached_len = min(align_down(cached_len, self.page_size),
                                    align_down(len(token_ids) - 1, self.page_size))
             entry.locks.append(self.tree.lock(node))
+        self._step(entry, Registered(now + (ttl_s or self.ttl_s)))
         self.rooms[room] = entry
         return entry
 
     def complete(self, room: int, kv: Any, now: float) -> DrcRoom:
         """The WAN delivered the suffix [cached_len, len) into ``kv``."""
         entry = self._get(room)
-        if entry.status is not RoomStatus.PENDING:
-            raise RoomError(f"room {room} is {entry.status.value}, not pending")
+        event = KvLanded(now + self.ttl_s)  # READY holds the prompt until the handoff arrives
+        try:
+            transition(entry.state, event)  # legal here? (nothing is ingested otherwise)
+        except IllegalRoomEvent:
+            raise RoomError(f"room {room} is {entry.status.value}, not pending") from None
         try:
             prompt_node = self.tree.ingest(entry.token_ids, entry.cached_len, None, kv)
         except DrcFull as e:
-            return self.fail(room, f"drc_full: {e}")
-        prefix_locks, entry.locks = entry.locks, [self.tree.lock(prompt_node)]
-        for lock in prefix_locks:
-            self.tree.unlock(lock)
-        entry.status = RoomStatus.READY
-        entry.deadline = now + self.ttl_s  # hold the prompt until the handoff arrives
-        if entry.release_when_done:  # nobody will hand off: the prompt stays cached, unlocked
-            self.release(room)
+            return self.fail(room, Failure(FailReason.DRC_FULL, str(e)))
+        self._step(entry, event, prompt_node)
         return entry
 
-    def fail(self, room: int, reason: str) -> DrcRoom:
+    def fail(self, room: int, failure: Union[Failure, str]) -> DrcRoom:
+        """The room's KV will not land (``failure``: a bare string is the WAN's reason)."""
         entry = self._get(room)
-        self._unlock_all(entry)
-        entry.status, entry.reason = RoomStatus.FAILED, reason
-        if entry.release_when_done:
-            self.rooms.pop(room, None)
+        self._step(entry, Failed(failure if isinstance(failure, Failure) else Failure(FailReason.WAN, failure)))
         return entry
 
     def release(self, room: int, keep_pending_kv: bool = False) -> bool:
@@ -133,24 +172,50 @@ class DrcRooms:
         entry = self.rooms.get(room)
         if entry is None:
             return False
-        if keep_pending_kv and entry.status is RoomStatus.PENDING:
-            entry.release_when_done = True
-            return True
-        del self.rooms[room]
-        self._unlock_all(entry)
+        self._step(entry, Released(keep_kv=keep_pending_kv))
         return True
+
+    def hand_off(self, room: int) -> DrcRoom:
+        """The final handoff for a READY room (any thread); RoomError if stale or a duplicate."""
+        entry = self.rooms.get(room)
+        try:
+            if entry is None:
+                raise RoomError("unknown")
+            self._step(entry, HandedOff())
+        except RoomError:
+            if entry is not None and entry.state.phase is Phase.HANDED_OFF:
+                raise RoomError(f"duplicate handoff for room {room}") from None
+            what = "unknown" if entry is None or entry.state.phase.terminal else entry.status.value
+            raise RoomError(f"stale handoff: room {room} is {what}") from None
+        return entry
 
     def expire(self, now: float) -> list[DrcRoom]:
         """Drop rooms past their deadline (a router that vanished must not pin MD's memory)."""
-        expired = [e for e in self.rooms.values() if e.deadline <= now]
+        expired = [e for e in self.rooms.values() if e.state.expired_at(now)]
         for entry in expired:
-            if entry.status is RoomStatus.PENDING:
-                entry.status, entry.reason = RoomStatus.FAILED, "timeout"
-            self.release(entry.room)
+            self._step(entry, Expired())
         return expired
 
     def pending(self) -> list[DrcRoom]:
-        return [e for e in self.rooms.values() if e.status is RoomStatus.PENDING]
+        return [e for e in self.rooms.values() if e.state.phase.landing]
+
+    def _step(self, entry: DrcRoom, event: Event, prompt_node: Any = None) -> None:
+        """The room's one way to change: the transition, then its actions on the tree."""
+        try:
+            with self._lock:
+                entry.state, actions = transition(entry.state, event)
+        except IllegalRoomEvent as e:
+            raise RoomError(f"room {entry.room}: {e}") from None
+        for action in actions:
+            if isinstance(action, LockPrompt):
+                prefix_locks, entry.locks = entry.locks, [self.tree.lock(prompt_node)]
+                for lock in prefix_locks:
+                    self.tree.unlock(lock)
+            elif isinstance(action, UnlockAll):
+                self._unlock_all(entry)
+            elif isinstance(action, Forget):
+                if self.rooms.get(entry.room) is entry:
+                    del self.rooms[entry.room]
 
     def _get(self, room: int) -> DrcRoom:
         try:

@@ -1,0 +1,225 @@
+"""The life of one MD room as an explicit state machine (pure; the house model is router/lifecycle.py).
+
+``transition(state, event) -> (state, actions)`` is the only place a room's course is decided;
+radix_drc/rooms.py (the room table on the radix tree) performs the actions on the tree, and
+sglang_glue/main_drc.py feeds the events it learns from the WAN receiver and the router.
+
+Phases::
+
+    NEW ──Registered──▶ LANDING ──KvLanded──▶ READY ──HandedOff──▶ HANDED_OFF
+                          │  │                  │                      │
+                          │  └─Failed─▶ FAILED  │                      │
+                          └─Released(keep_kv)─▶ LANDING_KEPT ─KvLanded / Failed─▶ RELEASED
+    every live phase ──Released──▶ RELEASED,  ──Expired──▶ EXPIRED  (terminal: the room is forgotten)
+
+* LANDING: the matched prefix is locked (what P was told MD holds cannot be evicted) while the
+  suffix's KV crosses the WAN.
+* LANDING_KEPT: the request ended on RLD while its KV was in flight; the KV still lands and
+  enters the cache for the session's next turn, then the room goes (nobody waits for it).
+  ``keep_kv`` matters only here: a room already landed is cached anyway once released.
+* READY / HANDED_OFF: the whole prompt is in the tree, locked until the router releases the
+  room; the final handoff is accepted once (a second one is a duplicate; warmups do not count).
+* FAILED: every lock dropped; the room stays so a waiter reads the typed reason, until released
+  or expired.
+
+Late events after a terminal phase (a WAN outcome, a second release or expiry) change nothing;
+an event that cannot happen in a phase raises ``IllegalRoomEvent`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+
+class IllegalRoomEvent(ValueError):
+    """An event that is illegal in the room's current phase; the room is unchanged."""
+
+
+class Phase(str, enum.Enum):
+    NEW = "new"
+    LANDING = "landing"
+    LANDING_KEPT = "landing_kept"
+    READY = "ready"
+    HANDED_OFF = "handed_off"
+    FAILED = "failed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.RELEASED, Phase.EXPIRED)
+
+    @property
+    def landing(self) -> bool:
+        return self in (Phase.LANDING, Phase.LANDING_KEPT)
+
+
+class FailReason(str, enum.Enum):
+    WAN = "wan_failed"  # this rank's receiver failed the transfer (its reason in the detail)
+    TP_RANK = "tp_rank_failed"  # another MD TP rank's slice of the KV failed
+    DRC_FULL = "drc_full"  # no pool slots for the landed KV, even after eviction
+    TIMEOUT = "timeout"  # the room's deadline passed while its KV was in flight
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: FailReason
+    detail: str = ""
+
+    @classmethod
+    def wan(cls, reason: str, detail: str) -> "Failure":
+        return cls(FailReason.WAN, f"{reason}: {detail}")
+
+    @property
+    def text(self) -> str:
+        """What MD reports (wait_ready's ``reason``, the log)."""
+        if self.reason is FailReason.DRC_FULL:
+            return f"drc_full: {self.detail}"
+        if self.reason is FailReason.TIMEOUT:
+            return "timeout"
+        if self.reason is FailReason.TP_RANK:
+            return "a TP rank's WAN slice failed (see that rank's log)"
+        return self.detail
+
+
+TIMED_OUT = Failure(FailReason.TIMEOUT)
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Registered:
+    deadline: float  # the room goes at this time unless its KV lands first
+
+
+@dataclass(frozen=True)
+class KvLanded:
+    deadline: float  # READY holds the prompt until then (for the handoff to come)
+
+
+@dataclass(frozen=True)
+class Failed:
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    """The final handoff (MD continues the request)."""
+
+
+@dataclass(frozen=True)
+class Released:
+    keep_kv: bool = False  # the request ended on RLD: KV still in flight lands into the cache
+
+
+@dataclass(frozen=True)
+class Expired:
+    """The deadline passed (a router that vanished must not pin MD's memory)."""
+
+
+Event = Union[Registered, KvLanded, Failed, HandedOff, Released, Expired]
+
+
+# ---------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class LockPrompt:
+    """The landed KV is in the tree (the shell's precondition for KvLanded: KV that cannot
+    enter the tree is a Failed(DRC_FULL) instead): lock the whole prompt, unlock the prefix."""
+
+
+@dataclass(frozen=True)
+class UnlockAll:
+    """Drop every tree lock the room holds."""
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Drop the room from the table."""
+
+
+Action = Union[LockPrompt, UnlockAll, Forget]
+
+_LOCK_PROMPT, _UNLOCK, _FORGET = LockPrompt(), UnlockAll(), Forget()
+_GONE = [_UNLOCK, _FORGET]
+
+
+# ---------------------------------------------------------------------------------- state
+@dataclass(frozen=True)
+class MdRoomState:
+    phase: Phase = Phase.NEW
+    deadline: float = math.inf
+    failure: Optional[Failure] = None  # why the KV never made it into the tree
+    landed: bool = False  # the KV entered the tree
+
+    def expired_at(self, now: float) -> bool:
+        return not self.phase.terminal and self.deadline <= now
+
+
+Result = tuple[MdRoomState, list]
+
+
+def transition(state: MdRoomState, event: Event) -> Result:
+    """The room's one transition function. Raises IllegalRoomEvent for an illegal event."""
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise IllegalRoomEvent(f"unknown event {event!r}")
+    if state.phase is Phase.NEW and not isinstance(event, Registered):
+        raise IllegalRoomEvent(f"{type(event).__name__} before the room was registered")
+    return handler(state, event)
+
+
+def _illegal(state: MdRoomState, event: Event) -> IllegalRoomEvent:
+    return IllegalRoomEvent(f"{type(event).__name__} in phase {state.phase.value}")
+
+
+def _registered(s: MdRoomState, e: Registered) -> Result:
+    if s.phase is not Phase.NEW:
+        raise _illegal(s, e)
+    return replace(s, phase=Phase.LANDING, deadline=e.deadline), []
+
+
+def _kv_landed(s: MdRoomState, e: KvLanded) -> Result:
+    if s.phase.terminal:
+        return s, []  # released meanwhile: the KV goes with the room
+    if s.phase is Phase.LANDING:
+        return replace(s, phase=Phase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
+    if s.phase is Phase.LANDING_KEPT:  # nobody will hand off: cached, unlocked, gone
+        return replace(s, phase=Phase.RELEASED, deadline=e.deadline, landed=True), [_LOCK_PROMPT, *_GONE]
+    raise _illegal(s, e)
+
+
+def _failed(s: MdRoomState, e: Failed) -> Result:
+    if s.phase.terminal:
+        return s, []
+    if s.phase is Phase.LANDING:
+        return replace(s, phase=Phase.FAILED, failure=e.failure), [_UNLOCK]
+    if s.phase is Phase.LANDING_KEPT:
+        return replace(s, phase=Phase.RELEASED, failure=e.failure), list(_GONE)
+    raise _illegal(s, e)
+
+
+def _handed_off(s: MdRoomState, e: HandedOff) -> Result:
+    if s.phase is Phase.READY:
+        return replace(s, phase=Phase.HANDED_OFF), []
+    raise _illegal(s, e)  # stale (not landed, failed, gone) or a duplicate (HANDED_OFF)
+
+
+def _released(s: MdRoomState, e: Released) -> Result:
+    if s.phase.terminal:
+        return s, []
+    if s.phase.landing and e.keep_kv:
+        return replace(s, phase=Phase.LANDING_KEPT), []
+    return replace(s, phase=Phase.RELEASED), list(_GONE)
+
+
+def _expired(s: MdRoomState, e: Expired) -> Result:
+    if s.phase.terminal:
+        return s, []
+    failure = TIMED_OUT if s.phase.landing else s.failure
+    return replace(s, phase=Phase.EXPIRED, failure=failure), list(_GONE)
+
+
+_HANDLERS = {Registered: _registered, KvLanded: _kv_landed, Failed: _failed, HandedOff: _handed_off,
+             Released: _released, Expired: _expired}

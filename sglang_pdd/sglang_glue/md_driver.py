@@ -1,0 +1,122 @@
+"""MD's room commands and the scheduler iteration that applies them on every TP rank in lockstep.
+
+Control threads (rank 0's) put commands on a ``CommandQueue`` and wait; the scheduler thread,
+the only one that touches the radix tree and the allocator, runs ``LockstepDriver.iterate``
+once per SGLang scheduler iteration: rank 0 drains the commands and reads the clock, every
+rank applies them in the same order, then the ranks vote (md_lockstep.py) on registrations,
+on rooms whose KV is landing and on pages waiting to go back, and act on the group's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import Future
+
+from sglang_pdd.sglang_glue.md_lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
+from sglang_pdd.sglang_glue.md_rooms import RankRooms
+from sglang_pdd.sglang_glue.md_tp_sync import TpSync
+
+logger = logging.getLogger(__name__)
+
+
+class CommandQueue:
+    def __init__(self, maxsize: int = 1024):
+        self._queue: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=maxsize)
+
+    def submit(self, op: str, args: tuple, timeout: float = 30.0) -> Future:
+        """Queue ``op(*args)`` for the scheduler thread; queue.Full if it does not take it in time."""
+        fut: Future = Future()
+        self._queue.put((op, args, fut), timeout=timeout)
+        return fut
+
+    def call(self, op: str, *args, timeout: float = 30.0):
+        """Control threads: run ``op`` on the scheduler thread and wait for its result."""
+        return self.submit(op, args, timeout=timeout).result(timeout=timeout)
+
+    def take(self) -> tuple[list[tuple[str, tuple]], list[Future]]:
+        """Scheduler thread: every command queued so far, and the futures that await them."""
+        ops, futures = [], []
+        while True:
+            try:
+                op, args, fut = self._queue.get_nowait()
+            except queue.Empty:
+                return ops, futures
+            ops.append((op, args))
+            futures.append(fut)
+
+
+class LockstepDriver:
+    def __init__(self, tp: TpSync, rooms: RankRooms, commands: CommandQueue):
+        self.tp, self.rooms, self.commands = tp, rooms, commands
+
+    def iterate(self) -> None:
+        """One scheduler iteration, on every TP rank in lockstep. A room completes, fails and
+        gives its pages back only as every rank's receiver agrees (one all-min). The collectives
+        run on every rank every iteration, whatever fails in between: a rank that skipped one
+        would hang the group."""
+        ops, futures = self.commands.take() if self.tp.rank == 0 else ([], [])
+        now, ops = self.tp.share(time.monotonic(), ops)
+        results = [self._apply(op, args, now) for op, args in ops]
+        try:
+            if any(op == "register" for op, _ in ops):  # the same on every rank: ops are rank 0's
+                self._agree_on_registrations(ops, results)
+            self._agree_on_rooms_and_releases(now)
+            for entry in self.rooms.rooms.expire(now):  # rank 0's clock: the same rooms everywhere
+                self._guarded("expiry", entry.room, lambda room=entry.room: self.rooms.expired(room))
+        finally:
+            for fut, (ok, value) in zip(futures, results):
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+    def _apply(self, op: str, args: tuple, now: float) -> tuple[bool, object]:
+        try:
+            if op == "register":
+                return True, self.rooms.register(*args, now=now)
+            if op == "release":
+                return True, self.rooms.release(*args)
+            raise AttributeError(f"unknown MD room command {op!r}")
+        except Exception as e:  # the caller gets the error; the scheduler goes on
+            return False, e
+
+    def _agree_on_registrations(self, ops, results) -> None:
+        """A registration stands only if every rank made it (a rank's receiver may refuse a
+        room id it is still letting go of); otherwise it is undone everywhere, and the pages
+        any rank reserved for it come back on all ranks together."""
+        regs = [i for i, (op, _) in enumerate(ops) if op == "register"]
+        votes = [RegistrationVote(made=results[i][0]) for i in regs]
+        for i, mine, agreed in zip(regs, votes, agree(self.tp, votes)):
+            if agreed.made:
+                continue
+            room = ops[i][1][0]
+            if mine.made:  # made here, refused on another rank: undo it here
+                results[i] = (False, self.rooms.undo_registration(room))
+            else:
+                self.rooms.drop_refused(room)
+
+    def _agree_on_rooms_and_releases(self, now: float) -> None:
+        pending = self.rooms.rooms.pending()  # the same rooms, in the same order, on every rank
+        releasing = list(self.rooms.pages.releasing)
+        states = [self.rooms.poll(entry.room) for entry in pending]
+        room_votes = [RoomVote.of(state) for state in states]
+        release_votes = [ReleaseVote.of(record.outcome) for record in releasing]
+        agreed = agree(self.tp, [*room_votes, *release_votes])
+        if not agreed:
+            return
+        rooms_agreed, releases_agreed = agreed[:len(room_votes)], agreed[len(room_votes):]
+        for record, vote in zip(releasing, releases_agreed):  # pages first: a staged completion may need them
+            if vote.let_go:
+                self._guarded("page release", record.room,
+                              lambda r=record, ok=vote.ok: self.rooms.pages.free_agreed(r, ok))
+        for entry, state, vote in zip(pending, states, rooms_agreed):
+            if vote.landed:
+                self._guarded("completion", entry.room, lambda room=entry.room: self.rooms.completed(room, now))
+            elif not vote.alive:
+                self._guarded("failure", entry.room, lambda room=entry.room, st=state: self.rooms.failed(room, st))
+
+    def _guarded(self, what: str, room: int, fn) -> None:
+        """A decision every rank takes: an error is logged, never raised past the collectives."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            logger.exception("room %s: %s failed on MD TP rank %d", room, what, self.tp.rank)

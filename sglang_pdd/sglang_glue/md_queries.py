@@ -1,0 +1,71 @@
+"""What MD's control threads ask of its rooms without queueing a command: wait until a room is
+ready, turn a handoff into MD's own /generate, whether a cache flush is safe now, DRC stats.
+
+A mixin over the runtime's shared parts (``rooms``: the DrcRooms table, ``ready_events``,
+``counters``, ...): reads of the scheduler thread's state, plus the one change a control
+thread makes itself, the final handoff, which goes through the room's state machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from sglang_pdd.radix_drc.rooms import RoomError, RoomStatus
+from sglang_pdd.sglang_glue.resume import handoff_generate_body
+
+logger = logging.getLogger(__name__)
+
+
+class MdRoomQueries:
+    def wait_ready(self, room: int, timeout: float) -> dict:
+        event = self.ready_events.get(room)
+        if event is None:
+            raise RoomError(f"unknown room {room}")
+        event.wait(timeout)
+        entry = self.rooms.rooms.get(room)
+        if entry is None:
+            return {"room": room, "status": "failed", "reason": "released or expired"}
+        return {"room": room, **entry.report()}
+
+    def handoff_request(self, room: int, body: dict) -> tuple[dict, bool]:
+        """Turn a compact handoff (eager token ids) into MD's own /generate request.
+
+        Only the eager tokens cross the WAN; the prompt's ids are the ones MD registered.
+        Returns (generate body, stream?). Stale (unknown / not ready) and duplicate final
+        handoffs are refused with RoomError, and logged."""
+        entry = self.rooms.rooms.get(room)
+        if entry is None or entry.status is not RoomStatus.READY:
+            logger.warning("stale handoff for room %s (%s) ignored", room,
+                           "unknown" if entry is None else entry.status.value)
+            raise RoomError(f"stale handoff: room {room} is {'unknown' if entry is None else entry.status.value}")
+        eager = body.get("token_ids")
+        if not isinstance(eager, list) or not all(isinstance(t, int) and t >= 0 for t in eager):
+            raise RoomError("handoff needs 'token_ids': [non-negative int, ...]")
+        # MD continues the request: the eager tokens are output already produced (resume.py)
+        gen, stream = handoff_generate_body(entry.token_ids, eager, body)
+        if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
+            with self._handoff_lock:
+                try:
+                    self.rooms.hand_off(room)
+                except RoomError as e:
+                    logger.warning("%s ignored", e)
+                    raise
+                self.counters["handoffs"] = self.counters.get("handoffs", 0) + 1
+        return gen, stream
+
+    def flush_blocker(self) -> Optional[str]:
+        """Why SGLang's flush_cache must not run now, or None. A flush resets the radix tree
+        and the pool allocator under MD's rooms: the prefixes they locked and the pages they
+        reserved for KV still landing would be handed out again."""
+        if self.rooms.rooms or self.held_tokens:
+            return f"{len(self.rooms.rooms)} PDD rooms open, {self.held_tokens} KV slots held for the WAN"
+        return None
+
+    def stats(self) -> dict:
+        """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""
+        drc = self.drc_stats.as_dict()
+        return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
+                "open_rooms": len(self.rooms.rooms), "tp_size": self.tp.size,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "wan_receiver": self.receiver.stats()}  # its counters, incl. the acceptor's refusals by kind

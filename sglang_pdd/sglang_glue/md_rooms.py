@@ -1,0 +1,200 @@
+"""One MD TP rank's rooms: the room table (radix_drc.rooms, whose state machine decides each
+room's course), where each room's KV lands (md_ingest), the WAN receiver's side of it, and
+the wake-ups of control threads waiting for a room. Scheduler thread only; every TP rank
+calls the same operations in the same order (md_driver.py), so the ranks stay alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from sglang_pdd.config import PddConfig
+from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.radix_drc.room_state import Failure, FailReason
+from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRooms
+from sglang_pdd.radix_drc.stats import DrcStats
+from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
+from sglang_pdd.sglang_glue.md_pages import PageReleases
+
+logger = logging.getLogger(__name__)
+
+
+class RankRooms:
+    def __init__(self, cfg: PddConfig, ops, receiver, tp_size: int, page_size: int):
+        self.ops, self.receiver, self.tp_size = ops, receiver, tp_size
+        self.wan_timeout_s = cfg.wan_timeout_s
+        self.ingest_mode = cfg.md_ingest
+        self.rooms = DrcRooms(ops, ttl_s=cfg.wan_timeout_s * 2, page_size=page_size)
+        self.budget = InFlightBudget(cfg.md_staging_mb << 20)
+        self.pages = PageReleases(receiver, ops.free)
+        self.landings: dict[int, Landing] = {}
+        self.unregistered: dict[int, Landing] = {}  # pages of a registration only this rank refused
+        self.ready_events: dict[int, threading.Event] = {}
+        self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0, "rooms_refused": 0}
+        self.drc_stats = DrcStats()
+        self.kv_bytes_per_token = ops.pool_layout.bytes_per_token
+
+    # ---- commands (rank 0's control threads, applied on every rank)
+    def register(self, room: int, token_ids: list[int], use_cache: bool = True, now: Optional[float] = None) -> dict:
+        t0 = time.perf_counter()
+        try:
+            return self._register(room, token_ids, use_cache, time.monotonic() if now is None else now)
+        finally:
+            self._record_stall("register", time.perf_counter() - t0)
+
+    def _register(self, room: int, token_ids: list[int], use_cache: bool, now: float) -> dict:
+        entry = self.rooms.register(room, token_ids, now, use_cache=use_cache)
+        landing = Landing.plan(self.ops.pool_layout, len(token_ids), entry.cached_len)
+        try:
+            self.budget.take(room, landing.nbytes)
+        except RoomRefused:
+            self.counters["rooms_refused"] += 1
+            self.rooms.release(room)
+            raise
+        try:
+            if self.ingest_mode == "staged":
+                landing.into_host()
+            else:
+                slots = self.ops.reserve(landing.num_tokens)
+                if slots is None:
+                    self.counters["rooms_refused"] += 1
+                    raise RoomRefused(f"room {room} refused: MD's KV pool cannot hold {landing.num_tokens} more "
+                                      f"tokens now ({self.ops.allocator.available_size()} free after eviction)")
+                landing.into_pool(self.ops.pool, slots)
+                self.pages.hold(landing.num_tokens)
+            self.receiver.register_room(room, self.ops.layout, len(token_ids), landing.write,
+                                        decode_prefix_len=entry.cached_len, token_ids=token_ids,
+                                        timeout=self.wan_timeout_s)
+        except Exception:
+            # Not registered in the receiver: nothing writes into the landing; free it now.
+            self.budget.give_back(landing.nbytes)
+            if landing.slots is not None:
+                if self.tp_size == 1:
+                    self.pages.free_now(landing)
+                else:  # the other ranks may have made it: free with their undo, in step
+                    self.unregistered[room] = landing
+            self.rooms.release(room)
+            raise
+        self.landings[room] = landing
+        self.ready_events[room] = threading.Event()
+        self.counters["rooms_registered"] += 1
+        self.drc_stats.record_lookup(len(token_ids), entry.cached_len)
+        return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
+                "wan_peer": "%s:%d" % self.receiver.address,  # rank r listens on its port + r
+                "tp_size": self.tp_size,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_layout": self.ops.pool_layout.to_dict()}
+
+    def release(self, room: int, keep_kv: bool = False) -> bool:
+        entry = self.rooms.rooms.get(room)
+        if keep_kv and entry is not None and entry.state.phase.landing:
+            # The request ended on RLD while its KV was still crossing the WAN: let it land
+            # and enter the radix cache, so the session's next turn finds it on MD.
+            self.counters["rooms_kept_in_flight"] = self.counters.get("rooms_kept_in_flight", 0) + 1
+            return self.rooms.release(room, keep_pending_kv=True)
+        self.receiver.abort(room, "released by the router")  # no further writes into its landing
+        self._forget_in_receiver(room)
+        released = self.rooms.release(room)
+        self._forget(room)
+        return released
+
+    # ---- registrations the TP group did not agree on
+    def undo_registration(self, room: int) -> RoomRefused:
+        """Made here, refused on another rank: undone here, its pages back with every rank's undo."""
+        self.receiver.abort(room, "refused on another MD TP rank")
+        landing = self.landings.pop(room, None)
+        if landing is not None:
+            self.budget.give_back(landing.nbytes)
+        record = self.pages.queue(room, landing, always=True)
+        self.pages.let_go_in_receiver(room, record)
+        self.rooms.release(room)
+        self._forget(room)
+        self.counters["rooms_registered"] -= 1
+        self.counters["rooms_refused"] += 1
+        return RoomRefused(f"room {room} refused: another MD TP rank could not register it")
+
+    def drop_refused(self, room: int) -> None:
+        """Refused here (made elsewhere): pages it had reserved come back with the others' undo."""
+        record = self.pages.queue(room, self.unregistered.pop(room, None), always=True)
+        record.outcome = True  # this rank's receiver never had the room
+
+    # ---- the group's decisions on rooms whose KV is landing
+    def poll(self, room: int) -> RoomState:
+        try:
+            return self.receiver.poll(room)
+        except Exception:  # noqa: BLE001 — never skip the collective; this rank votes 'failed'
+            logger.exception("room %s: polling the WAN receiver failed", room)
+            return RoomState.FAILED
+
+    def completed(self, room: int, now: float) -> None:
+        t0 = time.perf_counter()
+        self._finish(self._complete(room, now))
+        self._record_stall("complete", time.perf_counter() - t0)
+
+    def failed(self, room: int, local_state: RoomState) -> None:
+        if local_state is RoomState.FAILED:
+            failure = Failure.wan(*self.receiver.failure(room))
+        else:
+            failure = Failure(FailReason.TP_RANK)
+        self._finish(self.rooms.fail(room, failure))
+
+    def expired(self, room: int) -> None:
+        if room in self.landings:  # expired in flight: stop the receiver's writes first
+            self.receiver.abort(room, "expired on MD")
+            self._forget_in_receiver(room)
+        self._forget(room)
+
+    def _complete(self, room: int, now: float) -> DrcRoom:
+        """All of a room's KV is in (the receiver has no writer left): into the tree."""
+        landing = self.landings.pop(room)
+        self.budget.give_back(landing.nbytes)
+        if landing.staged is not None:  # staged ingest: copy the room now, on this thread
+            slots = self.ops.reserve(landing.num_tokens)
+            if slots is None:
+                return self.rooms.fail(room, Failure(FailReason.DRC_FULL,
+                                                     f"cannot allocate {landing.num_tokens} KV slots"))
+            landing.flush_staged(self.ops.pool, slots)
+        else:
+            self.pages.hand_to_tree(landing)  # from here the tree (or ingest's frees) owns them
+        return self.rooms.complete(room, landing.slots, now)
+
+    def _finish(self, entry: DrcRoom) -> None:
+        room = entry.room
+        if entry.state.landed:
+            self.counters["rooms_ready"] += 1
+            received = len(entry.token_ids) - entry.cached_len
+            self.drc_stats.record_ingest(received, received * self.kv_bytes_per_token, entry.cached_len,
+                                         self.kv_bytes_per_token)
+        else:
+            self.counters["rooms_failed"] += 1
+            logger.warning("room %s failed: %s", room, entry.reason)
+        self._forget_in_receiver(room)
+        if entry.state.phase.terminal:  # released by the router meanwhile: nobody waits for it
+            self._forget(room)
+        else:
+            self.ready_events[room].set()
+
+    def _forget_in_receiver(self, room: int) -> None:
+        """Drop the receiver's record of a room off the scheduler thread: release_room waits
+        for a chunk still being written (seconds on a slow WAN) and, past its timeout, cuts
+        the streams that other rooms share. A landing still held (the room failed or was
+        released in flight) goes with it: its slots are freed only once nothing writes there,
+        on any rank."""
+        landing = self.landings.pop(room, None)
+        if landing is not None:
+            self.budget.give_back(landing.nbytes)
+        self.pages.let_go_in_receiver(room, self.pages.queue(room, landing))
+
+    def _forget(self, room: int) -> None:
+        event = self.ready_events.pop(room, None)
+        if event is not None:
+            event.set()
+
+    def _record_stall(self, what: str, seconds: float) -> None:
+        """Scheduler-thread time spent on a room (decode waits meanwhile): in /pdd/stats."""
+        ms = seconds * 1000
+        self.counters[f"{what}_ms_total"] = round(self.counters.get(f"{what}_ms_total", 0.0) + ms, 3)
+        self.counters[f"{what}_ms_max"] = round(max(self.counters.get(f"{what}_ms_max", 0.0), ms), 3)
