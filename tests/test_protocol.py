@@ -1,0 +1,141 @@
+"""The control protocol (sglang_pdd/protocol): every message round-trips, the wire is what the
+servers have always read, bad input is a ControlError with its 4xx status."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from sglang_pdd import protocol
+from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, DestinationReply, DropReply, HandoffRequest,
+                                 InfoReply, LegParams, ReadyReply, ReadyRequest, RegisterReply, RegisterRequest,
+                                 ReleaseReply, ReleaseRequest, RouteTable, WanDestinationRequest, check_md_tp)
+from sglang_pdd.protocol import routes as api
+
+pytestmark = pytest.mark.timeout(60)
+
+MESSAGES = [
+    RegisterRequest(7, [1, 2, 3]),
+    RegisterRequest(MAX_ROOM_ID, [0], use_cache=False),
+    RegisterReply(7, 0),
+    RegisterReply(7, 64, prompt_tokens=100, wan_peer="10.0.0.2:7000", tp_size=4, kv_bytes_per_token=512,
+                  kv_layout={"page_size": 16}),
+    ReadyReply(7, "ready", ""),
+    ReadyReply(7, "failed", None),
+    ReleaseReply(True),
+    HandoffRequest([5, 6], "r-m", {"max_new_tokens": 9}),
+    HandoffRequest([], None, {}, stream=False, warmup=True),
+    HandoffRequest([5], "r-m", {"max_new_tokens": 9}, return_logprob=True, top_logprobs_num=2,
+                   logprob_start_len=-1, token_ids_logprob=[3, 4]),
+    WanDestinationRequest(1, 2, "10.0.0.2:7000", 0),
+    WanDestinationRequest(MAX_ROOM_ID, 0, "h:1", (1 << 31) - 1, md_tp=MAX_MD_TP),
+    DestinationReply(),
+    DestinationReply(sends_wan=False),
+    DropReply(),
+    DropReply(sends_wan=False),
+    InfoReply(1, 4, True),
+    LegParams.destination(7, "10.0.0.2:7000", 64),
+    LegParams.destination(7, "10.0.0.2:7000", 64, md_tp=2),
+    LegParams.late(7),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_json(message):
+    wire = json.loads(json.dumps(message.to_json()))
+    assert type(message).from_json(wire) == message
+
+
+def test_the_wire_is_what_the_servers_have_always_read():
+    assert RegisterRequest(7, [1, 2]).to_json() == {"room": 7, "token_ids": [1, 2], "use_cache": True}
+    assert HandoffRequest([5], "r", {"max_new_tokens": 3}).to_json() == {
+        "token_ids": [5], "rid": "r", "sampling_params": {"max_new_tokens": 3}, "stream": True, "warmup": False}
+    # md_tp is sent only when it is not 1 (a P that knows only TP 1 reads the rest unchanged)
+    assert WanDestinationRequest(1, 2, "h:1", 3).to_json() == {"bootstrap_room": 1, "md_room": 2, "wan_peer": "h:1",
+                                                               "md_prefix_len": 3}
+    assert WanDestinationRequest(1, 2, "h:1", 3, md_tp=2).to_json()["md_tp"] == 2
+    assert LegParams.destination(7, "h:1", 64).to_json() == {"pdd_room": 7, "pdd_wan_peer": "h:1",
+                                                             "pdd_md_prefix_len": 64}
+    assert LegParams.destination(7, "h:1", 64, 2).to_json()["pdd_md_tp"] == 2
+    assert LegParams.late(7).to_json() == {"pdd_room": 7, "pdd_wan_expected": True}
+    assert protocol.resume_marker(3) == {"pdd_resume_output_len": 3} == {protocol.RESUME_KEY: 3}
+    assert RegisterReply(7, 0).to_json() == {"room": 7, "cached_tokens": 0}  # tp_size absent: TP 1
+    assert RegisterReply(7, 0).md_tp == 1 and RegisterReply(7, 0, tp_size=4).md_tp == 4
+    assert InfoReply(0, 2, True).to_json() == {"tp_rank": 0, "tp_size": 2, "sends_wan": True}
+
+
+def test_leg_params_from_custom_params():
+    assert LegParams.from_custom_params({"mine": 1}) is None and LegParams.from_custom_params(None) is None
+    leg = LegParams.from_custom_params({"pdd_room": 3, "pdd_wan_peer": "h:1", "other": 1})
+    assert leg == LegParams(3, "h:1", 0)  # the prefix defaults to 0
+    assert LegParams.expects_destination(LegParams.late(3).to_json())
+    assert not LegParams.expects_destination(LegParams.destination(3, "h:1", 0).to_json())
+    assert protocol.without_pdd_params({"pdd_room": 1, "pdd_x": 2, "mine": 3}) == {"mine": 3}
+
+
+def test_routes_build_and_parse_their_paths():
+    assert api.MD_HANDOFF.path(room=7) == "/pdd/rooms/7/handoff"
+    assert api.MD_HANDOFF.match("/pdd/rooms/7/handoff") == {"room": 7}
+    assert api.MD_RELEASE.match("/pdd/rooms/7/handoff") is None and api.MD_READY.match("/pdd/rooms/7") is None
+    assert api.P_DROP.match(api.P_DROP.path(bootstrap_room=MAX_ROOM_ID)) == {"bootstrap_room": MAX_ROOM_ID}
+    assert api.ready_target(7, 2) == "/pdd/rooms/7/ready?timeout_s=2.0"
+    assert api.release_target(7, True) == "/pdd/rooms/7?keep_kv=1"
+    assert ReadyRequest.from_query(7, "timeout_s=2.5") == ReadyRequest(7, 2.5)
+    assert ReadyRequest.from_query(7, "timeout_s=9999").timeout_s == ReadyRequest.MAX_TIMEOUT_S
+    assert ReleaseRequest.from_query(7, "keep_kv=1") == ReleaseRequest(7, True)
+    assert ReleaseRequest.from_query(7, "") == ReleaseRequest(7, False)
+    assert api.is_p_path("/pdd/wan_destinations/5") and api.is_p_path("/pdd/info")
+    assert not api.is_p_path("/pdd/stats") and not api.is_p_path("/pdd/rooms")
+    table = RouteTable({route: route.template for route in api.MD_ROUTES})
+    assert table.resolve("POST", "/pdd/rooms/9/handoff") == ("/pdd/rooms/{room}/handoff", {"room": 9})
+    assert table.resolve("DELETE", "/pdd/rooms/9") == ("/pdd/rooms/{room}", {"room": 9})
+
+
+BAD = [
+    (RegisterRequest, {"room": -1, "token_ids": [1]}, "'room' must be an integer"),
+    (RegisterRequest, {"room": True, "token_ids": [1]}, "'room' must be an integer"),
+    (RegisterRequest, {"room": 1, "token_ids": []}, "'token_ids' must be a non-empty list"),
+    (RegisterRequest, {"room": 1, "token_ids": [1 << 31]}, "'token_ids'"),
+    (RegisterRequest, {"room": 1, "token_ids": [1], "use_cache": 1}, "'use_cache' must be true or false"),
+    (RegisterRequest, [1, 2], "JSON object"),
+    (RegisterReply, {"room": 1, "cached_tokens": 0, "tp_size": MAX_MD_TP + 1}, "tp_size must be an integer in 1..64"),
+    (RegisterReply, {"room": 1}, "cached_tokens"),
+    (ReadyReply, {"room": 1, "status": "done"}, "status must be one of"),
+    (HandoffRequest, {"token_ids": [-1]}, "'token_ids'"),
+    (HandoffRequest, {"token_ids": [1], "stream": "yes"}, "stream must be a boolean"),
+    (HandoffRequest, {"token_ids": [1], "sampling_params": [1]}, "sampling_params must be an object"),
+    (HandoffRequest, {"token_ids": [1], "rid": 5}, "rid must be str"),
+    (HandoffRequest, {}, "'token_ids'"),
+    (WanDestinationRequest, {"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1"}, "md_prefix_len must be int"),
+    (WanDestinationRequest, {"bootstrap_room": 1, "md_room": 1, "wan_peer": "h:1", "md_prefix_len": 0, "md_tp": 0},
+     "md_tp must be an integer in 1..64"),
+    (WanDestinationRequest, {"bootstrap_room": 1, "md_room": 1, "wan_peer": 5, "md_prefix_len": 0}, "wan_peer"),
+    (InfoReply, {"tp_rank": 0, "tp_size": 0, "sends_wan": True}, "tp_size must be a positive int"),
+    (LegParams, {"pdd_room": 1 << 63, "pdd_wan_peer": "h:1"}, "pdd_room must be an integer in 0..2^63-1"),
+    (LegParams, {"pdd_room": 1, "pdd_wan_peer": "h:1", "pdd_md_tp": 65}, "pdd_md_tp must be an integer in 1..64"),
+]
+
+
+@pytest.mark.parametrize("kind,body,message", BAD, ids=[f"{k.__name__}-{i}" for i, (k, _, _) in enumerate(BAD)])
+def test_bad_input_is_a_control_error_with_status_400(kind, body, message):
+    with pytest.raises(ControlError, match=re.escape(message)) as e:
+        kind.from_json(body)
+    assert (e.value.status, e.value.kind) == (400, "bad_request") and e.value.to_json() == {"error": str(e.value)}
+
+
+@pytest.mark.parametrize("call,status", [
+    (lambda: api.MD_READY.match("/pdd/rooms/x/ready"), 400),
+    (lambda: api.P_DROP.match(f"/pdd/wan_destinations/{1 << 63}"), 400),
+    (lambda: RouteTable({api.STATS: None}).resolve("GET", "/pdd/nothing"), 404),
+    (lambda: RouteTable({api.STATS: None}).resolve("POST", "/pdd/stats"), 404),
+    (lambda: ReadyRequest.from_query(1, "timeout_s=nan"), 400),
+    (lambda: ReleaseRequest.from_query(1, "keep_kv=yes"), 400),
+    (lambda: check_md_tp(9, limit=8), 400),
+    (lambda: check_md_tp(True), 400),
+])
+def test_bad_paths_and_queries_are_control_errors(call, status):
+    with pytest.raises(ControlError) as e:
+        call()
+    assert e.value.status == status
