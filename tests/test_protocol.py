@@ -7,8 +7,10 @@ import json
 import re
 
 import pytest
+from control_fakes import KEY, WAN_PEER, MdControl, PControl
 
 from sglang_pdd import protocol
+from sglang_pdd.launcher.http import call_json
 from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, DestinationReply, DropReply, HandoffRequest,
                                  InfoReply, LegParams, ReadyReply, ReadyRequest, RegisterReply, RegisterRequest,
                                  ReleaseReply, ReleaseRequest, RouteTable, WanDestinationRequest, check_md_tp)
@@ -139,3 +141,27 @@ def test_bad_paths_and_queries_are_control_errors(call, status):
     with pytest.raises(ControlError) as e:
         call()
     assert e.value.status == status
+
+
+def test_the_servers_answer_with_the_errors_status():
+    """Over HTTP, MD's and P's real servers: the status is the ControlError's (400 malformed,
+    403 a peer P may not send to, 404 no route, 409 a stale handoff or a repeated destination)."""
+    md, p = MdControl(), PControl()
+    try:
+        assert call_json("POST", md.url + "/pdd/rooms", {"room": 1, "token_ids": []}, key=KEY)[0] == 400
+        assert call_json("GET", md.url + "/pdd/rooms/1/ready?timeout_s=-1", key=KEY)[0] == 400
+        assert call_json("GET", md.url + "/pdd/nothing", key=KEY)[0] == 404
+        assert call_json("POST", md.url + "/pdd/rooms", {"room": 1, "token_ids": [5, 6]}, key=KEY)[0] == 200
+        status, reply = call_json("POST", md.url + "/pdd/rooms/1/handoff", {"token_ids": [8]}, key=KEY)
+        assert status == 409 and "stale" in reply["error"]  # registered, not ready
+        status, reply = call_json("POST", md.url + "/pdd/rooms/1/handoff", {"token_ids": "x"}, key=KEY)
+        assert status == 400 and "token_ids" in reply["error"]
+        dest = WanDestinationRequest(5, 5, "%s:%d" % WAN_PEER, 0).to_json()
+        assert call_json("POST", p.url + "/pdd/wan_destinations", {**dest, "md_tp": 0}, key=KEY)[0] == 400
+        assert call_json("POST", p.url + "/pdd/wan_destinations", {**dest, "wan_peer": "10.9.9.9:1"}, key=KEY)[0] == 403
+        assert call_json("POST", p.url + "/pdd/wan_destinations", dest, key=KEY) == (200, {"accepted": True})
+        assert call_json("POST", p.url + "/pdd/wan_destinations", dest, key=KEY)[0] == 409
+        assert call_json("GET", p.url + "/pdd/info", key=KEY) == (200, {"tp_rank": 0, "tp_size": 1, "sends_wan": True})
+    finally:
+        md.close()
+        p.close()
