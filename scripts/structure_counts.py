@@ -10,7 +10,7 @@ Counts, over sglang_pdd/, tests/ and benchmarks/ (docstrings excluded):
 * assignments defining ``RESUME_KEY`` / ``MAX_MD_TP``;
 * the md_tp range check: a chained comparison ``1 <= X <= Y`` where X or Y names md_tp / MAX_MD_TP;
 * the error classes the control servers turn into HTTP statuses (raised or caught there);
-* HTTP statuses chosen from an error's text (``"..." in str(e)`` in sglang_pdd/; tests may
+* HTTP statuses chosen from an error's text (``"..." in str(e)``, ``str(e).startswith(...)`` in sglang_pdd/; tests may
   look at the text).
 """
 
@@ -84,9 +84,15 @@ def main() -> None:
                 if any("md_tp" in s for s in named) or (
                         "size" in named and any("limit" in s or "md_tp" in s for s in named)):
                     range_checks.append(f"{rel}:{node.lineno}")
-            if (rel.startswith("sglang_pdd/") and isinstance(node, ast.Compare) and any(isinstance(op, ast.In) for op in node.ops)
+            if (rel.startswith("sglang_pdd/") and isinstance(node, ast.Compare)
+                    and any(isinstance(op, ast.In) for op in node.ops)
                     and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "str"
                             for c in node.comparators)):
+                text_status.append(f"{rel}:{node.lineno}")
+            if (rel.startswith("sglang_pdd/") and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("startswith", "endswith") and isinstance(node.func.value, ast.Call)
+                    and isinstance(node.func.value.func, ast.Name) and node.func.value.func.id == "str"
+                    and [getattr(a, "id", None) for a in node.func.value.args] in (["e"], ["exc"], ["error"])):
                 text_status.append(f"{rel}:{node.lineno}")
         if rel.startswith(SERVERS):
             for node in ast.walk(tree):

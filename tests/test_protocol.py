@@ -1,20 +1,28 @@
 """The control protocol (sglang_pdd/protocol): every message round-trips, the wire is what the
-servers have always read, bad input is a ControlError with its 4xx status."""
+servers have always read, bad input is a ControlError with its 4xx status, and a new handoff
+field is a change in one place: the protocol's type."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import re
 
+import aiohttp
 import pytest
-from control_fakes import KEY, WAN_PEER, MdControl, PControl
+from control_fakes import KEY, MdControl, PControl, WAN_PEER
+from fake_backends import Fakes
 
 from sglang_pdd import protocol
+from sglang_pdd.control_auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, DestinationReply, DropReply, HandoffRequest,
                                  InfoReply, LegParams, ReadyReply, ReadyRequest, RegisterReply, RegisterRequest,
                                  ReleaseReply, ReleaseRequest, RouteTable, WanDestinationRequest, check_md_tp)
+from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
+from sglang_pdd.router.backends import MainControl, PrefillControl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,3 +173,91 @@ def test_the_servers_answer_with_the_errors_status():
     finally:
         md.close()
         p.close()
+
+
+# ---- a new handoff field is one change: the protocol's HandoffRequest ---------------------------
+
+def _with_priority():
+    """HandoffRequest plus one field, declared as a field of the protocol's type is."""
+    return dataclasses.make_dataclass(
+        "HandoffRequest", [("priority", int, protocol_messages.wire(omit=lambda v: v == 0, default=0))],
+        bases=(HandoffRequest,), frozen=True)
+
+
+def _handoff_through_router_client(url: str, room: int, body, signer=None, register=True) -> list[dict]:
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            mc = MainControl(session, url, signer=signer)
+            if register:
+                await mc.register(room, [5, 6, 7])
+            return [e async for e in mc.handoff_stream(room, body)]
+
+    return asyncio.run(run())
+
+
+def test_a_new_handoff_field_reaches_mds_handler_from_the_protocol_type_alone(monkeypatch):
+    """The router's client sends whatever fields the message has; MD's real handler parses the
+    body with the protocol's HandoffRequest and hands MainDrcRuntime.handoff_request exactly its
+    fields. So the field reaches MD once the protocol's type has it, and not before."""
+    extended = _with_priority()
+    md = MdControl()
+    got = []
+    real = md.runtime.handoff_request
+    md.runtime.handoff_request = lambda room, body: (got.append(body), real(room, body))[1]
+    try:
+        for room, patched in ((1, False), (2, True)):
+            if patched:
+                monkeypatch.setattr(protocol_messages, "HandoffRequest", extended)
+            md.runtime.call("register", room, [5, 6, 7])
+            md.runtime.mark_ready(room)
+            body = extended([8], f"r{room}", {"max_new_tokens": 4}, priority=3)
+            assert body.to_json()["priority"] == 3  # the client's wire has it either way
+            events = _handoff_through_router_client(md.url, room, body, ControlSigner(KEY), register=False)
+            assert events[-1]["output_ids"] == [7, 8]
+        assert "priority" not in got[0]  # MD's type without the field: not passed on
+        assert got[1]["priority"] == 3 and got[1]["token_ids"] == [8] and got[1]["rid"] == "r2"
+    finally:
+        md.close()
+
+
+def test_a_new_handoff_field_reaches_the_fake_mds_handler_from_the_protocol_type_alone(monkeypatch):
+    """The same through the test fakes' MD (tests/fake_backends.py), which dispatches through
+    the protocol's route table and parses with the protocol's type too."""
+    extended = _with_priority()
+
+    async def run():
+        fakes = await Fakes().start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                mc = MainControl(session, fakes.md_url)
+                for room, patched in ((11, False), (12, True)):
+                    if patched:
+                        monkeypatch.setattr(protocol_messages, "HandoffRequest", extended)
+                    await mc.register(room, [5, 6, 7])
+                    body = extended([8], f"r{room}", {"max_new_tokens": 4}, priority=3)
+                    events = [e async for e in mc.handoff_stream(room, body)]
+                    assert events[-1]["output_ids"][:1] == [8]
+            return [r.body for r in fakes.records("md", "handoff")]
+        finally:
+            await fakes.stop()
+
+    unpatched, patched = asyncio.run(run())
+    assert "priority" not in unpatched and patched["priority"] == 3 and patched["room"] == 12
+
+
+def test_router_clients_speak_the_fakes_p_api():
+    async def run():
+        fakes = await Fakes().start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                pc = PrefillControl(session, fakes.p_control_url)
+                assert await pc.tp_size() == 1
+                reply = await pc.set_wan_destination(5, 6, "h:1", 0, md_tp=2)
+                await pc.drop_wan_destination(7)
+            return reply, fakes.records("p", "destination"), fakes.dropped_rooms()
+        finally:
+            await fakes.stop()
+
+    reply, destinations, dropped = asyncio.run(run())
+    assert reply == DestinationReply().to_json() and dropped == [7]
+    assert [r.body for r in destinations] == [WanDestinationRequest(5, 6, "h:1", 0, md_tp=2).to_json()]
