@@ -51,6 +51,10 @@ def _names(node: ast.AST) -> set[str]:
            {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
 
 
+def _by_root(files: list[str]) -> str:
+    return ", ".join(f"{root}/ {sum(f.startswith(root + '/') for f in files)}" for root in ROOTS)
+
+
 def main() -> None:
     path_files, key_files, control_key_files = [], [], []
     definitions = {"RESUME_KEY": [], "MAX_MD_TP": []}
@@ -105,10 +109,11 @@ def main() -> None:
                     for name in _names(e) & BOUNDARY_ERRORS:
                         boundary.setdefault(name, set()).add(rel)
 
-    print(f"files with a /pdd/ path literal: {len(path_files)}")
+    print(f"files with a /pdd/ path literal: {len(path_files)} ({_by_root(path_files)})")
     for f in path_files:
         print(f"    {f}")
-    print(f"files with a quoted pdd_* key: {len(key_files)} (control keys only: {len(control_key_files)})")
+    print(f"files with a quoted pdd_* key: {len(key_files)} ({_by_root(key_files)}); "
+          f"control keys only: {len(control_key_files)} ({_by_root(control_key_files)})")
     for f in control_key_files:
         print(f"    {f}")
     for name, where in definitions.items():

@@ -70,6 +70,7 @@ def test_the_wire_is_what_the_servers_have_always_read():
                                                              "pdd_md_prefix_len": 64}
     assert LegParams.destination(7, "h:1", 64, 2).to_json()["pdd_md_tp"] == 2
     assert LegParams.late(7).to_json() == {"pdd_room": 7, "pdd_wan_expected": True}
+    assert LegParams.wire_key("wan_peer") == "pdd_wan_peer" and RegisterRequest.wire_key("room") == "room"
     assert protocol.resume_marker(3) == {"pdd_resume_output_len": 3} == {protocol.RESUME_KEY: 3}
     assert RegisterReply(7, 0).to_json() == {"room": 7, "cached_tokens": 0}  # tp_size absent: TP 1
     assert RegisterReply(7, 0).md_tp == 1 and RegisterReply(7, 0, tp_size=4).md_tp == 4

@@ -117,6 +117,12 @@ def _absent(value) -> bool:
 class Message:
     """to_json / from_json over the dataclass's fields (see ``wire``)."""
 
+    @classmethod
+    def wire_key(cls, name: str) -> str:
+        """Field ``name``'s key on the wire (for messages naming a field)."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        return f.metadata.get("key") or f.name
+
     def to_json(self) -> dict:
         out = {}
         for f in dataclasses.fields(self):

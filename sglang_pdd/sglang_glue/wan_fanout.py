@@ -74,7 +74,7 @@ class WanDestination:
         leg = LegParams.from_custom_params(params)
         if leg is None:
             return None
-        peer = parse_host_port("pdd_wan_peer", leg.wan_peer)
+        peer = parse_host_port(LegParams.wire_key("wan_peer"), leg.wan_peer)
         try:
             return cls(leg.room, peer, leg.md_prefix_len, leg.md_tp)
         except ValueError as e:
