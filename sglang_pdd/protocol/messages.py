@@ -44,15 +44,22 @@ def without_pdd_params(custom: dict) -> dict:
 
 # ---- field checks: (value, wire name) -> value, ControlError(400) otherwise ------------------
 
-def _int_in(lo: int, hi: int, style: str = "range") -> Callable:
+def _int_in(lo: int, hi: int) -> Callable:
+    """MD's wording: "'room' must be an integer in 0..N"."""
+    def check(value, name):
+        if not is_int(value) or not lo <= value <= hi:
+            raise bad_request(f"'{name}' must be an integer in {lo}..{hi}")
+        return value
+    return check
+
+
+def _int_field(lo: int, hi: int, bounds: str = "") -> Callable:
+    """P's wording: the type first ("md_room must be int, got '1'"), then the bounds."""
     def check(value, name):
         if not is_int(value):
-            raise bad_request(f"{name} must be int, got {repr(value)[:60]}" if style == "type" else
-                              f"'{name}' must be an integer in {lo}..{hi}")
+            raise bad_request(f"{name} must be int, got {repr(value)[:60]}")
         if not lo <= value <= hi:
-            raise bad_request(f"{name} must be >= {lo} and < 2^31" if style == "type" and hi == MAX_PREFIX_LEN
-                              else f"{name} must be in {lo}..{hi}" if style == "type"
-                              else f"'{name}' must be an integer in {lo}..{hi}")
+            raise bad_request(f"{name} must be {bounds or f'in {lo}..{hi}'}")
         return value
     return check
 
@@ -269,10 +276,10 @@ class WanDestinationRequest(Message):
     ``md_prefix_len`` on to MD's ``md_room`` at ``wan_peer`` (HOST:PORT of MD rank 0's WAN
     receiver; MD on TP ``md_tp``: rank r at the port + r)."""
 
-    bootstrap_room: int = wire(_int_in(0, MAX_ROOM_ID, "type"))
-    md_room: int = wire(_int_in(0, MAX_ROOM_ID, "type"))
+    bootstrap_room: int = wire(_int_field(0, MAX_ROOM_ID))
+    md_room: int = wire(_int_field(0, MAX_ROOM_ID))
     wan_peer: str = wire(_str)
-    md_prefix_len: int = wire(_int_in(0, MAX_PREFIX_LEN, "type"))
+    md_prefix_len: int = wire(_int_field(0, MAX_PREFIX_LEN, ">= 0 and < 2^31"))
     md_tp: int = wire(_md_tp, omit=lambda v: v == 1, default=1)
 
 
