@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from benchmarks.common import greedy, timed_events
 from sglang_pdd.launcher.http import get_json
+from sglang_pdd.protocol import STATS
 
 VOCAB = 1024
 FIRST_TOKEN_ID = 3  # 0..2 are bos / eos / pad in the tiny model
@@ -316,10 +317,10 @@ def delta(after: dict, before: dict) -> dict:
 
 def wait_rooms_closed(control_url: str, key: bytes, timeout: float = 30.0) -> dict:
     deadline = time.time() + timeout
-    stats = get_json(f"{control_url}/pdd/stats", key=key)
+    stats = get_json(f"{control_url}{STATS.path()}", key=key)
     while stats.get("open_rooms") and time.time() < deadline:
         time.sleep(0.25)
-        stats = get_json(f"{control_url}/pdd/stats", key=key)
+        stats = get_json(f"{control_url}{STATS.path()}", key=key)
     return stats
 
 

@@ -31,6 +31,8 @@ import aiohttp
 
 from sglang_pdd import json_http
 from sglang_pdd.control_auth import ROLE_MD, ControlSigner, ControlVerifier
+from sglang_pdd.protocol import HandoffRequest, RegisterReply
+from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
 from sglang_pdd.sglang_glue.main_drc import ControlServer
 
@@ -71,7 +73,7 @@ class _Runtime:
     def call(self, op, *args, timeout=30.0):
         room, ids, _ = args  # register
         self.rooms[room] = ids
-        return {"room": room, "cached_tokens": 0, "prompt_tokens": len(ids)}
+        return RegisterReply(room, 0, prompt_tokens=len(ids)).to_json()
 
     def stats(self):
         return {"open_rooms": len(self.rooms), "ready": 0, "failed": 0}
@@ -117,7 +119,7 @@ async def measure_calls(mc, runtime: "_Runtime", ids: list[int], room, args, int
     runtime.rooms.clear()
 
     async def handoff_stream():
-        events = [e async for e in mc.handoff_stream(next(room), {"token_ids": [1], "sampling_params": {}})]
+        events = [e async for e in mc.handoff_stream(next(room), HandoffRequest([1]))]
         assert len(events) == args.events, len(events)
 
     n, t = await _timed(handoff_stream, args.seconds)
@@ -159,7 +161,8 @@ def main() -> None:
     res = asyncio.run(run(args))
     s, u = res["signed"], res["unsigned"]
     print(f"{'call':<34}{'signed':>14}{'unsigned':>14}{'ratio':>8}")
-    for key, label in (("stats", "GET /pdd/stats"), ("register", f"POST /pdd/rooms ({args.prompt_tokens} ids)")):
+    register = f"POST {MD_REGISTER.path()} ({args.prompt_tokens} ids)"
+    for key, label in (("stats", f"GET {STATS.path()}"), ("register", register)):
         print(f"{label + ' ms/call':<34}{s[key] * 1e3:>14.3f}{u[key] * 1e3:>14.3f}{s[key] / u[key]:>8.3f}")
         print(f"{label + ' req/s':<34}{1 / s[key]:>14.0f}{1 / u[key]:>14.0f}{u[key] / s[key]:>8.3f}")
     print(f"{f'handoff stream ({args.events} ev) ms':<34}{s['stream'] * 1e3:>14.3f}{u['stream'] * 1e3:>14.3f}"
@@ -173,7 +176,7 @@ def main() -> None:
 def _hmac_us(what: str, n: int = 20000) -> float:
     """The signatures' own cost (server signs, router checks), without HTTP around them."""
     signer, verifier = ControlSigner(KEY, role=ROLE_MD), ControlVerifier(KEY, role=ROLE_MD)
-    header = signer.header("GET", "/pdd/stats")["Authorization"]
+    header = signer.header("GET", STATS.path())["Authorization"]
     sig = header.rsplit("sig=", 1)[1]
     body = json.dumps({"room": 1, "cached_tokens": 0, "prompt_tokens": 4096, "tp_size": 1}).encode()
     start = time.perf_counter()

@@ -36,6 +36,7 @@ from benchmarks.bench_control_reply_sig import KEY, _Generate, _Runtime, _timed,
 from benchmarks.common import REPO, load_module
 from sglang_pdd.control_auth import ROLE_MD, ControlSigner
 from sglang_pdd.kv_channel.tls import control_tls_context
+from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
 from sglang_pdd.router.app import backend_session
 from sglang_pdd.sglang_glue.main_drc import ControlServer
@@ -88,8 +89,9 @@ def main() -> None:
         res = asyncio.run(run(args, _certificates(Path(d))))
     s, u = res["tls"], res["plain"]
     print(f"{'call':<38}{'TLS':>12}{'plain':>12}{'TLS/plain':>11}")
-    for key, label in (("stats", "GET /pdd/stats"), ("register", f"POST /pdd/rooms ({args.prompt_tokens} ids)"),
-                       ("connect", "GET /pdd/stats, new connection")):
+    register = f"POST {MD_REGISTER.path()} ({args.prompt_tokens} ids)"
+    for key, label in (("stats", f"GET {STATS.path()}"), ("register", register),
+                       ("connect", f"GET {STATS.path()}, new connection")):
         print(f"{label + ' ms/call':<38}{s[key] * 1e3:>12.3f}{u[key] * 1e3:>12.3f}{s[key] / u[key]:>11.3f}")
         print(f"{label + ' req/s':<38}{1 / s[key]:>12.0f}{1 / u[key]:>12.0f}{u[key] / s[key]:>11.3f}")
     print(f"{f'handoff stream ({args.events} ev) ms':<38}{s['stream'] * 1e3:>12.3f}{u['stream'] * 1e3:>12.3f}"

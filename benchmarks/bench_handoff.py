@@ -64,8 +64,10 @@ import numpy as np
 from tqdm import tqdm
 
 from sglang_pdd.launcher.http import get_json, post_json, signed_headers
+from sglang_pdd.protocol import ReadyReply, RegisterReply, RegisterRequest
+from sglang_pdd.protocol import routes as api
 from sglang_pdd.router.backends import SSE_DONE, parse_sse_line
-from sglang_pdd.router.bodies import handoff_body, pd_leg_body, register_body, wan_destination_params
+from sglang_pdd.router.bodies import handoff_body, pd_leg_body, wan_destination_params
 
 BENCH_ROUTER_ARGS = ["--every-client-is-operator"]  # pdd_options are operator-only
 
@@ -100,7 +102,8 @@ def handoff_message(eager: Sequence[int], rid: str, continuation_tokens: int,
                     sampling: Optional[dict] = None) -> dict:
     """MD's final handoff of ``eager`` tokens for ``continuation_tokens`` more, built by the
     router's own builder (its max_new_tokens is the whole budget, eager tokens included)."""
-    return handoff_body(list(eager), rid, {**(sampling or {}), "max_new_tokens": len(eager) + continuation_tokens})
+    return handoff_body(list(eager), rid,
+                        {**(sampling or {}), "max_new_tokens": len(eager) + continuation_tokens}).to_json()
 
 
 def payload_sizes(body: dict) -> dict:
@@ -213,18 +216,20 @@ class Bench:
     def token_handoff(self, ids: list[int], ref: list[int]) -> dict:
         a, E, K = self.args, self.args.eager_tokens, self.args.continuation_tokens
         room = random.getrandbits(63)
-        reg = post_json(f"{self.control}/pdd/rooms", register_body(room, ids), key=self.key)
-        body = self.pd_bodies(ids, room, 1, md_room=room, md_cached=int(reg["cached_tokens"]))
+        reg = RegisterReply.from_json(post_json(f"{self.control}{api.MD_REGISTER.path()}",
+                                                RegisterRequest(room, ids).to_json(), key=self.key))
+        body = self.pd_bodies(ids, room, 1, md_room=room, md_cached=reg.cached_tokens)
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(2) as pool:
             legs = [pool.submit(post_json, f"{self.p.url}/generate", body),
                     pool.submit(post_json, f"{self.rld.url}/generate", body)]
-            ready = get_json(f"{self.control}/pdd/rooms/{room}/ready?timeout_s=60", timeout=90, key=self.key)
+            ready = ReadyReply.from_json(get_json(f"{self.control}{api.ready_target(room, 60)}", timeout=90,
+                                                  key=self.key))
             t_ready = time.perf_counter() - t0
             for f in legs:
                 f.result()
-        if ready.get("status") != "ready":
-            delete(f"{self.control}/pdd/rooms/{room}", self.key)
+        if ready.status != "ready":
+            delete(f"{self.control}{api.MD_RELEASE.path(room=room)}", self.key)
             raise RuntimeError(f"room {room} not ready: {ready}")
         eager = ref[:E]
         msg = handoff_message(eager, f"bench-{room:x}-m", K, self.greedy)
@@ -233,15 +238,15 @@ class Bench:
         out: list[int] = []
         meta: dict = {}
         t_send = time.perf_counter()
-        for t, event in sse_post(f"{self.ctl_wan_url}/pdd/rooms/{room}/handoff", msg, key=self.key):
+        for t, event in sse_post(f"{self.ctl_wan_url}{api.MD_HANDOFF.path(room=room)}", msg, key=self.key):
             if len(event.get("output_ids") or []) > E and t_first is None:  # MD streams from position 0
                 t_first = t
             out = event.get("output_ids") or out
             meta = event.get("meta_info") or meta
         t_done = time.perf_counter()
         wire_up = get_json(f"{self.ctl_emu_url}/stats")["bytes_up"] - up0
-        delete(f"{self.control}/pdd/rooms/{room}", self.key)
-        return {"room": room, "prompt_tokens": len(ids), "kv_bytes_per_token": int(reg["kv_bytes_per_token"]),
+        delete(f"{self.control}{api.MD_RELEASE.path(room=room)}", self.key)
+        return {"room": room, "prompt_tokens": len(ids), "kv_bytes_per_token": reg.kv_bytes_per_token,
                 "prompt_kv_ready_s": t_ready, **{f"payload_{k}": v for k, v in payload_sizes(msg).items()},
                 "wire_bytes_up": wire_up, "stall_s": (t_first - t_send) if t_first else None,
                 "total_s": t_done - t_send, "md_cached_tokens": meta.get("cached_tokens"),
@@ -549,7 +554,7 @@ def main(argv=None) -> int:
                 "fallbacks": [f for r in rs for f in (r.get("fallbacks") or [])],
                 "samples": rs}
         results["ttft"] = ttft
-        results["md_stats"] = get_json(f"{topo.main.control_url}/pdd/stats", key=cluster.control_key)
+        results["md_stats"] = get_json(f"{topo.main.control_url}{api.STATS.path()}", key=cluster.control_key)
         bench.set_latency(args.handoff_latency_ms)
     results["total_s"] = time.perf_counter() - t_start
 

@@ -41,7 +41,8 @@ from sglang_pdd.launcher.cluster import default_model_path
 from sglang_pdd.launcher.http import call_json, get_json, post_json
 from sglang_pdd.launcher.processes import ProcessGroup
 from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key
-from sglang_pdd.router.bodies import register_body
+from sglang_pdd.protocol import ReadyReply, RegisterReply, RegisterRequest
+from sglang_pdd.protocol import routes as api
 
 
 def stream_decode(url: str, max_new: int, events: list, started: threading.Event) -> None:
@@ -59,9 +60,9 @@ def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_
     (registration sent, ready) times and the KV bytes."""
     ids = rng.integers(1000, 30000, tokens).tolist()
     t_reg = time.perf_counter()  # the room's life on MD starts with its registration
-    reg = post_json(f"{md.control_url}/pdd/rooms", register_body(room, ids, use_cache=False), timeout=120,
-                    key=key)
-    layout = KvPoolLayout.from_dict(reg["kv_layout"]).wire()
+    body = RegisterRequest(room, ids, use_cache=False).to_json()
+    reg = RegisterReply.from_json(post_json(f"{md.control_url}{api.MD_REGISTER.path()}", body, timeout=120, key=key))
+    layout = KvPoolLayout.from_dict(reg.kv_layout).wire()
     pages = -(-tokens // layout.page_size)
     kv = rng.integers(0, 256, (layout.num_layers, pages, layout.bytes_per_page), dtype=np.uint8)
     xfer = sender.begin_transfer(room, layout, tokens, 0, token_ids=ids, timeout=300)
@@ -78,12 +79,12 @@ def land_room(md: ServerSpec, sender: WanKvSender, room: int, tokens: int, rate_
     xfer.finish()
     if sender.wait(room, 300) is not RoomState.SUCCESS:
         raise RuntimeError(f"room {room}: WAN transfer failed: {sender.failure(room)}")
-    ready = get_json(f"{md.control_url}/pdd/rooms/{room}/ready?timeout_s=300", timeout=320, key=key)
+    ready = ReadyReply.from_json(get_json(f"{md.control_url}{api.ready_target(room, 300)}", timeout=320, key=key))
     t1 = time.perf_counter()
-    if ready["status"] != "ready":
+    if ready.status != "ready":
         raise RuntimeError(f"room {room} not ready on MD: {ready}")
     sender.release(room)
-    call_json("DELETE", f"{md.control_url}/pdd/rooms/{room}", timeout=60, key=key)
+    call_json("DELETE", f"{md.control_url}{api.MD_RELEASE.path(room=room)}", timeout=60, key=key)
     return t_reg, t1, xfer.plan.total_bytes
 
 
@@ -136,7 +137,7 @@ def run_mode(mode: str, args, model: str, key_file: Path, log_dir: Path, bar) ->
                 time.sleep(args.gap_s)
         finally:
             sender.close()
-        stats = get_json(f"{md.control_url}/pdd/stats", key=key)
+        stats = get_json(f"{md.control_url}{api.STATS.path()}", key=key)
         victim.join(900)
     return {"mode": mode, **decode_metrics(events, windows, baseline_end),
             "md_complete_ms_max": stats.get("complete_ms_max"), "md_register_ms_max": stats.get("register_ms_max"),

@@ -1,7 +1,8 @@
 """What several benchmarks share: the repository's root, greedy sampling, timed streams.
 
-Request bodies the router itself builds (P/RLD legs, MD registration and handoff) come from
-``sglang_pdd.router.bodies``, not from here: a benchmark sends what the router sends.
+Request bodies the router itself builds come from the control protocol's types
+(``sglang_pdd.protocol``: MD registration, handoff, routes) and ``sglang_pdd.router.bodies``
+(P/RLD legs), not from here: a benchmark sends what the router sends.
 """
 
 from __future__ import annotations

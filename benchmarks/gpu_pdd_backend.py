@@ -118,6 +118,7 @@ def main() -> int:
         print(f"SKIPPED: {device}; this script needs a CUDA GPU (it runs P, RLD and MD on one).")
         return 0
     from sglang_pdd.launcher.http import get_json, post_json
+    from sglang_pdd.protocol import STATS
     from sglang_pdd.launcher.processes import ProcessGroup
     from sglang_pdd.launcher.topology import (CPU_ENV, ServerSpec, Topology, free_port, router_argv,
                                               server_argv, wan_emulator_argv, write_wan_key)
@@ -149,8 +150,8 @@ def main() -> int:
                 failures += not same
                 print(f"{path:9} prompt {len(prompt):4} chars: ttft {ttft:7.1f} ms, total {total:7.1f} ms, "
                       f"output_ids {'equal' if same else 'DIFFER'}")
-        print("MD DRC:", json.dumps(get_json(f"{topo.main.control_url}/pdd/stats")))
-        print("P WAN fan-out:", json.dumps(get_json(f"{topo.prefill.control_url}/pdd/stats")))
+        print("MD DRC:", json.dumps(get_json(f"{topo.main.control_url}{STATS.path()}")))
+        print("P WAN fan-out:", json.dumps(get_json(f"{topo.prefill.control_url}{STATS.path()}")))
     print("PASS" if not failures else f"FAIL: {failures} outputs differ from the single server")
     return 1 if failures else 0
 

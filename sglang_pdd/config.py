@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang_pdd.protocol import check_md_tp
+
 ROLES = ("prefill", "relay", "main")
 TRANSFER_BACKEND = "pdd"  # --disaggregation-transfer-backend of P and RLD
 INTRA_DC_TRANSPORTS = ("auto", "mooncake", "tcp")
@@ -277,8 +279,10 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         raise PddConfigError(f"--pdd-wan-destination-wait-ms must be in 0..60000, got {cfg.wan_destination_wait_ms}")
     if cfg.wan_staging_mb < 16:
         raise PddConfigError(f"--pdd-wan-staging-mb must be >= 16, got {cfg.wan_staging_mb}")
-    if not 1 <= cfg.max_md_tp <= 64:  # 64: kv_channel.tp_relayout.MAX_MD_TP
-        raise PddConfigError(f"--pdd-max-md-tp must be in 1..64, got {cfg.max_md_tp}")
+    try:
+        check_md_tp(cfg.max_md_tp, name="--pdd-max-md-tp")
+    except ValueError as e:
+        raise PddConfigError(str(e)) from None
     if not 1 <= cfg.wan_streams <= 64:
         raise PddConfigError(f"--pdd-wan-streams must be in 1..64, got {cfg.wan_streams}")
     if not cfg.wan_timeout_s > 0:

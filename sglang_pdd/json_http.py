@@ -27,10 +27,10 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier
+from sglang_pdd.protocol import ControlError, Message, RouteTable
 
 logger = logging.getLogger(__name__)
 
-MAX_ROOM_ID = (1 << 63) - 1
 _CHUNK = 64 * 1024
 _DRAIN_BYTES = 64 * 1024  # at most this much of a refused request's body is read (and dropped)
 
@@ -80,21 +80,6 @@ class _RefusalLog:
 _refusals = _RefusalLog()
 
 
-class HttpError(Exception):
-    """Answer the request with ``status`` and ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-
-def parse_room_id(text: str, what: str = "room id") -> int:
-    """A room id from a URL path: ASCII decimal in 0..2^63-1, else HttpError(400)."""
-    if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) > MAX_ROOM_ID:
-        raise HttpError(400, f"{what} must be a decimal integer in 0..{MAX_ROOM_ID}, got {text[:40]!r}")
-    return int(text)
-
-
 class JsonRequestHandler(BaseHTTPRequestHandler):
     auth: Optional[ControlVerifier] = None  # None: unauthenticated (only the WAN emulator's test endpoint)
     open_paths = frozenset({"/health"})  # answered without a signature
@@ -125,14 +110,14 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             length = self._content_length()
             cap = self.body_cap(self.command, urlsplit(self.path).path)
             if length > cap:
-                raise HttpError(413, f"body of {length} bytes exceeds this API's limit of {cap}")
+                raise ControlError.of("too_large", f"body of {length} bytes exceeds this API's limit of {cap}")
             parsed = self._precheck()
             self._reserve(length)
             self.body, digest = self._read_body(length)
             self._authenticate(parsed, digest)
-        except HttpError as e:
+        except ControlError as e:
             self.close_connection = True  # the rest of the stream is not trusted
-            self._reply(e.status, {"error": e.message}, headers=e.headers)
+            self._reply(e.status, e.to_json(), headers=e.headers)
             self._drain_unread()
             self._unreserve()
             return False
@@ -142,16 +127,52 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         """The largest body this route takes (subclasses narrow it per route)."""
         return self.max_body_bytes
 
+    # The server's routes (protocol.RouteTable): each handler is called as
+    # ``handler(self, query, **path_params)`` and returns the 200 reply (a protocol message or
+    # a dict), or None when it answered itself (a relayed stream); a ControlError it raises is
+    # answered with its status. None: the subclass serves its own do_* methods.
+    routes: Optional[RouteTable] = None
+
+    def do_GET(self):  # noqa: N802 — http.server's naming
+        self.dispatch()
+
+    def do_POST(self):  # noqa: N802
+        self.dispatch()
+
+    def do_DELETE(self):  # noqa: N802
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        url = urlsplit(self.path)
+        if self.routes is None:
+            raise ControlError.of("not_found", f"no route {self.command} {url.path[:200]}")
+        try:
+            handler, params = self.routes.resolve(self.command, url.path)
+        except ControlError as e:
+            if e.status != 404:
+                raise  # a malformed room id: the connection is not trusted further
+            return self._reply(e.status, e.to_json())
+        try:
+            result = handler(self, url.query, **params)
+        except ControlError as e:
+            self.refused(e)
+            return self._reply(e.status, e.to_json(), headers=e.headers)
+        if result is not None:
+            self._reply(200, result.to_json() if isinstance(result, Message) else result)
+
+    def refused(self, error: ControlError) -> None:
+        """A route refused its request (subclasses log the ones worth a line)."""
+
     def handle_one_request(self):
         if getattr(self, "_served_one", False):  # a kept-alive connection waits for its next request
             self.connection.settimeout(self.keepalive_idle_s)
         self._served_one = True
         try:
             super().handle_one_request()
-        except HttpError as e:  # a route refused the request (e.g. a malformed room id)
+        except ControlError as e:  # a route refused the request (e.g. a malformed room id)
             self.close_connection = True
             if not self._replied:
-                self._reply(e.status, {"error": e.message}, headers=e.headers)
+                self._reply(e.status, e.to_json(), headers=e.headers)
         except (ConnectionError, socket.timeout):
             self.close_connection = True
         except Exception:  # noqa: BLE001 — a route's bug: log it, answer without internals
@@ -165,17 +186,18 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     def _content_length(self) -> int:
         if self.headers.get("Transfer-Encoding"):
-            raise HttpError(411, "Transfer-Encoding is not supported; send the body with a Content-Length")
+            raise ControlError.of("length_required",
+                                  "Transfer-Encoding is not supported; send the body with a Content-Length")
         values = self.headers.get_all("Content-Length") or []
         if not values:
             if self.command in ("POST", "PUT", "PATCH"):
-                raise HttpError(411, "Content-Length is required")
+                raise ControlError.of("length_required", "Content-Length is required")
             return 0
         raw = values[0].strip()
         if any(v.strip() != raw for v in values[1:]):
-            raise HttpError(400, "conflicting Content-Length headers")
+            raise ControlError.of("bad_request", "conflicting Content-Length headers")
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 15:
-            raise HttpError(400, "Content-Length must be a non-negative decimal integer")
+            raise ControlError.of("bad_request", "Content-Length must be a non-negative decimal integer")
         return int(raw)
 
     def _needs_auth(self) -> bool:
@@ -194,7 +216,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         if budget is None or length == 0:
             return
         if not budget.take(length):
-            raise HttpError(503, f"too many control request bodies being read at once (over "
+            raise ControlError.of("busy", f"too many control request bodies being read at once (over "
                                  f"{budget.limit} bytes); retry shortly", headers={"Retry-After": "1"})
         self._reserved = length
 
@@ -214,14 +236,14 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             while got < length:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise HttpError(408, f"body not received within {self.body_deadline_s:g} s")
+                    raise ControlError.of("timeout", f"body not received within {self.body_deadline_s:g} s")
                 sock.settimeout(min(left, self.timeout or left))
                 try:
                     chunk = self.rfile.read1(min(_CHUNK, length - got))
                 except socket.timeout:
-                    raise HttpError(408, f"body not received within {self.body_deadline_s:g} s") from None
+                    raise ControlError.of("timeout", f"body not received within {self.body_deadline_s:g} s") from None
                 if not chunk:
-                    raise HttpError(400, f"body ended after {got} of {length} bytes")
+                    raise ControlError.of("bad_request", f"body ended after {got} of {length} bytes")
                 digest.update(chunk)
                 parts.append(chunk)
                 got += len(chunk)
@@ -262,16 +284,16 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
     def _refused(self, e: AuthError):
         _refusals.warn("control %s %s from %s refused: %s", self.command, self.path[:200],
                        self.client_address[0], e)
-        raise HttpError(e.status, str(e)) from None
+        raise ControlError(e.status, "unauthorized" if e.status == 401 else "busy", str(e)) from None
 
     def json_body(self) -> dict:
-        """The body as a JSON object (an empty body is ``{}``); HttpError(400) otherwise."""
+        """The body as a JSON object (an empty body is ``{}``); ControlError(400) otherwise."""
         try:
             body = json.loads(self.body or b"{}")
         except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past Python's stack
-            raise HttpError(400, "body is not valid JSON") from None
+            raise ControlError.of("bad_request", "body is not valid JSON") from None
         if not isinstance(body, dict):
-            raise HttpError(400, "body must be a JSON object")
+            raise ControlError.of("bad_request", "body must be a JSON object")
         return body
 
     def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:

@@ -15,6 +15,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
+from sglang_pdd.protocol import RegisterReply
 from sglang_pdd.radix_drc.rooms import DrcRooms
 from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
@@ -123,7 +124,7 @@ class FakeMdRuntime:
     def _do_register(self, room, token_ids, use_cache=True):
         entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
         self.ready_events[room] = threading.Event()
-        return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids)}
+        return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids)).to_json()
 
     def _do_release(self, room, keep_kv=False):
         self.ready_events.pop(room, None)

@@ -39,6 +39,12 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from sglang_pdd.protocol import messages as protocol_messages
+from sglang_pdd.protocol import routes as api
+from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, LegParams,
+                                 ReadyReply, RegisterReply, ReleaseReply, ReleaseRequest, RouteTable,
+                                 WanDestinationRequest, resume_marker)
+
 VOCAB = 1000
 _MOD = (1 << 61) - 1
 
@@ -79,7 +85,7 @@ def fake_logprob(context: list[int], token: int) -> float:
 def resumed_len(body: dict) -> int:
     """The resume contract's marker on a /generate body (0: a fresh request)."""
     custom = body["sampling_params"].get("custom_params") or {}
-    return int(custom.get("pdd_resume_output_len") or 0)
+    return int(custom.get(RESUME_KEY) or 0)
 
 
 def resumed_output(body: dict, budget: int) -> tuple[list[int], list[int]]:
@@ -131,6 +137,29 @@ def fake_prefill_logprobs(body: dict) -> dict:
         meta["input_token_ids_logprobs"] = [[e] if e[0] is not None else None for e in entries]
         meta["output_token_ids_logprobs"] = [out]
     return meta
+
+
+def serve_routes(app: web.Application, table: RouteTable) -> None:
+    """Serve a control API's routes (protocol.RouteTable) on ``app``, as the real servers do:
+    ``await handler(request, **path_params)``; a ControlError is answered with its status."""
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        try:
+            handler, params = table.resolve(request.method, request.path)
+            return await handler(request, **params)
+        except ControlError as e:
+            return web.json_response(e.to_json(), status=e.status)
+
+    app.router.add_route("*", "/{tail:.*}", dispatch)  # after the app's other routes: aiohttp tries them in order
+
+
+async def _message(request: web.Request, kind):
+    """The request's body as the protocol message ``kind`` (ControlError(400) if malformed)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ControlError.of("bad_request", "body is not valid JSON") from None
+    return kind.from_json(body)
 
 
 def closed_port() -> int:
@@ -281,7 +310,7 @@ class Fakes:
                 if k.p_text_error:
                     return web.Response(status=k.p_status, text="Internal Server Error")
                 return web.json_response({"error": "prefill failed"}, status=k.p_status)
-            if (body["sampling_params"].get("custom_params") or {}).get("pdd_wan_expected"):
+            if LegParams.expects_destination(body["sampling_params"].get("custom_params")):
                 self.wan_expected.add(body["bootstrap_room"])
             self.prefilled.setdefault(body["bootstrap_room"], asyncio.Event()).set()
             if k.p_before_reply is not None:
@@ -298,31 +327,30 @@ class Fakes:
         app = web.Application()
 
         async def set_destination(request: web.Request) -> web.Response:
-            body = await request.json()
-            self._record("p", "destination", body)
-            room = body["bootstrap_room"]
+            req = await _message(request, WanDestinationRequest)
+            self._record("p", "destination", req.to_json())
+            room = req.bootstrap_room
             if self.knobs.p_control_status != 200:
                 return web.json_response({"error": "refused (injected)"}, status=self.knobs.p_control_status)
             if room in self.p_control_seen:
                 return web.json_response({"error": f"room {room} already has a WAN destination"}, status=409)
             self.p_control_seen.add(room)
             self.destinations.setdefault(room, asyncio.Event()).set()
-            return web.json_response({"accepted": True})
+            return web.json_response(DestinationReply().to_json())
 
-        async def drop_destination(request: web.Request) -> web.Response:
-            room = int(request.match_info["room"])
+        async def drop_destination(request: web.Request, bootstrap_room: int) -> web.Response:
+            room = bootstrap_room
             self._record("p", "drop", {"bootstrap_room": room})
             if room in self.p_control_seen:
                 return web.json_response({"error": f"room {room} already has a WAN destination"}, status=409)
             self.p_control_seen.add(room)
-            return web.json_response({"dropped": True})
+            return web.json_response(DropReply().to_json())
 
         async def info(request: web.Request) -> web.Response:
-            return web.json_response({"tp_rank": 0, "tp_size": 1, "sends_wan": True})
+            return web.json_response(InfoReply(tp_rank=0, tp_size=1, sends_wan=True).to_json())
 
-        app.router.add_post("/pdd/wan_destinations", set_destination)
-        app.router.add_delete("/pdd/wan_destinations/{room}", drop_destination)
-        app.router.add_get("/pdd/info", info)
+        serve_routes(app, RouteTable({api.P_DESTINATION: set_destination, api.P_DROP: drop_destination,
+                                      api.P_INFO: info}))
         return app
 
     # ------------------------------------------------------------------ RLD
@@ -394,8 +422,8 @@ class Fakes:
         self._add_health(app, "md")
 
         async def register(request: web.Request) -> web.Response:
-            body = await request.json()
-            self._record("md", "register", body)
+            req = await _message(request, protocol_messages.RegisterRequest)
+            self._record("md", "register", req.to_json())
             k = self.knobs
             if k.md_register_delay_s:
                 await asyncio.sleep(k.md_register_delay_s)
@@ -403,41 +431,39 @@ class Fakes:
                 return web.json_response({"error": "scheduler busy"}, status=500)
             if k.md_register == "text500":
                 return web.Response(status=500, text="500 Internal Server Error")
-            self.rooms[body["room"]] = {"ids": list(body["token_ids"]), "released": False, "final": False}
-            cached = k.md_cached_tokens if body.get("use_cache", True) else 0
-            self._record("md", "registered", {"room": body["room"], "cached_tokens": cached})
-            return web.json_response({"room": body["room"], "cached_tokens": cached, "wan_peer": "127.0.0.1:1",
-                                      "kv_bytes_per_token": k.md_kv_bytes_per_token,
-                                      "prompt_tokens": len(body["token_ids"]),
-                                      **({} if k.md_tp_size is None else {"tp_size": k.md_tp_size})})
+            self.rooms[req.room] = {"ids": list(req.token_ids), "released": False, "final": False}
+            cached = k.md_cached_tokens if req.use_cache else 0
+            self._record("md", "registered", {"room": req.room, "cached_tokens": cached})
+            return web.json_response(RegisterReply(
+                req.room, cached, prompt_tokens=len(req.token_ids), wan_peer="127.0.0.1:1",
+                tp_size=k.md_tp_size, kv_bytes_per_token=k.md_kv_bytes_per_token).to_json())
 
-        async def ready(request: web.Request) -> web.Response:
-            room = int(request.match_info["room"])
+        async def ready(request: web.Request, room: int) -> web.Response:
             timeout_s = float(request.query.get("timeout_s", "10"))
             self._record("md", "ready", {"room": room, "timeout_s": timeout_s})
             k = self.knobs
             if room not in self.rooms:
-                return web.json_response({"status": "failed", "reason": "unknown room"})
+                return web.json_response(ReadyReply(room, "failed", "unknown room").to_json())
             if k.md_ready == "never":
                 await asyncio.sleep(timeout_s)
-                return web.json_response({"status": "pending", "reason": ""})
+                return web.json_response(ReadyReply(room, "pending", "").to_json())
             # As for real: MD's KV can land only once P has prefilled the room.
             try:
                 await asyncio.wait_for(self.prefilled.setdefault(room, asyncio.Event()).wait(), timeout_s)
                 if room in self.wan_expected:  # P sends nothing before it knows the destination
                     await asyncio.wait_for(self.destinations.setdefault(room, asyncio.Event()).wait(), timeout_s)
             except asyncio.TimeoutError:
-                return web.json_response({"status": "pending", "reason": ""})
+                return web.json_response(ReadyReply(room, "pending", "").to_json())
             await asyncio.sleep(k.md_ready_delay_s)
             if k.md_before_ready is not None:
                 await k.md_before_ready(room)
             if k.md_ready == "failed":
-                return web.json_response({"status": "failed", "reason": "KV transfer failed (injected)"})
-            return web.json_response({"status": "ready", "reason": ""})
+                return web.json_response(ReadyReply(room, "failed", "KV transfer failed (injected)").to_json())
+            return web.json_response(ReadyReply(room, "ready", "").to_json())
 
-        async def handoff(request: web.Request) -> web.StreamResponse:
-            room = int(request.match_info["room"])
-            body = await request.json()
+        async def handoff(request: web.Request, room: int) -> web.StreamResponse:
+            # the protocol's type, looked up when called: a field added to it reaches the records
+            body = (await _message(request, protocol_messages.HandoffRequest)).to_json()
             k = self.knobs
             state = self.rooms.get(room)
             if body.get("warmup"):
@@ -470,7 +496,7 @@ class Fakes:
                 tokens, k0 = tokens[len(eager):], 0
             sent = {**body, "input_ids": state["ids"] + eager,
                     "sampling_params": {**body["sampling_params"], "custom_params": {
-                        **(body["sampling_params"].get("custom_params") or {}), "pdd_resume_output_len": len(eager)}}}
+                        **(body["sampling_params"].get("custom_params") or {}), **resume_marker(len(eager))}}}
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             if k.md_handoff_drop:
@@ -504,12 +530,12 @@ class Fakes:
             finally:
                 self.md_active -= 1
 
-        async def release(request: web.Request) -> web.Response:
-            room = int(request.match_info["room"])
-            self._record("md", "release", {"room": room, "keep_kv": request.query.get("keep_kv") == "1"})
+        async def release(request: web.Request, room: int) -> web.Response:
+            req = ReleaseRequest.from_query(room, request.query_string)
+            self._record("md", "release", {"room": room, "keep_kv": req.keep_kv})
             if room in self.rooms:
                 self.rooms[room]["released"] = True
-            return web.json_response({"released": room in self.rooms})
+            return web.json_response(ReleaseReply(room in self.rooms).to_json())
 
         async def abort_request(request: web.Request) -> web.Response:
             body = await request.json()
@@ -517,11 +543,9 @@ class Fakes:
             self.md_aborted.setdefault(body["rid"], asyncio.Event()).set()
             return web.Response(text="")
 
-        app.router.add_post("/pdd/rooms", register)
-        app.router.add_get("/pdd/rooms/{room}/ready", ready)
-        app.router.add_post("/pdd/rooms/{room}/handoff", handoff)
-        app.router.add_delete("/pdd/rooms/{room}", release)
         app.router.add_post("/abort_request", abort_request)
+        serve_routes(app, RouteTable({api.MD_REGISTER: register, api.MD_READY: ready, api.MD_HANDOFF: handoff,
+                                      api.MD_RELEASE: release}))
         return app
 
 

@@ -43,7 +43,7 @@ def test_handoff_message_is_the_routers_body_and_sizes():
 
     body = bh.handoff_message([5, 6, 7], "r-m", 9, {"temperature": 0.0})
     # the router's max_new_tokens is the whole budget: 3 eager tokens + 9 more
-    assert body == handoff_body([5, 6, 7], "r-m", {"temperature": 0.0, "max_new_tokens": 12})
+    assert body == handoff_body([5, 6, 7], "r-m", {"temperature": 0.0, "max_new_tokens": 12}).to_json()
     sizes = bh.payload_sizes(body)
     assert sizes["json"] == len(json.dumps(body))
     assert sizes["json_compact"] < sizes["json"]

@@ -22,6 +22,7 @@ from waiting import wait_until
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
+from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
 
@@ -231,11 +232,11 @@ def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
             signer = ControlSigner(KEY)
             mc = MainControl(session, md.url, signer=signer)
             reg = await mc.register(21, [5, 6, 7])
-            assert reg["prompt_tokens"] == 3
+            assert reg.prompt_tokens == 3
             md.runtime.mark_ready(21)
-            assert (await mc.wait_ready(21, 1.0))["status"] == "ready"
+            assert (await mc.wait_ready(21, 1.0)).status == "ready"
             assert (await mc.stats())["open_rooms"] == 1
-            events = [e async for e in mc.handoff_stream(21, {"token_ids": [8], "sampling_params": {}})]
+            events = [e async for e in mc.handoff_stream(21, HandoffRequest([8]))]
             assert events[-1]["output_ids"] == [7, 8]
             assert md.generate.requests[0]["input_ids"] == [5, 6, 7, 8]  # the room's prompt + eager token
             await mc.release(21)
@@ -448,9 +449,9 @@ def test_a_relay_cannot_alter_mds_replies(md, rewrite, call):
             md.runtime.mark_ready(31)
             with pytest.raises(BackendError, match="signature|signed end"):
                 if call == "handoff":
-                    await relayed.handoff(31, {"token_ids": [8], "sampling_params": {}, "warmup": True})
+                    await relayed.handoff(31, HandoffRequest([8], warmup=True))
                 else:
-                    [e async for e in relayed.handoff_stream(31, {"token_ids": [8], "sampling_params": {}})]
+                    [e async for e in relayed.handoff_stream(31, HandoffRequest([8]))]
 
     asyncio.run(run())
 
@@ -466,7 +467,7 @@ def test_md_handoff_relay_sends_mds_own_api_key(md):
                 md.runtime.http_api_key = key
                 await mc.register(room, [5, 6, 7])
                 md.runtime.mark_ready(room)
-                [e async for e in mc.handoff_stream(room, {"token_ids": [8], "sampling_params": {}})]
+                [e async for e in mc.handoff_stream(room, HandoffRequest([8]))]
 
     asyncio.run(run())
     assert md.generate.authorization == [None, "Bearer md-api-key-0123456789"]

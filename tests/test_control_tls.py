@@ -29,6 +29,7 @@ from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_P, ControlSigner
 from sglang_pdd.kv_channel.tls import TlsConfigError, control_tls_context
 from sglang_pdd.launcher.http import call_json
+from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router import backends
 from sglang_pdd.router.backends import MainControl, PrefillControl
 from sglang_pdd.router.control_tls import control_client_context
@@ -95,11 +96,11 @@ def test_router_clients_get_signed_replies_over_mutual_tls(pki, md, p):
     async def run():
         async with aiohttp.ClientSession() as session:
             mc = MainControl(session, md.url, signer=ControlSigner(KEY), tls=router_tls(pki))
-            assert (await mc.register(21, [5, 6, 7]))["prompt_tokens"] == 3
+            assert (await mc.register(21, [5, 6, 7])).prompt_tokens == 3
             md.runtime.mark_ready(21)
-            assert (await mc.wait_ready(21, 1.0))["status"] == "ready"
+            assert (await mc.wait_ready(21, 1.0)).status == "ready"
             assert (await mc.stats())["open_rooms"] == 1
-            events = [e async for e in mc.handoff_stream(21, {"token_ids": [8], "sampling_params": {}})]
+            events = [e async for e in mc.handoff_stream(21, HandoffRequest([8]))]
             assert events[-1]["output_ids"] == [7, 8]
             await mc.release(21)
             pc = PrefillControl(session, p.url, signer=ControlSigner(KEY, role=ROLE_P), tls=router_tls(pki))
@@ -235,7 +236,7 @@ def test_mds_handoff_relay_reaches_its_sglang_over_https_pinned_to_its_certifica
             mc = MainControl(session, server.url, signer=ControlSigner(KEY))
             await mc.register(room, [5, 6, 7])
             server.runtime.mark_ready(room)
-            return [e async for e in mc.handoff_stream(room, {"token_ids": [8], "sampling_params": {}})]
+            return [e async for e in mc.handoff_stream(room, HandoffRequest([8]))]
 
     try:
         server.runtime.http_ssl_certfile = cert

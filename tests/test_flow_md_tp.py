@@ -66,9 +66,17 @@ def test_bad_tp_size_from_md_falls_back_to_rld_and_releases_mds_room(bad, p_cont
 
 def test_routers_bound_is_ps():
     from sglang_pdd.kv_channel.tp_relayout import MAX_MD_TP as p_bound
-    from sglang_pdd.router.backends import MAX_MD_TP as router_bound
+    from sglang_pdd.protocol import MAX_MD_TP as protocol_bound
+    from sglang_pdd.router import backends
 
-    assert router_bound == p_bound
+    assert p_bound is protocol_bound
+    backends.set_max_md_tp(protocol_bound)  # the router's --max-md-tp reaches exactly P's bound
+    try:
+        assert backends.md_tp_of({"tp_size": protocol_bound}) == protocol_bound
+        with pytest.raises(ValueError):
+            backends.set_max_md_tp(protocol_bound + 1)
+    finally:
+        backends.set_max_md_tp(8)
 
 
 def test_unsigned_md_replies_fall_back_to_rld(monkeypatch):

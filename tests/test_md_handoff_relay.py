@@ -11,6 +11,7 @@ from control_fakes import KEY, MdControl
 from waiting import wait_until
 
 from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router.backends import MainControl
 
 
@@ -20,7 +21,7 @@ def handoff_events(md: MdControl, room: int, rid: str, read: int) -> list[dict]:
         async with aiohttp.ClientSession() as session:
             mc = MainControl(session, md.url, signer=ControlSigner(KEY))
             got = []
-            stream = mc.handoff_stream(room, {"token_ids": [8], "sampling_params": {}, "rid": rid})
+            stream = mc.handoff_stream(room, HandoffRequest([8], rid))
             async for event in stream:
                 got.append(event)
                 if len(got) == read:

@@ -8,13 +8,8 @@ import pytest
 
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.launcher.http import call_json
-from sglang_pdd.sglang_glue.prefill_control import (
-    DROPPED,
-    DestinationBoard,
-    DestinationError,
-    PrefillControlServer,
-    parse_destination,
-)
+from sglang_pdd.protocol import ControlError
+from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer, parse_destination
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 
 DEST = WanDestination(md_room=5, peer=("10.0.0.2", 7000), md_prefix_len=64)
@@ -43,7 +38,7 @@ def test_sender_waiting_first_is_called_back_once():
     assert board.wait_for(5, got.append) is None
     board.post(5, DEST)
     assert got == [DEST] and board.stats()["late"] == 1
-    with pytest.raises(DestinationError) as e:
+    with pytest.raises(ControlError) as e:
         board.post(5, DEST)  # a second destination for the same request
     assert e.value.status == 409 and got == [DEST]
 
@@ -61,7 +56,7 @@ def test_unclaimed_destinations_expire_and_are_bounded():
     board = DestinationBoard(ttl_s=10, capacity=2, clock=clock)
     board.post(1, DEST)
     board.post(2, DEST)
-    with pytest.raises(DestinationError) as e:
+    with pytest.raises(ControlError) as e:
         board.post(3, DEST)
     assert e.value.status == 503
     clock.t = 11
@@ -76,13 +71,13 @@ def test_destination_for_a_sender_that_stopped_waiting_is_refused_with_410():
     got = []
     board.wait_for(7, got.append)
     board.forget(7)  # P gave up waiting (or the request ended)
-    with pytest.raises(DestinationError) as e:
+    with pytest.raises(ControlError) as e:
         board.post(7, DEST)
     assert e.value.status == 410 and "no longer holds" in str(e.value)
     assert got == [] and board.stats()["gone"] == 1 and board.stats()["waiting_destinations"] == 0
     board.post(8, DEST)  # other rooms are unaffected
     board.forget(8)  # consumed, then the sender finished: a repeat stays a 409
-    with pytest.raises(DestinationError) as e:
+    with pytest.raises(ControlError) as e:
         board.post(8, DEST)
     assert e.value.status == 409
 
@@ -108,7 +103,7 @@ def test_destination_for_a_sender_that_stopped_waiting_is_refused_with_410():
      "md_tp: .*pass 65535"),
 ])
 def test_malformed_destinations_name_the_problem(body, message):
-    with pytest.raises(DestinationError, match=message) as e:
+    with pytest.raises(ControlError, match=message) as e:
         parse_destination(body)
     assert e.value.status == 400
 

@@ -13,7 +13,8 @@ from aiohttp import web
 from sglang_pdd.control_auth import ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_rank_url
-from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, DestinationError
+from sglang_pdd.protocol import ControlError
+from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 from conftest import on_consecutive_ports
 from control_fakes import KEY, WAN_PEER, PControl
@@ -91,11 +92,11 @@ def test_unclaimed_destination_can_be_withdrawn_a_claimed_one_cannot():
     assert claimed(board, 1) is DROPPED and board.stats()["withdrawn"] == 1
     board.post(2, DEST)
     assert claimed(board, 2) == DEST  # its sender has it (the KV is on its way)
-    with pytest.raises(DestinationError) as e:
+    with pytest.raises(ControlError) as e:
         board.post(2, DROPPED)
     assert e.value.status == 409
     board.post(3, DROPPED)
-    with pytest.raises(DestinationError):  # a withdrawal is not withdrawn twice, nor replaced
+    with pytest.raises(ControlError):  # a withdrawal is not withdrawn twice, nor replaced
         board.post(3, DEST)
 
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sglang_pdd.protocol import MAX_MD_TP  # noqa: F401 — the largest MD TP size P accepts (one WAN leg per rank)
+
 from .layout import RowSlice
-
-
-MAX_MD_TP = 64  # the largest MD TP size P accepts (one WAN leg, and sender, per MD rank)
 
 
 class TpLayoutError(ValueError):

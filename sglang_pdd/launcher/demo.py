@@ -20,6 +20,7 @@ from pathlib import Path
 from sglang_pdd.launcher.cluster import LocalCluster
 from sglang_pdd.launcher.http import get_json, post_json
 from sglang_pdd.launcher.topology import Topology
+from sglang_pdd.protocol import STATS
 
 SYSTEM = "You are a coding agent. Tools: read_file, run_tests.\n" * 3
 TURNS = [
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
             if pdd["fallbacks"]:
                 print(f"     fallbacks: {pdd['fallbacks']}")
             context += out["text"] + "\n"
-        stats = get_json(f"{topo.main.control_url}/pdd/stats", key=cluster.control_key)
+        stats = get_json(f"{topo.main.control_url}{STATS.path()}", key=cluster.control_key)
         print(f"\nMD's DRC: hit rate {stats['hit_rate']:.0%}, {stats['bytes_saved'] / 1024:.1f} KB not sent "
               f"over the WAN, {stats['wan_bytes'] / 1024:.1f} KB sent. Router metrics: {topo.router_url}/metrics")
         if args.summary_json:

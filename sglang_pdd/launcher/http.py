@@ -16,8 +16,9 @@ def control_role(path: str) -> str:
     """Whose control API a path is (each has its own signing key): P's WAN-destination routes
     and /pdd/info are P's, the rest MD's. /pdd/stats is on both: pass ``role`` for P's."""
     from sglang_pdd.control_auth import ROLE_MD, ROLE_P
+    from sglang_pdd.protocol import is_p_path
 
-    return ROLE_P if path.startswith(("/pdd/wan_destinations", "/pdd/info")) else ROLE_MD
+    return ROLE_P if is_p_path(path) else ROLE_MD
 
 
 def signed_headers(method: str, url: str, body: bytes, key: Optional[bytes], role: Optional[str] = None) -> dict:

@@ -14,7 +14,9 @@ import aiohttp
 import orjson
 
 from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
-from sglang_pdd.router.bodies import register_body
+from sglang_pdd.protocol import routes as api
+from sglang_pdd.protocol import (ControlError, HandoffRequest, InfoReply, ReadyReply, RegisterReply,
+                                 RegisterRequest, WanDestinationRequest, check_md_tp)
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +76,9 @@ class BackendError(RuntimeError):
 
 
 class UnverifiedReply(BackendError):
-    """A 200 whose signature does not verify: the server may have acted on the request (a
-    relay altered only the reply), so what it holds for it is to be released."""
+    """A 200 the router cannot take as it is: its signature does not verify (a relay altered
+    the reply), or it is not the protocol's reply. The server may have acted on the request,
+    so what it holds for it is to be released."""
 
 
 async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict) -> AsyncIterator[dict]:
@@ -192,28 +195,37 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
         logger.warning("abort of %s on %s failed: %r", rid, url, e)
 
 
-MAX_MD_TP = 64  # = kv_channel.tp_relayout.MAX_MD_TP, P's bound (not imported: the router needs no numpy)
 _max_md_tp = 8  # the router's --max-md-tp
 
 
 def set_max_md_tp(limit: int) -> None:
     """The router's --max-md-tp: the largest MD TP size a registration reply may report."""
     global _max_md_tp
-    if not 1 <= limit <= MAX_MD_TP:
-        raise ValueError(f"--max-md-tp must be in 1..{MAX_MD_TP}, got {limit}")
-    _max_md_tp = limit
+    try:
+        _max_md_tp = check_md_tp(limit, name="--max-md-tp")
+    except ControlError as e:
+        raise ValueError(str(e)) from None
 
 
-def md_tp_of(registration: dict, max_md_tp: Optional[int] = None) -> int:
-    """MD's TP size from its registration answer (``tp_size``; an MD without it runs TP 1): P
-    sends each MD rank its KV heads, rank r's WAN receiver on MD's WAN port + r. Bounded by
-    what the router was configured with (``--max-md-tp``), not by what the reply says."""
+def md_tp_of(registration, max_md_tp: Optional[int] = None) -> int:
+    """MD's TP size from its registration answer (a RegisterReply, or its JSON; ``tp_size``
+    absent: TP 1): P sends each MD rank its KV heads, rank r's WAN receiver on MD's WAN port +
+    r. Bounded by what the router was configured with (``--max-md-tp``), not by what the
+    reply says."""
     limit = _max_md_tp if max_md_tp is None else max_md_tp
-    size = registration.get("tp_size", 1)
-    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= limit:
-        raise BackendError(f"MD registration: tp_size must be an integer in 1..{limit} (--max-md-tp), "
-                           f"got {size!r:.60}")
-    return size
+    size = registration.md_tp if isinstance(registration, RegisterReply) else registration.get("tp_size", 1)
+    try:
+        return check_md_tp(size, limit, name="tp_size")
+    except ControlError as e:
+        raise BackendError(f"MD registration: {e} (--max-md-tp)") from None
+
+
+def _parse(kind, payload, what: str):
+    """``kind.from_json(payload)`` of a 200; a malformed one is an UnverifiedReply naming ``what``."""
+    try:
+        return kind.from_json(payload)
+    except ControlError as e:
+        raise UnverifiedReply(f"{what}: malformed reply: {e}") from None
 
 
 class MainControl:
@@ -228,24 +240,34 @@ class MainControl:
         self.tls = tls or _control_tls
 
     async def register(self, room: int, token_ids: list[int], timeout_s: float = 10.0,
-                       use_cache: bool = True) -> dict:
-        return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms", f"MD register room {room}",
-                                json=register_body(room, token_ids, use_cache), timeout_s=timeout_s,
-                                signer=self.signer, tls=self.tls)
+                       use_cache: bool = True) -> RegisterReply:
+        """MD's room for the prompt; its TP size checked against ``--max-md-tp``."""
+        what = f"MD register room {room}"
+        payload = await _call_json(self.session, "POST", f"{self.url}{api.MD_REGISTER.path()}", what,
+                                   json=RegisterRequest(room, token_ids, use_cache).to_json(), timeout_s=timeout_s,
+                                   signer=self.signer, tls=self.tls)
+        reply = _parse(RegisterReply, payload, what)
+        try:
+            md_tp_of(reply)
+        except BackendError as e:  # MD holds the room: the caller releases it
+            raise UnverifiedReply(str(e)) from None
+        return reply
 
-    async def wait_ready(self, room: int, timeout_s: float) -> dict:
-        return await _call_json(self.session, "GET", f"{self.url}/pdd/rooms/{room}/ready?timeout_s={float(timeout_s)}",
-                                f"MD ready room {room}", timeout_s=timeout_s + 10, signer=self.signer, tls=self.tls)
+    async def wait_ready(self, room: int, timeout_s: float) -> ReadyReply:
+        what = f"MD ready room {room}"
+        payload = await _call_json(self.session, "GET", f"{self.url}{api.ready_target(room, timeout_s)}", what,
+                                   timeout_s=timeout_s + 10, signer=self.signer, tls=self.tls)
+        return _parse(ReadyReply, payload, what)
 
-    async def handoff(self, room: int, body: dict) -> dict:
+    async def handoff(self, room: int, body: HandoffRequest) -> dict:
         """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
-        return await _call_json(self.session, "POST", f"{self.url}/pdd/rooms/{room}/handoff",
-                                f"MD handoff room {room}", json=body, signer=self.signer, tls=self.tls)
+        return await _call_json(self.session, "POST", f"{self.url}{api.MD_HANDOFF.path(room=room)}",
+                                f"MD handoff room {room}", json=body.to_json(), signer=self.signer, tls=self.tls)
 
-    async def handoff_stream(self, room: int, body: dict) -> AsyncIterator[dict]:
+    async def handoff_stream(self, room: int, body: HandoffRequest) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events."""
-        url = f"{self.url}/pdd/rooms/{room}/handoff"
-        sent = _control_request(self.signer, "POST", url, body, self.tls)
+        url = f"{self.url}{api.MD_HANDOFF.path(room=room)}"
+        sent = _control_request(self.signer, "POST", url, body.to_json(), self.tls)
         async with self.session.post(url, **sent) as resp:
             events = (sse_events(resp, f"MD room {room} handoff") if self.signer is None else
                       signed_sse_events(resp, f"MD room {room} handoff", self.signer, sent["headers"][HEADER]))
@@ -255,7 +277,7 @@ class MainControl:
     async def release(self, room: int, keep_kv: bool = False) -> None:
         """Best effort. ``keep_kv``: the request is over, but if its KV is still crossing the
         WAN, MD lets it land and caches it (for the session's next turn) instead of aborting."""
-        url = f"{self.url}/pdd/rooms/{room}?keep_kv={'1' if keep_kv else '0'}"
+        url = f"{self.url}{api.release_target(room, keep_kv)}"
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
                                            **_control_request(self.signer, "DELETE", url, tls=self.tls)) as resp:
@@ -264,7 +286,7 @@ class MainControl:
             logger.warning("release of room %s on %s failed: %r", room, self.url, e)
 
     async def stats(self) -> Optional[dict]:
-        url = f"{self.url}/pdd/stats"
+        url = f"{self.url}{api.STATS.path()}"
         try:
             return await _call_json(self.session, "GET", url, "MD stats", timeout_s=5, signer=self.signer,
                                     tls=self.tls)
@@ -295,8 +317,6 @@ class PrefillControl:
     answered the room registration and tell P afterwards where the request's KV goes. With
     ``--tp N`` on P every rank serves its own API (port + rank) and each gets every call."""
 
-    PATH = "/pdd/wan_destinations"
-
     def __init__(self, session: aiohttp.ClientSession, control_url: str, signer: Optional[ControlSigner] = None,
                  tls: Optional[ssl.SSLContext] = None):
         self.session, self.url = session, control_url.rstrip("/")
@@ -319,7 +339,7 @@ class PrefillControl:
         return await asyncio.shield(task)  # one caller giving up does not cancel the others' ask
 
     async def _ask_tp_size(self) -> int:
-        url = f"{self.url}/pdd/info"
+        url = f"{self.url}{api.P_INFO.path()}"
         sent = _control_request(self.signer, "GET", url, tls=self.tls)
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5), **sent) as resp:
             if resp.status == 200:
@@ -327,9 +347,7 @@ class PrefillControl:
             payload = await _json_reply(resp)
             if resp.status != 200:
                 raise BackendError(f"P info {url}: HTTP {resp.status} {payload}")
-        size = payload.get("tp_size") if isinstance(payload, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 4096:
-            raise BackendError(f"P info {url}: tp_size must be a positive int, got {payload!r:.200}")
+        size = _parse(InfoReply, payload, f"P info {url}").tp_size
         logger.info("P control %s: %d TP rank(s)", self.url, size)
         return size
 
@@ -343,11 +361,11 @@ class PrefillControl:
         unless every TP rank answers 200 (400 malformed, 409 the room already has a destination
         or was dropped); the ranks that did accept then have it withdrawn (best effort). Returns
         rank 0's answer."""
-        body = {"bootstrap_room": int(bootstrap_room), "md_room": int(md_room), "wan_peer": wan_peer,
-                "md_prefix_len": int(md_prefix_len), **({"md_tp": int(md_tp)} if md_tp != 1 else {})}
+        body = WanDestinationRequest(int(bootstrap_room), int(md_room), wan_peer, int(md_prefix_len),
+                                     int(md_tp)).to_json()
         urls = await self._rank_urls()
         replies = await asyncio.gather(*(
-            _call_json(self.session, "POST", f"{url}{self.PATH}",
+            _call_json(self.session, "POST", f"{url}{api.P_DESTINATION.path()}",
                        f"P WAN destination for room {bootstrap_room}" + (f" (TP rank {rank})" if rank else ""),
                        json=body, timeout_s=timeout_s, signer=self.signer, tls=self.tls)
             for rank, url in enumerate(urls)), return_exceptions=True)
@@ -368,7 +386,7 @@ class PrefillControl:
         await asyncio.gather(*(self._drop(url, bootstrap_room) for url in urls))
 
     async def _drop(self, base_url: str, bootstrap_room: int) -> None:
-        url = f"{base_url}{self.PATH}/{int(bootstrap_room)}"
+        url = f"{base_url}{api.P_DROP.path(bootstrap_room=bootstrap_room)}"
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
                                            **_control_request(self.signer, "DELETE", url, tls=self.tls)) as resp:

@@ -67,9 +67,11 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choos
 from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
+from sglang_pdd.protocol import RESUME_KEY, RegisterReply, without_pdd_params
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply, abort,
-                                        generate_once, generate_stream, md_tp_of)
-from sglang_pdd.router.bodies import handoff_body, pd_leg_body, wan_destination_params
+                                        generate_once, generate_stream)
+from sglang_pdd.router.bodies import (handoff_body, late_destination_params, pd_leg_body, wan_destination_params,
+                                      warmup_body)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -181,7 +183,6 @@ def new_room() -> int:
 # SGLang's /generate fields that ride along on every leg (beside input_ids, sampling_params,
 # stream, rid): the per-request logprob options.
 EXTRA_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
-RESUME_KEY = "pdd_resume_output_len"  # the resume contract's marker (router and MD glue only)
 
 
 def client_sampling(sampling: dict) -> dict:
@@ -194,7 +195,7 @@ def client_sampling(sampling: dict) -> dict:
         return sampling
     if not isinstance(custom, dict):
         raise ValueError("sampling_params.custom_params must be an object")
-    custom = {k: v for k, v in custom.items() if not str(k).startswith("pdd_")}
+    custom = without_pdd_params(custom)
     if custom:
         sampling["custom_params"] = custom
     else:
@@ -465,11 +466,11 @@ class PddFlow:
             self.room = None
         return decision.path
 
-    def _on_registered(self, reg: dict) -> int:
+    def _on_registered(self, reg: RegisterReply) -> int:
         """MD's registration answer: its exact cached prefix (returned) and KV size."""
-        cached = int(reg["cached_tokens"])
-        per_token = int(reg.get("kv_bytes_per_token") or 0)
-        self.md_tp = md_tp_of(reg)  # P feeds each of MD's TP ranks (their WAN ports: wan_peer's + r)
+        cached = reg.cached_tokens
+        per_token = reg.kv_bytes_per_token or 0
+        self.md_tp = reg.md_tp  # P feeds each of MD's TP ranks (their WAN ports: wan_peer's + r)
         self.result.md_cached_tokens = cached
         # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
         self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
@@ -544,7 +545,7 @@ class PddFlow:
             sampling["max_new_tokens"] = self.max_new - len(resumed)
             sampling["min_new_tokens"] = max(0, int(sampling.get("min_new_tokens") or 0) - len(resumed))
         if leg.wan and self._destination is not None:  # P learns its destination later
-            custom.update(pdd_room=self.room, pdd_wan_expected=True)
+            custom.update(late_destination_params(self.room))
         elif leg.wan:
             custom.update(wan_destination_params(self.room, self.main.wan_peer, self.result.md_cached_tokens,
                                                  self.md_tp))
@@ -607,7 +608,7 @@ class PddFlow:
         started = time.perf_counter()
         try:
             reply = await self.control.wait_ready(self.room, self.cfg.wan_timeout_s)
-            status, reason = reply.get("status"), reply.get("reason", "")
+            status, reason = reply.status, reply.reason or ""
             if status == "pending":
                 status, reason = "failed", f"not ready within {self.cfg.wan_timeout_s:.0f}s"
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -635,11 +636,8 @@ class PddFlow:
                 self._handed += step.tokens
                 self.result.catch_up_batches.append(step.tokens)
                 self._round += 1
-                # (its output is discarded: no min_new_tokens, which MD's one-token warmup would refuse)
-                warm = {k: v for k, v in self.sampling.items() if k != "min_new_tokens"}
-                await self.control.handoff(self.room, {
-                    "token_ids": self.stitcher.emitted[:self._handed], "warmup": True,
-                    "sampling_params": warm, "rid": self._leg_rid(f"c{self._round - 1}")})
+                await self.control.handoff(self.room, warmup_body(
+                    self.stitcher.emitted[:self._handed], self._leg_rid(f"c{self._round - 1}"), self.sampling))
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._blame("main", self.main.url, e)
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
@@ -661,7 +659,7 @@ class PddFlow:
         self._handoff_t = time.perf_counter()
         rid = self._leg_rid("m")
         body = handoff_body(eager, rid, self.sampling, self.extras)
-        self.result.handoff_payload_bytes = len(json.dumps(body))
+        self.result.handoff_payload_bytes = len(json.dumps(body.to_json()))
         try:
             finished, checked = False, False
             async for event in self.control.handoff_stream(self.room, body):

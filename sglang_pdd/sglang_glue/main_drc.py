@@ -24,11 +24,9 @@ import http.client
 import json
 import logging
 import queue
-import re
 import threading
 from array import array
 from typing import Optional, Sequence
-from urllib.parse import parse_qs, urlsplit
 
 import torch
 
@@ -36,8 +34,11 @@ from sglang_pdd.config import PddConfig, admission_limits, parse_host_port
 from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
-from sglang_pdd.json_http import (MAX_ROOM_ID, ControlHTTPServer, HttpError, JsonRequestHandler, parse_room_id,
-                                  serve_in_thread)
+from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, serve_in_thread
+from sglang_pdd.protocol import messages as protocol_messages
+from sglang_pdd.protocol import routes as api
+from sglang_pdd.protocol import (ControlError, ReadyReply, ReadyRequest, RegisterReply, ReleaseReply, ReleaseRequest,
+                                 RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.loopback import LoopbackServer
@@ -216,11 +217,10 @@ class ControlServer:
         self.httpd.server_close()
 
 
-_ROOM_ROUTE = re.compile(r"/pdd/rooms/([^/]*)(/ready|/handoff)?")
-MAX_TOKEN_ID = (1 << 31) - 1  # far above any vocabulary; keeps ids inside the radix key's int64
-
-
 class _ControlHandler(JsonRequestHandler):
+    """MD's routes (protocol.routes.MD_ROUTES), each parsing its request with the protocol's
+    type and answering with its reply type; a refusal is a ControlError carrying its status."""
+
     runtime: MainDrcRuntime
     max_body_bytes = MAX_CONTROL_BODY
 
@@ -229,78 +229,28 @@ class _ControlHandler(JsonRequestHandler):
         # sampling params); the other routes take none worth more than a few bytes.
         return self.max_body_bytes if method == "POST" else 4096
 
-    def _body(self) -> dict:
-        """The request's JSON object (read and authenticated by JsonRequestHandler)."""
-        try:
-            return self.json_body()
-        except HttpError as e:
-            raise RoomError(e.message) from None
+    def _health(self, query: str) -> dict:
+        return {"status": "ok"}
 
-    def _room(self, path: str, action: str) -> Optional[int]:
-        """The room id of ``/pdd/rooms/<id><action>``, None for another route; HttpError(400)
-        for an id that is not a non-negative 63-bit integer."""
-        m = _ROOM_ROUTE.fullmatch(path)
-        if m is None or (m.group(2) or "") != action:
-            return None
-        return parse_room_id(m.group(1))
+    def _stats(self, query: str) -> dict:
+        return _guard(self.runtime.stats)
 
-    def _guard(self, fn) -> None:
-        try:
-            result = fn()
-        except HttpError:
-            raise
-        except RoomsFull as e:
-            logger.warning("control: %s", e)
-            return self._reply(503, {"error": str(e)}, headers={"Retry-After": "1"})
-        except (queue.Full, TimeoutError):
-            logger.warning("control: MD's scheduler did not take the request in time")
-            return self._reply(503, {"error": "MD is busy (its scheduler did not take the request in time); retry"},
-                               headers={"Retry-After": "1"})
-        except (RoomError, ValueError, KeyError, TypeError) as e:
-            return self._reply(400, {"error": str(e)})
-        except Exception:  # noqa: BLE001 — log the details, never send them; keep the control thread
-            logger.exception("control request %s %s failed", self.command, self.path[:200])
-            return self._reply(500, {"error": "internal error; details are in MD's log"})
-        self._reply(200, result)
+    def _register(self, query: str) -> dict:
+        req = protocol_messages.RegisterRequest.from_json(self.json_body())
+        return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
+                                                                         req.use_cache))).to_json()
 
-    def do_GET(self):
-        url = urlsplit(self.path)
-        if url.path == "/health":
-            return self._reply(200, {"status": "ok"})
-        if url.path == "/pdd/stats":
-            return self._guard(self.runtime.stats)
-        room = self._room(url.path, "/ready")
-        if room is None:
-            return self._reply(404, {"error": f"no route GET {url.path[:200]}"})
-        timeout = _query_float(url.query, "timeout_s", default=10.0, cap=600.0)
-        self._guard(lambda: self.runtime.wait_ready(room, timeout))
+    def _ready(self, query: str, room: int) -> ReadyReply:
+        req = ReadyRequest.from_query(room, query)
+        return ReadyReply.from_json(_guard(lambda: self.runtime.wait_ready(req.room, req.timeout_s)))
 
-    def do_POST(self):
-        path = urlsplit(self.path).path
-        room = self._room(path, "/handoff")
-        if room is not None:
-            return self._handoff(room)
-        if path != "/pdd/rooms":
-            return self._reply(404, {"error": f"no route POST {path[:200]}"})
+    def _release(self, query: str, room: int) -> ReleaseReply:
+        req = ReleaseRequest.from_query(room, query)
+        return ReleaseReply(_guard(lambda: self.runtime.call("release", req.room, req.keep_kv)))
 
-        def register():
-            body = self._body()
-            room, ids, use_cache = body.get("room"), body.get("token_ids"), body.get("use_cache", True)
-            if not _is_int(room) or not 0 <= room <= MAX_ROOM_ID:
-                raise RoomError(f"'room' must be an integer in 0..{MAX_ROOM_ID}")
-            if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids):
-                raise RoomError(f"'token_ids' must be a non-empty list of non-negative ints (<= {MAX_TOKEN_ID})")
-            if not isinstance(use_cache, bool):
-                raise RoomError("'use_cache' must be true or false")
-            return self.runtime.call("register", room, ids, use_cache)
-
-        self._guard(register)
-
-    def _handoff(self, room: int) -> None:
-        try:
-            gen, stream = self.runtime.handoff_request(room, self._body())
-        except (RoomError, ValueError) as e:
-            return self._reply(409 if "stale" in str(e) or "duplicate" in str(e) else 400, {"error": str(e)})
+    def _handoff(self, query: str, room: int) -> None:
+        req = protocol_messages.HandoffRequest.from_json(self.json_body())
+        gen, stream = _guard(lambda: self.runtime.handoff_request(room, req.to_json()))
         # Relay MD's own /generate (loopback) back to the router, streaming as it comes; the
         # reply, or each event of a stream, signed for this request (control_auth).
         server = self._loopback()
@@ -366,30 +316,25 @@ class _ControlHandler(JsonRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_DELETE(self):
-        url = urlsplit(self.path)
-        room = self._room(url.path, "")
-        if room is None:
-            return self._reply(404, {"error": f"no route DELETE {url.path[:200]}"})
-        keep = parse_qs(url.query).get("keep_kv", ["0"])
-        if keep not in (["0"], ["1"]):
-            raise HttpError(400, "keep_kv must be 0 or 1")
-        self._guard(lambda: {"released": self.runtime.call("release", room, keep == ["1"])})
+    routes = RouteTable({api.HEALTH: _health, api.STATS: _stats, api.MD_REGISTER: _register,
+                         api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release})
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _query_float(query: str, name: str, *, default: float, cap: float) -> float:
-    """A finite non-negative number from the query (at most ``cap``); HttpError(400) otherwise."""
-    values = parse_qs(query).get(name)
-    if not values:
-        return default
+def _guard(fn):
+    """``fn()``'s result; MD's own errors as the ControlError the router is answered with."""
     try:
-        value = float(values[-1])
-    except ValueError:
-        raise HttpError(400, f"{name} must be a number") from None
-    if not 0 <= value < float("inf"):  # also refuses nan
-        raise HttpError(400, f"{name} must be a finite number >= 0")
-    return min(value, cap)
+        return fn()
+    except ControlError:
+        raise
+    except RoomsFull as e:
+        logger.warning("control: %s", e)
+        raise ControlError.of("busy", str(e), headers={"Retry-After": "1"}) from None
+    except (queue.Full, TimeoutError):
+        logger.warning("control: MD's scheduler did not take the request in time")
+        raise ControlError.of("busy", "MD is busy (its scheduler did not take the request in time); retry",
+                              headers={"Retry-After": "1"}) from None
+    except (RoomError, ValueError, KeyError, TypeError) as e:
+        raise ControlError.of("bad_request", str(e)) from None
+    except Exception:  # noqa: BLE001 — log the details, never send them; keep the control thread
+        logger.exception("control request failed")
+        raise ControlError.of("internal", "internal error; details are in MD's log") from None

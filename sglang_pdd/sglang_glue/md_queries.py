@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from sglang_pdd.protocol import ControlError
 from sglang_pdd.radix_drc.rooms import RoomError, RoomStatus
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
 
@@ -33,24 +34,25 @@ class MdRoomQueries:
 
         Only the eager tokens cross the WAN; the prompt's ids are the ones MD registered.
         Returns (generate body, stream?). Stale (unknown / not ready) and duplicate final
-        handoffs are refused with RoomError, and logged."""
+        handoffs are refused as conflicts, a malformed one as a bad request (ControlError)."""
         entry = self.rooms.rooms.get(room)
         if entry is None or entry.status is not RoomStatus.READY:
             logger.warning("stale handoff for room %s (%s) ignored", room,
                            "unknown" if entry is None else entry.status.value)
-            raise RoomError(f"stale handoff: room {room} is {'unknown' if entry is None else entry.status.value}")
+            raise ControlError.of("conflict",
+                                  f"stale handoff: room {room} is {'unknown' if entry is None else entry.status.value}")
         eager = body.get("token_ids")
         if not isinstance(eager, list) or not all(isinstance(t, int) and t >= 0 for t in eager):
-            raise RoomError("handoff needs 'token_ids': [non-negative int, ...]")
+            raise ControlError.of("bad_request", "handoff needs 'token_ids': [non-negative int, ...]")
         # MD continues the request: the eager tokens are output already produced (resume.py)
         gen, stream = handoff_generate_body(entry.token_ids, eager, body)
         if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
             with self._handoff_lock:
                 try:
                     self.rooms.hand_off(room)
-                except RoomError as e:
+                except RoomError as e:  # a duplicate, or the room ended meanwhile
                     logger.warning("%s ignored", e)
-                    raise
+                    raise ControlError.of("conflict", str(e)) from None
                 self.counters["handoffs"] = self.counters.get("handoffs", 0) + 1
         return gen, stream
 

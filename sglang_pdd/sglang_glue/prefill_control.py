@@ -35,20 +35,15 @@ from typing import Callable, Optional
 
 from sglang_pdd.config import PddConfigError, parse_host_port
 from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.json_http import MAX_ROOM_ID, ControlHTTPServer, JsonRequestHandler, parse_room_id, serve_in_thread
-from sglang_pdd.sglang_glue.wan_fanout import MAX_MD_TP, WanDestination
+from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, serve_in_thread
+from sglang_pdd.protocol import routes as api
+from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, InfoReply, RouteTable,
+                                 WanDestinationRequest, bad_request)
+from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 
 logger = logging.getLogger(__name__)
 
 DROPPED = "dropped"  # what a waiter receives when the router withdraws the destination
-
-
-class DestinationError(ValueError):
-    """A destination message is malformed or conflicts with one already given (HTTP 4xx)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -74,7 +69,7 @@ class DestinationBoard:
         self.counters = Counter()
 
     def post(self, room: int, value: object) -> None:
-        """A destination (or DROPPED) for ``room``; raises DestinationError on a repeat.
+        """A destination (or DROPPED) for ``room``; raises ControlError (409, 410, 503) on a repeat.
         DROPPED for a destination no sender has claimed yet withdraws it."""
         with self._lock:
             self._expire()
@@ -86,18 +81,18 @@ class DestinationBoard:
                 return
             if room in self._seen:
                 self.counters["duplicate"] += 1
-                raise DestinationError(409, f"room {room} already has a WAN destination")
+                raise ControlError.of("conflict", f"room {room} already has a WAN destination")
             if room in self._gone:
                 # Tell the router now, rather than let MD wait for KV that will never come.
                 self.counters["gone"] += 1
-                raise DestinationError(410, f"room {room}: P no longer holds this request's KV "
+                raise ControlError.of("gone", f"room {room}: P no longer holds this request's KV "
                                             f"(finished or gave up waiting for its destination)")
             self._remember(self._seen, room)
             waiter = self._waiters.pop(room, None)
             if waiter is None:
                 if len(self._posted) >= self.capacity:
                     self.counters["refused_full"] += 1
-                    raise DestinationError(503, f"{self.capacity} destinations already wait for their requests")
+                    raise ControlError.of("busy", f"{self.capacity} destinations already wait for their requests")
                 self._posted[room] = _Entry(value, self.clock())
                 self.counters["early"] += 1
                 return
@@ -143,33 +138,22 @@ class DestinationBoard:
             self.counters["expired"] += 1
 
 
-def parse_destination(body: bytes) -> tuple[int, WanDestination]:
-    """(bootstrap_room, destination) from a POST body; DestinationError(400) names the problem."""
+def parse_destination(body) -> tuple[int, WanDestination]:
+    """(bootstrap_room, destination) from a POST body (JSON bytes or the parsed object);
+    ControlError(400) names the problem."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = json.loads(body or b"{}")
+        except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past Python's stack
+            raise bad_request(f"body is not JSON: {str(e)[:200]}") from None
+    req = WanDestinationRequest.from_json(body)
     try:
-        msg = json.loads(body or b"{}")
-    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past Python's stack
-        raise DestinationError(400, f"body is not JSON: {str(e)[:200]}") from None
-    if not isinstance(msg, dict):
-        raise DestinationError(400, "body must be a JSON object")
-    fields = {"bootstrap_room": int, "md_room": int, "wan_peer": str, "md_prefix_len": int}
-    for name, kind in fields.items():
-        value = msg.get(name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise DestinationError(400, f"{name} must be {kind.__name__}, got {repr(value)[:60]}")
-    if not (0 <= msg["bootstrap_room"] <= MAX_ROOM_ID and 0 <= msg["md_room"] <= MAX_ROOM_ID):
-        raise DestinationError(400, f"bootstrap_room and md_room must be in 0..{MAX_ROOM_ID}")
-    if not 0 <= msg["md_prefix_len"] < 1 << 31:
-        raise DestinationError(400, "md_prefix_len must be >= 0 and < 2^31")
-    md_tp = msg.get("md_tp", 1)  # MD's TP size (optional: older routers know only TP 1)
-    if not isinstance(md_tp, int) or isinstance(md_tp, bool) or not 1 <= md_tp <= MAX_MD_TP:
-        raise DestinationError(400, f"md_tp must be an integer in 1..{MAX_MD_TP}, got {repr(md_tp)[:60]}")
-    try:
-        peer = parse_host_port("wan_peer", msg["wan_peer"])
-        return msg["bootstrap_room"], WanDestination(msg["md_room"], peer, msg["md_prefix_len"], md_tp)
+        peer = parse_host_port("wan_peer", req.wan_peer)
+        return req.bootstrap_room, WanDestination(req.md_room, peer, req.md_prefix_len, req.md_tp)
     except PddConfigError as e:
-        raise DestinationError(400, str(e)) from None
+        raise bad_request(str(e)) from None
     except ValueError as e:  # MD's rank ports would pass 65535
-        raise DestinationError(400, f"md_tp: {e}") from None
+        raise bad_request(f"md_tp: {e}") from None
 
 
 class PrefillControlServer:
@@ -181,56 +165,45 @@ class PrefillControlServer:
     destinations are checked and acknowledged but not stored (no sender here would claim them).
     ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate required."""
 
-    PATH = "/pdd/wan_destinations"
+    PATH = api.P_DESTINATION.template
 
     def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
                  max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
                  max_md_tp: int = MAX_MD_TP, ssl_context=None):
-        board_ref, path = board, self.PATH
-        info = {"tp_rank": int(tp_rank), "tp_size": int(tp_size), "sends_wan": bool(sends_wan)}
+        info = InfoReply(int(tp_rank), int(tp_size), bool(sends_wan))
+
+        def destination(handler: JsonRequestHandler, query: str) -> DestinationReply:
+            room, dest = parse_destination(handler.body)
+            if dest.md_tp > max_md_tp:
+                raise bad_request(f"md_tp {dest.md_tp} is over this P's --pdd-max-md-tp "
+                                  f"{max_md_tp} (WAN ports it dials per MD)")
+            if not peer_allowed(dest.peer):
+                raise ControlError.of("forbidden", f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
+                                                   f"--pdd-wan-peers; P sends KV only to the MDs it was given")
+            if not sends_wan:
+                return DestinationReply(sends_wan=False)
+            board.post(room, dest)
+            return DestinationReply()
+
+        def drop(handler: JsonRequestHandler, query: str, bootstrap_room: int) -> DropReply:
+            if not sends_wan:
+                return DropReply(sends_wan=False)
+            board.post(bootstrap_room, DROPPED)
+            return DropReply()
 
         class Handler(JsonRequestHandler):
-            def do_POST(self):  # noqa: N802 — http.server's naming
-                if self.path != path:
-                    return self._reply(404, {"error": f"no such endpoint POST {self.path[:200]}"})
-                try:
-                    room, dest = parse_destination(self.body)
-                    if dest.md_tp > max_md_tp:
-                        raise DestinationError(400, f"md_tp {dest.md_tp} is over this P's --pdd-max-md-tp "
-                                                    f"{max_md_tp} (WAN ports it dials per MD)")
-                    if not peer_allowed(dest.peer):
-                        raise DestinationError(403, f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
-                                                    f"--pdd-wan-peers; P sends KV only to the MDs it was given")
-                    if not sends_wan:
-                        return self._reply(200, {"accepted": True, "sends_wan": False})
-                    board_ref.post(room, dest)
-                except DestinationError as e:
-                    logger.warning("WAN destination refused: %s", e)
-                    return self._reply(e.status, {"error": str(e)})
-                self._reply(200, {"accepted": True})
+            routes = RouteTable({
+                api.HEALTH: lambda handler, query: {"ok": True},
+                api.P_DESTINATION: destination,
+                api.P_DROP: drop,
+                api.P_INFO: lambda handler, query: info,
+                api.STATS: lambda handler, query: {**board.stats(), **stats(), **info.to_json()},
+            })
 
-            def do_DELETE(self):  # noqa: N802
-                prefix = path + "/"
-                if not self.path.startswith(prefix):
-                    return self._reply(404, {"error": f"expected DELETE {prefix}<bootstrap_room>"})
-                room = parse_room_id(self.path[len(prefix):], "bootstrap_room")
-                if not sends_wan:
-                    return self._reply(200, {"dropped": True, "sends_wan": False})
-                try:
-                    board_ref.post(room, DROPPED)
-                except DestinationError as e:
-                    return self._reply(e.status, {"error": str(e)})
-                self._reply(200, {"dropped": True})
-
-            def do_GET(self):  # noqa: N802
-                if self.path == "/pdd/stats":
-                    return self._reply(200, {**board_ref.stats(), **stats(), **info})
-                if self.path == "/pdd/info":
-                    return self._reply(200, info)
-                if self.path == "/health":
-                    return self._reply(200, {"ok": True})
-                self._reply(404, {"error": f"no such endpoint GET {self.path[:200]}"})
+            def refused(self, error: ControlError) -> None:
+                if self.command == "POST":
+                    logger.warning("WAN destination refused: %s", error)
 
         Handler.auth = auth
         # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.

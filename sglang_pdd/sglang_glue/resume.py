@@ -72,11 +72,11 @@ from array import array
 from http import HTTPStatus
 from typing import Any, Optional, Sequence
 
+from sglang_pdd.protocol import HANDOFF_LOGPROB_FIELDS, RESUME_KEY, without_pdd_params
 from sglang_pdd.sglang_glue import penalty_clock
 
 logger = logging.getLogger(__name__)
 
-RESUME_KEY = "pdd_resume_output_len"
 _RESUMED_ATTR = "_pdd_resumed_len"  # set on a Req: how many of its output_ids were resumed
 _GRAMMAR_PENDING_ATTR = "_pdd_resume_grammar_pending"
 _OVERLAP_ATTR = "_pdd_resume_overlap"  # on a Req: the server's scheduler overlaps (penalty clock)
@@ -246,7 +246,6 @@ PENALIZER_SEEDS = {
 
 # ---- MD's handoff: the router's compact body -> MD's own /generate -----------------------------
 
-HANDOFF_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
 
 
 def handoff_generate_body(prompt_ids: Sequence[int], eager: Sequence[int], body: dict) -> tuple[dict, bool]:
@@ -264,7 +263,7 @@ def handoff_generate_body(prompt_ids: Sequence[int], eager: Sequence[int], body:
     custom = {} if custom is None else custom
     if not isinstance(custom, dict):
         raise ValueError("sampling_params.custom_params must be an object")
-    custom = {key: value for key, value in custom.items() if not str(key).startswith("pdd_")}
+    custom = without_pdd_params(custom)
     k = len(eager)
     if k:
         custom[RESUME_KEY] = k

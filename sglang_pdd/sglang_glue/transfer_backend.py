@@ -39,6 +39,7 @@ from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.tp_relayout import TpShard
+from sglang_pdd.protocol import LegParams
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
 
@@ -148,9 +149,10 @@ class PddKVSender(MooncakeKVSender):
         except ValueError as e:  # the request still runs; RLD finishes it
             logger.warning("rid %s: no WAN leg: %s", req.rid, e)
             return
-        late = bool(params.get("pdd_wan_expected")) and mgr.wan_destinations is not None
+        expected = LegParams.expects_destination(params)
+        late = expected and mgr.wan_destinations is not None
         if mgr.wan_fanout is None or (dest is None and not late):
-            if params.get("pdd_wan_expected") and mgr.wan_destinations is None:
+            if expected and mgr.wan_destinations is None:
                 logger.warning("rid %s: a late WAN destination was promised but this P has no "
                                "--pdd-control-listen; RLD finishes the request", req.rid)
             return

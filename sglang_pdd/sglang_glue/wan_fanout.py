@@ -42,8 +42,9 @@ from sglang_pdd.kv_channel import fanout_room
 from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, FanoutRoom
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
-from sglang_pdd.kv_channel.tp_relayout import MAX_MD_TP, SenderPart, TpLayoutError, TpShard, sender_parts
+from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
 from sglang_pdd.kv_channel.wan_sender import Transfer, WanKvSender
+from sglang_pdd.protocol import MAX_MD_TP, LegParams, check_md_tp
 from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,7 @@ class WanDestination:
     md_tp: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.md_tp, int) or isinstance(self.md_tp, bool) or not 1 <= self.md_tp <= MAX_MD_TP:
-            raise ValueError(f"md_tp must be an integer in 1..{MAX_MD_TP}, got {repr(self.md_tp)[:40]}")
+        check_md_tp(self.md_tp)
         if self.peer[1] + self.md_tp - 1 > 65535:
             raise ValueError(f"MD's {self.md_tp} rank ports from {self.peer[1]} on pass 65535")
 
@@ -73,21 +73,15 @@ class WanDestination:
 
     @classmethod
     def from_custom_params(cls, params) -> Optional["WanDestination"]:
-        """None without ``pdd_wan_peer``; ValueError naming the field if malformed. The peer
-        is NOT trusted here: WanFanout.open_room admits only P's --pdd-wan-peers."""
-        if not isinstance(params, dict) or "pdd_wan_peer" not in params:
+        """None without ``pdd_wan_peer``; ValueError naming the field if malformed (the
+        protocol's LegParams). The peer is NOT trusted here: WanFanout.open_room admits only
+        P's --pdd-wan-peers."""
+        leg = LegParams.from_custom_params(params)
+        if leg is None:
             return None
-        room, prefix = params.get("pdd_room"), params.get("pdd_md_prefix_len", 0)
-        md_tp = params.get("pdd_md_tp", 1)
-        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
-            raise ValueError(f"pdd_room must be an integer in 0..2^63-1, got {repr(room)[:40]}")
-        if not isinstance(prefix, int) or isinstance(prefix, bool) or not 0 <= prefix < 1 << 31:
-            raise ValueError(f"pdd_md_prefix_len must be an integer in 0..2^31-1, got {repr(prefix)[:40]}")
-        if not isinstance(md_tp, int) or isinstance(md_tp, bool) or not 1 <= md_tp <= MAX_MD_TP:
-            raise ValueError(f"pdd_md_tp must be an integer in 1..{MAX_MD_TP}, got {repr(md_tp)[:40]}")
-        peer = parse_host_port("pdd_wan_peer", str(params["pdd_wan_peer"])[:300])
+        peer = parse_host_port(LegParams.wire_key("wan_peer"), leg.wan_peer)
         try:
-            return cls(room, peer, prefix, md_tp)
+            return cls(leg.room, peer, leg.md_prefix_len, leg.md_tp)
         except ValueError as e:
             raise ValueError(f"pdd_md_tp: {e}") from None
 
