@@ -15,8 +15,9 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_pdd.router.app import Pools, Router
+from sglang_pdd.router.app import Router
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
+from sglang_pdd.router.pools import Pools
 
 DASHBOARD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "grafana" / "sglang-pdd.json"
 

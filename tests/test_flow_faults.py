@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
-from sglang_pdd.router.app import Pools, Router, build_app
+from sglang_pdd.router.app import Router, build_app
+from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.backends import BackendError
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig

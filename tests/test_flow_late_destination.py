@@ -16,7 +16,9 @@ import argparse
 import pytest
 
 from fake_backends import Knobs, closed_port, wait_until
-from sglang_pdd.router.app import Pools, Router, _prefill_arg, parse_args
+from sglang_pdd.router.app import Router
+from sglang_pdd.router.cli import _prefill_arg, parse_args
+from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
