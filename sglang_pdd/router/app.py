@@ -28,6 +28,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router import client_auth
 from sglang_pdd.router.backends import BackendError, MainControl
+from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
 from sglang_pdd.router.health import Drain, Failed, Succeeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -381,7 +382,8 @@ class Router:
         except BackendsUnavailable:
             return None
         flow.retry_of = failed
-        flow.result.fallbacks[:0] = failed.result.fallbacks + [f"retried_elsewhere: {', '.join(sorted(bad))}"]
+        retried = Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(bad)))
+        flow.result.fallbacks[:0] = failed.result.fallbacks + [retried]
         logger.warning("rid %s failed before its first token on %s; retried on other servers",
                        failed.result.rid, sorted(bad))
         return flow
@@ -430,7 +432,7 @@ class Router:
                        rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
                        use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, extras=extras)
         if main is None and self.pools.main:
-            flow.result.fallbacks.append("md_unavailable: every MD is failing or draining")
+            flow.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
         return flow
 
@@ -470,7 +472,8 @@ class Router:
             "md_cached": r.md_cached_tokens, "md_cached_est": r.md_cached_estimate,
             "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
             "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
-            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens, "fallbacks": r.fallbacks}))
+            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens,
+            "fallbacks": [str(f) for f in r.fallbacks]}))
         try:
             self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
         except ValueError as e:  # metrics must never break serving

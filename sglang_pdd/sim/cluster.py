@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 from sglang_pdd.handoff import policy as handoff_policy
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, RldLoad, next_catch_up_batch
 from sglang_pdd.router import lifecycle as lc
+from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router import policy
 from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig
@@ -353,7 +354,7 @@ class Simulation:
                 # legs started, as a fallback; a refused P->MD registration (before the
                 # legs) makes the path P->RLD only.
                 self._event(now, r, lc.PathChosen(chosen, late_destination=True))
-                self._event(now, r, lc.MdNotReady("md_unavailable: staging full"))
+                self._event(now, r, lc.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, "staging full")))
             else:
                 self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first
                                                   and r.path is Path.P_RLD_MD))
