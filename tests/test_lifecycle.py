@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from sglang_pdd.handoff.policy import HandoffConfig
-from sglang_pdd.router.lifecycle import (AbortLegs, ClientDisconnected, CutReady, Destination, DestinationDelivered,
-                                         Ended, Fail, Finish, HandoffAbandoned, HandoffCommitted, LifecycleError,
-                                         MainFailed, MainOutput, MainTokens, Md, MdNotReady, MdReady, PathChosen,
-                                         Phase, RecordFallback, RecoveryMode, ReleaseAll, RelayFailed, RelayOutput,
-                                         RelayTokens, SendCatchUpBatch, SendFinalHandoff, StartHandoff, StartMdSide,
-                                         StartRelayLeg, State, Timeout, WatchMd, WithdrawDestination, transition)
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
+from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
+                                         DestinationDelivered, Ended, Fail, Finish, HandoffAbandoned,
+                                         HandoffCommitted, LifecycleError, MainFailed, MainOutput, MainTokens, Md,
+                                         MdNotReady, MdReady, PathChosen, Phase, RecordFallback, RecoveryMode,
+                                         ReleaseAll, RelayFailed, RelayOutput, RelayTokens, SendCatchUpBatch,
+                                         SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, State, Timeout,
+                                         WatchMd, WithdrawDestination, transition)
 from sglang_pdd.router.policy import Path
 
 MAX_NEW = 20
@@ -465,3 +466,10 @@ def test_a_continue_legs_length_finish_reports_the_whole_budget():
     own = {"type": "length", "length": MAX_NEW - 9}  # the CONTINUE leg's own, smaller budget
     state, actions = transition(state, RelayTokens(2, MAX_NEW, own))
     assert actions[-1] == Finish({"type": "length", "length": MAX_NEW}) and state.phase is Phase.DONE
+
+
+@pytest.mark.parametrize("make", [lambda: State(max_new=MAX_NEW), started, handing_off, in_main,
+                                  lambda: drive(started(), RelayTokens(1, MAX_NEW, LENGTH))[0]])
+def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
+    state, actions = transition(make(), Broken("MD repeated a position"))
+    assert state.phase is Phase.FAILED and actions == []

@@ -20,6 +20,8 @@ sends them:
     MainTokens(produced, finish)        _final_handoff: each event of MD's stream
     MainFailed(message)                 _catch_up / _final_handoff: MD refused or died
     Timeout()                           _run: --request-timeout-s passed
+    Broken(message)                     _run: an event was illegal, or a backend's reply broke
+                                        the stream's invariants (an action raised)
     ClientDisconnected()                events(): the consumer closed the generator early
     Ended()                             events(), last: the cleanup (abort, release, withdraw)
 
@@ -310,13 +312,13 @@ class PddFlow:
             try:
                 self.state, actions = lifecycle.transition(self.state, event)
             except lifecycle.LifecycleError as e:
-                self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
                 raise BackendError(f"request broke off: {e}") from None
             for action in actions:
                 try:
                     out = self._perform(action, payload)
                 except (StitchError, BackendError) as e:  # a backend broke the stream's invariants
-                    self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                    self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
                     if isinstance(e, BackendError):
                         raise
                     raise BackendError(f"request broke off: {e}") from None

@@ -42,6 +42,9 @@ Events (who sends them) and what they do:
                                                       recover on a new relay leg
     Timeout()                           the deadline  FAILED
     ClientDisconnected()                the client    CLOSED
+    Broken(message)                     the shell     FAILED, even after the end: an illegal
+                                                      event, or an action found a backend's
+                                                      reply breaking the stream's invariants
     Ended()                             the shell     after the end: withdraw a destination P
                                                       still waits for, release everything
 
@@ -183,12 +186,17 @@ class ClientDisconnected:
 
 
 @dataclass(frozen=True)
+class Broken:
+    message: str
+
+
+@dataclass(frozen=True)
 class Ended:
     """The request ended (a terminal phase) and its shell cleans up."""
 
 
 Event = Union[PathChosen, RelayTokens, RelayFailed, MdReady, MdNotReady, DestinationDelivered, CutReady,
-              MainTokens, MainFailed, Timeout, ClientDisconnected, Ended]
+              MainTokens, MainFailed, Timeout, ClientDisconnected, Broken, Ended]
 
 
 # ---------------------------------------------------------------------------------- actions
@@ -386,7 +394,7 @@ def transition(state: State, event: Event) -> Result:
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise LifecycleError(f"unknown event {event!r}")
-    if phase is Phase.STARTING and not isinstance(event, (PathChosen, Timeout, ClientDisconnected)):
+    if phase is Phase.STARTING and not isinstance(event, (PathChosen, Timeout, ClientDisconnected, Broken)):
         raise LifecycleError(f"{type(event).__name__} before the path was chosen")
     return handler(state, event)
 
@@ -563,6 +571,10 @@ def _client_disconnected(s: State, e: ClientDisconnected) -> Result:
     return _replace(s, phase=Phase.CLOSED), []
 
 
+def _broken(s: State, e: Broken) -> Result:
+    return _replace(s, phase=Phase.FAILED), []
+
+
 def _ended(s: State, e: Ended) -> Result:
     actions: list = [ReleaseAll(keep_md_kv=s.phase is Phase.DONE)]
     if s.destination is Destination.PENDING:  # ended before P got a destination: P stops waiting
@@ -574,7 +586,8 @@ def _ended(s: State, e: Ended) -> Result:
 _HANDLERS = {PathChosen: _path_chosen, RelayTokens: _relay_tokens, RelayFailed: _relay_failed, MdReady: _md_ready,
              MdNotReady: _md_not_ready, DestinationDelivered: _destination_delivered, CutReady: _cut_ready,
              MainTokens: _main_tokens, MainFailed: _main_failed, Timeout: _timeout,
-             ClientDisconnected: _client_disconnected, Ended: _ended}
+             ClientDisconnected: _client_disconnected, Broken: _broken, Ended: _ended}
 # What may still come once the request ended: P's answer to a destination delivered just
-# before the end (then there is nothing to withdraw), and the shell's cleanup.
-_AFTER_END = {DestinationDelivered: _destination_delivered, Ended: _ended}
+# before the end (then there is nothing to withdraw), a reply found broken while the last
+# actions ran (the request failed after all), and the shell's cleanup.
+_AFTER_END = {DestinationDelivered: _destination_delivered, Broken: _broken, Ended: _ended}
