@@ -308,7 +308,7 @@ def test_refusal_warnings_are_rate_limited(caplog):
 
 
 def test_router_will_not_start_unable_to_sign():
-    from sglang_pdd.router.app import main
+    from sglang_pdd.router.cli import main
 
     with pytest.raises(SystemExit, match="--control-key-file is required"):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
@@ -505,7 +505,7 @@ def test_p_and_the_router_bound_md_tp_by_their_own_configuration():
         validate(PddConfig(role="main", max_md_tp=4, wan_listen="10.0.0.1:1", control_listen="10.0.0.1:2",
                            wan_key_file="k"), "null")
     from sglang_pdd.router import backends
-    from sglang_pdd.router.app import parse_args
+    from sglang_pdd.router.cli import parse_args
 
     base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
     assert parse_args(base + ["--max-md-tp", "4"]).max_md_tp == 4 and parse_args(base).max_md_tp == 8

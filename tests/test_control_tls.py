@@ -309,7 +309,7 @@ def test_router_flags_come_in_threes_and_need_https_control_urls(pki):
 
 
 def test_the_router_will_not_start_with_part_of_the_flags(pki):
-    from sglang_pdd.router.app import main
+    from sglang_pdd.router.cli import main
 
     with pytest.raises(SystemExit, match="missing --control-tls-ca"):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
@@ -319,7 +319,7 @@ def test_the_router_will_not_start_with_part_of_the_flags(pki):
 
 def test_the_local_topology_puts_the_control_plane_on_tls_only_when_asked(pki, tmp_path):
     from sglang_pdd.launcher.topology import ControlTlsFiles, Topology, router_argv, server_argv
-    from sglang_pdd.router.app import parse_args
+    from sglang_pdd.router.cli import parse_args
 
     topo = Topology.on_free_ports(prefills=2)
     topo.key_file = str(tmp_path / "wan.key")

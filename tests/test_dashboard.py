@@ -15,8 +15,10 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_pdd.router.app import Pools, Router
+from sglang_pdd.router.app import Router
+from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
+from sglang_pdd.router.pools import Pools
 
 DASHBOARD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "grafana" / "sglang-pdd.json"
 
@@ -110,7 +112,7 @@ def router_exposition() -> dict[str, tuple[str, str]]:
            handoff_at=1, handoff_mode="one_shot", handoff_stall_s=0.01, handoff_payload_bytes=300,
            rld_tokens=1, md_tokens=31, ttft_s=0.1)
     finish("wan-failed", out[:5], path="p_rld_md", rld_tokens=5, ttft_s=0.1,
-           fallbacks=["wan_failed: KV transfer failed"])
+           fallbacks=[Fallback(Reason.WAN_FAILED, "KV transfer failed")])
     finish("outlier", out[:3], path="p_rld_only", rld_tokens=3, ttft_s=0.05)
     held = router._flow(prompt, {"max_new_tokens": 4}, "running")
     router._admit(held, +1)  # one still in flight when scraped

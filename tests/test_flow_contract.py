@@ -197,7 +197,7 @@ def test_md_restarting_instead_of_continuing_is_refused_and_rld_finishes():
     knobs = Knobs(md_restarts=True)
     run = scenario(knobs, max_new=30, gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 4)))
     assert_invariants(run, 30)
-    assert run.fallbacks == ["md_failed"] and "resume contract" in run.flow.result.fallbacks[0]
+    assert run.fallbacks == ["md_failed"] and "resume contract" in run.flow.result.fallbacks[0].detail
     assert run.flow.result.md_tokens == 0
 
 

@@ -18,10 +18,12 @@ import aiohttp
 import pytest
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
-from sglang_pdd.router.app import Pools, Router, build_app
+from sglang_pdd.router.app import Router, build_app
 from sglang_pdd.router.backends import BackendError
+from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig
+from sglang_pdd.router.pools import Pools
 from fake_backends import Fakes, Knobs, closed_port, serve_app, truth, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,7 +54,7 @@ class Run:
 
     @property
     def fallbacks(self) -> list[str]:
-        return [f.split(":", 1)[0] + (":" + f.split(":", 2)[1].strip() if f.startswith("recovered") else "")
+        return [f.reason.value + (":" + f.detail if f.reason is Reason.RECOVERED_ON_RELAY else "")
                 for f in self.flow.result.fallbacks]
 
 
@@ -251,7 +253,7 @@ def test_md_never_ready_times_out_rld_finishes():
     run = scenario(knobs, max_new=30, gates=gates)
     assert_invariants(run, 30)
     assert run.fallbacks == ["wan_failed"]
-    assert "not ready within" in run.flow.result.fallbacks[0]
+    assert "not ready within" in run.flow.result.fallbacks[0].detail
     assert run.fakes.records("md", "ready")[0].body["timeout_s"] == WAN_TIMEOUT_S
     assert run.fakes.records("md", "handoff") == []
 

@@ -16,10 +16,13 @@ import argparse
 import pytest
 
 from fake_backends import Knobs, closed_port, wait_until
-from sglang_pdd.router.app import Pools, Router, _prefill_arg, parse_args
+from sglang_pdd.router.app import Router
+from sglang_pdd.router.cli import _prefill_arg, parse_args
+from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
+from sglang_pdd.router.pools import Pools
 from test_flow_faults import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants, flow_config, scenario,
                               takeover)
 
@@ -169,7 +172,7 @@ def test_destination_refused_by_p_dropped_room_released_rld_finishes(status):
     assert_invariants(run, 30)  # includes: the registered room released exactly once
     r = run.flow.result
     assert r.path == "p_rld_md" and run.fallbacks == ["wan_destination_failed"]
-    assert f"HTTP {status}" in r.fallbacks[0]
+    assert f"HTTP {status}" in r.fallbacks[0].detail
     assert r.md_tokens == 0 and r.rld_tokens == 30
     room = run.fakes.registered_rooms()[0]
     assert [p.body["bootstrap_room"] for p in run.fakes.records("p", "destination")] == [room]
@@ -179,7 +182,7 @@ def test_destination_refused_by_p_dropped_room_released_rld_finishes(status):
     assert t_of(run, "md", "release") < run.last_chunk_t
     assert run.fakes.records("md", "ready") == [] and run.fakes.records("md", "handoff") == []
     assert len(run.fakes.records("rld", "generate")) == 1
-    assert FLOW_FALLBACK_REASONS["wan_destination_failed"] == "wan_failed"
+    assert FLOW_FALLBACK_REASONS[Reason.WAN_DESTINATION_FAILED] == "wan_failed"
 
 
 def test_wan_fails_after_destination_delivered_no_drop():

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_pdd.router.lifecycle import (AbortLegs, ClientDisconnected, CutReady, Fail, Finish, HandoffAbandoned,
+from sglang_pdd.handoff.policy import HandoffConfig
+from sglang_pdd.router.fallback import Fallback, Reason, Recovery
+from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
+                                         DestinationDelivered, Ended, Fail, Finish, HandoffAbandoned,
                                          HandoffCommitted, LifecycleError, MainFailed, MainOutput, MainTokens, Md,
-                                         MdNotReady, MdReady, PathChosen, Phase, RecordFallback, RelayFailed,
-                                         RelayOutput, RelayTokens, SendFinalHandoff, StartHandoff, StartMdSide,
-                                         StartRelayLeg, State, Timeout, transition)
+                                         MdNotReady, MdReady, PathChosen, Phase, RecordFallback, RecoveryMode,
+                                         ReleaseAll, RelayFailed, RelayOutput, RelayTokens, SendCatchUpBatch,
+                                         SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, State, Timeout,
+                                         WatchMd, WithdrawDestination, transition)
 from sglang_pdd.router.policy import Path
 
 MAX_NEW = 20
+WAN_X = Fallback(Reason.WAN_FAILED, "x")
 LENGTH = {"type": "length", "length": MAX_NEW}
 STOP = {"type": "stop", "matched": 2}
 
@@ -48,7 +53,7 @@ def in_main(cut: int = 5, produced: int = 7) -> State:
 # ------------------------------------------------------------------------------ start
 @pytest.mark.parametrize("path, late, expect", [
     (Path.P_RLD_MD, False, [StartRelayLeg(1, 0, one_token=False, wan=True), StartMdSide(False)]),
-    (Path.P_RLD_MD, True, [StartRelayLeg(1, 0, one_token=False, wan=True), StartMdSide(True)]),
+    (Path.P_RLD_MD, True, [StartRelayLeg(1, 0, one_token=False, wan=True, late_destination=True), StartMdSide(True)]),
     (Path.P_MD, False, [StartRelayLeg(1, 0, one_token=True, wan=True), StartMdSide(False)]),
     (Path.P_RLD_ONLY, False, [StartRelayLeg(1, 0, one_token=False, wan=False)]),
 ])
@@ -59,7 +64,7 @@ def test_path_chosen_starts_the_legs(path, late, expect):
     assert state.md is (Md.NONE if path is Path.P_RLD_ONLY else Md.PENDING)
 
 
-@pytest.mark.parametrize("event", [RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady("x"), CutReady(),
+@pytest.mark.parametrize("event", [RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady(WAN_X), CutReady(),
                                    MainTokens(1), MainFailed("x")])
 def test_nothing_but_the_path_before_the_path(event):
     with pytest.raises(LifecycleError):
@@ -135,7 +140,7 @@ def test_md_ready_before_first_token_no_handoff_if_rld_finishes_with_it():
 
 def test_md_ready_twice_is_illegal():
     state = drive(started(), MdReady())[0]
-    for event in (MdReady(), MdNotReady("x")):
+    for event in (MdReady(), MdNotReady(WAN_X)):
         with pytest.raises(LifecycleError):
             transition(state, event)
 
@@ -194,8 +199,9 @@ def test_rld_finishing_first_while_handing_off_keeps_rlds_tokens():
 
 # ------------------------------------------------------------------------------ faults
 def test_wan_failure_rld_finishes():
-    state, actions = drive(started(), RelayTokens(1, 3), MdNotReady("wan_failed: boom"))
-    assert actions[-1] == RecordFallback("wan_failed: boom") and state.md is Md.FAILED and state.phase is Phase.RELAY
+    boom = Fallback(Reason.WAN_FAILED, "boom")
+    state, actions = drive(started(), RelayTokens(1, 3), MdNotReady(boom))
+    assert actions[-1] == RecordFallback(boom) and state.md is Md.FAILED and state.phase is Phase.RELAY
     state, actions = transition(state, RelayTokens(1, MAX_NEW, LENGTH))
     assert state.phase is Phase.DONE
 
@@ -207,17 +213,17 @@ def test_timeout_while_waiting_for_md():
 
 @pytest.mark.parametrize("order", ["leg_ends_then_not_ready", "not_ready_then_leg_ends"])
 def test_p_md_wan_failure_after_the_bridge_token_recovers_on_a_new_leg(order):
-    events = [RelayTokens(1, 1, {"type": "length", "length": 1}), MdNotReady("wan_failed: x")]
+    events = [RelayTokens(1, 1, {"type": "length", "length": 1}), MdNotReady(Fallback(Reason.WAN_FAILED, "x"))]
     if order == "not_ready_then_leg_ends":
         events = events[::-1]
     state, actions = drive(started(Path.P_MD), *events)
-    assert actions[-3:] == [RecordFallback("recovered_on_relay: wan_failed_after_rld"), AbortLegs(),
+    assert actions[-3:] == [RecordFallback(Fallback.recovered(Recovery.WAN_FAILED_AFTER_RLD)), AbortLegs(),
                             StartRelayLeg(2, resume_len=1, one_token=False, wan=False)]
     assert state.leg == 2 and state.phase is Phase.RELAY and state.relay_produced == 1
 
 
 def test_p_md_wan_failure_before_the_bridge_token():
-    state, actions = drive(started(Path.P_MD), MdNotReady("wan_failed: x"))
+    state, actions = drive(started(Path.P_MD), MdNotReady(Fallback(Reason.WAN_FAILED, "x")))
     assert AbortLegs() not in actions  # RLD's bridge leg still runs
     state, actions = transition(state, RelayTokens(1, 1, {"type": "length", "length": 1}))
     assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
@@ -231,7 +237,7 @@ def test_md_refusing_the_handoff_releases_rlds_tokens(relay_idle):
     else:
         state = drive(handing_off(cut=5), RelayTokens(1, 8))[0]
     state, actions = transition(state, MainFailed("HTTP 409"))
-    assert actions[:2] == [RecordFallback("md_failed: HTTP 409"), HandoffAbandoned()]
+    assert actions[:2] == [RecordFallback(Fallback(Reason.MD_FAILED, "HTTP 409")), HandoffAbandoned()]
     assert state.md is Md.FAILED and state.cut is None
     if relay_idle:
         assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
@@ -244,8 +250,8 @@ def test_md_refusing_the_handoff_releases_rlds_tokens(relay_idle):
 
 def test_md_death_mid_stream_recovers_on_a_new_leg_from_what_the_client_has():
     state, actions = transition(in_main(cut=5, produced=9), MainFailed("connection reset"))
-    assert actions == [RecordFallback("md_failed: connection reset"),
-                       RecordFallback("recovered_on_relay: md_failed_mid_stream"), AbortLegs(),
+    assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "connection reset")),
+                       RecordFallback(Fallback.recovered(Recovery.MD_FAILED_MID_STREAM)), AbortLegs(),
                        StartRelayLeg(2, resume_len=9, one_token=False, wan=False)]
     assert state.phase is Phase.RELAY and state.leg == 2 and state.relay_produced == 9
     # the old leg's stragglers are ignored; the new leg reports from position 0 (resumed ones too)
@@ -264,7 +270,7 @@ def test_recovery_leg_going_behind_the_resume_point_is_illegal():
 def test_catch_up_warmup_failure_rld_finishes():
     state = drive(started(), RelayTokens(1, 3), MdReady())[0]
     state, actions = transition(state, MainFailed("warmup HTTP 500"))
-    assert actions == [RecordFallback("md_failed: warmup HTTP 500")] and state.phase is Phase.RELAY
+    assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "warmup HTTP 500"))] and state.phase is Phase.RELAY
     with pytest.raises(LifecycleError):  # no cut after MD failed
         transition(state, CutReady())
 
@@ -282,8 +288,8 @@ def test_client_disconnect_from_any_running_phase(make):
 
 @pytest.mark.parametrize("terminal", [Phase.DONE, Phase.FAILED, Phase.CLOSED])
 @pytest.mark.parametrize("event", [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(),
-                                   MdNotReady("x"), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
-                                   ClientDisconnected()])
+                                   MdNotReady(WAN_X), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
+                                   ClientDisconnected(), DestinationDelivered()])
 def test_no_event_after_the_end(terminal, event):
     with pytest.raises(LifecycleError):
         transition(State(max_new=MAX_NEW, phase=terminal), event)
@@ -306,7 +312,7 @@ def test_random_event_orders_keep_the_invariants():
                 fin = LENGTH if produced["rld"] == MAX_NEW else None
                 event = RelayTokens(state.leg, produced["rld"], fin)
             elif pick == 1:
-                event = MdReady() if rng.random() < 0.7 else MdNotReady("x")
+                event = MdReady() if rng.random() < 0.7 else MdNotReady(WAN_X)
             elif pick == 2:
                 event = CutReady()
             elif pick == 3:
@@ -344,3 +350,126 @@ def test_fast_replace_matches_dataclasses_replace():
         fast.cut = 4
     with pytest.raises(TypeError):
         lifecycle._replace(s, emited=3)
+
+
+# ------------------------------------------------------------------------------ P's late WAN destination
+def late(room: int = 77) -> State:
+    state, actions = transition(State(max_new=MAX_NEW), PathChosen(Path.P_RLD_MD, True, p_room=room))
+    assert state.destination is Destination.PENDING and state.p_room == room
+    assert actions[0].late_destination and actions[1] == StartMdSide(True)
+    return state
+
+
+def test_a_path_without_md_has_no_destination_to_wait_for():
+    state, actions = transition(State(max_new=MAX_NEW), PathChosen(Path.P_RLD_ONLY, True, p_room=5))
+    assert state.destination is Destination.NONE and not actions[0].late_destination
+
+
+def test_a_delivered_destination_waits_for_mds_kv():
+    state, actions = transition(late(), DestinationDelivered())
+    assert state.destination is Destination.DELIVERED and actions == [WatchMd()]
+    with pytest.raises(LifecycleError):  # P gets it once
+        transition(state, DestinationDelivered())
+    state, actions = transition(state, MdNotReady(WAN_X))  # the KV never landed: nothing to withdraw on P
+    assert actions == [RecordFallback(WAN_X)] and state.destination is Destination.DELIVERED
+
+
+def test_md_refusing_withdraws_the_pending_destination():
+    refused = Fallback(Reason.MD_UNAVAILABLE, "full")
+    state, actions = drive(late(room=9), RelayTokens(1, 2), MdNotReady(refused))
+    assert actions[-2:] == [RecordFallback(refused), WithdrawDestination(9)]
+    assert state.destination is Destination.DROPPED and state.md is Md.FAILED
+    state = transition(state, Timeout())[0]
+    assert transition(state, Ended())[1] == [ReleaseAll(keep_md_kv=False)]  # withdrawn once
+
+
+@pytest.mark.parametrize("end, keep", [(RelayTokens(1, MAX_NEW, LENGTH), True), (Timeout(), False),
+                                       (ClientDisconnected(), False)])
+def test_the_end_withdraws_a_destination_still_pending(end, keep):
+    state = transition(late(room=3), end)[0]
+    state, actions = transition(state, Ended())
+    assert actions == [ReleaseAll(keep_md_kv=keep), WithdrawDestination(3)]
+    assert state.destination is Destination.DROPPED
+
+
+def test_a_destination_delivered_just_before_the_end_is_not_withdrawn():
+    state = transition(late(), RelayTokens(1, MAX_NEW, LENGTH))[0]
+    state, actions = transition(state, DestinationDelivered())  # P's answer, queued behind the finish
+    assert actions == [] and state.destination is Destination.DELIVERED
+    assert transition(state, Ended())[1] == [ReleaseAll(keep_md_kv=True)]
+
+
+def test_ended_only_after_the_end():
+    with pytest.raises(LifecycleError):
+        transition(started(), Ended())
+
+
+# ------------------------------------------------------------------------------ catch-up rounds
+def catching_up(threshold: int = 4, rounds: int = 8) -> State:
+    cfg = HandoffConfig(catch_up_threshold_tokens=threshold, max_catch_up_rounds=rounds)
+    state, _ = transition(State(max_new=MAX_NEW, catch_up=cfg), PathChosen(Path.P_RLD_MD))
+    return state
+
+
+def test_catch_up_hands_batches_until_the_backlog_fits_one_then_cuts():
+    state, actions = drive(catching_up(), RelayTokens(1, 10), MdReady())
+    assert actions[-1] == StartHandoff()
+    state, actions = transition(state, CutReady())
+    assert actions == [SendCatchUpBatch(upto=4, tokens=4, round=0)] and state.phase is Phase.RELAY
+    state, actions = drive(state, RelayTokens(1, 11), CutReady())  # backlog 7 > 4: another round
+    assert actions[-1] == SendCatchUpBatch(upto=8, tokens=4, round=1)
+    state, actions = drive(state, RelayTokens(1, 12), CutReady())  # backlog 4: the final batch
+    assert actions[-1] == SendFinalHandoff(cut=12, catch_up_tail=4)
+    assert state.phase is Phase.HANDING_OFF and state.handed == 8 and state.catch_up_round == 2
+
+
+def test_catch_up_ends_after_its_last_allowed_round():
+    state = drive(catching_up(rounds=2), RelayTokens(1, 15), MdReady())[0]
+    state, actions = transition(state, CutReady())
+    assert actions == [SendCatchUpBatch(upto=4, tokens=4, round=0)]
+    state, actions = drive(state, RelayTokens(1, 19), CutReady())
+    assert actions[-1] == SendFinalHandoff(cut=19, catch_up_tail=15)
+
+
+def test_one_shot_cuts_at_once():
+    state, actions = drive(started(), RelayTokens(1, 10), MdReady(), CutReady())
+    assert actions[-1] == SendFinalHandoff(cut=10) and actions[-1].catch_up_tail is None
+
+
+# ------------------------------------------------------------------------------ recovery modes
+@pytest.mark.parametrize("mode, offset, replays", [(RecoveryMode.REPLAY, 0, 9), (RecoveryMode.RESUME, 0, 9),
+                                                   (RecoveryMode.CONTINUE, 9, 0)])
+def test_a_recovery_leg_continues_as_the_mode_says(mode, offset, replays):
+    state = transition(State(max_new=MAX_NEW, recovery=mode), PathChosen(Path.P_RLD_MD))[0]
+    state = drive(state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9))[0]
+    state, actions = transition(state, MainFailed("gone"))
+    leg = actions[-1]
+    assert leg == StartRelayLeg(2, resume_len=9, one_token=False, wan=False, mode=mode)
+    assert (leg.offset, leg.replays) == (offset, replays)
+    # the leg's first output is checked against the client's 9 positions (a replay), once
+    state, actions = transition(state, RelayTokens(2, 10))
+    assert actions == [RelayOutput(offset=offset, check_replay=replays)]
+    state, actions = transition(state, RelayTokens(2, 11))
+    assert actions == [RelayOutput(offset=offset, check_replay=0)] if offset else [RelayOutput()]
+
+
+def test_a_recovery_from_nothing_starts_afresh():
+    state = transition(State(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_MD))[0]
+    state, actions = transition(state, RelayTokens(1, 0, LENGTH))  # RLD's bridge ended with no token
+    state, actions = transition(state, MdNotReady(WAN_X))
+    assert actions[-1] == StartRelayLeg(2, resume_len=0, one_token=False, wan=False, mode=RecoveryMode.RESUME)
+
+
+def test_a_continue_legs_length_finish_reports_the_whole_budget():
+    state = transition(State(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_RLD_MD))[0]
+    state = drive(state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9), MainFailed("gone"))[0]
+    own = {"type": "length", "length": MAX_NEW - 9}  # the CONTINUE leg's own, smaller budget
+    state, actions = transition(state, RelayTokens(2, MAX_NEW, own))
+    assert actions[-1] == Finish({"type": "length", "length": MAX_NEW}) and state.phase is Phase.DONE
+
+
+@pytest.mark.parametrize("make", [lambda: State(max_new=MAX_NEW), started, handing_off, in_main,
+                                  lambda: drive(started(), RelayTokens(1, MAX_NEW, LENGTH))[0]])
+def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
+    state, actions = transition(make(), Broken("MD repeated a position"))
+    assert state.phase is Phase.FAILED and actions == []

@@ -17,7 +17,9 @@ import pytest
 from fake_backends import Fakes, Knobs, serve_app, truth
 from test_flow_faults import flow_config
 
-from sglang_pdd.router.app import OPERATOR_HEADER, Pools, Router, build_app
+from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
+
+from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 
 TOKEN = "operator-secret-0123456789"
@@ -433,7 +435,7 @@ def test_openai_sampling_checked_as_one_server_before_any_leg(router_sglang_stat
 def test_operator_token_file_must_be_private(tmp_path):
     import os
 
-    from sglang_pdd.router.app import read_operator_token
+    from sglang_pdd.router.cli import read_operator_token
 
     path = tmp_path / "operator-token"
     path.write_text(TOKEN + "\n")

@@ -19,7 +19,9 @@ from pki import make_ca, make_leaf, needs_openssl
 from test_flow_faults import flow_config
 
 from sglang_pdd.router import client_auth
-from sglang_pdd.router.app import Pools, Router, backend_session, build_app, parse_args
+from sglang_pdd.router.app import Router, backend_session, build_app
+from sglang_pdd.router.cli import parse_args
+from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 
 API_KEY = "client-key-0123456789"

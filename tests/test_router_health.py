@@ -14,7 +14,9 @@ from fake_backends import Fakes, Knobs, closed_port, serve_app, truth
 from test_flow_faults import PROMPT, flow_config
 from test_router_api import sse
 
-from sglang_pdd.router.app import OPERATOR_HEADER, NoBackend, Pools, Router, build_app
+from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
+
+from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 from sglang_pdd.router.health import (BackendHealth, Breaker, Drain, Failed, HealthBoard, HealthConfig, Succeeded,
                                       pickable, transition)

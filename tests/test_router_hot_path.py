@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from sglang_pdd.router.backends import SSE_DONE, BackendError, parse_sse_line
+from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.flow import FlowResult
 from sglang_pdd.router.serving import Aborted, _until, result_dict
 
@@ -34,10 +35,13 @@ def test_sse_done_other_lines_and_errors():
 
 
 def test_result_dict_is_asdict():
-    r = FlowResult(rid="x", path="p_rld_md", catch_up_batches=[4, 2], fallbacks=["wan_failed: slow"],
+    r = FlowResult(rid="x", path="p_rld_md", catch_up_batches=[4, 2],
+                   fallbacks=[Fallback(Reason.WAN_FAILED, "slow"), Fallback.recovered(Recovery.WAN_FAILED_AFTER_RLD)],
                    finish_reason={"type": "stop", "matched": 7}, ttft_s=0.5, wan_bytes=10)
     d = result_dict(r)
-    assert d == dataclasses.asdict(r) and list(d) == list(dataclasses.asdict(r))
+    # a fallback as clients see it: its text
+    assert d["fallbacks"] == ["wan_failed: slow", "recovered_on_relay: wan_failed_after_rld"]
+    assert d == {**dataclasses.asdict(r), "fallbacks": d["fallbacks"]} and list(d) == list(dataclasses.asdict(r))
     d["catch_up_batches"].append(1)
     d["finish_reason"]["type"] = "x"
     assert r.catch_up_batches == [4, 2] and r.finish_reason["type"] == "stop"  # copies, as asdict's

@@ -302,6 +302,7 @@ def test_backends_inflight_read_at_scrape_time():
 
 
 def test_observe_flow_from_flow_results():
+    from sglang_pdd.router.fallback import Fallback, Reason
     from sglang_pdd.router.flow import FlowResult
     m = RouterMetrics()
     md_url = "http://md:1"
@@ -312,9 +313,9 @@ def test_observe_flow_from_flow_results():
                         rld_tokens=8, md_tokens=24, ttft_s=0.2)
     m.observe_flow(handed, e2e_s=1.75, output_tokens=32, main_url=md_url)
     failed = FlowResult(rid="b", path="p_rld_md", prompt_tokens=10, rld_tokens=5, ttft_s=0.1,
-                        fallbacks=["wan_failed: not ready within 30s"])
+                        fallbacks=[Fallback(Reason.WAN_FAILED, "not ready within 30s")])
     m.observe_flow(failed, e2e_s=0.5, output_tokens=5, main_url=md_url)
-    m.observe_flow(FlowResult(rid="c", prompt_tokens=4, fallbacks=["md_unavailable: refused"]), e2e_s=0.1, output_tokens=0)
+    m.observe_flow(FlowResult(rid="c", prompt_tokens=4, fallbacks=[Fallback(Reason.MD_UNAVAILABLE, "refused")]), e2e_s=0.1, output_tokens=0)
     assert value(m, "pdd:requests_total", path="p_rld_md") == 2
     assert value(m, "pdd:requests_total", path="p_rld_only") == 1  # no path: MD never came in
     assert value(m, "pdd:tpot_seconds_sum", path="p_rld_md") == pytest.approx(1.55 / 31 + 0.4 / 4)

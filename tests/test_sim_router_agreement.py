@@ -100,13 +100,13 @@ def test_pdd_places_prefill_by_prefix_like_the_router():
 
 def test_sim_places_p_rld_and_md_as_pools_pick():
     """Random in-flight counts and prefix owners: the sim's P, RLD and MD choice for a PDD
-    request is router/app.py's Pools.pick (16-token blocks there, one trace block here),
+    request is router/pools.py's Pools.pick (16-token blocks there, one trace block here),
     every server healthy. Several picks per state with the counters in step: P's rotation
     decides among equal candidates (frequent here: loads from 0-2, often no prefix)."""
     import random
     from types import SimpleNamespace
 
-    from sglang_pdd.router.app import Pools
+    from sglang_pdd.router.pools import Pools
     rng = random.Random(1)
     cfg = ScenarioConfig("pdd", "pdd", n_prefill=3, n_rld=3, n_md=4, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
     tokens = list(range(1000, 1000 + 16 * 6))

@@ -1,29 +1,21 @@
 """The PDD router's HTTP front (aiohttp): SGLang's API over P, RLD and MD pools.
 
 I/O only: per request item a ``PddFlow`` (router/flow.py) runs the legs; path and handoff
-decisions come from the pure policy modules. ``/generate`` and the OpenAI endpoints are served
-by SGLang's own code on the router's ``PddTokenizerManager`` (router/serving.py,
-router/openai_front.py); what clients may send is checked by router/validate.py. The API,
-its limits and what is operator-only: docs/api.md.
-
-    python -m sglang_pdd.router --tokenizer-path MODEL \\
-        --prefill http://P:30000,8998[,http://P:31000] --relay http://RLD:30001 \\
-        --main http://MD:30002,http://MD:31002,WAN_HOST:WAN_PORT
+decisions come from the pure policy modules, the servers from the pools (router/pools.py).
+``/generate`` and the OpenAI endpoints are served by SGLang's own code on the router's
+``PddTokenizerManager`` (router/serving.py, router/openai_front.py); what clients may send is
+checked by router/validate.py. The API, its limits and what is operator-only: docs/api.md.
+The command line that starts it: router/cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
-import os
-import shlex
-import sys
 import time
 from typing import AsyncIterator, Optional
 
@@ -33,18 +25,16 @@ from aiohttp import web
 from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
-from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router import client_auth, control_tls
+from sglang_pdd.handoff.policy import HandoffMode
+from sglang_pdd.router import client_auth
 from sglang_pdd.router.backends import BackendError, MainControl
-from sglang_pdd.router import lifecycle
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
-from sglang_pdd.router.health import Drain, Failed, HealthBoard, HealthConfig, Succeeded
+from sglang_pdd.router.fallback import Fallback, Reason
+from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
+from sglang_pdd.router.health import Drain, Failed, Succeeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
-from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
-from sglang_pdd.router.policy import Path, PathPolicyConfig
+from sglang_pdd.router.policy import Path
 from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
-from sglang_pdd.router.prefix_index import PrefixIndex
+from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
 from sglang_pdd.router.serving import BackendsUnavailable, PddTokenizerManager, UpstreamError
@@ -53,93 +43,6 @@ from sglang_pdd.router.validate import ApiError, check_generate_body, parse_json
 logger = logging.getLogger("sglang_pdd.router")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # default of --max-body-bytes
-
-
-class NoBackend(Exception):
-    """No server of a role the request needs may be picked now (breakers open, draining)."""
-
-
-class Pools:
-    """Backend pools and what the router knows of them: in-flight counts, cached prefixes and
-    health (router/health.py: breakers per server and per P-RLD pair, drain)."""
-
-    def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
-                 index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None):
-        if not prefill or not relay:
-            raise ValueError("the router needs at least one --prefill and one --relay server")
-        self.prefill, self.relay, self.main = prefill, relay, main
-        self._rr = itertools.count()
-        self.p_inflight = {p.url: 0 for p in prefill}
-        self.rld_inflight = {url: 0 for url in relay}
-        self.md_inflight = {m.url: 0 for m in main}
-        # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
-        self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
-        self.health = HealthBoard(health or HealthConfig())
-
-    def roles(self) -> dict[str, list[str]]:
-        return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
-
-    def inflight(self) -> dict[str, dict[str, int]]:
-        """Role -> {url: requests in flight}, the live counts (not copies)."""
-        return {"prefill": self.p_inflight, "relay": self.rld_inflight, "main": self.md_inflight}
-
-    def pick(self, input_ids: list[int], now: Optional[float] = None,
-             exclude: frozenset = frozenset()) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
-        """P and MD by cached prefix with load balance, RLD by load; only servers (and P-RLD pairs)
-        the health board lets through, none of the urls in ``exclude``. No P or no RLD:
-        NoBackend. No MD: None (RLD serves)."""
-        now = time.monotonic() if now is None else now
-
-        def ok(key, now) -> bool:
-            return key[-1] not in exclude and self.health.pickable(key, now)
-
-        relays = [url for url in self.relay if ok(("relay", url), now)]
-        if not relays:
-            raise NoBackend("no relay decode server is available (every one is failing or draining)")
-        # a P whose pairs with every available RLD are failing cannot serve either
-        prefills = [p for p in self.prefill
-                    if ok(("prefill", p.url), now) and any(ok(("pair", p.url, url), now) for url in relays)]
-        if not prefills:
-            raise NoBackend("no prefill server is available (every one is failing or draining, "
-                            "or failing with every available relay decode server)")
-        turn = next(self._rr) % len(prefills)  # equal candidates take turns
-        prefill = self._by_prefix(prefills[turn:] + prefills[:turn], self.p_inflight, input_ids)
-        relays = [url for url in relays if ok(("pair", prefill.url, url), now)]
-        relay = min(relays, key=lambda url: self.rld_inflight[url])  # least loaded RLD
-        mains = [m for m in self.main if ok(("main", m.url), now)]
-        main = self._by_prefix(mains, self.md_inflight, input_ids) if mains else None
-        return prefill, relay, main
-
-    def _by_prefix(self, servers: list, inflight: dict[str, int], input_ids: list[int]):
-        """The server holding the longest cached prefix of the prompt, unless it has 4+ more
-        requests in flight than the least loaded (then that one); ties to the least loaded."""
-        by_load = sorted(servers, key=lambda s: inflight[s.url])
-        owner, matched = self.prefixes.best([s.url for s in by_load], input_ids)
-        loads = [InstanceLoad(s.url, inflight[s.url]) for s in servers]
-        chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
-        return next(s for s in servers if s.url == chosen)
-
-    def record_health(self, flow: PddFlow, now: float) -> None:
-        """A finished flow's outcome on the board: each backend a leg broke on fails; a request
-        that completed is a success for every server and pair it used (closes a half-open
-        breaker). A client gone or a timeout is neither."""
-        failed = set(map(tuple, flow.result.failed_backends))
-        for key in failed:
-            self.health.record(key, Failed(now, "a request failed on it"))
-        if flow.state.phase is not lifecycle.Phase.DONE:
-            return
-        used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
-        if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
-            used.append(("main", flow.main.url))
-        for key in used:
-            if key not in failed:
-                self.health.record(key, Succeeded(now))
-
-    def record(self, flow: PddFlow, output_ids: list[int]) -> None:
-        """After a request: P holds its prompt; the MD that decoded it holds prompt + output."""
-        self.prefixes.record(flow.prefill.url, flow.ids)
-        if flow.main is not None and flow.result.md_tokens:
-            self.prefixes.record(flow.main.url, flow.ids + output_ids)
 
 
 class RequestError(ValueError):
@@ -479,7 +382,8 @@ class Router:
         except BackendsUnavailable:
             return None
         flow.retry_of = failed
-        flow.result.fallbacks[:0] = failed.result.fallbacks + [f"retried_elsewhere: {', '.join(sorted(bad))}"]
+        retried = Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(bad)))
+        flow.result.fallbacks[:0] = failed.result.fallbacks + [retried]
         logger.warning("rid %s failed before its first token on %s; retried on other servers",
                        failed.result.rid, sorted(bad))
         return flow
@@ -528,7 +432,7 @@ class Router:
                        rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
                        use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, extras=extras)
         if main is None and self.pools.main:
-            flow.result.fallbacks.append("md_unavailable: every MD is failing or draining")
+            flow.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
         return flow
 
@@ -568,7 +472,8 @@ class Router:
             "md_cached": r.md_cached_tokens, "md_cached_est": r.md_cached_estimate,
             "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
             "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
-            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens, "fallbacks": r.fallbacks}))
+            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens,
+            "fallbacks": [str(f) for f in r.fallbacks]}))
         try:
             self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
         except ValueError as e:  # metrics must never break serving
@@ -623,211 +528,3 @@ def build_app(router: Router, max_body_bytes: int = MAX_BODY_BYTES) -> web.Appli
     app.router.add_get("/pdd/backends", router.backends)
     app.router.add_post("/pdd/backends/drain", router.drain)
     return app
-
-
-def _prefill_arg(value: str) -> PrefillBackend:
-    """URL,BOOTSTRAP_PORT or URL,BOOTSTRAP_PORT,CONTROL_URL (P's --pdd-control-listen)."""
-    from urllib.parse import urlparse
-
-    head, _, last = value.rpartition(",")
-    control = None
-    if not last.isdigit():  # a third field: P's control API
-        control, (head, _, last) = last, head.rpartition(",")
-        if urlparse(control).scheme not in ("http", "https") or not urlparse(control).hostname:
-            raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT[,CONTROL_URL] with an "
-                                             f"http(s) CONTROL_URL, got {value!r}")
-    if not head or not last.isdigit():
-        raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT[,CONTROL_URL], got {value!r}")
-    return PrefillBackend(head, int(last), urlparse(head).hostname or "127.0.0.1", control_url=control)
-
-
-def _main_arg(value: str) -> MainBackend:
-    parts = value.split(",")
-    if len(parts) != 3 or ":" not in parts[2]:
-        raise argparse.ArgumentTypeError(f"--main must be URL,CONTROL_URL,WAN_HOST:WAN_PORT, got {value!r}")
-    return MainBackend(*parts)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m sglang_pdd.router",
-                                 description="PDD router: P, RLD and MD pools behind one /generate.")
-    ap.add_argument("--prefill", type=_prefill_arg, action="append", required=True,
-                    help="URL,BOOTSTRAP_PORT[,CONTROL_URL] of a prefill server (repeatable); CONTROL_URL is "
-                         "P's --pdd-control-listen: then P->RLD->MD requests start P and RLD without "
-                         "waiting for MD's room registration (one WAN round trip off the TTFT)")
-    ap.add_argument("--relay", action="append", required=True, help="URL of a relay decode server (repeatable)")
-    ap.add_argument("--main", type=_main_arg, action="append", default=[],
-                    help="URL,CONTROL_URL,WAN_ADDR of a main decode server; WAN_ADDR is what P dials (repeatable)")
-    ap.add_argument("--tokenizer-path", required=True, help="tokenizer of the served model")
-    ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30300)
-    ap.add_argument("--workers", type=int, default=1,
-                    help="router processes serving --port (SO_REUSEPORT); each keeps its own prefix index, "
-                         "in-flight counts and metrics (docs/router.md)")
-    ap.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on each worker
-    ap.add_argument("--max-prompt-tokens", type=int, default=32768)
-    ap.add_argument("--max-md-tp", type=int, default=8,
-                    help="the largest TP size an MD may report at registration (P dials one WAN port per MD "
-                         "rank); a larger one is a failed registration and the request stays on RLD")
-    ap.add_argument("--control-key-file", default=None,
-                    help="the servers' --pdd-wan-key-file: the router signs its calls to MD's and P's control "
-                         "APIs with it (they refuse unsigned ones); required with --main or a P CONTROL_URL")
-    lim = ap.add_argument_group("client input limits and operator access (docs/api.md)")
-    lim.add_argument("--max-new-tokens-cap", type=int, default=32768,
-                     help="largest max_new_tokens / max_tokens a client may ask for (400 above)")
-    lim.add_argument("--max-n", type=int, default=16, help="largest parallel sample count n")
-    lim.add_argument("--max-flows-per-request", type=int, default=64,
-                     help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD)")
-    lim.add_argument("--max-grammar-bytes", type=int, default=16384,
-                     help="largest json_schema / regex / ebnf / structural_tag (P, RLD and MD each compile it)")
-    lim.add_argument("--max-prompt-chars", type=int, default=None,
-                     help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
-    lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
-    lim.add_argument("--operator-token-file", default=None,
-                     help="file holding the operator token: requests with header X-PDD-Operator-Token equal "
-                          "to it may send pdd_options, get meta_info.pdd, /flush_cache, abort_all")
-    lim.add_argument("--every-client-is-operator", action="store_true",
-                     help="tests and benchmarks only: every request is an operator request")
-    lim.add_argument("--enable-cache-report", action="store_true",
-                     help="report P's prefix hit as meta_info.cached_tokens / usage cached tokens "
-                          "(off: 0, so a tenant cannot probe another's prompts through the cache)")
-    sg = ap.add_argument_group("SGLang serving layer (chat template, parsers), as on a plain SGLang server")
-    sg.add_argument("--chat-template", default=None)
-    sg.add_argument("--completion-template", default=None)
-    sg.add_argument("--tool-call-parser", default=None)
-    sg.add_argument("--reasoning-parser", default=None)
-    sg.add_argument("--context-length", type=int, default=None)
-    sg.add_argument("--sglang-args", default="",
-                    help="further SGLang server flags for the serving layer, one shell-quoted string")
-    g = ap.add_argument_group("path policy (uncached tokens and estimated WAN transfer time)")
-    g.add_argument("--wan-gbps", type=float, default=10.0, help="WAN link rate used to estimate transfer time")
-    g.add_argument("--wan-rtt-ms", type=float, default=40.0)
-    g.add_argument("--kv-bytes-per-token", type=int, default=46_000,
-                   help="KV size for the WAN estimate until MD reports its own (its stats, asked at start, "
-                        "and each registration answer)")
-    g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    g.add_argument("--max-wan-transfer-ms", type=float, default=None,
-                   help="P->MD when the uncached suffix crosses the WAN within this; default: 25%% of the TTFT SLO")
-    g.add_argument("--page-size", type=int, default=1, help="KV page size of P and MD (whole-page hits)")
-    g.add_argument("--outlier-min-input-tokens", type=int, default=32_768)
-    g.add_argument("--outlier-max-output-tokens", type=int, default=16)
-    g.add_argument("--disable-outlier-filter", action="store_true")
-    g.add_argument("--wan-timeout-s", type=float, default=30.0,
-                   help="MD's KV not landed by then: RLD finishes the request")
-    ap.add_argument("--request-timeout-s", type=float, default=600.0,
-                    help="a request still running after this fails with a clear error; all its legs are aborted")
-    h = ap.add_argument_group("handoff")
-    h.add_argument("--handoff-mode", choices=["auto", "one_shot", "catch_up"], default="auto",
-                   help="auto follows RLD load (one-shot when busy, catch-up when idle)")
-    h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
-    h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
-    hc = ap.add_argument_group("backend health (docs/router.md)")
-    hc.add_argument("--health-check-interval-s", type=float, default=10.0,
-                    help="GET /health on every backend this often (SGLang's /health decodes one token; "
-                         "0: passive checks only)")
-    hc.add_argument("--breaker-failures", type=int, default=3,
-                    help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
-    hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
-                    help="how long a backend stays out before it gets a trial request again")
-    client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
-    control_tls.add_args(ap)  # --control-tls-*
-    return ap.parse_args(argv)
-
-
-def flow_config(args) -> FlowConfig:
-    return FlowConfig(
-        path=PathPolicyConfig(wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms,
-                              kv_bytes_per_token=args.kv_bytes_per_token, ttft_slo_ms=args.ttft_slo_ms,
-                              max_wan_transfer_ms=args.max_wan_transfer_ms, page_size=args.page_size,
-                              enable_outlier_filter=not args.disable_outlier_filter,
-                              outlier_min_input_tokens=args.outlier_min_input_tokens,
-                              outlier_max_output_tokens=args.outlier_max_output_tokens),
-        handoff=HandoffConfig(catch_up_threshold_tokens=args.catch_up_threshold,
-                              fixed_mode=None if args.handoff_mode == "auto" else HandoffMode(args.handoff_mode)),
-        wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
-        request_timeout_s=args.request_timeout_s)
-
-
-def sglang_argv(args) -> list[str]:
-    """SGLang server flags for the router's serving layer (tokenizer, templates, parsers)."""
-    argv = ["--model-path", args.tokenizer_path, "--device", "cpu"]
-    for flag, value in (("--served-model-name", args.served_model_name), ("--chat-template", args.chat_template),
-                        ("--completion-template", args.completion_template),
-                        ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser),
-                        ("--context-length", args.context_length)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.enable_cache_report:
-        argv.append("--enable-cache-report")
-    return argv + shlex.split(args.sglang_args)
-
-
-def read_operator_token(path: Optional[str]) -> Optional[str]:
-    """The token in ``path``, refused (SystemExit naming the file) when group or others may
-    access the file, as the key files are: anyone who reads it may steer PDD and flush caches."""
-    if path is None:
-        return None
-    try:
-        fd = open_private(path)
-    except KeyFileError as e:
-        raise SystemExit(f"--operator-token-file: {e}") from None
-    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
-        token = f.read(1 << 16).strip()
-    if len(token) < 16:
-        raise SystemExit(f"--operator-token-file {path}: the token must have at least 16 characters")
-    return token
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.workers < 1:
-        raise SystemExit("sglang_pdd.router: error: --workers must be at least 1")
-    if args.workers > 1:
-        from sglang_pdd.router.workers import run_workers
-
-        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from sglang_pdd.router.serving import build_sglang_state
-
-    client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
-    client_auth.use_backend_api_key(args.backend_api_key)
-    client_auth.use_backend_ca(args.backend_ca_file)
-
-    from sglang_pdd.kv_channel.handshake import load_key
-    from sglang_pdd.router.backends import set_max_md_tp, use_control_key, use_control_tls
-
-    control_urls = [p.control_url for p in args.prefill if p.control_url] + [m.control_url for m in args.main]
-    use_control_tls(control_tls.control_client_context(args, control_urls))
-
-    try:
-        set_max_md_tp(args.max_md_tp)
-    except ValueError as e:
-        raise SystemExit(f"sglang_pdd.router: error: {e}") from None
-
-    if args.control_key_file:
-        try:
-            use_control_key(load_key(args.control_key_file))
-        except ValueError as e:  # KeyFileError: names the file, its mode or length
-            raise SystemExit(f"sglang_pdd.router: error: --control-key-file: {e}") from None
-    elif args.main or any(p.control_url for p in args.prefill):
-        raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main or a P CONTROL_URL "
-                         "(MD and P accept only signed control calls)")
-    state = build_sglang_state(sglang_argv(args))
-    if args.every_client_is_operator:
-        logger.warning("--every-client-is-operator: any client may steer PDD (pdd_options); tests only")
-    try:
-        health = HealthConfig(failure_threshold=args.breaker_failures, cooldown_s=args.breaker_cooldown_s)
-    except ValueError as e:
-        raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
-    router = Router(Pools(args.prefill, args.relay, args.main, health=health), flow_config(args), state[2],
-                    args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
-                    max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
-                    operator_token=read_operator_token(args.operator_token_file),
-                    every_client_is_operator=args.every_client_is_operator,
-                    report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
-                    max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
-                    health_check_interval_s=args.health_check_interval_s)
-    web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
-                port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
-                ssl_context=client_ssl)

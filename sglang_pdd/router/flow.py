@@ -8,17 +8,26 @@ decisions), and performs the actions the transition function returns. The events
 sends them:
 
     event (router/lifecycle.py)         sent by
-    PathChosen(path, late_destination)  _choose_path, before any leg starts
+    PathChosen(path, late_destination,  _choose_path, before any leg starts
+               p_room)
     RelayTokens(leg, produced, finish)  _relay_leg: each event of RLD's stream
     RelayFailed(leg, message)           _relay_leg / _prefill_leg: RLD or P failed
-    MdReady / MdNotReady(fallback)      _watch_ready (MD's KV landed, or not: "wan_failed: ..."),
-                                        _register_and_deliver ("md_unavailable: ...",
-                                        "wan_destination_failed: ...")
-    CutReady()                          _handoff, after its catch-up rounds (if any)
+    MdReady / MdNotReady(fallback)      _watch_ready (MD's KV landed, or not: WAN_FAILED),
+                                        _register_and_deliver (MD_UNAVAILABLE,
+                                        WAN_DESTINATION_FAILED)
+    DestinationDelivered()              _register_and_deliver: P accepted MD's room
+    CutReady()                          StartHandoff, and _catch_up after each catch-up batch
     MainTokens(produced, finish)        _final_handoff: each event of MD's stream
-    MainFailed(message)                 _handoff / _final_handoff: MD refused or died
+    MainFailed(message)                 _catch_up / _final_handoff: MD refused or died
     Timeout()                           _run: --request-timeout-s passed
+    Broken(message)                     _run: an event was illegal, or a backend's reply broke
+                                        the stream's invariants (an action raised)
     ClientDisconnected()                events(): the consumer closed the generator early
+    Ended()                             events(), last: the cleanup (abort, release, withdraw)
+
+PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.State). What
+it keeps are I/O handles (session, tasks, queue, stitcher, live backend rids, MD's room id) and
+statistics for FlowResult.
 
 The handoff continues the request on MD (the resume contract, docs/router.md): MD gets the
 eager token ids, the client's TOTAL max_new_tokens and the logprob fields, and its stream
@@ -53,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import json
 import logging
 import secrets
@@ -63,11 +71,13 @@ from typing import AsyncIterator, Callable, Optional
 
 import aiohttp
 
-from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choose_mode, next_catch_up_batch
+from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choose_mode
 from sglang_pdd.handoff.output_meta import OutputMeta
-from sglang_pdd.handoff.stitcher import Source, StitchError, StreamStitcher
+from sglang_pdd.handoff.stitcher import StitchError, StreamStitcher
 from sglang_pdd.router import lifecycle
 from sglang_pdd.protocol import RESUME_KEY, RegisterReply, without_pdd_params
+from sglang_pdd.router.fallback import Fallback, Reason
+from sglang_pdd.router.lifecycle import RecoveryMode
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply, abort,
                                         generate_once, generate_stream)
 from sglang_pdd.router.bodies import (handoff_body, late_destination_params, pd_leg_body, wan_destination_params,
@@ -106,27 +116,8 @@ class FlowConfig:
     request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
     default_max_new_tokens: int = 128
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
-    # (RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
+    # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
     recovery: str = "auto"
-
-
-class RecoveryMode(str, enum.Enum):
-    """How a recovery leg continues the request on P and RLD (a PD pair).
-
-    RESUME: prompt + emitted tokens with the resume marker and the total budget (the resume
-      contract), for P / RLD servers that support resuming in PD mode. SGLang's PD path does
-      not (sglang_glue/resume.py: a PD server answers 400), hence not the default.
-    REPLAY: the original request again (prompt, total budget, the client's sampling); its
-      first positions must reproduce what the client has (checked, else the request fails)
-      and are dropped. Exact for greedy requests: grammar, stop strings, penalties,
-      min/max_new_tokens and logprobs behave as on one server. Costs re-decoding those tokens.
-    CONTINUE: prompt + emitted tokens as a NEW request with the remaining budget (the old
-      behaviour): the eager tokens count as prompt, so grammar / stop-string / penalty state
-      restarts at the cut; for sampled requests, whose replay would diverge.
-    """
-    RESUME = "resume"
-    REPLAY = "replay"
-    CONTINUE = "continue"
 
 
 def is_greedy(sampling: dict) -> bool:
@@ -162,7 +153,7 @@ class FlowResult:
     catch_up_batches: list = field(default_factory=list)
     rld_tokens: int = 0  # output tokens the client got from RLD (eager + any fallback)
     md_tokens: int = 0  # output tokens the client got from MD
-    fallbacks: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)  # router/fallback.py's Fallback, in order
     finish_reason: Optional[dict] = None
     ttft_s: Optional[float] = None
     recovery_mode: Optional[str] = None  # how the last recovery leg continued (RecoveryMode)
@@ -245,7 +236,10 @@ class PddFlow:
         self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
                                  md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0,
                                  prefill_url=prefill.url, main_url=main.url if main is not None else None)
-        self.state = lifecycle.State(max_new=self.max_new)
+        # RLD's load when the request arrived sets the handoff mode; catch-up rounds are the lifecycle's.
+        self.handoff_mode = choose_mode(RldLoad(rld_inflight, cfg.rld_max_running), cfg.handoff)
+        self.state = lifecycle.State(max_new=self.max_new, recovery=self._recovery_mode(),
+                                     catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
@@ -255,20 +249,12 @@ class PddFlow:
         self.md_tp = 1  # MD's TP size, from its registration answer
         self.control = MainControl(session, main.control_url) if main else None
         self.p_control = PrefillControl(session, prefill.control_url) if prefill.control_url else None
-        # Late WAN destination (P control API): None (not used), then "pending" ->
-        # "delivered" | "dropped". While pending, the end of the request withdraws it on P.
-        self._destination: Optional[str] = None
-        self._p_room: Optional[int] = None  # bootstrap room of the P leg that awaits it
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
         self.force_path = force_path
         self.use_drc = use_drc
-        self._planned_wan = (0, 0)  # (bytes to send, bytes MD already has) for this request
-        self._handoff_t = 0.0
-        self._handed = 0  # eager tokens MD has extended in catch-up rounds
-        self._round = 0  # catch-up rounds done
+        self._planned_wan = (0, 0)  # statistics: (bytes to send, bytes MD already has)
+        self._handoff_t = 0.0  # statistics: when the final handoff was sent
         self._out_meta = OutputMeta(self.extras)
-        self._leg_offset: dict[int, int] = {}  # leg -> output position of its own first token
-        self._leg_replays: dict[int, int] = {}  # leg -> positions it replays (checked once)
         # P's reply to the first leg: the prompt's logprobs come from it (P prefills the prompt; a
         # PD decode server reports none). Asked for, the client's first output waits for it, as
         # SGLang's mini_lb reads P's reply before the decode server's.
@@ -315,8 +301,7 @@ class PddFlow:
                                f"and P gave none: {self._prefill_failure or f'its reply lacks {missing}'}")
 
     async def _run(self) -> AsyncIterator[list[int]]:
-        path = await self._choose_path()
-        await self.queue.put((lifecycle.PathChosen(path, late_destination=self._destination == "pending"), None))
+        await self.queue.put((await self._choose_path(), None))
         deadline = self.t0 + self.cfg.request_timeout_s
         while True:
             try:
@@ -325,19 +310,16 @@ class PddFlow:
                 event, payload = lifecycle.Timeout(
                     f"request not finished within {self.cfg.request_timeout_s:.0f}s "
                     f"(--request-timeout-s); every leg is aborted"), None
-            if isinstance(event, lifecycle.CutReady) and self._more_catch_up():
-                self._spawn(self._handoff())
-                continue
             try:
                 self.state, actions = lifecycle.transition(self.state, event)
             except lifecycle.LifecycleError as e:
-                self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
                 raise BackendError(f"request broke off: {e}") from None
             for action in actions:
                 try:
                     out = self._perform(action, payload)
                 except (StitchError, BackendError) as e:  # a backend broke the stream's invariants
-                    self.state = dataclasses.replace(self.state, phase=lifecycle.Phase.FAILED)
+                    self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
                     if isinstance(e, BackendError):
                         raise
                     raise BackendError(f"request broke off: {e}") from None
@@ -352,10 +334,13 @@ class PddFlow:
             self._start_relay_leg(action)
         elif isinstance(action, lifecycle.StartMdSide):
             self._spawn(self._register_and_deliver() if action.late_destination else self._watch_ready())
+        elif isinstance(action, lifecycle.WatchMd):
+            self._spawn(self._watch_ready())
+        elif isinstance(action, lifecycle.WithdrawDestination):
+            self._spawn(self.p_control.drop_wan_destination(action.p_room), must_finish=True)
         elif isinstance(action, lifecycle.RelayOutput):
             leg, event = payload
-            ids, offset = event.get("output_ids", []), self._leg_offset.get(leg, 0)
-            replayed = self._leg_replays.pop(leg, 0)
+            ids, offset, replayed = event.get("output_ids", []), action.offset, action.check_replay
             if replayed and ids[:replayed] != self.stitcher.emitted[:replayed]:
                 raise BackendError(f"recovery leg {leg} diverged from the {replayed} tokens the client has "
                                    f"(a sampled request replayed? recovery 'continue' suits those)")
@@ -365,10 +350,16 @@ class PddFlow:
             self._out_meta.emitted(("rld", leg), before, len(self.stitcher.emitted))
             return out
         elif isinstance(action, lifecycle.StartHandoff):
-            self._spawn(self._handoff())
+            self.result.handoff_mode = self.handoff_mode.value
+            self.queue.put_nowait((lifecycle.CutReady(), None))
+        elif isinstance(action, lifecycle.SendCatchUpBatch):
+            self.result.catch_up_batches.append(action.tokens)
+            self._spawn(self._catch_up(action))
         elif isinstance(action, lifecycle.SendFinalHandoff):
             eager = self.stitcher.begin_handoff()
             assert len(eager) == action.cut, (len(eager), action.cut)
+            if action.catch_up_tail is not None:
+                self.result.catch_up_batches.append(action.catch_up_tail)
             self._spawn(self._final_handoff(eager))
         elif isinstance(action, lifecycle.HandoffCommitted):
             self._on_handoff_committed()
@@ -386,8 +377,8 @@ class PddFlow:
             self.result.md_tokens += len(out)
             return out
         elif isinstance(action, lifecycle.RecordFallback):
-            self.result.fallbacks.append(action.tag)
-            logger.warning("rid %s: %s", self.result.rid, action.tag)
+            self.result.fallbacks.append(action.fallback)
+            logger.warning("rid %s: %s", self.result.rid, action.fallback)
         elif isinstance(action, lifecycle.AbortLegs):
             for rid, url in list(self.live_rids.items()):
                 self._spawn(abort(self.session, url, rid), must_finish=True)
@@ -395,21 +386,20 @@ class PddFlow:
             self.stitcher.resume_relay()
             self.result.finish_reason = None
         elif isinstance(action, lifecycle.Finish):
-            finish = action.finish_reason
-            if finish.get("type") == "length" and "length" in finish:  # a CONTINUE leg's own budget
-                finish = {**finish, "length": self.max_new}
-            self.result.finish_reason = finish
+            self.result.finish_reason = action.finish_reason
         elif isinstance(action, lifecycle.Fail):
             raise BackendError(action.message)
+        elif isinstance(action, lifecycle.ReleaseAll):
+            self._release_all(action.keep_md_kv)
         else:  # pragma: no cover - a new action without its I/O
             raise AssertionError(f"unhandled lifecycle action {action!r}")
         return []
 
     # ------------------------------------------------------------------ path choice
-    async def _choose_path(self) -> Path:
+    async def _choose_path(self) -> lifecycle.PathChosen:
         if self.main is not None and self.p_control is not None:
             return await self._choose_path_on_estimate()
-        return await self._register_and_choose_path()
+        return lifecycle.PathChosen(await self._register_and_choose_path())
 
     def _decide(self, md_cached: int) -> PathDecision:
         # RLD's load feeds the load-aware WAN budget (an explicit --max-wan-transfer-ms wins);
@@ -420,7 +410,7 @@ class PddFlow:
             decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
         return decision
 
-    async def _choose_path_on_estimate(self) -> Path:
+    async def _choose_path_on_estimate(self) -> lifecycle.PathChosen:
         """P has a control API: decide on the router's estimate of MD's prefix, without a WAN
         round trip. P->RLD->MD starts P and RLD at once and registers on MD concurrently
         (``_register_and_deliver``). P->MD still registers first (MD's first token is the
@@ -432,13 +422,13 @@ class PddFlow:
                 self.cfg.path, kv_bytes_per_token=self.main.kv_bytes_per_token))
         decision = self._decide(self.result.md_cached_estimate)
         if decision.path is Path.P_MD:
-            return await self._register_and_choose_path()
+            return lifecycle.PathChosen(await self._register_and_choose_path())
         self.result.path, self.result.reason = decision.path.value, decision.reason
         if decision.path is Path.P_RLD_MD:
-            self.room = self._p_room = new_room()
-            self._destination = "pending"
+            self.room = new_room()  # MD's room and P's bootstrap room of leg 1
             self.result.md_registration = "concurrent"
-        return decision.path
+            return lifecycle.PathChosen(decision.path, late_destination=True, p_room=self.room)
+        return lifecycle.PathChosen(decision.path)
 
     async def _register_and_choose_path(self) -> Path:
         """MD's room first (one round trip to MD), then the path on MD's exact prefix."""
@@ -451,7 +441,7 @@ class PddFlow:
                 cached = self._on_registered(reg)
             except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
                 self._blame("main", self.main.url, e)
-                self.result.fallbacks.append(f"md_unavailable: {e}")
+                self.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, str(e)))
                 logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
                 if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
                     self._spawn(self.control.release(self.room), must_finish=True)
@@ -484,7 +474,7 @@ class PddFlow:
         """P and RLD run already: register the room on MD, tell P the destination (MD's exact
         prefix), then wait for MD's KV as usual. Any failure withdraws the destination on P
         and ends in a failed "ready", so RLD finishes the request."""
-        room, reg = self.room, None
+        room, p_room, reg = self.room, self.state.p_room, None
         try:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             cached = self._on_registered(reg)
@@ -493,25 +483,19 @@ class PddFlow:
             if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
                 self._spawn(self.control.release(room), must_finish=True)
             self.room = None  # MD holds no room for it
-            await self._no_destination(f"md_unavailable: {e}")
+            await self._md_side_failed(Fallback(Reason.MD_UNAVAILABLE, str(e)))
             return
         if cached != self.result.md_cached_estimate:
             logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
                         self.result.rid, cached, self.result.md_cached_estimate, self.result.path)
         try:
-            await self.p_control.set_wan_destination(self._p_room, room, self.main.wan_peer, cached, md_tp=self.md_tp)
+            await self.p_control.set_wan_destination(p_room, room, self.main.wan_peer, cached, md_tp=self.md_tp)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._spawn(self.control.release(room), must_finish=True)  # unlock MD's prefix now
             self.room = None
-            await self._no_destination(f"wan_destination_failed: {e}")
+            await self._md_side_failed(Fallback(Reason.WAN_DESTINATION_FAILED, str(e)))
             return
-        self._destination = "delivered"
-        await self._watch_ready()
-
-    async def _no_destination(self, fallback: str) -> None:
-        self._destination = "dropped"
-        self._spawn(self.p_control.drop_wan_destination(self._p_room), must_finish=True)
-        await self._md_side_failed(fallback)
+        await self.queue.put((lifecycle.DestinationDelivered(), None))
 
     # ------------------------------------------------------------------ legs
     def _recovery_mode(self) -> RecoveryMode:
@@ -525,11 +509,7 @@ class PddFlow:
     def _start_relay_leg(self, leg: lifecycle.StartRelayLeg) -> None:
         """P prefills (and fans out to MD if ``wan``); RLD decodes, streaming eager tokens. A
         recovery leg resumes: prompt + emitted tokens, the resume marker, the total budget."""
-        resumed = self.stitcher.emitted[:leg.resume_len]
-        mode = self._recovery_mode() if resumed else RecoveryMode.RESUME
-        self._leg_offset[leg.leg] = len(resumed) if mode is RecoveryMode.CONTINUE else 0
-        # positions a REPLAY (or RESUME) leg reports again: checked against the client's once
-        self._leg_replays[leg.leg] = len(resumed) if mode is not RecoveryMode.CONTINUE else 0
+        resumed, mode = self.stitcher.emitted[:leg.resume_len], leg.mode
         if mode is not RecoveryMode.RESUME:
             self.result.recovery_mode = mode.value
         rid = self._leg_rid(f"r{leg.leg}")
@@ -544,7 +524,7 @@ class PddFlow:
         elif mode is RecoveryMode.CONTINUE:
             sampling["max_new_tokens"] = self.max_new - len(resumed)
             sampling["min_new_tokens"] = max(0, int(sampling.get("min_new_tokens") or 0) - len(resumed))
-        if leg.wan and self._destination is not None:  # P learns its destination later
+        if leg.late_destination:  # P learns its destination later
             custom.update(late_destination_params(self.room))
         elif leg.wan:
             custom.update(wan_destination_params(self.room, self.main.wan_peer, self.result.md_cached_tokens,
@@ -558,7 +538,7 @@ class PddFlow:
         body = pd_leg_body(input_ids, sampling, rid, self.prefill.host, self.prefill.bootstrap_port, room, extras)
         self.live_rids[rid] = self.relay_url
         self._spawn(self._prefill_leg(leg.leg, body))
-        self._spawn(self._relay_leg(leg.leg, body))
+        self._spawn(self._relay_leg(leg, body))
 
     async def _prefill_leg(self, leg: int, body: dict) -> None:
         try:
@@ -581,19 +561,20 @@ class PddFlow:
                 self._prefill_replied.set()
                 self.on_prefill_replied()
 
-    async def _relay_leg(self, leg: int, body: dict) -> None:
+    async def _relay_leg(self, start: lifecycle.StartRelayLeg, body: dict) -> None:
+        leg = start.leg
         try:
             finished = False
             async for event in generate_stream(self.session, self.relay_url, body):
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
                 ids = event.get("output_ids", [])
-                if len(ids) < self._leg_replays.get(leg, 0):  # a replay still below what the client has
+                if len(ids) < start.replays:  # a replay still below what the client has
                     if finish is not None:
                         raise BackendError(f"recovery replay ended at {len(ids)} tokens, before the "
-                                           f"{self._leg_replays[leg]} the client has ({finish})")
+                                           f"{start.replays} the client has ({finish})")
                     continue
-                produced = self._leg_offset.get(leg, 0) + len(ids)
+                produced = start.offset + len(ids)
                 await self.queue.put((lifecycle.RelayTokens(leg, produced, finish), (leg, event)))
             if not finished:
                 raise BackendError("relay stream ended without a finish reason")
@@ -601,7 +582,7 @@ class PddFlow:
             self._blame("relay", self.relay_url, e)
             await self.queue.put((lifecycle.RelayFailed(leg, str(e)), None))
 
-    async def _md_side_failed(self, fallback: str) -> None:
+    async def _md_side_failed(self, fallback: Fallback) -> None:
         await self.queue.put((lifecycle.MdNotReady(fallback), None))
 
     async def _watch_ready(self) -> None:
@@ -618,44 +599,22 @@ class PddFlow:
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))
         else:  # not a breaker failure: RLD finishes this request, the next one tries the WAN again
-            await self._md_side_failed(f"wan_failed: {reason}")
+            await self._md_side_failed(Fallback(Reason.WAN_FAILED, reason))
 
-    async def _handoff(self) -> None:
-        """Catch-up rounds (optional), then CutReady: the lifecycle decides whether to cut.
-        Runs again (next rounds) when the backlog outgrew the threshold before the cut was
-        processed (``_more_catch_up``)."""
-        if self.result.handoff_mode is None:
-            self.result.handoff_mode = choose_mode(RldLoad(self.rld_inflight, self.cfg.rld_max_running),
-                                                   self.cfg.handoff).value
+    async def _catch_up(self, batch: lifecycle.SendCatchUpBatch) -> None:
+        """One catch-up round: MD extends the eager tokens so far (its radix cache warms up)
+        while RLD keeps decoding; then CutReady, and the lifecycle decides the next step."""
         try:
-            while self.result.handoff_mode == HandoffMode.CATCH_UP.value:
-                step = next_catch_up_batch(len(self.stitcher.emitted) - self._handed, self._round, self.cfg.handoff)
-                if step.final or self.stitcher.source is not Source.RELAY:
-                    break
-                # Warm MD's radix cache with the next batch (one extend); RLD keeps decoding.
-                self._handed += step.tokens
-                self.result.catch_up_batches.append(step.tokens)
-                self._round += 1
-                await self.control.handoff(self.room, warmup_body(
-                    self.stitcher.emitted[:self._handed], self._leg_rid(f"c{self._round - 1}"), self.sampling))
+            await self.control.handoff(self.room, warmup_body(
+                self.stitcher.emitted[:batch.upto], self._leg_rid(f"c{batch.round}"), self.sampling))
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._blame("main", self.main.url, e)
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
             return
         await self.queue.put((lifecycle.CutReady(), None))
 
-    def _more_catch_up(self) -> bool:
-        """Processing a CutReady: did RLD's tokens queued before it grow the backlog past what
-        the catch-up policy hands in one final batch? Then another round goes first."""
-        if self.result.handoff_mode != HandoffMode.CATCH_UP.value or self.state.phase is not lifecycle.Phase.RELAY:
-            return False
-        backlog = len(self.stitcher.emitted) - self._handed
-        return not next_catch_up_batch(backlog, self._round, self.cfg.handoff).final
-
     async def _final_handoff(self, eager: list[int]) -> None:
         """The cut: MD continues the request (total budget) and streams it from position 0."""
-        if self.result.handoff_mode == HandoffMode.CATCH_UP.value:
-            self.result.catch_up_batches.append(len(eager) - self._handed)
         self._handoff_t = time.perf_counter()
         rid = self._leg_rid("m")
         body = handoff_body(eager, rid, self.sampling, self.extras)
@@ -719,23 +678,30 @@ class PddFlow:
             task.add_done_callback(self._must_finish.discard)
 
     async def _cleanup(self) -> None:
+        # P may have accepted its destination just before the end: then there is nothing to withdraw.
+        while not self.queue.empty():
+            event, _ = self.queue.get_nowait()
+            if isinstance(event, lifecycle.DestinationDelivered):
+                self.state, _ = lifecycle.transition(self.state, event)
         pending = list(self.tasks)
         for task in pending:
             if task not in self._must_finish:  # an abort / release already sent must still land
                 task.cancel()
-        cleanup = [abort(self.session, url, rid) for rid, url in self.live_rids.items()]
-        if self.room is not None and self.control is not None:
-            # A finished request's KV still in flight is kept on MD: the session's next turn will
-            # hit it (DRC). A client gone, an abort or a failure frees the room (and P's WAN leg) now.
-            cleanup.append(self.control.release(self.room, keep_kv=self.state.phase is lifecycle.Phase.DONE))
-        if self._destination == "pending":  # ended before P got a destination: P stops waiting
-            self._destination = "dropped"
-            cleanup.append(self.p_control.drop_wan_destination(self._p_room))
-        self.live_rids.clear()
-        self.room = None
-        if cleanup:
-            await asyncio.gather(*cleanup, return_exceptions=True)
+        self.state, actions = lifecycle.transition(self.state, lifecycle.Ended())
+        for action in actions:
+            self._perform(action, None)
+        self.result.rld_tokens = len(self.stitcher.emitted) - self.result.md_tokens
+        if self._must_finish:  # the aborts, releases and withdrawals land before the request ends
+            await asyncio.gather(*self._must_finish, return_exceptions=True)
         if pending:  # no task outlives the request
             await asyncio.gather(*pending, return_exceptions=True)
-        self.result.rld_tokens = len(self.stitcher.emitted) - self.result.md_tokens
 
+    def _release_all(self, keep_md_kv: bool) -> None:
+        """Abort every backend request still live and release MD's room (a finished request's
+        KV still in flight is kept on MD: the session's next turn will hit it, DRC)."""
+        for rid, url in self.live_rids.items():
+            self._spawn(abort(self.session, url, rid), must_finish=True)
+        self.live_rids.clear()
+        if self.room is not None and self.control is not None:
+            self._spawn(self.control.release(self.room, keep_kv=keep_md_kv), must_finish=True)
+        self.room = None

@@ -13,28 +13,47 @@ Phases::
                                └──────────── Recover (new relay leg) ◀── MainFailed ──┘
     every phase ──finish / error / Timeout / ClientDisconnected──▶ DONE | FAILED | CLOSED
 
-Orthogonal to the phase, MD's room: NONE (no MD for this request) -> PENDING -> READY | FAILED.
+Orthogonal to the phase, MD's room: NONE (no MD for this request) -> PENDING -> READY | FAILED;
+and P's WAN destination where P learns it after its leg started (P's control API): NONE ->
+PENDING -> DELIVERED | DROPPED (withdrawn on P: MD's side failed, or the request ended first).
 
 Events (who sends them) and what they do:
 
-    PathChosen(path, late_destination)  path choice   STARTING -> RELAY; starts relay leg 1 and
-                                                      the MD side (register+deliver or watch)
+    PathChosen(path, late_destination,  path choice   STARTING -> RELAY; starts relay leg 1 and
+               p_room)                                the MD side (register+deliver or watch)
     RelayTokens(leg, produced, finish)  RLD's stream  emit (RELAY) or buffer (HANDING_OFF);
                                                       ignored when stale or in MAIN; RLD
                                                       finishing the request ends it
     RelayFailed(leg, message)           RLD or P      FAILED, unless stale or MD owns the stream
     MdReady()                           MD's room     start the handoff (now, or after the
                                                       client's first token)
-    MdNotReady(fallback)                MD's room     RLD finishes; a finished short relay leg
-                                                      recovers on a new relay leg
-    CutReady()                          handoff task  catch-up done: freeze the stream at the
-                                                      cut, send the final handoff to MD
+    MdNotReady(fallback)                MD's room     RLD finishes (a pending destination is
+                                                      withdrawn on P); a finished short relay
+                                                      leg recovers on a new relay leg
+    DestinationDelivered()              P's control   P has MD's room: wait for MD's KV (after
+                                                      the end: nothing left to withdraw)
+    CutReady()                          handoff       the handoff may go on: one more catch-up
+                                                      round if the backlog needs it, else freeze
+                                                      the stream at the cut and send the final
+                                                      handoff to MD
     MainTokens(produced, finish)        MD's stream   first token past the cut commits the
                                                       handoff (RLD aborted, room released)
     MainFailed(message)                 MD            HANDING_OFF: RLD's tokens stand; MAIN:
                                                       recover on a new relay leg
     Timeout()                           the deadline  FAILED
     ClientDisconnected()                the client    CLOSED
+    Broken(message)                     the shell     FAILED, even after the end: an illegal
+                                                      event, or an action found a backend's
+                                                      reply breaking the stream's invariants
+    Ended()                             the shell     after the end: withdraw a destination P
+                                                      still waits for, release everything
+
+Catch-up rounds (``State.catch_up``, the router's handoff policy when it hands off in
+catch-up mode) are decided here too: each CutReady hands MD the next batch while the backlog
+exceeds one batch (handoff/policy.py's next_catch_up_batch), then cuts. The simulator runs its
+rounds in simulated time and leaves ``catch_up`` unset. A recovery leg continues as
+``State.recovery`` says (RecoveryMode); its output offset and the positions it replays, checked
+once against the client's, are decided here and carried by StartRelayLeg and RelayOutput.
 
 Positions (``produced``) are absolute output positions: every leg, MD's continuation and the
 recovery legs included, reports its output from position 0 (docs: the resume contract).
@@ -48,6 +67,8 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
+from sglang_pdd.handoff.policy import HandoffConfig, next_catch_up_batch
+from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.policy import Path
 
 
@@ -76,11 +97,38 @@ class Md(str, enum.Enum):
     FAILED = "failed"  # MD cannot serve this request any more
 
 
+class Destination(str, enum.Enum):
+    NONE = "none"  # P got its WAN destination with its leg, or has none to get
+    PENDING = "pending"  # P's leg runs and waits for MD's room (P's control API)
+    DELIVERED = "delivered"  # P has it
+    DROPPED = "dropped"  # withdrawn on P: no MD for this request after all
+
+
+class RecoveryMode(str, enum.Enum):
+    """How a recovery leg continues the request on P and RLD (a PD pair).
+
+    RESUME: prompt + emitted tokens with the resume marker and the total budget (the resume
+      contract), for P / RLD servers that support resuming in PD mode. SGLang's PD path does
+      not (sglang_glue/resume.py: a PD server answers 400), hence not the default.
+    REPLAY: the original request again (prompt, total budget, the client's sampling); its
+      first positions must reproduce what the client has (checked, else the request fails)
+      and are dropped. Exact for greedy requests: grammar, stop strings, penalties,
+      min/max_new_tokens and logprobs behave as on one server. Costs re-decoding those tokens.
+    CONTINUE: prompt + emitted tokens as a NEW request with the remaining budget: the eager
+      tokens count as prompt, so grammar / stop-string / penalty state restarts at the cut;
+      for sampled requests, whose replay would diverge.
+    """
+    RESUME = "resume"
+    REPLAY = "replay"
+    CONTINUE = "continue"
+
+
 # ---------------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class PathChosen:
     path: Path
     late_destination: bool = False  # P learns its WAN destination after the legs start
+    p_room: Optional[int] = None  # P's bootstrap room, where it waits for that destination
 
 
 @dataclass(frozen=True)
@@ -103,7 +151,12 @@ class MdReady:
 
 @dataclass(frozen=True)
 class MdNotReady:
-    fallback: str  # the tag recorded, e.g. "wan_failed: ...", "md_unavailable: ..."
+    fallback: Fallback  # why: WAN_FAILED, MD_UNAVAILABLE, WAN_DESTINATION_FAILED
+
+
+@dataclass(frozen=True)
+class DestinationDelivered:
+    pass
 
 
 @dataclass(frozen=True)
@@ -132,20 +185,44 @@ class ClientDisconnected:
     pass
 
 
-Event = Union[PathChosen, RelayTokens, RelayFailed, MdReady, MdNotReady, CutReady, MainTokens, MainFailed,
-              Timeout, ClientDisconnected]
+@dataclass(frozen=True)
+class Broken:
+    message: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The request ended (a terminal phase) and its shell cleans up."""
+
+
+Event = Union[PathChosen, RelayTokens, RelayFailed, MdReady, MdNotReady, DestinationDelivered, CutReady,
+              MainTokens, MainFailed, Timeout, ClientDisconnected, Broken, Ended]
 
 
 # ---------------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
 class StartRelayLeg:
-    """P prefills and RLD decodes ``prompt + emitted[:resume_len]`` (resume marker when
-    ``resume_len`` > 0); ``one_token``: RLD only bridges the TTFT (P->MD); ``wan``: P also
-    sends the KV to MD's room."""
+    """P prefills and RLD decodes, continuing from ``emitted[:resume_len]`` as ``mode`` says
+    (a first leg: RESUME from nothing); ``one_token``: RLD only bridges the TTFT (P->MD);
+    ``wan``: P also sends the KV to MD's room, ``late_destination``: P learns that room's WAN
+    destination later."""
     leg: int
     resume_len: int
     one_token: bool
     wan: bool
+    late_destination: bool = False
+    mode: RecoveryMode = RecoveryMode.RESUME
+
+    @property
+    def offset(self) -> int:
+        """The output position of the leg's own first token: a CONTINUE leg counts from the
+        resumed tokens, every other leg reports from position 0."""
+        return self.resume_len if self.mode is RecoveryMode.CONTINUE else 0
+
+    @property
+    def replays(self) -> int:
+        """Positions the leg reports again (REPLAY, RESUME): below them it has nothing new."""
+        return 0 if self.mode is RecoveryMode.CONTINUE else self.resume_len
 
 
 @dataclass(frozen=True)
@@ -157,18 +234,45 @@ class StartMdSide:
 
 @dataclass(frozen=True)
 class RelayOutput:
-    """Feed this relay event's tokens to the stitcher; yield what it releases."""
+    """Feed this relay event's tokens to the stitcher; yield what it releases. The leg's
+    output starts at position ``offset``; its first ``check_replay`` positions must equal
+    what the client has (a recovery leg's replay, checked once), else the request fails."""
+    offset: int = 0
+    check_replay: int = 0
+
+
+@dataclass(frozen=True)
+class WatchMd:
+    """Wait for MD's KV to land (MdReady / MdNotReady)."""
+
+
+@dataclass(frozen=True)
+class WithdrawDestination:
+    """Tell P (``p_room``) to stop waiting for a WAN destination."""
+    p_room: Optional[int]
 
 
 @dataclass(frozen=True)
 class StartHandoff:
-    """Catch-up rounds if the handoff policy says so, then a CutReady event."""
+    """The handoff begins: a CutReady event (the router), catch-up rounds in simulated time
+    then CutReady (the simulator)."""
+
+
+@dataclass(frozen=True)
+class SendCatchUpBatch:
+    """Catch-up round ``round``: MD extends ``emitted[:upto]`` (``tokens`` new ones) while RLD
+    keeps decoding; then CutReady."""
+    upto: int
+    tokens: int
+    round: int
 
 
 @dataclass(frozen=True)
 class SendFinalHandoff:
-    """Freeze the stream at ``cut`` (stitcher.begin_handoff) and open MD's continuation."""
+    """Freeze the stream at ``cut`` (stitcher.begin_handoff) and open MD's continuation;
+    ``catch_up_tail``: the final catch-up batch (None: a one-shot handoff)."""
     cut: int
+    catch_up_tail: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -188,7 +292,7 @@ class MainOutput:
 
 @dataclass(frozen=True)
 class RecordFallback:
-    tag: str
+    fallback: Fallback
 
 
 @dataclass(frozen=True)
@@ -206,8 +310,16 @@ class Fail:
     message: str
 
 
-Action = Union[StartRelayLeg, StartMdSide, RelayOutput, StartHandoff, SendFinalHandoff, HandoffCommitted,
-               HandoffAbandoned, MainOutput, RecordFallback, AbortLegs, Finish, Fail]
+@dataclass(frozen=True)
+class ReleaseAll:
+    """Abort every running backend request; release MD's room, keeping the KV MD has for a
+    finished request (the session's next turn hits it) or freeing it."""
+    keep_md_kv: bool
+
+
+Action = Union[StartRelayLeg, StartMdSide, RelayOutput, WatchMd, WithdrawDestination, StartHandoff,
+               SendCatchUpBatch, SendFinalHandoff, HandoffCommitted, HandoffAbandoned, MainOutput, RecordFallback,
+               AbortLegs, Finish, Fail, ReleaseAll]
 
 
 # ---------------------------------------------------------------------------------- state
@@ -224,6 +336,14 @@ class State:
     cut: Optional[int] = None  # first position MD generates, once a final handoff was sent
     md_stream: bool = False  # a final handoff was sent (late MD events may still arrive)
     main_produced: int = 0
+    destination: Destination = Destination.NONE
+    p_room: Optional[int] = None  # P's bootstrap room while it may wait for a destination
+    recovery: RecoveryMode = RecoveryMode.RESUME  # how a recovery leg continues
+    leg_offset: int = 0  # output position of the current relay leg's own first token
+    replay_check: int = 0  # positions the current relay leg replays, not yet checked
+    catch_up: Optional[HandoffConfig] = None  # catch-up rounds' policy; None: one-shot
+    handed: int = 0  # eager tokens MD has extended in catch-up rounds
+    catch_up_round: int = 0  # catch-up rounds done
 
 
 _TERMINAL = (Phase.DONE, Phase.FAILED, Phase.CLOSED)
@@ -234,8 +354,9 @@ _new = object.__new__
 # machine for every simulated request; a frozen dataclass costs ~1 us to build).
 _RELAY_OUTPUT, _START_HANDOFF = RelayOutput(), StartHandoff()
 _HANDOFF_COMMITTED, _MAIN_OUTPUT = HandoffCommitted(), MainOutput()
-_FIRST_LEG = {(one_token, wan): StartRelayLeg(leg=1, resume_len=0, one_token=one_token, wan=wan)
-              for one_token in (False, True) for wan in (False, True)}
+_FIRST_LEG = {(one_token, wan, late): StartRelayLeg(leg=1, resume_len=0, one_token=one_token, wan=wan,
+                                                    late_destination=late)
+              for one_token in (False, True) for wan in (False, True) for late in (False, True)}
 _MD_SIDE = {late: StartMdSide(late_destination=late) for late in (False, True)}
 
 
@@ -264,11 +385,16 @@ def transition(state: State, event: Event) -> Result:
     """The request's one transition function. Raises LifecycleError for an illegal event."""
     phase = state.phase
     if phase in _TERMINAL:
-        raise LifecycleError(f"{type(event).__name__} after the request ended ({phase.value})")
+        late = _AFTER_END.get(type(event))
+        if late is None:
+            raise LifecycleError(f"{type(event).__name__} after the request ended ({phase.value})")
+        return late(state, event)
+    if type(event) is Ended:
+        raise LifecycleError(f"the request ended in phase {phase.value}")
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise LifecycleError(f"unknown event {event!r}")
-    if phase is Phase.STARTING and not isinstance(event, (PathChosen, Timeout, ClientDisconnected)):
+    if phase is Phase.STARTING and not isinstance(event, (PathChosen, Timeout, ClientDisconnected, Broken)):
         raise LifecycleError(f"{type(event).__name__} before the path was chosen")
     return handler(state, event)
 
@@ -277,10 +403,13 @@ def _path_chosen(s: State, e: PathChosen) -> Result:
     if s.phase is not Phase.STARTING:
         raise LifecycleError("the path was already chosen")
     with_md = e.path is not Path.P_RLD_ONLY
+    late = with_md and bool(e.late_destination)
     s = _replace(s, phase=Phase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
-    actions = [_FIRST_LEG[e.path is Path.P_MD, with_md]]
+    if late:
+        s = _replace(s, destination=Destination.PENDING, p_room=e.p_room)
+    actions = [_FIRST_LEG[e.path is Path.P_MD, with_md, late]]
     if with_md:
-        actions.append(_MD_SIDE[bool(e.late_destination)])
+        actions.append(_MD_SIDE[late])
     return s, actions
 
 
@@ -293,7 +422,11 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
         raise LifecycleError(f"relay leg {e.leg} went back from {s.relay_produced} to {e.produced}")
     if e.produced > s.max_new:
         raise LifecycleError(f"relay leg {e.leg} produced {e.produced} > max_new_tokens {s.max_new}")
-    actions: list = [_RELAY_OUTPUT]
+    if s.leg_offset or s.replay_check:
+        actions: list = [RelayOutput(offset=s.leg_offset, check_replay=s.replay_check)]
+        s = _replace(s, replay_check=0)  # once: the leg's output only grows from there
+    else:
+        actions = [_RELAY_OUTPUT]
     if s.phase is Phase.RELAY:
         s = _replace(s, relay_produced=e.produced, emitted=e.produced)
     else:
@@ -308,11 +441,18 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
         if s.phase is Phase.HANDING_OFF:  # RLD finished first: its tokens stand
             actions.append(HandoffAbandoned())
             s = _replace(s, emitted=s.relay_produced)
-        return _replace(s, phase=Phase.DONE), actions + [Finish(e.finish)]
+        return _replace(s, phase=Phase.DONE), actions + [Finish(_total_length(s, e.finish))]
     s = _replace(s, relay_idle=True)
     if s.md is Md.FAILED and s.phase is Phase.RELAY:
-        return _recover(s, actions, "wan_failed_after_rld")
+        return _recover(s, actions, Recovery.WAN_FAILED_AFTER_RLD)
     return s, actions
+
+
+def _total_length(s: State, finish: dict) -> dict:
+    """A length finish reports the client's whole budget (a CONTINUE leg's own is smaller)."""
+    if finish.get("type") == "length" and "length" in finish and finish["length"] != s.max_new:
+        return {**finish, "length": s.max_new}
+    return finish
 
 
 def _relay_failed(s: State, e: RelayFailed) -> Result:
@@ -339,9 +479,21 @@ def _md_not_ready(s: State, e: MdNotReady) -> Result:
         raise LifecycleError(f"MD not ready, but MD is {s.md.value}")
     s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(e.fallback)]
+    if s.destination is Destination.PENDING:  # P stops waiting for MD's room
+        s = _replace(s, destination=Destination.DROPPED)
+        actions.append(WithdrawDestination(s.p_room))
     if s.relay_idle and s.phase is Phase.RELAY:
-        return _recover(s, actions, "wan_failed_after_rld")
+        return _recover(s, actions, Recovery.WAN_FAILED_AFTER_RLD)
     return s, actions
+
+
+def _destination_delivered(s: State, e: DestinationDelivered) -> Result:
+    if s.destination is not Destination.PENDING:
+        raise LifecycleError(f"destination delivered, but it is {s.destination.value}")
+    s = _replace(s, destination=Destination.DELIVERED)
+    if s.phase in _TERMINAL or s.md is not Md.PENDING:
+        return s, []
+    return s, [WatchMd()]
 
 
 def _cut_ready(s: State, e: CutReady) -> Result:
@@ -349,7 +501,15 @@ def _cut_ready(s: State, e: CutReady) -> Result:
         raise LifecycleError(f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}")
     if s.phase is not Phase.RELAY or s.emitted >= s.max_new:
         return s, []  # the request ends on RLD anyway
-    return _replace(s, phase=Phase.HANDING_OFF, cut=s.emitted, md_stream=True), [SendFinalHandoff(cut=s.emitted)]
+    tail = None
+    if s.catch_up is not None:
+        step = next_catch_up_batch(s.emitted - s.handed, s.catch_up_round, s.catch_up)
+        if not step.final:  # MD extends this batch while RLD keeps decoding
+            s = _replace(s, handed=s.handed + step.tokens, catch_up_round=s.catch_up_round + 1)
+            return s, [SendCatchUpBatch(upto=s.handed, tokens=step.tokens, round=s.catch_up_round - 1)]
+        tail = s.emitted - s.handed
+    return (_replace(s, phase=Phase.HANDING_OFF, cut=s.emitted, md_stream=True),
+            [SendFinalHandoff(cut=s.emitted, catch_up_tail=tail)])
 
 
 def _main_tokens(s: State, e: MainTokens) -> Result:
@@ -371,7 +531,7 @@ def _main_tokens(s: State, e: MainTokens) -> Result:
     actions.append(_MAIN_OUTPUT)
     s = _replace(s, emitted=max(s.emitted, e.produced))
     if e.finish is not None:
-        return _replace(s, phase=Phase.DONE), actions + [Finish(e.finish)]
+        return _replace(s, phase=Phase.DONE), actions + [Finish(_total_length(s, e.finish))]
     return s, actions
 
 
@@ -379,27 +539,28 @@ def _main_failed(s: State, e: MainFailed) -> Result:
     if s.md is Md.NONE:
         raise LifecycleError("MD failed, but the request has no MD")
     s = _replace(s, md=Md.FAILED)
-    actions: list = [RecordFallback(f"md_failed: {e.message}")]
+    actions: list = [RecordFallback(Fallback(Reason.MD_FAILED, e.message))]
     if s.phase is Phase.HANDING_OFF:
         actions.append(HandoffAbandoned())
         s = _replace(s, phase=Phase.RELAY, emitted=s.relay_produced, cut=None)
         if s.relay_idle:
-            return _recover(s, actions, "md_failed")
+            return _recover(s, actions, Recovery.MD_FAILED)
         return s, actions
     if s.phase is Phase.MAIN:
-        return _recover(s, actions, "md_failed_mid_stream")
+        return _recover(s, actions, Recovery.MD_FAILED_MID_STREAM)
     if s.relay_idle:
-        return _recover(s, actions, "md_failed")
+        return _recover(s, actions, Recovery.MD_FAILED)
     return s, actions
 
 
-def _recover(s: State, actions: list, why: str) -> Result:
-    """MD cannot finish: a new P->RLD leg continues from what the client already has."""
-    leg = s.leg + 1
-    s = _replace(s, phase=Phase.RELAY, leg=leg, relay_produced=s.emitted, relay_idle=False, cut=None,
-                md=Md.FAILED)
-    return s, actions + [RecordFallback(f"recovered_on_relay: {why}"), AbortLegs(),
-                         StartRelayLeg(leg=leg, resume_len=s.emitted, one_token=False, wan=False)]
+def _recover(s: State, actions: list, why: Recovery) -> Result:
+    """MD cannot finish: a new P->RLD leg continues from what the client already has, as
+    ``s.recovery`` says (nothing to continue from: a fresh leg)."""
+    leg = StartRelayLeg(leg=s.leg + 1, resume_len=s.emitted, one_token=False, wan=False,
+                        mode=s.recovery if s.emitted else RecoveryMode.RESUME)
+    s = _replace(s, phase=Phase.RELAY, leg=leg.leg, relay_produced=s.emitted, relay_idle=False, cut=None,
+                 md=Md.FAILED, leg_offset=leg.offset, replay_check=leg.replays)
+    return s, actions + [RecordFallback(Fallback.recovered(why)), AbortLegs(), leg]
 
 
 def _timeout(s: State, e: Timeout) -> Result:
@@ -410,6 +571,23 @@ def _client_disconnected(s: State, e: ClientDisconnected) -> Result:
     return _replace(s, phase=Phase.CLOSED), []
 
 
+def _broken(s: State, e: Broken) -> Result:
+    return _replace(s, phase=Phase.FAILED), []
+
+
+def _ended(s: State, e: Ended) -> Result:
+    actions: list = [ReleaseAll(keep_md_kv=s.phase is Phase.DONE)]
+    if s.destination is Destination.PENDING:  # ended before P got a destination: P stops waiting
+        s = _replace(s, destination=Destination.DROPPED)
+        actions.append(WithdrawDestination(s.p_room))
+    return s, actions
+
+
 _HANDLERS = {PathChosen: _path_chosen, RelayTokens: _relay_tokens, RelayFailed: _relay_failed, MdReady: _md_ready,
-             MdNotReady: _md_not_ready, CutReady: _cut_ready, MainTokens: _main_tokens, MainFailed: _main_failed,
-             Timeout: _timeout, ClientDisconnected: _client_disconnected}
+             MdNotReady: _md_not_ready, DestinationDelivered: _destination_delivered, CutReady: _cut_ready,
+             MainTokens: _main_tokens, MainFailed: _main_failed, Timeout: _timeout,
+             ClientDisconnected: _client_disconnected, Broken: _broken, Ended: _ended}
+# What may still come once the request ended: P's answer to a destination delivered just
+# before the end (then there is nothing to withdraw), a reply found broken while the last
+# actions ran (the request failed after all), and the shell's cleanup.
+_AFTER_END = {DestinationDelivered: _destination_delivered, Broken: _broken, Ended: _ended}

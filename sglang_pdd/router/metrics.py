@@ -26,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from sglang_pdd.handoff.policy import HandoffMode
+from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.policy import Path
 
 # Closed label sets. Paths and modes come from the policies, so they cannot drift apart.
@@ -38,11 +39,12 @@ FALLBACK_REASONS: Tuple[str, ...] = (
     "md_rejected",  # Main Decode refused the request or the handoff (full, draining)
 )
 
-# The flow's fallback tags (FlowResult.fallbacks, "tag: detail") -> FALLBACK_REASONS.
-FLOW_FALLBACK_REASONS: Dict[str, str] = {
-    "wan_failed": "wan_failed", "md_failed": "md_failed", "md_unavailable": "md_failed",
-    "recovered_on_relay": "md_failed",
-    "wan_destination_failed": "wan_failed",  # P refused the late WAN destination
+# Each fallback reason (router/fallback.py) -> its FALLBACK_REASONS label.
+FLOW_FALLBACK_REASONS: Dict[Reason, str] = {
+    Reason.WAN_FAILED: "wan_failed", Reason.MD_FAILED: "md_failed", Reason.MD_UNAVAILABLE: "md_failed",
+    Reason.RECOVERED_ON_RELAY: "md_failed",
+    Reason.WAN_DESTINATION_FAILED: "wan_failed",  # P refused the late WAN destination
+    Reason.RETRIED_ELSEWHERE: "md_failed",
 }
 # Backend roles in the per-backend series (the router's pools: RLD and MD).
 BACKEND_ROLES: Tuple[str, ...] = ("prefill", "relay", "main")
@@ -243,10 +245,9 @@ class RouterMetrics:
         if r.handoff_mode and r.handoff_at is not None:
             self.observe_handoff(r.handoff_mode, r.handoff_stall_s, r.handoff_payload_bytes or 0)
         for fb in r.fallbacks:
-            tag = fb.split(":", 1)[0]
-            if tag == "wan_failed":
+            if fb.reason is Reason.WAN_FAILED:
                 self.transfer_failed()
-            self.fallback(FLOW_FALLBACK_REASONS.get(tag, "md_failed"))
+            self.fallback(FLOW_FALLBACK_REASONS[fb.reason])
             if main_url is not None and main_url in self._backends.get("main", {}):
                 self.backend_fallback("main", main_url)
 

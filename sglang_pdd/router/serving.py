@@ -28,6 +28,7 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
+from sglang_pdd.router.fallback import Fallback
 from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, check_custom_params, check_grammar_size,
                                         check_prompt_chars, check_sampling_as_sglang, check_token_budget,
                                         check_token_ids, load_grammar_checker, text_chars)
@@ -336,12 +337,14 @@ def _finish_reason(flow) -> Optional[dict]:
 
 def result_dict(result) -> dict:
     """``dataclasses.asdict`` of a FlowResult (scalars, lists of scalars, the finish-reason
-    dict), for a fraction of its cost: an operator's stream carries it in every event."""
+    dict), for a fraction of its cost: an operator's stream carries it in every event. A
+    fallback (router/fallback.py) is reported as its text, "reason: detail"."""
     out = {}
     for name in _result_fields(type(result)):
         value = getattr(result, name)
         if isinstance(value, list):
-            value = [copy.deepcopy(v) if isinstance(v, (list, dict)) else v for v in value]
+            value = [copy.deepcopy(v) if isinstance(v, (list, dict)) else str(v) if isinstance(v, Fallback) else v
+                     for v in value]
         elif isinstance(value, dict):
             value = copy.deepcopy(value)
         out[name] = value

@@ -4,7 +4,7 @@ Routing and the request's course (PDD with an RLD) are the router's own function
 at run time so that a change to them changes the sim: P and MD by
 `router.placement.pick_instance` on flows in flight and the router's prefix index (P's
 candidates rotated so equal ones take turns), RLD with the fewest flows in flight
-(`pick_p`, `pick_rld`, `pick_md`: router/app.py's Pools.pick, checked against it in
+(`pick_p`, `pick_rld`, `pick_md`: router/pools.py's Pools.pick, checked against it in
 tests/test_sim_router_agreement.py); the path by `router.policy.decide_path` on the prefix
 index's estimate, again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's
 control API); the handoff mode by `handoff.policy.choose_mode` on RLD's flows at arrival;
@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 from sglang_pdd.handoff import policy as handoff_policy
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, RldLoad, next_catch_up_batch
 from sglang_pdd.router import lifecycle as lc
+from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router import policy
 from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig
@@ -92,12 +93,12 @@ class ScenarioConfig:
     # A request that ended on RLD: False cancels the rest of its WAN transfer (nothing more is
     # sent for it); True lets it land in MD's DRC for the session's next turn (router.md step 9).
     keep_finished_kv: bool = False
-    # P placement. None: as the PDD router does for "pdd" (router/app.py: flows in flight and
+    # P placement. None: as the PDD router does for "pdd" (router/pools.py: flows in flight and
     # the router's prefix index, `pick_p`), and prefix affinity weighed against P's queue
     # (SGLang's cache-aware router) for the baselines. What-ifs: True = that cache-aware
     # rule for PDD too, False = round robin (no P affinity at all).
     p_affinity: Optional[bool] = None
-    # MD placement. None: the PDD router's (router/app.py: flows in flight, affinity kept
+    # MD placement. None: the PDD router's (router/pools.py: flows in flight, affinity kept
     # within MD_AFFINITY_EXCESS_FLOWS) for "pdd" with an RLD; KV load + pending KV within
     # `affinity_excess` otherwise. True forces the KV-load rule (what-if, and PD equivalence).
     md_kv_load: Optional[bool] = None
@@ -113,7 +114,7 @@ class ScenarioConfig:
 
     @property
     def p_placement(self) -> str:
-        """"router" (app.py's Pools.pick), "cache_aware" (backlog-weighed) or "round_robin"."""
+        """"router" (pools.py's Pools.pick), "cache_aware" (backlog-weighed) or "round_robin"."""
         if self.p_affinity is None:
             return "router" if self.kind == "pdd" else "cache_aware"
         return "cache_aware" if self.p_affinity else "round_robin"
@@ -193,17 +194,17 @@ class Simulation:
         self.md_index = PrefixIndex(max(1, self.md_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
         self._p_ids = list(range(cfg.n_prefill))
         self.p_placement = cfg.p_placement
-        # app.py's p_inflight: every request placed on that P, arrival to end, whatever its
+        # pools.py's p_inflight: every request placed on that P, arrival to end, whatever its
         # path. The PDD router places P on it (pick_p).
         self.p_flows = [0] * cfg.n_prefill
         # Pools.pick rotates P's candidates by a counter before the stable sorts, so equal
         # ones take turns; one precomputed order per turn.
         self._p_turns = [self._p_ids[t:] + self._p_ids[:t] for t in range(cfg.n_prefill)]
-        # The router's in-flight count per RLD (router/app.py's rld_inflight): every request
+        # The router's in-flight count per RLD (router/pools.py's rld_inflight): every request
         # routed through that RLD, from arrival to its end, whatever its path (a P->MD request
         # decoding on MD counts too). It is RLD's load in the path decision.
         self.rld_flows = [0] * cfg.n_rld
-        # app.py's md_inflight: every PDD request assigned to that MD, arrival to end. The
+        # pools.py's md_inflight: every PDD request assigned to that MD, arrival to end. The
         # PDD router places MD on it (baselines keep KV load, SGLang's cache-aware router).
         self.md_flows = [0] * cfg.n_md
         # What the sim does for each lifecycle action; the rest (streaming, bookkeeping) the
@@ -356,7 +357,7 @@ class Simulation:
                 # legs started, as a fallback; a refused P->MD registration (before the
                 # legs) makes the path P->RLD only.
                 self._event(now, r, lc.PathChosen(chosen, late_destination=True))
-                self._event(now, r, lc.MdNotReady("md_unavailable: staging full"))
+                self._event(now, r, lc.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, "staging full")))
             else:
                 self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first
                                                   and r.path is Path.P_RLD_MD))
@@ -377,12 +378,12 @@ class Simulation:
         return path
 
     def pick_rld(self) -> int:
-        """router/app.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
+        """router/pools.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
         flows = self.rld_flows
         return min(range(len(flows)), key=flows.__getitem__)
 
     def pick_p(self, full) -> int:
-        """router/app.py's Pools.pick for P (every P healthy): the candidates rotated by a
+        """router/pools.py's Pools.pick for P (every P healthy): the candidates rotated by a
         round-robin counter, then as MD: the P whose prefix index holds the longest prefix
         (least loaded first among equals, then rotated order), kept unless it has
         MD_AFFINITY_EXCESS_FLOWS more flows in flight than the least loaded P."""
@@ -399,7 +400,7 @@ class Simulation:
                              max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
 
     def pick_md(self, full) -> int:
-        """router/app.py's Pools.pick for MD: the MD whose prefix index holds the longest
+        """router/pools.py's Pools.pick for MD: the MD whose prefix index holds the longest
         prefix (least loaded first among equals), kept unless it has
         MD_AFFINITY_EXCESS_FLOWS more flows in flight than the least loaded MD."""
         flows = self.md_flows
@@ -709,7 +710,7 @@ class Simulation:
         if self.rld:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
-        if self.p_placement == "router":  # app.py's Pools.record: P's prompt, at request end
+        if self.p_placement == "router":  # pools.py's Pools.record: P's prompt, at request end
             tr = r.tr
             self.p_index.record_blocks(r.p, tr.hash_ids[: tr.input_length // BLOCK_TOKENS])
         r.done = True

@@ -1,0 +1,239 @@
+"""The router's command line: ``python -m sglang_pdd.router`` (flags, the flow settings they
+make, the serving layer's SGLang flags, the operator token) and the process it starts: one
+router serving the HTTP app (router/app.py), or several workers on one port
+(router/workers.py).
+
+    python -m sglang_pdd.router --tokenizer-path MODEL \\
+        --prefill http://P:30000,8998[,http://P:31000] --relay http://RLD:30001 \\
+        --main http://MD:30002,http://MD:31002,WAN_HOST:WAN_PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from typing import Optional
+
+from aiohttp import web
+
+from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
+from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
+from sglang_pdd.router import client_auth, control_tls
+from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
+from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
+from sglang_pdd.router.health import HealthConfig
+from sglang_pdd.router.policy import PathPolicyConfig
+from sglang_pdd.router.pools import Pools
+
+logger = logging.getLogger("sglang_pdd.router")
+
+
+def _prefill_arg(value: str) -> PrefillBackend:
+    """URL,BOOTSTRAP_PORT or URL,BOOTSTRAP_PORT,CONTROL_URL (P's --pdd-control-listen)."""
+    from urllib.parse import urlparse
+
+    head, _, last = value.rpartition(",")
+    control = None
+    if not last.isdigit():  # a third field: P's control API
+        control, (head, _, last) = last, head.rpartition(",")
+        if urlparse(control).scheme not in ("http", "https") or not urlparse(control).hostname:
+            raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT[,CONTROL_URL] with an "
+                                             f"http(s) CONTROL_URL, got {value!r}")
+    if not head or not last.isdigit():
+        raise argparse.ArgumentTypeError(f"--prefill must be URL,BOOTSTRAP_PORT[,CONTROL_URL], got {value!r}")
+    return PrefillBackend(head, int(last), urlparse(head).hostname or "127.0.0.1", control_url=control)
+
+
+def _main_arg(value: str) -> MainBackend:
+    parts = value.split(",")
+    if len(parts) != 3 or ":" not in parts[2]:
+        raise argparse.ArgumentTypeError(f"--main must be URL,CONTROL_URL,WAN_HOST:WAN_PORT, got {value!r}")
+    return MainBackend(*parts)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m sglang_pdd.router",
+                                 description="PDD router: P, RLD and MD pools behind one /generate.")
+    ap.add_argument("--prefill", type=_prefill_arg, action="append", required=True,
+                    help="URL,BOOTSTRAP_PORT[,CONTROL_URL] of a prefill server (repeatable); CONTROL_URL is "
+                         "P's --pdd-control-listen: then P->RLD->MD requests start P and RLD without "
+                         "waiting for MD's room registration (one WAN round trip off the TTFT)")
+    ap.add_argument("--relay", action="append", required=True, help="URL of a relay decode server (repeatable)")
+    ap.add_argument("--main", type=_main_arg, action="append", default=[],
+                    help="URL,CONTROL_URL,WAN_ADDR of a main decode server; WAN_ADDR is what P dials (repeatable)")
+    ap.add_argument("--tokenizer-path", required=True, help="tokenizer of the served model")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30300)
+    ap.add_argument("--workers", type=int, default=1,
+                    help="router processes serving --port (SO_REUSEPORT); each keeps its own prefix index, "
+                         "in-flight counts and metrics (docs/router.md)")
+    ap.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on each worker
+    ap.add_argument("--max-prompt-tokens", type=int, default=32768)
+    ap.add_argument("--max-md-tp", type=int, default=8,
+                    help="the largest TP size an MD may report at registration (P dials one WAN port per MD "
+                         "rank); a larger one is a failed registration and the request stays on RLD")
+    ap.add_argument("--control-key-file", default=None,
+                    help="the servers' --pdd-wan-key-file: the router signs its calls to MD's and P's control "
+                         "APIs with it (they refuse unsigned ones); required with --main or a P CONTROL_URL")
+    lim = ap.add_argument_group("client input limits and operator access (docs/api.md)")
+    lim.add_argument("--max-new-tokens-cap", type=int, default=32768,
+                     help="largest max_new_tokens / max_tokens a client may ask for (400 above)")
+    lim.add_argument("--max-n", type=int, default=16, help="largest parallel sample count n")
+    lim.add_argument("--max-flows-per-request", type=int, default=64,
+                     help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD)")
+    lim.add_argument("--max-grammar-bytes", type=int, default=16384,
+                     help="largest json_schema / regex / ebnf / structural_tag (P, RLD and MD each compile it)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
+    lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
+    lim.add_argument("--operator-token-file", default=None,
+                     help="file holding the operator token: requests with header X-PDD-Operator-Token equal "
+                          "to it may send pdd_options, get meta_info.pdd, /flush_cache, abort_all")
+    lim.add_argument("--every-client-is-operator", action="store_true",
+                     help="tests and benchmarks only: every request is an operator request")
+    lim.add_argument("--enable-cache-report", action="store_true",
+                     help="report P's prefix hit as meta_info.cached_tokens / usage cached tokens "
+                          "(off: 0, so a tenant cannot probe another's prompts through the cache)")
+    sg = ap.add_argument_group("SGLang serving layer (chat template, parsers), as on a plain SGLang server")
+    sg.add_argument("--chat-template", default=None)
+    sg.add_argument("--completion-template", default=None)
+    sg.add_argument("--tool-call-parser", default=None)
+    sg.add_argument("--reasoning-parser", default=None)
+    sg.add_argument("--context-length", type=int, default=None)
+    sg.add_argument("--sglang-args", default="",
+                    help="further SGLang server flags for the serving layer, one shell-quoted string")
+    g = ap.add_argument_group("path policy (uncached tokens and estimated WAN transfer time)")
+    g.add_argument("--wan-gbps", type=float, default=10.0, help="WAN link rate used to estimate transfer time")
+    g.add_argument("--wan-rtt-ms", type=float, default=40.0)
+    g.add_argument("--kv-bytes-per-token", type=int, default=46_000,
+                   help="KV size for the WAN estimate until MD reports its own (its stats, asked at start, "
+                        "and each registration answer)")
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    g.add_argument("--max-wan-transfer-ms", type=float, default=None,
+                   help="P->MD when the uncached suffix crosses the WAN within this; default: 25%% of the TTFT SLO")
+    g.add_argument("--page-size", type=int, default=1, help="KV page size of P and MD (whole-page hits)")
+    g.add_argument("--outlier-min-input-tokens", type=int, default=32_768)
+    g.add_argument("--outlier-max-output-tokens", type=int, default=16)
+    g.add_argument("--disable-outlier-filter", action="store_true")
+    g.add_argument("--wan-timeout-s", type=float, default=30.0,
+                   help="MD's KV not landed by then: RLD finishes the request")
+    ap.add_argument("--request-timeout-s", type=float, default=600.0,
+                    help="a request still running after this fails with a clear error; all its legs are aborted")
+    h = ap.add_argument_group("handoff")
+    h.add_argument("--handoff-mode", choices=["auto", "one_shot", "catch_up"], default="auto",
+                   help="auto follows RLD load (one-shot when busy, catch-up when idle)")
+    h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
+    h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
+    hc = ap.add_argument_group("backend health (docs/router.md)")
+    hc.add_argument("--health-check-interval-s", type=float, default=10.0,
+                    help="GET /health on every backend this often (SGLang's /health decodes one token; "
+                         "0: passive checks only)")
+    hc.add_argument("--breaker-failures", type=int, default=3,
+                    help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
+    hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
+                    help="how long a backend stays out before it gets a trial request again")
+    client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
+    control_tls.add_args(ap)  # --control-tls-*
+    return ap.parse_args(argv)
+
+
+def flow_config(args) -> FlowConfig:
+    return FlowConfig(
+        path=PathPolicyConfig(wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms,
+                              kv_bytes_per_token=args.kv_bytes_per_token, ttft_slo_ms=args.ttft_slo_ms,
+                              max_wan_transfer_ms=args.max_wan_transfer_ms, page_size=args.page_size,
+                              enable_outlier_filter=not args.disable_outlier_filter,
+                              outlier_min_input_tokens=args.outlier_min_input_tokens,
+                              outlier_max_output_tokens=args.outlier_max_output_tokens),
+        handoff=HandoffConfig(catch_up_threshold_tokens=args.catch_up_threshold,
+                              fixed_mode=None if args.handoff_mode == "auto" else HandoffMode(args.handoff_mode)),
+        wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
+        request_timeout_s=args.request_timeout_s)
+
+
+def sglang_argv(args) -> list[str]:
+    """SGLang server flags for the router's serving layer (tokenizer, templates, parsers)."""
+    argv = ["--model-path", args.tokenizer_path, "--device", "cpu"]
+    for flag, value in (("--served-model-name", args.served_model_name), ("--chat-template", args.chat_template),
+                        ("--completion-template", args.completion_template),
+                        ("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser),
+                        ("--context-length", args.context_length)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.enable_cache_report:
+        argv.append("--enable-cache-report")
+    return argv + shlex.split(args.sglang_args)
+
+
+def read_operator_token(path: Optional[str]) -> Optional[str]:
+    """The token in ``path``, refused (SystemExit naming the file) when group or others may
+    access the file, as the key files are: anyone who reads it may steer PDD and flush caches."""
+    if path is None:
+        return None
+    try:
+        fd = open_private(path)
+    except KeyFileError as e:
+        raise SystemExit(f"--operator-token-file: {e}") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        token = f.read(1 << 16).strip()
+    if len(token) < 16:
+        raise SystemExit(f"--operator-token-file {path}: the token must have at least 16 characters")
+    return token
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.workers < 1:
+        raise SystemExit("sglang_pdd.router: error: --workers must be at least 1")
+    if args.workers > 1:
+        from sglang_pdd.router.workers import run_workers
+
+        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from sglang_pdd.router.serving import build_sglang_state
+
+    client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
+    client_auth.use_backend_api_key(args.backend_api_key)
+    client_auth.use_backend_ca(args.backend_ca_file)
+
+    from sglang_pdd.kv_channel.handshake import load_key
+    from sglang_pdd.router.backends import set_max_md_tp, use_control_key, use_control_tls
+
+    control_urls = [p.control_url for p in args.prefill if p.control_url] + [m.control_url for m in args.main]
+    use_control_tls(control_tls.control_client_context(args, control_urls))
+
+    try:
+        set_max_md_tp(args.max_md_tp)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: {e}") from None
+
+    if args.control_key_file:
+        try:
+            use_control_key(load_key(args.control_key_file))
+        except ValueError as e:  # KeyFileError: names the file, its mode or length
+            raise SystemExit(f"sglang_pdd.router: error: --control-key-file: {e}") from None
+    elif args.main or any(p.control_url for p in args.prefill):
+        raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main or a P CONTROL_URL "
+                         "(MD and P accept only signed control calls)")
+    state = build_sglang_state(sglang_argv(args))
+    if args.every_client_is_operator:
+        logger.warning("--every-client-is-operator: any client may steer PDD (pdd_options); tests only")
+    try:
+        health = HealthConfig(failure_threshold=args.breaker_failures, cooldown_s=args.breaker_cooldown_s)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
+    router = Router(Pools(args.prefill, args.relay, args.main, health=health), flow_config(args), state[2],
+                    args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
+                    max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
+                    operator_token=read_operator_token(args.operator_token_file),
+                    every_client_is_operator=args.every_client_is_operator,
+                    report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
+                    max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
+                    health_check_interval_s=args.health_check_interval_s)
+    web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
+                port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
+                ssl_context=client_ssl)

@@ -1,0 +1,102 @@
+"""The router's backend pools: P, RLD and MD servers, what the router knows of them (requests
+in flight, cached prefixes, health) and the pick of one of each for a request (placement
+policy: router/placement.py; breakers: router/health.py)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional
+
+from sglang_pdd.router import lifecycle
+from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
+from sglang_pdd.router.health import Failed, HealthBoard, HealthConfig, Succeeded
+from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
+from sglang_pdd.router.prefix_index import PrefixIndex
+
+
+class NoBackend(Exception):
+    """No server of a role the request needs may be picked now (breakers open, draining)."""
+
+
+class Pools:
+    """Backend pools and what the router knows of them: in-flight counts, cached prefixes and
+    health (router/health.py: breakers per server and per P-RLD pair, drain)."""
+
+    def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
+                 index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None):
+        if not prefill or not relay:
+            raise ValueError("the router needs at least one --prefill and one --relay server")
+        self.prefill, self.relay, self.main = prefill, relay, main
+        self._rr = itertools.count()
+        self.p_inflight = {p.url: 0 for p in prefill}
+        self.rld_inflight = {url: 0 for url in relay}
+        self.md_inflight = {m.url: 0 for m in main}
+        # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
+        self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
+        self.health = HealthBoard(health or HealthConfig())
+
+    def roles(self) -> dict[str, list[str]]:
+        return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
+
+    def inflight(self) -> dict[str, dict[str, int]]:
+        """Role -> {url: requests in flight}, the live counts (not copies)."""
+        return {"prefill": self.p_inflight, "relay": self.rld_inflight, "main": self.md_inflight}
+
+    def pick(self, input_ids: list[int], now: Optional[float] = None,
+             exclude: frozenset = frozenset()) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
+        """P and MD by cached prefix with load balance, RLD by load; only servers (and P-RLD pairs)
+        the health board lets through, none of the urls in ``exclude``. No P or no RLD:
+        NoBackend. No MD: None (RLD serves)."""
+        now = time.monotonic() if now is None else now
+
+        def ok(key, now) -> bool:
+            return key[-1] not in exclude and self.health.pickable(key, now)
+
+        relays = [url for url in self.relay if ok(("relay", url), now)]
+        if not relays:
+            raise NoBackend("no relay decode server is available (every one is failing or draining)")
+        # a P whose pairs with every available RLD are failing cannot serve either
+        prefills = [p for p in self.prefill
+                    if ok(("prefill", p.url), now) and any(ok(("pair", p.url, url), now) for url in relays)]
+        if not prefills:
+            raise NoBackend("no prefill server is available (every one is failing or draining, "
+                            "or failing with every available relay decode server)")
+        turn = next(self._rr) % len(prefills)  # equal candidates take turns
+        prefill = self._by_prefix(prefills[turn:] + prefills[:turn], self.p_inflight, input_ids)
+        relays = [url for url in relays if ok(("pair", prefill.url, url), now)]
+        relay = min(relays, key=lambda url: self.rld_inflight[url])  # least loaded RLD
+        mains = [m for m in self.main if ok(("main", m.url), now)]
+        main = self._by_prefix(mains, self.md_inflight, input_ids) if mains else None
+        return prefill, relay, main
+
+    def _by_prefix(self, servers: list, inflight: dict[str, int], input_ids: list[int]):
+        """The server holding the longest cached prefix of the prompt, unless it has 4+ more
+        requests in flight than the least loaded (then that one); ties to the least loaded."""
+        by_load = sorted(servers, key=lambda s: inflight[s.url])
+        owner, matched = self.prefixes.best([s.url for s in by_load], input_ids)
+        loads = [InstanceLoad(s.url, inflight[s.url]) for s in servers]
+        chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
+        return next(s for s in servers if s.url == chosen)
+
+    def record_health(self, flow: PddFlow, now: float) -> None:
+        """A finished flow's outcome on the board: each backend a leg broke on fails; a request
+        that completed is a success for every server and pair it used (closes a half-open
+        breaker). A client gone or a timeout is neither."""
+        failed = set(map(tuple, flow.result.failed_backends))
+        for key in failed:
+            self.health.record(key, Failed(now, "a request failed on it"))
+        if flow.state.phase is not lifecycle.Phase.DONE:
+            return
+        used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
+        if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
+            used.append(("main", flow.main.url))
+        for key in used:
+            if key not in failed:
+                self.health.record(key, Succeeded(now))
+
+    def record(self, flow: PddFlow, output_ids: list[int]) -> None:
+        """After a request: P holds its prompt; the MD that decoded it holds prompt + output."""
+        self.prefixes.record(flow.prefill.url, flow.ids)
+        if flow.main is not None and flow.result.md_tokens:
+            self.prefixes.record(flow.main.url, flow.ids + output_ids)
