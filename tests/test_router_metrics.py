@@ -33,7 +33,7 @@ def value(m, name, **labels):
 def test_label_sets_follow_the_policies():
     assert PATHS == ("p_md", "p_rld_md", "p_rld_only")
     assert HANDOFF_MODES == ("one_shot", "catch_up")
-    assert set(FALLBACK_REASONS) == {"wan_failed", "wan_timeout", "md_failed", "md_rejected"}
+    assert set(FALLBACK_REASONS) == {"wan_failed", "wan_timeout", "md_failed", "md_rejected", "retried_elsewhere"}
 
 
 def test_own_registry_so_many_can_coexist():
@@ -316,17 +316,23 @@ def test_observe_flow_from_flow_results():
                         fallbacks=[Fallback(Reason.WAN_FAILED, "not ready within 30s")])
     m.observe_flow(failed, e2e_s=0.5, output_tokens=5, main_url=md_url)
     m.observe_flow(FlowResult(rid="c", prompt_tokens=4, fallbacks=[Fallback(Reason.MD_UNAVAILABLE, "refused")]), e2e_s=0.1, output_tokens=0)
-    assert value(m, "pdd:requests_total", path="p_rld_md") == 2
+    retried = FlowResult(rid="d", path="p_rld_md", prompt_tokens=4, rld_tokens=2, ttft_s=0.1,
+                         fallbacks=[Fallback(Reason.RETRIED_ELSEWHERE, "http://p:1")])
+    m.observe_flow(retried, e2e_s=0.2, output_tokens=2, main_url=md_url)
+    assert value(m, "pdd:requests_total", path="p_rld_md") == 3
     assert value(m, "pdd:requests_total", path="p_rld_only") == 1  # no path: MD never came in
-    assert value(m, "pdd:tpot_seconds_sum", path="p_rld_md") == pytest.approx(1.55 / 31 + 0.4 / 4)
+    assert value(m, "pdd:tpot_seconds_sum", path="p_rld_md") == pytest.approx(1.55 / 31 + 0.4 / 4 + 0.1 / 1)
     assert value(m, "pdd:p_prefix_hit_ratio_sum") == pytest.approx(1.0 + 0.0 + 0.0)  # P's 120 capped at 100
     assert value(m, "pdd:wan_bytes_total") == 40 * 2**20
     assert value(m, "pdd:kv_transfer_latency_ms_sum") == pytest.approx(250.0)
     assert value(m, "pdd:kv_transfer_speed_gb_s_sum") == pytest.approx(40 / 1024 / 0.25)
     assert value(m, "pdd:handoff_stall_seconds_count", mode="one_shot") == 1
     assert value(m, "pdd:fallbacks_total", reason="wan_failed") == 1
-    assert value(m, "pdd:fallbacks_total", reason="md_failed") == 1
+    assert value(m, "pdd:fallbacks_total", reason="md_rejected") == 1  # no MD took "c"
+    assert value(m, "pdd:fallbacks_total", reason="md_failed") == 0
+    assert value(m, "pdd:fallbacks_total", reason="retried_elsewhere") == 1
     assert value(m, "pdd:num_transfer_failed_reqs_total") == 1
-    assert value(m, "pdd:backend_fallbacks_total", role="main", url=md_url) == 1  # "c" had no MD
-    assert value(m, "pdd:rld_output_tokens_total") == 13
+    # "c" had no MD; "d" broke on P, not on its MD
+    assert value(m, "pdd:backend_fallbacks_total", role="main", url=md_url) == 1
+    assert value(m, "pdd:rld_output_tokens_total") == 15
     assert value(m, "pdd:md_output_tokens_total") == 24

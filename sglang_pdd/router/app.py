@@ -45,10 +45,6 @@ logger = logging.getLogger("sglang_pdd.router")
 MAX_BODY_BYTES = 4 * 1024 * 1024  # default of --max-body-bytes
 
 
-class RequestError(ValueError):
-    """The client's request is malformed; answered with HTTP 400 and a clear message."""
-
-
 # SGLang's HTTP server drops a keep-alive connection after 5 idle seconds
 # (SGLANG_TIMEOUT_KEEP_ALIVE). Reusing one just as it does fails the request with "Server
 # disconnected" (seen in CI: a P leg sent 5 s after the previous one), so the router retires

@@ -37,14 +37,15 @@ FALLBACK_REASONS: Tuple[str, ...] = (
     "wan_timeout",  # the WAN KV transfer did not finish in time
     "md_failed",  # Main Decode errored or died while owning the request
     "md_rejected",  # Main Decode refused the request or the handoff (full, draining)
+    "retried_elsewhere",  # P or RLD broke before the first token; started over on another
 )
 
 # Each fallback reason (router/fallback.py) -> its FALLBACK_REASONS label.
 FLOW_FALLBACK_REASONS: Dict[Reason, str] = {
-    Reason.WAN_FAILED: "wan_failed", Reason.MD_FAILED: "md_failed", Reason.MD_UNAVAILABLE: "md_failed",
+    Reason.WAN_FAILED: "wan_failed", Reason.MD_FAILED: "md_failed", Reason.MD_UNAVAILABLE: "md_rejected",
     Reason.RECOVERED_ON_RELAY: "md_failed",
     Reason.WAN_DESTINATION_FAILED: "wan_failed",  # P refused the late WAN destination
-    Reason.RETRIED_ELSEWHERE: "md_failed",
+    Reason.RETRIED_ELSEWHERE: "retried_elsewhere",
 }
 # Backend roles in the per-backend series (the router's pools: RLD and MD).
 BACKEND_ROLES: Tuple[str, ...] = ("prefill", "relay", "main")
@@ -248,6 +249,8 @@ class RouterMetrics:
             if fb.reason is Reason.WAN_FAILED:
                 self.transfer_failed()
             self.fallback(FLOW_FALLBACK_REASONS[fb.reason])
+            if fb.reason is Reason.RETRIED_ELSEWHERE:
+                continue  # P's or RLD's failure, not the MD's
             if main_url is not None and main_url in self._backends.get("main", {}):
                 self.backend_fallback("main", main_url)
 
