@@ -36,6 +36,7 @@ from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, get_
                                parse_peer_list)
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
+from sglang_pdd.kv_channel import p_leg
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.tp_relayout import TpShard
@@ -126,14 +127,12 @@ class PddKVSender(MooncakeKVSender):
     The WAN destination is known at bind time (``pdd_wan_peer`` in the request) or comes
     later through P's control API (``pdd_wan_expected``); pages given before it arrives are
     remembered (ids only: P keeps the KV, its release waits for the destination up to
-    ``--pdd-wan-destination-wait-ms``).
+    ``--pdd-wan-destination-wait-ms``). The leg's state is ``kv_channel/p_leg.py``'s machine;
+    this class feeds it events and performs its actions.
     """
 
-    _wan_expected = False  # a destination was promised (now or later)
-    _wan_dest: Optional[WanDestination] = None
+    _leg: Optional[p_leg.PLeg] = None  # None: this request has no WAN leg on this rank
     _wan_room: Optional[WanRoom] = None
-    _wan_initialized = False
-    _wan_wait_deadline: Optional[float] = None
     _token_ids: tuple = ()
     _rid: str = ""
     _rld_prefix_len: int = 0
@@ -162,7 +161,7 @@ class PddKVSender(MooncakeKVSender):
         self._wan_lock = threading.Lock()
         self._pending_pages: list = []
         self._token_ids, self._rid, self._page_size = tuple(req.origin_input_ids), req.rid, page_size
-        self._wan_expected, self._wan_dest = True, dest
+        self._leg = p_leg.bound(dest)
         if dest is None:
             posted = mgr.wan_destinations.wait_for(self.bootstrap_room, self._on_destination)
             if posted is not None:
@@ -171,38 +170,43 @@ class PddKVSender(MooncakeKVSender):
     def _on_destination(self, value) -> None:
         """The router's late destination (or its withdrawal); any thread."""
         with self._wan_lock:
-            if not self._wan_expected or self._wan_dest is not None:
-                return
             if value is DROPPED:
-                self._drop_wan_locked("withdrawn by the router")
-                return
-            if not self.kv_mgr.wan_fanout.sends_to(value.md_tp):
-                self._drop_wan_locked(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}")
-                return
-            self._wan_dest = value
-            self._open_wan_locked()
+                self._apply(p_leg.Withdrawn())
+            elif not self.kv_mgr.wan_fanout.sends_to(value.md_tp):
+                self._apply(p_leg.Withdrawn(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}"))
+            else:
+                self._apply(p_leg.Posted(value))
 
-    def _open_wan_locked(self) -> None:
-        if self._wan_room is not None or self._wan_dest is None or not self._wan_initialized:
-            return
+    def _apply(self, event: p_leg.Event) -> list:
+        """(under _wan_lock) The one place the leg's state changes; performs its actions and
+        returns them (a poll reads Hold from them)."""
+        self._leg, actions = p_leg.transition(self._leg, event)
+        for action in actions:
+            if isinstance(action, p_leg.OpenRoom):
+                self._open_room()
+            elif isinstance(action, p_leg.AbortRoom):
+                self.kv_mgr.wan_fanout.abort(self._wan_room, action.why)
+            elif isinstance(action, p_leg.NoLeg):
+                logger.info("rid %s: no WAN leg (%s)", self._rid, action.why)
+                self._pending_pages = []
+            elif isinstance(action, p_leg.Forget):
+                if self.kv_mgr.wan_destinations is not None:
+                    self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
+            elif isinstance(action, p_leg.WaitExpired):
+                self.kv_mgr.wan_fanout.counters["destination_wait_expired"] += 1
+        return actions
+
+    def _open_room(self) -> None:
         fanout = self.kv_mgr.wan_fanout
-        self._wan_room = fanout.open_room(self._wan_dest, rid=self._rid, token_ids=self._token_ids,
+        self._wan_room = fanout.open_room(self._leg.dest, rid=self._rid, token_ids=self._token_ids,
                                           first_offered_page=self._rld_prefix_len // self._page_size)
         if self._wan_room is None:
-            self._drop_wan_locked("refused by the fan-out")
+            self._apply(p_leg.RoomRefused())
             return
+        self._apply(p_leg.RoomOpened())
         for pages, event, last in self._pending_pages:
             fanout.offer(self._wan_room, pages, event, last=last)
         self._pending_pages = []
-
-    def _drop_wan_locked(self, why: str) -> None:
-        if self._wan_room is not None:
-            self.kv_mgr.wan_fanout.abort(self._wan_room, why)
-        elif self._wan_expected:
-            logger.info("rid %s: no WAN leg (%s)", self._rid, why)
-        self._wan_expected, self._pending_pages = False, []
-        if self.kv_mgr.wan_destinations is not None:
-            self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
         self._rld_prefix_len = super().pop_decode_prefix_len()
@@ -210,51 +214,40 @@ class PddKVSender(MooncakeKVSender):
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         super().init(num_kv_indices, aux_index)
-        if self._wan_expected:
+        if self._leg is not None:
             with self._wan_lock:
-                self._wan_initialized = True
-                self._open_wan_locked()
+                self._apply(p_leg.Initialized())
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         wait_event = self._early_send_wait_event  # super() consumes it
         last = self.curr_idx + len(kv_indices) == self.num_kv_indices
         super().send(kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
-        if not self._wan_expected:
+        if self._leg is None:
             return
         with self._wan_lock:
-            if self._wan_room is not None:
+            if self._leg.phase is p_leg.Phase.OPEN:
                 self.kv_mgr.wan_fanout.offer(self._wan_room, kv_indices, indices_event or wait_event, last=last)
-            elif self._wan_expected:
+            elif self._leg.live:
                 self._pending_pages.append((kv_indices, indices_event or wait_event, last))
 
     def _poll_with_status(self, check_status) -> KVPoll:
         status = super()._poll_with_status(check_status)
-        if status not in (KVPoll.Success, KVPoll.Failed) or not self._wan_expected:
+        if status not in (KVPoll.Success, KVPoll.Failed) or self._leg is None:
             return status
         # P frees the pages once this says Success/Failed: hold that until the WAN copy has
         # them, or (bounded) until a promised destination arrives.
         with self._wan_lock:
-            if self._wan_room is not None:
-                if not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room):
-                    return KVPoll.Transferring
-                if self.kv_mgr.wan_destinations is not None:
-                    self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
+            if not self._leg.live:
                 return status
-            if not self._wan_expected:
-                return status
-            now = time.monotonic()
-            if self._wan_wait_deadline is None:
-                self._wan_wait_deadline = now + self.kv_mgr.pdd_config.wan_destination_wait_ms / 1000
-            if now < self._wan_wait_deadline and status == KVPoll.Success:
-                return KVPoll.Transferring
-            self.kv_mgr.wan_fanout.counters["destination_wait_expired"] += 1
-            self._drop_wan_locked("no WAN destination within --pdd-wan-destination-wait-ms")
-            return status
+            holds = self._leg.phase is p_leg.Phase.OPEN and not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room)
+            actions = self._apply(p_leg.Polled(time.monotonic(), status == KVPoll.Success,
+                                               self.kv_mgr.pdd_config.wan_destination_wait_ms / 1000, holds))
+        return KVPoll.Transferring if any(isinstance(a, p_leg.Hold) for a in actions) else status
 
     def abort(self):
-        if self._wan_expected:
+        if self._leg is not None:
             with self._wan_lock:
-                self._drop_wan_locked("request aborted on P")
+                self._apply(p_leg.Abort())
         super().abort()
 
 
