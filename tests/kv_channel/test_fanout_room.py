@@ -2,6 +2,7 @@
 sockets, threads or a pool."""
 
 import pytest
+from machines import fold
 
 from sglang_pdd.kv_channel import fanout_room as fr
 from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, Phase
@@ -11,11 +12,7 @@ QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortLegs(), fr.AllSent()
 
 
 def run(room, *events):
-    actions = []
-    for event in events:
-        room, acts = fr.transition(room, event)
-        actions += acts
-    return room, actions
+    return fold(fr.transition, room, *events)
 
 
 def copy_round(more_ready=False):

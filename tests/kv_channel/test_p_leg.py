@@ -1,6 +1,7 @@
 """P's WAN leg (kv_channel/p_leg.py): every path without sockets or SGLang."""
 
 import pytest
+from machines import fold
 
 from sglang_pdd.kv_channel import p_leg
 from sglang_pdd.kv_channel.p_leg import (Abort, AbortRoom, Forget, Hold, Initialized, NoLeg, OpenRoom, Phase,
@@ -10,13 +11,7 @@ DEST = "md:1"
 
 
 def run(leg, *events):
-    """The leg after the events, and every action they produced (OpenRoom answered by the
-    shell's RoomOpened, as PddKVSender does)."""
-    done = []
-    for event in events:
-        leg, actions = p_leg.transition(leg, event)
-        done += actions
-    return leg, done
+    return fold(p_leg.transition, leg, *events)
 
 
 def kinds(actions):

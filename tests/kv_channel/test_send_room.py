@@ -1,6 +1,7 @@
 """The WAN sender's per-room state machine (kv_channel/send_room.py), without sockets."""
 
 import pytest
+from machines import fold
 
 from sglang_pdd.kv_channel import send_room as sr
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
@@ -9,12 +10,7 @@ CHUNKS, BYTES = 3, 3000
 
 
 def run(room, *events):
-    """Apply ``events`` in order; the final room and every action, in order."""
-    actions = []
-    for event in events:
-        room, acts = sr.transition(room, event)
-        actions += acts
-    return room, actions
+    return fold(sr.transition, room, *events)
 
 
 def fresh(session_up=False):
