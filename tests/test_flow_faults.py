@@ -337,6 +337,7 @@ def test_p_md_never_ready_recovers_on_relay():
     run = scenario(Knobs(md_ready="never"), max_new=20, cfg=p_md_cfg())
     assert_invariants(run, 20)
     assert run.fallbacks == ["wan_failed", "recovered_on_relay:wan_failed_after_rld"]
+    assert run.flow.result.fallbacks[0].timed_out  # the router's wait ran out: wan_timeout in the metrics
     assert [g.body["rid"] for g in run.fakes.records("rld", "generate")] == [leg_rid(run, "r1"), leg_rid(run, "r2")]
     assert run.fakes.records("md", "handoff") == []
 

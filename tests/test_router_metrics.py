@@ -315,6 +315,9 @@ def test_observe_flow_from_flow_results():
     failed = FlowResult(rid="b", path="p_rld_md", prompt_tokens=10, rld_tokens=5, ttft_s=0.1,
                         fallbacks=[Fallback(Reason.WAN_FAILED, "not ready within 30s")])
     m.observe_flow(failed, e2e_s=0.5, output_tokens=5, main_url=md_url)
+    slow = FlowResult(rid="e", path="p_md", prompt_tokens=4, rld_tokens=1, ttft_s=0.1,
+                      fallbacks=[Fallback(Reason.WAN_FAILED, "not ready within 30s", timed_out=True)])
+    m.observe_flow(slow, e2e_s=0.2, output_tokens=1, main_url=md_url)
     m.observe_flow(FlowResult(rid="c", prompt_tokens=4, fallbacks=[Fallback(Reason.MD_UNAVAILABLE, "refused")]), e2e_s=0.1, output_tokens=0)
     retried = FlowResult(rid="d", path="p_rld_md", prompt_tokens=4, rld_tokens=2, ttft_s=0.1,
                          fallbacks=[Fallback(Reason.RETRIED_ELSEWHERE, "http://p:1")])
@@ -328,11 +331,12 @@ def test_observe_flow_from_flow_results():
     assert value(m, "pdd:kv_transfer_speed_gb_s_sum") == pytest.approx(40 / 1024 / 0.25)
     assert value(m, "pdd:handoff_stall_seconds_count", mode="one_shot") == 1
     assert value(m, "pdd:fallbacks_total", reason="wan_failed") == 1
+    assert value(m, "pdd:fallbacks_total", reason="wan_timeout") == 1  # "e": the router's wait ran out
     assert value(m, "pdd:fallbacks_total", reason="md_rejected") == 1  # no MD took "c"
     assert value(m, "pdd:fallbacks_total", reason="md_failed") == 0
     assert value(m, "pdd:fallbacks_total", reason="retried_elsewhere") == 1
-    assert value(m, "pdd:num_transfer_failed_reqs_total") == 1
-    # "c" had no MD; "d" broke on P, not on its MD
-    assert value(m, "pdd:backend_fallbacks_total", role="main", url=md_url) == 1
-    assert value(m, "pdd:rld_output_tokens_total") == 15
+    assert value(m, "pdd:num_transfer_failed_reqs_total") == 2  # "b" and "e"
+    # "b" and "e" against their MD; "c" had no MD; "d" broke on P, not on its MD
+    assert value(m, "pdd:backend_fallbacks_total", role="main", url=md_url) == 2
+    assert value(m, "pdd:rld_output_tokens_total") == 16
     assert value(m, "pdd:md_output_tokens_total") == 24

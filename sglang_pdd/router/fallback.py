@@ -33,6 +33,9 @@ class Recovery(str, enum.Enum):
 class Fallback:
     reason: Reason
     detail: str = ""
+    # WAN_FAILED because the router's wait for MD's KV ran out (a slow WAN, not a broken one):
+    # the metrics count it as wan_timeout; clients see the same reason.
+    timed_out: bool = False
 
     def __str__(self) -> str:
         return f"{self.reason.value}: {self.detail}"

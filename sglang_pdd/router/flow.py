@@ -586,12 +586,13 @@ class PddFlow:
         await self.queue.put((lifecycle.MdNotReady(fallback), None))
 
     async def _watch_ready(self) -> None:
-        started = time.perf_counter()
+        started, timed_out = time.perf_counter(), False
         try:
             reply = await self.control.wait_ready(self.room, self.cfg.wan_timeout_s)
             status, reason = reply.status, reply.reason or ""
             if status == "pending":
                 status, reason = "failed", f"not ready within {self.cfg.wan_timeout_s:.0f}s"
+                timed_out = True
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             status, reason = "failed", f"control API: {e!r}"
         if status == "ready":
@@ -599,7 +600,7 @@ class PddFlow:
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))
         else:  # not a breaker failure: RLD finishes this request, the next one tries the WAN again
-            await self._md_side_failed(Fallback(Reason.WAN_FAILED, reason))
+            await self._md_side_failed(Fallback(Reason.WAN_FAILED, reason, timed_out=timed_out))
 
     async def _catch_up(self, batch: lifecycle.SendCatchUpBatch) -> None:
         """One catch-up round: MD extends the eager tokens so far (its radix cache warms up)

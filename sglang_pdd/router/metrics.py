@@ -248,7 +248,7 @@ class RouterMetrics:
         for fb in r.fallbacks:
             if fb.reason is Reason.WAN_FAILED:
                 self.transfer_failed()
-            self.fallback(FLOW_FALLBACK_REASONS[fb.reason])
+            self.fallback("wan_timeout" if fb.timed_out else FLOW_FALLBACK_REASONS[fb.reason])
             if fb.reason is Reason.RETRIED_ELSEWHERE:
                 continue  # P's or RLD's failure, not the MD's
             if main_url is not None and main_url in self._backends.get("main", {}):
