@@ -32,20 +32,18 @@ class MdRoomQueries:
     def handoff_request(self, room: int, body: dict) -> tuple[dict, bool]:
         """Turn a compact handoff (eager token ids) into MD's own /generate request.
 
-        Only the eager tokens cross the WAN; the prompt's ids are the ones MD registered.
-        Returns (generate body, stream?). Stale (unknown / not ready) and duplicate final
-        handoffs are refused as conflicts, a malformed one as a bad request (ControlError)."""
+        ``body``: a HandoffRequest's JSON, validated by the control server that parsed it
+        (protocol.messages). Only the eager tokens cross the WAN; the prompt's ids are the ones
+        MD registered. Returns (generate body, stream?). Stale (unknown / not ready) and
+        duplicate final handoffs are refused as conflicts (ControlError 409)."""
         entry = self.rooms.rooms.get(room)
         if entry is None or entry.status is not RoomStatus.READY:
             logger.warning("stale handoff for room %s (%s) ignored", room,
                            "unknown" if entry is None else entry.status.value)
             raise ControlError.of("conflict",
                                   f"stale handoff: room {room} is {'unknown' if entry is None else entry.status.value}")
-        eager = body.get("token_ids")
-        if not isinstance(eager, list) or not all(isinstance(t, int) and t >= 0 for t in eager):
-            raise ControlError.of("bad_request", "handoff needs 'token_ids': [non-negative int, ...]")
         # MD continues the request: the eager tokens are output already produced (resume.py)
-        gen, stream = handoff_generate_body(entry.token_ids, eager, body)
+        gen, stream = handoff_generate_body(entry.token_ids, body["token_ids"], body)
         if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
             with self._handoff_lock:
                 try:
