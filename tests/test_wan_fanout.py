@@ -116,12 +116,18 @@ def test_first_groups_leave_while_prefill_is_still_running(receiver):
     fanout.close()
 
 
-def test_request_ending_early_drops_the_room_and_md_fails(receiver):
-    pool, fanout = FakePool(), make_fanout(receiver)
-    expect_room(receiver, 9, pool, 40, 0)
+def open_md_room(receiver, fanout, room_id, prompt_len=40):
+    """MD expects a ``prompt_len``-token room with nothing cached; P's fan-out opens it."""
+    pool = FakePool()
+    expect_room(receiver, room_id, pool, prompt_len, 0)
     fanout.attach_pool(pool, 1)
-    room = fanout.open_room(WanDestination(9, receiver.address, 0), rid="r",
-                            token_ids=list(range(40)), first_offered_page=0)
+    return fanout.open_room(WanDestination(room_id, receiver.address, 0), rid="r",
+                            token_ids=list(range(prompt_len)), first_offered_page=0)
+
+
+def test_request_ending_early_drops_the_room_and_md_fails(receiver):
+    fanout = make_fanout(receiver)
+    room = open_md_room(receiver, fanout, 9)
     fanout.offer(room, np.arange(10))
     # P's request failed before its last chunk: settling must not wait forever for pages.
     assert wait_until(lambda: fanout.may_free_pages(room))
@@ -131,11 +137,8 @@ def test_request_ending_early_drops_the_room_and_md_fails(receiver):
 
 
 def test_abort_discards_later_pages_and_fails_md(receiver):
-    pool, fanout = FakePool(), make_fanout(receiver)
-    expect_room(receiver, 10, pool, 40, 0)
-    fanout.attach_pool(pool, 1)
-    room = fanout.open_room(WanDestination(10, receiver.address, 0), rid="r",
-                            token_ids=list(range(40)), first_offered_page=0)
+    fanout = make_fanout(receiver)
+    room = open_md_room(receiver, fanout, 10)
     fanout.offer(room, np.arange(20))
     fanout.abort(room, "request aborted on P")
     fanout.offer(room, np.arange(20, 40), last=True)  # ignored
@@ -145,11 +148,8 @@ def test_abort_discards_later_pages_and_fails_md(receiver):
 
 
 def test_pages_after_the_last_fail_the_room_without_raising_on_the_scheduler(receiver):
-    pool, fanout = FakePool(), make_fanout(receiver)
-    expect_room(receiver, 12, pool, 40, 0)
-    fanout.attach_pool(pool, 1)
-    room = fanout.open_room(WanDestination(12, receiver.address, 0), rid="r",
-                            token_ids=list(range(40)), first_offered_page=0)
+    fanout = make_fanout(receiver)
+    room = open_md_room(receiver, fanout, 12)
     fanout.offer(room, np.arange(40), last=True)
     fanout.offer(room, np.arange(40, 44))  # out of turn: the room fails, the caller goes on
     assert (room.state.phase, room.state.reason) == (Phase.FAILED, DropReason.SEND_FAILED)
@@ -158,12 +158,9 @@ def test_pages_after_the_last_fail_the_room_without_raising_on_the_scheduler(rec
 
 
 def test_staging_budget_drops_the_room_instead_of_stalling_p(receiver):
-    pool, fanout = FakePool(), make_fanout(receiver, staging_bytes=1024)
+    fanout = make_fanout(receiver, staging_bytes=1024)
     prompt_len = 40  # 40 tokens x 4 buffers x 16 B = 2560 B > 1024 B budget
-    expect_room(receiver, 11, pool, prompt_len, 0)
-    fanout.attach_pool(pool, 1)
-    room = fanout.open_room(WanDestination(11, receiver.address, 0), rid="r",
-                            token_ids=list(range(prompt_len)), first_offered_page=0)
+    room = open_md_room(receiver, fanout, 11, prompt_len)
     fanout.offer(room, np.arange(prompt_len), last=True)
     assert wait_until(lambda: fanout.may_free_pages(room))
     assert (room.state.phase, room.state.reason) == (Phase.FAILED, DropReason.STAGING_BUDGET)
