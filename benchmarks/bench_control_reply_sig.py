@@ -91,7 +91,7 @@ def reply_signing(on: bool):
         json_http.JsonRequestHandler.reply_signature = lambda self, status, body: {}
         ControlVerifier.sign_event = lambda self, request_sig, index, data: None  # no signature line
         backends._check_reply = lambda *args: None
-        backends.signed_sse_events = lambda resp, url, signer, header: backends.sse_events(resp, url)
+        backends.signed_sse_events = lambda resp, url, signer, header, limit: backends.sse_events(resp, url, limit)
     try:
         yield
     finally:

@@ -211,6 +211,15 @@ class Knobs:
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
     md_restarts: bool = False  # MD without the resume contract: reports from the handoff point
+    # Bytes of filler in meta_info ("pad") of each server's replies: P's reply, every RLD event
+    # from its third on, every MD handoff event (a long stream event, as logprobs make them).
+    p_pad_bytes: int = 0
+    rld_pad_bytes: int = 0
+    md_pad_bytes: int = 0
+
+
+def _pad(meta: dict, size: int) -> dict:
+    return {**meta, "pad": "x" * size} if size else meta
 
 
 @dataclass
@@ -316,9 +325,9 @@ class Fakes:
             if k.p_before_reply is not None:
                 await k.p_before_reply(body)
             self._record("p", "reply", {"rid": body["rid"]})
-            return web.json_response({"text": "", "meta_info": {
+            return web.json_response({"text": "", "meta_info": _pad({
                 "cached_tokens": k.p_cached_tokens, "prompt_tokens": len(body["input_ids"]),
-                **(fake_prefill_logprobs(body) if k.p_logprobs else {})}})
+                **(fake_prefill_logprobs(body) if k.p_logprobs else {})}, k.p_pad_bytes)})
 
         app.router.add_post("/generate", generate)
         return app
@@ -392,8 +401,9 @@ class Fakes:
                         await k.rld_before_token(leg, i - resumed_len(body))
                     await asyncio.sleep(k.rld_token_delay_s)
                     finish = {"type": "length", "length": budget} if i == budget - 1 else None
-                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": {
-                        "finish_reason": finish, **fake_logprobs(body, prompt, tokens[:i + 1])}})
+                    await _sse(resp, {"output_ids": tokens[:i + 1], "meta_info": _pad({
+                        "finish_reason": finish, **fake_logprobs(body, prompt, tokens[:i + 1])},
+                        k.rld_pad_bytes if i - resumed_len(body) >= 2 else 0)})
                     if i == resumed_len(body):
                         self._record("rld", "first_token", {"rid": rid})
                     if finish is not None:
@@ -523,8 +533,9 @@ class Fakes:
                         await k.md_before_token(i, budget)
                     await asyncio.sleep(k.md_token_delay_s)
                     finish = {"type": "length", "length": total} if i == budget - 1 else None
-                    await _sse(resp, {"output_ids": tokens[:k0 + i + 1], "meta_info": {
-                        "finish_reason": finish, **fake_logprobs(sent, state["ids"], tokens[:k0 + i + 1])}})
+                    await _sse(resp, {"output_ids": tokens[:k0 + i + 1], "meta_info": _pad({
+                        "finish_reason": finish, **fake_logprobs(sent, state["ids"], tokens[:k0 + i + 1])},
+                        k.md_pad_bytes)})
                 await _done(resp)
                 return resp
             finally:

@@ -477,3 +477,45 @@ def test_request_timeout_bounds_a_stuck_relay_and_aborts_every_leg():
     assert run.emitted == []
     assert run.fakes.records("rld", "abort"), "the stuck relay leg must be aborted"
     assert run.fakes.released_rooms() == run.fakes.registered_rooms()
+
+
+# ---------------------------------------------------------------------- long events, bounded
+# SGLang's stream events are cumulative: with logprobs one event of a long request passes
+# 512 KiB (1,500 tokens with 20 top logprobs: ~1 MB). The router reads an event up to the
+# bound its leg's body allows (router/reply_limits.py: ~2 MiB for these 30-token legs) and
+# no further.
+LONG_EVENT = 700 << 10
+OVERSIZED_EVENT = 3 << 20
+
+
+@pytest.mark.parametrize("server", ["p", "rld", "md"])
+def test_events_longer_than_aiohttps_default_line_are_read(server):
+    knobs = Knobs(**{f"{server}_pad_bytes": LONG_EVENT})
+    run = scenario(knobs, max_new=30, gates=takeover(knobs, 4))
+    assert_invariants(run, 30)
+    assert run.flow.result.fallbacks == []
+    assert_handed_off(run, 30)
+
+
+def test_relay_event_over_the_bound_fails_the_request_at_once():
+    run = scenario(Knobs(rld_pad_bytes=OVERSIZED_EVENT, md_ready="never"), max_new=30)
+    assert_invariants(run, 30, complete=False)
+    assert isinstance(run.error, BackendError) and "relay leg failed" in str(run.error)
+    assert "over the" in str(run.error)
+    assert len(run.emitted) == 2  # the two events before the oversized one
+
+
+def test_md_event_over_the_bound_falls_back_to_relay():
+    knobs = Knobs(md_pad_bytes=OVERSIZED_EVENT)
+    run = scenario(knobs, max_new=30, gates=lambda run: setattr(knobs, "md_before_ready", emitted_at_least(run, 4)))
+    assert_invariants(run, 30)  # every token, once: RLD finishes what MD could not send
+    assert run.flow.result.md_tokens == 0
+    assert any("over the" in f.detail for f in run.flow.result.fallbacks), run.flow.result.fallbacks
+
+
+def test_prefill_reply_over_the_bound_fails_the_request():
+    run = scenario(Knobs(p_pad_bytes=OVERSIZED_EVENT, rld_prefill_wait_s=3.0), max_new=30,
+                   extras={"return_logprob": True})
+    assert isinstance(run.error, BackendError) and "prefill" in str(run.error) and "over the" in str(run.error)
+    assert run.emitted == []
+    assert not run.tasks_after

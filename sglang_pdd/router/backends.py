@@ -12,11 +12,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
+from aiohttp.http_exceptions import LineTooLong
 
 from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HandoffRequest, InfoReply, ReadyReply, RegisterReply,
                                  RegisterRequest, WanDestinationRequest, check_md_tp)
+from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES, MAX_ERROR_BODY_BYTES, max_event_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +83,51 @@ class UnverifiedReply(BackendError):
     so what it holds for it is to be released."""
 
 
-async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict) -> AsyncIterator[dict]:
-    """POST /generate with stream=true; yields each SSE data object (cumulative output_ids)."""
+async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict,
+                          max_line_bytes: int) -> AsyncIterator[dict]:
+    """POST /generate with stream=true; yields each SSE data object (cumulative output_ids).
+    An event over ``max_line_bytes`` (reply_limits.max_event_bytes of the leg) fails the stream."""
     async with session.post(f"{url}/generate", json={**body, "stream": True}) as resp:
-        async for event in sse_events(resp, url):
+        async for event in sse_events(resp, url, max_line_bytes):
             yield event
+
+
+class ReplyTooLarge(BackendError):
+    """A backend's reply, or one event of its stream, is larger than the request can account
+    for (reply_limits): the router stops reading it instead of buffering it."""
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """The reply's body, at most ``limit`` bytes (ReplyTooLarge beyond, before reading more
+    when the reply announces its length)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ReplyTooLarge(f"{what}: a reply of {resp.content_length} bytes, over the {limit} this "
+                            f"request allows", resp.status)
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            raise ReplyTooLarge(f"{what}: a reply over the {limit} bytes this request allows", resp.status)
+    return bytes(body)
+
+
+async def error_text(resp: aiohttp.ClientResponse) -> str:
+    """The start of an error reply, for a message; never more than MAX_ERROR_BODY_BYTES read."""
+    body = await resp.content.read(MAX_ERROR_BODY_BYTES)
+    return body[:300].decode("utf-8", "replace")
+
+
+async def read_lines(resp: aiohttp.ClientResponse, max_line_bytes: int, what: str) -> AsyncIterator[bytes]:
+    """The reply's lines, each at most ``max_line_bytes`` (ReplyTooLarge beyond)."""
+    while True:
+        try:
+            line = await resp.content.readuntil(b"\n", max_size=max_line_bytes)
+        except LineTooLong:
+            raise ReplyTooLarge(f"{what}: a stream event over the {max_line_bytes} bytes this request "
+                                f"allows") from None
+        if not line:
+            return
+        yield line
 
 
 SSE_DONE = object()  # parse_sse_line's answer to "data: [DONE]"
@@ -107,15 +149,17 @@ def parse_sse_line(raw: bytes, source: str):
             event = json.loads(data)
         except json.JSONDecodeError as e:
             raise BackendError(f"{source}: malformed stream event {data[:100]!r}") from e
-    if isinstance(event, dict) and "error" in event:
+    if not isinstance(event, dict):
+        raise BackendError(f"{source}: a stream event that is not an object: {data[:100]!r}")
+    if "error" in event:
         raise BackendError(f"{source}: {event['error']}")
     return event
 
 
-async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[dict]:
+async def sse_events(resp: aiohttp.ClientResponse, url: str, max_line_bytes: int) -> AsyncIterator[dict]:
     if resp.status != 200:
-        raise BackendError(f"{url} -> HTTP {resp.status}: {(await resp.text())[:300]}", resp.status)
-    async for raw in resp.content:
+        raise BackendError(f"{url} -> HTTP {resp.status}: {await error_text(resp)}", resp.status)
+    async for raw in read_lines(resp, max_line_bytes, url):
         event = parse_sse_line(raw, url)
         if event is SSE_DONE:
             return
@@ -124,15 +168,14 @@ async def sse_events(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[di
 
 
 async def signed_sse_events(resp: aiohttp.ClientResponse, url: str, signer: ControlSigner,
-                            request_header: str) -> AsyncIterator[dict]:
+                            request_header: str, max_line_bytes: int) -> AsyncIterator[dict]:
     """``sse_events`` of a control stream: each data line must be followed by its signature
     line (control_auth), in order, up to a signed ``[DONE]``; a stream cut short, or any event
     unsigned or altered, is a BackendError."""
     if resp.status != 200:
-        body = await resp.read()
-        raise BackendError(f"{url} -> HTTP {resp.status}: {body[:300]!r}")
+        raise BackendError(f"{url} -> HTTP {resp.status}: {await error_text(resp)}", resp.status)
     pending, index = None, 0
-    async for raw in resp.content:
+    async for raw in read_lines(resp, max_line_bytes, url):
         line = raw.strip()
         if line.startswith(b"data:"):
             if pending is not None:
@@ -153,33 +196,38 @@ async def signed_sse_events(resp: aiohttp.ClientResponse, url: str, signer: Cont
     raise BackendError(f"{url}: stream ended before its signed end ({index} events)")
 
 
-async def _json_reply(resp: aiohttp.ClientResponse):
+def _json_of(resp: aiohttp.ClientResponse, body: bytes):
     """The reply's JSON; a body that is not JSON (e.g. the text page of a crashed handler) is a
     BackendError, which callers handle, instead of a JSONDecodeError, which they do not."""
     try:
-        return await resp.json(content_type=None)
+        return json.loads(body)
     except ValueError:
-        raise BackendError(f"{resp.url} -> HTTP {resp.status}: not JSON: {(await resp.text())[:300]!r}") from None
+        raise BackendError(f"{resp.url} -> HTTP {resp.status}: not JSON: "
+                           f"{body[:300].decode('utf-8', 'replace')!r}", resp.status) from None
 
 
-async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what: str, *,
-                     json=None, timeout_s: Optional[float] = None, signer: Optional[ControlSigner] = None,
+async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what: str, *, timeout_s: float,
+                     json=None, signer: Optional[ControlSigner] = None,
                      tls: Optional[ssl.SSLContext] = None) -> dict:
-    """One control-API call: the JSON reply of a 200, else BackendError naming ``what``."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+    """One control-API call, within ``timeout_s`` in all: the JSON reply of a 200, else
+    BackendError naming ``what``. A signed call's 200 without the server's signature header is
+    refused before its body is read; no reply is read past MAX_CONTROL_REPLY_BYTES."""
     sent = _control_request(signer, method, url, json, tls)
-    async with session.request(method, url, timeout=timeout, **sent) as resp:
+    async with session.request(method, url, timeout=aiohttp.ClientTimeout(total=timeout_s), **sent) as resp:
+        if resp.status == 200 and signer is not None and REPLY_HEADER not in resp.headers:
+            raise UnverifiedReply(f"{what}: reply not signed (no {REPLY_HEADER})")
+        body = await read_bounded(resp, MAX_CONTROL_REPLY_BYTES, what)
         if resp.status == 200:  # the signature before anything is read from the reply
-            _check_reply(signer, sent, resp, await resp.read(), what)
-        payload = await _json_reply(resp)
+            _check_reply(signer, sent, resp, body, what)
+        payload = _json_of(resp, body)
         if resp.status != 200:
-            raise BackendError(f"{what}: HTTP {resp.status} {payload}", resp.status)
+            raise BackendError(f"{what}: HTTP {resp.status} {str(payload)[:300]}", resp.status)
         return payload
 
 
-async def generate_once(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+async def generate_once(session: aiohttp.ClientSession, url: str, body: dict, max_reply_bytes: int) -> dict:
     async with session.post(f"{url}/generate", json={**body, "stream": False}) as resp:
-        payload = await _json_reply(resp)
+        payload = _json_of(resp, await read_bounded(resp, max_reply_bytes, f"{url} /generate"))
         if resp.status != 200:
             raise BackendError(f"{url} /generate -> HTTP {resp.status}: {str(payload)[:300]}", resp.status)
         return payload
@@ -190,10 +238,14 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
     try:
         async with session.post(f"{url}/abort_request", json={"rid": rid},
                                 timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            await resp.read()
+            await error_text(resp)
     except (aiohttp.ClientError, TimeoutError) as e:
         logger.warning("abort of %s on %s failed: %r", rid, url, e)
 
+
+# A catch-up batch is an extend of at most the catch-up threshold's tokens on MD: longer than
+# this and MD is not keeping up, so RLD finishes the request.
+WARMUP_TIMEOUT_S = 60.0
 
 _max_md_tp = 8  # the router's --max-md-tp
 
@@ -259,18 +311,26 @@ class MainControl:
                                    timeout_s=timeout_s + 10, signer=self.signer, tls=self.tls)
         return _parse(ReadyReply, payload, what)
 
-    async def handoff(self, room: int, body: HandoffRequest) -> dict:
+    async def handoff(self, room: int, body: HandoffRequest, timeout_s: float = WARMUP_TIMEOUT_S) -> dict:
         """A catch-up batch (warmup): MD extends the prompt + these eager tokens, nothing more."""
         return await _call_json(self.session, "POST", f"{self.url}{api.MD_HANDOFF.path(room=room)}",
-                                f"MD handoff room {room}", json=body.to_json(), signer=self.signer, tls=self.tls)
+                                f"MD handoff room {room}", json=body.to_json(), timeout_s=timeout_s,
+                                signer=self.signer, tls=self.tls)
 
-    async def handoff_stream(self, room: int, body: HandoffRequest) -> AsyncIterator[dict]:
-        """The final handoff: MD continues the request; yields its stream events."""
+    async def handoff_stream(self, room: int, body: HandoffRequest,
+                             max_line_bytes: Optional[int] = None) -> AsyncIterator[dict]:
+        """The final handoff: MD continues the request; yields its stream events, each at most
+        ``max_line_bytes`` (default: what the handoff's own fields allow for a prompt of 0 tokens;
+        the router passes the bound of the whole request)."""
         url = f"{self.url}{api.MD_HANDOFF.path(room=room)}"
         sent = _control_request(self.signer, "POST", url, body.to_json(), self.tls)
+        if max_line_bytes is None:
+            max_line_bytes = max_event_bytes(0, int(body.sampling_params.get("max_new_tokens") or 0),
+                                             body.to_json())
         async with self.session.post(url, **sent) as resp:
-            events = (sse_events(resp, f"MD room {room} handoff") if self.signer is None else
-                      signed_sse_events(resp, f"MD room {room} handoff", self.signer, sent["headers"][HEADER]))
+            what = f"MD room {room} handoff"
+            events = (sse_events(resp, what, max_line_bytes) if self.signer is None else
+                      signed_sse_events(resp, what, self.signer, sent["headers"][HEADER], max_line_bytes))
             async for event in events:
                 yield event
 
@@ -281,7 +341,7 @@ class MainControl:
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
                                            **_control_request(self.signer, "DELETE", url, tls=self.tls)) as resp:
-                await resp.read()
+                await error_text(resp)
         except (aiohttp.ClientError, TimeoutError) as e:
             logger.warning("release of room %s on %s failed: %r", room, self.url, e)
 
@@ -340,13 +400,8 @@ class PrefillControl:
 
     async def _ask_tp_size(self) -> int:
         url = f"{self.url}{api.P_INFO.path()}"
-        sent = _control_request(self.signer, "GET", url, tls=self.tls)
-        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=5), **sent) as resp:
-            if resp.status == 200:
-                _check_reply(self.signer, sent, resp, await resp.read(), f"P info {url}")
-            payload = await _json_reply(resp)
-            if resp.status != 200:
-                raise BackendError(f"P info {url}: HTTP {resp.status} {payload}")
+        payload = await _call_json(self.session, "GET", url, f"P info {url}", timeout_s=5, signer=self.signer,
+                                   tls=self.tls)
         size = _parse(InfoReply, payload, f"P info {url}").tp_size
         logger.info("P control %s: %d TP rank(s)", self.url, size)
         return size
@@ -390,10 +445,9 @@ class PrefillControl:
         try:
             async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=5),
                                            **_control_request(self.signer, "DELETE", url, tls=self.tls)) as resp:
+                text = await error_text(resp)
                 if resp.status != 200:
                     logger.info("drop of WAN destination %s on %s: HTTP %s %s", bootstrap_room, base_url,
-                                resp.status, (await resp.text())[:200])
-                else:
-                    await resp.read()
+                                resp.status, text[:200])
         except (aiohttp.ClientError, TimeoutError) as e:
             logger.warning("drop of WAN destination %s on %s failed: %r", bootstrap_room, base_url, e)

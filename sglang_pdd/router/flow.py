@@ -83,6 +83,7 @@ from sglang_pdd.router.backends import (BackendError, MainControl, PrefillContro
 from sglang_pdd.router.bodies import (handoff_body, late_destination_params, pd_leg_body, wan_destination_params,
                                       warmup_body)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
+from sglang_pdd.router.reply_limits import max_event_bytes
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -333,9 +334,13 @@ class PddFlow:
         if isinstance(action, lifecycle.StartRelayLeg):
             self._start_relay_leg(action)
         elif isinstance(action, lifecycle.StartMdSide):
-            self._spawn(self._register_and_deliver() if action.late_destination else self._watch_ready())
+            if action.late_destination:
+                self._spawn_leg(self._register_and_deliver(),
+                                lambda m: lifecycle.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, m)))
+            else:
+                self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
         elif isinstance(action, lifecycle.WatchMd):
-            self._spawn(self._watch_ready())
+            self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
         elif isinstance(action, lifecycle.WithdrawDestination):
             self._spawn(self.p_control.drop_wan_destination(action.p_room), must_finish=True)
         elif isinstance(action, lifecycle.RelayOutput):
@@ -354,13 +359,13 @@ class PddFlow:
             self.queue.put_nowait((lifecycle.CutReady(), None))
         elif isinstance(action, lifecycle.SendCatchUpBatch):
             self.result.catch_up_batches.append(action.tokens)
-            self._spawn(self._catch_up(action))
+            self._spawn_leg(self._catch_up(action), lifecycle.MainFailed)
         elif isinstance(action, lifecycle.SendFinalHandoff):
             eager = self.stitcher.begin_handoff()
             assert len(eager) == action.cut, (len(eager), action.cut)
             if action.catch_up_tail is not None:
                 self.result.catch_up_batches.append(action.catch_up_tail)
-            self._spawn(self._final_handoff(eager))
+            self._spawn_leg(self._final_handoff(eager), lifecycle.MainFailed)
         elif isinstance(action, lifecycle.HandoffCommitted):
             self._on_handoff_committed()
         elif isinstance(action, lifecycle.HandoffAbandoned):
@@ -537,12 +542,21 @@ class PddFlow:
             extras["logprob_start_len"] = -1  # (so a recovery leg's P may use its prefix cache)
         body = pd_leg_body(input_ids, sampling, rid, self.prefill.host, self.prefill.bootstrap_port, room, extras)
         self.live_rids[rid] = self.relay_url
-        self._spawn(self._prefill_leg(leg.leg, body))
-        self._spawn(self._relay_leg(leg, body))
+        self._spawn_leg(self._prefill_leg(leg.leg, body), lambda m: self._prefill_failed(leg.leg, m))
+        self._spawn_leg(self._relay_leg(leg, body), lambda m: lifecycle.RelayFailed(leg.leg, m))
+
+    def _event_limit(self, body: dict) -> int:
+        """The largest event a leg with this /generate body may send (reply_limits)."""
+        return max_event_bytes(len(body["input_ids"]), int(body["sampling_params"]["max_new_tokens"]), self.extras)
+
+    def _prefill_failed(self, leg: int, message: str) -> lifecycle.RelayFailed:
+        if leg == 1:
+            self._prefill_failure = f"prefill: {message}"
+        return lifecycle.RelayFailed(leg, f"prefill: {message}")
 
     async def _prefill_leg(self, leg: int, body: dict) -> None:
         try:
-            reply = await generate_once(self.session, self.prefill.url, body)
+            reply = await generate_once(self.session, self.prefill.url, body, self._event_limit(body))
             if leg == 1:
                 meta = reply.get("meta_info", {}) if isinstance(reply, dict) else {}
                 self.result.p_cached_tokens = int(meta.get("cached_tokens") or 0)
@@ -553,9 +567,7 @@ class PddFlow:
                     self._out_meta.observe_prefill(meta)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._blame("prefill", self.prefill.url, e)
-            if leg == 1:
-                self._prefill_failure = f"prefill: {e}"
-            await self.queue.put((lifecycle.RelayFailed(leg, f"prefill: {e}"), None))
+            await self.queue.put((self._prefill_failed(leg, str(e)), None))
         finally:
             if leg == 1:
                 self._prefill_replied.set()
@@ -565,7 +577,7 @@ class PddFlow:
         leg = start.leg
         try:
             finished = False
-            async for event in generate_stream(self.session, self.relay_url, body):
+            async for event in generate_stream(self.session, self.relay_url, body, self._event_limit(body)):
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
                 ids = event.get("output_ids", [])
@@ -622,7 +634,8 @@ class PddFlow:
         self.result.handoff_payload_bytes = len(json.dumps(body.to_json()))
         try:
             finished, checked = False, False
-            async for event in self.control.handoff_stream(self.room, body):
+            limit = max_event_bytes(len(self.ids) + len(eager), self.max_new, self.extras)
+            async for event in self.control.handoff_stream(self.room, body, limit):
                 # Aborted by rid only once MD runs it: an abort that reaches MD's front end while
                 # the request waits there (SGLang then ignores any later abort of that rid) would
                 # be lost. Before that, closing the handoff stream is the abort (MD's control
@@ -669,6 +682,23 @@ class PddFlow:
             self.result.failed_backends.append((role, url))
         elif role == "relay":
             self.result.failed_backends.append(("pair", self.prefill.url, url))
+
+    def _spawn_leg(self, coro, failed: Callable[[str], object]) -> None:
+        """A leg's task, watched: any exception its own handling did not turn into an event (a
+        bug, or a reply no handler foresaw) becomes the leg's failure event ``failed(message)``
+        in the lifecycle, with the fallback that implies, instead of a task that dies silently
+        and leaves the request waiting for its deadline."""
+
+        async def watched() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the watchdog's whole point
+                logger.exception("rid %s: a leg task failed unexpectedly", self.result.rid)
+                await self.queue.put((failed(f"{type(e).__name__}: {e}"), None))
+
+        self._spawn(watched())
 
     def _spawn(self, coro, must_finish: bool = False) -> None:
         task = asyncio.ensure_future(coro)
