@@ -108,6 +108,9 @@ def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang
     # one server refuses these too (400), a backend leg would fail on them (502)
     ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
     ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
+    # each multiplies every event's size (router/reply_limits.py): capped by the router
+    ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 65}, "--max-top-logprobs-num"),
+    ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": list(range(65))}, "--max-token-ids-logprob"),
     # SGLang's own checks, with its words (a leg would fail: 502; or compile nothing: empty 200)
     ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature must be a non-negative finite number"),
     ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
@@ -444,3 +447,53 @@ def test_operator_token_file_must_be_private(tmp_path):
         read_operator_token(str(path))
     os.chmod(path, 0o600)
     assert read_operator_token(str(path)) == TOKEN
+
+
+@pytest.mark.parametrize("leg", ["prefill", "relay", "main"])
+def test_a_leg_failing_unforeseen_answers_the_client_and_frees_its_counts(router_sglang_state, monkeypatch, leg):
+    """A leg task that raises what no handler foresaw (here a RuntimeError from the backend
+    client) fails that leg through the lifecycle: the client gets its answer (an error, or the
+    whole output where RLD can finish after MD's leg broke) and every in-flight count is 0
+    again, instead of a request left waiting for --request-timeout-s while its count steers
+    placement."""
+    from sglang_pdd.router import backends, flow as flow_module
+
+    def broken_after(real, events: int):
+        async def gen(*args, **kwargs):
+            n = 0
+            async for event in real(*args, **kwargs):
+                if n == events:
+                    raise RuntimeError("unforeseen")
+                n += 1
+                yield event
+        return gen
+
+    if leg == "prefill":
+        async def broken_once(*args, **kwargs):
+            raise RuntimeError("unforeseen")
+        monkeypatch.setattr(flow_module, "generate_once", broken_once)
+    elif leg == "relay":
+        monkeypatch.setattr(flow_module, "generate_stream", broken_after(flow_module.generate_stream, 2))
+    else:
+        monkeypatch.setattr(backends.MainControl, "handoff_stream",
+                            broken_after(backends.MainControl.handoff_stream, 1))
+
+    async def main():
+        # RLD's leg owns the stream while MD's KV has not landed: its failure is the request's
+        knobs = Knobs(rld_token_delay_s=0.01, md_ready="never" if leg == "relay" else "ready")
+        async with front(router_sglang_state, knobs) as (base, client, fakes, router):
+            body = {"input_ids": [11, 22, 33], "sampling_params": {"max_new_tokens": 24}, "stream": True}
+            async with client.post(f"{base}/generate", json=body) as r:
+                # before the first byte a failure is the reply's status; after it, the last event
+                answer = await sse(r) if r.status == 200 else [await r.json()]
+            if leg == "main":  # MD broke after the handoff: a recovery leg on RLD finishes it
+                assert r.status == 200
+                assert answer[-1]["output_ids"] == truth([11, 22, 33], 24)
+                assert answer[-1]["meta_info"]["finish_reason"]["type"] == "length"
+            else:
+                assert r.status in (200, 502) and "RuntimeError: unforeseen" in json.dumps(answer[-1]), answer[-1]
+            pools = router.pools
+            assert pools.inflight() == {"prefill": {fakes.p_url: 0}, "relay": {fakes.rld_url: 0},
+                                        "main": {fakes.md_url: 0}}
+            assert fakes.rld_active == 0 and fakes.md_active == 0
+    run(main())

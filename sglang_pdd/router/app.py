@@ -27,7 +27,8 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router import client_auth
-from sglang_pdd.router.backends import BackendError, MainControl
+from sglang_pdd.router.backends import BackendError, MainControl, error_text, read_bounded
+from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
 from sglang_pdd.router.health import Drain, Failed, Succeeded
@@ -38,7 +39,7 @@ from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
 from sglang_pdd.router.serving import BackendsUnavailable, PddTokenizerManager, UpstreamError
-from sglang_pdd.router.validate import ApiError, check_generate_body, parse_json_object
+from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_object
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -101,7 +102,7 @@ class Router:
                  operator_token: Optional[str] = None, every_client_is_operator: bool = False,
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
-                 health_check_interval_s: float = 10.0):
+                 logprob_limits: LogprobLimits = LogprobLimits(), health_check_interval_s: float = 10.0):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -125,7 +126,7 @@ class Router:
                 max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
                 default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens,
                 max_prompt_chars=max_prompt_chars, max_flows_per_request=max_flows_per_request,
-                max_grammar_bytes=max_grammar_bytes)
+                max_grammar_bytes=max_grammar_bytes, logprob_limits=logprob_limits)
             self.openai = OpenAIFront(self.manager, served_model, max_n=max_n)
 
     async def start(self, app):
@@ -234,8 +235,10 @@ class Router:
         url = self.pools.main[0].url if self.pools.main else self.pools.relay[0]
         try:
             async with self.session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                info = await resp.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                info = json.loads(await read_bounded(resp, MAX_CONTROL_REPLY_BYTES, f"{url}/server_info"))
+            if not isinstance(info, dict):
+                raise ValueError("not an object")
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return error_reply(503, "no decode backend answered /server_info", "ServiceUnavailable")
         info["pdd_router"] = {"prefill": len(self.pools.prefill), "relay": len(self.pools.relay),
                               "main": len(self.pools.main), "served_model_name": self.served_model}
@@ -286,7 +289,7 @@ class Router:
             try:
                 # SGLang's /health decodes one token and may take its HEALTH_CHECK_TIMEOUT (20 s)
                 async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=20)) as resp:
-                    await resp.read()
+                    await error_text(resp)
                     ok, error = resp.status == 200, f"/health answered {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 ok, error = False, f"/health failed: {e!r}"

@@ -27,6 +27,7 @@ from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.validate import LogprobLimits
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -87,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD)")
     lim.add_argument("--max-grammar-bytes", type=int, default=16384,
                      help="largest json_schema / regex / ebnf / structural_tag (P, RLD and MD each compile it)")
+    lim.add_argument("--max-top-logprobs-num", type=int, default=LogprobLimits.max_top_logprobs_num,
+                     help="largest top_logprobs_num (top_logprobs / logprobs in the OpenAI API); 400 above")
+    lim.add_argument("--max-token-ids-logprob", type=int, default=LogprobLimits.max_token_ids_logprob,
+                     help="most token ids in token_ids_logprob; 400 above")
     lim.add_argument("--max-prompt-chars", type=int, default=None,
                      help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
     lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
@@ -233,6 +238,7 @@ def main(argv=None) -> None:
                     every_client_is_operator=args.every_client_is_operator,
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
+                    logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob),
                     health_check_interval_s=args.health_check_interval_s)
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,

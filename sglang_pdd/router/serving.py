@@ -29,7 +29,7 @@ from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
 from sglang_pdd.router.fallback import Fallback
-from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, check_custom_params, check_grammar_size,
+from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, LogprobLimits, check_custom_params, check_grammar_size,
                                         check_prompt_chars, check_sampling_as_sglang, check_token_budget,
                                         check_token_ids, load_grammar_checker, text_chars)
 
@@ -96,7 +96,7 @@ class PddTokenizerManager:
                  max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
-                 retry_flow: Callable = lambda failed: None):
+                 logprob_limits: LogprobLimits = LogprobLimits(), retry_flow: Callable = lambda failed: None):
         self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
@@ -107,6 +107,7 @@ class PddTokenizerManager:
         self.max_prompt_chars = max_prompt_chars if max_prompt_chars is not None else \
             max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
         self.max_flows_per_request, self.max_grammar_bytes = max_flows_per_request, max_grammar_bytes
+        self.logprob_limits = logprob_limits
         self.report_cached_tokens = report_cached_tokens
         load_grammar_checker()  # at start, not on the first request with a regex
         self.vocab_size = int(model_config.vocab_size)
@@ -224,6 +225,10 @@ class PddTokenizerManager:
         before any leg starts: a backend would fail the leg, i.e. a 502."""
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
+        try:
+            self.logprob_limits.check(item.top_logprobs_num, item.token_ids_logprob)
+        except ApiError as e:
+            raise ValueError(e.message) from None
         start = item.logprob_start_len
         if start is not None and start > prompt_len:  # SGLang's scheduler message
             raise ValueError(f"logprob_start_len={start} is higher than the number of input tokens "

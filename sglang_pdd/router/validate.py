@@ -191,6 +191,24 @@ def check_openai_body(body: dict, *, cap: int, max_n: int, max_prompt_chars: Opt
         raise ApiError(400, "rid must be a string")
 
 
+@dataclass(frozen=True)
+class LogprobLimits:
+    """The router's caps on the logprob fields: each one multiplies what P, RLD and MD send
+    back for every position (router/reply_limits.py), so together with --max-new-tokens-cap
+    they bound the largest reply the router has to read."""
+
+    max_top_logprobs_num: int = 64
+    max_token_ids_logprob: int = 64
+
+    def check(self, top_logprobs_num: Any, token_ids_logprob: Any) -> None:
+        if is_int(top_logprobs_num) and top_logprobs_num > self.max_top_logprobs_num:
+            raise ApiError(400, f"top_logprobs_num {top_logprobs_num} exceeds this router's cap "
+                                f"{self.max_top_logprobs_num} (--max-top-logprobs-num)")
+        if isinstance(token_ids_logprob, list) and len(token_ids_logprob) > self.max_token_ids_logprob:
+            raise ApiError(400, f"token_ids_logprob lists {len(token_ids_logprob)} tokens, more than this "
+                                f"router's cap {self.max_token_ids_logprob} (--max-token-ids-logprob)")
+
+
 def check_grammar_size(sampling: dict, field: str, max_bytes: int) -> None:
     """P, RLD and MD each compile a request's grammar: its size bounds their work."""
     for name in GRAMMAR_FIELDS:
