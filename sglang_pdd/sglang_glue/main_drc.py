@@ -192,6 +192,11 @@ class MainDrcRuntime(MdRoomQueries):
         """Control threads (rank 0's): run a room command on the scheduler thread and wait."""
         return self.commands.call(op, *args, timeout=timeout)
 
+    def before_flush(self) -> int:
+        """A cache flush came in (scheduler thread, every TP rank): rooms kept only to fill the
+        cache go (md_rooms.RankRooms.drop_rooms_kept_for_cache); returns how many."""
+        return self.rank_rooms.drop_rooms_kept_for_cache()
+
     def on_scheduler_iteration(self) -> None:
         """One scheduler iteration, on every TP rank in lockstep (md_driver.LockstepDriver)."""
         self.driver.iterate()
