@@ -40,6 +40,7 @@ from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, ReadyReply, ReadyRequest, RegisterReply, ReleaseReply, ReleaseRequest,
                                  RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
+from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.loopback import LoopbackServer
 from sglang_pdd.sglang_glue.md_driver import CommandQueue, LockstepDriver
@@ -211,7 +212,8 @@ class ControlServer:
                  max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY,
                  ssl_context=None):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD)})
+        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD),
+                                                       "register_delay": InjectedDelay.from_env(MD_REGISTER_DELAY_ENV)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
                                        max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context)
         self.address = self.httpd.server_address[:2]
@@ -228,6 +230,7 @@ class _ControlHandler(JsonRequestHandler):
 
     runtime: MainDrcRuntime
     max_body_bytes = MAX_CONTROL_BODY
+    register_delay = InjectedDelay("", None)  # test-only (injected_delays.py): none unless set at start
 
     def body_cap(self, method: str, path: str) -> int:
         # Only POSTs carry a body (register: the prompt's ids; handoff: eager tokens and
@@ -242,6 +245,7 @@ class _ControlHandler(JsonRequestHandler):
 
     def _register(self, query: str) -> dict:
         req = protocol_messages.RegisterRequest.from_json(self.json_body())
+        self.register_delay.wait()
         return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
                                                                          req.use_cache))).to_json()
 
