@@ -71,6 +71,7 @@ class FakeScheduler:
     def __init__(self, runtime):
         self._pdd_runtime = runtime
         self.flushes = 0
+        self.busy = False  # SGLang's own requests running
 
     def _flush(self):
         self.flushes += 1
@@ -79,13 +80,18 @@ class FakeScheduler:
     def flush_cache(self):
         from sglang_pdd.sglang_glue.plugin import _flush_cache_without_rooms
 
-        return _flush_cache_without_rooms(FakeScheduler._flush, self)
+        return _flush_cache_without_rooms(FakeScheduler._flush, self) if not self.busy else False
+
+    def _sglang_is_fully_idle(self, for_health_check=False, ignore_waiting=False):
+        return not self.busy
 
     def is_fully_idle(self, for_health_check=False, ignore_waiting=False):
         from sglang_pdd.sglang_glue.plugin import _idle_without_md_rooms
 
-        return _idle_without_md_rooms(lambda s, **kw: True, self, for_health_check=for_health_check,
+        return _idle_without_md_rooms(FakeScheduler._sglang_is_fully_idle, self, for_health_check=for_health_check,
                                       ignore_waiting=ignore_waiting)
+
+    is_fully_idle.__wrapped__ = _sglang_is_fully_idle  # as HookRegistry leaves it
 
 
 def flush_wrappers(ranks):
@@ -136,6 +142,25 @@ def test_rooms_kept_only_for_the_cache_go_on_a_flush_which_waits_for_their_pages
         assert [[r.success for r in replies] for _, _, replies in wrappers] == [[True], [True]]
         assert [s.flushes for s, _, _ in wrappers] == [1, 1]
         assert c.ranks[0].ops.allocator.available_size() == free_before
+    finally:
+        c.close()
+
+
+def test_a_flush_while_requests_run_is_refused_at_once_as_on_sglang():
+    """Pages on their way back do not turn a flush under running requests into a wait."""
+    require_sglang_import()
+    from test_md_tp import MdTp
+
+    c = MdTp("mha", 1, 2)
+    try:
+        c.call("register", 25, list(range(40)), True)
+        c.call("release", 25, False)  # its pages wait for the receiver to let go
+        assert c.ranks[0].held_tokens > 0
+        wrappers = flush_wrappers(c.ranks)
+        wrappers[0][0].busy = True
+        [reply] = request_flush(wrappers)
+        assert reply is not None and reply.success is False and wrappers[0][0].flushes == 0
+        c.settle()
     finally:
         c.close()
 

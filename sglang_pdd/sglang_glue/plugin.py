@@ -136,7 +136,7 @@ def _flush_request_on_md(original, wrapper, recv_req):
     dropped = runtime.before_flush()
     if dropped:
         logger.info("flush: dropped %d PDD rooms whose KV was landing only to be cached", dropped)
-    if not recv_req.timeout_s and runtime.flush_waits_only_for_pages():
+    if not recv_req.timeout_s and runtime.flush_waits_only_for_pages() and _sglang_idle(scheduler):
         recv_req.timeout_s = PAGES_BACK_WAIT_S
     out = original(wrapper, recv_req)
     if out is not None and not out.success and not out.message:
@@ -144,6 +144,13 @@ def _flush_request_on_md(original, wrapper, recv_req):
         if blocker is not None:
             out.message = f"Cache not flushed: {blocker}.\n"
     return out
+
+
+def _sglang_idle(scheduler) -> bool:
+    """SGLang's own verdict (no request running or waiting), without MD's rooms: the method
+    HookRegistry wrapped, where it did."""
+    is_fully_idle = type(scheduler).is_fully_idle
+    return getattr(is_fully_idle, "__wrapped__", is_fully_idle)(scheduler)
 
 
 def _idle_without_md_rooms(original, scheduler, *args, **kwargs):
