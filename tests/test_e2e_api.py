@@ -190,8 +190,8 @@ def test_other_endpoints_answer_like_sglang(urls, pdd_cluster):
 def test_an_idle_md_flushes_right_after_requests_that_ended_on_rld(pdd_cluster):
     """Requests that end on RLD while their KV still crosses the (slow) WAN leave MD a room
     each, kept so the KV enters the cache for the session's next turn. Nothing runs any more:
-    MD's own /flush_cache drops those rooms, waits for the receiver to let go of their pages,
-    and flushes (it refused with 400 while they landed)."""
+    MD's own /flush_cache drops those rooms (the flush empties the cache they would fill),
+    waits for the receiver to let go of their pages, and flushes."""
     topo, key = pdd_cluster.topology, pdd_cluster.control_key
     stats_url = f"{topo.main.control_url}/pdd/stats"
     for i in range(2):  # 100 tokens: 1.6 s each on the test WAN, RLD's 2 tokens take a fraction of it

@@ -304,7 +304,7 @@ class Router:
             try:
                 async with self.session.post(f"{url}/flush_cache", params={"timeout": f"{backend_timeout:g}"},
                                              timeout=aiohttp.ClientTimeout(total=backend_timeout + 30)) as resp:
-                    text = (await resp.text(errors="replace"))[:500].strip()
+                    text = (await error_text(resp)).strip()  # SGLang's one-line answer; read bounded
                     status = resp.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 return url, 503, f"no answer: {e!r}"[:300]
