@@ -46,6 +46,10 @@ class FakeGenerate:
         self.requests: list[dict] = []
         self.aborted: list[str] = []  # rids of /abort_request calls
         self.endless = False  # stream an event every 20 ms until the reader goes (or 10 s)
+        self.first_event_delay_s = 0.0  # endless: the first event comes this late (an abort ends the wait)
+        self.abort_arrived = threading.Event()
+        self.events_before_abort: list[int] = []  # endless: events written when each abort came
+        self.events_written = 0
         self.authorization: list = []  # each /generate's Authorization header (None: none sent)
         fake = self
 
@@ -54,6 +58,8 @@ class FakeGenerate:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/abort_request":
                     fake.aborted.append(body.get("rid"))
+                    fake.events_before_abort.append(fake.events_written)
+                    fake.abort_arrived.set()
                     self.send_response(200)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
@@ -76,13 +82,17 @@ class FakeGenerate:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
+                self.wfile.flush()
+                fake.abort_arrived.wait(fake.first_event_delay_s)
                 ids = []
                 for token in range(500):
                     ids.append(token)
                     try:
                         self.wfile.write(b"data: " + json.dumps({"output_ids": ids}).encode() + b"\n\n")
+                        self.wfile.flush()
                     except OSError:
                         return
+                    fake.events_written += 1
                     time.sleep(0.02)
 
             def log_message(self, *args):

@@ -208,6 +208,9 @@ class Knobs:
     md_token_delay_s: float = 0.002
     # every server: what GET /health answers, per role ("p", "rld", "md"; 200 when not named)
     health_status: dict = field(default_factory=dict)
+    # every server: what /flush_cache answers, per role (200 when not named; 400 with SGLang's text)
+    flush_status: dict = field(default_factory=dict)
+    md_stats: Optional[dict] = None  # what MD's control GET /pdd/stats answers (None: 404)
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
     md_restarts: bool = False  # MD without the resume contract: reports from the handoff point
@@ -226,7 +229,7 @@ def _pad(meta: dict, size: int) -> dict:
 class Record:
     server: str  # p | rld | md
     # generate | abort | destination | drop | first_token | register | registered | ready |
-    # warmup | handoff | release
+    # warmup | handoff | release | health | flush
     kind: str
     body: dict
     t: float
@@ -305,6 +308,13 @@ class Fakes:
             return web.Response(status=self.knobs.health_status.get(role, 200))
 
         app.router.add_get("/health", health)
+
+        async def flush_cache(request):
+            self._record(role, "flush", {"timeout": request.query.get("timeout")})
+            status = self.knobs.flush_status.get(role, 200)
+            return web.Response(status=status, text="Cache flushed.\n" if status == 200 else "Flush cache failed.\n")
+
+        app.router.add_route("*", "/flush_cache", flush_cache)
 
     # ------------------------------------------------------------------ P
     def _p_app(self) -> web.Application:
@@ -554,9 +564,14 @@ class Fakes:
             self.md_aborted.setdefault(body["rid"], asyncio.Event()).set()
             return web.Response(text="")
 
+        async def stats(request: web.Request) -> web.Response:
+            if self.knobs.md_stats is None:
+                return web.json_response({"error": "not found"}, status=404)
+            return web.json_response(self.knobs.md_stats)
+
         app.router.add_post("/abort_request", abort_request)
         serve_routes(app, RouteTable({api.MD_REGISTER: register, api.MD_READY: ready, api.MD_HANDOFF: handoff,
-                                      api.MD_RELEASE: release}))
+                                      api.MD_RELEASE: release, api.STATS: stats}))
         return app
 
 

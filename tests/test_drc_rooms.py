@@ -183,3 +183,33 @@ def test_wan_outcome_for_a_landed_room_is_refused_and_changes_nothing():
     with pytest.raises(RoomError, match="ready, not pending"):
         rooms.complete(1, kv="kv", now=2)
     assert rooms.rooms[1].status is RoomStatus.READY and tree.locks == locks and len(tree.ingested) == 1
+
+
+def test_a_released_room_is_never_opened_again_but_a_refused_registration_may_retry():
+    from sglang_pdd.radix_drc.rooms import RoomReleased
+
+    tree = FakeTree(cached=[1, 2])
+    rooms = DrcRooms(tree, remember_released=2)
+    assert rooms.release(5) is False  # the router gave up before the registration came in
+    with pytest.raises(RoomReleased):
+        rooms.register(5, [1, 2, 3], now=0)
+    assert rooms.rooms == {} and tree.live_locks() == {}
+    rooms.register(6, [1, 2, 3], now=0)
+    assert rooms.unregister(6) is True and tree.live_locks() == {}  # refused further on: undone
+    rooms.register(6, [1, 2, 3], now=0)  # and may come again
+    rooms.release(6)
+    rooms.release(7)
+    rooms.release(8)  # only the newest two are remembered
+    rooms.register(5, [1, 2, 3], now=0)
+    with pytest.raises(RoomReleased):
+        rooms.register(8, [1, 2, 3], now=0)
+
+
+def test_rooms_kept_for_the_cache_are_listed_for_a_flush():
+    rooms = DrcRooms(FakeTree())
+    for room in (1, 2, 3):
+        rooms.register(room, [4, 5, 6], now=0)
+    rooms.release(1, keep_pending_kv=True)
+    rooms.complete(2, kv="kv", now=1)
+    rooms.release(2, keep_pending_kv=True)  # landed already: cached and gone
+    assert rooms.kept_for_cache() == [1]

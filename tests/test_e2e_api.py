@@ -163,18 +163,60 @@ def _status(url: str, method: str = "GET", body: dict | None = None) -> tuple[in
 
 def test_other_endpoints_answer_like_sglang(urls, pdd_cluster):
     router, single = urls
-    for path in ("/health", "/health_generate"):
+    for path in ("/health", "/health_generate", "/ready"):
         assert _status(f"{router}{path}")[0] == _status(f"{single}{path}")[0] == 200
+    assert _status(f"{router}/ready")[1] == _status(f"{single}/ready")[1] == ""  # SGLang's: no body
     got, want = get_json(f"{router}/get_model_info"), get_json(f"{single}/get_model_info")
     for key in ("model_path", "is_generation", "tool_call_parser", "architectures", "weight_version"):
         assert got[key] == want[key], key
     assert "internal_states" in get_json(f"{router}/get_server_info")
-    # MD refuses to flush while a room is open (test_e2e_pdd); earlier requests' rooms close first
-    md_stats = f"{pdd_cluster.topology.main.control_url}/pdd/stats"
-    assert wait_until(lambda: get_json(md_stats, key=pdd_cluster.control_key)["open_rooms"] == 0, 60)
-    code, flushed = _status(f"{router}/flush_cache", "POST")  # tests run with --every-client-is-operator
-    assert code == 200 and flushed["flushed"] is True
+    for body in ({"prompt": PROMPTS[0]}, {"prompt": PROMPTS, "add_special_tokens": False},
+                 {"messages": [{"role": "user", "content": "Weather in Paris?"}]}):
+        got, want = both(urls, "/v1/tokenize", body)
+        assert got == want and got["count"], body
+    ids = want["tokens"]
+    for body in ({"tokens": ids}, {"tokens": [ids, ids[:3]], "skip_special_tokens": False}):
+        got, want = both(urls, "/v1/detokenize", body)
+        assert got == want, body
+    # right after the traffic above (tests run with --every-client-is-operator): the router's
+    # flush reaches P, RLD and MD, and every one of them flushes
+    code, flushed = _status(f"{router}/flush_cache", "POST")
+    assert code == 200 and flushed["flushed"] is True, flushed
+    assert sorted(flushed["backends"]) == sorted({pdd_cluster.topology.prefill.url, pdd_cluster.topology.relay.url,
+                                                  pdd_cluster.topology.main.url})
     assert _status(f"{router}/abort_request", "POST", {"rid": "nobody"})[0] == 200
+
+
+def test_an_idle_md_flushes_right_after_requests_that_ended_on_rld(pdd_cluster):
+    """Requests that end on RLD while their KV still crosses the (slow) WAN leave MD a room
+    each, kept so the KV enters the cache for the session's next turn. Nothing runs any more:
+    MD's own /flush_cache drops those rooms (the flush empties the cache they would fill),
+    waits for the receiver to let go of their pages, and flushes."""
+    topo, key = pdd_cluster.topology, pdd_cluster.control_key
+    stats_url = f"{topo.main.control_url}/pdd/stats"
+    for i in range(2):  # 100 tokens: 1.6 s each on the test WAN, RLD's 2 tokens take a fraction of it
+        out = post_json(f"{topo.router_url}/generate", {
+            "input_ids": list(range(100 + i, 200 + i)), "sampling_params": {"temperature": 0, "max_new_tokens": 2},
+            "pdd_options": {"path": "p_rld_md"}})
+        assert out["meta_info"]["pdd"]["md_tokens"] == 0  # ended on RLD, before MD's KV landed
+    held = get_json(stats_url, key=key)
+    assert held["rooms_by_phase"].get("landing_kept", 0) >= 1 and held["held_kv_slots"] > 0, held
+    code, text = _status(f"{topo.main.url}/flush_cache", "POST")
+    assert code == 200, text
+    after = get_json(stats_url, key=key)
+    assert after["open_rooms"] == 0 and after["held_kv_slots"] == 0, after
+    with urllib.request.urlopen(f"{topo.main.url}/health_generate", timeout=60) as resp:
+        assert resp.status == 200  # MD generates on
+    # the dropped rooms' KV still on the emulated link drains before the next test
+    assert wait_until(lambda: _wan_bytes_settled(pdd_cluster), 30)
+
+
+def _wan_bytes_settled(cluster, quiet_s: float = 0.5) -> bool:
+    import time
+
+    before = cluster.wan_control("stats")["bytes_up"]
+    time.sleep(quiet_s)
+    return cluster.wan_control("stats")["bytes_up"] == before
 
 
 @pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "sglang-oai-chat"])

@@ -57,3 +57,31 @@ def test_a_continuation_read_to_its_end_is_not_aborted():
         assert md.generate.aborted == [] and "handoffs_abandoned" not in md.runtime.counters
     finally:
         md.close()
+
+
+def test_a_reader_that_goes_before_the_first_event_gets_the_continuation_aborted_at_once():
+    """The router's request ended (on RLD) right after it handed off: MD's control relay sees
+    the hang-up while waiting for MD's first event and aborts the continuation before MD
+    produces anything, not one or two decode steps later (MD would meanwhile run a request
+    for nobody, and refuse a cache flush)."""
+    md = MdControl()
+    try:
+        md.generate.endless, md.generate.first_event_delay_s = True, 10.0
+        ready_room(md, 5)
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                mc = MainControl(session, md.url, signer=ControlSigner(KEY))
+                reading = asyncio.ensure_future(mc.handoff_stream(5, HandoffRequest([8], "leg-m")).__anext__())
+                while not md.generate.requests:  # MD runs the continuation
+                    await asyncio.sleep(0.01)
+                reading.cancel()  # the router goes; its connection closes
+                await asyncio.gather(reading, return_exceptions=True)
+
+        asyncio.run(run())
+        assert wait_until(lambda: md.generate.aborted == ["leg-m"], 9), md.generate.aborted
+        assert md.generate.events_before_abort == [0]
+        assert wait_until(lambda: md.runtime.counters.get("handoffs_abandoned") == 1, 5)
+    finally:
+        md.generate.abort_arrived.set()
+        md.close()

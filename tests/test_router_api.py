@@ -497,3 +497,175 @@ def test_a_leg_failing_unforeseen_answers_the_client_and_frees_its_counts(router
                                         "main": {fakes.md_url: 0}}
             assert fakes.rld_active == 0 and fakes.md_active == 0
     run(main())
+
+
+def test_ready_answers_as_one_sglang_server(router_sglang_state):
+    """SGLang's /ready: 200 with no body while requests are taken, else 503."""
+    op = {OPERATOR_HEADER: TOKEN}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            async with client.get(f"{base}/ready") as r:
+                assert r.status == 200 and await r.read() == b""
+            async with client.post(f"{base}/pdd/backends/drain", json={"url": fakes.rld_url}, headers=op) as r:
+                assert r.status == 200
+            async with client.get(f"{base}/ready") as r:
+                assert r.status == 503  # no RLD may be picked: nothing can be served
+            async with client.post(f"{base}/pdd/backends/drain", json={"url": fakes.rld_url, "draining": False},
+                                   headers=op) as r:
+                assert r.status == 200
+            async with client.get(f"{base}/ready") as r:
+                assert r.status == 200
+    run(main())
+
+
+def test_tokenize_and_detokenize_answer_as_sglangs_serving_classes(router_sglang_state):
+    """One server's shapes: {"tokens", "count", "max_model_len"} and {"text"}; chat messages
+    through the chat template give the ids a chat completion sends to the legs."""
+    tok, model_config = router_sglang_state[2], router_sglang_state[1]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            for path in ("/v1/tokenize", "/tokenize"):
+                async with client.post(f"{base}{path}", json={"prompt": "hello world"}) as r:
+                    got = await r.json()
+                assert r.status == 200 and got == {"tokens": tok.encode("hello world"), "count": len(got["tokens"]),
+                                                   "max_model_len": model_config.context_len}
+            async with client.post(f"{base}/v1/tokenize", json={"prompt": ["a b", "c"], "add_special_tokens": False}) as r:
+                got = await r.json()
+            assert got["tokens"] == [tok.encode("a b", add_special_tokens=False), tok.encode("c", add_special_tokens=False)]
+            assert got["count"] == [len(t) for t in got["tokens"]]
+            async with client.post(f"{base}/v1/tokenize", json={"messages": messages}) as r:
+                chat_ids = (await r.json())["tokens"]
+            async with client.post(f"{base}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}) as r:
+                assert (await r.json())["usage"]["prompt_tokens"] == len(chat_ids)
+            assert fakes.records("p", "generate")[-1].body["input_ids"] == chat_ids
+            ids = tok.encode("hello world")
+            for path in ("/v1/detokenize", "/detokenize"):
+                async with client.post(f"{base}{path}", json={"tokens": ids}) as r:
+                    assert r.status == 200 and await r.json() == {"text": tok.decode(ids, skip_special_tokens=True)}
+            async with client.post(f"{base}/v1/detokenize", json={"tokens": [ids, ids[:1], []]}) as r:
+                assert (await r.json())["text"] == [tok.decode(ids), tok.decode(ids[:1]), ""]
+            async with client.post(f"{base}/v1/detokenize", json={"tokens": []}) as r:
+                assert await r.json() == {"text": ""}
+    run(main())
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "Exactly one of"),
+    ("/v1/tokenize", {}, "Exactly one of"),
+    ("/v1/tokenize", {"prompt": 7}, "prompt"),
+    ("/v1/tokenize", {"prompt": ["ok", "a" * 16_001]}, "prompt[1] has 16001 characters"),
+    ("/v1/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/v1/detokenize", {}, "tokens"),
+    # one server decodes an id past the vocabulary to nothing and answers a negative or huge one
+    # with a 500 (the tokenizer's overflow): the router refuses them all with a 400, as on /generate
+    ("/v1/detokenize", {"tokens": [1, 10**6]}, "tokens[1] must be an integer token id"),
+    ("/v1/detokenize", {"tokens": [[1], [-1]]}, "tokens[1][0] must be an integer token id"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_with_400(router_sglang_state, path, body, words):
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}{path}", json=body) as r:
+                got = await r.json()
+            assert r.status == 400 and words in got["message"], got
+            assert got["object"] == "error" and got["code"] == 400
+    run(main())
+
+
+def test_long_text_is_tokenized_off_the_loop(router_sglang_state, monkeypatch):
+    import threading
+
+    from sglang_pdd.router.serving import INLINE_TEXT_CHARS
+
+    tok = router_sglang_state[2]
+    calls, encode = [], tok.encode
+
+    def spy(text, *a, **kw):
+        calls.append((len(text), threading.current_thread() is threading.main_thread()))
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    long = "ab " * (INLINE_TEXT_CHARS // 3 + 1)
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, _, _r):
+            async with client.post(f"{base}/v1/tokenize", json={"prompt": long}) as r:
+                assert (await r.json())["tokens"] == encode(long)
+            async with client.post(f"{base}/v1/tokenize", json={"prompt": "hi"}) as r:
+                assert r.status == 200
+    run(main())
+    assert (len(long), False) in calls and (2, True) in calls
+
+
+def test_flush_cache_reaches_every_backend_and_answers_as_sglang(router_sglang_state):
+    op = {OPERATOR_HEADER: TOKEN}
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, _):
+            for method in ("POST", "GET"):  # SGLang serves both
+                async with client.request(method, f"{base}/flush_cache", headers=op) as r:
+                    got = await r.json()
+                assert r.status == 200 and got["flushed"] is True and got["refused"] == {}
+                assert got["backends"] == {fakes.p_url: 200, fakes.rld_url: 200, fakes.md_url: 200}
+            # backends get time to end the legs the router aborted (SGLang's deferred flush)
+            assert {r.body["timeout"] for r in fakes.log if r.kind == "flush"} == {"5"}
+            async with client.post(f"{base}/flush_cache?timeout=-1", headers=op) as r:
+                assert r.status == 400 and "timeout" in (await r.json())["message"]
+            async with client.post(f"{base}/flush_cache?timeout=nan", headers=op) as r:
+                assert r.status == 400
+    run(main())
+
+
+def test_flush_cache_is_refused_while_the_router_runs_requests_or_waits_for_them(router_sglang_state):
+    op = {OPERATOR_HEADER: TOKEN}
+
+    async def main():
+        async with front(router_sglang_state, Knobs(rld_token_delay_s=0.05)) as (base, client, fakes, _):
+            body = {"input_ids": [4, 5], "stream": True, "sampling_params": {"max_new_tokens": 20}}
+            async with client.post(f"{base}/generate", json=body) as stream:
+                await stream.content.readline()  # in flight
+                async with client.post(f"{base}/flush_cache", headers=op) as r:
+                    got = await r.json()
+                assert r.status == 400 and "the router runs 1 request" in got["message"]
+                assert not [rec for rec in fakes.log if rec.kind == "flush"]  # nothing reached a backend
+                async with client.post(f"{base}/flush_cache?timeout=30", headers=op) as r:
+                    got = await r.json()  # waits for the request to end, then flushes
+                assert r.status == 200 and got["flushed"] is True
+                events = await sse(stream)
+            assert len(events[-1]["output_ids"]) == 20  # the request ran to its end untouched
+    run(main())
+
+
+def test_flush_cache_names_the_backend_that_refused_and_why_md_did(router_sglang_state):
+    op = {OPERATOR_HEADER: TOKEN}
+    stats = {"open_rooms": 2, "rooms_by_phase": {"ready": 1, "landing": 1}, "held_kv_slots": 80}
+
+    async def main():
+        knobs = Knobs(flush_status={"md": 400}, md_stats=stats)
+        async with front(router_sglang_state, knobs) as (base, client, fakes, _):
+            async with client.post(f"{base}/flush_cache", headers=op) as r:
+                got = await r.json()
+            assert r.status == 400 and got["flushed"] is False
+            assert got["backends"] == {fakes.p_url: 200, fakes.rld_url: 200, fakes.md_url: 400}
+            assert got["refused"] == {fakes.md_url: "main: Flush cache failed. [MD has 2 PDD rooms open "
+                                                     "(landing 1, ready 1), 80 KV slots held for the WAN]"}
+            assert fakes.md_url in got["message"]
+            knobs.flush_status = {"rld": 500}
+            async with client.post(f"{base}/flush_cache", headers=op) as r:
+                assert r.status == 503 and list((await r.json())["refused"]) == [fakes.rld_url]
+    run(main())
+
+
+def test_flush_cache_with_a_backend_down_is_503(router_sglang_state):
+    from fake_backends import closed_port
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes, router):
+            router.pools.relay.append(f"http://127.0.0.1:{closed_port()}")
+            router.pools.rld_inflight[router.pools.relay[-1]] = 0
+            async with client.post(f"{base}/flush_cache", headers={OPERATOR_HEADER: TOKEN}) as r:
+                got = await r.json()
+            assert r.status == 503 and "no answer" in got["refused"][router.pools.relay[-1]]
+    run(main())

@@ -56,6 +56,12 @@ class Phase(str, enum.Enum):
     def landing(self) -> bool:
         return self in (Phase.LANDING, Phase.LANDING_KEPT)
 
+    @property
+    def holds_kv(self) -> bool:
+        """The room holds tree locks or pool pages (a failed room holds neither: its pages are
+        on their way back and only its reason is kept for a waiter)."""
+        return self in (Phase.LANDING, Phase.LANDING_KEPT, Phase.READY, Phase.HANDED_OFF)
+
 
 class FailReason(str, enum.Enum):
     WAN = "wan_failed"  # this rank's receiver failed the transfer (its reason in the detail)

@@ -17,6 +17,7 @@ The tree is reached only through ``TreeOps`` so this module is unit-tested with 
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import threading
@@ -51,6 +52,10 @@ class DrcFull(RuntimeError):
 
 class RoomError(ValueError):
     """Bad use of the room API (unknown room, duplicate registration); nothing changes."""
+
+
+class RoomReleased(RoomError):
+    """A registration that came in after the router had released its room: refused."""
 
 
 class RoomsFull(RoomError):
@@ -111,12 +116,20 @@ _STATUS = {Phase.NEW: RoomStatus.PENDING, Phase.LANDING: RoomStatus.PENDING, Pha
 
 
 class DrcRooms:
-    def __init__(self, tree: TreeOps, ttl_s: float = 60.0, max_rooms: int = 4096, page_size: int = 1):
+    def __init__(self, tree: TreeOps, ttl_s: float = 60.0, max_rooms: int = 4096, page_size: int = 1,
+                 remember_released: int = 4096):
         self.tree = tree
         self.page_size = page_size  # the tree holds whole pages: prefixes are cut on page boundaries
         self.ttl_s = ttl_s
         self.max_rooms = max_rooms
         self.rooms: dict[int, DrcRoom] = {}
+        # Room ids released lately (the newest ``remember_released``). Room ids are never reused,
+        # so a registration of one of them is a late one: the router gave up on it (the request
+        # ended) and released it before the registration came in, on another connection. Opened
+        # anyway, the room would pin its prefix and pages for a transfer nobody sends until it
+        # expires (and keep MD from flushing meanwhile).
+        self._released: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self._remember_released = remember_released
         # The final handoff (a control thread) and the scheduler thread's events may meet on a
         # READY room: each reads and replaces a room's state under this lock.
         self._lock = threading.Lock()
@@ -127,6 +140,8 @@ class DrcRooms:
         the baseline "plain cross-DC PD" that benchmarks compare DRC against."""
         if room in self.rooms:
             raise RoomError(f"room {room} is already registered")
+        if room in self._released:
+            raise RoomReleased(f"room {room} was released before its registration came in")
         if not token_ids:
             raise RoomError(f"room {room}: empty prompt")
         if len(self.rooms) >= self.max_rooms:
@@ -169,11 +184,27 @@ class DrcRooms:
         """Forget a room. ``keep_pending_kv``: if its KV is still crossing the WAN, let it
         land and enter the cache first (the request ended on RLD, but the next turn of the
         session will want this prefix on MD); the room goes when complete/fail/expire."""
+        self._remember_release(room)
         entry = self.rooms.get(room)
         if entry is None:
             return False
         self._step(entry, Released(keep_kv=keep_pending_kv))
         return True
+
+    def unregister(self, room: int) -> bool:
+        """Undo a registration that did not go through (refused further on): its id may be
+        registered again."""
+        entry = self.rooms.get(room)
+        if entry is None:
+            return False
+        self._step(entry, Released())
+        return True
+
+    def _remember_release(self, room: int) -> None:
+        self._released[room] = None
+        self._released.move_to_end(room)
+        while len(self._released) > self._remember_released:
+            self._released.popitem(last=False)
 
     def hand_off(self, room: int) -> DrcRoom:
         """The final handoff for a READY room (any thread); RoomError if stale or a duplicate."""
@@ -198,6 +229,10 @@ class DrcRooms:
 
     def pending(self) -> list[DrcRoom]:
         return [e for e in self.rooms.values() if e.state.phase.landing]
+
+    def kept_for_cache(self) -> list[int]:
+        """Rooms whose request is over, landing only to enter the cache (LANDING_KEPT)."""
+        return [e.room for e in self.rooms.values() if e.state.phase is Phase.LANDING_KEPT]
 
     def _step(self, entry: DrcRoom, event: Event, prompt_node: Any = None) -> None:
         """The room's one way to change: the transition, then its actions on the tree."""

@@ -53,6 +53,12 @@ MAX_BODY_BYTES = 4 * 1024 * 1024  # default of --max-body-bytes
 BACKEND_KEEPALIVE_S = 2.0
 
 OPERATOR_HEADER = "X-PDD-Operator-Token"
+# /flush_cache: backends get at least this long to become idle (legs the router aborted may
+# still be ending there; MD lets go of the pages of rooms that ended), and ``?timeout=`` at most
+# MAX_FLUSH_TIMEOUT_S; the router's own requests are polled every FLUSH_POLL_S.
+FLUSH_SETTLE_S = 5.0
+MAX_FLUSH_TIMEOUT_S = 600.0
+FLUSH_POLL_S = 0.05
 PDD_OPTION_KEYS = {"path", "handoff_mode", "catch_up_threshold", "drc"}
 
 
@@ -244,23 +250,88 @@ class Router:
                               "main": len(self.pools.main), "served_model_name": self.served_model}
         return web.json_response(info)
 
+    async def ready(self, request: web.Request) -> web.Response:
+        """SGLang's /ready: 200 (no body) while the router takes new requests, i.e. a P and an
+        RLD may be picked; else 503."""
+        now = time.monotonic()
+        roles = self.pools.roles()
+        up = all(any(self.pools.health.pickable((role, url), now) for url in roles[role]) for role in ("prefill", "relay"))
+        return web.Response(status=200 if up else 503)
+
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self.openai.tokens(request, "tokenize")
+
+    async def detokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self.openai.tokens(request, "detokenize")
+
+    def running_requests(self) -> int:
+        """Flows the router runs now (each holds a relay slot until it ends)."""
+        return sum(self.pools.rld_inflight.values())
+
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """Operator only: POST /flush_cache to every backend (P, RLD, MD), answered per backend."""
+        """Operator only: SGLang's /flush_cache (GET or POST, ``?timeout=`` seconds to wait for
+        idle). 400 while the router runs requests (after waiting up to ``timeout``), as one
+        server answers while it does; else every P, RLD and MD flushes: 200 when all did, 400
+        naming each backend that refused and why (MD: the rooms and WAN slots it holds), 503 if
+        one did not answer. Backends get at least FLUSH_SETTLE_S to become idle (SGLang's
+        deferred flush): legs the router aborted may still be ending there."""
         if not self.is_operator(request):
             return error_reply(403, f"/flush_cache is operator-only: send {OPERATOR_HEADER} "
                                     f"(router flag --operator-token-file)", "Forbidden")
-        urls = [p.url for p in self.pools.prefill] + list(self.pools.relay) + [m.url for m in self.pools.main]
+        raw = request.query.get("timeout", "0")
+        try:
+            timeout_s = float(raw)
+            if not 0 <= timeout_s <= MAX_FLUSH_TIMEOUT_S:
+                raise ValueError
+        except ValueError:
+            return error_reply(400, f"timeout must be a number of seconds in [0, {MAX_FLUSH_TIMEOUT_S:g}], "
+                                    f"got {raw[:40]!r}")
+        deadline = time.monotonic() + timeout_s
+        while self.running_requests():
+            if time.monotonic() >= deadline:
+                n = self.running_requests()
+                return web.json_response({"flushed": False, "backends": {}, "message": (
+                    f"Cache not flushed: the router runs {n} request{'s' if n != 1 else ''} (retry when idle, "
+                    f"or pass ?timeout=SECONDS to wait for idle)")}, status=400)
+            await asyncio.sleep(FLUSH_POLL_S)
+        backend_timeout = max(deadline - time.monotonic(), FLUSH_SETTLE_S)
+        mains = {m.url: m for m in self.pools.main}
+        backends = {p.url: "prefill" for p in self.pools.prefill}
+        backends.update((url, "relay") for url in self.pools.relay)
+        backends.update((url, "main") for url in mains)
 
-        async def one(url: str) -> tuple[str, int]:
+        async def one(url: str) -> tuple[str, int, str]:
             try:
-                async with self.session.post(f"{url}/flush_cache", timeout=aiohttp.ClientTimeout(total=60)) as resp:
-                    return url, resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                return url, 503
+                async with self.session.post(f"{url}/flush_cache", params={"timeout": f"{backend_timeout:g}"},
+                                             timeout=aiohttp.ClientTimeout(total=backend_timeout + 30)) as resp:
+                    text = (await error_text(resp)).strip()  # SGLang's one-line answer; read bounded
+                    status = resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return url, 503, f"no answer: {e!r}"[:300]
+            if status == 400 and url in mains and mains[url].control_url:
+                text = await self._md_flush_refusal(mains[url], text)
+            return url, status, text
 
-        results = dict(await asyncio.gather(*(one(u) for u in urls)))
-        ok = all(code == 200 for code in results.values())
-        return web.json_response({"flushed": ok, "backends": results}, status=200 if ok else 503)
+        results = await asyncio.gather(*(one(url) for url in backends))
+        refused = {url: f"{backends[url]}: {text or status}" for url, status, text in results if status != 200}
+        status = 200 if not refused else 503 if any(s not in (200, 400) for _, s, _ in results) else 400
+        message = ("Cache flushed on every backend (P, RLD, MD)." if not refused else
+                   "Cache not flushed on " + "; ".join(f"{url} ({why})" for url, why in refused.items()))
+        return web.json_response({"flushed": not refused, "message": message,
+                                  "backends": {url: code for url, code, _ in results}, "refused": refused},
+                                 status=status)
+
+    async def _md_flush_refusal(self, main: MainBackend, said: str) -> str:
+        """Why MD refused a flush: its own words, and the rooms and WAN slots it holds."""
+        stats = await MainControl(self.session, main.control_url).stats()
+        if not stats:
+            return said
+        phases = stats.get("rooms_by_phase")
+        rooms = ", ".join(f"{phase} {n}" for phase, n in sorted(phases.items())) if isinstance(phases, dict) else ""
+        held = stats.get("held_kv_slots")
+        holds = f"MD has {stats.get('open_rooms', '?')} PDD rooms open" + (f" ({rooms})" if rooms else "") + \
+            (f", {held} KV slots held for the WAN" if held is not None else "")
+        return f"{said} [{holds}]" if said else holds
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang's body: {"rid": str} or {"abort_all": true} (operator only)."""
@@ -511,6 +582,7 @@ def build_app(router: Router, max_body_bytes: int = MAX_BODY_BYTES) -> web.Appli
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.close)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_route)
     app.router.add_post("/generate", router.generate)
     if router.manager is not None:
@@ -522,7 +594,12 @@ def build_app(router: Router, max_body_bytes: int = MAX_BODY_BYTES) -> web.Appli
             app.router.add_get(path, router.model_info)
         for path in ("/get_server_info", "/server_info"):
             app.router.add_get(path, router.server_info)
-        app.router.add_post("/flush_cache", router.flush_cache)
+        for method in ("GET", "POST"):  # SGLang serves both
+            app.router.add_route(method, "/flush_cache", router.flush_cache)
+        for path in ("/v1/tokenize", "/tokenize"):
+            app.router.add_post(path, router.tokenize)
+        for path in ("/v1/detokenize", "/detokenize"):
+            app.router.add_post(path, router.detokenize)
         app.router.add_post("/abort_request", router.abort_request)
     app.router.add_get("/pdd/backends", router.backends)
     app.router.add_post("/pdd/backends/drain", router.drain)

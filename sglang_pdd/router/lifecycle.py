@@ -576,7 +576,11 @@ def _broken(s: State, e: Broken) -> Result:
 
 
 def _ended(s: State, e: Ended) -> Result:
-    actions: list = [ReleaseAll(keep_md_kv=s.phase is Phase.DONE)]
+    # MD keeps a finished request's KV still on the WAN for the session's next turn; KV that P
+    # never got a destination for will not come, and a room kept for it would stay until it
+    # expired (holding its prefix and pages, and MD's cache flush).
+    kv_coming = s.destination not in (Destination.PENDING, Destination.DROPPED)
+    actions: list = [ReleaseAll(keep_md_kv=s.phase is Phase.DONE and kv_coming)]
     if s.destination is Destination.PENDING:  # ended before P got a destination: P stops waiting
         s = _replace(s, destination=Destination.DROPPED)
         actions.append(WithdrawDestination(s.p_room))

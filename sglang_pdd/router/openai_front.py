@@ -9,6 +9,7 @@ aiohttp ones (a JSON body, or its SSE stream written as it comes).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator, Callable
@@ -18,8 +19,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from sglang_pdd.router.scope import current_scope
-from sglang_pdd.router.serving import UpstreamError
-from sglang_pdd.router.validate import ApiError, check_openai_body, parse_json_object
+from sglang_pdd.router.serving import INLINE_TEXT_CHARS, UpstreamError
+from sglang_pdd.router.validate import (ApiError, check_openai_body, check_prompt_chars, check_token_ids,
+                                        parse_json_object, text_chars)
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -93,6 +95,10 @@ class OpenAIFront:
                                             completion_template=get_serving().completion_template)
         self.chat = OpenAIServingChat(manager, self.templates)
         self.completion = OpenAIServingCompletion(manager, self.templates)
+        from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingDetokenize, OpenAIServingTokenize
+
+        self.tokenizing = OpenAIServingTokenize(manager, self.templates)
+        self.detokenizing = OpenAIServingDetokenize(manager)
 
     async def handle(self, request: web.Request, kind: str, scope_of: Callable) -> web.StreamResponse:
         from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -123,6 +129,52 @@ class OpenAIFront:
             reply.headers.update(e.headers or {})
             return reply
         return await to_aiohttp(request, result)
+
+    async def tokens(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """SGLang's /v1/tokenize (``kind`` "tokenize": a prompt, a list of them, or chat
+        messages through the chat template) and /v1/detokenize, by SGLang's own serving classes.
+        The router's limits first: a prompt over --max-prompt-chars, a token id outside the
+        vocabulary (one server answers that with a 500) are 400s; long work runs off the loop."""
+        from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+
+        try:
+            body = parse_json_object(await request.read())
+            try:
+                parsed = (TokenizeRequest if kind == "tokenize" else DetokenizeRequest).model_validate(body)
+            except ValidationError as e:
+                raise ApiError(400, _pydantic_message(e)) from None
+            work = self._check_tokenize(parsed) if kind == "tokenize" else self._check_detokenize(parsed)
+        except ApiError as e:
+            return _error(e.status, e.message)
+        serving = self.tokenizing if kind == "tokenize" else self.detokenizing
+        if work <= INLINE_TEXT_CHARS:
+            result = await serving.handle_request(parsed, request)
+        else:  # SGLang's handler tokenizes on the calling loop: give it a loop of its own
+            result = await asyncio.to_thread(asyncio.run, serving.handle_request(parsed, None))
+        return await to_aiohttp(request, result)
+
+    def _check_tokenize(self, parsed) -> int:
+        """Characters to tokenize, each prompt (or the conversation) within --max-prompt-chars."""
+        limit = self.manager.max_prompt_chars
+        if parsed.messages is not None:
+            chars = text_chars(parsed.model_dump(include={"messages", "tools"}))
+            check_prompt_chars(chars, "the conversation", limit)
+            return chars
+        prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
+        for i, prompt in enumerate(prompts):
+            check_prompt_chars(len(prompt), "the prompt" if isinstance(parsed.prompt, str) else f"prompt[{i}]", limit)
+        return sum(len(p) for p in prompts)
+
+    def _check_detokenize(self, parsed) -> int:
+        """Token ids to decode, each in the vocabulary."""
+        vocab = self.manager.vocab_size
+        tokens = parsed.tokens
+        if tokens and isinstance(tokens[0], list):
+            for i, row in enumerate(tokens):
+                check_token_ids(row, f"tokens[{i}]", vocab, allow_empty=True)
+            return sum(len(row) for row in tokens)
+        check_token_ids(tokens, "tokens", vocab, allow_empty=True)
+        return len(tokens)
 
     async def models(self) -> web.Response:
         from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList

@@ -24,6 +24,7 @@ import http.client
 import json
 import logging
 import queue
+import socket
 import threading
 from array import array
 from typing import Optional, Sequence
@@ -40,6 +41,8 @@ from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, ReadyReply, ReadyRequest, RegisterReply, ReleaseReply, ReleaseRequest,
                                  RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
+from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
+from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.loopback import LoopbackServer
 from sglang_pdd.sglang_glue.md_driver import CommandQueue, LockstepDriver
@@ -192,6 +195,11 @@ class MainDrcRuntime(MdRoomQueries):
         """Control threads (rank 0's): run a room command on the scheduler thread and wait."""
         return self.commands.call(op, *args, timeout=timeout)
 
+    def before_flush(self) -> int:
+        """A cache flush came in (scheduler thread, every TP rank): rooms kept only to fill the
+        cache go (md_rooms.RankRooms.drop_rooms_kept_for_cache); returns how many."""
+        return self.rank_rooms.drop_rooms_kept_for_cache()
+
     def on_scheduler_iteration(self) -> None:
         """One scheduler iteration, on every TP rank in lockstep (md_driver.LockstepDriver)."""
         self.driver.iterate()
@@ -206,7 +214,8 @@ class ControlServer:
                  max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY,
                  ssl_context=None):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD)})
+        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD),
+                                                       "register_delay": InjectedDelay.from_env(MD_REGISTER_DELAY_ENV)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
                                        max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context)
         self.address = self.httpd.server_address[:2]
@@ -223,6 +232,7 @@ class _ControlHandler(JsonRequestHandler):
 
     runtime: MainDrcRuntime
     max_body_bytes = MAX_CONTROL_BODY
+    register_delay = InjectedDelay("", None)  # test-only (injected_delays.py): none unless set at start
 
     def body_cap(self, method: str, path: str) -> int:
         # Only POSTs carry a body (register: the prompt's ids; handoff: eager tokens and
@@ -237,6 +247,7 @@ class _ControlHandler(JsonRequestHandler):
 
     def _register(self, query: str) -> dict:
         req = protocol_messages.RegisterRequest.from_json(self.json_body())
+        self.register_delay.wait()
         return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
                                                                          req.use_cache))).to_json()
 
@@ -257,6 +268,7 @@ class _ControlHandler(JsonRequestHandler):
         conn = server.connection(timeout=600)
         try:
             conn.request("POST", "/generate", body=json.dumps(gen), headers=server.headers())
+            loopback = conn.sock  # the response reads it even after ``conn`` lets go (Connection: close)
             resp = conn.getresponse()
             if not stream or resp.status != 200:
                 return self._relay_whole(resp)
@@ -266,15 +278,19 @@ class _ControlHandler(JsonRequestHandler):
             self.end_headers()
             self._replied = True
             index = 0
-            while line := resp.readline():
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                sig = self.auth.sign_event(self.request_sig, index, data) if self.request_sig else None
-                self.wfile.write(b"data: " + data + b"\n" + (EVENT_SIG + sig + b"\n" if sig else b"") + b"\n")
-                self.wfile.flush()
-                index += 1
+            # The router gone, MD's next event may be a decode step away: cut the relay now.
+            with HangupWatch(self.connection, lambda: _shut(loopback)) as watch:
+                while line := resp.readline():
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    sig = self.auth.sign_event(self.request_sig, index, data) if self.request_sig else None
+                    self.wfile.write(b"data: " + data + b"\n" + (EVENT_SIG + sig + b"\n" if sig else b"") + b"\n")
+                    self.wfile.flush()
+                    index += 1
+            if watch.hung_up:
+                raise ConnectionResetError("the router hung up")
         except (OSError, http.client.HTTPException) as e:
             # Mostly the router gone (its client went away): MD must not decode on for nobody.
             # The router's own abort may have reached MD before this request did, so abort here.
@@ -318,6 +334,15 @@ class _ControlHandler(JsonRequestHandler):
 
     routes = RouteTable({api.HEALTH: _health, api.STATS: _stats, api.MD_REGISTER: _register,
                          api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release})
+
+
+def _shut(sock) -> None:
+    """End a relay's read of MD's own stream from another thread (its reader sees the end)."""
+    if sock is not None:
+        try:  # the plain socket's shutdown, also under TLS: the TLS object stays the reader's alone
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _guard(fn):

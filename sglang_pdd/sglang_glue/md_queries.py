@@ -12,6 +12,7 @@ import logging
 from typing import Optional
 
 from sglang_pdd.protocol import ControlError
+from sglang_pdd.radix_drc.room_state import Phase
 from sglang_pdd.radix_drc.rooms import RoomError, RoomStatus
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
 
@@ -57,15 +58,40 @@ class MdRoomQueries:
     def flush_blocker(self) -> Optional[str]:
         """Why SGLang's flush_cache must not run now, or None. A flush resets the radix tree
         and the pool allocator under MD's rooms: the prefixes they locked and the pages they
-        reserved for KV still landing would be handed out again."""
-        if self.rooms.rooms or self.held_tokens:
-            return f"{len(self.rooms.rooms)} PDD rooms open, {self.held_tokens} KV slots held for the WAN"
-        return None
+        reserved for KV still landing would be handed out again. A failed room holds neither
+        (it waits only to tell the router why)."""
+        holding = {phase: n for phase, n in self.rooms_by_phase().items() if Phase(phase).holds_kv}
+        held = self.held_tokens
+        if not holding and not held:
+            return None
+        parts = []
+        if holding:
+            rooms = sum(holding.values())
+            phases = ", ".join(f"{phase} {n}" for phase, n in sorted(holding.items()))
+            parts.append(f"MD holds {rooms} PDD room{'s' if rooms != 1 else ''} of requests in flight ({phases})")
+        if held:
+            parts.append(f"{held} KV slots are held for the WAN" + ("" if holding else
+                         " (rooms that ended, until the WAN receiver lets go of them)"))
+        return "; ".join(parts)
+
+    def flush_waits_only_for_pages(self) -> bool:
+        """No room holds anything, only pages of rooms that ended are on their way back: a
+        flush may wait that out (moments: the receiver finishes the chunk it is reading)."""
+        return self.held_tokens > 0 and not any(Phase(p).holds_kv for p in self.rooms_by_phase())
+
+    def rooms_by_phase(self) -> dict:
+        """How many open rooms are in each phase (radix_drc.room_state.Phase), e.g. {"ready": 2}."""
+        counts: dict = {}
+        for entry in list(self.rooms.rooms.values()):  # a control thread: copy, the table may change
+            phase = entry.state.phase.value
+            counts[phase] = counts.get(phase, 0) + 1
+        return counts
 
     def stats(self) -> dict:
         """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""
         drc = self.drc_stats.as_dict()
         return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
-                "open_rooms": len(self.rooms.rooms), "tp_size": self.tp.size,
+                "open_rooms": len(self.rooms.rooms), "rooms_by_phase": self.rooms_by_phase(),
+                "held_kv_slots": self.held_tokens, "tp_size": self.tp.size,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "wan_receiver": self.receiver.stats()}  # its counters, incl. the acceptor's refusals by kind

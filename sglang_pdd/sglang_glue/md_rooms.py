@@ -14,7 +14,7 @@ from typing import Optional
 from sglang_pdd.config import PddConfig
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
-from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRooms
+from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRooms, RoomReleased
 from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
 from sglang_pdd.sglang_glue.md_pages import PageReleases
@@ -46,13 +46,17 @@ class RankRooms:
             self._record_stall("register", time.perf_counter() - t0)
 
     def _register(self, room: int, token_ids: list[int], use_cache: bool, now: float) -> dict:
-        entry = self.rooms.register(room, token_ids, now, use_cache=use_cache)
+        try:
+            entry = self.rooms.register(room, token_ids, now, use_cache=use_cache)
+        except RoomReleased:
+            self.counters["late_registrations_refused"] = self.counters.get("late_registrations_refused", 0) + 1
+            raise
         landing = Landing.plan(self.ops.pool_layout, len(token_ids), entry.cached_len)
         try:
             self.budget.take(room, landing.nbytes)
         except RoomRefused:
             self.counters["rooms_refused"] += 1
-            self.rooms.release(room)
+            self.rooms.unregister(room)
             raise
         try:
             if self.ingest_mode == "staged":
@@ -76,7 +80,7 @@ class RankRooms:
                     self.pages.free_now(landing)
                 else:  # the other ranks may have made it: free with their undo, in step
                     self.unregistered[room] = landing
-            self.rooms.release(room)
+            self.rooms.unregister(room)
             raise
         self.landings[room] = landing
         self.ready_events[room] = threading.Event()
@@ -101,6 +105,15 @@ class RankRooms:
         self._forget(room)
         return released
 
+    def drop_rooms_kept_for_cache(self) -> int:
+        """A cache flush is coming: KV landing only to enter the cache (its request ended on
+        RLD) is moot, so those rooms go now, as if released without keep_kv. Scheduler thread,
+        every TP rank in the same iteration (SGLang hands the flush to every rank)."""
+        kept = self.rooms.kept_for_cache()
+        for room in kept:
+            self.release(room)
+        return len(kept)
+
     # ---- registrations the TP group did not agree on
     def undo_registration(self, room: int) -> RoomRefused:
         """Made here, refused on another rank: undone here, its pages back with every rank's undo."""
@@ -110,7 +123,7 @@ class RankRooms:
             self.budget.give_back(landing.nbytes)
         record = self.pages.queue(room, landing, always=True)
         self.pages.let_go_in_receiver(room, record)
-        self.rooms.release(room)
+        self.rooms.unregister(room)
         self._forget(room)
         self.counters["rooms_registered"] -= 1
         self.counters["rooms_refused"] += 1

@@ -19,6 +19,9 @@ Hooks (each a no-op unless --pdd-role asks for it):
   serves (prompt ids, the router's WAN destination): SGLang builds senders without it;
 * SchedulerInvariantChecker._check_full_pool (around) — MD's pool pages reserved for KV in
   flight count as held (SGLang's idle leak check would otherwise stop MD's scheduler).
+* Scheduler.flush_cache / is_fully_idle and SchedulerFlushWrapper.handle (around) — MD
+  flushes only when its rooms hold nothing; rooms kept only to fill the cache go on a
+  flush, and a refusal says what MD holds.
 * Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
   resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
   the marker, which only the router / MD glue sets).
@@ -44,6 +47,7 @@ _BOOTSTRAP_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _DECODE_BATCH_MIXIN = "sglang.srt.disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin"
 _INVARIANT_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+_FLUSH_WRAPPER = "sglang.srt.managers.scheduler_components.flush_wrapper.SchedulerFlushWrapper"
 
 
 def _add_cli_args(original, parser):
@@ -116,6 +120,49 @@ def _flush_cache_without_rooms(original, scheduler, *args, **kwargs):
     return original(scheduler, *args, **kwargs)
 
 
+# How long a flush asked without a timeout waits, on an otherwise idle MD, for the pages of
+# rooms that ended to come back (the WAN receiver finishes the chunk it is reading first).
+PAGES_BACK_WAIT_S = 10.0
+
+
+def _flush_request_on_md(original, wrapper, recv_req):
+    """SGLang's flush request on MD: rooms kept only to fill the cache go first (the flush
+    empties it anyway); a flush then held up only by their pages on the way back waits for
+    them (SGLang's own deferred flush) instead of failing; a refusal says what MD holds."""
+    scheduler = getattr(getattr(wrapper, "_flush_cache", None), "__self__", None)
+    runtime = getattr(scheduler, "_pdd_runtime", None)
+    if runtime is None:
+        return original(wrapper, recv_req)
+    dropped = runtime.before_flush()
+    if dropped:
+        logger.info("flush: dropped %d PDD rooms whose KV was landing only to be cached", dropped)
+    if not recv_req.timeout_s and runtime.flush_waits_only_for_pages() and _sglang_idle(scheduler):
+        recv_req.timeout_s = PAGES_BACK_WAIT_S
+    out = original(wrapper, recv_req)
+    if out is not None and not out.success and not out.message:
+        blocker = runtime.flush_blocker()
+        if blocker is not None:
+            out.message = f"Cache not flushed: {blocker}.\n"
+    return out
+
+
+def _sglang_idle(scheduler) -> bool:
+    """SGLang's own verdict (no request running or waiting), without MD's rooms: the method
+    HookRegistry wrapped, where it did."""
+    is_fully_idle = type(scheduler).is_fully_idle
+    return getattr(is_fully_idle, "__wrapped__", is_fully_idle)(scheduler)
+
+
+def _idle_without_md_rooms(original, scheduler, *args, **kwargs):
+    """MD is not idle while its rooms hold prefixes or pages for KV in flight (as SGLang counts
+    PD queues), so a deferred flush waits for them too. Health checks are SGLang's alone."""
+    idle = original(scheduler, *args, **kwargs)
+    if not idle or kwargs.get("for_health_check") or (args and args[0]):
+        return idle
+    runtime = getattr(scheduler, "_pdd_runtime", None)
+    return runtime is None or runtime.flush_blocker() is None
+
+
 def _count_md_held_slots(original, checker, ps, uncached=0):
     """MD reserves pool pages for KV still crossing the WAN (in no request, not yet in the
     tree): SGLang's pool-conservation check counts them with the other uncached tokens."""
@@ -163,6 +210,8 @@ def register() -> None:
     HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)
     HookRegistry.register(f"{_INVARIANT_CHECKER}._check_full_pool", _count_md_held_slots, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.flush_cache", _flush_cache_without_rooms, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.is_fully_idle", _idle_without_md_rooms, HookType.AROUND)
+    HookRegistry.register(f"{_FLUSH_WRAPPER}.handle", _flush_request_on_md, HookType.AROUND)
     _register_resume_hooks()
 
 

@@ -39,6 +39,7 @@ from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, serve_in
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, InfoReply, RouteTable,
                                  WanDestinationRequest, bad_request)
+from sglang_pdd.sglang_glue.injected_delays import P_DESTINATION_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
 
 logger = logging.getLogger(__name__)
@@ -170,8 +171,10 @@ class PrefillControlServer:
     def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
                  max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
-                 max_md_tp: int = MAX_MD_TP, ssl_context=None):
+                 max_md_tp: int = MAX_MD_TP, ssl_context=None, destination_delay: Optional[InjectedDelay] = None):
         info = InfoReply(int(tp_rank), int(tp_size), bool(sends_wan))
+        # test-only (injected_delays.py): none unless set when the server starts
+        delay = destination_delay or InjectedDelay.from_env(P_DESTINATION_DELAY_ENV)
 
         def destination(handler: JsonRequestHandler, query: str) -> DestinationReply:
             room, dest = parse_destination(handler.body)
@@ -183,6 +186,7 @@ class PrefillControlServer:
                                                    f"--pdd-wan-peers; P sends KV only to the MDs it was given")
             if not sends_wan:
                 return DestinationReply(sends_wan=False)
+            delay.wait()
             board.post(room, dest)
             return DestinationReply()
 
