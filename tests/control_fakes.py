@@ -183,12 +183,15 @@ class PControl:
         self.server.close()
 
 
-def exchange_raw(host: str, port: int, request: bytes, timeout: float = 10.0, finish_body: bool = True) -> bytes:
+def exchange_raw(host: str, port: int, request: bytes, timeout: float = 10.0, finish_body: bool = True,
+                 source: str = None) -> bytes:
     """Send bytes as they are (no client fixes the headers up) and read the answer until the
     server closes. ``finish_body``: shut our side after sending, so a body shorter than its
     Content-Length ends there rather than at the server's read timeout; without it the
-    connection stays open for writing (a client still to send its body)."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
+    connection stays open for writing (a client still to send its body). ``source``: the
+    local address to send from (another 127.0.0.x: another host, as the server counts)."""
+    with socket.create_connection((host, port), timeout=timeout,
+                                  source_address=(source, 0) if source else None) as s:
         try:
             s.sendall(request)
             if finish_body:
