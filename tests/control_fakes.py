@@ -117,6 +117,7 @@ class FakeMdRuntime:
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
         self.http_api_key = None  # MD's own SGLang --api-key
         self.http_ssl_certfile = None  # MD's own SGLang --ssl-certfile (then it serves HTTPS)
+        self.kv_senders: list = []  # each announcement of P hosts, as the receiver got it
 
     def call(self, op: str, *args, timeout: float = 30.0):
         return getattr(self, f"_do_{op}")(*args)
@@ -125,6 +126,10 @@ class FakeMdRuntime:
         entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
         self.ready_events[room] = threading.Event()
         return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids)).to_json()
+
+    def _do_kv_senders(self, sources):
+        self.kv_senders.append(list(sources))
+        return len(sources)
 
     def _do_release(self, room, keep_kv=False):
         self.ready_events.pop(room, None)

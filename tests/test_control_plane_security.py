@@ -781,3 +781,19 @@ def test_an_oversized_request_head_is_refused_with_431(md):
     status, body = raw(md.url, b"GET /pdd/stats HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
     assert status == 431 and b"too large" in body
     assert call_json("GET", md.url + "/pdd/stats", key=KEY)[0] == 200
+
+
+# ---------------------------------------------------------------------------- the router's P hosts
+def test_md_takes_the_p_hosts_the_router_names(md):
+    """POST /pdd/kv_senders (signed): the router's P hosts become known peers of MD's WAN
+    receiver; unsigned it changes nothing, malformed it is a 400 naming the problem."""
+    hosts = {"sources": ["127.0.0.9", "2001:db8:1:2::7"]}
+    assert call_json("POST", md.url + "/pdd/kv_senders", hosts)[0] == 401
+    assert md.runtime.kv_senders == []
+    assert call_json("POST", md.url + "/pdd/kv_senders", hosts, key=KEY) == (200, {"known": 2})
+    assert md.runtime.kv_senders == [["127.0.0.9", "2001:db8:1:2::7"]]
+    for bad, needle in (({"sources": ["p.example"]}, "not an IP"), ({"sources": "10.0.0.1"}, "list"),
+                        ({"sources": ["10.0.0.1"] * 1025}, "at most"), ({}, "sources")):
+        status, reply = call_json("POST", md.url + "/pdd/kv_senders", bad, key=KEY)
+        assert status == 400 and needle in reply["error"], (bad, reply)
+    assert len(md.runtime.kv_senders) == 1

@@ -26,7 +26,7 @@ from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router import client_auth
+from sglang_pdd.router import client_auth, kv_senders
 from sglang_pdd.router.backends import BackendError, MainControl
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
@@ -115,6 +115,7 @@ class Router:
         self._probes: Optional[asyncio.Task] = None
         self.session: Optional[aiohttp.ClientSession] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
+        self._kv_senders: Optional[asyncio.Task] = None  # kv_senders.announce_forever, from start() on
         self.manager = None
         if sglang_state is not None:
             server_args, model_config, tok = sglang_state
@@ -131,11 +132,14 @@ class Router:
     async def start(self, app):
         self.session = backend_session()
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
+        if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
+            self._kv_senders = asyncio.ensure_future(
+                kv_senders.announce_forever(self.session, self.pools.main, self.pools.prefill))
         if self.health_check_interval_s > 0:
             self._probes = asyncio.ensure_future(self._probe_forever())
 
     async def close(self, app):
-        for task in (self._md_sizes, self._probes):
+        for task in (self._md_sizes, self._kv_senders, self._probes):
             if task is not None:
                 task.cancel()
         await self.session.close()

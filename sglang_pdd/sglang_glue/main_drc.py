@@ -38,8 +38,8 @@ from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (ControlError, ReadyReply, ReadyRequest, RegisterReply, ReleaseReply, ReleaseRequest,
-                                 RouteTable)
+from sglang_pdd.protocol import (ControlError, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
+                                 RegisterReply, ReleaseReply, ReleaseRequest, RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.loopback import LoopbackServer
@@ -249,6 +249,10 @@ class _ControlHandler(JsonRequestHandler):
         return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
                                                                          req.use_cache))).to_json()
 
+    def _kv_senders(self, query: str) -> KvSendersReply:
+        req = KvSendersRequest.from_json(self.json_body())
+        return KvSendersReply(_guard(lambda: self.runtime.call("kv_senders", list(req.sources))))
+
     def _ready(self, query: str, room: int) -> ReadyReply:
         req = ReadyRequest.from_query(room, query)
         return ReadyReply.from_json(_guard(lambda: self.runtime.wait_ready(req.room, req.timeout_s)))
@@ -326,7 +330,8 @@ class _ControlHandler(JsonRequestHandler):
         self.wfile.write(body)
 
     routes = RouteTable({api.HEALTH: _health, api.STATS: _stats, api.MD_REGISTER: _register,
-                         api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release})
+                         api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release,
+                         api.MD_KV_SENDERS: _kv_senders})
 
 
 def _guard(fn):

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Optional
 
+from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
@@ -100,6 +101,10 @@ class RankRooms:
         released = self.rooms.release(room)
         self._forget(room)
         return released
+
+    def announce_kv_senders(self, sources) -> int:
+        """The router's P hosts: known peers of this rank's WAN receiver (admission.py)."""
+        return self.receiver.announce_senders(parse_networks(sources))
 
     # ---- registrations the TP group did not agree on
     def undo_registration(self, room: int) -> RoomRefused:
