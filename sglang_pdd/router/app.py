@@ -315,7 +315,9 @@ class Router:
         for role, urls in self.pools.roles().items():
             for url in urls:
                 state = self.pools.health.view((role, url), now)
-                rows.append({"role": role, "url": url, "pickable": self.pools.health.pickable((role, url), now),
+                # index: the backend's label in /metrics, which names no URL
+                rows.append({"role": role, "index": int(self.metrics.index_of(role, url)), "url": url,
+                             "pickable": self.pools.health.pickable((role, url), now),
                              "breaker": state.breaker.value, "draining": state.draining,
                              "last_error": state.last_error, "inflight": inflight[role][url]})
         pairs = [{"prefill": key[1], "peer": key[2], "breaker": self.pools.health.view(key, now).breaker.value}
