@@ -456,3 +456,24 @@ def test_a_reconnecting_tls_flood_from_one_host_leaves_new_connections_served(pk
         for t in threads:
             t.join(5)
         server.close()
+
+
+def test_a_tls_control_server_answers_to_its_certificates_names(pki):
+    """The router dials the name on MD's certificate (it checks it), which need not be the
+    --pdd-control-listen address: the server takes its certificate's names as its own."""
+    from sglang_pdd.kv_channel.tls import certificate_names, control_server_names
+
+    assert certificate_names(pki["server"][0]) == ("localhost", "127.0.0.1")
+    server = MdControl(ssl_context=server_tls(pki), names=control_server_names("127.0.0.1", (), pki["server"][0]))
+    try:
+        url = server.url.replace("127.0.0.1", "localhost")
+
+        async def stats():
+            async with aiohttp.ClientSession() as session:
+                return await MainControl(session, url, signer=ControlSigner(KEY), tls=router_tls(pki)).stats()
+
+        assert asyncio.run(stats()) is not None
+        assert server.server.httpd.serves_host("LOCALHOST:%d" % server.server.address[1])
+        assert not server.server.httpd.serves_host("md.example:%d" % server.server.address[1])
+    finally:
+        server.close()
