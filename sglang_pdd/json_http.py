@@ -174,6 +174,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.rfile.close()  # the plain file object over the socket: reads go through the deadlines
         self._reader = DeadlineReader(self.connection)
         self.rfile = io.BufferedReader(self._reader)
 
