@@ -22,7 +22,7 @@ from waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
-from sglang_pdd.launcher.http import call_json
+from sglang_pdd.launcher.http import call_json, get_json
 from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
@@ -723,6 +723,8 @@ def test_a_trickling_flood_from_one_host_leaves_signed_calls_served():
         time.sleep(0.5)  # the flood in place
         assert _signed_calls(server.url, 22) == [200] * 22
         assert httpd.stats()["refused_per_source"] > 0 and httpd.stats()["handshaking_unknown"] <= 16
+        # what an operator reads: MD's stats count the refusals
+        assert get_json(server.url + "/pdd/stats", key=KEY)["control_server"]["refused_per_source"] > 0
     finally:
         flood.close()
         server.close()

@@ -242,7 +242,8 @@ class _ControlHandler(JsonRequestHandler):
         return {"status": "ok"}
 
     def _stats(self, query: str) -> dict:
-        return _guard(self.runtime.stats)
+        # control_server: its connections and refusals by kind (json_http.ControlHTTPServer)
+        return {**_guard(self.runtime.stats), "control_server": self.server.stats()}
 
     def _register(self, query: str) -> dict:
         req = protocol_messages.RegisterRequest.from_json(self.json_body())

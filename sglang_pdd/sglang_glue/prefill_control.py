@@ -200,7 +200,8 @@ class PrefillControlServer:
                 api.P_DESTINATION: destination,
                 api.P_DROP: drop,
                 api.P_INFO: lambda handler, query: info,
-                api.STATS: lambda handler, query: {**board.stats(), **stats(), **info.to_json()},
+                api.STATS: lambda handler, query: {**board.stats(), **stats(), **info.to_json(),
+                                                   "control_server": handler.server.stats()},
             })
 
             def refused(self, error: ControlError) -> None:
