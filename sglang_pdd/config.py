@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang_pdd.admission import AdmissionLimits, parse_networks
 from sglang_pdd.protocol import check_md_tp
 
 ROLES = ("prefill", "relay", "main")
@@ -43,6 +45,8 @@ class PddConfig:
     control_tls_cert: Optional[str] = None  # prefill/main: the control API's certificate (HTTPS only with it)
     control_tls_key: Optional[str] = None  # prefill/main: its private key (PEM, mode 0600)
     control_tls_ca: Optional[str] = None  # prefill/main: CA that signed the router's client certificate
+    control_trusted_sources: Optional[str] = None  # prefill/main: ADDR[/PREFIX],... of the router(s)
+    control_names: Optional[str] = None  # prefill/main: further host names the router's CONTROL_URL may use
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
     wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
@@ -93,6 +97,15 @@ FLAGS = [
         help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-control-tls-cert.")),
     ("--pdd-control-tls-ca", "pdd_control_tls_ca", dict(default=None,
         help="prefill and main: CA certificate(s) (PEM) that the router's client certificate must be signed by.")),
+    ("--pdd-control-trusted-sources", "pdd_control_trusted_sources", dict(default=None,
+        help="prefill and main: ADDR or ADDR/PREFIX,... of the router(s) calling the control API. They take the "
+             "connection slots reserved for known peers, with no per-source cap, and read bodies from the whole "
+             "budget, so a flood of connections cannot keep them out. A source that sent a validly signed request "
+             "in the last 24 h is treated the same way.")),
+    ("--pdd-control-names", "pdd_control_names", dict(default=None,
+        help="prefill and main: HOST,... further names the router's CONTROL_URL may give this control API "
+             "(a DNS name, a proxy's). A signed call is served only when its Host is one of this server's "
+             "names: the --pdd-control-listen host, its TLS certificate's names, and these.")),
     ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
         help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
     ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
@@ -246,6 +259,17 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         if missing:
             raise PddConfigError(f"mutual TLS on the control API needs all of --pdd-control-tls-cert/-key/-ca; "
                                  f"missing {', '.join(missing)}")
+    for flag, value in (("--pdd-control-trusted-sources", cfg.control_trusted_sources),
+                        ("--pdd-control-names", cfg.control_names)):
+        if value is not None and not cfg.control_listen:
+            raise PddConfigError(f"{flag} needs --pdd-control-listen (the API it configures)")
+    try:
+        parse_networks(cfg.control_trusted_sources)
+    except ValueError as e:
+        raise PddConfigError(f"--pdd-control-trusted-sources: {e}") from None
+    for name in control_names(cfg):
+        if not name or any(c in name for c in "/:@ ") and not _is_ipv6(name):
+            raise PddConfigError(f"--pdd-control-names: {name!r} is not a host name or address")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
     if cfg.wan_peers is not None:
@@ -290,9 +314,19 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     return cfg
 
 
-def admission_limits(cfg: PddConfig):
-    """The KV acceptor's pre-auth limits (kv_channel.acceptor.AdmissionLimits) from the flags."""
-    from sglang_pdd.kv_channel.acceptor import AdmissionLimits, parse_networks
+def control_names(cfg: PddConfig) -> tuple[str, ...]:
+    """``--pdd-control-names`` as a tuple of host names (lower case)."""
+    return tuple(n.strip().lower() for n in (cfg.control_names or "").split(",") if n.strip())
 
+
+def _is_ipv6(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).version == 6
+    except ValueError:
+        return False
+
+
+def admission_limits(cfg: PddConfig):
+    """The KV acceptor's pre-auth limits (sglang_pdd.admission.AdmissionLimits) from the flags."""
     return AdmissionLimits(per_source=cfg.kv_max_handshakes_per_source, reserved=cfg.kv_reserved_handshakes,
                            trusted=parse_networks(cfg.kv_trusted_sources))

@@ -125,6 +125,24 @@ def test_kv_admission_flags_reach_the_acceptors_limits():
     assert admission_limits(PddConfig()) == AdmissionLimits()  # the flags' defaults are the acceptor's
 
 
+def test_control_admission_and_name_flags_are_checked_and_reach_the_server_names(tmp_path):
+    from sglang_pdd.config import control_names
+    from sglang_pdd.kv_channel.tls import control_server_names
+
+    main = dict(role="main", wan_listen="10.0.0.1:1", control_listen="10.1.0.7:18001", wan_key_file="k")
+    cfg = PddConfig(**main, control_trusted_sources="10.2.0.9, 10.3.0.0/24", control_names="MD-ctl.example,fd00::7")
+    assert validate(cfg, "null") is cfg
+    assert control_names(cfg) == ("md-ctl.example", "fd00::7")
+    assert control_server_names("10.1.0.7", control_names(cfg)) == ("10.1.0.7", "md-ctl.example", "fd00::7")
+    assert control_server_names("0.0.0.0") == ()  # a wildcard bind with no names: any host at its port
+    with pytest.raises(PddConfigError, match="--pdd-control-trusted-sources.*'10.2.0.300'"):
+        validate(PddConfig(**main, control_trusted_sources="10.2.0.300"), "null")
+    with pytest.raises(PddConfigError, match="--pdd-control-names"):
+        validate(PddConfig(**main, control_names="md.example:18001"), "null")
+    with pytest.raises(PddConfigError, match="needs --pdd-control-listen"):
+        validate(PddConfig(role="relay", control_trusted_sources="10.2.0.9"), "decode", "pdd")
+
+
 def test_unknown_role_is_rejected_by_the_parser():
     with pytest.raises(SystemExit):
         parse("--pdd-role", "router")

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router import client_auth, control_tls
+from sglang_pdd.router import client_auth, control_tls, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
@@ -194,11 +194,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.workers < 1:
         raise SystemExit("sglang_pdd.router: error: --workers must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for warning in client_auth.resolve_secrets(args):  # key files read; a worker's from its environment
+        logger.warning(warning)
     if args.workers > 1:
         from sglang_pdd.router.workers import run_workers
 
-        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv,
+                                     client_auth.secrets_for_workers(args)))
     from sglang_pdd.router.serving import build_sglang_state
 
     client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
@@ -239,7 +242,7 @@ def main(argv=None) -> None:
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
                     logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob),
-                    health_check_interval_s=args.health_check_interval_s)
+                    health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env())
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
                 ssl_context=client_ssl)

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Optional
 
+from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
@@ -113,6 +114,10 @@ class RankRooms:
         for room in kept:
             self.release(room)
         return len(kept)
+
+    def announce_kv_senders(self, sources) -> int:
+        """The router's P hosts: known peers of this rank's WAN receiver (admission.py)."""
+        return self.receiver.announce_senders(parse_networks(sources))
 
     # ---- registrations the TP group did not agree on
     def undo_registration(self, room: int) -> RoomRefused:
