@@ -27,6 +27,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+# The router's RLD admission (--rld-max-running): the requests in flight one RLD counts as
+# full when the load-aware WAN budget reads its load. Not RLD's batch cap (the server's
+# --max-running-requests): it sets how soon P->MD takes over from a relay that still has
+# room. Chosen from the simulator's sweep of it (docs/sim-notebook.md, "RLD admission").
+RLD_MAX_RUNNING_DEFAULT = 16
+
+
 class Path(str, enum.Enum):
     P_MD = "p_md"
     P_RLD_MD = "p_rld_md"
