@@ -1,18 +1,19 @@
-"""The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
+"""The cluster model: one design (same-DC PD, cross-DC PD with or without DRC, or PDD) run
+over a trace, every design under the same rules.
 
-Routing and the request's course (PDD with an RLD) are the router's own functions, called
-at run time so that a change to them changes the sim: P and MD by
-`router.placement.pick_instance` on flows in flight and the router's prefix index (P's
-candidates rotated so equal ones take turns), RLD with the fewest flows in flight
-(`pick_p`, `pick_rld`, `pick_md`: router/pools.py's Pools.pick, checked against it in
-tests/test_sim_router_agreement.py); the path by `router.policy.decide_path` on the prefix
-index's estimate, again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's
-control API); the handoff mode by `handoff.policy.choose_mode` on RLD's flows at arrival;
-and every request's life by `router.lifecycle.transition` (`_event`), fed the events the
-router's I/O shell would feed (PathChosen, RLD's first and last tokens, MdReady / MD's
-refusal as MdNotReady, the cut, MD's tokens). The sim does what the returned actions say:
-StartHandoff starts the handoff (at once, or after RLD's first token), SendFinalHandoff
-stops RLD at the cut, Finish ends the request. What the sim models itself is time:
+Routing and the request's course are the router's own functions, called at run time so that
+a change to them changes the sim. For every design: P by `router.placement.pick_prefill` on
+P's prefill tokens in flight and the router's prefix index (candidates rotated so equal ones
+take turns), MD (and same-DC PD's D) by `pick_instance` on flows in flight with the router's
+affinity bound (`pick_p`, `pick_md`: router/pools.py's Pools.pick, checked against it in
+tests/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
+flight (`pick_rld`); the path by `router.policy.decide_path` on the prefix index's estimate,
+again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's control API), RLD's
+load being its flows over the router's admission (`rld_max_running`, --rld-max-running);
+the handoff mode by `handoff.policy.choose_mode`; and every request's life by
+`router.lifecycle.transition` (`_event`), fed the events the router's I/O shell would feed
+(PathChosen, RLD's first and last tokens, MdReady / MD's refusal as MdNotReady, the cut, MD's
+tokens). The sim does what the returned actions say. What the sim models itself is time:
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
@@ -20,8 +21,9 @@ stops RLD at the cut, Finish ends the request. What the sim models itself is tim
                 extends them and decodes the rest. A request that ends on RLD first cancels
                 the rest of its transfer (`keep_finished_kv` lets it land in MD's DRC);
     P_RLD_ONLY: outliers and MD refusals decode entirely on RLD, nothing crosses the WAN.
-Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
-type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
+"pd" is P->D over RDMA in one datacenter with one chip type; "xdc" is P->MD over the WAN for
+every request (with MD's DRC when `drc`), no RLD, MD learning of the request as P starts
+(SGLang's PD: no round trip before P).
 
 Message timing follows router/flow.py: P->MD registers on MD first (a WAN round trip
 before P starts; `PathPolicyConfig.p_md_registers_first`) and its first token comes from
@@ -29,12 +31,15 @@ P through RLD's one-token leg in datacenter A; MD's tokens reach the user one WA
 later. Each catch-up round is a one-way trip of token ids to MD, an extend pass that holds
 MD (its running sequences stall), and the answer's trip back. MD's prefix hit (and so the
 bytes shipped) is decided when the transfer starts, and the blocks it relies on are pinned
-until it lands.
+until it lands; a hit in MD's host tier is loaded back alongside the transfer.
 
-MD registration (PDD only) is bounded as a real MD's `--pdd-md-staging-mb`: the bytes of
-rooms in flight to one MD may not exceed `md_staging_bytes`; a room that does not fit is
-refused and the request stays on RLD (P_RLD_ONLY). Without an RLD it waits for room (the
-router retries), and a room larger than the whole budget is let in alone.
+MD's staging (`staging_bytes`, the real MD's --pdd-md-staging-mb, default a share of MD's
+pool) is the same for every design that lands KV on MD and is charged when a transfer
+starts: the bytes of transfers in flight to one MD may not exceed it. A transfer that does
+not fit is refused if RLD decodes the request anyway (P_RLD_MD: it stays on RLD, the
+router's fallback) and waits for room otherwise, first come first served; a room larger
+than the whole budget goes alone. (The real MD checks at registration, before P starts;
+docs/sim.md says what that changes.)
 
 Omitted on purpose (see docs/sim.md): MD memory is not reserved during catch-up; RLD's
 one-token leg of a P->MD request takes no RLD slot; decode context grows only at admission.
