@@ -98,9 +98,12 @@ class BlockCache:
     def insert(self, hash_ids: Sequence[int]) -> None:
         if self.capacity_blocks == 0:
             return
-        if self._host:
+        host = self._host
+        if host:
+            blocks = self._blocks
             for h in hash_ids:  # a block written to HBM again leaves the host copy behind
-                self._host.pop(h, None)
+                if h not in blocks and h in host:
+                    del host[h]
         self._touch(hash_ids)
         self._evict()
 
@@ -110,10 +113,20 @@ class BlockCache:
         if excess <= 0:
             return
         host_cap = self.host_capacity_blocks
-        if not pins and not host_cap:  # the common case without a host tier: evict in one loop
-            popitem = blocks.popitem
+        popitem = blocks.popitem
+        if not pins:  # the common case (P's caches are never pinned): evict in one loop
+            if not host_cap:
+                for _ in range(excess):
+                    popitem(last=False)
+                return
+            host = self._host
             for _ in range(excess):
-                popitem(last=False)
+                host[popitem(last=False)[0]] = None
+            drop = len(host) - host_cap
+            if drop > 0:
+                host_pop = host.popitem
+                for _ in range(drop):
+                    host_pop(last=False)
             return
         host = self._host
         skipped = 0
