@@ -46,10 +46,9 @@ GBPS = (1, 2, 5, 10, 25, 100, 400)
 @pytest.mark.parametrize("name", ["pdd_drc_adaptive", "pdd_nodrc_oneshot", "xdc_pd"])
 def test_more_wan_bandwidth_never_makes_wan_time_or_attainment_worse(name):
     trace = _trace()
-    # P round robin (what-if): the router's P rule counts a request on its P until the
-    # request ends, so a faster WAN moves later requests' P, and TTFT with it, either way
-    # (docs/sim.md); this trend is about the WAN and the path policy.
-    runs = [run_scenario(_scenarios(g, n_prefill=2, n_rld=1, n_md=2, p_placement="round_robin")[name], trace, SLA)
+    # Every design's P rule (the router's: prefill tokens until P replies) does not depend on
+    # when requests end, so the WAN's speed does not move P placement.
+    runs = [run_scenario(_scenarios(g, n_prefill=2, n_rld=1, n_md=2)[name], trace, SLA)
             for g in GBPS]
     landed = [s.kv_landed for s in runs]
     assert _non_decreasing(landed), landed  # fewer transfers outrun by their request's end
