@@ -202,7 +202,7 @@ DEEPSEEK_V3 = ModelClass("deepseek-v3", active_params_b=37.0, weight_bytes_gb=69
                          decode_attn_flops_per_token_ctx=2 * 61 * 128 * (576 + 512), mla=True)
 MODELS = {m.name: m for m in (LLAMA3_70B, DEEPSEEK_V3)}
 
-# Estimated efficiencies (fractions of peak); see docs/sim.md for the sanity checks.
+# Estimated efficiencies (fractions of peak); docs/sim-notebook.md has the H200 kernel check.
 PREFILL_MFU = 0.40
 DECODE_MFU = 0.50  # decode matmuls, and GQA decode attention
 DECODE_MBU = 0.70  # weight read, and the GQA KV read
@@ -328,7 +328,7 @@ RDMA_DEFAULT = LinkProfile("rdma", gbps=400.0, one_way_latency_s=0.000_05)
 
 # ---- plausibility of a measured or hand-given profile ------------------------------------
 # The sim trusts its profile completely: a cold server or one noisy decode sample once made
-# the calibration's TPOT +1,300-4,100% off (docs/sim.md, "Calibration against the e2e
+# the calibration's TPOT +1,300-4,100% off (docs/sim-notebook.md, "calibration against the e2e
 # cluster") without a word. These checks say so. Thresholds are loose on purpose: every
 # preset passes with a wide margin, the failures seen were off by 10x or more.
 REF_CTX = 1024  # context per sequence at which the per-token comparisons are made

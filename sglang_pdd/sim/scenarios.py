@@ -40,7 +40,8 @@ DESIGN_LABELS = {
 @dataclass(frozen=True)
 class ClusterSpec:
     # PD's sized mix for the realistic agentic trace with the default Llama-3-70B presets
-    # (7 P, 4 D at 90% SLA attainment, docs/sim.md); PDD splits the 4 decoders 1 RLD + 3 MD.
+    # (7 P, 4 D at 90% SLA attainment in round 3, docs/sim-notebook.md); PDD splits the 4
+    # decoders 1 RLD + 3 MD. Defaults for quick runs, not a sized fleet.
     n_prefill: int = 7
     n_rld: int = 1
     n_md: int = 3
