@@ -9,7 +9,8 @@
 report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
 runs every design on PDD's sized fleet, load-sweeps them for the knee, and prints the
 report's headline metrics side by side with the report's own numbers. `map` sizes the four
-designs on fixed-hit traces over a grid of WAN rates and prefix hits and draws PDD's cost
+designs on the report-like trace with more or fewer context resets (the prefix hit) over a
+grid of WAN rates and draws PDD's cost
 against each baseline (docs/img/sim_wins_map.png). Results: JSON beside the PNG under --out
 (docs/img by default); docs/sim-notebook.md reads them. Each takes 10-40 CPU minutes.
 """
@@ -25,15 +26,15 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from sglang_pdd.sim.bathtub import fixed_hit_trace
 from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
 from sglang_pdd.sim.metrics import Sla, Summary
 from sglang_pdd.sim.scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios, with_counts
-from sglang_pdd.sim.sizing import size_designs
+from sglang_pdd.sim.sizing import offered_rps, size_designs
 from sglang_pdd.sim.traces import tile_trace
-from sglang_pdd.workload import generate_agentic_trace, load_trace, realistic_agentic_config, report_agentic_config
+from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
+                                  report_agentic_config)
 
 PDD = "pdd_drc_adaptive"
 DESIGNS = BASELINES + (PDD,)
@@ -75,23 +76,29 @@ def headline(a) -> int:
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
     spec = spec_for(a.model, a.wan_gbps, a.mla_kernel)
     by = {c.name: c for c in standard_scenarios(spec)}
-    bar = tqdm(desc=f"sizing at {a.wan_gbps:g} Gbps", unit="sim", file=sys.stderr)
-    lo, hi = (int(x) for x in a.prefill_range.split(":"))
-    v = size_designs({n: by[n] for n in DESIGNS}, PDD, trace, sla, a.target, range(lo, hi + 1),
-                     range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update())
-    bar.close()
-    sized = {n: (None if r is None else dict(n_prefill=r.n_prefill, n_rld=r.n_rld, n_md=r.n_md,
-                                              cost_per_hour=r.cost_per_hour, summary=_short(r.summary)))
-             for n, r in v.results.items()}
-    pdd = v.results[PDD]
+    if a.reuse:  # the sizing of an earlier run of the same setup (it is the slow part)
+        with open(a.reuse) as f:
+            old = json.load(f)
+        sized, verdicts, warnings = old["sized"], old["verdicts"], old["warnings"]
+    else:
+        bar = tqdm(desc=f"sizing at {a.wan_gbps:g} Gbps", unit="sim", file=sys.stderr)
+        lo, hi = (int(x) for x in a.prefill_range.split(":"))
+        v = size_designs({n: by[n] for n in DESIGNS}, PDD, trace, sla, a.target, range(lo, hi + 1),
+                         range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update())
+        bar.close()
+        sized = {n: (None if r is None else dict(n_prefill=r.n_prefill, n_rld=r.n_rld, n_md=r.n_md,
+                                                  cost_per_hour=r.cost_per_hour, summary=_short(r.summary)))
+                 for n, r in v.results.items()}
+        verdicts, warnings = [asdict(x) for x in v.verdicts], v.warnings
+    pdd = sized[PDD]
     # Every design on one fleet (PDD's sized counts, or the cheapest baseline's when no PDD
     # mix met the target): what each delivers on the same hardware.
-    fleet = pdd or next((r for r in v.results.values() if r is not None), None)
+    fleet = pdd or next((r for r in sized.values() if r is not None), None)
     same_fleet, knees = {}, {}
     if fleet is not None:
-        n_p, n_r, n_m = fleet.n_prefill, fleet.n_rld, fleet.n_md
-        if n_r == 0 and fleet is pdd:
-            n_r, n_m = 1, max(1, n_m - 1)  # PDD needs an RLD to run the router's paths
+        n_p, n_r, n_m = fleet["n_prefill"], fleet["n_rld"], fleet["n_md"]
+        if n_r == 0:
+            n_r = 1  # PDD's paths need an RLD: one more instance, the baselines get it as a decoder
         cfgs = {n: with_counts(by[n], n_p, n_r if n == PDD else 0, (n_m if n == PDD else n_m + n_r)) for n in DESIGNS}
         scales = [float(x) for x in a.scales.split(",")]
         bar = tqdm(total=len(DESIGNS) * (1 + len(scales)), desc="same fleet + knees", file=sys.stderr)
@@ -105,7 +112,7 @@ def headline(a) -> int:
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
     out = dict(trace=f"agentic_report{a.n}x{a.tile}", requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
                mla_kernel=a.mla_kernel, sla=asdict(sla), target=a.target, sized=sized,
-               verdicts=[asdict(x) for x in v.verdicts], warnings=v.warnings, fleet=fleet, same_fleet=same_fleet,
+               verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
                knees=knees, report=REPORT)
     os.makedirs(a.out, exist_ok=True)
     tag = f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
@@ -166,16 +173,24 @@ def headline_markdown(d: dict) -> str:
 
 # ---------------------------------------------------------------------------------- map
 def wins_map(a) -> int:
-    hits = [float(x) for x in a.hits.split(",")]
+    """The prefix hit moves with the report-like generator's context resets (a session
+    compacts its context with that probability a turn): sessions start over time and keep
+    their think times, unlike a fixed-hit trace whose sessions all start cold at once."""
+    resets = [float(x) for x in a.resets.split(",")]
     gbps = [float(x) for x in a.gbps.split(",")]
+    hits = []
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
     lo, hi = (int(x) for x in a.prefill_range.split(":"))
     cells: Dict[str, dict] = {}
     pd_cost: Dict[float, Optional[float]] = {}
     bar = tqdm(desc="wins map", unit="sim", file=sys.stderr)
-    for h in hits:
-        trace = list(fixed_hit_trace(a.n, h, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
-                                     rate_per_s=a.rate, sessions=a.sessions, seed=a.seed))
+    for reset in resets:
+        base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed,
+                                                                 context_reset_prob=reset)))
+        trace = tile_trace(base, a.tile)
+        rates = per_request_hit_rates(base)
+        h = round(sum(rates) / len(rates), 3)
+        hits.append(h)
         for g in gbps:
             by = {c.name: c for c in standard_scenarios(spec_for(a.model, g))}
             names = [n for n in DESIGNS if n != "pd_same_dc" or h not in pd_cost]
@@ -187,13 +202,13 @@ def wins_map(a) -> int:
             costs = {n: (None if r is None else r.cost_per_hour) for n, r in v.results.items()}
             costs["pd_same_dc"] = pd_cost[h]
             mix = {n: (None if r is None else [r.n_prefill, r.n_rld, r.n_md]) for n, r in v.results.items()}
-            cells[f"{h}:{g}"] = dict(hit=h, gbps=g, costs=costs, mixes=mix)
+            cells[f"{h}:{g}"] = dict(hit=h, reset=reset, gbps=g, costs=costs, mixes=mix)
             print(f"hit {h:.2f} WAN {g:g} Gbps: " + ", ".join(
                 f"{n} {'-' if c is None else f'${c:.0f}/h'}" for n, c in costs.items()), flush=True)
     bar.close()
     os.makedirs(a.out, exist_ok=True)
-    out = dict(model=a.model, n=a.n, rate=a.rate, sessions=a.sessions, input_tokens=a.input_tokens,
-               output_tokens=a.output_tokens, sla=asdict(sla), target=a.target, hits=hits, gbps=gbps, cells=cells)
+    out = dict(model=a.model, n=a.n, tile=a.tile, rate=round(offered_rps(trace), 2), resets=resets,
+               sla=asdict(sla), target=a.target, hits=hits, gbps=gbps, cells=cells)
     with open(os.path.join(a.out, "sim_wins_map.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {plot_map(out, os.path.join(a.out, 'sim_wins_map.png'))}")
@@ -234,10 +249,10 @@ def plot_map(d: dict, path: str) -> str:
         ax.set_yticklabels([f"{h:.2f}" for h in hits])
         ax.set_xlabel("WAN Gbps")
         ax.set_title(f"PDD vs {DESIGN_LABELS[base]}", fontsize=10)
-    axes[0].set_ylabel("prefix hit per turn")
+    axes[0].set_ylabel("mean prefix hit per request")
     fig.colorbar(im, ax=axes, label="PDD's cost / baseline's - 1 (green: PDD cheaper)", shrink=0.85)
-    fig.suptitle(f"Cheapest fleet meeting {d['target']:.0%} SLA: {d['model']}, {d['input_tokens']} in / "
-                 f"{d['output_tokens']} out tokens, {d['rate']:g} r/s, WAN lease in the cost", fontsize=10)
+    fig.suptitle(f"Cheapest fleet meeting {d['target']:.0%} SLA: {d['model']}, report-like agentic trace x{d['tile']} "
+                 f"(~{d['rate']:g} r/s; fewer hits = more context resets), WAN lease in the cost", fontsize=10)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -334,16 +349,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rld-max", type=int, default=2)
     p.add_argument("--md-max", type=int, default=6)
     p.add_argument("--scales", default="0.75,1,1.25,1.5")
+    p.add_argument("--reuse", help="take the sizing from this earlier headline JSON of the same setup")
     p.set_defaults(fn=headline)
     p = sub.add_parser("map")
     common(p)
-    p.add_argument("--hits", default="0.5,0.8,0.9,0.95")
-    p.add_argument("--gbps", default="10,25,50,100,400")
-    p.add_argument("--n", type=int, default=6000)
-    p.add_argument("--rate", type=float, default=10.0)
-    p.add_argument("--sessions", type=int, default=600)
-    p.add_argument("--input-tokens", type=int, default=16_384)
-    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--resets", default="0.02,0.1,0.25,0.5",
+                   help="context-reset probability per turn (mean hit 0.92, 0.88, 0.81, 0.71)")
+    p.add_argument("--gbps", default="10,25,100,400")
+    p.add_argument("--n", type=int, default=3000)
+    p.add_argument("--tile", type=int, default=2)
     p.add_argument("--prefill-range", default="1:8")
     p.add_argument("--rld-max", type=int, default=1)
     p.add_argument("--md-max", type=int, default=6)
