@@ -55,7 +55,7 @@ class PddConfig:
     wan_peers: Optional[str] = None  # prefill: HOST:PORT,... of the MDs' WAN receivers P may send KV to
     max_md_tp: int = 8  # prefill: the largest MD TP size (WAN ports per MD) P sends to
     allow_wildcard_bind: bool = False  # main/prefill: permit 0.0.0.0 / :: in the *-listen flags
-    md_staging_mb: int = 4096  # main: KV of rooms in flight (reserved pool pages or host staging), at most
+    md_staging_mb: int = 0  # main: KV of rooms in flight (reserved pool pages or host staging), at most; 0: a share of MD's KV pool
     md_ingest: str = "pool"  # main: "pool" (write into reserved pages as chunks land) or "staged"
     kv_trusted_sources: Optional[str] = None  # all roles: ADDR[/PREFIX],... of known KV peers (reserved slots)
     kv_max_handshakes_per_source: int = 16  # all roles: pre-auth KV connections from one unknown source
@@ -127,10 +127,11 @@ FLAGS = [
     ("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", dict(action="store_true", default=False,
         help="main and prefill: allow --pdd-control-listen / --pdd-wan-listen on a wildcard address "
              "(0.0.0.0, ::), i.e. on every interface. Refused without it: name the interface.")),
-    ("--pdd-md-staging-mb", "pdd_md_staging_mb", dict(type=int, default=4096,
+    ("--pdd-md-staging-mb", "pdd_md_staging_mb", dict(type=int, default=0,
         help="main only: KV of rooms still crossing the WAN that MD holds (reserved pool pages, or host "
              "staging with --pdd-md-ingest staged), at most; a room that does not fit is refused at "
-             "registration and the router keeps that request on RLD.")),
+             "registration and the router keeps that request on RLD. Default 0: a quarter of MD's KV "
+             "pool (the model's KV bytes per token times the pool's tokens), known once the pool exists.")),
     ("--pdd-md-ingest", "pdd_md_ingest", dict(choices=MD_INGEST_MODES, default="pool",
         help="main only: pool (reserve the room's pool pages at registration and write KV into them as it "
              "lands, off the scheduler thread) or staged (host buffer, copied into the pool on the "
@@ -291,8 +292,8 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         admission_limits(cfg)
     except ValueError as e:
         raise PddConfigError(f"--pdd-kv-trusted-sources: {e}") from None
-    if cfg.md_staging_mb < 1:
-        raise PddConfigError(f"--pdd-md-staging-mb must be >= 1, got {cfg.md_staging_mb}")
+    if cfg.md_staging_mb < 0:
+        raise PddConfigError(f"--pdd-md-staging-mb must be >= 1 (or 0: a share of MD's KV pool), got {cfg.md_staging_mb}")
     if cfg.md_ingest not in MD_INGEST_MODES:
         raise PddConfigError(f"--pdd-md-ingest must be one of {MD_INGEST_MODES}, got {cfg.md_ingest!r}")
     if cfg.role == "main" and cfg.intra_dc_transport != defaults.intra_dc_transport:
@@ -317,6 +318,23 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
 def control_names(cfg: PddConfig) -> tuple[str, ...]:
     """``--pdd-control-names`` as a tuple of host names (lower case)."""
     return tuple(n.strip().lower() for n in (cfg.control_names or "").split(",") if n.strip())
+
+
+# MD's staging default: the share of its KV pool that rooms in flight may hold. A fixed size
+# could not fit every model (4 GiB held one 61k-token DeepSeek-V3 prompt, or 13k tokens of
+# Llama-3-70B's 320 KB/token KV); a share scales with the model's KV size and MD's pool, and a
+# quarter left MD's refusals near zero in the simulator's sweep of it without taking the
+# pool from running requests (docs/sim-notebook.md, "MD staging").
+MD_STAGING_POOL_SHARE = 0.25
+
+
+def md_staging_bytes(staging_mb: int, pool_tokens: int, kv_bytes_per_token: int) -> int:
+    """MD's staging budget in bytes: --pdd-md-staging-mb if given, else its share of the pool
+    (at least 1 MiB, so a pool-less test double still admits a tiny room)."""
+    if staging_mb > 0:
+        return staging_mb << 20
+    return max(1 << 20, int(MD_STAGING_POOL_SHARE * pool_tokens * kv_bytes_per_token))
+
 
 
 def _is_ipv6(name: str) -> bool:

@@ -548,17 +548,17 @@ class Router:
             self.pools.md_inflight[flow.main.url] += delta
 
     def _count_on_p(self, flow: PddFlow) -> None:
-        """P's load is the requests whose prefill it still runs: counted until P's leg replies
-        (or the request ends first), not for the whole request as RLD's and MD's are. Counted
-        to the end, a P whose requests all decode elsewhere would look busy while idle, and
-        the pick would queue prefills unevenly behind the ones really running."""
+        """P's load is the prefill tokens it still runs: counted until P's leg replies (or the
+        request ends first), not for the whole request as RLD's and MD's are (placement.py's
+        pick_prefill)."""
         url = flow.prefill.url
-        self.pools.p_inflight[url] += 1
+        tokens = max(1, len(flow.ids) - flow.result.p_cached_estimate)
+        self.pools.count_on_p(url, tokens)
 
         def release() -> None:
             if flow.on_prefill_replied is release:
                 flow.on_prefill_replied = lambda: None
-                self.pools.p_inflight[url] -= 1
+                self.pools.prefill_replied(url, tokens, flow.ids)
 
         flow.on_prefill_replied = release
 

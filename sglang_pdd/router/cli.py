@@ -25,7 +25,7 @@ from sglang_pdd.router import client_auth, control_tls, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
-from sglang_pdd.router.policy import PathPolicyConfig
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathPolicyConfig
 from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.validate import LogprobLimits
 
@@ -132,7 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("--handoff-mode", choices=["auto", "one_shot", "catch_up"], default="auto",
                    help="auto follows RLD load (one-shot when busy, catch-up when idle)")
     h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
-    h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
+    h.add_argument("--rld-max-running", type=int, default=RLD_MAX_RUNNING_DEFAULT,
+                   help="requests in flight at which the router counts an RLD as full, for the load-aware "
+                        "WAN budget and the handoff mode (default %(default)s; docs/sim-notebook.md)")
     hc = ap.add_argument_group("backend health (docs/router.md)")
     hc.add_argument("--health-check-interval-s", type=float, default=10.0,
                     help="GET /health on every backend this often (SGLang's /health decodes one token; "

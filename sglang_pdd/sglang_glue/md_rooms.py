@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from sglang_pdd.admission import parse_networks
-from sglang_pdd.config import PddConfig
+from sglang_pdd.config import PddConfig, md_staging_bytes
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
 from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRooms, RoomReleased
@@ -29,7 +29,8 @@ class RankRooms:
         self.wan_timeout_s = cfg.wan_timeout_s
         self.ingest_mode = cfg.md_ingest
         self.rooms = DrcRooms(ops, ttl_s=cfg.wan_timeout_s * 2, page_size=page_size)
-        self.budget = InFlightBudget(cfg.md_staging_mb << 20)
+        self.budget = InFlightBudget(md_staging_bytes(cfg.md_staging_mb, getattr(ops.pool, "size", 0),
+                                                      ops.pool_layout.bytes_per_token))
         self.pages = PageReleases(receiver, ops.free)
         self.landings: dict[int, Landing] = {}
         self.unregistered: dict[int, Landing] = {}  # pages of a registration only this rank refused
