@@ -336,7 +336,6 @@ def md_staging_bytes(staging_mb: int, pool_tokens: int, kv_bytes_per_token: int)
     return max(1 << 20, int(MD_STAGING_POOL_SHARE * pool_tokens * kv_bytes_per_token))
 
 
-
 def _is_ipv6(name: str) -> bool:
     try:
         return ipaddress.ip_address(name).version == 6
