@@ -49,7 +49,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
+import re
+import secrets
 import sys
 import time
 from collections import deque
@@ -146,6 +149,8 @@ class Record:
     prompt_tokens: int
     requested: int
     scheduled_s: float = 0.0  # arrival, after the cell's start
+    sent_at: float = 0.0  # wall clock (time.time()) when sent: matches the servers' own logs
+    rid: str = ""
     held_s: float = 0.0  # how long the arrival waited for the session's previous turn
     ttft_s: Optional[float] = None
     tpot_s: Optional[float] = None  # (last token - first token) / (tokens - 1)
@@ -227,6 +232,134 @@ def compare_outputs(records: list[Record]) -> dict:
             "designs_per_request": sorted({len(o) for o in by_key.values()})}
 
 
+def parse_router_requests(lines) -> dict:
+    """PDD's router log: its one line per request (``request {json}``), by the client's rid."""
+    out = {}
+    for line in lines:
+        _, sep, rest = line.partition(" request {")
+        if sep:
+            try:
+                entry = json.loads("{" + rest)
+            except ValueError:
+                continue
+            out[entry.get("rid")] = entry
+    return out
+
+
+def annotate_from_router_log(records: list["Record"], by_rid: dict) -> None:
+    """What PDD did with each request (path, MD's prefix hit, handoff), from its router's log:
+    the client is no operator, so its stream carries no meta_info.pdd."""
+    for r in records:
+        entry = by_rid.get(r.rid)
+        if entry:
+            r.path, r.md_cached_tokens, r.handoff_at = entry.get("path", ""), entry.get("md_cached"), entry.get("handoff_at")
+            r.router_ttft_s, r.fallbacks = entry.get("ttft_s"), list(entry.get("fallbacks") or [])
+
+
+# ----------------------------------------------------------------------------- CPU (I/O)
+class CpuMeter:
+    """Cores busy during a cell: this benchmark's (its process and every server it started) and
+    everything else on the machine (other work sharing the cores), from /proc/stat and psutil."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._start = self._sample()
+
+    @staticmethod
+    def _machine_busy_s() -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def _ours_s(self) -> float:
+        import psutil
+
+        total = 0.0
+        for proc in [self._me, *self._me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> tuple[float, float, float]:
+        return time.monotonic(), self._machine_busy_s(), self._ours_s()
+
+    def stop(self) -> dict:
+        (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._sample()
+        wall = max(1e-6, t1 - t0)
+        ours = max(0.0, ours1 - ours0) / wall
+        return {"ours_cores": ours, "others_cores": max(0.0, (busy1 - busy0) / wall - ours)}
+
+
+# ----------------------------------------------------------------------------- TTFT breakdown (pure)
+_TIME_STATS_RE = re.compile(r"ReqTimeStats\((?P<head>[^)]*)\): (?P<body>.*)$")
+# Stages of one request's time to first token, from the client's send (the servers' own
+# --enable-request-time-stats-logging lines of the prefill and decode / RLD server, joined on
+# the bootstrap room): when prefill has it, prefill's bootstrap (waiting for the decode side's
+# handshake), queue and forward (prefill + KV send), when the decode side has it, its bootstrap
+# and memory wait, its wait for the KV, its queue; the rest is the first decode step and the
+# stream back through the router.
+STAGES = ("to_prefill", "p_bootstrap", "p_queue", "p_forward", "to_decode", "d_prealloc", "d_transfer", "d_queue",
+          "after_ready")
+
+
+def parse_time_stats(lines) -> list[dict]:
+    """SGLang's ReqTimeStats log lines: head fields (rid, bootstrap_room, input_len, type, ...)
+    and durations (seconds), entry_time (wall clock)."""
+    out = []
+    for line in lines:
+        m = _TIME_STATS_RE.search(line)
+        if not m:
+            continue
+        row = {}
+        for part in (m.group("head") + ", " + m.group("body")).split(", "):
+            key, _, value = part.partition("=")
+            value = value.strip()
+            if value.endswith("ms"):
+                row[key] = float(value[:-2]) / 1e3
+            elif key in ("entry_time",):
+                row[key] = float(value)
+            elif key in ("bootstrap_room", "input_len", "cached_input_len", "output_len", "attempts"):
+                row[key] = int(value) if value.lstrip("-").isdigit() else None
+            else:
+                row[key] = value
+        out.append(row)
+    return out
+
+
+def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
+    """Each completed request's TTFT split into STAGES (seconds). A request is matched to the
+    prefill server's line with its prompt length that entered soonest after it was sent, and
+    that to the decode side's line with the same bootstrap room; unmatched ones are left out."""
+    prefill = sorted((p for p in stats if p.get("type") == "prefill" and "entry_time" in p),
+                     key=lambda p: p["entry_time"])
+    decode = {d["bootstrap_room"]: d for d in stats if d.get("type") == "decode" and d.get("bootstrap_room") is not None}
+    used, rows = set(), []
+    for r in sorted((r for r in records if r.error is None and r.ttft_s is not None), key=lambda r: r.sent_at):
+        cands = [i for i, p in enumerate(prefill) if i not in used and p.get("input_len") == r.prompt_tokens
+                 and -0.05 <= p["entry_time"] - r.sent_at <= 10]
+        if not cands:
+            continue
+        i = min(cands, key=lambda i: prefill[i]["entry_time"] - r.sent_at)
+        used.add(i)
+        p, d = prefill[i], decode.get(prefill[i].get("bootstrap_room"))
+        if d is None or "entry_time" not in d:
+            continue
+        prealloc = d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", d.get("prealloc_queue_duration", 0.0))
+        ready = d["entry_time"] + prealloc + d.get("transfer_duration", 0.0) + d.get("queue_duration", 0.0) - r.sent_at
+        rows.append({"design": r.design, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
+                     "p_bootstrap": p.get("bootstrap_duration", p.get("bootstrap_queue_duration", 0.0)),
+                     "p_queue": p.get("queue_duration", 0.0), "p_forward": p.get("forward_duration", 0.0),
+                     "to_decode": d["entry_time"] - r.sent_at, "d_prealloc": prealloc,
+                     "d_transfer": d.get("transfer_duration", 0.0), "d_queue": d.get("queue_duration", 0.0),
+                     "after_ready": r.ttft_s - ready})
+    return rows
+
+
 # ----------------------------------------------------------------------------- designs (I/O)
 class Design:
     """A running design: its router URL, the headers a request needs, and how it follows a
@@ -240,6 +373,8 @@ class Design:
 
     router_url: str = ""
     headers: dict = {}
+    body_extra: dict = {}  # merged into every request (e.g. pdd_options)
+    server_args: list = []  # more flags for every SGLang server
 
     def start(self) -> None:
         raise NotImplementedError
@@ -247,6 +382,9 @@ class Design:
     def set_link(self, mbit: float) -> None:
         if self.link is not None:
             self.link.set_rate(mbit)
+
+    def annotate(self, records: list[Record]) -> None:
+        """What the design did with each request, where its router says (PDD)."""
 
     def stop(self) -> None:
         self.stack.close()
@@ -261,11 +399,25 @@ class SglangPdDesign(Design):
         from sglang_pdd.launcher.sglang_pd import SglangPdCluster, SglangPdTopology
 
         topo = SglangPdTopology.on_free_ports(decode_radix_cache=self.radix)
-        topo.extra_args = list(EXACT_ARGS)
+        topo.extra_args = EXACT_ARGS + list(self.server_args)
         if self.cross_dc:
             topo.place_decode_in_datacenter_b(self.link.a_ip, self.link.b_ip, self.link.namespace)
-        cluster = self.stack.enter_context(SglangPdCluster(self.run_dir / self.name, self.model, topo))
-        self.router_url = cluster.topology.router_url
+        self.cluster = self.stack.enter_context(SglangPdCluster(self.run_dir / self.name, self.model, topo))
+        self.router_url = topo.router_url
+
+    def front_with_pdd_router(self, router_args: list[str]) -> None:
+        """This project's router in front of the same servers (prefill as P, decode as RLD, no
+        MD: every request P->RLD only, i.e. plain PD), instead of SGLang's."""
+        from sglang_pdd.launcher.topology import LOOPBACK, free_port
+
+        topo, port = self.cluster.topology, free_port()
+        self.cluster.procs.start("pdd-router", [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK,
+                                                "--port", str(port), "--tokenizer-path", self.model, "--prefill",
+                                                f"{topo.prefill.url},{topo.bootstrap_port}", "--relay",
+                                                topo.decode.url, *router_args],
+                                 health_url=f"http://{LOOPBACK}:{port}/health")
+        self.cluster.procs.wait_healthy(["pdd-router"], timeout_s=120)
+        self.router_url = f"http://{LOOPBACK}:{port}"
 
 
 class PddDesign(Design):
@@ -282,15 +434,17 @@ class PddDesign(Design):
 
         topo = Topology.on_free_ports()
         for spec in topo.servers:
-            spec.extra_args += EXACT_ARGS
+            spec.extra_args += EXACT_ARGS + list(self.server_args)
         if self.link is not None:
             topo.place_datacenter_b(self.link.b_ip, self.link.namespace, self.link.rate_mbit / 1000)
         else:  # the userspace emulator, P's WAN KV only, no delay either
             topo.wan.rate_gbps, topo.wan.latency_ms, topo.wan.jitter_ms = self.emulated_mbit / 1000, 0.0, 0.0
         self.cluster = self.stack.enter_context(LocalCluster(self.run_dir / "pdd", self.model, topo, self.router_args))
         self.router_url = topo.router_url
-        # operators see meta_info.pdd (path, MD's prefix, handoff): what the report breaks down
-        self.headers = self.cluster.operator_headers
+
+    def annotate(self, records: list[Record]) -> None:
+        log = self.cluster.procs.log_dir / "router.log"
+        annotate_from_router_log(records, parse_router_requests(log.read_text(errors="replace").splitlines()))
 
     def set_link(self, mbit: float) -> None:
         """The link, and a router that knows it (its WAN estimate picks P->MD or P->RLD->MD)."""
@@ -309,9 +463,11 @@ def make_design(name: str, run_dir: Path, model: str, link, args) -> Design:
 
 def pdd_router_args(args) -> list[str]:
     """The router's defaults, with the SLA's TTFT as its SLO and the outlier filter scaled to this
-    trace (long input >= 1024 tokens, output <= 4: the trace's outliers, no session turn)."""
+    trace (long input >= 1024 tokens, output <= 4: the trace's outliers, no session turn). The
+    client is no operator (no meta_info.pdd in its events): what happened to each request is
+    read from the router's log."""
     return ["--ttft-slo-ms", str(args.sla_ttft_ms), "--outlier-min-input-tokens", "1024",
-            "--outlier-max-output-tokens", "4", "--every-client-is-operator"]
+            "--outlier-max-output-tokens", "4"]
 
 
 # ----------------------------------------------------------------------------- client (I/O)
@@ -347,9 +503,11 @@ async def run_cell(design: Design, jobs, cfg: WorkloadConfig, order: list[Slot],
         n_out = job.turns[slot.turn].output
         rec = Record(design.name, link_mbit, rate, cell, i, job.kind, job.index, slot.turn, len(ids), n_out,
                      scheduled_s=arrivals[i])
-        t_send = time.perf_counter()
+        t_send, rec.sent_at = time.perf_counter(), time.time()
         rec.held_s = t_send - scheduled
-        body = {"input_ids": ids, "sampling_params": greedy(n_out), "stream": True}
+        rec.rid = f"{cell}-{design.name}-{i}-{secrets.token_hex(4)}"
+        body = {"input_ids": ids, "sampling_params": greedy(n_out), "stream": True, "rid": rec.rid,
+                **design.body_extra}
         times, counts, last, seen = [], [], None, 0
         try:
             async for t, event in astream_events(session, f"{design.router_url}/generate", body,
@@ -370,11 +528,6 @@ async def run_cell(design: Design, jobs, cfg: WorkloadConfig, order: list[Slot],
             rec.output_ids = list(last["output_ids"])
             rec.completion_tokens = int(meta.get("completion_tokens", len(rec.output_ids)))
             rec.cached_tokens = meta.get("cached_tokens")
-            pdd = meta.get("pdd") or {}
-            if pdd:
-                rec.path, rec.md_cached_tokens, rec.handoff_at = pdd.get("path", ""), pdd.get("md_cached_tokens"), \
-                    pdd.get("handoff_at")
-                rec.router_ttft_s, rec.fallbacks = pdd.get("ttft_s"), [str(f) for f in pdd.get("fallbacks") or []]
             outputs[(slot.job, slot.turn)].set_result(rec.output_ids)
         except Exception as e:  # reported per request; the session stops here
             rec.error = f"{type(e).__name__}: {e}"[:300]
@@ -394,9 +547,12 @@ def warm_up(design: Design, timeout_s: float) -> None:
     jobs = build_jobs(cfg)
     order = dispatch_order(jobs, lanes=2)
     bar = tqdm(total=len(order), desc=f"warm-up {design.name}", unit="req", file=sys.stderr, leave=False)
-    asyncio.run(run_cell(design, jobs, cfg, order, [0.3 * i for i in range(len(order))], "warmup", 0, 0,
-                         timeout_s, bar))
+    recs = asyncio.run(run_cell(design, jobs, cfg, order, [0.3 * i for i in range(len(order))], "warmup", 0, 0,
+                                timeout_s, bar))
     bar.close()
+    failed = [r.error for r in recs if r.error]
+    if len(failed) == len(recs):
+        raise RuntimeError(f"{design.name} serves nothing after it started: {failed[0]}")
 
 
 # ----------------------------------------------------------------------------- report
@@ -413,7 +569,8 @@ def print_table(res: dict) -> None:
         print(f"\n== link {link:g} Mbit/s: KV transfer / cold prefill r = {info.get('r', float('nan')):.2f} "
               f"(DeepSeek-V3 at {info.get('deepseek_v3_gbps', float('nan')):.1f} Gbit/s)")
         print(f"{'rate':>5} {'design':<36} {'TTFT p50':>8} {'p90':>6} {'p99':>6} | {'TPOT p50':>8} {'p90':>5} | "
-              f"{'gap p99':>7} | {'SLA %':>5} {'goodput':>7} | {'err':>3} {'held':>4} | {'link MB':>7}  paths")
+              f"{'gap p99':>7} | {'SLA %':>5} {'goodput':>7} | {'err':>3} {'held':>4} | {'link MB':>7} | "
+              f"{'cores ours':>10} {'others':>6}  paths")
         for rate in args["rates"]:
             for design in res["designs"]:
                 c = cells.get(cell_key(design, link, rate)) or (cells.get(cell_key(design, args["links"][0], rate))
@@ -424,7 +581,8 @@ def print_table(res: dict) -> None:
                 print(f"{rate:>5g} {LABELS[design]:<36} {fmt_ms(c['ttft_p50']):>8} {fmt_ms(c['ttft_p90']):>6} "
                       f"{fmt_ms(c['ttft_p99']):>6} | {fmt_ms(c['tpot_p50']):>8} {fmt_ms(c['tpot_p90']):>5} | "
                       f"{fmt_ms(c['gap_p99']):>7} | {100 * c['sla_attainment']:>5.0f} {c['goodput_rps']:>7.2f} | "
-                      f"{c['errors']:>3} {c['held']:>4} | {mb:>7.2f}  "
+                      f"{c['errors']:>3} {c['held']:>4} | {mb:>7.2f} | {c.get('ours_cores', 0):>10.2f} "
+                      f"{c.get('others_cores', 0):>6.2f}  "
                       f"{' '.join(f'{k}:{v}' for k, v in c['paths'].items())}")
     eq = res["equality"]
     print(f"\nGreedy outputs, request by request across designs: {eq['compared']} requests compared, "
@@ -473,13 +631,108 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- TTFT breakdown (I/O)
+BREAKDOWN_LABELS = {
+    "same_dc_pd": "SGLang PD servers, SGLang's router",
+    "sglang_pd_pdd_router": "SGLang PD servers, PDD's router",
+    "pdd_rld_only": "PDD servers, all P->RLD (MD idle)",
+    "pdd_rld_only_md_stopped": "PDD servers, all P->RLD, MD stopped",
+    "pdd": "PDD",
+}
+
+
+def server_logs(design: Design) -> list[str]:
+    lines = []
+    for log in sorted((design.run_dir / ("pdd" if design.name == "pdd" else design.name) / "logs").glob("*.log")):
+        lines += log.read_text(errors="replace").splitlines()
+    return lines
+
+
+def run_breakdown(args, link, model: str, out: Path, jobs, cfg: WorkloadConfig, order: list[Slot]) -> dict:
+    """Where the time to first token goes, same-datacenter PD against PDD at the first rate and
+    link: the same servers behind either router, PDD's servers with every request kept on
+    P->RLD (with MD idle, then stopped), and PDD as it routes; each stage from the servers'
+    own time stats (STAGES)."""
+    rate, link_mbit = args.rates[0], args.links[0]
+    arrivals = poisson_arrivals(len(order), rate, 7)
+    records: list[Record] = []
+    stats: list[dict] = []
+    bar = tqdm(total=5 * len(order), desc="TTFT breakdown", unit="req", file=sys.stderr)
+
+    def variant(design: Design, name: str, salt: str) -> None:
+        design.name = name
+        warm_up(design, args.request_timeout_s)
+        bar.set_postfix_str(name)
+        recs = asyncio.run(run_cell(design, jobs, cfg, order, arrivals, f"bd-{salt}", link_mbit, rate,
+                                    args.request_timeout_s, bar))
+        design.annotate(recs)
+        records.extend(recs)
+
+    sglang = SglangPdDesign("same_dc_pd", out / "breakdown", model, link, cross_dc=False, radix=False)
+    sglang.server_args = ["--enable-request-time-stats-logging"]
+    try:
+        sglang.start()
+        variant(sglang, "same_dc_pd", "a")
+        sglang.front_with_pdd_router(pdd_router_args(args))
+        variant(sglang, "sglang_pd_pdd_router", "b")
+        sglang.name = "same_dc_pd"
+        stats += parse_time_stats(server_logs(sglang))
+    finally:
+        sglang.stop()
+    pdd = PddDesign(out / "breakdown", model, link, pdd_router_args(args), link_mbit)
+    pdd.server_args = ["--enable-request-time-stats-logging"]
+    try:
+        pdd.start()
+        pdd.set_link(link_mbit)
+        variant(pdd, "pdd", "c")
+        pdd.body_extra = {"pdd_options": {"path": "p_rld_only"}}  # operator-only
+        pdd.headers = pdd.cluster.operator_headers
+        variant(pdd, "pdd_rld_only", "d")
+        pdd.cluster.procs.stop("main-0")
+        variant(pdd, "pdd_rld_only_md_stopped", "e")
+        pdd.name = "pdd"
+        stats += parse_time_stats(server_logs(pdd))
+    finally:
+        pdd.stop()
+    bar.close()
+    rows = ttft_stages(records, stats)
+    table = {}
+    for name in BREAKDOWN_LABELS:
+        mine = [r for r in rows if r["design"] == name]
+        recs = [r for r in records if r.design == name and r.error is None]
+        table[name] = {"requests": len([r for r in records if r.design == name]), "matched": len(mine),
+                       "errors": len([r for r in records if r.design == name and r.error]),
+                       "ttft_p50": pct([r.ttft_s for r in recs], 50), "ttft_p90": pct([r.ttft_s for r in recs], 90),
+                       "matched_ttft_p50": pct([m["ttft"] for m in mine], 50),
+                       **{f"{k}_p50": pct([m[k] for m in mine], 50) for k in STAGES}}
+    with open(out / "breakdown_requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    return {"rate": rate, "link_mbit": link_mbit, "variants": table, "rows": rows}
+
+
+def print_breakdown(bd: dict) -> None:
+    print(f"\n== Where the time to first token goes ({bd['rate']:g} req/s, link {bd['link_mbit']:g} Mbit/s): "
+          f"medians in ms over the requests matched to the servers' time stats")
+    head = " ".join(f"{k:>11}" for k in STAGES)
+    print(f"{'variant':<38} {'n':>3} {'TTFT p50':>8} {'p90':>5} | {'(matched)':>9} {head}")
+    for name, v in bd["variants"].items():
+        stages = " ".join(f"{fmt_ms(v[f'{k}_p50']):>11}" for k in STAGES)
+        print(f"{BREAKDOWN_LABELS[name]:<38} {v['requests']:>3} {fmt_ms(v['ttft_p50']):>8} {fmt_ms(v['ttft_p90']):>5} | "
+              f"{fmt_ms(v['matched_ttft_p50']):>9} {stages}")
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one link, one rate, a few sessions (the e2e test's size)")
+    ap.add_argument("--ttft-breakdown", action="store_true",
+                    help="instead of the comparison: where same-DC PD's and PDD's time to first token goes, at the "
+                         "first rate and link (servers log their own time stats)")
     ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS))
-    ap.add_argument("--links", type=float, nargs="+", default=[680.0, 136.0, 27.0], metavar="MBIT",
-                    help="link rates, Mbit/s each way (tiny model's KV over its cold prefill ~0.2, 1, 5)")
+    ap.add_argument("--links", type=float, nargs="+", default=[200.0, 40.0, 10.0], metavar="MBIT",
+                    help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "
+                         "prefill: r ~0.3-5 on this machine)")
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.5, 5.0], metavar="RPS",
                     help="request rates, Poisson (the last near saturation on 2 shared cores)")
     ap.add_argument("--sessions", type=int, default=6)
@@ -567,6 +820,13 @@ def main(argv=None) -> int:
             stack.callback(link.destroy)
             res["namespace"] = {"name": link.namespace, "veth": link.plan.veth_a, "a_ip": link.a_ip, "b_ip": link.b_ip}
         res["designs"] = designs
+        if args.ttft_breakdown:
+            if link is None:
+                raise SystemExit("the TTFT breakdown needs the namespace (root)")
+            bd = run_breakdown(args, link, model, out, jobs, cfg, order)
+            (out / "breakdown.json").write_text(json.dumps(bd, indent=1))
+            print_breakdown(bd)
+            return 0
         n_cells = sum(len(args.rates) * (1 if d == "same_dc_pd" else len(args.links)) for d in designs)
         bar = tqdm(total=n_cells * len(order), desc="requests", unit="req", file=sys.stderr)
         for name in designs:
@@ -586,15 +846,16 @@ def main(argv=None) -> int:
                         cell = f"l{li}r{ri}s{args.seed}"
                         bar.set_postfix_str(f"{name}, {link_mbit:g} Mbit/s, {rate:g} req/s")
                         before = link.counters() if link is not None else (0, 0)
-                        t0 = time.time()
+                        t0, cpu = time.time(), CpuMeter()
                         recs = asyncio.run(run_cell(design, jobs, cfg, order,
                                                     poisson_arrivals(len(order), rate, 1000 * args.seed + 10 * li + ri),
                                                     cell, link_mbit, rate, args.request_timeout_s, bar))
-                        wall = time.time() - t0
+                        wall, cores = time.time() - t0, cpu.stop()
                         after = link.counters() if link is not None else (0, 0)
+                        design.annotate(recs)
                         res["cells"][cell_key(name, link_mbit, rate)] = summarize_cell(
                             recs, rate, args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3,
-                            (after[0] - before[0], after[1] - before[1]), wall)
+                            (after[0] - before[0], after[1] - before[1]), wall) | cores
                         records += recs
             finally:
                 bar.set_postfix_str(f"{name}: stopping")

@@ -14,13 +14,16 @@ Pure argv/env builders plus a small supervisor like LocalCluster's.
 from __future__ import annotations
 
 import sys
+import time
+import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from sglang_pdd.launcher.http import post_json
 from sglang_pdd.launcher.netns import netns_exec_argv
-from sglang_pdd.launcher.processes import ProcessGroup
+from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
 from sglang_pdd.launcher.topology import CPU_ENV, CPU_SERVER_FLAGS, LOOPBACK, ServerSpec, free_port
 
 # A plugin name no installed plugin has: SGLang then loads none (its SGLANG_PLUGINS whitelist).
@@ -112,7 +115,23 @@ class SglangPdCluster:
             self.procs.wait_healthy(timeout_s=timeout_s, progress=lambda name: bar.update(1))
             self.procs.start("sglang-router", pd_router_argv(topo), health_url=f"{topo.router_url}/health")
             self.procs.wait_healthy(["sglang-router"], timeout_s=120, progress=lambda name: bar.update(1))
+            self._wait_serving(timeout_s=120)
         return self
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        """Until a one-token request goes through: the router answers /health before it has
+        activated its workers (503 "No prefill workers available" meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                post_json(f"{self.topology.router_url}/generate", {
+                    "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=60)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                self.procs.check_alive()
+                if time.monotonic() > deadline:
+                    raise ProcessFailed(f"SGLang's PD router serves no request after {timeout_s:.0f}s: {e}") from e
+                time.sleep(0.5)
 
     def stop(self) -> None:
         self.procs.stop_all()
