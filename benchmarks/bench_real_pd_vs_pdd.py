@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import calendar
 import contextlib
 import json
 import logging
@@ -232,28 +233,39 @@ def compare_outputs(records: list[Record]) -> dict:
             "designs_per_request": sorted({len(o) for o in by_key.values()})}
 
 
-def parse_router_requests(lines) -> dict:
-    """PDD's router log: its one line per request (``request {json}``), by the client's rid."""
-    out = {}
+def parse_router_requests(lines) -> list[dict]:
+    """PDD's router log: its one line per request (``[YYYY-mm-dd HH:MM:SS] request {json}``),
+    written when the request ended; ``logged_at``: that time (epoch seconds, whole)."""
+    out = []
     for line in lines:
-        _, sep, rest = line.partition(" request {")
-        if sep:
-            try:
-                entry = json.loads("{" + rest)
-            except ValueError:
-                continue
-            out[entry.get("rid")] = entry
+        head, sep, rest = line.partition(" request {")
+        if not sep:
+            continue
+        try:
+            entry = json.loads("{" + rest)
+            entry["logged_at"] = calendar.timegm(time.strptime(head.strip()[1:20], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            continue
+        out.append(entry)
     return out
 
 
-def annotate_from_router_log(records: list["Record"], by_rid: dict) -> None:
-    """What PDD did with each request (path, MD's prefix hit, handoff), from its router's log:
-    the client is no operator, so its stream carries no meta_info.pdd."""
-    for r in records:
-        entry = by_rid.get(r.rid)
-        if entry:
-            r.path, r.md_cached_tokens, r.handoff_at = entry.get("path", ""), entry.get("md_cached"), entry.get("handoff_at")
-            r.router_ttft_s, r.fallbacks = entry.get("ttft_s"), list(entry.get("fallbacks") or [])
+def annotate_from_router_log(records: list["Record"], entries: list[dict]) -> None:
+    """What PDD did with each request (path, MD's prefix hit, handoff), from its router's log
+    lines: the client is no operator, so its events carry no meta_info.pdd, and the router logs
+    its own request id. A request is matched to the unused line with its prompt and output
+    length logged nearest the time it ended (the log's clock is whole seconds, UTC)."""
+    free = list(entries)
+    for r in sorted((r for r in records if r.error is None and r.e2e_s is not None), key=lambda r: r.sent_at + r.e2e_s):
+        end = r.sent_at + r.e2e_s
+        cands = [e for e in free if e.get("prompt_tokens") == r.prompt_tokens
+                 and e.get("output_tokens") == r.completion_tokens and -2 <= e["logged_at"] - end <= 2]
+        if not cands:
+            continue
+        e = min(cands, key=lambda e: abs(e["logged_at"] - end))
+        free.remove(e)
+        r.path, r.md_cached_tokens, r.handoff_at = e.get("path", ""), e.get("md_cached"), e.get("handoff_at")
+        r.router_ttft_s, r.fallbacks = e.get("ttft_s"), list(e.get("fallbacks") or [])
 
 
 # ----------------------------------------------------------------------------- CPU (I/O)
@@ -361,6 +373,16 @@ def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- designs (I/O)
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: a design's router, the headers and body fields it takes; ``name``
+    labels its records."""
+    name: str
+    url: str
+    headers: dict = field(default_factory=dict)
+    body_extra: dict = field(default_factory=dict)
+
+
 class Design:
     """A running design: its router URL, the headers a request needs, and how it follows a
     change of the link's rate."""
@@ -382,6 +404,9 @@ class Design:
     def set_link(self, mbit: float) -> None:
         if self.link is not None:
             self.link.set_rate(mbit)
+
+    def route(self) -> Route:
+        return Route(self.name, self.router_url, dict(self.headers), dict(self.body_extra))
 
     def annotate(self, records: list[Record]) -> None:
         """What the design did with each request, where its router says (PDD)."""
@@ -471,10 +496,11 @@ def pdd_router_args(args) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- client (I/O)
-async def run_cell(design: Design, jobs, cfg: WorkloadConfig, order: list[Slot], arrivals: list[float],
+async def run_cell(routes: list[Route], jobs, cfg: WorkloadConfig, order: list[Slot], arrivals: list[float],
                    cell: str, link_mbit: float, rate: float, timeout_s: float, bar) -> list[Record]:
     """Every slot of the trace at its arrival; a session's turn waits for the previous one's
-    output (its prompt extends it)."""
+    output (its prompt extends it). Job j's requests take ``routes[j % len(routes)]`` (several:
+    variants compared side by side under the same load)."""
     import aiohttp
 
     outputs: dict = {}  # (job, turn) -> future of the output ids (None: failed)
@@ -501,17 +527,17 @@ async def run_cell(design: Design, jobs, cfg: WorkloadConfig, order: list[Slot],
                     ids = ids + prev
                 ids = ids + segment_tokens(cell, ("new", job.index, k), job.turns[k].new_block)
         n_out = job.turns[slot.turn].output
-        rec = Record(design.name, link_mbit, rate, cell, i, job.kind, job.index, slot.turn, len(ids), n_out,
+        route = routes[slot.job % len(routes)]
+        rec = Record(route.name, link_mbit, rate, cell, i, job.kind, job.index, slot.turn, len(ids), n_out,
                      scheduled_s=arrivals[i])
         t_send, rec.sent_at = time.perf_counter(), time.time()
         rec.held_s = t_send - scheduled
-        rec.rid = f"{cell}-{design.name}-{i}-{secrets.token_hex(4)}"
+        rec.rid = f"{cell}-{route.name}-{i}-{secrets.token_hex(4)}"
         body = {"input_ids": ids, "sampling_params": greedy(n_out), "stream": True, "rid": rec.rid,
-                **design.body_extra}
+                **route.body_extra}
         times, counts, last, seen = [], [], None, 0
         try:
-            async for t, event in astream_events(session, f"{design.router_url}/generate", body,
-                                                 design.headers, timeout_s):
+            async for t, event in astream_events(session, f"{route.url}/generate", body, route.headers, timeout_s):
                 if "error" in event:
                     raise RuntimeError(f"error event: {str(event['error'])[:200]}")
                 n = len(event.get("output_ids") or [])
@@ -547,8 +573,8 @@ def warm_up(design: Design, timeout_s: float) -> None:
     jobs = build_jobs(cfg)
     order = dispatch_order(jobs, lanes=2)
     bar = tqdm(total=len(order), desc=f"warm-up {design.name}", unit="req", file=sys.stderr, leave=False)
-    recs = asyncio.run(run_cell(design, jobs, cfg, order, [0.3 * i for i in range(len(order))], "warmup", 0, 0,
-                                timeout_s, bar))
+    recs = asyncio.run(run_cell([design.route()], jobs, cfg, order, [0.3 * i for i in range(len(order))],
+                                f"warmup-{secrets.token_hex(2)}", 0, 0, timeout_s, bar))
     bar.close()
     failed = [r.error for r in recs if r.error]
     if len(failed) == len(recs):
@@ -635,9 +661,9 @@ def plot(res: dict, path: Path) -> None:
 BREAKDOWN_LABELS = {
     "same_dc_pd": "SGLang PD servers, SGLang's router",
     "sglang_pd_pdd_router": "SGLang PD servers, PDD's router",
-    "pdd_rld_only": "PDD servers, all P->RLD (MD idle)",
-    "pdd_rld_only_md_stopped": "PDD servers, all P->RLD, MD stopped",
-    "pdd": "PDD",
+    "pdd": "PDD, routing as it does",
+    "pdd_rld_only": "PDD servers, P->RLD only (MD idle)",
+    "pdd_rld_only_md_stopped": "PDD servers, P->RLD only, MD stopped",
 }
 
 
@@ -648,23 +674,27 @@ def server_logs(design: Design) -> list[str]:
     return lines
 
 
-def run_breakdown(args, link, model: str, out: Path, jobs, cfg: WorkloadConfig, order: list[Slot]) -> dict:
-    """Where the time to first token goes, same-datacenter PD against PDD at the first rate and
-    link: the same servers behind either router, PDD's servers with every request kept on
-    P->RLD (with MD idle, then stopped), and PDD as it routes; each stage from the servers'
-    own time stats (STAGES)."""
+def run_breakdown(args, link, model: str, out: Path) -> dict:
+    """Where the time to first token goes, same-datacenter PD against PDD, at the first rate and
+    link, each stage from the servers' own time stats (STAGES). Paired where the servers allow:
+    SGLang's PD servers behind SGLang's router and behind PDD's router at once (sessions
+    alternate between them), PDD's servers routing as usual and keeping every request on
+    P->RLD at once (MD idle for those); then P->RLD with MD stopped. Each variant gets the
+    main comparison's trace and rate."""
     rate, link_mbit = args.rates[0], args.links[0]
-    arrivals = poisson_arrivals(len(order), rate, 7)
+    double = replace(args, sessions=2 * args.sessions, lanes=2 * args.lanes, outliers=2 * args.outliers)
+    cfg2, jobs2 = workload(double)
+    order2 = dispatch_order(jobs2, double.lanes)
+    cfg1, jobs1 = workload(args)
+    order1 = dispatch_order(jobs1, args.lanes)
     records: list[Record] = []
     stats: list[dict] = []
-    bar = tqdm(total=5 * len(order), desc="TTFT breakdown", unit="req", file=sys.stderr)
+    bar = tqdm(total=2 * len(order2) + len(order1), desc="TTFT breakdown", unit="req", file=sys.stderr)
 
-    def variant(design: Design, name: str, salt: str) -> None:
-        design.name = name
-        warm_up(design, args.request_timeout_s)
-        bar.set_postfix_str(name)
-        recs = asyncio.run(run_cell(design, jobs, cfg, order, arrivals, f"bd-{salt}", link_mbit, rate,
-                                    args.request_timeout_s, bar))
+    def cell(routes: list[Route], design: Design, cfg, jobs, order, salt: str) -> None:
+        bar.set_postfix_str(" + ".join(r.name for r in routes))
+        recs = asyncio.run(run_cell(routes, jobs, cfg, order, poisson_arrivals(len(order), rate * len(routes), 7),
+                                    f"bd-{salt}", link_mbit, rate, args.request_timeout_s, bar))
         design.annotate(recs)
         records.extend(recs)
 
@@ -672,10 +702,11 @@ def run_breakdown(args, link, model: str, out: Path, jobs, cfg: WorkloadConfig, 
     sglang.server_args = ["--enable-request-time-stats-logging"]
     try:
         sglang.start()
-        variant(sglang, "same_dc_pd", "a")
+        warm_up(sglang, args.request_timeout_s)
+        rust = sglang.route()
         sglang.front_with_pdd_router(pdd_router_args(args))
-        variant(sglang, "sglang_pd_pdd_router", "b")
-        sglang.name = "same_dc_pd"
+        warm_up(sglang, args.request_timeout_s)
+        cell([rust, replace(sglang.route(), name="sglang_pd_pdd_router")], sglang, cfg2, jobs2, order2, "a")
         stats += parse_time_stats(server_logs(sglang))
     finally:
         sglang.stop()
@@ -684,13 +715,12 @@ def run_breakdown(args, link, model: str, out: Path, jobs, cfg: WorkloadConfig, 
     try:
         pdd.start()
         pdd.set_link(link_mbit)
-        variant(pdd, "pdd", "c")
-        pdd.body_extra = {"pdd_options": {"path": "p_rld_only"}}  # operator-only
-        pdd.headers = pdd.cluster.operator_headers
-        variant(pdd, "pdd_rld_only", "d")
+        warm_up(pdd, args.request_timeout_s)
+        # pdd_options is operator-only
+        forced = Route("pdd_rld_only", pdd.router_url, pdd.cluster.operator_headers, {"pdd_options": {"path": "p_rld_only"}})
+        cell([pdd.route(), forced], pdd, cfg2, jobs2, order2, "b")
         pdd.cluster.procs.stop("main-0")
-        variant(pdd, "pdd_rld_only_md_stopped", "e")
-        pdd.name = "pdd"
+        cell([replace(forced, name="pdd_rld_only_md_stopped")], pdd, cfg1, jobs1, order1, "c")
         stats += parse_time_stats(server_logs(pdd))
     finally:
         pdd.stop()
@@ -703,6 +733,7 @@ def run_breakdown(args, link, model: str, out: Path, jobs, cfg: WorkloadConfig, 
         table[name] = {"requests": len([r for r in records if r.design == name]), "matched": len(mine),
                        "errors": len([r for r in records if r.design == name and r.error]),
                        "ttft_p50": pct([r.ttft_s for r in recs], 50), "ttft_p90": pct([r.ttft_s for r in recs], 90),
+                       "tpot_p50": pct([r.tpot_s for r in recs], 50),
                        "matched_ttft_p50": pct([m["ttft"] for m in mine], 50),
                        **{f"{k}_p50": pct([m[k] for m in mine], 50) for k in STAGES}}
     with open(out / "breakdown_requests.jsonl", "w") as f:
@@ -715,11 +746,13 @@ def print_breakdown(bd: dict) -> None:
     print(f"\n== Where the time to first token goes ({bd['rate']:g} req/s, link {bd['link_mbit']:g} Mbit/s): "
           f"medians in ms over the requests matched to the servers' time stats")
     head = " ".join(f"{k:>11}" for k in STAGES)
-    print(f"{'variant':<38} {'n':>3} {'TTFT p50':>8} {'p90':>5} | {'(matched)':>9} {head}")
+    print(f"{'variant':<38} {'n':>3} {'TTFT p50':>8} {'p90':>5} {'TPOT p50':>8} | {'matched':>7} {'TTFT':>5} {head}")
     for name, v in bd["variants"].items():
         stages = " ".join(f"{fmt_ms(v[f'{k}_p50']):>11}" for k in STAGES)
-        print(f"{BREAKDOWN_LABELS[name]:<38} {v['requests']:>3} {fmt_ms(v['ttft_p50']):>8} {fmt_ms(v['ttft_p90']):>5} | "
-              f"{fmt_ms(v['matched_ttft_p50']):>9} {stages}")
+        print(f"{BREAKDOWN_LABELS[name]:<38} {v['requests']:>3} {fmt_ms(v['ttft_p50']):>8} {fmt_ms(v['ttft_p90']):>5} "
+              f"{fmt_ms(v['tpot_p50']):>8} | {v['matched']:>7} {fmt_ms(v['matched_ttft_p50']):>5} {stages}")
+    print("(rows 1-2 ran at once on the same servers, sessions alternating between them; rows 3-4 too; row 5 after "
+          "MD was stopped)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -823,7 +856,7 @@ def main(argv=None) -> int:
         if args.ttft_breakdown:
             if link is None:
                 raise SystemExit("the TTFT breakdown needs the namespace (root)")
-            bd = run_breakdown(args, link, model, out, jobs, cfg, order)
+            bd = run_breakdown(args, link, model, out)
             (out / "breakdown.json").write_text(json.dumps(bd, indent=1))
             print_breakdown(bd)
             return 0
@@ -847,7 +880,7 @@ def main(argv=None) -> int:
                         bar.set_postfix_str(f"{name}, {link_mbit:g} Mbit/s, {rate:g} req/s")
                         before = link.counters() if link is not None else (0, 0)
                         t0, cpu = time.time(), CpuMeter()
-                        recs = asyncio.run(run_cell(design, jobs, cfg, order,
+                        recs = asyncio.run(run_cell([design.route()], jobs, cfg, order,
                                                     poisson_arrivals(len(order), rate, 1000 * args.seed + 10 * li + ri),
                                                     cell, link_mbit, rate, args.request_timeout_s, bar))
                         wall, cores = time.time() - t0, cpu.stop()

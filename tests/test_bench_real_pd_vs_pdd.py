@@ -131,12 +131,18 @@ def test_ttft_is_split_into_stages_from_the_send():
     assert set(STAGES) <= set(row)
 
 
-def test_router_log_lines_annotate_requests_by_rid():
-    lines = ['[2026-12-04 22:49:14] request {"rid": "c-pdd-3-ab", "path": "p_rld_md", "md_cached": 477, '
-             '"handoff_at": 1, "ttft_s": 0.07, "fallbacks": ["wan_failed: x"]}', "other line", "x request {broken"]
-    by_rid = parse_router_requests(lines)
-    r, unknown = rec(), rec(job=1)
-    r.rid, unknown.rid = "c-pdd-3-ab", "nobody"
-    annotate_from_router_log([r, unknown], by_rid)
-    assert (r.path, r.md_cached_tokens, r.handoff_at, r.fallbacks) == ("p_rld_md", 477, 1, ["wan_failed: x"])
+def test_router_log_lines_annotate_requests_by_length_and_end_time():
+    lines = ['[2026-12-04 22:49:14] request {"rid": "x1", "path": "p_rld_md", "prompt_tokens": 100, "output_tokens": 2, '
+             '"md_cached": 77, "handoff_at": 1, "ttft_s": 0.07, "fallbacks": ["wan_failed: x"]}',
+             '[2026-12-04 22:49:30] request {"rid": "x2", "path": "p_md", "prompt_tokens": 100, "output_tokens": 2, '
+             '"md_cached": 99, "handoff_at": null, "ttft_s": 0.05, "fallbacks": []}',
+             "other line", "[2026-12-04 22:49:30] request {broken"]
+    entries = parse_router_requests(lines)
+    assert [e["rid"] for e in entries] == ["x1", "x2"]
+    first, second, unknown = rec(), rec(job=1), rec(job=2)
+    first.sent_at, second.sent_at = entries[0]["logged_at"] - 0.3, entries[1]["logged_at"] - 0.5
+    unknown.sent_at, unknown.prompt_tokens = first.sent_at, 555  # no line with its length
+    annotate_from_router_log([second, unknown, first], entries)
+    assert (first.path, first.md_cached_tokens, first.handoff_at, first.fallbacks) == ("p_rld_md", 77, 1, ["wan_failed: x"])
+    assert (second.path, second.md_cached_tokens) == ("p_md", 99)
     assert unknown.path == "" and unknown.md_cached_tokens is None
