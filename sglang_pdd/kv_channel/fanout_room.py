@@ -1,5 +1,5 @@
 """P's WAN room (one request's KV to MD, sglang_glue/wan_fanout.py) as an explicit state
-machine (pure; the house model is router/lifecycle.py).
+machine (pure; on the machine kit, sglang_pdd/machine.py).
 
 ``transition(state, event) -> (state, actions)`` decides every change of the room; WanFanout
 is the I/O shell that feeds it events from the scheduler thread (pages offered, the request
@@ -46,8 +46,10 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from sglang_pdd.machine import IllegalTransition, table_machine
 
-class FanoutRoomError(RuntimeError):
+
+class FanoutRoomError(IllegalTransition):
     """An event that is illegal in the room's current state."""
 
 
@@ -180,14 +182,6 @@ _QUEUE_COPY, _ABORT_LEGS, _ALL_SENT = QueueCopy(), AbortLegs(), AllSent()
 INCOMPLETE_DETAIL = "P's request ended before all of its KV was produced"
 
 
-def transition(room: FanoutRoom, event: Event) -> Result:
-    """The room's one transition function. Raises FanoutRoomError for an illegal event."""
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
-        raise FanoutRoomError(f"unknown event {event!r}")
-    return handler(room, event)
-
-
 def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
     if r.dropped:
         return r, []  # later pages are discarded
@@ -253,3 +247,7 @@ def _drop(r: FanoutRoom, reason: DropReason, detail: str, leg_failure: str = "")
 
 _HANDLERS = {PagesOffered: _pages_offered, CopyTaken: _copy_taken, CopyEnded: _copy_ended, LegEnded: _leg_ended,
              RequestEnded: _request_ended, Cancel: _cancel, Fail: _fail}
+# No terminal state for the kit: a dropped room still tracks the copy thread's hold on its pages
+# (P frees them only once no copy reads them); each handler says what a dropped room ignores.
+transition = table_machine(_HANDLERS, error=FanoutRoomError, noun="room")
+transition.__doc__ = """The room's one transition function. Raises FanoutRoomError for an illegal event."""

@@ -1,5 +1,5 @@
 """P's WAN leg of one request, before and around its fan-out room, as an explicit state
-machine (pure; the house model is router/lifecycle.py).
+machine (pure; on the machine kit, sglang_pdd/machine.py).
 
 SGLang's sender to RLD (sglang_glue/transfer_backend.py, ``PddKVSender``) is the I/O shell:
 it feeds this machine the request's binding, the router's late destination (or its
@@ -25,6 +25,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 from typing import Optional, Union
+
+from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
+
+
+class PLegError(IllegalTransition):
+    """An event that is illegal in the WAN leg's current phase."""
 
 
 class Phase(str, enum.Enum):
@@ -135,32 +141,36 @@ Result = tuple[PLeg, list]
 _FORGET, _HOLD, _OPEN = Forget(), Hold(), OpenRoom()
 
 
-def transition(leg: PLeg, event: Event) -> Result:
-    if leg.phase is Phase.DROPPED:
-        return leg, []
-    if isinstance(event, Posted):
-        if leg.phase is not Phase.AWAITING_DESTINATION:
-            return leg, []  # a second post, or one for a leg bound with its destination
-        return _maybe_open(replace(leg, phase=Phase.DESTINATION_KNOWN, dest=event.dest))
-    if isinstance(event, Withdrawn):
-        if leg.phase is not Phase.AWAITING_DESTINATION:
-            return leg, []  # the destination is in use: the withdrawal came too late
-        return _drop(leg, event.why)
-    if isinstance(event, Initialized):
-        return _maybe_open(replace(leg, initialized=True))
-    if isinstance(event, RoomOpened):
-        _expect(leg, Phase.OPENING, event)
-        return replace(leg, phase=Phase.OPEN), []
-    if isinstance(event, RoomRefused):
-        _expect(leg, Phase.OPENING, event)
-        return _drop(leg, "refused by the fan-out")
-    if isinstance(event, Polled):
-        return _polled(leg, event)
-    if isinstance(event, Abort):
-        if leg.phase is Phase.OPEN:
-            return replace(leg, phase=Phase.DROPPED, why=event.why), [AbortRoom(event.why), _FORGET]
-        return _drop(leg, event.why)
-    raise TypeError(f"unknown event {event!r}")
+def _posted(leg: PLeg, e: Posted) -> Result:
+    if leg.phase is not Phase.AWAITING_DESTINATION:
+        return leg, []  # a second post, or one for a leg bound with its destination
+    return _maybe_open(replace(leg, phase=Phase.DESTINATION_KNOWN, dest=e.dest))
+
+
+def _withdrawn(leg: PLeg, e: Withdrawn) -> Result:
+    if leg.phase is not Phase.AWAITING_DESTINATION:
+        return leg, []  # the destination is in use: the withdrawal came too late
+    return _drop(leg, e.why)
+
+
+def _initialized(leg: PLeg, e: Initialized) -> Result:
+    return _maybe_open(replace(leg, initialized=True))
+
+
+def _room_opened(leg: PLeg, e: RoomOpened) -> Result:
+    _expect(leg, Phase.OPENING, e)
+    return replace(leg, phase=Phase.OPEN), []
+
+
+def _room_refused(leg: PLeg, e: RoomRefused) -> Result:
+    _expect(leg, Phase.OPENING, e)
+    return _drop(leg, "refused by the fan-out")
+
+
+def _abort(leg: PLeg, e: Abort) -> Result:
+    if leg.phase is Phase.OPEN:
+        return replace(leg, phase=Phase.DROPPED, why=e.why), [AbortRoom(e.why), _FORGET]
+    return _drop(leg, e.why)
 
 
 def _maybe_open(leg: PLeg) -> Result:
@@ -189,4 +199,12 @@ def _polled(leg: PLeg, e: Polled) -> Result:
 
 def _expect(leg: PLeg, phase: Phase, event) -> None:
     if leg.phase is not phase:
-        raise ValueError(f"{type(event).__name__} while the WAN leg is {leg.phase.value}")
+        raise PLegError(f"{type(event).__name__} while the WAN leg is {leg.phase.value}")
+
+
+_HANDLERS = {Posted: _posted, Withdrawn: _withdrawn, Initialized: _initialized, RoomOpened: _room_opened,
+             RoomRefused: _room_refused, Polled: _polled, Abort: _abort}
+# Events after DROPPED change nothing (the router's withdrawal races the request's end).
+transition = table_machine(_HANDLERS, error=PLegError, terminal=(Phase.DROPPED,),
+                           after_end=dict.fromkeys(_HANDLERS, IGNORE), noun="WAN leg")
+transition.__doc__ = """The leg's one transition function. Raises PLegError for an illegal event."""

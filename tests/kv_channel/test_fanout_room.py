@@ -2,8 +2,8 @@
 sockets, threads or a pool."""
 
 import pytest
-from machines import fold
 
+from sglang_pdd.machine import fold
 from sglang_pdd.kv_channel import fanout_room as fr
 from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, Phase
 from sglang_pdd.kv_channel.states import FailureReason

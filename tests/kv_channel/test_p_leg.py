@@ -1,7 +1,8 @@
 """P's WAN leg (kv_channel/p_leg.py): every path without sockets or SGLang."""
 
 import pytest
-from machines import fold
+
+from sglang_pdd.machine import fold
 
 from sglang_pdd.kv_channel import p_leg
 from sglang_pdd.kv_channel.p_leg import (Abort, AbortRoom, Forget, Hold, Initialized, NoLeg, OpenRoom, Phase,
@@ -82,7 +83,9 @@ def test_abort_of_an_open_room_aborts_it():
 
 
 def test_a_room_answer_without_an_open_request_is_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(p_leg.PLegError, match="RoomOpened while the WAN leg is destination_known"):
         p_leg.transition(p_leg.bound(DEST), RoomOpened())
-    with pytest.raises(ValueError):
+    with pytest.raises(p_leg.PLegError, match="RoomRefused while the WAN leg is awaiting_destination"):
         p_leg.transition(p_leg.bound(None), RoomRefused())
+    with pytest.raises(p_leg.PLegError, match="unknown event"):
+        p_leg.transition(p_leg.bound(None), "posted")
