@@ -92,7 +92,7 @@ def test_after_end_must_name_events_of_the_table():
 
 def _machines():
     """Every state machine of the package: (its transition, a state, extra arguments)."""
-    from sglang_pdd.kv_channel import fanout_room, handshake_slot, p_leg, recv_room, send_room
+    from sglang_pdd.kv_channel import fanout_room, handshake_slot, wan_binding, recv_room, send_room
     from sglang_pdd.radix_drc import room_state
     from sglang_pdd.router import health, lifecycle
     return {
@@ -100,7 +100,7 @@ def _machines():
         "radix_drc/room_state": (room_state.transition, room_state.MdRoomState(), ()),
         "kv_channel/send_room": (send_room.transition, send_room.start(1, 10, True), ()),
         "kv_channel/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(legs=1), ()),
-        "kv_channel/p_leg": (p_leg.transition, p_leg.bound(None), ()),
+        "kv_channel/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
         "router/health": (health.transition, health.BackendHealth(), (health.HealthConfig(),)),
         "kv_channel/recv_room": (recv_room.transition, recv_room.RecvStatus(), ()),
         "kv_channel/handshake_slot": (handshake_slot.transition, handshake_slot.SlotState(1.0), ()),

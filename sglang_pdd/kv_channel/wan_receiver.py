@@ -56,7 +56,7 @@ import numpy as np
 
 from . import recv_room
 from .acceptor import Acceptor, AdmissionLimits, Slot
-from .handshake import AuthError, check_key, server_handshake
+from .handshake import HandshakeError, check_key, server_handshake
 from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
@@ -386,8 +386,8 @@ class WanKvReceiver(RoomQueries):
                 reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
                 secure = server_handshake(conn.sock, self.key, self.name, reader)
                 if not slot.authenticated():
-                    raise AuthError(f"handshake took longer than {self.handshake_timeout}s")
-            except (AuthError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
+                    raise HandshakeError(f"handshake took longer than {self.handshake_timeout}s")
+            except (HandshakeError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
                 with self._cv:
                     self.counters["auth_failures"] += 1
                 logger.warning("refused peer %s: authentication failed: %s", conn.peer,
