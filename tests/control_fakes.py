@@ -1,7 +1,7 @@
 """Real control servers on loopback for the control-plane security tests (no SGLang server).
 
 MD: the real ``ControlServer`` / ``_ControlHandler`` over ``FakeMdRuntime``, which keeps the
-real room table (DrcRooms on a fake tree) and borrows MainDrcRuntime's own wait_ready and
+real room table (DrcRoomTable on a fake tree) and borrows MainDrcRuntime's own wait_ready and
 handoff_request; its ``/generate`` (what a handoff relays to) is a tiny stdlib server that
 records what it got and streams two SSE events. P: the real ``PrefillControlServer``.
 """
@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.protocol import RegisterReply
-from sglang_pdd.radix_drc.rooms import DrcRooms
+from sglang_pdd.radix_drc.rooms import DrcRoomTable
 from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
 
@@ -120,7 +120,7 @@ class FakeMdRuntime:
         self.reset(max_rooms)
 
     def reset(self, max_rooms: int = 4096) -> None:
-        self.rooms = DrcRooms(FakeTree(), ttl_s=60.0, max_rooms=max_rooms)
+        self.table = DrcRoomTable(FakeTree(), ttl_s=60.0, max_rooms=max_rooms)
         self.ready_events: dict[int, threading.Event] = {}
         self._handoff_lock = threading.Lock()
         self.counters: dict = {}
@@ -133,7 +133,7 @@ class FakeMdRuntime:
         return getattr(self, f"_do_{op}")(*args)
 
     def _do_register(self, room, token_ids, use_cache=True):
-        entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
+        entry = self.table.register(room, token_ids, time.monotonic(), use_cache=use_cache)
         self.ready_events[room] = threading.Event()
         return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids)).to_json()
 
@@ -143,20 +143,20 @@ class FakeMdRuntime:
 
     def _do_release(self, room, keep_kv=False):
         self.ready_events.pop(room, None)
-        return self.rooms.release(room)
+        return self.table.release(room)
 
     def mark_ready(self, room: int) -> None:
-        self.rooms.complete(room, None, time.monotonic())
+        self.table.complete(room, None, time.monotonic())
         self.ready_events[room].set()
 
     def stats(self) -> dict:
         if self.fail_stats_with is not None:
             raise self.fail_stats_with
-        return {"open_rooms": len(self.rooms.rooms), "kv_bytes_per_token": self.kv_bytes_per_token}
+        return {"open_rooms": len(self.table.rooms), "kv_bytes_per_token": self.kv_bytes_per_token}
 
     def state(self):
         """Everything a control call can change."""
-        return {r: (e.status, e.token_ids, e.handed_off) for r, e in self.rooms.rooms.items()}
+        return {r: (e.status, e.token_ids, e.handed_off) for r, e in self.table.rooms.items()}
 
 
 def _scheme(server_kw: dict) -> str:

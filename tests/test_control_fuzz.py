@@ -117,10 +117,10 @@ def test_signed_fuzz_is_answered_with_4xx_not_500(servers, method, path, body, t
                f"Authorization: {headers['Authorization']}\r\n\r\n").encode() + body
     status = _status(_exchange(server.server.address[1], request))
     assert status < 500 or status == 503, status
-    for room in list(md.runtime.rooms.rooms):  # keep the table small; room 77 stays the target
+    for room in list(md.runtime.table.rooms):  # keep the table small; room 77 stays the target
         if room != 77:
             md.runtime.call("release", room)
-    if 77 not in md.runtime.rooms.rooms:  # a signed DELETE released it: a fresh table, 77 in it
+    if 77 not in md.runtime.table.rooms:  # a signed DELETE released it: a fresh table, 77 in it
         md.runtime.reset()  # (MD refuses to open a room it released again)
         md.runtime.call("register", 77, [1, 2, 3])
         md.runtime.mark_ready(77)

@@ -110,7 +110,7 @@ def test_a_captured_signed_call_cannot_be_replayed(md):
     md.runtime.call("release", 3)
     status, reply = raw(md.url, request)
     assert status == 401 and b"replayed" in reply
-    assert 3 not in md.runtime.rooms.rooms
+    assert 3 not in md.runtime.table.rooms
 
 
 def test_p_refuses_unsigned_destinations_and_withdrawals(p):
@@ -201,11 +201,11 @@ def test_malformed_room_ids_are_400_not_500(md, path):
 def test_malformed_md_calls_name_the_field(md, method, path, body, needle):
     status, reply = call_json(method, md.url + path, body, key=KEY)
     assert status == 400 and needle in reply["error"], reply
-    assert md.runtime.rooms.rooms == {}
+    assert md.runtime.table.rooms == {}
 
 
 def test_full_room_table_answers_503(md):
-    md.runtime.rooms.max_rooms = 2
+    md.runtime.table.max_rooms = 2
     for room in (1, 2):
         assert call_json("POST", md.url + "/pdd/rooms", {"room": room, "token_ids": [1]}, key=KEY)[0] == 200
     status, reply = call_json("POST", md.url + "/pdd/rooms", {"room": 3, "token_ids": [1]}, key=KEY)
@@ -252,7 +252,7 @@ def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
             assert events[-1]["output_ids"] == [7, 8]
             assert md.generate.requests[0]["input_ids"] == [5, 6, 7, 8]  # the room's prompt + eager token
             await mc.release(21)
-            assert 21 not in md.runtime.rooms.rooms
+            assert 21 not in md.runtime.table.rooms
             pc = PrefillControl(session, p.url, signer=ControlSigner(KEY, role=ROLE_P))
             assert await pc.set_wan_destination(4, 4, "%s:%d" % WAN_PEER, 0) == {"accepted": True}
             await pc.drop_wan_destination(5)
@@ -260,7 +260,7 @@ def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
                 await pc.set_wan_destination(6, 6, "10.1.1.1:1", 0)
             with pytest.raises(BackendError, match="401"):
                 await MainControl(session, md.url, signer=None).register(22, [1])
-            assert 22 not in md.runtime.rooms.rooms
+            assert 22 not in md.runtime.table.rooms
 
     asyncio.run(run())
     assert p.board.wait_for(5, lambda v: None) is not None  # the signed withdrawal arrived
@@ -640,7 +640,7 @@ def test_a_body_not_the_one_signed_is_refused_after_reading(md):
     altered = head.replace(b'"room": 8', b'"room": 9')
     status, reply = raw(md.url, altered)
     assert status == 401 and b"not the one signed" in reply
-    assert 9 not in md.runtime.rooms.rooms and 8 not in md.runtime.rooms.rooms
+    assert 9 not in md.runtime.table.rooms and 8 not in md.runtime.table.rooms
 
 
 def test_a_call_signed_for_one_md_is_refused_by_another(md):

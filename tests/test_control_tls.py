@@ -108,7 +108,7 @@ def test_router_clients_get_signed_replies_over_mutual_tls(pki, md, p):
 
     asyncio.run(run())
     assert md.generate.requests[0]["input_ids"] == [5, 6, 7, 8]
-    assert 21 not in md.runtime.rooms.rooms
+    assert 21 not in md.runtime.table.rooms
     # register, ready and stats on one kept-alive connection; the stream closes its own (its
     # end is the connection's), so release needs a second
     assert len(accepted) == 2, accepted

@@ -1,8 +1,8 @@
-"""DrcRooms on a fake tree: locks held exactly while needed, failures and expiry free them."""
+"""DrcRoomTable on a fake tree: locks held exactly while needed, failures and expiry free them."""
 
 import pytest
 
-from sglang_pdd.radix_drc.rooms import DrcFull, DrcRooms, RoomError, RoomStatus
+from sglang_pdd.radix_drc.rooms import DrcFull, DrcRoomTable, RoomError, RoomStatus
 
 
 class FakeTree:
@@ -39,7 +39,7 @@ class FakeTree:
 
 def test_register_locks_matched_prefix_and_reports_cached_len():
     tree = FakeTree(cached=[1, 2, 3, 4])
-    rooms = DrcRooms(tree)
+    rooms = DrcRoomTable(tree)
     entry = rooms.register(7, [1, 2, 3, 9, 9], now=0)
     assert entry.cached_len == 3 and entry.status is RoomStatus.PENDING
     assert tree.live_locks() == {(1, 2, 3): 1}
@@ -47,12 +47,12 @@ def test_register_locks_matched_prefix_and_reports_cached_len():
 
 def test_fully_cached_prompt_still_sends_last_token():
     tree = FakeTree(cached=[1, 2, 3])
-    assert DrcRooms(tree).register(1, [1, 2, 3], now=0).cached_len == 2
+    assert DrcRoomTable(tree).register(1, [1, 2, 3], now=0).cached_len == 2
 
 
 def test_complete_moves_lock_from_prefix_to_whole_prompt():
     tree = FakeTree(cached=[1, 2])
-    rooms = DrcRooms(tree, ttl_s=10)
+    rooms = DrcRoomTable(tree, ttl_s=10)
     rooms.register(1, [1, 2, 5, 6], now=0)
     entry = rooms.complete(1, kv="kv", now=3)
     assert entry.status is RoomStatus.READY and entry.deadline == 13
@@ -64,7 +64,7 @@ def test_complete_moves_lock_from_prefix_to_whole_prompt():
 
 def test_drc_full_fails_the_room_and_frees_locks():
     tree = FakeTree(cached=[1], full=True)
-    rooms = DrcRooms(tree)
+    rooms = DrcRoomTable(tree)
     rooms.register(1, [1, 2, 3], now=0)
     entry = rooms.complete(1, kv=None, now=1)
     assert entry.status is RoomStatus.FAILED and entry.reason.startswith("drc_full")
@@ -73,7 +73,7 @@ def test_drc_full_fails_the_room_and_frees_locks():
 
 def test_wan_failure_frees_prefix_lock():
     tree = FakeTree(cached=[1, 2])
-    rooms = DrcRooms(tree)
+    rooms = DrcRoomTable(tree)
     rooms.register(1, [1, 2, 3], now=0)
     assert rooms.fail(1, "checksum").reason == "checksum"
     assert tree.live_locks() == {}
@@ -83,7 +83,7 @@ def test_wan_failure_frees_prefix_lock():
 
 def test_expiry_releases_pending_and_ready_rooms():
     tree = FakeTree(cached=[1])
-    rooms = DrcRooms(tree, ttl_s=5)
+    rooms = DrcRoomTable(tree, ttl_s=5)
     rooms.register(1, [1, 2], now=0)
     rooms.register(2, [1, 3], now=0)
     rooms.complete(2, kv=None, now=4)  # ready until 9
@@ -102,7 +102,7 @@ def test_expiry_releases_pending_and_ready_rooms():
 ])
 def test_bad_calls_raise_and_change_nothing(call, match):
     tree = FakeTree()
-    rooms = DrcRooms(tree)
+    rooms = DrcRoomTable(tree)
     rooms.register(1, [1, 2], now=0)
     before = dict(tree.locks)
     with pytest.raises(RoomError, match=match):
@@ -111,7 +111,7 @@ def test_bad_calls_raise_and_change_nothing(call, match):
 
 
 def test_room_limit_bounds_memory():
-    rooms = DrcRooms(FakeTree(), max_rooms=2)
+    rooms = DrcRoomTable(FakeTree(), max_rooms=2)
     rooms.register(1, [1], 0)
     rooms.register(2, [2], 0)
     with pytest.raises(RoomError, match="too many open rooms"):
@@ -120,7 +120,7 @@ def test_room_limit_bounds_memory():
 
 def test_use_cache_false_ignores_the_cached_prefix_and_locks_nothing():
     tree = FakeTree(cached=[1, 2, 3])
-    rooms = DrcRooms(tree)
+    rooms = DrcRoomTable(tree)
     entry = rooms.register(1, [1, 2, 3, 4], now=0, use_cache=False)
     assert entry.cached_len == 0 and tree.live_locks() == {}
     rooms.complete(1, kv="kv", now=1)
@@ -129,7 +129,7 @@ def test_use_cache_false_ignores_the_cached_prefix_and_locks_nothing():
 
 def test_release_while_kv_in_flight_can_keep_it_for_the_next_turn():
     tree = FakeTree(cached=[1, 2])
-    rooms = DrcRooms(tree, ttl_s=10)
+    rooms = DrcRoomTable(tree, ttl_s=10)
     rooms.register(1, [1, 2, 5, 6], now=0)
     assert rooms.release(1, keep_pending_kv=True)  # the request ended on RLD first
     assert tree.live_locks() == {(1, 2): 1}  # the matched prefix stays locked until the KV lands
@@ -141,7 +141,7 @@ def test_release_while_kv_in_flight_can_keep_it_for_the_next_turn():
 
 def test_kept_room_that_fails_or_expires_goes_away_unlocked():
     tree = FakeTree(cached=[1])
-    rooms = DrcRooms(tree, ttl_s=10)
+    rooms = DrcRoomTable(tree, ttl_s=10)
     rooms.register(1, [1, 3], now=0)
     rooms.register(2, [1, 4], now=0)
     rooms.release(1, keep_pending_kv=True)
@@ -153,14 +153,14 @@ def test_kept_room_that_fails_or_expires_goes_away_unlocked():
 
 def test_keep_pending_kv_does_not_hold_a_ready_room():
     tree = FakeTree()
-    rooms = DrcRooms(tree, ttl_s=10)
+    rooms = DrcRoomTable(tree, ttl_s=10)
     rooms.register(1, [4, 5], now=0)
     rooms.complete(1, kv="kv", now=1)
     assert rooms.release(1, keep_pending_kv=True) and rooms.rooms == {} and tree.live_locks() == {}
 
 
 def test_final_handoff_is_taken_once_and_only_for_a_ready_room():
-    rooms = DrcRooms(FakeTree(), ttl_s=10)
+    rooms = DrcRoomTable(FakeTree(), ttl_s=10)
     rooms.register(1, [4, 5], now=0)
     with pytest.raises(RoomError, match="stale handoff: room 1 is pending"):
         rooms.hand_off(1)
@@ -174,7 +174,7 @@ def test_final_handoff_is_taken_once_and_only_for_a_ready_room():
 
 def test_wan_outcome_for_a_landed_room_is_refused_and_changes_nothing():
     tree = FakeTree()
-    rooms = DrcRooms(tree, ttl_s=10)
+    rooms = DrcRoomTable(tree, ttl_s=10)
     rooms.register(1, [4, 5], now=0)
     rooms.complete(1, kv="kv", now=1)
     locks = dict(tree.locks)
@@ -189,7 +189,7 @@ def test_a_released_room_is_never_opened_again_but_a_refused_registration_may_re
     from sglang_pdd.radix_drc.rooms import RoomReleased
 
     tree = FakeTree(cached=[1, 2])
-    rooms = DrcRooms(tree, remember_released=2)
+    rooms = DrcRoomTable(tree, remember_released=2)
     assert rooms.release(5) is False  # the router gave up before the registration came in
     with pytest.raises(RoomReleased):
         rooms.register(5, [1, 2, 3], now=0)
@@ -206,7 +206,7 @@ def test_a_released_room_is_never_opened_again_but_a_refused_registration_may_re
 
 
 def test_rooms_kept_for_the_cache_are_listed_for_a_flush():
-    rooms = DrcRooms(FakeTree())
+    rooms = DrcRoomTable(FakeTree())
     for room in (1, 2, 3):
         rooms.register(room, [4, 5, 6], now=0)
     rooms.release(1, keep_pending_kv=True)

@@ -10,7 +10,7 @@ from pki import make_ca, make_leaf, needs_openssl
 from sglang_pdd.launcher.http import call_json, post_json
 
 # the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
-pytestmark = [pytest.mark.e2e, pytest.mark.full, needs_openssl]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, needs_openssl, pytest.mark.own_cluster]
 
 MAX_NEW = 24
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 4]

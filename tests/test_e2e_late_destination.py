@@ -54,11 +54,11 @@ def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, sin
     before = _p_stats(pdd_cluster)
     body = _pd_body(topo, room, 4)
     with ThreadPoolExecutor(2) as pool:
-        p_leg = pool.submit(post_json, f"{topo.prefill.url}/generate", body)
+        wan_binding = pool.submit(post_json, f"{topo.prefill.url}/generate", body)
         # RLD finishes the request before anybody tells P where MD is; P's own reply waits
         # (it still holds the KV, up to --pdd-wan-destination-wait-ms).
         assert pool.submit(post_json, f"{topo.relay.url}/generate", body).result()["output_ids"] == want["output_ids"]
-        assert not p_leg.done()
+        assert not wan_binding.done()
         reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": PROMPT}, key=key)
         try:
             dest = {"bootstrap_room": room, "md_room": room, "wan_peer": f"127.0.0.1:{topo.wan.listen_port}",
@@ -66,7 +66,7 @@ def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, sin
             assert post_json(f"{topo.prefill.control_url}/pdd/wan_destinations", dest, key=key) == {"accepted": True}
             ready = get_json(f"{topo.main.control_url}/pdd/rooms/{room}/ready?timeout_s=30", timeout=40, key=key)
             assert ready["status"] == "ready", ready
-            p_leg.result()
+            wan_binding.result()
             after = _p_stats(pdd_cluster)
             assert after.get("late", 0) == before.get("late", 0) + 1
             assert after.get("destination_wait_expired", 0) == before.get("destination_wait_expired", 0)

@@ -14,7 +14,7 @@ from sglang_pdd.launcher.http import post_json
 from test_e2e_pdd import assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body, route
 
 # the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 PROMPTS = [
     "def fibonacci(n):",

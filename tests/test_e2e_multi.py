@@ -17,7 +17,7 @@ from waiting import wait_until
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
 # the full tier (scripts/test.sh --full): beyond CI's representative tier
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 # Probes every 0.5 s and two failures open a breaker: a dead server is out within a second or
 # two; the long cooldown keeps it out for the rest of the module (no half-open trials).

@@ -15,7 +15,7 @@ from waiting import wait_until
 from conftest import REPO_ROOT, _require_sglang
 from sglang_pdd.launcher import netns
 
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 
 def owned_by(pid: int) -> list[tuple[str, str]]:

@@ -27,7 +27,7 @@ from waiting import wait_until
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, P_DESTINATION_DELAY_ENV, SEED_ENV
 
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 INJECTED = {MD_REGISTER_DELAY_ENV: "0-300", P_DESTINATION_DELAY_ENV: "0-300", SEED_ENV: "30"}
 # The race wants MD's KV to land while RLD still streams, often: a WAN well above the test

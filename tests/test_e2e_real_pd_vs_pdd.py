@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO_ROOT, _require_sglang
 from sglang_pdd.launcher import netns
 
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 
 @pytest.fixture(scope="module")

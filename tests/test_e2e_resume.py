@@ -20,7 +20,7 @@ import pytest
 from sglang_pdd.launcher.http import post_json, stream_events
 from sglang_pdd.sglang_glue.resume import RESUME_KEY
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 # bounded values: the tiny random model would otherwise write one string / number forever

@@ -10,7 +10,7 @@ import pytest
 from sglang_pdd.launcher.http import post_json
 
 # the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
-pytestmark = [pytest.mark.e2e, pytest.mark.full]
+pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 MAX_NEW = 24
 PROMPTS = [

@@ -7,7 +7,7 @@ import struct
 import msgpack
 import pytest
 
-from sglang_pdd.kv_channel.handshake import AuthError, client_handshake, server_handshake
+from sglang_pdd.kv_channel.handshake import HandshakeError, client_handshake, server_handshake
 from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wire import (
@@ -146,7 +146,7 @@ def test_handshake_mutual_and_wrong_key():
     assert ok["server_name"].peer_name == "md" and ok["hello"].hello.peer_name == "p"
     bad = run(b"k" * 32, b"x" * 32)
     # The client refuses the server first (the server could not prove the key).
-    assert isinstance(bad["client_err"], AuthError) and "failed to prove" in str(bad["client_err"])
+    assert isinstance(bad["client_err"], HandshakeError) and "failed to prove" in str(bad["client_err"])
     assert "hello" not in bad
 
 

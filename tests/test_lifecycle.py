@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_pdd.handoff.policy import HandoffConfig
+from sglang_pdd.machine import fold
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
                                          DestinationDelivered, Ended, Fail, Finish, HandoffAbandoned,
@@ -21,14 +22,6 @@ LENGTH = {"type": "length", "length": MAX_NEW}
 STOP = {"type": "stop", "matched": 2}
 
 
-def drive(state: State, *events) -> tuple[State, list]:
-    actions = []
-    for event in events:
-        state, new = transition(state, event)
-        actions += new
-    return state, actions
-
-
 def kinds(actions) -> list[str]:
     return [type(a).__name__ for a in actions]
 
@@ -39,7 +32,7 @@ def started(path: Path = Path.P_RLD_MD, late: bool = False) -> State:
 
 
 def handing_off(cut: int = 5) -> State:
-    state, actions = drive(started(), RelayTokens(1, cut), MdReady(), CutReady())
+    state, actions = fold(transition, started(), RelayTokens(1, cut), MdReady(), CutReady())
     assert state.phase is Phase.HANDING_OFF and SendFinalHandoff(cut=cut) in actions
     return state
 
@@ -77,25 +70,25 @@ def test_path_chosen_twice_is_illegal():
 
 
 def test_timeout_and_disconnect_are_legal_from_the_start():
-    assert drive(State(max_new=MAX_NEW), Timeout("late"))[1] == [Fail("late")]
+    assert fold(transition, State(max_new=MAX_NEW), Timeout("late"))[1] == [Fail("late")]
     state, actions = transition(State(max_new=MAX_NEW), ClientDisconnected())
     assert state.phase is Phase.CLOSED and actions == []
 
 
 # ------------------------------------------------------------------------------ relay
 def test_relay_tokens_are_emitted_and_rld_finishing_ends_the_request():
-    state, actions = drive(started(Path.P_RLD_ONLY), RelayTokens(1, 3), RelayTokens(1, MAX_NEW, LENGTH))
+    state, actions = fold(transition, started(Path.P_RLD_ONLY), RelayTokens(1, 3), RelayTokens(1, MAX_NEW, LENGTH))
     assert state.phase is Phase.DONE and state.emitted == MAX_NEW
     assert actions == [RelayOutput(), RelayOutput(), Finish(LENGTH)]
 
 
 def test_rld_stopping_early_ends_the_request():
-    state, actions = drive(started(), RelayTokens(1, 4, STOP))
+    state, actions = fold(transition, started(), RelayTokens(1, 4, STOP))
     assert state.phase is Phase.DONE and actions[-1] == Finish(STOP)
 
 
 def test_relay_tokens_going_backwards_or_past_the_budget_are_illegal():
-    state = drive(started(), RelayTokens(1, 5))[0]
+    state = fold(transition, started(), RelayTokens(1, 5))[0]
     with pytest.raises(LifecycleError):
         transition(state, RelayTokens(1, 4))
     with pytest.raises(LifecycleError):
@@ -105,7 +98,7 @@ def test_relay_tokens_going_backwards_or_past_the_budget_are_illegal():
 
 
 def test_rld_death_fails_the_request():
-    state, actions = drive(started(), RelayTokens(1, 2), RelayFailed(1, "connection reset"))
+    state, actions = fold(transition, started(), RelayTokens(1, 2), RelayFailed(1, "connection reset"))
     assert state.phase is Phase.FAILED and actions[-1] == Fail("relay leg failed: connection reset")
 
 
@@ -122,24 +115,24 @@ def test_rld_death_after_md_took_over_is_ignored():
 
 # ------------------------------------------------------------------------------ MD ready / handoff
 def test_md_ready_after_first_token_starts_the_handoff():
-    state, actions = drive(started(), RelayTokens(1, 3), MdReady())
+    state, actions = fold(transition, started(), RelayTokens(1, 3), MdReady())
     assert state.md is Md.READY and actions[-1] == StartHandoff()
 
 
 def test_md_ready_before_first_token_waits_for_it():
-    state, actions = drive(started(), MdReady())
+    state, actions = fold(transition, started(), MdReady())
     assert actions == [] and state.handoff_on_first_token
     state, actions = transition(state, RelayTokens(1, 1))
     assert actions == [RelayOutput(), StartHandoff()] and not state.handoff_on_first_token
 
 
 def test_md_ready_before_first_token_no_handoff_if_rld_finishes_with_it():
-    state, actions = drive(started(), MdReady(), RelayTokens(1, 1, STOP))
+    state, actions = fold(transition, started(), MdReady(), RelayTokens(1, 1, STOP))
     assert state.phase is Phase.DONE and StartHandoff() not in actions
 
 
 def test_md_ready_twice_is_illegal():
-    state = drive(started(), MdReady())[0]
+    state = fold(transition, started(), MdReady())[0]
     for event in (MdReady(), MdNotReady(WAN_X)):
         with pytest.raises(LifecycleError):
             transition(state, event)
@@ -157,13 +150,13 @@ def test_cut_freezes_the_stream_and_rld_tokens_are_held_back():
 
 
 def test_cut_after_the_request_used_its_budget_does_nothing():
-    state = drive(started(), RelayTokens(1, MAX_NEW), MdReady())[0]
+    state = fold(transition, started(), RelayTokens(1, MAX_NEW), MdReady())[0]
     assert transition(state, CutReady()) == (state, [])
 
 
 def test_cut_without_md_ready_or_twice_is_illegal():
     with pytest.raises(LifecycleError):
-        transition(drive(started(), RelayTokens(1, 2))[0], CutReady())
+        transition(fold(transition, started(), RelayTokens(1, 2))[0], CutReady())
     with pytest.raises(LifecycleError):
         transition(handing_off(), CutReady())
 
@@ -184,7 +177,7 @@ def test_md_finishing_in_its_first_event():
 
 def test_md_tokens_before_any_handoff_or_backwards_or_past_budget_are_illegal():
     with pytest.raises(LifecycleError):
-        transition(drive(started(), RelayTokens(1, 2), MdReady())[0], MainTokens(3))
+        transition(fold(transition, started(), RelayTokens(1, 2), MdReady())[0], MainTokens(3))
     with pytest.raises(LifecycleError):
         transition(in_main(produced=8), MainTokens(7))
     with pytest.raises(LifecycleError):
@@ -200,14 +193,14 @@ def test_rld_finishing_first_while_handing_off_keeps_rlds_tokens():
 # ------------------------------------------------------------------------------ faults
 def test_wan_failure_rld_finishes():
     boom = Fallback(Reason.WAN_FAILED, "boom")
-    state, actions = drive(started(), RelayTokens(1, 3), MdNotReady(boom))
+    state, actions = fold(transition, started(), RelayTokens(1, 3), MdNotReady(boom))
     assert actions[-1] == RecordFallback(boom) and state.md is Md.FAILED and state.phase is Phase.RELAY
     state, actions = transition(state, RelayTokens(1, MAX_NEW, LENGTH))
     assert state.phase is Phase.DONE
 
 
 def test_timeout_while_waiting_for_md():
-    state, actions = transition(drive(started(), RelayTokens(1, 3))[0], Timeout("deadline"))
+    state, actions = transition(fold(transition, started(), RelayTokens(1, 3))[0], Timeout("deadline"))
     assert state.phase is Phase.FAILED and actions == [Fail("deadline")]
 
 
@@ -216,14 +209,14 @@ def test_p_md_wan_failure_after_the_bridge_token_recovers_on_a_new_leg(order):
     events = [RelayTokens(1, 1, {"type": "length", "length": 1}), MdNotReady(Fallback(Reason.WAN_FAILED, "x"))]
     if order == "not_ready_then_leg_ends":
         events = events[::-1]
-    state, actions = drive(started(Path.P_MD), *events)
+    state, actions = fold(transition, started(Path.P_MD), *events)
     assert actions[-3:] == [RecordFallback(Fallback.recovered(Recovery.WAN_FAILED_AFTER_RLD)), AbortLegs(),
                             StartRelayLeg(2, resume_len=1, one_token=False, wan=False)]
     assert state.leg == 2 and state.phase is Phase.RELAY and state.relay_produced == 1
 
 
 def test_p_md_wan_failure_before_the_bridge_token():
-    state, actions = drive(started(Path.P_MD), MdNotReady(Fallback(Reason.WAN_FAILED, "x")))
+    state, actions = fold(transition, started(Path.P_MD), MdNotReady(Fallback(Reason.WAN_FAILED, "x")))
     assert AbortLegs() not in actions  # RLD's bridge leg still runs
     state, actions = transition(state, RelayTokens(1, 1, {"type": "length", "length": 1}))
     assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
@@ -232,10 +225,10 @@ def test_p_md_wan_failure_before_the_bridge_token():
 @pytest.mark.parametrize("relay_idle", [False, True])
 def test_md_refusing_the_handoff_releases_rlds_tokens(relay_idle):
     if relay_idle:  # P->MD: the one-token bridge leg ended already
-        state = drive(started(Path.P_MD), RelayTokens(1, 1, {"type": "length", "length": 1}), MdReady(),
+        state = fold(transition, started(Path.P_MD), RelayTokens(1, 1, {"type": "length", "length": 1}), MdReady(),
                       CutReady())[0]
     else:
-        state = drive(handing_off(cut=5), RelayTokens(1, 8))[0]
+        state = fold(transition, handing_off(cut=5), RelayTokens(1, 8))[0]
     state, actions = transition(state, MainFailed("HTTP 409"))
     assert actions[:2] == [RecordFallback(Fallback(Reason.MD_FAILED, "HTTP 409")), HandoffAbandoned()]
     assert state.md is Md.FAILED and state.cut is None
@@ -257,7 +250,7 @@ def test_md_death_mid_stream_recovers_on_a_new_leg_from_what_the_client_has():
     # the old leg's stragglers are ignored; the new leg reports from position 0 (resumed ones too)
     assert transition(state, RelayTokens(1, 12)) == (state, [])
     assert transition(state, RelayFailed(1, "aborted")) == (state, [])
-    state, actions = drive(state, RelayTokens(2, 9), RelayTokens(2, 10), RelayTokens(2, MAX_NEW, LENGTH))
+    state, actions = fold(transition, state, RelayTokens(2, 9), RelayTokens(2, 10), RelayTokens(2, MAX_NEW, LENGTH))
     assert state.phase is Phase.DONE and state.emitted == MAX_NEW and actions[-1] == Finish(LENGTH)
 
 
@@ -268,7 +261,7 @@ def test_recovery_leg_going_behind_the_resume_point_is_illegal():
 
 
 def test_catch_up_warmup_failure_rld_finishes():
-    state = drive(started(), RelayTokens(1, 3), MdReady())[0]
+    state = fold(transition, started(), RelayTokens(1, 3), MdReady())[0]
     state, actions = transition(state, MainFailed("warmup HTTP 500"))
     assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "warmup HTTP 500"))] and state.phase is Phase.RELAY
     with pytest.raises(LifecycleError):  # no cut after MD failed
@@ -376,7 +369,7 @@ def test_a_delivered_destination_waits_for_mds_kv():
 
 def test_md_refusing_withdraws_the_pending_destination():
     refused = Fallback(Reason.MD_UNAVAILABLE, "full")
-    state, actions = drive(late(room=9), RelayTokens(1, 2), MdNotReady(refused))
+    state, actions = fold(transition, late(room=9), RelayTokens(1, 2), MdNotReady(refused))
     assert actions[-2:] == [RecordFallback(refused), WithdrawDestination(9)]
     assert state.destination is Destination.DROPPED and state.md is Md.FAILED
     state = transition(state, Timeout())[0]
@@ -412,27 +405,27 @@ def catching_up(threshold: int = 4, rounds: int = 8) -> State:
 
 
 def test_catch_up_hands_batches_until_the_backlog_fits_one_then_cuts():
-    state, actions = drive(catching_up(), RelayTokens(1, 10), MdReady())
+    state, actions = fold(transition, catching_up(), RelayTokens(1, 10), MdReady())
     assert actions[-1] == StartHandoff()
     state, actions = transition(state, CutReady())
     assert actions == [SendCatchUpBatch(upto=4, tokens=4, round=0)] and state.phase is Phase.RELAY
-    state, actions = drive(state, RelayTokens(1, 11), CutReady())  # backlog 7 > 4: another round
+    state, actions = fold(transition, state, RelayTokens(1, 11), CutReady())  # backlog 7 > 4: another round
     assert actions[-1] == SendCatchUpBatch(upto=8, tokens=4, round=1)
-    state, actions = drive(state, RelayTokens(1, 12), CutReady())  # backlog 4: the final batch
+    state, actions = fold(transition, state, RelayTokens(1, 12), CutReady())  # backlog 4: the final batch
     assert actions[-1] == SendFinalHandoff(cut=12, catch_up_tail=4)
     assert state.phase is Phase.HANDING_OFF and state.handed == 8 and state.catch_up_round == 2
 
 
 def test_catch_up_ends_after_its_last_allowed_round():
-    state = drive(catching_up(rounds=2), RelayTokens(1, 15), MdReady())[0]
+    state = fold(transition, catching_up(rounds=2), RelayTokens(1, 15), MdReady())[0]
     state, actions = transition(state, CutReady())
     assert actions == [SendCatchUpBatch(upto=4, tokens=4, round=0)]
-    state, actions = drive(state, RelayTokens(1, 19), CutReady())
+    state, actions = fold(transition, state, RelayTokens(1, 19), CutReady())
     assert actions[-1] == SendFinalHandoff(cut=19, catch_up_tail=15)
 
 
 def test_one_shot_cuts_at_once():
-    state, actions = drive(started(), RelayTokens(1, 10), MdReady(), CutReady())
+    state, actions = fold(transition, started(), RelayTokens(1, 10), MdReady(), CutReady())
     assert actions[-1] == SendFinalHandoff(cut=10) and actions[-1].catch_up_tail is None
 
 
@@ -441,7 +434,7 @@ def test_one_shot_cuts_at_once():
                                                    (RecoveryMode.CONTINUE, 9, 0)])
 def test_a_recovery_leg_continues_as_the_mode_says(mode, offset, replays):
     state = transition(State(max_new=MAX_NEW, recovery=mode), PathChosen(Path.P_RLD_MD))[0]
-    state = drive(state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9))[0]
+    state = fold(transition, state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9))[0]
     state, actions = transition(state, MainFailed("gone"))
     leg = actions[-1]
     assert leg == StartRelayLeg(2, resume_len=9, one_token=False, wan=False, mode=mode)
@@ -462,14 +455,14 @@ def test_a_recovery_from_nothing_starts_afresh():
 
 def test_a_continue_legs_length_finish_reports_the_whole_budget():
     state = transition(State(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_RLD_MD))[0]
-    state = drive(state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9), MainFailed("gone"))[0]
+    state = fold(transition, state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9), MainFailed("gone"))[0]
     own = {"type": "length", "length": MAX_NEW - 9}  # the CONTINUE leg's own, smaller budget
     state, actions = transition(state, RelayTokens(2, MAX_NEW, own))
     assert actions[-1] == Finish({"type": "length", "length": MAX_NEW}) and state.phase is Phase.DONE
 
 
 @pytest.mark.parametrize("make", [lambda: State(max_new=MAX_NEW), started, handing_off, in_main,
-                                  lambda: drive(started(), RelayTokens(1, MAX_NEW, LENGTH))[0]])
+                                  lambda: fold(transition, started(), RelayTokens(1, MAX_NEW, LENGTH))[0]])
 def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
     state, actions = transition(make(), Broken("MD repeated a position"))
     assert state.phase is Phase.FAILED and actions == []

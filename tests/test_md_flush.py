@@ -19,7 +19,7 @@ class FakeRuntime:
     def __init__(self, phases=(), held_tokens=0):
         from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
 
-        self.rooms = SimpleNamespace(rooms={i: SimpleNamespace(state=SimpleNamespace(phase=p))
+        self.table = SimpleNamespace(rooms={i: SimpleNamespace(state=SimpleNamespace(phase=p))
                                             for i, p in enumerate(phases)})
         self.held_tokens = held_tokens
         for name in ("flush_blocker", "rooms_by_phase", "flush_waits_only_for_pages"):
@@ -129,10 +129,10 @@ def test_rooms_kept_only_for_the_cache_go_on_a_flush_which_waits_for_their_pages
         free_before = c.ranks[0].ops.allocator.available_size()
         c.call("register", 21, list(range(50)), True)
         assert c.call("release", 21, True) is True  # keep_kv: landing only to fill the cache
-        assert [md.rooms.rooms[21].state.phase.value for md in c.ranks] == ["landing_kept"] * 2
+        assert [md.table.rooms[21].state.phase.value for md in c.ranks] == ["landing_kept"] * 2
         wrappers = flush_wrappers(c.ranks)
         assert request_flush(wrappers) == [None, None]  # deferred: pages on their way back
-        assert all(21 not in md.rooms.rooms for md in c.ranks) and c.ranks[0].held_tokens > 0
+        assert all(21 not in md.table.rooms for md in c.ranks) and c.ranks[0].held_tokens > 0
         for _ in range(200):
             c.step()
             for _, wrapper, _ in wrappers:
@@ -176,7 +176,7 @@ def test_a_flush_under_a_room_of_a_request_in_flight_is_refused_and_says_why():
         [reply] = request_flush(wrappers)
         assert reply.success is False and wrappers[0][0].flushes == 0
         assert reply.message.startswith("Cache not flushed: MD holds 1 PDD room of requests in flight (landing 1)")
-        assert 22 in c.ranks[0].rooms.rooms  # untouched: its request may still hand off
+        assert 22 in c.ranks[0].table.rooms  # untouched: its request may still hand off
         c.call("release", 22, False)
         c.settle()
         assert request_flush(wrappers)[0].success is True
@@ -225,7 +225,7 @@ def test_a_registration_that_comes_in_after_its_release_is_refused():
         assert c.call("release", 31, True) is False  # unknown yet
         with pytest.raises(RoomReleased):
             c.call("register", 31, list(range(40)), True)
-        assert all(not md.rooms.rooms and md.held_tokens == 0 for md in c.ranks)
+        assert all(not md.table.rooms and md.held_tokens == 0 for md in c.ranks)
         assert c.ranks[0].counters["late_registrations_refused"] == 1
     finally:
         c.close()

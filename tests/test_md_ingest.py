@@ -99,11 +99,11 @@ def drive_until(md, room, status="ready", timeout=20.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         md.on_scheduler_iteration()
-        entry = md.rooms.rooms.get(room)
+        entry = md.table.rooms.get(room)
         if entry is not None and entry.status.value == status:
             return entry
         time.sleep(0.01)
-    raise AssertionError(f"room {room} not {status}: {md.rooms.rooms.get(room)}")
+    raise AssertionError(f"room {room} not {status}: {md.table.rooms.get(room)}")
 
 
 def settle(md, timeout=10.0):
@@ -214,7 +214,7 @@ def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
         md.rank_rooms.register(1, list(range(20)))  # two pages: fits
         with pytest.raises(RoomRefused, match=rf"needs {2 * per_page} bytes of KV in flight on MD, {per_page} of"):
             md.rank_rooms.register(2, list(range(100, 120)))
-        assert md.counters["rooms_refused"] == 1 and 2 not in md.rooms.rooms
+        assert md.counters["rooms_refused"] == 1 and 2 not in md.table.rooms
         assert md.budget.used_bytes == 2 * per_page and conserved(md)
         md.rank_rooms.register(3, list(range(200, 210)))  # one page still fits
         for room in (1, 3):
@@ -233,7 +233,7 @@ def test_room_larger_than_the_pool_is_refused_at_registration():
         free_before = md.ops.allocator.available_size()
         with pytest.raises(RoomRefused, match="KV pool cannot hold"):
             md.rank_rooms.register(1, list(range(16 * POOL_PAGES + 5)))
-        assert md.rooms.rooms == {} and md.held_tokens == 0 and md.budget.used_bytes == 0
+        assert md.table.rooms == {} and md.held_tokens == 0 and md.budget.used_bytes == 0
         assert md.ops.allocator.available_size() == free_before and conserved(md)
         assert md.counters["rooms_refused"] == 1
     finally:
@@ -276,7 +276,7 @@ def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
         assert md.budget.used_bytes > 0
         md.rank_rooms.release(1)  # the router gave up before any KV came
         settle(md)
-        assert md.held_tokens == 0 and md.budget.used_bytes == 0 and md.rooms.rooms == {}
+        assert md.held_tokens == 0 and md.budget.used_bytes == 0 and md.table.rooms == {}
         assert md.ops.allocator.available_size() == free_before and conserved(md)
     finally:
         close(md)
@@ -389,7 +389,7 @@ def test_a_missing_tp_slice_leaves_the_room_waiting():
         while time.monotonic() < deadline:
             md.on_scheduler_iteration()
             time.sleep(0.02)
-        assert md.rooms.rooms[1].status.value == "pending"  # half of every row landed: not ready
+        assert md.table.rooms[1].status.value == "pending"  # half of every row landed: not ready
         assert md.receiver.stats()["connections"] > 0
     finally:
         rank0.fanout.close()

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from sglang_pdd.machine import fold
 from sglang_pdd.radix_drc.room_state import (TIMED_OUT, Expired, Failed, FailReason, Failure, Forget, HandedOff,
                                              IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, Phase, Registered,
                                              Released, UnlockAll, transition)
@@ -28,52 +29,45 @@ LIVE = [Phase.LANDING, Phase.LANDING_KEPT, Phase.READY, Phase.HANDED_OFF, Phase.
 EVENTS = [Registered(1.0), KvLanded(2.0), Failed(WAN), HandedOff(), Released(), Released(keep_kv=True), Expired()]
 
 
-def run(events, state=None):
-    state = state or MdRoomState()
-    actions = []
-    for event in events:
-        state, acts = transition(state, event)
-        actions.append(acts)
-    return state, actions
-
-
 def at(phase):
-    state, _ = run(ROUTES[phase])
+    state, _ = fold(transition, MdRoomState(), *ROUTES[phase])
     assert state.phase is phase
     return state
 
 
 def test_landed_handed_off_released():
-    state, actions = run([Registered(10.0), KvLanded(20.0), HandedOff(), Released()])
+    state, actions = fold(transition, MdRoomState(), Registered(10.0), KvLanded(20.0))
+    assert actions == [LockPrompt()]
+    state, actions = fold(transition, state, HandedOff(), Released())
     assert state == MdRoomState(Phase.RELEASED, deadline=20.0, landed=True)
-    assert actions == [[], [LockPrompt()], [], [UnlockAll(), Forget()]]
+    assert actions == [UnlockAll(), Forget()]
 
 
 def test_landed_then_released_without_a_handoff_keeps_nothing_locked():
-    state, actions = run([Registered(10.0), KvLanded(20.0), Released(keep_kv=True)])
+    state, actions = fold(transition, at(Phase.READY), Released(keep_kv=True))
     assert state.phase is Phase.RELEASED and state.landed and state.failure is None
-    assert actions[-1] == [UnlockAll(), Forget()]
+    assert actions == [UnlockAll(), Forget()]
 
 
 def test_wan_failure_unlocks_and_waits_for_the_release():
-    state, actions = run([Registered(10.0), Failed(WAN)])
+    state, actions = fold(transition, MdRoomState(), Registered(10.0), Failed(WAN))
     assert state.phase is Phase.FAILED and state.failure == WAN and not state.landed
-    assert actions[-1] == [UnlockAll()]  # the table keeps the room: a waiter reads why
-    state, actions = run([Released()], state)
-    assert state.phase is Phase.RELEASED and state.failure == WAN and actions == [[UnlockAll(), Forget()]]
+    assert actions == [UnlockAll()]  # the table keeps the room: a waiter reads why
+    state, actions = fold(transition, state, Released())
+    assert state.phase is Phase.RELEASED and state.failure == WAN and actions == [UnlockAll(), Forget()]
 
 
 def test_kept_room_lands_into_the_cache_and_goes():
-    state, actions = run([Registered(10.0), Released(keep_kv=True), KvLanded(20.0)])
+    state, actions = fold(transition, at(Phase.LANDING_KEPT), KvLanded(20.0))
     assert state == MdRoomState(Phase.RELEASED, deadline=20.0, landed=True)
-    assert actions == [[], [], [LockPrompt(), UnlockAll(), Forget()]]
+    assert actions == [LockPrompt(), UnlockAll(), Forget()]
 
 
 def test_kept_room_that_fails_goes_with_its_reason():
     failure = Failure(FailReason.DRC_FULL, "no slots")
-    state, actions = run([Registered(10.0), Released(keep_kv=True), Failed(failure)])
+    state, actions = fold(transition, at(Phase.LANDING_KEPT), Failed(failure))
     assert state.phase is Phase.RELEASED and state.failure == failure and not state.landed
-    assert actions[-1] == [UnlockAll(), Forget()]
+    assert actions == [UnlockAll(), Forget()]
 
 
 @pytest.mark.parametrize("phase", LIVE)

@@ -135,8 +135,8 @@ class MdTp:
             assert md.held_tokens == first.held_tokens
             assert md.ops.tree.evictable_size() == first.ops.tree.evictable_size()
             assert md.ops.tree.protected_size() == first.ops.tree.protected_size()
-            assert {k: e.status for k, e in md.rooms.rooms.items()} == \
-                {k: e.status for k, e in first.rooms.rooms.items()}
+            assert {k: e.status for k, e in md.table.rooms.items()} == \
+                {k: e.status for k, e in first.table.rooms.items()}
         for md in self.ranks:
             assert conserved(md)
 
@@ -157,7 +157,7 @@ class MdTp:
         raise AssertionError("timed out")
 
     def statuses(self, room):
-        return [getattr(md.rooms.rooms.get(room), "status", None) for md in self.ranks]
+        return [getattr(md.table.rooms.get(room), "status", None) for md in self.ranks]
 
     def settle(self):
         self.step_until(lambda: all(md.held_tokens == 0 for md in self.ranks))
@@ -232,7 +232,7 @@ def test_room_completes_on_every_rank_only_when_every_rank_has_its_heads(kind, k
         assert md0.ops.allocator.available_size() + md0.ops.tree.evictable_size() == free_before
         # a second turn: the same prefix is cached on every rank
         reg2 = c.call("register", 2, ids[:2 * PAGE] + [1, 2, 3], True)
-        assert reg2["cached_tokens"] == 2 * PAGE and [md.rooms.rooms[2].cached_len for md in c.ranks] == [2 * PAGE] * 2
+        assert reg2["cached_tokens"] == 2 * PAGE and [md.table.rooms[2].cached_len for md in c.ranks] == [2 * PAGE] * 2
     finally:
         c.close()
 
@@ -249,8 +249,8 @@ def test_a_failure_on_one_rank_fails_the_room_on_every_rank():
         wrong.send(5, ids, 0, pages)  # rank 1's sender has the wrong layout: rank 1's receiver fails
         c.step_until(lambda: status_values(c, 5)[0] != "pending")
         assert status_values(c, 5) == ["failed", "failed"]
-        assert "layout_mismatch" in md1.rooms.rooms[5].reason
-        assert "a TP rank's WAN slice failed" in md0.rooms.rooms[5].reason
+        assert "layout_mismatch" in md1.table.rooms[5].reason
+        assert "a TP rank's WAN slice failed" in md0.table.rooms[5].reason
         assert md0.wait_ready(5, 0)["status"] == "failed"
         assert md0.counters["rooms_failed"] == md1.counters["rooms_failed"] == 1
         c.settle()  # rank 0's received pages go back too, on both ranks together (step asserts alike)
@@ -351,10 +351,10 @@ def test_expiry_is_rank_zeros_decision_taken_on_every_rank():
     try:
         free_before = md0.ops.allocator.available_size()
         for md in c.ranks:
-            md.rooms.ttl_s = 0.3
+            md.table.ttl_s = 0.3
         c.call("register", 11, list(range(50)), True)
-        c.step_until(lambda: 11 not in md0.rooms.rooms)
-        assert 11 not in md1.rooms.rooms
+        c.step_until(lambda: 11 not in md0.table.rooms)
+        assert 11 not in md1.table.rooms
         c.settle()
         assert md0.ops.allocator.available_size() == free_before
     finally:

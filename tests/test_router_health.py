@@ -18,6 +18,7 @@ from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
 
 from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.machine import IllegalTransition, fold
 from sglang_pdd.router.health import (BackendHealth, Breaker, Drain, Failed, HealthBoard, HealthConfig, Succeeded,
                                       pickable, transition)
 
@@ -25,31 +26,42 @@ CFG = HealthConfig(failure_threshold=2, cooldown_s=10.0)
 TOKEN = "operator-secret-0123456789"
 
 
+def after(state: BackendHealth, *events) -> BackendHealth:
+    state, actions = fold(transition, state, *events, context=(CFG,))
+    assert actions == []  # the breaker's readers read its state
+    return state
+
+
 # ---------------------------------------------------------------------------- state machine
 def test_consecutive_failures_open_the_breaker_and_a_success_in_between_resets_them():
-    s = transition(BackendHealth(), Failed(0.0, "reset"), CFG)
+    s = after(BackendHealth(), Failed(0.0, "reset"))
     assert s.breaker is Breaker.CLOSED and s.failures == 1
-    s = transition(s, Succeeded(1.0), CFG)
+    s = after(s, Succeeded(1.0))
     assert s.failures == 0
-    s = transition(transition(s, Failed(2.0), CFG), Failed(3.0, "refused"), CFG)
+    s = after(s, Failed(2.0), Failed(3.0, "refused"))
     assert s.breaker is Breaker.OPEN and s.opened_at == 3.0 and s.last_error == "refused"
     assert not pickable(s, 12.9, CFG) and pickable(s, 13.0, CFG)  # out for the cooldown, then a trial
 
 
 def test_half_open_trial_closes_on_success_and_reopens_on_failure():
-    opened = transition(transition(BackendHealth(), Failed(0.0), CFG), Failed(0.0), CFG)
-    assert transition(opened, Succeeded(10.0), CFG).breaker is Breaker.CLOSED
-    again = transition(opened, Failed(10.5), CFG)  # one failure in the trial is enough
+    opened = after(BackendHealth(), Failed(0.0), Failed(0.0))
+    assert after(opened, Succeeded(10.0)).breaker is Breaker.CLOSED
+    again = after(opened, Failed(10.5))  # one failure in the trial is enough
     assert again.breaker is Breaker.OPEN and again.opened_at == 10.5
     # while open, more failures do not push the cooldown further out
-    assert transition(opened, Failed(5.0), CFG).opened_at == 0.0
+    assert after(opened, Failed(5.0)).opened_at == 0.0
 
 
 def test_drain_is_the_operators_and_outlives_breaker_changes():
-    s = transition(BackendHealth(), Drain(True), CFG)
-    s = transition(transition(s, Failed(0.0), CFG), Succeeded(1.0), CFG)
+    s = after(BackendHealth(), Drain(True))
+    s = after(s, Failed(0.0), Succeeded(1.0))
     assert s.draining and not pickable(s, 1.0, CFG)
-    assert pickable(transition(s, Drain(False), CFG), 1.0, CFG)
+    assert pickable(after(s, Drain(False)), 1.0, CFG)
+
+
+def test_an_unknown_event_is_illegal_and_changes_nothing():
+    with pytest.raises(IllegalTransition, match="unknown event"):
+        transition(BackendHealth(), Failed, CFG)  # the class, not an event
 
 
 def test_config_is_checked():
@@ -282,11 +294,11 @@ async def _p_done_rld_busy(inflight) -> bool:
 def test_failed_probes_of_a_server_never_seen_up_do_not_open_its_breaker():
     s = BackendHealth()
     for t in range(5):  # the router started before its backends finished loading
-        s = transition(s, Failed(float(t), "connection refused", probe=True), CFG)
+        s = after(s, Failed(float(t), "connection refused", probe=True))
     assert s.breaker is Breaker.CLOSED and s.last_error == "connection refused"
-    s = transition(s, Failed(5.0, "a request failed on it"), CFG)  # requests count regardless
+    s = after(s, Failed(5.0, "a request failed on it"))  # requests count regardless
     assert s.failures == 1
-    s = transition(s, Succeeded(6.0), CFG)
+    s = after(s, Succeeded(6.0))
     for t in (7.0, 8.0):  # once seen up, probes count
-        s = transition(s, Failed(t, "503", probe=True), CFG)
+        s = after(s, Failed(t, "503", probe=True))
     assert s.breaker is Breaker.OPEN

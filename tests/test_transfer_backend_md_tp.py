@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import require_sglang_import
-from sglang_pdd.kv_channel.p_leg import Phase
+from sglang_pdd.kv_channel.wan_binding import BindingPhase
 from sglang_pdd.kv_channel.tp_relayout import TpShard
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
@@ -55,9 +55,9 @@ def test_an_early_destination_holds_pages_only_on_ranks_that_feed_its_md(sender_
     sender = sender_on_rank(rank)
     sender.bind_request(request(pdd_wan_peer="%s:%d" % PEER, pdd_md_tp=md_tp), MlaPool(), 1)
     if holds:
-        assert sender._leg.phase is Phase.DESTINATION_KNOWN and sender._leg.dest == WanDestination(11, PEER, 0, md_tp)
+        assert sender._binding.phase is BindingPhase.DESTINATION_KNOWN and sender._binding.dest == WanDestination(11, PEER, 0, md_tp)
     else:
-        assert sender._leg is None  # no WAN leg on this rank
+        assert sender._binding is None  # no WAN leg on this rank
 
 
 @pytest.mark.parametrize("md_tp,keeps", [(1, False), (2, True)])
@@ -65,9 +65,9 @@ def test_a_late_destination_is_awaited_on_every_rank_and_dropped_where_nothing_i
     sender = sender_on_rank(1)
     sender.bind_request(request(pdd_wan_expected=True), MlaPool(), 1)
     # MD's TP size is not known yet: this rank may have to send
-    assert sender._leg.phase is Phase.AWAITING_DESTINATION
+    assert sender._binding.phase is BindingPhase.AWAITING_DESTINATION
     sender.kv_mgr.wan_destinations.post(11, WanDestination(11, PEER, 0, md_tp))
-    assert sender._leg.live is keeps
-    assert (sender._leg.dest is not None) is keeps
+    assert sender._binding.live is keeps
+    assert (sender._binding.dest is not None) is keeps
     if not keeps:  # let go: the pages are P's again at the next poll, and a repeat is refused (410)
         assert sender.kv_mgr.wan_destinations.stats()["waiting_senders"] == 0

@@ -34,16 +34,21 @@ from typing import Callable, Iterable, Optional
 from sglang_pdd.admission import (AdmissionLimits, AdmissionPolicy, IpNetwork, Ticket,  # noqa: F401 (re-exported)
                                   parse_networks, source_of)
 
+from . import handshake_slot
+from .handshake_slot import SlotPhase
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # how often the accept loop checks handshake deadlines
 _BACKOFF_S = 0.05  # after a failed thread start
 _LOG_EVERY_S = 5.0  # refusals are logged at most this often (a flood must not flood the log)
+_PASSED, _SERVE_ENDED = handshake_slot.HandshakePassed(), handshake_slot.ServeEnded()
 
 
 class Slot:
     """One accepted connection: ``handshake`` -> ``authenticated``, or -> ``expired`` (the
-    deadline cut it off) or ``failed`` (``serve`` returned without authenticating)."""
+    deadline cut it off) or ``failed`` (``serve`` returned without authenticating); the course
+    is handshake_slot.py's machine."""
 
     def __init__(self, sock: socket.socket, addr, deadline: float,
                  on_leave: Optional[Callable[["Slot", bool], None]] = None, ticket: Optional[Ticket] = None):
@@ -51,37 +56,44 @@ class Slot:
         self.addr = addr
         self.peer = f"{addr[0]}:{addr[1]}"
         self.deadline = deadline
-        self.state = "handshake"
+        self.slot_state = handshake_slot.SlotState(deadline)  # changed only by _step
         self.ticket = ticket
         self._on_leave = on_leave  # the acceptor's: frees the handshake slot, once
         self._lock = threading.Lock()
 
     @property
-    def handshaking(self) -> bool:
-        return self.state == "handshake"
+    def state(self) -> str:
+        return self.slot_state.phase.value
 
-    def _leave(self, new_state: str, now: Optional[float] = None) -> bool:
+    @property
+    def handshaking(self) -> bool:
+        return self.slot_state.phase is SlotPhase.HANDSHAKE
+
+    def _step(self, event: handshake_slot.Event) -> bool:
+        """The slot's one way to change; True when it left its handshake now."""
         with self._lock:
-            if self.state != "handshake" or (now is not None and now < self.deadline):
-                return False
-            self.state = new_state
-        if self._on_leave is not None:
-            self._on_leave(self, new_state == "authenticated")
-        return True
+            self.slot_state, actions = handshake_slot.transition(self.slot_state, event)
+        for action in actions:  # at most one LeaveHandshake, ever
+            if self._on_leave is not None:
+                self._on_leave(self, action.authenticated)
+        return bool(actions)
 
     def authenticated(self) -> bool:
         """The handshake passed: no longer subject to its deadline. False if the deadline
         already cut the connection off (the caller should then stop)."""
-        self._leave("authenticated")
-        return self.state == "authenticated"
+        self._step(_PASSED)
+        return self.slot_state.phase is SlotPhase.AUTHENTICATED
 
     @property
     def expired(self) -> bool:
         """The handshake deadline cut this connection off."""
-        return self.state == "expired"
+        return self.slot_state.phase is SlotPhase.EXPIRED
 
     def _expire(self, now: float) -> bool:
-        return self._leave("expired", now)  # authenticated() now answers False
+        return self._step(handshake_slot.DeadlineChecked(now))  # authenticated() now answers False
+
+    def _failed(self) -> bool:
+        return self._step(_SERVE_ENDED)
 
     def shutdown(self) -> None:
         try:
@@ -207,7 +219,7 @@ class Acceptor:
         try:
             self._start_thread(thread)
         except RuntimeError as e:  # "can't start new thread": keep accepting, just not this one
-            slot._leave("failed")
+            slot._failed()
             with self._lock:
                 self._slots.discard(slot)
                 self._threads.discard(thread)
@@ -226,7 +238,7 @@ class Acceptor:
         except Exception:  # the owner's serve should not raise; never let it go unnoticed
             logger.exception("%s: error serving %s", self.name, slot.peer)
         finally:
-            slot._leave("failed")  # serve returned still in its handshake (refused peer)
+            slot._failed()  # serve returned still in its handshake (refused peer)
             with self._lock:
                 self._slots.discard(slot)
             try:

@@ -1,5 +1,5 @@
 """P's WAN room (one request's KV to MD, sglang_glue/wan_fanout.py) as an explicit state
-machine (pure; the house model is router/lifecycle.py).
+machine (pure; on the machine kit, sglang_pdd/machine.py).
 
 ``transition(state, event) -> (state, actions)`` decides every change of the room; WanFanout
 is the I/O shell that feeds it events from the scheduler thread (pages offered, the request
@@ -46,8 +46,10 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from sglang_pdd.machine import IllegalTransition, table_machine
 
-class FanoutRoomError(RuntimeError):
+
+class FanoutRoomError(IllegalTransition):
     """An event that is illegal in the room's current state."""
 
 
@@ -63,7 +65,7 @@ class Phase(str, enum.Enum):
         return self in (Phase.CANCELLED, Phase.FAILED)
 
 
-class CopySlot(str, enum.Enum):
+class CopyHold(str, enum.Enum):
     IDLE = "idle"
     QUEUED = "queued"  # on the copy thread's queue
     COPYING = "copying"  # the copy thread reads the room's pages now
@@ -133,7 +135,7 @@ class QueueCopy:
 
 
 @dataclass(frozen=True)
-class AbortLegs:
+class AbortSendRooms:
     """Abort every leg's room on its sender: every MD rank's room fails, none is ready
     without the others."""
 
@@ -143,7 +145,7 @@ class AllSent:
     """Every leg's TRANSFER_END is with its sender (a room finished on P's side)."""
 
 
-Action = Union[QueueCopy, AbortLegs, AllSent]
+Action = Union[QueueCopy, AbortSendRooms, AllSent]
 
 
 # ---------------------------------------------------------------------------------- state
@@ -151,7 +153,7 @@ Action = Union[QueueCopy, AbortLegs, AllSent]
 class FanoutRoom:
     legs: int  # MD ranks this room goes to
     phase: Phase = Phase.RECEIVING
-    copy: CopySlot = CopySlot.IDLE
+    copy: CopyHold = CopyHold.IDLE
     pages_offered: int = 0
     legs_ended: int = 0  # TRANSFER_ENDs handed to the senders
     reason: Optional[DropReason] = None
@@ -171,21 +173,13 @@ class FanoutRoom:
         """After RequestEnded: whether P may free the request's pages — every page copied,
         or the room dropped and no copy reading them."""
         if self.dropped:
-            return self.copy is CopySlot.IDLE
+            return self.copy is CopyHold.IDLE
         return self.phase is not Phase.RECEIVING and copy_done
 
 
 Result = tuple[FanoutRoom, list]
-_QUEUE_COPY, _ABORT_LEGS, _ALL_SENT = QueueCopy(), AbortLegs(), AllSent()
+_QUEUE_COPY, _ABORT_SEND_ROOMS, _ALL_SENT = QueueCopy(), AbortSendRooms(), AllSent()
 INCOMPLETE_DETAIL = "P's request ended before all of its KV was produced"
-
-
-def transition(room: FanoutRoom, event: Event) -> Result:
-    """The room's one transition function. Raises FanoutRoomError for an illegal event."""
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
-        raise FanoutRoomError(f"unknown event {event!r}")
-    return handler(room, event)
 
 
 def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
@@ -197,23 +191,23 @@ def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
     if e.last:
         phase = Phase.SENT if r.legs_ended == r.legs else Phase.OFFERED
     r = replace(r, phase=phase, pages_offered=r.pages_offered + e.count)
-    if r.copy is CopySlot.IDLE:
-        return replace(r, copy=CopySlot.QUEUED), [_QUEUE_COPY]
+    if r.copy is CopyHold.IDLE:
+        return replace(r, copy=CopyHold.QUEUED), [_QUEUE_COPY]
     return r, []  # the copy thread takes the new pages on this round or the next
 
 
 def _copy_taken(r: FanoutRoom, e: CopyTaken) -> Result:
-    if r.copy is not CopySlot.QUEUED:
+    if r.copy is not CopyHold.QUEUED:
         raise FanoutRoomError(f"copy taken, but the room is {r.copy.value}")
-    return replace(r, copy=CopySlot.COPYING if e.has_work and not r.dropped else CopySlot.IDLE), []
+    return replace(r, copy=CopyHold.COPYING if e.has_work and not r.dropped else CopyHold.IDLE), []
 
 
 def _copy_ended(r: FanoutRoom, e: CopyEnded) -> Result:
-    if r.copy is not CopySlot.COPYING:
+    if r.copy is not CopyHold.COPYING:
         raise FanoutRoomError(f"copy ended, but the room is {r.copy.value}")
     if e.more_ready and not r.dropped:
-        return replace(r, copy=CopySlot.QUEUED), [_QUEUE_COPY]
-    return replace(r, copy=CopySlot.IDLE), []
+        return replace(r, copy=CopyHold.QUEUED), [_QUEUE_COPY]
+    return replace(r, copy=CopyHold.IDLE), []
 
 
 def _leg_ended(r: FanoutRoom, e: LegEnded) -> Result:
@@ -248,8 +242,12 @@ def _fail(r: FanoutRoom, e: Fail) -> Result:
 def _drop(r: FanoutRoom, reason: DropReason, detail: str, leg_failure: str = "") -> Result:
     if r.dropped:
         return r, []  # the first reason stands
-    return replace(r, phase=reason.phase, reason=reason, detail=detail, leg_failure=leg_failure), [_ABORT_LEGS]
+    return replace(r, phase=reason.phase, reason=reason, detail=detail, leg_failure=leg_failure), [_ABORT_SEND_ROOMS]
 
 
 _HANDLERS = {PagesOffered: _pages_offered, CopyTaken: _copy_taken, CopyEnded: _copy_ended, LegEnded: _leg_ended,
              RequestEnded: _request_ended, Cancel: _cancel, Fail: _fail}
+# No terminal state for the kit: a dropped room still tracks the copy thread's hold on its pages
+# (P frees them only once no copy reads them); each handler says what a dropped room ignores.
+transition = table_machine(_HANDLERS, error=FanoutRoomError, noun="room")
+transition.__doc__ = """The room's one transition function. Raises FanoutRoomError for an illegal event."""

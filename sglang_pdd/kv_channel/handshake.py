@@ -53,7 +53,7 @@ from sglang_pdd.shared_key import MIN_KEY_BYTES
 NONCE_BYTES = 32
 
 
-class AuthError(Exception):
+class HandshakeError(Exception):
     """The peer failed to authenticate (wrong key, or not speaking the protocol)."""
 
 
@@ -186,19 +186,19 @@ def client_handshake(
     reader: Optional[FrameReader] = None,
 ) -> SecureStream:
     """Authenticate to a server; from then on ``reader`` (made here if not given)
-    verifies the server's frames. Raises AuthError (or ProtocolError, OSError)."""
+    verifies the server's frames. Raises HandshakeError (or ProtocolError, OSError)."""
     reader = reader if reader is not None else FrameReader(sock)
     hello = Hello(name, session_id, stream_index, num_streams, os.urandom(NONCE_BYTES))
     send_frame(sock, hello)
     msg, _ = reader.read_message()
     if isinstance(msg, Error):
-        raise AuthError(f"server refused: {msg.reason}: {msg.detail}")
+        raise HandshakeError(f"server refused: {msg.reason}: {msg.detail}")
     if not isinstance(msg, HelloChallenge):
-        raise AuthError(f"expected HELLO_CHALLENGE, got {type(msg).__name__}")
+        raise HandshakeError(f"expected HELLO_CHALLENGE, got {type(msg).__name__}")
     binding = tls_binding(sock)
     transcript = _transcript(hello, msg.peer_name, msg.nonce, binding)
     if not hmac.compare_digest(msg.mac, _proof(key, b"server", transcript)):
-        raise AuthError(f"server {msg.peer_name!r} failed to prove the shared key"
+        raise HandshakeError(f"server {msg.peer_name!r} failed to prove the shared key"
                         + (" on this TLS connection" if binding else ""))
     send_frame(sock, HelloAuth(_proof(key, b"client", transcript)))
     c2s, s2c = derive_frame_keys(key, transcript)
@@ -207,15 +207,15 @@ def client_handshake(
         reply, _ = reader.read_message()
     except (ProtocolError, ConnectionClosed) as e:
         # A refusal is an unauthenticated ERROR and a close: it cannot pass the tag check.
-        raise AuthError(f"server {msg.peer_name!r} did not accept our proof: {e}") from None
+        raise HandshakeError(f"server {msg.peer_name!r} did not accept our proof: {e}") from None
     if not isinstance(reply, HelloOk):
-        raise AuthError(f"expected HELLO_OK, got {type(reply).__name__}")
+        raise HandshakeError(f"expected HELLO_OK, got {type(reply).__name__}")
     return SecureStream(msg.peer_name, hello, None if binding else FrameMac(c2s), reader.mac)
 
 
 def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameReader) -> SecureStream:
     """Authenticate a client; from then on ``reader`` verifies its frames.
-    Raises AuthError or ProtocolError."""
+    Raises HandshakeError or ProtocolError."""
     hello, _ = reader.read_message()
     if not isinstance(hello, Hello):
         raise ProtocolError(f"expected HELLO as first frame, got {type(hello).__name__}")
@@ -233,7 +233,7 @@ def server_handshake(sock: socket.socket, key: bytes, name: str, reader: FrameRe
             send_frame(sock, Error(-1, "auth", "HMAC check failed"))
         except OSError:
             pass
-        raise AuthError(f"peer {hello.peer_name!r} failed HMAC authentication")
+        raise HandshakeError(f"peer {hello.peer_name!r} failed HMAC authentication")
     c2s, s2c = derive_frame_keys(key, transcript)
     stream = SecureStream(hello.peer_name, hello, *((None, None) if binding else (FrameMac(s2c), FrameMac(c2s))))
     reader.mac = stream.recv_mac

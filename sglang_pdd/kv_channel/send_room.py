@@ -1,5 +1,4 @@
-"""One room on the WAN sender as an explicit state machine (pure; the house model is
-router/lifecycle.py).
+"""One room on the WAN sender as an explicit state machine (pure; on the machine kit, sglang_pdd/machine.py).
 
 ``transition(state, event) -> (state, actions)`` decides every change of a room's
 ``RoomState``; wan_sender.py is the I/O shell that turns producer calls, session changes,
@@ -32,10 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Union
 
+from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
+
 from .states import FailureReason, RoomState
 
 
-class SendRoomError(RuntimeError):
+class SendRoomError(IllegalTransition):
     """An event that is illegal in the room's current state."""
 
 
@@ -111,18 +112,6 @@ Result = tuple[SendRoom, list]
 _SETTLED = Settled()
 
 
-def transition(room: SendRoom, event: Event) -> Result:
-    """The room's one transition function. Raises SendRoomError for an illegal event."""
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
-        raise SendRoomError(f"unknown event {event!r}")
-    if room.state.is_terminal:
-        if isinstance(event, (Ack, Fail)):
-            return room, []  # a late reply or failure: the room already ended
-        raise SendRoomError(f"{type(event).__name__} after the room ended ({room.state.name})")
-    return handler(room, event)
-
-
 def _session_up(r: SendRoom, e: SessionUp) -> Result:
     if r.state is not RoomState.BOOTSTRAPPING:
         raise SendRoomError(f"session up, but the room is {r.state.name}")
@@ -164,3 +153,10 @@ def _fail(r: SendRoom, e: Fail) -> Result:
 
 
 _HANDLERS = {SessionUp: _session_up, ChunkQueued: _chunk_queued, EndQueued: _end_queued, Ack: _ack, Fail: _fail}
+# Replies and failures race with the end (a NACK after the watchdog failed the room, an ACK after
+# an abort): ignored there. The producer's and the session's events after the end are bugs.
+_AFTER_END = {Ack: IGNORE, Fail: IGNORE}
+
+transition = table_machine(_HANDLERS, error=SendRoomError, status="state",
+                           terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end=_AFTER_END, noun="room")
+transition.__doc__ = """The room's one transition function. Raises SendRoomError for an illegal event."""

@@ -7,7 +7,8 @@ Sender side (send_room.py, its state machine):
                BOOTSTRAPPING (streams not connected yet) -> WAITING_FOR_INPUT (ready,
                no chunk queued yet) -> TRANSFERRING (chunks queued / END sent, no ACK yet)
                -> SUCCESS (receiver verified every chunk) | FAILED.
-Receiver side: WAITING_FOR_INPUT (room registered, nothing arrived) -> TRANSFERRING
+Receiver side (recv_room.py, its state machine): WAITING_FOR_INPUT (room registered,
+               nothing arrived) -> TRANSFERRING
                (BEGIN or a chunk arrived) -> SUCCESS (all chunks verified) | FAILED.
 FAILED always comes with a reason (a ``FailureReason`` value) and a detail string.
 """

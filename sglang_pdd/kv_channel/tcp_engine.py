@@ -52,7 +52,7 @@ import threading
 from typing import Optional, Sequence
 
 from .acceptor import Acceptor, AdmissionLimits, Slot
-from .handshake import AuthError, check_key, client_handshake, server_handshake
+from .handshake import HandshakeError, check_key, client_handshake, server_handshake
 from .wan_sender import tune_socket
 from .wire import (
     ConnectionClosed,
@@ -343,7 +343,7 @@ class TcpTransferEngine:
         try:
             try:
                 conn = self._checkout(peer, peer_addr)
-            except (OSError, AuthError, ProtocolError) as e:
+            except (OSError, HandshakeError, ProtocolError) as e:
                 logger.warning("%s: %s to %s failed: cannot connect: %s", self.name, what, session_id, _describe(e))
                 return ERR_CONNECT
             total = sum(n for _, _, n in writes)
@@ -445,8 +445,8 @@ class TcpTransferEngine:
             try:
                 secure = server_handshake(sock, self.key, self.name, reader)
                 if not slot.authenticated():
-                    raise AuthError(f"handshake took longer than {self.connect_timeout}s")
-            except (AuthError, ConnectionClosed, OSError) as e:
+                    raise HandshakeError(f"handshake took longer than {self.connect_timeout}s")
+            except (HandshakeError, ConnectionClosed, OSError) as e:
                 logger.warning("%s: refused peer %s: authentication failed: %s", self.name, peer,
                                "handshake deadline passed" if slot.expired else e)
                 return

@@ -54,8 +54,9 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from . import recv_room
 from .acceptor import Acceptor, AdmissionLimits, Slot
-from .handshake import AuthError, check_key, server_handshake
+from .handshake import HandshakeError, check_key, server_handshake
 from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest
 from .states import FailureReason, RoomState, RoomQueries
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
@@ -81,6 +82,7 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 WriteFn = Callable[[int, int, int, int, memoryview], None]
+_DATA_ARRIVED, _ALL_VERIFIED = recv_room.DataArrived(), recv_room.AllVerified()
 MAX_QUEUED_REPLIES = 4096  # per stream; more means the peer is not reading them
 
 
@@ -118,9 +120,7 @@ class _Room:
     dest_write: Optional[WriteFn]
     expected_digest: bytes
     deadline: Optional[float]
-    state: RoomState = RoomState.WAITING_FOR_INPUT
-    reason: str = ""
-    detail: str = ""
+    status: recv_room.RecvStatus = recv_room.RecvStatus()  # changed only by _step (recv_room.py)
     parts: dict = field(default_factory=dict)  # slice index -> _Part
     slice_count: Optional[int] = None  # from the first BEGIN; all must agree
     writers: int = 0  # reader threads currently writing into the destination
@@ -130,6 +130,19 @@ class _Room:
     @property
     def sessions(self) -> set:
         return {p.session for p in self.parts.values()}
+
+    # What RoomQueries reads.
+    @property
+    def state(self) -> RoomState:
+        return self.status.state
+
+    @property
+    def reason(self) -> str:
+        return self.status.reason
+
+    @property
+    def detail(self) -> str:
+        return self.status.detail
 
 
 def _row_range(offset: int, width: int) -> str:
@@ -373,8 +386,8 @@ class WanKvReceiver(RoomQueries):
                 reader = FrameReader(conn.sock, self.max_header_bytes, self.max_payload_bytes)
                 secure = server_handshake(conn.sock, self.key, self.name, reader)
                 if not slot.authenticated():
-                    raise AuthError(f"handshake took longer than {self.handshake_timeout}s")
-            except (AuthError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
+                    raise HandshakeError(f"handshake took longer than {self.handshake_timeout}s")
+            except (HandshakeError, ProtocolError, ConnectionClosed, OSError, ssl.SSLError) as e:
                 with self._cv:
                     self.counters["auth_failures"] += 1
                 logger.warning("refused peer %s: authentication failed: %s", conn.peer,
@@ -572,7 +585,7 @@ class WanKvReceiver(RoomQueries):
                 return
             entry.slice_count = count
             part.begin = msg
-            entry.state = RoomState.TRANSFERRING
+            self._step(entry, _DATA_ARRIVED)
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
@@ -589,7 +602,7 @@ class WanKvReceiver(RoomQueries):
                 self._post(conn, Error(msg.room, "duplicate", "TRANSFER_END received twice"))
                 return
             part.end = msg
-            entry.state = RoomState.TRANSFERRING
+            self._step(entry, _DATA_ARRIVED)
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
@@ -644,7 +657,7 @@ class WanKvReceiver(RoomQueries):
         part.indices.add(msg.index)
         region[:] = True
         entry.writers += 1
-        entry.state = RoomState.TRANSFERRING
+        self._step(entry, _DATA_ARRIVED)
         return entry, part
 
     def _check_chunk(self, entry: _Room, part: _Part, msg: Chunk, plen: int) -> str:
@@ -719,9 +732,7 @@ class WanKvReceiver(RoomQueries):
             self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"the {len(parts)} slices cover {covered} of "
                             f"{entry.layout.token_bytes} bytes of each token row", tell_peer=True, conn=conn)
             return
-        entry.state = RoomState.SUCCESS
-        entry.done.set()
-        self._cv.notify_all()
+        self._step(entry, _ALL_VERIFIED)
         logger.debug("room %s: all chunks of %d slice(s) verified", entry.room, len(parts))
         for p in parts:
             reply_to = self._conn_of(p.session, conn)
@@ -739,14 +750,20 @@ class WanKvReceiver(RoomQueries):
         if entry.state.is_terminal:
             return
         logger.warning("room %s: receive failed: %s (%s)", entry.room, reason, detail)
-        entry.state, entry.reason, entry.detail = RoomState.FAILED, reason, detail
-        entry.done.set()
-        self._cv.notify_all()
-        if tell_peer:
-            for session in entry.sessions | ({conn.session} if conn is not None and conn.session else set()):
-                reply_to = self._conn_of(session, conn)
-                if reply_to is not None:
-                    self._post(reply_to, Nack(entry.room, reason, detail))
+        self._step(entry, recv_room.ReceiveFailed(reason, detail, tell_peer), conn)
+
+    def _step(self, entry: _Room, event: recv_room.Event, conn: Optional[_Conn] = None) -> None:
+        """The room's one way to change (called with the lock held): the transition, then its actions."""
+        entry.status, actions = recv_room.transition(entry.status, event)
+        for action in actions:
+            if isinstance(action, recv_room.WakeWaiters):
+                entry.done.set()
+                self._cv.notify_all()
+            elif isinstance(action, recv_room.NackSenders):
+                for session in entry.sessions | ({conn.session} if conn is not None and conn.session else set()):
+                    reply_to = self._conn_of(session, conn)
+                    if reply_to is not None:
+                        self._post(reply_to, Nack(entry.room, action.reason, action.detail))
 
     def _post(self, conn: _Conn, msg) -> None:
         """Queue a reply (called with the lock held); sent by the connection's reader thread

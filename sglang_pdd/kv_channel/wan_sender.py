@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .handshake import AuthError, SecureStream, check_key, client_handshake
+from .handshake import HandshakeError, SecureStream, check_key, client_handshake
 from . import send_room
 from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, RowSlice, TransferPlan, token_digest
 from .states import FailureReason, RoomState, RoomQueries
@@ -432,7 +432,7 @@ class WanKvSender(RoomQueries):
     def _run_stream(self, s: _Session, stream: _Stream) -> None:
         try:
             sock, frame_reader = self._connect_stream(s, stream)
-        except AuthError as e:
+        except HandshakeError as e:
             with self._cv:
                 self._kill_session(s, FailureReason.AUTH, f"stream {stream.index}: {e}")
             return

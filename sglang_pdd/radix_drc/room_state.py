@@ -1,4 +1,4 @@
-"""The life of one MD room as an explicit state machine (pure; the house model is router/lifecycle.py).
+"""The life of one MD room as an explicit state machine (pure; on the machine kit, sglang_pdd/machine.py).
 
 ``transition(state, event) -> (state, actions)`` is the only place a room's course is decided;
 radix_drc/rooms.py (the room table on the radix tree) performs the actions on the tree, and
@@ -33,8 +33,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 
-class IllegalRoomEvent(ValueError):
+
+class IllegalRoomEvent(IllegalTransition):
     """An event that is illegal in the room's current phase; the room is unchanged."""
 
 
@@ -166,16 +168,6 @@ class MdRoomState:
 Result = tuple[MdRoomState, list]
 
 
-def transition(state: MdRoomState, event: Event) -> Result:
-    """The room's one transition function. Raises IllegalRoomEvent for an illegal event."""
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
-        raise IllegalRoomEvent(f"unknown event {event!r}")
-    if state.phase is Phase.NEW and not isinstance(event, Registered):
-        raise IllegalRoomEvent(f"{type(event).__name__} before the room was registered")
-    return handler(state, event)
-
-
 def _illegal(state: MdRoomState, event: Event) -> IllegalRoomEvent:
     return IllegalRoomEvent(f"{type(event).__name__} in phase {state.phase.value}")
 
@@ -187,8 +179,6 @@ def _registered(s: MdRoomState, e: Registered) -> Result:
 
 
 def _kv_landed(s: MdRoomState, e: KvLanded) -> Result:
-    if s.phase.terminal:
-        return s, []  # released meanwhile: the KV goes with the room
     if s.phase is Phase.LANDING:
         return replace(s, phase=Phase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
     if s.phase is Phase.LANDING_KEPT:  # nobody will hand off: cached, unlocked, gone
@@ -197,8 +187,6 @@ def _kv_landed(s: MdRoomState, e: KvLanded) -> Result:
 
 
 def _failed(s: MdRoomState, e: Failed) -> Result:
-    if s.phase.terminal:
-        return s, []
     if s.phase is Phase.LANDING:
         return replace(s, phase=Phase.FAILED, failure=e.failure), [_UNLOCK]
     if s.phase is Phase.LANDING_KEPT:
@@ -213,19 +201,28 @@ def _handed_off(s: MdRoomState, e: HandedOff) -> Result:
 
 
 def _released(s: MdRoomState, e: Released) -> Result:
-    if s.phase.terminal:
-        return s, []
     if s.phase.landing and e.keep_kv:
         return replace(s, phase=Phase.LANDING_KEPT), []
     return replace(s, phase=Phase.RELEASED), list(_GONE)
 
 
 def _expired(s: MdRoomState, e: Expired) -> Result:
-    if s.phase.terminal:
-        return s, []
     failure = TIMED_OUT if s.phase.landing else s.failure
     return replace(s, phase=Phase.EXPIRED, failure=failure), list(_GONE)
 
 
 _HANDLERS = {Registered: _registered, KvLanded: _kv_landed, Failed: _failed, HandedOff: _handed_off,
              Released: _released, Expired: _expired}
+# Late events after the end change nothing: a WAN outcome of a released room (its KV goes with
+# the room), a second release or expiry. A handoff or a registration there is illegal.
+_AFTER_END = {KvLanded: IGNORE, Failed: IGNORE, Released: IGNORE, Expired: IGNORE}
+
+
+def _guard(s: MdRoomState, e: Event) -> None:
+    if s.phase is Phase.NEW and type(e) is not Registered:
+        raise IllegalRoomEvent(f"{type(e).__name__} before the room was registered")
+
+
+transition = table_machine(_HANDLERS, error=IllegalRoomEvent, terminal=(Phase.RELEASED, Phase.EXPIRED),
+                           after_end=_AFTER_END, guard=_guard, noun="room")
+transition.__doc__ = """The room's one transition function. Raises IllegalRoomEvent for an illegal event."""

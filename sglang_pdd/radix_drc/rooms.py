@@ -73,7 +73,7 @@ class DrcRoom:
     room: int
     token_ids: tuple[int, ...]
     cached_len: int
-    state: MdRoomState = MdRoomState()  # changed only by DrcRooms, through room_state.transition
+    state: MdRoomState = MdRoomState()  # changed only by DrcRoomTable, through room_state.transition
     locks: list = field(default_factory=list)
 
     @property
@@ -115,7 +115,7 @@ _STATUS = {Phase.NEW: RoomStatus.PENDING, Phase.LANDING: RoomStatus.PENDING, Pha
            Phase.READY: RoomStatus.READY, Phase.HANDED_OFF: RoomStatus.READY, Phase.FAILED: RoomStatus.FAILED}
 
 
-class DrcRooms:
+class DrcRoomTable:
     def __init__(self, tree: TreeOps, ttl_s: float = 60.0, max_rooms: int = 4096, page_size: int = 1,
                  remember_released: int = 4096):
         self.tree = tree

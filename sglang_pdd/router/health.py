@@ -23,6 +23,8 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterable
 
+from sglang_pdd.machine import IllegalTransition, table_machine
+
 
 class Breaker(str, enum.Enum):
     CLOSED = "closed"
@@ -69,6 +71,11 @@ class Drain:
 
 
 Event = Failed | Succeeded | Drain
+Result = tuple[BackendHealth, list]
+
+
+class IllegalHealthEvent(IllegalTransition):
+    """An event the breaker does not know."""
 
 
 def settle(state: BackendHealth, now: float, cfg: HealthConfig) -> BackendHealth:
@@ -78,20 +85,31 @@ def settle(state: BackendHealth, now: float, cfg: HealthConfig) -> BackendHealth
     return state
 
 
-def transition(state: BackendHealth, event: Event, cfg: HealthConfig) -> BackendHealth:
-    if isinstance(event, Drain):
-        return replace(state, draining=event.draining)
+def _drain(state: BackendHealth, event: Drain, cfg: HealthConfig) -> Result:
+    return replace(state, draining=event.draining), []
+
+
+def _succeeded(state: BackendHealth, event: Succeeded, cfg: HealthConfig) -> Result:
+    return replace(settle(state, event.now, cfg), breaker=Breaker.CLOSED, failures=0, seen_up=True), []
+
+
+def _failed(state: BackendHealth, event: Failed, cfg: HealthConfig) -> Result:
     state = settle(state, event.now, cfg)
-    if isinstance(event, Succeeded):
-        return replace(state, breaker=Breaker.CLOSED, failures=0, seen_up=True)
     if event.probe and not state.seen_up:  # still starting, as far as the router knows
-        return replace(state, last_error=event.error)
+        return replace(state, last_error=event.error), []
     if state.breaker is Breaker.OPEN:  # already out: a further failure does not extend the cooldown
-        return replace(state, last_error=event.error or state.last_error)
+        return replace(state, last_error=event.error or state.last_error), []
     failures = state.failures + 1
     if state.breaker is Breaker.HALF_OPEN or failures >= cfg.failure_threshold:
-        return replace(state, breaker=Breaker.OPEN, failures=0, opened_at=event.now, last_error=event.error)
-    return replace(state, failures=failures, last_error=event.error)
+        return replace(state, breaker=Breaker.OPEN, failures=0, opened_at=event.now, last_error=event.error), []
+    return replace(state, failures=failures, last_error=event.error), []
+
+
+# No terminal state: a breaker cycles for as long as the router runs. No actions either: the
+# board's readers (pick, /health, metrics) read the state.
+transition = table_machine({Drain: _drain, Succeeded: _succeeded, Failed: _failed}, error=IllegalHealthEvent,
+                           noun="breaker")
+transition.__doc__ = """``transition(state, event, cfg) -> (state, [])``; IllegalHealthEvent for an unknown event."""
 
 
 def pickable(state: BackendHealth, now: float, cfg: HealthConfig) -> bool:
@@ -107,7 +125,7 @@ class HealthBoard:
         self.states: dict[Hashable, BackendHealth] = {}
 
     def record(self, key: Hashable, event: Event) -> BackendHealth:
-        state = transition(self.states.get(key, BackendHealth()), event, self.cfg)
+        state, _ = transition(self.states.get(key, BackendHealth()), event, self.cfg)
         self.states[key] = state
         return state
 

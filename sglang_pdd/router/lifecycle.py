@@ -68,11 +68,12 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from sglang_pdd.handoff.policy import HandoffConfig, next_catch_up_batch
+from sglang_pdd.machine import IllegalTransition, table_machine
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.policy import Path
 
 
-class LifecycleError(RuntimeError):
+class LifecycleError(IllegalTransition):
     """An event that is illegal in the request's current state."""
 
 
@@ -381,24 +382,6 @@ def relay_finished_request(state: State, produced: int, finish: dict) -> bool:
 Result = tuple[State, list]
 
 
-def transition(state: State, event: Event) -> Result:
-    """The request's one transition function. Raises LifecycleError for an illegal event."""
-    phase = state.phase
-    if phase in _TERMINAL:
-        late = _AFTER_END.get(type(event))
-        if late is None:
-            raise LifecycleError(f"{type(event).__name__} after the request ended ({phase.value})")
-        return late(state, event)
-    if type(event) is Ended:
-        raise LifecycleError(f"the request ended in phase {phase.value}")
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
-        raise LifecycleError(f"unknown event {event!r}")
-    if phase is Phase.STARTING and not isinstance(event, (PathChosen, Timeout, ClientDisconnected, Broken)):
-        raise LifecycleError(f"{type(event).__name__} before the path was chosen")
-    return handler(state, event)
-
-
 def _path_chosen(s: State, e: PathChosen) -> Result:
     if s.phase is not Phase.STARTING:
         raise LifecycleError("the path was already chosen")
@@ -595,3 +578,18 @@ _HANDLERS = {PathChosen: _path_chosen, RelayTokens: _relay_tokens, RelayFailed: 
 # before the end (then there is nothing to withdraw), a reply found broken while the last
 # actions ran (the request failed after all), and the shell's cleanup.
 _AFTER_END = {DestinationDelivered: _destination_delivered, Broken: _broken, Ended: _ended}
+
+
+_BEFORE_PATH = (PathChosen, Timeout, ClientDisconnected, Broken)
+
+
+def _guard(s: State, e: Event) -> None:
+    if type(e) is Ended:
+        raise LifecycleError(f"the request ended in phase {s.phase.value}")
+    if s.phase is Phase.STARTING and not isinstance(e, _BEFORE_PATH):
+        raise LifecycleError(f"{type(e).__name__} before the path was chosen")
+
+
+transition = table_machine(_HANDLERS, error=LifecycleError, terminal=_TERMINAL, after_end=_AFTER_END, guard=_guard,
+                           noun="request")
+transition.__doc__ = """The request's one transition function. Raises LifecycleError for an illegal event."""

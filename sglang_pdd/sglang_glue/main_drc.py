@@ -1,7 +1,7 @@
 """MD (``--pdd-role main``): WAN KV lands in SGLang's own radix cache, which is MD's DRC.
 
 Runs inside MD's scheduler process. Three pieces:
-* ``SglangTreeOps`` — DrcRooms' TreeOps on SGLang's radix cache (match, lock, reserve pool
+* ``SglangTreeOps`` — DrcRoomTable' TreeOps on SGLang's radix cache (match, lock, reserve pool
   pages, ingest = insert the landed pages under the prompt's token ids, page-aligned);
 * ``MainDrcRuntime`` — a façade over the WAN receiver, this rank's rooms (md_rooms.py; each
   room's course is radix_drc/room_state.py's state machine) and a command queue drained by the
@@ -65,7 +65,7 @@ def held_kv_tokens(allocator) -> int:
 
 
 class SglangTreeOps:
-    """DrcRooms' TreeOps on SGLang's radix cache, plus slot reservation for arriving KV.
+    """DrcRoomTable' TreeOps on SGLang's radix cache, plus slot reservation for arriving KV.
     Scheduler thread only. With page size > 1 the tree holds whole pages: matches are
     page-aligned, and a prompt enters the tree up to its last full page."""
 
@@ -165,7 +165,7 @@ class MainDrcRuntime(MdRoomQueries):
         self.driver = LockstepDriver(self.tp, self.rank_rooms, self.commands)
         # The parts the queries and the control server read (shared objects, not copies).
         rr = self.rank_rooms
-        self.rooms, self.ready_events, self.counters, self.drc_stats = rr.rooms, rr.ready_events, rr.counters, rr.drc_stats
+        self.table, self.ready_events, self.counters, self.drc_stats = rr.table, rr.ready_events, rr.counters, rr.drc_stats
         self.landings, self.budget, self.pages = rr.landings, rr.budget, rr.pages
         self.ingest_mode, self.kv_bytes_per_token = rr.ingest_mode, rr.kv_bytes_per_token
         _RUNTIMES[id(self.ops.allocator)] = self

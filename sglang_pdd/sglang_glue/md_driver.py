@@ -63,7 +63,7 @@ class LockstepDriver:
             if any(op == "register" for op, _ in ops):  # the same on every rank: ops are rank 0's
                 self._agree_on_registrations(ops, results)
             self._agree_on_rooms_and_releases(now)
-            for entry in self.rooms.rooms.expire(now):  # rank 0's clock: the same rooms everywhere
+            for entry in self.rooms.table.expire(now):  # rank 0's clock: the same rooms everywhere
                 self._guarded("expiry", entry.room, lambda room=entry.room: self.rooms.expired(room))
         finally:
             for fut, (ok, value) in zip(futures, results):
@@ -97,7 +97,7 @@ class LockstepDriver:
                 self.rooms.drop_refused(room)
 
     def _agree_on_rooms_and_releases(self, now: float) -> None:
-        pending = self.rooms.rooms.pending()  # the same rooms, in the same order, on every rank
+        pending = self.rooms.table.pending()  # the same rooms, in the same order, on every rank
         releasing = list(self.rooms.pages.releasing)
         states = [self.rooms.poll(entry.room) for entry in pending]
         room_votes = [RoomVote.of(state) for state in states]

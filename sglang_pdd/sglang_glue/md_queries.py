@@ -1,7 +1,7 @@
 """What MD's control threads ask of its rooms without queueing a command: wait until a room is
 ready, turn a handoff into MD's own /generate, whether a cache flush is safe now, DRC stats.
 
-A mixin over the runtime's shared parts (``rooms``: the DrcRooms table, ``ready_events``,
+A mixin over the runtime's shared parts (``rooms``: the DrcRoomTable table, ``ready_events``,
 ``counters``, ...): reads of the scheduler thread's state, plus the one change a control
 thread makes itself, the final handoff, which goes through the room's state machine.
 """
@@ -25,7 +25,7 @@ class MdRoomQueries:
         if event is None:
             raise RoomError(f"unknown room {room}")
         event.wait(timeout)
-        entry = self.rooms.rooms.get(room)
+        entry = self.table.rooms.get(room)
         if entry is None:
             return {"room": room, "status": "failed", "reason": "released or expired"}
         return {"room": room, **entry.report()}
@@ -37,7 +37,7 @@ class MdRoomQueries:
         (protocol.messages). Only the eager tokens cross the WAN; the prompt's ids are the ones
         MD registered. Returns (generate body, stream?). Stale (unknown / not ready) and
         duplicate final handoffs are refused as conflicts (ControlError 409)."""
-        entry = self.rooms.rooms.get(room)
+        entry = self.table.rooms.get(room)
         if entry is None or entry.status is not RoomStatus.READY:
             logger.warning("stale handoff for room %s (%s) ignored", room,
                            "unknown" if entry is None else entry.status.value)
@@ -48,7 +48,7 @@ class MdRoomQueries:
         if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
             with self._handoff_lock:
                 try:
-                    self.rooms.hand_off(room)
+                    self.table.hand_off(room)
                 except RoomError as e:  # a duplicate, or the room ended meanwhile
                     logger.warning("%s ignored", e)
                     raise ControlError.of("conflict", str(e)) from None
@@ -82,7 +82,7 @@ class MdRoomQueries:
     def rooms_by_phase(self) -> dict:
         """How many open rooms are in each phase (radix_drc.room_state.Phase), e.g. {"ready": 2}."""
         counts: dict = {}
-        for entry in list(self.rooms.rooms.values()):  # a control thread: copy, the table may change
+        for entry in list(self.table.rooms.values()):  # a control thread: copy, the table may change
             phase = entry.state.phase.value
             counts[phase] = counts.get(phase, 0) + 1
         return counts
@@ -91,7 +91,7 @@ class MdRoomQueries:
         """DRC hit rate and WAN bytes (radix_drc.stats), room counts, receiver counters."""
         drc = self.drc_stats.as_dict()
         return {**drc, **self.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
-                "open_rooms": len(self.rooms.rooms), "rooms_by_phase": self.rooms_by_phase(),
+                "open_rooms": len(self.table.rooms), "rooms_by_phase": self.rooms_by_phase(),
                 "held_kv_slots": self.held_tokens, "tp_size": self.tp.size,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "wan_receiver": self.receiver.stats()}  # its counters, incl. the acceptor's refusals by kind

@@ -15,7 +15,7 @@ from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig, md_staging_bytes
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
-from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRooms, RoomReleased
+from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRoomTable, RoomReleased
 from sglang_pdd.radix_drc.stats import DrcStats
 from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
 from sglang_pdd.sglang_glue.md_pages import PageReleases
@@ -28,7 +28,7 @@ class RankRooms:
         self.ops, self.receiver, self.tp_size = ops, receiver, tp_size
         self.wan_timeout_s = cfg.wan_timeout_s
         self.ingest_mode = cfg.md_ingest
-        self.rooms = DrcRooms(ops, ttl_s=cfg.wan_timeout_s * 2, page_size=page_size)
+        self.table = DrcRoomTable(ops, ttl_s=cfg.wan_timeout_s * 2, page_size=page_size)
         self.budget = InFlightBudget(md_staging_bytes(cfg.md_staging_mb, getattr(ops.pool, "size", 0),
                                                       ops.pool_layout.bytes_per_token))
         self.pages = PageReleases(receiver, ops.free)
@@ -49,7 +49,7 @@ class RankRooms:
 
     def _register(self, room: int, token_ids: list[int], use_cache: bool, now: float) -> dict:
         try:
-            entry = self.rooms.register(room, token_ids, now, use_cache=use_cache)
+            entry = self.table.register(room, token_ids, now, use_cache=use_cache)
         except RoomReleased:
             self.counters["late_registrations_refused"] = self.counters.get("late_registrations_refused", 0) + 1
             raise
@@ -58,7 +58,7 @@ class RankRooms:
             self.budget.take(room, landing.nbytes)
         except RoomRefused:
             self.counters["rooms_refused"] += 1
-            self.rooms.unregister(room)
+            self.table.unregister(room)
             raise
         try:
             if self.ingest_mode == "staged":
@@ -82,7 +82,7 @@ class RankRooms:
                     self.pages.free_now(landing)
                 else:  # the other ranks may have made it: free with their undo, in step
                     self.unregistered[room] = landing
-            self.rooms.unregister(room)
+            self.table.unregister(room)
             raise
         self.landings[room] = landing
         self.ready_events[room] = threading.Event()
@@ -95,15 +95,15 @@ class RankRooms:
                 "kv_layout": self.ops.pool_layout.to_dict()}
 
     def release(self, room: int, keep_kv: bool = False) -> bool:
-        entry = self.rooms.rooms.get(room)
+        entry = self.table.rooms.get(room)
         if keep_kv and entry is not None and entry.state.phase.landing:
             # The request ended on RLD while its KV was still crossing the WAN: let it land
             # and enter the radix cache, so the session's next turn finds it on MD.
             self.counters["rooms_kept_in_flight"] = self.counters.get("rooms_kept_in_flight", 0) + 1
-            return self.rooms.release(room, keep_pending_kv=True)
+            return self.table.release(room, keep_pending_kv=True)
         self.receiver.abort(room, "released by the router")  # no further writes into its landing
         self._forget_in_receiver(room)
-        released = self.rooms.release(room)
+        released = self.table.release(room)
         self._forget(room)
         return released
 
@@ -111,7 +111,7 @@ class RankRooms:
         """A cache flush is coming: KV landing only to enter the cache (its request ended on
         RLD) is moot, so those rooms go now, as if released without keep_kv. Scheduler thread,
         every TP rank in the same iteration (SGLang hands the flush to every rank)."""
-        kept = self.rooms.kept_for_cache()
+        kept = self.table.kept_for_cache()
         for room in kept:
             self.release(room)
         return len(kept)
@@ -129,7 +129,7 @@ class RankRooms:
             self.budget.give_back(landing.nbytes)
         record = self.pages.queue(room, landing, always=True)
         self.pages.let_go_in_receiver(room, record)
-        self.rooms.unregister(room)
+        self.table.unregister(room)
         self._forget(room)
         self.counters["rooms_registered"] -= 1
         self.counters["rooms_refused"] += 1
@@ -158,7 +158,7 @@ class RankRooms:
             failure = Failure.wan(*self.receiver.failure(room))
         else:
             failure = Failure(FailReason.TP_RANK)
-        self._finish(self.rooms.fail(room, failure))
+        self._finish(self.table.fail(room, failure))
 
     def expired(self, room: int) -> None:
         if room in self.landings:  # expired in flight: stop the receiver's writes first
@@ -173,12 +173,12 @@ class RankRooms:
         if landing.staged is not None:  # staged ingest: copy the room now, on this thread
             slots = self.ops.reserve(landing.num_tokens)
             if slots is None:
-                return self.rooms.fail(room, Failure(FailReason.DRC_FULL,
+                return self.table.fail(room, Failure(FailReason.DRC_FULL,
                                                      f"cannot allocate {landing.num_tokens} KV slots"))
             landing.flush_staged(self.ops.pool, slots)
         else:
             self.pages.hand_to_tree(landing)  # from here the tree (or ingest's frees) owns them
-        return self.rooms.complete(room, landing.slots, now)
+        return self.table.complete(room, landing.slots, now)
 
     def _finish(self, entry: DrcRoom) -> None:
         room = entry.room

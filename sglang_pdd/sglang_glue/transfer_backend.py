@@ -35,8 +35,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, control_names, get_pdd_config,
                                parse_host_port, parse_peer_list)
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
+from sglang_pdd.kv_channel import wan_binding
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
-from sglang_pdd.kv_channel import p_leg
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.tp_relayout import TpShard
@@ -129,11 +129,11 @@ class PddKVSender(MooncakeKVSender):
     The WAN destination is known at bind time (``pdd_wan_peer`` in the request) or comes
     later through P's control API (``pdd_wan_expected``); pages given before it arrives are
     remembered (ids only: P keeps the KV, its release waits for the destination up to
-    ``--pdd-wan-destination-wait-ms``). The leg's state is ``kv_channel/p_leg.py``'s machine;
+    ``--pdd-wan-destination-wait-ms``). The WAN binding's state is ``kv_channel/wan_binding.py``'s machine;
     this class feeds it events and performs its actions.
     """
 
-    _leg: Optional[p_leg.PLeg] = None  # None: this request has no WAN leg on this rank
+    _binding: Optional[wan_binding.WanBinding] = None  # None: this request has no WAN binding on this rank
     _wan_room: Optional[WanRoom] = None
     _token_ids: tuple = ()
     _rid: str = ""
@@ -163,7 +163,7 @@ class PddKVSender(MooncakeKVSender):
         self._wan_lock = threading.Lock()
         self._pending_pages: list = []
         self._token_ids, self._rid, self._page_size = tuple(req.origin_input_ids), req.rid, page_size
-        self._leg = p_leg.bound(dest)
+        self._binding = wan_binding.bound(dest)
         if dest is None:
             posted = mgr.wan_destinations.wait_for(self.bootstrap_room, self._on_destination)
             if posted is not None:
@@ -173,39 +173,39 @@ class PddKVSender(MooncakeKVSender):
         """The router's late destination (or its withdrawal); any thread."""
         with self._wan_lock:
             if value is DROPPED:
-                self._apply(p_leg.Withdrawn())
+                self._apply(wan_binding.Withdrawn())
             elif not self.kv_mgr.wan_fanout.sends_to(value.md_tp):
-                self._apply(p_leg.Withdrawn(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}"))
+                self._apply(wan_binding.Withdrawn(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}"))
             else:
-                self._apply(p_leg.Posted(value))
+                self._apply(wan_binding.Posted(value))
 
-    def _apply(self, event: p_leg.Event) -> list:
-        """(under _wan_lock) The one place the leg's state changes; performs its actions and
+    def _apply(self, event: wan_binding.Event) -> list:
+        """(under _wan_lock) The one place the binding's state changes; performs its actions and
         returns them (a poll reads Hold from them)."""
-        self._leg, actions = p_leg.transition(self._leg, event)
+        self._binding, actions = wan_binding.transition(self._binding, event)
         for action in actions:
-            if isinstance(action, p_leg.OpenRoom):
+            if isinstance(action, wan_binding.OpenRoom):
                 self._open_room()
-            elif isinstance(action, p_leg.AbortRoom):
+            elif isinstance(action, wan_binding.AbortRoom):
                 self.kv_mgr.wan_fanout.abort(self._wan_room, action.why)
-            elif isinstance(action, p_leg.NoLeg):
+            elif isinstance(action, wan_binding.Unbound):
                 logger.info("rid %s: no WAN leg (%s)", self._rid, action.why)
                 self._pending_pages = []
-            elif isinstance(action, p_leg.Forget):
+            elif isinstance(action, wan_binding.ForgetDestination):
                 if self.kv_mgr.wan_destinations is not None:
                     self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
-            elif isinstance(action, p_leg.WaitExpired):
+            elif isinstance(action, wan_binding.WaitExpired):
                 self.kv_mgr.wan_fanout.counters["destination_wait_expired"] += 1
         return actions
 
     def _open_room(self) -> None:
         fanout = self.kv_mgr.wan_fanout
-        self._wan_room = fanout.open_room(self._leg.dest, rid=self._rid, token_ids=self._token_ids,
+        self._wan_room = fanout.open_room(self._binding.dest, rid=self._rid, token_ids=self._token_ids,
                                           first_offered_page=self._rld_prefix_len // self._page_size)
         if self._wan_room is None:
-            self._apply(p_leg.RoomRefused())
+            self._apply(wan_binding.FanoutRefused())
             return
-        self._apply(p_leg.RoomOpened())
+        self._apply(wan_binding.FanoutOpened())
         for pages, event, last in self._pending_pages:
             fanout.offer(self._wan_room, pages, event, last=last)
         self._pending_pages = []
@@ -216,40 +216,40 @@ class PddKVSender(MooncakeKVSender):
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         super().init(num_kv_indices, aux_index)
-        if self._leg is not None:
+        if self._binding is not None:
             with self._wan_lock:
-                self._apply(p_leg.Initialized())
+                self._apply(wan_binding.Initialized())
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         wait_event = self._early_send_wait_event  # super() consumes it
         last = self.curr_idx + len(kv_indices) == self.num_kv_indices
         super().send(kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
-        if self._leg is None:
+        if self._binding is None:
             return
         with self._wan_lock:
-            if self._leg.phase is p_leg.Phase.OPEN:
+            if self._binding.phase is wan_binding.BindingPhase.OPEN:
                 self.kv_mgr.wan_fanout.offer(self._wan_room, kv_indices, indices_event or wait_event, last=last)
-            elif self._leg.live:
+            elif self._binding.live:
                 self._pending_pages.append((kv_indices, indices_event or wait_event, last))
 
     def _poll_with_status(self, check_status) -> KVPoll:
         status = super()._poll_with_status(check_status)
-        if status not in (KVPoll.Success, KVPoll.Failed) or self._leg is None:
+        if status not in (KVPoll.Success, KVPoll.Failed) or self._binding is None:
             return status
         # P frees the pages once this says Success/Failed: hold that until the WAN copy has
         # them, or (bounded) until a promised destination arrives.
         with self._wan_lock:
-            if not self._leg.live:
+            if not self._binding.live:
                 return status
-            holds = self._leg.phase is p_leg.Phase.OPEN and not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room)
-            actions = self._apply(p_leg.Polled(time.monotonic(), status == KVPoll.Success,
+            holds = self._binding.phase is wan_binding.BindingPhase.OPEN and not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room)
+            actions = self._apply(wan_binding.Polled(time.monotonic(), status == KVPoll.Success,
                                                self.kv_mgr.pdd_config.wan_destination_wait_ms / 1000, holds))
-        return KVPoll.Transferring if any(isinstance(a, p_leg.Hold) for a in actions) else status
+        return KVPoll.Transferring if any(isinstance(a, wan_binding.Hold) for a in actions) else status
 
     def abort(self):
-        if self._leg is not None:
+        if self._binding is not None:
             with self._wan_lock:
-                self._apply(p_leg.Abort())
+                self._apply(wan_binding.RequestAborted())
         super().abort()
 
 

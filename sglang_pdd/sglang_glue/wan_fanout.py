@@ -39,7 +39,7 @@ import torch
 
 from sglang_pdd.config import parse_host_port
 from sglang_pdd.kv_channel import fanout_room
-from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, FanoutRoom
+from sglang_pdd.kv_channel.fanout_room import CopyHold, DropReason, FanoutRoom
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
@@ -395,7 +395,7 @@ class WanFanout:
             if isinstance(action, fanout_room.QueueCopy):
                 self._copy_queue.append(room)
                 self._lock.notify_all()
-            elif isinstance(action, fanout_room.AbortLegs):
+            elif isinstance(action, fanout_room.AbortSendRooms):
                 self._abort_legs(room, failed_leg)
             elif isinstance(action, fanout_room.AllSent):
                 self.counters["finished"] += 1
@@ -432,7 +432,7 @@ class WanFanout:
                 room = self._copy_queue.popleft()
                 work = [] if room.state.dropped else room.legs_ready()
                 self._apply(room, fanout_room.CopyTaken(bool(work)))
-                if room.state.copy is not CopySlot.COPYING:
+                if room.state.copy is not CopyHold.COPYING:
                     continue
                 batches = list(room.pages)
             try:

@@ -2,13 +2,13 @@
 sockets, threads or a pool."""
 
 import pytest
-from machines import fold
 
+from sglang_pdd.machine import fold
 from sglang_pdd.kv_channel import fanout_room as fr
-from sglang_pdd.kv_channel.fanout_room import CopySlot, DropReason, Phase
+from sglang_pdd.kv_channel.fanout_room import CopyHold, DropReason, Phase
 from sglang_pdd.kv_channel.states import FailureReason
 
-QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortLegs(), fr.AllSent()
+QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortSendRooms(), fr.AllSent()
 
 
 def run(room, *events):
@@ -22,19 +22,19 @@ def copy_round(more_ready=False):
 def test_happy_path_one_leg():
     room = fr.FanoutRoom(legs=1)
     room, actions = fr.transition(room, fr.PagesOffered(10))
-    assert (room.phase, room.copy, room.pages_offered, actions) == (Phase.RECEIVING, CopySlot.QUEUED, 10, [QUEUE])
+    assert (room.phase, room.copy, room.pages_offered, actions) == (Phase.RECEIVING, CopyHold.QUEUED, 10, [QUEUE])
     room, actions = fr.transition(room, fr.CopyTaken(has_work=True))
-    assert (room.copy, actions) == (CopySlot.COPYING, [])
+    assert (room.copy, actions) == (CopyHold.COPYING, [])
     # pages arriving during a copy queue nothing: the copy thread looks again when it ends
     room, actions = fr.transition(room, fr.PagesOffered(10))
-    assert (room.copy, room.pages_offered, actions) == (CopySlot.COPYING, 20, [])
+    assert (room.copy, room.pages_offered, actions) == (CopyHold.COPYING, 20, [])
     room, actions = fr.transition(room, fr.CopyEnded(more_ready=True))
-    assert (room.copy, actions) == (CopySlot.QUEUED, [QUEUE])
+    assert (room.copy, actions) == (CopyHold.QUEUED, [QUEUE])
     room, actions = run(room, *copy_round(), fr.PagesOffered(20, last=True))
-    assert (room.phase, room.copy, room.pages_offered, actions) == (Phase.OFFERED, CopySlot.QUEUED, 40, [QUEUE])
+    assert (room.phase, room.copy, room.pages_offered, actions) == (Phase.OFFERED, CopyHold.QUEUED, 40, [QUEUE])
     assert not room.may_free_pages(copy_done=False)
     room, actions = run(room, *copy_round())
-    assert room.copy is CopySlot.IDLE and room.may_free_pages(copy_done=True)
+    assert room.copy is CopyHold.IDLE and room.may_free_pages(copy_done=True)
     room, actions = fr.transition(room, fr.LegEnded())
     assert (room.phase, room.legs_ended, actions) == (Phase.SENT, 1, [ALL_SENT])
     room, actions = fr.transition(room, fr.RequestEnded())
@@ -45,9 +45,9 @@ def test_happy_path_one_leg():
 def test_a_copy_round_with_nothing_ready_leaves_the_room_idle():
     room, _ = run(fr.FanoutRoom(legs=1), fr.PagesOffered(3))
     room, actions = fr.transition(room, fr.CopyTaken(has_work=False))
-    assert (room.copy, actions) == (CopySlot.IDLE, [])
+    assert (room.copy, actions) == (CopyHold.IDLE, [])
     room, actions = fr.transition(room, fr.PagesOffered(3))
-    assert (room.copy, actions) == (CopySlot.QUEUED, [QUEUE])
+    assert (room.copy, actions) == (CopyHold.QUEUED, [QUEUE])
 
 
 @pytest.mark.parametrize("legs", [1, 2, 4])
@@ -71,14 +71,14 @@ def test_legs_ending_before_the_last_offer_are_sent_with_it():
 
 # Every live point of the room: (the events that reach it, its copy slot there).
 LIVE = {
-    "new": ([], CopySlot.IDLE),
-    "receiving_queued": ([fr.PagesOffered(4)], CopySlot.QUEUED),
-    "receiving_copying": ([fr.PagesOffered(4), fr.CopyTaken(True)], CopySlot.COPYING),
-    "receiving_idle": ([fr.PagesOffered(4), *copy_round()], CopySlot.IDLE),
-    "offered_copying": ([fr.PagesOffered(4, last=True), fr.CopyTaken(True)], CopySlot.COPYING),
-    "offered_idle": ([fr.PagesOffered(4, last=True), *copy_round()], CopySlot.IDLE),
-    "one_leg_ended": ([fr.PagesOffered(4, last=True), *copy_round(), fr.LegEnded()], CopySlot.IDLE),
-    "sent": ([fr.PagesOffered(4, last=True), *copy_round(), fr.LegEnded(), fr.LegEnded()], CopySlot.IDLE),
+    "new": ([], CopyHold.IDLE),
+    "receiving_queued": ([fr.PagesOffered(4)], CopyHold.QUEUED),
+    "receiving_copying": ([fr.PagesOffered(4), fr.CopyTaken(True)], CopyHold.COPYING),
+    "receiving_idle": ([fr.PagesOffered(4), *copy_round()], CopyHold.IDLE),
+    "offered_copying": ([fr.PagesOffered(4, last=True), fr.CopyTaken(True)], CopyHold.COPYING),
+    "offered_idle": ([fr.PagesOffered(4, last=True), *copy_round()], CopyHold.IDLE),
+    "one_leg_ended": ([fr.PagesOffered(4, last=True), *copy_round(), fr.LegEnded()], CopyHold.IDLE),
+    "sent": ([fr.PagesOffered(4, last=True), *copy_round(), fr.LegEnded(), fr.LegEnded()], CopyHold.IDLE),
 }
 FAILURES = [fr.Fail(DropReason.STAGING_BUDGET, "staging budget of 1024 bytes exhausted"),
             fr.Fail(DropReason.COPY_FAILED, "copy failed: boom"),
@@ -94,12 +94,12 @@ def live(name):
 
 def finish_copy(room):
     """What the copy thread does next with a dropped room, whatever its hold on it."""
-    if room.copy is CopySlot.QUEUED:
+    if room.copy is CopyHold.QUEUED:
         room, actions = fr.transition(room, fr.CopyTaken(has_work=True))
-        assert room.copy is CopySlot.IDLE and actions == []  # a dropped room is not copied
-    elif room.copy is CopySlot.COPYING:
+        assert room.copy is CopyHold.IDLE and actions == []  # a dropped room is not copied
+    elif room.copy is CopyHold.COPYING:
         room, actions = fr.transition(room, fr.CopyEnded(more_ready=True))
-        assert room.copy is CopySlot.IDLE and actions == []  # nor copied again
+        assert room.copy is CopyHold.IDLE and actions == []  # nor copied again
     return room
 
 
@@ -110,7 +110,7 @@ def test_cancel_in_every_state(where):
     assert (room.phase, room.reason, room.summary, actions) == (
         Phase.CANCELLED, DropReason.CANCELLED, "withdrawn by the router", [ABORT])
     # P may free its pages only once no copy reads them
-    assert room.may_free_pages(copy_done=False) is (room.copy is CopySlot.IDLE)
+    assert room.may_free_pages(copy_done=False) is (room.copy is CopyHold.IDLE)
     room = finish_copy(room)
     assert room.may_free_pages(copy_done=False)
 

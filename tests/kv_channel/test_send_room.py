@@ -1,8 +1,8 @@
 """The WAN sender's per-room state machine (kv_channel/send_room.py), without sockets."""
 
 import pytest
-from machines import fold
 
+from sglang_pdd.machine import fold
 from sglang_pdd.kv_channel import send_room as sr
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the KV wire decoder and the handshake (hypothesis).
 
 Whatever bytes a peer sends: only the module's own errors come out (ProtocolError and its
-IntegrityError, ConnectionClosed, AuthError), nothing is allocated beyond the frame caps,
+IntegrityError, ConnectionClosed, HandshakeError), nothing is allocated beyond the frame caps,
 and what is encoded decodes to the same message (tagged or not). Runs in a few seconds.
 """
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_pdd.kv_channel import wire
-from sglang_pdd.kv_channel.handshake import AuthError, client_handshake, server_handshake
+from sglang_pdd.kv_channel.handshake import HandshakeError, client_handshake, server_handshake
 from sglang_pdd.kv_channel.wire import (
     MAGIC,
     PREFIX,
@@ -31,7 +31,7 @@ from sglang_pdd.kv_channel.wire import (
 )
 
 FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-OWN_ERRORS = (ProtocolError, ConnectionClosed, AuthError)
+OWN_ERRORS = (ProtocolError, ConnectionClosed, HandshakeError)
 KEY = b"fuzz-key-0123456789abcdef-012345"  # 32 bytes: an AES-256 frame key
 SMALL_HEADER, SMALL_PAYLOAD = 1024, 4096
 

@@ -1,0 +1,112 @@
+"""One room on the WAN receiver (MD) as an explicit state machine (pure; on the machine kit,
+sglang_pdd/machine.py).
+
+wan_receiver.py is the I/O shell: its reader threads, the owner's calls and the watchdog turn
+frames and timers into events, apply them under the receiver's lock and perform the actions.
+Which pages arrived, from which sender slice, is data the shell keeps (it decides when every
+byte is verified); the room's course is decided here. The states are SGLang's KVPoll
+numbering (states.py)::
+
+    WAITING_FOR_INPUT ──DataArrived──▶ TRANSFERRING ──AllVerified──▶ SUCCESS
+            │                               │
+            └────────── ReceiveFailed ──────┴──────────────────────▶ FAILED
+
+Events (who sends them):
+
+    DataArrived()                          a reader thread: a BEGIN, END or chunk was accepted
+    AllVerified()                          a reader thread: every part's every byte verified
+    ReceiveFailed(reason, detail, tell_peer)  a reader thread (layout mismatch, integrity, a
+                                           sender's ABORT, its session lost), the owner
+                                           (abort, release, close) or the watchdog (timeout)
+
+A failure races with the end (the owner releases a room the watchdog just failed, close() fails
+every room): ignored after it. Data after the end is refused (``IllegalRecvRoomEvent``): the
+shell checks for a terminal room first, under the same lock, so one arriving is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
+
+from .states import RoomState
+
+
+class IllegalRecvRoomEvent(IllegalTransition):
+    """An event that is illegal in the receiver room's current state."""
+
+
+# ---------------------------------------------------------------------------------- state
+@dataclass(frozen=True)
+class RecvStatus:
+    state: RoomState = RoomState.WAITING_FOR_INPUT
+    reason: str = ""  # a FailureReason value once FAILED
+    detail: str = ""
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class DataArrived:
+    pass
+
+
+@dataclass(frozen=True)
+class AllVerified:
+    pass
+
+
+@dataclass(frozen=True)
+class ReceiveFailed:
+    reason: str  # a FailureReason value
+    detail: str
+    tell_peer: bool  # NACK the room's senders (not when they told us, or the stream is the stalled thing)
+
+
+Event = Union[DataArrived, AllVerified, ReceiveFailed]
+
+
+# ---------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class WakeWaiters:
+    """The room reached SUCCESS or FAILED: set its ``done`` and wake whoever waits on the lock."""
+
+
+@dataclass(frozen=True)
+class NackSenders:
+    """Queue NACK(reason, detail) to every sender of the room."""
+    reason: str
+    detail: str
+
+
+Action = Union[WakeWaiters, NackSenders]
+Result = tuple[RecvStatus, list]
+_WAKE = WakeWaiters()
+
+
+def _data_arrived(s: RecvStatus, e: DataArrived) -> Result:
+    if s.state is RoomState.TRANSFERRING:
+        return s, []
+    return replace(s, state=RoomState.TRANSFERRING), []
+
+
+def _all_verified(s: RecvStatus, e: AllVerified) -> Result:
+    if s.state is not RoomState.TRANSFERRING:
+        raise IllegalRecvRoomEvent(f"every byte verified, but nothing arrived ({s.state.name})")
+    return replace(s, state=RoomState.SUCCESS), [_WAKE]
+
+
+def _receive_failed(s: RecvStatus, e: ReceiveFailed) -> Result:
+    actions: list = [_WAKE]
+    if e.tell_peer:
+        actions.append(NackSenders(e.reason, e.detail))
+    return RecvStatus(RoomState.FAILED, e.reason, e.detail), actions
+
+
+_HANDLERS = {DataArrived: _data_arrived, AllVerified: _all_verified, ReceiveFailed: _receive_failed}
+
+transition = table_machine(_HANDLERS, error=IllegalRecvRoomEvent, status="state",
+                           terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end={ReceiveFailed: IGNORE},
+                           noun="room")
+transition.__doc__ = """The room's one transition function. Raises IllegalRecvRoomEvent for an illegal event."""

@@ -1,0 +1,211 @@
+"""P's WAN binding of one request (whether, and where, its KV goes to MD), before and around its
+fan-out room, as an explicit state machine (pure; on the machine kit, sglang_pdd/machine.py).
+
+SGLang's sender to RLD (sglang_glue/transfer_backend.py, ``PddKVSender``) is the I/O shell:
+it feeds this machine the request's binding, the router's late destination (or its
+withdrawal), SGLang's ``init`` (the page count is known), the fan-out's answer, each poll once
+RLD's transfer has ended, and an abort; it performs the actions. Which pages wait for a room
+is data kept by the shell, not state.
+
+Phases::
+
+    AWAITING_DESTINATION ──Posted(dest)──▶ DESTINATION_KNOWN ──(initialized) OpenRoom──▶ OPENING
+          │  Withdrawn / NotOurs / wait expired /              │ RequestAborted         │ FanoutOpened ▶ OPEN
+          │  RequestAborted                                    ▼                        │ FanoutRefused ▶ DROPPED
+          ▼
+       DROPPED ◀──────────────────────────────────────────── RequestAborted (OPEN: AbortRoom)
+
+A request bound with its destination starts at DESTINATION_KNOWN. ``Polled`` decides whether
+P may free the pages now: held while a promised destination may still come (up to the wait),
+or while an open room still copies them (the fan-out's answer comes in ``Polled``).
+Events after DROPPED change nothing (the router's withdrawal races the request's end).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
+
+
+class IllegalBindingEvent(IllegalTransition):
+    """An event that is illegal in the WAN binding's current phase."""
+
+
+class BindingPhase(str, enum.Enum):
+    AWAITING_DESTINATION = "awaiting_destination"  # the router promised a destination
+    DESTINATION_KNOWN = "destination_known"  # waiting for SGLang's init before the room opens
+    OPENING = "opening"  # the fan-out is asked to open the room
+    OPEN = "open"  # pages go to the fan-out room
+    DROPPED = "dropped"  # no WAN binding (any more): RLD's path alone
+
+
+@dataclass(frozen=True)
+class WanBinding:
+    phase: BindingPhase
+    dest: object = None  # the WanDestination, once known
+    initialized: bool = False  # SGLang's init() ran
+    wait_deadline: Optional[float] = None  # monotonic: when a promised destination stops being awaited
+    why: str = ""  # why it was dropped, for the log
+
+    @property
+    def live(self) -> bool:
+        return self.phase is not BindingPhase.DROPPED
+
+
+def bound(dest) -> WanBinding:
+    """A request with a WAN binding: its destination now, or (None) promised for later."""
+    return WanBinding(BindingPhase.AWAITING_DESTINATION if dest is None else BindingPhase.DESTINATION_KNOWN, dest)
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Posted:
+    dest: object
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    why: str = "withdrawn by the router"
+
+
+@dataclass(frozen=True)
+class Initialized:
+    pass
+
+
+@dataclass(frozen=True)
+class FanoutOpened:
+    pass
+
+
+@dataclass(frozen=True)
+class FanoutRefused:
+    pass
+
+
+@dataclass(frozen=True)
+class Polled:
+    """RLD's transfer ended (``succeeded``: it did); ``room_holds``: an open room still copies
+    the pages; ``wait_s``: how long P holds its pages for a promised destination."""
+    now: float
+    succeeded: bool
+    wait_s: float
+    room_holds: bool = False
+
+
+@dataclass(frozen=True)
+class RequestAborted:
+    why: str = "request aborted on P"
+
+
+Event = Union[Posted, Withdrawn, Initialized, FanoutOpened, FanoutRefused, Polled, RequestAborted]
+
+
+# ---------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class OpenRoom:
+    """Ask the fan-out for the room, then offer it the pages that waited."""
+
+
+@dataclass(frozen=True)
+class AbortRoom:
+    why: str
+
+
+@dataclass(frozen=True)
+class Unbound:
+    """Log why the request has no WAN binding (no KV to MD); forget the pages that waited."""
+    why: str
+
+
+@dataclass(frozen=True)
+class ForgetDestination:
+    """P's control API forgets the destination slot of this request."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The poll answers Transferring: P keeps the pages for now."""
+
+
+@dataclass(frozen=True)
+class WaitExpired:
+    """Count a destination that never came within the wait."""
+
+
+Action = Union[OpenRoom, AbortRoom, Unbound, ForgetDestination, Hold, WaitExpired]
+Result = tuple[WanBinding, list]
+
+_FORGET, _HOLD, _OPEN = ForgetDestination(), Hold(), OpenRoom()
+
+
+def _posted(b: WanBinding, e: Posted) -> Result:
+    if b.phase is not BindingPhase.AWAITING_DESTINATION:
+        return b, []  # a second post, or one for a binding bound with its destination
+    return _maybe_open(replace(b, phase=BindingPhase.DESTINATION_KNOWN, dest=e.dest))
+
+
+def _withdrawn(b: WanBinding, e: Withdrawn) -> Result:
+    if b.phase is not BindingPhase.AWAITING_DESTINATION:
+        return b, []  # the destination is in use: the withdrawal came too late
+    return _drop(b, e.why)
+
+
+def _initialized(b: WanBinding, e: Initialized) -> Result:
+    return _maybe_open(replace(b, initialized=True))
+
+
+def _room_opened(b: WanBinding, e: FanoutOpened) -> Result:
+    _expect(b, BindingPhase.OPENING, e)
+    return replace(b, phase=BindingPhase.OPEN), []
+
+
+def _room_refused(b: WanBinding, e: FanoutRefused) -> Result:
+    _expect(b, BindingPhase.OPENING, e)
+    return _drop(b, "refused by the fan-out")
+
+
+def _abort(b: WanBinding, e: RequestAborted) -> Result:
+    if b.phase is BindingPhase.OPEN:
+        return replace(b, phase=BindingPhase.DROPPED, why=e.why), [AbortRoom(e.why), _FORGET]
+    return _drop(b, e.why)
+
+
+def _maybe_open(b: WanBinding) -> Result:
+    if b.phase is BindingPhase.DESTINATION_KNOWN and b.initialized:
+        return replace(b, phase=BindingPhase.OPENING), [_OPEN]
+    return b, []
+
+
+def _drop(b: WanBinding, why: str) -> Result:
+    return replace(b, phase=BindingPhase.DROPPED, why=why), [Unbound(why), _FORGET]
+
+
+def _polled(b: WanBinding, e: Polled) -> Result:
+    if b.phase is BindingPhase.OPEN:
+        return (b, [_HOLD]) if e.room_holds else (b, [_FORGET])
+    if b.phase is BindingPhase.AWAITING_DESTINATION:
+        deadline = b.wait_deadline if b.wait_deadline is not None else e.now + e.wait_s
+        b = replace(b, wait_deadline=deadline)
+        if e.now < deadline and e.succeeded:
+            return b, [_HOLD]
+        dropped, actions = _drop(b, "no WAN destination within --pdd-wan-destination-wait-ms")
+        return dropped, [WaitExpired(), *actions]
+    # Known but never opened (SGLang ended the request before init): nothing was sent.
+    return _drop(b, f"the request ended before its WAN room opened ({b.phase.value})")
+
+
+def _expect(b: WanBinding, phase: BindingPhase, event) -> None:
+    if b.phase is not phase:
+        raise IllegalBindingEvent(f"{type(event).__name__} while the WAN binding is {b.phase.value}")
+
+
+_HANDLERS = {Posted: _posted, Withdrawn: _withdrawn, Initialized: _initialized, FanoutOpened: _room_opened,
+             FanoutRefused: _room_refused, Polled: _polled, RequestAborted: _abort}
+# Events after DROPPED change nothing (the router's withdrawal races the request's end).
+transition = table_machine(_HANDLERS, error=IllegalBindingEvent, terminal=(BindingPhase.DROPPED,),
+                           after_end=dict.fromkeys(_HANDLERS, IGNORE), noun="WAN binding")
+transition.__doc__ = """The binding's one transition function. Raises IllegalBindingEvent for an illegal event."""

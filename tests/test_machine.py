@@ -1,0 +1,115 @@
+"""The machine kit (sglang_pdd/machine.py), and every state machine of the package built on it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+import pytest
+
+from sglang_pdd.machine import IGNORE, IllegalTransition, fold, table_machine
+
+
+class Light(str, enum.Enum):
+    OFF = "off"
+    ON = "on"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class Lamp:
+    phase: Light = Light.OFF
+    switched: int = 0
+
+
+@dataclass(frozen=True)
+class Switch:
+    pass
+
+
+@dataclass(frozen=True)
+class Smash:
+    pass
+
+
+@dataclass(frozen=True)
+class Look:
+    pass
+
+
+class IllegalLampEvent(IllegalTransition):
+    pass
+
+
+def _switch(s: Lamp, e: Switch, step: int = 1):
+    return replace(s, phase=Light.ON if s.phase is Light.OFF else Light.OFF, switched=s.switched + step), ["click"]
+
+
+def _smash(s: Lamp, e: Smash, step: int = 1):
+    return replace(s, phase=Light.BROKEN), ["crash"]
+
+
+def _guard(s: Lamp, e) -> None:
+    if s.phase is Light.OFF and type(e) is Smash:
+        raise IllegalLampEvent("smashed in the dark")
+
+
+lamp = table_machine({Switch: _switch, Smash: _smash, Look: IGNORE}, error=IllegalLampEvent,
+                     terminal=(Light.BROKEN,), after_end={Look: IGNORE, Switch: lambda s, e, *c: (s, ["nothing"])},
+                     guard=_guard, noun="lamp")
+
+
+def test_dispatch_by_event_type_and_fold_collects_every_action_in_order():
+    state, actions = fold(lamp, Lamp(), Switch(), Look(), Switch(), Switch(), Smash())
+    assert state == Lamp(Light.BROKEN, switched=3)
+    assert actions == ["click", "click", "click", "crash"]
+
+
+def test_context_goes_to_every_handler():
+    state, _ = fold(lamp, Lamp(), Switch(), Switch(), context=(5,))
+    assert state.switched == 10
+
+
+def test_after_the_end_only_listed_events_run_and_others_are_illegal():
+    broken, _ = fold(lamp, Lamp(), Switch(), Smash())
+    assert lamp(broken, Look()) == (broken, [])
+    assert lamp(broken, Switch()) == (broken, ["nothing"])
+    with pytest.raises(IllegalLampEvent, match=r"Smash after the lamp ended \(broken\)"):
+        lamp(broken, Smash())
+
+
+def test_unknown_events_and_guarded_ones_raise_the_machines_error_on_the_one_base():
+    with pytest.raises(IllegalLampEvent, match="unknown event"):
+        lamp(Lamp(), "switch")
+    with pytest.raises(IllegalTransition, match="smashed in the dark"):
+        lamp(Lamp(), Smash())
+
+
+def test_after_end_must_name_events_of_the_table():
+    with pytest.raises(ValueError, match="Look"):
+        table_machine({Switch: _switch}, terminal=(Light.BROKEN,), after_end={Look: IGNORE})
+
+
+def _machines():
+    """Every state machine of the package: (its transition, a state, extra arguments)."""
+    from sglang_pdd.kv_channel import fanout_room, handshake_slot, wan_binding, recv_room, send_room
+    from sglang_pdd.radix_drc import room_state
+    from sglang_pdd.router import health, lifecycle
+    return {
+        "router/lifecycle": (lifecycle.transition, lifecycle.State(max_new=4), ()),
+        "radix_drc/room_state": (room_state.transition, room_state.MdRoomState(), ()),
+        "kv_channel/send_room": (send_room.transition, send_room.start(1, 10, True), ()),
+        "kv_channel/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(legs=1), ()),
+        "kv_channel/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
+        "router/health": (health.transition, health.BackendHealth(), (health.HealthConfig(),)),
+        "kv_channel/recv_room": (recv_room.transition, recv_room.RecvStatus(), ()),
+        "kv_channel/handshake_slot": (handshake_slot.transition, handshake_slot.SlotState(1.0), ()),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_machines()))
+def test_every_machine_refuses_an_unknown_event_with_the_kits_error(name):
+    transition, state, context = _machines()[name]
+    assert transition.handlers  # built by the kit: its table is there to read
+    with pytest.raises(IllegalTransition, match="unknown event"):
+        transition(state, object(), *context)
