@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import ipaddress
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from sglang_pdd.admission import AdmissionLimits, parse_networks
 from sglang_pdd.protocol import check_md_tp
@@ -66,100 +66,131 @@ class PddConfig:
         return self.role is not None
 
 
-# (flag, dest, kwargs). Kept as data so the parser and the docs come from one table.
+class PddFlag(NamedTuple):
+    """One --pdd-* flag: ``roles`` says which servers take it (it heads the flag's --help and is
+    the roles column of docs/flags.md); ``kwargs`` go to argparse's add_argument as they are."""
+    flag: str
+    dest: str
+    roles: str
+    kwargs: dict
+
+
+# Kept as data so that the parser, validate() and docs/flags.md (scripts/gen_flags_doc.py) come
+# from one table.
 FLAGS = [
-    ("--pdd-role", "pdd_role", dict(choices=ROLES, default=None,
-        help="PDD role of this server: prefill (P, DC A), relay (RLD, decode next to P) or "
-             "main (MD, decode in DC B). Omit to run plain SGLang.")),
-    ("--pdd-datacenter", "pdd_datacenter", dict(default="",
-        help="Label of this server's datacenter, used in logs and metrics.")),
-    ("--pdd-wan-listen", "pdd_wan_listen", dict(default=None,
-        help="main only: HOST:PORT on which MD accepts KV over the WAN.")),
-    ("--pdd-control-listen", "pdd_control_listen", dict(default=None,
-        help="main: HOST:PORT of MD's control API (room registration, KV readiness, DRC stats) "
-             "that the router calls. prefill (optional): HOST:PORT where the router posts a "
-             "request's WAN destination after starting it, so MD's answer is off the TTFT path.")),
-    ("--pdd-wan-key-file", "pdd_wan_key_file", dict(default=None,
-        help="prefill and main (relay too when its intra-DC engine is TCP): file holding the shared "
-             "key that KV peers authenticate with (HMAC).")),
-    ("--pdd-wan-tls-cert", "pdd_wan_tls_cert", dict(default=None,
-        help="prefill and main: this server's certificate (PEM) for mutual TLS on the WAN KV channel; "
-             "give all three --pdd-wan-tls-* flags or none. MD's certificate must name the address P dials.")),
-    ("--pdd-wan-tls-key", "pdd_wan_tls_key", dict(default=None,
-        help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-wan-tls-cert.")),
-    ("--pdd-wan-tls-ca", "pdd_wan_tls_ca", dict(default=None,
-        help="prefill and main: CA certificate(s) (PEM) that the WAN peer's certificate must be signed by.")),
-    ("--pdd-control-tls-cert", "pdd_control_tls_cert", dict(default=None,
-        help="prefill and main: certificate (PEM) of the control API (--pdd-control-listen), which then "
-             "serves HTTPS only and requires the router's client certificate; give all three "
-             "--pdd-control-tls-* flags or none. It must name the host of the router's CONTROL_URL.")),
-    ("--pdd-control-tls-key", "pdd_control_tls_key", dict(default=None,
-        help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-control-tls-cert.")),
-    ("--pdd-control-tls-ca", "pdd_control_tls_ca", dict(default=None,
-        help="prefill and main: CA certificate(s) (PEM) that the router's client certificate must be signed by.")),
-    ("--pdd-control-trusted-sources", "pdd_control_trusted_sources", dict(default=None,
-        help="prefill and main: ADDR or ADDR/PREFIX,... of the router(s) calling the control API. They take the "
-             "connection slots reserved for known peers, with no per-source cap, and read bodies from the whole "
-             "budget, so a flood of connections cannot keep them out. A source that sent a validly signed request "
-             "in the last 24 h is treated the same way.")),
-    ("--pdd-control-names", "pdd_control_names", dict(default=None,
-        help="prefill and main: HOST,... further names the router's CONTROL_URL may give this control API "
-             "(a DNS name, a proxy's). A signed call is served only when its Host is one of this server's "
-             "names: the --pdd-control-listen host, its TLS certificate's names, and these.")),
-    ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
-        help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
-    ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
-        help="prefill and main: a WAN KV transfer not finished within this many seconds fails "
-             "(RLD then finishes the request itself).")),
-    ("--pdd-wan-staging-mb", "pdd_wan_staging_mb", dict(type=int, default=1024,
-        help="prefill only: host memory for KV copied out of the pool and waiting for the WAN; a "
-             "request that would exceed it skips the WAN (RLD finishes it), P never stalls.")),
-    ("--pdd-wan-destination-wait-ms", "pdd_wan_destination_wait_ms", dict(type=int, default=2000,
-        help="prefill only: how long P keeps a finished request's KV for a WAN destination the "
-             "router promised but has not posted yet (then RLD alone finishes it).")),
-    ("--pdd-wan-peers", "pdd_wan_peers", dict(default=None,
-        help="prefill only: HOST:PORT,... of the MD WAN receivers (--pdd-wan-listen, as the router's "
-             "--main names them) that P may send KV to. Any other destination, from a request or the "
-             "control API, is refused and RLD finishes the request. Without it P sends no KV over the WAN.")),
-    ("--pdd-max-md-tp", "pdd_max_md_tp", dict(type=int, default=8,
-        help="prefill only: the largest MD TP size P sends KV to (it dials one WAN port per MD rank); a "
+    PddFlag("--pdd-role", "pdd_role", "all roles", dict(choices=ROLES, default=None,
+        help="PDD role of this server: prefill (P, DC A), relay (RLD, decode next to P) or main (MD, decode "
+             "in DC B). Omit to run plain SGLang. prefill needs --disaggregation-mode prefill, relay "
+             "--disaggregation-mode decode (both with --disaggregation-transfer-backend pdd), main neither.")),
+    PddFlag("--pdd-datacenter", "pdd_datacenter", "all roles", dict(default="", metavar="NAME",
+        help="label of this server's datacenter, used in logs and metrics.")),
+    PddFlag("--pdd-wan-listen", "pdd_wan_listen", "main (required)", dict(default=None, metavar="HOST:PORT",
+        help="where MD accepts KV over the WAN (with --tp N, rank r listens on PORT + r).")),
+    PddFlag("--pdd-control-listen", "pdd_control_listen", "main (required), prefill (optional)",
+        dict(default=None, metavar="HOST:PORT",
+        help="on MD, the control API that the router calls: register a room (returns MD's cached prefix "
+             "and locks it), wait until its KV landed, compact handoff, release, DRC stats. On P, where "
+             "the router posts a request's WAN destination after starting it, so MD's answer is off the "
+             "TTFT path (with --tp N, P rank r listens on PORT + r).")),
+    PddFlag("--pdd-wan-key-file", "pdd_wan_key_file",
+        "prefill and main (required), relay (required with --pdd-intra-dc-transport tcp)",
+        dict(default=None, metavar="PATH",
+        help="file holding the shared key (at least 32 bytes, mode 0600: a looser file is refused) that KV "
+             "peers authenticate with (HMAC-SHA256 challenge-response); others are refused and logged.")),
+    PddFlag("--pdd-wan-tls-cert", "pdd_wan_tls_cert", "prefill and main", dict(default=None, metavar="PATH",
+        help="this server's certificate (PEM) for mutual TLS on the WAN KV channel; give all three "
+             "--pdd-wan-tls-* flags or none. MD's certificate must name the address P dials. The key "
+             "handshake is then bound to the TLS 1.3 connection and TLS authenticates the frames "
+             "(without TLS they carry AES-GMAC tags).")),
+    PddFlag("--pdd-wan-tls-key", "pdd_wan_tls_key", "prefill and main", dict(default=None, metavar="PATH",
+        help="the private key (PEM, not readable by group/others) of --pdd-wan-tls-cert.")),
+    PddFlag("--pdd-wan-tls-ca", "pdd_wan_tls_ca", "prefill and main", dict(default=None, metavar="PATH",
+        help="CA certificate(s) (PEM) that the WAN peer's certificate must be signed by.")),
+    PddFlag("--pdd-control-tls-cert", "pdd_control_tls_cert", "prefill and main, with --pdd-control-listen",
+        dict(default=None, metavar="PATH",
+        help="certificate (PEM) of the control API (--pdd-control-listen), which then serves HTTPS only and "
+             "requires the router's client certificate; give all three --pdd-control-tls-* flags or none. "
+             "It must name the host of the router's CONTROL_URL.")),
+    PddFlag("--pdd-control-tls-key", "pdd_control_tls_key", "prefill and main, with --pdd-control-listen",
+        dict(default=None, metavar="PATH",
+        help="the private key (PEM, not readable by group/others) of --pdd-control-tls-cert.")),
+    PddFlag("--pdd-control-tls-ca", "pdd_control_tls_ca", "prefill and main, with --pdd-control-listen",
+        dict(default=None, metavar="PATH",
+        help="CA certificate(s) (PEM) that the router's client certificate must be signed by.")),
+    PddFlag("--pdd-control-trusted-sources", "pdd_control_trusted_sources",
+        "prefill and main, with --pdd-control-listen", dict(default=None, metavar="ADDR[/PREFIX],...",
+        help="the router host(s) calling the control API. They take the connection slots reserved for known "
+             "peers (a quarter of the cap), with no per-source cap (an unknown source holds at most 16 "
+             "unauthenticated connections), and read bodies from the whole budget, so a flood of "
+             "connections cannot keep them out. A source that sent a validly signed request in the last "
+             "24 h is treated the same way.")),
+    PddFlag("--pdd-control-names", "pdd_control_names", "prefill and main, with --pdd-control-listen",
+        dict(default=None, metavar="HOST,...",
+        help="further names the router's CONTROL_URL may give this control API (a DNS name, a proxy's). A "
+             "signed call is served only when its Host is one of this server's names: the "
+             "--pdd-control-listen host, its TLS certificate's names, and these.")),
+    PddFlag("--pdd-wan-streams", "pdd_wan_streams", "prefill only", dict(type=int, default=4, metavar="N",
+        help="parallel TCP streams per WAN peer (fills a long fat pipe), 1..64.")),
+    PddFlag("--pdd-wan-timeout-s", "pdd_wan_timeout_s", "prefill and main",
+        dict(type=float, default=30.0, metavar="S",
+        help="a WAN KV transfer not finished within this many seconds fails (RLD then finishes the "
+             "request itself).")),
+    PddFlag("--pdd-wan-staging-mb", "pdd_wan_staging_mb", "prefill only", dict(type=int, default=1024, metavar="N",
+        help="host memory (MB, at least 16) for KV copied out of the pool and waiting for the WAN; a request "
+             "that would exceed it skips the WAN (RLD finishes it), P never stalls.")),
+    PddFlag("--pdd-wan-destination-wait-ms", "pdd_wan_destination_wait_ms", "prefill only",
+        dict(type=int, default=2000, metavar="MS",
+        help="how long (0..60000) P keeps a finished request's KV for a WAN destination the router promised "
+             "but has not posted yet (then RLD alone finishes it).")),
+    PddFlag("--pdd-wan-peers", "pdd_wan_peers", "prefill only", dict(default=None, metavar="HOST:PORT,...",
+        help="the MD WAN receivers (--pdd-wan-listen, as the router's --main WAN_ADDR names them) that P may "
+             "send KV to. Any other destination, from a request or the control API (403 there), is refused "
+             "and RLD finishes the request. Without it P sends no KV over the WAN.")),
+    PddFlag("--pdd-max-md-tp", "pdd_max_md_tp", "prefill only", dict(type=int, default=8, metavar="N",
+        help="the largest MD TP size P sends KV to (it dials one WAN port per MD rank), at most 64; a "
              "destination naming more is refused and RLD finishes the request.")),
-    ("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", dict(action="store_true", default=False,
-        help="main and prefill: allow --pdd-control-listen / --pdd-wan-listen on a wildcard address "
-             "(0.0.0.0, ::), i.e. on every interface. Refused without it: name the interface.")),
-    ("--pdd-md-staging-mb", "pdd_md_staging_mb", dict(type=int, default=0,
-        help="main only: KV of rooms still crossing the WAN that MD holds (reserved pool pages, or host "
-             "staging with --pdd-md-ingest staged), at most; a room that does not fit is refused at "
-             "registration and the router keeps that request on RLD. Default 0: a quarter of MD's KV "
-             "pool (the model's KV bytes per token times the pool's tokens), known once the pool exists.")),
-    ("--pdd-md-ingest", "pdd_md_ingest", dict(choices=MD_INGEST_MODES, default="pool",
-        help="main only: pool (reserve the room's pool pages at registration and write KV into them as it "
-             "lands, off the scheduler thread) or staged (host buffer, copied into the pool on the "
-             "scheduler thread at completion; the earlier design, for comparison).")),
-    ("--pdd-kv-trusted-sources", "pdd_kv_trusted_sources", dict(default=None,
-        help="all roles: ADDR or ADDR/PREFIX,... of the hosts that send this server KV (on MD: the P hosts; "
-             "on RLD and P, for the TCP engine: the P and RLD hosts). They take the handshake slots reserved "
-             "by --pdd-kv-reserved-handshakes, with no per-source cap, so keyless connection floods cannot "
-             "keep them out. A source that authenticated in the last 24 h is treated the same way.")),
-    ("--pdd-kv-max-handshakes-per-source", "pdd_kv_max_handshakes_per_source", dict(type=int, default=16,
-        help="all roles: most KV connections one source outside --pdd-kv-trusted-sources (an IPv4 address "
-             "or an IPv6 /64) may hold before authenticating; more are refused (counted, logged at a rate "
-             "limit). A new P opens --pdd-wan-streams connections per P rank at once: raise this, or list "
-             "P in --pdd-kv-trusted-sources, when that is more.")),
-    ("--pdd-kv-reserved-handshakes", "pdd_kv_reserved_handshakes", dict(type=int, default=32,
-        help="all roles: of the 64 KV connections that may be authenticating at once, how many only known "
-             "peers (--pdd-kv-trusted-sources, or recently authenticated) may take (0..63).")),
-    ("--pdd-intra-dc-transport", "pdd_intra_dc_transport", dict(choices=INTRA_DC_TRANSPORTS, default="auto",
-        help="prefill and relay: engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport "
-             "with MC_FORCE_TCP=1), tcp (sglang-pdd's authenticated TCP engine, host memory), or "
-             "auto (mooncake if installed, else tcp). P and RLD must agree.")),
+    PddFlag("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", "main and prefill",
+        dict(action="store_true", default=False,
+        help="allow --pdd-control-listen / --pdd-wan-listen on a wildcard address (0.0.0.0, ::), i.e. on "
+             "every interface. Refused without it: name the interface.")),
+    PddFlag("--pdd-md-staging-mb", "pdd_md_staging_mb", "main only", dict(type=int, default=0, metavar="N",
+        help="KV (MB) of rooms still crossing the WAN that MD holds (reserved pool pages, or host staging with "
+             "--pdd-md-ingest staged), at most; a room that does not fit is refused at registration and the "
+             "router keeps that request on RLD. Default 0: a quarter of MD's KV pool (the model's KV bytes "
+             "per token times the pool's tokens), known once the pool exists.")),
+    PddFlag("--pdd-md-ingest", "pdd_md_ingest", "main only", dict(choices=MD_INGEST_MODES, default="pool",
+        help="pool (reserve the room's pool pages at registration and write KV into them as it lands, off "
+             "the scheduler thread) or staged (host buffer, copied into the pool on the scheduler thread at "
+             "completion; the earlier design, for comparison).")),
+    PddFlag("--pdd-kv-trusted-sources", "pdd_kv_trusted_sources", "all roles",
+        dict(default=None, metavar="ADDR[/PREFIX],...",
+        help="the hosts that send this server KV (on MD: the P hosts; on RLD and P, for the TCP engine: the P "
+             "and RLD hosts). They take the handshake slots reserved by --pdd-kv-reserved-handshakes, with no "
+             "per-source cap, so keyless connection floods cannot keep them out. A source that authenticated "
+             "in the last 24 h is treated the same way, and on MD so are the P hosts the router names (its "
+             "--prefill URLs' addresses).")),
+    PddFlag("--pdd-kv-max-handshakes-per-source", "pdd_kv_max_handshakes_per_source", "all roles",
+        dict(type=int, default=16, metavar="N",
+        help="most KV connections one source outside --pdd-kv-trusted-sources (an IPv4 address or an IPv6 /64) "
+             "may hold before authenticating; more are refused (counted, logged at a rate limit). A new P "
+             "opens --pdd-wan-streams connections per P rank at once: raise this, or list P in "
+             "--pdd-kv-trusted-sources, when that is more.")),
+    PddFlag("--pdd-kv-reserved-handshakes", "pdd_kv_reserved_handshakes", "all roles",
+        dict(type=int, default=32, metavar="N",
+        help="of the 64 KV connections that may be authenticating at once, how many only known peers "
+             "(--pdd-kv-trusted-sources, or recently authenticated) may take (0..63).")),
+    PddFlag("--pdd-intra-dc-transport", "pdd_intra_dc_transport", "prefill and relay",
+        dict(choices=INTRA_DC_TRANSPORTS, default="auto",
+        help="engine of the P -> RLD KV path: mooncake (RDMA; its TCP transport with MC_FORCE_TCP=1), tcp "
+             "(sglang-pdd's authenticated TCP engine, host memory), or auto (mooncake if installed, else "
+             "tcp). P and RLD must agree.")),
 ]
 
 
 def add_pdd_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("PDD (sglang-pdd plugin)")
-    for flag, dest, kwargs in FLAGS:
-        group.add_argument(flag, dest=dest, **kwargs)
+    for f in FLAGS:
+        group.add_argument(f.flag, dest=f.dest, **{**f.kwargs, "help": f"{f.roles}: {f.kwargs['help']}"})
 
 
 def parse_host_port(flag: str, value: str) -> tuple[str, int]:
@@ -209,10 +240,10 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         raise PddConfigError(f"--disaggregation-transfer-backend {TRANSFER_BACKEND} needs --pdd-role prefill (P) "
                              f"or relay (RLD)")
     if not cfg.active:
-        for flag, dest, _ in FLAGS[1:]:
-            name = dest[len("pdd_"):]
+        for f in FLAGS[1:]:
+            name = f.dest[len("pdd_"):]
             if getattr(cfg, name) != getattr(defaults, name):
-                raise PddConfigError(f"{flag} was given without --pdd-role; set --pdd-role or drop it")
+                raise PddConfigError(f"{f.flag} was given without --pdd-role; set --pdd-role or drop it")
         return cfg
     want_mode = REQUIRED_DISAGG_MODE[cfg.role]
     if (disaggregation_mode or "null") != want_mode:

@@ -55,31 +55,39 @@ def _main_arg(value: str) -> MainBackend:
     return MainBackend(*parts)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The router's whole command line (docs/flags.md is generated from it)."""
     ap = argparse.ArgumentParser(prog="python -m sglang_pdd.router",
                                  description="PDD router: P, RLD and MD pools behind one /generate.")
     ap.add_argument("--prefill", type=_prefill_arg, action="append", required=True,
-                    help="URL,BOOTSTRAP_PORT[,CONTROL_URL] of a prefill server (repeatable); CONTROL_URL is "
-                         "P's --pdd-control-listen: then P->RLD->MD requests start P and RLD without "
-                         "waiting for MD's room registration (one WAN round trip off the TTFT)")
-    ap.add_argument("--relay", action="append", required=True, help="URL of a relay decode server (repeatable)")
-    ap.add_argument("--main", type=_main_arg, action="append", default=[],
-                    help="URL,CONTROL_URL,WAN_ADDR of a main decode server; WAN_ADDR is what P dials (repeatable)")
-    ap.add_argument("--tokenizer-path", required=True, help="tokenizer of the served model")
-    ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30300)
+                    metavar="URL,BOOTSTRAP_PORT[,CONTROL_URL]",
+                    help="a prefill server (repeatable); CONTROL_URL is P's --pdd-control-listen: then a "
+                         "P->RLD->MD request is routed on the router's estimate of MD's prefix, P and RLD start "
+                         "at once and MD's room is registered concurrently (one WAN round trip off the TTFT); "
+                         "without it the router registers on MD first")
+    ap.add_argument("--relay", action="append", required=True, metavar="URL",
+                    help="a relay decode server (repeatable)")
+    ap.add_argument("--main", type=_main_arg, action="append", default=[], metavar="URL,CONTROL_URL,WAN_ADDR",
+                    help="a main decode server (repeatable); CONTROL_URL is its --pdd-control-listen, WAN_ADDR "
+                         "(HOST:PORT) its --pdd-wan-listen as P dials it (in P's --pdd-wan-peers)")
+    ap.add_argument("--tokenizer-path", required=True, metavar="PATH", help="tokenizer of the served model")
+    ap.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="model name in the API; default: --tokenizer-path")
+    ap.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address the router's client port binds")
+    ap.add_argument("--port", type=int, default=30300, help="the router's client port")
     ap.add_argument("--workers", type=int, default=1,
                     help="router processes serving --port (SO_REUSEPORT); each keeps its own prefix index, "
-                         "in-flight counts and metrics (docs/router.md)")
+                         "in-flight counts and metrics (docs/router.md); secrets reach them in their "
+                         "environment, never on their argv, and operator drains are shared among them")
     ap.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on each worker
-    ap.add_argument("--max-prompt-tokens", type=int, default=32768)
+    ap.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt in tokens (400 above)")
     ap.add_argument("--max-md-tp", type=int, default=8,
                     help="the largest TP size an MD may report at registration (P dials one WAN port per MD "
                          "rank); a larger one is a failed registration and the request stays on RLD")
-    ap.add_argument("--control-key-file", default=None,
+    ap.add_argument("--control-key-file", default=None, metavar="PATH",
                     help="the servers' --pdd-wan-key-file: the router signs its calls to MD's and P's control "
-                         "APIs with it (they refuse unsigned ones); required with --main or a P CONTROL_URL")
+                         "APIs with it (they refuse unsigned ones) and checks their signed replies (a bad one "
+                         "is an MD/P failure: RLD serves); required with --main or a P CONTROL_URL")
     lim = ap.add_argument_group("client input limits and operator access (docs/api.md)")
     lim.add_argument("--max-new-tokens-cap", type=int, default=32768,
                      help="largest max_new_tokens / max_tokens a client may ask for (400 above)")
@@ -95,35 +103,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     lim.add_argument("--max-prompt-chars", type=int, default=None,
                      help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
     lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
-    lim.add_argument("--operator-token-file", default=None,
-                     help="file holding the operator token: requests with header X-PDD-Operator-Token equal "
-                          "to it may send pdd_options, get meta_info.pdd, /flush_cache, abort_all")
+    lim.add_argument("--operator-token-file", default=None, metavar="PATH",
+                     help="file (mode 0600) holding the operator token: requests with header "
+                          "X-PDD-Operator-Token equal to it may send pdd_options (path, handoff_mode, "
+                          "catch_up_threshold, drc), get meta_info.pdd, /flush_cache, abort_all")
     lim.add_argument("--every-client-is-operator", action="store_true",
                      help="tests and benchmarks only: every request is an operator request")
     lim.add_argument("--enable-cache-report", action="store_true",
                      help="report P's prefix hit as meta_info.cached_tokens / usage cached tokens "
                           "(off: 0, so a tenant cannot probe another's prompts through the cache)")
     sg = ap.add_argument_group("SGLang serving layer (chat template, parsers), as on a plain SGLang server")
-    sg.add_argument("--chat-template", default=None)
-    sg.add_argument("--completion-template", default=None)
-    sg.add_argument("--tool-call-parser", default=None)
-    sg.add_argument("--reasoning-parser", default=None)
-    sg.add_argument("--context-length", type=int, default=None)
-    sg.add_argument("--sglang-args", default="",
+    for flag, kind in (("--chat-template", None), ("--completion-template", None), ("--tool-call-parser", None),
+                       ("--reasoning-parser", None), ("--context-length", int)):
+        sg.add_argument(flag, type=kind, default=None, help=f"as SGLang's {flag}")
+    sg.add_argument("--sglang-args", default="", metavar="ARGS",
                     help="further SGLang server flags for the serving layer, one shell-quoted string")
     g = ap.add_argument_group("path policy (uncached tokens and estimated WAN transfer time)")
     g.add_argument("--wan-gbps", type=float, default=10.0, help="WAN link rate used to estimate transfer time")
-    g.add_argument("--wan-rtt-ms", type=float, default=40.0)
+    g.add_argument("--wan-rtt-ms", type=float, default=40.0,
+                   help="WAN round trip used in the estimate: P->MD pays every one-way trip of its messages")
     g.add_argument("--kv-bytes-per-token", type=int, default=46_000,
                    help="KV size for the WAN estimate until MD reports its own (its stats, asked at start, "
                         "and each registration answer)")
-    g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                   help="TTFT target; a busy RLD gives P->MD what it leaves after a safety share as WAN budget")
     g.add_argument("--max-wan-transfer-ms", type=float, default=None,
-                   help="P->MD when the uncached suffix crosses the WAN within this; default: 25%% of the TTFT SLO")
+                   help="fixed WAN budget: P->MD when the uncached suffix crosses the WAN within this, else "
+                        "P->RLD->MD. Default: the budget follows RLD's load (router/policy.py: wan_budget_ms): "
+                        "0 with an idle RLD (it hides the WAN for free), up to the TTFT slack with a busy one")
     g.add_argument("--page-size", type=int, default=1, help="KV page size of P and MD (whole-page hits)")
-    g.add_argument("--outlier-min-input-tokens", type=int, default=32_768)
-    g.add_argument("--outlier-max-output-tokens", type=int, default=16)
-    g.add_argument("--disable-outlier-filter", action="store_true")
+    g.add_argument("--outlier-min-input-tokens", type=int, default=32_768,
+                   help="outlier filter: a prompt this long or longer whose max_new_tokens is at most "
+                        "--outlier-max-output-tokens stays on P->RLD (MD never sees it)")
+    g.add_argument("--outlier-max-output-tokens", type=int, default=16, help="see --outlier-min-input-tokens")
+    g.add_argument("--disable-outlier-filter", action="store_true", help="turn the outlier filter off")
     g.add_argument("--wan-timeout-s", type=float, default=30.0,
                    help="MD's KV not landed by then: RLD finishes the request")
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
@@ -134,7 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
     h.add_argument("--rld-max-running", type=int, default=RLD_MAX_RUNNING_DEFAULT,
                    help="requests in flight at which the router counts an RLD as full, for the load-aware "
-                        "WAN budget and the handoff mode (default %(default)s; docs/sim-notebook.md)")
+                        "WAN budget and the handoff mode (default %(default)s, about half an 8-GPU RLD's batch "
+                        "cap, from the simulator's sweep: scale it with a smaller RLD; docs/sim-notebook.md)")
     hc = ap.add_argument_group("backend health (docs/router.md)")
     hc.add_argument("--health-check-interval-s", type=float, default=10.0,
                     help="GET /health on every backend this often (SGLang's /health decodes one token; "
@@ -145,7 +159,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="how long a backend stays out before it gets a trial request again")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
     control_tls.add_args(ap)  # --control-tls-*
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def flow_config(args) -> FlowConfig:

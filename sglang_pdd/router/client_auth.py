@@ -41,20 +41,22 @@ _backend_ssl: Optional[ssl.SSLContext] = None  # --backend-ca-file
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("client port security, as on a plain SGLang server (docs/security.md)")
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--api-key", default=None, metavar="KEY",
                    help="as SGLang's --api-key: clients must send 'Authorization: Bearer KEY' (else 401); "
                         "/health*, /ready* and /metrics* are exempt, as on SGLang")
-    g.add_argument("--ssl-certfile", default=None, help="as SGLang's: certificate (PEM) for HTTPS on --port")
-    g.add_argument("--ssl-keyfile", default=None,
+    g.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                   help="as SGLang's: certificate (PEM) for HTTPS on --port")
+    g.add_argument("--ssl-keyfile", default=None, metavar="PATH",
                    help="as SGLang's: private key (PEM) of --ssl-certfile; must not be readable by group/others")
-    g.add_argument("--ssl-keyfile-password", default=None, help="as SGLang's: password of an encrypted --ssl-keyfile")
-    g.add_argument("--api-key-file", default=None,
+    g.add_argument("--ssl-keyfile-password", default=None, metavar="PASSWORD",
+                   help="as SGLang's: password of an encrypted --ssl-keyfile")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="file holding --api-key (mode 0600 or tighter): keeps the key off the command line")
-    g.add_argument("--backend-api-key", default=None,
+    g.add_argument("--backend-api-key", default=None, metavar="KEY",
                    help="the --api-key of the P, RLD and MD servers: sent to them as 'Authorization: Bearer KEY'")
-    g.add_argument("--backend-api-key-file", default=None,
+    g.add_argument("--backend-api-key-file", default=None, metavar="PATH",
                    help="file holding --backend-api-key (mode 0600 or tighter): keeps the key off the command line")
-    g.add_argument("--backend-ca-file", default=None,
+    g.add_argument("--backend-ca-file", default=None, metavar="PATH",
                    help="CA certificate(s) (PEM) that https:// P, RLD and MD URLs (SGLang's --ssl-certfile) must be "
                         "signed by, each naming the host dialled; default: the system's trust store")
 

@@ -20,13 +20,13 @@ from sglang_pdd.kv_channel.tls import TlsConfigError, control_tls_context
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("control plane TLS (docs/security.md)")
-    g.add_argument("--control-tls-cert", default=None,
+    g.add_argument("--control-tls-cert", default=None, metavar="PATH",
                    help="the router's client certificate (PEM) for mutual TLS to P's and MD's control APIs "
                         "(servers with --pdd-control-tls-*); give all three --control-tls-* flags or none; "
                         "every CONTROL_URL must then be https://")
-    g.add_argument("--control-tls-key", default=None,
+    g.add_argument("--control-tls-key", default=None, metavar="PATH",
                    help="the private key (PEM, not readable by group/others) of --control-tls-cert")
-    g.add_argument("--control-tls-ca", default=None,
+    g.add_argument("--control-tls-ca", default=None, metavar="PATH",
                    help="CA certificate(s) (PEM) the control servers' certificates must be signed by; each "
                         "must name the host of its CONTROL_URL")
 
