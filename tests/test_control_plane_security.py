@@ -799,3 +799,11 @@ def test_md_takes_the_p_hosts_the_router_names(md):
         status, reply = call_json("POST", md.url + "/pdd/kv_senders", bad, key=KEY)
         assert status == 400 and needle in reply["error"], (bad, reply)
     assert len(md.runtime.kv_senders) == 1
+
+
+def test_p_and_md_answer_health_unsigned_with_one_body(md, p):
+    """/health is the one route that needs no signature (probes carry no key); P and MD answer
+    it with the same body, SGLang's shape, so one probe reads both."""
+    for server in (md, p):
+        status, body = raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert (status, json.loads(body)) == (200, {"status": "ok"})

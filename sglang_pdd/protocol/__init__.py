@@ -10,7 +10,7 @@ control calls with these types, so the contract lives here once (docs/architectu
 from sglang_pdd.protocol.errors import ControlError, bad_request
 from sglang_pdd.protocol.messages import (HANDOFF_LOGPROB_FIELDS, MAX_MD_TP, MAX_TOKEN_ID, PARAM_PREFIX, READY_STATES,
                                           RESUME_KEY, DestinationReply, DropReply, HandoffRequest, InfoReply,
-                                          KvSendersReply, KvSendersRequest, LegParams, Message, ReadyReply,
+                                          HealthReply, KvSendersReply, KvSendersRequest, LegParams, Message, ReadyReply,
                                           ReadyRequest, RegisterReply, RegisterRequest, ReleaseReply, ReleaseRequest,
                                           WanDestinationRequest, check_md_tp, is_int, resume_marker,
                                           without_pdd_params)

@@ -293,6 +293,14 @@ class KvSendersReply(Message):
     known: int = wire(_int_in(0, MAX_ANNOUNCED))
 
 
+@dataclass(frozen=True)
+class HealthReply(Message):
+    """``GET /health`` on P's and MD's control APIs (unsigned, as SGLang's own /health): the
+    same body on both, SGLang's shape."""
+
+    status: str = wire(_str, default="ok")
+
+
 # ---- P: WAN destinations -----------------------------------------------------------------------
 
 @dataclass(frozen=True)

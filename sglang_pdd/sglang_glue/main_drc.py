@@ -39,7 +39,7 @@ from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (ControlError, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
+from sglang_pdd.protocol import (ControlError, HealthReply, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
                                  RegisterReply, ReleaseReply, ReleaseRequest, RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
@@ -249,7 +249,7 @@ class _ControlHandler(JsonRequestHandler):
         return self.max_body_bytes if method == "POST" else 4096
 
     def _health(self, query: str) -> dict:
-        return {"status": "ok"}
+        return HealthReply().to_json()
 
     def _stats(self, query: str) -> dict:
         # control_server: its connections and refusals by kind (json_http.ControlHTTPServer)

@@ -38,7 +38,7 @@ from sglang_pdd.config import PddConfigError, parse_host_port
 from sglang_pdd.control_auth import ControlVerifier
 from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, InfoReply, RouteTable,
+from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, HealthReply, InfoReply, RouteTable,
                                  WanDestinationRequest, bad_request)
 from sglang_pdd.sglang_glue.injected_delays import P_DESTINATION_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
@@ -200,7 +200,7 @@ class PrefillControlServer:
 
         class Handler(JsonRequestHandler):
             routes = RouteTable({
-                api.HEALTH: lambda handler, query: {"ok": True},
+                api.HEALTH: lambda handler, query: HealthReply(),
                 api.P_DESTINATION: destination,
                 api.P_DROP: drop,
                 api.P_INFO: lambda handler, query: info,
