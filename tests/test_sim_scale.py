@@ -89,3 +89,6 @@ def test_rld_sweep_cli_moves_the_path_mix(tmp_path, capsys):
     p_md = [float(r[1]) for r in rows]
     assert p_md[0] > p_md[-1] and p_md[-1] == 0.0  # an admission never reached: nothing P->MD
     assert (tmp_path / "rld_sweep_agentic300.json").exists()
+    # the choice line names one of the swept values
+    choice = [ln for ln in out.splitlines() if ln.startswith("choice: --rld-max-running ")]
+    assert len(choice) == 1 and int(choice[0].split()[2]) in (1, 4, 100000)

@@ -23,7 +23,7 @@ from .loadsweep import load_sweep
 from .metrics import Sla
 from .plots import plot_bathtub, plot_comparison, plot_load_sweep
 from .report import format_table
-from .rldsweep import rld_admission_sweep
+from .rldsweep import choose_default, rld_admission_sweep
 from .scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios
 from .sizing import size_cluster, size_designs
 from .traces import tile_trace
@@ -239,6 +239,9 @@ def cmd_rld_sweep(a) -> int:
         print(f"{p.rld_max_running:>15d} {100 * p.p_md_share:>8.1f} {100 * p.via_rld_share:>9.1f} "
               f"{100 * s.rld_token_share:>9.1f} {1e3 * s.stall_p50:>12.0f} {1e3 * s.stall_p99:>12.0f} "
               f"{s.ttft_p90:>8.2f} {100 * s.sla_attainment:>6.1f} {s.md_refused:>7d}")
+    pick = choose_default(points, a.max_stall_p99)
+    print(f"choice: --rld-max-running {pick.rld_max_running} (the least RLD work with the stall's p99 <= "
+          f"{a.max_stall_p99:g} s and SLA attainment within 0.5 points of the sweep's best)")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rld_sweep_{label}.json"), "w") as f:
         json.dump([{"rld_max_running": p.rld_max_running, "summary": asdict(p.summary)} for p in points], f, indent=1)
@@ -335,7 +338,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                          "RLD share and handoff stall")
     _add_common(p)
     p.add_argument("--scenario", default="pdd_drc_adaptive")
-    p.add_argument("--values", default="2,4,8,16,32,64,128,512")
+    p.add_argument("--values", default="4,16,64,128,256,512")
+    p.add_argument("--max-stall-p99", type=float, default=1.0,
+                   help="the handoff stall's p99 bound (s) the printed choice keeps")
     p.set_defaults(fn=cmd_rld_sweep)
     p = sub.add_parser("bathtub", help="goodput within the SLA vs mean prefix hit rate")
     _add_common(p)
