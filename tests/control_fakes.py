@@ -47,6 +47,7 @@ class FakeGenerate:
         self.aborted: list[str] = []  # rids of /abort_request calls
         self.endless = False  # stream an event every 20 ms until the reader goes (or 10 s)
         self.first_event_delay_s = 0.0  # endless: the first event comes this late (an abort ends the wait)
+        self.linger_after_done_s = 0.0  # a finite stream: keep the connection this long after [DONE]
         self.abort_arrived = threading.Event()
         self.events_before_abort: list[int] = []  # endless: events written when each abort came
         self.events_written = 0
@@ -71,6 +72,15 @@ class FakeGenerate:
                     return self._stream_endlessly()
                 body = (b'data: {"output_ids": [7]}\n\ndata: {"output_ids": [7, 8]}\n\ndata: [DONE]\n\n' if stream
                         else b'{"output_ids": [7, 8]}')
+                if stream and fake.linger_after_done_s:  # as SGLang may: the end sent, the close later
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(body)
+                    self.wfile.flush()
+                    time.sleep(fake.linger_after_done_s)
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -5,8 +5,10 @@ reach MD before MD's front end passes the request on, and SGLang ignores a secon
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
+import pytest
 from control_fakes import KEY, MdControl
 from waiting import wait_until
 
@@ -49,11 +51,16 @@ def test_a_continuation_whose_reader_went_away_is_aborted_on_md():
         md.close()
 
 
-def test_a_continuation_read_to_its_end_is_not_aborted():
+@pytest.mark.parametrize("linger_s", [0.0, 1.0])
+def test_a_continuation_read_to_its_end_is_not_aborted(linger_s):
+    """Also when the router hangs up after the stream's end while MD has not closed its side
+    yet (``linger_s``): the request is done, not abandoned."""
     md = MdControl()
     try:
+        md.generate.linger_after_done_s = linger_s
         ready_room(md, 4)
         assert handoff_events(md, 4, "leg-m", read=0)[-1]["output_ids"] == [7, 8]
+        time.sleep(linger_s)  # the relay's end, after MD closes
         assert md.generate.aborted == [] and "handoffs_abandoned" not in md.runtime.counters
     finally:
         md.close()

@@ -291,10 +291,10 @@ class _ControlHandler(JsonRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             self._replied = True
-            index = 0
+            index, ended = 0, False
             # The router gone, MD's next event may be a decode step away: cut the relay now.
             with HangupWatch(self.connection, lambda: _shut(loopback)) as watch:
-                while line := resp.readline():
+                while not ended and (line := resp.readline()):
                     line = line.strip()
                     if not line.startswith(b"data:"):
                         continue
@@ -303,7 +303,10 @@ class _ControlHandler(JsonRequestHandler):
                     self.wfile.write(b"data: " + data + b"\n" + (EVENT_SIG + sig + b"\n" if sig else b"") + b"\n")
                     self.wfile.flush()
                     index += 1
-            if watch.hung_up:
+                    # The stream's end relayed: the router may hang up now, the request is done
+                    # (waiting for MD to close its side would race that hang-up).
+                    ended = data == b"[DONE]"
+            if watch.hung_up and not ended:
                 raise ConnectionResetError("the router hung up")
         except (OSError, http.client.HTTPException) as e:
             # Mostly the router gone (its client went away): MD must not decode on for nobody.
