@@ -1,4 +1,5 @@
-"""What several benchmarks share: the repository's root, greedy sampling, timed streams.
+"""What several benchmarks share: the repository's root, greedy sampling, timed streams
+(blocking and asyncio).
 
 Request bodies the router itself builds come from the control protocol's types
 (``sglang_pdd.protocol``: MD registration, handoff, routes) and ``sglang_pdd.router.bodies``
@@ -8,11 +9,12 @@ Request bodies the router itself builds come from the control protocol's types
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import AsyncIterator, Iterator, Optional
 
 from sglang_pdd.launcher.http import stream_events
 
@@ -41,3 +43,21 @@ def timed_events(url: str, body: dict, timeout: float = 600.0) -> Iterator[tuple
     (SGLang's SSE format); ``body`` asks for the stream itself (``"stream": True``)."""
     for event in stream_events(url, body, timeout=timeout):
         yield time.perf_counter(), event
+
+
+async def astream_events(session, url: str, body: dict, headers: Optional[dict] = None,
+                         timeout_s: float = 600.0) -> AsyncIterator[tuple[float, dict]]:
+    """The asyncio twin of ``timed_events`` (an aiohttp ``session``): (perf_counter when it
+    arrived, event) per event of SGLang's SSE stream, for clients with many requests in flight."""
+    import aiohttp
+
+    async with session.post(url, json=body, headers=headers or {},
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if line == b"data: [DONE]":
+                return
+            if line.startswith(b"data:"):
+                yield time.perf_counter(), json.loads(line[len(b"data:"):])

@@ -10,6 +10,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from sglang_pdd.launcher.netns import netns_exec_argv
 from sglang_pdd.launcher.processes import ProcessGroup
 from sglang_pdd.launcher.topology import (Topology, router_argv, server_argv, server_env, wan_emulator_argvs,
                                           write_operator_token, write_wan_key)
@@ -65,8 +66,8 @@ class LocalCluster:
     def start(self, timeout_s: float = 600.0) -> "LocalCluster":
         topo = self.topology
         for spec in topo.servers:
-            self.procs.start(spec.name, server_argv(spec, self.model_path, str(self.wan_key_file),
-                                                    topo.intra_dc_transport),
+            argv = server_argv(spec, self.model_path, str(self.wan_key_file), topo.intra_dc_transport)
+            self.procs.start(spec.name, netns_exec_argv(spec.netns, argv) if spec.netns else argv,
                              health_url=f"{spec.url}/health", env=server_env(spec))
         for name, argv, health_url in wan_emulator_argvs(topo):  # one link per MD rank
             self.procs.start(name, argv, health_url=health_url)
@@ -94,6 +95,10 @@ class LocalCluster:
         from urllib.parse import urlencode
 
         from sglang_pdd.launcher.http import get_json
+
+        if not self.topology.wan_emulated:
+            raise RuntimeError("the WAN is a kernel link here (datacenter B in a network namespace): "
+                               "no emulator to stall, partition or reset")
 
         query = f"?{urlencode(params)}" if params else ""
         return [get_json(f"{url}/{action}{query}") for wan in self.topology.wans for url in wan.control_urls]

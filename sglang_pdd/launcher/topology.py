@@ -133,22 +133,33 @@ class ServerSpec:
     tp: int = 1
     extra_args: list[str] = field(default_factory=list)
     control_tls: Optional[ControlTlsFiles] = None  # prefill/main: the control API on mutual TLS (https)
+    # The address the server's ports are reached on, and the network namespace it runs in
+    # (None: the launcher's own). Datacenter B in a namespace: B's end of the veth.
+    host: str = LOOPBACK
+    netns: Optional[str] = None
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def control_url(self) -> Optional[str]:
         scheme = "https" if self.control_tls else "http"
-        return f"{scheme}://{LOOPBACK}:{self.control_port}" if self.control_port else None
+        return f"{scheme}://{self.host}:{self.control_port}" if self.control_port else None
+
+    @property
+    def bind_host(self) -> str:
+        """SGLang's --host. In a namespace of its own every interface: that is the namespace's
+        loopback and its end of the veth only, and MD's handoff relay calls its own server on
+        127.0.0.1 (sglang_glue/loopback.py)."""
+        return "0.0.0.0" if self.netns else self.host
 
 
 def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] = None,
                 intra_dc_transport: str = "auto") -> list[str]:
     """``intra_dc_transport``: P -> RLD engine, ``auto`` (Mooncake if installed), ``mooncake`` or ``tcp``."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--host", LOOPBACK, "--port", str(spec.port), *CPU_SERVER_FLAGS, "--tp", str(spec.tp)]
+            "--host", spec.bind_host, "--port", str(spec.port), *CPU_SERVER_FLAGS, "--tp", str(spec.tp)]
     if spec.role == "prefill":
         argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "pdd",
                  "--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
@@ -157,7 +168,7 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
                  # the default host retraction backup calls torch.cuda.cudart()
                  "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     elif spec.role == "main":
-        argv += ["--pdd-wan-listen", f"{LOOPBACK}:{spec.wan_listen_port}"]
+        argv += ["--pdd-wan-listen", f"{spec.host}:{spec.wan_listen_port}"]
     if spec.role != "main":
         # An idle SGLang scheduler busy-polls a core (measured: 1.01 cores idle, 0.025 with this
         # flag); it wakes on the tokenizer's socket, which brings every P, RLD and plain request.
@@ -165,7 +176,7 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
         # which a sleeping scheduler would delay by up to a second.
         argv += ["--sleep-on-idle"]
     if spec.role in ("prefill", "main") and spec.control_port:
-        argv += ["--pdd-control-listen", f"{LOOPBACK}:{spec.control_port}"]
+        argv += ["--pdd-control-listen", f"{spec.host}:{spec.control_port}"]
         if spec.control_tls:
             argv += spec.control_tls.server_flags()
     if spec.role == "prefill" and spec.wan_peers:
@@ -182,11 +193,12 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
 
 
 def server_env(spec: ServerSpec, cores: Optional[list[int]] = None) -> dict[str, str]:
-    """CPU_ENV, plus the cores of each TP rank when the server runs more than one
-    (``cores``: the machine's, by default)."""
+    """CPU_ENV, the server's own address for its KV transfers (SGLANG_HOST_IP), plus the cores
+    of each TP rank when the server runs more than one (``cores``: the machine's, by default)."""
+    env = {**CPU_ENV, "SGLANG_HOST_IP": spec.host}
     if spec.tp <= 1:
-        return dict(CPU_ENV)
-    return {**CPU_ENV, "SGLANG_CPU_OMP_THREADS_BIND": omp_threads_bind(spec.tp, cores or _machine_cores())}
+        return env
+    return {**env, "SGLANG_CPU_OMP_THREADS_BIND": omp_threads_bind(spec.tp, cores or _machine_cores())}
 
 
 @dataclass
@@ -232,6 +244,31 @@ class Topology:
     more_mains: list[ServerSpec] = field(default_factory=list)
     more_wans: list[WanLinkSpec] = field(default_factory=list)
     control_tls: Optional[ControlTlsFiles] = None  # set by use_control_tls
+    # P's WAN KV crosses the userspace emulator (wans); False: P dials MD directly, over the
+    # kernel link to datacenter B's namespace (place_datacenter_b)
+    wan_emulated: bool = True
+
+    def place_datacenter_b(self, host: str, netns: str, rate_gbps: float) -> "Topology":
+        """Every MD in network namespace ``netns`` at ``host`` (B's end of the veth), P's WAN KV
+        sent to MD directly: the kernel link, not the emulator, is the WAN. It has no delay,
+        so the router's transfer estimate gets none either."""
+        for spec in self.mains:
+            spec.host, spec.netns = host, netns
+        self.wan_emulated = False
+        for wan in self.wans:
+            wan.rate_gbps, wan.latency_ms, wan.jitter_ms = rate_gbps, 0.0, 0.0
+        peers = [self.wan_peer(md) for md in range(len(self.mains))]
+        for spec in self.prefills:
+            spec.wan_peers = list(peers)
+        return self
+
+    def wan_peer(self, md: int = 0) -> str:
+        """HOST:PORT P dials for MD ``md``'s WAN receiver (rank 0; rank r on port + r): the
+        emulated link's, or with datacenter B in a namespace MD's own."""
+        if self.wan_emulated:
+            return f"{LOOPBACK}:{self.wans[md].listen_port}"
+        main = self.mains[md]
+        return f"{main.host}:{main.wan_listen_port}"
 
     def use_control_tls(self, files: ControlTlsFiles) -> "Topology":
         """Every P's and MD's control API on mutual TLS, the router dialling them over https
@@ -303,14 +340,17 @@ def wan_emulator_argv(topo: Topology, rank: int = 0, md: int = 0) -> list[str]:
 
 def wan_emulator_argvs(topo: Topology) -> list[tuple[str, list[str], str]]:
     """(process name, argv, health URL) of each emulated link, one per MD and MD rank; the first
-    MD's link 0 is "wan-emulator" as with one MD on TP 1, MD i's are "wan-emulator-main-i[-r]"."""
+    MD's link 0 is "wan-emulator" as with one MD on TP 1, MD i's are "wan-emulator-main-i[-r]".
+    None when the WAN is a kernel link (Topology.place_datacenter_b)."""
+    if not topo.wan_emulated:
+        return []
     return [("wan-emulator" + (f"-main-{md}" if md else "") + (f"-{r}" if r else ""),
              wan_emulator_argv(topo, r, md), f"{url}/stats")
             for md, wan in enumerate(topo.wans) for r, url in enumerate(wan.control_urls)]
 
 
 def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = None) -> list[str]:
-    # The router's transfer-time estimate describes the link it routes over: the emulated one.
+    # The router's transfer-time estimate describes the link it routes over.
     link = ["--wan-rtt-ms", str(2 * topo.wan.latency_ms)]
     if topo.wan.rate_gbps:
         link += ["--wan-gbps", str(topo.wan.rate_gbps)]
@@ -322,8 +362,8 @@ def router_argv(topo: Topology, model_path: str, extra: Optional[list[str]] = No
             "--relay", topo.relay.url,
             # P reaches MD's WAN receiver through the emulated link (with MD on TP N: rank 0's;
             # P adds the rank to the port, so links listen on consecutive ports too)
-            *[a for m, wan in zip(topo.mains, topo.wans)
-              for a in ("--main", f"{m.url},{m.control_url},{LOOPBACK}:{wan.listen_port}")],
+            *[a for md, m in enumerate(topo.mains)
+              for a in ("--main", f"{m.url},{m.control_url},{topo.wan_peer(md)}")],
             *(["--control-key-file", str(topo.key_file)] if topo.key_file else []),
             *(topo.control_tls.router_flags() if topo.control_tls else []),
             *(["--operator-token-file", str(topo.operator_token_file)] if topo.operator_token_file else []),

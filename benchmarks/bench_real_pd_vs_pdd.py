@@ -1,0 +1,919 @@
+"""What PDD buys on real servers: SGLang's own PD, in one datacenter and across two, against
+PDD, with datacenter B in a network namespace behind one shaped kernel link.
+
+Designs (servers start once per design; the link's rate changes with ``tc qdisc change``):
+
+  same_dc_pd         SGLang prefill + decode in A, KV over Mooncake (TCP on CPU), SGLang's own
+                     PD router (``sglang_router.launch_router --pd-disaggregation``) in front
+  cross_dc_pd        the same with the decode server in B: its KV, SGLang's bootstrap calls and
+                     the router's requests to it cross the link
+  cross_dc_pd_radix  cross_dc_pd with SGLang's experimental decode radix cache
+                     (``--disaggregation-decode-enable-radix-cache``): prefill sends only what
+                     the decode server lacks, SGLang's own counterpart of PDD's DRC
+  pdd                P and RLD in A, MD in B, this project's router
+
+Every design runs SGLang 0.5.23 with the same model, dtype (float32, as the tests: greedy
+outputs are then comparable), page size and CPU flags; the baselines load no pdd code. The
+router and the client run in A. The link has a rate but no delay (no netem in this kernel):
+no design gets WAN latency, which flatters cross-datacenter PD more than PDD (its TTFT waits
+on the link, PDD's does not; see docs/benchmarks.md).
+
+Workload: multi-turn agent sessions (bench_agentic's generator: turn k+1 = turn k's prompt +
+its actual output + a new block, sessions share one of a few system prompts, a few long-input
+short-output outliers; the new blocks scaled so most turns hit >= 90% of their prompt in an
+ideal cache). Requests are dispatched open loop: Poisson arrivals at the cell's rate, each
+arrival taking the next turn of one of ``--lanes`` live sessions round robin (so consecutive
+turns of a session are ``lanes`` arrivals apart); a turn whose previous turn has not finished
+by its arrival waits for it (an agent cannot send before it has the answer) and is counted as
+held. Each design sees the same arrivals and prompts per (link, rate) cell. Streaming
+``/generate`` with ``input_ids``, greedy, ``ignore_eos`` (every request makes exactly its
+output length).
+
+Per design, link and rate: TTFT p50/p90/p99, TPOT p50/p90, the longest inter-token gap p99
+(PDD's handoff stall shows here), SLA attainment and goodput (requests/s meeting both
+TTFT <= --sla-ttft-ms and TPOT <= --sla-tpot-ms), errors, bytes across the link (the veth's
+counters, both directions). Then the greedy outputs of the designs, compared request by
+request. same_dc_pd does not use the link: it runs once per rate, shown in every link's panel.
+
+    .venv/bin/python -m benchmarks.bench_real_pd_vs_pdd            # default size, <= 30 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_real_pd_vs_pdd --quick    # one link, one rate, a few sessions
+
+Needs root for the namespace (without it: same_dc_pd and PDD over the userspace emulator only,
+said so). Writes results.json, requests.jsonl under --out and the plot to --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import calendar
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.bench_agentic import WorkloadConfig, build_jobs, fit_block_scale, segment_tokens
+from benchmarks.common import REPO, astream_events, greedy
+
+DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd")
+LABELS = {"same_dc_pd": "same-DC PD (SGLang)", "cross_dc_pd": "cross-DC PD (SGLang)",
+          "cross_dc_pd_radix": "cross-DC PD + decode radix (SGLang)", "pdd": "PDD"}
+COLORS = {"same_dc_pd": "tab:gray", "cross_dc_pd": "tab:red", "cross_dc_pd_radix": "tab:orange", "pdd": "tab:blue"}
+EXACT_ARGS = ["--dtype", "float32"]  # as tests/conftest.py: greedy outputs comparable across designs
+DEEPSEEK_V3_KV_BYTES_PER_TOKEN = 70_272  # MLA: 61 layers x 576 values x 2 bytes
+# Assumed production prefill speed for the mapping to a real WAN (tokens/s of one prefill
+# instance, cold prompt, DeepSeek-V3 on one 8-GPU node): the link whose KV transfer takes r
+# times a prompt's prefill there is KV bytes/token x 8 x this / r.
+PROD_PREFILL_TOKENS_PER_S = 33_000
+
+
+# ----------------------------------------------------------------------------- trace (pure)
+@dataclass(frozen=True)
+class Slot:
+    """One request of the trace, in dispatch order: a session's turn or an outlier."""
+    job: int
+    turn: int
+
+
+def dispatch_order(jobs, lanes: int) -> list[Slot]:
+    """Round robin over ``lanes`` live sessions, a finished session's lane taking the next one;
+    an outlier takes one arrival and no lane. Consecutive turns of a session are about
+    ``lanes`` arrivals apart."""
+    todo, active, order = deque(range(len(jobs))), [], []
+    while todo or active:
+        while len(active) < lanes and todo:
+            j = todo.popleft()
+            if jobs[j].kind == "outlier":
+                order.append(Slot(j, 0))
+            else:
+                active.append([j, 0])
+        for lane in list(active):
+            order.append(Slot(lane[0], lane[1]))
+            lane[1] += 1
+            if lane[1] == len(jobs[lane[0]].turns):
+                active.remove(lane)
+    return order
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the cell's start of ``n`` Poisson arrivals at ``rate`` per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def ideal_hit_per_request(jobs, cfg: WorkloadConfig) -> list[float]:
+    """Each session turn's prefix hit in a cache holding every earlier prompt and output of its
+    session and the shared system prompts (what a decode-side radix cache can hit at best);
+    outliers 0."""
+    seen_sys, hits = set(), []
+    for job in jobs:
+        if job.kind == "outlier":
+            hits.append(0.0)
+            continue
+        held = cfg.system_tokens if job.system in seen_sys else 0
+        seen_sys.add(job.system)
+        context = cfg.system_tokens
+        for turn in job.turns:
+            prompt = context + turn.new_block
+            hits.append(held / prompt)
+            held = prompt + turn.output - 1  # SGLang caches a finished request less its last token
+            context = prompt + turn.output
+    return hits
+
+
+# ----------------------------------------------------------------------------- metrics (pure)
+@dataclass
+class Record:
+    design: str
+    link_mbit: float
+    rate: float
+    cell: str
+    slot: int
+    kind: str
+    job: int
+    turn: int
+    prompt_tokens: int
+    requested: int
+    scheduled_s: float = 0.0  # arrival, after the cell's start
+    sent_at: float = 0.0  # wall clock (time.time()) when sent: matches the servers' own logs
+    rid: str = ""
+    held_s: float = 0.0  # how long the arrival waited for the session's previous turn
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None  # (last token - first token) / (tokens - 1)
+    max_gap_s: Optional[float] = None  # longest wait between two events that brought tokens
+    e2e_s: Optional[float] = None
+    completion_tokens: int = 0
+    cached_tokens: Optional[int] = None  # the server's meta_info.cached_tokens
+    path: str = ""  # PDD: meta_info.pdd
+    md_cached_tokens: Optional[int] = None
+    handoff_at: Optional[int] = None
+    router_ttft_s: Optional[float] = None
+    fallbacks: list = field(default_factory=list)
+    error: Optional[str] = None
+    output_ids: list = field(default_factory=list)
+
+
+def token_timing(times: list[float], counts: list[int], t_send: float) -> tuple[float, Optional[float], Optional[float]]:
+    """(TTFT, TPOT, longest gap) from the arrival time of each stream event and the tokens it
+    brought (events without tokens dropped by the caller)."""
+    ttft = times[0] - t_send
+    n = sum(counts)
+    tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else None
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return ttft, tpot, (max(gaps) if gaps else None)
+
+
+def pct(values, q) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, q)) if values else None
+
+
+def meets_sla(r: Record, ttft_s: float, tpot_s: float) -> bool:
+    return r.error is None and r.ttft_s is not None and r.ttft_s <= ttft_s and (r.tpot_s is None or r.tpot_s <= tpot_s)
+
+
+def summarize_cell(records: list[Record], rate: float, sla_ttft_s: float, sla_tpot_s: float,
+                   link_bytes: tuple[int, int], wall_s: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    within = sum(meets_sla(r, sla_ttft_s, sla_tpot_s) for r in records)
+    s = {"requests": len(records), "errors": len(records) - len(ok),
+         "errors_detail": sorted({r.error for r in records if r.error})[:3],
+         "held": sum(r.held_s > 0.001 for r in records),
+         "completion_mismatch": sum(r.completion_tokens != r.requested for r in ok),
+         "sla_attainment": within / len(records) if records else None,
+         # requests meeting the SLA per second of offered load: attainment x rate
+         "goodput_rps": rate * within / len(records) if records else None,
+         "link_bytes_a_to_b": link_bytes[0], "link_bytes_b_to_a": link_bytes[1], "wall_s": wall_s}
+    for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("gap", "max_gap_s"), ("e2e", "e2e_s")):
+        for q in (50, 90, 99):
+            s[f"{name}_p{q}"] = pct([getattr(r, key) for r in ok], q)
+    s["paths"] = {p: sum(r.path == p for r in ok) for p in sorted({r.path for r in ok if r.path})}
+    s["handoffs"] = sum(r.handoff_at is not None for r in ok)
+    s["fallbacks"] = sum(bool(r.fallbacks) for r in ok)
+    return s
+
+
+def compare_outputs(records: list[Record]) -> dict:
+    """Greedy outputs of the designs on the same request (cell, job, turn): equal, or where they
+    part. Only requests every compared design completed count."""
+    by_key: dict = {}
+    for r in records:
+        if r.error is None:
+            by_key.setdefault((r.cell, r.kind, r.job, r.turn), {})[r.design] = r.output_ids
+    compared = mismatches = 0
+    examples = []
+    for key, outs in sorted(by_key.items()):
+        if len(outs) < 2:
+            continue
+        compared += 1
+        ref_design, ref = next(iter(outs.items()))
+        for design, ids in outs.items():
+            if ids != ref:
+                mismatches += 1
+                first = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+                if len(examples) < 5:
+                    examples.append({"request": list(key), "designs": [ref_design, design], "first_difference": first})
+                break
+    return {"compared": compared, "mismatches": mismatches, "examples": examples,
+            "designs_per_request": sorted({len(o) for o in by_key.values()})}
+
+
+def parse_router_requests(lines) -> list[dict]:
+    """PDD's router log: its one line per request (``[YYYY-mm-dd HH:MM:SS] request {json}``),
+    written when the request ended; ``logged_at``: that time (epoch seconds, whole)."""
+    out = []
+    for line in lines:
+        head, sep, rest = line.partition(" request {")
+        if not sep:
+            continue
+        try:
+            entry = json.loads("{" + rest)
+            entry["logged_at"] = calendar.timegm(time.strptime(head.strip()[1:20], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            continue
+        out.append(entry)
+    return out
+
+
+def annotate_from_router_log(records: list["Record"], entries: list[dict]) -> None:
+    """What PDD did with each request (path, MD's prefix hit, handoff), from its router's log
+    lines: the client is no operator, so its events carry no meta_info.pdd, and the router logs
+    its own request id. A request is matched to the unused line with its prompt and output
+    length logged nearest the time it ended (the log's clock is whole seconds, UTC)."""
+    free = list(entries)
+    for r in sorted((r for r in records if r.error is None and r.e2e_s is not None), key=lambda r: r.sent_at + r.e2e_s):
+        end = r.sent_at + r.e2e_s
+        cands = [e for e in free if e.get("prompt_tokens") == r.prompt_tokens
+                 and e.get("output_tokens") == r.completion_tokens and -2 <= e["logged_at"] - end <= 2]
+        if not cands:
+            continue
+        e = min(cands, key=lambda e: abs(e["logged_at"] - end))
+        free.remove(e)
+        r.path, r.md_cached_tokens, r.handoff_at = e.get("path", ""), e.get("md_cached"), e.get("handoff_at")
+        r.router_ttft_s, r.fallbacks = e.get("ttft_s"), list(e.get("fallbacks") or [])
+
+
+# ----------------------------------------------------------------------------- CPU (I/O)
+class CpuMeter:
+    """Cores busy during a cell: this benchmark's (its process and every server it started) and
+    everything else on the machine (other work sharing the cores), from /proc/stat and psutil."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._start = self._sample()
+
+    @staticmethod
+    def _machine_busy_s() -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def _ours_s(self) -> float:
+        import psutil
+
+        total = 0.0
+        for proc in [self._me, *self._me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> tuple[float, float, float]:
+        return time.monotonic(), self._machine_busy_s(), self._ours_s()
+
+    def stop(self) -> dict:
+        (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._sample()
+        wall = max(1e-6, t1 - t0)
+        ours = max(0.0, ours1 - ours0) / wall
+        return {"ours_cores": ours, "others_cores": max(0.0, (busy1 - busy0) / wall - ours)}
+
+
+# ----------------------------------------------------------------------------- TTFT breakdown (pure)
+_TIME_STATS_RE = re.compile(r"ReqTimeStats\((?P<head>[^)]*)\): (?P<body>.*)$")
+# Stages of one request's time to first token, from the client's send (the servers' own
+# --enable-request-time-stats-logging lines of the prefill and decode / RLD server, joined on
+# the bootstrap room): when prefill has it, prefill's bootstrap (waiting for the decode side's
+# handshake), queue and forward (prefill + KV send), when the decode side has it, its bootstrap
+# and memory wait, its wait for the KV, its queue; the rest is the first decode step and the
+# stream back through the router.
+STAGES = ("to_prefill", "p_bootstrap", "p_queue", "p_forward", "to_decode", "d_prealloc", "d_transfer", "d_queue",
+          "after_ready")
+
+
+def parse_time_stats(lines) -> list[dict]:
+    """SGLang's ReqTimeStats log lines: head fields (rid, bootstrap_room, input_len, type, ...)
+    and durations (seconds), entry_time (wall clock)."""
+    out = []
+    for line in lines:
+        m = _TIME_STATS_RE.search(line)
+        if not m:
+            continue
+        row = {}
+        for part in (m.group("head") + ", " + m.group("body")).split(", "):
+            key, _, value = part.partition("=")
+            value = value.strip()
+            if value.endswith("ms"):
+                row[key] = float(value[:-2]) / 1e3
+            elif key in ("entry_time",):
+                row[key] = float(value)
+            elif key in ("bootstrap_room", "input_len", "cached_input_len", "output_len", "attempts"):
+                row[key] = int(value) if value.lstrip("-").isdigit() else None
+            else:
+                row[key] = value
+        out.append(row)
+    return out
+
+
+def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
+    """Each completed request's TTFT split into STAGES (seconds). A request is matched to the
+    prefill server's line with its prompt length that entered soonest after it was sent, and
+    that to the decode side's line with the same bootstrap room; unmatched ones are left out."""
+    prefill = sorted((p for p in stats if p.get("type") == "prefill" and "entry_time" in p),
+                     key=lambda p: p["entry_time"])
+    decode = {d["bootstrap_room"]: d for d in stats if d.get("type") == "decode" and d.get("bootstrap_room") is not None}
+    used, rows = set(), []
+    for r in sorted((r for r in records if r.error is None and r.ttft_s is not None), key=lambda r: r.sent_at):
+        cands = [i for i, p in enumerate(prefill) if i not in used and p.get("input_len") == r.prompt_tokens
+                 and -0.05 <= p["entry_time"] - r.sent_at <= 10]
+        if not cands:
+            continue
+        i = min(cands, key=lambda i: prefill[i]["entry_time"] - r.sent_at)
+        used.add(i)
+        p, d = prefill[i], decode.get(prefill[i].get("bootstrap_room"))
+        if d is None or "entry_time" not in d:
+            continue
+        prealloc = d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", d.get("prealloc_queue_duration", 0.0))
+        ready = d["entry_time"] + prealloc + d.get("transfer_duration", 0.0) + d.get("queue_duration", 0.0) - r.sent_at
+        rows.append({"design": r.design, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
+                     "p_bootstrap": p.get("bootstrap_duration", p.get("bootstrap_queue_duration", 0.0)),
+                     "p_queue": p.get("queue_duration", 0.0), "p_forward": p.get("forward_duration", 0.0),
+                     "to_decode": d["entry_time"] - r.sent_at, "d_prealloc": prealloc,
+                     "d_transfer": d.get("transfer_duration", 0.0), "d_queue": d.get("queue_duration", 0.0),
+                     "after_ready": r.ttft_s - ready})
+    return rows
+
+
+# ----------------------------------------------------------------------------- designs (I/O)
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: a design's router, the headers and body fields it takes; ``name``
+    labels its records."""
+    name: str
+    url: str
+    headers: dict = field(default_factory=dict)
+    body_extra: dict = field(default_factory=dict)
+
+
+class Design:
+    """A running design: its router URL, the headers a request needs, and how it follows a
+    change of the link's rate."""
+
+    name: str = ""
+
+    def __init__(self, run_dir: Path, model: str, link):
+        self.run_dir, self.model, self.link = run_dir, model, link
+        self.stack = contextlib.ExitStack()
+
+    router_url: str = ""
+    headers: dict = {}
+    body_extra: dict = {}  # merged into every request (e.g. pdd_options)
+    server_args: list = []  # more flags for every SGLang server
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def set_link(self, mbit: float) -> None:
+        if self.link is not None:
+            self.link.set_rate(mbit)
+
+    def route(self) -> Route:
+        return Route(self.name, self.router_url, dict(self.headers), dict(self.body_extra))
+
+    def annotate(self, records: list[Record]) -> None:
+        """What the design did with each request, where its router says (PDD)."""
+
+    def stop(self) -> None:
+        self.stack.close()
+
+
+class SglangPdDesign(Design):
+    def __init__(self, name: str, run_dir: Path, model: str, link, cross_dc: bool, radix: bool):
+        super().__init__(run_dir, model, link)
+        self.name, self.cross_dc, self.radix = name, cross_dc, radix
+
+    def start(self) -> None:
+        from sglang_pdd.launcher.sglang_pd import SglangPdCluster, SglangPdTopology
+
+        topo = SglangPdTopology.on_free_ports(decode_radix_cache=self.radix)
+        topo.extra_args = EXACT_ARGS + list(self.server_args)
+        if self.cross_dc:
+            topo.place_decode_in_datacenter_b(self.link.a_ip, self.link.b_ip, self.link.namespace)
+        self.cluster = self.stack.enter_context(SglangPdCluster(self.run_dir / self.name, self.model, topo))
+        self.router_url = topo.router_url
+
+    def front_with_pdd_router(self, router_args: list[str]) -> None:
+        """This project's router in front of the same servers (prefill as P, decode as RLD, no
+        MD: every request P->RLD only, i.e. plain PD), instead of SGLang's."""
+        from sglang_pdd.launcher.topology import LOOPBACK, free_port
+
+        topo, port = self.cluster.topology, free_port()
+        self.cluster.procs.start("pdd-router", [sys.executable, "-m", "sglang_pdd.router", "--host", LOOPBACK,
+                                                "--port", str(port), "--tokenizer-path", self.model, "--prefill",
+                                                f"{topo.prefill.url},{topo.bootstrap_port}", "--relay",
+                                                topo.decode.url, *router_args],
+                                 health_url=f"http://{LOOPBACK}:{port}/health")
+        self.cluster.procs.wait_healthy(["pdd-router"], timeout_s=120)
+        self.router_url = f"http://{LOOPBACK}:{port}"
+
+
+class PddDesign(Design):
+    name = "pdd"
+
+    def __init__(self, run_dir: Path, model: str, link, router_args: list[str], emulated_mbit: float):
+        super().__init__(run_dir, model, link)
+        self.router_args, self.emulated_mbit = router_args, emulated_mbit
+        self.cluster = None
+
+    def start(self) -> None:
+        from sglang_pdd.launcher.cluster import LocalCluster
+        from sglang_pdd.launcher.topology import Topology
+
+        topo = Topology.on_free_ports()
+        for spec in topo.servers:
+            spec.extra_args += EXACT_ARGS + list(self.server_args)
+        if self.link is not None:
+            topo.place_datacenter_b(self.link.b_ip, self.link.namespace, self.link.rate_mbit / 1000)
+        else:  # the userspace emulator, P's WAN KV only, no delay either
+            topo.wan.rate_gbps, topo.wan.latency_ms, topo.wan.jitter_ms = self.emulated_mbit / 1000, 0.0, 0.0
+        self.cluster = self.stack.enter_context(LocalCluster(self.run_dir / "pdd", self.model, topo, self.router_args))
+        self.router_url = topo.router_url
+
+    def annotate(self, records: list[Record]) -> None:
+        log = self.cluster.procs.log_dir / "router.log"
+        annotate_from_router_log(records, parse_router_requests(log.read_text(errors="replace").splitlines()))
+
+    def set_link(self, mbit: float) -> None:
+        """The link, and a router that knows it (its WAN estimate picks P->MD or P->RLD->MD)."""
+        super().set_link(mbit)
+        self.cluster.topology.wan.rate_gbps = mbit / 1000
+        if self.link is None:
+            self.cluster.wan_control("link", rate_gbps=mbit / 1000)
+        self.cluster.restart_router(self.router_args)
+
+
+def make_design(name: str, run_dir: Path, model: str, link, args) -> Design:
+    if name == "pdd":
+        return PddDesign(run_dir, model, link, pdd_router_args(args), args.links[0])
+    return SglangPdDesign(name, run_dir, model, link, cross_dc=name != "same_dc_pd", radix=name == "cross_dc_pd_radix")
+
+
+def pdd_router_args(args) -> list[str]:
+    """The router's defaults, with the SLA's TTFT as its SLO and the outlier filter scaled to this
+    trace (long input >= 1024 tokens, output <= 4: the trace's outliers, no session turn). The
+    client is no operator (no meta_info.pdd in its events): what happened to each request is
+    read from the router's log."""
+    return ["--ttft-slo-ms", str(args.sla_ttft_ms), "--outlier-min-input-tokens", "1024",
+            "--outlier-max-output-tokens", "4"]
+
+
+# ----------------------------------------------------------------------------- client (I/O)
+async def run_cell(routes: list[Route], jobs, cfg: WorkloadConfig, order: list[Slot], arrivals: list[float],
+                   cell: str, link_mbit: float, rate: float, timeout_s: float, bar) -> list[Record]:
+    """Every slot of the trace at its arrival; a session's turn waits for the previous one's
+    output (its prompt extends it). Job j's requests take ``routes[j % len(routes)]`` (several:
+    variants compared side by side under the same load)."""
+    import aiohttp
+
+    outputs: dict = {}  # (job, turn) -> future of the output ids (None: failed)
+    for slot in order:
+        outputs[(slot.job, slot.turn)] = asyncio.get_running_loop().create_future()
+    records: list[Record] = []
+    t0 = time.perf_counter()
+
+    async def one(i: int, slot: Slot, session) -> None:
+        job = jobs[slot.job]
+        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        scheduled = time.perf_counter()
+        if job.kind == "outlier":
+            ids = segment_tokens(cell, ("outlier", job.index), job.outlier_input)
+        else:
+            ids = segment_tokens(cell, ("sys", job.system), cfg.system_tokens)
+            for k in range(slot.turn + 1):
+                if k:
+                    prev = await outputs[(slot.job, k - 1)]
+                    if prev is None:  # the session broke off: this turn is never sent
+                        outputs[(slot.job, slot.turn)].set_result(None)
+                        bar.update(1)
+                        return
+                    ids = ids + prev
+                ids = ids + segment_tokens(cell, ("new", job.index, k), job.turns[k].new_block)
+        n_out = job.turns[slot.turn].output
+        route = routes[slot.job % len(routes)]
+        rec = Record(route.name, link_mbit, rate, cell, i, job.kind, job.index, slot.turn, len(ids), n_out,
+                     scheduled_s=arrivals[i])
+        t_send, rec.sent_at = time.perf_counter(), time.time()
+        rec.held_s = t_send - scheduled
+        rec.rid = f"{cell}-{route.name}-{i}-{secrets.token_hex(4)}"
+        body = {"input_ids": ids, "sampling_params": greedy(n_out), "stream": True, "rid": rec.rid,
+                **route.body_extra}
+        times, counts, last, seen = [], [], None, 0
+        try:
+            async for t, event in astream_events(session, f"{route.url}/generate", body, route.headers, timeout_s):
+                if "error" in event:
+                    raise RuntimeError(f"error event: {str(event['error'])[:200]}")
+                n = len(event.get("output_ids") or [])
+                if n > seen:
+                    times.append(t)
+                    counts.append(n - seen)
+                    seen = n
+                last = event
+            if last is None or not times:
+                raise RuntimeError("stream without tokens")
+            rec.e2e_s = time.perf_counter() - t_send
+            rec.ttft_s, rec.tpot_s, rec.max_gap_s = token_timing(times, counts, t_send)
+            meta = last.get("meta_info", {})
+            rec.output_ids = list(last["output_ids"])
+            rec.completion_tokens = int(meta.get("completion_tokens", len(rec.output_ids)))
+            rec.cached_tokens = meta.get("cached_tokens")
+            outputs[(slot.job, slot.turn)].set_result(rec.output_ids)
+        except Exception as e:  # reported per request; the session stops here
+            rec.error = f"{type(e).__name__}: {e}"[:300]
+            outputs[(slot.job, slot.turn)].set_result(None)
+        records.append(rec)
+        bar.update(1)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(one(i, slot, session) for i, slot in enumerate(order)))
+    return records
+
+
+def warm_up(design: Design, timeout_s: float) -> None:
+    """A few requests (own tokens, discarded): the first ones on a fresh server pay one-off costs."""
+    cfg = WorkloadConfig(sessions=2, turns=(2, 2), outliers=1, outlier_input_tokens=(1100, 1100), seed=99)
+    jobs = build_jobs(cfg)
+    order = dispatch_order(jobs, lanes=2)
+    bar = tqdm(total=len(order), desc=f"warm-up {design.name}", unit="req", file=sys.stderr, leave=False)
+    recs = asyncio.run(run_cell([design.route()], jobs, cfg, order, [0.3 * i for i in range(len(order))],
+                                f"warmup-{secrets.token_hex(2)}", 0, 0, timeout_s, bar))
+    bar.close()
+    failed = [r.error for r in recs if r.error]
+    if len(failed) == len(recs):
+        raise RuntimeError(f"{design.name} serves nothing after it started: {failed[0]}")
+
+
+# ----------------------------------------------------------------------------- report
+def fmt_ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def print_table(res: dict) -> None:
+    cells, args = res["cells"], res["args"]
+    print(f"\nSLA: TTFT <= {args['sla_ttft_ms']:.0f} ms and TPOT <= {args['sla_tpot_ms']:.0f} ms. "
+          f"Times in ms; link MB = both directions, from the veth counters.")
+    for link in args["links"]:
+        info = res["links"].get(str(link), {})
+        print(f"\n== link {link:g} Mbit/s: KV transfer / cold prefill r = {info.get('r', float('nan')):.2f} "
+              f"(DeepSeek-V3 at {info.get('deepseek_v3_gbps', float('nan')):.1f} Gbit/s)")
+        print(f"{'rate':>5} {'design':<36} {'TTFT p50':>8} {'p90':>6} {'p99':>6} | {'TPOT p50':>8} {'p90':>5} | "
+              f"{'gap p99':>7} | {'SLA %':>5} {'goodput':>7} | {'err':>3} {'held':>4} | {'link MB':>7} | "
+              f"{'cores ours':>10} {'others':>6}  paths")
+        for rate in args["rates"]:
+            for design in res["designs"]:
+                c = cells.get(cell_key(design, link, rate)) or (cells.get(cell_key(design, args["links"][0], rate))
+                                                                if design == "same_dc_pd" else None)
+                if c is None:
+                    continue
+                mb = (c["link_bytes_a_to_b"] + c["link_bytes_b_to_a"]) / 1e6
+                print(f"{rate:>5g} {LABELS[design]:<36} {fmt_ms(c['ttft_p50']):>8} {fmt_ms(c['ttft_p90']):>6} "
+                      f"{fmt_ms(c['ttft_p99']):>6} | {fmt_ms(c['tpot_p50']):>8} {fmt_ms(c['tpot_p90']):>5} | "
+                      f"{fmt_ms(c['gap_p99']):>7} | {100 * c['sla_attainment']:>5.0f} {c['goodput_rps']:>7.2f} | "
+                      f"{c['errors']:>3} {c['held']:>4} | {mb:>7.2f} | {c.get('ours_cores', 0):>10.2f} "
+                      f"{c.get('others_cores', 0):>6.2f}  "
+                      f"{' '.join(f'{k}:{v}' for k, v in c['paths'].items())}")
+    eq = res["equality"]
+    print(f"\nGreedy outputs, request by request across designs: {eq['compared']} requests compared, "
+          f"{eq['mismatches']} differ" + (f" (first: {eq['examples'][0]})" if eq["examples"] else ""))
+
+
+def cell_key(design: str, link: float, rate: float) -> str:
+    return f"{design}|{link:g}|{rate:g}"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links, rates, cells = res["args"]["links"], res["args"]["rates"], res["cells"]
+    fig, ax = plt.subplots(2, len(links), figsize=(4.6 * len(links), 7), squeeze=False, sharex=True)
+    for col, link in enumerate(links):
+        info = res["links"].get(str(link), {})
+        for design in res["designs"]:
+            src = links[0] if design == "same_dc_pd" else link
+            pts = [(rate, cells.get(cell_key(design, src, rate))) for rate in rates]
+            pts = [(rate, c) for rate, c in pts if c]
+            if not pts:
+                continue
+            style = dict(marker="o", color=COLORS[design], label=LABELS[design],
+                         linestyle="--" if design == "same_dc_pd" else "-")
+            ax[0][col].plot([p[0] for p in pts], [1e3 * (p[1]["ttft_p90"] or np.nan) for p in pts], **style)
+            ax[1][col].plot([p[0] for p in pts], [p[1]["goodput_rps"] for p in pts], **style)
+        ax[0][col].set_title(f"link {link:g} Mbit/s (r = {info.get('r', float('nan')):.2f}; "
+                             f"~{info.get('deepseek_v3_gbps', float('nan')):.0f} Gbit/s for DeepSeek-V3)", fontsize=9)
+        ax[0][col].axhline(res["args"]["sla_ttft_ms"], color="k", linewidth=0.6, linestyle=":")
+        ax[0][col].set_yscale("log")
+        ax[1][col].plot(rates, rates, color="k", linewidth=0.6, linestyle=":", label="offered")
+        ax[1][col].set_xlabel("request rate (req/s, Poisson)")
+    ax[0][0].set_ylabel("TTFT p90 (ms, log)")
+    ax[1][0].set_ylabel(f"goodput (req/s within TTFT<={res['args']['sla_ttft_ms']:.0f} ms, "
+                        f"TPOT<={res['args']['sla_tpot_ms']:.0f} ms)", fontsize=8)
+    ax[1][0].legend(fontsize=7)
+    fig.suptitle("PDD vs SGLang's own PD, real servers, datacenter B behind one shaped link (tiny model, 2 CPU cores)",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- TTFT breakdown (I/O)
+BREAKDOWN_LABELS = {
+    "same_dc_pd": "SGLang PD servers, SGLang's router",
+    "sglang_pd_pdd_router": "SGLang PD servers, PDD's router",
+    "pdd": "PDD, routing as it does",
+    "pdd_rld_only": "PDD servers, P->RLD only (MD idle)",
+    "pdd_rld_only_md_stopped": "PDD servers, P->RLD only, MD stopped",
+}
+
+
+def server_logs(design: Design) -> list[str]:
+    lines = []
+    for log in sorted((design.run_dir / ("pdd" if design.name == "pdd" else design.name) / "logs").glob("*.log")):
+        lines += log.read_text(errors="replace").splitlines()
+    return lines
+
+
+def run_breakdown(args, link, model: str, out: Path) -> dict:
+    """Where the time to first token goes, same-datacenter PD against PDD, at the first rate and
+    link, each stage from the servers' own time stats (STAGES). Paired where the servers allow:
+    SGLang's PD servers behind SGLang's router and behind PDD's router at once (sessions
+    alternate between them), PDD's servers routing as usual and keeping every request on
+    P->RLD at once (MD idle for those); then P->RLD with MD stopped. Each variant gets the
+    main comparison's trace and rate."""
+    rate, link_mbit = args.rates[0], args.links[0]
+    double = replace(args, sessions=2 * args.sessions, lanes=2 * args.lanes, outliers=2 * args.outliers)
+    cfg2, jobs2 = workload(double)
+    order2 = dispatch_order(jobs2, double.lanes)
+    cfg1, jobs1 = workload(args)
+    order1 = dispatch_order(jobs1, args.lanes)
+    records: list[Record] = []
+    stats: list[dict] = []
+    bar = tqdm(total=2 * len(order2) + len(order1), desc="TTFT breakdown", unit="req", file=sys.stderr)
+
+    def cell(routes: list[Route], design: Design, cfg, jobs, order, salt: str) -> None:
+        bar.set_postfix_str(" + ".join(r.name for r in routes))
+        recs = asyncio.run(run_cell(routes, jobs, cfg, order, poisson_arrivals(len(order), rate * len(routes), 7),
+                                    f"bd-{salt}", link_mbit, rate, args.request_timeout_s, bar))
+        design.annotate(recs)
+        records.extend(recs)
+
+    sglang = SglangPdDesign("same_dc_pd", out / "breakdown", model, link, cross_dc=False, radix=False)
+    sglang.server_args = ["--enable-request-time-stats-logging"]
+    try:
+        sglang.start()
+        warm_up(sglang, args.request_timeout_s)
+        rust = sglang.route()
+        sglang.front_with_pdd_router(pdd_router_args(args))
+        warm_up(sglang, args.request_timeout_s)
+        cell([rust, replace(sglang.route(), name="sglang_pd_pdd_router")], sglang, cfg2, jobs2, order2, "a")
+        stats += parse_time_stats(server_logs(sglang))
+    finally:
+        sglang.stop()
+    pdd = PddDesign(out / "breakdown", model, link, pdd_router_args(args), link_mbit)
+    pdd.server_args = ["--enable-request-time-stats-logging"]
+    try:
+        pdd.start()
+        pdd.set_link(link_mbit)
+        warm_up(pdd, args.request_timeout_s)
+        # pdd_options is operator-only
+        forced = Route("pdd_rld_only", pdd.router_url, pdd.cluster.operator_headers, {"pdd_options": {"path": "p_rld_only"}})
+        cell([pdd.route(), forced], pdd, cfg2, jobs2, order2, "b")
+        pdd.cluster.procs.stop("main-0")
+        cell([replace(forced, name="pdd_rld_only_md_stopped")], pdd, cfg1, jobs1, order1, "c")
+        stats += parse_time_stats(server_logs(pdd))
+    finally:
+        pdd.stop()
+    bar.close()
+    rows = ttft_stages(records, stats)
+    table = {}
+    for name in BREAKDOWN_LABELS:
+        mine = [r for r in rows if r["design"] == name]
+        recs = [r for r in records if r.design == name and r.error is None]
+        table[name] = {"requests": len([r for r in records if r.design == name]), "matched": len(mine),
+                       "errors": len([r for r in records if r.design == name and r.error]),
+                       "ttft_p50": pct([r.ttft_s for r in recs], 50), "ttft_p90": pct([r.ttft_s for r in recs], 90),
+                       "tpot_p50": pct([r.tpot_s for r in recs], 50),
+                       "matched_ttft_p50": pct([m["ttft"] for m in mine], 50),
+                       **{f"{k}_p50": pct([m[k] for m in mine], 50) for k in STAGES}}
+    with open(out / "breakdown_requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    return {"rate": rate, "link_mbit": link_mbit, "variants": table, "rows": rows}
+
+
+def print_breakdown(bd: dict) -> None:
+    print(f"\n== Where the time to first token goes ({bd['rate']:g} req/s, link {bd['link_mbit']:g} Mbit/s): "
+          f"medians in ms over the requests matched to the servers' time stats")
+    head = " ".join(f"{k:>11}" for k in STAGES)
+    print(f"{'variant':<38} {'n':>3} {'TTFT p50':>8} {'p90':>5} {'TPOT p50':>8} | {'matched':>7} {'TTFT':>5} {head}")
+    for name, v in bd["variants"].items():
+        stages = " ".join(f"{fmt_ms(v[f'{k}_p50']):>11}" for k in STAGES)
+        print(f"{BREAKDOWN_LABELS[name]:<38} {v['requests']:>3} {fmt_ms(v['ttft_p50']):>8} {fmt_ms(v['ttft_p90']):>5} "
+              f"{fmt_ms(v['tpot_p50']):>8} | {v['matched']:>7} {fmt_ms(v['matched_ttft_p50']):>5} {stages}")
+    print("(rows 1-2 ran at once on the same servers, sessions alternating between them; rows 3-4 too; row 5 after "
+          "MD was stopped)")
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one link, one rate, a few sessions (the e2e test's size)")
+    ap.add_argument("--ttft-breakdown", action="store_true",
+                    help="instead of the comparison: where same-DC PD's and PDD's time to first token goes, at the "
+                         "first rate and link (servers log their own time stats)")
+    ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS))
+    ap.add_argument("--links", type=float, nargs="+", default=[200.0, 40.0, 10.0], metavar="MBIT",
+                    help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "
+                         "prefill: r ~0.3-5 on this machine)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.5, 5.0], metavar="RPS",
+                    help="request rates, Poisson (the last near saturation on 2 shared cores)")
+    ap.add_argument("--sessions", type=int, default=6)
+    ap.add_argument("--turns", type=int, nargs=2, default=[5, 7], metavar=("MIN", "MAX"))
+    ap.add_argument("--lanes", type=int, default=6, help="sessions live at once (turns round robin over them)")
+    ap.add_argument("--outliers", type=int, default=2)
+    ap.add_argument("--output-tokens", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
+    ap.add_argument("--target-hit", type=float, default=0.9, help="ideal token-weighted prefix hit of session turns")
+    ap.add_argument("--sla-ttft-ms", type=float, default=500.0)
+    ap.add_argument("--sla-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--request-timeout-s", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="artifacts/bench_real_pd_vs_pdd")
+    ap.add_argument("--plot", default=None, help="PNG path (default: docs/img/real_pd_vs_pdd.png, --quick: under --out)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.links, args.rates = args.links[1:2], [1.5]
+        args.sessions, args.turns, args.lanes, args.outliers = 2, [3, 3], 2, 1
+    return args
+
+
+def workload(args) -> tuple[WorkloadConfig, list]:
+    cfg = WorkloadConfig(sessions=args.sessions, turns=tuple(args.turns), outliers=args.outliers,
+                         output_tokens=tuple(args.output_tokens), outlier_output_tokens=(1, 4), seed=args.seed)
+    if args.target_hit > 0:
+        cfg = fit_block_scale(cfg, args.target_hit)
+    return cfg, build_jobs(cfg)
+
+
+def kv_bytes_per_token(model: str, dtype_bytes: int = 4) -> int:
+    c = json.loads((Path(model) / "config.json").read_text())
+    heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * heads * head_dim * dtype_bytes
+
+
+def measure_prefill_s_per_token(design: Design, tokens: int = 2000, n: int = 3) -> float:
+    """Cold prefill time per token: the TTFT of fresh ``tokens``-token prompts asking one token on
+    same-DC PD, less that of a 16-token prompt (the fixed costs); the median of ``n``."""
+    from sglang_pdd.launcher.http import post_json
+
+    def ttft(n_tokens: int, salt: str) -> float:
+        t0 = time.perf_counter()
+        post_json(f"{design.router_url}/generate", {"input_ids": segment_tokens("prefill-speed", (salt,), n_tokens),
+                                                    "sampling_params": greedy(1)})
+        return time.perf_counter() - t0
+
+    small = float(np.median([ttft(16, f"s{i}") for i in range(n)]))
+    large = float(np.median([ttft(tokens, f"l{i}") for i in range(n)]))
+    return max(1e-7, (large - small) / tokens)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    from sglang_pdd.launcher.cluster import default_model_path
+    from sglang_pdd.launcher.netns import link_or_fallback
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_path = Path(args.plot) if args.plot else (out / "real_pd_vs_pdd.png" if args.quick
+                                                    else REPO / "docs" / "img" / "real_pd_vs_pdd.png")
+    model = default_model_path()
+    cfg, jobs = workload(args)
+    order = dispatch_order(jobs, args.lanes)
+    flat_hits = ideal_hit_per_request(jobs, cfg)
+    print(f"workload: {len(order)} requests per cell ({args.sessions} sessions, {args.outliers} outliers), "
+          f"block scale {cfg.block_scale:.2f}, {np.mean([h >= 0.9 for h in flat_hits]):.0%} of requests at >= 90% "
+          f"ideal prefix hit (mean {np.mean(flat_hits):.2f}); designs {', '.join(args.designs)}", file=sys.stderr)
+
+    res = {"args": vars(args), "designs": [], "cells": {}, "links": {},
+           "workload": {"config": asdict(cfg), "requests_per_cell": len(order),
+                        "share_at_90pct_hit": float(np.mean([h >= 0.9 for h in flat_hits])),
+                        "mean_ideal_hit": float(np.mean(flat_hits))}}
+    records: list[Record] = []
+    t_start = time.time()
+    with contextlib.ExitStack() as stack:
+        link = link_or_fallback(args.links[0])
+        designs = list(args.designs)
+        if link is None:
+            designs = [d for d in designs if d in ("same_dc_pd", "pdd")]
+            print("without the namespace the cross-DC baselines cannot run: same-DC PD and PDD (over the "
+                  "userspace emulator, P's WAN KV only) only", file=sys.stderr)
+        else:
+            stack.callback(link.destroy)
+            res["namespace"] = {"name": link.namespace, "veth": link.plan.veth_a, "a_ip": link.a_ip, "b_ip": link.b_ip}
+        res["designs"] = designs
+        if args.ttft_breakdown:
+            if link is None:
+                raise SystemExit("the TTFT breakdown needs the namespace (root)")
+            bd = run_breakdown(args, link, model, out)
+            (out / "breakdown.json").write_text(json.dumps(bd, indent=1))
+            print_breakdown(bd)
+            return 0
+        n_cells = sum(len(args.rates) * (1 if d == "same_dc_pd" else len(args.links)) for d in designs)
+        bar = tqdm(total=n_cells * len(order), desc="requests", unit="req", file=sys.stderr)
+        for name in designs:
+            design = make_design(name, out / "servers", model, link, args)
+            bar.set_postfix_str(f"{name}: starting servers")
+            try:
+                design.start()
+                warm_up(design, args.request_timeout_s)
+                if name == "same_dc_pd" and "prefill_s_per_token" not in res:
+                    res["prefill_s_per_token"] = measure_prefill_s_per_token(design)
+                for li, link_mbit in enumerate(args.links if name != "same_dc_pd" else args.links[:1]):
+                    if name != "same_dc_pd":
+                        design.set_link(link_mbit)
+                        if name == "pdd":
+                            warm_up(design, args.request_timeout_s)
+                    for ri, rate in enumerate(args.rates):
+                        cell = f"l{li}r{ri}s{args.seed}"
+                        bar.set_postfix_str(f"{name}, {link_mbit:g} Mbit/s, {rate:g} req/s")
+                        before = link.counters() if link is not None else (0, 0)
+                        t0, cpu = time.time(), CpuMeter()
+                        recs = asyncio.run(run_cell([design.route()], jobs, cfg, order,
+                                                    poisson_arrivals(len(order), rate, 1000 * args.seed + 10 * li + ri),
+                                                    cell, link_mbit, rate, args.request_timeout_s, bar))
+                        wall, cores = time.time() - t0, cpu.stop()
+                        after = link.counters() if link is not None else (0, 0)
+                        design.annotate(recs)
+                        res["cells"][cell_key(name, link_mbit, rate)] = summarize_cell(
+                            recs, rate, args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3,
+                            (after[0] - before[0], after[1] - before[1]), wall) | cores
+                        records += recs
+            finally:
+                bar.set_postfix_str(f"{name}: stopping")
+                design.stop()
+        bar.close()
+    res["wall_s"] = time.time() - t_start
+    kv = kv_bytes_per_token(model)
+    per_token = res.get("prefill_s_per_token")
+    for link_mbit in args.links:
+        info = {"kv_bytes_per_token": kv}
+        if per_token:
+            r = kv * 8 / (link_mbit * 1e6) / per_token
+            info.update(r=r, deepseek_v3_gbps=DEEPSEEK_V3_KV_BYTES_PER_TOKEN * 8 * PROD_PREFILL_TOKENS_PER_S / r / 1e9)
+        res["links"][str(link_mbit)] = info
+    res["equality"] = compare_outputs(records)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    with open(out / "requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    print_table(res)
+    plot(res, plot_path)
+    print(f"\nwall {res['wall_s'] / 60:.1f} min; wrote {out / 'results.json'}, {out / 'requests.jsonl'}, {plot_path}")
+    bad = res["equality"]["mismatches"] or any(c["errors"] or c["completion_mismatch"] for c in res["cells"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""bench_real_pd_vs_pdd's pure parts: the open-loop dispatch order, arrivals, per-request timing,
+the SLA, the cross-design output comparison and the TTFT breakdown from the servers' time
+stats. No server."""
+
+import pytest
+
+from benchmarks.bench_agentic import Job, Turn, WorkloadConfig, build_jobs
+from benchmarks.bench_real_pd_vs_pdd import (STAGES, Record, Slot, annotate_from_router_log, compare_outputs,
+                                             dispatch_order, ideal_hit_per_request, meets_sla, parse_args,
+                                             parse_router_requests, parse_time_stats, poisson_arrivals,
+                                             summarize_cell, token_timing, ttft_stages, workload)
+
+
+def session(index, turns, system=0):
+    return Job("session", index, system=system, turns=[Turn(10, 5) for _ in range(turns)])
+
+
+def test_dispatch_is_round_robin_over_live_sessions_and_every_turn_once():
+    jobs = [session(0, 3), Job("outlier", 0, turns=[Turn(0, 2)], outlier_input=100), session(1, 1), session(2, 2)]
+    order = dispatch_order(jobs, lanes=2)
+    assert sorted(order, key=lambda s: (s.job, s.turn)) == [
+        Slot(0, 0), Slot(0, 1), Slot(0, 2), Slot(1, 0), Slot(2, 0), Slot(3, 0), Slot(3, 1)]
+    # session 0 and (after the outlier, which takes no lane) session 2 share the two lanes
+    assert order[:3] == [Slot(1, 0), Slot(0, 0), Slot(2, 0)]
+    for job in (0, 3):  # a session's turns in order
+        turns = [s.turn for s in order if s.job == job]
+        assert turns == sorted(turns)
+
+
+def test_consecutive_turns_are_lanes_apart_while_sessions_last():
+    jobs = [session(i, 4) for i in range(3)]
+    order = dispatch_order(jobs, lanes=3)
+    positions = [i for i, s in enumerate(order) if s.job == 1]
+    assert [b - a for a, b in zip(positions, positions[1:])] == [3, 3, 3]
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
+    a = poisson_arrivals(4000, 5.0, seed=1)
+    assert a == poisson_arrivals(4000, 5.0, seed=1) and a != poisson_arrivals(4000, 5.0, seed=2)
+    assert all(x < y for x, y in zip(a, a[1:]))
+    assert 4000 / a[-1] == pytest.approx(5.0, rel=0.05)
+
+
+def test_token_timing():
+    ttft, tpot, gap = token_timing([1.1, 1.2, 1.5], [1, 2, 1], t_send=1.0)
+    assert ttft == pytest.approx(0.1) and tpot == pytest.approx(0.4 / 3) and gap == pytest.approx(0.3)
+    assert token_timing([2.0], [5], 1.0) == (1.0, 0.0, None)  # all tokens in one event
+    assert token_timing([2.0], [1], 1.0) == (1.0, None, None)
+
+
+def rec(design="pdd", ttft=0.1, tpot=0.01, error=None, out=(1, 2), job=0, turn=0, cell="c", done=2):
+    return Record(design, 10, 1, cell, 0, "session", job, turn, 100, 2, ttft_s=ttft, tpot_s=tpot, error=error,
+                  output_ids=list(out), completion_tokens=done, max_gap_s=0.02, e2e_s=0.2)
+
+
+def test_sla_needs_both_ttft_and_tpot_and_no_error():
+    assert meets_sla(rec(), 0.5, 0.1)
+    assert not meets_sla(rec(ttft=0.6), 0.5, 0.1)
+    assert not meets_sla(rec(tpot=0.2), 0.5, 0.1)
+    assert not meets_sla(rec(error="x"), 0.5, 0.1)
+    assert meets_sla(rec(tpot=None), 0.5, 0.1)  # one token: no TPOT
+
+
+def test_cell_summary_counts_errors_in_goodput():
+    recs = [rec(), rec(ttft=0.9), rec(error="boom"), rec(done=1)]
+    s = summarize_cell(recs, rate=2.0, sla_ttft_s=0.5, sla_tpot_s=0.1, link_bytes=(5, 7), wall_s=3.0)
+    assert s["requests"] == 4 and s["errors"] == 1 and s["completion_mismatch"] == 1
+    assert s["sla_attainment"] == pytest.approx(0.5) and s["goodput_rps"] == pytest.approx(1.0)
+    assert s["ttft_p50"] == pytest.approx(0.1) and (s["link_bytes_a_to_b"], s["link_bytes_b_to_a"]) == (5, 7)
+
+
+def test_outputs_compared_request_by_request():
+    same = [rec("a"), rec("b"), rec("a", job=1, out=(3, 4)), rec("b", job=1, out=(3, 4))]
+    assert compare_outputs(same) == {"compared": 2, "mismatches": 0, "examples": [], "designs_per_request": [2]}
+    differ = same + [rec("c", job=1, out=(3, 5))]
+    eq = compare_outputs(differ)
+    assert eq["mismatches"] == 1 and eq["examples"][0]["first_difference"] == 1
+    # a failed request is not compared; a request only one design completed is not either
+    assert compare_outputs([rec("a"), rec("b", error="x")])["compared"] == 0
+
+
+def test_ideal_hits_follow_the_session():
+    cfg = WorkloadConfig(system_tokens=100)
+    jobs = [Job("session", 0, system=0, turns=[Turn(100, 10), Turn(20, 5)]),
+            Job("session", 1, system=0, turns=[Turn(100, 10)]), Job("outlier", 0, turns=[Turn(0, 1)])]
+    hits = ideal_hit_per_request(jobs, cfg)
+    # turn 0: nothing held; turn 1: the previous prompt + output less its last token;
+    # the second session's first turn: the shared system prompt; outliers: nothing
+    assert hits == [0.0, pytest.approx(209 / 230), pytest.approx(100 / 200), 0.0]
+
+
+def test_default_trace_is_mostly_high_hit():
+    args = parse_args([])
+    cfg, jobs = workload(args)
+    hits = ideal_hit_per_request(jobs, cfg)
+    assert sum(h >= 0.9 for h in hits) / len(hits) >= 0.6
+    assert sum(j.kind == "outlier" for j in jobs) == args.outliers
+
+
+def test_quick_size_is_one_cell():
+    args = parse_args(["--quick"])
+    assert len(args.links) == 1 and len(args.rates) == 1 and args.sessions <= 3
+    assert build_jobs(workload(args)[0])  # builds
+
+
+PREFILL_LINE = ("[2026-12-04 22:51:56] ReqTimeStats(rid=abc, bootstrap_room=77, input_len=300, cached_input_len=256, "
+                "output_len=1, attempts=1, type=prefill): bootstrap_duration=2.00ms, queue_duration=1.00ms, "
+                "forward_duration=30.00ms, entry_time=1000.010, transfer_speed=0.10 GB/s, transfer_total=0.30 MB")
+DECODE_LINE = ("[2026-12-04 22:51:57] ReqTimeStats(rid=abc, bootstrap_room=77, input_len=300, cached_input_len=0, "
+               "output_len=20, attempts=0, type=decode): bootstrap_duration=3.00ms, alloc_wait_duration=1.00ms, "
+               "transfer_duration=40.00ms, queue_duration=5.00ms, forward_duration=200.00ms, entry_time=1000.020")
+
+
+def test_time_stats_lines_parse():
+    (p, d) = parse_time_stats(["noise", PREFILL_LINE, DECODE_LINE])
+    assert p["type"] == "prefill" and p["bootstrap_room"] == 77 and p["input_len"] == 300
+    assert p["forward_duration"] == pytest.approx(0.03) and p["entry_time"] == pytest.approx(1000.01)
+    assert d["type"] == "decode" and d["transfer_duration"] == pytest.approx(0.04)
+
+
+def test_ttft_is_split_into_stages_from_the_send():
+    r = rec("same_dc_pd", ttft=0.1)
+    r.prompt_tokens, r.sent_at = 300, 1000.0
+    other = rec("same_dc_pd", ttft=0.2, job=1)
+    other.prompt_tokens, other.sent_at = 999, 1000.0  # no server line with its length: left out
+    (row,) = ttft_stages([r, other], parse_time_stats([PREFILL_LINE, DECODE_LINE]))
+    assert row["to_prefill"] == pytest.approx(0.01) and row["p_forward"] == pytest.approx(0.03)
+    assert row["to_decode"] == pytest.approx(0.02) and row["d_prealloc"] == pytest.approx(0.004)
+    # ready to decode at 0.02 + 0.004 + 0.040 + 0.005 after the send: the rest of the 100 ms TTFT
+    assert row["after_ready"] == pytest.approx(0.1 - 0.069)
+    assert set(STAGES) <= set(row)
+
+
+def test_router_log_lines_annotate_requests_by_length_and_end_time():
+    lines = ['[2026-12-04 22:49:14] request {"rid": "x1", "path": "p_rld_md", "prompt_tokens": 100, "output_tokens": 2, '
+             '"md_cached": 77, "handoff_at": 1, "ttft_s": 0.07, "fallbacks": ["wan_failed: x"]}',
+             '[2026-12-04 22:49:30] request {"rid": "x2", "path": "p_md", "prompt_tokens": 100, "output_tokens": 2, '
+             '"md_cached": 99, "handoff_at": null, "ttft_s": 0.05, "fallbacks": []}',
+             "other line", "[2026-12-04 22:49:30] request {broken"]
+    entries = parse_router_requests(lines)
+    assert [e["rid"] for e in entries] == ["x1", "x2"]
+    first, second, unknown = rec(), rec(job=1), rec(job=2)
+    first.sent_at, second.sent_at = entries[0]["logged_at"] - 0.3, entries[1]["logged_at"] - 0.5
+    unknown.sent_at, unknown.prompt_tokens = first.sent_at, 555  # no line with its length
+    annotate_from_router_log([second, unknown, first], entries)
+    assert (first.path, first.md_cached_tokens, first.handoff_at, first.fallbacks) == ("p_rld_md", 77, 1, ["wan_failed: x"])
+    assert (second.path, second.md_cached_tokens) == ("p_md", 99)
+    assert unknown.path == "" and unknown.md_cached_tokens is None
