@@ -176,7 +176,7 @@ def main() -> None:
 def _hmac_us(what: str, n: int = 20000) -> float:
     """The signatures' own cost (server signs, router checks), without HTTP around them."""
     signer, verifier = ControlSigner(KEY, role=ROLE_MD), ControlVerifier(KEY, role=ROLE_MD)
-    header = signer.header("GET", STATS.path())["Authorization"]
+    header = signer.header("GET", STATS.path(), host="127.0.0.1:1")["Authorization"]
     sig = header.rsplit("sig=", 1)[1]
     body = json.dumps({"room": 1, "cached_tokens": 0, "prompt_tokens": 4096, "tp_size": 1}).encode()
     start = time.perf_counter()

@@ -679,10 +679,11 @@ def run_breakdown(args, link, model: str, out: Path) -> dict:
     link, each stage from the servers' own time stats (STAGES). Paired where the servers allow:
     SGLang's PD servers behind SGLang's router and behind PDD's router at once (sessions
     alternate between them), PDD's servers routing as usual and keeping every request on
-    P->RLD at once (MD idle for those); then P->RLD with MD stopped. Each variant gets the
-    main comparison's trace and rate."""
+    P->RLD at once (MD idle for those); then P->RLD with MD stopped. The servers see the main
+    comparison's rate; variants that share them get twice the sessions, half each."""
     rate, link_mbit = args.rates[0], args.links[0]
-    double = replace(args, sessions=2 * args.sessions, lanes=2 * args.lanes, outliers=2 * args.outliers)
+    double = argparse.Namespace(**{**vars(args), "sessions": 2 * args.sessions, "lanes": 2 * args.lanes,
+                                   "outliers": 2 * args.outliers})
     cfg2, jobs2 = workload(double)
     order2 = dispatch_order(jobs2, double.lanes)
     cfg1, jobs1 = workload(args)
@@ -693,7 +694,7 @@ def run_breakdown(args, link, model: str, out: Path) -> dict:
 
     def cell(routes: list[Route], design: Design, cfg, jobs, order, salt: str) -> None:
         bar.set_postfix_str(" + ".join(r.name for r in routes))
-        recs = asyncio.run(run_cell(routes, jobs, cfg, order, poisson_arrivals(len(order), rate * len(routes), 7),
+        recs = asyncio.run(run_cell(routes, jobs, cfg, order, poisson_arrivals(len(order), rate, 7),
                                     f"bd-{salt}", link_mbit, rate, args.request_timeout_s, bar))
         design.annotate(recs)
         records.extend(recs)

@@ -213,22 +213,25 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 # ----------------------------------------------------------------------------- simulator
-def sim_config(profile, wan_gbps: float, wan_latency_ms: float, router_rld_max_running: int = 16):
+def sim_config(profile, wan_gbps: float, wan_latency_ms: float, router_rld_max_running: Optional[int] = None,
+               rld_batch_cap: int = 16):
     """PDD as the local cluster runs it: 1 P + 1 RLD + 1 MD on one profile, the emulated WAN,
-    and the router's path policy (page size 1, the measured KV bytes per token). RLD's
-    ``max_running_requests`` is what the sim's router divides RLD's flows by, so it is the
-    router's ``--rld-max-running`` (16, as the launcher's servers run)."""
+    and the router's path policy (page size 1, the measured KV bytes per token). RLD decodes
+    at most ``rld_batch_cap`` at once (the launcher's servers run --max-running-requests 16);
+    the router counts RLD full at ``router_rld_max_running`` flows (its --rld-max-running,
+    the router's default unless given)."""
     from sglang_pdd.handoff.policy import HandoffConfig
-    from sglang_pdd.router.policy import PathPolicyConfig
+    from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathPolicyConfig
     from sglang_pdd.sim.cluster import ScenarioConfig
     from sglang_pdd.sim.hardware import WAN_DEFAULT
 
     wan = replace(WAN_DEFAULT, gbps=wan_gbps, one_way_latency_s=wan_latency_ms / 1e3, jitter_s=0.0)
     router = PathPolicyConfig(wan_gbps=wan_gbps, wan_rtt_ms=2 * wan_latency_ms,
                               kv_bytes_per_token=profile.kv_bytes_per_token, page_size=1)
-    rld = replace(profile, max_running_requests=router_rld_max_running)
+    rld = replace(profile, max_running_requests=rld_batch_cap)
     return ScenarioConfig(name="pdd_local", kind="pdd", n_prefill=1, n_rld=1, n_md=1, prefill_hw=profile,
-                          rld_hw=rld, md_hw=profile, wan=wan, drc=True, handoff=HandoffConfig(), router=router)
+                          rld_hw=rld, md_hw=profile, wan=wan, drc=True, handoff=HandoffConfig(), router=router,
+                          rld_max_running=router_rld_max_running or RLD_MAX_RUNNING_DEFAULT)
 
 
 def simulate(cfg, trace: list[TraceRequest]) -> list[RequestMetrics]:

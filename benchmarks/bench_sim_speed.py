@@ -4,6 +4,7 @@ CPU time (time.process_time), not wall clock: on a shared machine wall time meas
 neighbours too.
 
     python -m benchmarks.bench_sim_speed --n 100000
+    python -m benchmarks.bench_sim_speed --n 100000 --model deepseek-v3 --prefill 4 --md 1
 """
 
 import argparse
@@ -11,6 +12,7 @@ import resource
 import time
 
 from sglang_pdd.sim.cluster import Simulation
+from sglang_pdd.sim.hardware import preset
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
 
@@ -22,8 +24,15 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8)
     ap.add_argument("--rld", type=int, default=1)
     ap.add_argument("--md", type=int, default=3)
+    ap.add_argument("--model", default=None, choices=("llama3-70b", "deepseek-v3"),
+                    help="presets (P and RLD on H200 for deepseek-v3, H100 for llama3-70b; MD on H20); "
+                         "default: ClusterSpec's (Llama-3-70B on H100 / H20)")
     a = ap.parse_args()
     spec = ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md)
+    if a.model:
+        chip_a = "h200" if a.model == "deepseek-v3" else "h100"
+        spec = ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=preset(a.model, chip_a),
+                           chip_b=preset(a.model, "h20"))
     cfg = {c.name: c for c in standard_scenarios(spec)}[a.scenario]
     # The trace is generated lazily inside the run, as a user streaming a big trace would.
     trace = generate_agentic_trace(realistic_agentic_config(num_requests=a.n))

@@ -1,4 +1,4 @@
-"""The per-trace PD vs PDD report of docs/sim.md: for each trace and model class, the
+"""The per-trace PD vs PDD report of docs/sim-notebook.md (2026-12-03, superseded by benchmarks/sim_round4.py): for each trace and model class, the
 cheapest PD and PDD mixes meeting the SLA (sizing says which wins), then goodput vs offered
 load at both mixes (the knee and BCR at the knee). Writes JSON and PNGs.
 
@@ -43,7 +43,7 @@ def traces(a):
 
 
 def markdown(paths) -> str:
-    """The docs/sim.md table from the JSON files this script wrote."""
+    """The docs/sim-notebook.md table from the JSON files this script wrote."""
     lines = ["| trace | model, WAN | mean hit / reusable | cheapest PD (P/D, $/h) | cheapest PDD (P/RLD/MD, $/h) | "
              "verdict | knee good r/s PD / PDD | knee BCR PD / PDD | PDD WAN util, MD hit, RLD tok% |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -33,9 +33,10 @@ BEGIN, END = "<!-- import_map: begin (scripts/import_map.py --write) -->", "<!--
 # Lowest first. A package may import its own layer's packages and lower ones, never higher.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("foundation",
-     ("sglang_pdd", "shared_key", "control_auth", "protocol", "json_http", "workload"),
-     "pure and stdlib-near: the shared key's bound, signed control calls, the control protocol "
-     "(routes, messages, its one error type), the JSON HTTP server they run on, workload traces"),
+     ("sglang_pdd", "shared_key", "control_auth", "admission", "protocol", "json_http", "workload"),
+     "pure and stdlib-near: the shared key's bound, signed control calls, who may connect before "
+     "authenticating, the control protocol (routes, messages, its one error type), the JSON HTTP "
+     "server they run on, workload traces"),
     ("mechanisms",
      ("kv_channel", "handoff", "radix_drc"),
      "no SGLang import: the WAN KV channel (wire, handshake, sender, receiver, emulator), handoff "

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang_pdd.admission import AdmissionLimits, parse_networks
 from sglang_pdd.protocol import check_md_tp
 
 ROLES = ("prefill", "relay", "main")
@@ -43,6 +45,8 @@ class PddConfig:
     control_tls_cert: Optional[str] = None  # prefill/main: the control API's certificate (HTTPS only with it)
     control_tls_key: Optional[str] = None  # prefill/main: its private key (PEM, mode 0600)
     control_tls_ca: Optional[str] = None  # prefill/main: CA that signed the router's client certificate
+    control_trusted_sources: Optional[str] = None  # prefill/main: ADDR[/PREFIX],... of the router(s)
+    control_names: Optional[str] = None  # prefill/main: further host names the router's CONTROL_URL may use
     wan_streams: int = 4  # prefill: parallel TCP streams per WAN peer
     wan_timeout_s: float = 30.0  # prefill/main: a WAN transfer older than this fails
     wan_staging_mb: int = 1024  # prefill: host copies of KV waiting for the WAN, at most
@@ -51,7 +55,7 @@ class PddConfig:
     wan_peers: Optional[str] = None  # prefill: HOST:PORT,... of the MDs' WAN receivers P may send KV to
     max_md_tp: int = 8  # prefill: the largest MD TP size (WAN ports per MD) P sends to
     allow_wildcard_bind: bool = False  # main/prefill: permit 0.0.0.0 / :: in the *-listen flags
-    md_staging_mb: int = 4096  # main: KV of rooms in flight (reserved pool pages or host staging), at most
+    md_staging_mb: int = 0  # main: KV of rooms in flight (reserved pool pages or host staging), at most; 0: a share of MD's KV pool
     md_ingest: str = "pool"  # main: "pool" (write into reserved pages as chunks land) or "staged"
     kv_trusted_sources: Optional[str] = None  # all roles: ADDR[/PREFIX],... of known KV peers (reserved slots)
     kv_max_handshakes_per_source: int = 16  # all roles: pre-auth KV connections from one unknown source
@@ -93,6 +97,15 @@ FLAGS = [
         help="prefill and main: the private key (PEM, not readable by group/others) of --pdd-control-tls-cert.")),
     ("--pdd-control-tls-ca", "pdd_control_tls_ca", dict(default=None,
         help="prefill and main: CA certificate(s) (PEM) that the router's client certificate must be signed by.")),
+    ("--pdd-control-trusted-sources", "pdd_control_trusted_sources", dict(default=None,
+        help="prefill and main: ADDR or ADDR/PREFIX,... of the router(s) calling the control API. They take the "
+             "connection slots reserved for known peers, with no per-source cap, and read bodies from the whole "
+             "budget, so a flood of connections cannot keep them out. A source that sent a validly signed request "
+             "in the last 24 h is treated the same way.")),
+    ("--pdd-control-names", "pdd_control_names", dict(default=None,
+        help="prefill and main: HOST,... further names the router's CONTROL_URL may give this control API "
+             "(a DNS name, a proxy's). A signed call is served only when its Host is one of this server's "
+             "names: the --pdd-control-listen host, its TLS certificate's names, and these.")),
     ("--pdd-wan-streams", "pdd_wan_streams", dict(type=int, default=4,
         help="prefill only: parallel TCP streams per WAN peer (fills a long fat pipe).")),
     ("--pdd-wan-timeout-s", "pdd_wan_timeout_s", dict(type=float, default=30.0,
@@ -114,10 +127,11 @@ FLAGS = [
     ("--pdd-allow-wildcard-bind", "pdd_allow_wildcard_bind", dict(action="store_true", default=False,
         help="main and prefill: allow --pdd-control-listen / --pdd-wan-listen on a wildcard address "
              "(0.0.0.0, ::), i.e. on every interface. Refused without it: name the interface.")),
-    ("--pdd-md-staging-mb", "pdd_md_staging_mb", dict(type=int, default=4096,
+    ("--pdd-md-staging-mb", "pdd_md_staging_mb", dict(type=int, default=0,
         help="main only: KV of rooms still crossing the WAN that MD holds (reserved pool pages, or host "
              "staging with --pdd-md-ingest staged), at most; a room that does not fit is refused at "
-             "registration and the router keeps that request on RLD.")),
+             "registration and the router keeps that request on RLD. Default 0: a quarter of MD's KV "
+             "pool (the model's KV bytes per token times the pool's tokens), known once the pool exists.")),
     ("--pdd-md-ingest", "pdd_md_ingest", dict(choices=MD_INGEST_MODES, default="pool",
         help="main only: pool (reserve the room's pool pages at registration and write KV into them as it "
              "lands, off the scheduler thread) or staged (host buffer, copied into the pool on the "
@@ -246,6 +260,17 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         if missing:
             raise PddConfigError(f"mutual TLS on the control API needs all of --pdd-control-tls-cert/-key/-ca; "
                                  f"missing {', '.join(missing)}")
+    for flag, value in (("--pdd-control-trusted-sources", cfg.control_trusted_sources),
+                        ("--pdd-control-names", cfg.control_names)):
+        if value is not None and not cfg.control_listen:
+            raise PddConfigError(f"{flag} needs --pdd-control-listen (the API it configures)")
+    try:
+        parse_networks(cfg.control_trusted_sources)
+    except ValueError as e:
+        raise PddConfigError(f"--pdd-control-trusted-sources: {e}") from None
+    for name in control_names(cfg):
+        if not name or any(c in name for c in "/:@ ") and not _is_ipv6(name):
+            raise PddConfigError(f"--pdd-control-names: {name!r} is not a host name or address")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
     if cfg.wan_peers is not None:
@@ -267,8 +292,8 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         admission_limits(cfg)
     except ValueError as e:
         raise PddConfigError(f"--pdd-kv-trusted-sources: {e}") from None
-    if cfg.md_staging_mb < 1:
-        raise PddConfigError(f"--pdd-md-staging-mb must be >= 1, got {cfg.md_staging_mb}")
+    if cfg.md_staging_mb < 0:
+        raise PddConfigError(f"--pdd-md-staging-mb must be >= 1 (or 0: a share of MD's KV pool), got {cfg.md_staging_mb}")
     if cfg.md_ingest not in MD_INGEST_MODES:
         raise PddConfigError(f"--pdd-md-ingest must be one of {MD_INGEST_MODES}, got {cfg.md_ingest!r}")
     if cfg.role == "main" and cfg.intra_dc_transport != defaults.intra_dc_transport:
@@ -290,9 +315,35 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     return cfg
 
 
-def admission_limits(cfg: PddConfig):
-    """The KV acceptor's pre-auth limits (kv_channel.acceptor.AdmissionLimits) from the flags."""
-    from sglang_pdd.kv_channel.acceptor import AdmissionLimits, parse_networks
+def control_names(cfg: PddConfig) -> tuple[str, ...]:
+    """``--pdd-control-names`` as a tuple of host names (lower case)."""
+    return tuple(n.strip().lower() for n in (cfg.control_names or "").split(",") if n.strip())
 
+
+# MD's staging default: the share of its KV pool that rooms in flight may hold. A fixed size
+# could not fit every model (4 GiB held one 61k-token DeepSeek-V3 prompt, or 13k tokens of
+# Llama-3-70B's 320 KB/token KV); a share scales with the model's KV size and MD's pool, and a
+# quarter left MD's refusals near zero in the simulator's sweep of it without taking the
+# pool from running requests (docs/sim-notebook.md, "MD staging").
+MD_STAGING_POOL_SHARE = 0.25
+
+
+def md_staging_bytes(staging_mb: int, pool_tokens: int, kv_bytes_per_token: int) -> int:
+    """MD's staging budget in bytes: --pdd-md-staging-mb if given, else its share of the pool
+    (at least 1 MiB, so a pool-less test double still admits a tiny room)."""
+    if staging_mb > 0:
+        return staging_mb << 20
+    return max(1 << 20, int(MD_STAGING_POOL_SHARE * pool_tokens * kv_bytes_per_token))
+
+
+def _is_ipv6(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).version == 6
+    except ValueError:
+        return False
+
+
+def admission_limits(cfg: PddConfig):
+    """The KV acceptor's pre-auth limits (sglang_pdd.admission.AdmissionLimits) from the flags."""
     return AdmissionLimits(per_source=cfg.kv_max_handshakes_per_source, reserved=cfg.kv_reserved_handshakes,
                            trusted=parse_networks(cfg.kv_trusted_sources))

@@ -1,11 +1,22 @@
 """The JSON side of the small stdlib HTTP control APIs: MD's rooms and P's WAN destinations
 (inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's.
 
-Every request passes one gate before a route runs (``parse_request``): the body is read only
-with a valid Content-Length under the route's cap (411/413/400), only after the signature
-header's shape and time check out (control_auth; 401), and only within the server's budget of
-bytes being read at once (503); its MAC is then checked over the body as read (401). Errors are JSON with a
-clear message; internals (reprs, tracebacks) go to the log only.
+Nothing is reserved, buffered or waited on for a peer that has not proved the key:
+
+  * a connection is admitted only within the server's caps (``ControlHTTPServer``): at most
+    ``max_connections`` in all, and known peers first (sglang_pdd.admission: a source that
+    is not allow-listed nor authenticated lately holds at most ``per_source`` unauthenticated
+    connections, and all such sources together leave ``reserved`` slots to the known);
+  * its TLS handshake, then each request head (request line and headers), must arrive within
+    a total deadline and a byte cap, however slowly it trickles;
+  * every request passes one gate before a route runs (``parse_request``): a valid
+    Content-Length under the route's cap (411/413/400); the head's signature, which covers the
+    method, target, Host, time, nonce, Content-Length and the body's hash (control_auth; 401),
+    and a Host that is one of this server's names; only then is the body's length reserved
+    from the server's budget of bytes being read at once, within a share per source (503),
+    and the body read, within its own deadline, and checked against the signed hash (401).
+
+Errors are JSON with a clear message; internals (reprs, tracebacks) go to the log only.
 
 With an ``ssl_context`` (``--pdd-control-tls-*``) a server speaks HTTPS only: each connection's
 TLS handshake runs on its handler thread (a slow client cannot stall the accept loop), a
@@ -16,17 +27,22 @@ before a byte of HTTP is read. The signature gate stays as it is (defence in dep
 from __future__ import annotations
 
 import hashlib
+import io
+import ipaddress
 import json
 import logging
+import math
+import select
 import socket
 import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
-from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier
+from sglang_pdd.admission import AdmissionLimits, AdmissionPolicy, Ticket, source_of
+from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier, SignedHead
 from sglang_pdd.protocol import ControlError, Message, RouteTable
 
 logger = logging.getLogger(__name__)
@@ -37,22 +53,80 @@ _DRAIN_BYTES = 64 * 1024  # at most this much of a refused request's body is rea
 
 class ByteBudget:
     """Bytes of request bodies all of a server's connections may be reading at once: a
-    request reserves its Content-Length before reading, or is refused (503)."""
+    request reserves its Content-Length before reading, or is refused (503). One source may
+    hold at most ``per_source`` of them (None: no share of its own), unless ``capped`` is
+    False for it (an allow-listed router)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.held = limit, 0
+    def __init__(self, limit: int, per_source: Optional[int] = None):
+        self.limit, self.per_source, self.held = limit, per_source, 0
+        self._by_source: dict = {}
         self._lock = threading.Lock()
 
-    def take(self, n: int) -> bool:
+    def take(self, n: int, source=None, capped: bool = True) -> bool:
         with self._lock:
             if self.held + n > self.limit:
                 return False
+            mine = self._by_source.get(source, 0)
+            if capped and self.per_source is not None and mine + n > self.per_source:
+                return False
             self.held += n
+            self._by_source[source] = mine + n
             return True
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, source=None) -> None:
         with self._lock:
             self.held -= n
+            left = self._by_source.get(source, 0) - n
+            if left > 0:
+                self._by_source[source] = left
+            else:
+                self._by_source.pop(source, None)
+
+    def held_by(self, source) -> int:
+        with self._lock:
+            return self._by_source.get(source, 0)
+
+
+class HeadTooLarge(ConnectionError):
+    """A request head past ``max_head_bytes``: answered with 431 and the connection closed."""
+
+
+class DeadlineReader(io.RawIOBase):
+    """The connection as a handler reads it. Each phase (a request head, a body) has a total
+    deadline, and a head a byte cap: every recv waits at most for what is left of the phase
+    (and at most ``per_read_s``), so a peer trickling a byte at a time is cut off at the
+    phase's deadline, not only when it pauses for a whole read timeout."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.deadline, self.per_read_s, self.left = math.inf, None, None
+        self.timed_out = False
+
+    def phase(self, seconds: float, per_read_s: Optional[float] = None, max_bytes: Optional[int] = None) -> None:
+        self.deadline, self.per_read_s, self.left = time.monotonic() + seconds, per_read_s, max_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left_s = self.deadline - time.monotonic()
+        if left_s <= 0:
+            self.timed_out = True
+            raise socket.timeout("past the deadline")
+        view = memoryview(buffer)
+        if self.left is not None:
+            if self.left <= 0:
+                raise HeadTooLarge("request head too large")
+            view = view[:self.left]
+        self.sock.settimeout(min(left_s, self.per_read_s) if self.per_read_s else left_s)
+        try:
+            n = self.sock.recv_into(view)
+        except socket.timeout:
+            self.timed_out = time.monotonic() >= self.deadline
+            raise
+        if self.left is not None:
+            self.left -= n
+        return n
 
 
 class _RefusalLog:
@@ -89,6 +163,8 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
     # one may sit idle between requests. Above the router's 2 s (BACKEND_KEEPALIVE_S), so the
     # router retires an idle connection before the server cuts it under a request.
     keepalive_idle_s = 5.0
+    head_deadline_s = 10.0  # seconds for a whole request head (line and headers), however it trickles in
+    max_head_bytes = 64 * 1024  # a request head past this is refused (431): the router's are under 1 KiB
     body_deadline_s = 30.0  # seconds for a whole body, however it trickles in
     server_version = "sglang-pdd"
     sys_version = ""  # no Python version in the Server header
@@ -96,13 +172,20 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
     request_sig: Optional[str] = None  # the verified request's signature
     _replied = False
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain file object over the socket: reads go through the deadlines
+        self._reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
+
     def parse_request(self) -> bool:
-        """http.server's parse, then the body and the signature: the single gate every
+        """http.server's parse, then the signature and the body: the single gate every
         request passes before any do_* route runs. Everything that can be refused without the
-        body is refused before a byte of it is read (length, the route's cap, the signature
-        header's presence, shape and time); the body is then read in chunks, within the
-        server's budget of bytes held by all requests being read, hashed as it comes, and the
-        MAC checked over that hash."""
+        body is refused before a byte of it is read, reserved or waited for: the length and
+        the route's cap, then the signed head (which covers the length and the body's hash)
+        and this server's name in it. Only a head signed with the key gets its body read,
+        within the server's budget of bytes held by all requests being read (and a share per
+        source), hashed as it comes and checked against the signed hash."""
         if not super().parse_request():
             return False
         self._replied, self._body_read, self._reserved, self.request_sig = False, True, 0, None
@@ -111,10 +194,11 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             cap = self.body_cap(self.command, urlsplit(self.path).path)
             if length > cap:
                 raise ControlError.of("too_large", f"body of {length} bytes exceeds this API's limit of {cap}")
-            parsed = self._precheck()
+            head = self._authenticate_head(length)
             self._reserve(length)
             self.body, digest = self._read_body(length)
-            self._authenticate(parsed, digest)
+            if head is not None:
+                self._check_body(head, digest)
         except ControlError as e:
             self.close_connection = True  # the rest of the stream is not trusted
             self._reply(e.status, e.to_json(), headers=e.headers)
@@ -165,7 +249,10 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         if getattr(self, "_served_one", False):  # a kept-alive connection waits for its next request
-            self.connection.settimeout(self.keepalive_idle_s)
+            self._reader.phase(self.keepalive_idle_s + self.head_deadline_s, self.keepalive_idle_s,
+                               self.max_head_bytes)
+        else:
+            self._reader.phase(self.head_deadline_s, self.timeout, self.max_head_bytes)
         self._served_one = True
         try:
             super().handle_one_request()
@@ -173,6 +260,11 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             if not self._replied:
                 self._reply(e.status, e.to_json(), headers=e.headers)
+        except HeadTooLarge:
+            self.close_connection = True
+            _refusals.warn("control request head from %s over %d bytes refused", self.client_address[0],
+                           self.max_head_bytes)
+            self._raw_reply(_HEAD_TOO_LARGE)
         except (ConnectionError, socket.timeout):
             self.close_connection = True
         except Exception:  # noqa: BLE001 — a route's bug: log it, answer without internals
@@ -183,6 +275,18 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         finally:
             self.body = b""
             self._unreserve()
+            if self._reader.timed_out and not self._replied:
+                self._reader.timed_out = False
+                count = getattr(self.server, "count", None)
+                if count is not None:
+                    count("head_timeouts")
+
+    def _raw_reply(self, data: bytes) -> None:
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:
+            pass
 
     def _content_length(self) -> int:
         if self.headers.get("Transfer-Encoding"):
@@ -203,26 +307,48 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
     def _needs_auth(self) -> bool:
         return self.auth is not None and urlsplit(self.path).path not in self.open_paths
 
-    def _precheck(self):
+    def _authenticate_head(self, length: int) -> Optional[SignedHead]:
+        """The signed head (control_auth.verify_head) and this server's name in it; a
+        connection whose head verified no longer counts as unauthenticated (admission)."""
         if not self._needs_auth():
             return None
+        host = self.headers.get("Host")
+        serves = getattr(self.server, "serves_host", None)
         try:
-            return self.auth.precheck(self.headers.get(HEADER))
+            if serves is not None and not serves(host):
+                raise AuthError(f"request for another server: Host {str(host)[:100]!r} is not one of this "
+                                f"server's names (its listen address, its TLS certificate's names, "
+                                f"--pdd-control-names)")
+            head = self.auth.verify_head(self.command, self.path, host, length, self.headers.get(HEADER))
         except AuthError as e:
+            self._refused(e)
+        self.request_sig = head.sig  # its reply is signed, bound to it
+        authenticated = getattr(self.server, "authenticated", None)
+        if authenticated is not None:
+            authenticated(self.client_address)
+        return head
+
+    def _check_body(self, head: SignedHead, digest: str) -> None:
+        try:
+            self.auth.check_body(head, digest)
+        except AuthError as e:
+            self.request_sig = None  # nothing of this request is answered as if it were signed
             self._refused(e)
 
     def _reserve(self, length: int) -> None:
         budget = getattr(self.server, "body_budget", None)
         if budget is None or length == 0:
             return
-        if not budget.take(length):
+        source, capped = self.server.budget_source(self.client_address)
+        if not budget.take(length, source, capped):
             raise ControlError.of("busy", f"too many control request bodies being read at once (over "
-                                 f"{budget.limit} bytes); retry shortly", headers={"Retry-After": "1"})
-        self._reserved = length
+                                 f"{budget.limit} bytes, or this source's share); retry shortly",
+                                 headers={"Retry-After": "1"})
+        self._reserved, self._reserved_source = length, source
 
     def _unreserve(self) -> None:
         if getattr(self, "_reserved", 0):
-            self.server.body_budget.give(self._reserved)
+            self.server.body_budget.give(self._reserved, self._reserved_source)
             self._reserved = 0
 
     def _read_body(self, length: int) -> tuple[bytes, str]:
@@ -230,14 +356,9 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         announced) within ``body_deadline_s`` in all, and its SHA-256 (hex)."""
         digest, parts, got = hashlib.sha256(), [], 0
         self._body_read = length == 0
-        deadline = time.monotonic() + self.body_deadline_s
-        sock = self.connection
+        self._reader.phase(self.body_deadline_s, self.timeout)
         try:
             while got < length:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ControlError.of("timeout", f"body not received within {self.body_deadline_s:g} s")
-                sock.settimeout(min(left, self.timeout or left))
                 try:
                     chunk = self.rfile.read1(min(_CHUNK, length - got))
                 except socket.timeout:
@@ -248,7 +369,9 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
                 parts.append(chunk)
                 got += len(chunk)
         finally:
-            sock.settimeout(self.timeout)
+            self._reader.timed_out = False  # answered (408), not a silent cut
+            self._reader.phase(math.inf)
+            self.connection.settimeout(self.timeout)  # for the reply's writes
         self._body_read = True
         return b"".join(parts), digest.hexdigest()
 
@@ -265,15 +388,6 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
                 left -= len(chunk)
         except OSError:
             pass
-
-    def _authenticate(self, parsed, digest: str) -> None:
-        if parsed is None:
-            return
-        try:
-            self.auth.verify_digest(self.command, self.path, parsed, digest)
-        except AuthError as e:
-            self._refused(e)
-        self.request_sig = parsed[2]  # its reply is signed, bound to it
 
     def reply_signature(self, status: int, body: bytes) -> dict:
         """The header signing this reply, for a request that was signed (else none)."""
@@ -316,23 +430,63 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 _BUSY_BODY = b'{"error": "too many open control connections; retry shortly"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
          b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+_HEAD_BODY = b'{"error": "request head too large"}'
+_HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_HEAD_BODY), _HEAD_BODY))
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def control_admission(max_connections: int, trusted=(), per_source: int = 16,
+                      reserved: Optional[int] = None) -> AdmissionLimits:
+    """Known peers first on a control server (sglang_pdd.admission): of ``max_connections``,
+    an unknown source holds at most ``per_source`` unauthenticated ones, and ``reserved``
+    (default: a quarter) are left to known peers, i.e. ``trusted`` (the router's addresses,
+    ``--pdd-control-trusted-sources``) or a source that sent a validly signed request lately."""
+    reserved = max_connections // 4 if reserved is None else reserved
+    return AdmissionLimits(max_handshaking=max_connections, per_source=min(per_source, max_connections),
+                           reserved=reserved, trusted=tuple(trusted),
+                           per_source_flag="the control server's per-source cap",
+                           trusted_flag="--pdd-control-trusted-sources", what="unauthenticated connections")
+
+
+def parse_authority(value: Optional[str], default_port: int) -> Optional[tuple[str, int]]:
+    """(host, port) of a Host header value (lower case, IPv6 without brackets, the scheme's
+    port when none is given); None when it is not one."""
+    if not value or not value.isascii() or any(c in value for c in "/?#@ \t"):
+        return None
+    try:
+        parts = urlsplit("//" + value.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    return (host.rstrip("."), default_port if port is None else port) if host else None
 
 
 class ControlHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with at most ``max_connections`` handler threads: past that a
-    connection gets an immediate 503 and is closed, instead of one more thread each.
+    """ThreadingHTTPServer with bounded connections: at most ``max_connections`` handler
+    threads, and of the connections that have not sent a validly signed request yet, known
+    peers first (``admission``, see control_admission). A connection past either gets an
+    immediate 503 and is closed (a TLS one is closed: it could not read a plain-text 503),
+    instead of one more thread each.
+
+    ``names``: the host names and addresses this server answers to; a signed request whose
+    Host is not one of them (at this server's port) is refused (401): a call signed for one
+    MD does not verify on another. Default: the address it is bound to (any host, on a
+    wildcard bind).
 
     ``ssl_context`` (a server context requiring client certificates): HTTPS only, the
-    handshake on the connection's handler thread within ``handshake_timeout_s`` per read.
+    handshake on the connection's handler thread within ``handshake_timeout_s`` in total.
     Connections are then kept alive (HTTP/1.1): a handshake per call would add a key exchange
     and, across the WAN, a round trip to every control call. Without TLS the server answers
     HTTP/1.0, one connection per call, as it always has."""
 
     daemon_threads = True
     handshake_timeout_s = 10.0
+    request_queue_size = 128  # the listen backlog: accepted connections waiting for the accept loop
 
     def __init__(self, address, handler, max_connections: int = 128, max_body_bytes_in_flight: int = 64 << 20,
-                 ssl_context: Optional[ssl.SSLContext] = None):
+                 ssl_context: Optional[ssl.SSLContext] = None, admission: Optional[AdmissionLimits] = None,
+                 names: Optional[Iterable[str]] = None, body_share_per_source: Optional[int] = None):
         if ssl_context is not None:
             # TCP_NODELAY: a reply is written as headers then body; on a kept-alive connection
             # Nagle holds the body back for the client's delayed ACK (measured: 44 ms a call).
@@ -340,17 +494,87 @@ class ControlHTTPServer(ThreadingHTTPServer):
                                                           "disable_nagle_algorithm": True})
         super().__init__(address, handler)
         self.ssl_context = ssl_context
-        self.tls_refused = 0  # connections whose TLS handshake failed (plain HTTP, unknown CA, ...)
         self.max_connections = max_connections
-        self.body_budget = ByteBudget(max_body_bytes_in_flight)
+        # A source's share of the bodies being read (an allow-listed one has none of its own).
+        share = max_body_bytes_in_flight // 2 if body_share_per_source is None else body_share_per_source
+        self.body_budget = ByteBudget(max_body_bytes_in_flight, share)
+        self.policy = AdmissionPolicy(admission or control_admission(max_connections))
+        self._tickets: dict = {}  # client address -> its admission Ticket, until it authenticates or leaves
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self.in_use = 0  # connections holding a handler thread now
-        self.refused_busy = 0
+        self.counters = {"refused_busy": 0, "refused_per_source": 0, "refused_unknown": 0, "tls_refused": 0,
+                         "head_timeouts": 0}
+        port = self.server_address[1]
+        bound = self.server_address[0]
+        hosts = set(names or ()) | ({bound} if bound not in _WILDCARDS else set())
+        if names is None and bound in _WILDCARDS:
+            self._names = None  # a wildcard bind with no names given: any host, this port
+        else:
+            self._names = {h for h in (parse_authority(_bracket(n) + f":{port}", port) for n in hosts) if h}
+
+    # counters that used to be attributes
+    @property
+    def refused_busy(self) -> int:
+        return self.counters["refused_busy"]
+
+    @property
+    def tls_refused(self) -> int:
+        return self.counters["tls_refused"]
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self.counters, "connections": self.in_use, **self.policy.stats()}
+
+    def serves_host(self, host: Optional[str]) -> bool:
+        """Whether a request's Host header names this server (at its port)."""
+        port = self.server_address[1]
+        authority = parse_authority(host, 443 if self.ssl_context is not None else 80)
+        if authority is None:
+            return False
+        if self._names is None:
+            return authority[1] == port
+        return authority in self._names
+
+    def budget_source(self, client_address) -> tuple[object, bool]:
+        """(the unit a body share counts, whether the share applies): allow-listed sources
+        have no share of their own, only the whole budget."""
+        try:
+            source = source_of(client_address[0])
+        except ValueError:
+            return client_address[0], True
+        trusted = self.policy.limits.trusted
+        addr = source.network_address if isinstance(source, ipaddress.IPv6Network) else source
+        return source, not any(addr.version == net.version and addr in net for net in trusted)
+
+    def authenticated(self, client_address) -> None:
+        """The connection sent a validly signed request head: its source is known from now
+        on, and the connection no longer counts as unauthenticated."""
+        with self._lock:
+            ticket = self._tickets.pop(client_address, None)
+            if ticket is not None:
+                self.policy.release(ticket)
+                self.policy.authenticated(ticket, time.monotonic())
 
     def process_request(self, request, client_address):
+        why = None
         if not self._slots.acquire(blocking=False):
-            self.refused_busy += 1
+            why, counter = f"{self.max_connections} connections already", "refused_busy"
+        else:
+            with self._lock:
+                ticket, why, counter = self.policy.admit(client_address[0], time.monotonic())
+                if ticket is not None:
+                    self._tickets[client_address] = ticket
+            if ticket is None:
+                self._slots.release()
+                counter = "refused_busy" if counter == "refused" else counter
+        if why:
+            self.count(counter)
+            _refusals.warn("control connection from %s refused: %s", client_address[0], why)
             try:
                 if self.ssl_context is None:  # a TLS client could not read a plain-text 503
                     request.sendall(_BUSY)
@@ -362,8 +586,7 @@ class ControlHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # the thread did not start: give its slot back
-            self._count(-1)
-            self._slots.release()
+            self._leave(client_address)
             self.shutdown_request(request)
             logger.exception("control server could not start a handler thread")
 
@@ -371,8 +594,15 @@ class ControlHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._count(-1)
-            self._slots.release()
+            self._leave(client_address)
+
+    def _leave(self, client_address) -> None:
+        with self._lock:
+            ticket = self._tickets.pop(client_address, None)
+            if ticket is not None:
+                self.policy.release(ticket)
+            self.in_use -= 1
+        self._slots.release()
 
     def finish_request(self, request, client_address):
         if self.ssl_context is None:
@@ -392,19 +622,39 @@ class ControlHTTPServer(ThreadingHTTPServer):
             tls.close()
 
     def _handshake(self, sock: socket.socket, client_address) -> Optional[ssl.SSLSocket]:
-        sock.settimeout(self.handshake_timeout_s)
+        """The TLS handshake within ``handshake_timeout_s`` in total from here, however the
+        peer spaces its bytes: non-blocking steps, each waiting at most for what is left."""
+        deadline = time.monotonic() + self.handshake_timeout_s
+        tls = None
         try:
-            return self.ssl_context.wrap_socket(sock, server_side=True)
+            sock.setblocking(False)
+            tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    wait = ([tls], [])
+                except ssl.SSLWantWriteError:
+                    wait = ([], [tls])
+                left = deadline - time.monotonic()
+                if left <= 0 or not any(select.select(*wait, [], left)[:2]):
+                    raise socket.timeout(f"TLS handshake not done within {self.handshake_timeout_s:g} s")
+            tls.setblocking(True)
+            return tls
         except (ssl.SSLError, OSError) as e:  # incl. socket.timeout
-            with self._lock:
-                self.tls_refused += 1
+            self.count("tls_refused")
             _refusals.warn("control TLS handshake from %s refused: %s", client_address[0], e)
-            sock.close()
+            (tls or sock).close()
             return None
 
     def _count(self, delta: int) -> None:
         with self._lock:
             self.in_use += delta
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def serve_in_thread(server: ControlHTTPServer, name: str) -> threading.Thread:

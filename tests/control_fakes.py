@@ -127,6 +127,7 @@ class FakeMdRuntime:
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
         self.http_api_key = None  # MD's own SGLang --api-key
         self.http_ssl_certfile = None  # MD's own SGLang --ssl-certfile (then it serves HTTPS)
+        self.kv_senders: list = []  # each announcement of P hosts, as the receiver got it
 
     def call(self, op: str, *args, timeout: float = 30.0):
         return getattr(self, f"_do_{op}")(*args)
@@ -135,6 +136,10 @@ class FakeMdRuntime:
         entry = self.rooms.register(room, token_ids, time.monotonic(), use_cache=use_cache)
         self.ready_events[room] = threading.Event()
         return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids)).to_json()
+
+    def _do_kv_senders(self, sources):
+        self.kv_senders.append(list(sources))
+        return len(sources)
 
     def _do_release(self, room, keep_kv=False):
         self.ready_events.pop(room, None)
@@ -193,12 +198,15 @@ class PControl:
         self.server.close()
 
 
-def exchange_raw(host: str, port: int, request: bytes, timeout: float = 10.0, finish_body: bool = True) -> bytes:
+def exchange_raw(host: str, port: int, request: bytes, timeout: float = 10.0, finish_body: bool = True,
+                 source: str = None) -> bytes:
     """Send bytes as they are (no client fixes the headers up) and read the answer until the
     server closes. ``finish_body``: shut our side after sending, so a body shorter than its
     Content-Length ends there rather than at the server's read timeout; without it the
-    connection stays open for writing (a client still to send its body)."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
+    connection stays open for writing (a client still to send its body). ``source``: the
+    local address to send from (another 127.0.0.x: another host, as the server counts)."""
+    with socket.create_connection((host, port), timeout=timeout,
+                                  source_address=(source, 0) if source else None) as s:
         try:
             s.sendall(request)
             if finish_body:

@@ -17,7 +17,8 @@ What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py)
 - RLD: POST /generate (stream) -> SSE, cumulative output_ids, finish_reason on the last event;
   POST /abort_request {"rid"} ends the stream with finish_reason {"type": "abort"} (after
   ``rld_abort_lag_tokens`` late tokens). Its first token is logged ("rld", "first_token").
-- MD: the control API (/pdd/rooms, /ready long-poll, /handoff warmup JSON or final SSE, DELETE)
+- MD: the control API (/pdd/rooms, /ready long-poll, /handoff warmup JSON or final SSE, DELETE,
+  /pdd/kv_senders)
   plus /abort_request for MD's own request. The final handoff follows the resume contract: the
   eager tokens are output already produced, max_new_tokens is the request's total budget, and
   the stream reports the whole output from position 0.
@@ -41,9 +42,9 @@ from aiohttp import web
 
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, LegParams,
-                                 ReadyReply, RegisterReply, ReleaseReply, ReleaseRequest, RouteTable,
-                                 WanDestinationRequest, resume_marker)
+from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, KvSendersReply,
+                                 KvSendersRequest, LegParams, ReadyReply, RegisterReply, ReleaseReply, ReleaseRequest,
+                                 RouteTable, WanDestinationRequest, resume_marker)
 
 VOCAB = 1000
 _MOD = (1 << 61) - 1
@@ -569,9 +570,14 @@ class Fakes:
                 return web.json_response({"error": "not found"}, status=404)
             return web.json_response(self.knobs.md_stats)
 
+        async def kv_senders(request: web.Request) -> web.Response:
+            req = await _message(request, KvSendersRequest)
+            self._record("md", "kv_senders", {"sources": list(req.sources)})
+            return web.json_response(KvSendersReply(len(req.sources)).to_json())
+
         app.router.add_post("/abort_request", abort_request)
         serve_routes(app, RouteTable({api.MD_REGISTER: register, api.MD_READY: ready, api.MD_HANDOFF: handoff,
-                                      api.MD_RELEASE: release, api.STATS: stats}))
+                                      api.MD_RELEASE: release, api.STATS: stats, api.MD_KV_SENDERS: kv_senders}))
         return app
 
 

@@ -58,7 +58,7 @@ BAD = [
     (["--pdd-role", "relay", "--disaggregation-mode", "decode", "--pdd-md-ingest", "staged"],
      "--pdd-md-ingest applies only to --pdd-role main"),
     (["--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:8", "--pdd-wan-key-file", "k",
-      "--pdd-md-staging-mb", "0"], "--pdd-md-staging-mb must be >= 1"),
+      "--pdd-md-staging-mb", "-1"], "--pdd-md-staging-mb must be >= 1"),
     (["--pdd-wan-streams", "8"], "--pdd-wan-streams was given without --pdd-role"),
     (["--pdd-role", "prefill", "--pdd-wan-key-file", "k"], "needs --disaggregation-mode prefill"),
     (["--pdd-role", "relay", "--disaggregation-mode", "prefill"], "needs --disaggregation-mode decode"),
@@ -125,6 +125,24 @@ def test_kv_admission_flags_reach_the_acceptors_limits():
     assert admission_limits(PddConfig()) == AdmissionLimits()  # the flags' defaults are the acceptor's
 
 
+def test_control_admission_and_name_flags_are_checked_and_reach_the_server_names(tmp_path):
+    from sglang_pdd.config import control_names
+    from sglang_pdd.kv_channel.tls import control_server_names
+
+    main = dict(role="main", wan_listen="10.0.0.1:1", control_listen="10.1.0.7:18001", wan_key_file="k")
+    cfg = PddConfig(**main, control_trusted_sources="10.2.0.9, 10.3.0.0/24", control_names="MD-ctl.example,fd00::7")
+    assert validate(cfg, "null") is cfg
+    assert control_names(cfg) == ("md-ctl.example", "fd00::7")
+    assert control_server_names("10.1.0.7", control_names(cfg)) == ("10.1.0.7", "md-ctl.example", "fd00::7")
+    assert control_server_names("0.0.0.0") == ()  # a wildcard bind with no names: any host at its port
+    with pytest.raises(PddConfigError, match="--pdd-control-trusted-sources.*'10.2.0.300'"):
+        validate(PddConfig(**main, control_trusted_sources="10.2.0.300"), "null")
+    with pytest.raises(PddConfigError, match="--pdd-control-names"):
+        validate(PddConfig(**main, control_names="md.example:18001"), "null")
+    with pytest.raises(PddConfigError, match="needs --pdd-control-listen"):
+        validate(PddConfig(role="relay", control_trusted_sources="10.2.0.9"), "decode", "pdd")
+
+
 def test_unknown_role_is_rejected_by_the_parser():
     with pytest.raises(SystemExit):
         parse("--pdd-role", "router")
@@ -147,3 +165,15 @@ def test_plain_servers_and_relays_keep_their_tp():
     for argv in ([], GOOD[3][0]):  # no role; relay (its TP is SGLang's PD business)
         cfg, mode, backend = parse(*argv)
         assert validate(cfg, mode, backend, tp_size=2) is cfg
+
+
+def test_md_staging_default_is_a_share_of_mds_kv_pool():
+    from sglang_pdd.config import MD_STAGING_POOL_SHARE, md_staging_bytes
+    cfg, _, _ = parse("--pdd-role", "main", "--pdd-wan-listen", "h:7", "--pdd-control-listen", "h:8",
+                      "--pdd-wan-key-file", "k")
+    assert cfg.md_staging_mb == 0  # the default: derived when MD's pool exists
+    # DeepSeek-V3 (70,272 B/token) on a 9.9M-token pool vs Llama-3-70B (327,680 B/token) on 624k
+    ds, ll = md_staging_bytes(0, 9_900_000, 70_272), md_staging_bytes(0, 624_000, 327_680)
+    assert ds == int(MD_STAGING_POOL_SHARE * 9_900_000 * 70_272) and ll == int(MD_STAGING_POOL_SHARE * 624_000 * 327_680)
+    assert ds > 100 * 2 ** 30 and ll > 40 * 2 ** 30  # 4 GiB held one long prompt
+    assert md_staging_bytes(256, 9_900_000, 70_272) == 256 << 20  # an explicit size wins

@@ -58,21 +58,22 @@ CONTENT_LENGTH = st.sampled_from(["exact", "none", "-1", "abc", "99999999999", "
 AUTH = st.sampled_from(["none", "garbage", "wrong-key", "stale", "valid-other-request"])
 
 
-def _request(method: str, path: str, body: bytes, length: str, auth: str) -> bytes:
-    headers = ["Host: fuzz"]
+def _request(method: str, path: str, body: bytes, length: str, auth: str, host: str) -> bytes:
+    headers = [f"Host: {host}"]
     if length == "exact":
         headers.append(f"Content-Length: {len(body)}")
     elif length != "none":
         headers.append(f"Content-Length: {length}")
     if auth == "garbage":
-        headers.append("Authorization: PDD-HMAC-SHA256 ts=1,nonce=00,sig=00")
+        headers.append("Authorization: PDD-HMAC-SHA256 v=2,ts=1,nonce=00,body=00,sig=00")
     elif auth == "wrong-key":
-        headers.append(ControlSigner(b"w" * 32).header(method, path, body)["Authorization"].join(["Authorization: ", ""]))
+        headers.append(ControlSigner(b"w" * 32).header(method, path, body, host=host)["Authorization"]
+                       .join(["Authorization: ", ""]))
     elif auth == "stale":
-        headers.append(ControlSigner(KEY, clock=lambda: 1e9).header(method, path, body)["Authorization"]
+        headers.append(ControlSigner(KEY, clock=lambda: 1e9).header(method, path, body, host=host)["Authorization"]
                        .join(["Authorization: ", ""]))
     elif auth == "valid-other-request":  # a real signature, for another body: must not carry over
-        headers.append(ControlSigner(KEY).header(method, path, body + b" ")["Authorization"]
+        headers.append(ControlSigner(KEY).header(method, path, body + b" ", host=host)["Authorization"]
                        .join(["Authorization: ", ""]))
     head = f"{method} {path} HTTP/1.1\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n"
     return head.encode("utf-8", "surrogateescape") + body
@@ -93,7 +94,8 @@ def test_unsigned_fuzz_never_500_and_never_changes_state(servers, method, path, 
     md, p = servers
     server = p if to_p else md
     before = _state(md, p)
-    status = _status(_exchange(server.server.address[1], _request(method, path, body, length, auth)))
+    host = "%s:%d" % server.server.address
+    status = _status(_exchange(server.server.address[1], _request(method, path, body, length, auth, host)))
     assert status < 500 or status in (501, 503), status  # 501: a verb http.server does not route
     if path.split("?")[0] != "/health":
         assert status != 200
@@ -109,8 +111,9 @@ def test_signed_fuzz_is_answered_with_4xx_not_500(servers, method, path, body, t
         path = path.replace("/handoff", "/handof")
     if method == "GET":
         body = b""
-    headers = ControlSigner(KEY, role=ROLE_P if to_p else ROLE_MD).header(method, path, body)
-    request = (f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Length: {len(body)}\r\n"
+    host = "%s:%d" % server.server.address  # the server's own name: the routes themselves are fuzzed
+    headers = ControlSigner(KEY, role=ROLE_P if to_p else ROLE_MD).header(method, path, body, host=host)
+    request = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
                f"Authorization: {headers['Authorization']}\r\n\r\n").encode() + body
     status = _status(_exchange(server.server.address[1], request))
     assert status < 500 or status == 503, status

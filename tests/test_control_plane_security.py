@@ -11,6 +11,7 @@ import json
 import socket
 import threading
 import time
+from typing import Optional
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -21,7 +22,7 @@ from waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
-from sglang_pdd.launcher.http import call_json
+from sglang_pdd.launcher.http import call_json, get_json
 from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
@@ -29,7 +30,8 @@ from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
 
 @pytest.fixture(scope="module")
 def md_server():
-    server = MdControl()
+    # 127.0.0.2 at the same port: the on-path relay below (a proxy's name, --pdd-control-names)
+    server = MdControl(names=("127.0.0.1", "127.0.0.2"))
     yield server
     server.close()
 
@@ -46,6 +48,19 @@ def p():
     server = PControl()
     yield server
     server.close()
+
+
+def signed_request(url: str, method: str, target: str, body: bytes = b"", role: str = ROLE_MD,
+                   length: Optional[int] = None, host: Optional[str] = None) -> bytes:
+    """The raw bytes of a request signed as the router signs it (Host included). ``length``:
+    the head alone, announcing (and signing) a body of that many spaces still to come;
+    ``host``: addressed to another server than ``url``'s."""
+    host = host or urlsplit(url).netloc
+    signed_body = body if length is None else b" " * length
+    auth = ControlSigner(KEY, role=role).header(method, target, signed_body, host=host)["Authorization"]
+    return (b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\nAuthorization: %s\r\n\r\n"
+            % (method.encode(), target.encode(), host.encode(), len(signed_body), auth.encode())
+            + (body if length is None else b""))
 
 
 def raw(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -90,10 +105,7 @@ def test_md_serves_signed_calls_end_to_end(md):
 
 
 def test_a_captured_signed_call_cannot_be_replayed(md):
-    body = json.dumps({"room": 3, "token_ids": [1]}).encode()
-    header = ControlSigner(KEY).header("POST", "/pdd/rooms", body)
-    request = (b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s: %s\r\n\r\n%s"
-               % (len(body), b"Authorization", header["Authorization"].encode(), body))
+    request = signed_request(md.url, "POST", "/pdd/rooms", json.dumps({"room": 3, "token_ids": [1]}).encode())
     assert raw(md.url, request)[0] == 200
     md.runtime.call("release", 3)
     status, reply = raw(md.url, request)
@@ -316,19 +328,23 @@ def test_router_will_not_start_unable_to_sign():
 
 
 # ---------------------------------------------------------------------------- pre-auth memory
-def first_reply(url: str, request: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
+def first_reply(url: str, request: bytes, timeout: float = 5.0, source: Optional[str] = None) -> tuple[int, bytes]:
     """Send ``request`` and keep the connection open for writing (a client still to send its
     body): the server's answer, read until it closes; socket.timeout if it waits for the body."""
     u = urlsplit(url)
-    data = exchange_raw(u.hostname, u.port, request, timeout, finish_body=False)
+    data = exchange_raw(u.hostname, u.port, request, timeout, finish_body=False, source=source)
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), head + b"\r\n\r\n" + body
 
 
-def shaped_header(ts=None) -> bytes:
-    """A header of the right shape and time that anyone can write without the key."""
+def shaped_header(ts=None, version=2) -> bytes:
+    """A header of the right shape and time that anyone can write without the key (``version``
+    1: the format the servers took before the head was signed as a whole)."""
     ts = int(time.time()) if ts is None else ts
-    return b"Authorization: PDD-HMAC-SHA256 ts=%d,nonce=%s,sig=%s\r\n" % (ts, b"0" * 32, b"0" * 64)
+    if version == 1:
+        return b"Authorization: PDD-HMAC-SHA256 ts=%d,nonce=%s,sig=%s\r\n" % (ts, b"0" * 32, b"0" * 64)
+    return b"Authorization: PDD-HMAC-SHA256 v=2,ts=%d,nonce=%s,body=%s,sig=%s\r\n" % (ts, b"0" * 32, b"0" * 64,
+                                                                                      b"0" * 64)
 
 
 @pytest.mark.parametrize("auth", [b"", shaped_header(ts=1), b"Authorization: PDD-HMAC-SHA256 garbage\r\n"],
@@ -347,17 +363,22 @@ def test_a_body_over_the_routes_cap_is_refused_before_reading(md):
     assert status == 413, reply
 
 
+def trickle_signed(url: str, length: int, source: str = "127.0.0.1", target: str = "/pdd/rooms") -> socket.socket:
+    """A validly signed POST head announcing ``length`` bytes, then one byte of its body: the
+    rest is to trickle in (a socket the caller closes)."""
+    u = urlsplit(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=5, source_address=(source, 0))
+    s.sendall(signed_request(url, "POST", target, length=length) + b" ")
+    return s
+
+
 def test_bodies_being_read_share_one_byte_budget():
-    server = MdControl(max_body_bytes_in_flight=1 << 20)
+    server = MdControl(max_body_bytes_in_flight=1 << 20, trusted_sources="127.0.0.1")
     try:
-        u = urlsplit(server.url)
-        # a header of the right shape passes the pre-check; its body trickles in
-        slow = socket.create_connection((u.hostname, u.port), timeout=5)
-        slow.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n{" % (800 << 10, shaped_header()))
         budget = server.server.httpd.body_budget
+        slow = trickle_signed(server.url, 800 << 10)  # a signed head; its body trickles in
         assert wait_until(lambda: budget.held == 800 << 10)
-        status, reply = first_reply(server.url, b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
-                                    % (400 << 10, shaped_header()))
+        status, reply = first_reply(server.url, signed_request(server.url, "POST", "/pdd/rooms", length=400 << 10))
         assert status == 503 and b"Retry-After: 1" in reply and b"retry" in reply
         # a small signed call still fits, and is served
         assert call_json("POST", server.url + "/pdd/rooms", {"room": 1, "token_ids": [1]}, key=KEY)[0] == 200
@@ -367,11 +388,36 @@ def test_bodies_being_read_share_one_byte_budget():
         server.close()
 
 
+def test_one_source_holds_at_most_its_share_of_the_body_budget():
+    """Bodies of signed heads from one source that is not allow-listed hold at most half the
+    budget; other sources (and an allow-listed router) still get theirs."""
+    server = MdControl(max_body_bytes_in_flight=1 << 20, trusted_sources="127.0.0.3")
+    held = []
+    try:
+        budget = server.server.httpd.body_budget
+        held.append(trickle_signed(server.url, 400 << 10, source="127.0.0.2"))
+        assert wait_until(lambda: budget.held == 400 << 10)
+        status, _ = first_reply(server.url, signed_request(server.url, "POST", "/pdd/rooms", length=200 << 10),
+                                source="127.0.0.2")
+        assert status == 503  # 600 KiB would pass its 512 KiB share
+        held.append(trickle_signed(server.url, 400 << 10, source="127.0.0.4"))  # another source: its own share
+        assert wait_until(lambda: budget.held == 800 << 10)
+        for s in held[1:]:
+            s.close()
+        assert wait_until(lambda: budget.held == 400 << 10)
+        held.append(trickle_signed(server.url, 600 << 10, source="127.0.0.3"))  # allow-listed: no share of its own
+        assert wait_until(lambda: budget.held == 1000 << 10)
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+
+
 def test_a_trickled_body_is_cut_off_at_the_total_deadline(md, monkeypatch):
     monkeypatch.setattr(md.server.httpd.RequestHandlerClass, "body_deadline_s", 0.5)
     u = urlsplit(md.url)
     with socket.create_connection((u.hostname, u.port), timeout=5) as s:
-        s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n%s\r\n" % shaped_header())
+        s.sendall(signed_request(md.url, "POST", "/pdd/rooms", length=100))
         data, start = b"", time.monotonic()
         while not data and time.monotonic() - start < 4:  # one byte at a time, each well within the read timeout
             s.sendall(b" ")
@@ -385,9 +431,11 @@ def test_a_trickled_body_is_cut_off_at_the_total_deadline(md, monkeypatch):
 
 # ---------------------------------------------------------------------------- replies on the path
 class Relay:
-    """An on-path relay in front of MD's control URL: forwards each request as it is (the
-    router's signature stays valid) and hands MD's reply to ``rewrite(path, body, headers)``,
-    which returns the (body, headers) the router then gets."""
+    """An on-path relay in front of MD's control URL: it listens where the router dials MD
+    (127.0.0.2, at MD's port: a name MD answers to) and forwards each request as it is (Host
+    and signature unchanged, so the router's signature stays valid) to MD, handing MD's
+    reply to ``rewrite(path, body, headers)``, which returns the (body, headers) the router
+    then gets."""
 
     def __init__(self, target: str, rewrite):
         self.target, self.rewrite = target, rewrite
@@ -396,7 +444,7 @@ class Relay:
         from aiohttp import web
 
         async def forward(request: web.Request) -> web.Response:
-            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "host")}
             async with aiohttp.ClientSession() as s, s.request(request.method, self.target + request.path_qs,
                                                                 data=await request.read(), headers=headers) as r:
                 body, got = await r.read(), {k: v for k, v in r.headers.items()
@@ -409,9 +457,10 @@ class Relay:
         app.router.add_route("*", "/{tail:.*}", forward)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        port = urlsplit(self.target).port
+        site = web.TCPSite(self.runner, "127.0.0.2", port)
         await site.start()
-        self.url = "http://127.0.0.1:%d" % self.runner.addresses[0][1]
+        self.url = "http://127.0.0.2:%d" % port
         return self
 
     async def __aexit__(self, *exc):
@@ -521,22 +570,21 @@ def test_calls_signed_for_md_are_refused_by_p_and_the_reverse(md, p):
     for server, path, own, other in ((md, "/pdd/stats", ROLE_MD, ROLE_P), (p, "/pdd/stats", ROLE_P, ROLE_MD),
                                      (p, "/pdd/info", ROLE_P, ROLE_MD)):
         for role, want in ((other, 401), (own, 200)):
-            header = ControlSigner(KEY, role=role).header("GET", path, b"")["Authorization"]
-            status, _ = raw(server.url, b"GET %s HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n"
-                            % (path.encode(), header.encode()))
+            status, _ = raw(server.url, signed_request(server.url, "GET", path, role=role))
             assert status == want, (server, path, role)
     body = json.dumps({"bootstrap_room": 51, "md_room": 51, "wan_peer": "%s:%d" % WAN_PEER,
                        "md_prefix_len": 0}).encode()
-    header = ControlSigner(KEY, role=ROLE_MD).header("POST", "/pdd/wan_destinations", body)["Authorization"]
-    status, _ = raw(p.url, b"POST /pdd/wan_destinations HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
-                    b"Authorization: %s\r\n\r\n%s" % (len(body), header.encode(), body))
+    status, _ = raw(p.url, signed_request(p.url, "POST", "/pdd/wan_destinations", body, role=ROLE_MD))
     assert status == 401 and p.board.wait_for(51, lambda v: None) is None
 
 
-def test_trickled_unauthenticated_bodies_hold_no_more_than_the_budget():
-    """24 POSTs announcing MD's 16 MiB cap with a forged (well-shaped) header, trickling:
-    four fit the 64 MiB budget, the rest get 503 at once, and memory follows the bytes that
-    arrived, not the lengths announced."""
+@pytest.mark.parametrize("version", [1, 2], ids=["v1-shape", "v2-shape"])
+def test_forged_heads_reserve_nothing_and_genuine_registrations_are_served(version):
+    """The starvation attack: POSTs announcing MD's 16 MiB cap under a signature header of the
+    right shape and a fresh time (anyone can write one), their bodies never sent. Each used
+    to reserve its length from the 64 MiB budget until the body came or 30 s passed: four of
+    them made genuine registrations answer 503 (measured: 0 of 75 served). Now each is refused
+    (401) on its head, before anything is reserved, and memory does not follow the lengths."""
     import tracemalloc
 
     server = MdControl()
@@ -547,22 +595,207 @@ def test_trickled_unauthenticated_bodies_hold_no_more_than_the_budget():
         budget = server.server.httpd.body_budget
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(24):
-            s = socket.create_connection((u.hostname, u.port), timeout=5)
-            s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n{"
-                      % (16 << 20, shaped_header()))
+            s = socket.create_connection((u.hostname, u.port), timeout=5, source_address=("127.0.0.2", 0))
+            s.sendall(b"POST /pdd/rooms HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n{"
+                      % (u.netloc.encode(), 16 << 20, shaped_header(version=version)))
             held.append(s)
-        assert wait_until(lambda: budget.held == 64 << 20 and server.server.httpd.in_use == 4)
-        refused = 0
         for s in held:
-            s.settimeout(0.05)
-            try:
-                refused += s.recv(65536).split()[1] == b"503"
-            except socket.timeout:
-                pass
-        assert refused == 20
+            s.settimeout(5)
+            assert s.recv(65536).split()[1] == b"401"
+        assert budget.held == 0
+        for room in range(1, 21):
+            status, _ = call_json("POST", server.url + "/pdd/rooms", {"room": room, "token_ids": [1, 2]}, key=KEY)
+            assert status == 200, room
         assert tracemalloc.get_traced_memory()[0] - before < 8 << 20
     finally:
         tracemalloc.stop()
         for s in held:
             s.close()
         server.close()
+
+
+def test_forged_heads_reserve_nothing_on_ps_api(p):
+    """The same on P's API: 64 sockets announcing its 64 KiB cap used to fill its 4 MiB budget
+    (0 of 75 destinations served); now they get 401 and destinations are served."""
+    u = urlsplit(p.url)
+    held = []
+    try:
+        for _ in range(64):
+            s = socket.create_connection((u.hostname, u.port), timeout=5, source_address=("127.0.0.2", 0))
+            s.sendall(b"POST /pdd/wan_destinations HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n"
+                      % (u.netloc.encode(), 64 << 10, shaped_header(version=1)))
+            held.append(s)
+        assert p.server.httpd.body_budget.held == 0
+        for room in range(300, 310):
+            dest = {"bootstrap_room": room, "md_room": room, "wan_peer": "%s:%d" % WAN_PEER, "md_prefix_len": 0}
+            assert call_json("POST", p.url + "/pdd/wan_destinations", dest, key=KEY)[0] == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_body_not_the_one_signed_is_refused_after_reading(md):
+    """The head verifies; the body that follows must hash to what it announced."""
+    head = signed_request(md.url, "POST", "/pdd/rooms", json.dumps({"room": 8, "token_ids": [1]}).encode())
+    altered = head.replace(b'"room": 8', b'"room": 9')
+    status, reply = raw(md.url, altered)
+    assert status == 401 and b"not the one signed" in reply
+    assert 9 not in md.runtime.rooms.rooms and 8 not in md.runtime.rooms.rooms
+
+
+def test_a_call_signed_for_one_md_is_refused_by_another(md):
+    """A registration captured on its way to one MD, replayed within the window to another
+    MD with the same key: the Host it was signed for is not the other's name (it used to be
+    served). The signature covers Host, so rewriting it breaks the MAC."""
+    other = MdControl()
+    try:
+        body = json.dumps({"room": 12, "token_ids": [1, 2]}).encode()
+        captured = signed_request(md.url, "POST", "/pdd/rooms", body)
+        status, reply = raw(other.url, captured)
+        assert status == 401 and b"another server" in reply
+        rewritten = captured.replace(urlsplit(md.url).netloc.encode(), urlsplit(other.url).netloc.encode())
+        status, reply = raw(other.url, rewritten)
+        assert status == 401 and b"bad signature" in reply
+        assert other.runtime.state() == {}
+        assert raw(md.url, captured)[0] == 200  # the MD it was for serves it
+    finally:
+        other.close()
+
+
+def test_a_server_answers_to_the_names_it_is_given(md):
+    """--pdd-control-names (a proxy's or a DNS name): the router's URL may name MD so."""
+    named = MdControl(names=("md-ctl.example", "127.0.0.1"))
+    try:
+        port = named.server.address[1]
+        for host, want in ((f"md-ctl.example:{port}", 200), (f"MD-CTL.example:{port}", 200),
+                           (f"127.0.0.1:{port}", 200), (f"md-ctl.example:{port + 1}", 401), ("evil:1", 401)):
+            status, _ = raw(named.url, signed_request(named.url, "GET", "/pdd/stats", host=host))
+            assert status == want, host
+    finally:
+        named.close()
+
+
+# ---------------------------------------------------------------------------- connections before authentication
+class Trickle:
+    """``n`` sockets from ``sources`` (in turn) that each send a request line, then a byte of
+    a header every ``every_s`` (slowloris), and reconnect as soon as the server cuts them."""
+
+    def __init__(self, url: str, n: int, sources, every_s: float = 0.2):
+        u = urlsplit(url)
+        self.address, self.head = (u.hostname, u.port), b"GET /pdd/stats HTTP/1.1\r\nHost: %s\r\nX-Slow: " % u.netloc.encode()
+        self.stop, self.every_s = threading.Event(), every_s
+        self.connects = 0  # >= n: every socket connected once (a server under load accepts slowly)
+        self.threads = [threading.Thread(target=self._one, args=(sources[i % len(sources)],), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, source: str) -> None:
+        while not self.stop.is_set():
+            try:
+                with socket.create_connection(self.address, timeout=2, source_address=(source, 0)) as s:
+                    self.connects += 1
+                    s.sendall(self.head)
+                    while not self.stop.wait(self.every_s):
+                        s.sendall(b"x")
+            except OSError:  # cut off (refused, or the head deadline): again
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+
+
+def _signed_calls(url: str, n: int) -> list[int]:
+    return [call_json("GET", url + "/pdd/stats", key=KEY, timeout=5)[0] for _ in range(n)]
+
+
+def test_a_trickling_flood_from_one_host_leaves_signed_calls_served():
+    """Slowloris with the connection cap lowered to 64: 70 sockets from one host trickling
+    request heads held every slot, and 22 of 22 signed calls got 503. Now an unknown source
+    holds at most 16 unauthenticated connections; its others are refused at once."""
+    server = MdControl(max_connections=64)
+    flood = Trickle(server.url, 70, ["127.0.0.2"])
+    try:
+        httpd = server.server.httpd
+        assert wait_until(lambda: flood.connects >= 70, timeout=30)
+        time.sleep(0.5)  # the flood in place
+        assert _signed_calls(server.url, 22) == [200] * 22
+        assert httpd.stats()["refused_per_source"] > 0 and httpd.stats()["handshaking_unknown"] <= 16
+        # what an operator reads: MD's stats count the refusals
+        assert get_json(server.url + "/pdd/stats", key=KEY)["control_server"]["refused_per_source"] > 0
+    finally:
+        flood.close()
+        server.close()
+
+
+@pytest.mark.parametrize("router_known_by", ["allow-list", "a signed call before"])
+def test_a_flood_from_many_hosts_leaves_the_reserved_slots_to_the_router(router_known_by):
+    """Six attacker hosts fill the 48 slots unknown sources may hold (64 - 16 reserved); a new
+    unknown host is refused, and the router (allow-listed, or known since it sent a validly
+    signed call) still gets every call served."""
+    trusted = "127.0.0.1" if router_known_by == "allow-list" else ()
+    server = MdControl(max_connections=64, trusted_sources=trusted)
+    flood = None
+    try:
+        if router_known_by == "a signed call before":
+            assert _signed_calls(server.url, 1) == [200]
+        flood = Trickle(server.url, 96, [f"127.0.0.{i}" for i in range(2, 8)])
+        httpd = server.server.httpd
+        assert wait_until(lambda: httpd.stats()["handshaking_unknown"] == 48 and httpd.stats()["refused_unknown"] > 0)
+        status, body = first_reply(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.20")
+        assert status == 503 and b"retry" in body
+        assert _signed_calls(server.url, 22) == [200] * 22
+    finally:
+        if flood:
+            flood.close()
+        server.close()
+
+
+def test_a_trickled_request_head_is_cut_off_at_its_total_deadline(md, monkeypatch):
+    """A head trickling a byte every 0.1 s (each read well within the 30 s read timeout) used
+    to hold its connection for as long as it kept sending; now the head has a total deadline."""
+    monkeypatch.setattr(md.server.httpd.RequestHandlerClass, "head_deadline_s", 0.5)
+    before = md.server.httpd.stats()["head_timeouts"]
+    u = urlsplit(md.url)
+    start = time.monotonic()
+    with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+        s.sendall(b"GET /pdd/stats HTTP/1.1\r\nHost: %s\r\nX-Slow: " % u.netloc.encode())
+        closed = False
+        while not closed and time.monotonic() - start < 4:
+            try:
+                s.sendall(b"x")
+                s.settimeout(0.1)
+                closed = s.recv(65536) == b""
+            except socket.timeout:
+                pass
+            except OSError:
+                closed = True
+    assert closed and time.monotonic() - start < 2.0
+    assert wait_until(lambda: md.server.httpd.stats()["head_timeouts"] > before)
+
+
+def test_an_oversized_request_head_is_refused_with_431(md):
+    """Headers past 64 KiB (each line and the count under http.server's own limits) are not
+    buffered: 431, and the connection is closed."""
+    headers = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 4000) for i in range(20))
+    status, body = raw(md.url, b"GET /pdd/stats HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+    assert status == 431 and b"too large" in body
+    assert call_json("GET", md.url + "/pdd/stats", key=KEY)[0] == 200
+
+
+# ---------------------------------------------------------------------------- the router's P hosts
+def test_md_takes_the_p_hosts_the_router_names(md):
+    """POST /pdd/kv_senders (signed): the router's P hosts become known peers of MD's WAN
+    receiver; unsigned it changes nothing, malformed it is a 400 naming the problem."""
+    hosts = {"sources": ["127.0.0.9", "2001:db8:1:2::7"]}
+    assert call_json("POST", md.url + "/pdd/kv_senders", hosts)[0] == 401
+    assert md.runtime.kv_senders == []
+    assert call_json("POST", md.url + "/pdd/kv_senders", hosts, key=KEY) == (200, {"known": 2})
+    assert md.runtime.kv_senders == [["127.0.0.9", "2001:db8:1:2::7"]]
+    for bad, needle in (({"sources": ["p.example"]}, "not an IP"), ({"sources": "10.0.0.1"}, "list"),
+                        ({"sources": ["10.0.0.1"] * 1025}, "at most"), ({}, "sources")):
+        status, reply = call_json("POST", md.url + "/pdd/kv_senders", bad, key=KEY)
+        assert status == 400 and needle in reply["error"], (bad, reply)
+    assert len(md.runtime.kv_senders) == 1

@@ -122,7 +122,7 @@ def router_exposition() -> dict[str, tuple[str, str]]:
     snap = router.metrics.snapshot()  # the requests above were really recorded
     assert snap["pdd:requests_total"] == {"p_md": 1, "p_rld_md": 2, "p_rld_only": 1}
     assert snap["pdd:kv_transfer_latency_ms"]["count"] == 2
-    assert snap["pdd:backend_inflight_requests"][("main", "http://md:30002")] == 1
+    assert snap["pdd:backend_inflight_requests"][("main", "0")] == 1
     return {s.name: (f.name, f.type) for f in families for s in f.samples}
 
 

@@ -264,6 +264,18 @@ def test_md_and_p_refuse_unsigned_control_calls_on_real_servers(pdd_cluster):
     assert code == 403 and "--pdd-wan-peers" in body["error"]
 
 
+@pytest.mark.full
+def test_the_router_names_its_p_hosts_to_md_on_real_servers(pdd_cluster):
+    """MD's WAN receiver counts the router's P hosts as known KV peers (reserved handshake
+    slots), from the router's own configuration, with no --pdd-kv-trusted-sources."""
+    url = f"{pdd_cluster.topology.main.control_url}/pdd/stats"
+
+    def announced() -> int:
+        return get_json(url, key=pdd_cluster.control_key)["wan_receiver"]["known_sources_announced"]
+
+    assert wait_until(lambda: announced() == 1, timeout=30)  # the P host, 127.0.0.1
+
+
 @pytest.mark.parametrize("path,body,code,needle", [
     ("/generate", b"{oops", 400, "malformed JSON"),
     ("/generate", json.dumps({"sampling_params": {}}).encode(), 400, "'text' or 'input_ids'"),

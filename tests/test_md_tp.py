@@ -329,6 +329,22 @@ def test_a_registration_one_rank_refuses_is_undone_on_every_rank():
         c.close()
 
 
+def test_the_p_hosts_the_router_names_reach_every_ranks_receiver():
+    """Each MD rank has its own WAN receiver (port + rank): the router's P hosts, posted to rank
+    0's control API, become known peers of every one of them."""
+    from sglang_pdd.admission import source_of
+
+    c = MdTp("mha", 2, 2)
+    try:
+        assert c.call("kv_senders", ["10.3.0.7", "fd00:1:2:3::9"]) == 2
+        for md in c.ranks:
+            policy = md.receiver._acceptor.policy
+            assert policy.is_known(source_of("10.3.0.7"), 0) and policy.is_known(source_of("fd00:1:2:3::1"), 0)
+            assert not policy.is_known(source_of("10.3.0.8"), 0)
+    finally:
+        c.close()
+
+
 def test_expiry_is_rank_zeros_decision_taken_on_every_rank():
     c = MdTp("mha", 2, 2)
     md0, md1 = c.ranks

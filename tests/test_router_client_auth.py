@@ -245,3 +245,31 @@ def test_backend_ca_file_that_cannot_be_read_stops_the_router(tmp_path):
     with pytest.raises(SystemExit, match="--backend-ca-file"):
         client_auth.use_backend_ca(str(bad))
     assert client_auth.backend_ssl() is None
+
+
+def test_api_keys_come_from_private_files(tmp_path):
+    """--api-key-file / --backend-api-key-file: the keys off the command line (which every
+    local user can read), from files only their owner may access, as every key file."""
+    from sglang_pdd.router.cli import parse_args
+
+    base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
+    client, backend = tmp_path / "client.key", tmp_path / "backend.key"
+    client.write_text("client-key-0123456789\n")
+    backend.write_text("backend-key-0123456789")
+    for f in (client, backend):
+        f.chmod(0o600)
+    args = parse_args(base + ["--api-key-file", str(client), "--backend-api-key-file", str(backend)])
+    assert client_auth.resolve_secrets(args, {}) == []  # nothing on argv: no warning
+    assert (args.api_key, args.backend_api_key) == ("client-key-0123456789", "backend-key-0123456789")
+    assert client_auth.secrets_for_workers(args) == {}  # a worker reads the files itself
+    client.chmod(0o644)
+    with pytest.raises(SystemExit, match="--api-key-file.*chmod 600"):
+        client_auth.resolve_secrets(parse_args(base + ["--api-key-file", str(client)]), {})
+    with pytest.raises(SystemExit, match="not both"):
+        client_auth.resolve_secrets(parse_args(base + ["--backend-api-key", "k", "--backend-api-key-file",
+                                                       str(backend)]), {})
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    with pytest.raises(SystemExit, match="empty"):
+        client_auth.resolve_secrets(parse_args(base + ["--api-key-file", str(empty)]), {})

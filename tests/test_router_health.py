@@ -101,7 +101,10 @@ def test_p_is_chosen_by_cached_prefix_and_new_prompts_take_turns():
     assert {p.pick(PROMPT * 4)[0].url for _ in range(4)} == {"http://p1"}  # the session's P holds its prefix
     other = [9000 + i for i in range(64)]
     assert {p.pick(other)[0].url for _ in range(4)} == {"http://p0", "http://p1"}
-    p.p_inflight["http://p1"] = 5  # 4+ more in flight than the idlest: load wins over the cache
+    held = p.prefixes.match("http://p1", PROMPT * 4)
+    p.p_tokens["http://p1"] = held  # its queue no longer than the prefix it holds: the cache wins
+    assert p.pick(PROMPT * 4)[0].url == "http://p1"
+    p.p_tokens["http://p1"] = held + 1  # more queued prefill than the prefix saves: load wins
     assert p.pick(PROMPT * 4)[0].url == "http://p0"
 
 

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import math
 import pathlib
 
@@ -284,14 +285,14 @@ def test_backends_inflight_read_at_scrape_time():
     rld, md = {"http://rld:1": 0}, {"http://md:1": 0, "http://md:2": 0}
     m = RouterMetrics()
     m.track_backends({"relay": rld, "main": md})
-    assert value(m, "pdd:backend_inflight_requests", role="main", url="http://md:2") == 0
+    assert value(m, "pdd:backend_inflight_requests", role="main", index="1") == 0
     rld["http://rld:1"], md["http://md:2"] = 3, 1  # the router's own counts change
-    assert value(m, "pdd:backend_inflight_requests", role="relay", url="http://rld:1") == 3
-    assert value(m, "pdd:backend_inflight_requests", role="main", url="http://md:2") == 1
-    assert value(m, "pdd:backend_fallbacks_total", role="main", url="http://md:1") == 0
+    assert value(m, "pdd:backend_inflight_requests", role="relay", index="0") == 3
+    assert value(m, "pdd:backend_inflight_requests", role="main", index="1") == 1
+    assert value(m, "pdd:backend_fallbacks_total", role="main", index="0") == 0
     m.backend_fallback("main", "http://md:1")
-    assert value(m, "pdd:backend_fallbacks_total", role="main", url="http://md:1") == 1
-    assert m.snapshot()["pdd:backend_inflight_requests"][("relay", "http://rld:1")] == 3
+    assert value(m, "pdd:backend_fallbacks_total", role="main", index="0") == 1
+    assert m.snapshot()["pdd:backend_inflight_requests"][("relay", "0")] == 3
     for call in (lambda: m.backend_fallback("main", "http://elsewhere:1"),
                  lambda: m.backend_fallback("prefill", "http://md:1"),
                  lambda: m.track_backends({"main": md})):
@@ -337,6 +338,35 @@ def test_observe_flow_from_flow_results():
     assert value(m, "pdd:fallbacks_total", reason="retried_elsewhere") == 1
     assert value(m, "pdd:num_transfer_failed_reqs_total") == 2  # "b" and "e"
     # "b" and "e" against their MD; "c" had no MD; "d" broke on P, not on its MD
-    assert value(m, "pdd:backend_fallbacks_total", role="main", url=md_url) == 2
+    assert value(m, "pdd:backend_fallbacks_total", role="main", index="0") == 2
     assert value(m, "pdd:rld_output_tokens_total") == 16
     assert value(m, "pdd:md_output_tokens_total") == 24
+
+
+def test_metrics_name_backends_by_role_and_index_never_by_url():
+    """/metrics is open (as on SGLang, --api-key exempts it): it used to carry every P, RLD and
+    MD URL as a label. Backends are now their role and their index in the router's flags;
+    the operator-only GET /pdd/backends maps each index to its URL."""
+    import asyncio
+
+    from sglang_pdd.router.app import Router
+    from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
+    from sglang_pdd.router.pools import Pools
+
+    pools = Pools([PrefillBackend("http://p0.internal:30000", 1), PrefillBackend("http://p1.internal:30000", 1)],
+                  ["http://rld.internal:30001"], [MainBackend("http://md.internal:30002", "http://md.internal:31002",
+                                                              "10.9.0.1:18000")])
+    router = Router(pools, FlowConfig(), None, max_prompt_tokens=100, served_model="m", operator_token="t" * 16)
+    router.metrics.backend_fallback("main", "http://md.internal:30002")
+    text = asyncio.run(router.metrics_route(None)).body.decode()
+    assert "internal" not in text and "10.9.0.1" not in text
+    assert 'pdd:backend_up{index="1",role="prefill"} 1.0' in text
+    assert 'pdd:backend_fallbacks_total{index="0",role="main"} 1.0' in text
+
+    class Request:
+        headers = {"X-PDD-Operator-Token": "t" * 16}
+
+    rows = json.loads(asyncio.run(router.backends(Request())).body)["backends"]
+    assert {(r["role"], r["index"]): r["url"] for r in rows} == {
+        ("prefill", 0): "http://p0.internal:30000", ("prefill", 1): "http://p1.internal:30000",
+        ("relay", 0): "http://rld.internal:30001", ("main", 0): "http://md.internal:30002"}

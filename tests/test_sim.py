@@ -69,8 +69,6 @@ def test_pdd_reduces_to_pd_with_zero_wan_and_one_chip():
                         wan=instant, rdma=instant, drc=False)
     pdd = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=2, prefill_hw=TOY_A, rld_hw=TOY_A,
                          md_hw=TOY_A, wan=instant, rdma=instant, drc=False, md_staging_bytes=math.inf,
-                         p_affinity=True,  # PD's P placement (the PDD router's counts flows)
-                         md_kv_load=True,  # and PD's D placement (the router's counts flows)
                          router=PathPolicyConfig(wan_gbps=1e12, wan_rtt_ms=0.0, enable_outlier_filter=False,
                                                  max_wan_transfer_ms=1e9))
     a, b = Simulation(pd), Simulation(pdd)
@@ -88,7 +86,7 @@ def test_drc_cuts_wan_bytes(runs):
 
 
 def test_only_pdd_uses_rld_and_outliers_skip_the_wan(runs):
-    for name in ("pd_same_dc", "naive_xdc"):
+    for name in ("pd_same_dc", "xdc_pd"):
         assert runs[name][1].rld_token_share == 0.0
         assert runs[name][1].paths == {"p_md": len(TRACE)}
     s = runs["pdd_drc_oneshot"][1]
@@ -107,16 +105,22 @@ def test_catch_up_keeps_rld_busy_longer_than_one_shot():
     assert one.paths.get("p_rld_md", 0) > 0
 
 
-def test_naive_cross_dc_pays_for_the_wan(runs):
-    assert runs["naive_xdc"][1].ttft_p50 > runs["pd_same_dc"][1].ttft_p50
-    assert runs["naive_xdc"][1].wan_gb > runs["pdd_drc_oneshot"][1].wan_gb
+def test_cross_dc_pd_pays_for_the_wan(runs):
+    assert runs["xdc_pd"][1].ttft_p50 > runs["pd_same_dc"][1].ttft_p50
+    assert runs["xdc_pd"][1].wan_gb > runs["pdd_drc_oneshot"][1].wan_gb
 
 
 def test_cost_and_bcr_follow_counts():
-    cfg = standard_scenarios(SPEC)[0]
-    assert cfg.cost_per_hour == pytest.approx(2 * TOY_A.price_per_hour + 3 * TOY_A.price_per_hour)
-    pdd = standard_scenarios(SPEC)[3]
-    assert pdd.cost_per_hour == pytest.approx(3 * TOY_A.price_per_hour + 2 * TOY_B.price_per_hour)
+    by = {c.name: c for c in standard_scenarios(SPEC)}
+    assert by["pd_same_dc"].cost_per_hour == pytest.approx(2 * TOY_A.price_per_hour + 3 * TOY_A.price_per_hour)
+    # Every cross-datacenter design pays the WAN's lease (by its rate), same-DC PD does not.
+    lease = SPEC.wan.gbps * SPEC.wan.price_per_gbps_hour
+    assert lease > 0 and by["pd_same_dc"].wan_lease_per_hour == 0
+    assert by["pdd_drc_oneshot"].cost_per_hour == pytest.approx(3 * TOY_A.price_per_hour + 2 * TOY_B.price_per_hour
+                                                                + lease)
+    for name in ("xdc_pd", "xdc_pd_drc", "pdd_nodrc_oneshot", "pdd_drc_adaptive"):
+        assert by[name].wan_lease_per_hour == pytest.approx(lease)
+        assert by[name].cost_per_hour == pytest.approx(by[name].hw_cost_per_hour + lease)
 
 
 def test_sla_attainment_is_monotone_in_sla():

@@ -129,11 +129,11 @@ def _spec(**kw):
 
 
 def test_idle_rld_hides_the_wan_busy_rld_does_not():
-    big_rld = replace(TOY_A, max_running_requests=100_000)
-    tiny_rld = replace(TOY_A, max_running_requests=1)
+    # RLD's load is its flows over the router's admission (--rld-max-running), not RLD's
+    # batch cap, which stays TOY_A's here.
     base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
-    idle = Simulation(replace(base, rld_hw=big_rld)).run(TRACE)
-    busy = Simulation(replace(base, rld_hw=tiny_rld)).run(TRACE)
+    idle = Simulation(replace(base, rld_max_running=100_000)).run(TRACE)
+    busy = Simulation(replace(base, rld_max_running=1)).run(TRACE)
     assert idle.paths.get("p_md", 0) == 0, idle.paths  # RLD always has headroom
     assert busy.paths.get("p_md", 0) > len(TRACE) // 5, busy.paths
 
@@ -184,10 +184,10 @@ def test_a_faster_wan_never_makes_pdd_worse():
     # Issue 12: with a fixed 25% budget and one counted trip, PDD looked best at 1 Gbps
     # and worse at 25 (requests crossed the WAN while RLD idled). Now more bandwidth can
     # only help: the load-aware budget keeps requests on RLD unless it is busy.
-    # P round robin (what-if) isolates the path budget: the router's P rule counts a request
-    # on its P until it ends, so the WAN's speed moves P placement too (docs/sim.md: on this
-    # trace 0.82 / 0.75 / 0.57 / 0.68 at 1 / 10 / 25 / 100 Gbps with it).
-    base = [c for c in standard_scenarios(_spec(p_affinity=False)) if c.name == "pdd_drc_adaptive"][0]
+    # With the router's P rule (prefill tokens until P replies, since round 4): a P rule that
+    # counted requests until they ended let the WAN's speed move P placement (0.82 / 0.75 /
+    # 0.57 / 0.68 here at 1 / 10 / 25 / 100 Gbps), so this test pinned round robin then.
+    base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
     sla = Sla(ttft_s=1.0, tpot_s=0.06)
     att = []
     for gbps in (1.0, 10.0, 25.0, 100.0):

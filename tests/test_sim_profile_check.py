@@ -14,7 +14,7 @@ from benchmarks import calibrate_profile as cp
 from sglang_pdd.sim.hardware import (CHIP_A, CHIP_B, CHIPS, MODELS, TOY_A, TOY_B, HardwareProfile, ProfileWarning,
                                      check_profile, preset, profile_problems)
 
-# What the calibration measured on the tiny model, warm (docs/sim.md): decode 4.5-6.6 ms at
+# What the calibration measured on the tiny model, warm (docs/sim-notebook.md): decode 4.5-6.6 ms at
 # batch 1-8, prefill 17.3 ms + 26.8 us/token.
 PREFILL = [(64, 0, 0.019), (256, 0, 0.024), (1024, 0, 0.045), (1536, 0, 0.058)]
 WARM = [(1, 272, 0.0045), (2, 544, 0.0051), (4, 1088, 0.0060), (8, 2176, 0.0066)]

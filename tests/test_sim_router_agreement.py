@@ -11,8 +11,11 @@ from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.workload import TraceRequest
 
 SLA = Sla(ttft_s=2.0)
-CFG = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=1, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
-MAX_RUNNING = TOY_A.max_running_requests  # 128
+# The router's RLD admission (--rld-max-running) 128 here, so the table's loads read as
+# fractions of it; RLD's own batch cap (TOY_A's max_running_requests) is another number.
+CFG = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=1, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B,
+                     rld_max_running=128)
+MAX_RUNNING = CFG.rld_max_running
 
 # (input tokens, MD's cached prefix, max_new_tokens or None, other flows in flight on RLD)
 TABLE = [
@@ -28,12 +31,12 @@ TABLE = [
 ]
 
 
-def router_decision(route_cfg, inp, md_cached, max_new, rld_others):
+def router_decision(route_cfg, inp, md_cached, max_new, rld_others, rld_max_running=MAX_RUNNING):
     flow = object.__new__(PddFlow)  # only the attributes _decide reads
     flow.ids = [7] * inp
     flow.max_new = max_new
     flow.rld_inflight = rld_others
-    flow.cfg = FlowConfig(path=route_cfg, rld_max_running=MAX_RUNNING)
+    flow.cfg = FlowConfig(path=route_cfg, rld_max_running=rld_max_running)
     flow.force_path = None
     return flow._decide(md_cached)
 
@@ -64,6 +67,32 @@ def test_table_covers_every_path_and_both_budget_ends():
     assert any(0.0 < b < slack for b in budgets)
 
 
+def test_sim_path_decision_reads_the_routers_admission_value():
+    """The sim's RLD load is its flows over the router's --rld-max-running (ScenarioConfig.
+    rld_max_running, the router's default unless set), not RLD's batch cap: the same flows
+    decide alike in the router and the sim for every admission value, and RLD's batch cap
+    moves nothing."""
+    from dataclasses import replace
+
+    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT
+    router_default = parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1",
+                                 "--tokenizer-path", "x"]).rld_max_running
+    assert ScenarioConfig("pdd", "pdd", 1, 1, 1).rld_max_running == router_default == RLD_MAX_RUNNING_DEFAULT
+    row = (20_000, 19_500, 300, 12)  # a tiny suffix; RLD has 12 other flows
+    paths = set()
+    for admission in (8, 16, 24, 64, 512):
+        for batch_cap in (16, 512):
+            cfg = replace(CFG, rld_max_running=admission, rld_hw=replace(TOY_A, max_running_requests=batch_cap))
+            sim = Simulation(cfg, SLA)
+            a = router_decision(sim.route_cfg, *row, rld_max_running=admission)
+            b = sim_decision(sim, *row)
+            assert (b.path, b.budget_ms) == (a.path, a.budget_ms), (admission, batch_cap)
+            paths.add((admission, b.path))
+    # 12 flows busy an admission of 8 or 16 (util >= 0.75) and idle one of 24 or more
+    assert {(8, Path.P_MD), (16, Path.P_MD), (24, Path.P_RLD_MD), (512, Path.P_RLD_MD)} <= paths
+
+
 def test_sim_decision_ignores_what_the_router_cannot_see():
     """A long P queue and WAN traffic in flight do not change the sim's decision: the router
     sees neither."""
@@ -89,8 +118,9 @@ def test_pdd_places_prefill_by_prefix_like_the_router():
     served the first one; the round-robin what-if alternates."""
     trace = [TraceRequest(1000.0 * i, 1024, 4, (1, 2)) for i in range(4)]
     assert _p_choices(CFG, trace) == [0, 0, 0, 0]
-    assert _p_choices(ScenarioConfig(**{**CFG.__dict__, "p_affinity": False}), trace) == [0, 1, 0, 1]
-    assert len(set(_p_choices(ScenarioConfig(**{**CFG.__dict__, "p_affinity": True}), trace))) == 1
+    assert _p_choices(ScenarioConfig(**{**CFG.__dict__, "p_placement": "round_robin"}), trace) == [0, 1, 0, 1]
+    assert len(set(_p_choices(ScenarioConfig(**{**CFG.__dict__, "p_placement": "backlog"}), trace))) == 1
+    assert _p_choices(ScenarioConfig(**{**CFG.__dict__, "p_placement": "flows"}), trace) == [0, 0, 0, 0]
     # no shared prefix, equal loads: the rotation makes them take turns
     fresh = [TraceRequest(1000.0 * i, 1024, 4, (10 * i + 1, 10 * i + 2)) for i in range(4)]
     assert _p_choices(CFG, fresh) == [0, 1, 0, 1]
@@ -99,8 +129,8 @@ def test_pdd_places_prefill_by_prefix_like_the_router():
 # ---- one place: the router's own functions decide the sim's placement, path and lifecycle
 
 def test_sim_places_p_rld_and_md_as_pools_pick():
-    """Random in-flight counts and prefix owners: the sim's P, RLD and MD choice for a PDD
-    request is router/pools.py's Pools.pick (16-token blocks there, one trace block here),
+    """Random loads and prefix owners: the sim's P, RLD and MD choice for a PDD request is
+    router/pools.py's Pools.pick (16-token blocks there, one trace block here),
     every server healthy. Several picks per state with the counters in step: P's rotation
     decides among equal candidates (frequent here: loads from 0-2, often no prefix)."""
     import random
@@ -120,7 +150,10 @@ def test_sim_places_p_rld_and_md_as_pools_pick():
         pools = Pools(ps, rlds, mds)
         assert all(pools.health.pickable(("prefill", p.url), 0.0) for p in ps)
         for i in range(3):
-            pools.p_inflight[ps[i].url] = sim.p_flows[i] = rng.choice((0, 0, 1, 2, 6))
+            # P's load is prefill tokens in flight, in blocks here (16 tokens a block there,
+            # 512 here), so the held-prefix bound compares alike
+            load = rng.choice((0, 0, 1, 2, 4, 6, 9))
+            pools.p_tokens[ps[i].url], sim.p_tokens[i] = 16 * load, 512 * load
             held = rng.choice((0, 0, 1, 3, 6))
             if held:
                 pools.prefixes.record(ps[i].url, tokens[:16 * held])
@@ -130,7 +163,7 @@ def test_sim_places_p_rld_and_md_as_pools_pick():
             p = sim.pick_p(hashes)
             assert ps[p] is prefill
             p_seen.add(p)
-            p_rotated += p != 0 and sim.p_flows[p] == min(sim.p_flows) == sim.p_flows[0] \
+            p_rotated += p != 0 and sim.p_tokens[p] == min(sim.p_tokens) == sim.p_tokens[0] \
                 and sim.p_index.match_blocks(p, hashes) == sim.p_index.match_blocks(0, hashes)
         for i in range(3):
             pools.rld_inflight[rlds[i]] = sim.rld_flows[i] = rng.randrange(4)

@@ -18,7 +18,9 @@ SLA = Sla(ttft_s=10.0, tpot_s=0.1)
 
 
 def _pd(**kw):
-    return standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, **kw))[0]
+    # The mixes below were sized by hand under the backlog-weighed P rule; these tests are
+    # about the sizing (demand, tail, edges), so they keep it (a what-if since one P rule).
+    return standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, p_placement="backlog", **kw))[0]
 
 
 def test_a_slower_decoder_at_the_same_price_never_sizes_cheaper():

@@ -6,11 +6,12 @@ authenticated is limited here, once for both:
 
   * at most ``max_connections`` connections, of which at most ``max_handshaking`` are still
     in their handshake; excess connections are closed at once and logged (rate-limited);
-  * known peers first (``AdmissionPolicy``): one source address (an IPv6 /64) that is not
-    known may hold at most ``per_source`` handshakes, and all unknown sources together at
-    most ``max_handshaking - reserved``; the ``reserved`` slots are for known peers, i.e.
-    sources in the allow-list (``trusted``) or that authenticated recently. A flood of keyless
-    sockets from a few hosts (or many) then cannot keep a known P out;
+  * known peers first (``sglang_pdd.admission.AdmissionPolicy``): one source address (an
+    IPv6 /64) that is not known may hold at most ``per_source`` handshakes, and all unknown
+    sources together at most ``max_handshaking - reserved``; the ``reserved`` slots are for
+    known peers, i.e. sources in the allow-list (``trusted``), announced by an authenticated
+    control call (``announce``: on MD, the router's P hosts) or that authenticated recently.
+    A flood of keyless sockets from a few hosts (or many) then cannot keep a known P out;
   * the handshake has a TOTAL deadline (``handshake_deadline`` seconds from accept): a peer
     that trickles bytes (slowloris) is cut off then, whatever its per-recv timing;
   * a thread that cannot be started (thread exhaustion) costs that one connection, never
@@ -24,138 +25,20 @@ socket, e.g. TLS, so the deadline can still cut it off). The socket is closed wh
 
 from __future__ import annotations
 
-import collections
-import ipaddress
 import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional
+
+from sglang_pdd.admission import (AdmissionLimits, AdmissionPolicy, IpNetwork, Ticket,  # noqa: F401 (re-exported)
+                                  parse_networks, source_of)
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # how often the accept loop checks handshake deadlines
 _BACKOFF_S = 0.05  # after a failed thread start
 _LOG_EVERY_S = 5.0  # refusals are logged at most this often (a flood must not flood the log)
-
-
-IpNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
-
-
-def parse_networks(value: Union[str, Iterable[str], None]) -> tuple[IpNetwork, ...]:
-    """``"10.0.0.5,10.1.0.0/16,fd00::/8"`` (or a list of such) as networks; ValueError names
-    the bad entry."""
-    items = value.split(",") if isinstance(value, str) else list(value or ())
-    nets = []
-    for item in (i.strip() for i in items):
-        if item:
-            try:
-                nets.append(ipaddress.ip_network(item, strict=False))
-            except ValueError:
-                raise ValueError(f"not an IP address or network: {item!r}") from None
-    return tuple(nets)
-
-
-def source_of(host: str) -> Union[ipaddress.IPv4Address, ipaddress.IPv6Network]:
-    """The unit a per-source limit counts: an IPv4 address (IPv4-mapped IPv6 included), or
-    an IPv6 /64 (one host commonly holds a whole /64, so counting addresses would not bound it)."""
-    ip = ipaddress.ip_address(host.split("%", 1)[0])
-    if ip.version == 6:
-        if ip.ipv4_mapped is not None:
-            return ip.ipv4_mapped
-        return ipaddress.ip_network(f"{ip}/64", strict=False)
-    return ip
-
-
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """Pre-auth limits of one acceptor (``--pdd-kv-*`` flags; defaults for tests and tools)."""
-
-    max_handshaking: int = 64  # connections still in their handshake, all sources
-    per_source: int = 16  # of those, from one unknown source
-    reserved: int = 32  # of those, only for known sources
-    trusted: tuple[IpNetwork, ...] = ()  # allow-list: always known
-    remember_s: float = 24 * 3600.0  # a source that authenticated stays known this long
-    max_remembered: int = 4096
-
-    def __post_init__(self):
-        if self.max_handshaking < 1 or self.per_source < 1:
-            raise ValueError("max_handshaking and per_source must be >= 1")
-        if not 0 <= self.reserved < self.max_handshaking:
-            raise ValueError(f"reserved must be in 0..{self.max_handshaking - 1}, got {self.reserved}")
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """One admitted handshake; handed back to ``AdmissionPolicy.release`` exactly once."""
-
-    source: object
-    known: bool
-
-
-class AdmissionPolicy:
-    """Who may start a handshake now. Pure (no sockets, no clock of its own); the acceptor
-    calls it under its lock: ``admit`` on accept, ``release`` when the handshake ends (passed,
-    failed or cut off), ``authenticated`` when one passed."""
-
-    def __init__(self, limits: AdmissionLimits = AdmissionLimits()):
-        self.limits = limits
-        self._in_flight: collections.Counter = collections.Counter()  # unknown source -> handshakes
-        self._unknown = 0  # handshakes of unknown sources
-        self._total = 0
-        self._recent: collections.OrderedDict = collections.OrderedDict()  # source -> last auth time
-
-    def is_known(self, source, now: float) -> bool:
-        seen = self._recent.get(source)
-        if seen is not None:
-            if now - seen <= self.limits.remember_s:
-                return True
-            del self._recent[source]
-        addr = source.network_address if isinstance(source, ipaddress.IPv6Network) else source
-        return any(addr in net for net in self.limits.trusted)
-
-    def admit(self, host: str, now: float) -> tuple[Optional[Ticket], str, str]:
-        """(ticket, "", "") if admitted, else (None, why, counter)."""
-        lim = self.limits
-        try:
-            source = source_of(host)
-        except ValueError:  # not an IP (e.g. a Unix socket): one source of its own
-            source = host
-        known = self.is_known(source, now)
-        if self._total >= lim.max_handshaking:
-            return None, f"{self._total} handshakes already in progress", "refused"
-        if not known:
-            if self._in_flight[source] >= lim.per_source:
-                return None, (f"{self._in_flight[source]} handshakes already in progress from this unknown "
-                              f"source (--pdd-kv-max-handshakes-per-source)"), "refused_per_source"
-            if self._unknown >= lim.max_handshaking - lim.reserved:
-                return None, (f"{self._unknown} handshakes of unknown sources in progress; the other "
-                              f"{lim.reserved} are reserved for known peers (--pdd-kv-trusted-sources)"), \
-                    "refused_unknown"
-            self._in_flight[source] += 1
-            self._unknown += 1
-        self._total += 1
-        return Ticket(source, known), "", ""
-
-    def release(self, ticket: Ticket) -> None:
-        self._total -= 1
-        if not ticket.known:
-            self._unknown -= 1
-            self._in_flight[ticket.source] -= 1
-            if self._in_flight[ticket.source] <= 0:
-                del self._in_flight[ticket.source]
-
-    def authenticated(self, ticket: Ticket, now: float) -> None:
-        """The source proved the key: known from now on (for ``remember_s``)."""
-        self._recent[ticket.source] = now
-        self._recent.move_to_end(ticket.source)
-        while len(self._recent) > self.limits.max_remembered:
-            self._recent.popitem(last=False)
-
-    def stats(self) -> dict:
-        return {"handshaking_unknown": self._unknown, "unknown_sources": len(self._in_flight),
-                "known_sources_remembered": len(self._recent)}
 
 
 class Slot:
@@ -250,6 +133,11 @@ class Acceptor:
                 "threads_alive": sum(t.is_alive() for t in self._threads),
                 **self.policy.stats(),
             }
+
+    def announce(self, networks: Iterable[IpNetwork]) -> int:
+        """Known peers from an authenticated control call (in place of the last ones)."""
+        with self._lock:
+            return self.policy.announce(networks)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, cut every connection, join every thread (within ``timeout``)."""

@@ -124,7 +124,17 @@ def _transcript(hello: Hello, server_name: str, server_nonce: bytes, tls_binding
 
 def tls_binding(sock: socket.socket) -> bytes:
     """The channel binding of a TLS 1.3 stream (b"" for plain TCP or older TLS: frames then
-    keep their MAC tags). Both ends of one TLS connection get the same bytes."""
+    keep their MAC tags). Both ends of one TLS connection get the same bytes.
+
+    RFC 9266 names ``tls-exporter`` for TLS 1.3, where ``tls-unique`` is undefined. Python's
+    ssl offers no keying-material exporter (``CHANNEL_BINDING_TYPES`` is ``['tls-unique']``),
+    so this is OpenSSL's ``tls-unique``, the first Finished message: in TLS 1.3 an HMAC over
+    the whole handshake transcript (both randoms and key shares, the certificates) under a
+    key from that connection's (EC)DHE secret. A relay terminating TLS towards each side
+    has two transcripts and two secrets, and cannot make the two Finished messages equal
+    (the triple-handshake weakness of tls-unique needed TLS 1.2's resumption and RSA key
+    exchange). docs/security.md says so too; tests/kv_channel/test_wan_tls.py notices when
+    Python offers the exporter."""
     if not isinstance(sock, ssl.SSLSocket) or sock.version() != "TLSv1.3":
         return b""
     return sock.get_channel_binding("tls-unique") or b""

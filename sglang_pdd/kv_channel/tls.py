@@ -76,3 +76,28 @@ def control_tls_context(cert: Optional[str], key: Optional[str], ca: Optional[st
     verifies the server against ``ca`` and that its certificate names the host dialled)."""
     return mutual_tls_context(cert, key, ca, server_side=server_side,
                               flags="--pdd-control-tls-*" if server_side else "--control-tls-*")
+
+
+def certificate_names(cert: Optional[str]) -> tuple[str, ...]:
+    """The DNS names and IP addresses a PEM certificate's subjectAltName lists (the names a
+    client that verified it may have dialled); () without a certificate."""
+    if not cert:
+        return ()
+    from cryptography import x509
+
+    try:
+        with open(cert, "rb") as f:
+            leaf = x509.load_pem_x509_certificate(f.read())
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return ()
+    return tuple(n.lower() for n in san.get_values_for_type(x509.DNSName)) + \
+        tuple(str(ip) for ip in san.get_values_for_type(x509.IPAddress))
+
+
+def control_server_names(listen_host: str, extra=(), cert: Optional[str] = None) -> tuple[str, ...]:
+    """The names a control server answers to: the --pdd-control-listen host (unless a
+    wildcard), its TLS certificate's names (the router verified one of them) and ``extra``
+    (--pdd-control-names). Empty: any host (a wildcard bind with none given)."""
+    own = () if listen_host in ("", "0.0.0.0", "::") else (listen_host.lower(),)
+    return own + tuple(extra) + certificate_names(cert)

@@ -336,13 +336,19 @@ class WanKvReceiver(RoomQueries):
         for t in [self._watchdog, self._flusher]:
             t.join(max(0.0, deadline - time.monotonic()))
 
+    def announce_senders(self, networks) -> int:
+        """The hosts that send this receiver KV, as an authenticated control call names them
+        (the router's P hosts): known peers from now on, in place of the last ones, so a
+        keyless flood cannot keep them out of the handshake slots (acceptor.py)."""
+        return self._acceptor.announce(networks)
+
     def stats(self) -> dict:
         front = self._acceptor.stats()
         with self._cv:
             return {
                 **self.counters,
                 **{k: front[k] for k in ("refused", "refused_per_source", "refused_unknown", "handshake_timeouts",
-                                         "thread_start_failures")},
+                                         "thread_start_failures", "known_sources_announced")},
                 "connections": len(self._conns),
                 "sessions": len(self._sessions),
                 "threads_alive": front["threads_alive"],

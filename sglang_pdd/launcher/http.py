@@ -26,9 +26,7 @@ def signed_headers(method: str, url: str, body: bytes, key: Optional[bytes], rol
         return {}
     from sglang_pdd.control_auth import ControlSigner
 
-    parts = urlsplit(url)
-    target = parts.path + (f"?{parts.query}" if parts.query else "")
-    return ControlSigner(key, role=role or control_role(parts.path)).header(method, target, body)
+    return ControlSigner(key, role=role or control_role(urlsplit(url).path)).headers(method, url, body)
 
 
 def _request(method: str, url: str, data: Optional[bytes], key: Optional[bytes],

@@ -40,6 +40,7 @@ class SglangPdTopology:
     decode: ServerSpec
     bootstrap_port: int
     router_port: int
+    metrics_port: int  # the router's Prometheus port (a fixed default would clash with another router)
     decode_radix_cache: bool = False
     extra_args: list[str] = field(default_factory=list)  # both servers (e.g. --dtype float32)
 
@@ -47,7 +48,8 @@ class SglangPdTopology:
     def on_free_ports(cls, decode_radix_cache: bool = False) -> "SglangPdTopology":
         return cls(ServerSpec("sglang-prefill", None, free_port(), "dc-a"),
                    ServerSpec("sglang-decode", None, free_port(), "dc-a"),
-                   bootstrap_port=free_port(), router_port=free_port(), decode_radix_cache=decode_radix_cache)
+                   bootstrap_port=free_port(), router_port=free_port(), metrics_port=free_port(),
+                   decode_radix_cache=decode_radix_cache)
 
     def place_decode_in_datacenter_b(self, a_host: str, b_host: str, netns: str) -> "SglangPdTopology":
         """The decode server in namespace ``netns`` at ``b_host``; the prefill server then
@@ -93,7 +95,8 @@ def pd_server_env(spec: ServerSpec) -> dict[str, str]:
 def pd_router_argv(topo: SglangPdTopology) -> list[str]:
     return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", topo.prefill.url, str(topo.bootstrap_port), "--decode", topo.decode.url,
-            "--host", LOOPBACK, "--port", str(topo.router_port)]
+            "--host", LOOPBACK, "--port", str(topo.router_port),
+            "--prometheus-host", LOOPBACK, "--prometheus-port", str(topo.metrics_port)]
 
 
 class SglangPdCluster:

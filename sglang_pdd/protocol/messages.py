@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 from urllib.parse import parse_qs
 
+from sglang_pdd.admission import MAX_ANNOUNCED, parse_networks
 from sglang_pdd.protocol.errors import bad_request
 from sglang_pdd.protocol.routes import MAX_ROOM_ID
 
@@ -266,6 +267,30 @@ class HandoffRequest(Message):
     top_logprobs_num: Any = wire(omit=_absent, default=None)
     logprob_start_len: Any = wire(omit=_absent, default=None)
     token_ids_logprob: Any = wire(omit=_absent, default=None)
+
+
+def _sources(value, name):
+    if not isinstance(value, list) or len(value) > MAX_ANNOUNCED or not all(isinstance(v, str) for v in value):
+        raise bad_request(f"{name} must be a list of at most {MAX_ANNOUNCED} addresses or networks")
+    try:
+        parse_networks(value)
+    except ValueError as e:
+        raise bad_request(f"{name}: {e}") from None
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class KvSendersRequest(Message):
+    """``POST /pdd/kv_senders``: the addresses (or networks) of the P hosts that send this MD
+    KV, as the router knows them: known peers of MD's WAN receiver from now on, in place of
+    the last ones (a keyless flood cannot keep them out of the handshake slots)."""
+
+    sources: tuple = wire(_sources)
+
+
+@dataclass(frozen=True)
+class KvSendersReply(Message):
+    known: int = wire(_int_in(0, MAX_ANNOUNCED))
 
 
 # ---- P: WAN destinations -----------------------------------------------------------------------

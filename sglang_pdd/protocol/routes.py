@@ -7,6 +7,7 @@ MD (``--pdd-role main``, rank 0)::
     GET    /pdd/rooms/{room}/ready?timeout_s -> ReadyReply (long poll)
     POST   /pdd/rooms/{room}/handoff         HandoffRequest -> MD's /generate reply (SSE when streamed)
     DELETE /pdd/rooms/{room}?keep_kv=0|1     -> {"released": bool}
+    POST   /pdd/kv_senders                   KvSendersRequest -> KvSendersReply
     GET    /pdd/stats
 
 P (``--pdd-control-listen``, every TP rank at port + rank)::
@@ -71,12 +72,13 @@ MD_REGISTER = Route("POST", "/pdd/rooms")
 MD_READY = Route("GET", "/pdd/rooms/{room}/ready")
 MD_HANDOFF = Route("POST", "/pdd/rooms/{room}/handoff")
 MD_RELEASE = Route("DELETE", "/pdd/rooms/{room}")
+MD_KV_SENDERS = Route("POST", "/pdd/kv_senders")  # the router's P hosts: known peers of MD's WAN receiver
 STATS = Route("GET", "/pdd/stats")  # MD's and P's
 P_DESTINATION = Route("POST", "/pdd/wan_destinations")
 P_DROP = Route("DELETE", "/pdd/wan_destinations/{bootstrap_room}")
 P_INFO = Route("GET", "/pdd/info")
 
-MD_ROUTES = (HEALTH, MD_REGISTER, MD_READY, MD_HANDOFF, MD_RELEASE, STATS)
+MD_ROUTES = (HEALTH, MD_REGISTER, MD_READY, MD_HANDOFF, MD_RELEASE, MD_KV_SENDERS, STATS)
 P_ROUTES = (HEALTH, P_DESTINATION, P_DROP, P_INFO, STATS)
 
 

@@ -26,7 +26,7 @@ from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router import client_auth
+from sglang_pdd.router import client_auth, kv_senders, shared_drain
 from sglang_pdd.router.backends import BackendError, MainControl, error_text, read_bounded
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 from sglang_pdd.router.fallback import Fallback, Reason
@@ -39,6 +39,7 @@ from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
 from sglang_pdd.router.serving import BackendsUnavailable, PddTokenizerManager, UpstreamError
+from sglang_pdd.router.shared_drain import SharedDrains
 from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_object
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -108,7 +109,8 @@ class Router:
                  operator_token: Optional[str] = None, every_client_is_operator: bool = False,
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
-                 logprob_limits: LogprobLimits = LogprobLimits(), health_check_interval_s: float = 10.0):
+                 logprob_limits: LogprobLimits = LogprobLimits(), health_check_interval_s: float = 10.0,
+                 shared_drains: Optional[SharedDrains] = None):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -122,6 +124,10 @@ class Router:
         self._probes: Optional[asyncio.Task] = None
         self.session: Optional[aiohttp.ClientSession] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
+        self._kv_senders: Optional[asyncio.Task] = None  # kv_senders.announce_forever, from start() on
+        # --workers: operator drains shared with the other workers (shared_drain.py)
+        self.shared_drains = shared_drains
+        self._drain_sync: Optional[asyncio.Task] = None
         self.manager = None
         if sglang_state is not None:
             server_args, model_config, tok = sglang_state
@@ -138,11 +144,16 @@ class Router:
     async def start(self, app):
         self.session = backend_session()
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
+        if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
+            self._kv_senders = asyncio.ensure_future(
+                kv_senders.announce_forever(self.session, self.pools.main, self.pools.prefill))
         if self.health_check_interval_s > 0:
             self._probes = asyncio.ensure_future(self._probe_forever())
+        if self.shared_drains is not None:
+            self._drain_sync = asyncio.ensure_future(self._sync_drains_forever())
 
     async def close(self, app):
-        for task in (self._md_sizes, self._probes):
+        for task in (self._md_sizes, self._kv_senders, self._probes, self._drain_sync):
             if task is not None:
                 task.cancel()
         await self.session.close()
@@ -385,7 +396,9 @@ class Router:
         for role, urls in self.pools.roles().items():
             for url in urls:
                 state = self.pools.health.view((role, url), now)
-                rows.append({"role": role, "url": url, "pickable": self.pools.health.pickable((role, url), now),
+                # index: the backend's label in /metrics, which names no URL
+                rows.append({"role": role, "index": int(self.metrics.index_of(role, url)), "url": url,
+                             "pickable": self.pools.health.pickable((role, url), now),
                              "breaker": state.breaker.value, "draining": state.draining,
                              "last_error": state.last_error, "inflight": inflight[role][url]})
         pairs = [{"prefill": key[1], "peer": key[2], "breaker": self.pools.health.view(key, now).breaker.value}
@@ -407,10 +420,29 @@ class Router:
         roles = [role for role, urls in self.pools.roles().items() if url in urls]
         if not roles:
             return error_reply(404, f"no backend {url[:200]!r} (see GET /pdd/backends)", "NotFoundError")
-        for role in roles:
-            self.pools.health.record((role, url), Drain(draining))
+        if self.shared_drains is not None:  # every worker, not only the one that took this call
+            await asyncio.get_running_loop().run_in_executor(None, self.shared_drains.set, url, draining)
+        self._apply_drain(url, draining)
         return web.json_response({"url": url, "roles": roles, "draining": draining,
                                   "inflight": sum(self.pools.inflight()[role][url] for role in roles)})
+
+    def _apply_drain(self, url: str, draining: bool) -> None:
+        now = time.monotonic()
+        for role, urls in self.pools.roles().items():
+            if url in urls and self.pools.health.view((role, url), now).draining != draining:
+                self.pools.health.record((role, url), Drain(draining))
+
+    async def _sync_drains_forever(self) -> None:
+        """--workers: the drains another worker recorded, applied here within POLL_S."""
+        while True:
+            try:
+                drains = self.shared_drains.poll()
+            except OSError as e:
+                logger.warning("shared drains unreadable: %s", e)
+                drains = None
+            for url, draining in (drains or {}).items():
+                self._apply_drain(url, draining)
+            await asyncio.sleep(shared_drain.POLL_S)
 
     # ------------------------------------------------------------------ helpers
     def _scope(self, request: web.Request, options) -> RequestScope:
@@ -516,17 +548,17 @@ class Router:
             self.pools.md_inflight[flow.main.url] += delta
 
     def _count_on_p(self, flow: PddFlow) -> None:
-        """P's load is the requests whose prefill it still runs: counted until P's leg replies
-        (or the request ends first), not for the whole request as RLD's and MD's are. Counted
-        to the end, a P whose requests all decode elsewhere would look busy while idle, and
-        the pick would queue prefills unevenly behind the ones really running."""
+        """P's load is the prefill tokens it still runs: counted until P's leg replies (or the
+        request ends first), not for the whole request as RLD's and MD's are (placement.py's
+        pick_prefill)."""
         url = flow.prefill.url
-        self.pools.p_inflight[url] += 1
+        tokens = max(1, len(flow.ids) - flow.result.p_cached_estimate)
+        self.pools.count_on_p(url, tokens)
 
         def release() -> None:
             if flow.on_prefill_replied is release:
                 flow.on_prefill_replied = lambda: None
-                self.pools.p_inflight[url] -= 1
+                self.pools.prefill_replied(url, tokens, flow.ids)
 
         flow.on_prefill_replied = release
 

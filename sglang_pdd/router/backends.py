@@ -46,13 +46,12 @@ def use_control_tls(context: Optional[ssl.SSLContext]) -> None:
 def _control_request(signer: Optional[ControlSigner], method: str, url: str, body=None,
                      tls: Optional[ssl.SSLContext] = None) -> dict:
     """aiohttp request kwargs: the JSON body as bytes and, with a signer, the signature over
-    exactly those bytes and the URL's path and query as sent; with ``tls``, the client TLS
+    exactly those bytes and the URL's host, path and query as sent; with ``tls``, the client TLS
     context (aiohttp checks the server's certificate names the URL's host)."""
     data = json.dumps(body).encode() if body is not None else b""
     headers = {"Content-Type": "application/json"} if body is not None else {}
-    if signer is not None:
-        parts = urlsplit(url)
-        headers.update(signer.header(method, parts.path + (f"?{parts.query}" if parts.query else ""), data))
+    if signer is not None:  # Host too: the signature binds the call to the server it is for
+        headers.update(signer.headers(method, url, data))
     return {"data": data if body is not None else None, "headers": headers, **({"ssl": tls} if tls else {})}
 
 

@@ -21,11 +21,11 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router import client_auth, control_tls
+from sglang_pdd.router import client_auth, control_tls, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
-from sglang_pdd.router.policy import PathPolicyConfig
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathPolicyConfig
 from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.validate import LogprobLimits
 
@@ -132,7 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("--handoff-mode", choices=["auto", "one_shot", "catch_up"], default="auto",
                    help="auto follows RLD load (one-shot when busy, catch-up when idle)")
     h.add_argument("--catch-up-threshold", type=int, default=64, help="max tokens per catch-up batch")
-    h.add_argument("--rld-max-running", type=int, default=16, help="RLD capacity, for its load estimate")
+    h.add_argument("--rld-max-running", type=int, default=RLD_MAX_RUNNING_DEFAULT,
+                   help="requests in flight at which the router counts an RLD as full, for the load-aware "
+                        "WAN budget and the handoff mode (default %(default)s; docs/sim-notebook.md)")
     hc = ap.add_argument_group("backend health (docs/router.md)")
     hc.add_argument("--health-check-interval-s", type=float, default=10.0,
                     help="GET /health on every backend this often (SGLang's /health decodes one token; "
@@ -194,11 +196,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.workers < 1:
         raise SystemExit("sglang_pdd.router: error: --workers must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for warning in client_auth.resolve_secrets(args):  # key files read; a worker's from its environment
+        logger.warning(warning)
     if args.workers > 1:
         from sglang_pdd.router.workers import run_workers
 
-        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv,
+                                     client_auth.secrets_for_workers(args)))
     from sglang_pdd.router.serving import build_sglang_state
 
     client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
@@ -239,7 +244,7 @@ def main(argv=None) -> None:
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
                     logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob),
-                    health_check_interval_s=args.health_check_interval_s)
+                    health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env())
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
                 ssl_context=client_ssl)

@@ -14,6 +14,11 @@ server-args checks), so a client of SGLang works unchanged against the router:
   * ``--backend-api-key KEY``: the ``--api-key`` of the P, RLD and MD SGLang servers; the
     router sends ``Authorization: Bearer KEY`` on its calls to them (control calls keep
     their own signature header).
+  * ``--api-key-file`` / ``--backend-api-key-file``: the same keys read from files that only
+    their owner may access (as every key file of sglang-pdd), so that no secret is on the
+    command line, which every local user can read (``ps``, ``/proc/PID/cmdline``). A key given
+    on the command line still works, with a warning; ``--workers`` hands it (and
+    ``--ssl-keyfile-password``) to its workers in their environment, never on their argv.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from sglang_pdd.kv_channel.handshake import KeyFileError, check_private_file
+from sglang_pdd.kv_channel.handshake import KeyFileError, check_private_file, open_private
 
 EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
 
@@ -43,11 +48,68 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=None,
                    help="as SGLang's: private key (PEM) of --ssl-certfile; must not be readable by group/others")
     g.add_argument("--ssl-keyfile-password", default=None, help="as SGLang's: password of an encrypted --ssl-keyfile")
+    g.add_argument("--api-key-file", default=None,
+                   help="file holding --api-key (mode 0600 or tighter): keeps the key off the command line")
     g.add_argument("--backend-api-key", default=None,
                    help="the --api-key of the P, RLD and MD servers: sent to them as 'Authorization: Bearer KEY'")
+    g.add_argument("--backend-api-key-file", default=None,
+                   help="file holding --backend-api-key (mode 0600 or tighter): keeps the key off the command line")
     g.add_argument("--backend-ca-file", default=None,
                    help="CA certificate(s) (PEM) that https:// P, RLD and MD URLs (SGLang's --ssl-certfile) must be "
                         "signed by, each naming the host dialled; default: the system's trust store")
+
+
+# Secrets a supervisor (--workers) hands its workers in their environment, never on their argv.
+SECRET_ENV = {"api_key": "SGLANG_PDD_ROUTER_API_KEY", "backend_api_key": "SGLANG_PDD_ROUTER_BACKEND_API_KEY",
+              "ssl_keyfile_password": "SGLANG_PDD_ROUTER_SSL_KEYFILE_PASSWORD"}
+_KEY_FILES = {"api_key": "--api-key-file", "backend_api_key": "--backend-api-key-file"}
+
+
+def read_secret_file(path: str, flag: str) -> str:
+    """The secret in ``path``, refused (SystemExit naming ``flag`` and the file) unless only
+    its owner may access it, or if it is empty."""
+    try:
+        fd = open_private(path)
+    except KeyFileError as e:
+        raise SystemExit(f"sglang_pdd.router: error: {flag}: {e}") from None
+    with os.fdopen(fd, encoding="utf-8", errors="strict") as f:
+        try:
+            secret = f.read(1 << 16).strip()
+        except UnicodeDecodeError:
+            raise SystemExit(f"sglang_pdd.router: error: {flag} {path}: not UTF-8 text") from None
+    if not secret:
+        raise SystemExit(f"sglang_pdd.router: error: {flag} {path} is empty")
+    return secret
+
+
+def resolve_secrets(args: argparse.Namespace, environ=os.environ) -> list[str]:
+    """Fills ``args.api_key`` / ``backend_api_key`` / ``ssl_keyfile_password`` from their key
+    files, or (a worker) from the supervisor's environment, which it then forgets; returns
+    warnings for secrets given on the command line. SystemExit for a key given twice or a
+    key file that is not private."""
+    warnings = []
+    for dest, env in SECRET_ENV.items():
+        inherited = environ.pop(env, None)
+        if inherited is not None and getattr(args, dest) is None:
+            setattr(args, dest, inherited)
+        elif getattr(args, dest) is not None:
+            flag = "--" + dest.replace("_", "-")
+            instead = f"; use {_KEY_FILES[dest]}" if dest in _KEY_FILES else ""
+            warnings.append(f"{flag} on the command line is readable by every local user (ps, /proc){instead}")
+    for dest, flag in _KEY_FILES.items():
+        path = getattr(args, f"{dest}_file", None)
+        if path:
+            if getattr(args, dest) is not None:
+                raise SystemExit(f"sglang_pdd.router: error: give --{dest.replace('_', '-')} or {flag}, not both")
+            setattr(args, dest, read_secret_file(path, flag))
+    return warnings
+
+
+def secrets_for_workers(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that hands a supervisor's resolved secrets to its workers: those not
+    read from a key file (a worker reads that file itself)."""
+    return {env: getattr(args, dest) for dest, env in SECRET_ENV.items()
+            if getattr(args, dest) is not None and not getattr(args, f"{dest}_file", None)}
 
 
 def check_bearer(header: Optional[str], key: str) -> bool:

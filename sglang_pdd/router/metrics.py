@@ -10,7 +10,10 @@ tests, benchmarks and several routers in one process can each have their own wit
 
 Label values are closed sets (paths, handoff modes, fallback reasons) checked on every
 call: a typo or a free-form string (an error message, a URL) would otherwise create a new
-time series per value and blow up the cardinality. Every allowed label value is created
+time series per value and blow up the cardinality. Backends are labelled by role and index
+(their position in the router's --prefill / --relay / --main flags), not by URL: /metrics is
+open as on SGLang (``--api-key`` exempts it) and should describe the router, not map the
+deployment; the operator-only ``GET /pdd/backends`` gives each index's URL. Every allowed label value is created
 at start-up with 0, so dashboards and `rate()` see the series before its first event.
 No locks of its own: the router calls it from one asyncio loop (and prometheus_client's
 metrics are thread-safe anyway).
@@ -123,8 +126,9 @@ class RouterMetrics:
         self._backend_fallbacks = counter(
             "pdd:backend_fallbacks",
             "Requests that fell back while routed to this backend (MD-side fallbacks on MDs).",
-            ["role", "url"])
+            ["role", "index"])
         self._backends: Dict[str, Mapping[str, int]] = {}
+        self._index: Dict[str, Dict[str, str]] = {}  # role -> url -> its index label
 
         for family, allowed in ((self._requests, PATHS), (self._ttft, PATHS), (self._tpot, PATHS),
                                 (self._e2e, PATHS), (self._handoffs, HANDOFF_MODES),
@@ -210,26 +214,33 @@ class RouterMetrics:
             self._kv_speed.observe(total_mb / 1024 / latency_s)
 
     def track_backends(self, inflight: Mapping[str, Mapping[str, int]]) -> None:
-        """The router's live in-flight counts, role -> {url: requests}; read at each scrape
-        as `pdd:backend_inflight_requests{role, url}`. The urls become the closed label set
-        of `pdd:backend_fallbacks_total` (configured backends, not request data)."""
+        """The router's live in-flight counts, role -> {url: requests} (in the order of the
+        router's flags); read at each scrape as `pdd:backend_inflight_requests{role, index}`.
+        The backends become the closed label set of `pdd:backend_fallbacks_total`
+        (configured backends, not request data)."""
         if self._backends:
             raise ValueError("backends are tracked already")
         for role, counts in inflight.items():
             _label(role, BACKEND_ROLES, "backend role")
-            for url in counts:
-                self._backend_fallbacks.labels(role, url)
+            self._index[role] = {url: str(i) for i, url in enumerate(counts)}
+            for index in self._index[role].values():
+                self._backend_fallbacks.labels(role, index)
         self._backends = dict(inflight)
-        self.registry.register(_InflightCollector(self._backends))
+        self.registry.register(_InflightCollector(self._backends, self._index))
 
     def track_health(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]]) -> None:
         """``read()``: (role, url, up, draining) per backend, at each scrape."""
-        self.registry.register(_HealthCollector(read))
+        self.registry.register(_HealthCollector(read, self.index_of))
+
+    def index_of(self, role: str, url: str) -> str:
+        """A tracked backend's index label (ValueError for one the router was not started with)."""
+        try:
+            return self._index[_label(role, BACKEND_ROLES, "backend role")][url]
+        except KeyError:
+            raise ValueError(f"unknown {role} backend {url!r}") from None
 
     def backend_fallback(self, role: str, url: str) -> None:
-        if url not in self._backends.get(_label(role, BACKEND_ROLES, "backend role"), {}):
-            raise ValueError(f"unknown {role} backend {url!r}")
-        self._backend_fallbacks.labels(role, url).inc()
+        self._backend_fallbacks.labels(role, self.index_of(role, url)).inc()
 
     def observe_flow(self, r, e2e_s: float, output_tokens: int, main_url: Optional[str] = None) -> None:
         """Everything one finished request's FlowResult (router/flow.py) tells the metrics;
@@ -300,17 +311,19 @@ class _HealthCollector:
     """`pdd:backend_up` (1: the router may pick it) and `pdd:backend_draining`, per backend, from
     the router's health board (router/health.py) at scrape time."""
 
-    def __init__(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]]) -> None:
-        self._read = read
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]],
+                 index_of: Callable[[str, str], str]) -> None:
+        self._read, self._index_of = read, index_of
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         up = GaugeMetricFamily("pdd:backend_up", "1 if the router may pick this backend now (breaker not "
-                               "open, not draining), else 0.", labels=["role", "url"])
+                               "open, not draining), else 0.", labels=["role", "index"])
         draining = GaugeMetricFamily("pdd:backend_draining", "1 while an operator drains this backend.",
-                                     labels=["role", "url"])
+                                     labels=["role", "index"])
         for role, url, is_up, is_draining in self._read():
-            up.add_metric([role, url], int(is_up))
-            draining.add_metric([role, url], int(is_draining))
+            index = self._index_of(role, url)
+            up.add_metric([role, index], int(is_up))
+            draining.add_metric([role, index], int(is_draining))
         yield up
         yield draining
 
@@ -318,16 +331,16 @@ class _HealthCollector:
 class _InflightCollector:
     """`pdd:backend_inflight_requests`, read from the router's own counts at scrape time."""
 
-    def __init__(self, backends: Mapping[str, Mapping[str, int]]) -> None:
-        self._backends = backends
+    def __init__(self, backends: Mapping[str, Mapping[str, int]], index: Mapping[str, Mapping[str, str]]) -> None:
+        self._backends, self._index = backends, index
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         g = GaugeMetricFamily("pdd:backend_inflight_requests",
                               "Requests in flight on this backend, as the router counts them.",
-                              labels=["role", "url"])
+                              labels=["role", "index"])
         for role, counts in self._backends.items():
             for url, n in counts.items():
-                g.add_metric([role, url], n)
+                g.add_metric([role, self._index[role][url]], n)
         yield g
 
 

@@ -52,3 +52,19 @@ def pick_instance(
             return least.instance_id if overloaded else inst.instance_id
     return least.instance_id
 
+
+
+def pick_prefill(loads: Sequence[InstanceLoad], owner: Optional[Hashable], held_tokens: int) -> Hashable:
+    """P for a request. `loads` are the prefill tokens each P has in flight (prompts sent to
+    it, less the prefix the router expects it to hold, until its leg replies): its queue as
+    the router sees it. The P holding the longest cached prefix of the prompt (`owner`,
+    `held_tokens` of it) keeps the request unless its tokens in flight exceed the least
+    loaded P's by more than that prefix: moving costs recomputing the prefix, staying costs
+    waiting behind the queue, both counted in prefill tokens.
+
+    SGLang's cache-aware rule weighs the same two costs; counted in flows in flight with a
+    fixed bound (this router's earlier rule) two P with equal counts could hold seconds
+    of different prefill work, and the simulator placed P better with tokens
+    (docs/sim-notebook.md, "One P rule").
+    """
+    return pick_instance(loads, owner, max_affinity_excess=held_tokens)

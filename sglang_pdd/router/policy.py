@@ -27,6 +27,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+# The router's RLD admission (--rld-max-running): the requests in flight one RLD counts as
+# full when the load-aware WAN budget reads its load (every request routed through that RLD,
+# P->MD ones included, until it ends). Not RLD's batch cap (the server's
+# --max-running-requests): it sets how soon P->MD takes over from a relay that still has room.
+# 256 from the simulator's sweep at the report's scale (one 8xH200 RLD with a 512 batch cap):
+# the best SLA attainment on both traces with the handoff stall's p99 under 1 s; at 16 the
+# requests in flight crossed the busy mark early and 87-99% went P->MD, whose users then
+# waited for the WAN (stall p99 0.8-4 s, Mooncake SLA 82% instead of 90%). About half the
+# RLD's batch cap; scale it with a smaller RLD (docs/sim-notebook.md, "RLD admission").
+RLD_MAX_RUNNING_DEFAULT = 256
+
+
 class Path(str, enum.Enum):
     P_MD = "p_md"
     P_RLD_MD = "p_rld_md"

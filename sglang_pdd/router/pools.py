@@ -11,7 +11,7 @@ from typing import Optional
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.health import Failed, HealthBoard, HealthConfig, Succeeded
-from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
+from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance, pick_prefill
 from sglang_pdd.router.prefix_index import PrefixIndex
 
 
@@ -30,6 +30,9 @@ class Pools:
         self.prefill, self.relay, self.main = prefill, relay, main
         self._rr = itertools.count()
         self.p_inflight = {p.url: 0 for p in prefill}
+        # Prefill tokens in flight on each P (prompts less their expected cached prefix, until
+        # P's leg replies): P's queue as the router sees it, what P is placed by.
+        self.p_tokens = {p.url: 0 for p in prefill}
         self.rld_inflight = {url: 0 for url in relay}
         self.md_inflight = {m.url: 0 for m in main}
         # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
@@ -63,12 +66,34 @@ class Pools:
             raise NoBackend("no prefill server is available (every one is failing or draining, "
                             "or failing with every available relay decode server)")
         turn = next(self._rr) % len(prefills)  # equal candidates take turns
-        prefill = self._by_prefix(prefills[turn:] + prefills[:turn], self.p_inflight, input_ids)
+        prefill = self._pick_prefill(prefills[turn:] + prefills[:turn], input_ids)
         relays = [url for url in relays if ok(("pair", prefill.url, url), now)]
         relay = min(relays, key=lambda url: self.rld_inflight[url])  # least loaded RLD
         mains = [m for m in self.main if ok(("main", m.url), now)]
         main = self._by_prefix(mains, self.md_inflight, input_ids) if mains else None
         return prefill, relay, main
+
+    def _pick_prefill(self, servers: list, input_ids: list[int]):
+        """placement.pick_prefill over P's tokens in flight; ties to the least loaded, then
+        to the first in `servers` (rotated by the caller, so equal ones take turns)."""
+        by_load = sorted(servers, key=lambda s: self.p_tokens[s.url])
+        owner, matched = self.prefixes.best([s.url for s in by_load], input_ids)
+        loads = [InstanceLoad(s.url, self.p_tokens[s.url]) for s in servers]
+        chosen = pick_prefill(loads, owner if matched else None, matched)
+        return next(s for s in servers if s.url == chosen)
+
+    def count_on_p(self, url: str, tokens: int) -> None:
+        """A request's prefill was sent to P `url`: `tokens` it is expected to compute."""
+        self.p_inflight[url] += 1
+        self.p_tokens[url] += tokens
+
+    def prefill_replied(self, url: str, tokens: int, input_ids: list[int]) -> None:
+        """P's leg replied (or the request ended first): its tokens are off P's queue, and P
+        holds the prompt from now on (the next turn of a session may arrive before this one
+        ends, and should find it)."""
+        self.p_inflight[url] -= 1
+        self.p_tokens[url] -= tokens
+        self.prefixes.record(url, input_ids)
 
     def _by_prefix(self, servers: list, inflight: dict[str, int], input_ids: list[int]):
         """The server holding the longest cached prefix of the prompt, unless it has 4+ more

@@ -5,17 +5,24 @@ each a full router (``python -m sglang_pdd.router`` with the same flags) bound t
 SO_REUSEPORT so the kernel spreads incoming connections over them, and forwards SIGINT and
 SIGTERM to them. If one worker exits the others are stopped and the supervisor exits with that
 worker's status: a deployment's process manager sees one service that is up or down, never a
-router running at a fraction of its capacity. What each worker keeps to itself: docs/router.md.
+router running at a fraction of its capacity. Secrets given on the command line reach the
+workers in their environment, not on their argv. Operator drains are shared through a
+private directory (shared_drain.py). What each worker keeps to itself: docs/router.md.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
+
+from sglang_pdd.router import shared_drain
 
 STOP_GRACE_S = 15.0
 
@@ -31,19 +38,32 @@ def check_port_free(host: str, port: int) -> None:
             raise SystemExit(f"sglang_pdd.router: error: cannot listen on {host}:{port}: {e}") from None
 
 
-def worker_argv(argv: Sequence[str]) -> list[str]:
-    """The router's own command line for one worker: ``--workers`` dropped, ``--reuse-port`` added."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
+SECRET_FLAGS = ("--api-key", "--backend-api-key", "--ssl-keyfile-password")
+
+
+def _secret_flag(arg: str) -> bool:
+    """``arg`` names a flag whose value is a secret (argparse takes any unambiguous prefix)."""
+    return len(arg) > 2 and any(flag.startswith(arg) for flag in SECRET_FLAGS)
+
+
+def worker_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
+    """The router's own command line for one worker: ``--workers`` dropped, ``--reuse-port``
+    added, and each secret flag whose value is in ``secrets`` dropped with it (``--flag VALUE``
+    or ``--flag=VALUE``): a worker gets those in its environment, which only its user can
+    read, not on its argv, which every local user can."""
+    secrets = {s for s in secrets if s}
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, _, inline = arg.partition("=")
+        if arg == "--workers" or (_secret_flag(arg) and i + 1 < len(argv) and argv[i + 1] in secrets):
+            i += 2
             continue
-        if arg == "--workers":
-            skip = True
-            continue
-        if arg.startswith("--workers="):
+        if flag == "--workers" and inline or (_secret_flag(flag) and inline in secrets):
+            i += 1
             continue
         out.append(arg)
+        i += 1
     return [sys.executable, "-m", "sglang_pdd.router", *out, "--reuse-port"]
 
 
@@ -58,10 +78,11 @@ def _worker_setup() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def supervise(commands: Sequence[Sequence[str]], poll_s: float = 0.2) -> int:
-    """Runs ``commands`` (one per worker) until one exits or a signal comes; returns the exit
-    status to report: the first worker's to exit (128 + N for a worker killed by signal N, as a
-    shell reports it), 0 after a signal to the supervisor."""
+def supervise(commands: Sequence[Sequence[str]], poll_s: float = 0.2, env: Optional[dict] = None) -> int:
+    """Runs ``commands`` (one per worker, with environment ``env``; None: this process's) until
+    one exits or a signal comes; returns the exit status to report: the first worker's to exit
+    (128 + N for a worker killed by signal N, as a shell reports it), 0 after a signal to the
+    supervisor."""
     procs: list[subprocess.Popen] = []
     stopping: list[int] = []
 
@@ -74,7 +95,7 @@ def supervise(commands: Sequence[Sequence[str]], poll_s: float = 0.2) -> int:
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     status: Optional[int] = None
     try:
-        procs.extend(subprocess.Popen(list(cmd), preexec_fn=_worker_setup) for cmd in commands)
+        procs.extend(subprocess.Popen(list(cmd), preexec_fn=_worker_setup, env=env) for cmd in commands)
         while status is None and not stopping:
             for p in procs:
                 code = p.poll()
@@ -102,6 +123,15 @@ def supervise(commands: Sequence[Sequence[str]], poll_s: float = 0.2) -> int:
     return 128 - status if status < 0 else status
 
 
-def run_workers(n: int, host: str, port: int, argv: Sequence[str]) -> int:
+def run_workers(n: int, host: str, port: int, argv: Sequence[str], secrets: Optional[dict] = None) -> int:
+    """``secrets``: environment variables holding the secrets the workers need (client_auth.
+    secrets_for_workers); their values are dropped from the workers' argv. The workers also
+    share a private directory for operator drains (shared_drain.py)."""
     check_port_free(host, port)
-    return supervise([worker_argv(argv)] * n)
+    secrets = secrets or {}
+    shared = tempfile.mkdtemp(prefix="sglang-pdd-router-")  # mode 0700
+    try:
+        env = {**os.environ, **secrets, shared_drain.ENV: shared}
+        return supervise([worker_argv(argv, secrets.values())] * n, env=env)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

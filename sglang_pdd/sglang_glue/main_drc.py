@@ -27,19 +27,20 @@ import queue
 import socket
 import threading
 from array import array
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from sglang_pdd.config import PddConfig, admission_limits, parse_host_port
-from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
+from sglang_pdd.admission import parse_networks
+from sglang_pdd.config import PddConfig, admission_limits, control_names, parse_host_port
+from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
-from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, serve_in_thread
+from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (ControlError, ReadyReply, ReadyRequest, RegisterReply, ReleaseReply, ReleaseRequest,
-                                 RouteTable)
+from sglang_pdd.protocol import (ControlError, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
+                                 RegisterReply, ReleaseReply, ReleaseRequest, RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, InjectedDelay
@@ -170,8 +171,12 @@ class MainDrcRuntime(MdRoomQueries):
         _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
         # The router talks to rank 0 only; rank 0 drives the other ranks' room tables.
-        self.control = ControlServer((chost, cport), self, key, ssl_context=control_tls_context(
-            cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True)) if self.tp.rank == 0 else None
+        self.control = ControlServer(
+            (chost, cport), self, key, ssl_context=control_tls_context(
+                cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True),
+            trusted_sources=cfg.control_trusted_sources,
+            names=control_server_names(chost, control_names(cfg), cfg.control_tls_cert) or None,
+        ) if self.tp.rank == 0 else None
         logger.info("MD DRC runtime (TP rank %d of %d): WAN KV on %s:%s, control %s, KV pool %s, ingest %s, "
                     "in flight <= %d MiB", self.tp.rank, self.tp.size, *self.receiver.address,
                     f"on {chost}:{cport}" if self.control else "on rank 0", self.layout_description(),
@@ -212,12 +217,16 @@ class ControlServer:
 
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
                  max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY,
-                 ssl_context=None):
+                 ssl_context=None, trusted_sources=(), names: Optional[Iterable[str]] = None):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
+        # ``trusted_sources``: the router's addresses (--pdd-control-trusted-sources); ``names``:
+        # the hosts its CONTROL_URL may name (json_http.ControlHTTPServer; None: the bound address).
         handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD),
                                                        "register_delay": InjectedDelay.from_env(MD_REGISTER_DELAY_ENV)})
         self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context)
+                                       max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context,
+                                       admission=control_admission(max_connections, parse_networks(trusted_sources)),
+                                       names=names)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-md-control")
 
@@ -243,13 +252,18 @@ class _ControlHandler(JsonRequestHandler):
         return {"status": "ok"}
 
     def _stats(self, query: str) -> dict:
-        return _guard(self.runtime.stats)
+        # control_server: its connections and refusals by kind (json_http.ControlHTTPServer)
+        return {**_guard(self.runtime.stats), "control_server": self.server.stats()}
 
     def _register(self, query: str) -> dict:
         req = protocol_messages.RegisterRequest.from_json(self.json_body())
         self.register_delay.wait()
         return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
                                                                          req.use_cache))).to_json()
+
+    def _kv_senders(self, query: str) -> KvSendersReply:
+        req = KvSendersRequest.from_json(self.json_body())
+        return KvSendersReply(_guard(lambda: self.runtime.call("kv_senders", list(req.sources))))
 
     def _ready(self, query: str, room: int) -> ReadyReply:
         req = ReadyRequest.from_query(room, query)
@@ -333,7 +347,8 @@ class _ControlHandler(JsonRequestHandler):
         self.wfile.write(body)
 
     routes = RouteTable({api.HEALTH: _health, api.STATS: _stats, api.MD_REGISTER: _register,
-                         api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release})
+                         api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release,
+                         api.MD_KV_SENDERS: _kv_senders})
 
 
 def _shut(sock) -> None:

@@ -75,6 +75,8 @@ class LockstepDriver:
                 return True, self.rooms.register(*args, now=now)
             if op == "release":
                 return True, self.rooms.release(*args)
+            if op == "kv_senders":  # every rank's receiver learns the router's P hosts
+                return True, self.rooms.announce_kv_senders(*args)
             raise AttributeError(f"unknown MD room command {op!r}")
         except Exception as e:  # the caller gets the error; the scheduler goes on
             return False, e

@@ -11,7 +11,8 @@ import threading
 import time
 from typing import Optional
 
-from sglang_pdd.config import PddConfig
+from sglang_pdd.admission import parse_networks
+from sglang_pdd.config import PddConfig, md_staging_bytes
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
 from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRooms, RoomReleased
@@ -28,7 +29,8 @@ class RankRooms:
         self.wan_timeout_s = cfg.wan_timeout_s
         self.ingest_mode = cfg.md_ingest
         self.rooms = DrcRooms(ops, ttl_s=cfg.wan_timeout_s * 2, page_size=page_size)
-        self.budget = InFlightBudget(cfg.md_staging_mb << 20)
+        self.budget = InFlightBudget(md_staging_bytes(cfg.md_staging_mb, getattr(ops.pool, "size", 0),
+                                                      ops.pool_layout.bytes_per_token))
         self.pages = PageReleases(receiver, ops.free)
         self.landings: dict[int, Landing] = {}
         self.unregistered: dict[int, Landing] = {}  # pages of a registration only this rank refused
@@ -113,6 +115,10 @@ class RankRooms:
         for room in kept:
             self.release(room)
         return len(kept)
+
+    def announce_kv_senders(self, sources) -> int:
+        """The router's P hosts: known peers of this rank's WAN receiver (admission.py)."""
+        return self.receiver.announce_senders(parse_networks(sources))
 
     # ---- registrations the TP group did not agree on
     def undo_registration(self, room: int) -> RoomRefused:

@@ -31,11 +31,12 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
+from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfigError, parse_host_port
 from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, serve_in_thread
+from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, InfoReply, RouteTable,
                                  WanDestinationRequest, bad_request)
@@ -171,7 +172,8 @@ class PrefillControlServer:
     def __init__(self, board: DestinationBoard, host: str, port: int, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
                  max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
-                 max_md_tp: int = MAX_MD_TP, ssl_context=None, destination_delay: Optional[InjectedDelay] = None):
+                 max_md_tp: int = MAX_MD_TP, ssl_context=None, trusted_sources=(),
+                 names: Optional[Iterable[str]] = None, destination_delay: Optional[InjectedDelay] = None):
         info = InfoReply(int(tp_rank), int(tp_size), bool(sends_wan))
         # test-only (injected_delays.py): none unless set when the server starts
         delay = destination_delay or InjectedDelay.from_env(P_DESTINATION_DELAY_ENV)
@@ -202,7 +204,8 @@ class PrefillControlServer:
                 api.P_DESTINATION: destination,
                 api.P_DROP: drop,
                 api.P_INFO: lambda handler, query: info,
-                api.STATS: lambda handler, query: {**board.stats(), **stats(), **info.to_json()},
+                api.STATS: lambda handler, query: {**board.stats(), **stats(), **info.to_json(),
+                                                   "control_server": handler.server.stats()},
             })
 
             def refused(self, error: ControlError) -> None:
@@ -211,8 +214,12 @@ class PrefillControlServer:
 
         Handler.auth = auth
         # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.
+        # ``trusted_sources``: the router's addresses; ``names``: the hosts its CONTROL_URL may
+        # name (json_http.ControlHTTPServer, as MD's).
         self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=4 << 20, ssl_context=ssl_context)
+                                       max_body_bytes_in_flight=4 << 20, ssl_context=ssl_context,
+                                       admission=control_admission(max_connections, parse_networks(trusted_sources)),
+                                       names=names)
         self.address = self.httpd.server_address[:2]
         self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
         logger.info("P control API on %s://%s:%s%s (TP rank %d of %d%s)", "https" if ssl_context else "http",

@@ -32,13 +32,13 @@ from sglang.srt.disaggregation.mooncake.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, get_pdd_config, parse_host_port,
-                               parse_peer_list)
+from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, control_names, get_pdd_config,
+                               parse_host_port, parse_peer_list)
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel import p_leg
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
-from sglang_pdd.kv_channel.tls import control_tls_context, wan_tls_context
+from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.tp_relayout import TpShard
 from sglang_pdd.protocol import LegParams
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
@@ -95,6 +95,8 @@ class PddKVManager(MooncakeKVManager):
                     auth=ControlVerifier(read_key(cfg), role=ROLE_P), peer_allowed=self.wan_fanout.allows,
                     max_md_tp=cfg.max_md_tp, ssl_context=control_tls_context(
                         cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True),
+                    trusted_sources=cfg.control_trusted_sources,
+                    names=control_server_names(host, control_names(cfg), cfg.control_tls_cert) or None,
                     stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
                     # What a rank sends depends on each destination's MD TP size, so every rank
                     # keeps every destination; one whose heads other ranks send drops it (bind_request).

@@ -1,10 +1,16 @@
-"""Prefix-block cache: LRU over 512-token blocks keyed by trace hash ids.
+"""Prefix-block cache: LRU over 512-token blocks keyed by trace hash ids, with an optional
+host (DRAM) tier behind it.
 
 Block ids chain over the prefix, so "longest run of cached ids from the start" is exactly
 what a radix cache would match. Like SGLang's radix cache we evict least-recently-used
 blocks. Blocks a transfer in flight relies on (MD's hit, decided when the transfer
 starts) are pinned until it lands, as SGLang locks a matched radix node; blocks of running
 requests otherwise live in the instance's separate running pool (hardware.HardwareProfile).
+
+The host tier is SGLang's HiCache: a block evicted from HBM is written back to host memory
+(its own LRU, `host_capacity_tokens`); a prefix match runs over both tiers, and the host
+part of a hit is loaded back into HBM, which costs the caller its transfer time
+(`host_hits` after each match says how many blocks came from the host).
 """
 
 from __future__ import annotations
@@ -16,24 +22,46 @@ from sglang_pdd.workload import BLOCK_TOKENS
 
 
 class BlockCache:
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(self, capacity_tokens: int, host_capacity_tokens: int = 0) -> None:
         self.capacity_blocks = max(0, capacity_tokens // BLOCK_TOKENS)
+        self.host_capacity_blocks = max(0, host_capacity_tokens // BLOCK_TOKENS) if self.capacity_blocks else 0
         self._blocks: "OrderedDict[int, None]" = OrderedDict()
+        self._host: "OrderedDict[int, None]" = OrderedDict()
         self._pins: dict = {}  # block id -> number of transfers relying on it
+        self.host_hits = 0  # blocks of the last match that came from the host tier
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def match_prefix_blocks(self, hash_ids: Sequence[int], touch: bool = True) -> int:
-        """Number of leading blocks present (and mark them recently used)."""
+        """Number of leading blocks present in either tier (and mark them recently used;
+        host blocks of the match are loaded back into HBM). `host_hits` is set to how many
+        of them were on the host."""
         blocks = self._blocks
         n = 0
         for h in hash_ids:
             if h not in blocks:
                 break
             n += 1
+        self.host_hits = 0
+        host = self._host
+        loaded = None
+        if host:
+            loaded = []
+            for h in hash_ids[n:]:  # the match goes on through host blocks (and HBM ones after them)
+                if h in host:
+                    loaded.append(h)
+                elif h not in blocks:
+                    break
+                n += 1
+            self.host_hits = len(loaded)
         if touch:
+            if loaded:
+                for h in loaded:
+                    del host[h]
             self._touch(hash_ids[:n])
+            if loaded:
+                self._evict()
         return n
 
     def _touch(self, hash_ids: Sequence[int]) -> None:
@@ -64,24 +92,53 @@ class BlockCache:
     def is_pinned(self, h: int) -> bool:
         return h in self._pins
 
+    def in_host(self, h: int) -> bool:
+        return h in self._host
+
     def insert(self, hash_ids: Sequence[int]) -> None:
         if self.capacity_blocks == 0:
             return
+        host = self._host
+        if host:
+            blocks = self._blocks
+            for h in hash_ids:  # a block written to HBM again leaves the host copy behind
+                if h not in blocks and h in host:
+                    del host[h]
         self._touch(hash_ids)
+        self._evict()
+
+    def _evict(self) -> None:
         blocks, pins = self._blocks, self._pins
         excess = len(blocks) - self.capacity_blocks
         if excess <= 0:
             return
+        host_cap = self.host_capacity_blocks
+        popitem = blocks.popitem
         if not pins:  # the common case (P's caches are never pinned): evict in one loop
-            popitem = blocks.popitem
+            if not host_cap:
+                for _ in range(excess):
+                    popitem(last=False)
+                return
+            host = self._host
             for _ in range(excess):
-                popitem(last=False)
+                host[popitem(last=False)[0]] = None
+            drop = len(host) - host_cap
+            if drop > 0:
+                host_pop = host.popitem
+                for _ in range(drop):
+                    host_pop(last=False)
             return
+        host = self._host
         skipped = 0
-        # Evict least recent unpinned blocks; pinned ones move to the recent end. If only
-        # pinned blocks are left the cache runs over its size until they are released.
+        # Evict least recent unpinned blocks (to the host tier, if any); pinned ones move to
+        # the recent end. If only pinned blocks are left the cache runs over its size until
+        # they are released.
         while len(blocks) > self.capacity_blocks and skipped < len(blocks):
             h, _ = blocks.popitem(last=False)
             if h in pins:
                 blocks[h] = None
                 skipped += 1
+            elif host_cap:
+                host[h] = None
+                if len(host) > host_cap:
+                    host.popitem(last=False)

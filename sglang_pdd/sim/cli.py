@@ -1,4 +1,4 @@
-"""Command line: `python -m sglang_pdd.sim {compare,size,bathtub,gen-trace} ...`."""
+"""Command line: `python -m sglang_pdd.sim {compare,size,sweep,rld-sweep,bathtub,gen-trace} ...`."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest,
                                   report_agentic_config, save_trace)
 
 from .bathtub import sweep
-from .cluster import run_scenario
-from .hardware import CHIPS, MODELS, WAN_DEFAULT, HardwareProfile, preset
+from .cluster import P_PLACEMENTS, run_scenario
+from .hardware import (CHIPS, MLA_KERNELS, MODELS, WAN_DEFAULT, WAN_PRICE_PER_GBPS_HOUR, HardwareProfile, preset,
+                       smallest_group)
 from .loadsweep import load_sweep
 from .metrics import Sla
 from .plots import plot_bathtub, plot_comparison, plot_load_sweep
 from .report import format_table
-from .scenarios import ClusterSpec, standard_scenarios
-from .sizing import compare_designs, size_cluster
+from .rldsweep import rld_admission_sweep
+from .scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios
+from .sizing import size_cluster, size_designs
+from .traces import tile_trace
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -42,6 +45,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--closed-loop", action="store_true",
                    help="a session's next turn arrives its think time after the previous one ended")
     p.add_argument("--limit", type=int, help="use only the first N requests of --trace")
+    p.add_argument("--tile", type=int, default=1, metavar="K",
+                   help="K copies of the trace side by side (other users: own prefixes and sessions), K times "
+                        "the arrival rate with the same per-session timing; for fleets at scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, default=ClusterSpec.n_prefill)
     p.add_argument("--rld", type=int, default=ClusterSpec.n_rld)
@@ -53,22 +59,31 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rld-chips", type=int, default=0,
                    help="chips per RLD instance, any count (e.g. 3); 0 = the smallest power of two "
                         "that holds the weights with room for KV")
+    p.add_argument("--mla-kernel", choices=MLA_KERNELS, default="flashmla",
+                   help="MLA decode attention efficiency: flashmla = FlashMLA's published figures (default), "
+                        "generic = 0.15 of peak, what PyTorch's generic kernels reached on an H200 (sensitivity)")
     p.add_argument("--decode-attn-scale", type=float, default=1.0,
-                   help="multiply the presets' decode attention compute (e.g. 3: MLA on generic kernels, "
-                        "as timed on an H200 by benchmarks/bench_gpu_roofline.py, instead of a fused one)")
-    p.add_argument("--p-affinity", action=argparse.BooleanOptionalAction, default=None,
-                   help="what-ifs for PDD's P placement: --p-affinity = the baselines' cache-aware rule "
-                        "(prefix affinity weighed against P's queue), --no-p-affinity = round robin; "
-                        "neither = the PDD router's (flows in flight and its prefix index)")
+                   help="multiply the presets' decode attention compute (a free-form sensitivity)")
+    p.add_argument("--host-cache", choices=("on", "off", "p"), default="on",
+                   help="host (DRAM) tier behind the prefix caches, as SGLang's HiCache: on P and MD (default), "
+                        "off, or on P only")
+    p.add_argument("--p-placement", choices=P_PLACEMENTS, default="router",
+                   help="P placement of every design: router = router/placement.py's pick_prefill (default); "
+                        "what-ifs: flows (the router's earlier rule), backlog, round_robin")
+    p.add_argument("--rld-max-running", type=int, default=ClusterSpec.rld_max_running,
+                   help="the router's RLD admission (its --rld-max-running): RLD's load in the path decision "
+                        "and handoff mode; not RLD's batch cap")
     p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (overrides --model/--chip-a)")
     p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (overrides --model/--chip-b)")
     p.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
     p.add_argument("--wan-latency-ms", type=float, default=WAN_DEFAULT.one_way_latency_s * 1e3, help="one way")
     p.add_argument("--wan-jitter-ms", type=float, default=WAN_DEFAULT.jitter_s * 1e3)
+    p.add_argument("--wan-price-per-gbps-hour", type=float, default=WAN_PRICE_PER_GBPS_HOUR,
+                   help="the WAN's lease, in every cross-datacenter design's cost (an estimate; use your quote)")
     p.add_argument("--catch-up-threshold", type=int, default=64)
-    p.add_argument("--md-staging-mb", type=float, default=ClusterSpec.md_staging_mb,
-                   help="KV of rooms in flight to one MD, at most (MD's --pdd-md-staging-mb); "
-                        "a room beyond it is refused and stays on RLD")
+    p.add_argument("--md-staging-mb", type=float, default=None,
+                   help="KV of rooms in flight to one MD, at most (MD's --pdd-md-staging-mb), every design; "
+                        "charged when a transfer starts; default: the real MD's, a quarter of MD's KV pool")
     p.add_argument("--keep-finished-kv", action="store_true",
                    help="KV of a request that ended on RLD still lands in MD's DRC (default: cancelled)")
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
@@ -79,28 +94,37 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="artifacts/sim", help="output directory for PNG/JSON")
 
 
-def _preset(a, chip: str, chips: int = 0) -> HardwareProfile:
-    hw = preset(a.model, chip, chips)
+def _preset(a, chip: str, chips: int = 0, host_cache: bool = True) -> HardwareProfile:
+    hw = preset(a.model, chip, chips, mla_kernel=a.mla_kernel, host_cache=host_cache)
     return replace(hw, decode_attn_s_per_kv_token=hw.decode_attn_s_per_kv_token * a.decode_attn_scale)
 
 
 def _spec(a) -> ClusterSpec:
-    chip_a = HardwareProfile.load(a.profile_a) if a.profile_a else _preset(a, a.chip_a)
-    chip_b = HardwareProfile.load(a.profile_b) if a.profile_b else _preset(a, a.chip_b)
+    host = a.host_cache != "off"
+    chip_a = HardwareProfile.load(a.profile_a) if a.profile_a else _preset(a, a.chip_a, host_cache=host)
+    chip_b = (HardwareProfile.load(a.profile_b) if a.profile_b
+              else _preset(a, a.chip_b, host_cache=a.host_cache == "on"))
     wan = replace(WAN_DEFAULT, gbps=a.wan_gbps, one_way_latency_s=a.wan_latency_ms / 1e3,
-                  jitter_s=a.wan_jitter_ms / 1e3)
+                  jitter_s=a.wan_jitter_ms / 1e3, price_per_gbps_hour=a.wan_price_per_gbps_hour)
     rld_hw = None
     if a.rld_chip or a.rld_chips:
         if a.profile_a:
             raise SystemExit("--rld-chip/--rld-chips derive RLD from the presets; not with --profile-a")
-        rld_hw = _preset(a, a.rld_chip or a.chip_a, a.rld_chips)
+        rld_hw = _preset(a, a.rld_chip or a.chip_a, a.rld_chips, host_cache=host)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
-                       rld_hw=rld_hw, p_affinity=a.p_affinity,
+                       rld_hw=rld_hw, p_placement=a.p_placement, rld_max_running=a.rld_max_running,
                        catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
                        keep_finished_kv=a.keep_finished_kv, seed=a.seed)
 
 
 def _trace(a) -> (str, List[TraceRequest]):
+    label, trace = _base_trace(a)
+    if a.tile > 1:
+        return f"{label}x{a.tile}", tile_trace(trace, a.tile)
+    return label, trace
+
+
+def _base_trace(a) -> (str, List[TraceRequest]):
     if a.trace:
         return os.path.basename(a.trace), list(load_trace(a.trace, a.limit))
     rate = {} if a.agentic_session_rate is None else {"session_rate_per_s": a.agentic_session_rate}
@@ -141,6 +165,12 @@ def _print_edges(edges) -> None:
         print(f"warning: {e}; a wider range may hold a cheaper mix")
 
 
+def _mix(res) -> str:
+    c = res.summary
+    return (f"P={res.n_prefill} RLD={res.n_rld} MD/D={res.n_md} ({c.gpus} GPUs), ${res.cost_per_hour:.1f}/h "
+            f"(WAN lease ${c.wan_lease_per_hour:.1f}/h), SLA {100 * c.sla_attainment:.1f}%, BCR {c.bcr:.0f}")
+
+
 def cmd_size(a) -> int:
     if a.closed_loop:
         # A closed loop offers a slow design less load; sizing compares designs at equal load.
@@ -148,36 +178,70 @@ def cmd_size(a) -> int:
               "--closed-loop is ignored", file=sys.stderr)
     label, trace = _trace(a)
     sla = _sla(a)
-    by_name = {c.name: c for c in standard_scenarios(_spec(a))}
+    spec = _spec(a)
+    by_name = {c.name: c for c in standard_scenarios(spec)}
     base = by_name[a.scenario]
     lo_p, hi_p = (int(x) for x in a.prefill_range.split(":"))
     lo_r, hi_r = (int(x) for x in a.rld_range.split(":"))
-    bar = tqdm(desc=f"sizing {a.scenario}", unit="sim", file=sys.stderr)
+    bar = tqdm(desc=f"sizing {label}", unit="sim", file=sys.stderr)
     if base.kind == "pdd":
-        # Never recommend PDD without sizing PD for the same SLA: say so when PD wins.
-        v = compare_designs(by_name["pd_same_dc"], base, trace, sla, a.target, range(lo_p, hi_p + 1),
-                            range(lo_r, hi_r + 1), a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale)
+        # Never recommend PDD without sizing every baseline for the same SLA: name each.
+        bases = {n: by_name[n] for n in BASELINES}
+        bases[a.scenario] = base
+        v = size_designs(bases, a.scenario, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1),
+                         a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale)
         bar.close()
-        print(f"# {label}: {v.message}")
-        for tag, res in (("pd_same_dc", v.pd), (a.scenario, v.pdd)):
-            if res is not None:
-                print(f"cheapest {tag}: prefill={res.n_prefill} rld={res.n_rld} md/d={res.n_md} "
-                      f"at ${res.cost_per_hour:.1f}/h")
+        hw = {"P": spec.chip_a, "RLD": spec.rld_hw or spec.chip_a, "MD": spec.chip_b}
+        groups = ", ".join(f"{role} {h.name}" for role, h in hw.items())
+        least = ""
+        if not a.profile_a:
+            least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
+        print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, "
+              f"target {a.target:.0%} SLA attainment; instances: {groups}{least}; WAN {spec.wan.gbps:g} Gbps, "
+              f"lease ${spec.wan.lease_per_hour:.1f}/h")
+        for name, res in v.results.items():
+            tag = DESIGN_LABELS.get(name, name)
+            print(f"cheapest {name} ({tag}): " + (_mix(res) if res is not None else "none in the searched ranges"))
+        for vd in v.verdicts:
+            print(f"verdict {vd.message}")
         _print_edges(v.warnings)
-        shown = [r.summary for r in (v.pd, v.pdd) if r is not None]
+        shown = [r.summary for r in v.results.values() if r is not None]
         if shown:
             print(format_table(shown))
-        return 0 if v.winner != "none" else 1
+        return 0 if any(r is not None for r in v.results.values()) else 1
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
                         progress=lambda: bar.update(), rate_scale=a.rate_scale)
     bar.close()
     if best is None:
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
         return 1
-    print(f"cheapest {a.scenario} meeting {a.target:.0%} SLA on {label}: prefill={best.n_prefill} "
-          f"rld={best.n_rld} md/d={best.n_md} at ${best.cost_per_hour:.0f}/h")
+    print(f"cheapest {a.scenario} meeting {a.target:.0%} SLA on {label}: {_mix(best)}")
     _print_edges(best.edges)
     print(format_table([best.summary]))
+    return 0
+
+
+def cmd_rld_sweep(a) -> int:
+    label, trace = _trace(a)
+    sla = _sla(a)
+    cfg = {c.name: c for c in standard_scenarios(_spec(a))}[a.scenario]
+    values = [int(x) for x in a.values.split(",")]
+    bar = tqdm(total=len(values), desc=f"rld admission sweep {label}", file=sys.stderr)
+    points = rld_admission_sweep(cfg, trace, sla, values, rate_scale=a.rate_scale, progress=lambda: bar.update())
+    bar.close()
+    print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, {cfg.n_prefill} P / {cfg.n_rld} RLD / {cfg.n_md} MD, "
+          f"WAN {cfg.wan.gbps:g} Gbps; --rld-max-running swept (RLD's batch cap stays "
+          f"{cfg.rld_hw.max_running_requests})")
+    print(f"{'rld-max-running':>15} {'P->MD %':>8} {'via RLD %':>9} {'RLD tok %':>9} {'stall p50 ms':>12} "
+          f"{'stall p99 ms':>12} {'TTFT p90':>8} {'SLA %':>6} {'refused':>7}")
+    for p in points:
+        s = p.summary
+        print(f"{p.rld_max_running:>15d} {100 * p.p_md_share:>8.1f} {100 * p.via_rld_share:>9.1f} "
+              f"{100 * s.rld_token_share:>9.1f} {1e3 * s.stall_p50:>12.0f} {1e3 * s.stall_p99:>12.0f} "
+              f"{s.ttft_p90:>8.2f} {100 * s.sla_attainment:>6.1f} {s.md_refused:>7d}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"rld_sweep_{label}.json"), "w") as f:
+        json.dump([{"rld_max_running": p.rld_max_running, "summary": asdict(p.summary)} for p in points], f, indent=1)
     return 0
 
 
@@ -249,10 +313,11 @@ def cmd_gen_trace(a) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_pdd.sim", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("compare", help="PD vs naive cross-DC vs PDD variants on one trace")
+    p = sub.add_parser("compare", help="same-DC PD vs cross-DC PD (with and without DRC) vs PDD variants on one trace")
     _add_common(p)
     p.set_defaults(fn=cmd_compare)
-    p = sub.add_parser("size", help="cheapest instance mix meeting an SLA-attainment target")
+    p = sub.add_parser("size", help="cheapest instance mix of every design meeting an SLA-attainment target, "
+                                    "and PDD's verdict against each baseline")
     _add_common(p)
     p.add_argument("--scenario", default="pdd_drc_adaptive")
     p.add_argument("--target", type=float, default=0.9, help="fraction of requests within the SLA")
@@ -266,6 +331,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--target", type=float, default=0.9, help="SLA attainment that defines the knee")
     p.add_argument("--scenarios", default="pd_same_dc,pdd_drc_adaptive")
     p.set_defaults(fn=cmd_sweep)
+    p = sub.add_parser("rld-sweep", help="the router's RLD admission (--rld-max-running) swept: path mix, "
+                                         "RLD share and handoff stall")
+    _add_common(p)
+    p.add_argument("--scenario", default="pdd_drc_adaptive")
+    p.add_argument("--values", default="2,4,8,16,32,64,128,512")
+    p.set_defaults(fn=cmd_rld_sweep)
     p = sub.add_parser("bathtub", help="goodput within the SLA vs mean prefix hit rate")
     _add_common(p)
     p.add_argument("--hits", default="0,0.25,0.5,0.7,0.8,0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98,0.99,0.995",
@@ -279,7 +350,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "goodput is the best of them, saturation throughput the largest")
     p.add_argument("--input-tokens", type=int, default=16_384)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--scenarios", default="pd_same_dc,naive_xdc,pdd_drc_adaptive")
+    p.add_argument("--scenarios", default="pd_same_dc,xdc_pd,pdd_drc_adaptive")
     p.set_defaults(fn=cmd_bathtub)
     p = sub.add_parser("gen-trace", help="write a synthetic agentic trace as JSONL")
     p.add_argument("--n", type=int, default=10_000)

@@ -1,18 +1,19 @@
-"""The cluster model: one scenario (PD, naive cross-DC PD, or PDD) run over a trace.
+"""The cluster model: one design (same-DC PD, cross-DC PD with or without DRC, or PDD) run
+over a trace, every design under the same rules.
 
-Routing and the request's course (PDD with an RLD) are the router's own functions, called
-at run time so that a change to them changes the sim: P and MD by
-`router.placement.pick_instance` on flows in flight and the router's prefix index (P's
-candidates rotated so equal ones take turns), RLD with the fewest flows in flight
-(`pick_p`, `pick_rld`, `pick_md`: router/pools.py's Pools.pick, checked against it in
-tests/test_sim_router_agreement.py); the path by `router.policy.decide_path` on the prefix
-index's estimate, again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's
-control API); the handoff mode by `handoff.policy.choose_mode` on RLD's flows at arrival;
-and every request's life by `router.lifecycle.transition` (`_event`), fed the events the
-router's I/O shell would feed (PathChosen, RLD's first and last tokens, MdReady / MD's
-refusal as MdNotReady, the cut, MD's tokens). The sim does what the returned actions say:
-StartHandoff starts the handoff (at once, or after RLD's first token), SendFinalHandoff
-stops RLD at the cut, Finish ends the request. What the sim models itself is time:
+Routing and the request's course are the router's own functions, called at run time so that
+a change to them changes the sim. For every design: P by `router.placement.pick_prefill` on
+P's prefill tokens in flight and the router's prefix index (candidates rotated so equal ones
+take turns), MD (and same-DC PD's D) by `pick_instance` on flows in flight with the router's
+affinity bound (`pick_p`, `pick_md`: router/pools.py's Pools.pick, checked against it in
+tests/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
+flight (`pick_rld`); the path by `router.policy.decide_path` on the prefix index's estimate,
+again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's control API), RLD's
+load being its flows over the router's admission (`rld_max_running`, --rld-max-running);
+the handoff mode by `handoff.policy.choose_mode`; and every request's life by
+`router.lifecycle.transition` (`_event`), fed the events the router's I/O shell would feed
+(PathChosen, RLD's first and last tokens, MdReady / MD's refusal as MdNotReady, the cut, MD's
+tokens). The sim does what the returned actions say. What the sim models itself is time:
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
@@ -20,8 +21,9 @@ stops RLD at the cut, Finish ends the request. What the sim models itself is tim
                 extends them and decodes the rest. A request that ends on RLD first cancels
                 the rest of its transfer (`keep_finished_kv` lets it land in MD's DRC);
     P_RLD_ONLY: outliers and MD refusals decode entirely on RLD, nothing crosses the WAN.
-Baselines reuse the same machinery: "pd" is P->D over RDMA in one datacenter with one chip
-type; "naive" is P->MD over the WAN for every request, no DRC, no RLD.
+"pd" is P->D over RDMA in one datacenter with one chip type; "xdc" is P->MD over the WAN for
+every request (with MD's DRC when `drc`), no RLD, MD learning of the request as P starts
+(SGLang's PD: no round trip before P).
 
 Message timing follows router/flow.py: P->MD registers on MD first (a WAN round trip
 before P starts; `PathPolicyConfig.p_md_registers_first`) and its first token comes from
@@ -29,12 +31,15 @@ P through RLD's one-token leg in datacenter A; MD's tokens reach the user one WA
 later. Each catch-up round is a one-way trip of token ids to MD, an extend pass that holds
 MD (its running sequences stall), and the answer's trip back. MD's prefix hit (and so the
 bytes shipped) is decided when the transfer starts, and the blocks it relies on are pinned
-until it lands.
+until it lands; a hit in MD's host tier is loaded back alongside the transfer.
 
-MD registration (PDD only) is bounded as a real MD's `--pdd-md-staging-mb`: the bytes of
-rooms in flight to one MD may not exceed `md_staging_bytes`; a room that does not fit is
-refused and the request stays on RLD (P_RLD_ONLY). Without an RLD it waits for room (the
-router retries), and a room larger than the whole budget is let in alone.
+MD's staging (`staging_bytes`, the real MD's --pdd-md-staging-mb, default a share of MD's
+pool) is the same for every design that lands KV on MD and is charged when a transfer
+starts: the bytes of transfers in flight to one MD may not exceed it. A transfer that does
+not fit is refused if RLD decodes the request anyway (P_RLD_MD: it stays on RLD, the
+router's fallback) and waits for room otherwise, first come first served; a room larger
+than the whole budget goes alone. (The real MD checks at registration, before P starts;
+docs/sim.md says what that changes.)
 
 Omitted on purpose (see docs/sim.md): MD memory is not reserved during catch-up; RLD's
 one-token leg of a P->MD request takes no RLD slot; decode context grows only at admission.
@@ -51,9 +56,10 @@ from sglang_pdd.handoff import policy as handoff_policy
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, RldLoad, next_catch_up_batch
 from sglang_pdd.router import lifecycle as lc
 from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router import policy
+from sglang_pdd.config import md_staging_bytes
+from sglang_pdd.router import placement, policy
 from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
-from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig
 from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
@@ -69,10 +75,17 @@ TOKEN_ID_BYTES = 15  # what a handed-over token costs on the wire (id + framing)
 _LENGTH = {"type": "length"}  # SGLang's finish_reason when the output budget is used up
 
 
+KINDS = ("pd", "xdc", "pdd")
+P_PLACEMENTS = ("router", "flows", "backlog", "round_robin")
+
+
 @dataclass(frozen=True)
 class ScenarioConfig:
+    """One design on one fleet. Kinds: "pd" (P and D in one datacenter, KV over RDMA), "xdc"
+    (cross-datacenter PD: every request P -> MD over the WAN; `drc` gives MD a decode-side
+    cache), "pdd" (the PDD router: P -> MD, P -> RLD -> MD or P -> RLD)."""
     name: str
-    kind: str  # "pd" | "naive" | "pdd"
+    kind: str
     n_prefill: int
     n_md: int  # decode instances (the D of "pd")
     n_rld: int = 0
@@ -84,49 +97,74 @@ class ScenarioConfig:
     drc: bool = True
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     router: Optional[PathPolicyConfig] = None  # None: derived from wan, prefill_hw and the SLA
-    affinity_excess: float = 0.25
+    affinity_excess: float = 0.25  # the KV-load MD rule's bound (md_kv_load what-if)
     # The outlier filter needs an output estimate; the trace's true length stands in for a
     # client's max_tokens or a predictor. False = unknown (filter never fires).
     expected_output_from_trace: bool = True
-    # KV of rooms in flight to one MD, at most (PDD; the real MD's --pdd-md-staging-mb, 4096).
-    md_staging_bytes: float = 4096 * 2 ** 20
+    # KV of rooms in flight to one MD, at most, for every design that lands KV on MD (the
+    # real MD's --pdd-md-staging-mb). None: the real MD's default, config.md_staging_bytes
+    # (a share of MD's KV pool).
+    md_staging_bytes: Optional[float] = None
+    # The router's RLD admission (--rld-max-running): RLD's load in the path decision and the
+    # handoff mode is its flows in flight over this. Not RLD's batch cap (rld_hw's
+    # max_running_requests), which bounds what RLD decodes at once.
+    rld_max_running: int = RLD_MAX_RUNNING_DEFAULT
     # A request that ended on RLD: False cancels the rest of its WAN transfer (nothing more is
     # sent for it); True lets it land in MD's DRC for the session's next turn (router.md step 9).
     keep_finished_kv: bool = False
-    # P placement. None: as the PDD router does for "pdd" (router/pools.py: flows in flight and
-    # the router's prefix index, `pick_p`), and prefix affinity weighed against P's queue
-    # (SGLang's cache-aware router) for the baselines. What-ifs: True = that cache-aware
-    # rule for PDD too, False = round robin (no P affinity at all).
-    p_affinity: Optional[bool] = None
-    # MD placement. None: the PDD router's (router/pools.py: flows in flight, affinity kept
-    # within MD_AFFINITY_EXCESS_FLOWS) for "pdd" with an RLD; KV load + pending KV within
-    # `affinity_excess` otherwise. True forces the KV-load rule (what-if, and PD equivalence).
+    # P placement, the same for every design. "router": router/placement.py's pick_prefill
+    # (prefill tokens in flight, prefix affinity within the held prefix; what the router and
+    # the sim both run). What-ifs: "flows" (the router's earlier rule: flows in flight, excess
+    # 4), "backlog" (affinity weighed against P's queue in seconds, the sim's earlier
+    # stand-in for SGLang's cache-aware router), "round_robin".
+    p_placement: str = "router"
+    # MD (and D) placement, the same for every design. None: the router's (router/pools.py:
+    # flows in flight, affinity kept within MD_AFFINITY_EXCESS_FLOWS). True: KV load + pending
+    # KV within `affinity_excess` (what-if).
     md_kv_load: Optional[bool] = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("pd", "naive", "pdd"):
-            raise ValueError(f"unknown scenario kind {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown scenario kind {self.kind!r} (one of {KINDS})")
         if self.n_prefill < 1 or self.n_md < 1 or self.n_rld < 0:
             raise ValueError("need >= 1 prefill and >= 1 decode instance")
         if self.kind != "pdd" and self.n_rld:
             raise ValueError("only pdd uses relay decode")
-
-    @property
-    def p_placement(self) -> str:
-        """"router" (pools.py's Pools.pick), "cache_aware" (backlog-weighed) or "round_robin"."""
-        if self.p_affinity is None:
-            return "router" if self.kind == "pdd" else "cache_aware"
-        return "cache_aware" if self.p_affinity else "round_robin"
+        if self.p_placement not in P_PLACEMENTS:
+            raise ValueError(f"p_placement must be one of {P_PLACEMENTS}, got {self.p_placement!r}")
+        if self.rld_max_running < 1:
+            raise ValueError("rld_max_running must be >= 1")
 
     @property
     def md_remote(self) -> bool:
         return self.kind != "pd"
 
     @property
-    def cost_per_hour(self) -> float:
+    def staging_bytes(self) -> float:
+        """MD's staging budget: as given, or the real MD's default for md_hw's pool."""
+        if self.md_staging_bytes is not None:
+            return self.md_staging_bytes
+        return float(md_staging_bytes(0, self.md_hw.kv_capacity_tokens, self.md_hw.kv_bytes_per_token))
+
+    @property
+    def hw_cost_per_hour(self) -> float:
         return (self.n_prefill * self.prefill_hw.price_per_hour + self.n_rld * self.rld_hw.price_per_hour
                 + self.n_md * self.md_hw.price_per_hour)
+
+    @property
+    def wan_lease_per_hour(self) -> float:
+        """The WAN's lease, paid by every cross-datacenter design whether it fills it or not."""
+        return self.wan.lease_per_hour if self.md_remote else 0.0
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.hw_cost_per_hour + self.wan_lease_per_hour
+
+    @property
+    def gpus(self) -> int:
+        return (self.n_prefill * self.prefill_hw.chips_per_instance + self.n_rld * self.rld_hw.chips_per_instance
+                + self.n_md * self.md_hw.chips_per_instance)
 
     def router_config(self, sla: Sla) -> PathPolicyConfig:
         if self.router is not None:
@@ -141,7 +179,7 @@ class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -165,6 +203,9 @@ class SimRequest:
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
         self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
+        self.p_tok = 0  # prefill tokens the router counts on its P until the prefill is done
+        self.p_load_s = 0.0  # loading P's host-tier hit back to HBM
+        self.md_load_s = 0.0  # loading MD's host-tier hit back to HBM, after the KV lands
 
 
 class Simulation:
@@ -177,7 +218,8 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.route_cfg = cfg.router_config(sla)
         self.prefill = [PrefillInstance(self.loop, cfg.prefill_hw, self._prefill_done) for _ in range(cfg.n_prefill)]
-        self.p_cache = [BlockCache(cfg.prefill_hw.cache_capacity_tokens) for _ in range(cfg.n_prefill)]
+        self.p_cache = [BlockCache(cfg.prefill_hw.cache_capacity_tokens, cfg.prefill_hw.host_cache_tokens)
+                        for _ in range(cfg.n_prefill)]
         self.log = RequestLog()
         gaps = self.log.gaps  # every decode instance's inter-token gaps (sim/steps.py)
         self.md = [DecodeInstance(self.loop, cfg.md_hw, self._md_start, self._md_done, gaps) for _ in range(cfg.n_md)]
@@ -185,7 +227,8 @@ class Simulation:
         # WAN, relay decode). Like the real router's in-flight count, it keeps a burst of
         # new sessions from all landing on the MD that happens to be idle right now.
         self.md_pending = [0] * cfg.n_md
-        self.md_cache = [BlockCache(cfg.md_hw.cache_capacity_tokens if cfg.drc else 0) for _ in range(cfg.n_md)]
+        self.md_cache = [BlockCache(cfg.md_hw.cache_capacity_tokens if cfg.drc else 0, cfg.md_hw.host_cache_tokens)
+                         for _ in range(cfg.n_md)]
         self.rld = [DecodeInstance(self.loop, cfg.rld_hw, self._rld_start, self._rld_done, gaps)
                     for _ in range(cfg.n_rld)]
         # The router's own prefix index (per instance, block hashes straight from the trace),
@@ -194,9 +237,11 @@ class Simulation:
         self.md_index = PrefixIndex(max(1, self.md_cache[0].capacity_blocks), block_tokens=BLOCK_TOKENS)
         self._p_ids = list(range(cfg.n_prefill))
         self.p_placement = cfg.p_placement
-        # pools.py's p_inflight: every request placed on that P, arrival to end, whatever its
-        # path. The PDD router places P on it (pick_p).
+        # pools.py's p_inflight and p_tokens: the requests placed on that P and their prefill
+        # tokens (prompt less the index's estimate of P's prefix), until P's prefill is done.
+        # Every design places P on the tokens (pick_p); "flows" places it on the count.
         self.p_flows = [0] * cfg.n_prefill
+        self.p_tokens = [0] * cfg.n_prefill
         # Pools.pick rotates P's candidates by a counter before the stable sorts, so equal
         # ones take turns; one precomputed order per turn.
         self._p_turns = [self._p_ids[t:] + self._p_ids[:t] for t in range(cfg.n_prefill)]
@@ -204,8 +249,8 @@ class Simulation:
         # routed through that RLD, from arrival to its end, whatever its path (a P->MD request
         # decoding on MD counts too). It is RLD's load in the path decision.
         self.rld_flows = [0] * cfg.n_rld
-        # pools.py's md_inflight: every PDD request assigned to that MD, arrival to end. The
-        # PDD router places MD on it (baselines keep KV load, SGLang's cache-aware router).
+        # pools.py's md_inflight: every request assigned to that MD, arrival to end. Every
+        # design places MD (and D) on it, as the router does (md_kv_load: the KV-load what-if).
         self.md_flows = [0] * cfg.n_md
         # What the sim does for each lifecycle action; the rest (streaming, bookkeeping) the
         # sim accounts for in time, and failures are not modelled.
@@ -231,14 +276,19 @@ class Simulation:
         self._trace = None
         self._t0 = None
         self._next_turn = {}  # id(turn) -> (next turn, think time): closed-loop sessions
-        # MD staging (PDD only): bytes of rooms in flight per MD, registrations waiting for
-        # room (no RLD to fall back on), landed requests waiting for MD to admit a handoff.
+        # MD staging (every design that lands KV on MD): bytes of rooms in flight per MD,
+        # transfers waiting for room (no RLD to fall back on), landed requests waiting for MD
+        # to admit a handoff.
+        self.staging_bytes = cfg.staging_bytes
         self.md_staged = [0.0] * cfg.n_md
-        self.md_reg_wait = [deque() for _ in range(cfg.n_md)]
+        self.md_send_wait = [deque() for _ in range(cfg.n_md)]
         self.md_handoff_wait = [deque() for _ in range(cfg.n_md)]
         self.md_refused = 0
+        self.md_waited = 0  # transfers that waited for MD's staging budget
         self.kv_landed = 0
         self.kv_wan_s_sum = 0.0
+        self.p_host_tokens = 0  # prompt tokens P loaded back from its host tier
+        self.md_host_tokens = 0  # prompt tokens MD loaded back from its host tier (not shipped)
 
     # ---- driving -------------------------------------------------------------------
     def run(self, requests: Iterable[TraceRequest], closed_loop: bool = False) -> Summary:
@@ -276,12 +326,17 @@ class Simulation:
         wan_bytes = self.kv_link.bytes_sent + self.token_id_bytes if c.md_remote else self.token_id_bytes
         return summarise(
             c.name, self.log, self.sla, c.cost_per_hour, wan_bytes, c.wan.bytes_per_s,
-            c.wan.price_per_hour, c.wan.price_per_gb, PATH_NAMES,
+            c.wan_lease_per_hour, c.wan.price_per_gb if c.md_remote else 0.0, PATH_NAMES,
             mean_md_hit=self.md_hit_tokens / self.md_input_tokens if self.md_input_tokens else 0.0,
             wan_span_s=self.loop.now,  # arrivals start at 0; the last event may be a landing
             md_refused=self.md_refused,
             kv_wan_s_mean=self.kv_wan_s_sum / self.kv_landed if self.kv_landed else float("nan"),
-            wan_cancelled_gb=self.kv_link.bytes_cancelled / 1e9 if c.md_remote else 0.0, kv_landed=self.kv_landed)
+            wan_cancelled_gb=self.kv_link.bytes_cancelled / 1e9 if c.md_remote else 0.0, kv_landed=self.kv_landed,
+            extra=dict(hw_cost_per_hour=c.hw_cost_per_hour, wan_lease_per_hour=c.wan_lease_per_hour, gpus=c.gpus,
+                       md_waited=self.md_waited, rld_cost_share=c.n_rld * c.rld_hw.price_per_hour / c.cost_per_hour,
+                       p_host_tokens=self.p_host_tokens, md_host_tokens=self.md_host_tokens,
+                       staging_gb=self.staging_bytes / 1e9 if c.md_remote else 0.0,
+                       rld_max_running=c.rld_max_running if self.rld else 0))
 
     # ---- routing -------------------------------------------------------------------
     def _arrive(self, now: float, tr: TraceRequest) -> None:
@@ -295,37 +350,28 @@ class Simulation:
         self.in_system.change(now, +1)
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
 
-        placement = self.p_placement
-        if placement == "router":
-            r.p = self.pick_p(full)
-        elif placement == "cache_aware":
-            slo = self.sla.ttft_s
-            p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
-            p_aff = self._affinity(self.p_index, self._p_ids, p_loads, full)
-            # Leaving the instance that holds our prefix costs recomputing it: only worth it
-            # when the queue difference exceeds that cost (both in units of the TTFT SLO).
-            recompute_s = 0.0
-            if p_aff is not None:
-                held = self.p_cache[p_aff].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS
-                recompute_s = c.prefill_hw.prefill_time_s(held, 0)
-            r.p = pick_instance(p_loads, p_aff, c.affinity_excess + recompute_s / slo)
-        else:  # what-if: round robin
-            r.p = self._p_rr % c.n_prefill
-            self._p_rr += 1
+        r.p = self._place_p(full)
         self.p_flows[r.p] += 1
+        # app.py's count_on_p: the prompt less the index's estimate of what P holds
+        r.p_tok = max(1, tr.input_length - self.p_index.match_blocks(r.p, full) * BLOCK_TOKENS)
+        self.p_tokens[r.p] += r.p_tok
         # At least one token is always computed (it produces the first output token).
-        r.p_cached = min(self.p_cache[r.p].match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
+        pc = self.p_cache[r.p]
+        r.p_cached = min(pc.match_prefix_blocks(full) * BLOCK_TOKENS, tr.input_length - 1)
+        r.p_load_s = min(pc.host_hits * BLOCK_TOKENS, r.p_cached) * c.prefill_hw.host_load_s_per_token
+        if pc.host_hits:
+            self.p_host_tokens += min(pc.host_hits * BLOCK_TOKENS, r.p_cached)
 
         routed = c.kind == "pdd" and bool(self.rld)  # through the PDD router (flow.py, app.py)
-        if routed and not self.cfg.md_kv_load:
-            r.md = self.pick_md(full)
-        else:
+        if self.cfg.md_kv_load:
             md_cap = c.md_hw.kv_capacity_tokens
             md_loads = [InstanceLoad(i, m.load() + self.md_pending[i] / md_cap) for i, m in enumerate(self.md)]
             md_affinity = self._affinity(self.md_index, self._md_ids, md_loads, full) if c.drc else None
             r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
+        else:
+            r.md = self.pick_md(full)
         self.md_flows[r.md] += 1
-        r.md_cached = self.md_cache[r.md].match_prefix_blocks(full) * BLOCK_TOKENS if c.drc else 0
+        r.md_cached = self.md_cache[r.md].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS if c.drc else 0
 
         if self.rld:
             r.rld = self.pick_rld()
@@ -336,32 +382,31 @@ class Simulation:
         else:
             r.path = Path.P_MD
             r.reg_first = c.kind == "pdd" and self.route_cfg.p_md_registers_first
-        chosen = r.path
-        if r.path is not Path.P_RLD_ONLY and c.kind == "pdd":
-            want = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
-            if self.md_staged[r.md] + want > c.md_staging_bytes:
-                if self.rld:  # MD refuses the room: the router keeps the request on RLD
-                    self.md_refused += 1
-                    r.path = Path.P_RLD_ONLY
-                elif self.md_staged[r.md] > 0 or self.md_reg_wait[r.md]:
-                    r.staged = want
-                    self.md_reg_wait[r.md].append(r)
-                    return
-            if r.path is not Path.P_RLD_ONLY:
-                r.staged = want
-                self.md_staged[r.md] += want
         if routed:
             r.state = lc.State(max_new=tr.output_length)
-            if chosen is Path.P_RLD_MD and r.path is Path.P_RLD_ONLY:
-                # flow.py registers P->RLD->MD concurrently: MD's refusal comes after the
-                # legs started, as a fallback; a refused P->MD registration (before the
-                # legs) makes the path P->RLD only.
-                self._event(now, r, lc.PathChosen(chosen, late_destination=True))
-                self._event(now, r, lc.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, "staging full")))
-            else:
-                self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first
-                                                  and r.path is Path.P_RLD_MD))
+            self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
         self._registered(now, r)
+
+    def _place_p(self, full) -> int:
+        rule = self.p_placement
+        if rule == "router":
+            return self.pick_p(full)
+        if rule == "flows":
+            return self.pick_p_by_flows(full)
+        if rule == "backlog":
+            c, slo = self.cfg, self.sla.ttft_s
+            p_loads = [InstanceLoad(i, p.backlog_s() / slo) for i, p in enumerate(self.prefill)]
+            p_aff = self._affinity(self.p_index, self._p_ids, p_loads, full)
+            # Leaving the instance that holds our prefix costs recomputing it: only worth it
+            # when the queue difference exceeds that cost (both in units of the TTFT SLO).
+            recompute_s = 0.0
+            if p_aff is not None:
+                held = self.p_cache[p_aff].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS
+                recompute_s = c.prefill_hw.prefill_time_s(held, 0)
+            return pick_instance(p_loads, p_aff, c.affinity_excess + recompute_s / slo)
+        p = self._p_rr % self.cfg.n_prefill  # what-if: round robin
+        self._p_rr += 1
+        return p
 
     def choose_path(self, r: SimRequest, full) -> Path:
         """flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
@@ -384,18 +429,31 @@ class Simulation:
 
     def pick_p(self, full) -> int:
         """router/pools.py's Pools.pick for P (every P healthy): the candidates rotated by a
-        round-robin counter, then as MD: the P whose prefix index holds the longest prefix
-        (least loaded first among equals, then rotated order), kept unless it has
-        MD_AFFINITY_EXCESS_FLOWS more flows in flight than the least loaded P."""
+        round-robin counter, then placement.pick_prefill over P's prefill tokens in flight:
+        the P whose prefix index holds the longest prefix (least loaded first among equals,
+        then rotated order) keeps it unless its tokens exceed the least loaded P's by more
+        than that prefix."""
         order = self._p_turns[self._p_rr % len(self._p_turns)]
         self._p_rr += 1
-        flows = self.p_flows
-        inst, matched = self.p_index.best_blocks(sorted(order, key=flows.__getitem__), full)
-        least = min(order, key=flows.__getitem__)  # first in rotated order among equals
+        tokens = self.p_tokens
+        inst, matched = self.p_index.best_blocks(sorted(order, key=tokens.__getitem__), full)
+        least = min(order, key=tokens.__getitem__)  # first in rotated order among equals
         if not matched:
             return least
         # The least loaded and the owner are all pick_instance reads of the list (the same
         # answer as the whole rotated list, at a fraction of the cost with many P).
+        return placement.pick_prefill((InstanceLoad(least, tokens[least]), InstanceLoad(inst, tokens[inst])), inst,
+                                      matched * BLOCK_TOKENS)
+
+    def pick_p_by_flows(self, full) -> int:
+        """What-if: the router's earlier P rule (flows in flight, excess 4)."""
+        order = self._p_turns[self._p_rr % len(self._p_turns)]
+        self._p_rr += 1
+        flows = self.p_flows
+        inst, matched = self.p_index.best_blocks(sorted(order, key=flows.__getitem__), full)
+        least = min(order, key=flows.__getitem__)
+        if not matched:
+            return least
         return pick_instance((InstanceLoad(least, flows[least]), InstanceLoad(inst, flows[inst])), inst,
                              max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
 
@@ -445,7 +503,7 @@ class Simulation:
         module so that a change to router/policy.py (or a test's patch) changes the sim."""
         return policy.decide_path(tr.input_length, md_cached,
                            tr.output_length if self.cfg.expected_output_from_trace else None,
-                           self.rld_flows[rld] - 1, self.cfg.rld_hw.max_running_requests, self.route_cfg)
+                           self.rld_flows[rld] - 1, self.cfg.rld_max_running, self.route_cfg)
 
     def _registered(self, now: float, r: SimRequest) -> None:
         tr, c = r.tr, self.cfg
@@ -466,7 +524,7 @@ class Simulation:
         tr = r.tr
         self.in_prefill.change(now, +1)
         r.t_prefill_in = now
-        self.prefill[r.p].submit(now, r, tr.input_length - r.p_cached, r.p_cached)
+        self.prefill[r.p].submit(now, r, tr.input_length - r.p_cached, r.p_cached, r.p_load_s)
 
     @staticmethod
     def _affinity(index: PrefixIndex, ids: list, loads: list, full) -> Optional[int]:
@@ -486,35 +544,68 @@ class Simulation:
         c, tr = self.cfg, r.tr
         self.in_prefill.change(now, -1)
         self.p_flows[r.p] -= 1  # the router counts a request on P until P's leg replies
+        self.p_tokens[r.p] -= r.p_tok
         self.prefill_sojourn_sum += now - r.t_prefill_in
         full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
         self.p_cache[r.p].insert(full)
-        if self.p_placement == "cache_aware":  # SGLang's router: P holds it once prefilled
+        if self.p_placement in ("router", "backlog"):  # Pools.prefill_replied: P holds the prompt
             self.p_index.record_blocks(r.p, full)
         rd = c.rdma
         rdma_s = rd.one_way_latency_s + rd.serialisation_s(tr.input_length * c.prefill_hw.kv_bytes_per_token)
         st = r.state
         if r.wan and (st is None or st.md is not lc.Md.FAILED):
-            # MD's hit is what its cache holds now, when the transfer starts (not at arrival);
-            # those blocks are pinned until the KV has landed.
-            if c.drc:
-                n = self.md_cache[r.md].match_prefix_blocks(full)
-                r.md_cached = n * BLOCK_TOKENS
-                r.pinned = full[:n]
-                self.md_cache[r.md].pin(r.pinned)
-            self.md_hit_tokens += r.md_cached
-            self.md_input_tokens += tr.input_length
-            r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
-            if c.kind == "pdd":  # the hit may have changed since registration
-                self._restage(now, r, r.kv_bytes)
-            r.t_kv_sent = now
-            self.kv_link.send(now, r, r.kv_bytes)
+            self._start_transfer(now, r, full)
         if st is not None and r.path is Path.P_MD:
             r.t_first = r.t_switch = now + rdma_s  # P's first token, relayed by RLD
             # RLD's one-token leg ends (its token lands rdma_s later, long before the KV on MD)
             self._event(now, r, lc.RelayTokens(1, 1, _LENGTH))
         if r.path is not Path.P_MD:
             self.loop.after(rdma_s, self._rld_kv_landed, r)
+
+    def _start_transfer(self, now: float, r: SimRequest, full) -> None:
+        """P's KV starts for MD. MD's hit is what its cache holds now (not at arrival), those
+        blocks pinned until the KV has landed; MD's staging budget is charged now, the same
+        for every design that lands KV on MD. A room that does not fit: refused if RLD
+        decodes the request anyway (the router's fallback: RLD finishes it), else it waits,
+        first come first served, for room (a room larger than the whole budget goes alone)."""
+        c, tr = self.cfg, r.tr
+        if c.drc:
+            mc = self.md_cache[r.md]
+            n = mc.match_prefix_blocks(full)
+            r.md_cached = n * BLOCK_TOKENS
+            r.md_load_s = min(mc.host_hits * BLOCK_TOKENS, r.md_cached) * c.md_hw.host_load_s_per_token
+            r.pinned = full[:n]
+            mc.pin(r.pinned)
+        r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
+        if c.md_remote:
+            i = r.md
+            if self.md_staged[i] + r.kv_bytes > self.staging_bytes and (self.md_staged[i] > 0 or self.md_send_wait[i]):
+                if r.path is Path.P_RLD_MD:
+                    self._refuse(now, r)
+                    return
+                self.md_waited += 1
+                self.md_send_wait[i].append(r)
+                return
+            self.md_staged[i] += r.kv_bytes
+            r.staged = r.kv_bytes
+        self._send_kv(now, r)
+
+    def _send_kv(self, now: float, r: SimRequest) -> None:
+        self.md_hit_tokens += r.md_cached
+        self.md_input_tokens += r.tr.input_length
+        if r.md_load_s:
+            self.md_host_tokens += int(r.md_load_s / self.cfg.md_hw.host_load_s_per_token + 0.5)
+        r.t_kv_sent = now
+        self.kv_link.send(now, r, r.kv_bytes)
+
+    def _refuse(self, now: float, r: SimRequest) -> None:
+        """MD has no room for a P->RLD->MD request's KV: RLD finishes it, nothing crosses."""
+        self.md_refused += 1
+        self._unpin(r)
+        self._md_unpend(r)
+        r.path = Path.P_RLD_ONLY
+        r.wan = False
+        self._event(now, r, lc.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, "staging full")))
 
     def _rld_kv_landed(self, now: float, r: SimRequest) -> None:
         if r.done:
@@ -527,29 +618,34 @@ class Simulation:
             r.pinned = None
 
     def _unstage(self, now: float, r: SimRequest) -> None:
-        """The room no longer holds MD's staging budget."""
-        self._restage(now, r, 0.0)
-
-    def _restage(self, now: float, r: SimRequest, nbytes: float) -> None:
-        """The room now holds `nbytes` of MD's staging budget; if that freed some, admit
-        waiting registrations (every decrease must, or a waiter could wait forever)."""
-        i = r.md
-        freed = r.staged - nbytes
-        self.md_staged[i] -= freed
-        r.staged = nbytes
-        if freed <= 0:
+        """The room no longer holds MD's staging budget: let waiting transfers in."""
+        if r.staged <= 0:
             return
+        i = r.md
+        self.md_staged[i] -= r.staged
+        r.staged = 0.0
         if self.md_staged[i] < 1.0:
             self.md_staged[i] = 0.0  # no float drift across an empty budget
-        wait = self.md_reg_wait[i]
-        while wait and (self.md_staged[i] + wait[0].staged <= self.cfg.md_staging_bytes
-                        or self.md_staged[i] <= 0):
+        wait = self.md_send_wait[i]
+        while wait and (self.md_staged[i] + wait[0].kv_bytes <= self.staging_bytes or self.md_staged[i] <= 0):
             w = wait.popleft()
-            self.md_staged[i] += w.staged
-            self._registered(now, w)
+            if w.done:  # ended meanwhile (a one-token answer): nothing to send
+                self._unpin(w)
+                continue
+            self.md_staged[i] += w.kv_bytes
+            w.staged = w.kv_bytes
+            self._send_kv(now, w)
 
     def _md_kv_landed(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
+        if r.md_load_s:
+            # MD's host-tier hit is loaded back to HBM alongside the transfer (HiCache): the
+            # room is complete when both are.
+            ready = r.t_kv_sent + r.md_load_s
+            r.md_load_s = 0.0
+            if ready > now:
+                self.loop.at(ready, self._md_kv_landed, r)
+                return
         self._unpin(r)
         self._unstage(now, r)
         self.kv_landed += 1
@@ -575,7 +671,7 @@ class Simulation:
             self.md_handoff_wait[r.md].append(r)
             return
         # flow.py's _handoff: RLD's flows in flight when the request arrived, no hysteresis
-        r.mode = handoff_policy.choose_mode(RldLoad(r.rld_others, self.cfg.rld_hw.max_running_requests),
+        r.mode = handoff_policy.choose_mode(RldLoad(r.rld_others, self.cfg.rld_max_running),
                                             self.cfg.handoff)
         self._handoff_round(now, r)
 
@@ -710,7 +806,7 @@ class Simulation:
         if self.rld:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
-        if self.p_placement == "router":  # pools.py's Pools.record: P's prompt, at request end
+        if self.p_placement in ("router", "flows"):  # pools.py's Pools.record: P's prompt, at request end
             tr = r.tr
             self.p_index.record_blocks(r.p, tr.hash_ids[: tr.input_length // BLOCK_TOKENS])
         r.done = True

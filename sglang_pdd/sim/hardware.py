@@ -56,6 +56,10 @@ class HardwareProfile:
     decode_roofline: bool = False
     decode_weights_s: float = 0.0  # weight read per step (memory side of the roofline)
     decode_attn_s_per_kv_token: float = 0.0  # attention compute per KV token per step
+    # Host (DRAM) tier behind the prefix cache, as SGLang's HiCache: blocks evicted from HBM
+    # stay here; a hit here is loaded back to HBM at `host_load_s_per_token`. 0: no tier.
+    host_cache_tokens: int = 0
+    host_load_s_per_token: float = 0.0
 
     @property
     def price_per_hour(self) -> float:
@@ -110,8 +114,14 @@ class LinkProfile:
     gbps: float  # math.inf = instantaneous
     one_way_latency_s: float
     jitter_s: float = 0.0  # extra latency, uniform in [0, jitter_s], per transfer
-    price_per_hour: float = 0.0  # leased capacity
+    price_per_hour: float = 0.0  # leased capacity, flat
     price_per_gb: float = 0.0  # egress
+    price_per_gbps_hour: float = 0.0  # leased capacity, per Gbps of the link's rate
+
+    @property
+    def lease_per_hour(self) -> float:
+        """What the link costs an hour whether it carries anything or not."""
+        return self.price_per_hour + (0.0 if math.isinf(self.gbps) else self.gbps * self.price_per_gbps_hour)
 
     @property
     def bytes_per_s(self) -> float:
@@ -135,6 +145,9 @@ class Chip:
     bf16_tflops: float  # dense
     fp8_tflops: float  # dense
     price_per_chip_hour: float  # estimate, see docs/sim.md
+    # Fused MLA decode attention (FlashMLA), fraction of the bf16 peak it reaches when compute
+    # bound; sources beside each chip below.
+    mla_decode_attn_eff: float = 0.67
 
 
 @dataclass(frozen=True)
@@ -147,15 +160,25 @@ class ModelClass:
     fp8_compute: bool  # prefill matmuls in fp8
     # Decode attention FLOPs per (new token, context token), bf16; MLA decodes on the latent.
     decode_attn_flops_per_token_ctx: float = 0.0
+    # MLA: decode attention runs FlashMLA (per-chip efficiency) on a KV cache each DP rank
+    # holds for its own requests (SGLang's DP attention), so one request's KV is on one chip.
+    mla: bool = False
 
 
 # Chip figures: vendor datasheets, dense (no sparsity) tensor-core peaks.
+# MLA decode efficiency: deepseek-ai/FlashMLA README: dense MLA decoding reaches 660 TFLOPS
+# compute bound on H800 SXM5 (0.67 of 989, the H100/H200 tensor cores) and 3000 GB/s memory
+# bound (0.90 of 3.35 TB/s); FlashMLA issue #30: 120-130 TFLOPS on H20 (0.81-0.88 of 148; b=128,
+# 8k context); issue #19: ~2.8 TB/s on H100 SXM (0.84 of 3.35 TB/s).
 # H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3, 3.35 TB/s, BF16 989 / FP8 1979 TFLOPS.
-H100 = Chip("h100", hbm_gb=80, hbm_tb_s=3.35, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.00)
+H100 = Chip("h100", hbm_gb=80, hbm_tb_s=3.35, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.00,
+            mla_decode_attn_eff=0.67)
 # H200 SXM: NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, same tensor cores as H100 SXM5.
-H200 = Chip("h200", hbm_gb=141, hbm_tb_s=4.8, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.75)
+H200 = Chip("h200", hbm_gb=141, hbm_tb_s=4.8, bf16_tflops=989, fp8_tflops=1979, price_per_chip_hour=3.75,
+            mla_decode_attn_eff=0.67)
 # H20: NVIDIA HGX H20 spec as publicly reported (2024): 96 GB HBM3, 4.0 TB/s, BF16 148 / FP8 296 TFLOPS.
-H20 = Chip("h20", hbm_gb=96, hbm_tb_s=4.0, bf16_tflops=148, fp8_tflops=296, price_per_chip_hour=1.30)
+H20 = Chip("h20", hbm_gb=96, hbm_tb_s=4.0, bf16_tflops=148, fp8_tflops=296, price_per_chip_hour=1.30,
+           mla_decode_attn_eff=0.84)
 CHIPS = {c.name: c for c in (H100, H200, H20)}
 
 # Llama-3-70B (meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, 64 attention
@@ -176,15 +199,30 @@ LLAMA3_70B = ModelClass("llama3-70b", active_params_b=70.6, weight_bytes_gb=141.
 DEEPSEEK_V3 = ModelClass("deepseek-v3", active_params_b=37.0, weight_bytes_gb=690.0,
                          kv_bytes_per_token=(512 + 64) * 61 * 2,
                          attn_flops_per_token_ctx=2 * 61 * 128 * (192 + 128), fp8_compute=True,
-                         decode_attn_flops_per_token_ctx=2 * 61 * 128 * (576 + 512))
+                         decode_attn_flops_per_token_ctx=2 * 61 * 128 * (576 + 512), mla=True)
 MODELS = {m.name: m for m in (LLAMA3_70B, DEEPSEEK_V3)}
 
-# Estimated efficiencies (fractions of peak); see docs/sim.md for the sanity checks.
+# Estimated efficiencies (fractions of peak); docs/sim-notebook.md has the H200 kernel check.
 PREFILL_MFU = 0.40
-DECODE_MFU = 0.50
-DECODE_MBU = 0.70
+DECODE_MFU = 0.50  # decode matmuls, and GQA decode attention
+DECODE_MBU = 0.70  # weight read, and the GQA KV read
+MLA_KV_MBU = 0.84  # FlashMLA's KV read (issue #19, H100; the README's H800 figure is 0.90)
+# MLA decode attention on generic kernels (PyTorch bmm + softmax), timed on one H200 by
+# benchmarks/bench_gpu_roofline.py: 0.13-0.17 of the bf16 peak. A named sensitivity
+# (`mla_kernel="generic"`, the CLI's --mla-kernel generic), not the default.
+MLA_GENERIC_ATTN_EFF = 0.15
+MLA_KERNELS = ("flashmla", "generic")
 USABLE_HBM = 0.90  # the rest: activations, CUDA graphs, fragmentation
 STEP_OVERHEAD_S = 0.003  # scheduler + launch per decode step, beyond the weight read
+# Host tier (SGLang HiCache): the host pool is --hicache-ratio times the device KV pool, 2.0 by
+# default (sglang 0.5.23, mem_cache/kv_cache_builder.py: "the standard HiCache default"),
+# capped by the host memory a chip's share of its node has (estimate: 2 TB of DRAM per 8-GPU
+# node, 80% of it for KV). Loading back crosses PCIe Gen5 x16 (64 GB/s a direction; ~50 GB/s
+# achieved is an estimate) on every chip holding a shard of the request's KV: all of the TP
+# group for GQA, one DP rank for MLA.
+HICACHE_RATIO = 2.0
+HOST_KV_GB_PER_CHIP = 2000 * 0.8 / 8
+HOST_LOAD_GB_S_PER_CHIP = 50.0
 
 
 def instance_chips(model: ModelClass, chip: Chip) -> int:
@@ -195,8 +233,28 @@ def instance_chips(model: ModelClass, chip: Chip) -> int:
     return n
 
 
-def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0) -> HardwareProfile:
-    """A HardwareProfile derived from the model's size and the chip's spec sheet."""
+def smallest_group(model: "ModelClass | str", chip: "Chip | str") -> int:
+    """The fewest chips of a TP group SGLang can run that hold the weights with some room
+    for KV (10% of the weights): a power of two (tensor parallelism splits heads and, for
+    DeepSeek-V3, 256 experts evenly). What an RLD, which holds few requests, needs at least."""
+    m = MODELS[model] if isinstance(model, str) else model
+    c = CHIPS[chip] if isinstance(chip, str) else chip
+    n = 1
+    while n * c.hbm_gb * USABLE_HBM < m.weight_bytes_gb * 1.1:
+        n *= 2
+    return n
+
+
+def mla_attn_eff(chip: "Chip", mla_kernel: str = "flashmla") -> float:
+    if mla_kernel not in MLA_KERNELS:
+        raise ValueError(f"mla_kernel must be one of {MLA_KERNELS}, got {mla_kernel!r}")
+    return chip.mla_decode_attn_eff if mla_kernel == "flashmla" else MLA_GENERIC_ATTN_EFF
+
+
+def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0, mla_kernel: str = "flashmla",
+           host_cache: bool = True) -> HardwareProfile:
+    """A HardwareProfile derived from the model's size and the chip's spec sheet. mla_kernel:
+    "flashmla" (the published efficiency, the default) or "generic" (the sensitivity)."""
     m = MODELS[model] if isinstance(model, str) else model
     c = CHIPS[chip] if isinstance(chip, str) else chip
     n = chips or instance_chips(m, c)
@@ -207,6 +265,15 @@ def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0) -> Har
     if free_bytes < 0.1 * m.weight_bytes_gb * 1e9:  # no room for a useful KV pool
         raise ValueError(f"{m.name} does not fit {n} x {c.name} with room for KV")
     kv_tokens = int(free_bytes / m.kv_bytes_per_token)
+    if m.mla:
+        attn_eff, kv_bw = mla_attn_eff(c, mla_kernel), c.hbm_tb_s * 1e12 * n * MLA_KV_MBU
+    else:
+        attn_eff, kv_bw = DECODE_MFU, bw
+    host_tokens = 0
+    if host_cache:
+        host_bytes = min(HICACHE_RATIO * kv_tokens * m.kv_bytes_per_token, n * HOST_KV_GB_PER_CHIP * 1e9)
+        host_tokens = int(host_bytes / m.kv_bytes_per_token)
+    load_chips = 1 if m.mla else n
     return HardwareProfile(
         name=f"{m.name}@{n}x{c.name}",
         chips_per_instance=n,
@@ -222,11 +289,13 @@ def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0) -> Har
         prefill_chunk_tokens=8192,
         decode_step_overhead_s=STEP_OVERHEAD_S,
         decode_step_s_per_seq=flops / (peak * DECODE_MFU),
-        decode_step_s_per_kv_token=m.kv_bytes_per_token / bw,
+        decode_step_s_per_kv_token=m.kv_bytes_per_token / kv_bw,
         prefill_s_per_extra_request=1.0e-3,
         decode_roofline=True,
         decode_weights_s=m.weight_bytes_gb * 1e9 / bw,
-        decode_attn_s_per_kv_token=m.decode_attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * DECODE_MFU),
+        decode_attn_s_per_kv_token=m.decode_attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * attn_eff),
+        host_cache_tokens=host_tokens,
+        host_load_s_per_token=m.kv_bytes_per_token / (load_chips * HOST_LOAD_GB_S_PER_CHIP * 1e9),
     )
 
 
@@ -249,14 +318,17 @@ TOY_B = replace(
     prefill_overhead_s=0.02, prefill_s_per_token=7.0e-5, prefill_s_per_token_ctx=2.0e-9,
     decode_step_overhead_s=0.014, decode_step_s_per_seq=2.2e-4, decode_step_s_per_kv_token=2.2e-8)
 
+# A leased WAN wave costs by its rate. Estimate: ~$15k a month for 100 Gbps between two
+# regions, i.e. ~$0.2 per Gbps-hour; replace with your quote (--wan-price-per-gbps-hour).
+WAN_PRICE_PER_GBPS_HOUR = 0.2
 WAN_DEFAULT = LinkProfile("wan", gbps=25.0, one_way_latency_s=0.020, jitter_s=0.005,
-                          price_per_hour=10.0, price_per_gb=0.0)
+                          price_per_gbps_hour=WAN_PRICE_PER_GBPS_HOUR)
 RDMA_DEFAULT = LinkProfile("rdma", gbps=400.0, one_way_latency_s=0.000_05)
 
 
 # ---- plausibility of a measured or hand-given profile ------------------------------------
 # The sim trusts its profile completely: a cold server or one noisy decode sample once made
-# the calibration's TPOT +1,300-4,100% off (docs/sim.md, "Calibration against the e2e
+# the calibration's TPOT +1,300-4,100% off (docs/sim-notebook.md, "calibration against the e2e
 # cluster") without a word. These checks say so. Thresholds are loose on purpose: every
 # preset passes with a wide margin, the failures seen were off by 10x or more.
 REF_CTX = 1024  # context per sequence at which the per-token comparisons are made

@@ -92,9 +92,9 @@ class Summary:
     wan_gb: float
     wan_util: float
     rld_token_share: float
-    cost_per_hour: float  # hardware $/h
+    cost_per_hour: float  # $/h: hardware, and the WAN's lease for a cross-datacenter design
     wan_cost: float  # $ for the run (leased capacity + egress)
-    bcr: float  # SLA-meeting requests per $ of hardware
+    bcr: float  # SLA-meeting requests per $ (cost_per_hour over the run)
     paths: Dict[str, int] = field(default_factory=dict)
     mean_md_hit: float = 0.0  # token-weighted prefix hit on MD (DRC), where MD exists
     offered_rps: float = 0.0  # arrivals per second over the arrival span
@@ -113,6 +113,15 @@ class Summary:
     # SLA attainment of the last tenth of arrivals: a backlog that builds up late in the run
     # shows here while the whole run's percentage still looks fine.
     tail_sla_attainment: float = 0.0
+    hw_cost_per_hour: float = 0.0  # hardware only; cost_per_hour adds the WAN's lease
+    wan_lease_per_hour: float = 0.0  # the WAN's lease, in cost_per_hour and so in BCR
+    gpus: int = 0  # chips in the fleet
+    md_waited: int = 0  # WAN transfers that waited for MD's staging budget (no RLD to fall back on)
+    rld_cost_share: float = 0.0  # RLD's share of cost_per_hour
+    p_host_tokens: int = 0  # prompt tokens P loaded back from its host (DRAM) tier instead of computing
+    md_host_tokens: int = 0  # prompt tokens MD loaded back from its host tier instead of receiving
+    staging_gb: float = 0.0  # MD's staging budget per MD
+    rld_max_running: int = 0  # the router's RLD admission in the run (0: no RLD)
 
 
 def percentile(a: np.ndarray, q: float) -> float:
@@ -149,7 +158,8 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_bytes: float,
               wan_bytes_per_s: float, wan_price_per_hour: float, wan_price_per_gb: float,
               path_names, mean_md_hit: float = 0.0, wan_span_s: float = 0.0, md_refused: int = 0,
-              kv_wan_s_mean: float = float("nan"), wan_cancelled_gb: float = 0.0, kv_landed: int = 0) -> Summary:
+              kv_wan_s_mean: float = float("nan"), wan_cancelled_gb: float = 0.0, kv_landed: int = 0,
+              extra: "dict | None" = None) -> Summary:
     """wan_span_s: how long the WAN was in use, if longer than the requests' span (KV of
     finished requests still landing in MD's cache)."""
     ttft = np.frombuffer(log.ttft, dtype=np.float64)
@@ -197,4 +207,5 @@ def summarise(name: str, log: RequestLog, sla: Sla, cost_per_hour: float, wan_by
         max_itl_p50=percentile(max_gap, 50), max_itl_p99=percentile(max_gap, 99),
         md_refused=md_refused, kv_wan_s_mean=kv_wan_s_mean, wan_cancelled_gb=wan_cancelled_gb, kv_landed=kv_landed,
         tail_sla_attainment=float(tail.mean()) if tail.size else 0.0,
+        **(extra or {}),
     )

@@ -40,6 +40,6 @@ def format_table(summaries: Iterable[Summary]) -> str:
                                   for i, ((h, _, _), w) in enumerate(zip(COLUMNS, widths)))]
     for r in rows:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    lines.append("TTFT in s. BCR = SLA-meeting requests per $ of hardware (higher is better); "
-                 "WAN cost is not in BCR (see the JSON).")
+    lines.append("TTFT in s. $/h = hardware + the WAN's lease for a cross-datacenter design; BCR = SLA-meeting "
+                 "requests per $ of that (higher is better). Egress $ and the split are in the JSON.")
     return "\n".join(lines)

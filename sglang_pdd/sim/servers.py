@@ -146,11 +146,12 @@ class PrefillInstance:
     """Chunked prefill, FIFO: each forward pass packs queued requests' new tokens up to the
     chunk size (small tails batch together; a long prompt takes several passes). A pass
     costs its overhead once, plus `prefill_s_per_extra_request` for every further request
-    in it, plus each request's tokens and attention over its own context."""
+    in it, plus each request's tokens and attention over its own context, plus, in the
+    request's first pass, loading its host-tier hit back to HBM (`load_s`)."""
 
     def __init__(self, loop: EventLoop, hw: HardwareProfile, on_done: Callable[[float, Any], None]) -> None:
         self.loop, self.hw, self.on_done = loop, hw, on_done
-        self.queue: deque = deque()  # [job, remaining_new_tokens, ctx_tokens_done]
+        self.queue: deque = deque()  # [job, remaining_new_tokens, ctx_tokens_done, load_s still to pay]
         self.busy = False
         self.queued_tokens = 0
         self.queued_work_s = 0.0  # token and attention time of everything queued
@@ -162,10 +163,10 @@ class PrefillInstance:
         hw = self.hw
         return new_tokens * hw.prefill_s_per_token + new_tokens * (ctx_tokens + new_tokens / 2.0) * hw.prefill_s_per_token_ctx
 
-    def submit(self, now: float, job: Any, new_tokens: int, cached_tokens: int) -> None:
-        self.queue.append([job, new_tokens, cached_tokens])
+    def submit(self, now: float, job: Any, new_tokens: int, cached_tokens: int, load_s: float = 0.0) -> None:
+        self.queue.append([job, new_tokens, cached_tokens, load_s])
         self.queued_tokens += new_tokens
-        self.queued_work_s += self._work_s(new_tokens, cached_tokens)
+        self.queued_work_s += self._work_s(new_tokens, cached_tokens) + load_s
         if not self.busy:
             self._start(now)
 
@@ -182,7 +183,7 @@ class PrefillInstance:
             n = min(item[1], budget)
             budget -= n
             batch.append((item, n))
-            dur += n * self.hw.prefill_s_per_token + n * (item[2] + n / 2.0) * self.hw.prefill_s_per_token_ctx
+            dur += n * self.hw.prefill_s_per_token + n * (item[2] + n / 2.0) * self.hw.prefill_s_per_token_ctx + item[3]
         if not batch:
             self.busy = False
             return
@@ -194,7 +195,8 @@ class PrefillInstance:
     def _finish_pass(self, now: float, batch: list) -> None:
         finished = []
         for item, n in batch:
-            self.queued_work_s -= self._work_s(n, item[2])
+            self.queued_work_s -= self._work_s(n, item[2]) + item[3]
+            item[3] = 0.0
             item[1] -= n
             item[2] += n
             self.queued_tokens -= n

@@ -8,11 +8,17 @@ demand). A mix meets the target when its SLA attainment reaches it **over the wh
 over its last tenth of arrivals** (`Summary.tail_sla_attainment`): a backlog that builds up
 late in the trace would otherwise hide in the overall percentage.
 
-For each (prefill, RLD) count, binary-search the smallest MD count that meets the target
-(meeting it rises with MD count), then keep the cheapest mix. Instance counts are small
-integers, so this exhaustive-with-bisection search is exact on the given ranges; when the
-cheapest mix sits on an edge of a range, `SizingResult.edges` says which (a wider range may
-hold a cheaper mix).
+For each RLD count: bisect the fewest P that meet the target with the most MD, then for each
+P count from there, bisect the fewest MD (meeting the target rises with MD count), and stop
+adding P once P alone costs more than the cheapest mix found. That assumes more P and more
+MD never hurt, which holds in these runs up to placement noise; when the cheapest mix sits
+on an edge of a range, `SizingResult.edges` says which (a wider range may hold a cheaper
+mix). Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.
+cost_per_hour). Instances are TP groups of the presets' size (hardware.instance_chips);
+`hardware.smallest_group` is the least a group can be (an RLD may use it: --rld-chips).
+
+`size_designs` sizes PDD and every baseline (scenarios.BASELINES) on the same trace and
+states PDD's verdict against each, the baseline named.
 """
 
 from __future__ import annotations
@@ -83,35 +89,49 @@ def size_cluster(
     rate_scale: float = 1.0,
 ) -> Optional[SizingResult]:
     best: Optional[SizingResult] = None
-    prefill_range = list(prefill_range)
+    prefill_range = sorted(prefill_range)
     rlds: List[int] = list(rld_range) if base.kind == "pdd" else [0]
     demand = offered_rps(trace, rate_scale)
-    for n_p in prefill_range:
-        for n_rld in rlds:
-            cache = {}
+    cache = {}
 
-            def attempt(n_md: int) -> Summary:
-                if n_md not in cache:
-                    s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale)
-                    if abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
-                        raise RuntimeError(f"a sizing run saw {s.offered_rps} r/s, not the demand {demand}")
-                    cache[n_md] = s
-                    if progress:
-                        progress()
-                return cache[n_md]
+    def attempt(n_p: int, n_rld: int, n_md: int) -> Summary:
+        key = (n_p, n_rld, n_md)
+        if key not in cache:
+            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale)
+            if abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
+                raise RuntimeError(f"a sizing run saw {s.offered_rps} r/s, not the demand {demand}")
+            cache[key] = s
+            if progress:
+                progress()
+        return cache[key]
 
-            if not meets(attempt(md_max), target_attainment):
-                continue  # more MD does not help: prefill or RLD is the bottleneck
-            lo, hi = 1, md_max
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if meets(attempt(mid), target_attainment):
-                    hi = mid
+    def ok(n_p: int, n_rld: int, n_md: int) -> bool:
+        return meets(attempt(n_p, n_rld, n_md), target_attainment)
+
+    for n_rld in rlds:
+        # the fewest P that can meet the target (with the most MD)
+        lo, hi = 0, len(prefill_range)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(prefill_range[mid], n_rld, md_max):
+                hi = mid
+            else:
+                lo = mid + 1
+        for n_p in prefill_range[lo:]:
+            if best is not None and with_counts(base, n_p, n_rld, 1).cost_per_hour >= best.cost_per_hour:
+                break  # more P alone already costs more than the cheapest mix
+            if not ok(n_p, n_rld, md_max):
+                continue
+            m_lo, m_hi = 1, md_max
+            while m_lo < m_hi:
+                mid = (m_lo + m_hi) // 2
+                if ok(n_p, n_rld, mid):
+                    m_hi = mid
                 else:
-                    lo = mid + 1
-            cfg = with_counts(base, n_p, n_rld, lo)
+                    m_lo = mid + 1
+            cfg = with_counts(base, n_p, n_rld, m_lo)
             if best is None or cfg.cost_per_hour < best.cost_per_hour:
-                best = SizingResult(n_p, n_rld, lo, cfg.cost_per_hour, attempt(lo))
+                best = SizingResult(n_p, n_rld, m_lo, cfg.cost_per_hour, attempt(n_p, n_rld, m_lo))
     if best is not None:
         name = "md" if base.kind == "pdd" else "d"
         best = SizingResult(best.n_prefill, best.n_rld, best.n_md, best.cost_per_hour, best.summary,
@@ -164,3 +184,70 @@ def compare_designs(pd_base: ScenarioConfig, pdd_base: ScenarioConfig, trace: Se
     what = "PDD (no RLD: cross-DC PD with DRC)" if pdd.n_rld == 0 else "PDD"
     return DesignVerdict(pd, pdd, "pdd", f"{what} wins: ${pdd.cost_per_hour:.1f}/h meets {goal}, {less:.0f}% less "
                                          f"than PD's ${pd.cost_per_hour:.1f}/h")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """PDD's cheapest mix against one baseline's, at the same trace, SLA and target."""
+    baseline: str  # a scenario name (scenarios.BASELINES)
+    label: str  # what the baseline is, in words
+    winner: str  # "pdd" | "baseline" | "none"
+    delta: Optional[float]  # PDD's cost / the baseline's - 1; None if either found no mix
+    message: str
+
+
+@dataclass(frozen=True)
+class DesignSizing:
+    """The cheapest mix of every design, and PDD's verdict against each baseline."""
+    results: dict  # scenario name -> Optional[SizingResult]
+    pdd_name: str
+    verdicts: List[Verdict]
+
+    @property
+    def warnings(self) -> List[str]:
+        return [f"cheapest {name} mix: {e}" for name, r in self.results.items() if r for e in r.edges]
+
+
+def verdict(baseline: str, label: str, base: Optional[SizingResult], pdd: Optional[SizingResult],
+            goal: str) -> Verdict:
+    pdd_what = "PDD" if pdd is None or pdd.n_rld else "PDD without RLD"
+    if base is None and pdd is None:
+        return Verdict(baseline, label, "none", None, f"vs {label}: neither reaches {goal}")
+    if pdd is None:
+        return Verdict(baseline, label, "baseline", None,
+                       f"vs {label}: {label} wins, ${base.cost_per_hour:.1f}/h; no PDD mix reaches {goal}")
+    if base is None:
+        return Verdict(baseline, label, "pdd", None,
+                       f"vs {label}: {pdd_what} wins, ${pdd.cost_per_hour:.1f}/h; no {label} mix in the searched "
+                       f"ranges reaches {goal}")
+    delta = pdd.cost_per_hour / base.cost_per_hour - 1.0
+    if delta < 0:
+        return Verdict(baseline, label, "pdd", delta,
+                       f"vs {label}: {pdd_what} wins, ${pdd.cost_per_hour:.1f}/h vs ${base.cost_per_hour:.1f}/h "
+                       f"({100 * delta:+.0f}%)")
+    return Verdict(baseline, label, "baseline", delta,
+                   f"vs {label}: {label} wins, ${base.cost_per_hour:.1f}/h vs PDD's ${pdd.cost_per_hour:.1f}/h "
+                   f"(PDD {100 * delta:+.0f}%)")
+
+
+def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla: Sla, target_attainment: float,
+                 prefill_range: Iterable[int], rld_range: Iterable[int], md_max: int,
+                 progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0,
+                 labels: Optional[dict] = None) -> DesignSizing:
+    """Sizes `bases[pdd_name]` (RLD over `rld_range`, 0 included: PDD without a relay) and
+    every baseline present in `bases` (scenarios.BASELINES; a baseline may have as many
+    decode instances as PDD's RLD + MD at most), and states PDD's verdict against each."""
+    from .scenarios import BASELINES, DESIGN_LABELS
+    labels = labels or DESIGN_LABELS
+    prefill_range, rld_range = list(prefill_range), list(rld_range)
+    results = {}
+    for name in BASELINES:
+        if name in bases:
+            results[name] = size_cluster(bases[name], trace, sla, target_attainment, prefill_range, [0],
+                                         md_max + max(rld_range), progress, rate_scale)
+    results[pdd_name] = size_cluster(bases[pdd_name], trace, sla, target_attainment, prefill_range, rld_range,
+                                     md_max, progress, rate_scale)
+    goal = f"{target_attainment:.0%} SLA attainment"
+    verdicts = [verdict(name, labels.get(name, name), results[name], results[pdd_name], goal)
+                for name in BASELINES if name in results]
+    return DesignSizing(results, pdd_name, verdicts)

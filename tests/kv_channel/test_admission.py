@@ -227,3 +227,43 @@ def test_a_peer_that_authenticated_before_gets_a_reserved_slot_during_a_flood():
         if flood:
             flood.close()
         server.close()
+
+
+def test_a_p_the_router_named_is_never_locked_out():
+    """The review's attack with the default limits: two attacker addresses hold 16 keyless
+    sockets each and fill the 64 - 32 slots left to unknown sources; a P neither allow-listed
+    nor authenticated lately (MD just restarted) is refused. Once an authenticated control
+    call names P's host (the router tells MD its P hosts), P takes a reserved slot."""
+    server = Server({"127.0.0.9"}, admission=AdmissionLimits(), handshake_deadline=30)
+    flood = Flood(server.address, ["127.0.0.2", "127.0.0.3"], 17)
+    try:
+        assert wait_until(lambda: server.acceptor.stats()["handshaking_unknown"] == 32
+                          and server.acceptor.stats()["refused_per_source"] > 0, timeout=20)
+
+        def p_gets_in() -> bool:
+            with socket.create_connection(server.address, timeout=5, source_address=("127.0.0.9", 0)) as s:
+                s.settimeout(5)
+                return s.recv(2) == b"ok"
+
+        assert not p_gets_in()  # locked out: the outage this guards against
+        assert server.acceptor.announce(parse_networks("127.0.0.9")) == 1
+        assert all(p_gets_in() for _ in range(4))
+        assert server.acceptor.stats()["handshaking_unknown"] == 32  # the flood keeps what it had, no more
+    finally:
+        flood.close()
+        server.close()
+
+
+def test_the_router_names_md_the_p_hosts_on_its_receiver():
+    """The WAN receiver's side of the announcement: a P named (IPv4 host, IPv6 /64) is known,
+    a new announcement replaces the last, and the count shows in MD's stats."""
+    rx = WanKvReceiver(KEY, name="md")
+    try:
+        assert rx.announce_senders(parse_networks("127.0.0.9,2001:db8:1:2::7")) == 2
+        policy = rx._acceptor.policy
+        assert policy.is_known(source_of("127.0.0.9"), 0) and policy.is_known(source_of("2001:db8:1:2::99"), 0)
+        assert rx.stats()["known_sources_announced"] == 2
+        rx.announce_senders(parse_networks("10.0.0.1"))
+        assert not policy.is_known(source_of("127.0.0.9"), 0) and policy.is_known(source_of("10.0.0.1"), 0)
+    finally:
+        rx.close()

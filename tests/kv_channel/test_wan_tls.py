@@ -5,6 +5,7 @@ Certificates are made at test time with the openssl CLI: a CA, a leaf for MD (na
 """
 
 import shutil
+import ssl
 import time
 
 import numpy as np
@@ -169,3 +170,13 @@ def test_handshake_proofs_do_not_pass_to_another_tls_connection(pki, monkeypatch
     finally:
         tx.close()
         rx.close()
+
+
+def test_the_tls13_binding_is_the_one_pythons_ssl_offers():
+    """RFC 9266 defines ``tls-exporter`` for TLS 1.3 (``tls-unique`` is undefined there). The
+    stream binding uses ``tls-unique`` because Python's ssl offers nothing else: no channel
+    binding type but it, no keying-material exporter (handshake.tls_binding says why the
+    first Finished still binds one TLS 1.3 connection). When this fails, Python offers the
+    exporter: switch the binding to it."""
+    assert ssl.CHANNEL_BINDING_TYPES == ["tls-unique"]
+    assert not any("export" in name or "keying" in name for name in dir(ssl.SSLSocket))

@@ -1,0 +1,384 @@
+"""The report's question at the report's scale, one set of rules for every design:
+
+    python -m benchmarks.sim_round4 headline --wan-gbps 20 [--tile 8]   # the headline table
+    python -m benchmarks.sim_round4 map                                  # where PDD wins, PNG
+    python -m benchmarks.sim_round4 placement                            # the P rules compared
+    python -m benchmarks.sim_round4 staging --wan-gbps 50                # MD's staging budget swept
+
+`headline` sizes same-DC PD, cross-DC PD (no relay, no DRC), cross-DC PD + DRC and PDD on the
+report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
+runs every design on PDD's sized fleet, load-sweeps them for the knee, and prints the
+report's headline metrics side by side with the report's own numbers. `map` sizes the four
+designs on the report-like trace with more or fewer context resets (the prefix hit) over a
+grid of WAN rates and draws PDD's cost
+against each baseline (docs/img/sim_wins_map.png). Results: JSON beside the PNG under --out
+(docs/img by default); docs/sim-notebook.md reads them. Each takes 10-40 CPU minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+from typing import Dict, List, Optional
+
+from tqdm import tqdm
+
+from sglang_pdd.sim.cluster import run_scenario
+from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
+from sglang_pdd.sim.loadsweep import load_sweep
+from sglang_pdd.sim.metrics import Sla, Summary
+from sglang_pdd.sim.scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios, with_counts
+from sglang_pdd.sim.sizing import offered_rps, size_designs
+from sglang_pdd.sim.traces import tile_trace
+from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
+                                  report_agentic_config)
+
+PDD = "pdd_drc_adaptive"
+DESIGNS = BASELINES + (PDD,)
+MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+
+# The report's headline, as issue 29 quotes it (its setup: 88 chip-A GPUs in the same-DC
+# baseline, 20 Gbps, agentic traffic with 70-80% of requests high-hit). None: not quoted.
+REPORT = {
+    "ttft_p90_vs_xdc": -0.46,
+    "rps_within_sla_vs_xdc": +0.278,
+    "bcr_vs_same_dc": (0.32, 0.375),
+    "rld_cost_share": "a few %",
+    "rld_token_share": 0.06,
+    "p_md_share": 0.79,
+    "drc_bytes_x": 10.0,
+    "stall": None,
+}
+
+
+def spec_for(model: str, wan_gbps: float, mla_kernel: str = "flashmla") -> ClusterSpec:
+    chip_a = "h200" if model == "deepseek-v3" else "h100"
+    return ClusterSpec(chip_a=preset(model, chip_a, mla_kernel=mla_kernel),
+                       chip_b=preset(model, "h20", mla_kernel=mla_kernel),
+                       wan=replace(WAN_DEFAULT, gbps=wan_gbps))
+
+
+def _short(s: Summary) -> dict:
+    keep = ("scenario", "requests", "cost_per_hour", "hw_cost_per_hour", "wan_lease_per_hour", "gpus", "ttft_p50",
+            "ttft_p90", "ttft_p99", "tpot_p50", "stall_p50", "stall_p99", "sla_attainment", "tail_sla_attainment",
+            "goodput_rps", "offered_rps", "wan_gb", "wan_util", "mean_md_hit", "md_refused", "md_waited",
+            "rld_token_share", "rld_cost_share", "bcr", "paths", "p_host_tokens", "md_host_tokens")
+    d = asdict(s)
+    return {k: d[k] for k in keep}
+
+
+def headline(a) -> int:
+    base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed)))
+    trace = tile_trace(base, a.tile)
+    sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
+    spec = spec_for(a.model, a.wan_gbps, a.mla_kernel)
+    by = {c.name: c for c in standard_scenarios(spec)}
+    if a.reuse:  # the sizing of an earlier run of the same setup (it is the slow part)
+        with open(a.reuse) as f:
+            old = json.load(f)
+        sized, verdicts, warnings = old["sized"], old["verdicts"], old["warnings"]
+    else:
+        bar = tqdm(desc=f"sizing at {a.wan_gbps:g} Gbps", unit="sim", file=sys.stderr)
+        lo, hi = (int(x) for x in a.prefill_range.split(":"))
+        v = size_designs({n: by[n] for n in DESIGNS}, PDD, trace, sla, a.target, range(lo, hi + 1),
+                         range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update())
+        bar.close()
+        sized = {n: (None if r is None else dict(n_prefill=r.n_prefill, n_rld=r.n_rld, n_md=r.n_md,
+                                                  cost_per_hour=r.cost_per_hour, summary=_short(r.summary)))
+                 for n, r in v.results.items()}
+        verdicts, warnings = [asdict(x) for x in v.verdicts], v.warnings
+    pdd = sized[PDD]
+    # Every design on one fleet (PDD's sized counts, or the cheapest baseline's when no PDD
+    # mix met the target): what each delivers on the same hardware.
+    fleet = pdd or next((r for r in sized.values() if r is not None), None)
+    same_fleet, knees = {}, {}
+    if fleet is not None:
+        n_p, n_r, n_m = fleet["n_prefill"], fleet["n_rld"], fleet["n_md"]
+        if n_r == 0:
+            n_r = 1  # PDD's paths need an RLD: one more instance, the baselines get it as a decoder
+        cfgs = {n: with_counts(by[n], n_p, n_r if n == PDD else 0, (n_m if n == PDD else n_m + n_r)) for n in DESIGNS}
+        scales = [float(x) for x in a.scales.split(",")]
+        bar = tqdm(total=len(DESIGNS) * (1 + len(scales)), desc="same fleet + knees", file=sys.stderr)
+        for n, cfg in cfgs.items():
+            same_fleet[n] = _short(run_scenario(cfg, trace, sla))
+            bar.update()
+            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update())
+            knees[n] = dict(knee_scale=k.knee.rate_scale if k.knee else None, knee_goodput_rps=k.knee_goodput_rps,
+                            knee_bcr=k.knee_bcr, cost_per_hour=cfg.cost_per_hour)
+        bar.close()
+        fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
+    out = dict(trace=f"agentic_report{a.n}x{a.tile}", requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
+               mla_kernel=a.mla_kernel, sla=asdict(sla), target=a.target, sized=sized,
+               verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
+               knees=knees, report=REPORT)
+    os.makedirs(a.out, exist_ok=True)
+    tag = f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
+    path = os.path.join(a.out, f"sim_headline_{tag}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(headline_markdown(out))
+    print(f"wrote {path}")
+    return 0
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:+.0f}%"
+
+
+def headline_markdown(d: dict) -> str:
+    """The report's metrics beside the sim's, from a headline JSON."""
+    sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
+    pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
+    lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
+             f"MLA kernel {d['mla_kernel']}; same fleet = {d['fleet']}",
+             "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
+    if pdd and xdc and xdcd:
+        lines.append(f"| TTFT p90 vs cross-DC PD | -46% | {_pct(pdd['ttft_p90'] / xdc['ttft_p90'] - 1)} "
+                     f"(+DRC: {_pct(pdd['ttft_p90'] / xdcd['ttft_p90'] - 1)}) | same fleet; PDD "
+                     f"{pdd['ttft_p90']:.2f} s, xDC {xdc['ttft_p90']:.2f} s, xDC+DRC {xdcd['ttft_p90']:.2f} s |")
+    if kn:
+        g = {n: kn[n]["knee_goodput_rps"] for n in kn}
+        rel = (lambda b: None if not g.get(b) else g[PDD] / g[b] - 1)
+        lines.append(f"| RPS within SLA vs cross-DC PD | +27.8% | {_pct(rel('xdc_pd'))} (+DRC: {_pct(rel('xdc_pd_drc'))}) "
+                     f"| knee goodput on the same fleet: PDD {g[PDD]:.2f}, xDC {g['xdc_pd']:.2f}, "
+                     f"xDC+DRC {g['xdc_pd_drc']:.2f} r/s |")
+    if sz.get(PDD) and sz.get("pd_same_dc"):
+        c_pdd, c_pd = sz[PDD]["cost_per_hour"], sz["pd_same_dc"]["cost_per_hour"]
+        lines.append(f"| BCR vs same-DC PD | +32-37.5% | {_pct(c_pd / c_pdd - 1)} | sized for the same SLA: "
+                     f"PD ${c_pd:.0f}/h ({sz['pd_same_dc']['summary']['gpus']} GPUs), PDD ${c_pdd:.0f}/h "
+                     f"({sz[PDD]['summary']['gpus']} GPUs) |")
+    elif sz.get("pd_same_dc"):
+        lines.append(f"| BCR vs same-DC PD | +32-37.5% | no PDD mix meets the target | PD "
+                     f"${sz['pd_same_dc']['cost_per_hour']:.0f}/h |")
+    if pdd:
+        n = pdd["requests"]
+        lines.append(f"| RLD share of cost / tokens | a few % / ~6% | {100 * pdd['rld_cost_share']:.1f}% / "
+                     f"{100 * pdd['rld_token_share']:.1f}% | PDD on the same fleet |")
+        lines.append(f"| P->MD share | 79% | {100 * pdd['paths'].get('p_md', 0) / n:.0f}% | "
+                     f"via RLD {100 * (1 - pdd['paths'].get('p_md', 0) / n):.0f}% |")
+    if xdc and xdcd and xdcd["wan_gb"] > 0:
+        lines.append(f"| DRC bytes (no DRC / DRC) | ~10x | {xdc['wan_gb'] / xdcd['wan_gb']:.1f}x | "
+                     f"cross-DC PD {xdc['wan_gb']:.0f} GB vs +DRC {xdcd['wan_gb']:.0f} GB; PDD {pdd['wan_gb']:.0f} GB |")
+    if pdd:
+        lines.append(f"| handoff stall p50 / p99 | (not quoted) | {1e3 * pdd['stall_p50']:.0f} / {1e3 * pdd['stall_p99']:.0f} ms "
+                     f"| PDD, requests that switch to MD |")
+    lines.append("")
+    for vd in d["verdicts"]:
+        lines.append(f"- verdict {vd['message']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- map
+def wins_map(a) -> int:
+    """The prefix hit moves with the report-like generator's context resets (a session
+    compacts its context with that probability a turn): sessions start over time and keep
+    their think times, unlike a fixed-hit trace whose sessions all start cold at once."""
+    resets = [float(x) for x in a.resets.split(",")]
+    gbps = [float(x) for x in a.gbps.split(",")]
+    hits = []
+    sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
+    lo, hi = (int(x) for x in a.prefill_range.split(":"))
+    cells: Dict[str, dict] = {}
+    pd_cost: Dict[float, Optional[float]] = {}
+    bar = tqdm(desc="wins map", unit="sim", file=sys.stderr)
+    for reset in resets:
+        base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed,
+                                                                 context_reset_prob=reset)))
+        trace = tile_trace(base, a.tile)
+        rates = per_request_hit_rates(base)
+        h = round(sum(rates) / len(rates), 3)
+        hits.append(h)
+        for g in gbps:
+            by = {c.name: c for c in standard_scenarios(spec_for(a.model, g))}
+            names = [n for n in DESIGNS if n != "pd_same_dc" or h not in pd_cost]
+            v = size_designs({n: by[n] for n in names}, PDD, trace, sla, a.target, range(lo, hi + 1),
+                             range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update())
+            if "pd_same_dc" in v.results:
+                r = v.results["pd_same_dc"]
+                pd_cost[h] = None if r is None else r.cost_per_hour
+            costs = {n: (None if r is None else r.cost_per_hour) for n, r in v.results.items()}
+            costs["pd_same_dc"] = pd_cost[h]
+            mix = {n: (None if r is None else [r.n_prefill, r.n_rld, r.n_md]) for n, r in v.results.items()}
+            cells[f"{h}:{g}"] = dict(hit=h, reset=reset, gbps=g, costs=costs, mixes=mix)
+            print(f"hit {h:.2f} WAN {g:g} Gbps: " + ", ".join(
+                f"{n} {'-' if c is None else f'${c:.0f}/h'}" for n, c in costs.items()), flush=True)
+    bar.close()
+    os.makedirs(a.out, exist_ok=True)
+    out = dict(model=a.model, n=a.n, tile=a.tile, rate=round(offered_rps(trace), 2), resets=resets,
+               sla=asdict(sla), target=a.target, hits=hits, gbps=gbps, cells=cells)
+    with open(os.path.join(a.out, "sim_wins_map.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {plot_map(out, os.path.join(a.out, 'sim_wins_map.png'))}")
+    return 0
+
+
+def plot_map(d: dict, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    hits, gbps = d["hits"], d["gbps"]
+    fig, axes = plt.subplots(1, len(BASELINES), figsize=(5.2 * len(BASELINES), 4.4), sharey=True)
+    for ax, base in zip(axes, BASELINES):
+        z = np.full((len(hits), len(gbps)), np.nan)
+        text = [["" for _ in gbps] for _ in hits]
+        for i, h in enumerate(hits):
+            for j, g in enumerate(gbps):
+                c = d["cells"][f"{h}:{g}"]["costs"]
+                p, b = c.get(PDD), c.get(base)
+                if p is None and b is None:
+                    text[i][j] = "none"
+                elif p is None:
+                    z[i][j], text[i][j] = 1.0, "no PDD"
+                elif b is None:
+                    z[i][j], text[i][j] = -1.0, "only PDD"
+                else:
+                    z[i][j] = max(-1.0, min(1.0, p / b - 1))
+                    text[i][j] = f"{100 * (p / b - 1):+.0f}%"
+        im = ax.imshow(z, cmap="RdYlGn_r", vmin=-0.5, vmax=0.5, origin="lower", aspect="auto")
+        for i in range(len(hits)):
+            for j in range(len(gbps)):
+                ax.text(j, i, text[i][j], ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(gbps)))
+        ax.set_xticklabels([f"{g:g}" for g in gbps])
+        ax.set_yticks(range(len(hits)))
+        ax.set_yticklabels([f"{h:.2f}" for h in hits])
+        ax.set_xlabel("WAN Gbps")
+        ax.set_title(f"PDD vs {DESIGN_LABELS[base]}", fontsize=10)
+    axes[0].set_ylabel("mean prefix hit per request")
+    fig.colorbar(im, ax=axes, label="PDD's cost / baseline's - 1 (green: PDD cheaper)", shrink=0.85)
+    fig.suptitle(f"Cheapest fleet meeting {d['target']:.0%} SLA: {d['model']}, report-like agentic trace x{d['tile']} "
+                 f"(~{d['rate']:g} r/s; fewer hits = more context resets), WAN lease in the cost", fontsize=10)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- placement
+def placement(a) -> int:
+    """Every design's SLA attainment under each P rule, same fleets and traces."""
+    from sglang_pdd.sim.cluster import P_PLACEMENTS
+    sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
+    traces = {"mooncake x4": tile_trace(list(load_trace(MOONCAKE)), 4),
+              "agentic (realistic)": list(generate_agentic_trace(realistic_agentic_config(num_requests=3000))),
+              "agentic-report x8": tile_trace(list(generate_agentic_trace(report_agentic_config(num_requests=3000))), 8)}
+    mixes = {"mooncake x4": (10, 1, 2), "agentic (realistic)": (4, 1, 1), "agentic-report x8": (8, 1, 3)}
+    rows = []
+    bar = tqdm(total=len(traces) * len(P_PLACEMENTS) * 2, desc="P rules", file=sys.stderr)
+    for label, trace in traces.items():
+        n_p, n_r, n_m = mixes[label]
+        for rule in P_PLACEMENTS:
+            by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps), p_placement=rule))}
+            for name in ("pd_same_dc", PDD):
+                cfg = with_counts(by[name], n_p, n_r if name == PDD else 0, n_m if name == PDD else n_m + n_r)
+                s = run_scenario(cfg, trace, sla)
+                rows.append(dict(trace=label, rule=rule, design=name, mix=[n_p, n_r, n_m], **_short(s)))
+                bar.update()
+    bar.close()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sim_p_rules.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("| trace, fleet | design | " + " | ".join(P_PLACEMENTS) + " |")
+    print("|---|---|" + "---|" * len(P_PLACEMENTS))
+    for label in traces:
+        for name in ("pd_same_dc", PDD):
+            got = {r["rule"]: r for r in rows if r["trace"] == label and r["design"] == name}
+            print(f"| {label} {'/'.join(map(str, mixes[label]))} | {name} | " + " | ".join(
+                f"{100 * got[k]['sla_attainment']:.1f} ({got[k]['ttft_p90']:.2f} s)" for k in P_PLACEMENTS) + " |")
+    return 0
+
+
+# ------------------------------------------------------------------------------- staging
+def staging(a) -> int:
+    """MD's staging budget as a share of MD's KV pool, for the two designs that land KV on MD
+    through it most (cross-DC PD + DRC, PDD), on the report-like trace."""
+    base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed)))
+    trace = tile_trace(base, a.tile)
+    sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
+    by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps), n_prefill=a.prefill,
+                                                         n_rld=a.rld, n_md=a.md))}
+    pool = by["xdc_pd_drc"].md_hw.kv_capacity_tokens * by["xdc_pd_drc"].md_hw.kv_bytes_per_token
+    shares = [4 * 2 ** 30 / pool] + [float(x) for x in a.shares.split(",")]
+    rows = []
+    bar = tqdm(total=2 * len(shares), desc="staging shares", file=sys.stderr)
+    for name in ("xdc_pd_drc", PDD):
+        for share in shares:
+            s = run_scenario(replace(by[name], md_staging_bytes=share * pool), trace, sla)
+            rows.append(dict(design=name, share=share, gib=share * pool / 2 ** 30, **_short(s)))
+            bar.update()
+    bar.close()
+    print(f"| design | budget (share of MD's pool) | SLA % | TTFT p90 s | stall p99 ms | waited | refused | "
+          f"MD hit | WAN util |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['design']} | {r['gib']:.0f} GiB ({r['share']:.3f}) | {100 * r['sla_attainment']:.1f} | "
+              f"{r['ttft_p90']:.2f} | {1e3 * r['stall_p99']:.0f} | {r['md_waited']} | {r['md_refused']} | "
+              f"{r['mean_md_hit']:.2f} | {r['wan_util']:.2f} |")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"sim_staging_{a.model}_{a.wan_gbps:g}g.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_round4", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--model", default="deepseek-v3", choices=("deepseek-v3", "llama3-70b"))
+        p.add_argument("--ttft-slo", type=float, default=2.0)
+        p.add_argument("--tpot-slo", type=float, default=0.06)
+        p.add_argument("--itl-slo", type=float, default=1.0)
+        p.add_argument("--target", type=float, default=0.9)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", default="docs/img")
+
+    p = sub.add_parser("headline")
+    common(p)
+    p.add_argument("--n", type=int, default=3000)
+    p.add_argument("--tile", type=int, default=8, help="copies of the trace: 8 sizes same-DC PD at ~80-88 GPUs")
+    p.add_argument("--wan-gbps", type=float, default=20.0)
+    p.add_argument("--mla-kernel", default="flashmla", choices=("flashmla", "generic"))
+    p.add_argument("--prefill-range", default="6:12")
+    p.add_argument("--rld-max", type=int, default=2)
+    p.add_argument("--md-max", type=int, default=6)
+    p.add_argument("--scales", default="0.75,1,1.25,1.5")
+    p.add_argument("--reuse", help="take the sizing from this earlier headline JSON of the same setup")
+    p.set_defaults(fn=headline)
+    p = sub.add_parser("map")
+    common(p)
+    p.add_argument("--resets", default="0.02,0.1,0.25,0.5",
+                   help="context-reset probability per turn (mean hit 0.92, 0.88, 0.81, 0.71)")
+    p.add_argument("--gbps", default="10,25,100,400")
+    p.add_argument("--n", type=int, default=3000)
+    p.add_argument("--tile", type=int, default=2)
+    p.add_argument("--prefill-range", default="1:8")
+    p.add_argument("--rld-max", type=int, default=1)
+    p.add_argument("--md-max", type=int, default=6)
+    p.set_defaults(fn=wins_map)
+    p = sub.add_parser("staging")
+    common(p)
+    p.add_argument("--n", type=int, default=3000)
+    p.add_argument("--tile", type=int, default=4)
+    p.add_argument("--wan-gbps", type=float, default=50.0)
+    p.add_argument("--prefill", type=int, default=4)
+    p.add_argument("--rld", type=int, default=1)
+    p.add_argument("--md", type=int, default=2)
+    p.add_argument("--shares", default="0.015625,0.0625,0.25,0.5,1")
+    p.set_defaults(fn=staging)
+    p = sub.add_parser("placement")
+    common(p)
+    p.add_argument("--wan-gbps", type=float, default=100.0)
+    p.set_defaults(fn=placement)
+    a = ap.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
