@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, STATUSES, CounterLedger, FiredFault, RequestRecord,
+from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, SLOW_HANDOFF, SLOW_KV, STATUSES, Slower, CounterLedger, FiredFault, RequestRecord,
                                      StreamTracker, cells, counted, counters, evaluate, explained, leaks, table,
                                      token_errors)
 from sglang_pdd.chaos.spec import ALL_KINDS, FaultKind
@@ -105,10 +105,34 @@ def key(name, **labels):
     return (name, frozenset(labels.items()))
 
 
-def test_counters_keep_only_counter_samples():
+def test_counters_keep_only_samples_that_only_go_up():
     samples = [("pdd:fallbacks_total", {"reason": "md_failed"}, 2.0), ("pdd:backend_up", {"role": "main"}, 1.0),
-               ("pdd:ttft_seconds_count", {"path": "p_md"}, 5.0)]
-    assert counters(samples) == {key("pdd:fallbacks_total", reason="md_failed"): 2.0}
+               ("pdd:ttft_seconds_count", {"path": "p_md"}, 5.0), ("pdd:ttft_seconds_sum", {"path": "p_md"}, 1.5),
+               ("pdd:ttft_seconds_bucket", {"path": "p_md", "le": "1.0"}, 4.0)]
+    assert counters(samples) == {key("pdd:fallbacks_total", reason="md_failed"): 2.0,
+                                 key("pdd:ttft_seconds_count", path="p_md"): 5.0,
+                                 key("pdd:ttft_seconds_bucket", path="p_md", le="1.0"): 4.0}
+
+
+def kv_latency(count, within_1s):
+    return {key("pdd:kv_transfer_latency_ms_count"): count,
+            key("pdd:kv_transfer_latency_ms_bucket", le="1000.0"): within_1s,
+            key("pdd:kv_transfer_latency_ms_bucket", le="2500.0"): count}
+
+
+def test_a_slowed_wan_is_counted_by_kv_transfers_over_a_second_only():
+    before = kv_latency(10, 10)
+    assert SLOW_KV.total(before) == 0
+    assert counted(FaultKind.WAN_SLOW, before, kv_latency(30, 28))  # two of the new twenty took > 1 s
+    assert not counted(FaultKind.WAN_SLOW, before, kv_latency(30, 30))  # more transfers, none slow
+    assert not counted(FaultKind.KILL_MD, before, kv_latency(30, 28))  # slowness is no kill
+    stall = {key("pdd:handoff_stall_seconds_count", mode="one_shot"): 3.0,
+             key("pdd:handoff_stall_seconds_bucket", mode="one_shot", le="0.5"): 3.0,
+             key("pdd:handoff_stall_seconds_count", mode="catch_up"): 5.0,
+             key("pdd:handoff_stall_seconds_bucket", mode="catch_up", le="0.5"): 5.0}
+    slow = {**stall, key("pdd:handoff_stall_seconds_count", mode="catch_up"): 6.0}  # one over 0.5 s
+    assert SLOW_HANDOFF.total(slow) == 1
+    assert counted(FaultKind.MD_SLOW, stall, slow) and not counted(FaultKind.WAN_SLOW, stall, slow)
 
 
 def test_the_ledger_sums_counters_across_router_restarts():
@@ -144,7 +168,11 @@ def test_each_fault_is_counted_only_by_its_own_kind_of_evidence():
 def test_evidence_names_metrics_and_labels_the_router_exports():
     router = (DOCS / "router.md").read_text()
     for kind, evidence in EVIDENCE.items():
-        for name, labels in evidence:
+        for item in evidence:
+            if isinstance(item, Slower):
+                assert f"`{item.histogram}`" in router, (kind, item)
+                continue
+            name, labels = item
             assert f"`{name}`" in router, (kind, name)
             for value in labels.values():
                 assert f"`{value}`" in router, (kind, value)
@@ -185,3 +213,17 @@ def test_a_clean_row_passes_and_any_single_problem_fails_it():
     lines = table([clean]).splitlines()
     assert lines[0].startswith("| scenario | requests | completed equal | failed with status | duplicated")
     assert lines[2] == "| baseline | 1 | 1 | 0 | 0 | 0 | 0 | - | ok |"
+
+
+def test_slow_evidence_reads_bucket_bounds_the_router_exports():
+    from sglang_pdd.router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    m.kv_transfer(0.2, 4096)
+    m.kv_transfer(1.7, 4096)  # one over a second
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scrape = counters((s.name, s.labels, s.value) for f in text_string_to_metric_families(m.render().decode())
+                      for s in f.samples)
+    assert SLOW_KV.total(scrape) == 1
+    assert SLOW_HANDOFF.total(scrape) == 0

@@ -10,9 +10,10 @@ from sglang_pdd.chaos.spec import (ALL_KINDS, SCENARIOS, SOAK_GAP_RANGE_S, SOAK_
 
 
 def test_one_scenario_per_fault_kind_and_a_baseline():
-    assert set(SCENARIOS) == {"baseline", *(k.value for k in ALL_KINDS)}
+    assert set(SCENARIOS) == {"baseline", "kill_md_wan_down", *(k.value for k in ALL_KINDS)}
+    assert [f.kind for f in SCENARIOS["kill_md_wan_down"].faults] == [FaultKind.KILL_MD, FaultKind.WAN_DOWN]
     assert SCENARIOS["baseline"].faults == ()
-    for kind in ALL_KINDS:
+    for kind in ALL_KINDS:  # each kind alone
         (fault,) = SCENARIOS[kind.value].faults
         assert fault.kind is kind
         assert fault.after_s > 0  # load runs before the fault

@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 from sglang_pdd.chaos.spec import FaultKind
 
@@ -136,8 +136,10 @@ MetricKey = tuple[str, frozenset]  # (sample name, its labels)
 
 
 def counters(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> dict[MetricKey, float]:
-    """The counter samples (``*_total``) of a scrape, keyed by name and labels."""
-    return {(name, frozenset(labels.items())): value for name, labels, value in samples if name.endswith("_total")}
+    """The samples of a scrape that only go up while a router lives, keyed by name and labels:
+    counters (``*_total``) and histograms' cumulative ``*_count`` and ``*_bucket``."""
+    return {(name, frozenset(labels.items())): value for name, labels, value in samples
+            if name.endswith(("_total", "_count", "_bucket"))}
 
 
 class CounterLedger:
@@ -162,21 +164,43 @@ class CounterLedger:
         return dict(self.totals)
 
 
+@dataclass(frozen=True)
+class Slower:
+    """A histogram's observations above ``bound`` (its ``_count`` less its ``le=bound`` bucket,
+    summed over its other labels): what counts a fault that slows requests and fails none."""
+    histogram: str
+    bound: float
+
+    def total(self, snapshot: Mapping[MetricKey, float]) -> float:
+        n = 0.0
+        for (name, labels), value in snapshot.items():
+            if name == f"{self.histogram}_count":
+                n += value
+            elif name == f"{self.histogram}_bucket" and float(dict(labels).get("le", "nan")) == self.bound:
+                n -= value
+        return n
+
+
+# Requests whose KV took over a second to land on MD (it takes ~0.1-0.5 s on the chaos cluster's
+# 2 Mbit/s link), and MD stalls over half a second after a handoff (tens of ms when MD runs).
+SLOW_KV = Slower("pdd:kv_transfer_latency_ms", 1000.0)
+SLOW_HANDOFF = Slower("pdd:handoff_stall_seconds", 0.5)
+
 # The router's metrics that count each kind of fault: any of them going up while the fault was
 # on (between the scrape when it fired and the one when the next fired, or the end) counts it.
 # A restarted router counts as its counters starting over (CounterLedger.restarts).
-EVIDENCE: dict[FaultKind, tuple[tuple[str, dict], ...]] = {
+EVIDENCE: dict[FaultKind, tuple[Union[tuple[str, dict], Slower], ...]] = {
     FaultKind.KILL_RLD: (("pdd:backend_failures_total", {"role": "relay"}),),
     FaultKind.KILL_P: (("pdd:backend_failures_total", {"role": "prefill"}),),
     FaultKind.KILL_MD: (("pdd:backend_failures_total", {"role": "main"}),),
     FaultKind.WAN_DOWN: (("pdd:fallbacks_total", {"reason": "wan_failed"}),
                          ("pdd:fallbacks_total", {"reason": "wan_timeout"}),
                          ("pdd:backend_failures_total", {"role": "main"})),
-    FaultKind.WAN_SLOW: (("pdd:fallbacks_total", {"reason": "wan_timeout"}),),
+    FaultKind.WAN_SLOW: (("pdd:fallbacks_total", {"reason": "wan_timeout"}), SLOW_KV),
     FaultKind.MD_DRAIN: (("pdd:fallbacks_total", {"reason": "md_rejected"}),),
     FaultKind.MD_SLOW: (("pdd:fallbacks_total", {"reason": "wan_timeout"}),
                         ("pdd:fallbacks_total", {"reason": "md_rejected"}),
-                        ("pdd:fallbacks_total", {"reason": "md_failed"})),
+                        ("pdd:fallbacks_total", {"reason": "md_failed"}), SLOW_KV, SLOW_HANDOFF),
 }
 
 
@@ -185,7 +209,12 @@ def counted(kind: FaultKind, before: Mapping[MetricKey, float], after: Mapping[M
     """Did the router's metrics count a fault of ``kind`` between two ledger snapshots?"""
     if kind is FaultKind.ROUTER_RESTART:
         return restarts > 0
-    for name, labels in EVIDENCE[kind]:
+    for evidence in EVIDENCE[kind]:
+        if isinstance(evidence, Slower):
+            if evidence.total(after) > evidence.total(before):
+                return True
+            continue
+        name, labels = evidence
         for key, value in after.items():
             if key[0] == name and set(labels.items()) <= key[1] and value > before.get(key, 0.0):
                 return True

@@ -26,7 +26,7 @@ from sglang_pdd.chaos.spec import SCENARIOS, LoadSpec, Scenario, Soak, prompt_po
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sglang_pdd.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    ap.add_argument("--scenarios", default="all", help="comma-separated names, 'all', or 'none'")
+    ap.add_argument("--scenarios", "--scenario", default="all", help="comma-separated names, 'all', or 'none'")
     ap.add_argument("--soak-minutes", type=float, default=0.0, help="then a soak mixing every fault for this long")
     ap.add_argument("--rate", type=float, default=LoadSpec.rate_per_s, help="requests per second (Poisson)")
     ap.add_argument("--seed", type=int, default=0)
@@ -91,7 +91,11 @@ def main(argv=None) -> int:
             "wan": wan, "leftovers": leftovers, "rate_per_s": args.rate, "seed": args.seed,
             "rows": [{**asdict(o.row), "passed": o.row.passed, "seconds": round(o.seconds, 1),
                       "fired": [{"kind": f.kind.value, "started_s": round(f.started_s, 2),
-                                 "recovered_s": round(f.recovered_s, 2)} for f in o.fired]} for o in outcomes]},
+                                 "recovered_s": round(f.recovered_s, 2)} for f in o.fired],
+                      "requests": [{"index": r.index, "key": r.key, "sent_s": round(r.sent_s, 2),
+                                    "ended_s": round(r.ended_s, 2), "status": r.status, "path": r.path,
+                                    "fallbacks": list(r.fallbacks), "connect_retries": r.connect_retries,
+                                    "message": r.message[:160]} for r in o.records]} for o in outcomes]},
             indent=1))
     soaks = [o for o, plan in zip(outcomes, plans) if isinstance(plan, Soak)]
     if args.plot and soaks:

@@ -1,8 +1,8 @@
 """What makes each fault happen on the local cluster, and what ends it (blocking I/O).
 
 With datacenter B in a network namespace (``link``: launcher.netns.DatacenterLink) the WAN is
-the kernel link between the namespaces: it goes down with ``ip link set ... down`` on both
-ends (every byte between the datacenters stops: P's WAN KV, the router's control calls, MD's
+the kernel link between the namespaces: it goes down with ``ip link set ... down`` on B's
+end (every byte between the datacenters is lost: P's WAN KV, the router's control calls, MD's
 streams) and its rate is cut with tc. Without one (not root) the userspace WAN emulator's
 faults stand in (partition / heal, its link rate), which carry only P's WAN KV; the runner
 says so when it starts.
@@ -100,9 +100,12 @@ class FaultInjector:
 
     # ------------------------------------------------------------------ the WAN
     def _wan_down(self) -> None:
+        # Datacenter B's end only: A's end then has no carrier but keeps its route, so what A
+        # sends to B is lost on the link, as on a cut WAN. With A's end down too, A's route to
+        # B would go and the traffic would take the default route instead (on a sandbox, to a
+        # proxy that answers 404 for B's address: not a WAN outage).
         if self.netns:
             plan = self.link.plan
-            _run(["ip", "link", "set", plan.veth_a, "down"])
             _run(["ip", "-n", plan.namespace, "link", "set", plan.veth_b, "down"])
         else:
             self.cluster.wan_control("partition")
@@ -111,7 +114,7 @@ class FaultInjector:
         if self.netns:
             plan = self.link.plan
             _run(["ip", "-n", plan.namespace, "link", "set", plan.veth_b, "up"])
-            _run(["ip", "link", "set", plan.veth_a, "up"])
+            _run(["ip", "link", "set", plan.veth_a, "up"])  # a no-op unless something else took it down
         else:
             self.cluster.wan_control("heal")
 

@@ -122,6 +122,11 @@ FIRST_FAULT_AFTER_S = 8.0
 SCENARIOS: dict[str, Scenario] = {"baseline": Scenario("baseline", ())}
 SCENARIOS.update({kind.value: Scenario(kind.value, (Fault(kind, FIRST_FAULT_AFTER_S, _HOLD_S[kind]),))
                   for kind in ALL_KINDS})
+# Two faults of datacenter B in one short run (the CI tier's scenario): MD killed mid-stream,
+# then, with MD back, the whole WAN down; requests in flight through each must still finish.
+SCENARIOS["kill_md_wan_down"] = Scenario("kill_md_wan_down", (
+    Fault(FaultKind.KILL_MD, FIRST_FAULT_AFTER_S, _HOLD_S[FaultKind.KILL_MD]),
+    Fault(FaultKind.WAN_DOWN, 5.0, _HOLD_S[FaultKind.WAN_DOWN])), tail_s=8.0)
 
 
 def scenario(name: str) -> Scenario:
