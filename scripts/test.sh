@@ -64,7 +64,7 @@ else
   # the modules on the default cluster with the whole differential matrix, then the modules
   # that each bring their own configuration (control-plane TLS, TP, MLA, page size, TCP engine, resume,
   # injected registration delays, datacenter B in a network namespace: SGLang's own PD against
-  # PDD, a killed launcher's cleanup).
+  # PDD, a killed launcher's cleanup, faults under load).
   stage "end-to-end shard 1: default cluster, full matrix" 5400 \
     "${PYTEST[@]}" -m e2e --timeout 1800 "$@" tests/test_e2e_demo.py tests/test_e2e_aborts.py tests/test_e2e_api.py tests/test_e2e_health.py \
     tests/test_e2e_differential.py tests/test_e2e_input_logprobs.py tests/test_e2e_late_destination.py \
@@ -72,7 +72,7 @@ else
   stage "end-to-end shard 2: other configurations" 5400 \
     "${PYTEST[@]}" -m e2e --timeout 1800 "$@" tests/test_e2e_control_tls.py tests/test_e2e_mla.py tests/test_e2e_page_size.py \
     tests/test_e2e_multi.py tests/test_e2e_races.py tests/test_e2e_resume.py tests/test_e2e_tcp_fallback.py \
-    tests/test_e2e_tp.py tests/test_e2e_netns_cleanup.py tests/test_e2e_real_pd_vs_pdd.py
+    tests/test_e2e_tp.py tests/test_e2e_netns_cleanup.py tests/test_e2e_real_pd_vs_pdd.py tests/test_e2e_chaos.py
 fi
 if [ "$SELECTED" = 0 ]; then
   echo "FAILED: no test selected by: $*"
