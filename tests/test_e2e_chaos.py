@@ -8,8 +8,12 @@ afterwards no server holds a request, room, pool page, staged KV or WAN destinat
 cache flushes, the router's metrics counted each fault by kind, and nothing of the run is left
 behind.
 
-* CI tier: MD killed mid-stream, then the WAN down (about 2-3 minutes with the cluster's start).
-* Full tier: a 10-minute soak mixing every kind of fault.
+Both in the full tier (shard 2 of ``scripts/test.sh --full``):
+
+* MD killed mid-stream, then the WAN down (about 4 minutes with the cluster's start). Not in the
+  CI tier: the only CI-tier test it subsumes (``test_e2e_pdd.py::
+  test_wan_partition_rld_finishes_without_loss``) takes a fraction of that (docs/faults.md).
+* A 10-minute soak mixing every kind of fault.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pytest
 
 from sglang_pdd.chaos.spec import ALL_KINDS, SCENARIOS, LoadSpec, Soak, prompt_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 SOAK_S = 600.0
 
@@ -59,7 +63,6 @@ def test_md_killed_then_the_wan_down_under_load_loses_nothing(chaos):
     assert outcome.row.paths.get("p_rld_only", 0) > 0, outcome.row
 
 
-@pytest.mark.full
 def test_a_soak_mixing_every_fault_loses_nothing(chaos):
     from sglang_pdd.chaos.runner import run
 
