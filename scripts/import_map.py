@@ -50,9 +50,10 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
      "the two programs: the plugin inside SGLang's processes (P, RLD, MD) and the router in front "
      "of them; they talk over HTTP (neither imports the other today)"),
     ("tools",
-     ("sim", "launcher"),
+     ("sim", "launcher", "chaos"),
      "built on the services: the simulator reuses the router's policy and placement, the launcher "
-     "starts the servers and the router"),
+     "starts the servers and the router, chaos fires faults at that cluster under load and checks "
+     "what it answered"),
 ]
 
 

@@ -66,7 +66,7 @@ else
   # with the whole differential matrix, then those marked own_cluster, which each bring their
   # own configuration (control-plane TLS, TP, MLA, page size, TCP engine, resume, injected
   # registration delays, datacenter B in a network namespace: SGLang's own PD against PDD, a
-  # killed launcher's cleanup).
+  # killed launcher's cleanup, faults under load).
   stage "end-to-end shard 1: default cluster, full matrix" 5400 \
     "${PYTEST[@]}" -m "e2e and not own_cluster" --timeout 1800 "$@"
   stage "end-to-end shard 2: other configurations" 5400 \

@@ -302,3 +302,17 @@ def test_failed_probes_of_a_server_never_seen_up_do_not_open_its_breaker():
     for t in (7.0, 8.0):  # once seen up, probes count
         s = after(s, Failed(t, "503", probe=True))
     assert s.breaker is Breaker.OPEN
+
+
+def test_the_board_counts_each_failure_that_counted_by_server_and_source():
+    board = HealthBoard(CFG)
+    relay = ("relay", "http://r0")
+    board.record(relay, Failed(0.0, "refused", probe=True))  # never seen up: still starting, not counted
+    assert board.failures == {}
+    board.record(relay, Failed(1.0, "reset"))  # a request's leg counts regardless
+    board.record(relay, Succeeded(2.0))
+    for t in (3.0, 4.0, 5.0):  # seen up: probes count, also while the breaker is open
+        board.record(relay, Failed(t, "refused", probe=True))
+    assert board.failures == {(relay, "request"): 1, (relay, "probe"): 3}
+    board.record(relay, Drain(True))
+    assert sum(board.failures.values()) == 4

@@ -370,3 +370,17 @@ def test_metrics_name_backends_by_role_and_index_never_by_url():
     assert {(r["role"], r["index"]): r["url"] for r in rows} == {
         ("prefill", 0): "http://p0.internal:30000", ("prefill", 1): "http://p1.internal:30000",
         ("relay", 0): "http://rld.internal:30001", ("main", 0): "http://md.internal:30002"}
+
+
+def test_backend_failures_read_at_scrape_time_by_role_index_and_source():
+    failures = {("relay", "http://rld:1", "probe"): 0}
+    m = RouterMetrics()
+    m.track_backends({"relay": {"http://rld:1": 0}})
+    m.track_failures(lambda: [(role, url, source, n) for (role, url, source), n in failures.items()])
+    assert value(m, "pdd:backend_failures_total", role="relay", index="0", source="probe") == 0
+    failures[("relay", "http://rld:1", "probe")] = 2  # the health board counted two failed probes
+    assert value(m, "pdd:backend_failures_total", role="relay", index="0", source="probe") == 2
+    assert "# TYPE pdd:backend_failures_total counter" in m.render().decode()
+    failures[("relay", "http://other:1", "probe")] = 1  # not a backend the router was started with
+    with pytest.raises(ValueError):
+        m.render()

@@ -133,6 +133,46 @@ class ProcessGroup:
     def stop(self, name: str, grace_s: float = 10.0) -> None:
         self._stop([name], grace_s)
 
+    def signal(self, name: str, sig: int) -> None:
+        """``sig`` to the process's whole group (its scheduler and detokenizer too): SIGSTOP /
+        SIGCONT, or SIGKILL as a crash would (``kill``)."""
+        try:
+            os.killpg(self.procs[name].popen.pid, sig)  # its own session: the group is its pid
+        except ProcessLookupError:
+            pass
+
+    def kill(self, name: str, timeout_s: float = 10.0) -> None:
+        """SIGKILL the process's group and reap it; the record stays, for ``start_again``."""
+        proc = self.procs[name]
+        self.signal(name, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc.popen.poll()
+            if not _group_alive(proc.popen.pid):
+                break
+            time.sleep(0.05)
+        proc.popen.poll()
+        logger.info("killed %s", name)
+
+    def start_again(self, name: str, timeout_s: float = 600.0) -> ManagedProcess:
+        """A process that exited (killed) started again with the same command line and
+        environment (its log appended to); returns once it is healthy."""
+        old = self.procs[name]
+        if old.popen.poll() is None:
+            raise ValueError(f"process {name!r} still runs")
+        del self.procs[name]
+        proc = self.start(name, old.argv, old.health_url, old.env)
+        self.wait_healthy([name], timeout_s=timeout_s)
+        return proc
+
+    def restart(self, name: str, grace_s: float = 10.0, timeout_s: float = 600.0) -> ManagedProcess:
+        """Stop (SIGTERM, SIGKILL after ``grace_s``) and start again with the same command line."""
+        old = self.procs[name]
+        self.stop(name, grace_s)
+        proc = self.start(name, old.argv, old.health_url, old.env)
+        self.wait_healthy([name], timeout_s=timeout_s)
+        return proc
+
     def stop_all(self, grace_s: float = 10.0) -> None:
         self._stop(list(self.procs), grace_s)
         if self in _GROUPS:

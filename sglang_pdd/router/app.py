@@ -120,6 +120,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.track_backends(pools.inflight())
         self.metrics.track_health(self._health_rows)
+        self.metrics.track_failures(self._failure_rows)
         self.health_check_interval_s = health_check_interval_s
         self._probes: Optional[asyncio.Task] = None
         self.session: Optional[aiohttp.ClientSession] = None
@@ -386,6 +387,13 @@ class Router:
             for url in urls:
                 state = self.pools.health.view((role, url), now)
                 yield role, url, self.pools.health.pickable((role, url), now), state.draining
+
+    def _failure_rows(self):
+        counted = self.pools.health.failures
+        for role, urls in self.pools.roles().items():
+            for url in urls:
+                for source in ("request", "probe"):
+                    yield role, url, source, counted.get(((role, url), source), 0)
 
     async def backends(self, request: web.Request) -> web.Response:
         """Operator only: GET /pdd/backends, each backend's health and load as the router sees it."""

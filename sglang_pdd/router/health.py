@@ -20,6 +20,7 @@ breaker's: a draining server gets no new requests and finishes the ones it has.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterable
 
@@ -85,6 +86,12 @@ def settle(state: BackendHealth, now: float, cfg: HealthConfig) -> BackendHealth
     return state
 
 
+def counts(state: BackendHealth, event: Failed) -> bool:
+    """A failure counts against a server, except a failed probe of one not seen up yet (still
+    starting, as far as the router knows)."""
+    return not (event.probe and not state.seen_up)
+
+
 def _drain(state: BackendHealth, event: Drain, cfg: HealthConfig) -> Result:
     return replace(state, draining=event.draining), []
 
@@ -95,7 +102,7 @@ def _succeeded(state: BackendHealth, event: Succeeded, cfg: HealthConfig) -> Res
 
 def _failed(state: BackendHealth, event: Failed, cfg: HealthConfig) -> Result:
     state = settle(state, event.now, cfg)
-    if event.probe and not state.seen_up:  # still starting, as far as the router knows
+    if not counts(state, event):
         return replace(state, last_error=event.error), []
     if state.breaker is Breaker.OPEN:  # already out: a further failure does not extend the cooldown
         return replace(state, last_error=event.error or state.last_error), []
@@ -123,9 +130,14 @@ class HealthBoard:
     def __init__(self, cfg: HealthConfig = HealthConfig()):
         self.cfg = cfg
         self.states: dict[Hashable, BackendHealth] = {}
+        # failures that counted, by (key, "request" | "probe"): what the metrics export
+        self.failures: Counter = Counter()
 
     def record(self, key: Hashable, event: Event) -> BackendHealth:
-        state, _ = transition(self.states.get(key, BackendHealth()), event, self.cfg)
+        before = self.states.get(key, BackendHealth())
+        if isinstance(event, Failed) and counts(before, event):
+            self.failures[(key, "probe" if event.probe else "request")] += 1
+        state, _ = transition(before, event, self.cfg)
         self.states[key] = state
         return state
 

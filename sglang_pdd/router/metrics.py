@@ -25,7 +25,7 @@ import enum
 from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from sglang_pdd.handoff.policy import HandoffMode
@@ -239,6 +239,11 @@ class RouterMetrics:
         except KeyError:
             raise ValueError(f"unknown {role} backend {url!r}") from None
 
+    def track_failures(self, read: Callable[[], Iterable[tuple[str, str, str, int]]]) -> None:
+        """``read()``: (role, url, source, failures so far) per backend and source ("request": a
+        leg broke on it; "probe": its /health failed), at each scrape."""
+        self.registry.register(_FailuresCollector(read, self.index_of))
+
     def backend_fallback(self, role: str, url: str) -> None:
         self._backend_fallbacks.labels(role, self.index_of(role, url)).inc()
 
@@ -326,6 +331,26 @@ class _HealthCollector:
             draining.add_metric([role, index], int(is_draining))
         yield up
         yield draining
+
+
+FAILURE_SOURCES: Tuple[str, ...] = ("request", "probe")
+
+
+class _FailuresCollector:
+    """`pdd:backend_failures_total`: the failures the router's health board counted against each
+    backend (a killed or unreachable server shows here, by role and index), read at scrape time."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, str, int]]],
+                 index_of: Callable[[str, str], str]) -> None:
+        self._read, self._index_of = read, index_of
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily("pdd:backend_failures", "Failures counted against this backend by the router's "
+                                "breakers: legs that broke on it (source=request), failed /health probes "
+                                "(source=probe).", labels=["role", "index", "source"])
+        for role, url, source, n in self._read():
+            c.add_metric([role, self._index_of(role, url), _label(source, FAILURE_SOURCES, "failure source")], n)
+        yield c
 
 
 class _InflightCollector:
