@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, SLOW_HANDOFF, SLOW_KV, STATUSES, Slower, CounterLedger, FiredFault, RequestRecord,
-                                     StreamTracker, cells, counted, counters, evaluate, explained, leaks, table,
-                                     token_errors)
+from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, SLOW_HANDOFF, SLOW_KV, STATUSES, CounterLedger,
+                                     FiredFault, RequestRecord, Slower, StreamTracker, cells, counted, counters,
+                                     evaluate, explained, leaks, table, token_errors)
 from sglang_pdd.chaos.spec import ALL_KINDS, FaultKind
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -126,7 +126,8 @@ def leaks(held: Mapping[str, Mapping[str, int]], flushes: Mapping[str, int],
     lines from servers' logs."""
     found = [f"{server}: {name} = {value}" for server, counters in sorted(held.items())
              for name, value in sorted(counters.items()) if value]
-    found += [f"{server}: /flush_cache answered {status}" for server, status in sorted(flushes.items()) if status != 200]
+    found += [f"{server}: /flush_cache answered {status}" for server, status in sorted(flushes.items())
+              if status != 200]
     found += [f"log: {line}" for line in warnings]
     return found
 
