@@ -287,6 +287,27 @@ def test_md_dies_mid_stream_recovers_on_new_relay_leg():
     assert leg_rid(run, "r1") in run.fakes.aborted_rids("rld") and leg_rid(run, "m") in run.fakes.aborted_rids("md")
 
 
+@pytest.mark.parametrize("silent_from", [1, 4])
+def test_md_silent_mid_stream_is_md_failed_and_the_request_goes_on_from_rld(silent_from):
+    """MD stops sending (the WAN down under a handed-off stream, MD stopped): after
+    md_stall_timeout_s without a byte the router treats MD as failed and the request goes on
+    on a new P->RLD leg, every token once; without the timeout it would wait as TCP does."""
+    async def hang(index, budget):
+        if index == silent_from:
+            await asyncio.sleep(60)
+
+    knobs = Knobs(md_token_delay_s=0.005, md_before_token=hang)
+    cfg = dataclasses.replace(flow_config(), md_stall_timeout_s=0.5)
+    t0 = time.monotonic()
+    run = scenario(knobs, max_new=30, cfg=cfg, gates=lambda run: setattr(knobs, "md_before_ready",
+                                                                          emitted_at_least(run, 3)))
+    assert_invariants(run, 30)
+    assert time.monotonic() - t0 < 15  # not the 60 s MD would take
+    assert run.fallbacks[0] == "md_failed" and run.fallbacks[-1].startswith("recovered_on_relay")
+    assert run.flow.result.md_tokens == silent_from
+    assert leg_rid(run, "m") in run.fakes.aborted_rids("md")
+
+
 # ---------------------------------------------------------------------- P -> MD (RLD budget 1)
 def p_md_cfg() -> FlowConfig:
     return flow_config(policy=P_MD_POLICY)

@@ -316,16 +316,20 @@ class MainControl:
                                 f"MD handoff room {room}", json=body.to_json(), timeout_s=timeout_s,
                                 signer=self.signer, tls=self.tls)
 
-    async def handoff_stream(self, room: int, body: HandoffRequest,
-                             max_line_bytes: Optional[int] = None) -> AsyncIterator[dict]:
+    async def handoff_stream(self, room: int, body: HandoffRequest, max_line_bytes: Optional[int] = None,
+                             stall_timeout_s: Optional[float] = None) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events, each at most
         ``max_line_bytes`` (default: what the handoff's own fields allow for a prompt of 0 tokens;
-        the router passes the bound of the whole request)."""
+        the router passes the bound of the whole request). ``stall_timeout_s``: no byte from MD
+        for that long (its headers included) is a TimeoutError."""
         url = f"{self.url}{api.MD_HANDOFF.path(room=room)}"
         sent = _control_request(self.signer, "POST", url, body.to_json(), self.tls)
         if max_line_bytes is None:
             max_line_bytes = max_event_bytes(0, int(body.sampling_params.get("max_new_tokens") or 0),
                                              body.to_json())
+        if stall_timeout_s:
+            sent["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=stall_timeout_s,
+                                                    sock_read=stall_timeout_s)
         async with self.session.post(url, **sent) as resp:
             what = f"MD room {room} handoff"
             events = (sse_events(resp, what, max_line_bytes) if self.signer is None else

@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-outlier-filter", action="store_true", help="turn the outlier filter off")
     g.add_argument("--wan-timeout-s", type=float, default=30.0,
                    help="MD's KV not landed by then: RLD finishes the request")
+    g.add_argument("--md-stall-timeout-s", type=float, default=20.0,
+                   help="MD's stream silent this long after a handoff (the WAN down, MD stopped): MD "
+                        "failed, the request goes on from what the client has on a new P->RLD leg "
+                        "(0: wait as long as TCP does)")
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
                     help="a request still running after this fails with a clear error; all its legs are aborted")
     h = ap.add_argument_group("handoff")
@@ -177,7 +181,7 @@ def flow_config(args) -> FlowConfig:
         handoff=HandoffConfig(catch_up_threshold_tokens=args.catch_up_threshold,
                               fixed_mode=None if args.handoff_mode == "auto" else HandoffMode(args.handoff_mode)),
         wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
-        request_timeout_s=args.request_timeout_s)
+        request_timeout_s=args.request_timeout_s, md_stall_timeout_s=args.md_stall_timeout_s)
 
 
 def sglang_argv(args) -> list[str]:

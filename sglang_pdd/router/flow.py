@@ -115,6 +115,10 @@ class FlowConfig:
     wan_timeout_s: float = 30.0
     rld_max_running: int = 16
     request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
+    # MD's stream after the handoff silent this long (the WAN down, MD stopped): MD failed, and
+    # the request goes on from what the client has on a new P->RLD leg. A decode step or the
+    # handoff's extend takes far less; TCP alone would wait minutes. 0: wait as long as TCP does.
+    md_stall_timeout_s: float = 20.0
     default_max_new_tokens: int = 128
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
     # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
@@ -635,7 +639,8 @@ class PddFlow:
         try:
             finished, checked = False, False
             limit = max_event_bytes(len(self.ids) + len(eager), self.max_new, self.extras)
-            async for event in self.control.handoff_stream(self.room, body, limit):
+            async for event in self.control.handoff_stream(self.room, body, limit,
+                                                           stall_timeout_s=max(self.cfg.md_stall_timeout_s, 0) or None):
                 # Aborted by rid only once MD runs it: an abort that reaches MD's front end while
                 # the request waits there (SGLang then ignores any later abort of that rid) would
                 # be lost. Before that, closing the handoff stream is the abort (MD's control
