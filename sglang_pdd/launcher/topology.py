@@ -169,12 +169,10 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
                  "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     elif spec.role == "main":
         argv += ["--pdd-wan-listen", f"{spec.host}:{spec.wan_listen_port}"]
-    if spec.role != "main":
-        # An idle SGLang scheduler busy-polls a core (measured: 1.01 cores idle, 0.025 with this
-        # flag); it wakes on the tokenizer's socket, which brings every P, RLD and plain request.
-        # Not on MD: its rooms' commands and KV landings are taken up in scheduler iterations,
-        # which a sleeping scheduler would delay by up to a second.
-        argv += ["--sleep-on-idle"]
+    # An idle SGLang scheduler busy-polls a core (measured: 1.01 cores idle, 0.025 with this
+    # flag); it wakes on the tokenizer's socket, which brings every P, RLD and plain request,
+    # and MD's also when a room command comes or while KV lands (sglang_glue/idle_wake.py).
+    argv += ["--sleep-on-idle"]
     if spec.role in ("prefill", "main") and spec.control_port:
         argv += ["--pdd-control-listen", f"{spec.host}:{spec.control_port}"]
         if spec.control_tls:

@@ -43,6 +43,7 @@ from sglang_pdd.protocol import (ControlError, HealthReply, KvSendersReply, KvSe
                                  RegisterReply, ReleaseReply, ReleaseRequest, RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
+from sglang_pdd.sglang_glue.idle_wake import IdleWake
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.loopback import LoopbackServer
@@ -161,7 +162,8 @@ class MainDrcRuntime(MdRoomQueries):
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
                                                                   server_side=True))
         self.rank_rooms = RankRooms(cfg, self.ops, self.receiver, self.tp.size, scheduler.page_size)
-        self.commands = CommandQueue()
+        self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)
+        self.commands = CommandQueue(on_submit=self.idle_wake.wake)
         self.driver = LockstepDriver(self.tp, self.rank_rooms, self.commands)
         # The parts the queries and the control server read (shared objects, not copies).
         rr = self.rank_rooms
@@ -192,6 +194,7 @@ class MainDrcRuntime(MdRoomQueries):
         self.receiver.close()
         if self.control is not None:
             self.control.close()
+        self.idle_wake.close()
 
     def layout_description(self) -> str:
         return self.ops.layout.describe()
@@ -207,7 +210,10 @@ class MainDrcRuntime(MdRoomQueries):
 
     def on_scheduler_iteration(self) -> None:
         """One scheduler iteration, on every TP rank in lockstep (md_driver.LockstepDriver)."""
+        self.idle_wake.drain()
         self.driver.iterate()
+        # KV landing or pages on their way back: their progress is seen only in iterations.
+        self.idle_wake.keep_awake(bool(self.table.pending()) or bool(self.pages.releasing))
 
 
 class ControlServer:

@@ -13,6 +13,7 @@ import logging
 import queue
 import time
 from concurrent.futures import Future
+from typing import Callable, Optional
 
 from sglang_pdd.sglang_glue.md_lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
 from sglang_pdd.sglang_glue.md_rooms import RankRooms
@@ -22,13 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 class CommandQueue:
-    def __init__(self, maxsize: int = 1024):
+    def __init__(self, maxsize: int = 1024, on_submit: Optional[Callable[[], None]] = None):
         self._queue: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=maxsize)
+        self._on_submit = on_submit  # wakes a scheduler sleeping on idle (idle_wake.py)
 
     def submit(self, op: str, args: tuple, timeout: float = 30.0) -> Future:
         """Queue ``op(*args)`` for the scheduler thread; queue.Full if it does not take it in time."""
         fut: Future = Future()
         self._queue.put((op, args, fut), timeout=timeout)
+        if self._on_submit is not None:
+            self._on_submit()
         return fut
 
     def call(self, op: str, *args, timeout: float = 30.0):

@@ -1,0 +1,82 @@
+"""MD sleeps on idle as P and RLD do (SGLang's own IdleSleeper), and a room command or KV in
+flight wakes it: idle_wake.IdleWake on the real sleeper and real zmq sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+from sglang_pdd.sglang_glue.idle_wake import IdleWake
+from sglang_pdd.sglang_glue.md_driver import CommandQueue
+
+IdleSleeper = pytest.importorskip("sglang.srt.managers.scheduler_components.idle_sleeper").IdleSleeper
+
+
+@pytest.fixture
+def sleeper():
+    ctx = zmq.Context()
+    tokenizer_socket = ctx.socket(zmq.PULL)  # stands in for the scheduler's tokenizer socket
+    tokenizer_socket.bind("inproc://tokenizer")
+    yield IdleSleeper(sockets=[tokenizer_socket])
+    tokenizer_socket.close(linger=0)
+    ctx.term()
+
+
+def slept(sleeper) -> float:
+    t0 = time.monotonic()
+    sleeper.maybe_sleep()  # SGLang's: a poll of up to 1 s
+    return time.monotonic() - t0
+
+
+def test_an_idle_md_sleeps_the_sleepers_full_poll(sleeper):
+    wake = IdleWake(SimpleNamespace(idle_sleeper=sleeper))
+    assert wake.active
+    wake.drain()
+    assert slept(sleeper) > 0.9  # nothing to do: no spinning
+    wake.close()
+
+
+def test_a_room_command_wakes_a_sleeping_md_at_once(sleeper):
+    wake = IdleWake(SimpleNamespace(idle_sleeper=sleeper))
+    commands = CommandQueue(on_submit=wake.wake)
+    threading.Timer(0.1, lambda: commands.submit("register", (1,))).start()
+    assert slept(sleeper) < 0.6
+    ops, _ = commands.take()
+    assert ops == [("register", (1,))]
+    wake.drain()  # the iteration took the wake-up: the next idle poll sleeps again
+    assert slept(sleeper) > 0.9
+    wake.close()
+
+
+def test_kv_in_flight_keeps_md_awake_and_its_end_lets_it_sleep(sleeper):
+    wake = IdleWake(SimpleNamespace(idle_sleeper=sleeper))
+    wake.drain()
+    wake.keep_awake(True)  # a room landing after this iteration
+    assert slept(sleeper) < 0.2
+    wake.drain()
+    wake.keep_awake(False)  # nothing in flight any more
+    assert slept(sleeper) > 0.9
+    wake.close()
+
+
+def test_many_wakeups_before_an_iteration_do_not_block_the_control_threads(sleeper):
+    wake = IdleWake(SimpleNamespace(idle_sleeper=sleeper))
+    t0 = time.monotonic()
+    for _ in range(200_000):  # more than a pipe holds
+        wake.wake()
+    assert time.monotonic() - t0 < 10
+    wake.drain()
+    assert slept(sleeper) > 0.9
+    wake.close()
+
+
+def test_without_sglangs_sleeper_nothing_happens():
+    """No --sleep-on-idle, or a TP rank other than 0 (SGLang gives only rank 0 a sleeper)."""
+    for scheduler in (SimpleNamespace(idle_sleeper=None), SimpleNamespace()):
+        wake = IdleWake(scheduler)
+        assert not wake.active
+        wake.wake(), wake.keep_awake(True), wake.drain(), wake.close()
