@@ -11,7 +11,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from sglang_pdd.launcher.netns import netns_exec_argv
-from sglang_pdd.launcher.processes import ProcessGroup
+from sglang_pdd.launcher.processes import ClusterProcesses, ProcessGroup
 from sglang_pdd.launcher.topology import (Topology, router_argv, server_argv, server_env, wan_emulator_argvs,
                                           write_operator_token, write_wan_key)
 
@@ -33,7 +33,7 @@ def default_mla_model_path() -> str:
     return default_model_path("PDD_MLA_MODEL_DIR", DEFAULT_MLA_MODEL)
 
 
-class LocalCluster:
+class LocalCluster(ClusterProcesses):
     """P + RLD (datacenter A), MD (datacenter B) and the router, as separate processes."""
 
     def __init__(self, run_dir: Path, model_path: Optional[str] = None,
@@ -102,16 +102,3 @@ class LocalCluster:
 
         query = f"?{urlencode(params)}" if params else ""
         return [get_json(f"{url}/{action}{query}") for wan in self.topology.wans for url in wan.control_urls]
-
-    def stop(self) -> None:
-        self.procs.stop_all()
-
-    def __enter__(self):
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc):
-        self.stop()

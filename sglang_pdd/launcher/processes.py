@@ -221,3 +221,27 @@ def _group_alive(pgid: int) -> bool:
 
 def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+class ClusterProcesses:
+    """A cluster's lifetime as a context manager: ``start()`` (the subclass's; returns the
+    cluster) on enter, every process in ``self.procs`` stopped on exit, and also when the start
+    fails half way, so no server of a failed start is left running."""
+
+    procs: ProcessGroup
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc):
+        self.stop()

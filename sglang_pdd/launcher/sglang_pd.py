@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from sglang_pdd.launcher.http import post_json
 from sglang_pdd.launcher.netns import netns_exec_argv
-from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
+from sglang_pdd.launcher.processes import ClusterProcesses, ProcessFailed, ProcessGroup
 from sglang_pdd.launcher.topology import CPU_ENV, CPU_SERVER_FLAGS, LOOPBACK, ServerSpec, free_port
 
 # A plugin name no installed plugin has: SGLang then loads none (its SGLANG_PLUGINS whitelist).
@@ -99,7 +99,7 @@ def pd_router_argv(topo: SglangPdTopology) -> list[str]:
             "--prometheus-host", LOOPBACK, "--prometheus-port", str(topo.metrics_port)]
 
 
-class SglangPdCluster:
+class SglangPdCluster(ClusterProcesses):
     """The two servers and the router as separate processes, a log each; a context manager."""
 
     def __init__(self, run_dir: Path, model_path: str, topology: SglangPdTopology):
@@ -135,19 +135,6 @@ class SglangPdCluster:
                 if time.monotonic() > deadline:
                     raise ProcessFailed(f"SGLang's PD router serves no request after {timeout_s:.0f}s: {e}") from e
                 time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.procs.stop_all()
-
-    def __enter__(self):
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def describe(topo: SglangPdTopology) -> str:
