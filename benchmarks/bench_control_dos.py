@@ -42,6 +42,7 @@ from sglang_pdd import control_auth
 from sglang_pdd.control_auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import MainControl
+from sglang_pdd.protocol import ReleaseRequest
 
 fakes = load_module(REPO / "tests" / "control_fakes.py")
 KEY = fakes.KEY
@@ -149,7 +150,7 @@ def starvation_md(args) -> dict:
         status, _ = call_json("POST", md.url + "/pdd/rooms", {"room": room, "token_ids": [1, 2, 3]}, key=KEY,
                               timeout=5)
         if status == 200:
-            md.runtime.call("release", room)
+            md.runtime.release(ReleaseRequest(room))
         return status
 
     try:

@@ -70,16 +70,15 @@ class _Runtime:
         self.http_port = http_port
         self.rooms: dict[int, list] = {}
 
-    def call(self, op, *args, timeout=30.0):
-        room, ids, _ = args  # register
-        self.rooms[room] = ids
-        return RegisterReply(room, 0, prompt_tokens=len(ids)).to_json()
+    def register(self, req):
+        self.rooms[req.room] = req.token_ids
+        return RegisterReply(req.room, 0, prompt_tokens=len(req.token_ids))
 
     def stats(self):
         return {"open_rooms": len(self.rooms), "ready": 0, "failed": 0}
 
-    def handoff_request(self, room, body):
-        return {"input_ids": self.rooms.get(room, []) + body["token_ids"], "stream": True}, True
+    def handoff_request(self, room, req):
+        return {"input_ids": self.rooms.get(room, []) + req.token_ids, "stream": True}, True
 
 
 @contextlib.contextmanager

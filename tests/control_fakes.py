@@ -15,7 +15,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
-from sglang_pdd.protocol import RegisterReply
+from sglang_pdd.protocol import KvSendersReply, RegisterReply, ReleaseReply
 from sglang_pdd.radix_drc.rooms import DrcRoomTable
 from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
@@ -139,21 +139,18 @@ class FakeMdRuntime:
         self.http_ssl_certfile = None  # MD's own SGLang --ssl-certfile (then it serves HTTPS)
         self.kv_senders: list = []  # each announcement of P hosts, as the receiver got it
 
-    def call(self, op: str, *args, timeout: float = 30.0):
-        return getattr(self, f"_do_{op}")(*args)
+    def register(self, req):
+        entry = self.table.register(req.room, req.token_ids, time.monotonic(), use_cache=req.use_cache)
+        self.ready_events[req.room] = threading.Event()
+        return RegisterReply(req.room, entry.cached_len, prompt_tokens=len(req.token_ids))
 
-    def _do_register(self, room, token_ids, use_cache=True):
-        entry = self.table.register(room, token_ids, time.monotonic(), use_cache=use_cache)
-        self.ready_events[room] = threading.Event()
-        return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids)).to_json()
+    def announce_kv_senders(self, req):
+        self.kv_senders.append(list(req.sources))
+        return KvSendersReply(len(req.sources))
 
-    def _do_kv_senders(self, sources):
-        self.kv_senders.append(list(sources))
-        return len(sources)
-
-    def _do_release(self, room, keep_kv=False):
-        self.ready_events.pop(room, None)
-        return self.table.release(room)
+    def release(self, req):
+        self.ready_events.pop(req.room, None)
+        return ReleaseReply(self.table.release(req.room))
 
     def mark_ready(self, room: int) -> None:
         self.table.complete(room, None, time.monotonic())

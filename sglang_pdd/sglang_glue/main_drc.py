@@ -40,7 +40,7 @@ from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HealthReply, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
-                                 RegisterReply, ReleaseReply, ReleaseRequest, RouteTable)
+                                 RegisterReply, RegisterRequest, ReleaseReply, ReleaseRequest, RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
 from sglang_pdd.sglang_glue.idle_wake import IdleWake
@@ -199,9 +199,15 @@ class MainDrcRuntime(MdRoomQueries):
     def layout_description(self) -> str:
         return self.ops.layout.describe()
 
-    def call(self, op: str, *args, timeout: float = 30.0):
-        """Control threads (rank 0's): run a room command on the scheduler thread and wait."""
-        return self.commands.call(op, *args, timeout=timeout)
+    # ---- control threads (rank 0's): room commands, run on the scheduler thread (md_driver)
+    def register(self, req: RegisterRequest, timeout: float = 30.0) -> RegisterReply:
+        return self.commands.call(req, timeout=timeout)
+
+    def release(self, req: ReleaseRequest, timeout: float = 30.0) -> ReleaseReply:
+        return self.commands.call(req, timeout=timeout)
+
+    def announce_kv_senders(self, req: KvSendersRequest, timeout: float = 30.0) -> KvSendersReply:
+        return self.commands.call(req, timeout=timeout)
 
     def before_flush(self) -> int:
         """A cache flush came in (scheduler thread, every TP rank): rooms kept only to fill the
@@ -261,27 +267,26 @@ class _ControlHandler(JsonRequestHandler):
         # control_server: its connections and refusals by kind (json_http.ControlHTTPServer)
         return {**_guard(self.runtime.stats), "control_server": self.server.stats()}
 
-    def _register(self, query: str) -> dict:
+    def _register(self, query: str) -> RegisterReply:
         req = protocol_messages.RegisterRequest.from_json(self.json_body())
         self.register_delay.wait()
-        return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
-                                                                         req.use_cache))).to_json()
+        return _guard(lambda: self.runtime.register(req))
 
     def _kv_senders(self, query: str) -> KvSendersReply:
         req = KvSendersRequest.from_json(self.json_body())
-        return KvSendersReply(_guard(lambda: self.runtime.call("kv_senders", list(req.sources))))
+        return _guard(lambda: self.runtime.announce_kv_senders(req))
 
     def _ready(self, query: str, room: int) -> ReadyReply:
-        req = ReadyRequest.from_query(room, query)
-        return ReadyReply.from_json(_guard(lambda: self.runtime.wait_ready(req.room, req.timeout_s)))
+        return _guard(lambda: self.runtime.wait_ready(ReadyRequest.from_query(room, query)))
 
     def _release(self, query: str, room: int) -> ReleaseReply:
         req = ReleaseRequest.from_query(room, query)
-        return ReleaseReply(_guard(lambda: self.runtime.call("release", req.room, req.keep_kv)))
+        return _guard(lambda: self.runtime.release(req))
 
     def _handoff(self, query: str, room: int) -> None:
+        # looked up at call time: a field added to the protocol's type reaches the runtime
         req = protocol_messages.HandoffRequest.from_json(self.json_body())
-        gen, stream = _guard(lambda: self.runtime.handoff_request(room, req.to_json()))
+        gen, stream = _guard(lambda: self.runtime.handoff_request(room, req))
         # Relay MD's own /generate (loopback) back to the router, streaming as it comes; the
         # reply, or each event of a stream, signed for this request (control_auth).
         server = self._loopback()
