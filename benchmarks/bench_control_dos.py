@@ -37,13 +37,12 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.common import REPO, load_module
 from sglang_pdd import control_auth
 from sglang_pdd.control_auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import MainControl
+from tests.support import control_fakes as fakes
 
-fakes = load_module(REPO / "tests" / "control_fakes.py")
 KEY = fakes.KEY
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
 
@@ -201,7 +200,8 @@ def slowloris(args) -> dict:
 
 
 def _pki(d: Path):
-    pki = load_module(REPO / "tests" / "pki.py")
+    from tests.support import pki
+
     pki.make_ca(d, "ca")
     return (str(d / "ca.pem"), pki.make_leaf(d, "server", "ca", "IP:127.0.0.1"),
             pki.make_leaf(d, "router", "ca", "DNS:router"))

@@ -15,8 +15,8 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
-from takeover import md_takes_over
-from waiting import wait_until
+from tests.support.takeover import md_takes_over
+from tests.support.waiting import wait_until
 
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
@@ -121,7 +121,7 @@ def paused(server_url: str):
 def cluster(pdd_cluster):
     assert wait_until(lambda: nothing_held(pdd_cluster), 60), held(pdd_cluster)
     yield pdd_cluster
-    from conftest import TEST_WAN_GBPS
+    from tests.conftest import TEST_WAN_GBPS
 
     pdd_cluster.wan_control("heal")
     pdd_cluster.wan_control("link", rate_gbps=TEST_WAN_GBPS)

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 

@@ -5,7 +5,7 @@ give the same greedy output as P -> RLD alone; the control ports refuse plain HT
 """
 
 import pytest
-from pki import make_ca, make_leaf, needs_openssl
+from tests.support.pki import make_ca, make_leaf, needs_openssl
 
 from sglang_pdd.launcher.http import call_json, post_json
 
@@ -18,7 +18,7 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " 
 
 @pytest.fixture(scope="module")
 def tls_cluster(run_root, servers_under_test):
-    from conftest import start_pdd_cluster
+    from tests.conftest import start_pdd_cluster
 
     from sglang_pdd.launcher.topology import ControlTlsFiles
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ import os
 import aiohttp
 import pytest
 
-from takeover import assert_taken_over, md_takes_over, stream_final, stream_taken_over
+from tests.support.takeover import assert_taken_over, md_takes_over, stream_final, stream_taken_over
 
 from sglang_pdd.launcher.http import post_json
 from sglang_pdd.sglang_glue.resume import RESUME_KEY

@@ -5,7 +5,7 @@ tokens as one server), and MD takes requests again once undrained."""
 import threading
 
 import pytest
-from takeover import stream_final
+from tests.support.takeover import stream_final
 
 from sglang_pdd.launcher.http import get_json, post_json
 

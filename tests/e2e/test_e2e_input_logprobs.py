@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from takeover import md_takes_over
+from tests.support.takeover import md_takes_over
 
 from sglang_pdd.launcher.http import post_json, stream_events
 

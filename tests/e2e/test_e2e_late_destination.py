@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
 from sglang_pdd.control_auth import ROLE_P
 from sglang_pdd.launcher.http import call_json, get_json, post_json
@@ -79,7 +79,7 @@ def test_destination_posted_after_prefill_still_delivers_the_kv(pdd_cluster, sin
 
 @pytest.mark.full  # waits out P's hold; the expiry itself is unit-tested (test_prefill_control)
 def test_promised_destination_that_never_comes_only_delays_ps_release(pdd_cluster):
-    from conftest import TEST_DESTINATION_WAIT_MS
+    from tests.conftest import TEST_DESTINATION_WAIT_MS
 
     topo = pdd_cluster.topology
     before = _p_stats(pdd_cluster).get("destination_wait_expired", 0)

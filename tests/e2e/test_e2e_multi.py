@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from conftest import EXACT_ARGS, TEST_DESTINATION_WAIT_MS, TEST_ROUTER_ARGS, _require_sglang
-from waiting import wait_until
+from tests.conftest import EXACT_ARGS, TEST_DESTINATION_WAIT_MS, TEST_ROUTER_ARGS, _require_sglang
+from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 

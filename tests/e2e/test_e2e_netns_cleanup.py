@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
-from conftest import REPO_ROOT, _require_sglang
+from tests.conftest import REPO_ROOT, _require_sglang
 from sglang_pdd.launcher import netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]

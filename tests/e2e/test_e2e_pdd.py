@@ -14,8 +14,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from takeover import assert_taken_over, stream_taken_over
-from waiting import wait_until
+from tests.support.takeover import assert_taken_over, stream_taken_over
+from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
 

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, P_DESTINATION_DELAY_ENV, SEED_ENV
@@ -55,7 +55,7 @@ def environ(values: dict):
 def cluster_with_injected_delays(run_root):
     """The test cluster, its servers started with the delays in their environment (only the
     start sees them: no later cluster inherits them)."""
-    from conftest import start_pdd_cluster
+    from tests.conftest import start_pdd_cluster
 
     with contextlib.ExitStack() as stack:
         with environ(INJECTED):
@@ -99,7 +99,7 @@ def injected_delays_are_active(cluster) -> bool:
 def assert_nothing_held(cluster) -> None:
     """After the load: MD holds no room and no WAN slot (it flushes), P waits for no
     destination, RLD runs nothing."""
-    from takeover import running_requests
+    from tests.support.takeover import running_requests
 
     from sglang_pdd.control_auth import ROLE_P
 

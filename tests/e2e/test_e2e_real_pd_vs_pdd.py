@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, _require_sglang
+from tests.conftest import REPO_ROOT, _require_sglang
 from sglang_pdd.launcher import netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]

@@ -36,7 +36,7 @@ def server(run_root, servers_under_test):
     """One plain SGLang server with the plugin (like conftest's single_server), whose JSON
     grammar allows no free whitespace: the tiny random model would otherwise pad JSON with
     whitespace until max_new_tokens."""
-    from conftest import _require_sglang, plain_server
+    from tests.conftest import _require_sglang, plain_server
 
     model = _require_sglang()
     return servers_under_test.get("resume", lambda: plain_server(

@@ -26,7 +26,7 @@ def greedy_body(prompt: str, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def tcp_cluster(run_root, servers_under_test):
-    from conftest import start_pdd_cluster
+    from tests.conftest import start_pdd_cluster
 
     return servers_under_test.get("cluster-tcp", lambda: start_pdd_cluster(run_root, "cluster-tcp",
                                                                            intra_dc_transport="tcp"))
@@ -34,8 +34,8 @@ def tcp_cluster(run_root, servers_under_test):
 
 @pytest.mark.parametrize("path", ["p_rld_only", "p_rld_md"])
 def test_tcp_intra_dc_path_equals_single_server(single_server, tcp_cluster, path):
-    from takeover import assert_taken_over
-    from test_e2e_pdd import RELAY_MAX_NEW, hand_off_after
+    from tests.support.takeover import assert_taken_over
+    from tests.e2e.test_e2e_pdd import RELAY_MAX_NEW, hand_off_after
 
     handoffs, logs = [], tcp_cluster.procs.log_dir
     for role in ("prefill-0", "relay-0"):

@@ -11,7 +11,7 @@ after WATCHDOG_S so a handoff that never comes fails the test instead of hanging
 import contextlib
 import threading
 
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
@@ -51,7 +51,7 @@ def md_takes_over(cluster, once_relay_decodes: bool = False):
     soon as RLD has a request in its running batch (SGLang's /v1/loads), for non-streamed
     requests whose progress the client cannot see; pausing RLD before it admitted the request
     would hold P's prefill (P waits for RLD's side of the transfer) until the watchdog."""
-    from conftest import TEST_WAN_GBPS
+    from tests.conftest import TEST_WAN_GBPS
 
     relay = cluster.topology.relay.url
     lock = threading.Lock()

@@ -9,7 +9,7 @@ import json
 import threading
 
 import pytest
-from control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
+from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 import torch
-from control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
-from waiting import wait_until
+from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
+from tests.support.waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner

@@ -18,12 +18,12 @@ import time
 
 import aiohttp
 import pytest
-from control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
-from fake_backends import Knobs
-from pki import make_ca, make_leaf, needs_openssl
-from test_flow_faults import PROMPT, assert_invariants, flow_config, scenario
-from test_flow_md_tp import SLOW_WAN
-from waiting import wait_until
+from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
+from tests.support.fake_backends import Knobs
+from tests.support.pki import make_ca, make_leaf, needs_openssl
+from tests.unit.router.test_flow_faults import PROMPT, assert_invariants, flow_config, scenario
+from tests.unit.router.test_flow_md_tp import SLOW_WAN
+from tests.support.waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_P, ControlSigner

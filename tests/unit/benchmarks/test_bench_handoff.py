@@ -1,15 +1,10 @@
 """Pure helpers of benchmarks/bench_handoff.py (statistics, link scaling, payload sizes)."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-_path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_handoff.py"
-_spec = importlib.util.spec_from_file_location("bench_handoff", _path)
-bh = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bh)
+from benchmarks import bench_handoff as bh
 
 
 def test_summarize_known_values():

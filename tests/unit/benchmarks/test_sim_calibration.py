@@ -1,15 +1,9 @@
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
+from benchmarks import calibrate_profile as cal
 from sglang_pdd.sim.hardware import TOY_A, HardwareProfile
-
-_path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "calibrate_profile.py"
-_spec = importlib.util.spec_from_file_location("calibrate_profile", _path)
-cal = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cal)
 
 
 @pytest.mark.parametrize("true", [(0.01, 4e-5, 1.2e-9), (0.002, 1e-4, 0.0)])

@@ -2,11 +2,11 @@
 baseline (hours of backlog) the ratio says nothing about the design."""
 
 import json
-import os
 
 from benchmarks.sim_round4 import headline_markdown
+from tests.conftest import REPO_ROOT
 
-HEADLINE = os.path.join(os.path.dirname(__file__), "..", "docs", "img", "sim_headline_20g.json")
+HEADLINE = REPO_ROOT / "docs" / "img" / "sim_headline_20g.json"
 
 
 def _run(ttft, sla, wan_gb=100.0):

@@ -1,7 +1,6 @@
 """The chaos run's checks (pure): streams, statuses, leaks, the router's metrics, the row."""
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -9,8 +8,9 @@ from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, SLOW_HANDOFF, SLOW
                                      FiredFault, RequestRecord, Slower, StreamTracker, cells, counted, counters,
                                      evaluate, explained, leaks, table, token_errors)
 from sglang_pdd.chaos.spec import ALL_KINDS, FaultKind
+from tests.conftest import REPO_ROOT
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = REPO_ROOT / "docs"
 REF = [11, 12, 13, 14, 15, 16]
 
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
 from sglang_pdd.kv_channel.acceptor import (Acceptor, AdmissionLimits, AdmissionPolicy, Slot, parse_networks,
                                             source_of)

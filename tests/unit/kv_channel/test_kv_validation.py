@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from kv_raw_stream import RawStream
+from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kv_raw_stream import RawStream
+from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wire import TransferBegin
@@ -61,8 +61,8 @@ def test_peer_that_never_reads_does_not_stall_the_owner():
 def test_late_frames_of_a_released_room_get_no_unknown_room_reply():
     """A released room's sender was told ``aborted``; its frames still on other streams must
     not draw an ``unknown_room`` NACK that could reach the sender first and hide the reason."""
-    from kv_raw_stream import RawStream
-    from waiting import wait_until
+    from tests.support.kv_raw_stream import RawStream
+    from tests.support.waiting import wait_until
 
     from sglang_pdd.kv_channel.layout import KvLayout
     from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kv_raw_stream import RawStream
+from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel import tcp_engine
 from sglang_pdd.kv_channel.handshake import server_handshake
 from sglang_pdd.kv_channel.tcp_engine import (

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 
-from kv_raw_stream import RawStream
+from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_emulator import WanEmulator

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from pki import make_ca, make_leaf, needs_openssl
+from tests.support.pki import make_ca, make_leaf, needs_openssl
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.kv_channel.layout import KvLayout

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from waiting import wait_until
+from tests.conftest import REPO_ROOT
+from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
 
@@ -47,7 +48,7 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     argv_file.write_text(json.dumps(sleeper(marker)))  # keeps the marker off the launcher's own argv
     launcher = textwrap.dedent(f"""
         import json, sys, time
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        sys.path.insert(0, {str(REPO_ROOT)!r})
         from pathlib import Path
         from sglang_pdd.launcher.processes import ProcessGroup
         group = ProcessGroup(Path({str(tmp_path)!r}))

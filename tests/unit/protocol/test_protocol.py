@@ -11,8 +11,8 @@ import re
 
 import aiohttp
 import pytest
-from control_fakes import KEY, MdControl, PControl, WAN_PEER
-from fake_backends import Fakes
+from tests.support.control_fakes import KEY, MdControl, PControl, WAN_PEER
+from tests.support.fake_backends import Fakes
 
 from sglang_pdd import protocol
 from sglang_pdd.control_auth import ControlSigner

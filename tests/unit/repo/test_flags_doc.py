@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 from sglang_pdd.config import FLAGS, ROLES, PddConfig, PddConfigError, add_pdd_args, validate
 
 _spec = importlib.util.spec_from_file_location("gen_flags_doc", REPO_ROOT / "scripts" / "gen_flags_doc.py")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 _spec = importlib.util.spec_from_file_location("import_map", REPO_ROOT / "scripts" / "import_map.py")
 import_map = importlib.util.module_from_spec(_spec)

@@ -7,7 +7,7 @@ import re
 import shlex
 import subprocess
 
-from conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
 TEST_SH = (REPO_ROOT / "scripts" / "test.sh").read_text()

@@ -1,5 +1,6 @@
-"""scripts/test.sh selects end-to-end modules by marker, never by a hand-kept list: every
-tests/test_e2e_*.py carries the e2e marker, and lands in exactly one shard of the full tier."""
+"""scripts/test.sh selects end-to-end modules by marker, never by a hand-kept list: every module
+in tests/e2e/ carries the e2e marker and lands in exactly one shard of the full tier, no test in
+tests/unit/ carries it, and every test module sits in one of the two."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TEST_SH = (REPO / "scripts" / "test.sh").read_text()
-E2E_MODULES = sorted((REPO / "tests").glob("test_e2e_*.py"))
+from tests.conftest import REPO_ROOT
+
+TESTS = REPO_ROOT / "tests"
+TEST_SH = (REPO_ROOT / "scripts" / "test.sh").read_text()
+E2E_MODULES = sorted((TESTS / "e2e").glob("test_*.py"))
+UNIT_MODULES = sorted((TESTS / "unit").rglob("test_*.py"))
+
+
+def marks_anywhere(path: Path) -> set[str]:
+    """Every ``pytest.mark.NAME`` a module names: its ``pytestmark``, decorators, parameters."""
+    return {n.attr for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
 
 
 def module_markers(path: Path) -> set[str]:
@@ -55,3 +65,24 @@ def test_selects_reads_marker_expressions():
     assert selects("e2e and not own_cluster", {"e2e", "full"})
     assert not selects("e2e and own_cluster", {"e2e", "full"})
     assert not selects("e2e and not own_cluster", set())
+
+
+def test_no_unit_module_marks_a_test_e2e():
+    """An e2e test (real servers, minutes) belongs in tests/e2e/, where the shards above see it."""
+    assert len(UNIT_MODULES) > 50
+    marked = [str(p.relative_to(TESTS)) for p in UNIT_MODULES if "e2e" in marks_anywhere(p)]
+    assert not marked, f"e2e tests under tests/unit/ (move them to tests/e2e/): {marked}"
+
+
+def test_every_test_module_is_in_unit_or_e2e():
+    """A new test goes in tests/unit/<package>/ (or tests/unit/ for sglang_pdd's top-level
+    modules) or tests/e2e/ (docs/testing.md); support/ holds no tests."""
+    stray = [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
+             if p.relative_to(TESTS).parts[0] not in ("unit", "e2e")]
+    assert not stray, f"test modules outside tests/unit/ and tests/e2e/: {stray}"
+
+
+def test_every_test_folder_is_a_package():
+    """Packages (an __init__.py in every folder) let two folders hold modules of the same name."""
+    folders = {p.parent for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts}
+    assert not [str(f.relative_to(REPO_ROOT)) for f in folders if not (f / "__init__.py").exists()]

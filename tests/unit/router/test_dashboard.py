@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
 import re
 
 import pytest
@@ -19,8 +18,9 @@ from sglang_pdd.router.app import Router
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.pools import Pools
+from tests.conftest import REPO_ROOT
 
-DASHBOARD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "grafana" / "sglang-pdd.json"
+DASHBOARD = REPO_ROOT / "docs" / "grafana" / "sglang-pdd.json"
 
 # ---------------------------------------------------------------------- PromQL names
 

@@ -24,7 +24,7 @@ from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from sglang_pdd.router.pools import Pools
-from fake_backends import Fakes, Knobs, closed_port, serve_app, truth, wait_until
+from tests.support.fake_backends import Fakes, Knobs, closed_port, serve_app, truth, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

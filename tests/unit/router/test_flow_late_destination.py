@@ -15,7 +15,7 @@ import argparse
 
 import pytest
 
-from fake_backends import Knobs, closed_port, wait_until
+from tests.support.fake_backends import Knobs, closed_port, wait_until
 from sglang_pdd.router.app import Router
 from sglang_pdd.router.cli import _prefill_arg, parse_args
 from sglang_pdd.router.fallback import Reason
@@ -23,8 +23,8 @@ from sglang_pdd.router.flow import MainBackend, PrefillBackend
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
-from test_flow_faults import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants, flow_config, scenario,
-                              takeover)
+from tests.unit.router.test_flow_faults import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants,
+                                               flow_config, scenario, takeover)
 
 pytestmark = pytest.mark.timeout(60)
 

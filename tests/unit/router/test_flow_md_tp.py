@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from fake_backends import Knobs
+from tests.support.fake_backends import Knobs
 from sglang_pdd.router.policy import PathPolicyConfig
-from test_flow_faults import PROMPT, assert_invariants, flow_config, scenario, takeover
-from test_flow_late_destination import WAN_PEER, assert_p_control_sane, p_leg_params
+from tests.unit.router.test_flow_faults import PROMPT, assert_invariants, flow_config, scenario, takeover
+from tests.unit.router.test_flow_late_destination import WAN_PEER, assert_p_control_sane, p_leg_params
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,12 +1,12 @@
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from sglang_pdd.router.placement import InstanceLoad
 from sglang_pdd.router.prefix_index import PrefixIndex, block_hashes
+from tests.conftest import REPO_ROOT
 
 B = 4  # small blocks keep the tables readable
 
@@ -40,7 +40,7 @@ def test_block_hashes_are_deterministic_across_processes():
     code = "from sglang_pdd.router.prefix_index import block_hashes; print(block_hashes(list(range(256)), 64))"
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       cwd=Path(__file__).resolve().parents[1], env={"PYTHONHASHSEED": seed}).stdout
+                       cwd=REPO_ROOT, env={"PYTHONHASHSEED": seed}).stdout
         for seed in ("1", "2")
     }
     assert len(outs) == 1

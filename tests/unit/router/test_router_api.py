@@ -14,8 +14,8 @@ import json
 import aiohttp
 import pytest
 
-from fake_backends import Fakes, Knobs, serve_app, truth
-from test_flow_faults import flow_config
+from tests.support.fake_backends import Fakes, Knobs, serve_app, truth
+from tests.unit.router.test_flow_faults import flow_config
 
 from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
 
@@ -237,7 +237,7 @@ def test_openai_chat_and_completions_through_sglang_serving(router_sglang_state)
 
 
 def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
-    from fake_backends import fake_logprob
+    from tests.support.fake_backends import fake_logprob
 
     tok = router_sglang_state[2]
     prompt = [11, 22, 33]
@@ -268,7 +268,7 @@ def test_generate_logprobs_with_text_in_sglang_format(router_sglang_state):
 def test_openai_streams_with_logprobs_and_echo_carry_the_prompts_logprobs_first(router_sglang_state):
     """SGLang's streaming OpenAI classes read ``output_token_logprobs_length`` and take the
     prompt's logprobs (echo) from the first chunk only."""
-    from fake_backends import fake_logprob
+    from tests.support.fake_backends import fake_logprob
 
     tok = router_sglang_state[2]
     prompt = tok.encode("hello there")
@@ -659,7 +659,7 @@ def test_flush_cache_names_the_backend_that_refused_and_why_md_did(router_sglang
 
 
 def test_flush_cache_with_a_backend_down_is_503(router_sglang_state):
-    from fake_backends import closed_port
+    from tests.support.fake_backends import closed_port
 
     async def main():
         async with front(router_sglang_state) as (base, client, fakes, router):

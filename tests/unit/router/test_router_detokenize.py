@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 
 require_sglang_import()
 

@@ -10,9 +10,9 @@ import contextlib
 import aiohttp
 import pytest
 
-from fake_backends import Fakes, Knobs, closed_port, serve_app, truth
-from test_flow_faults import PROMPT, flow_config
-from test_router_api import sse
+from tests.support.fake_backends import Fakes, Knobs, closed_port, serve_app, truth
+from tests.unit.router.test_flow_faults import PROMPT, flow_config
+from tests.unit.router.test_router_api import sse
 
 from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
 

@@ -7,8 +7,8 @@ import asyncio
 
 import aiohttp
 import pytest
-from control_fakes import KEY, MdControl
-from fake_backends import closed_port
+from tests.support.control_fakes import KEY, MdControl
+from tests.support.fake_backends import closed_port
 
 from sglang_pdd.router.app import learn_md_kv_sizes
 from sglang_pdd.router.backends import use_control_key

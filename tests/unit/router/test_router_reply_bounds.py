@@ -15,7 +15,7 @@ from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router.backends import MainControl, PrefillControl, ReplyTooLarge, UnverifiedReply
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 
-from fake_backends import serve_app
+from tests.support.fake_backends import serve_app
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from control_fakes import KEY, WAN_PEER, MdControl, PControl
+from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl
 
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.sglang_glue.injected_delays import (MD_REGISTER_DELAY_ENV, P_DESTINATION_DELAY_ENV, SEED_ENV,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 from sglang_pdd.kv_channel.layout import KvLayoutMismatch, KvPoolLayout
 from sglang_pdd.sglang_glue.kv_pool_view import (
     UnsupportedKvPool,

@@ -9,8 +9,8 @@ import time
 
 import aiohttp
 import pytest
-from control_fakes import KEY, MdControl
-from waiting import wait_until
+from tests.support.control_fakes import KEY, MdControl
+from tests.support.waiting import wait_until
 
 from sglang_pdd.control_auth import ControlSigner
 from sglang_pdd.protocol import HandoffRequest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 
 KEY = b"k" * 32
 POOL_PAGES = 32

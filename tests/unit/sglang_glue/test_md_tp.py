@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import require_sglang_import
-from test_md_ingest import KEY, Prefill, conserved, make_pool, md_rows, pool_pages, shard_pool
+from tests.conftest import require_sglang_import
+from tests.unit.sglang_glue.test_md_ingest import KEY, Prefill, conserved, make_pool, md_rows, pool_pages, shard_pool
 
 PAGE = 16
 

@@ -3,7 +3,7 @@ the MLA model itself runs end to end in tests/test_e2e_mla.py."""
 
 import pytest
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 
 
 @pytest.fixture

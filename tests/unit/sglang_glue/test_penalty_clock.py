@@ -79,7 +79,7 @@ def test_inert_without_overlap_or_off_the_relay(monkeypatch):
 
 def test_hook_targets_exist_in_this_sglang():
     """The hooks are registered by dotted path; a rename upstream must fail here, not silently."""
-    from conftest import require_sglang_import
+    from tests.conftest import require_sglang_import
 
     require_sglang_import()
     from sglang.srt.disaggregation.decode_schedule_batch_mixin import ScheduleBatchDisaggregationDecodeMixin

@@ -16,8 +16,8 @@ from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_ran
 from sglang_pdd.protocol import ControlError
 from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination
-from conftest import on_consecutive_ports
-from control_fakes import KEY, WAN_PEER, PControl
+from tests.conftest import on_consecutive_ports
+from tests.support.control_fakes import KEY, WAN_PEER, PControl
 
 PEER = "%s:%d" % WAN_PEER
 DEST = WanDestination(md_room=7, peer=WAN_PEER, md_prefix_len=3)

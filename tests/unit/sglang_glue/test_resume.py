@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 from sglang_pdd.sglang_glue.resume import (RESUME_KEY, ResumeError, handoff_generate_body, resume_output_len,
                                            split_resumed, validate_resume)
 

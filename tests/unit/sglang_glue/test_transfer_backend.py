@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 
 
 def test_pdd_backend_resolves_through_sglangs_registry():

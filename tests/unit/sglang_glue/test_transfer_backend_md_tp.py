@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import require_sglang_import
+from tests.conftest import require_sglang_import
 from sglang_pdd.kv_channel.wan_binding import BindingPhase
 from sglang_pdd.kv_channel.tp_relayout import TpShard
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard

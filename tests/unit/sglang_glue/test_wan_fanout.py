@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 import torch
 
 from sglang_pdd.kv_channel.fanout_room import DropReason, Phase

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from waiting import wait_until
+from tests.support.waiting import wait_until
 import torch
 
 from sglang_pdd.kv_channel.fanout_room import DropReason
@@ -22,7 +22,7 @@ from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
-from conftest import on_consecutive_ports
+from tests.conftest import on_consecutive_ports
 
 KEY = b"k" * 32
 LAYERS, DIM, SLOTS = 2, 8, 128

@@ -2,7 +2,6 @@
 benchmarks.*` line of its "Running it" block is handed to its own argument parser (nothing is
 simulated), so a renamed flag or subcommand breaks this test, not a reader's copy-paste."""
 
-import os
 import re
 import shlex
 
@@ -10,8 +9,9 @@ import pytest
 
 from benchmarks import sim_round4
 from sglang_pdd.sim import cli
+from tests.conftest import REPO_ROOT
 
-GUIDE = os.path.join(os.path.dirname(__file__), "..", "docs", "sim.md")
+GUIDE = REPO_ROOT / "docs" / "sim.md"
 
 
 def _commands():
