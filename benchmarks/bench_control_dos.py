@@ -1,6 +1,6 @@
 """Denial-of-service proofs of concept against MD's and P's control APIs, measured (not a
 timed test): how many genuine, signed calls are answered while an outsider without the key
-attacks. Real control servers on loopback (tests/control_fakes.py: MD's ControlServer over
+attacks. Real control servers on loopback (tests/support/control_fakes.py: MD's ControlServer over
 a fake room table, P's PrefillControlServer); the attacker's sockets come from other
 loopback addresses (127.0.0.2, ...) than the router's calls (127.0.0.1), as they would from
 other hosts. Run it on two checkouts to compare code before and after a change.

@@ -1,6 +1,6 @@
 """The router's own CPU cost, without SGLang: fake P, RLD and MD, the real router process.
 
-Starts ``tests/fake_backends.py``'s fake P, P control API, RLD and MD (a deterministic "model",
+Starts ``tests/support/fake_backends.py``'s fake P, P control API, RLD and MD (a deterministic "model",
 SGLang's SSE stream format, one token every ``--token-delay-ms`` per stream) in their own
 process, then the router as a real subprocess (``python -m sglang_pdd.router`` on the tiny
 model's tokenizer, pointed at the fakes), and sends streaming ``/generate`` requests at a

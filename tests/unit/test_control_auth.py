@@ -143,7 +143,7 @@ def test_signer_header_format_and_fresh_nonces():
 
 
 def test_short_keys_are_refused():
-    # Key files are loaded by kv_channel.handshake.load_key (tests/kv_channel/test_key_file.py).
+    # Key files are loaded by kv_channel.handshake.load_key (tests/unit/kv_channel/test_key_file.py).
     with pytest.raises(ValueError, match="32"):
         ControlSigner(b"short")
     with pytest.raises(ValueError, match="32"):

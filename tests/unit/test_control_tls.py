@@ -5,7 +5,7 @@ client certificate are refused before any route runs; a server the router cannot
 (another CA, a name other than the address dialled) is an MD failure the request falls back
 from; the flags come in threes; MD's handoff relay reaches an HTTPS SGLang server.
 
-Certificates are made at test time with openssl (tests/pki.py)."""
+Certificates are made at test time with openssl (tests/support/pki.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Datacenter B in a network namespace: the pure parts (names, owners, subnets, tc argv,
 counters) and the argv the launcher builds for servers placed there. No namespace is made
-here; tests/test_e2e_netns_cleanup.py makes real ones."""
+here; tests/e2e/test_e2e_netns_cleanup.py makes real ones."""
 
 import ipaddress
 

@@ -222,7 +222,7 @@ def test_a_new_handoff_field_reaches_mds_handler_from_the_protocol_type_alone(mo
 
 
 def test_a_new_handoff_field_reaches_the_fake_mds_handler_from_the_protocol_type_alone(monkeypatch):
-    """The same through the test fakes' MD (tests/fake_backends.py), which dispatches through
+    """The same through the test fakes' MD (tests/support/fake_backends.py), which dispatches through
     the protocol's route table and parses with the protocol's type too."""
     extended = _with_priority()
 

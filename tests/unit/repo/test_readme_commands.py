@@ -1,5 +1,5 @@
 """The commands the README tells a user to run, run or parsed here (the demo runs in
-tests/test_e2e_demo.py, the test command is CI itself)."""
+tests/e2e/test_e2e_demo.py, the test command is CI itself)."""
 
 from __future__ import annotations
 

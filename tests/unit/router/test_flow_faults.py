@@ -1,5 +1,5 @@
 """Fault injection for PddFlow and the router's client-disconnect handling, against fake
-P / RLD / MD servers (tests/fake_backends.py): no SGLang, deterministic, a few seconds.
+P / RLD / MD servers (tests/support/fake_backends.py): no SGLang, deterministic, a few seconds.
 
 Every scenario checks the flow's guarantees: the client gets truth[:max_new] exactly (no loss,
 no duplicate, in order), the expected fallback tags, RLD aborted once MD produced a token, MD's

@@ -1,10 +1,10 @@
 """Late WAN destinations: with a control API on P, a P->RLD->MD request starts P and RLD at
 once and registers MD's room concurrently; MD's answer is posted to P afterwards (PddFlow,
-router/flow.py). Against the fake P / RLD / MD (tests/fake_backends.py): the order of events
+router/flow.py). Against the fake P / RLD / MD (tests/support/fake_backends.py): the order of events
 is asserted on the timestamps the fakes record (one clock, one event loop), never on
 wall-clock thresholds.
 
-The guarantees of tests/test_flow_faults.py hold here too (assert_invariants): the client
+The guarantees of tests/unit/router/test_flow_faults.py hold here too (assert_invariants): the client
 gets truth[:max_new] exactly once and in order, MD's room is released exactly once, nothing
 is left running.
 """

@@ -1,6 +1,6 @@
 """The router tells every MD which P hosts send it KV (router/kv_senders.py), so MD's WAN
 receiver counts them as known peers even right after MD started (a keyless flood of its
-unknown-source handshake slots then cannot keep them out: tests/kv_channel/test_admission.py).
+unknown-source handshake slots then cannot keep them out: tests/unit/kv_channel/test_admission.py).
 On fake backends: no SGLang."""
 
 from __future__ import annotations

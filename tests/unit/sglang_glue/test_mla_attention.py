@@ -1,5 +1,5 @@
 """MLA layers on SGLang's torch_native backend take the absorbed MLA path (mla_attention.py);
-the MLA model itself runs end to end in tests/test_e2e_mla.py."""
+the MLA model itself runs end to end in tests/e2e/test_e2e_mla.py."""
 
 import pytest
 
