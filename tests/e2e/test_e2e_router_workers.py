@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.support.fake_backends import Fakes, truth
-from tests.support.waiting import wait_gone
+from tests.support.processes import wait_gone
 
 from sglang_pdd.launcher.cluster import default_model_path
 from sglang_pdd.launcher.topology import free_port

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.support.waiting import wait_gone
+from tests.support.processes import wait_gone
 
 from sglang_pdd.router.workers import check_port_free, worker_argv
 
