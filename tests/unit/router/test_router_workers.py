@@ -19,8 +19,6 @@ from tests.support.processes import wait_gone
 
 from sglang_pdd.router.workers import check_port_free, worker_argv
 
-REPO = REPO_ROOT
-
 # A stand-in worker: answers its pid on the shared port (SO_REUSEPORT), as a router worker binds it.
 PID_WORKER = textwrap.dedent("""
     import os, sys
@@ -76,7 +74,7 @@ def test_a_held_port_is_refused_before_any_worker_starts():
 def two_pid_workers(port: int) -> subprocess.Popen:
     """The supervisor over two workers that answer their pid on ``port``."""
     cmd = [sys.executable, "-c", PID_WORKER, str(port)]
-    return subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(cmds=[cmd, cmd])], cwd=REPO)
+    return subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(cmds=[cmd, cmd])], cwd=REPO_ROOT)
 
 
 def test_workers_share_one_port_and_stop_with_the_supervisor():
