@@ -1,6 +1,6 @@
 """Denial-of-service proofs of concept against MD's and P's control APIs, measured (not a
 timed test): how many genuine, signed calls are answered while an outsider without the key
-attacks. Real control servers on loopback (tests/control_fakes.py: MD's MdControlServer over
+attacks. Real control servers on loopback (tests/support/control_fakes.py: MD's MdControlServer over
 a fake room table, P's PrefillControlServer); the attacker's sockets come from other
 loopback addresses (127.0.0.2, ...) than the router's calls (127.0.0.1), as they would from
 other hosts. Run it on two checkouts to compare code before and after a change.
@@ -37,14 +37,13 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.common import REPO, load_module
 from sglang_pdd import control_auth
 from sglang_pdd.control_auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import MainControl
 from sglang_pdd.protocol import ReleaseRequest
+from tests.support import control_fakes as fakes
 
-fakes = load_module(REPO / "tests" / "control_fakes.py")
 KEY = fakes.KEY
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
 
@@ -202,7 +201,8 @@ def slowloris(args) -> dict:
 
 
 def _pki(d: Path):
-    pki = load_module(REPO / "tests" / "pki.py")
+    from tests.support import pki
+
     pki.make_ca(d, "ca")
     return (str(d / "ca.pem"), pki.make_leaf(d, "server", "ca", "IP:127.0.0.1"),
             pki.make_leaf(d, "router", "ca", "DNS:router"))

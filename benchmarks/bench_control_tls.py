@@ -33,7 +33,6 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.bench_control_reply_sig import KEY, _Generate, _Runtime, _timed, add_call_args, measure_calls
-from benchmarks.common import REPO, load_module
 from sglang_pdd.control_auth import ROLE_MD, ControlSigner
 from sglang_pdd.kv_channel.tls import control_tls_context
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
@@ -45,7 +44,8 @@ MODES = ("tls", "plain")
 
 
 def _certificates(d: Path) -> dict:
-    pki = load_module(REPO / "tests" / "pki.py")
+    from tests.support import pki
+
     pki.make_ca(d, "ca")
     return {"ca": str(d / "ca.pem"), "md": pki.make_leaf(d, "md", "ca", "IP:127.0.0.1"),
             "router": pki.make_leaf(d, "router", "ca", "DNS:router")}

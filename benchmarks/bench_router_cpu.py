@@ -1,6 +1,6 @@
 """The router's own CPU cost, without SGLang: fake P, RLD and MD, the real router process.
 
-Starts ``tests/fake_backends.py``'s fake P, P control API, RLD and MD (a deterministic "model",
+Starts ``tests/support/fake_backends.py``'s fake P, P control API, RLD and MD (a deterministic "model",
 SGLang's SSE stream format, one token every ``--token-delay-ms`` per stream) in their own
 process, then the router as a real subprocess (``python -m sglang_pdd.router`` on the tiny
 model's tokenizer, pointed at the fakes), and sends streaming ``/generate`` requests at a
@@ -44,15 +44,14 @@ import aiohttp
 import psutil
 from tqdm import tqdm
 
-from benchmarks.common import REPO, greedy, load_module
+from benchmarks.common import REPO, greedy
 from sglang_pdd.launcher.topology import free_port
 
 
 # ---------------------------------------------------------------------- fake backends process
 def serve_fakes(token_delay_s: float) -> None:
     """Runs the fakes until killed; prints their URLs as one JSON line."""
-    fake_backends = load_module(REPO / "tests" / "fake_backends.py")
-    Fakes, Knobs = fake_backends.Fakes, fake_backends.Knobs
+    from tests.support.fake_backends import Fakes, Knobs
 
     async def main() -> None:
         fakes = await Fakes(Knobs(rld_token_delay_s=token_delay_s, md_token_delay_s=token_delay_s)).start()

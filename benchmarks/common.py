@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_module(path: Path) -> ModuleType:
-    """A module of a folder that is no package (tests/, scripts/), loaded from its file; a
-    package name for them (``tests.x``) could resolve to another project's ``tests``."""
+    """A module of scripts/ (a folder of scripts, no package), loaded from its file. Test helpers
+    are a package: ``from tests.support import ...``."""
     if path.stem in sys.modules:
         return sys.modules[path.stem]
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -24,7 +24,7 @@ BUILD_VERSION = "2"
 # The unembedding's init std, 10x the other weights'. Scaling logits changes no argmax (greedy
 # output is what it would be at 0.08) but widens the margin between the best two tokens, from
 # ~0.001-0.01 in logprob to ~0.01-0.1: tests can then pick prompts whose greedy output no
-# rounding difference can flip, and demand exact equality (tests/test_e2e_differential.py).
+# rounding difference can flip, and demand exact equality (tests/e2e/test_e2e_differential.py).
 LM_HEAD_STD = 0.8
 
 

@@ -7,7 +7,7 @@ Two sources:
 * the ``--pdd-*`` server flags: ``sglang_pdd.config.FLAGS``, registered on a parser the way the
   plugin registers them on SGLang's (``add_pdd_args``); the roles column is each flag's ``roles``;
 * the router's flags: ``sglang_pdd.router.cli.build_parser()``, one table per argument group.
-tests/test_flags_doc.py fails when the file is stale.
+tests/unit/repo/test_flags_doc.py fails when the file is stale.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ HEADER = f"""\
      Do not edit by hand: change the help strings there and run `{COMMAND}`. -->
 
 Generated from the code that defines the flags (`{COMMAND}`; `--check` tells whether this file is
-current, and `tests/test_flags_doc.py` fails when it is not). The same text is in `--help`.
+current, and `tests/unit/repo/test_flags_doc.py` fails when it is not). The same text is in `--help`.
 """
 
 PDD_INTRO = """\

@@ -11,7 +11,7 @@ the two modules together, it only runs later). Then:
     python scripts/import_map.py            # report; exit 1 on a cycle or an upward import
     python scripts/import_map.py --write    # also rewrite the map in docs/architecture.md
 
-tests/test_import_map.py runs the same analysis, so a new cycle or upward import fails CI.
+tests/unit/repo/test_import_map.py runs the same analysis, so a new cycle or upward import fails CI.
 Starting another process (``python -m sglang_pdd.router`` from the launcher) is not an import
 and is not counted.
 """

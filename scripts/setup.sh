@@ -79,7 +79,7 @@ echo "$ROOT/cpu_shims" > "$(site_packages)/sglang_pdd_cpu_shims.pth"
 apply_patches apply
 
 # 5. Tiny models + tokenizer, built locally (deterministic, no downloads): a Llama (MHA KV pool)
-#    and a DeepSeek-V2-style model (MLA KV pool) for tests/test_e2e_mla.py.
+#    and a DeepSeek-V2-style model (MLA KV pool) for tests/e2e/test_e2e_mla.py.
 "$PY" "$ROOT/scripts/build_tiny_model.py" --out "$MODEL_DIR"
 "$PY" "$ROOT/scripts/build_tiny_model.py" --arch deepseek_v2 --out "$MLA_MODEL_DIR"
 

@@ -62,7 +62,7 @@ if [ "$FULL" = 0 ]; then
 else
   # Shards, each its own pytest run (and at most one cluster alive at a time within it), chosen
   # by marker so that a new e2e module lands in one without being listed here
-  # (tests/test_test_tiers.py checks that every one does): the modules on the default cluster
+  # (tests/unit/repo/test_test_tiers.py checks that every one does): the modules on the default cluster
   # with the whole differential matrix, then those marked own_cluster, which each bring their
   # own configuration (control-plane TLS, TP, MLA, page size, TCP engine, resume, injected
   # registration delays, datacenter B in a network namespace: SGLang's own PD against PDD, a

@@ -78,7 +78,7 @@ TEST_WAN_GBPS = 0.0005
 TEST_SERVING_ARGS = ["--chat-template", "chatml", "--tool-call-parser", "qwen25"]
 # Tests steer paths with pdd_options, an operator-only option, hence --every-client-is-operator.
 # No /health probes: each is a one-token request on every backend, which tests that count a
-# server's queued requests (takeover.py, the abort tests) would see; test_e2e_multi probes.
+# server's queued requests (support/takeover.py, the abort tests) would see; test_e2e_multi probes.
 TEST_ROUTER_ARGS = ["--max-wan-transfer-ms", "50", "--wan-timeout-s", "6", "--every-client-is-operator",
                     "--health-check-interval-s", "0", *TEST_SERVING_ARGS]
 TEST_DESTINATION_WAIT_MS = 10000
@@ -126,8 +126,8 @@ def warm_up(cluster) -> None:
     """Requests through P, RLD and MD before any test: the first request after start pays
     one-time costs (connections, Mooncake and WAN handshakes, lazy initialisation) that would
     otherwise land on whichever test runs first. One of them is a streamed take-over
-    (takeover.py): the first pause and first handoff on a cold cluster lag RLD by 20-odd tokens."""
-    from takeover import stream_taken_over
+    (support/takeover.py): the first pause and first handoff on a cold cluster lag RLD by 20-odd tokens."""
+    from tests.support.takeover import stream_taken_over
 
     from sglang_pdd.launcher.http import post_json
 
@@ -187,7 +187,7 @@ def pdd_cluster_paged(run_root, servers_under_test, request):
 def _run_group(item, on_default: set) -> int:
     """Run order: the demo (its own processes, nothing else alive), then every module on the
     shared default cluster, then the others, each with its own servers."""
-    if item.module.__name__ == "test_e2e_demo":
+    if item.module.__name__.rpartition(".")[2] == "test_e2e_demo":
         return 0
     return 1 if item.module in on_default else 2
 

@@ -133,7 +133,7 @@ def tls_binding(sock: socket.socket) -> bytes:
     key from that connection's (EC)DHE secret. A relay terminating TLS towards each side
     has two transcripts and two secrets, and cannot make the two Finished messages equal
     (the triple-handshake weakness of tls-unique needed TLS 1.2's resumption and RSA key
-    exchange). docs/security.md says so too; tests/kv_channel/test_wan_tls.py notices when
+    exchange). docs/security.md says so too; tests/unit/kv_channel/test_wan_tls.py notices when
     Python offers the exporter."""
     if not isinstance(sock, ssl.SSLSocket) or sock.version() != "TLSv1.3":
         return b""

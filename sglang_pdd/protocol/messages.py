@@ -4,7 +4,7 @@
 know; ``to_json`` writes the fields in declaration order, leaving out the optional ones at
 their "absent" value (``_omit``), so the bytes are what both sides have always sent. A field
 added to a message here is sent by the router's client and reaches the server's handler
-without any other change (tests/test_protocol.py shows it for the handoff).
+without any other change (tests/unit/protocol/test_protocol.py shows it for the handoff).
 """
 
 from __future__ import annotations

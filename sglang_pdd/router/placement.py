@@ -16,7 +16,7 @@ from typing import Hashable, Optional, Sequence
 # The PDD router's MD choice (router/pools.py's Pools.pick): load = the MD's flows in flight,
 # and a session stays on the MD holding its prefix unless that MD has this many more flows
 # in flight than the least loaded one. The simulator places MD with the same rule
-# (tests/test_sim_router_agreement.py checks it against Pools.pick).
+# (tests/unit/sim/test_sim_router_agreement.py checks it against Pools.pick).
 MD_AFFINITY_EXCESS_FLOWS = 4
 
 

@@ -6,7 +6,7 @@ a change to them changes the sim. For every design: P by `router.placement.pick_
 P's prefill tokens in flight and the router's prefix index (candidates rotated so equal ones
 take turns), MD (and same-DC PD's D) by `pick_instance` on flows in flight with the router's
 affinity bound (`pick_p`, `pick_md`: router/pools.py's Pools.pick, checked against it in
-tests/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
+tests/unit/sim/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
 flight (`pick_rld`); the path by `router.policy.decide_path` on the prefix index's estimate,
 again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's control API), RLD's
 load being its flows over the router's admission (`rld_max_running`, --rld-max-running);

@@ -1,0 +1,41 @@
+"""The headline table compares TTFTs only between runs that kept up: against a collapsed
+baseline (hours of backlog) the ratio says nothing about the design."""
+
+import json
+
+from benchmarks.sim_round4 import headline_markdown
+from tests.conftest import REPO_ROOT
+
+HEADLINE = REPO_ROOT / "docs" / "img" / "sim_headline_20g.json"
+
+
+def _run(ttft, sla, wan_gb=100.0):
+    return dict(ttft_p90=ttft, sla_attainment=sla, requests=100, rld_cost_share=0.1, rld_token_share=0.02,
+                paths={"p_md": 10, "p_rld_md": 90}, wan_gb=wan_gb, stall_p50=0.07, stall_p99=0.1)
+
+
+def _table(same_fleet):
+    return dict(trace="t", requests=100, model="m", wan_gbps=50.0, mla_kernel="flashmla", fleet={}, target=0.9,
+                same_fleet=same_fleet, knees={}, sized={}, verdicts=[])
+
+
+def _ttft_row(md):
+    return next(ln for ln in md.splitlines() if ln.startswith("| TTFT p90"))
+
+
+def test_ttft_is_compared_between_runs_that_kept_up():
+    row = _ttft_row(headline_markdown(_table(dict(pdd_drc_adaptive=_run(0.4, 0.99), xdc_pd=_run(0.8, 0.95, 1000.0),
+                                                  xdc_pd_drc=_run(0.5, 0.97)))))
+    assert "| -50% (+DRC: -20%) |" in row and "SLA 99.0%, 95.0%, 97.0%" in row
+
+
+def test_a_collapsed_baseline_gets_no_ratio():
+    row = _ttft_row(headline_markdown(_table(dict(pdd_drc_adaptive=_run(0.4, 0.99), xdc_pd=_run(9000.0, 0.01, 1000.0),
+                                                  xdc_pd_drc=_run(0.5, 0.97)))))
+    assert "| n/a (SLA under target) (+DRC: -20%) |" in row
+
+
+def test_the_recorded_20_gbps_headline_shows_no_ratio():
+    with open(HEADLINE) as f:
+        row = _ttft_row(headline_markdown(json.load(f)))
+    assert "-100%" not in row and row.count("n/a (SLA under target)") == 2

@@ -1,0 +1,301 @@
+"""Late WAN destinations: with a control API on P, a P->RLD->MD request starts P and RLD at
+once and registers MD's room concurrently; MD's answer is posted to P afterwards (PddFlow,
+router/flow.py). Against the fake P / RLD / MD (tests/support/fake_backends.py): the order of events
+is asserted on the timestamps the fakes record (one clock, one event loop), never on
+wall-clock thresholds.
+
+The guarantees of tests/unit/router/test_flow_faults.py hold here too (assert_invariants): the client
+gets truth[:max_new] exactly once and in order, MD's room is released exactly once, nothing
+is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tests.support.fake_backends import Knobs, closed_port, wait_until
+from sglang_pdd.router.app import Router
+from sglang_pdd.router.cli import _prefill_arg, parse_args
+from sglang_pdd.router.fallback import Reason
+from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.flow_request import FlowRequest
+from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
+from sglang_pdd.router.policy import PathPolicyConfig
+from sglang_pdd.router.pools import Pools
+from tests.unit.router.test_flow_faults import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants,
+                                               flow_config, scenario, takeover)
+
+pytestmark = pytest.mark.timeout(60)
+
+WAN_PEER = "127.0.0.1:1"  # the MainBackend's wan_peer in scenario()
+
+
+def t_of(run: Run, server: str, kind: str, index: int = 0) -> float:
+    records = run.fakes.records(server, kind)
+    assert len(records) > index, f"no {server} {kind} record #{index}"
+    return records[index].t
+
+
+def p_leg_params(run: Run) -> dict:
+    gens = run.fakes.records("p", "generate")
+    assert gens, "P got no request"
+    return gens[0].body["sampling_params"].get("custom_params") or {}
+
+
+def assert_p_control_sane(run: Run) -> None:
+    """At most one destination or one drop per room, never a destination after a drop."""
+    posted = [r.body["bootstrap_room"] for r in run.fakes.records("p", "destination")]
+    dropped = run.fakes.dropped_rooms()
+    assert len(posted) == len(set(posted)) and len(dropped) == len(set(dropped)), (posted, dropped)
+    for room in set(posted) & set(dropped):
+        assert t_of(run, "p", "destination") < t_of(run, "p", "drop"), "destination posted after its drop"
+
+
+def hold_rld_until(run_ref: dict, predicate, at_token: int):
+    """An RLD hook: token ``at_token`` of leg 1 waits until ``predicate(run)`` (so a failure
+    lands while RLD is mid-stream)."""
+    async def hook(leg, i):
+        if leg == 1 and i == at_token:
+            await wait_until(lambda: predicate(run_ref["run"]), timeout_s=10)
+    return hook
+
+
+# ---------------------------------------------------------------------- (a) + (b) happy path
+def test_legs_start_before_md_registration_answers_and_first_token_reaches_client_first():
+    knobs = Knobs(md_register_delay_s=0.3, md_cached_tokens=3)
+
+    def gates(run):
+        takeover(knobs, 3)(run)
+        # RLD keeps producing until MD's KV is known to have landed, so the handoff happens.
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value in ("ready", "failed"), 6)
+
+    run = scenario(knobs, max_new=40, p_control=True, md_estimate=0, gates=gates)
+    assert_invariants(run, 40)
+    assert_p_control_sane(run)
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.fallbacks == [] and r.md_registration == "concurrent"
+    registered_t = t_of(run, "md", "registered")  # MD's register answer
+    # (a) P and RLD were started before MD answered, and the first token got through first.
+    assert t_of(run, "p", "generate") < registered_t
+    assert t_of(run, "rld", "generate") < registered_t
+    assert t_of(run, "rld", "first_token") < registered_t
+    assert run.first_chunk_t is not None and run.first_chunk_t < registered_t
+    # The P leg says "a destination will come", not where it goes.
+    room = run.fakes.registered_rooms()[0]
+    assert p_leg_params(run) == {"pdd_room": room, "pdd_wan_expected": True}
+    assert run.fakes.records("p", "generate")[0].body["bootstrap_room"] == room
+    # The destination follows MD's answer; the ready wait follows the destination.
+    assert registered_t <= t_of(run, "p", "destination") <= t_of(run, "md", "ready")
+    assert run.fakes.dropped_rooms() == []
+    assert_handed_off(run, 40)
+    assert r.wan_bytes == (len(PROMPT) - 3) * 100 and r.wan_bytes_saved == 3 * 100
+    # The ready wait (the metrics' kv_transfer_latency_ms) starts after P has its destination.
+    assert 0 < r.wan_ready_s < run.last_chunk_t - t_of(run, "p", "destination")
+
+
+def test_destination_carries_md_exact_prefix_and_room_path_kept_on_estimate():
+    """Estimate 0 -> P->RLD->MD; MD actually holds the whole prompt (with it, P->MD would have
+    been chosen). The path is not changed after the fact; both numbers are reported."""
+    policy = PathPolicyConfig(wan_gbps=1e-6, wan_rtt_ms=0.0, kv_bytes_per_token=100, page_size=1,
+                              max_wan_transfer_ms=1000.0, enable_outlier_filter=False)
+    # 8 uncached tokens x 100 B at 1 kbit/s: 6.4 s > 1 s; 0 uncached: 0 ms.
+    knobs = Knobs(md_cached_tokens=len(PROMPT), md_register_delay_s=0.05)
+    run = scenario(knobs, max_new=30, cfg=flow_config(policy=policy), p_control=True, md_estimate=0,
+                   gates=takeover(knobs, 2))
+    assert_invariants(run, 30)
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.md_registration == "concurrent"
+    assert r.md_cached_estimate == 0 and r.md_cached_tokens == len(PROMPT)
+    room = run.fakes.registered_rooms()[0]
+    posts = run.fakes.records("p", "destination")
+    assert [p.body for p in posts] == [{"bootstrap_room": room, "md_room": room, "wan_peer": WAN_PEER,
+                                        "md_prefix_len": len(PROMPT)}]
+    assert run.fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 30
+    assert_handed_off(run, 30)
+
+
+def test_estimate_says_p_md_registers_first_then_decides_on_md_exact_prefix():
+    """A high estimate (P->MD) means the round trip is awaited anyway; MD's exact answer (0
+    cached) then picks P->RLD->MD, with the destination in the request as without P control."""
+    policy = PathPolicyConfig(wan_gbps=1e-6, wan_rtt_ms=0.0, kv_bytes_per_token=100, page_size=1,
+                              max_wan_transfer_ms=1000.0, enable_outlier_filter=False)
+    knobs = Knobs(md_cached_tokens=0, md_register_delay_s=0.05)
+    run = scenario(knobs, max_new=30, cfg=flow_config(policy=policy), p_control=True, md_estimate=len(PROMPT),
+                   gates=takeover(knobs, 2))
+    assert_invariants(run, 30)
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.md_registration == "before_legs"
+    assert r.md_cached_estimate == len(PROMPT) and r.md_cached_tokens == 0
+    assert t_of(run, "md", "registered") < t_of(run, "p", "generate")
+    assert p_leg_params(run) == {"pdd_room": run.fakes.registered_rooms()[0], "pdd_wan_peer": WAN_PEER,
+                                 "pdd_md_prefix_len": 0}
+    assert run.fakes.records("p", "destination") == [] and run.fakes.dropped_rooms() == []
+    assert_handed_off(run, 30)
+
+
+# ---------------------------------------------------------------------- (c) registration fails
+@pytest.mark.parametrize("fault", ["error500", "text500", "refused"])
+def test_registration_fails_destination_dropped_rld_finishes(fault):
+    knobs = Knobs(md_register=fault if fault != "refused" else "ok", md_register_delay_s=0.05)
+    control = f"http://127.0.0.1:{closed_port()}" if fault == "refused" else None
+
+    def gates(run):  # the failure lands while RLD is mid-stream
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value == "failed", 5)
+
+    run = scenario(knobs, max_new=30, control_url=control, p_control=True, gates=gates)
+    assert_invariants(run, 30)
+    assert_p_control_sane(run)
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.md_registration == "concurrent"
+    assert run.fallbacks == ["md_unavailable"]
+    assert r.md_tokens == 0 and r.rld_tokens == 30 and r.handoff_at is None
+    room = run.fakes.records("p", "generate")[0].body["bootstrap_room"]
+    assert run.fakes.dropped_rooms() == [room]
+    assert run.fakes.records("p", "destination") == []
+    assert run.fakes.released_rooms() == []  # MD holds no room
+    assert run.fakes.records("md", "ready") == [] and run.fakes.records("md", "handoff") == []
+    assert len(run.fakes.records("rld", "generate")) == 1  # RLD's own leg finished it
+    # The drop came while RLD was still streaming, not from the end-of-request cleanup.
+    assert t_of(run, "p", "drop") < run.last_chunk_t
+
+
+# ---------------------------------------------------------------------- (d) P refuses the destination
+@pytest.mark.parametrize("status", [409, 500])
+def test_destination_refused_by_p_dropped_room_released_rld_finishes(status):
+    knobs = Knobs(p_control_status=status, md_cached_tokens=2, rld_token_delay_s=0.01)
+
+    def gates(run):
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value == "failed", 5)
+
+    run = scenario(knobs, max_new=30, p_control=True, gates=gates)
+    assert_invariants(run, 30)  # includes: the registered room released exactly once
+    r = run.flow.result
+    assert r.path == "p_rld_md" and run.fallbacks == ["wan_destination_failed"]
+    assert f"HTTP {status}" in r.fallbacks[0].detail
+    assert r.md_tokens == 0 and r.rld_tokens == 30
+    room = run.fakes.registered_rooms()[0]
+    assert [p.body["bootstrap_room"] for p in run.fakes.records("p", "destination")] == [room]
+    assert run.fakes.dropped_rooms() == [room]
+    assert run.fakes.released_rooms() == [room]
+    # Released as soon as P refused, not by the end-of-request cleanup (RLD had 25 tokens to go).
+    assert t_of(run, "md", "release") < run.last_chunk_t
+    assert run.fakes.records("md", "ready") == [] and run.fakes.records("md", "handoff") == []
+    assert len(run.fakes.records("rld", "generate")) == 1
+    assert FLOW_FALLBACK_REASONS[Reason.WAN_DESTINATION_FAILED] == "wan_failed"
+
+
+def test_wan_fails_after_destination_delivered_no_drop():
+    """The destination was accepted: a later WAN failure is the usual wan_failed, and P is not
+    told to drop a destination it already has."""
+    run = scenario(Knobs(md_ready="failed"), max_new=30, p_control=True)
+    assert_invariants(run, 30)
+    assert run.fallbacks == ["wan_failed"]
+    assert len(run.fakes.records("p", "destination")) == 1 and run.fakes.dropped_rooms() == []
+    assert run.flow.result.wan_ready_s is None  # no KV landed: no transfer time
+
+
+def test_request_ends_before_registration_answers_drops_destination_and_releases_room():
+    knobs = Knobs(md_register_delay_s=2.0)
+
+    def gates(run):  # RLD's first token only once MD has the register request in hand
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.fakes.registered_rooms(), 0)
+
+    run = scenario(knobs, max_new=5, p_control=True, gates=gates)
+    assert_invariants(run, 5)  # the registered room released exactly once
+    assert_p_control_sane(run)
+    r = run.flow.result
+    assert r.fallbacks == [] and r.rld_tokens == 5 and r.md_tokens == 0
+    room = run.fakes.registered_rooms()[0]
+    assert run.fakes.dropped_rooms() == [room] and run.fakes.records("p", "destination") == []
+    assert run.fakes.records("md", "registered") == []  # it never answered: the flow did not wait
+
+
+# ---------------------------------------------------------------------- (e) no P control: as before
+def test_without_p_control_registration_comes_first_with_old_params():
+    knobs = Knobs(md_register_delay_s=0.1, md_cached_tokens=3)
+    run = scenario(knobs, max_new=30, p_control=False, md_estimate=7, gates=takeover(knobs, 2))
+    assert_invariants(run, 30)
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.md_registration == "before_legs" and r.fallbacks == []
+    assert r.md_cached_tokens == 3 and r.md_cached_estimate == 7
+    registered_t = t_of(run, "md", "registered")
+    assert registered_t < t_of(run, "p", "generate") and registered_t < t_of(run, "rld", "generate")
+    assert p_leg_params(run) == {"pdd_room": run.fakes.registered_rooms()[0], "pdd_wan_peer": WAN_PEER,
+                                 "pdd_md_prefix_len": 3}
+    assert run.fakes.records("p", "destination") == [] and run.fakes.dropped_rooms() == []
+    assert_handed_off(run, 30)
+
+
+# ---------------------------------------------------------------------- (f) P->MD awaits registration
+def test_p_md_with_p_control_still_awaits_registration():
+    knobs = Knobs(md_register_delay_s=0.1)
+    run = scenario(knobs, max_new=30, cfg=flow_config(policy=P_MD_POLICY), p_control=True,
+                   gates=takeover(knobs, 0))
+    assert_invariants(run, 30)
+    r = run.flow.result
+    assert r.path == "p_md" and r.md_registration == "before_legs" and r.fallbacks == []
+    assert t_of(run, "md", "registered") < t_of(run, "p", "generate")
+    assert p_leg_params(run) == {"pdd_room": run.fakes.registered_rooms()[0], "pdd_wan_peer": WAN_PEER,
+                                 "pdd_md_prefix_len": 0}
+    assert run.fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 1
+    assert run.fakes.records("p", "destination") == [] and run.fakes.dropped_rooms() == []
+    assert_handed_off(run, 30)
+
+
+def test_outlier_with_p_control_registers_nothing():
+    policy = PathPolicyConfig(outlier_min_input_tokens=4, outlier_max_output_tokens=16)
+    run = scenario(Knobs(), max_new=12, cfg=flow_config(policy=policy), p_control=True)
+    assert_invariants(run, 12)
+    r = run.flow.result
+    assert r.path == "p_rld_only" and r.fallbacks == [] and r.md_registration == "none"
+    assert run.fakes.registered_rooms() == [] and run.fakes.released_rooms() == []
+    assert run.fakes.records("p", "destination") == [] and run.fakes.dropped_rooms() == []
+    assert "custom_params" not in run.fakes.records("rld", "generate")[0].body["sampling_params"]
+
+
+# ---------------------------------------------------------------------- router: CLI and estimate
+def test_prefill_flag_two_and_three_fields():
+    old = _prefill_arg("http://p.example:30000,8998")
+    assert (old.url, old.bootstrap_port, old.host, old.control_url) == ("http://p.example:30000", 8998,
+                                                                         "p.example", None)
+    new = _prefill_arg("http://p.example:30000,8998,http://p.example:31000")
+    assert (new.url, new.bootstrap_port, new.control_url) == ("http://p.example:30000", 8998,
+                                                              "http://p.example:31000")
+    args = parse_args(["--tokenizer-path", "m", "--relay", "http://r:1",
+                       "--prefill", "http://a:1,10", "--prefill", "http://b:2,20,http://b:3"])
+    assert [p.control_url for p in args.prefill] == [None, "http://b:3"]
+    for bad in ("http://p:1", "http://p:1,x", "http://p:1,8998,p:31000", ",8998", "http://p:1,,http://c:2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _prefill_arg(bad)
+
+
+def test_router_passes_md_prefix_estimate_to_the_flow():
+    prompt = list(range(100, 140))  # 40 tokens: 2 whole 16-token blocks
+    md = MainBackend("http://md:1", "http://md:2", "md:3")
+    pools = Pools([PrefillBackend("http://p:1", 8998, control_url="http://p:2")], ["http://rld:1"], [md])
+    router = Router(pools, flow_config(), tokenizer=None, max_prompt_tokens=1000, served_model="fake")
+    assert router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="a")).result.md_cached_estimate == 0
+    pools.prefixes.record(md.url, prompt[:35])
+    flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="b"))
+    assert flow.result.md_cached_estimate == 32 and flow.p_control is not None
+    flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, options={"drc": False}, rid="c"))
+    assert flow.result.md_cached_estimate == 0
+
+
+def test_md_prefix_tie_goes_to_the_least_loaded_md():
+    # Both MDs hold the same shared prefix (say a system prompt): the busier one must not win
+    # just because it is configured first.
+    prompt = list(range(200, 248))
+    mds = [MainBackend(f"http://md{i}:1", f"http://md{i}:2", f"md{i}:3") for i in range(2)]
+    pools = Pools([PrefillBackend("http://p:1", 8998)], ["http://rld:1"], mds)
+    for md in mds:
+        pools.prefixes.record(md.url, prompt[:32])
+    pools.md_inflight[mds[0].url] = 2
+    assert pools.pick(prompt)[2] is mds[1]
+    pools.md_inflight[mds[0].url], pools.md_inflight[mds[1].url] = 0, 2
+    assert pools.pick(prompt)[2] is mds[0]
+    # a longer prefix on the busier MD still wins (affinity within --max excess 4)
+    pools.prefixes.record(mds[1].url, prompt)
+    assert pools.pick(prompt)[2] is mds[1]

@@ -1,0 +1,58 @@
+"""The router's WAN estimate before MD's first registration answer: each MD's KV bytes per
+token, asked from its stats at start (learn_md_kv_sizes), not the policy's 70B-class default."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from tests.support.control_fakes import KEY, MdControl
+from tests.support.fake_backends import closed_port
+
+from sglang_pdd.router.app import learn_md_kv_sizes
+from sglang_pdd.router.backends import use_control_key
+from sglang_pdd.router.flow import MainBackend
+from sglang_pdd.router.policy import PathPolicyConfig
+
+
+@pytest.fixture
+def signed_calls():
+    use_control_key(KEY)
+    yield
+    use_control_key(None)
+
+
+def learn(mains: list[MainBackend], attempts: int = 3) -> None:
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            await learn_md_kv_sizes(session, mains, attempts=attempts, interval_s=0.01)
+    asyncio.run(run())
+
+
+def test_router_takes_mds_kv_size_from_its_stats(signed_calls):
+    md = MdControl()
+    try:
+        main = MainBackend(url="http://127.0.0.1:1", control_url=md.url, wan_peer="127.0.0.1:2")
+        learn([main])
+        assert main.kv_bytes_per_token == md.runtime.kv_bytes_per_token != PathPolicyConfig().kv_bytes_per_token
+    finally:
+        md.close()
+
+
+def test_a_registration_answer_already_taken_is_kept(signed_calls):
+    md = MdControl()
+    try:
+        main = MainBackend(url="http://127.0.0.1:1", control_url=md.url, wan_peer="127.0.0.1:2",
+                           kv_bytes_per_token=2048)
+        learn([main])
+        assert main.kv_bytes_per_token == 2048
+    finally:
+        md.close()
+
+
+def test_an_md_that_never_answers_keeps_the_default_and_is_given_up(signed_calls):
+    main = MainBackend(url="http://127.0.0.1:1", control_url=f"http://127.0.0.1:{closed_port()}",
+                       wan_peer="127.0.0.1:2")
+    learn([main], attempts=2)
+    assert main.kv_bytes_per_token is None

@@ -1,0 +1,397 @@
+"""MD's ingest on SGLang's own radix cache, allocator and pools (CPU), fed by P's real WAN fan-out
+over loopback: page sizes 1/16/64, MHA and MLA, DRC prefixes cut on page boundaries, pages
+reserved at registration and written as chunks land, admission (refused rooms hold nothing),
+and every reserved page accounted for."""
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
+from tests.conftest import require_sglang_import
+
+KEY = b"k" * 32
+POOL_PAGES = 32
+
+
+def pool_pages(page_size):
+    return 256 if page_size == 1 else POOL_PAGES
+
+
+def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool", head_num=2):
+    require_sglang_import()
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from sglang_pdd.config import PddConfig
+    from sglang_pdd.launcher.topology import free_port
+    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+
+    pool = make_pool(kind, page_size, seed=None, head_num=head_num)
+    size = pool_pages(page_size) * page_size
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(size, pool.dtype, "cpu", pool, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(size, page_size, pool.dtype, "cpu", pool, need_sort=False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                      page_size=page_size))
+    cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
+                    wan_timeout_s=10.0, md_staging_mb=tmp_budget_mb, md_ingest=ingest)
+    sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size)
+    return MainDrcRuntime(sched, cfg, KEY)
+
+
+def make_pool(kind, page_size, seed, head_num=2):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    common = dict(size=pool_pages(page_size) * page_size, page_size=page_size, dtype=torch.bfloat16, layer_num=2,
+                  device="cpu", enable_memory_saver=False)
+    pool = (MHATokenToKVPool(head_num=head_num, head_dim=8, **common) if kind == "mha"
+            else MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, **common))
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for buf in bufs(pool):
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    return pool
+
+
+def bufs(pool):
+    return pool.k_buffer + pool.v_buffer if getattr(pool, "k_buffer", None) else pool.kv_buffer
+
+
+class Prefill:
+    """P: a pool holding prompts on scattered pages, and the real WAN fan-out."""
+
+    def __init__(self, kind, page_size, md, pool=None, shard=None, num_streams=2):
+        from sglang_pdd.kv_channel.tp_relayout import TpShard
+        from sglang_pdd.sglang_glue.wan_fanout import WanFanout
+
+        shard = shard or TpShard()
+        self.page_size, self.md = page_size, md
+        self.pool = make_pool(kind, page_size, seed=7) if pool is None else pool
+        self.fanout = WanFanout(KEY, f"p-test-tp{shard.rank}", num_streams=num_streams, timeout_s=10.0,
+                                allowed_peers=[tuple(md.receiver.address)])
+        self.fanout.attach_pool(self.pool, page_size, shard)
+
+    def pages_for(self, prompt_len, seed):
+        n = -(-prompt_len // self.page_size)
+        return np.random.default_rng(seed).permutation(pool_pages(self.page_size))[:n].astype(np.int64)
+
+    def send(self, room, token_ids, md_prefix_len, pages):
+        from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+
+        dest = WanDestination(room, self.md.receiver.address, md_prefix_len)
+        wan_room = self.fanout.open_room(dest, rid=f"r{room}", token_ids=token_ids, first_offered_page=0)
+        assert wan_room is not None
+        self.fanout.offer(wan_room, pages[:1], last=len(pages) == 1)  # as chunked prefill would
+        if len(pages) > 1:
+            self.fanout.offer(wan_room, pages[1:], last=True)
+
+    def token_rows(self, pages, start, end):
+        tokens = (torch.from_numpy(pages)[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        return [b[tokens[start:end]] for b in bufs(self.pool)]
+
+
+def drive_until(md, room, status="ready", timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        md.on_scheduler_iteration()
+        entry = md.table.rooms.get(room)
+        if entry is not None and entry.status.value == status:
+            return entry
+        time.sleep(0.01)
+    raise AssertionError(f"room {room} not {status}: {md.table.rooms.get(room)}")
+
+
+def settle(md, timeout=10.0):
+    """Let the release thread hand back reserved pages; the scheduler thread frees them."""
+    deadline = time.monotonic() + timeout
+    while md.held_tokens and time.monotonic() < deadline:
+        md.on_scheduler_iteration()
+        time.sleep(0.01)
+
+
+def conserved(md):
+    """SGLang's invariant: every pool slot is free, cached, locked in the tree, or held by MD."""
+    tree, alloc = md.ops.tree, md.ops.allocator
+    return alloc.available_size() + tree.evictable_size() + tree.protected_size() + md.held_tokens == alloc.size
+
+
+def md_rows(md, token_ids, start, end):
+    _, node = md.ops.match(token_ids)
+    slots = md.ops.tree.path_device_indices(node)[start:end].to(torch.int64)
+    return [b[slots] for b in bufs(md.ops.pool)]
+
+
+def close(md, p=None):
+    if p is not None:
+        p.fanout.close()
+    md.receiver.close()
+    md.control.httpd.shutdown()
+
+
+@pytest.mark.parametrize("kind,page_size,prompt_len", [
+    ("mha", 1, 37), ("mha", 16, 50), ("mha", 16, 48), ("mla", 16, 50), ("mha", 64, 150), ("mla", 64, 70),
+])
+@pytest.mark.parametrize("ingest", ["pool", "staged"])
+def test_kv_lands_in_the_tree_exactly(kind, page_size, prompt_len, ingest):
+    md = build_md(page_size, kind, ingest=ingest)
+    p = Prefill(kind, page_size, md)
+    try:
+        ids = list(range(1000, 1000 + prompt_len))
+        free_before = md.ops.allocator.available_size()
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        assert reg.cached_tokens == 0 and reg.kv_layout["kind"] == kind
+        assert reg.kv_layout["page_size"] == page_size
+        sent_pages = -(-prompt_len // page_size)
+        if ingest == "pool":  # the room's pages are reserved up front, and counted
+            assert md.held_tokens == sent_pages * page_size
+            assert md.ops.allocator.available_size() == free_before - sent_pages * page_size
+        assert conserved(md)
+        pages = p.pages_for(prompt_len, seed=1)
+        p.send(1, ids, reg.cached_tokens, pages)
+        drive_until(md, 1)
+        insert_len = prompt_len // page_size * page_size  # the tree holds whole pages only
+        cached, _ = md.ops.match(ids)
+        assert cached == insert_len
+        for want, got in zip(p.token_rows(pages, 0, insert_len), md_rows(md, ids, 0, insert_len)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+        # the partial last page went back to the allocator; the prompt's pages are locked
+        assert md.ops.allocator.available_size() == free_before - insert_len
+        md.rank_rooms.release(ReleaseRequest(1))
+        assert md.ops.tree.protected_size() == 0 and conserved(md)
+    finally:
+        close(md, p)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cached_prefix_is_page_aligned_and_p_sends_from_it(page_size):
+    md = build_md(page_size)
+    p = Prefill("mha", page_size, md)
+    try:
+        first = list(range(2000, 2040))
+        reg = md.rank_rooms.register(RegisterRequest(1, first))
+        pages1 = p.pages_for(len(first), seed=2)
+        p.send(1, first, reg.cached_tokens, pages1)
+        drive_until(md, 1)
+        md.rank_rooms.release(ReleaseRequest(1))
+        # a second turn shares 35 tokens: MD holds them up to the last whole page
+        second = first[:35] + list(range(3000, 3030))
+        reg = md.rank_rooms.register(RegisterRequest(2, second))
+        shared = 35 // page_size * page_size
+        assert reg.cached_tokens == shared
+        # P's copy of the second prompt: the shared pages plus new ones
+        pages2 = p.pages_for(len(second), seed=3)
+        p.send(2, second, reg.cached_tokens, pages2)
+        drive_until(md, 2)
+        insert_len = len(second) // page_size * page_size
+        assert md.ops.match(second)[0] == insert_len
+        for want, got in zip(p.token_rows(pages2, shared, insert_len), md_rows(md, second, shared, insert_len)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+        for want, got in zip(p.token_rows(pages1, 0, shared), md_rows(md, second, 0, shared)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))  # the prefix is turn 1's KV
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+        assert md.stats()["wan_tokens"] == len(first) + len(second) - shared
+    finally:
+        close(md, p)
+
+
+@pytest.mark.parametrize("ingest", ["pool", "staged"])
+def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
+    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+
+    md = build_md(16, ingest=ingest)
+    try:
+        per_page = md.ops.pool_layout.page_bytes * md.ops.pool_layout.num_buffers
+        md.budget.limit_bytes = 3 * per_page  # three pages in flight at most
+        free_before = md.ops.allocator.available_size()
+        md.rank_rooms.register(RegisterRequest(1, list(range(20))))  # two pages: fits
+        with pytest.raises(RoomRefused, match=rf"needs {2 * per_page} bytes of KV in flight on MD, {per_page} of"):
+            md.rank_rooms.register(RegisterRequest(2, list(range(100, 120))))
+        assert md.counters["rooms_refused"] == 1 and 2 not in md.table.rooms
+        assert md.budget.used_bytes == 2 * per_page and conserved(md)
+        md.rank_rooms.register(RegisterRequest(3, list(range(200, 210))))  # one page still fits
+        for room in (1, 3):
+            md.rank_rooms.release(ReleaseRequest(room))
+        settle(md)
+        assert md.ops.allocator.available_size() == free_before and md.budget.used_bytes == 0
+    finally:
+        close(md)
+
+
+def test_room_larger_than_the_pool_is_refused_at_registration():
+    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+
+    md = build_md(16)
+    try:
+        free_before = md.ops.allocator.available_size()
+        with pytest.raises(RoomRefused, match="KV pool cannot hold"):
+            md.rank_rooms.register(RegisterRequest(1, list(range(16 * POOL_PAGES + 5))))
+        assert md.table.rooms == {} and md.held_tokens == 0 and md.budget.used_bytes == 0
+        assert md.ops.allocator.available_size() == free_before and conserved(md)
+        assert md.counters["rooms_refused"] == 1
+    finally:
+        close(md)
+
+
+def test_refused_registration_answers_400_with_the_reason():
+    """Through MD's control API (the router treats any non-200 as 'RLD finishes')."""
+    import threading
+
+    md = build_md(16, tmp_budget_mb=1)
+    stop = threading.Event()
+
+    def scheduler():
+        while not stop.is_set():
+            md.on_scheduler_iteration()
+            time.sleep(0.005)
+
+    t = threading.Thread(target=scheduler, daemon=True)
+    t.start()
+    try:
+        from sglang_pdd.launcher.http import call_json
+
+        url = "http://%s:%d/pdd/rooms" % md.control.httpd.server_address[:2]
+        status, reply = call_json("POST", url, {"room": 5, "token_ids": list(range(16 * POOL_PAGES + 1))}, key=KEY)
+        assert status == 400
+        assert "refused" in reply["error"]
+    finally:
+        stop.set()
+        t.join()
+        close(md)
+
+
+@pytest.mark.parametrize("ingest", ["pool", "staged"])
+def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
+    md = build_md(16, ingest=ingest)
+    try:
+        free_before = md.ops.allocator.available_size()
+        md.rank_rooms.register(RegisterRequest(1, list(range(100))))
+        assert md.budget.used_bytes > 0
+        md.rank_rooms.release(ReleaseRequest(1))  # the router gave up before any KV came
+        settle(md)
+        assert md.held_tokens == 0 and md.budget.used_bytes == 0 and md.table.rooms == {}
+        assert md.ops.allocator.available_size() == free_before and conserved(md)
+    finally:
+        close(md)
+
+
+def test_layout_mismatch_fails_the_room_naming_both_sides(caplog):
+    md = build_md(16)  # MD: page size 16
+    # P: page size 1, one stream: its TRANSFER_BEGIN (which names P's layout) comes before any
+    # chunk; on two, a chunk can overtake it and fail the room on its page range alone
+    p = Prefill("mha", 1, md, num_streams=1)
+    try:
+        ids = list(range(32))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        p.send(1, ids, reg.cached_tokens, p.pages_for(32, seed=4))
+        entry = drive_until(md, 1, status="failed")
+        assert "layout_mismatch" in entry.reason and "page_size 16 vs 1" in entry.reason, entry.reason
+        def p_said_so():  # P hears it too (NACK), and says so as an error
+            return any(r.levelname == "ERROR" and "page_size 16 vs 1" in r.getMessage() for r in caplog.records)
+
+        deadline = time.monotonic() + 10
+        while not p_said_so() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p_said_so()
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+    finally:
+        close(md, p)
+
+
+def test_sglang_leak_check_counts_pages_held_in_flight():
+    from sglang_pdd.sglang_glue.plugin import _count_md_held_slots
+
+    md = build_md(16)
+    try:
+        md.rank_rooms.register(RegisterRequest(1, list(range(40))))
+        checker = SimpleNamespace(token_to_kv_pool_allocator=md.ops.allocator)
+        seen = _count_md_held_slots(lambda c, ps, uncached=0: uncached, checker, None, uncached=5)
+        assert seen == 5 + 48 == 5 + md.held_tokens
+        other = SimpleNamespace(token_to_kv_pool_allocator=object())  # another scheduler's pool
+        assert _count_md_held_slots(lambda c, ps, uncached=0: uncached, other, None) == 0
+    finally:
+        close(md)
+
+
+def shard_pool(full, kind, page_size, heads):
+    """One TP rank's pool: KV heads ``heads`` of ``full`` (SGLang's sharding); MLA: all of it."""
+    rank = make_pool(kind, page_size, seed=None, head_num=len(heads))
+    for mine, whole in zip(bufs(rank), bufs(full)):
+        mine.copy_(whole if kind == "mla" else whole[:, heads.start:heads.stop])
+    return rank
+
+
+@pytest.mark.parametrize("kind,heads,tp,page_size,ingest", [
+    ("mha", 2, 2, 1, "pool"),  # one KV head per rank
+    ("mha", 4, 2, 16, "staged"),  # two per rank, staged ingest (strided host writes)
+    ("mha", 2, 4, 16, "pool"),  # heads replicated on two ranks each: two of four ranks send
+    ("mla", 1, 2, 16, "pool"),  # the latent is on every rank: rank 0 sends it, rank 1 nothing
+])
+def test_p_tp_ranks_each_send_their_heads_into_mds_one_pool(kind, heads, tp, page_size, ingest):
+    from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
+
+    md = build_md(page_size, kind, ingest=ingest, head_num=heads)
+    full = make_pool(kind, page_size, seed=11, head_num=heads)
+    ranks = [Prefill(kind, page_size, md, shard_pool(full, kind, page_size, kv_heads_of_rank(
+        1 if kind == "mla" else heads, tp, r)), TpShard(r, tp, 1 if kind == "mla" else heads)) for r in range(tp)]
+    try:
+        prompt_len = 3 * page_size + 5
+        ids = list(range(500, 500 + prompt_len))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        pages = ranks[0].pages_for(prompt_len, seed=2)  # SGLang's ranks allocate alike
+        senders = [p for p in ranks if p.fanout.sends]
+        assert len(senders) == (1 if kind == "mla" else min(heads, tp))
+        for p in ranks:
+            if p.fanout.sends:
+                p.send(1, ids, reg.cached_tokens, pages)
+            else:  # a replica rank opens no room
+                assert p.fanout.open_room(WanDest(1, md), rid="r", token_ids=ids, first_offered_page=0) is None
+        drive_until(md, 1)
+        insert_len = prompt_len // page_size * page_size
+        whole = Prefill.token_rows(SimpleNamespace(pool=full, page_size=page_size), pages, 0, insert_len)
+        for want, got in zip(whole, md_rows(md, ids, 0, insert_len)):
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+        settle(md)
+        assert md.held_tokens == 0 and conserved(md)
+    finally:
+        for p in ranks:
+            p.fanout.close()
+        close(md)
+
+
+def WanDest(room, md):
+    from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+
+    return WanDestination(room, md.receiver.address, 0)
+
+
+def test_a_missing_tp_slice_leaves_the_room_waiting():
+    """MD's room is ready only when the ranks' slices tile the row: one rank of two alone
+    leaves it waiting (until its deadline fails it and RLD finishes the request)."""
+    from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
+
+    md = build_md(1, "mha", head_num=2)
+    full = make_pool("mha", 1, seed=5, head_num=2)
+    rank0 = Prefill("mha", 1, md, shard_pool(full, "mha", 1, kv_heads_of_rank(2, 2, 0)), TpShard(0, 2, 2))
+    try:
+        ids = list(range(40))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        rank0.send(1, ids, reg.cached_tokens, rank0.pages_for(40, seed=3))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            md.on_scheduler_iteration()
+            time.sleep(0.02)
+        assert md.table.rooms[1].status.value == "pending"  # half of every row landed: not ready
+        assert md.receiver.stats()["connections"] > 0
+    finally:
+        rank0.fanout.close()
+        close(md)
