@@ -1,6 +1,6 @@
 """Denial-of-service proofs of concept against MD's and P's control APIs, measured (not a
 timed test): how many genuine, signed calls are answered while an outsider without the key
-attacks. Real control servers on loopback (tests/support/control_fakes.py: MD's ControlServer over
+attacks. Real control servers on loopback (tests/support/control_fakes.py: MD's MdControlServer over
 a fake room table, P's PrefillControlServer); the attacker's sockets come from other
 loopback addresses (127.0.0.2, ...) than the router's calls (127.0.0.1), as they would from
 other hosts. Run it on two checkouts to compare code before and after a change.
@@ -41,6 +41,7 @@ from sglang_pdd import control_auth
 from sglang_pdd.control_auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import MainControl
+from sglang_pdd.protocol import ReleaseRequest
 from tests.support import control_fakes as fakes
 
 KEY = fakes.KEY
@@ -148,7 +149,7 @@ def starvation_md(args) -> dict:
         status, _ = call_json("POST", md.url + "/pdd/rooms", {"room": room, "token_ids": [1, 2, 3]}, key=KEY,
                               timeout=5)
         if status == 200:
-            md.runtime.call("release", room)
+            md.runtime.release(ReleaseRequest(room))
         return status
 
     try:

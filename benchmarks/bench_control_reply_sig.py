@@ -1,4 +1,4 @@
-"""Cost of signing control replies (not a timed test): MD's real ControlServer on loopback,
+"""Cost of signing control replies (not a timed test): MD's real MdControlServer on loopback,
 the router's MainControl calling it, with reply signatures (as shipped) and without (the
 server's reply_signature and the router's check patched out), side by side.
 
@@ -34,7 +34,7 @@ from sglang_pdd.control_auth import ROLE_MD, ControlSigner, ControlVerifier
 from sglang_pdd.protocol import HandoffRequest, RegisterReply
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
-from sglang_pdd.sglang_glue.main_drc import ControlServer
+from sglang_pdd.sglang_glue.main_drc import MdControlServer
 
 KEY = b"bench-control-reply-signing-key-0123456789"
 
@@ -70,16 +70,15 @@ class _Runtime:
         self.http_port = http_port
         self.rooms: dict[int, list] = {}
 
-    def call(self, op, *args, timeout=30.0):
-        room, ids, _ = args  # register
-        self.rooms[room] = ids
-        return RegisterReply(room, 0, prompt_tokens=len(ids)).to_json()
+    def register(self, req):
+        self.rooms[req.room] = req.token_ids
+        return RegisterReply(req.room, 0, prompt_tokens=len(req.token_ids))
 
     def stats(self):
         return {"open_rooms": len(self.rooms), "ready": 0, "failed": 0}
 
-    def handoff_request(self, room, body):
-        return {"input_ids": self.rooms.get(room, []) + body["token_ids"], "stream": True}, True
+    def handoff_request(self, room, req):
+        return {"input_ids": self.rooms.get(room, []) + req.token_ids, "stream": True}, True
 
 
 @contextlib.contextmanager
@@ -137,7 +136,7 @@ def add_call_args(ap: argparse.ArgumentParser) -> None:
 async def run(args) -> dict:
     gen = _Generate(args.events)
     runtime = _Runtime(gen.port)
-    server = ControlServer(("127.0.0.1", 0), runtime, key=KEY)
+    server = MdControlServer(("127.0.0.1", 0), runtime, key=KEY)
     url = "http://%s:%s" % server.address
     ids = list(range(1000, 1000 + args.prompt_tokens))
     results = {mode: {"stats": [], "register": [], "stream": []} for mode in ("signed", "unsigned")}

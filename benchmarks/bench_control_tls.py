@@ -1,4 +1,4 @@
-"""Cost of mutual TLS on the control plane (not a timed test): MD's real ControlServer on
+"""Cost of mutual TLS on the control plane (not a timed test): MD's real MdControlServer on
 loopback twice, plain (as without flags) and with ``--pdd-control-tls-*``'s context, the
 router's MainControl calling each over one aiohttp session built as the router builds its
 own (keep-alive connections, retired after 2 s idle), side by side in one run.
@@ -38,7 +38,7 @@ from sglang_pdd.kv_channel.tls import control_tls_context
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
 from sglang_pdd.router.app import backend_session
-from sglang_pdd.sglang_glue.main_drc import ControlServer
+from sglang_pdd.sglang_glue.main_drc import MdControlServer
 
 MODES = ("tls", "plain")
 
@@ -54,8 +54,8 @@ def _certificates(d: Path) -> dict:
 async def run(args, certs: dict) -> dict:
     gen = _Generate(args.events)
     runtime = _Runtime(gen.port)
-    servers = {"plain": ControlServer(("127.0.0.1", 0), runtime, key=KEY),
-               "tls": ControlServer(("127.0.0.1", 0), runtime, key=KEY,
+    servers = {"plain": MdControlServer(("127.0.0.1", 0), runtime, key=KEY),
+               "tls": MdControlServer(("127.0.0.1", 0), runtime, key=KEY,
                                     ssl_context=control_tls_context(*certs["md"], certs["ca"], server_side=True))}
     urls = {mode: ("https" if mode == "tls" else "http") + "://%s:%s" % s.address for mode, s in servers.items()}
     tls = {"plain": None, "tls": control_tls_context(*certs["router"], certs["ca"], server_side=False)}

@@ -41,7 +41,7 @@ from sglang_pdd.launcher.cluster import default_model_path
 from sglang_pdd.launcher.http import call_json, get_json, post_json
 from sglang_pdd.launcher.processes import ProcessGroup
 from sglang_pdd.launcher.topology import CPU_ENV, ServerSpec, free_port, server_argv, write_wan_key
-from sglang_pdd.protocol import ReadyReply, RegisterReply, RegisterRequest
+from sglang_pdd.protocol import ReadyReply, ReadyRequest, RegisterReply, RegisterRequest, ReleaseRequest
 from sglang_pdd.protocol import routes as api
 
 
@@ -194,7 +194,7 @@ def run_mode_in_process(mode: str, args, bar) -> dict:
             for i in range(args.rooms):
                 room, ids = 1000 + i, rng.integers(1000, 30000, args.room_tokens).tolist()
                 t_reg = time.perf_counter()
-                md.call("register", room, ids, False, timeout=120)
+                md.register(RegisterRequest(room, ids, use_cache=False), timeout=120)
                 layout = md.ops.layout
                 pages = -(-args.room_tokens // layout.page_size)
                 kv = rng.integers(0, 256, (layout.num_layers, pages, layout.bytes_per_page), dtype=np.uint8)
@@ -206,11 +206,11 @@ def run_mode_in_process(mode: str, args, bar) -> dict:
                     sent += c.nbytes
                     time.sleep(max(0.0, sent / rate - (time.perf_counter() - t0)))
                 xfer.finish()
-                if md.wait_ready(room, 300)["status"] != "ready":
+                if md.wait_ready(ReadyRequest(room, 300)).status != "ready":
                     raise RuntimeError(f"room {room} did not land")
                 windows.append((t_reg, time.perf_counter(), xfer.plan.total_bytes))
                 sender.release(room)
-                md.call("release", room, timeout=60)
+                md.release(ReleaseRequest(room), timeout=60)
                 bar.update(1)
                 time.sleep(args.gap_s)
         finally:

@@ -15,6 +15,13 @@ Counts (nothing is imported or run):
 * class names defined in more than one module of sglang_pdd/;
 * class names containing "room" / "leg" (how many things each word names), and the holder
   chains ``.rooms.rooms``;
+* control servers: ``ControlApi`` subclasses (sglang_pdd/control_api.py's one shape) and
+  request-handler classes of their own (a subclass of json_http's handler outside json_http
+  and control_api, or one built with ``type()``), and functions routing by an ``if ... .path == "/..."`` chain;
+* typed paths into MD's runtime: room commands named by a string (``.call("register", ...)``,
+  ``.submit("release", ...)``, ``op == "register"``) and places that default
+  ``max_new_tokens`` (``.get("max_new_tokens", default)``, ``"max_new_tokens" not in ...``);
+* methods of the largest classes (``Router``, ``PddTokenizerManager``, ``Simulation``);
 * the import map (scripts/import_map.py): module and package cycles, upward imports.
 """
 
@@ -127,6 +134,70 @@ def _words(name: str) -> set[str]:
     return {w.lower().rstrip("s") if w.lower() != "s" else w for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+", name)}
 
 
+def _control_servers(package) -> tuple[list[str], list[str], list[str]]:
+    """(ControlApi subclasses, handler classes of their own, functions routing by an
+    ``if ... .path == "/..." ... else`` chain)."""
+    apis, handlers, chains = [], [], []
+    for rel, tree in package:
+        own_module = rel in ("sglang_pdd/json_http.py", "sglang_pdd/control_api.py")
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in n.bases}
+                if "ControlApi" in bases:
+                    apis.append(f"{rel}:{n.name}")
+                if "JsonRequestHandler" in bases and not own_module:
+                    handlers.append(f"{rel}:{n.name}")
+            elif (isinstance(n, ast.Call) and getattr(n.func, "id", "") == "type" and len(n.args) == 3
+                  and not own_module and isinstance(n.args[1], ast.Tuple)
+                  and any(getattr(e, "id", "").endswith("Handler") for e in n.args[1].elts)):
+                handlers.append(f"{rel}:{n.lineno} (type())")
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    isinstance(i, ast.If) and isinstance(i.test, ast.Compare)
+                    and getattr(i.test.left, "attr", "") == "path"
+                    and isinstance(i.test.comparators[0], ast.Constant)
+                    and str(i.test.comparators[0].value)[:1] == "/" and i.orelse for i in ast.walk(n)):
+                chains.append(f"{rel}:{n.name}")
+    return apis, handlers, chains
+
+
+def _string_commands(package) -> list[str]:
+    """MD room commands named by a string: ``.call("register", ...)``, ``op == "release"``."""
+    out = []
+    for rel, tree in package:
+        if not rel.startswith("sglang_pdd/sglang_glue/"):
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("call", "submit") and n.args \
+                    and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str):
+                out.append(f"{rel}:{n.lineno}")
+            elif isinstance(n, ast.Compare) and getattr(n.left, "id", "") == "op" \
+                    and isinstance(n.comparators[0], ast.Constant):
+                out.append(f"{rel}:{n.lineno}")
+    return out
+
+
+def _max_new_defaults(package) -> list[str]:
+    out = []
+    for rel, tree in package:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "get" and len(n.args) == 2 \
+                    and isinstance(n.args[0], ast.Constant) and n.args[0].value == "max_new_tokens":
+                out.append(f"{rel}:{n.lineno}")
+            elif isinstance(n, ast.Compare) and isinstance(n.left, ast.Constant) and n.left.value == "max_new_tokens" \
+                    and isinstance(n.ops[0], ast.NotIn):
+                out.append(f"{rel}:{n.lineno}")
+    return out
+
+
+def _methods(package, names) -> dict[str, int]:
+    out = {}
+    for _, tree in package:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and n.name in names:
+                out[n.name] = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in n.body)
+    return out
+
+
 def main() -> int:
     package = list(_modules(PACKAGE))
     tests = list(_modules(REPO / "tests"))
@@ -168,6 +239,16 @@ def main() -> int:
               if isinstance(n, ast.Attribute) and n.attr == "rooms"
               and isinstance(n.value, ast.Attribute) and n.value.attr == "rooms"]
     print(f"'.rooms.rooms' chains: {len(chains)}")
+
+    apis, handlers, path_chains = _control_servers(package)
+    print(f"control servers: ControlApi {len(apis)}, handler classes of their own {len(handlers)}, "
+          f"path if-chains {len(path_chains)}  {' '.join(apis + handlers + path_chains)}")
+    commands = _string_commands(package)
+    print(f"MD room commands named by a string: {len(commands)}  {' '.join(commands)}")
+    defaults = _max_new_defaults(package)
+    print(f"places defaulting max_new_tokens: {len(defaults)}  {' '.join(defaults)}")
+    methods = _methods(package, ("Router", "PddTokenizerManager", "Simulation"))
+    print("methods: " + ", ".join(f"{name} {n}" for name, n in sorted(methods.items())))
 
     report = import_map.analyse()
     print(f"import map: module cycles {len(report.module_cycles)}, package cycles {len(report.package_cycles)}, "

@@ -1,5 +1,6 @@
 """The JSON side of the small stdlib HTTP control APIs: MD's rooms and P's WAN destinations
-(inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's.
+(inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's;
+each is a control_api.ControlApi served by control_api.ControlServer on this module's server.
 
 Nothing is reserved, buffered or waited on for a peer that has not proved the key:
 
@@ -211,8 +212,8 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         """The largest body this route takes (subclasses narrow it per route)."""
         return self.max_body_bytes
 
-    # The server's routes (protocol.RouteTable): each handler is called as
-    # ``handler(self, query, **path_params)`` and returns the 200 reply (a protocol message or
+    # The server's routes (protocol.RouteTable; control_api.ControlApi's bound methods): each
+    # handler is called as ``handler(self, query, **path_params)`` and returns the 200 reply (a protocol message or
     # a dict), or None when it answered itself (a relayed stream); a ControlError it raises is
     # answered with its status. None: the subclass serves its own do_* methods.
     routes: Optional[RouteTable] = None
@@ -409,6 +410,29 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             raise ControlError.of("bad_request", "body must be a JSON object")
         return body
+
+    def reply_bytes(self, status: int, content_type: str, body: bytes) -> None:
+        """Answer with ``body`` as it is (a relayed reply), signed, and close the connection."""
+        self._replied = True
+        self.close_connection = True
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        for name, value in self.reply_signature(status, body).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def begin_stream(self, content_type: str) -> None:
+        """A 200 whose body the route then writes to ``wfile`` until it closes the connection
+        (a relayed event stream: each event signed on its own, control_auth.sign_event)."""
+        self._replied = True
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Connection", "close")
+        self.end_headers()
 
     def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
         data = json.dumps(body).encode()

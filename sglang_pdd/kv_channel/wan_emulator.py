@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import http.server
 import ipaddress
 import json
 import logging
@@ -69,12 +68,15 @@ import time
 import urllib.parse
 from typing import Optional
 
+from sglang_pdd.control_api import ControlApi, ControlServer
 from sglang_pdd.json_http import JsonRequestHandler
+from sglang_pdd.protocol import Route, RouteTable, bad_request
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # socket timeout: how fast threads notice reset/stop
 DEFAULT_WINDOW_BYTES = 16 * 1024 * 1024
+LOOPBACK = ("127.0.0.0/8", "::1")  # the control endpoint's only clients: no per-source cap for them
 
 
 def require_loopback(host: str) -> str:
@@ -477,41 +479,58 @@ class WanEmulator:
 # ---------------------------------------------------------------------------- control endpoint
 
 
-class _ControlHandler(JsonRequestHandler):
-    emu: WanEmulator = None
+class EmulatorControlApi(ControlApi):
+    """The fault and link endpoint: each route (GET or POST, parameters in the query) acts on
+    the emulator and answers ``{"ok": true}`` with its stats. Unsigned: loopback only."""
 
-    def do_GET(self):
-        self.do_POST()
+    def __init__(self, emu: WanEmulator):
+        self.emu = emu
+        actions = {"/stall": self.stall, "/partition": self.partition, "/heal": self.heal, "/reset": self.reset,
+                   "/corrupt": self.corrupt, "/link": self.link, "/stats": self.stats}
+        self.routes = RouteTable({Route(method, path): action for path, action in actions.items()
+                                  for method in ("GET", "POST")})
 
-    def do_POST(self):
-        url = urllib.parse.urlparse(self.path)
-        q = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
-        emu = self.emu
+    def stall(self, call: JsonRequestHandler, query: str) -> dict:
+        seconds = _query(query).get("seconds", 1)
+        return self._then_stats(lambda: self.emu.stall(float(seconds)))
+
+    def partition(self, call: JsonRequestHandler, query: str) -> dict:
+        return self._then_stats(self.emu.partition)
+
+    def heal(self, call: JsonRequestHandler, query: str) -> dict:
+        return self._then_stats(self.emu.heal)
+
+    def reset(self, call: JsonRequestHandler, query: str) -> dict:
+        return self._then_stats(self.emu.reset)
+
+    def corrupt(self, call: JsonRequestHandler, query: str) -> dict:
+        q = _query(query)
+        return self._then_stats(lambda: self.emu.corrupt(int(q.get("count", 1)), int(q.get("after", 0)),
+                                                         q.get("direction", "up")))
+
+    def link(self, call: JsonRequestHandler, query: str) -> dict:
+        q = _query(query)
+        return self._then_stats(lambda: self.emu.set_link(**{k: float(q[k]) for k in ("rate_gbps", "latency_ms",
+                                                                                      "jitter_ms") if k in q}))
+
+    def stats(self, call: JsonRequestHandler, query: str) -> dict:
+        return {"ok": True, **self.emu.stats()}
+
+    def _then_stats(self, action) -> dict:
         try:
-            if url.path == "/stall":
-                emu.stall(float(q.get("seconds", 1)))
-            elif url.path == "/partition":
-                emu.partition()
-            elif url.path == "/heal":
-                emu.heal()
-            elif url.path == "/reset":
-                q["reset_connections"] = emu.reset()
-            elif url.path == "/corrupt":
-                emu.corrupt(int(q.get("count", 1)), int(q.get("after", 0)), q.get("direction", "up"))
-            elif url.path == "/link":
-                emu.set_link(**{k: float(q[k]) for k in ("rate_gbps", "latency_ms", "jitter_ms") if k in q})
-            elif url.path != "/stats":
-                return self._reply(404, {"error": f"unknown endpoint {url.path}"})
+            action()
         except (ValueError, TypeError) as e:
-            return self._reply(400, {"error": str(e)})
-        self._reply(200, {"ok": True, **emu.stats()})
+            raise bad_request(str(e)) from None
+        return {"ok": True, **self.emu.stats()}
 
 
-def start_control_server(emu: WanEmulator, listen: tuple[str, int]) -> http.server.ThreadingHTTPServer:
-    handler = type("Handler", (_ControlHandler,), {"emu": emu})
-    server = http.server.ThreadingHTTPServer((require_loopback(listen[0]), listen[1]), handler)
-    threading.Thread(target=server.serve_forever, daemon=True, name="wanemu-control").start()
-    return server
+def _query(query: str) -> dict:
+    return {k: v[-1] for k, v in urllib.parse.parse_qs(query).items()}
+
+
+def start_control_server(emu: WanEmulator, listen: tuple[str, int]) -> ControlServer:
+    return ControlServer(EmulatorControlApi(emu), (require_loopback(listen[0]), listen[1]),
+                         thread_name="wanemu-control", trusted_sources=LOOPBACK)
 
 
 def main(argv=None) -> int:
@@ -533,13 +552,13 @@ def main(argv=None) -> int:
                       window_bytes=int(args.window_mb * 2**20), seed=args.seed).start()
     ctl = start_control_server(emu, parse_hostport(args.control)) if args.control else None
     print(json.dumps({"listen": list(emu.address), "upstream": list(emu.upstream),
-                      "control": list(ctl.server_address[:2]) if ctl else None}), flush=True)
+                      "control": list(ctl.address) if ctl else None}), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     if ctl is not None:
-        ctl.shutdown()
+        ctl.close()
     emu.stop()
     return 0
 

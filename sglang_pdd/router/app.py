@@ -1,7 +1,9 @@
 """The PDD router's HTTP front (aiohttp): SGLang's API over P, RLD and MD pools.
 
-I/O only: per request item a ``PddFlow`` (router/flow.py) runs the legs; path and handoff
-decisions come from the pure policy modules, the servers from the pools (router/pools.py).
+I/O only: per request item a ``PddFlow`` (router/flow.py) runs the legs, opened and accounted
+for by the ``FlowRunner`` (router/flow_runner.py) from the item's settled parameters
+(router/flow_request.py); path and handoff decisions come from the pure policy modules, the
+servers from the pools (router/pools.py).
 ``/generate`` and the OpenAI endpoints are served by SGLang's own code on the router's
 ``PddTokenizerManager`` (router/serving.py, router/openai_front.py); what clients may send is
 checked by router/validate.py. The API, its limits and what is operator-only: docs/api.md.
@@ -11,8 +13,6 @@ The command line that starts it: router/cli.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -29,16 +29,17 @@ from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router import client_auth, kv_senders, shared_drain
 from sglang_pdd.router.backends import BackendError, MainControl, error_text, read_bounded
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
-from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
+from sglang_pdd.router.flow import FlowConfig, MainBackend
+from sglang_pdd.router.flow_request import FlowRequest
+from sglang_pdd.router.flow_runner import FlowRunner
 from sglang_pdd.router.health import Drain, Failed, Succeeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
-from sglang_pdd.router.pools import NoBackend, Pools
+from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
-from sglang_pdd.router.serving import BackendsUnavailable, PddTokenizerManager, UpstreamError
+from sglang_pdd.router.serving import PddTokenizerManager, UpstreamError
 from sglang_pdd.router.shared_drain import SharedDrains
 from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_object
 
@@ -118,12 +119,12 @@ class Router:
         self.operator_token = operator_token
         self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
+        self.flows = FlowRunner(pools, flow_cfg, self.metrics)
         self.metrics.track_backends(pools.inflight())
         self.metrics.track_health(self._health_rows)
         self.metrics.track_failures(self._failure_rows)
         self.health_check_interval_s = health_check_interval_s
         self._probes: Optional[asyncio.Task] = None
-        self.session: Optional[aiohttp.ClientSession] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
         self._kv_senders: Optional[asyncio.Task] = None  # kv_senders.announce_forever, from start() on
         # --workers: operator drains shared with the other workers (shared_drain.py)
@@ -134,16 +135,19 @@ class Router:
             server_args, model_config, tok = sglang_state
             self.tokenizer = tok
             self.manager = PddTokenizerManager(
-                server_args, model_config, tok, open_flow=self._open_flow, run_flow=self._run_flow,
-                retry_flow=self._retry_flow,
+                server_args, model_config, tok, flows=self.flows,
                 max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
-                default_max_new_tokens=flow_cfg.default_max_new_tokens, report_cached_tokens=report_cached_tokens,
-                max_prompt_chars=max_prompt_chars, max_flows_per_request=max_flows_per_request,
+                report_cached_tokens=report_cached_tokens, max_prompt_chars=max_prompt_chars, max_flows_per_request=max_flows_per_request,
                 max_grammar_bytes=max_grammar_bytes, logprob_limits=logprob_limits)
             self.openai = OpenAIFront(self.manager, served_model, max_n=max_n)
 
+    @property
+    def session(self) -> Optional[aiohttp.ClientSession]:
+        """The client session to the backends (the flows' too), from start() on."""
+        return self.flows.session
+
     async def start(self, app):
-        self.session = backend_session()
+        self.flows.session = backend_session()
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
         if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
             self._kv_senders = asyncio.ensure_future(
@@ -180,8 +184,8 @@ class Router:
     async def health_generate(self, request: web.Request) -> web.Response:
         """One token through a real PDD flow (P and RLD at least), as SGLang's /health_generate."""
         try:
-            flow = self._open_flow([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}, None)
-            async with self._run_flow(flow) as events:
+            flow = self.flows.open(FlowRequest([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}))
+            async with self.flows.run(flow) as events:
                 got = [t async for new in events for t in new]
         except UpstreamError as e:
             return error_reply(503, f"unhealthy: {e.detail}", "ServiceUnavailable")
@@ -278,7 +282,7 @@ class Router:
 
     def running_requests(self) -> int:
         """Flows the router runs now (each holds a relay slot until it ends)."""
-        return sum(self.pools.rld_inflight.values())
+        return self.flows.running()
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Operator only: SGLang's /flush_cache (GET or POST, ``?timeout=`` seconds to wait for
@@ -471,123 +475,6 @@ class Router:
             except (TypeError, ValueError) as e:
                 raise ApiError(400, f"bad pdd_options: {e}") from None
         return RequestScope(operator=operator, options=options)
-
-    def _open_flow(self, input_ids, sampling, extras, exclude: frozenset = frozenset()) -> PddFlow:
-        scope = _scope.get()
-        flow = self._flow(input_ids, sampling, None, scope.options, extras, exclude)
-        flow.operator = scope.operator
-        return flow
-
-    def _retry_flow(self, failed: PddFlow) -> Optional[PddFlow]:
-        """A request whose P or RLD leg broke before its first token starts over once, on
-        other servers (the failed ones' breakers counted the failure): None when it was
-        already a retry, failed elsewhere, or nothing else may take it."""
-        if failed.retry_of is not None:
-            return None
-        bad = frozenset(key[-1] for key in failed.result.failed_backends if key[0] in ("prefill", "relay", "pair"))
-        if not bad:
-            return None
-        try:
-            flow = self._open_flow(failed.ids, dict(failed.sampling), failed.extras or None, exclude=bad)
-        except BackendsUnavailable:
-            return None
-        flow.retry_of = failed
-        retried = Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(bad)))
-        flow.result.fallbacks[:0] = failed.result.fallbacks + [retried]
-        logger.warning("rid %s failed before its first token on %s; retried on other servers",
-                       failed.result.rid, sorted(bad))
-        return flow
-
-    @contextlib.asynccontextmanager
-    async def _run_flow(self, flow: PddFlow):
-        """Accounts for one running flow (load, metrics, log line); a backend failure becomes
-        UpstreamError (HTTP 502); the flow's cleanup (abort every leg) runs on any exit."""
-        self._admit(flow, +1)
-        events = flow.events()
-        try:
-            yield events
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            logger.error("rid %s failed: %s", flow.result.rid, e)
-            raise UpstreamError(f"the request failed on a backend: {e}") from None
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.client_disconnect()
-            raise
-        finally:
-            await events.aclose()  # runs the flow's cleanup now, not whenever the GC gets to it
-            self._admit(flow, -1)
-            self._observe(flow, list(flow.stitcher.emitted))
-
-    def _flow(self, input_ids, sampling, rid, options: Optional[dict] = None, extras: Optional[dict] = None,
-              exclude: frozenset = frozenset()) -> PddFlow:
-        """``options`` (body "pdd_options", operators only) override the router's knobs for one
-        request: path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc
-        (false: MD ignores its cache, i.e. plain cross-DC PD that ships the whole prompt). For
-        tests, benchmarks comparing variants side by side, and operators debugging one request."""
-        cfg, force_path = self.flow_cfg, None
-        if options is not None:
-            force_path = Path(options["path"]) if "path" in options else None
-            handoff = dataclasses.replace(
-                cfg.handoff,
-                fixed_mode=HandoffMode(options["handoff_mode"]) if "handoff_mode" in options else cfg.handoff.fixed_mode,
-                catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
-            cfg = dataclasses.replace(cfg, handoff=handoff)
-        try:
-            prefill, relay, main = self.pools.pick(input_ids, exclude=exclude)
-        except NoBackend as e:
-            raise BackendsUnavailable(str(e)) from None
-        # The MD prefix estimate routes a request whose P takes late WAN destinations
-        # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
-        md_estimate = self.pools.prefixes.match(main.url, input_ids) if main is not None else 0
-        flow = PddFlow(self.session, cfg, prefill, relay, main, input_ids, sampling, rid,
-                       rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
-                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate, extras=extras)
-        if main is None and self.pools.main:
-            flow.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
-        flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, input_ids)
-        return flow
-
-    def _admit(self, flow: PddFlow, delta: int) -> None:
-        if delta > 0:
-            self._count_on_p(flow)
-        else:
-            flow.on_prefill_replied()
-        self.pools.rld_inflight[flow.relay_url] += delta
-        if flow.main is not None:
-            self.pools.md_inflight[flow.main.url] += delta
-
-    def _count_on_p(self, flow: PddFlow) -> None:
-        """P's load is the prefill tokens it still runs: counted until P's leg replies (or the
-        request ends first), not for the whole request as RLD's and MD's are (placement.py's
-        pick_prefill)."""
-        url = flow.prefill.url
-        tokens = max(1, len(flow.ids) - flow.result.p_cached_estimate)
-        self.pools.count_on_p(url, tokens)
-
-        def release() -> None:
-            if flow.on_prefill_replied is release:
-                flow.on_prefill_replied = lambda: None
-                self.pools.prefill_replied(url, tokens, flow.ids)
-
-        flow.on_prefill_replied = release
-
-    def _observe(self, flow: PddFlow, tokens: list[int]) -> None:
-        self.pools.record(flow, tokens)
-        self.pools.record_health(flow, time.monotonic())
-        n_tokens = len(tokens)
-        r = flow.result
-        e2e = time.perf_counter() - flow.t0
-        # One structured line per request: what happened to it, keyed by its id.
-        logger.info("request %s", json.dumps({
-            "rid": r.rid, "path": r.path, "prompt_tokens": r.prompt_tokens, "output_tokens": n_tokens,
-            "md_cached": r.md_cached_tokens, "md_cached_est": r.md_cached_estimate,
-            "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
-            "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
-            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens,
-            "fallbacks": [str(f) for f in r.fallbacks]}))
-        try:
-            self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
-        except ValueError as e:  # metrics must never break serving
-            logger.warning("metrics: %s", e)
 
 
 async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[bytes]:

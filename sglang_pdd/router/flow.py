@@ -119,7 +119,6 @@ class FlowConfig:
     # the request goes on from what the client has on a new P->RLD leg. A decode step or the
     # handoff's extend takes far less; TCP alone would wait minutes. 0: wait as long as TCP does.
     md_stall_timeout_s: float = 20.0
-    default_max_new_tokens: int = 128
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
     # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
     recovery: str = "auto"
@@ -202,7 +201,9 @@ def client_sampling(sampling: dict) -> dict:
 class PddFlow:
     """Runs one request; ``events()`` yields lists of newly emitted token ids.
 
-    ``extras``: SGLang's per-request logprob fields (``EXTRA_FIELDS``), sent on every leg.
+    ``sampling``: the client's sampling params with ``max_new_tokens`` settled (the whole
+    output budget: router/flow_request.py). ``extras``: SGLang's per-request logprob fields
+    (``EXTRA_FIELDS``), sent on every leg.
     ``output_meta`` (read it while or after iterating): a dict for building SGLang responses,
 
     - ``output_token_logprobs``, ``output_top_logprobs``, ``output_token_ids_logprobs`` (only
@@ -229,15 +230,16 @@ class PddFlow:
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
-        self.sampling = client_sampling(sampling)
-        self.max_new = int(self.sampling.get("max_new_tokens", cfg.default_max_new_tokens))
-        self.sampling["max_new_tokens"] = self.max_new
         unknown = set(extras or {}) - set(EXTRA_FIELDS)
         if unknown:
             raise ValueError(f"unsupported request fields {sorted(unknown)}")
+        self.sampling = client_sampling(sampling)
+        self.max_new = int(self.sampling["max_new_tokens"])  # settled by the caller (flow_request.py)
         self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
         self.internal_rid = secrets.token_hex(16)
         self.retry_of: Optional["PddFlow"] = None  # the flow this one starts over for (router's retry)
+        self.request = None  # the FlowRequest it was opened for (flow_runner.py), for a retry
+        self.operator = False  # an operator's request: its replies carry meta_info.pdd
         self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
                                  md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0,
                                  prefill_url=prefill.url, main_url=main.url if main is not None else None)

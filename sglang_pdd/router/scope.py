@@ -1,4 +1,5 @@
-"""The per-request scope the router's handlers set and SGLang's serving code reads back.
+"""The per-request scope the router's handlers set and its serving layer reads when it settles
+each item of the request (router/serving.py's FlowRequest).
 
 Its own module so that app.py (which sets it) and openai_front.py (which sets it for the
 OpenAI routes) both import it from below rather than from each other.
@@ -13,7 +14,7 @@ from typing import Optional
 
 @dataclass
 class RequestScope:
-    """Per HTTP request, read where SGLang's serving code calls back into the router."""
+    """Per HTTP request: SGLang's entry points cannot carry it to the serving layer."""
 
     operator: bool = False
     options: Optional[dict] = None

@@ -29,9 +29,11 @@ from fastapi import HTTPException
 
 from sglang_pdd.router.detokenize import IncrementalDetokenizer
 from sglang_pdd.router.fallback import Fallback
+from sglang_pdd.router.flow_request import FlowRequest, settle_max_new_tokens
+from sglang_pdd.router.scope import current_scope
 from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, LogprobLimits, check_custom_params, check_grammar_size,
-                                        check_prompt_chars, check_sampling_as_sglang, check_token_budget,
-                                        check_token_ids, load_grammar_checker, text_chars)
+                                        check_prompt_chars, check_sampling_as_sglang, check_token_ids,
+                                        load_grammar_checker, text_chars)
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -87,23 +89,22 @@ def build_sglang_state(argv: list[str]):
 class PddTokenizerManager:
     """The TokenizerManager surface SGLang's entry points use, serving requests by PDD flows.
 
-    ``open_flow(input_ids, sampling_params, extras)`` returns a started-on-iteration flow
-    (``PddFlow``); ``run_flow(flow)`` is an async context manager that accounts for it (load,
-    metrics). Both come from the HTTP front (router/app.py), which owns the backend pools.
+    Each item's parameters are settled here once (``FlowRequest``: router/flow_request.py) and
+    handed to ``flows`` (router/flow_runner.py's FlowRunner): ``flows.open(request)`` returns a
+    started-on-iteration flow (``PddFlow``), ``flows.run(flow)`` is an async context manager
+    that accounts for it (load, metrics), ``flows.retry(flow)`` starts a flow that failed
+    before its first token over on other servers (or None).
     """
 
-    def __init__(self, server_args, model_config, tokenizer, *, open_flow: Callable, run_flow: Callable,
-                 max_prompt_tokens: int, max_new_tokens_cap: int, default_max_new_tokens: int = 128,
-                 report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
+    def __init__(self, server_args, model_config, tokenizer, *, flows, max_prompt_tokens: int,
+                 max_new_tokens_cap: int, report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
-                 logprob_limits: LogprobLimits = LogprobLimits(), retry_flow: Callable = lambda failed: None):
+                 logprob_limits: LogprobLimits = LogprobLimits()):
         self.server_args, self.model_config, self.tokenizer = server_args, model_config, tokenizer
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
-        self.open_flow, self.run_flow = open_flow, run_flow
-        self.retry_flow = retry_flow  # a flow that failed before its first token -> a new one, or None
+        self.flows = flows
         self.max_prompt_tokens, self.max_new_tokens_cap = max_prompt_tokens, max_new_tokens_cap
-        self.default_max_new_tokens = default_max_new_tokens
         self.max_prompt_chars = max_prompt_chars if max_prompt_chars is not None else \
             max_prompt_tokens * PROMPT_CHARS_PER_TOKEN
         self.max_flows_per_request, self.max_grammar_bytes = max_flows_per_request, max_grammar_bytes
@@ -160,7 +161,7 @@ class PddTokenizerManager:
         for rid, event in aborts:  # registered now: a duplicate rid racing this one is refused
             self.inflight.setdefault(rid, []).append(event)
         try:
-            runs = [self._run_item(item, rid, event, *prep)
+            runs = [self._run_item(item, rid, event, prep)
                     for (item, _), (rid, event), prep in zip(items, aborts, prepared)]
             if len(runs) == 1 and obj.is_single:
                 async for out in runs[0]:
@@ -179,9 +180,9 @@ class PddTokenizerManager:
                     self.inflight.pop(rid, None)
 
     # ---------------------------------------------------------------- one item
-    async def _prepare(self, item):
-        """(input_ids, sampling_params for the flow, logprob extras); ValueError -> HTTP 400.
-        Cheap checks first: tokenizing runs only for a request otherwise valid."""
+    async def _prepare(self, item) -> FlowRequest:
+        """The item's settled parameters; ValueError -> HTTP 400. Cheap checks first:
+        tokenizing runs only for a request otherwise valid."""
         try:
             sampling = dict(item.sampling_params or {})
             sampling.pop("n", None)  # the router fans n out into flows; a backend must not
@@ -200,16 +201,8 @@ class PddTokenizerManager:
             if len(ids) > self.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this router's "
                                     f"--max-prompt-tokens {self.max_prompt_tokens}")
-            if "max_new_tokens" not in sampling:
-                sampling["max_new_tokens"] = self.default_max_new_tokens
-            elif sampling["max_new_tokens"] is None:
-                # SGLang's OpenAI classes leave it None when the client sets no max_tokens: a
-                # server then decodes up to its context length; the router also stops at its cap.
-                sampling["max_new_tokens"] = max(0, min(self.max_new_tokens_cap,
-                                                        int(self.model_config.context_len) - len(ids)))
-            else:
-                check_token_budget(sampling["max_new_tokens"], "max_new_tokens", self.max_new_tokens_cap,
-                                   allow_missing=False)
+            sampling["max_new_tokens"] = settle_max_new_tokens(sampling, len(ids), cap=self.max_new_tokens_cap,
+                                                               context_len=self.model_config.context_len)
             check_custom_params(sampling.get("custom_params"), "custom_params")
         except ApiError as e:
             raise ValueError(e.message) from None
@@ -218,7 +211,8 @@ class PddTokenizerManager:
             self._check_logprob_fields(item, len(ids))
             extras = {"return_logprob": True, "logprob_start_len": item.logprob_start_len,
                       "top_logprobs_num": item.top_logprobs_num, "token_ids_logprob": item.token_ids_logprob}
-        return ids, sampling, extras
+        scope = current_scope.get()  # the HTTP request's: set by the route SGLang's code runs in
+        return FlowRequest(ids, sampling, extras, operator=scope.operator, options=scope.options)
 
     def _check_logprob_fields(self, item, prompt_len: int) -> None:
         """What one server refuses with a 400 (its scheduler or tokenizer manager), refused here
@@ -241,9 +235,9 @@ class PddTokenizerManager:
             pass
         return out
 
-    async def _run_item(self, item, rid: str, abort: asyncio.Event, ids: list[int], sampling: dict,
-                        extras: Optional[dict]):
-        flow = self.open_flow(ids, sampling, extras)
+    async def _run_item(self, item, rid: str, abort: asyncio.Event, req: FlowRequest):
+        ids, sampling = req.input_ids, req.sampling
+        flow = self.flows.open(req)
         detok = IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=sampling.get("skip_special_tokens", True),
             spaces_between_special_tokens=sampling.get("spaces_between_special_tokens", True),
@@ -258,7 +252,7 @@ class PddTokenizerManager:
         finish: Optional[dict] = None
         while True:
             try:
-                async with self.run_flow(flow) as events:
+                async with self.flows.run(flow) as events:
                     async for new in _until(events, abort):
                         step = held + list(new)
                         if not item.stream or detok.may_finish_with(step, stop_strs, stop_ids):
@@ -275,7 +269,7 @@ class PddTokenizerManager:
                 break
             except UpstreamError:
                 # Nothing reached the client yet: the request starts over on other servers, once.
-                retry = None if output_ids or held else self.retry_flow(flow)
+                retry = None if output_ids or held else self.flows.retry(flow)
                 if retry is None:
                     raise
                 flow = retry

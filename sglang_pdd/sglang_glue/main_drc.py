@@ -9,7 +9,7 @@ Runs inside MD's scheduler process. Three pieces:
   receiver's threads write KV only into pages reserved for their room: md_ingest.py, md_pages.py,
   docs/data_path.md); with SGLang ``--tp N`` one per rank (own pool, receiver on port + rank),
   the ranks' room tables changed in lockstep (md_lockstep.py, md_tp_sync.py);
-* ``ControlServer`` — a small HTTP API for the router (rank 0 only): register a room (returns how many
+* ``MdControlApi`` — a small HTTP API for the router (rank 0 only): register a room (returns how many
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
 
@@ -31,16 +31,16 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig, admission_limits, control_names, parse_host_port
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
-from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
+from sglang_pdd.control_api import ControlApi, ControlServer
+from sglang_pdd.json_http import JsonRequestHandler
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HealthReply, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
-                                 RegisterReply, ReleaseReply, ReleaseRequest, RouteTable)
+                                 RegisterReply, RegisterRequest, ReleaseReply, ReleaseRequest, RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
 from sglang_pdd.sglang_glue.idle_wake import IdleWake
@@ -173,7 +173,7 @@ class MainDrcRuntime(MdRoomQueries):
         _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
         # The router talks to rank 0 only; rank 0 drives the other ranks' room tables.
-        self.control = ControlServer(
+        self.control = MdControlServer(
             (chost, cport), self, key, ssl_context=control_tls_context(
                 cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_ca, server_side=True),
             trusted_sources=cfg.control_trusted_sources,
@@ -199,9 +199,15 @@ class MainDrcRuntime(MdRoomQueries):
     def layout_description(self) -> str:
         return self.ops.layout.describe()
 
-    def call(self, op: str, *args, timeout: float = 30.0):
-        """Control threads (rank 0's): run a room command on the scheduler thread and wait."""
-        return self.commands.call(op, *args, timeout=timeout)
+    # ---- control threads (rank 0's): room commands, run on the scheduler thread (md_driver)
+    def register(self, req: RegisterRequest, timeout: float = 30.0) -> RegisterReply:
+        return self.commands.call(req, timeout=timeout)
+
+    def release(self, req: ReleaseRequest, timeout: float = 30.0) -> ReleaseReply:
+        return self.commands.call(req, timeout=timeout)
+
+    def announce_kv_senders(self, req: KvSendersRequest, timeout: float = 30.0) -> KvSendersReply:
+        return self.commands.call(req, timeout=timeout)
 
     def before_flush(self) -> int:
         """A cache flush came in (scheduler thread, every TP rank): rooms kept only to fill the
@@ -216,72 +222,70 @@ class MainDrcRuntime(MdRoomQueries):
         self.idle_wake.keep_awake(bool(self.table.pending()) or bool(self.pages.releasing))
 
 
-class ControlServer:
-    """MD's control API for the router, on the interface ``--pdd-control-listen`` names.
-    Every route but /health needs the router's signature (control_auth, on the shared key).
-    ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate required."""
+class MdControlServer(ControlServer):
+    """MD's control API for the router (``MdControlApi``), on the interface
+    ``--pdd-control-listen`` names. ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the
+    router's client certificate required; ``trusted_sources``: the router's addresses
+    (--pdd-control-trusted-sources); ``names``: the hosts its CONTROL_URL may name (None: the
+    bound address)."""
 
     def __init__(self, address: tuple[str, int], runtime: MainDrcRuntime, key: bytes,
                  max_connections: int = 1024, max_body_bytes_in_flight: int = 4 * MAX_CONTROL_BODY,
                  ssl_context=None, trusted_sources=(), names: Optional[Iterable[str]] = None):
         # One connection per in-flight request's ready long-poll: the cap is well above that.
-        # ``trusted_sources``: the router's addresses (--pdd-control-trusted-sources); ``names``:
-        # the hosts its CONTROL_URL may name (json_http.ControlHTTPServer; None: the bound address).
-        handler = type("Handler", (_ControlHandler,), {"runtime": runtime, "auth": ControlVerifier(key, role=ROLE_MD),
-                                                       "register_delay": InjectedDelay.from_env(MD_REGISTER_DELAY_ENV)})
-        self.httpd = ControlHTTPServer(address, handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=max_body_bytes_in_flight, ssl_context=ssl_context,
-                                       admission=control_admission(max_connections, parse_networks(trusted_sources)),
-                                       names=names)
-        self.address = self.httpd.server_address[:2]
-        self.thread = serve_in_thread(self.httpd, "pdd-md-control")
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(MdControlApi(runtime, key), address, thread_name="pdd-md-control",
+                         max_connections=max_connections, max_body_bytes_in_flight=max_body_bytes_in_flight,
+                         ssl_context=ssl_context, trusted_sources=trusted_sources, names=names)
 
 
-class _ControlHandler(JsonRequestHandler):
+class MdControlApi(ControlApi):
     """MD's routes (protocol.routes.MD_ROUTES), each parsing its request with the protocol's
-    type and answering with its reply type; a refusal is a ControlError carrying its status."""
+    type, handing it to the runtime and answering with the reply type the runtime returns; a
+    refusal is a ControlError carrying its status. Every route but /health needs the router's
+    signature (control_auth, on the shared key)."""
 
-    runtime: MainDrcRuntime
     max_body_bytes = MAX_CONTROL_BODY
-    register_delay = InjectedDelay("", None)  # test-only (injected_delays.py): none unless set at start
+
+    def __init__(self, runtime: MainDrcRuntime, key: bytes):
+        self.runtime = runtime
+        self.auth = ControlVerifier(key, role=ROLE_MD)
+        self.register_delay = InjectedDelay.from_env(MD_REGISTER_DELAY_ENV)  # test-only: none unless set at start
+        self.routes = RouteTable({api.HEALTH: self.health, api.STATS: self.stats, api.MD_REGISTER: self.register,
+                                  api.MD_READY: self.ready, api.MD_HANDOFF: self.handoff, api.MD_RELEASE: self.release,
+                                  api.MD_KV_SENDERS: self.kv_senders})
 
     def body_cap(self, method: str, path: str) -> int:
         # Only POSTs carry a body (register: the prompt's ids; handoff: eager tokens and
         # sampling params); the other routes take none worth more than a few bytes.
         return self.max_body_bytes if method == "POST" else 4096
 
-    def _health(self, query: str) -> dict:
-        return HealthReply().to_json()
+    def health(self, call: JsonRequestHandler, query: str) -> HealthReply:
+        return HealthReply()
 
-    def _stats(self, query: str) -> dict:
+    def stats(self, call: JsonRequestHandler, query: str) -> dict:
         # control_server: its connections and refusals by kind (json_http.ControlHTTPServer)
-        return {**_guard(self.runtime.stats), "control_server": self.server.stats()}
+        return {**_guard(self.runtime.stats), "control_server": call.server.stats()}
 
-    def _register(self, query: str) -> dict:
-        req = protocol_messages.RegisterRequest.from_json(self.json_body())
+    def register(self, call: JsonRequestHandler, query: str) -> RegisterReply:
+        req = protocol_messages.RegisterRequest.from_json(call.json_body())
         self.register_delay.wait()
-        return RegisterReply.from_json(_guard(lambda: self.runtime.call("register", req.room, req.token_ids,
-                                                                         req.use_cache))).to_json()
+        return _guard(lambda: self.runtime.register(req))
 
-    def _kv_senders(self, query: str) -> KvSendersReply:
-        req = KvSendersRequest.from_json(self.json_body())
-        return KvSendersReply(_guard(lambda: self.runtime.call("kv_senders", list(req.sources))))
+    def kv_senders(self, call: JsonRequestHandler, query: str) -> KvSendersReply:
+        req = KvSendersRequest.from_json(call.json_body())
+        return _guard(lambda: self.runtime.announce_kv_senders(req))
 
-    def _ready(self, query: str, room: int) -> ReadyReply:
-        req = ReadyRequest.from_query(room, query)
-        return ReadyReply.from_json(_guard(lambda: self.runtime.wait_ready(req.room, req.timeout_s)))
+    def ready(self, call: JsonRequestHandler, query: str, room: int) -> ReadyReply:
+        return _guard(lambda: self.runtime.wait_ready(ReadyRequest.from_query(room, query)))
 
-    def _release(self, query: str, room: int) -> ReleaseReply:
+    def release(self, call: JsonRequestHandler, query: str, room: int) -> ReleaseReply:
         req = ReleaseRequest.from_query(room, query)
-        return ReleaseReply(_guard(lambda: self.runtime.call("release", req.room, req.keep_kv)))
+        return _guard(lambda: self.runtime.release(req))
 
-    def _handoff(self, query: str, room: int) -> None:
-        req = protocol_messages.HandoffRequest.from_json(self.json_body())
-        gen, stream = _guard(lambda: self.runtime.handoff_request(room, req.to_json()))
+    def handoff(self, call: JsonRequestHandler, query: str, room: int) -> None:
+        # looked up at call time: a field added to the protocol's type reaches the runtime
+        req = protocol_messages.HandoffRequest.from_json(call.json_body())
+        gen, stream = _guard(lambda: self.runtime.handoff_request(room, req))
         # Relay MD's own /generate (loopback) back to the router, streaming as it comes; the
         # reply, or each event of a stream, signed for this request (control_auth).
         server = self._loopback()
@@ -291,23 +295,19 @@ class _ControlHandler(JsonRequestHandler):
             loopback = conn.sock  # the response reads it even after ``conn`` lets go (Connection: close)
             resp = conn.getresponse()
             if not stream or resp.status != 200:
-                return self._relay_whole(resp)
-            self.send_response(200)
-            self.send_header("Content-Type", resp.getheader("Content-Type", "text/event-stream"))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self._replied = True
+                return call.reply_bytes(resp.status, resp.getheader("Content-Type", "application/json"), resp.read())
+            call.begin_stream(resp.getheader("Content-Type", "text/event-stream"))
             index, ended = 0, False
             # The router gone, MD's next event may be a decode step away: cut the relay now.
-            with HangupWatch(self.connection, lambda: _shut(loopback)) as watch:
+            with HangupWatch(call.connection, lambda: _shut(loopback)) as watch:
                 while not ended and (line := resp.readline()):
                     line = line.strip()
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    sig = self.auth.sign_event(self.request_sig, index, data) if self.request_sig else None
-                    self.wfile.write(b"data: " + data + b"\n" + (EVENT_SIG + sig + b"\n" if sig else b"") + b"\n")
-                    self.wfile.flush()
+                    sig = self.auth.sign_event(call.request_sig, index, data) if call.request_sig else None
+                    call.wfile.write(b"data: " + data + b"\n" + (EVENT_SIG + sig + b"\n" if sig else b"") + b"\n")
+                    call.wfile.flush()
                     index += 1
                     # The stream's end relayed: the router may hang up now, the request is done
                     # (waiting for MD to close its side would race that hang-up).
@@ -323,7 +323,7 @@ class _ControlHandler(JsonRequestHandler):
             counters["handoffs_abandoned"] = counters.get("handoffs_abandoned", 0) + 1
         finally:
             conn.close()
-            self.close_connection = True
+            call.close_connection = True
 
     def _loopback(self) -> LoopbackServer:
         """MD's own SGLang API: HTTPS when it has --ssl-certfile, its --api-key if it has one."""
@@ -342,22 +342,6 @@ class _ControlHandler(JsonRequestHandler):
             logger.warning("abort of MD request %s failed: %r", rid, e)
         finally:
             conn.close()
-
-    def _relay_whole(self, resp) -> None:
-        body = resp.read()
-        self._replied = True
-        self.send_response(resp.status)
-        self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        for name, value in self.reply_signature(resp.status, body).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    routes = RouteTable({api.HEALTH: _health, api.STATS: _stats, api.MD_REGISTER: _register,
-                         api.MD_READY: _ready, api.MD_HANDOFF: _handoff, api.MD_RELEASE: _release,
-                         api.MD_KV_SENDERS: _kv_senders})
 
 
 def _shut(sock) -> None:

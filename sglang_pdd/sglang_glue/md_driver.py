@@ -1,6 +1,8 @@
 """MD's room commands and the scheduler iteration that applies them on every TP rank in lockstep.
 
-Control threads (rank 0's) put commands on a ``CommandQueue`` and wait; the scheduler thread,
+Control threads (rank 0's) put commands on a ``CommandQueue`` and wait; a command is the
+protocol's request itself (``MdCommand``: RegisterRequest, ReleaseRequest, KvSendersRequest),
+answered with its reply type. The scheduler thread,
 the only one that touches the radix tree and the allocator, runs ``LockstepDriver.iterate``
 once per SGLang scheduler iteration: rank 0 drains the commands and reads the clock, every
 rank applies them in the same order, then the ranks vote (md_lockstep.py) on registrations,
@@ -13,8 +15,9 @@ import logging
 import queue
 import time
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
+from sglang_pdd.protocol import KvSendersRequest, RegisterRequest, ReleaseRequest
 from sglang_pdd.sglang_glue.md_lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
 from sglang_pdd.sglang_glue.md_rooms import RankRooms
 from sglang_pdd.sglang_glue.md_tp_sync import TpSync
@@ -22,32 +25,37 @@ from sglang_pdd.sglang_glue.md_tp_sync import TpSync
 logger = logging.getLogger(__name__)
 
 
+# What a control thread asks of every rank's rooms (rank 0 shares them with the others:
+# frozen dataclasses, pickled as they are).
+MdCommand = Union[RegisterRequest, ReleaseRequest, KvSendersRequest]
+
+
 class CommandQueue:
     def __init__(self, maxsize: int = 1024, on_submit: Optional[Callable[[], None]] = None):
-        self._queue: "queue.Queue[tuple[str, tuple, Future]]" = queue.Queue(maxsize=maxsize)
+        self._queue: "queue.Queue[tuple[MdCommand, Future]]" = queue.Queue(maxsize=maxsize)
         self._on_submit = on_submit  # wakes a scheduler sleeping on idle (idle_wake.py)
 
-    def submit(self, op: str, args: tuple, timeout: float = 30.0) -> Future:
-        """Queue ``op(*args)`` for the scheduler thread; queue.Full if it does not take it in time."""
+    def submit(self, command: MdCommand, timeout: float = 30.0) -> Future:
+        """Queue ``command`` for the scheduler thread; queue.Full if it does not take it in time."""
         fut: Future = Future()
-        self._queue.put((op, args, fut), timeout=timeout)
+        self._queue.put((command, fut), timeout=timeout)
         if self._on_submit is not None:
             self._on_submit()
         return fut
 
-    def call(self, op: str, *args, timeout: float = 30.0):
-        """Control threads: run ``op`` on the scheduler thread and wait for its result."""
-        return self.submit(op, args, timeout=timeout).result(timeout=timeout)
+    def call(self, command: MdCommand, timeout: float = 30.0):
+        """Control threads: run ``command`` on the scheduler thread and wait for its reply."""
+        return self.submit(command, timeout=timeout).result(timeout=timeout)
 
-    def take(self) -> tuple[list[tuple[str, tuple]], list[Future]]:
+    def take(self) -> tuple[list[MdCommand], list[Future]]:
         """Scheduler thread: every command queued so far, and the futures that await them."""
-        ops, futures = [], []
+        commands, futures = [], []
         while True:
             try:
-                op, args, fut = self._queue.get_nowait()
+                command, fut = self._queue.get_nowait()
             except queue.Empty:
-                return ops, futures
-            ops.append((op, args))
+                return commands, futures
+            commands.append(command)
             futures.append(fut)
 
 
@@ -60,12 +68,13 @@ class LockstepDriver:
         gives its pages back only as every rank's receiver agrees (one all-min). The collectives
         run on every rank every iteration, whatever fails in between: a rank that skipped one
         would hang the group."""
-        ops, futures = self.commands.take() if self.tp.rank == 0 else ([], [])
-        now, ops = self.tp.share(time.monotonic(), ops)
-        results = [self._apply(op, args, now) for op, args in ops]
+        commands, futures = self.commands.take() if self.tp.rank == 0 else ([], [])
+        now, commands = self.tp.share(time.monotonic(), commands)
+        results = [self._apply(command, now) for command in commands]
         try:
-            if any(op == "register" for op, _ in ops):  # the same on every rank: ops are rank 0's
-                self._agree_on_registrations(ops, results)
+            # the same on every rank: the commands are rank 0's
+            if any(isinstance(command, RegisterRequest) for command in commands):
+                self._agree_on_registrations(commands, results)
             self._agree_on_rooms_and_releases(now)
             for entry in self.rooms.table.expire(now):  # rank 0's clock: the same rooms everywhere
                 self._guarded("expiry", entry.room, lambda room=entry.room: self.rooms.expired(room))
@@ -73,28 +82,28 @@ class LockstepDriver:
             for fut, (ok, value) in zip(futures, results):
                 fut.set_result(value) if ok else fut.set_exception(value)
 
-    def _apply(self, op: str, args: tuple, now: float) -> tuple[bool, object]:
+    def _apply(self, command: MdCommand, now: float) -> tuple[bool, object]:
         try:
-            if op == "register":
-                return True, self.rooms.register(*args, now=now)
-            if op == "release":
-                return True, self.rooms.release(*args)
-            if op == "kv_senders":  # every rank's receiver learns the router's P hosts
-                return True, self.rooms.announce_kv_senders(*args)
-            raise AttributeError(f"unknown MD room command {op!r}")
+            if isinstance(command, RegisterRequest):
+                return True, self.rooms.register(command, now=now)
+            if isinstance(command, ReleaseRequest):
+                return True, self.rooms.release(command)
+            if isinstance(command, KvSendersRequest):  # every rank's receiver learns the router's P hosts
+                return True, self.rooms.announce_kv_senders(command)
+            raise TypeError(f"unknown MD room command {type(command).__name__}")
         except Exception as e:  # the caller gets the error; the scheduler goes on
             return False, e
 
-    def _agree_on_registrations(self, ops, results) -> None:
+    def _agree_on_registrations(self, commands: list, results: list) -> None:
         """A registration stands only if every rank made it (a rank's receiver may refuse a
         room id it is still letting go of); otherwise it is undone everywhere, and the pages
         any rank reserved for it come back on all ranks together."""
-        regs = [i for i, (op, _) in enumerate(ops) if op == "register"]
+        regs = [i for i, command in enumerate(commands) if isinstance(command, RegisterRequest)]
         votes = [RegistrationVote(made=results[i][0]) for i in regs]
         for i, mine, agreed in zip(regs, votes, agree(self.tp, votes)):
             if agreed.made:
                 continue
-            room = ops[i][1][0]
+            room = commands[i].room
             if mine.made:  # made here, refused on another rank: undo it here
                 results[i] = (False, self.rooms.undo_registration(room))
             else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from sglang_pdd.protocol import ControlError
+from sglang_pdd.protocol import ControlError, HandoffRequest, ReadyReply, ReadyRequest
 from sglang_pdd.radix_drc.room_state import Phase
 from sglang_pdd.radix_drc.rooms import RoomError, RoomStatus
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
@@ -20,23 +20,22 @@ logger = logging.getLogger(__name__)
 
 
 class MdRoomQueries:
-    def wait_ready(self, room: int, timeout: float) -> dict:
-        event = self.ready_events.get(room)
+    def wait_ready(self, req: ReadyRequest) -> ReadyReply:
+        event = self.ready_events.get(req.room)
         if event is None:
-            raise RoomError(f"unknown room {room}")
-        event.wait(timeout)
-        entry = self.table.rooms.get(room)
+            raise RoomError(f"unknown room {req.room}")
+        event.wait(req.timeout_s)
+        entry = self.table.rooms.get(req.room)
         if entry is None:
-            return {"room": room, "status": "failed", "reason": "released or expired"}
-        return {"room": room, **entry.report()}
+            return ReadyReply(req.room, "failed", "released or expired")
+        return ReadyReply(req.room, **entry.report())
 
-    def handoff_request(self, room: int, body: dict) -> tuple[dict, bool]:
+    def handoff_request(self, room: int, req: HandoffRequest) -> tuple[dict, bool]:
         """Turn a compact handoff (eager token ids) into MD's own /generate request.
 
-        ``body``: a HandoffRequest's JSON, validated by the control server that parsed it
-        (protocol.messages). Only the eager tokens cross the WAN; the prompt's ids are the ones
-        MD registered. Returns (generate body, stream?). Stale (unknown / not ready) and
-        duplicate final handoffs are refused as conflicts (ControlError 409)."""
+        Only the eager tokens cross the WAN; the prompt's ids are the ones MD registered.
+        Returns (generate body, stream?). Stale (unknown / not ready) and duplicate final
+        handoffs are refused as conflicts (ControlError 409)."""
         entry = self.table.rooms.get(room)
         if entry is None or entry.status is not RoomStatus.READY:
             logger.warning("stale handoff for room %s (%s) ignored", room,
@@ -44,8 +43,8 @@ class MdRoomQueries:
             raise ControlError.of("conflict",
                                   f"stale handoff: room {room} is {'unknown' if entry is None else entry.status.value}")
         # MD continues the request: the eager tokens are output already produced (resume.py)
-        gen, stream = handoff_generate_body(entry.token_ids, body["token_ids"], body)
-        if not body.get("warmup"):  # a warmup (catch-up batch) only extends, it may repeat
+        gen, stream = handoff_generate_body(entry.token_ids, req)
+        if not req.warmup:  # a warmup (catch-up batch) only extends, it may repeat
             with self._handoff_lock:
                 try:
                     self.table.hand_off(room)

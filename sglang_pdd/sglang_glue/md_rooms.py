@@ -14,6 +14,8 @@ from typing import Optional
 from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig, md_staging_bytes
 from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.protocol import (KvSendersReply, KvSendersRequest, RegisterReply, RegisterRequest, ReleaseReply,
+                                 ReleaseRequest)
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
 from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRoomTable, RoomReleased
 from sglang_pdd.radix_drc.stats import DrcStats
@@ -39,15 +41,15 @@ class RankRooms:
         self.drc_stats = DrcStats()
         self.kv_bytes_per_token = ops.pool_layout.bytes_per_token
 
-    # ---- commands (rank 0's control threads, applied on every rank)
-    def register(self, room: int, token_ids: list[int], use_cache: bool = True, now: Optional[float] = None) -> dict:
+    # ---- commands (rank 0's control threads, applied on every rank; md_driver.MdCommand)
+    def register(self, req: RegisterRequest, now: Optional[float] = None) -> RegisterReply:
         t0 = time.perf_counter()
         try:
-            return self._register(room, token_ids, use_cache, time.monotonic() if now is None else now)
+            return self._register(req.room, req.token_ids, req.use_cache, time.monotonic() if now is None else now)
         finally:
             self._record_stall("register", time.perf_counter() - t0)
 
-    def _register(self, room: int, token_ids: list[int], use_cache: bool, now: float) -> dict:
+    def _register(self, room: int, token_ids: list[int], use_cache: bool, now: float) -> RegisterReply:
         try:
             entry = self.table.register(room, token_ids, now, use_cache=use_cache)
         except RoomReleased:
@@ -88,13 +90,15 @@ class RankRooms:
         self.ready_events[room] = threading.Event()
         self.counters["rooms_registered"] += 1
         self.drc_stats.record_lookup(len(token_ids), entry.cached_len)
-        return {"room": room, "cached_tokens": entry.cached_len, "prompt_tokens": len(token_ids),
-                "wan_peer": "%s:%d" % self.receiver.address,  # rank r listens on its port + r
-                "tp_size": self.tp_size,
-                "kv_bytes_per_token": self.kv_bytes_per_token,
-                "kv_layout": self.ops.pool_layout.to_dict()}
+        return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids),
+                             wan_peer="%s:%d" % self.receiver.address,  # rank r listens on its port + r
+                             tp_size=self.tp_size, kv_bytes_per_token=self.kv_bytes_per_token,
+                             kv_layout=self.ops.pool_layout.to_dict())
 
-    def release(self, room: int, keep_kv: bool = False) -> bool:
+    def release(self, req: ReleaseRequest) -> ReleaseReply:
+        return ReleaseReply(self._release(req.room, req.keep_kv))
+
+    def _release(self, room: int, keep_kv: bool = False) -> bool:
         entry = self.table.rooms.get(room)
         if keep_kv and entry is not None and entry.state.phase.landing:
             # The request ended on RLD while its KV was still crossing the WAN: let it land
@@ -113,12 +117,12 @@ class RankRooms:
         every TP rank in the same iteration (SGLang hands the flush to every rank)."""
         kept = self.table.kept_for_cache()
         for room in kept:
-            self.release(room)
+            self._release(room)
         return len(kept)
 
-    def announce_kv_senders(self, sources) -> int:
+    def announce_kv_senders(self, req: KvSendersRequest) -> KvSendersReply:
         """The router's P hosts: known peers of this rank's WAN receiver (admission.py)."""
-        return self.receiver.announce_senders(parse_networks(sources))
+        return KvSendersReply(self.receiver.announce_senders(parse_networks(req.sources)))
 
     # ---- registrations the TP group did not agree on
     def undo_registration(self, room: int) -> RoomRefused:

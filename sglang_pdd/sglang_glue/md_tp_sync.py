@@ -19,7 +19,7 @@ class TpSync(Protocol):
     rank: int  # this scheduler's rank in MD's TP group
     size: int
 
-    def share(self, now: float, ops: list) -> tuple[float, list]:
+    def share(self, now: float, commands: list) -> tuple[float, list]:
         """Rank 0's clock reading and room commands, on every rank (the others' are ignored)."""
 
     def all_min(self, values: list[int]) -> list[int]:
@@ -30,8 +30,8 @@ class SingleRank:
     rank = 0
     size = 1
 
-    def share(self, now: float, ops: list) -> tuple[float, list]:
-        return now, ops
+    def share(self, now: float, commands: list) -> tuple[float, list]:
+        return now, commands
 
     def all_min(self, values: list[int]) -> list[int]:
         return list(values)
@@ -51,11 +51,11 @@ class GroupTpSync:
         """From SGLang's GroupCoordinator (``scheduler.tp_group``)."""
         return cls(group.rank_in_group, group.world_size, group.cpu_group, group.rank, group.ranks[0])
 
-    def share(self, now: float, ops: list) -> tuple[float, list]:
+    def share(self, now: float, commands: list) -> tuple[float, list]:
         import torch
         import torch.distributed as dist
 
-        payload = pickle.dumps(ops) if self.rank == 0 and ops else b""
+        payload = pickle.dumps(commands) if self.rank == 0 and commands else b""
         # float64 holds the clock and the size exactly; rank 0 uses the value it sent, too
         header = torch.tensor([now, len(payload)], dtype=torch.float64)
         dist.broadcast(header, src=self._global_src, group=self._group)
@@ -65,7 +65,7 @@ class GroupTpSync:
         data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
                 else torch.empty(size, dtype=torch.uint8))
         dist.broadcast(data, src=self._global_src, group=self._group)
-        return now, (ops if self.rank == 0 else pickle.loads(data.numpy().tobytes()))
+        return now, (commands if self.rank == 0 else pickle.loads(data.numpy().tobytes()))
 
     def all_min(self, values: list[int]) -> list[int]:
         import torch

@@ -33,10 +33,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfigError, parse_host_port
+from sglang_pdd.control_api import ControlApi, ControlServer
 from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
+from sglang_pdd.json_http import JsonRequestHandler
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, HealthReply, InfoReply, RouteTable,
                                  WanDestinationRequest, bad_request)
@@ -158,14 +158,65 @@ def parse_destination(body) -> tuple[int, WanDestination]:
         raise bad_request(f"md_tp: {e}") from None
 
 
-class PrefillControlServer:
-    """The HTTP front of a DestinationBoard (stdlib server: P's scheduler process has no loop).
+class PrefillControlApi(ControlApi):
+    """P's routes (protocol.routes.P_ROUTES) in front of a DestinationBoard. Every route but
+    /health needs the router's signature (``auth``); a destination whose ``wan_peer`` is not
+    one P was configured with (``peer_allowed``) is refused with 403. ``sends_wan`` False: the
+    destinations are checked and acknowledged but not stored (no sender here would claim them)."""
 
-    Every route but /health needs the router's signature (``auth``); a destination whose
-    ``wan_peer`` is not one P was configured with (``peer_allowed``) is refused with 403.
-    ``port``: the configured port + ``tp_rank`` (module docstring); ``sends_wan`` False: the
-    destinations are checked and acknowledged but not stored (no sender here would claim them).
-    ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate required."""
+    def __init__(self, board: DestinationBoard, *, auth: ControlVerifier,
+                 peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
+                 tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True, max_md_tp: int = MAX_MD_TP,
+                 destination_delay: Optional[InjectedDelay] = None):
+        self.board, self.auth, self.peer_allowed, self.extra_stats = board, auth, peer_allowed, stats
+        self.sends_wan, self.max_md_tp = sends_wan, max_md_tp
+        self.info = InfoReply(int(tp_rank), int(tp_size), bool(sends_wan))
+        # test-only (injected_delays.py): none unless set when the server starts
+        self.delay = destination_delay or InjectedDelay.from_env(P_DESTINATION_DELAY_ENV)
+        self.routes = RouteTable({api.HEALTH: self.health, api.P_DESTINATION: self.destination, api.P_DROP: self.drop,
+                                  api.P_INFO: self.get_info, api.STATS: self.stats})
+
+    def health(self, call: JsonRequestHandler, query: str) -> HealthReply:
+        return HealthReply()
+
+    def destination(self, call: JsonRequestHandler, query: str) -> DestinationReply:
+        room, dest = parse_destination(call.body)
+        if dest.md_tp > self.max_md_tp:
+            raise bad_request(f"md_tp {dest.md_tp} is over this P's --pdd-max-md-tp "
+                              f"{self.max_md_tp} (WAN ports it dials per MD)")
+        if not self.peer_allowed(dest.peer):
+            raise ControlError.of("forbidden", f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
+                                               f"--pdd-wan-peers; P sends KV only to the MDs it was given")
+        if not self.sends_wan:
+            return DestinationReply(sends_wan=False)
+        self.delay.wait()
+        self.board.post(room, dest)
+        return DestinationReply()
+
+    def drop(self, call: JsonRequestHandler, query: str, bootstrap_room: int) -> DropReply:
+        if not self.sends_wan:
+            return DropReply(sends_wan=False)
+        self.board.post(bootstrap_room, DROPPED)
+        return DropReply()
+
+    def get_info(self, call: JsonRequestHandler, query: str) -> InfoReply:
+        return self.info
+
+    def stats(self, call: JsonRequestHandler, query: str) -> dict:
+        return {**self.board.stats(), **self.extra_stats(), **self.info.to_json(),
+                "control_server": call.server.stats()}
+
+    def refused(self, call: JsonRequestHandler, error: ControlError) -> None:
+        if call.command == "POST":
+            logger.warning("WAN destination refused: %s", error)
+
+
+class PrefillControlServer(ControlServer):
+    """P's control API (``PrefillControlApi``) on its own stdlib server: P's scheduler process
+    has no event loop of ours. ``port``: the configured port + ``tp_rank`` (module docstring).
+    ``ssl_context`` (``--pdd-control-tls-*``): HTTPS only, the router's client certificate
+    required; ``trusted_sources``: the router's addresses; ``names``: the hosts its CONTROL_URL
+    may name (as MD's)."""
 
     PATH = api.P_DESTINATION.template
 
@@ -174,58 +225,13 @@ class PrefillControlServer:
                  max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
                  max_md_tp: int = MAX_MD_TP, ssl_context=None, trusted_sources=(),
                  names: Optional[Iterable[str]] = None, destination_delay: Optional[InjectedDelay] = None):
-        info = InfoReply(int(tp_rank), int(tp_size), bool(sends_wan))
-        # test-only (injected_delays.py): none unless set when the server starts
-        delay = destination_delay or InjectedDelay.from_env(P_DESTINATION_DELAY_ENV)
-
-        def destination(handler: JsonRequestHandler, query: str) -> DestinationReply:
-            room, dest = parse_destination(handler.body)
-            if dest.md_tp > max_md_tp:
-                raise bad_request(f"md_tp {dest.md_tp} is over this P's --pdd-max-md-tp "
-                                  f"{max_md_tp} (WAN ports it dials per MD)")
-            if not peer_allowed(dest.peer):
-                raise ControlError.of("forbidden", f"wan_peer {'%s:%d' % dest.peer!r} is not one of this P's "
-                                                   f"--pdd-wan-peers; P sends KV only to the MDs it was given")
-            if not sends_wan:
-                return DestinationReply(sends_wan=False)
-            delay.wait()
-            board.post(room, dest)
-            return DestinationReply()
-
-        def drop(handler: JsonRequestHandler, query: str, bootstrap_room: int) -> DropReply:
-            if not sends_wan:
-                return DropReply(sends_wan=False)
-            board.post(bootstrap_room, DROPPED)
-            return DropReply()
-
-        class Handler(JsonRequestHandler):
-            routes = RouteTable({
-                api.HEALTH: lambda handler, query: HealthReply(),
-                api.P_DESTINATION: destination,
-                api.P_DROP: drop,
-                api.P_INFO: lambda handler, query: info,
-                api.STATS: lambda handler, query: {**board.stats(), **stats(), **info.to_json(),
-                                                   "control_server": handler.server.stats()},
-            })
-
-            def refused(self, error: ControlError) -> None:
-                if self.command == "POST":
-                    logger.warning("WAN destination refused: %s", error)
-
-        Handler.auth = auth
+        control = PrefillControlApi(board, auth=auth, peer_allowed=peer_allowed, stats=stats, tp_rank=tp_rank,
+                                    tp_size=tp_size, sends_wan=sends_wan, max_md_tp=max_md_tp,
+                                    destination_delay=destination_delay)
         # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.
-        # ``trusted_sources``: the router's addresses; ``names``: the hosts its CONTROL_URL may
-        # name (json_http.ControlHTTPServer, as MD's).
-        self.httpd = ControlHTTPServer((host, port), Handler, max_connections=max_connections,
-                                       max_body_bytes_in_flight=4 << 20, ssl_context=ssl_context,
-                                       admission=control_admission(max_connections, parse_networks(trusted_sources)),
-                                       names=names)
-        self.address = self.httpd.server_address[:2]
-        self.thread = serve_in_thread(self.httpd, "pdd-prefill-control")
+        super().__init__(control, (host, port), thread_name="pdd-prefill-control", max_connections=max_connections,
+                         max_body_bytes_in_flight=4 << 20, ssl_context=ssl_context,
+                         trusted_sources=trusted_sources, names=names)
         logger.info("P control API on %s://%s:%s%s (TP rank %d of %d%s)", "https" if ssl_context else "http",
                     *self.address, self.PATH,
                     tp_rank, tp_size, "" if sends_wan else ", sends no KV over the WAN")
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()

@@ -72,7 +72,7 @@ from array import array
 from http import HTTPStatus
 from typing import Any, Optional, Sequence
 
-from sglang_pdd.protocol import HANDOFF_LOGPROB_FIELDS, RESUME_KEY, without_pdd_params
+from sglang_pdd.protocol import HANDOFF_LOGPROB_FIELDS, RESUME_KEY, HandoffRequest, without_pdd_params
 from sglang_pdd.sglang_glue import penalty_clock
 
 logger = logging.getLogger(__name__)
@@ -248,18 +248,16 @@ PENALIZER_SEEDS = {
 
 
 
-def handoff_generate_body(prompt_ids: Sequence[int], eager: Sequence[int], body: dict) -> tuple[dict, bool]:
-    """MD's /generate for a handoff body (see the resume contract); returns (generate body, stream?).
+def handoff_generate_body(prompt_ids: Sequence[int], req: HandoffRequest) -> tuple[dict, bool]:
+    """MD's /generate for a handoff (see the resume contract); returns (generate body, stream?).
 
-    input_ids = registered prompt + eager, marked so the eager tokens are output already
-    produced; sampling_params are the client's (max_new_tokens is the TOTAL budget). A warmup
-    (catch-up batch) only extends: one token beyond the eager ones, not streamed, no logprobs,
-    and its output is discarded by the caller. Raises ValueError naming the field."""
-    sampling = body.get("sampling_params")
-    sampling = {} if sampling is None else sampling
-    if not isinstance(sampling, dict):
-        raise ValueError("sampling_params must be an object")
-    custom = sampling.get("custom_params")
+    input_ids = registered prompt + the handoff's eager ``token_ids``, marked so the eager
+    tokens are output already produced; sampling_params are the client's (max_new_tokens is
+    the TOTAL budget). A warmup (catch-up batch) only extends: one token beyond the eager ones,
+    not streamed, no logprobs, and its output is discarded by the caller. Raises ValueError
+    naming the field."""
+    eager = req.token_ids
+    custom = req.sampling_params.get("custom_params")
     custom = {} if custom is None else custom
     if not isinstance(custom, dict):
         raise ValueError("sampling_params.custom_params must be an object")
@@ -267,19 +265,16 @@ def handoff_generate_body(prompt_ids: Sequence[int], eager: Sequence[int], body:
     k = len(eager)
     if k:
         custom[RESUME_KEY] = k
-    sampling = {**sampling, "custom_params": custom} if custom else \
-        {key: value for key, value in sampling.items() if key != "custom_params"}
-    gen = {"input_ids": list(prompt_ids) + list(eager), "rid": body.get("rid")}
-    if body.get("warmup"):
+    sampling = {**req.sampling_params, "custom_params": custom} if custom else \
+        {key: value for key, value in req.sampling_params.items() if key != "custom_params"}
+    gen = {"input_ids": list(prompt_ids) + list(eager), "rid": req.rid}
+    if req.warmup:
         gen.update(sampling_params={**sampling, "max_new_tokens": k + 1}, stream=False)
         return gen, False
     max_new = sampling.get("max_new_tokens")
     if k and isinstance(max_new, int) and not isinstance(max_new, bool) and k >= max_new:
         raise ValueError(f"token_ids holds {k} eager tokens, at least sampling_params.max_new_tokens={max_new}: "
                          "nothing is left for MD to generate")
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
-        raise ValueError("stream must be a boolean")
-    gen.update(sampling_params=sampling, stream=stream)
-    gen.update({field: body[field] for field in HANDOFF_LOGPROB_FIELDS if body.get(field) is not None})
-    return gen, stream
+    gen.update(sampling_params=sampling, stream=req.stream)
+    gen.update({field: getattr(req, field) for field in HANDOFF_LOGPROB_FIELDS if getattr(req, field) is not None})
+    return gen, req.stream

@@ -1,6 +1,6 @@
 """Real control servers on loopback for the control-plane security tests (no SGLang server).
 
-MD: the real ``ControlServer`` / ``_ControlHandler`` over ``FakeMdRuntime``, which keeps the
+MD: the real ``MdControlServer`` / ``MdControlApi`` over ``FakeMdRuntime``, which keeps the
 real room table (DrcRoomTable on a fake tree) and borrows MainDrcRuntime's own wait_ready and
 handoff_request; its ``/generate`` (what a handoff relays to) is a tiny stdlib server that
 records what it got and streams two SSE events. P: the real ``PrefillControlServer``.
@@ -15,9 +15,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
-from sglang_pdd.protocol import RegisterReply
+from sglang_pdd.protocol import KvSendersReply, RegisterReply, ReleaseReply
 from sglang_pdd.radix_drc.rooms import DrcRoomTable
-from sglang_pdd.sglang_glue.main_drc import ControlServer, MainDrcRuntime
+from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime, MdControlServer
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
 
 KEY = b"control-plane-test-key-0123456789"
@@ -139,21 +139,18 @@ class FakeMdRuntime:
         self.http_ssl_certfile = None  # MD's own SGLang --ssl-certfile (then it serves HTTPS)
         self.kv_senders: list = []  # each announcement of P hosts, as the receiver got it
 
-    def call(self, op: str, *args, timeout: float = 30.0):
-        return getattr(self, f"_do_{op}")(*args)
+    def register(self, req):
+        entry = self.table.register(req.room, req.token_ids, time.monotonic(), use_cache=req.use_cache)
+        self.ready_events[req.room] = threading.Event()
+        return RegisterReply(req.room, entry.cached_len, prompt_tokens=len(req.token_ids))
 
-    def _do_register(self, room, token_ids, use_cache=True):
-        entry = self.table.register(room, token_ids, time.monotonic(), use_cache=use_cache)
-        self.ready_events[room] = threading.Event()
-        return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids)).to_json()
+    def announce_kv_senders(self, req):
+        self.kv_senders.append(list(req.sources))
+        return KvSendersReply(len(req.sources))
 
-    def _do_kv_senders(self, sources):
-        self.kv_senders.append(list(sources))
-        return len(sources)
-
-    def _do_release(self, room, keep_kv=False):
-        self.ready_events.pop(room, None)
-        return self.table.release(room)
+    def release(self, req):
+        self.ready_events.pop(req.room, None)
+        return ReleaseReply(self.table.release(req.room))
 
     def mark_ready(self, room: int) -> None:
         self.table.complete(room, None, time.monotonic())
@@ -174,13 +171,13 @@ def _scheme(server_kw: dict) -> str:
 
 
 class MdControl:
-    """``server_kw``: ControlServer's, e.g. ``ssl_context`` (then ``url`` is https);
+    """``server_kw``: MdControlServer's, e.g. ``ssl_context`` (then ``url`` is https);
     ``generate_tls``: MD's own /generate served over HTTPS with this context."""
 
     def __init__(self, max_rooms: int = 4096, max_connections: int = 1024, generate_tls=None, **server_kw):
         self.generate = FakeGenerate(generate_tls)
         self.runtime = FakeMdRuntime(self.generate.port, max_rooms=max_rooms)
-        self.server = ControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections,
+        self.server = MdControlServer(("127.0.0.1", 0), self.runtime, key=KEY, max_connections=max_connections,
                                     **server_kw)
         self.url = f"{_scheme(server_kw)}://%s:%s" % self.server.address
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
+from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -28,7 +29,7 @@ def threads_before() -> int:
 @pytest.fixture(scope="module")
 def servers(threads_before):
     md, p = MdControl(), PControl()
-    md.runtime.call("register", 77, [1, 2, 3])
+    md.runtime.register(RegisterRequest(77, [1, 2, 3]))
     md.runtime.mark_ready(77)  # a ready room an outsider would like to hijack
     yield md, p
     md.close()
@@ -125,10 +126,10 @@ def test_signed_fuzz_is_answered_with_4xx_not_500(servers, method, path, body, t
     assert status < 500 or status == 503, status
     for room in list(md.runtime.table.rooms):  # keep the table small; room 77 stays the target
         if room != 77:
-            md.runtime.call("release", room)
+            md.runtime.release(ReleaseRequest(room))
     if 77 not in md.runtime.table.rooms:  # a signed DELETE released it: a fresh table, 77 in it
         md.runtime.reset()  # (MD refuses to open a room it released again)
-        md.runtime.call("register", 77, [1, 2, 3])
+        md.runtime.register(RegisterRequest(77, [1, 2, 3]))
         md.runtime.mark_ready(77)
 
 

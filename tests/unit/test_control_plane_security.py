@@ -23,7 +23,7 @@ from tests.support.waiting import wait_until
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json, get_json
-from sglang_pdd.protocol import HandoffRequest
+from sglang_pdd.protocol import HandoffRequest, RegisterRequest, ReleaseRequest
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
 
@@ -82,7 +82,7 @@ MD_CALLS = [
 
 @pytest.mark.parametrize("method,path,body", MD_CALLS, ids=[c[1] for c in MD_CALLS])
 def test_md_refuses_every_unsigned_or_wrongly_signed_call_and_changes_nothing(md, method, path, body):
-    md.runtime.call("register", 5, [1, 2, 3])
+    md.runtime.register(RegisterRequest(5, [1, 2, 3]))
     md.runtime.mark_ready(5)  # a victim's room, ready for its handoff
     before = md.runtime.state()
     for key in (None, b"w" * 32):
@@ -107,7 +107,7 @@ def test_md_serves_signed_calls_end_to_end(md):
 def test_a_captured_signed_call_cannot_be_replayed(md):
     request = signed_request(md.url, "POST", "/pdd/rooms", json.dumps({"room": 3, "token_ids": [1]}).encode())
     assert raw(md.url, request)[0] == 200
-    md.runtime.call("release", 3)
+    md.runtime.release(ReleaseRequest(3))
     status, reply = raw(md.url, request)
     assert status == 401 and b"replayed" in reply
     assert 3 not in md.runtime.table.rooms

@@ -198,18 +198,18 @@ def _handoff_through_router_client(url: str, room: int, body, signer=None, regis
 
 def test_a_new_handoff_field_reaches_mds_handler_from_the_protocol_type_alone(monkeypatch):
     """The router's client sends whatever fields the message has; MD's real handler parses the
-    body with the protocol's HandoffRequest and hands MainDrcRuntime.handoff_request exactly its
-    fields. So the field reaches MD once the protocol's type has it, and not before."""
+    body with the protocol's HandoffRequest and hands MainDrcRuntime.handoff_request that
+    message. So the field reaches MD once the protocol's type has it, and not before."""
     extended = _with_priority()
     md = MdControl()
     got = []
     real = md.runtime.handoff_request
-    md.runtime.handoff_request = lambda room, body: (got.append(body), real(room, body))[1]
+    md.runtime.handoff_request = lambda room, req: (got.append(req.to_json()), real(room, req))[1]
     try:
         for room, patched in ((1, False), (2, True)):
             if patched:
                 monkeypatch.setattr(protocol_messages, "HandoffRequest", extended)
-            md.runtime.call("register", room, [5, 6, 7])
+            md.runtime.register(RegisterRequest(room, [5, 6, 7]))
             md.runtime.mark_ready(room)
             body = extended([8], f"r{room}", {"max_new_tokens": 4}, priority=3)
             assert body.to_json()["priority"] == 3  # the client's wire has it either way

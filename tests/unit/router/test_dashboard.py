@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang_pdd.router.app import Router
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
+from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.pools import Pools
 from tests.conftest import REPO_ROOT
 
@@ -96,13 +97,13 @@ def router_exposition() -> dict[str, tuple[str, str]]:
     prompt = list(range(1, 65))
 
     def finish(rid, tokens, **fields):
-        flow = router._flow(prompt, {"max_new_tokens": len(tokens)}, rid)
-        router._admit(flow, +1)
+        flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": len(tokens)}, rid=rid))
+        router.flows.admit(flow, +1)
         flow.t0 -= 2.0  # the request ran 2 s (its TTFT below is within that)
         for k, v in fields.items():
             setattr(flow.result, k, v)
-        router._admit(flow, -1)
-        router._observe(flow, tokens)
+        router.flows.admit(flow, -1)
+        router.flows.observe(flow, tokens)
 
     out = list(range(100, 132))
     finish("handed-off", out, path="p_rld_md", md_cached_tokens=16, p_cached_tokens=32, wan_bytes=4800,
@@ -114,8 +115,8 @@ def router_exposition() -> dict[str, tuple[str, str]]:
     finish("wan-failed", out[:5], path="p_rld_md", rld_tokens=5, ttft_s=0.1,
            fallbacks=[Fallback(Reason.WAN_FAILED, "KV transfer failed")])
     finish("outlier", out[:3], path="p_rld_only", rld_tokens=3, ttft_s=0.05)
-    held = router._flow(prompt, {"max_new_tokens": 4}, "running")
-    router._admit(held, +1)  # one still in flight when scraped
+    held = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="running"))
+    router.flows.admit(held, +1)  # one still in flight when scraped
 
     body = asyncio.run(router.metrics_route(None)).body
     families = list(text_string_to_metric_families(body.decode()))

@@ -296,7 +296,8 @@ def test_path_choice_uses_rlds_load_when_no_fixed_wan_budget_is_set():
     main = MainBackend("http://md", "http://md-control", "127.0.0.1:1", kv_bytes_per_token=512)
 
     def decide(inflight: int):
-        flow = PddFlow(None, cfg, PrefillBackend("http://x", 1), "http://y", main, PROMPT, {}, rld_inflight=inflight)
+        flow = PddFlow(None, cfg, PrefillBackend("http://x", 1), "http://y", main, PROMPT, {"max_new_tokens": 8},
+                       rld_inflight=inflight)
         return flow._decide(md_cached=len(PROMPT))
 
     assert decide(0).path is Path.P_RLD_MD

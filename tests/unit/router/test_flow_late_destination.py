@@ -20,6 +20,7 @@ from sglang_pdd.router.app import Router
 from sglang_pdd.router.cli import _prefill_arg, parse_args
 from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
@@ -275,11 +276,12 @@ def test_router_passes_md_prefix_estimate_to_the_flow():
     md = MainBackend("http://md:1", "http://md:2", "md:3")
     pools = Pools([PrefillBackend("http://p:1", 8998, control_url="http://p:2")], ["http://rld:1"], [md])
     router = Router(pools, flow_config(), tokenizer=None, max_prompt_tokens=1000, served_model="fake")
-    assert router._flow(prompt, {"max_new_tokens": 4}, "a").result.md_cached_estimate == 0
+    assert router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="a")).result.md_cached_estimate == 0
     pools.prefixes.record(md.url, prompt[:35])
-    flow = router._flow(prompt, {"max_new_tokens": 4}, "b")
+    flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="b"))
     assert flow.result.md_cached_estimate == 32 and flow.p_control is not None
-    assert router._flow(prompt, {"max_new_tokens": 4}, "c", {"drc": False}).result.md_cached_estimate == 0
+    flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, options={"drc": False}, rid="c"))
+    assert flow.result.md_cached_estimate == 0
 
 
 def test_md_prefix_tie_goes_to_the_least_loaded_md():

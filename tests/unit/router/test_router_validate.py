@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_pdd.router.flow_request import DEFAULT_MAX_NEW_TOKENS, settle_max_new_tokens
 from sglang_pdd.router.validate import (ApiError, check_generate_body, check_openai_body, check_token_budget,
                                         check_token_ids, parse_json_object)
 
@@ -127,3 +128,17 @@ def test_valid_sampling_params_and_grammars_pass():
         check_sampling_as_sglang(sampling, None, 1000)
     with pytest.raises(ApiError, match="text and input_ids cannot be provided at the same time"):
         check_generate_body({"text": "x", "input_ids": [1]}, **LIMITS)
+
+
+def test_max_new_tokens_is_settled_in_one_place():
+    """Named: checked against the cap; absent: SGLang's default; None (an OpenAI request
+    without max_tokens): what one server would decode, up to its context length and the cap."""
+    settle = lambda sampling, prompt_len=10: settle_max_new_tokens(sampling, prompt_len, cap=100,  # noqa: E731
+                                                                   context_len=50)
+    assert settle({"max_new_tokens": 7}) == 7
+    assert settle({}) == DEFAULT_MAX_NEW_TOKENS == 128
+    assert settle({"max_new_tokens": None}) == 40 and settle({"max_new_tokens": None}, 60) == 0
+    assert settle_max_new_tokens({"max_new_tokens": None}, 10, cap=30, context_len=50) == 30
+    for bad in (101, -1, 2.5, "8", True):
+        with pytest.raises(ApiError, match="max_new_tokens"):
+            settle({"max_new_tokens": bad})

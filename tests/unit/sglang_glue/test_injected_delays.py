@@ -54,9 +54,9 @@ def test_md_delays_every_registration_and_p_every_destination(monkeypatch):
     monkeypatch.setenv(P_DESTINATION_DELAY_ENV, "1")
     md, p = MdControl(), PControl()
     try:
-        handler = md.server.httpd.RequestHandlerClass
-        assert handler.register_delay.delay == DelayRange(1, 1)  # taken from the environment at start
-        handler.register_delay = counted = Counted()
+        api = md.server.api
+        assert api.register_delay.delay == DelayRange(1, 1)  # taken from the environment at start
+        api.register_delay = counted = Counted()
         for room in (1, 2):
             status, _ = call_json("POST", f"{md.url}/pdd/rooms", {"room": room, "token_ids": [1, 2, 3]}, key=KEY)
             assert status == 200

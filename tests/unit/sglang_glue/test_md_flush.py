@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
 from tests.conftest import require_sglang_import
 
 
@@ -127,8 +128,8 @@ def test_rooms_kept_only_for_the_cache_go_on_a_flush_which_waits_for_their_pages
     c = MdTp("mha", 2, 2)
     try:
         free_before = c.ranks[0].ops.allocator.available_size()
-        c.call("register", 21, list(range(50)), True)
-        assert c.call("release", 21, True) is True  # keep_kv: landing only to fill the cache
+        c.call(RegisterRequest(21, list(range(50))))
+        assert c.call(ReleaseRequest(21, keep_kv=True)).released is True  # keep_kv: landing only to fill the cache
         assert [md.table.rooms[21].state.phase.value for md in c.ranks] == ["landing_kept"] * 2
         wrappers = flush_wrappers(c.ranks)
         assert request_flush(wrappers) == [None, None]  # deferred: pages on their way back
@@ -153,8 +154,8 @@ def test_a_flush_while_requests_run_is_refused_at_once_as_on_sglang():
 
     c = MdTp("mha", 1, 2)
     try:
-        c.call("register", 25, list(range(40)), True)
-        c.call("release", 25, False)  # its pages wait for the receiver to let go
+        c.call(RegisterRequest(25, list(range(40))))
+        c.call(ReleaseRequest(25))  # its pages wait for the receiver to let go
         assert c.ranks[0].held_tokens > 0
         wrappers = flush_wrappers(c.ranks)
         wrappers[0][0].busy = True
@@ -171,13 +172,13 @@ def test_a_flush_under_a_room_of_a_request_in_flight_is_refused_and_says_why():
 
     c = MdTp("mha", 1, 2)
     try:
-        c.call("register", 22, list(range(40)), True)
+        c.call(RegisterRequest(22, list(range(40))))
         wrappers = flush_wrappers(c.ranks)
         [reply] = request_flush(wrappers)
         assert reply.success is False and wrappers[0][0].flushes == 0
         assert reply.message.startswith("Cache not flushed: MD holds 1 PDD room of requests in flight (landing 1)")
         assert 22 in c.ranks[0].table.rooms  # untouched: its request may still hand off
-        c.call("release", 22, False)
+        c.call(ReleaseRequest(22))
         c.settle()
         assert request_flush(wrappers)[0].success is True
     finally:
@@ -192,7 +193,7 @@ def test_a_flush_with_a_room_in_flight_and_a_timeout_waits_for_the_room(timeout_
 
     c = MdTp("mha", 1, 2)
     try:
-        c.call("register", 23, list(range(40)), True)
+        c.call(RegisterRequest(23, list(range(40))))
         wrappers = flush_wrappers(c.ranks)
         [reply] = request_flush(wrappers, timeout_s)
         if timeout_s is None:
@@ -201,12 +202,12 @@ def test_a_flush_with_a_room_in_flight_and_a_timeout_waits_for_the_room(timeout_
         assert reply is None  # waits
         wrappers[0][1].check_pending()
         assert wrappers[0][2] == []
-        c.call("release", 23, False)
+        c.call(ReleaseRequest(23))
         c.settle()
         wrappers[0][1].check_pending()
         assert [r.success for r in wrappers[0][2]] == [True]
         # a health check never waits for rooms (SGLang piggybacks it on running requests)
-        c.call("register", 24, list(range(40)), True)
+        c.call(RegisterRequest(24, list(range(40))))
         assert wrappers[0][0].is_fully_idle(for_health_check=True) and not wrappers[0][0].is_fully_idle()
     finally:
         c.close()
@@ -222,9 +223,9 @@ def test_a_registration_that_comes_in_after_its_release_is_refused():
 
     c = MdTp("mha", 2, 2)
     try:
-        assert c.call("release", 31, True) is False  # unknown yet
+        assert c.call(ReleaseRequest(31, keep_kv=True)).released is False  # unknown yet
         with pytest.raises(RoomReleased):
-            c.call("register", 31, list(range(40)), True)
+            c.call(RegisterRequest(31, list(range(40))))
         assert all(not md.table.rooms and md.held_tokens == 0 for md in c.ranks)
         assert c.ranks[0].counters["late_registrations_refused"] == 1
     finally:

@@ -13,7 +13,7 @@ from tests.support.control_fakes import KEY, MdControl
 from tests.support.waiting import wait_until
 
 from sglang_pdd.control_auth import ControlSigner
-from sglang_pdd.protocol import HandoffRequest
+from sglang_pdd.protocol import HandoffRequest, RegisterRequest
 from sglang_pdd.router.backends import MainControl
 
 
@@ -35,7 +35,7 @@ def handoff_events(md: MdControl, room: int, rid: str, read: int) -> list[dict]:
 
 
 def ready_room(md: MdControl, room: int) -> None:
-    md.runtime.call("register", room, [5, 6, 7])
+    md.runtime.register(RegisterRequest(room, [5, 6, 7]))
     md.runtime.mark_ready(room)
 
 

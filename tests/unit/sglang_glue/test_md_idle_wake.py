@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
+from sglang_pdd.protocol import ReleaseRequest
 from sglang_pdd.sglang_glue.idle_wake import IdleWake
 from sglang_pdd.sglang_glue.md_driver import CommandQueue
 
@@ -43,10 +44,10 @@ def test_an_idle_md_sleeps_the_sleepers_full_poll(sleeper):
 def test_a_room_command_wakes_a_sleeping_md_at_once(sleeper):
     wake = IdleWake(SimpleNamespace(idle_sleeper=sleeper))
     commands = CommandQueue(on_submit=wake.wake)
-    threading.Timer(0.1, lambda: commands.submit("register", (1,))).start()
+    threading.Timer(0.1, lambda: commands.submit(ReleaseRequest(1))).start()
     assert slept(sleeper) < 0.6
-    ops, _ = commands.take()
-    assert ops == [("register", (1,))]
+    taken, _ = commands.take()
+    assert taken == [ReleaseRequest(1)]
     wake.drain()  # the iteration took the wake-up: the next idle poll sleeps again
     assert slept(sleeper) > 0.9
     wake.close()

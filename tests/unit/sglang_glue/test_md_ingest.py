@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
 from tests.conftest import require_sglang_import
 
 KEY = b"k" * 32
@@ -143,16 +144,16 @@ def test_kv_lands_in_the_tree_exactly(kind, page_size, prompt_len, ingest):
     try:
         ids = list(range(1000, 1000 + prompt_len))
         free_before = md.ops.allocator.available_size()
-        reg = md.rank_rooms.register(1, ids)
-        assert reg["cached_tokens"] == 0 and reg["kv_layout"]["kind"] == kind
-        assert reg["kv_layout"]["page_size"] == page_size
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        assert reg.cached_tokens == 0 and reg.kv_layout["kind"] == kind
+        assert reg.kv_layout["page_size"] == page_size
         sent_pages = -(-prompt_len // page_size)
         if ingest == "pool":  # the room's pages are reserved up front, and counted
             assert md.held_tokens == sent_pages * page_size
             assert md.ops.allocator.available_size() == free_before - sent_pages * page_size
         assert conserved(md)
         pages = p.pages_for(prompt_len, seed=1)
-        p.send(1, ids, reg["cached_tokens"], pages)
+        p.send(1, ids, reg.cached_tokens, pages)
         drive_until(md, 1)
         insert_len = prompt_len // page_size * page_size  # the tree holds whole pages only
         cached, _ = md.ops.match(ids)
@@ -163,7 +164,7 @@ def test_kv_lands_in_the_tree_exactly(kind, page_size, prompt_len, ingest):
         assert md.held_tokens == 0 and conserved(md)
         # the partial last page went back to the allocator; the prompt's pages are locked
         assert md.ops.allocator.available_size() == free_before - insert_len
-        md.rank_rooms.release(1)
+        md.rank_rooms.release(ReleaseRequest(1))
         assert md.ops.tree.protected_size() == 0 and conserved(md)
     finally:
         close(md, p)
@@ -175,19 +176,19 @@ def test_cached_prefix_is_page_aligned_and_p_sends_from_it(page_size):
     p = Prefill("mha", page_size, md)
     try:
         first = list(range(2000, 2040))
-        reg = md.rank_rooms.register(1, first)
+        reg = md.rank_rooms.register(RegisterRequest(1, first))
         pages1 = p.pages_for(len(first), seed=2)
-        p.send(1, first, reg["cached_tokens"], pages1)
+        p.send(1, first, reg.cached_tokens, pages1)
         drive_until(md, 1)
-        md.rank_rooms.release(1)
+        md.rank_rooms.release(ReleaseRequest(1))
         # a second turn shares 35 tokens: MD holds them up to the last whole page
         second = first[:35] + list(range(3000, 3030))
-        reg = md.rank_rooms.register(2, second)
+        reg = md.rank_rooms.register(RegisterRequest(2, second))
         shared = 35 // page_size * page_size
-        assert reg["cached_tokens"] == shared
+        assert reg.cached_tokens == shared
         # P's copy of the second prompt: the shared pages plus new ones
         pages2 = p.pages_for(len(second), seed=3)
-        p.send(2, second, reg["cached_tokens"], pages2)
+        p.send(2, second, reg.cached_tokens, pages2)
         drive_until(md, 2)
         insert_len = len(second) // page_size * page_size
         assert md.ops.match(second)[0] == insert_len
@@ -211,14 +212,14 @@ def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
         per_page = md.ops.pool_layout.page_bytes * md.ops.pool_layout.num_buffers
         md.budget.limit_bytes = 3 * per_page  # three pages in flight at most
         free_before = md.ops.allocator.available_size()
-        md.rank_rooms.register(1, list(range(20)))  # two pages: fits
+        md.rank_rooms.register(RegisterRequest(1, list(range(20))))  # two pages: fits
         with pytest.raises(RoomRefused, match=rf"needs {2 * per_page} bytes of KV in flight on MD, {per_page} of"):
-            md.rank_rooms.register(2, list(range(100, 120)))
+            md.rank_rooms.register(RegisterRequest(2, list(range(100, 120))))
         assert md.counters["rooms_refused"] == 1 and 2 not in md.table.rooms
         assert md.budget.used_bytes == 2 * per_page and conserved(md)
-        md.rank_rooms.register(3, list(range(200, 210)))  # one page still fits
+        md.rank_rooms.register(RegisterRequest(3, list(range(200, 210))))  # one page still fits
         for room in (1, 3):
-            md.rank_rooms.release(room)
+            md.rank_rooms.release(ReleaseRequest(room))
         settle(md)
         assert md.ops.allocator.available_size() == free_before and md.budget.used_bytes == 0
     finally:
@@ -232,7 +233,7 @@ def test_room_larger_than_the_pool_is_refused_at_registration():
     try:
         free_before = md.ops.allocator.available_size()
         with pytest.raises(RoomRefused, match="KV pool cannot hold"):
-            md.rank_rooms.register(1, list(range(16 * POOL_PAGES + 5)))
+            md.rank_rooms.register(RegisterRequest(1, list(range(16 * POOL_PAGES + 5))))
         assert md.table.rooms == {} and md.held_tokens == 0 and md.budget.used_bytes == 0
         assert md.ops.allocator.available_size() == free_before and conserved(md)
         assert md.counters["rooms_refused"] == 1
@@ -272,9 +273,9 @@ def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
     md = build_md(16, ingest=ingest)
     try:
         free_before = md.ops.allocator.available_size()
-        md.rank_rooms.register(1, list(range(100)))
+        md.rank_rooms.register(RegisterRequest(1, list(range(100))))
         assert md.budget.used_bytes > 0
-        md.rank_rooms.release(1)  # the router gave up before any KV came
+        md.rank_rooms.release(ReleaseRequest(1))  # the router gave up before any KV came
         settle(md)
         assert md.held_tokens == 0 and md.budget.used_bytes == 0 and md.table.rooms == {}
         assert md.ops.allocator.available_size() == free_before and conserved(md)
@@ -289,8 +290,8 @@ def test_layout_mismatch_fails_the_room_naming_both_sides(caplog):
     p = Prefill("mha", 1, md, num_streams=1)
     try:
         ids = list(range(32))
-        reg = md.rank_rooms.register(1, ids)
-        p.send(1, ids, reg["cached_tokens"], p.pages_for(32, seed=4))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        p.send(1, ids, reg.cached_tokens, p.pages_for(32, seed=4))
         entry = drive_until(md, 1, status="failed")
         assert "layout_mismatch" in entry.reason and "page_size 16 vs 1" in entry.reason, entry.reason
         def p_said_so():  # P hears it too (NACK), and says so as an error
@@ -311,7 +312,7 @@ def test_sglang_leak_check_counts_pages_held_in_flight():
 
     md = build_md(16)
     try:
-        md.rank_rooms.register(1, list(range(40)))
+        md.rank_rooms.register(RegisterRequest(1, list(range(40))))
         checker = SimpleNamespace(token_to_kv_pool_allocator=md.ops.allocator)
         seen = _count_md_held_slots(lambda c, ps, uncached=0: uncached, checker, None, uncached=5)
         assert seen == 5 + 48 == 5 + md.held_tokens
@@ -345,13 +346,13 @@ def test_p_tp_ranks_each_send_their_heads_into_mds_one_pool(kind, heads, tp, pag
     try:
         prompt_len = 3 * page_size + 5
         ids = list(range(500, 500 + prompt_len))
-        reg = md.rank_rooms.register(1, ids)
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
         pages = ranks[0].pages_for(prompt_len, seed=2)  # SGLang's ranks allocate alike
         senders = [p for p in ranks if p.fanout.sends]
         assert len(senders) == (1 if kind == "mla" else min(heads, tp))
         for p in ranks:
             if p.fanout.sends:
-                p.send(1, ids, reg["cached_tokens"], pages)
+                p.send(1, ids, reg.cached_tokens, pages)
             else:  # a replica rank opens no room
                 assert p.fanout.open_room(WanDest(1, md), rid="r", token_ids=ids, first_offered_page=0) is None
         drive_until(md, 1)
@@ -383,8 +384,8 @@ def test_a_missing_tp_slice_leaves_the_room_waiting():
     rank0 = Prefill("mha", 1, md, shard_pool(full, "mha", 1, kv_heads_of_rank(2, 2, 0)), TpShard(0, 2, 2))
     try:
         ids = list(range(40))
-        reg = md.rank_rooms.register(1, ids)
-        rank0.send(1, ids, reg["cached_tokens"], rank0.pages_for(40, seed=3))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        rank0.send(1, ids, reg.cached_tokens, rank0.pages_for(40, seed=3))
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
             md.on_scheduler_iteration()

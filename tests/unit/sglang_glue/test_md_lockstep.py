@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.protocol import ReleaseReply, ReleaseRequest
 from sglang_pdd.sglang_glue.md_driver import CommandQueue
 from sglang_pdd.sglang_glue.md_lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
 from sglang_pdd.sglang_glue.md_tp_sync import SingleRank
@@ -63,19 +64,19 @@ def test_a_registration_stands_only_where_every_rank_made_it():
 def test_commands_reach_the_scheduler_thread_in_order_and_answer_the_caller():
     commands = CommandQueue()
     answers = []
-    caller = threading.Thread(target=lambda: answers.append(commands.call("release", 7, True, timeout=5)))
+    caller = threading.Thread(target=lambda: answers.append(commands.call(ReleaseRequest(7, keep_kv=True), timeout=5)))
     caller.start()
-    ops, futures = [], []
-    while not ops:
-        ops, futures = commands.take()
-    assert ops == [("release", (7, True))]
-    futures[0].set_result(True)
+    taken, futures = [], []
+    while not taken:
+        taken, futures = commands.take()
+    assert taken == [ReleaseRequest(7, keep_kv=True)]
+    futures[0].set_result(ReleaseReply(True))
     caller.join(5)
-    assert answers == [True] and commands.take() == ([], [])
+    assert answers == [ReleaseReply(True)] and commands.take() == ([], [])
 
 
 def test_a_full_queue_refuses_in_time():
     commands = CommandQueue(maxsize=1)
-    commands.submit("release", (1,))
+    commands.submit(ReleaseRequest(1))
     with pytest.raises(queue.Full):
-        commands.submit("release", (2,), timeout=0.05)
+        commands.submit(ReleaseRequest(2), timeout=0.05)

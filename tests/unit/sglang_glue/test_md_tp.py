@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_pdd.protocol import (KvSendersRequest, ReadyReply, ReadyRequest, RegisterRequest,
+                                 ReleaseRequest)
 from tests.conftest import require_sglang_import
 from tests.unit.sglang_glue.test_md_ingest import KEY, Prefill, conserved, make_pool, md_rows, pool_pages, shard_pool
 
@@ -140,9 +142,9 @@ class MdTp:
         for md in self.ranks:
             assert conserved(md)
 
-    def call(self, op, *args):
+    def call(self, command):
         """A control-API command on rank 0, answered within one lockstep iteration."""
-        fut = self.ranks[0].commands.submit(op, args)
+        fut = self.ranks[0].commands.submit(command)
         self.step()
         assert fut.done()
         return fut.result(timeout=0)
@@ -200,9 +202,9 @@ def test_room_completes_on_every_rank_only_when_every_rank_has_its_heads(kind, k
         assert md1.receiver.address[1] == md0.receiver.address[1] + 1
         ids = list(range(700, 700 + 3 * PAGE + 5))
         free_before = md0.ops.allocator.available_size()
-        reg = c.call("register", 1, ids, True)
-        assert reg["tp_size"] == 2 and reg["cached_tokens"] == 0
-        assert reg["wan_peer"] == "%s:%d" % md0.receiver.address
+        reg = c.call(RegisterRequest(1, ids))
+        assert reg.tp_size == 2 and reg.cached_tokens == 0
+        assert reg.wan_peer == "%s:%d" % md0.receiver.address
         # the same pages reserved on every rank, counted by SGLang's leak check on each
         assert torch.equal(md0.landings[1].slots, md1.landings[1].slots)
         assert md0.held_tokens == md1.held_tokens == 4 * PAGE
@@ -220,19 +222,19 @@ def test_room_completes_on_every_rank_only_when_every_rank_has_its_heads(kind, k
         c.senders[1].send(1, ids, 0, pages)
         c.step_until(lambda: status_values(c, 1)[0] != "pending")
         assert status_values(c, 1) == ["ready", "ready"]  # in the same iteration (step asserts alike)
-        assert md0.wait_ready(1, 0) == {"room": 1, "status": "ready", "reason": ""}
+        assert md0.wait_ready(ReadyRequest(1, 0)) == ReadyReply(1, "ready", "")
         insert_len = len(ids) // PAGE * PAGE
         for r, md in enumerate(c.ranks):  # each rank holds exactly its heads of every token
             want = Prefill.token_rows(SimpleNamespace(pool=shard_pool(c.full, kind, PAGE, c.heads[r]), page_size=PAGE),
                                       pages, 0, insert_len)
             for w, g in zip(want, md_rows(md, ids, 0, insert_len)):
                 assert torch.equal(w.view(torch.uint8), g.view(torch.uint8))
-        assert c.call("release", 1, False) is True
+        assert c.call(ReleaseRequest(1)).released is True
         c.settle()
         assert md0.ops.allocator.available_size() + md0.ops.tree.evictable_size() == free_before
         # a second turn: the same prefix is cached on every rank
-        reg2 = c.call("register", 2, ids[:2 * PAGE] + [1, 2, 3], True)
-        assert reg2["cached_tokens"] == 2 * PAGE and [md.table.rooms[2].cached_len for md in c.ranks] == [2 * PAGE] * 2
+        reg2 = c.call(RegisterRequest(2, ids[:2 * PAGE] + [1, 2, 3]))
+        assert reg2.cached_tokens == 2 * PAGE and [md.table.rooms[2].cached_len for md in c.ranks] == [2 * PAGE] * 2
     finally:
         c.close()
 
@@ -243,7 +245,7 @@ def test_a_failure_on_one_rank_fails_the_room_on_every_rank():
     try:
         md0, md1 = c.ranks
         ids = list(range(40))
-        c.call("register", 5, ids, True)
+        c.call(RegisterRequest(5, ids))
         pages = c.senders[0].pages_for(len(ids), seed=1)
         c.senders[0].send(5, ids, 0, pages)  # rank 0 gets its heads
         wrong.send(5, ids, 0, pages)  # rank 1's sender has the wrong layout: rank 1's receiver fails
@@ -251,7 +253,7 @@ def test_a_failure_on_one_rank_fails_the_room_on_every_rank():
         assert status_values(c, 5) == ["failed", "failed"]
         assert "layout_mismatch" in md1.table.rooms[5].reason
         assert "a TP rank's WAN slice failed" in md0.table.rooms[5].reason
-        assert md0.wait_ready(5, 0)["status"] == "failed"
+        assert md0.wait_ready(ReadyRequest(5, 0)).status == "failed"
         assert md0.counters["rooms_failed"] == md1.counters["rooms_failed"] == 1
         c.settle()  # rank 0's received pages go back too, on both ranks together (step asserts alike)
         assert md0.ops.tree.evictable_size() == 0 and md0.ops.match(ids)[0] == 0
@@ -273,9 +275,9 @@ def test_pages_go_back_only_when_every_ranks_receiver_let_go():
     md1.receiver.release_room = release_room
     try:
         free_before = md0.ops.allocator.available_size()
-        c.call("register", 7, list(range(50)), True)
+        c.call(RegisterRequest(7, list(range(50))))
         held = md0.held_tokens
-        assert c.call("release", 7, False) is True  # the router gave up before any KV came
+        assert c.call(ReleaseRequest(7)).released is True  # the router gave up before any KV came
         for _ in range(20):
             c.step()
         assert md0.pages.releasing[0].outcome is True and md1.pages.releasing[0].outcome is None
@@ -297,9 +299,9 @@ def test_a_failed_receiver_release_keeps_the_pages_held_on_every_rank():
 
     md1.receiver.release_room = release_room
     try:
-        c.call("register", 8, list(range(50)), True)
+        c.call(RegisterRequest(8, list(range(50))))
         held = md0.held_tokens
-        c.call("release", 8, False)
+        c.call(ReleaseRequest(8))
         c.step_until(lambda: not md0.pages.releasing)
         for _ in range(5):
             c.step()
@@ -318,13 +320,13 @@ def test_a_registration_one_rank_refuses_is_undone_on_every_rank():
         # rank 1's receiver still holds room 9 (e.g. an earlier room of that id it is letting go of)
         md1.receiver.register_room(9, md1.ops.layout, 16, lambda *chunk, **kw: None)
         with pytest.raises(RoomRefused, match="another MD TP rank could not register it"):
-            c.call("register", 9, list(range(30)), True)
+            c.call(RegisterRequest(9, list(range(30))))
         assert status_values(c, 9) == [None, None]
         c.settle()
         assert md0.ops.allocator.available_size() == free_before and md0.budget.used_bytes == md1.budget.used_bytes == 0
         assert md0.counters["rooms_refused"] == 1 and md0.counters["rooms_registered"] == 0
-        reg = c.call("register", 10, list(range(30)), True)  # the next one goes through on both
-        assert reg["tp_size"] == 2 and torch.equal(md0.landings[10].slots, md1.landings[10].slots)
+        reg = c.call(RegisterRequest(10, list(range(30))))  # the next one goes through on both
+        assert reg.tp_size == 2 and torch.equal(md0.landings[10].slots, md1.landings[10].slots)
     finally:
         c.close()
 
@@ -336,7 +338,7 @@ def test_the_p_hosts_the_router_names_reach_every_ranks_receiver():
 
     c = MdTp("mha", 2, 2)
     try:
-        assert c.call("kv_senders", ["10.3.0.7", "fd00:1:2:3::9"]) == 2
+        assert c.call(KvSendersRequest(("10.3.0.7", "fd00:1:2:3::9"))).known == 2
         for md in c.ranks:
             policy = md.receiver._acceptor.policy
             assert policy.is_known(source_of("10.3.0.7"), 0) and policy.is_known(source_of("fd00:1:2:3::1"), 0)
@@ -352,7 +354,7 @@ def test_expiry_is_rank_zeros_decision_taken_on_every_rank():
         free_before = md0.ops.allocator.available_size()
         for md in c.ranks:
             md.table.ttl_s = 0.3
-        c.call("register", 11, list(range(50)), True)
+        c.call(RegisterRequest(11, list(range(50))))
         c.step_until(lambda: 11 not in md0.table.rooms)
         assert 11 not in md1.table.rooms
         c.settle()
@@ -367,7 +369,7 @@ def test_single_rank_has_no_collectives():
     assert isinstance(tp_sync_of(SimpleNamespace()), SingleRank)
     assert isinstance(tp_sync_of(SimpleNamespace(tp_group=SimpleNamespace(world_size=1))), SingleRank)
     one = SingleRank()
-    assert one.share(1.5, [("release", (1, False))]) == (1.5, [("release", (1, False))])
+    assert one.share(1.5, [ReleaseRequest(1)]) == (1.5, [ReleaseRequest(1)])
     assert one.all_min([3, 1]) == [3, 1]
 
 
@@ -380,7 +382,7 @@ def _gloo_rank(rank, port, out):
     try:
         sync = GroupTpSync(rank, 2, dist.group.WORLD, rank, 0)
         now = 1234.5678901 if rank == 0 else 9.0  # rank 0's clock wins
-        out.put((rank, sync.share(now, [("register", (rank, [1, 2], True))] if rank == 0 else []),
+        out.put((rank, sync.share(now, [RegisterRequest(rank, [1, 2])] if rank == 0 else []),
                  sync.share(now + 1, []), sync.all_min([rank, 5 - rank, 7]), sync.all_min([])))
     finally:
         dist.destroy_process_group()
@@ -406,4 +408,4 @@ def test_group_tp_sync_over_real_gloo():
         for p in procs:
             p.join(60)
     for r in range(2):
-        assert got[r] == [(1234.5678901, [("register", (0, [1, 2], True))]), (1234.5678901 + 1, []), [0, 4, 7], []]
+        assert got[r] == [(1234.5678901, [RegisterRequest(0, [1, 2])]), (1234.5678901 + 1, []), [0, 4, 7], []]

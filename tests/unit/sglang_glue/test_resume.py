@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import require_sglang_import
+from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.sglang_glue.resume import (RESUME_KEY, ResumeError, handoff_generate_body, resume_output_len,
                                            split_resumed, validate_resume)
+from tests.conftest import require_sglang_import
 
 
 # ---- pure rules ----------------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_handoff_marks_the_eager_tokens_and_keeps_the_total_budget():
     body = {"token_ids": [7, 8], "rid": "r-m", "stream": True,
             "sampling_params": {"max_new_tokens": 20, "stop": ["x"], "custom_params": {"pdd_evil": 1, "mine": 2}},
             "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": -1, "token_ids_logprob": None}
-    gen, stream = handoff_generate_body([1, 2, 3], [7, 8], body)
+    gen, stream = handoff_generate_body([1, 2, 3], HandoffRequest.from_json(body))
     assert stream is True
     assert gen == {"input_ids": [1, 2, 3, 7, 8], "rid": "r-m", "stream": True,
                    "sampling_params": {"max_new_tokens": 20, "stop": ["x"],
@@ -233,14 +234,14 @@ def test_handoff_marks_the_eager_tokens_and_keeps_the_total_budget():
 
 
 def test_handoff_without_eager_tokens_is_a_plain_request():
-    gen, stream = handoff_generate_body([1, 2], [], {"sampling_params": {"max_new_tokens": 5}, "stream": False})
+    gen, stream = handoff_generate_body([1, 2], HandoffRequest([], sampling_params={"max_new_tokens": 5}, stream=False))
     assert not stream
     assert gen == {"input_ids": [1, 2], "rid": None, "stream": False, "sampling_params": {"max_new_tokens": 5}}
 
 
 def test_handoff_warmup_only_extends():
-    gen, stream = handoff_generate_body([1, 2], [7, 8, 9], {
-        "warmup": True, "stream": True, "return_logprob": True, "sampling_params": {"max_new_tokens": 50}})
+    gen, stream = handoff_generate_body([1, 2], HandoffRequest(
+        [7, 8, 9], warmup=True, stream=True, return_logprob=True, sampling_params={"max_new_tokens": 50}))
     assert not stream
     assert gen == {"input_ids": [1, 2, 7, 8, 9], "rid": None, "stream": False,
                    "sampling_params": {"max_new_tokens": 4, "custom_params": {RESUME_KEY: 3}}}
@@ -253,5 +254,6 @@ def test_handoff_warmup_only_extends():
     ({"sampling_params": {}, "stream": "yes"}, "stream"),
 ])
 def test_handoff_refuses_bad_bodies_naming_the_field(body, field):
+    """Refused by the message's own check (HandoffRequest.from_json) or by the body's."""
     with pytest.raises(ValueError, match=field):
-        handoff_generate_body([1, 2], [7, 8], body)
+        handoff_generate_body([1, 2], HandoffRequest.from_json({**body, "token_ids": [7, 8]}))

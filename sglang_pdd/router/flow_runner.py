@@ -1,0 +1,161 @@
+"""The router's flows: open one for a settled request (pick its servers, apply its operator
+options), run it (load on each backend, metrics, the request's log line), retry one that broke
+before its first token.
+
+SGLang's serving layer (router/serving.py) and the router's own /health_generate use it; the
+HTTP front (router/app.py) builds it beside them, so the serving layer never calls back into
+the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from typing import Optional
+
+import aiohttp
+
+from sglang_pdd.handoff.policy import HandoffMode
+from sglang_pdd.router.backends import BackendError
+from sglang_pdd.router.fallback import Fallback, Reason
+from sglang_pdd.router.flow import FlowConfig, PddFlow
+from sglang_pdd.router.flow_request import FlowRequest
+from sglang_pdd.router.metrics import RouterMetrics
+from sglang_pdd.router.policy import Path
+from sglang_pdd.router.pools import NoBackend, Pools
+from sglang_pdd.router.serving import BackendsUnavailable, UpstreamError
+
+logger = logging.getLogger("sglang_pdd.router")
+
+
+class FlowRunner:
+    """``session``: the router's client session to its backends (set when the router starts)."""
+
+    def __init__(self, pools: Pools, flow_cfg: FlowConfig, metrics: RouterMetrics):
+        self.pools, self.flow_cfg, self.metrics = pools, flow_cfg, metrics
+        self.session: Optional[aiohttp.ClientSession] = None
+
+    def open(self, req: FlowRequest, exclude: frozenset = frozenset()) -> PddFlow:
+        """A flow for ``req`` on servers picked now (none of ``exclude``); BackendsUnavailable
+        when no server of a needed role may take it.
+
+        ``req.options`` (body "pdd_options", operators only) override the router's knobs for
+        one request: path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc
+        (false: MD ignores its cache, i.e. plain cross-DC PD that ships the whole prompt). For
+        tests, benchmarks comparing variants side by side, and operators debugging one request."""
+        cfg, force_path, options = self.flow_cfg, None, req.options
+        if options is not None:
+            force_path = Path(options["path"]) if "path" in options else None
+            handoff = dataclasses.replace(
+                cfg.handoff,
+                fixed_mode=HandoffMode(options["handoff_mode"]) if "handoff_mode" in options else cfg.handoff.fixed_mode,
+                catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
+            cfg = dataclasses.replace(cfg, handoff=handoff)
+        try:
+            prefill, relay, main = self.pools.pick(req.input_ids, exclude=exclude)
+        except NoBackend as e:
+            raise BackendsUnavailable(str(e)) from None
+        # The MD prefix estimate routes a request whose P takes late WAN destinations
+        # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
+        md_estimate = self.pools.prefixes.match(main.url, req.input_ids) if main is not None else 0
+        flow = PddFlow(self.session, cfg, prefill, relay, main, req.input_ids, req.sampling, req.rid,
+                       rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
+                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate,
+                       extras=req.extras)
+        flow.request, flow.operator = req, req.operator
+        if main is None and self.pools.main:
+            flow.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
+        flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, req.input_ids)
+        return flow
+
+    def retry(self, failed: PddFlow) -> Optional[PddFlow]:
+        """A request whose P or RLD leg broke before its first token starts over once, on
+        other servers (the failed ones' breakers counted the failure): None when it was
+        already a retry, failed elsewhere, or nothing else may take it."""
+        if failed.retry_of is not None:
+            return None
+        bad = frozenset(key[-1] for key in failed.result.failed_backends if key[0] in ("prefill", "relay", "pair"))
+        if not bad:
+            return None
+        try:
+            flow = self.open(failed.request, exclude=bad)
+        except BackendsUnavailable:
+            return None
+        flow.retry_of = failed
+        retried = Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(bad)))
+        flow.result.fallbacks[:0] = failed.result.fallbacks + [retried]
+        logger.warning("rid %s failed before its first token on %s; retried on other servers",
+                       failed.result.rid, sorted(bad))
+        return flow
+
+    @contextlib.asynccontextmanager
+    async def run(self, flow: PddFlow):
+        """Accounts for one running flow (load, metrics, log line); a backend failure becomes
+        UpstreamError (HTTP 502); the flow's cleanup (abort every leg) runs on any exit."""
+        self.admit(flow, +1)
+        events = flow.events()
+        try:
+            yield events
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.error("rid %s failed: %s", flow.result.rid, e)
+            raise UpstreamError(f"the request failed on a backend: {e}") from None
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.client_disconnect()
+            raise
+        finally:
+            await events.aclose()  # runs the flow's cleanup now, not whenever the GC gets to it
+            self.admit(flow, -1)
+            self.observe(flow, list(flow.stitcher.emitted))
+
+    def running(self) -> int:
+        """Flows running now (each holds a relay slot until it ends)."""
+        return sum(self.pools.rld_inflight.values())
+
+    def admit(self, flow: PddFlow, delta: int) -> None:
+        """A flow starts (+1) or ends (-1): its load on its backends."""
+        if delta > 0:
+            self._count_on_p(flow)
+        else:
+            flow.on_prefill_replied()
+        self.pools.rld_inflight[flow.relay_url] += delta
+        if flow.main is not None:
+            self.pools.md_inflight[flow.main.url] += delta
+
+    def _count_on_p(self, flow: PddFlow) -> None:
+        """P's load is the prefill tokens it still runs: counted until P's leg replies (or the
+        request ends first), not for the whole request as RLD's and MD's are (placement.py's
+        pick_prefill)."""
+        url = flow.prefill.url
+        tokens = max(1, len(flow.ids) - flow.result.p_cached_estimate)
+        self.pools.count_on_p(url, tokens)
+
+        def release() -> None:
+            if flow.on_prefill_replied is release:
+                flow.on_prefill_replied = lambda: None
+                self.pools.prefill_replied(url, tokens, flow.ids)
+
+        flow.on_prefill_replied = release
+
+    def observe(self, flow: PddFlow, tokens: list[int]) -> None:
+        """A flow ended having emitted ``tokens``: placement, health, its log line, metrics."""
+        self.pools.record(flow, tokens)
+        self.pools.record_health(flow, time.monotonic())
+        n_tokens = len(tokens)
+        r = flow.result
+        e2e = time.perf_counter() - flow.t0
+        # One structured line per request: what happened to it, keyed by its id.
+        logger.info("request %s", json.dumps({
+            "rid": r.rid, "path": r.path, "prompt_tokens": r.prompt_tokens, "output_tokens": n_tokens,
+            "md_cached": r.md_cached_tokens, "md_cached_est": r.md_cached_estimate,
+            "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
+            "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
+            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens,
+            "fallbacks": [str(f) for f in r.fallbacks]}))
+        try:
+            self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
+        except ValueError as e:  # metrics must never break serving
+            logger.warning("metrics: %s", e)
