@@ -5,17 +5,17 @@ machine (pure; on the machine kit, sglang_pdd/machine.py).
 is the I/O shell that feeds it events from the scheduler thread (pages offered, the request
 ended, an abort), the copy thread and the send thread, under its lock, and performs the
 actions. A room exists once P knows its destination (the fan-out opens it then); how far each
-leg's copies got (``WanLeg.groups_copied``) and which pages arrived are data, not state.
+share's copies got (``RankShare.groups_copied``) and which pages arrived are data, not state.
 
 Phases::
 
-    RECEIVING ──PagesOffered(last)──▶ OFFERED ──LegEnded (every leg)──▶ SENT
+    RECEIVING ──PagesOffered(last)──▶ OFFERED ──ShareEnded (every share)──▶ SENT
         │                                │                               │
         └─── Cancel / RequestEnded ──────┴──── Cancel ───────────────────┴──▶ CANCELLED
-        └─── Fail (a leg, the copy, the staging budget, a send) ──────────────▶ FAILED
+        └─── FanoutFailed (a share, the copy, the staging budget, a send) ──────────────▶ FAILED
 
-SENT means every leg's TRANSFER_END is with its sender; the ACKs are the sender's business
-(its room's state, send_room.py), and a leg that fails after that still fails this room.
+SENT means every share's TRANSFER_END is with its sender; the ACKs are the sender's business
+(its room's state, send_room.py), and a share that fails after that still fails this room.
 
 Orthogonal to the phase, the copy thread's hold on the room: IDLE -> QUEUED (pages to copy)
 -> COPYING -> IDLE, or QUEUED again when more pages arrived meanwhile. It keeps moving after
@@ -27,16 +27,16 @@ Events (who sends them):
     CopyTaken(has_work)        copy       took the room off its queue: COPYING if there is
                                           work and the room is live, else IDLE
     CopyEnded(more_ready)      copy       a copy round ended; QUEUED again if pages wait
-    LegEnded()                 send       one leg's TRANSFER_END was handed to its sender
+    ShareEnded()                 send       one share's TRANSFER_END was handed to its sender
     RequestEnded()             scheduler  P is done with the pages: a room still RECEIVING
                                           is CANCELLED(incomplete)
     Cancel(detail)             scheduler  P drops the room (request aborted, destination
                                           withdrawn): CANCELLED(cancelled)
-    Fail(reason, ...)          any        FAILED with a DropReason (and a leg's FailureReason)
+    FanoutFailed(reason, ...)          any        FAILED with a DropReason (and a share's FailureReason)
 
 Pages, cancels and failures after the room was dropped are ignored (P keeps offering until
-it learns; a leg fails while another failure drops the room). Events that cannot happen
-(pages after the last, a copy round that was not started, more ENDs than legs) raise
+it learns; a share fails while another failure drops the room). Events that cannot happen
+(pages after the last, a copy round that was not started, more ENDs than shares) raise
 ``FanoutRoomError``.
 """
 
@@ -53,16 +53,16 @@ class FanoutRoomError(IllegalTransition):
     """An event that is illegal in the room's current state."""
 
 
-class Phase(str, enum.Enum):
+class FanoutPhase(str, enum.Enum):
     RECEIVING = "receiving"  # P's pages still arriving; copies and sends follow them
     OFFERED = "offered"  # P's last page offered; copies and ENDs may remain
-    SENT = "sent"  # every leg's TRANSFER_END is with its sender
+    SENT = "sent"  # every share's TRANSFER_END is with its sender
     CANCELLED = "cancelled"  # P dropped the room
     FAILED = "failed"  # the WAN transfer failed
 
     @property
     def dropped(self) -> bool:
-        return self in (Phase.CANCELLED, Phase.FAILED)
+        return self in (FanoutPhase.CANCELLED, FanoutPhase.FAILED)
 
 
 class CopyHold(str, enum.Enum):
@@ -79,11 +79,11 @@ class DropReason(str, enum.Enum):
     STAGING_BUDGET = "staging_budget"  # its host copies would pass --pdd-wan-staging-mb
     COPY_FAILED = "copy_failed"  # copying pages out of the pool raised
     SEND_FAILED = "send_failed"  # handing a chunk or the END to a sender raised
-    LEG_FAILED = "leg_failed"  # one MD rank's transfer failed (``leg_failure`` says why)
+    SHARE_FAILED = "share_failed"  # one MD rank's transfer failed (``share_failure`` says why)
 
     @property
-    def phase(self) -> Phase:
-        return Phase.CANCELLED if self in (DropReason.CANCELLED, DropReason.INCOMPLETE) else Phase.FAILED
+    def phase(self) -> FanoutPhase:
+        return FanoutPhase.CANCELLED if self in (DropReason.CANCELLED, DropReason.INCOMPLETE) else FanoutPhase.FAILED
 
 
 # ---------------------------------------------------------------------------------- events
@@ -95,7 +95,7 @@ class PagesOffered:
 
 @dataclass(frozen=True)
 class CopyTaken:
-    has_work: bool  # some leg has page groups ready to copy
+    has_work: bool  # some share has page groups ready to copy
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class CopyEnded:
 
 
 @dataclass(frozen=True)
-class LegEnded:
+class ShareEnded:
     pass
 
 
@@ -119,13 +119,13 @@ class Cancel:
 
 
 @dataclass(frozen=True)
-class Fail:
+class FanoutFailed:
     reason: DropReason
     detail: str = ""
-    leg_failure: str = ""  # LEG_FAILED: the leg's FailureReason value (states.py)
+    share_failure: str = ""  # SHARE_FAILED: the share's FailureReason value (states.py)
 
 
-Event = Union[PagesOffered, CopyTaken, CopyEnded, LegEnded, RequestEnded, Cancel, Fail]
+Event = Union[PagesOffered, CopyTaken, CopyEnded, ShareEnded, RequestEnded, Cancel, FanoutFailed]
 
 
 # ---------------------------------------------------------------------------------- actions
@@ -136,13 +136,13 @@ class QueueCopy:
 
 @dataclass(frozen=True)
 class AbortSendRooms:
-    """Abort every leg's room on its sender: every MD rank's room fails, none is ready
+    """Abort every share's room on its sender: every MD rank's room fails, none is ready
     without the others."""
 
 
 @dataclass(frozen=True)
 class AllSent:
-    """Every leg's TRANSFER_END is with its sender (a room finished on P's side)."""
+    """Every share's TRANSFER_END is with its sender (a room finished on P's side)."""
 
 
 Action = Union[QueueCopy, AbortSendRooms, AllSent]
@@ -151,13 +151,13 @@ Action = Union[QueueCopy, AbortSendRooms, AllSent]
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
 class FanoutRoom:
-    legs: int  # MD ranks this room goes to
-    phase: Phase = Phase.RECEIVING
+    shares: int  # MD ranks this room goes to
+    phase: FanoutPhase = FanoutPhase.RECEIVING
     copy: CopyHold = CopyHold.IDLE
     pages_offered: int = 0
-    legs_ended: int = 0  # TRANSFER_ENDs handed to the senders
+    shares_ended: int = 0  # TRANSFER_ENDs handed to the senders
     reason: Optional[DropReason] = None
-    leg_failure: str = ""  # FailureReason value of the failed leg (reason LEG_FAILED)
+    share_failure: str = ""  # FailureReason value of the failed share (reason SHARE_FAILED)
     detail: str = ""
 
     @property
@@ -167,14 +167,14 @@ class FanoutRoom:
     @property
     def summary(self) -> str:
         """Why the room was dropped, in words (for logs and the senders' abort detail)."""
-        return self.leg_failure if self.reason is DropReason.LEG_FAILED else self.detail
+        return self.share_failure if self.reason is DropReason.SHARE_FAILED else self.detail
 
     def may_free_pages(self, copy_done: bool) -> bool:
         """After RequestEnded: whether P may free the request's pages — every page copied,
         or the room dropped and no copy reading them."""
         if self.dropped:
             return self.copy is CopyHold.IDLE
-        return self.phase is not Phase.RECEIVING and copy_done
+        return self.phase is not FanoutPhase.RECEIVING and copy_done
 
 
 Result = tuple[FanoutRoom, list]
@@ -185,11 +185,11 @@ INCOMPLETE_DETAIL = "P's request ended before all of its KV was produced"
 def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
     if r.dropped:
         return r, []  # later pages are discarded
-    if r.phase is not Phase.RECEIVING:
+    if r.phase is not FanoutPhase.RECEIVING:
         raise FanoutRoomError(f"{e.count} pages offered after the last ({r.phase.value})")
     phase = r.phase
     if e.last:
-        phase = Phase.SENT if r.legs_ended == r.legs else Phase.OFFERED
+        phase = FanoutPhase.SENT if r.shares_ended == r.shares else FanoutPhase.OFFERED
     r = replace(r, phase=phase, pages_offered=r.pages_offered + e.count)
     if r.copy is CopyHold.IDLE:
         return replace(r, copy=CopyHold.QUEUED), [_QUEUE_COPY]
@@ -210,19 +210,19 @@ def _copy_ended(r: FanoutRoom, e: CopyEnded) -> Result:
     return replace(r, copy=CopyHold.IDLE), []
 
 
-def _leg_ended(r: FanoutRoom, e: LegEnded) -> Result:
+def _share_ended(r: FanoutRoom, e: ShareEnded) -> Result:
     if r.dropped:
         return r, []  # the senders' rooms were aborted: this END is no success
-    if r.legs_ended >= r.legs:
-        raise FanoutRoomError(f"TRANSFER_END {r.legs_ended + 1} of a room with {r.legs} legs")
-    r = replace(r, legs_ended=r.legs_ended + 1)
-    if r.legs_ended < r.legs:
+    if r.shares_ended >= r.shares:
+        raise FanoutRoomError(f"TRANSFER_END {r.shares_ended + 1} of a room with {r.shares} shares")
+    r = replace(r, shares_ended=r.shares_ended + 1)
+    if r.shares_ended < r.shares:
         return r, []
-    return (replace(r, phase=Phase.SENT) if r.phase is Phase.OFFERED else r), [_ALL_SENT]
+    return (replace(r, phase=FanoutPhase.SENT) if r.phase is FanoutPhase.OFFERED else r), [_ALL_SENT]
 
 
 def _request_ended(r: FanoutRoom, e: RequestEnded) -> Result:
-    if r.dropped or r.phase is not Phase.RECEIVING:
+    if r.dropped or r.phase is not FanoutPhase.RECEIVING:
         return r, []
     return _drop(r, DropReason.INCOMPLETE, INCOMPLETE_DETAIL)
 
@@ -231,22 +231,22 @@ def _cancel(r: FanoutRoom, e: Cancel) -> Result:
     return _drop(r, DropReason.CANCELLED, e.detail)
 
 
-def _fail(r: FanoutRoom, e: Fail) -> Result:
-    if e.reason.phase is not Phase.FAILED:
+def _fail(r: FanoutRoom, e: FanoutFailed) -> Result:
+    if e.reason.phase is not FanoutPhase.FAILED:
         raise FanoutRoomError(f"{e.reason.value} is a cancel, not a failure")
-    if (e.reason is DropReason.LEG_FAILED) != bool(e.leg_failure):
-        raise FanoutRoomError("a leg's failure reason comes with LEG_FAILED, and only with it")
-    return _drop(r, e.reason, e.detail, e.leg_failure)
+    if (e.reason is DropReason.SHARE_FAILED) != bool(e.share_failure):
+        raise FanoutRoomError("a share's failure reason comes with SHARE_FAILED, and only with it")
+    return _drop(r, e.reason, e.detail, e.share_failure)
 
 
-def _drop(r: FanoutRoom, reason: DropReason, detail: str, leg_failure: str = "") -> Result:
+def _drop(r: FanoutRoom, reason: DropReason, detail: str, share_failure: str = "") -> Result:
     if r.dropped:
         return r, []  # the first reason stands
-    return replace(r, phase=reason.phase, reason=reason, detail=detail, leg_failure=leg_failure), [_ABORT_SEND_ROOMS]
+    return replace(r, phase=reason.phase, reason=reason, detail=detail, share_failure=share_failure), [_ABORT_SEND_ROOMS]
 
 
-_HANDLERS = {PagesOffered: _pages_offered, CopyTaken: _copy_taken, CopyEnded: _copy_ended, LegEnded: _leg_ended,
-             RequestEnded: _request_ended, Cancel: _cancel, Fail: _fail}
+_HANDLERS = {PagesOffered: _pages_offered, CopyTaken: _copy_taken, CopyEnded: _copy_ended, ShareEnded: _share_ended,
+             RequestEnded: _request_ended, Cancel: _cancel, FanoutFailed: _fail}
 # No terminal state for the kit: a dropped room still tracks the copy thread's hold on its pages
 # (P frees them only once no copy reads them); each handler says what a dropped room ignores.
 transition = table_machine(_HANDLERS, error=FanoutRoomError, noun="room")

@@ -7,21 +7,21 @@ actions. The states are SGLang's KVPoll numbering (states.py)::
 
     BOOTSTRAPPING ──SessionUp──▶ WAITING_FOR_INPUT ──ChunkQueued / EndQueued──▶ TRANSFERRING
          │  └──────────SessionUp (a chunk or END already queued)─────────────────▲   │
-         │                                                                       Ack (END queued,
-         └── Fail (any non-terminal state) ──▶ FAILED            SUCCESS ◀──── every byte)
+         │                                                                       SendAcked (END queued,
+         └── SendFailed (any non-terminal state) ──▶ FAILED            SUCCESS ◀──── every byte)
 
 Events (who sends them):
 
     SessionUp()                 the stream threads, once all N streams are authenticated
     ChunkQueued()               the producer (send_chunk) queued one chunk
     EndQueued()                 the producer (finish) queued TRANSFER_END after the last chunk
-    Ack(total_bytes)            the receiver: SUCCESS if END was queued and the byte count
+    SendAcked(total_bytes)            the receiver: SUCCESS if END was queued and the byte count
                                 matches, else FAILED(protocol): a premature ACK
-    Fail(reason, detail, tell_peer)  NACK / ABORT from the receiver, a broken session, the
+    SendFailed(reason, detail, tell_peer)  NACK / ABORT from the receiver, a broken session, the
                                 watchdog (timeout, idle), abort() / release() by the owner
 
 Replies and failures race with each other (a NACK after the watchdog failed the room, an ACK
-after an abort), so Ack and Fail on a terminal room are ignored. The producer's and the
+after an abort), so SendAcked and SendFailed on a terminal room are ignored. The producer's and the
 session's events are refused there (``SendRoomError``): the shell checks for a terminal
 room first, under the same lock, so one arriving is a bug.
 """
@@ -57,18 +57,18 @@ class EndQueued:
 
 
 @dataclass(frozen=True)
-class Ack:
+class SendAcked:
     total_bytes: int  # what the receiver verified
 
 
 @dataclass(frozen=True)
-class Fail:
+class SendFailed:
     reason: str  # a FailureReason value
     detail: str
     tell_peer: bool = True  # send ABORT so the receiver stops waiting (not when it told us, or is gone)
 
 
-Event = Union[SessionUp, ChunkQueued, EndQueued, Ack, Fail]
+Event = Union[SessionUp, ChunkQueued, EndQueued, SendAcked, SendFailed]
 
 
 # ---------------------------------------------------------------------------------- actions
@@ -139,23 +139,23 @@ def _end_queued(r: SendRoom, e: EndQueued) -> Result:
     return replace(r, state=_input_state(r), end_queued=True), []
 
 
-def _ack(r: SendRoom, e: Ack) -> Result:
+def _ack(r: SendRoom, e: SendAcked) -> Result:
     if r.end_queued and e.total_bytes == r.total_bytes:
         return replace(r, state=RoomState.SUCCESS), [_SETTLED]
-    return _fail(r, Fail(FailureReason.PROTOCOL, f"premature ACK ({e.total_bytes} bytes)"))
+    return _fail(r, SendFailed(FailureReason.PROTOCOL, f"premature ACK ({e.total_bytes} bytes)"))
 
 
-def _fail(r: SendRoom, e: Fail) -> Result:
+def _fail(r: SendRoom, e: SendFailed) -> Result:
     actions: list = [_SETTLED]
     if e.tell_peer:
         actions.append(AbortPeer(e.reason))
     return replace(r, state=RoomState.FAILED, reason=e.reason, detail=e.detail), actions
 
 
-_HANDLERS = {SessionUp: _session_up, ChunkQueued: _chunk_queued, EndQueued: _end_queued, Ack: _ack, Fail: _fail}
+_HANDLERS = {SessionUp: _session_up, ChunkQueued: _chunk_queued, EndQueued: _end_queued, SendAcked: _ack, SendFailed: _fail}
 # Replies and failures race with the end (a NACK after the watchdog failed the room, an ACK after
 # an abort): ignored there. The producer's and the session's events after the end are bugs.
-_AFTER_END = {Ack: IGNORE, Fail: IGNORE}
+_AFTER_END = {SendAcked: IGNORE, SendFailed: IGNORE}
 
 transition = table_machine(_HANDLERS, error=SendRoomError, status="state",
                            terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end=_AFTER_END, noun="room")

@@ -167,7 +167,7 @@ class _Regions:
         return ""
 
 
-class _Conn:
+class _EngineConn:
     """One authenticated client connection to a peer."""
 
     def __init__(self, sock: socket.socket, timeout: float, reader: FrameReader, mac: FrameMac):
@@ -201,7 +201,7 @@ class _Conn:
 class _Peer:
     def __init__(self, num_streams: int):
         self.slots = threading.BoundedSemaphore(num_streams)
-        self.idle: list[_Conn] = []
+        self.idle: list[_EngineConn] = []
 
 
 class TcpTransferEngine:
@@ -370,7 +370,7 @@ class TcpTransferEngine:
                 peer = self._peers[addr] = _Peer(self.num_streams)
             return peer
 
-    def _checkout(self, peer: _Peer, addr: tuple[str, int]) -> _Conn:
+    def _checkout(self, peer: _Peer, addr: tuple[str, int]) -> _EngineConn:
         while True:
             with self._lock:
                 conn = peer.idle.pop() if peer.idle else None
@@ -380,14 +380,14 @@ class TcpTransferEngine:
                 return conn
             conn.close()
 
-    def _checkin(self, peer: _Peer, conn: _Conn) -> None:
+    def _checkin(self, peer: _Peer, conn: _EngineConn) -> None:
         with self._lock:
             if not self._closed:
                 peer.idle.append(conn)
                 return
         conn.close()
 
-    def _connect(self, addr: tuple[str, int]) -> _Conn:
+    def _connect(self, addr: tuple[str, int]) -> _EngineConn:
         sock = socket.create_connection(addr, timeout=self.connect_timeout)
         try:
             tune_socket(sock)
@@ -399,9 +399,9 @@ class TcpTransferEngine:
         except BaseException:
             sock.close()
             raise
-        return _Conn(sock, self.io_timeout, reader, secure.send_mac)
+        return _EngineConn(sock, self.io_timeout, reader, secure.send_mac)
 
-    def _send_batch(self, conn: _Conn, writes: list[tuple[int, int, int]], total: int) -> MemWriteAck:
+    def _send_batch(self, conn: _EngineConn, writes: list[tuple[int, int, int]], total: int) -> MemWriteAck:
         batch = next(self._batch_ids)
         sock, out = conn.sock, bytearray()
         for i, (src, dst, n) in enumerate(writes):

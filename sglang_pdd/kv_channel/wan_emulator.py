@@ -168,7 +168,7 @@ class _Link:
 class _Pipe:
     """One direction of one proxied connection: a reader and a writer thread."""
 
-    def __init__(self, conn: "_Conn", src: socket.socket, dst: socket.socket, direction: str):
+    def __init__(self, conn: "_EmulatedConn", src: socket.socket, dst: socket.socket, direction: str):
         self.conn, self.src, self.dst, self.direction = conn, src, dst, direction
         self.link = conn.link
         self.cv = threading.Condition()
@@ -258,7 +258,7 @@ class _Pipe:
                 self.cv.notify_all()
 
 
-class _Conn:
+class _EmulatedConn:
     _ids = iter(range(1, 1 << 62))
 
     def __init__(self, emu: "WanEmulator", client: socket.socket):
@@ -359,7 +359,7 @@ class WanEmulator:
         self.upstream = (require_loopback(upstream[0]), int(upstream[1]))
         self.listen = (require_loopback(listen[0]), int(listen[1]))
         self.link = _Link(rate_gbps, latency_ms, jitter_ms, window_bytes, seed)
-        self._conns: set[_Conn] = set()
+        self._conns: set[_EmulatedConn] = set()
         self._lock = threading.Lock()
         self._server: Optional[socket.socket] = None
         self._acceptor: Optional[threading.Thread] = None
@@ -463,7 +463,7 @@ class WanEmulator:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            conn = _Conn(self, client)
+            conn = _EmulatedConn(self, client)
             with self._lock:
                 self._conns.add(conn)
                 self.total_connections += 1
@@ -471,7 +471,7 @@ class WanEmulator:
             conn.threads.append(t)
             t.start()
 
-    def _forget(self, conn: _Conn):
+    def _forget(self, conn: _EmulatedConn):
         with self._lock:
             self._conns.discard(conn)
 

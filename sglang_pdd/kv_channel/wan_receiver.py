@@ -92,7 +92,7 @@ class _Part:
     ``[offset, offset + width)`` of it. Its frames come from one sender session."""
 
     index: int
-    session: "_Session"
+    session: "_ReceiverSession"
     covered: np.ndarray  # [layers, pages] bool: written (or being written) once
     offset: Optional[int] = None  # known from the part's first chunk or BEGIN
     width: int = 0  # 0: the whole row
@@ -110,7 +110,7 @@ class _Part:
 
 
 @dataclass
-class _Room:
+class _ReceiverRoom:
     room: int
     layout: KvLayout
     num_tokens: int
@@ -149,12 +149,12 @@ def _row_range(offset: int, width: int) -> str:
     return "(the whole row)" if width == 0 else f"[{offset}, {offset + width})"
 
 
-class _Conn:
+class _ReceiverConn:
     def __init__(self, sock: socket.socket, addr):
         self.sock = sock
         self.addr = addr
         self.send_lock = threading.Lock()
-        self.session: Optional[_Session] = None
+        self.session: Optional[_ReceiverSession] = None
         self.peer = f"{addr[0]}:{addr[1]}"
         self.mac: Optional[FrameMac] = None  # from the handshake: tags every later frame (None if TLS-bound)
 
@@ -187,12 +187,12 @@ class _Conn:
             pass
 
 
-class _Session:
+class _ReceiverSession:
     def __init__(self, session_id: bytes, peer_name: str):
         self.id = session_id
         self.tag = session_id.hex()[:8]
         self.peer_name = peer_name
-        self.conns: set[_Conn] = set()
+        self.conns: set[_ReceiverConn] = set()
         self.dead = False
 
 
@@ -231,9 +231,9 @@ class WanKvReceiver(RoomQueries):
         self._cv = threading.Condition(lock)  # room states, writers leaving a destination
         self._flush_cv = threading.Condition(lock)  # the flusher: replies were posted
         self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
-        self._rooms: dict[int, _Room] = {}
-        self._sessions: dict[bytes, _Session] = {}
-        self._conns: set[_Conn] = set()
+        self._rooms: dict[int, _ReceiverRoom] = {}
+        self._sessions: dict[bytes, _ReceiverSession] = {}
+        self._conns: set[_ReceiverConn] = set()
         self._rejected_rooms: collections.OrderedDict[int, None] = collections.OrderedDict()  # log once each
         self._closed = False
         self.counters = collections.Counter()
@@ -241,7 +241,7 @@ class WanKvReceiver(RoomQueries):
         listener = socket.create_server((host, port), backlog=128)
         self.address: tuple[str, int] = listener.getsockname()[:2]
         self._watchdog = threading.Thread(target=self._watch, name=f"kv-recv-watchdog-{name}", daemon=True)
-        self._to_flush: set[_Conn] = set()  # connections with posted replies (guarded by _cv)
+        self._to_flush: set[_ReceiverConn] = set()  # connections with posted replies (guarded by _cv)
         self._flusher = threading.Thread(target=self._flush_loop, name=f"kv-recv-replies-{name}", daemon=True)
         self._watchdog.start()
         self._flusher.start()
@@ -277,7 +277,7 @@ class WanKvReceiver(RoomQueries):
                 raise ValueError(f"room {room}: destination is {dest_view.nbytes} bytes, expected {need}")
         if decode_prefix_len is not None and (decode_prefix_len % layout.page_size or decode_prefix_len > num_tokens):
             raise ValueError(f"room {room}: bad decode_prefix_len {decode_prefix_len}")
-        entry = _Room(
+        entry = _ReceiverRoom(
             room, layout, num_tokens, total, decode_prefix_len, dest_view, dest_write,
             token_digest(token_ids), None if timeout is None else time.monotonic() + timeout,
         )
@@ -372,7 +372,7 @@ class WanKvReceiver(RoomQueries):
     def _serve(self, slot: Slot) -> None:
         """One connection's thread (started by the acceptor, which bounds connections and
         the handshake's total time)."""
-        conn = _Conn(slot.sock, slot.addr)
+        conn = _ReceiverConn(slot.sock, slot.addr)
         with self._cv:
             if self._closed:
                 return
@@ -427,7 +427,7 @@ class WanKvReceiver(RoomQueries):
             self._drop(conn, FailureReason.CONNECTION_LOST, f"stream from {conn.peer} closed")
             conn.sock.close()
 
-    def _join_session(self, conn: _Conn, hello: Hello) -> None:
+    def _join_session(self, conn: _ReceiverConn, hello: Hello) -> None:
         with self._cv:
             s = self._sessions.get(hello.session_id)
             if s is None:
@@ -435,12 +435,12 @@ class WanKvReceiver(RoomQueries):
                     if old.peer_name == hello.peer_name and not old.dead:
                         self._kill_session(old, FailureReason.PEER_RESTARTED,
                                            f"peer {hello.peer_name!r} reconnected with a new session")
-                s = _Session(hello.session_id, hello.peer_name)
+                s = _ReceiverSession(hello.session_id, hello.peer_name)
                 self._sessions[s.id] = s
             s.conns.add(conn)
             conn.session = s
 
-    def _drop(self, conn: _Conn, reason: str, detail: str) -> None:
+    def _drop(self, conn: _ReceiverConn, reason: str, detail: str) -> None:
         """A stream ended: its session's unfinished rooms cannot complete (striping)."""
         with self._cv:
             self._conns.discard(conn)
@@ -453,7 +453,7 @@ class WanKvReceiver(RoomQueries):
             if not s.conns and self._sessions.get(s.id) is s:
                 del self._sessions[s.id]
 
-    def _kill_session(self, s: _Session, reason: str, detail: str) -> None:
+    def _kill_session(self, s: _ReceiverSession, reason: str, detail: str) -> None:
         s.dead = True
         for entry in self._rooms.values():
             if s in entry.sessions and not entry.state.is_terminal:
@@ -463,7 +463,7 @@ class WanKvReceiver(RoomQueries):
 
     # ------------------------------------------------------------------ frames
 
-    def _dispatch(self, conn: _Conn, reader: FrameReader, msg, plen: int) -> None:
+    def _dispatch(self, conn: _ReceiverConn, reader: FrameReader, msg, plen: int) -> None:
         if isinstance(msg, Chunk):
             self._on_chunk(conn, reader, msg, plen)
         elif isinstance(msg, TransferBegin):
@@ -481,7 +481,7 @@ class WanKvReceiver(RoomQueries):
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} after the handshake")
 
-    def _room_for(self, conn: _Conn, room: int, what: str) -> Optional[_Room]:
+    def _room_for(self, conn: _ReceiverConn, room: int, what: str) -> Optional[_ReceiverRoom]:
         """The registered room, bound to this session; None (after replying) if refused."""
         entry = self._rooms.get(room)
         if entry is None:
@@ -493,7 +493,7 @@ class WanKvReceiver(RoomQueries):
             return None
         return entry  # late frames of a finished room are dropped by the caller
 
-    def _part_for(self, conn: _Conn, entry: _Room, index: int, what: str,
+    def _part_for(self, conn: _ReceiverConn, entry: _ReceiverRoom, index: int, what: str,
                   row: Optional[tuple[int, int]] = None) -> Optional[_Part]:
         """The room's part ``index`` (created by its first frame), bound to this session;
         ``row`` = (offset, width or 0 for the whole row) from the frame. None (after replying
@@ -520,7 +520,7 @@ class WanKvReceiver(RoomQueries):
         return part
 
     @staticmethod
-    def _set_row(entry: _Room, part: _Part, offset: int, width: int) -> str:
+    def _set_row(entry: _ReceiverRoom, part: _Part, offset: int, width: int) -> str:
         """Fix (first frame) or check the part's bytes of each token row; why not, or ""."""
         lay = entry.layout
         if width and offset == 0 and width * lay.page_size == lay.bytes_per_page:
@@ -544,7 +544,7 @@ class WanKvReceiver(RoomQueries):
         part.offset, part.width = offset, width
         return ""
 
-    def _on_begin(self, conn: _Conn, msg: TransferBegin) -> None:
+    def _on_begin(self, conn: _ReceiverConn, msg: TransferBegin) -> None:
         with self._cv:
             entry = self._room_for(conn, msg.room, "BEGIN")
             if entry is None or entry.state.is_terminal:
@@ -589,7 +589,7 @@ class WanKvReceiver(RoomQueries):
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
-    def _on_end(self, conn: _Conn, msg: TransferEnd) -> None:
+    def _on_end(self, conn: _ReceiverConn, msg: TransferEnd) -> None:
         with self._cv:
             entry = self._room_for(conn, msg.room, "END")
             if entry is None or entry.state.is_terminal:
@@ -606,7 +606,7 @@ class WanKvReceiver(RoomQueries):
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
-    def _on_chunk(self, conn: _Conn, reader: FrameReader, msg: Chunk, plen: int) -> None:
+    def _on_chunk(self, conn: _ReceiverConn, reader: FrameReader, msg: Chunk, plen: int) -> None:
         with self._cv:
             entry, part = self._accept_chunk(conn, msg, plen)
         if entry is None:
@@ -632,7 +632,7 @@ class WanKvReceiver(RoomQueries):
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
-    def _accept_chunk(self, conn: _Conn, msg: Chunk, plen: int) -> tuple[Optional[_Room], Optional[_Part]]:
+    def _accept_chunk(self, conn: _ReceiverConn, msg: Chunk, plen: int) -> tuple[Optional[_ReceiverRoom], Optional[_Part]]:
         """Decide (under the lock) whether a chunk's payload may be written; claim its pages."""
         what = f"chunk {msg.index}"
         entry = self._room_for(conn, msg.room, what)
@@ -660,7 +660,7 @@ class WanKvReceiver(RoomQueries):
         self._step(entry, _DATA_ARRIVED)
         return entry, part
 
-    def _check_chunk(self, entry: _Room, part: _Part, msg: Chunk, plen: int) -> str:
+    def _check_chunk(self, entry: _ReceiverRoom, part: _Part, msg: Chunk, plen: int) -> str:
         lay = entry.layout
         first = part.begin.first_page if part.begin else 0
         # Explicit lower bounds too, though the decoder refuses negatives: a slice with a
@@ -679,7 +679,7 @@ class WanKvReceiver(RoomQueries):
             return f"index {msg.index} >= num_chunks {part.begin.num_chunks}"
         return ""
 
-    def _receive_payload(self, entry: _Room, part: _Part, reader: FrameReader, msg: Chunk) -> None:
+    def _receive_payload(self, entry: _ReceiverRoom, part: _Part, reader: FrameReader, msg: Chunk) -> None:
         """Read the payload into the destination. Runs without the lock. The reader checks
         the frame's tag when the last byte is read (IntegrityError): bytes written straight
         into a destination buffer before that only count once the room is SUCCESS."""
@@ -706,7 +706,7 @@ class WanKvReceiver(RoomQueries):
             entry.dest_write(msg.layer_start, msg.layer_count, msg.page_start, msg.page_count, payload,
                              row=(part.offset, part.width))
 
-    def _check_complete(self, entry: _Room, conn: _Conn) -> None:
+    def _check_complete(self, entry: _ReceiverRoom, conn: _ReceiverConn) -> None:
         parts = list(entry.parts.values())
         if (entry.slice_count is None or len(parts) < entry.slice_count or entry.writers
                 or any(p.begin is None or p.end is None for p in parts)):
@@ -740,19 +740,19 @@ class WanKvReceiver(RoomQueries):
                 self._post(reply_to, Ack(entry.room, p.expected_bytes(lay)))
 
     @staticmethod
-    def _conn_of(session: _Session, preferred: Optional[_Conn]) -> Optional[_Conn]:
+    def _conn_of(session: _ReceiverSession, preferred: Optional[_ReceiverConn]) -> Optional[_ReceiverConn]:
         """A connection of ``session`` to reply on: ``preferred`` if it is one."""
         if preferred is not None and preferred.session is session:
             return preferred
         return next(iter(session.conns), None)
 
-    def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool, conn: Optional[_Conn] = None) -> None:
+    def _fail_room(self, entry: _ReceiverRoom, reason: str, detail: str, tell_peer: bool, conn: Optional[_ReceiverConn] = None) -> None:
         if entry.state.is_terminal:
             return
         logger.warning("room %s: receive failed: %s (%s)", entry.room, reason, detail)
         self._step(entry, recv_room.ReceiveFailed(reason, detail, tell_peer), conn)
 
-    def _step(self, entry: _Room, event: recv_room.Event, conn: Optional[_Conn] = None) -> None:
+    def _step(self, entry: _ReceiverRoom, event: recv_room.Event, conn: Optional[_ReceiverConn] = None) -> None:
         """The room's one way to change (called with the lock held): the transition, then its actions."""
         entry.status, actions = recv_room.transition(entry.status, event)
         for action in actions:
@@ -765,7 +765,7 @@ class WanKvReceiver(RoomQueries):
                     if reply_to is not None:
                         self._post(reply_to, Nack(entry.room, action.reason, action.detail))
 
-    def _post(self, conn: _Conn, msg) -> None:
+    def _post(self, conn: _ReceiverConn, msg) -> None:
         """Queue a reply (called with the lock held); sent by the connection's reader thread
         after the frame it is handling, else by the flusher thread."""
         if len(conn.outbox) >= MAX_QUEUED_REPLIES:  # the peer has stopped reading long ago

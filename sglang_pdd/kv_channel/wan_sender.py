@@ -77,10 +77,10 @@ def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) ->
 
 
 @dataclass
-class _Room:
+class _SenderRoom:
     room: int
     plan: TransferPlan
-    session: "_Session"
+    session: "_SenderSession"
     begin_msg: TransferBegin
     deadline: float
     row: Optional[RowSlice]  # this sender's bytes of each token row (None: all of it)
@@ -110,7 +110,7 @@ class _Room:
 
 @dataclass
 class _Item:
-    room: _Room
+    room: _SenderRoom
     msg: object
     payload: Optional[memoryview] = None
 
@@ -128,7 +128,7 @@ class _Stream:
         self.threads: list[threading.Thread] = []
 
 
-class _Session:
+class _SenderSession:
     """N authenticated streams to the receiver; dies as a whole."""
 
     def __init__(self, sender: "WanKvSender"):
@@ -190,8 +190,8 @@ class WanKvSender(RoomQueries):
         self._cv = threading.Condition(lock)  # room states, window space, session up/dead
         self._work = threading.Condition(lock)  # writers: the queue got an item, or the session changed
         self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
-        self._rooms: dict[int, _Room] = {}
-        self._session: Optional[_Session] = None
+        self._rooms: dict[int, _SenderRoom] = {}
+        self._session: Optional[_SenderSession] = None
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name=f"kv-send-watchdog-{name}", daemon=True)
@@ -255,7 +255,7 @@ class WanKvSender(RoomQueries):
             if old is not None and not old.state.is_terminal:
                 raise ValueError(f"room {room} is already transferring")
             session = self._ensure_session()
-            entry = _Room(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout), row,
+            entry = _SenderRoom(room, plan, session, begin, time.monotonic() + (timeout or self.transfer_timeout), row,
                           send_room.start(plan.num_chunks, plan.total_bytes, session.up))
             self._rooms[room] = entry
             if session.dead:  # it could not even start; the next begin_transfer tries again
@@ -305,7 +305,7 @@ class WanKvSender(RoomQueries):
 
     # ------------------------------------------------------------------ producer side
 
-    def _send_chunk(self, entry: _Room, index: int, payload) -> bool:
+    def _send_chunk(self, entry: _SenderRoom, index: int, payload) -> bool:
         spec = entry.plan.chunk(index)
         view = memoryview(payload).cast("B")
         if view.nbytes != spec.nbytes:
@@ -330,7 +330,7 @@ class WanKvSender(RoomQueries):
             self._enqueue(entry, msg, view)
             return True
 
-    def _finish(self, entry: _Room) -> None:
+    def _finish(self, entry: _SenderRoom) -> None:
         with self._cv:
             if entry.state.is_terminal or entry.end_queued:
                 return
@@ -343,7 +343,7 @@ class WanKvSender(RoomQueries):
 
     # ------------------------------------------------------------------ internals (hold _cv)
 
-    def _enqueue(self, entry: _Room, msg, payload: Optional[memoryview] = None) -> None:
+    def _enqueue(self, entry: _SenderRoom, msg, payload: Optional[memoryview] = None) -> None:
         session = entry.session
         if session.dead:
             return
@@ -353,11 +353,11 @@ class WanKvSender(RoomQueries):
         entry.last_progress = time.monotonic()
         self._work.notify()
 
-    def _ensure_session(self) -> _Session:
+    def _ensure_session(self) -> _SenderSession:
         s = self._session
         if s is not None and not s.dead:
             return s
-        s = _Session(self)
+        s = _SenderSession(self)
         self._session = s
         self._threads = [t for t in self._threads if t.is_alive()]  # drop finished sessions' threads
         for stream in s.streams:
@@ -372,7 +372,7 @@ class WanKvSender(RoomQueries):
             self._threads.append(t)
         return s
 
-    def _apply(self, entry: _Room, event: send_room.Event) -> None:
+    def _apply(self, entry: _SenderRoom, event: send_room.Event) -> None:
         """Feed one event to the room's state machine and perform its actions: the only
         place a room's state changes."""
         before = entry.lifecycle
@@ -389,10 +389,10 @@ class WanKvSender(RoomQueries):
                 # it now), and the receiver must not wait for this room until its own timeout.
                 self._enqueue(entry, Abort(entry.room, action.reason))
 
-    def _fail_room(self, entry: _Room, reason: str, detail: str, tell_peer: bool = True) -> None:
-        self._apply(entry, send_room.Fail(reason, detail, tell_peer))
+    def _fail_room(self, entry: _SenderRoom, reason: str, detail: str, tell_peer: bool = True) -> None:
+        self._apply(entry, send_room.SendFailed(reason, detail, tell_peer))
 
-    def _kill_session(self, s: _Session, reason: str, detail: str) -> None:
+    def _kill_session(self, s: _SenderSession, reason: str, detail: str) -> None:
         if s.dead:
             return
         s.dead, s.up, s.dead_reason = True, False, reason
@@ -414,7 +414,7 @@ class WanKvSender(RoomQueries):
 
     # ------------------------------------------------------------------ threads
 
-    def _connect_stream(self, s: _Session, stream: _Stream) -> tuple[socket.socket, FrameReader]:
+    def _connect_stream(self, s: _SenderSession, stream: _Stream) -> tuple[socket.socket, FrameReader]:
         sock = socket.create_connection(self.peer, timeout=self.connect_timeout)
         try:
             tune_socket(sock, self.socket_buffer_bytes)
@@ -429,7 +429,7 @@ class WanKvSender(RoomQueries):
             sock.close()
             raise
 
-    def _run_stream(self, s: _Session, stream: _Stream) -> None:
+    def _run_stream(self, s: _SenderSession, stream: _Stream) -> None:
         try:
             sock, frame_reader = self._connect_stream(s, stream)
         except HandshakeError as e:
@@ -465,7 +465,7 @@ class WanKvSender(RoomQueries):
             reader.join()
             sock.close()
 
-    def _write_stream(self, s: _Session, stream: _Stream, sock: socket.socket) -> None:
+    def _write_stream(self, s: _SenderSession, stream: _Stream, sock: socket.socket) -> None:
         while True:
             with self._cv:
                 self._work.wait_for(lambda: s.dead or (s.up and s.queue))
@@ -493,7 +493,7 @@ class WanKvSender(RoomQueries):
                 entry.last_progress = time.monotonic()
                 self._cv.notify_all()
 
-    def _read_stream(self, s: _Session, stream: _Stream, reader: FrameReader) -> None:
+    def _read_stream(self, s: _SenderSession, stream: _Stream, reader: FrameReader) -> None:
         try:
             while True:
                 msg, plen = reader.read_message()
@@ -508,7 +508,7 @@ class WanKvSender(RoomQueries):
                               FailureReason.CONNECTION_LOST)
                     self._kill_session(s, reason, f"stream {stream.index} recv: {e!r}")
 
-    def _on_reply(self, s: _Session, msg) -> None:
+    def _on_reply(self, s: _SenderSession, msg) -> None:
         with self._cv:
             entry = self._rooms.get(getattr(msg, "room", -1))
             if entry is not None and entry.session is not s:
@@ -516,7 +516,7 @@ class WanKvSender(RoomQueries):
             if isinstance(msg, Ack):
                 if entry is not None and not entry.state.is_terminal:  # SUCCESS, or FAILED if premature
                     entry.last_progress = time.monotonic()
-                    self._apply(entry, send_room.Ack(msg.total_bytes))
+                    self._apply(entry, send_room.SendAcked(msg.total_bytes))
                     if entry.state is RoomState.SUCCESS:
                         logger.debug("room %s: receiver verified %d bytes", entry.room, msg.total_bytes)
             elif isinstance(msg, Nack):
@@ -560,7 +560,7 @@ class WanKvSender(RoomQueries):
 class Transfer:
     """Handle of one room on the sender: feed chunks, then ``finish()``."""
 
-    def __init__(self, sender: WanKvSender, entry: _Room):
+    def __init__(self, sender: WanKvSender, entry: _SenderRoom):
         self._sender = sender
         self._entry = entry
         self.room = entry.room

@@ -8,8 +8,8 @@ Phases::
 
     NEW ──Registered──▶ LANDING ──KvLanded──▶ READY ──HandedOff──▶ HANDED_OFF
                           │  │                  │                      │
-                          │  └─Failed─▶ FAILED  │                      │
-                          └─Released(keep_kv)─▶ LANDING_KEPT ─KvLanded / Failed─▶ RELEASED
+                          │  └─DrcFailed─▶ FAILED  │                      │
+                          └─Released(keep_kv)─▶ LANDING_KEPT ─KvLanded / DrcFailed─▶ RELEASED
     every live phase ──Released──▶ RELEASED,  ──Expired──▶ EXPIRED  (terminal: the room is forgotten)
 
 * LANDING: the matched prefix is locked (what P was told MD holds cannot be evicted) while the
@@ -40,7 +40,7 @@ class IllegalRoomEvent(IllegalTransition):
     """An event that is illegal in the room's current phase; the room is unchanged."""
 
 
-class Phase(str, enum.Enum):
+class DrcPhase(str, enum.Enum):
     NEW = "new"
     LANDING = "landing"
     LANDING_KEPT = "landing_kept"
@@ -52,17 +52,17 @@ class Phase(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (Phase.RELEASED, Phase.EXPIRED)
+        return self in (DrcPhase.RELEASED, DrcPhase.EXPIRED)
 
     @property
     def landing(self) -> bool:
-        return self in (Phase.LANDING, Phase.LANDING_KEPT)
+        return self in (DrcPhase.LANDING, DrcPhase.LANDING_KEPT)
 
     @property
     def holds_kv(self) -> bool:
         """The room holds tree locks or pool pages (a failed room holds neither: its pages are
         on their way back and only its reason is kept for a waiter)."""
-        return self in (Phase.LANDING, Phase.LANDING_KEPT, Phase.READY, Phase.HANDED_OFF)
+        return self in (DrcPhase.LANDING, DrcPhase.LANDING_KEPT, DrcPhase.READY, DrcPhase.HANDED_OFF)
 
 
 class FailReason(str, enum.Enum):
@@ -108,7 +108,7 @@ class KvLanded:
 
 
 @dataclass(frozen=True)
-class Failed:
+class DrcFailed:
     failure: Failure
 
 
@@ -127,14 +127,14 @@ class Expired:
     """The deadline passed (a router that vanished must not pin MD's memory)."""
 
 
-Event = Union[Registered, KvLanded, Failed, HandedOff, Released, Expired]
+Event = Union[Registered, KvLanded, DrcFailed, HandedOff, Released, Expired]
 
 
 # ---------------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
 class LockPrompt:
     """The landed KV is in the tree (the shell's precondition for KvLanded: KV that cannot
-    enter the tree is a Failed(DRC_FULL) instead): lock the whole prompt, unlock the prefix."""
+    enter the tree is a DrcFailed(DRC_FULL) instead): lock the whole prompt, unlock the prefix."""
 
 
 @dataclass(frozen=True)
@@ -143,20 +143,20 @@ class UnlockAll:
 
 
 @dataclass(frozen=True)
-class Forget:
+class ForgetRoom:
     """Drop the room from the table."""
 
 
-Action = Union[LockPrompt, UnlockAll, Forget]
+Action = Union[LockPrompt, UnlockAll, ForgetRoom]
 
-_LOCK_PROMPT, _UNLOCK, _FORGET = LockPrompt(), UnlockAll(), Forget()
+_LOCK_PROMPT, _UNLOCK, _FORGET = LockPrompt(), UnlockAll(), ForgetRoom()
 _GONE = [_UNLOCK, _FORGET]
 
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
 class MdRoomState:
-    phase: Phase = Phase.NEW
+    phase: DrcPhase = DrcPhase.NEW
     deadline: float = math.inf
     failure: Optional[Failure] = None  # why the KV never made it into the tree
     landed: bool = False  # the KV entered the tree
@@ -173,56 +173,56 @@ def _illegal(state: MdRoomState, event: Event) -> IllegalRoomEvent:
 
 
 def _registered(s: MdRoomState, e: Registered) -> Result:
-    if s.phase is not Phase.NEW:
+    if s.phase is not DrcPhase.NEW:
         raise _illegal(s, e)
-    return replace(s, phase=Phase.LANDING, deadline=e.deadline), []
+    return replace(s, phase=DrcPhase.LANDING, deadline=e.deadline), []
 
 
 def _kv_landed(s: MdRoomState, e: KvLanded) -> Result:
-    if s.phase is Phase.LANDING:
-        return replace(s, phase=Phase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
-    if s.phase is Phase.LANDING_KEPT:  # nobody will hand off: cached, unlocked, gone
-        return replace(s, phase=Phase.RELEASED, deadline=e.deadline, landed=True), [_LOCK_PROMPT, *_GONE]
+    if s.phase is DrcPhase.LANDING:
+        return replace(s, phase=DrcPhase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
+    if s.phase is DrcPhase.LANDING_KEPT:  # nobody will hand off: cached, unlocked, gone
+        return replace(s, phase=DrcPhase.RELEASED, deadline=e.deadline, landed=True), [_LOCK_PROMPT, *_GONE]
     raise _illegal(s, e)
 
 
-def _failed(s: MdRoomState, e: Failed) -> Result:
-    if s.phase is Phase.LANDING:
-        return replace(s, phase=Phase.FAILED, failure=e.failure), [_UNLOCK]
-    if s.phase is Phase.LANDING_KEPT:
-        return replace(s, phase=Phase.RELEASED, failure=e.failure), list(_GONE)
+def _failed(s: MdRoomState, e: DrcFailed) -> Result:
+    if s.phase is DrcPhase.LANDING:
+        return replace(s, phase=DrcPhase.FAILED, failure=e.failure), [_UNLOCK]
+    if s.phase is DrcPhase.LANDING_KEPT:
+        return replace(s, phase=DrcPhase.RELEASED, failure=e.failure), list(_GONE)
     raise _illegal(s, e)
 
 
 def _handed_off(s: MdRoomState, e: HandedOff) -> Result:
-    if s.phase is Phase.READY:
-        return replace(s, phase=Phase.HANDED_OFF), []
+    if s.phase is DrcPhase.READY:
+        return replace(s, phase=DrcPhase.HANDED_OFF), []
     raise _illegal(s, e)  # stale (not landed, failed, gone) or a duplicate (HANDED_OFF)
 
 
 def _released(s: MdRoomState, e: Released) -> Result:
     if s.phase.landing and e.keep_kv:
-        return replace(s, phase=Phase.LANDING_KEPT), []
-    return replace(s, phase=Phase.RELEASED), list(_GONE)
+        return replace(s, phase=DrcPhase.LANDING_KEPT), []
+    return replace(s, phase=DrcPhase.RELEASED), list(_GONE)
 
 
 def _expired(s: MdRoomState, e: Expired) -> Result:
     failure = TIMED_OUT if s.phase.landing else s.failure
-    return replace(s, phase=Phase.EXPIRED, failure=failure), list(_GONE)
+    return replace(s, phase=DrcPhase.EXPIRED, failure=failure), list(_GONE)
 
 
-_HANDLERS = {Registered: _registered, KvLanded: _kv_landed, Failed: _failed, HandedOff: _handed_off,
+_HANDLERS = {Registered: _registered, KvLanded: _kv_landed, DrcFailed: _failed, HandedOff: _handed_off,
              Released: _released, Expired: _expired}
 # Late events after the end change nothing: a WAN outcome of a released room (its KV goes with
 # the room), a second release or expiry. A handoff or a registration there is illegal.
-_AFTER_END = {KvLanded: IGNORE, Failed: IGNORE, Released: IGNORE, Expired: IGNORE}
+_AFTER_END = {KvLanded: IGNORE, DrcFailed: IGNORE, Released: IGNORE, Expired: IGNORE}
 
 
 def _guard(s: MdRoomState, e: Event) -> None:
-    if s.phase is Phase.NEW and type(e) is not Registered:
+    if s.phase is DrcPhase.NEW and type(e) is not Registered:
         raise IllegalRoomEvent(f"{type(e).__name__} before the room was registered")
 
 
-transition = table_machine(_HANDLERS, error=IllegalRoomEvent, terminal=(Phase.RELEASED, Phase.EXPIRED),
+transition = table_machine(_HANDLERS, error=IllegalRoomEvent, terminal=(DrcPhase.RELEASED, DrcPhase.EXPIRED),
                            after_end=_AFTER_END, guard=_guard, noun="room")
 transition.__doc__ = """The room's one transition function. Raises IllegalRoomEvent for an illegal event."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, Union
 
 from sglang_pdd.kv_channel.layout import align_down
-from sglang_pdd.radix_drc.room_state import (Event, Expired, Failed, FailReason, Failure, Forget, HandedOff,
-                                             IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, Phase,
+from sglang_pdd.radix_drc.room_state import (Event, Expired, DrcFailed, FailReason, Failure, ForgetRoom, HandedOff,
+                                             IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, DrcPhase,
                                              Registered, Released, UnlockAll, transition)
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class DrcRoom:
     @property
     def handed_off(self) -> bool:
         """The final handoff came: a second one is a duplicate."""
-        return self.state.phase is Phase.HANDED_OFF
+        return self.state.phase is DrcPhase.HANDED_OFF
 
 
 def _status(state: MdRoomState) -> RoomStatus:
@@ -111,8 +111,8 @@ def _reason(state: MdRoomState) -> str:
     return state.failure.text if state.failure else ""
 
 
-_STATUS = {Phase.NEW: RoomStatus.PENDING, Phase.LANDING: RoomStatus.PENDING, Phase.LANDING_KEPT: RoomStatus.PENDING,
-           Phase.READY: RoomStatus.READY, Phase.HANDED_OFF: RoomStatus.READY, Phase.FAILED: RoomStatus.FAILED}
+_STATUS = {DrcPhase.NEW: RoomStatus.PENDING, DrcPhase.LANDING: RoomStatus.PENDING, DrcPhase.LANDING_KEPT: RoomStatus.PENDING,
+           DrcPhase.READY: RoomStatus.READY, DrcPhase.HANDED_OFF: RoomStatus.READY, DrcPhase.FAILED: RoomStatus.FAILED}
 
 
 class DrcRoomTable:
@@ -177,11 +177,11 @@ class DrcRoomTable:
     def fail(self, room: int, failure: Union[Failure, str]) -> DrcRoom:
         """The room's KV will not land (``failure``: a bare string is the WAN's reason)."""
         entry = self._get(room)
-        self._step(entry, Failed(failure if isinstance(failure, Failure) else Failure(FailReason.WAN, failure)))
+        self._step(entry, DrcFailed(failure if isinstance(failure, Failure) else Failure(FailReason.WAN, failure)))
         return entry
 
     def release(self, room: int, keep_pending_kv: bool = False) -> bool:
-        """Forget a room. ``keep_pending_kv``: if its KV is still crossing the WAN, let it
+        """ForgetRoom a room. ``keep_pending_kv``: if its KV is still crossing the WAN, let it
         land and enter the cache first (the request ended on RLD, but the next turn of the
         session will want this prefix on MD); the room goes when complete/fail/expire."""
         self._remember_release(room)
@@ -214,7 +214,7 @@ class DrcRoomTable:
                 raise RoomError("unknown")
             self._step(entry, HandedOff())
         except RoomError:
-            if entry is not None and entry.state.phase is Phase.HANDED_OFF:
+            if entry is not None and entry.state.phase is DrcPhase.HANDED_OFF:
                 raise RoomError(f"duplicate handoff for room {room}") from None
             what = "unknown" if entry is None or entry.state.phase.terminal else entry.status.value
             raise RoomError(f"stale handoff: room {room} is {what}") from None
@@ -232,7 +232,7 @@ class DrcRoomTable:
 
     def kept_for_cache(self) -> list[int]:
         """Rooms whose request is over, landing only to enter the cache (LANDING_KEPT)."""
-        return [e.room for e in self.rooms.values() if e.state.phase is Phase.LANDING_KEPT]
+        return [e.room for e in self.rooms.values() if e.state.phase is DrcPhase.LANDING_KEPT]
 
     def _step(self, entry: DrcRoom, event: Event, prompt_node: Any = None) -> None:
         """The room's one way to change: the transition, then its actions on the tree."""
@@ -248,7 +248,7 @@ class DrcRoomTable:
                     self.tree.unlock(lock)
             elif isinstance(action, UnlockAll):
                 self._unlock_all(entry)
-            elif isinstance(action, Forget):
+            elif isinstance(action, ForgetRoom):
                 if self.rooms.get(entry.room) is entry:
                     del self.rooms[entry.room]
 

@@ -32,7 +32,7 @@ from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 from sglang_pdd.router.flow import FlowConfig, MainBackend
 from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.flow_runner import FlowRunner
-from sglang_pdd.router.health import Drain, Failed, Succeeded
+from sglang_pdd.router.health import Drain, BackendFailed, BackendSucceeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
@@ -381,7 +381,7 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 ok, error = False, f"/health failed: {e!r}"
             now = time.monotonic()
-            self.pools.health.record((role, url), Succeeded(now) if ok else Failed(now, error, probe=True))
+            self.pools.health.record((role, url), BackendSucceeded(now) if ok else BackendFailed(now, error, probe=True))
 
         await asyncio.gather(*(one(role, url) for role, urls in self.pools.roles().items() for url in urls))
 

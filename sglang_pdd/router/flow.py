@@ -398,7 +398,7 @@ class PddFlow:
             self.result.finish_reason = None
         elif isinstance(action, lifecycle.Finish):
             self.result.finish_reason = action.finish_reason
-        elif isinstance(action, lifecycle.Fail):
+        elif isinstance(action, lifecycle.FailRequest):
             raise BackendError(action.message)
         elif isinstance(action, lifecycle.ReleaseAll):
             self._release_all(action.keep_md_kv)

@@ -55,14 +55,14 @@ class BackendHealth:
 
 # ---------------------------------------------------------------------------------- events
 @dataclass(frozen=True)
-class Failed:
+class BackendFailed:
     now: float
     error: str = ""
     probe: bool = False  # a failed /health probe (not a request's leg)
 
 
 @dataclass(frozen=True)
-class Succeeded:
+class BackendSucceeded:
     now: float
 
 
@@ -71,7 +71,7 @@ class Drain:
     draining: bool
 
 
-Event = Failed | Succeeded | Drain
+Event = BackendFailed | BackendSucceeded | Drain
 Result = tuple[BackendHealth, list]
 
 
@@ -86,7 +86,7 @@ def settle(state: BackendHealth, now: float, cfg: HealthConfig) -> BackendHealth
     return state
 
 
-def counts(state: BackendHealth, event: Failed) -> bool:
+def counts(state: BackendHealth, event: BackendFailed) -> bool:
     """A failure counts against a server, except a failed probe of one not seen up yet (still
     starting, as far as the router knows)."""
     return not (event.probe and not state.seen_up)
@@ -96,11 +96,11 @@ def _drain(state: BackendHealth, event: Drain, cfg: HealthConfig) -> Result:
     return replace(state, draining=event.draining), []
 
 
-def _succeeded(state: BackendHealth, event: Succeeded, cfg: HealthConfig) -> Result:
+def _succeeded(state: BackendHealth, event: BackendSucceeded, cfg: HealthConfig) -> Result:
     return replace(settle(state, event.now, cfg), breaker=Breaker.CLOSED, failures=0, seen_up=True), []
 
 
-def _failed(state: BackendHealth, event: Failed, cfg: HealthConfig) -> Result:
+def _failed(state: BackendHealth, event: BackendFailed, cfg: HealthConfig) -> Result:
     state = settle(state, event.now, cfg)
     if not counts(state, event):
         return replace(state, last_error=event.error), []
@@ -114,7 +114,7 @@ def _failed(state: BackendHealth, event: Failed, cfg: HealthConfig) -> Result:
 
 # No terminal state: a breaker cycles for as long as the router runs. No actions either: the
 # board's readers (pick, /health, metrics) read the state.
-transition = table_machine({Drain: _drain, Succeeded: _succeeded, Failed: _failed}, error=IllegalHealthEvent,
+transition = table_machine({Drain: _drain, BackendSucceeded: _succeeded, BackendFailed: _failed}, error=IllegalHealthEvent,
                            noun="breaker")
 transition.__doc__ = """``transition(state, event, cfg) -> (state, [])``; IllegalHealthEvent for an unknown event."""
 
@@ -135,7 +135,7 @@ class HealthBoard:
 
     def record(self, key: Hashable, event: Event) -> BackendHealth:
         before = self.states.get(key, BackendHealth())
-        if isinstance(event, Failed) and counts(before, event):
+        if isinstance(event, BackendFailed) and counts(before, event):
             self.failures[(key, "probe" if event.probe else "request")] += 1
         state, _ = transition(before, event, self.cfg)
         self.states[key] = state

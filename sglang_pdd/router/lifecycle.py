@@ -77,7 +77,7 @@ class LifecycleError(IllegalTransition):
     """An event that is illegal in the request's current state."""
 
 
-class Phase(str, enum.Enum):
+class RequestPhase(str, enum.Enum):
     STARTING = "starting"  # choosing the path (maybe registering on MD); no leg runs
     RELAY = "relay"  # RLD's tokens go to the client
     HANDING_OFF = "handing_off"  # final handoff sent; RLD's tokens are held back
@@ -88,7 +88,7 @@ class Phase(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (Phase.DONE, Phase.FAILED, Phase.CLOSED)
+        return self in (RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED)
 
 
 class Md(str, enum.Enum):
@@ -307,7 +307,7 @@ class Finish:
 
 
 @dataclass(frozen=True)
-class Fail:
+class FailRequest:
     message: str
 
 
@@ -320,14 +320,14 @@ class ReleaseAll:
 
 Action = Union[StartRelayLeg, StartMdSide, RelayOutput, WatchMd, WithdrawDestination, StartHandoff,
                SendCatchUpBatch, SendFinalHandoff, HandoffCommitted, HandoffAbandoned, MainOutput, RecordFallback,
-               AbortLegs, Finish, Fail, ReleaseAll]
+               AbortLegs, Finish, FailRequest, ReleaseAll]
 
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
 class State:
     max_new: int  # the client's total output budget
-    phase: Phase = Phase.STARTING
+    phase: RequestPhase = RequestPhase.STARTING
     md: Md = Md.NONE
     leg: int = 0  # relay legs started (a recovery starts a new one)
     emitted: int = 0  # positions the client has
@@ -347,7 +347,7 @@ class State:
     catch_up_round: int = 0  # catch-up rounds done
 
 
-_TERMINAL = (Phase.DONE, Phase.FAILED, Phase.CLOSED)
+_TERMINAL = (RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED)
 _STATE_FIELDS = frozenset(f.name for f in fields(State))
 _new = object.__new__
 
@@ -383,11 +383,11 @@ Result = tuple[State, list]
 
 
 def _path_chosen(s: State, e: PathChosen) -> Result:
-    if s.phase is not Phase.STARTING:
+    if s.phase is not RequestPhase.STARTING:
         raise LifecycleError("the path was already chosen")
     with_md = e.path is not Path.P_RLD_ONLY
     late = with_md and bool(e.late_destination)
-    s = _replace(s, phase=Phase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
+    s = _replace(s, phase=RequestPhase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
     if late:
         s = _replace(s, destination=Destination.PENDING, p_room=e.p_room)
     actions = [_FIRST_LEG[e.path is Path.P_MD, with_md, late]]
@@ -399,7 +399,7 @@ def _path_chosen(s: State, e: PathChosen) -> Result:
 def _relay_tokens(s: State, e: RelayTokens) -> Result:
     if e.leg > s.leg or e.leg < 1:
         raise LifecycleError(f"tokens from relay leg {e.leg}, only {s.leg} started")
-    if e.leg < s.leg or s.phase is Phase.MAIN:
+    if e.leg < s.leg or s.phase is RequestPhase.MAIN:
         return s, []  # a superseded leg, or MD owns the stream (RLD is being aborted)
     if e.produced < s.relay_produced:
         raise LifecycleError(f"relay leg {e.leg} went back from {s.relay_produced} to {e.produced}")
@@ -410,7 +410,7 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
         s = _replace(s, replay_check=0)  # once: the leg's output only grows from there
     else:
         actions = [_RELAY_OUTPUT]
-    if s.phase is Phase.RELAY:
+    if s.phase is RequestPhase.RELAY:
         s = _replace(s, relay_produced=e.produced, emitted=e.produced)
     else:
         s = _replace(s, relay_produced=e.produced)
@@ -421,12 +421,12 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
     if e.finish is None:
         return s, actions
     if request_done:
-        if s.phase is Phase.HANDING_OFF:  # RLD finished first: its tokens stand
+        if s.phase is RequestPhase.HANDING_OFF:  # RLD finished first: its tokens stand
             actions.append(HandoffAbandoned())
             s = _replace(s, emitted=s.relay_produced)
-        return _replace(s, phase=Phase.DONE), actions + [Finish(_total_length(s, e.finish))]
+        return _replace(s, phase=RequestPhase.DONE), actions + [Finish(_total_length(s, e.finish))]
     s = _replace(s, relay_idle=True)
-    if s.md is Md.FAILED and s.phase is Phase.RELAY:
+    if s.md is Md.FAILED and s.phase is RequestPhase.RELAY:
         return _recover(s, actions, Recovery.WAN_FAILED_AFTER_RLD)
     return s, actions
 
@@ -441,16 +441,16 @@ def _total_length(s: State, finish: dict) -> dict:
 def _relay_failed(s: State, e: RelayFailed) -> Result:
     if e.leg > s.leg:
         raise LifecycleError(f"failure of relay leg {e.leg}, only {s.leg} started")
-    if e.leg < s.leg or s.phase is Phase.MAIN:
+    if e.leg < s.leg or s.phase is RequestPhase.MAIN:
         return s, []  # a superseded leg, or the aborted RLD of a committed handoff
-    return _replace(s, phase=Phase.FAILED), [Fail(f"relay leg failed: {e.message}")]
+    return _replace(s, phase=RequestPhase.FAILED), [FailRequest(f"relay leg failed: {e.message}")]
 
 
 def _md_ready(s: State, e: MdReady) -> Result:
     if s.md is not Md.PENDING:
         raise LifecycleError(f"MD ready, but MD is {s.md.value}")
     s = _replace(s, md=Md.READY)
-    if s.phase is not Phase.RELAY:
+    if s.phase is not RequestPhase.RELAY:
         raise LifecycleError(f"MD ready in phase {s.phase.value}")
     if s.emitted or s.relay_idle:
         return s, [_START_HANDOFF]
@@ -465,7 +465,7 @@ def _md_not_ready(s: State, e: MdNotReady) -> Result:
     if s.destination is Destination.PENDING:  # P stops waiting for MD's room
         s = _replace(s, destination=Destination.DROPPED)
         actions.append(WithdrawDestination(s.p_room))
-    if s.relay_idle and s.phase is Phase.RELAY:
+    if s.relay_idle and s.phase is RequestPhase.RELAY:
         return _recover(s, actions, Recovery.WAN_FAILED_AFTER_RLD)
     return s, actions
 
@@ -482,7 +482,7 @@ def _destination_delivered(s: State, e: DestinationDelivered) -> Result:
 def _cut_ready(s: State, e: CutReady) -> Result:
     if s.md is not Md.READY or s.md_stream:
         raise LifecycleError(f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}")
-    if s.phase is not Phase.RELAY or s.emitted >= s.max_new:
+    if s.phase is not RequestPhase.RELAY or s.emitted >= s.max_new:
         return s, []  # the request ends on RLD anyway
     tail = None
     if s.catch_up is not None:
@@ -491,7 +491,7 @@ def _cut_ready(s: State, e: CutReady) -> Result:
             s = _replace(s, handed=s.handed + step.tokens, catch_up_round=s.catch_up_round + 1)
             return s, [SendCatchUpBatch(upto=s.handed, tokens=step.tokens, round=s.catch_up_round - 1)]
         tail = s.emitted - s.handed
-    return (_replace(s, phase=Phase.HANDING_OFF, cut=s.emitted, md_stream=True),
+    return (_replace(s, phase=RequestPhase.HANDING_OFF, cut=s.emitted, md_stream=True),
             [SendFinalHandoff(cut=s.emitted, catch_up_tail=tail)])
 
 
@@ -500,21 +500,21 @@ def _main_tokens(s: State, e: MainTokens) -> Result:
         raise LifecycleError("MD tokens before any handoff")
     if e.produced > s.max_new:
         raise LifecycleError(f"MD produced {e.produced} > max_new_tokens {s.max_new}")
-    if s.phase is Phase.RELAY:
+    if s.phase is RequestPhase.RELAY:
         return s, []  # a late MD event after a failed handoff
     if e.produced < s.main_produced:
         raise LifecycleError(f"MD went back from {s.main_produced} to {e.produced}")
     s = _replace(s, main_produced=e.produced)
     actions: list = []
-    if s.phase is Phase.HANDING_OFF:
+    if s.phase is RequestPhase.HANDING_OFF:
         if e.produced <= s.cut:
             return s, []  # MD repeated the eager tokens only; wait for its first own token
-        s = _replace(s, phase=Phase.MAIN)
+        s = _replace(s, phase=RequestPhase.MAIN)
         actions.append(_HANDOFF_COMMITTED)
     actions.append(_MAIN_OUTPUT)
     s = _replace(s, emitted=max(s.emitted, e.produced))
     if e.finish is not None:
-        return _replace(s, phase=Phase.DONE), actions + [Finish(_total_length(s, e.finish))]
+        return _replace(s, phase=RequestPhase.DONE), actions + [Finish(_total_length(s, e.finish))]
     return s, actions
 
 
@@ -523,13 +523,13 @@ def _main_failed(s: State, e: MainFailed) -> Result:
         raise LifecycleError("MD failed, but the request has no MD")
     s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(Fallback(Reason.MD_FAILED, e.message))]
-    if s.phase is Phase.HANDING_OFF:
+    if s.phase is RequestPhase.HANDING_OFF:
         actions.append(HandoffAbandoned())
-        s = _replace(s, phase=Phase.RELAY, emitted=s.relay_produced, cut=None)
+        s = _replace(s, phase=RequestPhase.RELAY, emitted=s.relay_produced, cut=None)
         if s.relay_idle:
             return _recover(s, actions, Recovery.MD_FAILED)
         return s, actions
-    if s.phase is Phase.MAIN:
+    if s.phase is RequestPhase.MAIN:
         return _recover(s, actions, Recovery.MD_FAILED_MID_STREAM)
     if s.relay_idle:
         return _recover(s, actions, Recovery.MD_FAILED)
@@ -541,21 +541,21 @@ def _recover(s: State, actions: list, why: Recovery) -> Result:
     ``s.recovery`` says (nothing to continue from: a fresh leg)."""
     leg = StartRelayLeg(leg=s.leg + 1, resume_len=s.emitted, one_token=False, wan=False,
                         mode=s.recovery if s.emitted else RecoveryMode.RESUME)
-    s = _replace(s, phase=Phase.RELAY, leg=leg.leg, relay_produced=s.emitted, relay_idle=False, cut=None,
+    s = _replace(s, phase=RequestPhase.RELAY, leg=leg.leg, relay_produced=s.emitted, relay_idle=False, cut=None,
                  md=Md.FAILED, leg_offset=leg.offset, replay_check=leg.replays)
     return s, actions + [RecordFallback(Fallback.recovered(why)), AbortLegs(), leg]
 
 
 def _timeout(s: State, e: Timeout) -> Result:
-    return _replace(s, phase=Phase.FAILED), [Fail(e.message)]
+    return _replace(s, phase=RequestPhase.FAILED), [FailRequest(e.message)]
 
 
 def _client_disconnected(s: State, e: ClientDisconnected) -> Result:
-    return _replace(s, phase=Phase.CLOSED), []
+    return _replace(s, phase=RequestPhase.CLOSED), []
 
 
 def _broken(s: State, e: Broken) -> Result:
-    return _replace(s, phase=Phase.FAILED), []
+    return _replace(s, phase=RequestPhase.FAILED), []
 
 
 def _ended(s: State, e: Ended) -> Result:
@@ -563,7 +563,7 @@ def _ended(s: State, e: Ended) -> Result:
     # never got a destination for will not come, and a room kept for it would stay until it
     # expired (holding its prefix and pages, and MD's cache flush).
     kv_coming = s.destination not in (Destination.PENDING, Destination.DROPPED)
-    actions: list = [ReleaseAll(keep_md_kv=s.phase is Phase.DONE and kv_coming)]
+    actions: list = [ReleaseAll(keep_md_kv=s.phase is RequestPhase.DONE and kv_coming)]
     if s.destination is Destination.PENDING:  # ended before P got a destination: P stops waiting
         s = _replace(s, destination=Destination.DROPPED)
         actions.append(WithdrawDestination(s.p_room))
@@ -586,7 +586,7 @@ _BEFORE_PATH = (PathChosen, Timeout, ClientDisconnected, Broken)
 def _guard(s: State, e: Event) -> None:
     if type(e) is Ended:
         raise LifecycleError(f"the request ended in phase {s.phase.value}")
-    if s.phase is Phase.STARTING and not isinstance(e, _BEFORE_PATH):
+    if s.phase is RequestPhase.STARTING and not isinstance(e, _BEFORE_PATH):
         raise LifecycleError(f"{type(e).__name__} before the path was chosen")
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
-from sglang_pdd.router.health import Failed, HealthBoard, HealthConfig, Succeeded
+from sglang_pdd.router.health import BackendFailed, HealthBoard, HealthConfig, BackendSucceeded
 from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance, pick_prefill
 from sglang_pdd.router.prefix_index import PrefixIndex
 
@@ -110,15 +110,15 @@ class Pools:
         breaker). A client gone or a timeout is neither."""
         failed = set(map(tuple, flow.result.failed_backends))
         for key in failed:
-            self.health.record(key, Failed(now, "a request failed on it"))
-        if flow.state.phase is not lifecycle.Phase.DONE:
+            self.health.record(key, BackendFailed(now, "a request failed on it"))
+        if flow.state.phase is not lifecycle.RequestPhase.DONE:
             return
         used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
         if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
             used.append(("main", flow.main.url))
         for key in used:
             if key not in failed:
-                self.health.record(key, Succeeded(now))
+                self.health.record(key, BackendSucceeded(now))
 
     def record(self, flow: PddFlow, output_ids: list[int]) -> None:
         """After a request: P holds its prompt; the MD that decoded it holds prompt + output."""

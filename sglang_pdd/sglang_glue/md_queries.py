@@ -12,7 +12,7 @@ import logging
 from typing import Optional
 
 from sglang_pdd.protocol import ControlError, HandoffRequest, ReadyReply, ReadyRequest
-from sglang_pdd.radix_drc.room_state import Phase
+from sglang_pdd.radix_drc.room_state import DrcPhase
 from sglang_pdd.radix_drc.rooms import RoomError, RoomStatus
 from sglang_pdd.sglang_glue.resume import handoff_generate_body
 
@@ -59,7 +59,7 @@ class MdRoomQueries:
         and the pool allocator under MD's rooms: the prefixes they locked and the pages they
         reserved for KV still landing would be handed out again. A failed room holds neither
         (it waits only to tell the router why)."""
-        holding = {phase: n for phase, n in self.rooms_by_phase().items() if Phase(phase).holds_kv}
+        holding = {phase: n for phase, n in self.rooms_by_phase().items() if DrcPhase(phase).holds_kv}
         held = self.held_tokens
         if not holding and not held:
             return None
@@ -76,10 +76,10 @@ class MdRoomQueries:
     def flush_waits_only_for_pages(self) -> bool:
         """No room holds anything, only pages of rooms that ended are on their way back: a
         flush may wait that out (moments: the receiver finishes the chunk it is reading)."""
-        return self.held_tokens > 0 and not any(Phase(p).holds_kv for p in self.rooms_by_phase())
+        return self.held_tokens > 0 and not any(DrcPhase(p).holds_kv for p in self.rooms_by_phase())
 
     def rooms_by_phase(self) -> dict:
-        """How many open rooms are in each phase (radix_drc.room_state.Phase), e.g. {"ready": 2}."""
+        """How many open rooms are in each phase (radix_drc.room_state.DrcPhase), e.g. {"ready": 2}."""
         counts: dict = {}
         for entry in list(self.table.rooms.values()):  # a control thread: copy, the table may change
             phase = entry.state.phase.value

@@ -9,10 +9,10 @@ The scheduler thread never waits on the network::
     send thread        hands the copies to WanKvSender (blocks only on its window), then
                        TRANSFER_END after the last group
 
-With MD on ``--tp b`` (the destination's ``md_tp``) a room is a set of *legs*, one per MD
+With MD on ``--tp b`` (the destination's ``md_tp``) a room is a set of *shares*, one per MD
 rank this P rank feeds (tp_relayout.sender_parts: every MD holder of a head gets it over the
-WAN): each leg has its own sender (MD rank r listens on the peer's port + r), transfer (its
-row slice) and gather (this rank's bytes for that MD rank); the room fails if any leg fails.
+WAN): each share has its own sender (MD rank r listens on the peer's port + r), transfer (its
+row slice) and gather (this rank's bytes for that MD rank); the room fails if any share fails.
 
 P keeps a request's pages only until the copy thread has them (the sender's poll() holds
 Success until then), never until the WAN is done. Host copies are bounded by a staging
@@ -87,7 +87,7 @@ class WanDestination:
 
 
 @dataclass(frozen=True)
-class LegSpec:
+class RankShareSpec:
     """What this P rank sends of every room to one MD rank (for one MD TP size)."""
 
     md_rank: int
@@ -96,7 +96,7 @@ class LegSpec:
     src_row: Optional[tuple[int, int]]  # (offset, width) of P's rows to gather; None: all of each row
 
     @classmethod
-    def of(cls, md_rank: int, part: SenderPart, local: KvPoolLayout) -> "LegSpec":
+    def of(cls, md_rank: int, part: SenderPart, local: KvPoolLayout) -> "RankShareSpec":
         whole_src = part.src_offset == 0 and part.row.width == local.token_bytes
         return cls(md_rank, dataclasses.replace(local, token_bytes=part.dst_row_bytes).wire(),
                    None if part.row.is_whole(part.dst_row_bytes) else part.row,
@@ -104,10 +104,10 @@ class LegSpec:
 
 
 @dataclass(eq=False)
-class WanLeg:
+class RankShare:
     """One room's transfer to one MD rank (its own sender, plan and copy progress)."""
 
-    spec: LegSpec
+    spec: RankShareSpec
     peer: tuple[str, int]
     plan: TransferPlan
     sender: Optional[WanKvSender] = None
@@ -121,14 +121,14 @@ class WanLeg:
 
 @dataclass(eq=False)
 class WanRoom:
-    """One request's WAN transfer on P: one leg per MD rank this P rank sends to. Shared by the
-    scheduler thread and the fan-out threads (fields below ``legs`` only under
-    ``WanFanout._lock``). It fails as a whole: a failed leg aborts the others."""
+    """One request's WAN transfer on P: one share per MD rank this P rank sends to. Shared by the
+    scheduler thread and the fan-out threads (fields below ``shares`` only under
+    ``WanFanout._lock``). It fails as a whole: a failed share aborts the others."""
 
     dest: WanDestination
     rid: str
     first_offered_page: int  # pool pages arrive from this page on (RLD's own cached prefix ends here)
-    legs: list  # [WanLeg]
+    shares: list  # [RankShare]
     # Phase, copy hold, progress and drop reason (kv_channel/fanout_room.py); replaced only
     # by WanFanout._apply.
     state: FanoutRoom
@@ -143,28 +143,28 @@ class WanRoom:
 
     @property
     def copy_done(self) -> bool:
-        return all(leg.copy_done for leg in self.legs)
+        return all(share.copy_done for share in self.shares)
 
-    def legs_ready(self) -> list:
-        """(leg, first group, groups ready) for the legs with page groups left to copy."""
-        return [(leg, leg.groups_copied, ready) for leg in self.legs
-                if (ready := leg.plan.groups_ready(self.pages_available)) > leg.groups_copied]
+    def shares_ready(self) -> list:
+        """(share, first group, groups ready) for the shares with page groups left to copy."""
+        return [(share, share.groups_copied, ready) for share in self.shares
+                if (ready := share.plan.groups_ready(self.pages_available)) > share.groups_copied]
 
 
 @dataclass(frozen=True, eq=False)
 class SendChunk:
-    """For the send thread: one chunk's host copy, to the leg's sender."""
+    """For the send thread: one chunk's host copy, to the share's sender."""
     room: WanRoom
-    leg: WanLeg
+    share: RankShare
     index: int
     data: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
 class SendEnd:
-    """For the send thread: the leg's last chunk is queued; send TRANSFER_END."""
+    """For the send thread: the share's last chunk is queued; send TRANSFER_END."""
     room: WanRoom
-    leg: WanLeg
+    share: RankShare
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class WanFanout:
         self._senders: dict[tuple[str, int], WanKvSender] = {}
         self._pool = None
         self._pool_layout: Optional[KvPoolLayout] = None
-        self._legs_by_md_tp: dict[int, object] = {}  # md_tp -> [LegSpec] or the TpLayoutError
+        self._shares_by_md_tp: dict[int, object] = {}  # md_tp -> [RankShareSpec] or the TpLayoutError
         self.shard = TpShard()
         self._lock = threading.Condition()
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
@@ -233,47 +233,47 @@ class WanFanout:
 
     def sends_to(self, md_tp: int) -> bool:
         """False on a TP rank whose KV heads other P ranks send to an MD on TP ``md_tp`` (e.g.
-        rank > 0 of an MLA model for MD TP 1): its requests to such an MD need no WAN leg. Known
+        rank > 0 of an MLA model for MD TP 1): its requests to such an MD need no WAN share. Known
         once the pool is attached (True before; also True for an MD TP the heads do not shard
         over, so that ``open_room`` refuses it by name)."""
-        legs = self._legs(md_tp)
-        return legs is None or not isinstance(legs, list) or bool(legs)
+        shares = self._shares(md_tp)
+        return shares is None or not isinstance(shares, list) or bool(shares)
 
     def attach_pool(self, pool, page_size: int, shard: TpShard = TpShard()) -> None:
         """The token pool to copy from (once; the first request brings it), and where it sits
         in P's TP group: with TP > 1 this rank sends its heads' bytes of each row (tp_relayout)."""
         if self._pool is None:
             self.shard, self._pool_layout = shard, pool_layout(pool, page_size)
-            legs = self._legs(1)
-            if isinstance(legs, TpLayoutError):  # P's own pool does not shard as SGLang says: a bug
+            shares = self._shares(1)
+            if isinstance(shares, TpLayoutError):  # P's own pool does not shard as SGLang says: a bug
                 self._pool_layout = None
-                raise legs
+                raise shares
             self._pool = pool
-            if not legs:
+            if not shares:
                 logger.info("WAN fan-out: TP rank %d of %d holds replicas of KV heads another rank sends "
                             "to an MD on TP 1", shard.rank, shard.size)
             else:
-                row = legs[0].row
-                logger.info("WAN fan-out: KV pool %s%s", legs[0].layout.describe(), "" if row is None
+                row = shares[0].row
+                logger.info("WAN fan-out: KV pool %s%s", shares[0].layout.describe(), "" if row is None
                             else f"; TP rank {shard.rank} of {shard.size} sends row bytes [{row.offset}, "
                                  f"{row.offset + row.width}) as slice {row.index} of {row.count} to an MD on TP 1")
 
-    def _legs(self, md_tp: int):
-        """This rank's LegSpecs to an MD on TP ``md_tp`` (cached), the TpLayoutError if its heads
+    def _shares(self, md_tp: int):
+        """This rank's RankShareSpecs to an MD on TP ``md_tp`` (cached), the TpLayoutError if its heads
         do not shard over ``md_tp``, or None before the pool is attached."""
         if self._pool_layout is None:
             return None
-        legs = self._legs_by_md_tp.get(md_tp)
-        if legs is None:
+        shares = self._shares_by_md_tp.get(md_tp)
+        if shares is None:
             local = self._pool_layout
             try:
                 parts = sender_parts(local.kind, self.shard, local.token_bytes, md_tp)
             except TpLayoutError as e:
-                legs = e
+                shares = e
             else:
-                legs = [LegSpec.of(md_rank, part, local) for md_rank, part in parts]
-            self._legs_by_md_tp[md_tp] = legs
-        return legs
+                shares = [RankShareSpec.of(md_rank, part, local) for md_rank, part in parts]
+            self._shares_by_md_tp[md_tp] = shares
+        return shares
 
     def open_room(self, dest: WanDestination, *, rid: str, token_ids: Sequence[int],
                   first_offered_page: int) -> Optional[WanRoom]:
@@ -286,7 +286,7 @@ class WanFanout:
             logger.warning("rid %s: MD's TP %d is over P's --pdd-max-md-tp %d; not sending KV, RLD finishes",
                            rid, dest.md_tp, self.max_md_tp)
             return None
-        specs = self._legs(dest.md_tp)
+        specs = self._shares(dest.md_tp)
         if isinstance(specs, TpLayoutError):
             self.counters["refused_md_tp"] += 1
             logger.warning("rid %s: MD's TP %d does not fit this model's KV heads (%s); not sending KV, RLD "
@@ -310,27 +310,27 @@ class WanFanout:
             logger.warning("rid %s: MD needs KV from token %d but P sends from %d (RLD's cached prefix); "
                            "WAN transfer not started, RLD finishes", rid, start, first_offered_page)
             return None
-        legs, md_rank = [], 0
+        shares, md_rank = [], 0
         try:
             for spec in specs:
                 md_rank, peer = spec.md_rank, dest.rank_peer(spec.md_rank)
-                leg = WanLeg(spec, peer, TransferPlan.build(spec.layout, prompt_len, start), self._sender(peer))
-                legs.append(leg)
-                leg.transfer = leg.sender.begin_transfer(
+                share = RankShare(spec, peer, TransferPlan.build(spec.layout, prompt_len, start), self._sender(peer))
+                shares.append(share)
+                share.transfer = share.sender.begin_transfer(
                     dest.md_room, spec.layout, prompt_len, start, request_id=rid,
                     token_ids=list(token_ids), timeout=self.timeout_s,
                     row=spec.row)
-                leg.plan = leg.transfer.plan  # cut into chunks by the sender's chunk size
+                share.plan = share.transfer.plan  # cut into chunks by the sender's chunk size
         except Exception as e:  # noqa: BLE001 — e.g. a duplicate room: refuse this one, keep serving
-            for leg in legs:
-                if leg.transfer is not None:
-                    leg.sender.release(dest.md_room)
+            for share in shares:
+                if share.transfer is not None:
+                    share.sender.release(dest.md_room)
             self.counters["refused_begin"] += 1
             logger.warning("rid %s: WAN transfer to room %s at %s:%s (MD rank %d of %d) not started: %s",
                            rid, dest.md_room, *dest.rank_peer(md_rank), md_rank, dest.md_tp, e)
             return None
         self.counters["rooms"] += 1
-        return WanRoom(dest, rid, first_offered_page, legs, FanoutRoom(len(legs)))
+        return WanRoom(dest, rid, first_offered_page, shares, FanoutRoom(len(shares)))
 
     def offer(self, room: WanRoom, pages: np.ndarray, event=None, last: bool = False) -> None:
         """The next pool pages of the request (in order), produced by the forward that
@@ -344,7 +344,7 @@ class WanFanout:
                 # Pages out of turn are a producer bug; this runs on SGLang's scheduler thread,
                 # which must not die of it: the room fails and RLD finishes the request.
                 logger.error("rid %s: WAN room %s: %s", room.rid, room.dest.md_room, e)
-                self._apply(room, fanout_room.Fail(DropReason.SEND_FAILED, str(e)))
+                self._apply(room, fanout_room.FanoutFailed(DropReason.SEND_FAILED, str(e)))
                 return
             room.pages.append((pages, event))
 
@@ -387,41 +387,41 @@ class WanFanout:
             sender = self._senders[peer] = self._sender_factory(peer)
         return sender
 
-    def _apply(self, room: WanRoom, event: fanout_room.Event, *, failed_leg: Optional[WanLeg] = None) -> None:
+    def _apply(self, room: WanRoom, event: fanout_room.Event, *, failed_share: Optional[RankShare] = None) -> None:
         """(under _lock) Feed one event to the room's state machine and perform its actions:
-        the only place a room's state changes. ``failed_leg``: the leg a Fail is about."""
+        the only place a room's state changes. ``failed_share``: the share a Fail is about."""
         room.state, actions = fanout_room.transition(room.state, event)
         for action in actions:
             if isinstance(action, fanout_room.QueueCopy):
                 self._copy_queue.append(room)
                 self._lock.notify_all()
             elif isinstance(action, fanout_room.AbortSendRooms):
-                self._abort_legs(room, failed_leg)
+                self._abort_shares(room, failed_share)
             elif isinstance(action, fanout_room.AllSent):
                 self.counters["finished"] += 1
 
-    def _abort_legs(self, room: WanRoom, failed_leg: Optional[WanLeg]) -> None:
+    def _abort_shares(self, room: WanRoom, failed_share: Optional[RankShare]) -> None:
         state = room.state
-        self.counters["failed" if state.reason is DropReason.LEG_FAILED else "aborted"] += 1
-        for leg in room.legs:  # every MD rank's room fails: none is ready without the others
-            if leg.transfer is not None:
-                leg.sender.abort(room.dest.md_room, state.summary)
+        self.counters["failed" if state.reason is DropReason.SHARE_FAILED else "aborted"] += 1
+        for share in room.shares:  # every MD rank's room fails: none is ready without the others
+            if share.transfer is not None:
+                share.sender.abort(room.dest.md_room, state.summary)
                 if room not in self._live:  # else the reaper forgets it once its copies are unused
-                    leg.sender.release(room.dest.md_room)
+                    share.sender.release(room.dest.md_room)
         # A layout mismatch is a deployment error (P and MD disagree), not a WAN hiccup.
-        level = logging.ERROR if state.leg_failure == FailureReason.LAYOUT_MISMATCH else logging.INFO
-        if failed_leg is not None:
+        level = logging.ERROR if state.share_failure == FailureReason.LAYOUT_MISMATCH else logging.INFO
+        if failed_share is not None:
             logger.log(level, "rid %s: WAN transfer to room %s failed at MD rank %d of %d: %s: %s", room.rid,
-                       room.dest.md_room, failed_leg.spec.md_rank, room.dest.md_tp, state.leg_failure,
+                       room.dest.md_room, failed_share.spec.md_rank, room.dest.md_tp, state.share_failure,
                        state.detail)
         else:
             logger.log(level, "rid %s: WAN transfer to room %s dropped: %s", room.rid, room.dest.md_room,
                        state.summary)
 
-    def _fail_leg(self, room: WanRoom, leg: WanLeg) -> None:
-        """(under _lock) ``leg``'s transfer failed: the room fails (the other MD ranks' too)."""
-        self._apply(room, fanout_room.Fail(DropReason.LEG_FAILED, leg.transfer.failure_detail,
-                                           leg.transfer.failure_reason or FailureReason.ABORTED), failed_leg=leg)
+    def _fail_share(self, room: WanRoom, share: RankShare) -> None:
+        """(under _lock) ``share``'s transfer failed: the room fails (the other MD ranks' too)."""
+        self._apply(room, fanout_room.FanoutFailed(DropReason.SHARE_FAILED, share.transfer.failure_detail,
+                                           share.transfer.failure_reason or FailureReason.ABORTED), failed_share=share)
 
     def _copy_loop(self) -> None:
         while True:
@@ -430,7 +430,7 @@ class WanFanout:
                 if self._closed:
                     return
                 room = self._copy_queue.popleft()
-                work = [] if room.state.dropped else room.legs_ready()
+                work = [] if room.state.dropped else room.shares_ready()
                 self._apply(room, fanout_room.CopyTaken(bool(work)))
                 if room.state.copy is not CopyHold.COPYING:
                     continue
@@ -445,13 +445,13 @@ class WanFanout:
                     # Dropped meanwhile: the pages may have been freed mid-copy; never send them.
                     self._apply(room, fanout_room.CopyEnded(more_ready=False))
                     if copies is None:
-                        self._apply(room, fanout_room.Fail(DropReason.COPY_FAILED, err))
+                        self._apply(room, fanout_room.FanoutFailed(DropReason.COPY_FAILED, err))
                     continue
                 nbytes = sum(c.numel() for _, _, c in copies)
                 if self._staged + nbytes > self.staging_bytes:
                     self.counters["dropped_staging_budget"] += 1
                     self._apply(room, fanout_room.CopyEnded(more_ready=False))
-                    self._apply(room, fanout_room.Fail(DropReason.STAGING_BUDGET,
+                    self._apply(room, fanout_room.FanoutFailed(DropReason.STAGING_BUDGET,
                                                        f"staging budget of {self.staging_bytes} bytes exhausted"))
                     continue
                 self._staged += nbytes
@@ -459,17 +459,17 @@ class WanFanout:
                 room.payloads.extend(c for _, _, c in copies)
                 if room not in self._live:
                     self._live.append(room)
-                for leg, _, ready in work:
-                    leg.groups_copied = ready
-                finished = [leg for leg, _, _ in work if leg.copy_done]
+                for share, _, ready in work:
+                    share.groups_copied = ready
+                finished = [share for share, _, _ in work if share.copy_done]
                 # more pages arrived while copying: another round
-                self._apply(room, fanout_room.CopyEnded(more_ready=bool(room.legs_ready())))
-            for leg, index, data in copies:
-                self._send_queue.put(SendChunk(room, leg, index, data))
-            for leg in finished:
-                self._send_queue.put(SendEnd(room, leg))
+                self._apply(room, fanout_room.CopyEnded(more_ready=bool(room.shares_ready())))
+            for share, index, data in copies:
+                self._send_queue.put(SendChunk(room, share, index, data))
+            for share in finished:
+                self._send_queue.put(SendEnd(room, share))
 
-    def _copy_groups(self, room: WanRoom, batches, work) -> list[tuple[WanLeg, int, torch.Tensor]]:
+    def _copy_groups(self, room: WanRoom, batches, work) -> list[tuple[RankShare, int, torch.Tensor]]:
         for pages, event in batches[len(room.page_ids):]:  # each batch is converted once
             if event is not None:
                 event.synchronize()  # the forward writing these pages (and their ids) has finished
@@ -477,14 +477,14 @@ class WanFanout:
                                             dtype=np.int64))
         page_ids = torch.from_numpy(np.concatenate(room.page_ids)) if room.page_ids else torch.empty(0, dtype=torch.int64)
         out = []
-        for leg, first, ready in work:
+        for share, first, ready in work:
             for group in range(first, ready):
-                specs = leg.plan.group_chunks(group)
+                specs = share.plan.group_chunks(group)
                 lo = specs[0].page_start - room.first_offered_page
                 slots = page_ids[lo : lo + specs[0].page_count]
-                # one host copy per buffer: the leg's bytes of every token row (strided), or all
-                rows = gather_pages(self._pool, slots, leg.plan.layout.page_size, leg.spec.src_row)
-                out.extend((leg, spec.index, rows[spec.layer].cpu()) for spec in specs)
+                # one host copy per buffer: the share's bytes of every token row (strided), or all
+                rows = gather_pages(self._pool, slots, share.plan.layout.page_size, share.spec.src_row)
+                out.extend((share, spec.index, rows[spec.layer].cpu()) for spec in specs)
         return out
 
     def _send_loop(self) -> None:
@@ -496,41 +496,41 @@ class WanFanout:
             self._reap()
             if isinstance(item, StopSending):
                 return
-            if item is None or item.room.state.dropped or item.leg.transfer is None:
+            if item is None or item.room.state.dropped or item.share.transfer is None:
                 continue
-            room, leg = item.room, item.leg
+            room, share = item.room, item.share
             try:
                 if isinstance(item, SendEnd):
-                    leg.transfer.finish()
-                    self.counters["bytes"] += leg.plan.total_bytes
+                    share.transfer.finish()
+                    self.counters["bytes"] += share.plan.total_bytes
                     with self._lock:
-                        self._apply(room, fanout_room.LegEnded())
-                elif not leg.transfer.send_chunk(item.index, item.data.numpy()):
-                    with self._lock:  # the leg failed (as the reaper would find): the room fails
-                        self._fail_leg(room, leg)
+                        self._apply(room, fanout_room.ShareEnded())
+                elif not share.transfer.send_chunk(item.index, item.data.numpy()):
+                    with self._lock:  # the share failed (as the reaper would find): the room fails
+                        self._fail_share(room, share)
             except Exception as e:  # noqa: BLE001 — this thread serves every room: never let it die
                 logger.exception("rid %s: WAN send failed", room.rid)
                 with self._lock:
-                    self._apply(room, fanout_room.Fail(DropReason.SEND_FAILED, f"WAN send failed: {e}"))
+                    self._apply(room, fanout_room.FanoutFailed(DropReason.SEND_FAILED, f"WAN send failed: {e}"))
 
     def _reap(self) -> None:
-        """Fail a room whose leg failed (MD's other ranks wait for nothing then), and free the
-        host copies of rooms whose legs all ended (the senders no longer read them), forgetting
+        """Fail a room whose share failed (MD's other ranks wait for nothing then), and free the
+        host copies of rooms whose shares all ended (the senders no longer read them), forgetting
         the room on each sender."""
         with self._lock:
             keep = []
             for room in self._live:
-                states = [leg.transfer.poll() if leg.transfer is not None else None for leg in room.legs]
-                failed = next((leg for leg, state in zip(room.legs, states) if state is RoomState.FAILED), None)
+                states = [share.transfer.poll() if share.transfer is not None else None for share in room.shares]
+                failed = next((share for share, state in zip(room.shares, states) if state is RoomState.FAILED), None)
                 if failed is not None and not room.state.dropped:  # the other MD ranks' rooms fail too
-                    self._fail_leg(room, failed)
-                    states = [leg.transfer.poll() if leg.transfer is not None else None for leg in room.legs]
+                    self._fail_share(room, failed)
+                    states = [share.transfer.poll() if share.transfer is not None else None for share in room.shares]
                 if any(state is not None and not state.is_terminal for state in states):
                     keep.append(room)
                     continue
                 self._staged -= room.staged_bytes
                 room.staged_bytes, room.payloads = 0, []
-                for leg in room.legs:
-                    if leg.sender is not None:
-                        leg.sender.release(room.dest.md_room)
+                for share in room.shares:
+                    if share.sender is not None:
+                        share.sender.release(room.dest.md_room)
             self._live = keep

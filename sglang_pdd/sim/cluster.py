@@ -256,7 +256,7 @@ class Simulation:
         # sim accounts for in time, and failures are not modelled.
         self._actions = {lc.StartRelayLeg: self._act_relay_leg, lc.StartHandoff: self._act_start_handoff,
                          lc.SendFinalHandoff: self._act_final_handoff, lc.HandoffAbandoned: self._act_unmodelled,
-                         lc.AbortLegs: self._act_unmodelled, lc.Fail: self._act_unmodelled,
+                         lc.AbortLegs: self._act_unmodelled, lc.FailRequest: self._act_unmodelled,
                          lc.Finish: self._act_finish}
         self._p_rr = 0
         self._md_ids = list(range(cfg.n_md))

@@ -99,7 +99,7 @@ def _machines():
         "router/lifecycle": (lifecycle.transition, lifecycle.State(max_new=4), ()),
         "radix_drc/room_state": (room_state.transition, room_state.MdRoomState(), ()),
         "kv_channel/send_room": (send_room.transition, send_room.start(1, 10, True), ()),
-        "kv_channel/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(legs=1), ()),
+        "kv_channel/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(shares=1), ()),
         "kv_channel/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
         "router/health": (health.transition, health.BackendHealth(), (health.HealthConfig(),)),
         "kv_channel/recv_room": (recv_room.transition, recv_room.RecvStatus(), ()),

@@ -41,7 +41,7 @@ def test_happy_path_whenever_the_session_comes_up(up_after):
             RoomState.TRANSFERRING if queued else RoomState.WAITING_FOR_INPUT)
         assert room.state is expected, (i, event)
     assert room.end_queued and room.chunks_queued == CHUNKS
-    room, actions = sr.transition(room, sr.Ack(BYTES))
+    room, actions = sr.transition(room, sr.SendAcked(BYTES))
     assert room.state is RoomState.SUCCESS and actions == [sr.Settled()]
     assert (room.reason, room.detail) == ("", "")
 
@@ -50,7 +50,7 @@ def test_a_room_with_no_chunks_goes_straight_to_the_end():
     room = sr.start(0, 0, True)
     room, _ = run(room, sr.EndQueued())
     assert room.state is RoomState.TRANSFERRING
-    room, actions = run(room, sr.Ack(0))
+    room, actions = run(room, sr.SendAcked(0))
     assert room.state is RoomState.SUCCESS and actions == [sr.Settled()]
 
 
@@ -69,7 +69,7 @@ PREFIXES = {
 def test_fail_in_every_state(prefix, tell_peer):
     room, _ = run(fresh(), *PREFIXES[prefix])
     assert not room.state.is_terminal
-    room, actions = sr.transition(room, sr.Fail(FailureReason.IDLE_TIMEOUT, "no progress", tell_peer))
+    room, actions = sr.transition(room, sr.SendFailed(FailureReason.IDLE_TIMEOUT, "no progress", tell_peer))
     assert room.state is RoomState.FAILED
     assert (room.reason, room.detail) == (FailureReason.IDLE_TIMEOUT, "no progress")
     assert actions == [sr.Settled()] + ([sr.AbortPeer(FailureReason.IDLE_TIMEOUT)] if tell_peer else [])
@@ -79,7 +79,7 @@ def test_fail_in_every_state(prefix, tell_peer):
 def test_owner_abort_in_every_state(prefix):
     """abort() / release(): FAILED(aborted), and the receiver is told."""
     room, _ = run(fresh(), *PREFIXES[prefix])
-    room, actions = sr.transition(room, sr.Fail(FailureReason.ABORTED, "released by owner"))
+    room, actions = sr.transition(room, sr.SendFailed(FailureReason.ABORTED, "released by owner"))
     assert (room.state, room.reason) == (RoomState.FAILED, FailureReason.ABORTED)
     assert actions == [sr.Settled(), sr.AbortPeer(FailureReason.ABORTED)]
 
@@ -88,7 +88,7 @@ def test_owner_abort_in_every_state(prefix):
 @pytest.mark.parametrize("total", [BYTES, BYTES - 1])
 def test_ack_before_the_end_or_with_the_wrong_count_is_a_protocol_failure(prefix, total):
     room, _ = run(fresh(), *PREFIXES[prefix])
-    room, actions = sr.transition(room, sr.Ack(total))
+    room, actions = sr.transition(room, sr.SendAcked(total))
     if prefix == "end_queued" and total == BYTES:
         assert room.state is RoomState.SUCCESS
         return
@@ -98,14 +98,14 @@ def test_ack_before_the_end_or_with_the_wrong_count_is_a_protocol_failure(prefix
 
 
 def terminal_rooms():
-    done, _ = run(fresh(True), *ALL_CHUNKS, sr.EndQueued(), sr.Ack(BYTES))
-    failed, _ = run(fresh(True), sr.ChunkQueued(), sr.Fail(FailureReason.CONNECTION_LOST, "reset", False))
+    done, _ = run(fresh(True), *ALL_CHUNKS, sr.EndQueued(), sr.SendAcked(BYTES))
+    failed, _ = run(fresh(True), sr.ChunkQueued(), sr.SendFailed(FailureReason.CONNECTION_LOST, "reset", False))
     return {"success": done, "failed": failed}
 
 
 @pytest.mark.parametrize("which", ["success", "failed"])
-@pytest.mark.parametrize("late", [sr.Ack(BYTES), sr.Ack(1), sr.Fail(FailureReason.TIMEOUT, "late"),
-                                  sr.Fail(FailureReason.UNKNOWN_ROOM, "nack", False)])
+@pytest.mark.parametrize("late", [sr.SendAcked(BYTES), sr.SendAcked(1), sr.SendFailed(FailureReason.TIMEOUT, "late"),
+                                  sr.SendFailed(FailureReason.UNKNOWN_ROOM, "nack", False)])
 def test_late_replies_and_failures_after_the_end_are_ignored(which, late):
     room = terminal_rooms()[which]
     assert sr.transition(room, late) == (room, [])

@@ -8,9 +8,9 @@ from sglang_pdd.handoff.policy import HandoffConfig
 from sglang_pdd.machine import fold
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
-                                         DestinationDelivered, Ended, Fail, Finish, HandoffAbandoned,
+                                         DestinationDelivered, Ended, FailRequest, Finish, HandoffAbandoned,
                                          HandoffCommitted, LifecycleError, MainFailed, MainOutput, MainTokens, Md,
-                                         MdNotReady, MdReady, PathChosen, Phase, RecordFallback, RecoveryMode,
+                                         MdNotReady, MdReady, PathChosen, RequestPhase, RecordFallback, RecoveryMode,
                                          ReleaseAll, RelayFailed, RelayOutput, RelayTokens, SendCatchUpBatch,
                                          SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, State, Timeout,
                                          WatchMd, WithdrawDestination, transition)
@@ -33,13 +33,13 @@ def started(path: Path = Path.P_RLD_MD, late: bool = False) -> State:
 
 def handing_off(cut: int = 5) -> State:
     state, actions = fold(transition, started(), RelayTokens(1, cut), MdReady(), CutReady())
-    assert state.phase is Phase.HANDING_OFF and SendFinalHandoff(cut=cut) in actions
+    assert state.phase is RequestPhase.HANDING_OFF and SendFinalHandoff(cut=cut) in actions
     return state
 
 
 def in_main(cut: int = 5, produced: int = 7) -> State:
     state, _ = transition(handing_off(cut), MainTokens(produced))
-    assert state.phase is Phase.MAIN
+    assert state.phase is RequestPhase.MAIN
     return state
 
 
@@ -53,7 +53,7 @@ def in_main(cut: int = 5, produced: int = 7) -> State:
 def test_path_chosen_starts_the_legs(path, late, expect):
     state, actions = transition(State(max_new=MAX_NEW), PathChosen(path, late))
     assert actions == expect
-    assert state.phase is Phase.RELAY and state.leg == 1
+    assert state.phase is RequestPhase.RELAY and state.leg == 1
     assert state.md is (Md.NONE if path is Path.P_RLD_ONLY else Md.PENDING)
 
 
@@ -70,21 +70,21 @@ def test_path_chosen_twice_is_illegal():
 
 
 def test_timeout_and_disconnect_are_legal_from_the_start():
-    assert fold(transition, State(max_new=MAX_NEW), Timeout("late"))[1] == [Fail("late")]
+    assert fold(transition, State(max_new=MAX_NEW), Timeout("late"))[1] == [FailRequest("late")]
     state, actions = transition(State(max_new=MAX_NEW), ClientDisconnected())
-    assert state.phase is Phase.CLOSED and actions == []
+    assert state.phase is RequestPhase.CLOSED and actions == []
 
 
 # ------------------------------------------------------------------------------ relay
 def test_relay_tokens_are_emitted_and_rld_finishing_ends_the_request():
     state, actions = fold(transition, started(Path.P_RLD_ONLY), RelayTokens(1, 3), RelayTokens(1, MAX_NEW, LENGTH))
-    assert state.phase is Phase.DONE and state.emitted == MAX_NEW
+    assert state.phase is RequestPhase.DONE and state.emitted == MAX_NEW
     assert actions == [RelayOutput(), RelayOutput(), Finish(LENGTH)]
 
 
 def test_rld_stopping_early_ends_the_request():
     state, actions = fold(transition, started(), RelayTokens(1, 4, STOP))
-    assert state.phase is Phase.DONE and actions[-1] == Finish(STOP)
+    assert state.phase is RequestPhase.DONE and actions[-1] == Finish(STOP)
 
 
 def test_relay_tokens_going_backwards_or_past_the_budget_are_illegal():
@@ -99,12 +99,12 @@ def test_relay_tokens_going_backwards_or_past_the_budget_are_illegal():
 
 def test_rld_death_fails_the_request():
     state, actions = fold(transition, started(), RelayTokens(1, 2), RelayFailed(1, "connection reset"))
-    assert state.phase is Phase.FAILED and actions[-1] == Fail("relay leg failed: connection reset")
+    assert state.phase is RequestPhase.FAILED and actions[-1] == FailRequest("relay leg failed: connection reset")
 
 
 def test_rld_death_while_handing_off_fails_the_request():
     state, actions = transition(handing_off(), RelayFailed(1, "gone"))
-    assert state.phase is Phase.FAILED and isinstance(actions[-1], Fail)
+    assert state.phase is RequestPhase.FAILED and isinstance(actions[-1], FailRequest)
 
 
 def test_rld_death_after_md_took_over_is_ignored():
@@ -128,7 +128,7 @@ def test_md_ready_before_first_token_waits_for_it():
 
 def test_md_ready_before_first_token_no_handoff_if_rld_finishes_with_it():
     state, actions = fold(transition, started(), MdReady(), RelayTokens(1, 1, STOP))
-    assert state.phase is Phase.DONE and StartHandoff() not in actions
+    assert state.phase is RequestPhase.DONE and StartHandoff() not in actions
 
 
 def test_md_ready_twice_is_illegal():
@@ -163,11 +163,11 @@ def test_cut_without_md_ready_or_twice_is_illegal():
 
 def test_md_first_token_past_the_cut_commits_the_handoff():
     state, actions = transition(handing_off(cut=5), MainTokens(5))  # the eager tokens only
-    assert actions == [] and state.phase is Phase.HANDING_OFF
+    assert actions == [] and state.phase is RequestPhase.HANDING_OFF
     state, actions = transition(state, MainTokens(6))
-    assert actions == [HandoffCommitted(), MainOutput()] and state.phase is Phase.MAIN and state.emitted == 6
+    assert actions == [HandoffCommitted(), MainOutput()] and state.phase is RequestPhase.MAIN and state.emitted == 6
     state, actions = transition(state, MainTokens(MAX_NEW, LENGTH))
-    assert actions == [MainOutput(), Finish(LENGTH)] and state.phase is Phase.DONE and state.emitted == MAX_NEW
+    assert actions == [MainOutput(), Finish(LENGTH)] and state.phase is RequestPhase.DONE and state.emitted == MAX_NEW
 
 
 def test_md_finishing_in_its_first_event():
@@ -187,21 +187,21 @@ def test_md_tokens_before_any_handoff_or_backwards_or_past_budget_are_illegal():
 def test_rld_finishing_first_while_handing_off_keeps_rlds_tokens():
     state, actions = transition(handing_off(cut=5), RelayTokens(1, 9, STOP))
     assert actions == [RelayOutput(), HandoffAbandoned(), Finish(STOP)]
-    assert state.phase is Phase.DONE and state.emitted == 9
+    assert state.phase is RequestPhase.DONE and state.emitted == 9
 
 
 # ------------------------------------------------------------------------------ faults
 def test_wan_failure_rld_finishes():
     boom = Fallback(Reason.WAN_FAILED, "boom")
     state, actions = fold(transition, started(), RelayTokens(1, 3), MdNotReady(boom))
-    assert actions[-1] == RecordFallback(boom) and state.md is Md.FAILED and state.phase is Phase.RELAY
+    assert actions[-1] == RecordFallback(boom) and state.md is Md.FAILED and state.phase is RequestPhase.RELAY
     state, actions = transition(state, RelayTokens(1, MAX_NEW, LENGTH))
-    assert state.phase is Phase.DONE
+    assert state.phase is RequestPhase.DONE
 
 
 def test_timeout_while_waiting_for_md():
     state, actions = transition(fold(transition, started(), RelayTokens(1, 3))[0], Timeout("deadline"))
-    assert state.phase is Phase.FAILED and actions == [Fail("deadline")]
+    assert state.phase is RequestPhase.FAILED and actions == [FailRequest("deadline")]
 
 
 @pytest.mark.parametrize("order", ["leg_ends_then_not_ready", "not_ready_then_leg_ends"])
@@ -212,7 +212,7 @@ def test_p_md_wan_failure_after_the_bridge_token_recovers_on_a_new_leg(order):
     state, actions = fold(transition, started(Path.P_MD), *events)
     assert actions[-3:] == [RecordFallback(Fallback.recovered(Recovery.WAN_FAILED_AFTER_RLD)), AbortLegs(),
                             StartRelayLeg(2, resume_len=1, one_token=False, wan=False)]
-    assert state.leg == 2 and state.phase is Phase.RELAY and state.relay_produced == 1
+    assert state.leg == 2 and state.phase is RequestPhase.RELAY and state.relay_produced == 1
 
 
 def test_p_md_wan_failure_before_the_bridge_token():
@@ -235,10 +235,10 @@ def test_md_refusing_the_handoff_releases_rlds_tokens(relay_idle):
     if relay_idle:
         assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
     else:
-        assert state.phase is Phase.RELAY and state.emitted == 8 and actions[-1] == HandoffAbandoned()
+        assert state.phase is RequestPhase.RELAY and state.emitted == 8 and actions[-1] == HandoffAbandoned()
         # late MD events after the failed handoff are dropped; RLD finishes
         assert transition(state, MainTokens(9)) == (state, [])
-        assert transition(state, RelayTokens(1, MAX_NEW, LENGTH))[0].phase is Phase.DONE
+        assert transition(state, RelayTokens(1, MAX_NEW, LENGTH))[0].phase is RequestPhase.DONE
 
 
 def test_md_death_mid_stream_recovers_on_a_new_leg_from_what_the_client_has():
@@ -246,12 +246,12 @@ def test_md_death_mid_stream_recovers_on_a_new_leg_from_what_the_client_has():
     assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "connection reset")),
                        RecordFallback(Fallback.recovered(Recovery.MD_FAILED_MID_STREAM)), AbortLegs(),
                        StartRelayLeg(2, resume_len=9, one_token=False, wan=False)]
-    assert state.phase is Phase.RELAY and state.leg == 2 and state.relay_produced == 9
+    assert state.phase is RequestPhase.RELAY and state.leg == 2 and state.relay_produced == 9
     # the old leg's stragglers are ignored; the new leg reports from position 0 (resumed ones too)
     assert transition(state, RelayTokens(1, 12)) == (state, [])
     assert transition(state, RelayFailed(1, "aborted")) == (state, [])
     state, actions = fold(transition, state, RelayTokens(2, 9), RelayTokens(2, 10), RelayTokens(2, MAX_NEW, LENGTH))
-    assert state.phase is Phase.DONE and state.emitted == MAX_NEW and actions[-1] == Finish(LENGTH)
+    assert state.phase is RequestPhase.DONE and state.emitted == MAX_NEW and actions[-1] == Finish(LENGTH)
 
 
 def test_recovery_leg_going_behind_the_resume_point_is_illegal():
@@ -263,7 +263,7 @@ def test_recovery_leg_going_behind_the_resume_point_is_illegal():
 def test_catch_up_warmup_failure_rld_finishes():
     state = fold(transition, started(), RelayTokens(1, 3), MdReady())[0]
     state, actions = transition(state, MainFailed("warmup HTTP 500"))
-    assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "warmup HTTP 500"))] and state.phase is Phase.RELAY
+    assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "warmup HTTP 500"))] and state.phase is RequestPhase.RELAY
     with pytest.raises(LifecycleError):  # no cut after MD failed
         transition(state, CutReady())
 
@@ -276,10 +276,10 @@ def test_md_failure_without_md_is_illegal():
 @pytest.mark.parametrize("make", [started, handing_off, in_main])
 def test_client_disconnect_from_any_running_phase(make):
     state, actions = transition(make(), ClientDisconnected())
-    assert state.phase is Phase.CLOSED and actions == []
+    assert state.phase is RequestPhase.CLOSED and actions == []
 
 
-@pytest.mark.parametrize("terminal", [Phase.DONE, Phase.FAILED, Phase.CLOSED])
+@pytest.mark.parametrize("terminal", [RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED])
 @pytest.mark.parametrize("event", [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(),
                                    MdNotReady(WAN_X), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
                                    ClientDisconnected(), DestinationDelivered()])
@@ -324,8 +324,8 @@ def test_random_event_orders_keep_the_invariants():
                 assert state is before
                 continue
             assert state.emitted >= before.emitted and state.emitted <= MAX_NEW
-            assert len([a for a in actions if isinstance(a, (Finish, Fail))]) <= 1
-            if any(isinstance(a, StartRelayLeg) for a in actions) and before.phase is not Phase.STARTING:
+            assert len([a for a in actions if isinstance(a, (Finish, FailRequest))]) <= 1
+            if any(isinstance(a, StartRelayLeg) for a in actions) and before.phase is not RequestPhase.STARTING:
                 produced["rld"] = state.emitted  # the new leg counts from 0, resumed positions included
             if isinstance(event, MainFailed) and state.md is Md.FAILED:
                 produced["md"] = 0
@@ -336,8 +336,8 @@ def test_fast_replace_matches_dataclasses_replace():
 
     from sglang_pdd.router import lifecycle
     s = lifecycle.State(max_new=9, emitted=2)
-    fast = lifecycle._replace(s, phase=lifecycle.Phase.MAIN, cut=3)
-    assert fast == dataclasses.replace(s, phase=lifecycle.Phase.MAIN, cut=3) and s.cut is None
+    fast = lifecycle._replace(s, phase=lifecycle.RequestPhase.MAIN, cut=3)
+    assert fast == dataclasses.replace(s, phase=lifecycle.RequestPhase.MAIN, cut=3) and s.cut is None
     assert hash(fast) == hash(dataclasses.replace(fast))
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.cut = 4
@@ -408,12 +408,12 @@ def test_catch_up_hands_batches_until_the_backlog_fits_one_then_cuts():
     state, actions = fold(transition, catching_up(), RelayTokens(1, 10), MdReady())
     assert actions[-1] == StartHandoff()
     state, actions = transition(state, CutReady())
-    assert actions == [SendCatchUpBatch(upto=4, tokens=4, round=0)] and state.phase is Phase.RELAY
+    assert actions == [SendCatchUpBatch(upto=4, tokens=4, round=0)] and state.phase is RequestPhase.RELAY
     state, actions = fold(transition, state, RelayTokens(1, 11), CutReady())  # backlog 7 > 4: another round
     assert actions[-1] == SendCatchUpBatch(upto=8, tokens=4, round=1)
     state, actions = fold(transition, state, RelayTokens(1, 12), CutReady())  # backlog 4: the final batch
     assert actions[-1] == SendFinalHandoff(cut=12, catch_up_tail=4)
-    assert state.phase is Phase.HANDING_OFF and state.handed == 8 and state.catch_up_round == 2
+    assert state.phase is RequestPhase.HANDING_OFF and state.handed == 8 and state.catch_up_round == 2
 
 
 def test_catch_up_ends_after_its_last_allowed_round():
@@ -458,11 +458,11 @@ def test_a_continue_legs_length_finish_reports_the_whole_budget():
     state = fold(transition, state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9), MainFailed("gone"))[0]
     own = {"type": "length", "length": MAX_NEW - 9}  # the CONTINUE leg's own, smaller budget
     state, actions = transition(state, RelayTokens(2, MAX_NEW, own))
-    assert actions[-1] == Finish({"type": "length", "length": MAX_NEW}) and state.phase is Phase.DONE
+    assert actions[-1] == Finish({"type": "length", "length": MAX_NEW}) and state.phase is RequestPhase.DONE
 
 
 @pytest.mark.parametrize("make", [lambda: State(max_new=MAX_NEW), started, handing_off, in_main,
                                   lambda: fold(transition, started(), RelayTokens(1, MAX_NEW, LENGTH))[0]])
 def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
     state, actions = transition(make(), Broken("MD repeated a position"))
-    assert state.phase is Phase.FAILED and actions == []
+    assert state.phase is RequestPhase.FAILED and actions == []

@@ -39,9 +39,9 @@ def flush(runtime):
 
 def phases(*names):
     require_sglang_import()
-    from sglang_pdd.radix_drc.room_state import Phase
+    from sglang_pdd.radix_drc.room_state import DrcPhase
 
-    return [Phase(n) for n in names]
+    return [DrcPhase(n) for n in names]
 
 
 def test_flush_refused_while_rooms_of_requests_in_flight_hold_kv(caplog):

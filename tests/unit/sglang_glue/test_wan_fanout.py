@@ -14,7 +14,7 @@ import pytest
 from tests.support.waiting import wait_until
 import torch
 
-from sglang_pdd.kv_channel.fanout_room import DropReason, Phase
+from sglang_pdd.kv_channel.fanout_room import DropReason, FanoutPhase
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
@@ -102,7 +102,7 @@ def test_first_groups_leave_while_prefill_is_still_running(receiver):
     room = fanout.open_room(WanDestination(8, receiver.address, 0), rid="r",
                             token_ids=list(range(prompt_len)), first_offered_page=0)
     fanout.offer(room, slots[:20])  # first prefill chunk only
-    plan = room.legs[0].plan
+    plan = room.shares[0].plan
     ready = plan.groups_ready(20)
     first_pages = plan.group_chunks(ready - 1)[0]
     covered = first_pages.page_start + first_pages.page_count
@@ -131,7 +131,7 @@ def test_request_ending_early_drops_the_room_and_md_fails(receiver):
     fanout.offer(room, np.arange(10))
     # P's request failed before its last chunk: settling must not wait forever for pages.
     assert wait_until(lambda: fanout.may_free_pages(room))
-    assert (room.state.phase, room.state.reason) == (Phase.CANCELLED, DropReason.INCOMPLETE)
+    assert (room.state.phase, room.state.reason) == (FanoutPhase.CANCELLED, DropReason.INCOMPLETE)
     assert wait_state(receiver, 9) is RoomState.FAILED
     fanout.close()
 
@@ -152,7 +152,7 @@ def test_pages_after_the_last_fail_the_room_without_raising_on_the_scheduler(rec
     room = open_md_room(receiver, fanout, 12)
     fanout.offer(room, np.arange(40), last=True)
     fanout.offer(room, np.arange(40, 44))  # out of turn: the room fails, the caller goes on
-    assert (room.state.phase, room.state.reason) == (Phase.FAILED, DropReason.SEND_FAILED)
+    assert (room.state.phase, room.state.reason) == (FanoutPhase.FAILED, DropReason.SEND_FAILED)
     assert wait_until(lambda: fanout.may_free_pages(room))
     fanout.close()
 
@@ -163,7 +163,7 @@ def test_staging_budget_drops_the_room_instead_of_stalling_p(receiver):
     room = open_md_room(receiver, fanout, 11, prompt_len)
     fanout.offer(room, np.arange(prompt_len), last=True)
     assert wait_until(lambda: fanout.may_free_pages(room))
-    assert (room.state.phase, room.state.reason) == (Phase.FAILED, DropReason.STAGING_BUDGET)
+    assert (room.state.phase, room.state.reason) == (FanoutPhase.FAILED, DropReason.STAGING_BUDGET)
     assert fanout.stats()["dropped_staging_budget"] == 1
     assert wait_state(receiver, 11) is RoomState.FAILED
     fanout.close()
@@ -188,7 +188,7 @@ def test_unreachable_md_never_holds_p(receiver):
                             first_offered_page=0)
     fanout.offer(room, np.arange(40), last=True)
     assert wait_until(lambda: fanout.may_free_pages(room))  # copies done: P frees its pages
-    assert wait_until(lambda: room.legs[0].transfer.poll() is RoomState.FAILED, timeout=10)
+    assert wait_until(lambda: room.shares[0].transfer.poll() is RoomState.FAILED, timeout=10)
     assert wait_until(lambda: fanout.stats()["staged_bytes"] == 0)
     fanout.close()
 

@@ -115,10 +115,10 @@ def test_every_md_rank_gets_exactly_its_sglang_shard(kind, heads, p_tp, md_tp):
                 for lo in range(0, prompt_len, 10):  # chunked prefill
                     fanout.offer(room, slots[lo:lo + 10], last=lo + 10 >= prompt_len)
                 rooms.append((fanout, room))
-            # every MD rank is fed over the WAN (no copies between MD's ranks), each by one leg per P rank
-            fed = [leg.spec.md_rank for _, room in rooms for leg in room.legs]
+            # every MD rank is fed over the WAN (no copies between MD's ranks), each by one share per P rank
+            fed = [share.spec.md_rank for _, room in rooms for share in room.shares]
             assert sorted(set(fed)) == list(range(md_tp))
-            assert all(len({leg.spec.md_rank for leg in room.legs}) == len(room.legs) for _, room in rooms)
+            assert all(len({share.spec.md_rank for share in room.shares}) == len(room.shares) for _, room in rooms)
             for fanout, room in rooms:
                 assert wait_until(lambda: fanout.may_free_pages(room))
             for r, receiver in enumerate(md):
@@ -152,10 +152,10 @@ def test_one_md_rank_failing_fails_the_room_on_p_and_every_other_rank():
             md[1].register_room(4, layout_bad, prompt_len, dest1, token_ids=list(range(prompt_len)), timeout=10.0)
             room = fanout.open_room(WanDestination(4, md[0].address, 0, 2), rid="r",
                                     token_ids=list(range(prompt_len)), first_offered_page=0)
-            assert [leg.peer for leg in room.legs] == [md[0].address, md[1].address]
+            assert [share.peer for share in room.shares] == [md[0].address, md[1].address]
             fanout.offer(room, np.arange(20))  # prefill still running when MD rank 1 says no
             assert wait_until(lambda: room.state.dropped)
-            assert (room.state.reason, room.state.leg_failure) == (DropReason.LEG_FAILED,
+            assert (room.state.reason, room.state.share_failure) == (DropReason.SHARE_FAILED,
                                                                    FailureReason.LAYOUT_MISMATCH)
             fanout.offer(room, np.arange(20, prompt_len), last=True)  # ignored
             assert wait_until(lambda: fanout.may_free_pages(room))  # P frees its pages at once
@@ -181,7 +181,7 @@ def test_an_unreachable_md_rank_fails_the_whole_room():
             fanout.offer(room, np.arange(30), last=True)
             assert wait_until(lambda: fanout.may_free_pages(room))  # copies done: P frees its pages
             assert wait_until(lambda: room.state.dropped, timeout=15), fanout.stats()
-            assert (room.state.reason, room.state.leg_failure) == (DropReason.LEG_FAILED, FailureReason.CONNECT_FAILED)
+            assert (room.state.reason, room.state.share_failure) == (DropReason.SHARE_FAILED, FailureReason.CONNECT_FAILED)
             assert fanout.stats()["failed"] == 1
             assert wait_until(lambda: md[0].poll(5).is_terminal) and md[0].poll(5) is RoomState.FAILED
             assert wait_until(lambda: fanout.stats()["staged_bytes"] == 0 and fanout.stats()["live_rooms"] == 0)
@@ -189,7 +189,7 @@ def test_an_unreachable_md_rank_fails_the_whole_room():
             fanout.close()
 
 
-def test_md_tp_1_keeps_one_whole_row_leg():
+def test_md_tp_1_keeps_one_whole_row_share():
     full = Pool.full("mha", 2, seed=4)
     with md_ranks(1) as md:
         (fanout,) = p_ranks("mha", 2, 1, full, md[0].address)
@@ -197,8 +197,8 @@ def test_md_tp_1_keeps_one_whole_row_leg():
             register(md, "mha", 2, full, 6, 10)
             room = fanout.open_room(WanDestination(6, md[0].address, 0), rid="r", token_ids=list(range(10)),
                                     first_offered_page=0)
-            (leg,) = room.legs
-            assert leg.spec.row is None and leg.spec.src_row is None and leg.peer == md[0].address
+            (share,) = room.shares
+            assert share.spec.row is None and share.spec.src_row is None and share.peer == md[0].address
         finally:
             fanout.close()
 

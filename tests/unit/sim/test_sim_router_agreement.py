@@ -215,7 +215,7 @@ def _counting_transition(monkeypatch, drop=None):
 
 
 def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
-    from sglang_pdd.router.lifecycle import Phase
+    from sglang_pdd.router.lifecycle import RequestPhase
     from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     seen = _counting_transition(monkeypatch)
@@ -224,7 +224,7 @@ def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
     names = [e for e, _ in seen]
     assert names.count("PathChosen") == len(trace)
     # every request ends in DONE exactly once (the sim finishes it on the lifecycle's Finish)
-    done_events = [e for e, ph in seen if ph is Phase.DONE]
+    done_events = [e for e, ph in seen if ph is RequestPhase.DONE]
     assert len(done_events) == len(trace)
     assert {"RelayTokens", "MainTokens"} >= set(done_events)
     # every switch to MD was a cut (CutReady) and ended on MD's tokens (MainTokens)
