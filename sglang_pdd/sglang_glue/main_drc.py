@@ -191,6 +191,7 @@ class MainDrcRuntime(MdRoomQueries):
         return self.pages.held_tokens
 
     def close(self) -> None:
+        self.rank_rooms.pages.close()  # before the receiver: its queued releases run on it
         self.receiver.close()
         if self.control is not None:
             self.control.close()

@@ -38,8 +38,10 @@ class PageReleases:
         self._free_slots = free_slots  # SglangTreeOps.free: back to the allocator
         self.held_tokens = 0
         self.releasing: list[PagesRelease] = []
-        self._to_receiver: "queue.Queue[tuple[int, Optional[PagesRelease]]]" = queue.Queue()
-        threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release", daemon=True).start()
+        self._to_receiver: "queue.Queue[Optional[tuple[int, Optional[PagesRelease]]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release",
+                                        daemon=True)
+        self._thread.start()
 
     def hold(self, num_tokens: int) -> None:
         self.held_tokens += num_tokens
@@ -83,9 +85,19 @@ class PageReleases:
         self._free_slots(landing.slots)
         self.held_tokens -= landing.num_tokens
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the release thread once the releases queued before are done (it holds the
+        receiver: a runtime closed without this kept one thread and its receiver alive)."""
+        self._to_receiver.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     def _release_rooms_in_receiver(self) -> None:
         while True:
-            room, record = self._to_receiver.get()
+            item = self._to_receiver.get()
+            if item is None:
+                return
+            room, record = item
             try:
                 self.receiver.release_room(room, timeout=60.0)
                 ok = True

@@ -3,6 +3,7 @@ over loopback: page sizes 1/16/64, MHA and MLA, DRC prefixes cut on page boundar
 reserved at registration and written as chunks land, admission (refused rooms hold nothing),
 and every reserved page accounted for."""
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -130,8 +131,7 @@ def md_rows(md, token_ids, start, end):
 def close(md, p=None):
     if p is not None:
         p.fanout.close()
-    md.receiver.close()
-    md.control.httpd.shutdown()
+    md.close()
 
 
 @pytest.mark.parametrize("kind,page_size,prompt_len", [
@@ -168,6 +168,20 @@ def test_kv_lands_in_the_tree_exactly(kind, page_size, prompt_len, ingest):
         assert md.ops.tree.protected_size() == 0 and conserved(md)
     finally:
         close(md, p)
+
+
+def test_a_closed_runtime_leaves_no_thread_of_its_own():
+    """MD's runtime is closed as a whole: its receiver, control server and the thread that
+    lets rooms go in the receiver (which would otherwise keep the receiver alive)."""
+    before = set(threading.enumerate())
+    md = build_md(16, "mha", ingest="pool")
+    reg = md.rank_rooms.register(RegisterRequest(1, list(range(40))))
+    assert reg.cached_tokens == 0
+    md.rank_rooms.release(ReleaseRequest(1))  # queues the room's release on that thread
+    md.close()
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert "pdd-md-room-release" not in left
+    assert md.rank_rooms.pages._to_receiver.empty()  # the queued release ran before it stopped
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
