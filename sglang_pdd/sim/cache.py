@@ -15,7 +15,8 @@ part of a hit is loaded back into HBM, which costs the caller its transfer time
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, _count_elements, deque
+from itertools import repeat, takewhile
 from typing import Sequence
 
 from sglang_pdd.workload import BLOCK_TOKENS
@@ -38,11 +39,8 @@ class BlockCache:
         host blocks of the match are loaded back into HBM). `host_hits` is set to how many
         of them were on the host."""
         blocks = self._blocks
-        n = 0
-        for h in hash_ids:
-            if h not in blocks:
-                break
-            n += 1
+        # The leading run of HBM blocks, counted in C (a prompt is ~60 blocks).
+        n = len(list(takewhile(blocks.__contains__, hash_ids)))
         self.host_hits = 0
         host = self._host
         loaded = None
@@ -66,19 +64,15 @@ class BlockCache:
 
     def _touch(self, hash_ids: Sequence[int]) -> None:
         # Leaf first, root last: the root ends most recent, so like a radix tree we evict
-        # leaves before the prefixes they hang from.
+        # leaves before the prefixes they hang from. Adding the new blocks first (at the
+        # recent end) and then moving every block to the end, deepest first, leaves the same
+        # order as touching each in turn, with both loops in C.
         blocks = self._blocks
-        move_to_end = blocks.move_to_end
-        for h in reversed(hash_ids):
-            if h in blocks:
-                move_to_end(h)
-            else:
-                blocks[h] = None  # a new key lands at the recent end already
+        blocks.update(zip(hash_ids, repeat(None)))  # new keys only; existing ones keep their place
+        deque(map(blocks.move_to_end, reversed(hash_ids)), 0)
 
     def pin(self, hash_ids: Sequence[int]) -> None:
-        pins = self._pins
-        for h in hash_ids:
-            pins[h] = pins.get(h, 0) + 1
+        _count_elements(self._pins, hash_ids)  # pins[h] += 1 for each, in C (Counter's helper)
 
     def unpin(self, hash_ids: Sequence[int]) -> None:
         pins = self._pins

@@ -183,7 +183,7 @@ class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -357,7 +357,8 @@ class Simulation:
         r = SimRequest(tr, now)
         self.arrived += 1
         self.in_system.change(now, +1)
-        full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+        # The prompt's whole blocks (caches hit in whole blocks), used at every step
+        full = r.full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
 
         r.p = self._place_p(full)
         self.p_flows[r.p] += 1
@@ -555,7 +556,7 @@ class Simulation:
         self.p_flows[r.p] -= 1  # the router counts a request on P until P's leg replies
         self.p_tokens[r.p] -= r.p_tok
         self.prefill_sojourn_sum += now - r.t_prefill_in
-        full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+        full = r.full
         self.p_cache[r.p].insert(full)
         if self.p_placement in ("router", "backlog"):  # Pools.prefill_replied: P holds the prompt
             self.p_index.record_blocks(r.p, full)
@@ -660,7 +661,7 @@ class Simulation:
         self.kv_landed += 1
         self.kv_wan_s_sum += now - r.t_kv_sent
         if c.drc:
-            full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+            full = r.full
             self.md_cache[r.md].insert(full)
             self.md_index.record_blocks(r.md, full)
         if r.done:
@@ -816,8 +817,7 @@ class Simulation:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
         if self.p_placement in ("router", "flows"):  # pools.py's Pools.record: P's prompt, at request end
-            tr = r.tr
-            self.p_index.record_blocks(r.p, tr.hash_ids[: tr.input_length // BLOCK_TOKENS])
+            self.p_index.record_blocks(r.p, r.full)
         r.done = True
         r.t_done = t_done
         self.finished += 1
