@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from itertools import takewhile
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 DEFAULT_BLOCK_TOKENS = 64
@@ -118,9 +117,12 @@ class PrefixIndex:
         lru = self._blocks.get(instance)
         if not lru:
             return 0
-        # Stops at the first missing block: the chain is broken, longer prefixes through it
-        # are not cached.
-        return len(list(takewhile(lru.__contains__, hashes)))
+        matched = 0
+        for h in hashes:
+            if h not in lru:
+                break  # chain broken: longer prefixes through this block are not cached
+            matched += 1
+        return matched
 
     def best_blocks(self, instances: Sequence[Hashable], hashes: Sequence[Hashable]) -> Tuple[Hashable, int]:
         """The instance holding the longest prefix of `hashes`, and that prefix in blocks.
@@ -141,7 +143,11 @@ class PrefixIndex:
             # lookup rules most instances out before walking the chain.
             if not lru or hashes[best] not in lru:
                 continue
-            matched = len(list(takewhile(lru.__contains__, hashes)))
+            matched = 0
+            for h in hashes:
+                if h not in lru:
+                    break
+                matched += 1
             if matched > best:
                 best_instance, best = inst, matched
         return best_instance, best
