@@ -142,6 +142,7 @@ def main() -> int:
     tag = f"{a.model}_{a.wan_gbps:g}g" + (f"_x{a.rate_scale:g}" if a.rate_scale != 1 else "")
     results = []
     for label, trace, closed in traces(a):
+        arrivals = "sessions" if closed else "open"
         hits = per_request_hit_rates(trace)
         print(f"## {label} ({a.model}, P/RLD {chip_a}, MD {chip_b}, WAN {a.wan_gbps:g} Gbps): {len(trace)} requests, "
               f"mean input {sum(r.input_length for r in trace) / len(trace):.0f}, per-request hit "
@@ -166,7 +167,7 @@ def main() -> int:
             cfg = replace(cfg, name=f"{name} {res.n_prefill}P/{res.n_rld}R/{res.n_md}D")
             scales = [a.rate_scale * float(x) for x in a.scales.split(",")]
             bar = tqdm(total=len(scales), desc=f"load sweep {label} {name}", file=sys.stderr)
-            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), closed_loop=closed)
+            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), arrivals=arrivals)
             bar.close()
             knees.append(k)
             row[name].update(knee_goodput_rps=k.knee_goodput_rps, knee_bcr=k.knee_bcr,
@@ -176,7 +177,7 @@ def main() -> int:
             modes = [with_counts(by[n], v.pdd.n_prefill, v.pdd.n_rld, v.pdd.n_md)
                      for n in ("pdd_drc_oneshot", "pdd_drc_catchup", "pdd_drc_adaptive")]
             from sglang_pdd.sim.cluster import run_scenario
-            sums = [run_scenario(c, trace, sla, rate_scale=a.rate_scale, closed_loop=closed) for c in modes]
+            sums = [run_scenario(c, trace, sla, rate_scale=a.rate_scale, arrivals=arrivals) for c in modes]
             if v.pd is not None:
                 sums.insert(0, v.pd.summary)
             print(format_table(sums), flush=True)

@@ -5,6 +5,12 @@
     python -m benchmarks.sim_round4 placement                            # the P rules compared
     python -m benchmarks.sim_round4 staging --wan-gbps 50                # MD's staging budget swept
 
+Session traces arrive as sessions (`--arrivals sessions`, the default): session starts at
+their trace times, the same for every design, each next turn its think time after the
+previous answer (docs/sim.md, "How a trace arrives"); `--arrivals open` replays every turn at
+its trace time (the earlier runs; their JSON files keep their names, sessions runs add
+`_sessions`).
+
 `headline` sizes same-DC PD, cross-DC PD (no relay, no DRC), cross-DC PD + DRC and PDD on the
 report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
 runs every design on PDD's sized fleet, load-sweeps them for the knee, and prints the
@@ -26,7 +32,7 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from sglang_pdd.sim.cluster import run_scenario
+from sglang_pdd.sim.cluster import ARRIVALS, run_scenario
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
 from sglang_pdd.sim.metrics import Sla, Summary
@@ -84,7 +90,7 @@ def headline(a) -> int:
         bar = tqdm(desc=f"sizing at {a.wan_gbps:g} Gbps", unit="sim", file=sys.stderr)
         lo, hi = (int(x) for x in a.prefill_range.split(":"))
         v = size_designs({n: by[n] for n in DESIGNS}, PDD, trace, sla, a.target, range(lo, hi + 1),
-                         range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update())
+                         range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update(), arrivals=a.arrivals)
         bar.close()
         sized = {n: (None if r is None else dict(n_prefill=r.n_prefill, n_rld=r.n_rld, n_md=r.n_md,
                                                   cost_per_hour=r.cost_per_hour, summary=_short(r.summary)))
@@ -103,19 +109,20 @@ def headline(a) -> int:
         scales = [float(x) for x in a.scales.split(",")]
         bar = tqdm(total=len(DESIGNS) * (1 + len(scales)), desc="same fleet + knees", file=sys.stderr)
         for n, cfg in cfgs.items():
-            same_fleet[n] = _short(run_scenario(cfg, trace, sla))
+            same_fleet[n] = _short(run_scenario(cfg, trace, sla, arrivals=a.arrivals))
             bar.update()
-            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update())
+            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), arrivals=a.arrivals)
             knees[n] = dict(knee_scale=k.knee.rate_scale if k.knee else None, knee_goodput_rps=k.knee_goodput_rps,
                             knee_bcr=k.knee_bcr, cost_per_hour=cfg.cost_per_hour)
         bar.close()
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
     out = dict(trace=f"agentic_report{a.n}x{a.tile}", requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
-               mla_kernel=a.mla_kernel, sla=asdict(sla), target=a.target, sized=sized,
+               mla_kernel=a.mla_kernel, arrivals=a.arrivals, sla=asdict(sla), target=a.target, sized=sized,
                verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
                knees=knees, report=REPORT)
     os.makedirs(a.out, exist_ok=True)
-    tag = f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
+    tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
+           + ("" if a.arrivals == "open" else f"_{a.arrivals}"))
     path = os.path.join(a.out, f"sim_headline_{tag}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -145,7 +152,7 @@ def headline_markdown(d: dict) -> str:
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
-             f"MLA kernel {d['mla_kernel']}; same fleet = {d['fleet']}",
+             f"MLA kernel {d['mla_kernel']}, arrivals {d.get('arrivals', 'open')}; same fleet = {d['fleet']}",
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
     if pdd and xdc and xdcd:
         lines.append(f"| TTFT p90 vs cross-DC PD | -46% | {_vs(pdd, xdc, 'ttft_p90', d['target'])} "
@@ -208,7 +215,7 @@ def wins_map(a) -> int:
             by = {c.name: c for c in standard_scenarios(spec_for(a.model, g))}
             names = [n for n in DESIGNS if n != "pd_same_dc" or h not in pd_cost]
             v = size_designs({n: by[n] for n in names}, PDD, trace, sla, a.target, range(lo, hi + 1),
-                             range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update())
+                             range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update(), arrivals=a.arrivals)
             if "pd_same_dc" in v.results:
                 r = v.results["pd_same_dc"]
                 pd_cost[h] = None if r is None else r.cost_per_hour
@@ -220,11 +227,12 @@ def wins_map(a) -> int:
                 f"{n} {'-' if c is None else f'${c:.0f}/h'}" for n, c in costs.items()), flush=True)
     bar.close()
     os.makedirs(a.out, exist_ok=True)
-    out = dict(model=a.model, n=a.n, tile=a.tile, rate=round(offered_rps(trace), 2), resets=resets,
+    out = dict(model=a.model, n=a.n, tile=a.tile, rate=round(offered_rps(trace), 2), arrivals=a.arrivals, resets=resets,
                sla=asdict(sla), target=a.target, hits=hits, gbps=gbps, cells=cells)
-    with open(os.path.join(a.out, "sim_wins_map.json"), "w") as f:
+    stem = "sim_wins_map" + ("" if a.arrivals == "open" else f"_{a.arrivals}")
+    with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {plot_map(out, os.path.join(a.out, 'sim_wins_map.png'))}")
+    print(f"wrote {plot_map(out, os.path.join(a.out, f'{stem}.png'))}")
     return 0
 
 
@@ -265,7 +273,8 @@ def plot_map(d: dict, path: str) -> str:
     axes[0].set_ylabel("mean prefix hit per request")
     fig.colorbar(im, ax=axes, label="PDD's cost / baseline's - 1 (green: PDD cheaper)", shrink=0.85)
     fig.suptitle(f"Cheapest fleet meeting {d['target']:.0%} SLA: {d['model']}, report-like agentic trace x{d['tile']} "
-                 f"(~{d['rate']:g} r/s; fewer hits = more context resets), WAN lease in the cost", fontsize=10)
+                 f"(~{d['rate']:g} r/s session starts x turns; fewer hits = more context resets), arrivals "
+                 f"{d.get('arrivals', 'open')}, WAN lease in the cost", fontsize=10)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -289,12 +298,13 @@ def placement(a) -> int:
             by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps), p_placement=rule))}
             for name in ("pd_same_dc", PDD):
                 cfg = with_counts(by[name], n_p, n_r if name == PDD else 0, n_m if name == PDD else n_m + n_r)
-                s = run_scenario(cfg, trace, sla)
+                s = run_scenario(cfg, trace, sla, arrivals=a.arrivals)
                 rows.append(dict(trace=label, rule=rule, design=name, mix=[n_p, n_r, n_m], **_short(s)))
                 bar.update()
     bar.close()
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sim_p_rules.json"), "w") as f:
+    sfx = "" if a.arrivals == "open" else f"_{a.arrivals}"
+    with open(os.path.join(a.out, f"sim_p_rules{sfx}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("| trace, fleet | design | " + " | ".join(P_PLACEMENTS) + " |")
     print("|---|---|" + "---|" * len(P_PLACEMENTS))
@@ -321,7 +331,7 @@ def staging(a) -> int:
     bar = tqdm(total=2 * len(shares), desc="staging shares", file=sys.stderr)
     for name in ("xdc_pd_drc", PDD):
         for share in shares:
-            s = run_scenario(replace(by[name], md_staging_bytes=share * pool), trace, sla)
+            s = run_scenario(replace(by[name], md_staging_bytes=share * pool), trace, sla, arrivals=a.arrivals)
             rows.append(dict(design=name, share=share, gib=share * pool / 2 ** 30, **_short(s)))
             bar.update()
     bar.close()
@@ -333,7 +343,8 @@ def staging(a) -> int:
               f"{r['ttft_p90']:.2f} | {1e3 * r['stall_p99']:.0f} | {r['md_waited']} | {r['md_refused']} | "
               f"{r['mean_md_hit']:.2f} | {r['wan_util']:.2f} |")
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"sim_staging_{a.model}_{a.wan_gbps:g}g.json"), "w") as f:
+    sfx = "" if a.arrivals == "open" else f"_{a.arrivals}"
+    with open(os.path.join(a.out, f"sim_staging_{a.model}_{a.wan_gbps:g}g{sfx}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 
@@ -351,6 +362,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--target", type=float, default=0.9)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--out", default="docs/img")
+        p.add_argument("--arrivals", choices=ARRIVALS, default="sessions",
+                       help="sessions: turns follow answers (default); open: every turn at its trace time")
 
     p = sub.add_parser("headline")
     common(p)
@@ -358,10 +371,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tile", type=int, default=8, help="copies of the trace: 8 sizes same-DC PD at ~80-88 GPUs")
     p.add_argument("--wan-gbps", type=float, default=20.0)
     p.add_argument("--mla-kernel", default="flashmla", choices=("flashmla", "generic"))
-    p.add_argument("--prefill-range", default="6:12")
-    p.add_argument("--rld-max", type=int, default=2)
+    # With sessions the report-like x8 trace sizes same-DC PD at 3 P (open loop: 8)
+    p.add_argument("--prefill-range", default="3:12")
+    p.add_argument("--rld-max", type=int, default=3)
     p.add_argument("--md-max", type=int, default=6)
-    p.add_argument("--scales", default="0.75,1,1.25,1.5")
+    p.add_argument("--scales", default="1,1.5,2,2.5,3")
     p.add_argument("--reuse", help="take the sizing from this earlier headline JSON of the same setup")
     p.set_defaults(fn=headline)
     p = sub.add_parser("map")

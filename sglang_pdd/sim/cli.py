@@ -16,7 +16,7 @@ from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest,
                                   report_agentic_config, save_trace)
 
 from .bathtub import sweep
-from .cluster import P_PLACEMENTS, run_scenario
+from .cluster import ARRIVALS, P_PLACEMENTS, run_scenario
 from .hardware import (CHIPS, MLA_KERNELS, MODELS, WAN_DEFAULT, WAN_PRICE_PER_GBPS_HOUR, HardwareProfile, preset,
                        smallest_group)
 from .loadsweep import load_sweep
@@ -25,7 +25,7 @@ from .plots import plot_bathtub, plot_comparison, plot_load_sweep
 from .report import format_table
 from .rldsweep import choose_default, rld_admission_sweep
 from .scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios
-from .sizing import size_cluster, size_designs
+from .sizing import offered_rps, size_cluster, size_designs
 from .traces import tile_trace
 
 
@@ -42,8 +42,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="new sessions per second of the generator (default: the generator's)")
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="replay arrivals this many times faster (2 = twice the offered load)")
-    p.add_argument("--closed-loop", action="store_true",
-                   help="a session's next turn arrives its think time after the previous one ended")
+    p.add_argument("--arrivals", choices=ARRIVALS, default="sessions",
+                   help="sessions (default): session starts at their trace times, each next turn its think time "
+                        "after the previous turn's answer; open: every request at its trace time, answered or not "
+                        "(a trace without sessions replays the same either way)")
     p.add_argument("--limit", type=int, help="use only the first N requests of --trace")
     p.add_argument("--tile", type=int, default=1, metavar="K",
                    help="K copies of the trace side by side (other users: own prefixes and sessions), K times "
@@ -147,9 +149,9 @@ def cmd_compare(a) -> int:
     label, trace = _trace(a)
     sla = _sla(a)
     scenarios = standard_scenarios(_spec(a))
-    summaries = [run_scenario(cfg, trace, sla, a.rate_scale, a.closed_loop)
+    summaries = [run_scenario(cfg, trace, sla, a.rate_scale, a.arrivals)
                  for cfg in tqdm(scenarios, desc=f"simulating {label}", file=sys.stderr)]
-    print(f"# {label}: {len(trace)} requests x{a.rate_scale:g} rate, SLA TTFT <= {sla.ttft_s}s, "
+    print(f"# {label}: {len(trace)} requests x{a.rate_scale:g} rate, arrivals {a.arrivals}, SLA TTFT <= {sla.ttft_s}s, "
           f"TPOT <= {sla.tpot_s * 1e3:.0f}ms" + (f", ITL <= {sla.max_itl_s * 1e3:.0f}ms" if sla.max_itl_s else ""))
     print(format_table(summaries))
     os.makedirs(a.out, exist_ok=True)
@@ -165,6 +167,16 @@ def _print_edges(edges) -> None:
         print(f"warning: {e}; a wider range may hold a cheaper mix")
 
 
+def _print_offered(a, trace, summaries) -> None:
+    """With turns following answers a design's offered rate is its own; it matches the trace's
+    only over many session lifetimes (a few long sessions are nearly a fixed population, and a
+    slower design then gets less load). Printed so that a verdict resting on it shows."""
+    if a.arrivals != "sessions" or not summaries:
+        return
+    print(f"offered r/s, turns after answers (the trace at its timestamps: {offered_rps(trace, a.rate_scale):.2f}): "
+          + ", ".join(f"{s.scenario} {s.offered_rps:.2f}" for s in summaries))
+
+
 def _mix(res) -> str:
     c = res.summary
     return (f"P={res.n_prefill} RLD={res.n_rld} MD/D={res.n_md} ({c.gpus} GPUs), ${res.cost_per_hour:.1f}/h "
@@ -172,10 +184,6 @@ def _mix(res) -> str:
 
 
 def cmd_size(a) -> int:
-    if a.closed_loop:
-        # A closed loop offers a slow design less load; sizing compares designs at equal load.
-        print("note: size replays the trace open loop (every design faces the same offered load); "
-              "--closed-loop is ignored", file=sys.stderr)
     label, trace = _trace(a)
     sla = _sla(a)
     spec = _spec(a)
@@ -189,14 +197,14 @@ def cmd_size(a) -> int:
         bases = {n: by_name[n] for n in BASELINES}
         bases[a.scenario] = base
         v = size_designs(bases, a.scenario, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1),
-                         a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale)
+                         a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale, arrivals=a.arrivals)
         bar.close()
         hw = {"P": spec.chip_a, "RLD": spec.rld_hw or spec.chip_a, "MD": spec.chip_b}
         groups = ", ".join(f"{role} {h.name}" for role, h in hw.items())
         least = ""
         if not a.profile_a:
             least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
-        print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, "
+        print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, arrivals {a.arrivals}, "
               f"target {a.target:.0%} SLA attainment; instances: {groups}{least}; WAN {spec.wan.gbps:g} Gbps, "
               f"lease ${spec.wan.lease_per_hour:.1f}/h")
         for name, res in v.results.items():
@@ -205,18 +213,20 @@ def cmd_size(a) -> int:
         for vd in v.verdicts:
             print(f"verdict {vd.message}")
         _print_edges(v.warnings)
+        _print_offered(a, trace, [r.summary for r in v.results.values() if r is not None])
         shown = [r.summary for r in v.results.values() if r is not None]
         if shown:
             print(format_table(shown))
         return 0 if any(r is not None for r in v.results.values()) else 1
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
-                        progress=lambda: bar.update(), rate_scale=a.rate_scale)
+                        progress=lambda: bar.update(), rate_scale=a.rate_scale, arrivals=a.arrivals)
     bar.close()
     if best is None:
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
         return 1
     print(f"cheapest {a.scenario} meeting {a.target:.0%} SLA on {label}: {_mix(best)}")
     _print_edges(best.edges)
+    _print_offered(a, trace, [best.summary])
     print(format_table([best.summary]))
     return 0
 
@@ -227,7 +237,8 @@ def cmd_rld_sweep(a) -> int:
     cfg = {c.name: c for c in standard_scenarios(_spec(a))}[a.scenario]
     values = [int(x) for x in a.values.split(",")]
     bar = tqdm(total=len(values), desc=f"rld admission sweep {label}", file=sys.stderr)
-    points = rld_admission_sweep(cfg, trace, sla, values, rate_scale=a.rate_scale, progress=lambda: bar.update())
+    points = rld_admission_sweep(cfg, trace, sla, values, rate_scale=a.rate_scale, progress=lambda: bar.update(),
+                                 arrivals=a.arrivals)
     bar.close()
     print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, {cfg.n_prefill} P / {cfg.n_rld} RLD / {cfg.n_md} MD, "
           f"WAN {cfg.wan.gbps:g} Gbps; --rld-max-running swept (RLD's batch cap stays "
@@ -256,7 +267,7 @@ def cmd_sweep(a) -> int:
     scales = [float(x) for x in a.scales.split(",")]
     bar = tqdm(total=len(scales) * len(scenarios), desc=f"load sweep {label}", file=sys.stderr)
     knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(),
-                        closed_loop=a.closed_loop) for cfg in scenarios]
+                        arrivals=a.arrivals) for cfg in scenarios]
     bar.close()
     print(f"# {label}: goodput vs offered load; knee = highest rate with >= {a.target:.0%} SLA attainment")
     print(f"{'scenario':<20} {'x rate':>6} {'offered r/s':>11} {'good r/s':>8} {'SLA%':>6} {'TTFT p90':>8}")

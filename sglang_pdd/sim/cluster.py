@@ -76,6 +76,10 @@ _LENGTH = {"type": "length"}  # SGLang's finish_reason when the output budget is
 
 
 KINDS = ("pd", "xdc", "pdd")
+# How a trace's requests arrive (Simulation.run): "sessions" = session starts at their trace
+# times, each next turn its think time after the previous one finished; "open" = every request
+# at its trace time, answered or not (the old replay; the same for a trace without sessions).
+ARRIVALS = ("sessions", "open")
 P_PLACEMENTS = ("router", "flows", "backlog", "round_robin")
 
 
@@ -179,7 +183,7 @@ class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -275,7 +279,7 @@ class Simulation:
         self.md_input_tokens = 0
         self._trace = None
         self._t0 = None
-        self._next_turn = {}  # id(turn) -> (next turn, think time): closed-loop sessions
+        self._next_turn = {}  # id(turn) -> (next turn, think time): arrivals="sessions"
         # MD staging (every design that lands KV on MD): bytes of rooms in flight per MD,
         # transfers waiting for room (no RLD to fall back on), landed requests waiting for MD
         # to admit a handoff.
@@ -291,11 +295,16 @@ class Simulation:
         self.md_host_tokens = 0  # prompt tokens MD loaded back from its host tier (not shipped)
 
     # ---- driving -------------------------------------------------------------------
-    def run(self, requests: Iterable[TraceRequest], closed_loop: bool = False) -> Summary:
-        """closed_loop: a session's next turn arrives its think time (the gap between the two
-        turns' timestamps in the trace) after the previous turn *finished*, as an agent or a
-        chat user does; first turns and requests without a session keep their timestamps."""
-        if closed_loop:
+    def run(self, requests: Iterable[TraceRequest], arrivals: str = "open") -> Summary:
+        """arrivals (ARRIVALS): "open" replays every request at its trace time. "sessions":
+        session starts (first turns, and requests without a session) keep their trace times,
+        and each next turn arrives its think time (the gap between the two turns' timestamps
+        in the trace) after the previous turn *finished*, as an agent or a chat user does: no
+        turn can arrive before the answer it extends. A trace without sessions replays the
+        same either way."""
+        if arrivals not in ARRIVALS:
+            raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
+        if arrivals == "sessions":
             requests = list(requests)
             first = []
             last = {}
@@ -348,7 +357,8 @@ class Simulation:
         r = SimRequest(tr, now)
         self.arrived += 1
         self.in_system.change(now, +1)
-        full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+        # The prompt's whole blocks (caches hit in whole blocks), used at every step
+        full = r.full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
 
         r.p = self._place_p(full)
         self.p_flows[r.p] += 1
@@ -546,7 +556,7 @@ class Simulation:
         self.p_flows[r.p] -= 1  # the router counts a request on P until P's leg replies
         self.p_tokens[r.p] -= r.p_tok
         self.prefill_sojourn_sum += now - r.t_prefill_in
-        full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+        full = r.full
         self.p_cache[r.p].insert(full)
         if self.p_placement in ("router", "backlog"):  # Pools.prefill_replied: P holds the prompt
             self.p_index.record_blocks(r.p, full)
@@ -651,7 +661,7 @@ class Simulation:
         self.kv_landed += 1
         self.kv_wan_s_sum += now - r.t_kv_sent
         if c.drc:
-            full = tr.hash_ids[: tr.input_length // BLOCK_TOKENS]
+            full = r.full
             self.md_cache[r.md].insert(full)
             self.md_index.record_blocks(r.md, full)
         if r.done:
@@ -807,8 +817,7 @@ class Simulation:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
         if self.p_placement in ("router", "flows"):  # pools.py's Pools.record: P's prompt, at request end
-            tr = r.tr
-            self.p_index.record_blocks(r.p, tr.hash_ids[: tr.input_length // BLOCK_TOKENS])
+            self.p_index.record_blocks(r.p, r.full)
         r.done = True
         r.t_done = t_done
         self.finished += 1
@@ -827,14 +836,14 @@ class Simulation:
         gap = r.max_gap if r.stall != r.stall else max(r.max_gap, r.stall)  # stall NaN: no switch
         log.max_gap.append(gap if out > 1 else float("nan"))
         nxt = self._next_turn.pop(id(r.tr), None)
-        if nxt is not None:  # closed loop: the session's next turn after its think time
+        if nxt is not None:  # arrivals="sessions": the session's next turn after its think time
             tr, think_s = nxt
             self.loop.at(t_done + think_s, self._route, tr)
 
 
 def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla(),
-                 rate_scale: float = 1.0, closed_loop: bool = False) -> Summary:
-    return Simulation(cfg, sla, rate_scale).run(requests, closed_loop)
+                 rate_scale: float = 1.0, arrivals: str = "open") -> Summary:
+    return Simulation(cfg, sla, rate_scale).run(requests, arrivals)
 
 
-__all__ = ["ScenarioConfig", "Simulation", "run_scenario", "PATH_NAMES"]
+__all__ = ["ARRIVALS", "ScenarioConfig", "Simulation", "run_scenario", "PATH_NAMES"]

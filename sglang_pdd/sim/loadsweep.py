@@ -1,5 +1,5 @@
-"""Goodput vs offered load: the same trace replayed faster or slower (`rate_scale`), and the
-knee, the highest offered rate at which the SLA-attainment target still holds.
+"""Goodput vs offered load: the same trace replayed faster or slower (`rate_scale`: with
+arrivals="sessions", its session starts; think times stay the trace's), and the knee, the highest offered rate at which the SLA-attainment target still holds.
 
 Goodput of one run can never exceed its offered rate, so one run at the trace's own rate
 says nothing about capacity. The knee does: `knee_goodput_rps` is what the cluster serves
@@ -47,7 +47,7 @@ class Knee:
 
 def load_sweep(cfg: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla, scales: Sequence[float],
                target: float = 0.9, progress: Optional[Callable[[], None]] = None,
-               closed_loop: bool = False) -> Knee:
+               arrivals: str = "sessions") -> Knee:
     """Runs `cfg` at every rate scale (ascending) and finds the knee. Attainment is not
     strictly monotone in load (a slower replay can change cache timing), so the knee is
     the highest rate whose attainment meets the target with every lower rate meeting it."""
@@ -55,7 +55,7 @@ def load_sweep(cfg: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla, sca
     knee = None
     broken = False
     for k in sorted(scales):
-        s = run_scenario(cfg, trace, sla, rate_scale=k, closed_loop=closed_loop)
+        s = run_scenario(cfg, trace, sla, rate_scale=k, arrivals=arrivals)
         p = LoadPoint(k, s.offered_rps, s.goodput_rps, s.sla_attainment, s.ttft_p90, s)
         points.append(p)
         if progress:

@@ -38,12 +38,13 @@ class AdmissionPoint:
 
 def rld_admission_sweep(cfg: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla, values: Sequence[int],
                         rate_scale: float = 1.0,
-                        progress: Optional[Callable[[], None]] = None) -> List[AdmissionPoint]:
+                        progress: Optional[Callable[[], None]] = None,
+                        arrivals: str = "sessions") -> List[AdmissionPoint]:
     if cfg.kind != "pdd" or cfg.n_rld < 1:
         raise ValueError("the RLD admission sweep needs a PDD scenario with an RLD")
     out = []
     for v in values:
-        out.append(AdmissionPoint(v, run_scenario(replace(cfg, rld_max_running=v), trace, sla, rate_scale)))
+        out.append(AdmissionPoint(v, run_scenario(replace(cfg, rld_max_running=v), trace, sla, rate_scale, arrivals)))
         if progress:
             progress()
     return out

@@ -94,11 +94,15 @@ class EqualShareServer:
 
     def _reschedule(self, now: float) -> None:
         self._version += 1
-        heap = self._heap
-        while heap and (heap[0][2] not in self.jobs or self.jobs[heap[0][2]][1] != heap[0][0]):
+        heap, jobs = self._heap, self.jobs
+        while heap:  # drop stale tops: jobs gone, or re-added with another finish
+            top = heap[0]
+            entry = jobs.get(top[2])
+            if entry is not None and entry[1] == top[0]:
+                break
             heapq.heappop(heap)
         hist = self.history
-        if not self.jobs:
+        if not jobs:
             self.rate = 0.0
             self.weight_sum = 0.0
             self.finish_v_sum = 0.0

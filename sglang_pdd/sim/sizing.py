@@ -1,12 +1,18 @@
 """Sizing: the cheapest instance mix that meets an SLA-attainment target on a trace.
 
-Every candidate faces the **same offered load**: the trace is replayed open loop at its own
-timestamps (times `rate_scale`), whatever the design does. Closed-loop replay would let a slow
-design receive less load (its sessions' next turns wait for its answers) and so look cheaper:
-a slower MD made PDD win. Every run's offered rate is checked against the trace's (the
-demand). A mix meets the target when its SLA attainment reaches it **over the whole run and
-over its last tenth of arrivals** (`Summary.tail_sla_attainment`): a backlog that builds up
-late in the trace would otherwise hide in the overall percentage.
+Every candidate faces the **same sessions**: by default (`arrivals="sessions"`) each session
+starts at its trace time (times `rate_scale`), whatever the design does, and each next turn
+arrives its think time after the previous turn's answer, as an agent's does. A slower design
+stretches its sessions but cannot shed them: the long-run rate is session starts x turns, the
+same for every design, and a backlog shows in the last tenth (below). Replaying every turn
+at its trace time instead (`arrivals="open"`, what a trace without sessions does anyway) sends
+a turn before the answer it extends, with its whole context uncached on MD: the trace model,
+not the design, then decided the cross-DC verdicts. A fixed population of clients (a plain
+closed loop) would let a slow design receive less load and look cheaper; that is not done.
+Every run serves every request of the trace (and, open, the trace's rate: the demand). A
+mix meets the target when its SLA attainment reaches it **over the whole run and over its
+last tenth of arrivals** (`Summary.tail_sla_attainment`): a backlog that builds up late in
+the trace would otherwise hide in the overall percentage.
 
 For each RLD count: bisect the fewest P that meet the target with the most MD, then for each
 P count from there, bisect the fewest MD (meeting the target rises with MD count), and stop
@@ -43,7 +49,8 @@ def meets(s: Summary, target_attainment: float) -> bool:
 
 
 def offered_rps(trace: Sequence[TraceRequest], rate_scale: float = 1.0) -> float:
-    """The demand: arrivals per second of the trace replayed open loop."""
+    """The demand: arrivals per second of the trace replayed open loop (with arrivals="sessions",
+    the long-run rate of a design that keeps up)."""
     if len(trace) < 2:
         return 0.0
     ts = [tr.timestamp_ms for tr in trace]
@@ -87,6 +94,7 @@ def size_cluster(
     md_max: int,
     progress: Optional[Callable[[], None]] = None,
     rate_scale: float = 1.0,
+    arrivals: str = "sessions",
 ) -> Optional[SizingResult]:
     best: Optional[SizingResult] = None
     prefill_range = sorted(prefill_range)
@@ -97,8 +105,10 @@ def size_cluster(
     def attempt(n_p: int, n_rld: int, n_md: int) -> Summary:
         key = (n_p, n_rld, n_md)
         if key not in cache:
-            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale)
-            if abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
+            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale, arrivals)
+            if s.requests != len(trace):
+                raise RuntimeError(f"a sizing run served {s.requests} requests, not the trace's {len(trace)}")
+            if arrivals == "open" and abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
                 raise RuntimeError(f"a sizing run saw {s.offered_rps} r/s, not the demand {demand}")
             cache[key] = s
             if progress:
@@ -157,15 +167,16 @@ class DesignVerdict:
 
 def compare_designs(pd_base: ScenarioConfig, pdd_base: ScenarioConfig, trace: Sequence[TraceRequest], sla: Sla,
                     target_attainment: float, prefill_range: Iterable[int], rld_range: Iterable[int], md_max: int,
-                    progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0) -> DesignVerdict:
+                    progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0,
+                    arrivals: str = "sessions") -> DesignVerdict:
     if pd_base.kind != "pd" or pdd_base.kind != "pdd":
         raise ValueError("compare_designs needs a pd and a pdd scenario")
     prefill_range, rld_range = list(prefill_range), list(rld_range)
     # PD gets as many decode instances as PDD may have (RLD + MD) at most.
     pd = size_cluster(pd_base, trace, sla, target_attainment, prefill_range, [0], md_max + max(rld_range),
-                      progress, rate_scale)
+                      progress, rate_scale, arrivals)
     pdd = size_cluster(pdd_base, trace, sla, target_attainment, prefill_range, rld_range, md_max, progress,
-                       rate_scale)
+                       rate_scale, arrivals)
     goal = f"{target_attainment:.0%} SLA attainment"
     if pd is None and pdd is None:
         return DesignVerdict(pd, pdd, "none", f"neither PD nor PDD reaches {goal} within the searched ranges")
@@ -233,7 +244,7 @@ def verdict(baseline: str, label: str, base: Optional[SizingResult], pdd: Option
 def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla: Sla, target_attainment: float,
                  prefill_range: Iterable[int], rld_range: Iterable[int], md_max: int,
                  progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0,
-                 labels: Optional[dict] = None) -> DesignSizing:
+                 labels: Optional[dict] = None, arrivals: str = "sessions") -> DesignSizing:
     """Sizes `bases[pdd_name]` (RLD over `rld_range`, 0 included: PDD without a relay) and
     every baseline present in `bases` (scenarios.BASELINES; a baseline may have as many
     decode instances as PDD's RLD + MD at most), and states PDD's verdict against each."""
@@ -244,9 +255,9 @@ def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla:
     for name in BASELINES:
         if name in bases:
             results[name] = size_cluster(bases[name], trace, sla, target_attainment, prefill_range, [0],
-                                         md_max + max(rld_range), progress, rate_scale)
+                                         md_max + max(rld_range), progress, rate_scale, arrivals)
     results[pdd_name] = size_cluster(bases[pdd_name], trace, sla, target_attainment, prefill_range, rld_range,
-                                     md_max, progress, rate_scale)
+                                     md_max, progress, rate_scale, arrivals)
     goal = f"{target_attainment:.0%} SLA attainment"
     verdicts = [verdict(name, labels.get(name, name), results[name], results[pdd_name], goal)
                 for name in BASELINES if name in results]

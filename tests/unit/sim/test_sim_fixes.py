@@ -174,7 +174,7 @@ def test_closed_loop_turns_wait_for_the_previous_answer():
     sess = [TraceRequest(0.0, 8192, 300, tuple(range(16)), 7, 0),
             TraceRequest(100.0, 8704, 10, tuple(range(17)), 7, 1)]  # 0.1 s think time
     sim = Simulation(cfg)
-    sim.run(sess, closed_loop=True)
+    sim.run(sess, arrivals="sessions")
     first_done = sim.log.arrival[0] + sim.log.e2e[0]
     assert sim.log.arrival[1] == pytest.approx(first_done + 0.1)
     assert sim.log.arrival[1] > 0.1  # open loop would have sent it at 0.1 s

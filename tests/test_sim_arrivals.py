@@ -1,0 +1,119 @@
+"""How a trace arrives: with arrivals="sessions" a session's next turn follows the previous
+turn's answer and its think time, session starts keep their trace times for every design, and
+a trace without sessions replays exactly as open loop."""
+
+from dataclasses import asdict, replace
+
+import pytest
+
+from sglang_pdd.sim.cluster import Simulation, run_scenario
+from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
+from sglang_pdd.sim.metrics import Sla
+from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
+from sglang_pdd.sim.sizing import size_cluster
+from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
+
+# Sessions arriving faster than one P and one MD serve them: open loop, turns pile up behind
+# their predecessors.
+TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=300, seed=3, session_rate_per_s=1.5,
+                                                       outlier_fraction=0.03)))
+SLOW_WAN = LinkProfile("wan", gbps=5.0, one_way_latency_s=0.02, jitter_s=0.0)
+
+
+def _designs():
+    return standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=1, n_rld=1, n_md=1, wan=SLOW_WAN))
+
+
+class Recorder(Simulation):
+    """Keeps each request's trace entry, arrival and end."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen = []
+
+    def _finish(self, t_done, r, rld_tokens):
+        self.seen.append((r.tr, r.arrival, t_done))
+        super()._finish(t_done, r, rld_tokens)
+
+
+def _same(a, b):
+    """Summaries equal field by field (repr: NaN equals NaN)."""
+    return repr(asdict(a)) == repr(asdict(b))
+
+
+def _run(cfg, trace, arrivals, rate_scale=1.0):
+    sim = Recorder(cfg, Sla(), rate_scale)
+    sim.run(trace, arrivals)
+    assert len(sim.seen) == len(trace)
+    return sim.seen
+
+
+def _by_session(seen):
+    out = {}
+    for tr, arrival, done in seen:
+        if tr.session_id is not None:
+            out.setdefault(tr.session_id, []).append((tr, arrival, done))
+    return {s: sorted(v, key=lambda x: x[0].timestamp_ms) for s, v in out.items()}
+
+
+def _early_turns(seen):
+    """Turns that arrived before the turn they extend had been answered."""
+    return sum(1 for turns in _by_session(seen).values() for prev, nxt in zip(turns, turns[1:])
+               if nxt[1] < prev[2] - 1e-9)
+
+
+@pytest.mark.parametrize("name", ["pd_same_dc", "xdc_pd", "pdd_drc_adaptive"])
+def test_a_turn_never_arrives_before_its_predecessor_was_answered(name):
+    cfg = {c.name: c for c in _designs()}[name]
+    assert _early_turns(_run(cfg, TRACE, "open")) > 10  # the trace does send turns early open loop
+    seen = _run(cfg, TRACE, "sessions")
+    assert _early_turns(seen) == 0
+    for turns in _by_session(seen).values():
+        for (prev_tr, _, prev_done), (tr, arrival, _) in zip(turns, turns[1:]):
+            think = (tr.timestamp_ms - prev_tr.timestamp_ms) / 1e3
+            assert arrival == pytest.approx(prev_done + think)
+
+
+def _starts(seen):
+    firsts, seen_sessions = {}, set()
+    for tr in sorted((s[0] for s in seen), key=lambda tr: tr.timestamp_ms):
+        if tr.session_id is None or tr.session_id not in seen_sessions:
+            firsts[id(tr)] = tr
+        if tr.session_id is not None:
+            seen_sessions.add(tr.session_id)
+    return sorted((arrival, tr.timestamp_ms) for tr, arrival, _ in seen if id(tr) in firsts)
+
+
+def test_every_design_sees_the_same_session_starts_and_rate_scale_scales_them():
+    t0 = TRACE[0].timestamp_ms
+    later = {}
+    for cfg in _designs():
+        for k in (1.0, 2.0):
+            seen = _run(cfg, TRACE, "sessions", k)
+            starts = _starts(seen)
+            assert len(starts) == len({tr.session_id for tr in TRACE})
+            assert [a for a, _ in starts] == pytest.approx([(ts - t0) / 1e3 / k for _, ts in starts])
+            if k == 1.0:
+                later[cfg.name] = sorted(a for _, a, _ in seen)
+    # ... while later turns follow each design's own answers
+    assert len({tuple(round(a, 6) for a in v) for v in later.values()}) > 1
+
+
+def test_a_trace_without_sessions_replays_exactly_as_open_loop():
+    flat = [replace(tr, session_id=None) for tr in TRACE]
+    for cfg in _designs():
+        assert _same(run_scenario(cfg, flat, arrivals="sessions"), run_scenario(cfg, flat, arrivals="open"))
+
+
+def test_unknown_arrivals_is_refused():
+    with pytest.raises(ValueError):
+        run_scenario(_designs()[0], TRACE, arrivals="closed")
+
+
+def test_sizing_replays_sessions_by_default():
+    cfg = {c.name: c for c in _designs()}["xdc_pd_drc"]
+    best = size_cluster(cfg, TRACE, Sla(), 0.5, [1, 2], [0], 2)
+    assert best is not None
+    mix = with_counts(cfg, best.n_prefill, best.n_rld, best.n_md)
+    assert _same(best.summary, run_scenario(mix, TRACE, arrivals="sessions"))
+    assert not _same(best.summary, run_scenario(mix, TRACE, arrivals="open"))
