@@ -10,18 +10,20 @@ P->RLD->MD catch-up and one-shot, P->RLD only).
 Backends are ``tests/fake_backends.py``'s fakes in their own process (deterministic, no SGLang;
 their logprob lists memoised per stream so that the fakes keep ahead of the router), streaming
 as fast as they can (``--token-delay-ms 0``): a router that falls behind its backends shows
-what it keeps meanwhile. The router runs as a real subprocess (``bench_router_cpu``'s), one per
-source tree: ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``) runs the same
-streams on another tree's router, alternating per case, and the table gives after/before
-ratios. Each client stream is hashed (every event, without the run-dependent
-``meta_info.pdd`` timings), so the table also says whether both trees sent the client the
-same bytes.
+what it keeps meanwhile. The router runs as a real subprocess, one per source tree, talking to
+the fakes unsigned (below): ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``)
+runs the same streams on another tree's router, alternating per case, and the table gives
+after/before ratios. A tree with ``--max-logprob-stream-entries`` gets it high enough for every
+stream measured. Each client stream is hashed (every event, without the run-dependent
+``meta_info.pdd`` timings and ``meta_info.id``), so the table also says whether both trees sent
+the client the same bytes. ``--diagnose DIR``: cProfile and tracemalloc in the router (slow).
 
     git archive main | tar -x -C /tmp/base
     .venv/bin/python -m benchmarks.bench_router_long_stream_memory --baseline-src /tmp/base
 
-Peak RSS: the router's VmHWM after resetting it (``/proc/PID/clear_refs``) before each case,
-minus its RSS then (polled RSS where the reset is not allowed).
+RSS: the router's RSS when the case starts (it keeps what earlier cases grew it to) and its peak
+above that: VmHWM after resetting it (``/proc/PID/clear_refs``) before each case (polled RSS
+where the reset is not allowed). CPU: user + system seconds of the router process.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -52,6 +55,7 @@ PATHS = {
     "rld_only": {"path": "p_rld_only"},
 }
 MAX_LINE = 1 << 30
+RANDOM_ID = re.compile(rb'"id":"[^"]*"')
 
 
 # ---------------------------------------------------------------------- fake backends process
@@ -128,9 +132,8 @@ UNSIGNED_ROUTER = ("import runpy, sglang_pdd.router.backends as b; use = b.use_c
 # (cumulative and own time) and DIR/tracemalloc.txt (where the memory was when the traced total
 # was at its largest: the snapshot taken each time the total grew by a tenth).
 DIAGNOSE_ROUTER = """
-import atexit, cProfile, io, os, pstats, threading, time, tracemalloc
+import atexit, cProfile, io, os, pstats, signal, threading, time, tracemalloc
 out = os.environ['BENCH_DIAGNOSE']
-tracemalloc.start(8)
 prof = cProfile.Profile()
 best = {'peak': 0, 'snap': None}
 def watch():
@@ -139,7 +142,11 @@ def watch():
         if cur > 1.1 * best['peak'] + (8 << 20):
             best['peak'], best['snap'] = cur, tracemalloc.take_snapshot()
         time.sleep(0.1)
-threading.Thread(target=watch, daemon=True).start()
+def start(*_):  # SIGUSR1 once the router serves: its imports are not what is measured
+    tracemalloc.start(8)
+    threading.Thread(target=watch, daemon=True).start()
+    prof.enable()
+signal.signal(signal.SIGUSR1, start)
 def dump():
     prof.disable()
     s = io.StringIO()
@@ -154,7 +161,6 @@ def dump():
             lines += ['    ' + l for l in stat.traceback.format()]
     open(os.path.join(out, 'tracemalloc.txt'), 'w').write(chr(10).join(lines) + chr(10))
 atexit.register(dump)
-prof.enable()
 """
 
 
@@ -167,6 +173,8 @@ def start_router(urls: dict, key_file: str, tokenizer: str, src: Path,
             "--prefill", f"{urls['p']},8998,{urls['p_control']}", "--relay", urls["rld"],
             "--main", f"{urls['md']},{urls['md']},127.0.0.1:1", "--control-key-file", key_file,
             "--every-client-is-operator"]  # pdd_options choose the path; replies say who streamed
+    if "--max-logprob-stream-entries" in (src / "sglang_pdd" / "router" / "cli.py").read_text():
+        argv += ["--max-logprob-stream-entries", str(1 << 40)]  # the streams measured, whatever their size
     env = {**os.environ, "PYTHONPATH": str(src)}
     if diagnose:
         os.makedirs(diagnose, exist_ok=True)
@@ -212,15 +220,16 @@ class PeakRss:
     async def __aexit__(self, *exc):
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-        peak = max(self.polled, rss_kib(self.pid, "VmHWM") if self.hwm_ok else 0)
-        self.growth_kib = peak - self.base
+        self.peak_kib = max(self.polled, rss_kib(self.pid, "VmHWM") if self.hwm_ok else 0)
+        self.growth_kib = self.peak_kib - self.base
 
 
 # ---------------------------------------------------------------------- client
 def stream_digest_line(line: bytes) -> bytes:
-    """An event line without its run-dependent part: meta_info.pdd (timings), the last key."""
+    """An event line without its run-dependent parts: meta_info.pdd (timings, the last key) and
+    meta_info.id (the request's random id)."""
     cut = line.rfind(b',"pdd":{')
-    return line[:cut] if cut >= 0 else line
+    return RANDOM_ID.sub(b'"id":""', line[:cut] if cut >= 0 else line, count=1)
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_new: int, top: int,
@@ -262,7 +271,8 @@ async def run_case(url: str, pid: int, path: str, max_new: int, top: int, concur
     errors = [o["error"] for o in outs if "error" in o]
     ok = [o for o in outs if "error" not in o]
     return {"path": path, "max_new": max_new, "top": top, "streams": concurrency,
-            "peak_rss_mib": round(peak.growth_kib / 1024, 1), "cpu_s": round(cpu, 2),
+            "peak_rss_mib": round(peak.growth_kib / 1024, 1), "rss_at_start_mib": round(peak.base / 1024, 1),
+            "cpu_s": round(cpu, 2),
             "cpu_s_per_stream": round(cpu / concurrency, 2), "wall_s": round(wall, 2),
             "client_mb": round(sum(o["bytes"] for o in ok) / 1e6, 1),
             "longest_event_mb": round(max((o["longest"] for o in ok), default=0) / 1e6, 2),
@@ -279,7 +289,11 @@ async def measure(args, trees: list[tuple[str, Path]], key_file: str) -> list[di
     try:
         for proc, url in routers:
             await wait_healthy(url, proc)
-        cases = [(path, n, c) for c in args.concurrency for n in args.lengths for path in args.paths]
+            if args.diagnose:
+                proc.send_signal(signal.SIGUSR1)
+        sizes = [tuple(int(x) for x in case.split("x")) for case in args.cases] if args.cases else \
+            [(n, c) for c in args.concurrency for n in args.lengths]
+        cases = [(path, n, c) for n, c in sizes for path in args.paths]
         for i, (path, n, c) in enumerate(cases):
             for (name, _), (proc, url) in zip(trees, routers):
                 r = await run_case(url, proc.pid, path, n, args.top, c, seed=i)
@@ -304,7 +318,7 @@ def table(rows: list[dict], names: list[str]) -> str:
         cases.setdefault((r["path"], r["max_new"], r["streams"]), {})[r["tree"]] = r
     head = "| path | tokens x top | streams | client MB | longest event MB |"
     for n in names:
-        head += f" {n} peak RSS MiB | {n} CPU s/stream |"
+        head += f" {n} RSS MiB: start + peak growth | {n} CPU s/stream |"
     if len(names) == 2:
         head += " RSS after/before | CPU after/before | same bytes |"
     out = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -314,11 +328,11 @@ def table(rows: list[dict], names: list[str]) -> str:
         for name in names:
             r = by.get(name, {})
             bad = " (!)" if r.get("errors") or r.get("wrong") else ""
-            line += f" {r.get('peak_rss_mib')}{bad} | {r.get('cpu_s_per_stream')} |"
+            line += f" {r.get('rss_at_start_mib')} + {r.get('peak_rss_mib')}{bad} | {r.get('cpu_s_per_stream')} |"
         if len(names) == 2 and all(n in by for n in names):
             b, a = by[names[0]], by[names[1]]
-            line += (f" {a['peak_rss_mib'] / max(b['peak_rss_mib'], 0.1):.2f} |"
-                     f" {a['cpu_s_per_stream'] / max(b['cpu_s_per_stream'], 0.01):.2f} |"
+            line += (f" {a['peak_rss_mib'] / max(b['peak_rss_mib'], 0.1):.2g} |"
+                     f" {a['cpu_s_per_stream'] / max(b['cpu_s_per_stream'], 0.01):.2g} |"
                      f" {'yes' if a['digest'] == b['digest'] else 'NO'} |")
         out.append(line)
     return "\n".join(out)
@@ -328,8 +342,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--serve-fakes", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
-    ap.add_argument("--lengths", nargs="+", type=int, default=[1000, 2000], help="max_new_tokens per stream")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4], help="streams at once")
+    ap.add_argument("--lengths", nargs="+", type=int, default=[1000], help="max_new_tokens per stream")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1], help="streams at once")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="TOKENSxSTREAMS",
+                    help="these sizes instead of --lengths x --concurrency, e.g. 1000x1 2000x1 1000x4 (the old "
+                         "router keeps ~2.7 GB per 1,000 tokens of a 20-top-logprob stream: mind the machine)")
     ap.add_argument("--top", type=int, default=20, help="top_logprobs_num")
     ap.add_argument("--token-delay-ms", type=float, default=0.0, help="per stream, as a decode step")
     ap.add_argument("--baseline-src", default=None, metavar="DIR", help="also run this tree's router (before)")
