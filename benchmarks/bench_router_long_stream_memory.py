@@ -16,7 +16,8 @@ runs the same streams on another tree's router, alternating per case, and the ta
 after/before ratios. A tree with ``--max-logprob-stream-entries`` gets it high enough for every
 stream measured. Each client stream is hashed (every event, without the run-dependent
 ``meta_info.pdd`` timings and ``meta_info.id``), so the table also says whether both trees sent
-the client the same bytes. ``--diagnose DIR``: cProfile and tracemalloc in the router (slow).
+the client the same final event and the same stream (which tokens share an event depends on
+timing, e.g. where a one-shot handoff cuts, so a stream may be chunked differently). ``--diagnose DIR``: cProfile and tracemalloc in the router (slow).
 
     git archive main | tar -x -C /tmp/base
     .venv/bin/python -m benchmarks.bench_router_long_stream_memory --baseline-src /tmp/base
@@ -250,11 +251,13 @@ async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
                 continue
             events, total, longest, last = events + 1, total + len(line), max(longest, len(line)), line
             digest.update(stream_digest_line(line))
+    last_digest = hashlib.sha256(stream_digest_line(last)).hexdigest()[:16] if last else ""
     meta = json.loads(last[5:])["meta_info"] if last else {}
     if "error" in (json.loads(last[5:]) if last else {}):
         return {"error": str(json.loads(last[5:])["error"])[:200]}
     pdd = meta.get("pdd") or {}
     return {"events": events, "bytes": total, "longest": longest, "digest": digest.hexdigest()[:16],
+            "last_digest": last_digest,
             "tokens": meta.get("completion_tokens"), "path": pdd.get("path"), "md_tokens": pdd.get("md_tokens"),
             "fallbacks": pdd.get("fallbacks")}
 
@@ -276,7 +279,8 @@ async def run_case(url: str, pid: int, path: str, max_new: int, top: int, concur
             "cpu_s_per_stream": round(cpu / concurrency, 2), "wall_s": round(wall, 2),
             "client_mb": round(sum(o["bytes"] for o in ok) / 1e6, 1),
             "longest_event_mb": round(max((o["longest"] for o in ok), default=0) / 1e6, 2),
-            "digest": ",".join(o["digest"] for o in ok), "errors": errors,
+            "digest": ",".join(o["digest"] for o in ok), "last_digest": ",".join(o["last_digest"] for o in ok),
+            "events": sum(o["events"] for o in ok), "errors": errors,
             "wrong": [o for o in ok if o["tokens"] != max_new or o["path"] != PATHS[path]["path"] or o["fallbacks"]]}
 
 
@@ -312,6 +316,11 @@ async def measure(args, trees: list[tuple[str, Path]], key_file: str) -> list[di
     return rows
 
 
+def same_stream_no(before: dict, after: dict) -> str:
+    """Streams whose final events agree may still be chunked differently: how many events each had."""
+    return f"NO ({before.get('events')} vs {after.get('events')} events)"
+
+
 def table(rows: list[dict], names: list[str]) -> str:
     cases: dict[tuple, dict] = {}
     for r in rows:
@@ -320,7 +329,7 @@ def table(rows: list[dict], names: list[str]) -> str:
     for n in names:
         head += f" {n} RSS MiB: start + peak growth | {n} CPU s/stream |"
     if len(names) == 2:
-        head += " RSS after/before | CPU after/before | same bytes |"
+        head += " RSS after/before | CPU after/before | same last event | same stream |"
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for (path, n, c), by in cases.items():
         any_row = next(iter(by.values()))
@@ -333,7 +342,8 @@ def table(rows: list[dict], names: list[str]) -> str:
             b, a = by[names[0]], by[names[1]]
             line += (f" {a['peak_rss_mib'] / max(b['peak_rss_mib'], 0.1):.2g} |"
                      f" {a['cpu_s_per_stream'] / max(b['cpu_s_per_stream'], 0.01):.2g} |"
-                     f" {'yes' if a['digest'] == b['digest'] else 'NO'} |")
+                     f" {'yes' if a.get('last_digest') == b.get('last_digest') else 'NO'} |"
+                     f" {'yes' if a['digest'] == b['digest'] else same_stream_no(b, a)} |")
         out.append(line)
     return "\n".join(out)
 
