@@ -5,8 +5,8 @@ event whole turns an n-token stream into ~n^2/2 entries built as Python objects 
 router's CPU on a long logprob stream). A stream's logprob lists only grow: the bytes of an
 event's list start with the bytes of the previous event's list, less its closing bracket. The
 decoder checks exactly that (a byte comparison) and parses only the new entries, appended to
-the entries it parsed before; anything else (a list that changed, an unusual value) is parsed
-whole, so the result is always what parsing the event whole gives.
+the entries it parsed before (``output_ids`` alike); anything else (a list that changed, an
+unusual value) is parsed whole, so the result is always what parsing the event whole gives.
 
 The decoded event holds what the router reads of a stream event: ``output_ids``,
 ``meta_info.finish_reason``, the output logprob lists (``OUTPUT_KEYS``) and ``error``. Each
@@ -75,8 +75,8 @@ class CumulativeDecoder:
         out: dict[str, Any] = {}
         if event.error is not msgspec.UNSET:
             out["error"] = parse_whole(bytes(event.error))
-        if event.output_ids is not msgspec.UNSET:
-            out["output_ids"] = parse_whole(bytes(event.output_ids))
+        if event.output_ids is not msgspec.UNSET:  # cumulative too: parsed in parts as well
+            out["output_ids"] = self._list("output_ids", bytes(event.output_ids))
         meta = event.meta_info
         if meta is None:
             out["meta_info"] = None
@@ -96,7 +96,7 @@ class CumulativeDecoder:
             if new is not None:
                 entries = before[1]
                 entries.extend(new)
-                self.entries_parsed += len(new)
+                self.entries_parsed += len(new) if key != "output_ids" else 0
                 self._lists[key] = (raw[:-1], entries)
                 return list(entries)
         try:
@@ -104,7 +104,7 @@ class CumulativeDecoder:
         finally:
             self._lists.pop(key, None)
         if isinstance(value, list):
-            self.entries_parsed += len(value)
+            self.entries_parsed += len(value) if key != "output_ids" else 0
             self._lists[key] = (raw[:-1], list(value))
         return value
 
