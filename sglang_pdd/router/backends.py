@@ -11,7 +11,6 @@ from typing import AsyncIterator, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
-import orjson
 from aiohttp.http_exceptions import LineTooLong
 
 from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
@@ -19,6 +18,7 @@ from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HandoffRequest, InfoReply, ReadyReply, RegisterReply,
                                  RegisterRequest, WanDestinationRequest, check_md_tp)
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES, MAX_ERROR_BODY_BYTES, max_event_bytes
+from sglang_pdd.router.stream_decode import CumulativeDecoder, MalformedEvent, parse_whole
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,12 @@ class UnverifiedReply(BackendError):
 
 async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict,
                           max_line_bytes: int) -> AsyncIterator[dict]:
-    """POST /generate with stream=true; yields each SSE data object (cumulative output_ids).
-    An event over ``max_line_bytes`` (reply_limits.max_event_bytes of the leg) fails the stream."""
+    """POST /generate with stream=true; yields each SSE data object (cumulative output_ids), as
+    router/stream_decode.py decodes it (what the router reads, each event's new logprob entries
+    parsed only). An event over ``max_line_bytes`` (reply_limits.max_event_bytes of the leg)
+    fails the stream."""
     async with session.post(f"{url}/generate", json={**body, "stream": True}) as resp:
-        async for event in sse_events(resp, url, max_line_bytes):
+        async for event in sse_events(resp, url, max_line_bytes, CumulativeDecoder()):
             yield event
 
 
@@ -132,22 +134,20 @@ async def read_lines(resp: aiohttp.ClientResponse, max_line_bytes: int, what: st
 SSE_DONE = object()  # parse_sse_line's answer to "data: [DONE]"
 
 
-def parse_sse_line(raw: bytes, source: str):
+def parse_sse_line(raw: bytes, source: str, decoder: Optional[CumulativeDecoder] = None):
     """One line of an SGLang stream: its event dict, SSE_DONE, or None (not a data line).
-    Raises BackendError for a malformed event or an error event."""
+    Raises BackendError for a malformed event or an error event. ``decoder``: the stream's
+    (router/stream_decode.py), which parses only what a cumulative event adds."""
     line = raw.strip()
     if not line.startswith(b"data:"):
         return None
     data = line[5:].strip()
     if data == b"[DONE]":
         return SSE_DONE
-    try:
-        event = orjson.loads(data)  # several times json's speed on every backend event
-    except orjson.JSONDecodeError:
-        try:  # what orjson refuses and json reads (NaN / Infinity, integers past 64 bits)
-            event = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise BackendError(f"{source}: malformed stream event {data[:100]!r}") from e
+    try:  # orjson: several times json's speed on every backend event; json for what it refuses
+        event = parse_whole(data) if decoder is None else decoder.decode(data)
+    except MalformedEvent as e:
+        raise BackendError(f"{source}: malformed stream event {data[:100]!r}") from e
     if not isinstance(event, dict):
         raise BackendError(f"{source}: a stream event that is not an object: {data[:100]!r}")
     if "error" in event:
@@ -155,11 +155,12 @@ def parse_sse_line(raw: bytes, source: str):
     return event
 
 
-async def sse_events(resp: aiohttp.ClientResponse, url: str, max_line_bytes: int) -> AsyncIterator[dict]:
+async def sse_events(resp: aiohttp.ClientResponse, url: str, max_line_bytes: int,
+                     decoder: Optional[CumulativeDecoder] = None) -> AsyncIterator[dict]:
     if resp.status != 200:
         raise BackendError(f"{url} -> HTTP {resp.status}: {await error_text(resp)}", resp.status)
     async for raw in read_lines(resp, max_line_bytes, url):
-        event = parse_sse_line(raw, url)
+        event = parse_sse_line(raw, url, decoder)
         if event is SSE_DONE:
             return
         if event is not None:
@@ -167,7 +168,8 @@ async def sse_events(resp: aiohttp.ClientResponse, url: str, max_line_bytes: int
 
 
 async def signed_sse_events(resp: aiohttp.ClientResponse, url: str, signer: ControlSigner,
-                            request_header: str, max_line_bytes: int) -> AsyncIterator[dict]:
+                            request_header: str, max_line_bytes: int,
+                            decoder: Optional[CumulativeDecoder] = None) -> AsyncIterator[dict]:
     """``sse_events`` of a control stream: each data line must be followed by its signature
     line (control_auth), in order, up to a signed ``[DONE]``; a stream cut short, or any event
     unsigned or altered, is a BackendError."""
@@ -188,7 +190,7 @@ async def signed_sse_events(resp: aiohttp.ClientResponse, url: str, signer: Cont
             except AuthError as e:
                 raise BackendError(f"{url}: {e}") from None
             index += 1
-            event, pending = parse_sse_line(pending, url), None
+            event, pending = parse_sse_line(pending, url, decoder), None
             if event is SSE_DONE:
                 return
             yield event
@@ -332,8 +334,9 @@ class MainControl:
                                                     sock_read=stall_timeout_s)
         async with self.session.post(url, **sent) as resp:
             what = f"MD room {room} handoff"
-            events = (sse_events(resp, what, max_line_bytes) if self.signer is None else
-                      signed_sse_events(resp, what, self.signer, sent["headers"][HEADER], max_line_bytes))
+            decoder = CumulativeDecoder()  # as generate_stream's
+            events = (sse_events(resp, what, max_line_bytes, decoder) if self.signer is None else
+                      signed_sse_events(resp, what, self.signer, sent["headers"][HEADER], max_line_bytes, decoder))
             async for event in events:
                 yield event
 

@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest top_logprobs_num (top_logprobs / logprobs in the OpenAI API); 400 above")
     lim.add_argument("--max-token-ids-logprob", type=int, default=LogprobLimits.max_token_ids_logprob,
                      help="most token ids in token_ids_logprob; 400 above")
+    lim.add_argument("--max-logprob-stream-entries", type=int, default=LogprobLimits.max_stream_logprob_entries,
+                     help="most logprob entries one return_logprob request's stream may carry in all (SGLang's "
+                          "events are cumulative: ~max_new_tokens^2 / 2 x (1 + top_logprobs_num + "
+                          "len(token_ids_logprob)), docs/security.md); 400 above")
     lim.add_argument("--max-prompt-chars", type=int, default=None,
                      help="longest prompt text, checked before tokenizing; default: 16 x --max-prompt-tokens")
     lim.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413 above)")
@@ -265,7 +269,8 @@ def main(argv=None) -> None:
                     every_client_is_operator=args.every_client_is_operator,
                     report_cached_tokens=args.enable_cache_report, max_prompt_chars=args.max_prompt_chars,
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
-                    logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob),
+                    logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob,
+                                                  args.max_logprob_stream_entries),
                     health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env())
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,

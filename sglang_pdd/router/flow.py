@@ -87,6 +87,8 @@ from sglang_pdd.router.reply_limits import max_event_bytes
 
 logger = logging.getLogger("sglang_pdd.router")
 
+STREAM_EVENTS_QUEUED = 1  # PddFlow._stream_room: parsed backend stream events waiting per flow
+
 
 @dataclass
 class MainBackend:
@@ -249,6 +251,13 @@ class PddFlow:
                                      catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
+        # Stream events (RLD's and MD's) the queue may hold that the flow has not taken yet. SGLang
+        # streams cumulatively: each event holds the whole output and its logprobs so far, parsed
+        # several times its JSON size. A leg reads its backend's next event only once the flow took
+        # the last one, so a flow that falls behind (a slow client, a busy router) keeps a few
+        # events, not the backlog (the backend's socket holds the rest; SGLang itself keeps only its
+        # newest output for a stream that is not read).
+        self._stream_room = asyncio.Semaphore(STREAM_EVENTS_QUEUED)
         self.tasks: set[asyncio.Task] = set()
         self._must_finish: set[asyncio.Task] = set()  # aborts / releases: awaited, never cancelled
         self.rld_inflight = rld_inflight
@@ -317,6 +326,8 @@ class PddFlow:
                 event, payload = lifecycle.Timeout(
                     f"request not finished within {self.cfg.request_timeout_s:.0f}s "
                     f"(--request-timeout-s); every leg is aborted"), None
+            if isinstance(event, (lifecycle.RelayTokens, lifecycle.MainTokens)):
+                self._stream_room.release()  # taken: its leg may read the next one
             try:
                 self.state, actions = lifecycle.transition(self.state, event)
             except lifecycle.LifecycleError as e:
@@ -593,7 +604,7 @@ class PddFlow:
                                            f"{start.replays} the client has ({finish})")
                     continue
                 produced = start.offset + len(ids)
-                await self.queue.put((lifecycle.RelayTokens(leg, produced, finish), (leg, event)))
+                await self._put_stream_event(lifecycle.RelayTokens(leg, produced, finish), (leg, event))
             if not finished:
                 raise BackendError("relay stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -656,7 +667,7 @@ class PddFlow:
                     if ids[:len(eager)] != eager:
                         raise BackendError("MD's output does not start with the eager tokens it was handed "
                                            "(an MD without the resume contract?)")
-                await self.queue.put((lifecycle.MainTokens(len(ids), finish), event))
+                await self._put_stream_event(lifecycle.MainTokens(len(ids), finish), event)
             if not finished:
                 raise BackendError("MD stream ended without a finish reason")
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -676,6 +687,12 @@ class PddFlow:
             self.room = None
 
     # ------------------------------------------------------------------ plumbing
+    async def _put_stream_event(self, event, payload) -> None:
+        """A backend stream's event into the queue once the flow took the ones before it
+        (``_stream_room``): the leg's next event stays unread until then."""
+        await self._stream_room.acquire()
+        self.queue.put_nowait((event, payload))  # no await between: a cancelled leg holds no room
+
     def _blame(self, role: str, url: str, error: BaseException) -> None:
         """Note a leg's failure for the router's health board. A server that refused or dropped
         the connection, cut its reply short, or answered 5xx (but 503: busy, not broken), is at

@@ -208,19 +208,22 @@ class PddTokenizerManager:
             raise ValueError(e.message) from None
         extras = None
         if item.return_logprob:
-            self._check_logprob_fields(item, len(ids))
+            self._check_logprob_fields(item, len(ids), int(sampling["max_new_tokens"]))
             extras = {"return_logprob": True, "logprob_start_len": item.logprob_start_len,
                       "top_logprobs_num": item.top_logprobs_num, "token_ids_logprob": item.token_ids_logprob}
         scope = current_scope.get()  # the HTTP request's: set by the route SGLang's code runs in
         return FlowRequest(ids, sampling, extras, operator=scope.operator, options=scope.options)
 
-    def _check_logprob_fields(self, item, prompt_len: int) -> None:
+    def _check_logprob_fields(self, item, prompt_len: int, max_new_tokens: int) -> None:
         """What one server refuses with a 400 (its scheduler or tokenizer manager), refused here
-        before any leg starts: a backend would fail the leg, i.e. a 502."""
+        before any leg starts: a backend would fail the leg, i.e. a 502. Then the router's own
+        caps (a stream's logprob entries in all: --max-logprob-stream-entries)."""
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
         try:
             self.logprob_limits.check(item.top_logprobs_num, item.token_ids_logprob)
+            self.logprob_limits.check_stream(max_new_tokens, prompt_len, item.logprob_start_len,
+                                             item.top_logprobs_num, item.token_ids_logprob)
         except ApiError as e:
             raise ValueError(e.message) from None
         start = item.logprob_start_len

@@ -199,6 +199,12 @@ class LogprobLimits:
 
     max_top_logprobs_num: int = 64
     max_token_ids_logprob: int = 64
+    # The logprob entries of all of one request's stream events together (stream_logprob_entries):
+    # SGLang's events are cumulative, so a request's logprob work grows with the square of its
+    # max_new_tokens. 2**24 admits 1,000 tokens with 20 top logprobs (10.5 M entries, ~250 MB of
+    # stream) with room for a scored prompt; the largest request a --max-new-tokens-cap of 32768
+    # with 64 top logprobs would otherwise allow streams ~35 G entries (>1 TB).
+    max_stream_logprob_entries: int = 1 << 24
 
     def check(self, top_logprobs_num: Any, token_ids_logprob: Any) -> None:
         if is_int(top_logprobs_num) and top_logprobs_num > self.max_top_logprobs_num:
@@ -207,6 +213,34 @@ class LogprobLimits:
         if isinstance(token_ids_logprob, list) and len(token_ids_logprob) > self.max_token_ids_logprob:
             raise ApiError(400, f"token_ids_logprob lists {len(token_ids_logprob)} tokens, more than this "
                                 f"router's cap {self.max_token_ids_logprob} (--max-token-ids-logprob)")
+
+
+    def check_stream(self, max_new_tokens: int, prompt_len: int, logprob_start_len: Any, top_logprobs_num: Any,
+                     token_ids_logprob: Any) -> None:
+        """A return_logprob request whose stream would carry more logprob entries in all than
+        --max-logprob-stream-entries is refused (a client's request never buys unbounded work)."""
+        entries = stream_logprob_entries(max_new_tokens, prompt_len, logprob_start_len, top_logprobs_num,
+                                         token_ids_logprob)
+        if entries > self.max_stream_logprob_entries:
+            raise ApiError(400, f"return_logprob with max_new_tokens {max_new_tokens} and top_logprobs_num "
+                                f"{top_logprobs_num or 0} streams ~{entries:,} logprob entries in all (each "
+                                f"streamed event repeats every position so far), more than this router's cap "
+                                f"{self.max_stream_logprob_entries:,} (--max-logprob-stream-entries); ask for "
+                                f"fewer tokens or fewer top logprobs")
+
+
+def stream_logprob_entries(max_new_tokens: int, prompt_len: int, logprob_start_len: Any, top_logprobs_num: Any,
+                           token_ids_logprob: Any) -> int:
+    """Logprob entries in all of a return_logprob request's stream events, at most: SGLang's
+    events are cumulative, so event i (of max_new_tokens) carries i output positions and the
+    scored prompt positions (from logprob_start_len on; none by default), each with 1 +
+    top_logprobs_num + len(token_ids_logprob) entries. A request that is not streamed to the
+    client still costs the router the output part: its legs on RLD and MD are streamed."""
+    n = max(0, int(max_new_tokens))
+    per_position = 1 + (top_logprobs_num if is_int(top_logprobs_num) and top_logprobs_num > 0 else 0) + \
+        (len(token_ids_logprob) if isinstance(token_ids_logprob, list) else 0)
+    scored = max(0, prompt_len - logprob_start_len) if is_int(logprob_start_len) and logprob_start_len >= 0 else 0
+    return per_position * (n * (n + 1) // 2 + n * scored)
 
 
 def check_grammar_size(sampling: dict, field: str, max_bytes: int) -> None:
