@@ -7,7 +7,7 @@ one such stream costs the router process itself: its peak RSS above its idle RSS
 seconds, for n tokens at K top logprobs, 1 and C streams at once, on each path (P->MD,
 P->RLD->MD catch-up and one-shot, P->RLD only).
 
-Backends are ``tests/fake_backends.py``'s fakes in their own process (deterministic, no SGLang;
+Backends are ``tests/support/fake_backends.py``'s fakes in their own process (deterministic, no SGLang;
 their logprob lists memoised per stream so that the fakes keep ahead of the router), streaming
 as fast as they can (``--token-delay-ms 0``): a router that falls behind its backends shows
 what it keeps meanwhile. The router runs as a real subprocess, one per source tree, talking to
