@@ -49,12 +49,15 @@ from sglang_pdd.launcher.topology import free_port
 
 
 # ---------------------------------------------------------------------- fake backends process
-def serve_fakes(token_delay_s: float) -> None:
-    """Runs the fakes until killed; prints their URLs as one JSON line."""
+def serve_fakes(token_delay_s: float, key_file: str) -> None:
+    """Runs the fakes until killed; prints their URLs as one JSON line. They sign their control
+    replies with the router's control key, as MD and P do (else the router has no MD)."""
+    from sglang_pdd.kv_channel.handshake import load_key
     from tests.support.fake_backends import Fakes, Knobs
 
     async def main() -> None:
-        fakes = await Fakes(Knobs(rld_token_delay_s=token_delay_s, md_token_delay_s=token_delay_s)).start()
+        fakes = await Fakes(Knobs(rld_token_delay_s=token_delay_s, md_token_delay_s=token_delay_s),
+                            control_key=load_key(key_file)).start()
         print(json.dumps({"p": fakes.p_url, "p_control": fakes.p_control_url, "rld": fakes.rld_url,
                           "md": fakes.md_url}), flush=True)
         while True:  # the fakes keep a request log: drop it, the benchmark reads nothing from it
@@ -65,8 +68,9 @@ def serve_fakes(token_delay_s: float) -> None:
     asyncio.run(main())
 
 
-def start_fakes(token_delay_s: float) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_router_cpu", "--serve-fakes", str(token_delay_s)],
+def start_fakes(token_delay_s: float, key_file: str) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_router_cpu", "--serve-fakes", str(token_delay_s),
+                             "--fakes-key-file", key_file],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     return proc, json.loads(proc.stdout.readline())
 
@@ -177,7 +181,7 @@ def summarize(name: str, workers: int, phases: list[dict]) -> dict:
 async def measure(args, routers: list[tuple[str, int, Path]], token_delay_s: float, key_file: str) -> list[dict]:
     """Routers (name, workers, source tree) side by side against the same fakes, in alternating
     rounds, so drift on a shared machine hits each alike."""
-    fakes, urls = start_fakes(token_delay_s)
+    fakes, urls = start_fakes(token_delay_s, key_file)
     started = [start_router(urls, workers, key_file, args.tokenizer_path, src) for _, workers, src in routers]
     spy = None
     phases: list[list[dict]] = [[] for _ in routers]
@@ -225,6 +229,7 @@ def show(r: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--serve-fakes", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fakes-key-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
@@ -243,7 +248,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "artifacts" / "bench_router_cpu" / "results.json"))
     args = ap.parse_args()
     if args.serve_fakes is not None:
-        serve_fakes(args.serve_fakes)
+        serve_fakes(args.serve_fakes, args.fakes_key_file)
         return
     with tempfile.TemporaryDirectory() as tmp:
         key_file = os.path.join(tmp, "control.key")
@@ -261,7 +266,7 @@ def main() -> None:
                                        key_file))
     for r in runs:
         show(r)
-    result = {"runs": runs, "args": {k: v for k, v in vars(args).items() if k != "serve_fakes"}}
+    result = {"runs": runs, "args": {k: v for k, v in vars(args).items() if k not in ("serve_fakes", "fakes_key_file")}}
     if args.baseline_src:
         base, new = runs
         for key in ("cpu_s_per_1k_tokens", "cpu_ms_per_request"):

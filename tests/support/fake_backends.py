@@ -40,6 +40,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, SCHEME, ControlVerifier, request_sig_of
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, KvSendersReply,
@@ -239,9 +240,12 @@ class Record:
 class Fakes:
     """Start with ``await fakes.start()``; ``await fakes.stop()`` at the end."""
 
-    def __init__(self, knobs: Optional[Knobs] = None, ssl_context=None):
+    def __init__(self, knobs: Optional[Knobs] = None, ssl_context=None, control_key: Optional[bytes] = None):
         self.knobs = knobs or Knobs()
         self.ssl_context = ssl_context  # P, RLD and MD serve https:// with it
+        # With the control key, MD's and P's control replies and MD's handoff stream are signed
+        # as the real servers sign them, so a router started with --control-key-file trusts them.
+        self.control_key = control_key
         self.log: list[Record] = []
         self.prefilled: dict[int, asyncio.Event] = {}
         self.rld_aborted: dict[str, asyncio.Event] = {}
@@ -255,6 +259,25 @@ class Fakes:
         self._runners: list[web.AppRunner] = []
         self.p_url = self.rld_url = self.md_url = self.p_control_url = ""
         self.authorization: list[tuple[str, str, Optional[str]]] = []  # (server URL, path, Authorization)
+
+    def _signing(self, role: str) -> list:
+        """A middleware signing replies to signed control calls (none without the key)."""
+        if self.control_key is None:
+            return []
+        verifier = ControlVerifier(self.control_key, role=role)
+
+        @web.middleware
+        async def sign(request: web.Request, handler) -> web.StreamResponse:
+            header = request.headers.get(HEADER, "")
+            signed = header.startswith(SCHEME)
+            if signed:
+                request["pdd_signer"] = (verifier, request_sig_of(header))
+            resp = await handler(request)
+            if signed and isinstance(resp, web.Response) and not resp.prepared:
+                resp.headers[REPLY_HEADER] = verifier.sign_reply(request_sig_of(header), resp.status, resp.body or b"")
+            return resp
+
+        return [sign]
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Fakes":
@@ -344,7 +367,7 @@ class Fakes:
         return app
 
     def _p_control_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=self._signing(ROLE_P))
 
         async def set_destination(request: web.Request) -> web.Response:
             req = await _message(request, WanDestinationRequest)
@@ -439,7 +462,7 @@ class Fakes:
 
     # ------------------------------------------------------------------ MD
     def _md_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=self._signing(ROLE_MD))
         self._add_health(app, "md")
 
         async def register(request: web.Request) -> web.Response:
@@ -519,6 +542,7 @@ class Fakes:
                     "sampling_params": {**body["sampling_params"], "custom_params": {
                         **(body["sampling_params"].get("custom_params") or {}), **resume_marker(len(eager))}}}
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            _sign_stream(resp, request)
             await resp.prepare(request)
             if k.md_handoff_drop:
                 request.transport.close()
@@ -582,12 +606,29 @@ class Fakes:
 
 
 async def _sse(resp: web.StreamResponse, event: dict) -> None:
-    await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+    await _event(resp, json.dumps(event).encode())
 
 
 async def _done(resp: web.StreamResponse) -> None:
-    await resp.write(b"data: [DONE]\n\n")
+    await _event(resp, b"[DONE]")
     await resp.write_eof()
+
+
+def _sign_stream(resp: web.StreamResponse, request: web.Request) -> None:
+    """The stream answers a signed control call: each event gets its signature line."""
+    if request.get("pdd_signer") is not None:
+        resp["pdd_signer"], resp["pdd_events"] = request["pdd_signer"], 0
+
+
+async def _event(resp: web.StreamResponse, data: bytes) -> None:
+    signer = resp.get("pdd_signer")
+    if signer is None:
+        await resp.write(b"data: " + data + b"\n\n")
+        return
+    verifier, request_sig = signer
+    index = resp["pdd_events"]
+    resp["pdd_events"] = index + 1
+    await resp.write(b"data: " + data + b"\n" + EVENT_SIG + verifier.sign_event(request_sig, index, data) + b"\n\n")
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.005) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.app import Router, build_app
-from sglang_pdd.router.backends import BackendError
+from sglang_pdd.router.backends import BackendError, use_control_key
 from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig
@@ -61,14 +61,17 @@ class Run:
 def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, control_url: Optional[str] = None,
              force_path: Optional[Path] = None, gates=None, timeout_s: float = 20.0, p_control: bool = False,
              p_control_url: Optional[str] = None, md_estimate: int = 0, sampling: Optional[dict] = None,
-             extras: Optional[dict] = None, rid: Optional[str] = "req") -> Run:
+             extras: Optional[dict] = None, rid: Optional[str] = "req", control_key: Optional[bytes] = None,
+             fakes_control_key: Optional[bytes] = None) -> Run:
     """Runs one request through PddFlow against fresh fakes. ``gates(run)`` may set hooks on
     ``knobs`` that read ``run.flow`` (the fakes share the flow's event loop). ``p_control``:
     P has its control API (late WAN destinations) at the fake's URL, or at ``p_control_url``;
-    ``md_estimate``: the router's estimate of MD's cached prefix."""
+    ``md_estimate``: the router's estimate of MD's cached prefix; ``control_key``: the router
+    signs its control calls with it (``--control-key-file``); ``fakes_control_key``: the fakes
+    sign their control replies with it."""
 
     async def main() -> Run:
-        fakes = await Fakes(knobs).start()
+        fakes = await Fakes(knobs, control_key=fakes_control_key).start()
         run = Run(fakes)
         if gates is not None:
             gates(run)
@@ -98,7 +101,11 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             await fakes.stop()
         return run
 
-    return asyncio.run(asyncio.wait_for(main(), timeout_s))
+    use_control_key(control_key)
+    try:
+        return asyncio.run(asyncio.wait_for(main(), timeout_s))
+    finally:
+        use_control_key(None)
 
 
 def assert_invariants(run: Run, max_new: int, complete: bool = True) -> None:
@@ -178,6 +185,24 @@ def test_one_shot_handoff_exact_stream_and_rld_aborted():
     # The room is released when MD takes over (not only at the end).
     release_t = run.fakes.records("md", "release")[0].t
     assert release_t < run.fakes.records("rld", "abort")[-1].t + 1.0
+
+
+@pytest.mark.parametrize("fakes_sign", [True, False])
+def test_a_signing_router_hands_off_only_to_an_md_whose_replies_are_signed(fakes_sign):
+    """The fakes answer a signed router as MD and P do (signed replies and handoff events), so
+    benchmarks that start the router with its control key measure handoffs; an MD whose
+    replies are unsigned is no MD to such a router, and RLD finishes the request."""
+    key = bytes(range(32))
+    knobs = Knobs()
+    run = scenario(knobs, max_new=40, gates=takeover(knobs, 6), p_control=True, control_key=key,
+                   fakes_control_key=key if fakes_sign else None)
+    assert_invariants(run, 40)
+    r = run.flow.result
+    if fakes_sign:
+        assert r.path == "p_rld_md" and r.fallbacks == [] and r.md_tokens > 0
+        assert_handed_off(run, 40)
+    else:
+        assert r.md_tokens == 0 and r.handoff_at is None
 
 
 def test_rld_late_tokens_after_abort_are_dropped():
