@@ -35,7 +35,7 @@ from sglang_pdd.router.flow_runner import FlowRunner
 from sglang_pdd.router.health import Drain, BackendFailed, BackendSucceeded
 from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.policy import Path
-from sglang_pdd.router.openai_front import OpenAIFront, _dumps, sse_reply
+from sglang_pdd.router.openai_front import OpenAIFront, _dumps, dumps_bytes, sse_reply
 from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
@@ -480,10 +480,10 @@ class Router:
 async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[bytes]:
     """SGLang's /generate stream: one ``data:`` event per output dict, then [DONE]; a request
     refused after the stream began ends with an error event."""
-    try:
-        yield b"data: " + _dumps(first).encode() + b"\n\n"
+    try:  # bytes straight from orjson: a cumulative logprob event can be megabytes
+        yield b"data: " + dumps_bytes(first) + b"\n\n"
         async for out in gen:
-            yield b"data: " + _dumps(out).encode() + b"\n\n"
+            yield b"data: " + dumps_bytes(out) + b"\n\n"
     except ValueError as e:
         err = {"error": {"message": str(e), "type": "invalid_request_error", "code": 400}}
         yield b"data: " + json.dumps(err).encode() + b"\n\n"

@@ -26,8 +26,12 @@ from sglang_pdd.router.validate import (ApiError, check_openai_body, check_promp
 logger = logging.getLogger("sglang_pdd.router")
 
 
+def dumps_bytes(obj) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+
+
 def _dumps(obj) -> str:
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
+    return dumps_bytes(obj).decode()
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError", param=None) -> web.Response:
