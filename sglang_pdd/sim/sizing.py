@@ -202,7 +202,7 @@ class Verdict:
     """PDD's cheapest mix against one baseline's, at the same trace, SLA and target."""
     baseline: str  # a scenario name (scenarios.BASELINES)
     label: str  # what the baseline is, in words
-    winner: str  # "pdd" | "baseline" | "none"
+    winner: str  # "pdd" | "baseline" | "tie" | "none"
     delta: Optional[float]  # PDD's cost / the baseline's - 1; None if either found no mix
     message: str
 
@@ -232,6 +232,10 @@ def verdict(baseline: str, label: str, base: Optional[SizingResult], pdd: Option
                        f"vs {label}: {pdd_what} wins, ${pdd.cost_per_hour:.1f}/h; no {label} mix in the searched "
                        f"ranges reaches {goal}")
     delta = pdd.cost_per_hour / base.cost_per_hour - 1.0
+    if abs(pdd.cost_per_hour - base.cost_per_hour) < 0.01:  # the same $/h: neither wins
+        same = "" if pdd.n_rld else f" (PDD's cheapest mix has no RLD: {label}'s fleet under PDD's router)"
+        return Verdict(baseline, label, "tie", delta,
+                       f"vs {label}: a tie, ${pdd.cost_per_hour:.1f}/h each{same}")
     if delta < 0:
         return Verdict(baseline, label, "pdd", delta,
                        f"vs {label}: {pdd_what} wins, ${pdd.cost_per_hour:.1f}/h vs ${base.cost_per_hour:.1f}/h "

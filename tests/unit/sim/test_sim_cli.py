@@ -98,7 +98,7 @@ def test_size_cli_prints_the_verdict(capsys):
     verdicts = [ln for ln in out.splitlines() if ln.startswith("verdict vs ")]
     assert [v.split(":")[0] for v in verdicts] == ["verdict vs same-DC PD", "verdict vs cross-DC PD (no relay, no DRC)",
                                                    "verdict vs cross-DC PD + DRC"]
-    assert all(" wins" in v or "neither" in v for v in verdicts)
+    assert all(" wins" in v or ": a tie, " in v or "neither" in v for v in verdicts)
 
 
 def test_sweep_cli_finds_a_knee(tmp_path, capsys):

@@ -73,3 +73,19 @@ def test_an_optimum_on_the_edge_of_the_range_is_flagged(capsys):
                "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5"])
     out = capsys.readouterr().out
     assert rc == 0 and "warning: " in out and "wider range" in out
+
+
+def test_equal_costs_are_a_tie_not_a_baseline_win():
+    """PDD's cheapest mix without RLD is the cross-DC baseline's own fleet: the same $/h is a
+    tie, said as one (it read "cross-DC PD + DRC wins ... PDD +0%")."""
+    from types import SimpleNamespace
+
+    from sglang_pdd.sim.sizing import verdict
+
+    base = SimpleNamespace(cost_per_hour=85.8, n_rld=0)
+    same = verdict("xdc_pd_drc", "cross-DC PD + DRC", base, SimpleNamespace(cost_per_hour=85.8, n_rld=0), "90%")
+    assert same.winner == "tie" and same.message.startswith("vs cross-DC PD + DRC: a tie, $85.8/h each")
+    assert "no RLD" in same.message
+    dearer = verdict("xdc_pd_drc", "cross-DC PD + DRC", base, SimpleNamespace(cost_per_hour=115.8, n_rld=1), "90%")
+    cheaper = verdict("xdc_pd_drc", "cross-DC PD + DRC", base, SimpleNamespace(cost_per_hour=55.8, n_rld=1), "90%")
+    assert (dearer.winner, cheaper.winner) == ("baseline", "pdd")
