@@ -14,8 +14,8 @@ import pytest
 from tests.support.fake_backends import Fakes, Knobs, fake_logprob, truth, wait_until
 from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend, client_sampling, new_room
 from sglang_pdd.router.policy import Path
-from tests.unit.router.test_flow_faults import (PROMPT, assert_handed_off, assert_invariants, emitted_at_least,
-                                               flow_config, p_md_cfg, scenario, takeover)
+from tests.support.flow_scenarios import (PROMPT, assert_handed_off, assert_invariants, emitted_at_least,
+                                         flow_config, p_md_cfg, scenario, takeover)
 
 pytestmark = pytest.mark.timeout(60)
 

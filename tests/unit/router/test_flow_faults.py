@@ -12,162 +12,20 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Optional
 
 import aiohttp
 import pytest
 
-from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.app import Router, build_app
-from sglang_pdd.router.backends import BackendError, use_control_key
-from sglang_pdd.router.fallback import Reason
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
-from sglang_pdd.router.policy import Path, PathPolicyConfig
+from sglang_pdd.router.backends import BackendError
+from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
 from tests.support.fake_backends import Fakes, Knobs, closed_port, serve_app, truth, wait_until
+from tests.support.flow_scenarios import (PROMPT, WAN_TIMEOUT_S, assert_handed_off, assert_invariants, emitted_at_least,
+                                         flow_config, leg_rid, p_md_cfg, scenario, takeover)
 
 pytestmark = pytest.mark.timeout(60)
-
-PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
-WAN_TIMEOUT_S = 1.0
-# Path policy: P->MD when the WAN estimate fits 1e9 ms, P->RLD->MD when it must fit 0 ms.
-P_MD_POLICY = PathPolicyConfig(max_wan_transfer_ms=1e9, enable_outlier_filter=False)
-P_RLD_MD_POLICY = PathPolicyConfig(max_wan_transfer_ms=0.0, enable_outlier_filter=False)
-
-
-def flow_config(policy: PathPolicyConfig = P_RLD_MD_POLICY, mode: Optional[HandoffMode] = HandoffMode.ONE_SHOT,
-                threshold: int = 64) -> FlowConfig:
-    return FlowConfig(path=policy, handoff=HandoffConfig(catch_up_threshold_tokens=threshold, fixed_mode=mode),
-                      wan_timeout_s=WAN_TIMEOUT_S, rld_max_running=16)
-
-
-@dataclasses.dataclass
-class Run:
-    fakes: Fakes
-    flow: Optional[PddFlow] = None
-    emitted: list = dataclasses.field(default_factory=list)
-    chunks: list = dataclasses.field(default_factory=list)
-    error: Optional[BaseException] = None
-    tasks_after: Optional[set] = None
-    first_chunk_t: Optional[float] = None  # time.monotonic(), the clock of the fakes' records
-    last_chunk_t: Optional[float] = None
-
-    @property
-    def fallbacks(self) -> list[str]:
-        return [f.reason.value + (":" + f.detail if f.reason is Reason.RECOVERED_ON_RELAY else "")
-                for f in self.flow.result.fallbacks]
-
-
-def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, control_url: Optional[str] = None,
-             force_path: Optional[Path] = None, gates=None, timeout_s: float = 20.0, p_control: bool = False,
-             p_control_url: Optional[str] = None, md_estimate: int = 0, sampling: Optional[dict] = None,
-             extras: Optional[dict] = None, rid: Optional[str] = "req", control_key: Optional[bytes] = None,
-             fakes_control_key: Optional[bytes] = None) -> Run:
-    """Runs one request through PddFlow against fresh fakes. ``gates(run)`` may set hooks on
-    ``knobs`` that read ``run.flow`` (the fakes share the flow's event loop). ``p_control``:
-    P has its control API (late WAN destinations) at the fake's URL, or at ``p_control_url``;
-    ``md_estimate``: the router's estimate of MD's cached prefix; ``control_key``: the router
-    signs its control calls with it (``--control-key-file``); ``fakes_control_key``: the fakes
-    sign their control replies with it."""
-
-    async def main() -> Run:
-        fakes = await Fakes(knobs, control_key=fakes_control_key).start()
-        run = Run(fakes)
-        if gates is not None:
-            gates(run)
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        try:
-            main_backend = MainBackend(fakes.md_url, control_url or fakes.md_url, "127.0.0.1:1")
-            prefill = PrefillBackend(fakes.p_url, 8998,
-                                     control_url=(p_control_url or fakes.p_control_url) if p_control else None)
-            run.flow = PddFlow(session, cfg or flow_config(), prefill, fakes.rld_url,
-                               main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0, **(sampling or {})},
-                               rid=rid, rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate,
-                               extras=extras)
-            try:
-                async for tokens in run.flow.events():
-                    run.last_chunk_t = time.monotonic()
-                    if run.first_chunk_t is None:
-                        run.first_chunk_t = run.last_chunk_t
-                    run.chunks.append(list(tokens))
-                    run.emitted.extend(tokens)
-            except BackendError as e:
-                run.error = e
-            run.tasks_after = set(run.flow.tasks)
-            # Aborts and releases are sent by then; the fakes' streams wind down right after.
-            await wait_until(lambda: fakes.rld_active == 0 and fakes.md_active == 0, timeout_s=5)
-        finally:
-            await session.close()
-            await fakes.stop()
-        return run
-
-    use_control_key(control_key)
-    try:
-        return asyncio.run(asyncio.wait_for(main(), timeout_s))
-    finally:
-        use_control_key(None)
-
-
-def assert_invariants(run: Run, max_new: int, complete: bool = True) -> None:
-    want = truth(PROMPT, max_new)
-    if complete:
-        assert run.error is None, run.error
-        assert run.emitted == want
-    else:
-        assert run.emitted == want[:len(run.emitted)]
-    assert all(run.chunks), "empty chunk yielded"
-    assert not run.tasks_after, f"tasks left after events(): {run.tasks_after}"
-    fakes = run.fakes
-    registered = fakes.registered_rooms() if fakes.knobs.md_register == "ok" else []
-    for room in registered:
-        assert fakes.released_rooms().count(room) == 1, (room, fakes.released_rooms())
-    assert set(fakes.released_rooms()) <= set(registered)
-    assert fakes.rld_active == 0 and fakes.md_active == 0
-    r = run.flow.result
-    assert r.rld_tokens + r.md_tokens == len(run.emitted)
-
-
-def assert_handed_off(run: Run, max_new: int) -> dict:
-    """MD took over: one final handoff with all eager tokens, RLD's leg aborted."""
-    fakes, r = run.fakes, run.flow.result
-    finals = fakes.records("md", "handoff")
-    assert len(finals) == 1
-    final = finals[0].body
-    cut = r.handoff_at
-    assert cut is not None and final["token_ids"] == truth(PROMPT, cut)
-    assert final["sampling_params"]["max_new_tokens"] == max_new  # the total budget (resume contract)
-    assert "custom_params" not in final["sampling_params"]
-    assert r.md_tokens == max_new - cut and r.rld_tokens == cut
-    assert leg_rid(run, "r1") in fakes.aborted_rids("rld")
-    assert fakes.rld_aborted[leg_rid(run, "r1")].is_set()
-    return final
-
-
-def leg_rid(run: Run, leg: str) -> str:
-    """The internal rid the flow gave one of its backend requests (never the client's)."""
-    return f"{run.flow.internal_rid}-{leg}"
-
-
-def emitted_at_least(run: Run, n: int):
-    async def gate(room):
-        await wait_until(lambda: len(run.flow.stitcher.emitted) >= n)
-    return gate
-
-
-def takeover(knobs: Knobs, ready_after: int):
-    """Gates: MD's KV lands once RLD has emitted ``ready_after`` tokens, and MD's last token
-    waits for RLD's abort and the room's release, which must come on MD's first token (not
-    from the end-of-request cleanup)."""
-
-    def gates(run: Run) -> None:
-        knobs.md_before_ready = emitted_at_least(run, ready_after)
-
-        async def last_token(i, budget):
-            if i == budget - 1:
-                await wait_until(lambda: leg_rid(run, "r1") in run.fakes.aborted_rids("rld") and run.fakes.released_rooms(),
-                                 timeout_s=5)
-        knobs.md_before_token = last_token
-    return gates
 
 
 # ---------------------------------------------------------------------- P -> RLD -> MD
@@ -334,10 +192,6 @@ def test_md_silent_mid_stream_is_md_failed_and_the_request_goes_on_from_rld(sile
 
 
 # ---------------------------------------------------------------------- P -> MD (RLD budget 1)
-def p_md_cfg() -> FlowConfig:
-    return flow_config(policy=P_MD_POLICY)
-
-
 def test_p_md_happy():
     knobs = Knobs()
     run = scenario(knobs, max_new=30, cfg=p_md_cfg(), gates=takeover(knobs, 0))

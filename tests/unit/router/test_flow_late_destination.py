@@ -4,7 +4,7 @@ router/flow.py). Against the fake P / RLD / MD (tests/support/fake_backends.py):
 is asserted on the timestamps the fakes record (one clock, one event loop), never on
 wall-clock thresholds.
 
-The guarantees of tests/unit/router/test_flow_faults.py hold here too (assert_invariants): the client
+The guarantees of tests/support/flow_scenarios.py hold here too (assert_invariants): the client
 gets truth[:max_new] exactly once and in order, MD's room is released exactly once, nothing
 is left running.
 """
@@ -24,8 +24,8 @@ from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
-from tests.unit.router.test_flow_faults import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants,
-                                               flow_config, scenario, takeover)
+from tests.support.flow_scenarios import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants,
+                                         flow_config, scenario, takeover)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.fake_backends import Knobs
 from sglang_pdd.router.policy import PathPolicyConfig
-from tests.unit.router.test_flow_faults import PROMPT, assert_invariants, flow_config, scenario, takeover
+from tests.support.flow_scenarios import PROMPT, assert_invariants, flow_config, scenario, takeover
 from tests.unit.router.test_flow_late_destination import WAN_PEER, assert_p_control_sane, p_leg_params
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ from sglang_pdd.handoff.stitcher import Source
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.policy import Path
-from tests.unit.router.test_flow_faults import PROMPT, flow_config, p_md_cfg
+from tests.support.flow_scenarios import PROMPT, flow_config, p_md_cfg
 
 pytestmark = pytest.mark.timeout(60)
 

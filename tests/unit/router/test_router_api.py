@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.support.fake_backends import Fakes, Knobs, serve_app, truth
-from tests.unit.router.test_flow_faults import flow_config
+from tests.support.flow_scenarios import flow_config
 
 from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.fake_backends import Fakes, serve_app, truth
 from tests.support.pki import make_ca, make_leaf, needs_openssl
-from tests.unit.router.test_flow_faults import flow_config
+from tests.support.flow_scenarios import flow_config
 
 from sglang_pdd.router import client_auth
 from sglang_pdd.router.app import Router, backend_session, build_app

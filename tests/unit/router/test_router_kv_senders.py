@@ -9,7 +9,7 @@ import asyncio
 
 import aiohttp
 from tests.support.fake_backends import Fakes, closed_port, serve_app, wait_until
-from tests.unit.router.test_flow_faults import flow_config
+from tests.support.flow_scenarios import flow_config
 
 from sglang_pdd.router import kv_senders
 from sglang_pdd.router.app import Router, build_app

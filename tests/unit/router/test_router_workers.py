@@ -155,7 +155,7 @@ def test_a_drain_posted_to_one_worker_reaches_every_worker(tmp_path):
     """With --workers N a drain used to reach only the worker that took the call, which kept
     (N-1)/N of the traffic on the backend. Workers now share drains through a file."""
     from tests.support.fake_backends import serve_app
-    from tests.unit.router.test_flow_faults import flow_config
+    from tests.support.flow_scenarios import flow_config
 
     from sglang_pdd.router.app import Router, build_app
     from sglang_pdd.router.flow import MainBackend, PrefillBackend
