@@ -40,7 +40,8 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, SCHEME, ControlVerifier, request_sig_of
+from sglang_pdd.control_auth import (EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, SCHEME, ControlVerifier,
+                                     request_sig_of)
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, KvSendersReply,

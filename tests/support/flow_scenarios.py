@@ -24,6 +24,11 @@ WAN_TIMEOUT_S = 1.0
 # Path policy: P->MD when the WAN estimate fits 1e9 ms, P->RLD->MD when it must fit 0 ms.
 P_MD_POLICY = PathPolicyConfig(max_wan_transfer_ms=1e9, enable_outlier_filter=False)
 P_RLD_MD_POLICY = PathPolicyConfig(max_wan_transfer_ms=0.0, enable_outlier_filter=False)
+# So slow a link that MD's estimate (all cached) picks P->MD and its exact answer (0 cached)
+# P->RLD->MD after registering first.
+SLOW_WAN = PathPolicyConfig(wan_gbps=1e-6, wan_rtt_ms=0.0, kv_bytes_per_token=100, page_size=1,
+                            max_wan_transfer_ms=1000.0, enable_outlier_filter=False)
+WAN_PEER = "127.0.0.1:1"  # the MainBackend's wan_peer in scenario(): nothing listens there
 
 
 def flow_config(policy: PathPolicyConfig = P_RLD_MD_POLICY, mode: Optional[HandoffMode] = HandoffMode.ONE_SHOT,
@@ -68,7 +73,7 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             gates(run)
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         try:
-            main_backend = MainBackend(fakes.md_url, control_url or fakes.md_url, "127.0.0.1:1")
+            main_backend = MainBackend(fakes.md_url, control_url or fakes.md_url, WAN_PEER)
             prefill = PrefillBackend(fakes.p_url, 8998,
                                      control_url=(p_control_url or fakes.p_control_url) if p_control else None)
             run.flow = PddFlow(session, cfg or flow_config(), prefill, fakes.rld_url,
@@ -165,3 +170,24 @@ def takeover(knobs: Knobs, ready_after: int):
 
 def p_md_cfg() -> FlowConfig:
     return flow_config(policy=P_MD_POLICY)
+
+
+def t_of(run: Run, server: str, kind: str, index: int = 0) -> float:
+    records = run.fakes.records(server, kind)
+    assert len(records) > index, f"no {server} {kind} record #{index}"
+    return records[index].t
+
+
+def p_leg_params(run: Run) -> dict:
+    gens = run.fakes.records("p", "generate")
+    assert gens, "P got no request"
+    return gens[0].body["sampling_params"].get("custom_params") or {}
+
+
+def assert_p_control_sane(run: Run) -> None:
+    """At most one destination or one drop per room, never a destination after a drop."""
+    posted = [r.body["bootstrap_room"] for r in run.fakes.records("p", "destination")]
+    dropped = run.fakes.dropped_rooms()
+    assert len(posted) == len(set(posted)) and len(dropped) == len(set(dropped)), (posted, dropped)
+    for room in set(posted) & set(dropped):
+        assert t_of(run, "p", "destination") < t_of(run, "p", "drop"), "destination posted after its drop"

@@ -21,8 +21,7 @@ import pytest
 from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from tests.support.fake_backends import Knobs
 from tests.support.pki import make_ca, make_leaf, needs_openssl
-from tests.support.flow_scenarios import PROMPT, assert_invariants, flow_config, scenario
-from tests.unit.router.test_flow_md_tp import SLOW_WAN
+from tests.support.flow_scenarios import PROMPT, SLOW_WAN, assert_invariants, flow_config, scenario
 from tests.support.waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate

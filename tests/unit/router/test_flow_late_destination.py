@@ -24,33 +24,11 @@ from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
-from tests.support.flow_scenarios import (P_MD_POLICY, PROMPT, Run, assert_handed_off, assert_invariants,
-                                         flow_config, scenario, takeover)
+from tests.support.flow_scenarios import (P_MD_POLICY, PROMPT, SLOW_WAN, WAN_PEER, assert_handed_off,
+                                         assert_invariants, assert_p_control_sane, flow_config, p_leg_params,
+                                         scenario, t_of, takeover)
 
 pytestmark = pytest.mark.timeout(60)
-
-WAN_PEER = "127.0.0.1:1"  # the MainBackend's wan_peer in scenario()
-
-
-def t_of(run: Run, server: str, kind: str, index: int = 0) -> float:
-    records = run.fakes.records(server, kind)
-    assert len(records) > index, f"no {server} {kind} record #{index}"
-    return records[index].t
-
-
-def p_leg_params(run: Run) -> dict:
-    gens = run.fakes.records("p", "generate")
-    assert gens, "P got no request"
-    return gens[0].body["sampling_params"].get("custom_params") or {}
-
-
-def assert_p_control_sane(run: Run) -> None:
-    """At most one destination or one drop per room, never a destination after a drop."""
-    posted = [r.body["bootstrap_room"] for r in run.fakes.records("p", "destination")]
-    dropped = run.fakes.dropped_rooms()
-    assert len(posted) == len(set(posted)) and len(dropped) == len(set(dropped)), (posted, dropped)
-    for room in set(posted) & set(dropped):
-        assert t_of(run, "p", "destination") < t_of(run, "p", "drop"), "destination posted after its drop"
 
 
 def hold_rld_until(run_ref: dict, predicate, at_token: int):
@@ -98,8 +76,7 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
 def test_destination_carries_md_exact_prefix_and_room_path_kept_on_estimate():
     """Estimate 0 -> P->RLD->MD; MD actually holds the whole prompt (with it, P->MD would have
     been chosen). The path is not changed after the fact; both numbers are reported."""
-    policy = PathPolicyConfig(wan_gbps=1e-6, wan_rtt_ms=0.0, kv_bytes_per_token=100, page_size=1,
-                              max_wan_transfer_ms=1000.0, enable_outlier_filter=False)
+    policy = SLOW_WAN
     # 8 uncached tokens x 100 B at 1 kbit/s: 6.4 s > 1 s; 0 uncached: 0 ms.
     knobs = Knobs(md_cached_tokens=len(PROMPT), md_register_delay_s=0.05)
     run = scenario(knobs, max_new=30, cfg=flow_config(policy=policy), p_control=True, md_estimate=0,
@@ -119,8 +96,7 @@ def test_destination_carries_md_exact_prefix_and_room_path_kept_on_estimate():
 def test_estimate_says_p_md_registers_first_then_decides_on_md_exact_prefix():
     """A high estimate (P->MD) means the round trip is awaited anyway; MD's exact answer (0
     cached) then picks P->RLD->MD, with the destination in the request as without P control."""
-    policy = PathPolicyConfig(wan_gbps=1e-6, wan_rtt_ms=0.0, kv_bytes_per_token=100, page_size=1,
-                              max_wan_transfer_ms=1000.0, enable_outlier_filter=False)
+    policy = SLOW_WAN
     knobs = Knobs(md_cached_tokens=0, md_register_delay_s=0.05)
     run = scenario(knobs, max_new=30, cfg=flow_config(policy=policy), p_control=True, md_estimate=len(PROMPT),
                    gates=takeover(knobs, 2))

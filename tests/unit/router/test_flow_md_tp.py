@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.support.fake_backends import Knobs
-from sglang_pdd.router.policy import PathPolicyConfig
-from tests.support.flow_scenarios import PROMPT, assert_invariants, flow_config, scenario, takeover
-from tests.unit.router.test_flow_late_destination import WAN_PEER, assert_p_control_sane, p_leg_params
+from tests.support.flow_scenarios import (PROMPT, SLOW_WAN, WAN_PEER, assert_invariants, assert_p_control_sane,
+                                         flow_config, p_leg_params, scenario, takeover)
 
 pytestmark = pytest.mark.timeout(60)
-
-# MD's exact answer (0 cached) picks P->RLD->MD after registering first (the estimate said P->MD)
-SLOW_WAN = PathPolicyConfig(wan_gbps=1e-6, wan_rtt_ms=0.0, kv_bytes_per_token=100, page_size=1,
-                            max_wan_transfer_ms=1000.0, enable_outlier_filter=False)
 
 
 @pytest.mark.parametrize("p_control", [False, True])

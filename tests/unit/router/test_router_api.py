@@ -7,48 +7,13 @@ SGLang's own, running in-process on the router's adapter.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 
-import aiohttp
 import pytest
 
-from tests.support.fake_backends import Fakes, Knobs, serve_app, truth
-from tests.support.flow_scenarios import flow_config
-
-from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
-
-from sglang_pdd.router.pools import Pools
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
-
-TOKEN = "operator-secret-0123456789"
-
-
-@contextlib.asynccontextmanager
-async def front(state, knobs: Knobs = None, max_body_bytes: int = 1 << 20, **router_kwargs):
-    fakes = await Fakes(knobs or Knobs()).start()
-    pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
-                  [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")])
-    router = Router(pools, flow_config(), None, max_prompt_tokens=1000, served_model="tiny", sglang_state=state,
-                    max_new_tokens_cap=64, operator_token=TOKEN, **router_kwargs)
-    try:
-        async with serve_app(build_app(router, max_body_bytes)) as base, aiohttp.ClientSession() as client:
-            yield base, client, fakes, router
-    finally:
-        await fakes.stop()
-
-
-def run(coro):
-    asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def sse(resp) -> list[dict]:
-    events = []
-    async for line in resp.content:
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            events.append(json.loads(line[6:]))
-    return events
+from sglang_pdd.router.app import OPERATOR_HEADER
+from tests.support.fake_backends import Knobs, truth
+from tests.support.router_front import TOKEN, front, run, sse
 
 
 def test_generate_single_batch_and_n_match_the_model(router_sglang_state):

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.fake_backends import Fakes, Knobs, closed_port, serve_app, truth
 from tests.support.flow_scenarios import PROMPT, flow_config
-from tests.unit.router.test_router_api import sse
+from tests.support.router_front import sse
 
 from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
 

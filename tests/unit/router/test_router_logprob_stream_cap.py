@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_pdd.router.validate import ApiError, LogprobLimits, stream_logprob_entries
-from tests.unit.router.test_router_api import front, run
+from tests.support.router_front import front, run
 
 
 def test_entries_count_every_position_of_every_cumulative_event():
