@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import _require_sglang, plain_server, start_pdd_cluster
 from sglang_pdd.launcher.http import post_json
-from tests.e2e.test_e2e_pdd import assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body, route
+from tests.support.pdd_requests import assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body, route
 
 # the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]

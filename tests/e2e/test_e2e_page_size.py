@@ -5,7 +5,7 @@ from that page boundary on."""
 import pytest
 
 from sglang_pdd.launcher.http import post_json
-from tests.e2e.test_e2e_pdd import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
+from tests.support.pdd_requests import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 

@@ -35,7 +35,7 @@ def tcp_cluster(run_root, servers_under_test):
 @pytest.mark.parametrize("path", ["p_rld_only", "p_rld_md"])
 def test_tcp_intra_dc_path_equals_single_server(single_server, tcp_cluster, path):
     from tests.support.takeover import assert_taken_over
-    from tests.e2e.test_e2e_pdd import RELAY_MAX_NEW, hand_off_after
+    from tests.support.pdd_requests import RELAY_MAX_NEW, hand_off_after
 
     handoffs, logs = [], tcp_cluster.procs.log_dir
     for role in ("prefill-0", "relay-0"):

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import start_pdd_cluster
 from sglang_pdd.control_auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
-from tests.e2e.test_e2e_pdd import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
+from tests.support.pdd_requests import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
 
 # the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]

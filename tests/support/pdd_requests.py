@@ -1,0 +1,82 @@
+"""Requests through a real PDD cluster's router and the checks the end-to-end tests share:
+greedy bodies, a P->RLD->MD request MD takes over at a chosen token, every route equal to one
+plain server's output, a second turn that sends only its uncached suffix over the WAN."""
+
+from tests.support.takeover import assert_taken_over, stream_taken_over
+
+from sglang_pdd.launcher.http import get_json, post_json
+
+MAX_NEW = 24
+# P->RLD->MD requests run longer: MD takes over after a few tokens and does most of the output,
+# and RLD, racing on while the take-over is asked for, cannot end the output first (takeover.py).
+RELAY_MAX_NEW = 128
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import collections\n\nclass LRUCache:\n    def __init__(self, capacity):",
+    "import collections\n\nclass LRUCache:\n    def get(self, key):",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "for i in range(10):\n    print(i)",
+]
+
+
+def greedy_body(prompt: str, **extra) -> dict:
+    return {"text": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}, **extra}
+
+
+def route(cluster, prompt: str, **options) -> dict:
+    return post_json(f"{cluster.topology.router_url}/generate", greedy_body(prompt, pdd_options=options))
+
+
+def hand_off_after(cluster, prompt: str, eager: int, max_new: int = RELAY_MAX_NEW, **options) -> dict:
+    """A P->RLD->MD request, streamed, that MD takes over once the client holds ``eager`` tokens
+    from RLD (takeover.py). Returns the last event of the (checked cumulative) stream."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0},
+            "pdd_options": {"path": "p_rld_md", **options}}
+    return stream_taken_over(cluster, body, eager)
+
+
+def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:
+    """Each prompt of ``reference`` (greedy ids at MAX_NEW) through the router on ``options``
+    gives its greedy ids, with no fallback; p_md hands every request to MD at its first token,
+    p_rld_md (streamed) after RLD's third, on at least half of them (takeover.py).
+    ``check(meta_info.pdd)``: the caller's extra assertions."""
+    handoffs = []
+    for prompt, want in reference.items():
+        if options["path"] == "p_rld_md":
+            handoff = {k: v for k, v in options.items() if k != "path"}
+            got = hand_off_after(cluster, prompt, 3, max_new=MAX_NEW, **handoff)
+        else:
+            got = route(cluster, prompt, **options)
+        pdd = got["meta_info"]["pdd"]
+        assert got["output_ids"] == want, (prompt, pdd)
+        assert not pdd["fallbacks"], pdd
+        assert pdd["rld_tokens"] + pdd["md_tokens"] == len(want), pdd
+        check(pdd)
+        handoffs.append(pdd["handoff_at"])
+    if options["path"] == "p_md":
+        assert handoffs == [1] * len(reference), handoffs
+    elif options["path"] == "p_rld_md":  # MAX_NEW tokens: a short flow (assert_taken_over)
+        assert_taken_over(handoffs, len(reference), 3)
+
+
+def assert_second_turn_sends_only_the_suffix(cluster, turn1: str, reference_ids, next_turn=None) -> tuple[int, int]:
+    """Turn 1, then turn 2 = turn 1 + its answer + more, both P->MD: turn 2's output equals
+    ``reference_ids(prompt)`` (turn 1's too), it hits MD's DRC, and only the uncached suffix
+    crosses the WAN.
+    Returns (turn 1's prompt tokens, turn 2's cached tokens) for the caller's bound on the hit."""
+    control, key = cluster.topology.main.control_url, cluster.control_key
+    first = route(cluster, turn1, path="p_md")
+    assert first["output_ids"] == reference_ids(turn1)
+    turn2 = (next_turn or (lambda text: turn1 + text + "\n# next turn\n"))(first["text"])
+    before = get_json(f"{control}/pdd/stats", key=key)
+    second = route(cluster, turn2, path="p_md")
+    after = get_json(f"{control}/pdd/stats", key=key)
+    assert second["output_ids"] == reference_ids(turn2)
+    pdd = second["meta_info"]["pdd"]
+    cached = pdd["md_cached_tokens"]
+    assert not pdd["fallbacks"], pdd
+    assert after["cached_tokens"] - before["cached_tokens"] == cached
+    assert after["wan_tokens"] - before["wan_tokens"] == second["meta_info"]["prompt_tokens"] - cached  # the suffix
+    assert after["rooms_failed"] == before["rooms_failed"]
+    return first["meta_info"]["prompt_tokens"], cached
