@@ -123,7 +123,7 @@ def test_rooms_kept_only_for_the_cache_go_on_a_flush_which_waits_for_their_pages
     hold the room and its pages until the KV lands. A flush drops it, waits (SGLang's
     deferred flush) until every rank's receiver let go of its pages, then flushes on every rank."""
     require_sglang_import()
-    from tests.unit.sglang_glue.test_md_tp import MdTp
+    from tests.support.md_tp import MdTp
 
     c = MdTp("mha", 2, 2)
     try:
@@ -150,7 +150,7 @@ def test_rooms_kept_only_for_the_cache_go_on_a_flush_which_waits_for_their_pages
 def test_a_flush_while_requests_run_is_refused_at_once_as_on_sglang():
     """Pages on their way back do not turn a flush under running requests into a wait."""
     require_sglang_import()
-    from tests.unit.sglang_glue.test_md_tp import MdTp
+    from tests.support.md_tp import MdTp
 
     c = MdTp("mha", 1, 2)
     try:
@@ -168,7 +168,7 @@ def test_a_flush_while_requests_run_is_refused_at_once_as_on_sglang():
 
 def test_a_flush_under_a_room_of_a_request_in_flight_is_refused_and_says_why():
     require_sglang_import()
-    from tests.unit.sglang_glue.test_md_tp import MdTp
+    from tests.support.md_tp import MdTp
 
     c = MdTp("mha", 1, 2)
     try:
@@ -189,7 +189,7 @@ def test_a_flush_under_a_room_of_a_request_in_flight_is_refused_and_says_why():
 def test_a_flush_with_a_room_in_flight_and_a_timeout_waits_for_the_room(timeout_s):
     """SGLang's deferred flush (``?timeout=``) counts MD's rooms as not idle."""
     require_sglang_import()
-    from tests.unit.sglang_glue.test_md_tp import MdTp
+    from tests.support.md_tp import MdTp
 
     c = MdTp("mha", 1, 2)
     try:
@@ -219,7 +219,7 @@ def test_a_registration_that_comes_in_after_its_release_is_refused():
     a transfer nobody sends."""
     require_sglang_import()
     from sglang_pdd.radix_drc.rooms import RoomReleased
-    from tests.unit.sglang_glue.test_md_tp import MdTp
+    from tests.support.md_tp import MdTp
 
     c = MdTp("mha", 2, 2)
     try:
