@@ -86,3 +86,25 @@ def test_every_test_folder_is_a_package():
     """Packages (an __init__.py in every folder) let two folders hold modules of the same name."""
     folders = {p.parent for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts}
     assert not [str(f.relative_to(REPO_ROOT)) for f in folders if not (f / "__init__.py").exists()]
+
+
+def imports_of_test_modules(path: Path) -> list[str]:
+    """The modules under tests/unit or tests/e2e that ``path`` imports."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found += [n for n in names if n.startswith(("tests.unit", "tests.e2e"))]
+    return found
+
+
+def test_no_test_module_imports_another(tmp_path):
+    """What several tests share lives in tests/support/, never in a test module that others
+    import (and benchmarks import support/, never a test)."""
+    files = [p for p in list(TESTS.rglob("*.py")) + list((REPO_ROOT / "benchmarks").rglob("*.py"))
+             if "__pycache__" not in p.parts]
+    found = {str(p.relative_to(REPO_ROOT)): imports_of_test_modules(p) for p in files}
+    assert not {f: mods for f, mods in found.items() if mods}
+    probe = tmp_path / "probe.py"  # the check itself sees such an import, in either form
+    probe.write_text("import tests.e2e.test_e2e_pdd\nfrom tests.unit.router.test_lifecycle import fold\n")
+    assert imports_of_test_modules(probe) == ["tests.e2e.test_e2e_pdd", "tests.unit.router.test_lifecycle"]
