@@ -147,29 +147,15 @@ def run_mode(mode: str, args, model: str, key_file: Path, log_dir: Path, bar) ->
 def in_process_md(mode: str, pool_tokens: int, staging_mb: int, key: bytes, page_size: int = 1):
     """MD's real runtime (MainDrcRuntime: WAN receiver, rooms, ingest) on SGLang's real radix
     cache, allocator and an MHA pool shaped like the tiny model's, without a server."""
-    from types import SimpleNamespace
-
     import torch
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sglang_pdd.config import PddConfig
-    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+    from tests.support.md_runtime import runtime_on_pool
 
     pool = MHATokenToKVPool(size=pool_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=32,
                             layer_num=2, device="cpu", enable_memory_saver=False)
-    if page_size == 1:
-        alloc = TokenToKVPoolAllocator(pool_tokens, torch.bfloat16, "cpu", pool, need_sort=False)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(pool_tokens, page_size, torch.bfloat16, "cpu", pool, need_sort=False)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                                      page_size=page_size))
-    cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
-                    wan_key_file="unused", wan_timeout_s=300.0, md_staging_mb=staging_mb, md_ingest=mode)
-    return MainDrcRuntime(SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size),
-                          cfg, key)
+    return runtime_on_pool(pool, page_size, key, wan_key_file="unused", wan_timeout_s=300.0, md_staging_mb=staging_mb,
+                           md_ingest=mode)
 
 
 def run_mode_in_process(mode: str, args, bar) -> dict:

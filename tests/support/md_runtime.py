@@ -20,6 +20,14 @@ def pool_pages(page_size):
 
 def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool", head_num=2):
     require_sglang_import()
+    pool = make_pool(kind, page_size, seed=None, head_num=head_num)
+    return runtime_on_pool(pool, page_size, KEY, wan_timeout_s=10.0, md_staging_mb=tmp_budget_mb, md_ingest=ingest)
+
+
+def runtime_on_pool(pool, page_size: int, key: bytes, **config):
+    """MD's real runtime (WAN receiver, rooms, ingest, control API on free loopback ports) over
+    ``pool`` with SGLang's allocator (paged unless ``page_size`` is 1) and radix cache, without a
+    server; ``config``: the rest of its PddConfig."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -28,18 +36,16 @@ def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool", head_num=2)
     from sglang_pdd.launcher.topology import free_port
     from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
 
-    pool = make_pool(kind, page_size, seed=None, head_num=head_num)
-    size = pool_pages(page_size) * page_size
     if page_size == 1:
-        alloc = TokenToKVPoolAllocator(size, pool.dtype, "cpu", pool, need_sort=False)
+        alloc = TokenToKVPoolAllocator(pool.size, pool.dtype, "cpu", pool, need_sort=False)
     else:
-        alloc = PagedTokenToKVPoolAllocator(size, page_size, pool.dtype, "cpu", pool, need_sort=False)
+        alloc = PagedTokenToKVPoolAllocator(pool.size, page_size, pool.dtype, "cpu", pool, need_sort=False)
     tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
                                       page_size=page_size))
     cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
-                    wan_timeout_s=10.0, md_staging_mb=tmp_budget_mb, md_ingest=ingest)
+                    **config)
     sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size)
-    return MainDrcRuntime(sched, cfg, KEY)
+    return MainDrcRuntime(sched, cfg, key)
 
 
 def make_pool(kind, page_size, seed, head_num=2):
