@@ -97,13 +97,13 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             await fakes.stop()
         return run
 
-    if control_key is None:  # the router's signer as the test left it
-        return asyncio.run(asyncio.wait_for(main(), timeout_s))
-    use_control_key(control_key)
+    if control_key is not None:  # else the router's signer stays as the test left it
+        use_control_key(control_key)
     try:
         return asyncio.run(asyncio.wait_for(main(), timeout_s))
     finally:
-        use_control_key(None)
+        if control_key is not None:
+            use_control_key(None)
 
 
 def assert_invariants(run: Run, max_new: int, complete: bool = True) -> None:
