@@ -8,7 +8,7 @@ seconds, for n tokens at K top logprobs, 1 and C streams at once, on each path (
 P->RLD->MD catch-up and one-shot, P->RLD only).
 
 Backends are ``tests/support/fake_backends.py``'s fakes in their own process (deterministic, no SGLang;
-their logprob lists memoised per stream so that the fakes keep ahead of the router), streaming
+each event's logprobs in one walk of the sequence, written with orjson, so they keep ahead), streaming
 as fast as they can (``--token-delay-ms 0``): a router that falls behind its backends shows
 what it keeps meanwhile. The router runs as a real subprocess, one per source tree, talking to
 the fakes unsigned (below): ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``)
@@ -61,44 +61,8 @@ RANDOM_ID = re.compile(rb'"id":"[^"]*"')
 
 # ---------------------------------------------------------------------- fake backends process
 def serve_fakes(token_delay_s: float) -> None:
-    """The fakes until killed, their URLs printed as one JSON line. Their per-event logprob lists
-    are memoised per stream (the test fakes recompute every position each event) and written
-    with orjson, so a 2,000-token stream is not the fakes' own O(n^3)."""
-    import orjson
-
+    """The fakes until killed, their URLs printed as one JSON line."""
     from tests.support import fake_backends as fb
-    memo: dict = {}
-
-    def fast_fake_logprobs(body: dict, prompt: list[int], output: list[int]) -> dict:
-        if not body.get("return_logprob"):
-            return {}
-        k, top = fb.resumed_len(body), int(body.get("top_logprobs_num") or 0)
-        key = (tuple(prompt), k)
-        state, tokens, entries = memo.get(key, (None, [], []))
-        if state is None or len(output) < len(tokens) or output[:len(tokens)][-1:] != tokens[-1:]:
-            state, tokens, entries = 0, [], []
-            for t in prompt:
-                state = fb._step(state, t)
-        for j in range(len(tokens), len(output)):  # fb.fake_logprob, one position at a time
-            if j >= k:
-                entries.append([-((state ^ output[j]) % 997) / 1000.0, output[j], None])
-            state = fb._step(state, output[j])
-        memo[key] = (state, list(output), entries)
-        rows = entries[:max(0, len(output) - k)]
-        meta = {"output_token_logprobs": rows, "input_token_logprobs": []}
-        if top:
-            meta["output_top_logprobs"] = [[e] * top for e in rows]
-            meta["input_top_logprobs"] = []
-        if body.get("token_ids_logprob") is not None:
-            pd_leg = "bootstrap_room" in body
-            meta["output_token_ids_logprobs"] = [None if j == 0 and pd_leg else [e] for j, e in enumerate(rows)]
-            meta["input_token_ids_logprobs"] = []
-        return meta
-
-    async def fast_sse(resp, event: dict) -> None:
-        await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
-
-    fb.fake_logprobs, fb._sse = fast_fake_logprobs, fast_sse
 
     async def main() -> None:
         fakes = await fb.Fakes(fb.Knobs(rld_token_delay_s=token_delay_s, md_token_delay_s=token_delay_s)).start()
@@ -108,8 +72,6 @@ def serve_fakes(token_delay_s: float) -> None:
             await asyncio.sleep(1.0)
             fakes.log.clear()
             fakes.rooms = {r: s for r, s in fakes.rooms.items() if not s["released"]}
-            if len(memo) > 64:
-                memo.clear()
 
     asyncio.run(main())
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
+import orjson
 from aiohttp import web
 
 from sglang_pdd.control_auth import (EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, SCHEME, ControlVerifier,
@@ -82,7 +82,23 @@ def fake_logprob(context: list[int], token: int) -> float:
     state = 0
     for t in context:
         state = _step(state, t)
+    return _logprob_at(state, token)
+
+
+def _logprob_at(state: int, token: int) -> float:
     return -((state ^ token) % 997) / 1000.0
+
+
+def _logprobs_along(seq: list[int], start: int) -> list[Optional[float]]:
+    """``fake_logprob(seq[:j], seq[j])`` for j from ``start`` on, walking ``seq`` once (a
+    stream's events carry every position: per position from scratch, a long stream costs the
+    fakes O(n^3))."""
+    state, out = 0, []
+    for j, t in enumerate(seq):
+        if j >= start:
+            out.append(_logprob_at(state, t))
+        state = _step(state, t)
+    return out
 
 
 def resumed_len(body: dict) -> int:
@@ -106,8 +122,8 @@ def fake_logprobs(body: dict, prompt: list[int], output: list[int]) -> dict:
     if not body.get("return_logprob"):
         return {}
     k = resumed_len(body)
-    seq = prompt + output
-    entries = [[fake_logprob(seq[:len(prompt) + j], output[j]), output[j], None] for j in range(k, len(output))]
+    logprobs = _logprobs_along(prompt + output, len(prompt) + k)
+    entries = [[lp, tok, None] for lp, tok in zip(logprobs, output[k:])]
     meta = {"output_token_logprobs": entries, "input_token_logprobs": []}
     n = int(body.get("top_logprobs_num") or 0)
     if n:
@@ -128,7 +144,8 @@ def fake_prefill_logprobs(body: dict) -> dict:
         return {}
     prompt, start = list(body["input_ids"]), int(body.get("logprob_start_len", -1))
     start = len(prompt) if start < 0 else start
-    entries = [[fake_logprob(prompt[:j], prompt[j]) if j else None, prompt[j], None] for j in range(start, len(prompt))]
+    entries = [[lp if j else None, prompt[j], None]
+               for j, lp in zip(range(start, len(prompt)), _logprobs_along(prompt, start))]
     first = continuation(prompt, 1)[0]
     out = [[fake_logprob(prompt, first), first, None]]
     meta = {"input_token_logprobs": entries, "output_token_logprobs": out}
@@ -607,7 +624,7 @@ class Fakes:
 
 
 async def _sse(resp: web.StreamResponse, event: dict) -> None:
-    await _event(resp, json.dumps(event).encode())
+    await _event(resp, orjson.dumps(event))  # compact, as SGLang writes its stream events
 
 
 async def _done(resp: web.StreamResponse) -> None:
