@@ -33,9 +33,10 @@ def run_digest(sim: Simulation, summary) -> str:
         h.update(col.tobytes())
     h.update(repr(sim.loop.events_run).encode())
     for cache in sim.p_cache + sim.md_cache:
-        h.update(repr((list(cache._blocks), list(cache._host), sorted(cache._pins.items()))).encode())
+        blocks, host = cache.lru_order()
+        h.update(repr((blocks, host, sorted(cache._pins.items()))).encode())
     for index in (sim.p_index, sim.md_index):
-        h.update(repr(sorted((k, list(v)) for k, v in index._blocks.items())).encode())
+        h.update(repr(sorted(index.lru_orders().items())).encode())
         h.update(repr((index._records, index._evicted_blocks)).encode())
     return h.hexdigest()
 

@@ -184,6 +184,10 @@ class PrefixIndex:
         lru = self._blocks.pop(instance, None)
         return len(lru) if lru is not None else 0
 
+    def lru_orders(self) -> Dict[Hashable, List[Hashable]]:
+        """Each instance's block hashes, least recently used first."""
+        return {inst: list(lru) for inst, lru in self._blocks.items()}
+
     def stats(self) -> dict:
         per_instance = {inst: len(lru) for inst, lru in self._blocks.items()}
         return {

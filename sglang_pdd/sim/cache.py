@@ -15,11 +15,18 @@ part of a hit is loaded back into HBM, which costs the caller its transfer time
 
 from __future__ import annotations
 
-from collections import OrderedDict, _count_elements
-from itertools import takewhile
+from collections import OrderedDict, _count_elements, deque
+from itertools import compress, islice, takewhile
+from operator import not_
 from typing import Sequence
 
 from sglang_pdd.workload import BLOCK_TOKENS
+
+
+# Pinned blocks an eviction walk passes one by one before it scans the rest in C (a walk
+# through an MD cache full of blocks pinned by transfers in flight passed them all, on
+# every insert).
+_LONG_WALK = 32
 
 
 class BlockCache:
@@ -27,12 +34,18 @@ class BlockCache:
         self.capacity_blocks = max(0, capacity_tokens // BLOCK_TOKENS)
         self.host_capacity_blocks = max(0, host_capacity_tokens // BLOCK_TOKENS) if self.capacity_blocks else 0
         self._blocks: "OrderedDict[int, None]" = OrderedDict()
-        self._host: "OrderedDict[int, None]" = OrderedDict()
+        # A host block is never touched while there (a hit loads it back into HBM), so its
+        # LRU order is arrival order: a plain dict's order, kept in C by bulk updates.
+        self._host: "dict[int, None]" = {}
         self._pins: dict = {}  # block id -> number of transfers relying on it
         self.host_hits = 0  # blocks of the last match that came from the host tier
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def lru_order(self) -> tuple:
+        """(HBM blocks, host blocks), each least recently used first."""
+        return list(self._blocks), list(self._host)
 
     def match_prefix_blocks(self, hash_ids: Sequence[int], touch: bool = True) -> int:
         """Number of leading blocks present in either tier (and mark them recently used;
@@ -119,26 +132,77 @@ class BlockCache:
                 for _ in range(excess):
                     popitem(last=False)
                 return
-            host = self._host
-            for _ in range(excess):
-                host[popitem(last=False)[0]] = None
-            drop = len(host) - host_cap
-            if drop > 0:
-                host_pop = host.popitem
-                for _ in range(drop):
-                    host_pop(last=False)
+            self._to_host([popitem(last=False)[0] for _ in range(excess)])
             return
-        host = self._host
-        skipped = 0
         # Evict least recent unpinned blocks (to the host tier, if any); pinned ones move to
         # the recent end. If only pinned blocks are left the cache runs over its size until
         # they are released.
+        evicted: list = []
+        skipped = 0
         while len(blocks) > self.capacity_blocks and skipped < len(blocks):
-            h, _ = blocks.popitem(last=False)
+            if skipped == _LONG_WALK:
+                self._evict_past_pins(len(blocks) - self.capacity_blocks, skipped, evicted)
+                return
+            h, _ = popitem(last=False)
             if h in pins:
                 blocks[h] = None
                 skipped += 1
-            elif host_cap:
-                host[h] = None
-                if len(host) > host_cap:
-                    host.popitem(last=False)
+            else:
+                evicted.append(h)
+        if host_cap and evicted:
+            self._to_host(evicted)
+
+    def _evict_past_pins(self, excess: int, moved: int, evicted: list) -> None:
+        """The rest of `_evict`'s walk, which has evicted `evicted` and moved `moved`
+        pinned blocks to the recent end so far, without walking: the walk would go on over
+        the blocks before those (`total` of them), moving the pinned ones it passes to the
+        end until it has evicted `excess` more or passed them all. So the first `excess`
+        unpinned ones among them are found by a scan in C and evicted; the pinned ones
+        before the last of those belong behind the rest, in their order: either they move
+        to the end or the rest moves to the front, whichever is fewer."""
+        blocks, pins = self._blocks, self._pins
+        total = len(blocks) - moved
+        order: list = []
+        pinned: list = []
+        free: list = []  # positions in `order` of unpinned blocks
+        oldest_first = islice(blocks, total)
+        size = 2 * excess + 16
+        while len(free) < excess:
+            chunk = list(islice(oldest_first, size))
+            if not chunk:
+                break
+            flags = list(map(pins.__contains__, chunk))
+            free += compress(range(len(order), len(order) + len(chunk)), map(not_, flags))
+            order += chunk
+            pinned += flags
+            size *= 4
+        if len(free) >= excess:
+            free = free[:excess]
+            walked = free[-1] + 1
+        else:
+            walked = total
+        gone = list(map(order.__getitem__, free))
+        deque(map(blocks.__delitem__, gone), 0)
+        evicted += gone
+        passed = walked - len(gone)  # pinned blocks the walk moves to the end
+        rest = len(blocks) - passed  # the blocks they belong behind
+        if passed and rest:
+            if passed <= rest:
+                move_to_end = blocks.move_to_end
+                for h in compress(order[:walked], pinned[:walked]):
+                    move_to_end(h)
+            else:
+                move_to_end = blocks.move_to_end
+                for h in reversed(list(islice(blocks, passed, None))):
+                    move_to_end(h, last=False)
+        if self.host_capacity_blocks and evicted:
+            self._to_host(evicted)
+
+    def _to_host(self, evicted: list) -> None:
+        """HBM's evicted blocks, oldest first, are written back to the host tier, whose
+        oldest blocks it cannot hold are dropped."""
+        host = self._host
+        host.update(dict.fromkeys(evicted))  # a block already there keeps its place
+        drop = len(host) - self.host_capacity_blocks
+        if drop > 0:
+            deque(map(host.__delitem__, list(islice(host, drop))), 0)
