@@ -47,8 +47,10 @@ one-token leg of a P->MD request takes no RLD slot; decode context grows only at
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -212,6 +214,20 @@ class SimRequest:
         self.md_load_s = 0.0  # loading MD's host-tier hit back to HBM, after the KV lands
 
 
+@contextmanager
+def _collector_paused():
+    """Python's cycle collector off while events run: the run allocates millions of small
+    objects and almost no cycles (~440 objects in cycles over 50k requests), so the
+    collector's passes over the growing heap are pure cost (~5% of a run's CPU time)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 class Simulation:
     def __init__(self, cfg: ScenarioConfig, sla: Sla = Sla(), rate_scale: float = 1.0) -> None:
         if rate_scale <= 0:
@@ -319,7 +335,8 @@ class Simulation:
             requests = first
         self._trace = iter(requests)
         self._schedule_next_arrival()
-        self.loop.run_until()
+        with _collector_paused():
+            self.loop.run_until()
         return self.summary()
 
     def _schedule_next_arrival(self) -> None:
