@@ -34,9 +34,7 @@ class BlockCache:
         self.capacity_blocks = max(0, capacity_tokens // BLOCK_TOKENS)
         self.host_capacity_blocks = max(0, host_capacity_tokens // BLOCK_TOKENS) if self.capacity_blocks else 0
         self._blocks: "OrderedDict[int, None]" = OrderedDict()
-        # A host block is never touched while there (a hit loads it back into HBM), so its
-        # LRU order is arrival order: a plain dict's order, kept in C by bulk updates.
-        self._host: "dict[int, None]" = {}
+        self._host: "OrderedDict[int, None]" = OrderedDict()
         self._pins: dict = {}  # block id -> number of transfers relying on it
         self.host_hits = 0  # blocks of the last match that came from the host tier
 
@@ -202,7 +200,10 @@ class BlockCache:
         """HBM's evicted blocks, oldest first, are written back to the host tier, whose
         oldest blocks it cannot hold are dropped."""
         host = self._host
-        host.update(dict.fromkeys(evicted))  # a block already there keeps its place
+        for h in evicted:
+            host[h] = None  # a block already there keeps its place
         drop = len(host) - self.host_capacity_blocks
         if drop > 0:
-            deque(map(host.__delitem__, list(islice(host, drop))), 0)
+            host_pop = host.popitem
+            for _ in range(drop):
+                host_pop(last=False)
