@@ -135,7 +135,7 @@ def headline(a) -> int:
     out = dict(trace=f"agentic_report{a.n}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
                mla_kernel=a.mla_kernel, arrivals=a.arrivals, sla=asdict(sla), target=a.target, sized=sized,
                verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
-               knees=knees, scales=a.scales, knee_resolution=a.knee_resolution,
+               knees=knees, sizing_from=a.reuse, scales=a.scales, knee_resolution=a.knee_resolution,
                knee_floor=a.knee_floor if a.knee_resolution > 0 else None, report=REPORT)
     os.makedirs(a.out, exist_ok=True)
     tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
@@ -171,7 +171,8 @@ def headline_markdown(d: dict) -> str:
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
-             f"MLA kernel {d['mla_kernel']}, arrivals {d.get('arrivals', 'open')}; same fleet = {d['fleet']}",
+             f"MLA kernel {d['mla_kernel']}, arrivals {d.get('arrivals', 'open')}, seed {d.get('seed', 0)}; "
+             f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
     if pdd and xdc and xdcd:
         lines.append(f"| TTFT p90 vs cross-DC PD | -46% | {_vs(pdd, xdc, 'ttft_p90', d['target'])} "
