@@ -9,7 +9,8 @@ Session traces arrive as sessions (`--arrivals sessions`, the default): session 
 their trace times, the same for every design, each next turn its think time after the
 previous answer (docs/sim.md, "How a trace arrives"); `--arrivals open` replays every turn at
 its trace time (the earlier runs; their JSON files keep their names, sessions runs add
-`_sessions`).
+`_sessions`); refined knees (`--knee-resolution`, 5% by default; 0 for the grid's knee only)
+add `_knee5pct`, a seed other than 0 `_seed<n>`.
 
 `headline` sizes same-DC PD, cross-DC PD (no relay, no DRC), cross-DC PD + DRC and PDD on the
 report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
@@ -107,22 +108,40 @@ def headline(a) -> int:
             n_r = 1  # PDD's paths need an RLD: one more instance, the baselines get it as a decoder
         cfgs = {n: with_counts(by[n], n_p, n_r if n == PDD else 0, (n_m if n == PDD else n_m + n_r)) for n in DESIGNS}
         scales = [float(x) for x in a.scales.split(",")]
-        bar = tqdm(total=len(DESIGNS) * (1 + len(scales)), desc="same fleet + knees", file=sys.stderr)
+        refine = a.knee_resolution > 0
+        # Refined, the count of runs depends on where each knee falls: the bar counts them.
+        bar = tqdm(total=None if refine else len(DESIGNS) * (1 + len(scales)), desc="same fleet + knees",
+                   unit="sim", file=sys.stderr)
         for n, cfg in cfgs.items():
-            same_fleet[n] = _short(run_scenario(cfg, trace, sla, arrivals=a.arrivals))
-            bar.update()
-            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), arrivals=a.arrivals)
+            # Refined sweeps skip the grid above the first failure (the knee's rule ignores it).
+            k = load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), arrivals=a.arrivals,
+                           resolution=a.knee_resolution, floor=a.knee_floor if refine else None,
+                           stop_at_fail=refine)
+            one = next((p for p in k.points if p.rate_scale == 1.0), None)
+            if one is None:  # the same-fleet run is the sweep's 1x point when the grid has one
+                same_fleet[n] = _short(run_scenario(cfg, trace, sla, arrivals=a.arrivals))
+                bar.update()
+            else:
+                same_fleet[n] = _short(one.summary)
             knees[n] = dict(knee_scale=k.knee.rate_scale if k.knee else None, knee_goodput_rps=k.knee_goodput_rps,
-                            knee_bcr=k.knee_bcr, cost_per_hour=cfg.cost_per_hour)
+                            knee_offered_rps=k.knee.offered_rps if k.knee else None,
+                            knee_sla_attainment=k.knee.sla_attainment if k.knee else None,
+                            knee_bcr=k.knee_bcr, cost_per_hour=cfg.cost_per_hour,
+                            points=[dict(rate_scale=p.rate_scale, offered_rps=p.offered_rps,
+                                         goodput_rps=p.goodput_rps, sla_attainment=p.sla_attainment,
+                                         ttft_p90=p.ttft_p90) for p in k.points])
         bar.close()
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
-    out = dict(trace=f"agentic_report{a.n}x{a.tile}", requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
+    out = dict(trace=f"agentic_report{a.n}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
                mla_kernel=a.mla_kernel, arrivals=a.arrivals, sla=asdict(sla), target=a.target, sized=sized,
                verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
-               knees=knees, report=REPORT)
+               knees=knees, sizing_from=a.reuse, scales=a.scales, knee_resolution=a.knee_resolution,
+               knee_floor=a.knee_floor if a.knee_resolution > 0 else None, report=REPORT)
     os.makedirs(a.out, exist_ok=True)
     tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
-           + ("" if a.arrivals == "open" else f"_{a.arrivals}"))
+           + ("" if a.arrivals == "open" else f"_{a.arrivals}")
+           + ("" if a.knee_resolution <= 0 else f"_knee{100 * a.knee_resolution:g}pct")
+           + ("" if a.seed == 0 else f"_seed{a.seed}"))
     path = os.path.join(a.out, f"sim_headline_{tag}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -152,7 +171,8 @@ def headline_markdown(d: dict) -> str:
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
-             f"MLA kernel {d['mla_kernel']}, arrivals {d.get('arrivals', 'open')}; same fleet = {d['fleet']}",
+             f"MLA kernel {d['mla_kernel']}, arrivals {d.get('arrivals', 'open')}, seed {d.get('seed', 0)}; "
+             f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
     if pdd and xdc and xdcd:
         lines.append(f"| TTFT p90 vs cross-DC PD | -46% | {_vs(pdd, xdc, 'ttft_p90', d['target'])} "
@@ -162,9 +182,18 @@ def headline_markdown(d: dict) -> str:
     if kn:
         g = {n: kn[n]["knee_goodput_rps"] for n in kn}
         rel = (lambda b: None if not g.get(b) else g[PDD] / g[b] - 1)
+        res = d.get("knee_resolution") or 0
+        how = f"knees refined to {100 * res:g}%" if res > 0 else f"knees on the grid {d.get('scales', '')}"
+        top = max((float(v) for v in str(d.get("scales", "")).split(",") if v), default=None)
+
+        def x(n):  # a knee at the grid's top passed everywhere: the capacity is at least that
+            k = kn[n]["knee_scale"]
+            return "none" if k is None else (">=" if k == top else "") + f"x{k:.3g}"
+
         lines.append(f"| RPS within SLA vs cross-DC PD | +27.8% | {_pct(rel('xdc_pd'))} (+DRC: {_pct(rel('xdc_pd_drc'))}) "
-                     f"| knee goodput on the same fleet: PDD {g[PDD]:.2f}, xDC {g['xdc_pd']:.2f}, "
-                     f"xDC+DRC {g['xdc_pd_drc']:.2f} r/s |")
+                     f"| knee goodput on the same fleet ({how}): PDD {g[PDD]:.2f} ({x(PDD)}), "
+                     f"xDC {g['xdc_pd']:.2f} ({x('xdc_pd')}), xDC+DRC {g['xdc_pd_drc']:.2f} ({x('xdc_pd_drc')}), "
+                     f"same-DC PD {g['pd_same_dc']:.2f} ({x('pd_same_dc')}) r/s |")
     if sz.get(PDD) and sz.get("pd_same_dc"):
         c_pdd, c_pd = sz[PDD]["cost_per_hour"], sz["pd_same_dc"]["cost_per_hour"]
         lines.append(f"| BCR vs same-DC PD | +32-37.5% | {_pct(c_pd / c_pdd - 1)} | sized for the same SLA: "
@@ -376,6 +405,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rld-max", type=int, default=3)
     p.add_argument("--md-max", type=int, default=6)
     p.add_argument("--scales", default="1,1.5,2,2.5,3")
+    p.add_argument("--knee-resolution", type=float, default=0.05,
+                   help="bisect each knee until the bracket (knee, first failing scale) is narrower than this "
+                        "relative width; 0: the grid's knee only (the earlier runs)")
+    p.add_argument("--knee-floor", type=float, default=0.1,
+                   help="when even the lowest scale fails, look for the knee down to this scale")
     p.add_argument("--reuse", help="take the sizing from this earlier headline JSON of the same setup")
     p.set_defaults(fn=headline)
     p = sub.add_parser("map")

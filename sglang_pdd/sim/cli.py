@@ -265,9 +265,11 @@ def cmd_sweep(a) -> int:
     names = a.scenarios.split(",")
     scenarios = [c for c in standard_scenarios(_spec(a)) if c.name in names]
     scales = [float(x) for x in a.scales.split(",")]
-    bar = tqdm(total=len(scales) * len(scenarios), desc=f"load sweep {label}", file=sys.stderr)
-    knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(),
-                        arrivals=a.arrivals) for cfg in scenarios]
+    # refined, the count of runs depends on where each knee falls
+    bar = tqdm(total=None if a.knee_resolution > 0 else len(scales) * len(scenarios), desc=f"load sweep {label}",
+               unit="sim", file=sys.stderr)
+    knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), arrivals=a.arrivals,
+                        resolution=a.knee_resolution, floor=a.knee_floor) for cfg in scenarios]
     bar.close()
     print(f"# {label}: goodput vs offered load; knee = highest rate with >= {a.target:.0%} SLA attainment")
     print(f"{'scenario':<20} {'x rate':>6} {'offered r/s':>11} {'good r/s':>8} {'SLA%':>6} {'TTFT p90':>8}")
@@ -344,6 +346,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--scales", default="0.25,0.5,0.75,1,1.5,2,3,4")
     p.add_argument("--target", type=float, default=0.9, help="SLA attainment that defines the knee")
     p.add_argument("--scenarios", default="pd_same_dc,pdd_drc_adaptive")
+    p.add_argument("--knee-resolution", type=float, default=0.0,
+                   help="bisect each knee until the bracket (knee, first failing scale) is narrower than this "
+                        "relative width (e.g. 0.05; the runs join the curve); 0: the grid's knee only")
+    p.add_argument("--knee-floor", type=float, default=None,
+                   help="with --knee-resolution: when even the lowest scale fails, look down to this scale")
     p.set_defaults(fn=cmd_sweep)
     p = sub.add_parser("rld-sweep", help="the router's RLD admission (--rld-max-running) swept: path mix, "
                                          "RLD share and handoff stall")

@@ -39,3 +39,18 @@ def test_the_recorded_20_gbps_headline_shows_no_ratio():
     with open(HEADLINE) as f:
         row = _ttft_row(headline_markdown(json.load(f)))
     assert "-100%" not in row and row.count("n/a (SLA under target)") == 2
+
+
+def _knee(scale, good):
+    return dict(knee_scale=scale, knee_goodput_rps=good)
+
+
+def test_the_rps_row_names_each_knee_and_how_it_was_found():
+    t = _table(dict(pdd_drc_adaptive=_run(0.4, 0.99), xdc_pd=_run(9000.0, 0.01), xdc_pd_drc=_run(0.5, 0.97)))
+    t.update(scales="1,1.5,2", knee_resolution=0.05,
+             knees=dict(pdd_drc_adaptive=_knee(1.22, 13.8), xdc_pd=_knee(None, 0.0), xdc_pd_drc=_knee(1.26, 15.0),
+                        pd_same_dc=_knee(2.0, 12.0)))
+    row = next(ln for ln in headline_markdown(t).splitlines() if ln.startswith("| RPS within SLA"))
+    # no cross-DC knee: no ratio; against +DRC PDD loses 8%; a knee at the grid's top is a lower bound
+    assert "| - (+DRC: -8%) |" in row and "knees refined to 5%" in row
+    assert "PDD 13.80 (x1.22)" in row and "xDC 0.00 (none)" in row and "same-DC PD 12.00 (>=x2)" in row

@@ -153,3 +153,19 @@ def test_decode_attention_scale_slows_long_context_mla_decode_only():
     # a short-context batch reads its weights for longer than it computes: unchanged
     assert slow.chip_b.decode_step_s(8, 8 * 1024) == spec.chip_b.decode_step_s(8, 8 * 1024)
     assert slow.chip_b.decode_step_s(150, 150 * 65536) > 2.5 * spec.chip_b.decode_step_s(150, 150 * 65536)
+
+
+def test_sweep_cli_refines_the_knee(tmp_path, capsys):
+    rc = main(["sweep", "--agentic", "200", "--scales", "0.25,1,8", "--prefill", "2", "--rld", "1", "--md", "2",
+               "--scenarios", "pd_same_dc", "--arrivals", "open", "--knee-resolution", "0.1", "--out", str(tmp_path)])
+    knee_line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.endswith("<- knee"))
+    assert rc == 0
+    knee = float(knee_line.split()[1])
+    pts = json.loads((tmp_path / "sweep_agentic200.json").read_text())[0]["points"]
+    scales = [p["rate_scale"] for p in pts]
+    # bisection added runs between the grid's points, ascending; every run at or under the
+    # knee passes, and the lowest failing run is within 10% above it
+    assert scales == sorted(scales) and len(scales) > 3
+    assert all(p["sla_attainment"] >= 0.9 for p in pts if p["rate_scale"] <= knee)
+    hi = min(p["rate_scale"] for p in pts if p["sla_attainment"] < 0.9)
+    assert knee < hi <= 1.1 * knee + 0.01  # the printed knee has two decimals
