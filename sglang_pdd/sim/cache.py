@@ -151,13 +151,13 @@ class BlockCache:
             self._to_host(evicted)
 
     def _evict_past_pins(self, excess: int, moved: int, evicted: list) -> None:
-        """The rest of `_evict`'s walk, which has evicted `evicted` and moved `moved`
-        pinned blocks to the recent end so far, without walking: the walk would go on over
-        the blocks before those (`total` of them), moving the pinned ones it passes to the
-        end until it has evicted `excess` more or passed them all. So the first `excess`
-        unpinned ones among them are found by a scan in C and evicted; the pinned ones
-        before the last of those belong behind the rest, in their order: either they move
-        to the end or the rest moves to the front, whichever is fewer."""
+        """Finishes `_evict`'s walk (so far: `evicted` gone, `moved` pinned blocks sent to
+        the recent end) without walking. The walk would go on over the `total` blocks
+        before those, moving each pinned one to the end, until it had evicted `excess` more
+        or passed them all. So a scan in C finds the first `excess` unpinned ones, which go;
+        the pinned ones before the last of those belong behind all the rest, in their
+        order: either they move to the end or the rest moves to the front, whichever is
+        fewer."""
         blocks, pins = self._blocks, self._pins
         total = len(blocks) - moved
         order: list = []
@@ -185,12 +185,11 @@ class BlockCache:
         passed = walked - len(gone)  # pinned blocks the walk moves to the end
         rest = len(blocks) - passed  # the blocks they belong behind
         if passed and rest:
+            move_to_end = blocks.move_to_end
             if passed <= rest:
-                move_to_end = blocks.move_to_end
                 for h in compress(order[:walked], pinned[:walked]):
                     move_to_end(h)
             else:
-                move_to_end = blocks.move_to_end
                 for h in reversed(list(islice(blocks, passed, None))):
                     move_to_end(h, last=False)
         if self.host_capacity_blocks and evicted:
