@@ -54,8 +54,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# 2. The venv with SGLang. Skipped when the stamp matches the requirement files.
-want_stamp="$(cat "$ROOT/scripts/requirements-sglang-cpu.txt" "$ROOT/scripts/constraints.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+# 2. The venv with SGLang. Skipped when the stamp matches the requirement files (their
+# comments and blank lines left out: editing a comment installs nothing).
+want_stamp="$(cat "$ROOT/scripts/requirements-sglang-cpu.txt" "$ROOT/scripts/constraints.txt" "$ROOT/pyproject.toml" \
+  | sed -e 's/[[:space:]]*#.*$//' -e '/^[[:space:]]*$/d' | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_stamp" ]; then
   [ -x "$PY" ] || python3 -m venv "$VENV"
   log "installing torch (CPU) and sglang 0.5.23 (light install) into $VENV; ~5 min on a fresh machine"
