@@ -20,12 +20,13 @@ import argparse
 import resource
 import time
 
+from benchmarks.common import MOONCAKE_TRACE
+
 from sglang_pdd.sim.cluster import ARRIVALS, Simulation
 from sglang_pdd.sim.hardware import preset
 from sglang_pdd.sim.scenarios import BASELINES, ClusterSpec, standard_scenarios
 from sglang_pdd.workload import generate_agentic_trace, load_trace, realistic_agentic_config
 
-MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 PDD = "pdd_drc_adaptive"
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100_000, help="requests of the synthetic trace")
     ap.add_argument("--trace", default="synthetic",
                     help="'synthetic' (the realistic agentic generator, --n requests), 'mooncake' "
-                         f"({MOONCAKE}), or a JSONL trace's path")
+                         f"({MOONCAKE_TRACE}), or a JSONL trace's path")
     ap.add_argument("--arrivals", default="sessions", choices=ARRIVALS)
     ap.add_argument("--designs", default=PDD, help=f"a design name, comma-separated names, or 'all' "
                                                    f"(same-DC PD, both cross-DC PD, PDD)")
@@ -65,7 +66,7 @@ def main() -> None:
             # sessions the run lists it first, to find each session's next turn).
             trace = generate_agentic_trace(realistic_agentic_config(num_requests=a.n))
         else:
-            trace = load_trace(MOONCAKE if a.trace == "mooncake" else a.trace)
+            trace = load_trace(MOONCAKE_TRACE if a.trace == "mooncake" else a.trace)
         blocks = [0]
         trace = _counting_blocks(trace, blocks)
         sim = Simulation(cfg)

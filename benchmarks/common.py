@@ -19,6 +19,8 @@ from typing import AsyncIterator, Iterator, Optional
 from sglang_pdd.launcher.http import stream_events
 
 REPO = Path(__file__).resolve().parents[1]
+# The public Mooncake FAST'25 request trace, beside the repository (../shared/traces).
+MOONCAKE_TRACE = str(REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
 
 
 def load_module(path: Path) -> ModuleType:

@@ -2,18 +2,19 @@
 synthetic agentic trace; prints tables, writes PNG/JSON under --out.
 
     python -m benchmarks.sim_compare \
-        --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --agentic 20000 --out artifacts/sim
+        --agentic 20000 --out artifacts/sim     # the Mooncake trace from ../shared/traces by default
 """
 
 import argparse
 import sys
 
+from benchmarks.common import MOONCAKE_TRACE
 from sglang_pdd.sim.cli import main as sim_main
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", default="../shared/traces/mooncake_synthetic_trace.jsonl")
+    ap.add_argument("--trace", default=MOONCAKE_TRACE)
     ap.add_argument("--agentic", type=int, default=20_000)
     ap.add_argument("--out", default="artifacts/sim")
     ap.add_argument("--bathtub", action="store_true", help="also run the throughput-vs-hit sweep")

@@ -16,6 +16,8 @@ from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
+from benchmarks.common import MOONCAKE_TRACE
+
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
 from sglang_pdd.sim.metrics import Sla
@@ -117,7 +119,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(CHIPS), default="llama3-70b")
     ap.add_argument("--traces", default="mooncake,agentic,conversation")
-    ap.add_argument("--mooncake", default="/work/shared/traces/mooncake_synthetic_trace.jsonl")
+    ap.add_argument("--mooncake", default=MOONCAKE_TRACE)
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)

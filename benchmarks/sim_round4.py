@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
+from benchmarks.common import MOONCAKE_TRACE
+
 from sglang_pdd.sim.cluster import ARRIVALS, run_scenario
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
@@ -45,7 +47,6 @@ from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request
 
 PDD = "pdd_drc_adaptive"
 DESIGNS = BASELINES + (PDD,)
-MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 
 # The report's headline, as issue 29 quotes it (its setup: 88 chip-A GPUs in the same-DC
 # baseline, 20 Gbps, agentic traffic with 70-80% of requests high-hit). None: not quoted.
@@ -315,7 +316,7 @@ def placement(a) -> int:
     """Every design's SLA attainment under each P rule, same fleets and traces."""
     from sglang_pdd.sim.cluster import P_PLACEMENTS
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
-    traces = {"mooncake x4": tile_trace(list(load_trace(MOONCAKE)), 4),
+    traces = {"mooncake x4": tile_trace(list(load_trace(MOONCAKE_TRACE)), 4),
               "agentic (realistic)": list(generate_agentic_trace(realistic_agentic_config(num_requests=3000))),
               "agentic-report x8": tile_trace(list(generate_agentic_trace(report_agentic_config(num_requests=3000))), 8)}
     mixes = {"mooncake x4": (10, 1, 2), "agentic (realistic)": (4, 1, 1), "agentic-report x8": (8, 1, 3)}
