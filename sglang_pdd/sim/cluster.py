@@ -218,7 +218,8 @@ class SimRequest:
 def _collector_paused():
     """Python's cycle collector off while events run: the run allocates millions of small
     objects and almost no cycles (~440 objects in cycles over 50k requests), so the
-    collector's passes over the growing heap are pure cost (~5% of a run's CPU time)."""
+    collector's passes over the growing heap are pure cost (~5% of a run's CPU time). The
+    switch is process-wide: another thread's cyclic garbage waits for the run's end too."""
     was_on = gc.isenabled()
     gc.disable()
     try:
