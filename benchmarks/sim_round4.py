@@ -10,7 +10,7 @@ their trace times, the same for every design, each next turn its think time afte
 previous answer (docs/sim.md, "How a trace arrives"); `--arrivals open` replays every turn at
 its trace time (the earlier runs; their JSON files keep their names, sessions runs add
 `_sessions`); refined knees (`--knee-resolution`, 5% by default; 0 for the grid's knee only)
-add `_knee5pct`, a seed other than 0 `_seed<n>`.
+add `_knee5pct`, a tile other than 8 `_tile<n>`, a seed other than 0 `_seed<n>`.
 
 `headline` sizes same-DC PD, cross-DC PD (no relay, no DRC), cross-DC PD + DRC and PDD on the
 report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
@@ -140,6 +140,7 @@ def headline(a) -> int:
     os.makedirs(a.out, exist_ok=True)
     tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
            + ("" if a.arrivals == "open" else f"_{a.arrivals}")
+           + ("" if a.tile == 8 else f"_tile{a.tile}")
            + ("" if a.knee_resolution <= 0 else f"_knee{100 * a.knee_resolution:g}pct")
            + ("" if a.seed == 0 else f"_seed{a.seed}"))
     path = os.path.join(a.out, f"sim_headline_{tag}.json")
