@@ -10,7 +10,7 @@ their trace times, the same for every design, each next turn its think time afte
 previous answer (docs/sim.md, "How a trace arrives"); `--arrivals open` replays every turn at
 its trace time (the earlier runs; their JSON files keep their names, sessions runs add
 `_sessions`); refined knees (`--knee-resolution`, 5% by default; 0 for the grid's knee only)
-add `_knee5pct`, a seed other than 0 `_seed<n>`.
+add `_knee5pct`, a tile other than 8 `_tile<n>`, a seed other than 0 `_seed<n>`.
 
 `headline` sizes same-DC PD, cross-DC PD (no relay, no DRC), cross-DC PD + DRC and PDD on the
 report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
@@ -139,16 +139,23 @@ def headline(a) -> int:
                knees=knees, sizing_from=a.reuse, scales=a.scales, knee_resolution=a.knee_resolution,
                knee_floor=a.knee_floor if a.knee_resolution > 0 else None, report=REPORT)
     os.makedirs(a.out, exist_ok=True)
-    tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
-           + ("" if a.arrivals == "open" else f"_{a.arrivals}")
-           + ("" if a.knee_resolution <= 0 else f"_knee{100 * a.knee_resolution:g}pct")
-           + ("" if a.seed == 0 else f"_seed{a.seed}"))
-    path = os.path.join(a.out, f"sim_headline_{tag}.json")
+    path = os.path.join(a.out, headline_filename(a))
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(headline_markdown(out))
     print(f"wrote {path}")
     return 0
+
+
+def headline_filename(a) -> str:
+    """Each setup its own file, so a run never overwrites another setup's results; the
+    defaults' parts are left out, so the earlier files keep their names."""
+    tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
+           + ("" if a.arrivals == "open" else f"_{a.arrivals}")
+           + ("" if a.tile == 8 else f"_tile{a.tile}")
+           + ("" if a.knee_resolution <= 0 else f"_knee{100 * a.knee_resolution:g}pct")
+           + ("" if a.seed == 0 else f"_seed{a.seed}"))
+    return f"sim_headline_{tag}.json"
 
 
 def _pct(x: Optional[float]) -> str:
@@ -398,7 +405,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("headline")
     common(p)
     p.add_argument("--n", type=int, default=3000)
-    p.add_argument("--tile", type=int, default=8, help="copies of the trace: 8 sizes same-DC PD at ~80-88 GPUs")
+    p.add_argument("--tile", type=int, default=8,
+                   help="copies of the trace: with sessions 16 sizes same-DC PD at 80 GPUs, the report's scale "
+                        "(8: 40 GPUs; open loop 8 gave 80)")
     p.add_argument("--wan-gbps", type=float, default=20.0)
     p.add_argument("--mla-kernel", default="flashmla", choices=("flashmla", "generic"))
     # With sessions the report-like x8 trace sizes same-DC PD at 3 P (open loop: 8)

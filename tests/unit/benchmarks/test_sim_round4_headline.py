@@ -3,7 +3,7 @@ baseline (hours of backlog) the ratio says nothing about the design."""
 
 import json
 
-from benchmarks.sim_round4 import headline_markdown
+from benchmarks.sim_round4 import headline_filename, headline_markdown, main
 from tests.conftest import REPO_ROOT
 
 HEADLINE = REPO_ROOT / "docs" / "img" / "sim_headline_20g.json"
@@ -54,3 +54,17 @@ def test_the_rps_row_names_each_knee_and_how_it_was_found():
     # no cross-DC knee: no ratio; against +DRC PDD loses 8%; a knee at the grid's top is a lower bound
     assert "| - (+DRC: -8%) |" in row and "knees refined to 5%" in row
     assert "PDD 13.80 (x1.22)" in row and "xDC 0.00 (none)" in row and "same-DC PD 12.00 (>=x2)" in row
+
+
+def _headline_args(monkeypatch, *argv):
+    seen = []
+    monkeypatch.setattr("benchmarks.sim_round4.headline", lambda a: seen.append(a) or 0)
+    assert main(["headline", *argv]) == 0
+    return seen[0]
+
+
+def test_headline_files_name_the_tile_only_when_it_is_not_8(monkeypatch):
+    # The tile-8 results keep their names; another tile never overwrites them.
+    assert headline_filename(_headline_args(monkeypatch, "--wan-gbps", "20")) == "sim_headline_20g_sessions_knee5pct.json"
+    assert (headline_filename(_headline_args(monkeypatch, "--wan-gbps", "50", "--tile", "16", "--seed", "1"))
+            == "sim_headline_50g_sessions_tile16_knee5pct_seed1.json")
