@@ -28,6 +28,13 @@ from sglang_pdd.launcher.netns import DatacenterLink, link_or_fallback
 from sglang_pdd.launcher.topology import Topology
 from sglang_pdd.protocol import STATS
 
+# MD must take over while RLD still decodes, or the demo shows no handoff: on an idle machine
+# RLD makes ~300-400 tokens/s with the tiny model, and a turn's KV (60-85 KB) takes ~0.3 s at
+# 2 Mbit/s (1 s+ at 0.5 Mbit/s, when 96 tokens were over in 0.25 s). MD's first token after
+# the cut sometimes comes a second or more late; 256 tokens (~0.7 s) were then over first
+# (3 of 7 runs), 512 leave twice that time (and still lost once).
+MAX_NEW_TOKENS = 512
+
 SYSTEM = "You are a coding agent. Tools: read_file, run_tests.\n" * 3
 TURNS = [
     "User: the LRU cache test fails.\nAgent:",
@@ -39,10 +46,7 @@ TURNS = [
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/demo", help="logs and the WAN key go here")
-    # MD's KV must land while RLD still decodes, or the demo shows no handoff: on an idle
-    # machine RLD makes ~400 tokens/s with the tiny model, and a turn's KV (60-85 KB) takes
-    # ~0.3 s at 2 Mbit/s (1 s+ at 0.5 Mbit/s, when 96 tokens were over in 0.25 s).
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--wan-mbps", type=float, default=2.0, help="emulated WAN rate (Mbit/s)")
     ap.add_argument("--wan-latency-ms", type=float, default=20.0)
     ap.add_argument("--turns", type=int, default=len(TURNS), choices=range(1, len(TURNS) + 1),

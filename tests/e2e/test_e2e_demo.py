@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from sglang_pdd.launcher.demo import MAX_NEW_TOKENS
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
@@ -50,6 +51,6 @@ def test_demo_session_hands_off_and_hits_mds_cache(demo):
     for pdd in (first, second):
         assert not pdd["fallbacks"], pdd
         assert pdd["handoff_at"] is not None and pdd["md_tokens"] > 0, pdd
-        assert pdd["rld_tokens"] + pdd["md_tokens"] == 256, pdd
+        assert pdd["rld_tokens"] + pdd["md_tokens"] == MAX_NEW_TOKENS, pdd
     drc = summary["drc"]
     assert drc["hit_rate"] > 0 and drc["bytes_saved"] > 0 and drc["rooms_failed"] == 0, drc
