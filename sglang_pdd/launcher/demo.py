@@ -31,8 +31,8 @@ from sglang_pdd.protocol import STATS
 # MD must take over while RLD still decodes, or the demo shows no handoff: on an idle machine
 # RLD makes ~300-400 tokens/s with the tiny model, and a turn's KV (60-85 KB) takes ~0.3 s at
 # 2 Mbit/s (1 s+ at 0.5 Mbit/s, when 96 tokens were over in 0.25 s). MD's first token after
-# the cut sometimes comes a second or more late; 256 tokens (~0.7 s) were then over first
-# (3 of 7 runs), 512 leave twice that time (and still lost once).
+# the cut sometimes comes a second or more late: 256 tokens (~0.7 s) were over first in 2 of 4
+# runs on 2 busy cores; 512 leave twice that time (and were over first in 1 of 3).
 MAX_NEW_TOKENS = 512
 
 SYSTEM = "You are a coding agent. Tools: read_file, run_tests.\n" * 3
