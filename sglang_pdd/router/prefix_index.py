@@ -56,6 +56,21 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOK
     return out
 
 
+def touch_chain(lru: "OrderedDict[Hashable, None]", hashes: Sequence[Hashable]) -> None:
+    """Make a prompt's chained block hashes the most recently used in `lru` (adding those it
+    lacks): the deepest block first and block 0 last, so block 0 is the most recent and the
+    LRU evicts chain tails before their roots, as a radix cache evicts leaves (evicting a root
+    first would leave its whole tail unmatchable while it still used memory). The simulator's
+    block caches touch the same way. A plain loop: OrderedDict.update and map(move_to_end)
+    measured 2x slower on CPython 3.11."""
+    move_to_end = lru.move_to_end
+    for h in reversed(hashes):
+        if h in lru:
+            move_to_end(h)
+        else:
+            lru[h] = None  # a new key lands at the recent end already
+
+
 class PrefixIndex:
     """Per-instance LRU set of block hashes, at most `capacity_blocks_per_instance` each.
 
@@ -91,16 +106,7 @@ class PrefixIndex:
         lru = self._blocks.get(instance)
         if lru is None:
             lru = self._blocks[instance] = OrderedDict()
-        move_to_end = lru.move_to_end
-        # Touch the deepest block first and block 0 last, so block 0 is the most recently
-        # used: LRU then evicts chain tails before their roots, like the radix cache
-        # evicts leaves. Evicting a root first would leave its whole tail unmatchable
-        # while it still used memory.
-        for h in reversed(hashes):
-            if h in lru:
-                move_to_end(h)
-            else:
-                lru[h] = None  # a new key lands at the recent end already
+        touch_chain(lru, hashes)
         excess = len(lru) - self.capacity_blocks_per_instance
         if excess > 0:
             popitem = lru.popitem
