@@ -12,7 +12,7 @@ compare versions alternated in one session, several runs each.
 `--designs` defaults to the one PDD design on the default fleet (the number the notebook
 tracks); `all` runs the four designs `sim size` compares, one row each. Arrivals default to
 sessions, as every `sim` command does. The synthetic trace's prompts are ~49 blocks of 512
-tokens, the Mooncake trace's ~17, and the caches' work grows with blocks, so blocks per CPU
+tokens, the Mooncake trace's ~31, and the caches' work grows with blocks, so blocks per CPU
 second are printed beside requests.
 """
 
@@ -43,8 +43,8 @@ def main() -> None:
                     help="'synthetic' (the realistic agentic generator, --n requests), 'mooncake' "
                          f"({MOONCAKE_TRACE}), or a JSONL trace's path")
     ap.add_argument("--arrivals", default="sessions", choices=ARRIVALS)
-    ap.add_argument("--designs", default=PDD, help=f"a design name, comma-separated names, or 'all' "
-                                                   f"(same-DC PD, both cross-DC PD, PDD)")
+    ap.add_argument("--designs", default=PDD, help="a design name, comma-separated names, or 'all' "
+                                                   "(same-DC PD, both cross-DC PD, PDD)")
     ap.add_argument("--prefill", type=int, default=8)
     ap.add_argument("--rld", type=int, default=1)
     ap.add_argument("--md", type=int, default=3)
@@ -67,13 +67,13 @@ def main() -> None:
             trace = generate_agentic_trace(realistic_agentic_config(num_requests=a.n))
         else:
             trace = load_trace(MOONCAKE_TRACE if a.trace == "mooncake" else a.trace)
-        blocks = [0]
-        trace = _counting_blocks(trace, blocks)
+        counted = [0]
+        trace = _counting_blocks(trace, counted)
         sim = Simulation(cfg)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         s = sim.run(trace, a.arrivals)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        blocks = blocks[0]
+        blocks = counted[0]
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{name}: {s.requests} requests ({blocks / s.requests:.0f} blocks each), {sim.loop.events_run} events "
               f"in {cpu:.1f} CPU s -> {s.requests / cpu:,.0f} requests simulated per CPU second, "
