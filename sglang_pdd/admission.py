@@ -9,8 +9,10 @@ when it proved the key.
   * one source that is not known (an IPv4 address, or an IPv6 /64: one host commonly holds
     a whole /64) may hold at most ``per_source`` unauthenticated connections;
   * all unknown sources together at most ``max_unauthenticated - reserved``: the
-    ``reserved`` slots are for known peers, with no per-source cap (a P opens several
-    streams, the router many calls);
+    ``reserved`` slots are for known peers (a P opens several streams, the router many calls);
+  * one known source at most ``per_known_source`` (None: no cap of its own): on the control
+    servers a source becomes known by one valid call, which a relay on the path could win a
+    race to send, so no single known source may hold every slot;
   * known: in the allow-list (``trusted``, from configuration), named by an authenticated
     control call (``announce``: the router tells MD which P hosts send it KV), or
     authenticated from that source in the last ``remember_s``.
@@ -72,6 +74,7 @@ class AdmissionLimits:
     max_handshaking: int = 64  # unauthenticated connections, all sources
     per_source: int = 16  # of those, from one unknown source
     reserved: int = 32  # of those, only for known sources
+    per_known_source: Optional[int] = None  # of those, from one known source (None: no cap)
     trusted: tuple[IpNetwork, ...] = ()  # allow-list: always known
     remember_s: float = 24 * 3600.0  # a source that authenticated stays known this long
     max_remembered: int = 4096
@@ -84,6 +87,8 @@ class AdmissionLimits:
             raise ValueError("max_handshaking and per_source must be >= 1")
         if not 0 <= self.reserved < self.max_handshaking:
             raise ValueError(f"reserved must be in 0..{self.max_handshaking - 1}, got {self.reserved}")
+        if self.per_known_source is not None and self.per_known_source < 1:
+            raise ValueError(f"per_known_source must be >= 1 (or None), got {self.per_known_source}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class AdmissionPolicy:
     def __init__(self, limits: AdmissionLimits = AdmissionLimits()):
         self.limits = limits
         self._in_flight: collections.Counter = collections.Counter()  # unknown source -> connections
+        self._known_in_flight: collections.Counter = collections.Counter()  # known source -> connections
         self._unknown = 0  # connections of unknown sources
         self._total = 0
         self._recent: collections.OrderedDict = collections.OrderedDict()  # source -> last auth time
@@ -135,7 +141,12 @@ class AdmissionPolicy:
         known = self.is_known(source, now)
         if self._total >= lim.max_handshaking:
             return None, f"{self._total} {lim.what} already in progress", "refused"
-        if not known:
+        if known:
+            if lim.per_known_source is not None and self._known_in_flight[source] >= lim.per_known_source:
+                return None, (f"{self._known_in_flight[source]} {lim.what} already in progress from this known "
+                              f"source (at most {lim.per_known_source} each)"), "refused_per_source"
+            self._known_in_flight[source] += 1
+        else:
             if self._in_flight[source] >= lim.per_source:
                 return None, (f"{self._in_flight[source]} {lim.what} already in progress from this unknown "
                               f"source ({lim.per_source_flag})"), "refused_per_source"
@@ -152,9 +163,10 @@ class AdmissionPolicy:
         self._total -= 1
         if not ticket.known:
             self._unknown -= 1
-            self._in_flight[ticket.source] -= 1
-            if self._in_flight[ticket.source] <= 0:
-                del self._in_flight[ticket.source]
+        counts = self._known_in_flight if ticket.known else self._in_flight
+        counts[ticket.source] -= 1
+        if counts[ticket.source] <= 0:
+            del counts[ticket.source]
 
     def authenticated(self, ticket: Ticket, now: float) -> None:
         """The source proved the key: known from now on (for ``remember_s``)."""

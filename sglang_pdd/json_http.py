@@ -7,7 +7,9 @@ Nothing is reserved, buffered or waited on for a peer that has not proved the ke
   * a connection is admitted only within the server's caps (``ControlHTTPServer``): at most
     ``max_connections`` in all, and known peers first (sglang_pdd.admission: a source that
     is not allow-listed nor authenticated lately holds at most ``per_source`` unauthenticated
-    connections, and all such sources together leave ``reserved`` slots to the known);
+    connections, and all such sources together leave ``reserved`` slots to the known; a
+    known source holds at most half of them; a source becomes known once a whole request
+    from it, head and body, verified);
   * its TLS handshake, then each request head (request line and headers), must arrive within
     a total deadline and a byte cap, however slowly it trickles;
   * every request passes one gate before a route runs (``parse_request``): a valid
@@ -190,6 +192,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         if not super().parse_request():
             return False
         self._replied, self._body_read, self._reserved, self.request_sig = False, True, 0, None
+        self._ticket = None
         try:
             length = self._content_length()
             cap = self.body_cap(self.command, urlsplit(self.path).path)
@@ -200,6 +203,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             self.body, digest = self._read_body(length)
             if head is not None:
                 self._check_body(head, digest)
+                self._proven()
         except ControlError as e:
             self.close_connection = True  # the rest of the stream is not trusted
             self._reply(e.status, e.to_json(), headers=e.headers)
@@ -310,7 +314,8 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     def _authenticate_head(self, length: int) -> Optional[SignedHead]:
         """The signed head (control_auth.verify_head) and this server's name in it; a
-        connection whose head verified no longer counts as unauthenticated (admission)."""
+        connection whose head verified no longer counts as unauthenticated (admission), but
+        its source becomes known only once the body verified too (``_proven``)."""
         if not self._needs_auth():
             return None
         host = self.headers.get("Host")
@@ -324,10 +329,17 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         except AuthError as e:
             self._refused(e)
         self.request_sig = head.sig  # its reply is signed, bound to it
-        authenticated = getattr(self.server, "authenticated", None)
-        if authenticated is not None:
-            authenticated(self.client_address)
+        head_verified = getattr(self.server, "head_verified", None)
+        self._ticket = head_verified(self.client_address) if head_verified is not None else None
         return head
+
+    def _proven(self) -> None:
+        """The whole request verified: its source is a known peer from now on. Not on the
+        head alone: a replayer holding a captured head (whose nonce it got in first) but not
+        the body it signed would be made known by it."""
+        ticket, self._ticket = getattr(self, "_ticket", None), None
+        if ticket is not None:
+            self.server.remember(ticket)
 
     def _check_body(self, head: SignedHead, digest: str) -> None:
         try:
@@ -465,10 +477,12 @@ def control_admission(max_connections: int, trusted=(), per_source: int = 16,
     """Known peers first on a control server (sglang_pdd.admission): of ``max_connections``,
     an unknown source holds at most ``per_source`` unauthenticated ones, and ``reserved``
     (default: a quarter) are left to known peers, i.e. ``trusted`` (the router's addresses,
-    ``--pdd-control-trusted-sources``) or a source that sent a validly signed request lately."""
+    ``--pdd-control-trusted-sources``) or a source that sent a validly signed request lately;
+    one known source holds at most half of them (a source a replay made known cannot take
+    them all from the router)."""
     reserved = max_connections // 4 if reserved is None else reserved
     return AdmissionLimits(max_handshaking=max_connections, per_source=min(per_source, max_connections),
-                           reserved=reserved, trusted=tuple(trusted),
+                           reserved=reserved, per_known_source=max(1, max_connections // 2), trusted=tuple(trusted),
                            per_source_flag="the control server's per-source cap",
                            trusted_flag="--pdd-control-trusted-sources", what="unauthenticated connections")
 
@@ -575,14 +589,19 @@ class ControlHTTPServer(ThreadingHTTPServer):
         addr = source.network_address if isinstance(source, ipaddress.IPv6Network) else source
         return source, not any(addr.version == net.version and addr in net for net in trusted)
 
-    def authenticated(self, client_address) -> None:
-        """The connection sent a validly signed request head: its source is known from now
-        on, and the connection no longer counts as unauthenticated."""
+    def head_verified(self, client_address) -> Optional[Ticket]:
+        """The connection sent a validly signed request head: it no longer counts as
+        unauthenticated. Its ticket, for ``remember`` once the body verified too."""
         with self._lock:
             ticket = self._tickets.pop(client_address, None)
             if ticket is not None:
                 self.policy.release(ticket)
-                self.policy.authenticated(ticket, time.monotonic())
+            return ticket
+
+    def remember(self, ticket: Ticket) -> None:
+        """A whole request (head and body) verified: its source is known from now on."""
+        with self._lock:
+            self.policy.authenticated(ticket, time.monotonic())
 
     def process_request(self, request, client_address):
         why = None

@@ -20,6 +20,7 @@ import torch
 from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from tests.support.waiting import wait_until
 
+from sglang_pdd.admission import source_of
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json, get_json
@@ -747,6 +748,54 @@ def test_a_flood_from_many_hosts_leaves_the_reserved_slots_to_the_router(router_
         status, body = first_reply(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.20")
         assert status == 503 and b"retry" in body
         assert _signed_calls(server.url, 22) == [200] * 22
+    finally:
+        if flood:
+            flood.close()
+        server.close()
+
+
+def test_a_replay_does_not_make_its_source_a_known_peer():
+    """Only a request whose head and body both verify makes its source known: a captured
+    call replayed (its nonce used) or its signed head sent with another body (a replayer
+    without the body, or one that altered it) is refused, and its source stays unknown, so
+    it keeps the per-source cap of unknown sources (it used to become known on the head)."""
+    server = MdControl(max_connections=64, trusted_sources="127.0.0.1")
+    try:
+        policy, now = server.server.httpd.policy, time.monotonic
+        captured = signed_request(server.url, "POST", "/pdd/rooms", json.dumps({"room": 4, "token_ids": [1]}).encode())
+        u = urlsplit(server.url)
+        assert exchange_raw(u.hostname, u.port, captured).split()[1] == b"200"
+        replayed = exchange_raw(u.hostname, u.port, captured, source="127.0.0.2")
+        assert replayed.split()[1] == b"401" and b"replayed" in replayed
+        head = signed_request(server.url, "POST", "/pdd/rooms", json.dumps({"room": 5, "token_ids": [1]}).encode())
+        other_body = exchange_raw(u.hostname, u.port, head.replace(b'"room": 5', b'"room": 6'), source="127.0.0.3")
+        assert other_body.split()[1] == b"401" and b"not the one signed" in other_body
+        for source in ("127.0.0.2", "127.0.0.3"):
+            assert not policy.is_known(source_of(source), now()), source
+        assert call_json("GET", server.url + "/pdd/stats", key=KEY)[0] == 200  # a whole valid call does
+        assert policy.is_known(source_of("127.0.0.1"), now())
+    finally:
+        server.close()
+
+
+def test_a_known_source_holds_at_most_half_the_unauthenticated_connections():
+    """A source that once sent a valid call (or won a replay race on the path) is a known
+    peer; known peers had no per-source cap, so its flood of trickling sockets held every
+    slot and the allow-listed router got 503 (13 of 15 calls in the review). Now a known
+    source holds at most half the cap too, and the router is served."""
+    server = MdControl(max_connections=64, trusted_sources="127.0.0.1")
+    flood = None
+    try:
+        httpd = server.server.httpd
+        promoted = signed_request(server.url, "GET", "/pdd/stats")
+        u = urlsplit(server.url)
+        assert exchange_raw(u.hostname, u.port, promoted, source="127.0.0.2").split()[1] == b"200"
+        assert httpd.policy.is_known(source_of("127.0.0.2"), time.monotonic())
+        flood = Trickle(server.url, 96, ["127.0.0.2"])
+        assert wait_until(lambda: flood.connects >= 96, timeout=30)
+        time.sleep(0.5)  # the flood in place
+        assert _signed_calls(server.url, 15) == [200] * 15
+        assert httpd.stats()["refused_per_source"] > 0
     finally:
         if flood:
             flood.close()

@@ -51,6 +51,22 @@ def test_reserved_slots_are_for_known_peers_only():
     assert policy.stats()["handshaking_unknown"] == 2
 
 
+def test_a_known_source_keeps_a_cap_of_its_own_when_one_is_set():
+    """``per_known_source`` (the control servers set it): one known source cannot take every
+    slot, so other known peers still get in; without it (the KV acceptor) none applies."""
+    policy = AdmissionPolicy(AdmissionLimits(max_handshaking=8, per_source=2, reserved=4, per_known_source=3,
+                                             trusted=parse_networks("10.1.0.0/16")))
+    held = [policy.admit("10.1.0.9", 0)[0] for _ in range(3)]
+    assert all(t is not None and t.known for t in held)
+    ticket, why, counter = policy.admit("10.1.0.9", 0)
+    assert ticket is None and counter == "refused_per_source" and "known source" in why
+    assert policy.admit("10.1.0.8", 0)[0] is not None  # another known peer still gets in
+    policy.release(held[0])
+    assert policy.admit("10.1.0.9", 0)[0] is not None  # released, its slot is its own again
+    with pytest.raises(ValueError, match="per_known_source"):
+        AdmissionLimits(per_known_source=0)
+
+
 def test_a_source_that_authenticated_is_known_for_a_while():
     policy = AdmissionPolicy(AdmissionLimits(max_handshaking=4, per_source=1, reserved=2, remember_s=100))
     t = policy.admit("10.0.0.7", 0)[0]
