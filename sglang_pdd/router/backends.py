@@ -215,23 +215,20 @@ async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what
     refused before its body is read; no reply is read past MAX_CONTROL_REPLY_BYTES."""
     sent = _control_request(signer, method, url, json, tls)
     async with session.request(method, url, timeout=aiohttp.ClientTimeout(total=timeout_s), **sent) as resp:
-        if resp.status == 200 and signer is not None and REPLY_HEADER not in resp.headers:
+        if resp.status != 200:  # only its start is shown: read no more than that
+            raise BackendError(f"{what}: HTTP {resp.status} {await error_text(resp)}", resp.status)
+        if signer is not None and REPLY_HEADER not in resp.headers:
             raise UnverifiedReply(f"{what}: reply not signed (no {REPLY_HEADER})")
         body = await read_bounded(resp, MAX_CONTROL_REPLY_BYTES, what)
-        if resp.status == 200:  # the signature before anything is read from the reply
-            _check_reply(signer, sent, resp, body, what)
-        payload = _json_of(resp, body)
-        if resp.status != 200:
-            raise BackendError(f"{what}: HTTP {resp.status} {str(payload)[:300]}", resp.status)
-        return payload
+        _check_reply(signer, sent, resp, body, what)  # the signature before anything is read from the reply
+        return _json_of(resp, body)
 
 
 async def generate_once(session: aiohttp.ClientSession, url: str, body: dict, max_reply_bytes: int) -> dict:
     async with session.post(f"{url}/generate", json={**body, "stream": False}) as resp:
-        payload = _json_of(resp, await read_bounded(resp, max_reply_bytes, f"{url} /generate"))
         if resp.status != 200:
-            raise BackendError(f"{url} /generate -> HTTP {resp.status}: {str(payload)[:300]}", resp.status)
-        return payload
+            raise BackendError(f"{url} /generate -> HTTP {resp.status}: {await error_text(resp)}", resp.status)
+        return _json_of(resp, await read_bounded(resp, max_reply_bytes, f"{url} /generate"))
 
 
 async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:

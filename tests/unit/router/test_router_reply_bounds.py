@@ -12,7 +12,8 @@ from aiohttp import web
 
 from sglang_pdd.control_auth import REPLY_HEADER, ControlSigner
 from sglang_pdd.protocol import HandoffRequest
-from sglang_pdd.router.backends import MainControl, PrefillControl, ReplyTooLarge, UnverifiedReply
+from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, ReplyTooLarge, UnverifiedReply,
+                                        generate_once)
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 
 from tests.support.fake_backends import serve_app
@@ -35,6 +36,14 @@ class Hostile:
         await request.read()
         try:
             if self.mode == "never":
+                await asyncio.sleep(3600)
+            if self.mode == "error_stalls":  # a 500 whose body (1 MiB announced) stops after 128 KiB
+                resp = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+                resp.content_length = MAX_CONTROL_REPLY_BYTES
+                await resp.prepare(request)
+                await resp.write(b'{"error": "' + b"x" * (128 << 10))
+                self.written = 128 << 10
+                self.done.set()
                 await asyncio.sleep(3600)
             signed = self.mode in ("signed_huge", "signed_chunked")
             headers = {REPLY_HEADER: "0" * 64} if signed else {}
@@ -101,6 +110,22 @@ def test_ps_info_reply_is_bounded_too():
     error, written = call_against("signed_huge", lambda s, base: PrefillControl(s, base, ControlSigner(KEY)).tp_size())
     assert isinstance(error, ReplyTooLarge)
     assert written < WRITTEN_BOUND
+
+
+@pytest.mark.parametrize("call", ["md_register", "p_info", "p_generate"])
+def test_an_error_body_is_read_up_to_64_kib(call):
+    """A non-200's body is only shown in a message: it is read up to MAX_ERROR_BODY_BYTES
+    (64 KiB), not up to the 1 MiB of a control reply (or a /generate leg's event bound). Here
+    the server stops after 128 KiB of a 1 MiB body: the router answers from what it read
+    instead of waiting for the rest until its timeout."""
+    signer = ControlSigner(KEY)
+    calls = {"md_register": lambda s, base: MainControl(s, base, signer).register(7, [1, 2], timeout_s=3),
+             "p_info": lambda s, base: PrefillControl(s, base, signer).tp_size(),
+             "p_generate": lambda s, base: asyncio.wait_for(generate_once(
+                 s, base, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, 4 << 20), 3)}
+    error, written = call_against("error_stalls", calls[call])
+    assert isinstance(error, BackendError) and error.status == 500, repr(error)
+    assert "HTTP 500" in str(error) and len(str(error)) < 1000
 
 
 def test_a_catch_up_batch_md_never_answers_times_out():
