@@ -245,6 +245,39 @@ async def abort(session: aiohttp.ClientSession, url: str, rid: str) -> None:
 # this and MD is not keeping up, so RLD finishes the request.
 WARMUP_TIMEOUT_S = 60.0
 
+def new_output(event: dict, produced: int) -> Optional[int]:
+    """How many output ids a cumulative stream event reports, if more than ``produced`` (else
+    None: the event carries no new token)."""
+    n = len(event.get("output_ids") or ())
+    return n if n > produced else None
+
+
+async def until_stalled(events: AsyncIterator[dict], stall_s: float, what: str) -> AsyncIterator[dict]:
+    """``events`` as they come, or TimeoutError once ``stall_s`` of waiting for them passed
+    without one carrying a new token: progress is a token, not a byte (a stream kept alive by
+    bytes alone is stalled). Time the consumer spends between events does not count."""
+    loop = asyncio.get_running_loop()
+    waited, produced = 0.0, 0
+    source = events.__aiter__()
+    try:
+        while True:
+            started = loop.time()
+            try:
+                event = await asyncio.wait_for(source.__anext__(), stall_s - waited)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise asyncio.TimeoutError(f"{what}: no new token within {stall_s:g} s") from None
+            grown = new_output(event, produced)
+            if grown is None:
+                waited += loop.time() - started
+            else:
+                waited, produced = 0.0, grown
+            yield event
+    finally:
+        await source.aclose()  # its stream closed with this one, not whenever the GC gets to it
+
+
 _max_md_tp = 8  # the router's --max-md-tp
 
 
@@ -315,20 +348,23 @@ class MainControl:
                                 f"MD handoff room {room}", json=body.to_json(), timeout_s=timeout_s,
                                 signer=self.signer, tls=self.tls)
 
-    async def handoff_stream(self, room: int, body: HandoffRequest, max_line_bytes: Optional[int] = None,
-                             stall_timeout_s: Optional[float] = None) -> AsyncIterator[dict]:
+    def handoff_stream(self, room: int, body: HandoffRequest, max_line_bytes: Optional[int] = None,
+                       stall_timeout_s: Optional[float] = None) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events, each at most
         ``max_line_bytes`` (default: what the handoff's own fields allow for a prompt of 0 tokens;
-        the router passes the bound of the whole request). ``stall_timeout_s``: no byte from MD
-        for that long (its headers included) is a TimeoutError."""
+        the router passes the bound of the whole request). ``stall_timeout_s``: no new token
+        from MD for that long (from the call on, its headers included) is a TimeoutError;
+        bytes that carry none (a relay trickling them) do not count."""
+        events = self._handoff_events(room, body, max_line_bytes)
+        return until_stalled(events, stall_timeout_s, f"MD room {room} handoff") if stall_timeout_s else events
+
+    async def _handoff_events(self, room: int, body: HandoffRequest,
+                              max_line_bytes: Optional[int]) -> AsyncIterator[dict]:
         url = f"{self.url}{api.MD_HANDOFF.path(room=room)}"
         sent = _control_request(self.signer, "POST", url, body.to_json(), self.tls)
         if max_line_bytes is None:
             max_line_bytes = max_event_bytes(0, int(body.sampling_params.get("max_new_tokens") or 0),
                                              body.to_json())
-        if stall_timeout_s:
-            sent["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=stall_timeout_s,
-                                                    sock_read=stall_timeout_s)
         async with self.session.post(url, **sent) as resp:
             what = f"MD room {room} handoff"
             decoder = CumulativeDecoder()  # as generate_stream's

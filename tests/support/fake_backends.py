@@ -233,6 +233,10 @@ class Knobs:
     md_stats: Optional[dict] = None  # what MD's control GET /pdd/stats answers (None: 404)
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
+    # final handoff: before token N, a blank line every md_trickle_every_s for md_trickle_s (bytes, no token)
+    md_trickle_from: Optional[int] = None
+    md_trickle_every_s: float = 0.1
+    md_trickle_s: float = 6.0
     md_restarts: bool = False  # MD without the resume contract: reports from the handoff point
     # Bytes of filler in meta_info ("pad") of each server's replies: P's reply, every RLD event
     # from its third on, every MD handoff event (a long stream event, as logprobs make them).
@@ -584,6 +588,8 @@ class Fakes:
                         return resp
                     if k.md_before_token is not None:
                         await k.md_before_token(i, budget)
+                    if i == k.md_trickle_from:
+                        await _trickle(resp, k.md_trickle_every_s, k.md_trickle_s, aborted)
                     await asyncio.sleep(k.md_token_delay_s)
                     finish = {"type": "length", "length": total} if i == budget - 1 else None
                     await _sse(resp, {"output_ids": tokens[:k0 + i + 1], "meta_info": _pad({
@@ -621,6 +627,14 @@ class Fakes:
         serve_routes(app, RouteTable({api.MD_REGISTER: register, api.MD_READY: ready, api.MD_HANDOFF: handoff,
                                       api.MD_RELEASE: release, api.STATS: stats, api.MD_KV_SENDERS: kv_senders}))
         return app
+
+
+async def _trickle(resp: web.StreamResponse, every_s: float, for_s: float, aborted: asyncio.Event) -> None:
+    """Bytes that carry no event (blank lines) every ``every_s``, for ``for_s`` or until aborted."""
+    end = asyncio.get_running_loop().time() + for_s
+    while not aborted.is_set() and asyncio.get_running_loop().time() < end:
+        await resp.write(b"\n")
+        await asyncio.sleep(every_s)
 
 
 async def _sse(resp: web.StreamResponse, event: dict) -> None:

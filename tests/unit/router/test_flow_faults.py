@@ -191,6 +191,23 @@ def test_md_silent_mid_stream_is_md_failed_and_the_request_goes_on_from_rld(sile
     assert leg_rid(run, "m") in run.fakes.aborted_rids("md")
 
 
+def test_md_trickling_bytes_without_tokens_is_a_stall():
+    """The stall timeout counts tokens, not bytes: MD's stream (or a relay on it) sending a
+    blank line every 0.1 s and no token used to keep the stream open for as long as it kept
+    trickling (the request then failed at --request-timeout-s); now it is MD failed after
+    md_stall_timeout_s, and the request goes on from RLD, every token once."""
+    knobs = Knobs(md_token_delay_s=0.005, md_trickle_from=2, md_trickle_every_s=0.1, md_trickle_s=6.0)
+    cfg = dataclasses.replace(flow_config(), md_stall_timeout_s=0.5)
+    t0 = time.monotonic()
+    run = scenario(knobs, max_new=30, cfg=cfg, gates=lambda run: setattr(knobs, "md_before_ready",
+                                                                          emitted_at_least(run, 3)))
+    assert_invariants(run, 30)
+    assert time.monotonic() - t0 < 4  # not the 6 s MD trickles
+    assert run.fallbacks[0] == "md_failed" and run.fallbacks[-1].startswith("recovered_on_relay")
+    assert run.flow.result.md_tokens == 2
+    assert leg_rid(run, "m") in run.fakes.aborted_rids("md")
+
+
 # ---------------------------------------------------------------------- P -> MD (RLD budget 1)
 def test_p_md_happy():
     knobs = Knobs()
