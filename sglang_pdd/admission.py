@@ -29,6 +29,10 @@ from typing import Iterable, Optional, Union
 
 IpNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 MAX_ANNOUNCED = 1024  # networks one announcement may name
+# The widest network an announcement may name, per IP version: a host's own (an IPv4 /24, the
+# IPv6 /64 a source is counted as). Wider ones, and the unspecified address, would make whole
+# swaths of addresses known peers on one key holder's word.
+MIN_ANNOUNCED_PREFIX = {4: 24, 6: 64}
 
 
 def parse_networks(value: Union[str, Iterable[str], None]) -> tuple[IpNetwork, ...]:
@@ -45,6 +49,18 @@ def parse_networks(value: Union[str, Iterable[str], None]) -> tuple[IpNetwork, .
             except ValueError:
                 raise ValueError(f"not an IP address or network: {item[:100]!r}") from None
     return tuple(nets)
+
+
+def check_announced(networks: Iterable[IpNetwork]) -> tuple[IpNetwork, ...]:
+    """``networks`` if each may be announced as known peers; ValueError naming the first that
+    is a wildcard or wider than MIN_ANNOUNCED_PREFIX."""
+    nets = tuple(networks)
+    for net in nets:
+        widest = MIN_ANNOUNCED_PREFIX[net.version]
+        if net.network_address.is_unspecified or net.prefixlen < widest:
+            raise ValueError(f"{net} is too wide to name P hosts (a wildcard, or a network wider than "
+                             f"/{widest}): name the hosts")
+    return nets
 
 
 def source_of(host: str) -> Union[ipaddress.IPv4Address, ipaddress.IPv6Network]:
@@ -115,7 +131,7 @@ class AdmissionPolicy:
     def announce(self, networks: Iterable[IpNetwork]) -> int:
         """Known from now on, in place of the previous announcement: the sources an
         authenticated control call named (the router's P hosts, on MD). Returns how many."""
-        nets = tuple(networks)
+        nets = check_announced(networks)
         if len(nets) > MAX_ANNOUNCED:
             raise ValueError(f"at most {MAX_ANNOUNCED} networks, got {len(nets)}")
         self._announced = nets

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 from urllib.parse import parse_qs
 
-from sglang_pdd.admission import MAX_ANNOUNCED, parse_networks
+from sglang_pdd.admission import MAX_ANNOUNCED, check_announced, parse_networks
 from sglang_pdd.protocol.errors import bad_request
 from sglang_pdd.protocol.routes import MAX_ROOM_ID
 
@@ -273,7 +273,7 @@ def _sources(value, name):
     if not isinstance(value, list) or len(value) > MAX_ANNOUNCED or not all(isinstance(v, str) for v in value):
         raise bad_request(f"{name} must be a list of at most {MAX_ANNOUNCED} addresses or networks")
     try:
-        parse_networks(value)
+        check_announced(parse_networks(value))
     except ValueError as e:
         raise bad_request(f"{name}: {e}") from None
     return tuple(value)

@@ -850,6 +850,20 @@ def test_md_takes_the_p_hosts_the_router_names(md):
     assert len(md.runtime.kv_senders) == 1
 
 
+@pytest.mark.parametrize("wide", ["0.0.0.0/0", "::/0", "0.0.0.0", "::", "10.0.0.0/8", "10.1.0.0/23",
+                                  "2001:db8::/32", "2001:db8:1::/63"])
+def test_md_refuses_wildcards_and_wide_networks_as_kv_senders(md, wide):
+    """A key holder naming every address (0.0.0.0/0, ::/0) or a wide network as MD's P hosts
+    made them all known KV peers, beside the one listed P: 400 naming the entry, and MD's
+    known peers stay as they were. A host's own network (up to a /24, an IPv6 /64) is taken."""
+    assert call_json("POST", md.url + "/pdd/kv_senders", {"sources": ["127.0.0.9"]}, key=KEY)[0] == 200
+    status, reply = call_json("POST", md.url + "/pdd/kv_senders", {"sources": ["127.0.0.9", wide]}, key=KEY)
+    assert status == 400 and wide in reply["error"] and "wide" in reply["error"], reply
+    assert md.runtime.kv_senders == [["127.0.0.9"]]
+    narrow = {"sources": ["10.1.2.0/24", "2001:db8:1:2::/64"]}
+    assert call_json("POST", md.url + "/pdd/kv_senders", narrow, key=KEY) == (200, {"known": 2})
+
+
 def test_p_and_md_answer_health_unsigned_with_one_body(md, p):
     """/health is the one route that needs no signature (probes carry no key); P and MD answer
     it with the same body, SGLang's shape, so one probe reads both."""

@@ -67,6 +67,15 @@ def test_a_known_source_keeps_a_cap_of_its_own_when_one_is_set():
         AdmissionLimits(per_known_source=0)
 
 
+def test_an_announcement_names_hosts_not_wildcards():
+    policy = AdmissionPolicy(AdmissionLimits())
+    for wide in ("0.0.0.0/0", "::/0", "0.0.0.0", "10.0.0.0/16", "2001:db8::/48"):
+        with pytest.raises(ValueError, match="too wide"):
+            policy.announce(parse_networks(["10.9.9.9", wide]))
+    assert not policy.is_known(source_of("203.0.113.7"), 0)  # nothing of a refused one is taken
+    assert policy.announce(parse_networks(["10.9.9.0/24", "2001:db8:1:2::/64"])) == 2
+
+
 def test_a_source_that_authenticated_is_known_for_a_while():
     policy = AdmissionPolicy(AdmissionLimits(max_handshaking=4, per_source=1, reserved=2, remember_s=100))
     t = policy.admit("10.0.0.7", 0)[0]
