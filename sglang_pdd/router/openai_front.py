@@ -158,22 +158,37 @@ class OpenAIFront:
         return await to_aiohttp(request, result)
 
     def _check_tokenize(self, parsed) -> int:
-        """Characters to tokenize, each prompt (or the conversation) within --max-prompt-chars."""
+        """Characters to tokenize, each prompt (or the conversation) within --max-prompt-chars.
+        A list is a batch: at most --max-flows-per-request prompts, whose characters together
+        are within --max-prompt-chars too (else one request tokenizes a whole body's worth)."""
         limit = self.manager.max_prompt_chars
         if parsed.messages is not None:
             chars = text_chars(parsed.model_dump(include={"messages", "tools"}))
             check_prompt_chars(chars, "the conversation", limit)
             return chars
-        prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
-        for i, prompt in enumerate(prompts):
-            check_prompt_chars(len(prompt), "the prompt" if isinstance(parsed.prompt, str) else f"prompt[{i}]", limit)
-        return sum(len(p) for p in prompts)
+        if isinstance(parsed.prompt, str):
+            check_prompt_chars(len(parsed.prompt), "the prompt", limit)
+            return len(parsed.prompt)
+        self._check_list_len(len(parsed.prompt), "prompts")
+        for i, prompt in enumerate(parsed.prompt):
+            check_prompt_chars(len(prompt), f"prompt[{i}]", limit)
+        chars = sum(len(p) for p in parsed.prompt)
+        check_prompt_chars(chars, "the list of prompts", limit)
+        return chars
+
+    def _check_list_len(self, n: int, what: str) -> None:
+        cap = self.manager.max_flows_per_request
+        if n > cap:
+            raise ApiError(400, f"the request has {n} {what}, more than this router's cap {cap} "
+                                f"(--max-flows-per-request)")
 
     def _check_detokenize(self, parsed) -> int:
-        """Token ids to decode, each in the vocabulary."""
+        """Token ids to decode, each in the vocabulary; a list of lists holds at most
+        --max-flows-per-request rows."""
         vocab = self.manager.vocab_size
         tokens = parsed.tokens
         if tokens and isinstance(tokens[0], list):
+            self._check_list_len(len(tokens), "rows of tokens")
             for i, row in enumerate(tokens):
                 check_token_ids(row, f"tokens[{i}]", vocab, allow_empty=True)
             return sum(len(row) for row in tokens)
