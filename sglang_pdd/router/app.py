@@ -474,7 +474,8 @@ class Router:
                 int(options.get("catch_up_threshold", 0))
             except (TypeError, ValueError) as e:
                 raise ApiError(400, f"bad pdd_options: {e}") from None
-        return RequestScope(operator=operator, options=options)
+        return RequestScope(operator=operator, options=options,
+                            deadline=asyncio.get_running_loop().time() + self.flow_cfg.request_timeout_s)
 
 
 async def _generate_events(first: dict, gen: AsyncIterator) -> AsyncIterator[bytes]:

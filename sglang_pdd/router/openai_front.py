@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import AsyncIterator, Callable
 
 import orjson
@@ -49,18 +50,71 @@ def _pydantic_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+class WriteDeadline:
+    """A client that stops reading cannot hold its request past the request's deadline: a
+    write still waiting for the client then (its socket's buffers full) cuts the connection,
+    and so does one that starts waiting after it. A write that does not wait costs a flag."""
+
+    def __init__(self, request: web.Request, deadline: float):
+        self.request, self.writing, self.expired, self.cut = request, False, False, False
+        self._timer = None if math.isinf(deadline) else asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.writing:
+            self._cut()
+
+    def _cut(self) -> None:
+        if not self.cut:
+            self.cut = True
+            logger.warning("client of %s stopped reading its reply: connection closed at the request's deadline "
+                           "(--request-timeout-s)", self.request.path)
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()  # the blocked write returns; the request's legs are aborted as it unwinds
+
+    async def write(self, out: web.StreamResponse, data: bytes) -> bool:
+        """``data`` written, or False: the connection was cut at the deadline."""
+        if self.cut:
+            return False
+        self.writing = True
+        try:
+            if self.expired:  # past the deadline already: the write may wait a moment, no longer
+                try:
+                    await asyncio.wait_for(out.write(data), WRITE_GRACE_S)
+                except asyncio.TimeoutError:
+                    self._cut()
+            else:
+                await out.write(data)
+        finally:
+            self.writing = False
+        return not self.cut
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+WRITE_GRACE_S = 1.0  # past the request's deadline, how long one write (the error event) may wait
+
+
 async def sse_reply(request: web.Request, chunks: AsyncIterator) -> web.StreamResponse:
     """Writes an SSE stream of ready-made chunks (str or bytes); a backend failure mid-stream
-    becomes an error event and [DONE], as SGLang ends a failed stream."""
+    becomes an error event and [DONE], as SGLang ends a failed stream. A client that stops
+    reading is cut off at the request's deadline (``WriteDeadline``)."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
+    writes = WriteDeadline(request, current_scope.get().deadline)
     try:
         async for chunk in chunks:
-            await out.write(chunk.encode() if isinstance(chunk, str) else chunk)
+            if not await writes.write(out, chunk.encode() if isinstance(chunk, str) else chunk):
+                return out
     except UpstreamError as e:
         err = {"error": {"message": e.detail, "type": "BackendError", "code": e.status_code}}
-        await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+        if not await writes.write(out, b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"):
+            return out
     finally:
+        writes.cancel()
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
             await aclose()

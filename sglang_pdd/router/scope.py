@@ -8,6 +8,7 @@ OpenAI routes) both import it from below rather than from each other.
 from __future__ import annotations
 
 import contextvars
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +19,9 @@ class RequestScope:
 
     operator: bool = False
     options: Optional[dict] = None
+    # The event loop's time by which the request ends (--request-timeout-s from its start), also
+    # when its client stops reading the reply (openai_front.sse_reply).
+    deadline: float = math.inf
 
 
 current_scope: contextvars.ContextVar[RequestScope] = contextvars.ContextVar("pdd_request_scope",

@@ -414,6 +414,68 @@ def test_operator_token_file_must_be_private(tmp_path):
     assert read_operator_token(str(path)) == TOKEN
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_client_that_stops_reading_ends_at_the_request_timeout(router_sglang_state, path):
+    """A streaming client that stops reading (its socket's buffers full) held its request past
+    --request-timeout-s: the router's write waited on it, so the flow never reached its own
+    deadline, its legs ran on and its in-flight counts stayed (steering path choice, blocking
+    /flush_cache). Now the write waits no longer than the request's deadline: the request
+    ends, its legs are aborted and its counts released."""
+    import asyncio
+    import dataclasses
+    import socket
+    from urllib.parse import urlsplit
+
+    from sglang_pdd.router.app import Router, build_app
+    from sglang_pdd.router.flow import PrefillBackend
+    from sglang_pdd.router.pools import Pools
+    from tests.support.fake_backends import Fakes, serve_app, wait_until
+    from tests.support.flow_scenarios import PROMPT, flow_config
+
+    from aiohttp import web
+
+    body = ({"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+            if path == "/generate" else
+            {"prompt": PROMPT, "stream": True, "max_tokens": 1000, "ignore_eos": True})
+    data = json.dumps(body).encode()
+
+    @web.middleware
+    async def small_send_buffer(request, handler):  # the kernel then buffers a few KiB, not MiBs
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return await handler(request)
+
+    async def main():
+        fakes = await Fakes(Knobs(rld_token_delay_s=0.0)).start()
+        pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url], [])
+        cfg = dataclasses.replace(flow_config(), request_timeout_s=1.5)
+        router = Router(pools, cfg, None, max_prompt_tokens=1000, served_model="tiny", sglang_state=router_sglang_state,
+                        max_new_tokens_cap=1000)
+        app = build_app(router)
+        app.middlewares.insert(0, small_send_buffer)
+        loop = asyncio.get_running_loop()
+        try:
+            async with serve_app(app) as base:
+                u = urlsplit(base)
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.setblocking(False)
+                await loop.sock_connect(s, (u.hostname, u.port))
+                await loop.sock_sendall(s, b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+                try:  # the client reads nothing from here on
+                    await wait_until(lambda: router.running_requests() == 1, timeout_s=5)
+                    t0 = loop.time()
+                    await wait_until(lambda: router.running_requests() == 0, timeout_s=8)
+                    assert loop.time() - t0 < 4
+                    await wait_until(lambda: fakes.rld_active == 0, timeout_s=5)
+                    assert fakes.records("rld", "abort")  # its leg aborted, not left to run out
+                finally:
+                    s.close()
+        finally:
+            await fakes.stop()
+    run(main())
+
+
 @pytest.mark.parametrize("leg", ["prefill", "relay", "main"])
 def test_a_leg_failing_unforeseen_answers_the_client_and_frees_its_counts(router_sglang_state, monkeypatch, leg):
     """A leg task that raises what no handler foresaw (here a RuntimeError from the backend
