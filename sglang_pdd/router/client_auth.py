@@ -6,8 +6,9 @@ server-args checks), so a client of SGLang works unchanged against the router:
   * ``--api-key KEY``: every request needs ``Authorization: Bearer KEY`` (scheme
     case-insensitive, constant-time compare), else 401 ``{"error": "Unauthorized"}``;
     exempt, as in SGLang: ``OPTIONS`` and paths starting with ``/health``, ``/ready`` or
-    ``/metrics`` (probes and Prometheus without the secret; that includes
-    ``/health_generate``, which runs one token through P and RLD).
+    ``/metrics`` (probes and Prometheus without the secret), but ``/health_generate``, which
+    runs a request on the backends (one token through P and RLD): SGLang's server exempts it
+    too, the router guards it as any request.
   * ``--ssl-certfile`` / ``--ssl-keyfile`` (both or neither) [``--ssl-keyfile-password``]:
     HTTPS on the client port. Stricter than SGLang in one point: the key file must not be
     readable by group/others (as every key file of sglang-pdd).
@@ -34,6 +35,7 @@ from aiohttp import web
 from sglang_pdd.kv_channel.handshake import KeyFileError, check_private_file, open_private
 
 EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
+GUARDED_PATHS = frozenset({"/health_generate"})  # under an exempt prefix, but it makes the backends work
 
 _backend_api_key: Optional[str] = None
 _backend_ssl: Optional[ssl.SSLContext] = None  # --backend-ca-file
@@ -126,7 +128,8 @@ def check_bearer(header: Optional[str], key: str) -> bool:
 def api_key_middleware(key: str):
     @web.middleware
     async def require_api_key(request: web.Request, handler):
-        if request.method == "OPTIONS" or request.path.startswith(EXEMPT_PREFIXES):
+        if request.method == "OPTIONS" or (request.path.startswith(EXEMPT_PREFIXES)
+                                           and request.path not in GUARDED_PATHS):
             return await handler(request)
         if not check_bearer(request.headers.get("Authorization"), key):
             return web.json_response({"error": "Unauthorized"}, status=401)

@@ -48,8 +48,12 @@ def run(coro):
 
 
 def sglang_allows(method, path, header) -> bool:
+    """SGLang's own check, but for /health_generate: SGLang's server exempts every /health*
+    path, the router guards that one as any request (it runs one on the backends)."""
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
+    if path == "/health_generate":
+        path = "/generate"
     if header is not None and not header.isascii() and not path.startswith(("/health", "/metrics")) \
             and method != "OPTIONS":
         return False  # SGLang's compare_digest raises on non-ASCII str (a 500); a mismatch here
@@ -65,6 +69,28 @@ CASES = [(method, path, header)
                               ("GET", "/health_generate"), ("GET", "/metrics"), ("OPTIONS", "/generate")]
          for header in [None, f"Bearer {API_KEY}", f"bearer {API_KEY}", "Bearer wrong", API_KEY,
                         f"Basic {API_KEY}", f"Bearer  {API_KEY}", "Bearer \u00e9t\u00e9"]]
+
+
+def test_health_generate_needs_the_api_key(router_sglang_state):
+    """/health_generate runs a real request (one token through P and RLD): open like SGLang's
+    /health* paths, it let anyone make the backends work (50 calls: 150 backend calls). With
+    --api-key it needs the key; /health stays open."""
+
+    async def main():
+        async with front(router_sglang_state, api_key=API_KEY) as (base, client, fakes):
+            for _ in range(5):
+                async with client.get(f"{base}/health_generate") as r:
+                    assert r.status == 401 and await r.json() == {"error": "Unauthorized"}
+            background = ("health", "kv_senders")  # the router's probes and its P hosts for MD
+            assert [rec for rec in fakes.log if rec.kind not in background] == []  # no backend saw a request
+            async with client.get(f"{base}/health") as r:
+                assert r.status == 200
+            async with client.get(f"{base}/health_generate", headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                assert r.status == 200
+            assert sorted((rec.server, rec.kind) for rec in fakes.log if rec.kind == "generate") == [
+                ("p", "generate"), ("rld", "generate")]
+
+    run(main())
 
 
 def test_api_key_guards_the_same_routes_with_the_same_reply_as_sglang(router_sglang_state):
