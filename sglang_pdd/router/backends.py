@@ -64,7 +64,7 @@ def _check_reply(signer: Optional[ControlSigner], sent: dict, resp: aiohttp.Clie
     try:
         signer.check_reply(sent["headers"][HEADER], resp.status, body, resp.headers.get(REPLY_HEADER))
     except AuthError as e:
-        raise UnverifiedReply(f"{what}: {e}") from None
+        raise BadSignature(f"{what}: {e}") from None
 
 
 class BackendError(RuntimeError):
@@ -80,6 +80,24 @@ class UnverifiedReply(BackendError):
     """A 200 the router cannot take as it is: its signature does not verify (a relay altered
     the reply), or it is not the protocol's reply. The server may have acted on the request,
     so what it holds for it is to be released."""
+
+
+class BadSignature(UnverifiedReply):
+    """A control reply, or an event of a signed stream, that is not signed as the server signs
+    it (missing, altered, reordered, a stream cut before its signed end): not the server's
+    answer, which counts as the server failing (router/health.py), as a dropped connection does."""
+
+
+def server_at_fault(error: BaseException) -> bool:
+    """Whether a leg's failure is the server's own (its breaker counts it): it refused or
+    dropped the connection, cut its reply short, answered 5xx (but 503: busy, not broken), or
+    sent what the router refuses to take: a reply or event whose signature does not verify, or
+    one over the bound the request allows."""
+    status = getattr(error, "status", None)
+    if isinstance(error, (BadSignature, ReplyTooLarge)):
+        return True
+    return isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)) or \
+        (status is not None and status >= 500 and status != 503)
 
 
 async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict,
@@ -180,21 +198,21 @@ async def signed_sse_events(resp: aiohttp.ClientResponse, url: str, signer: Cont
         line = raw.strip()
         if line.startswith(b"data:"):
             if pending is not None:
-                raise BackendError(f"{url}: stream event {index} is not signed")
+                raise BadSignature(f"{url}: stream event {index} is not signed")
             pending = line
         elif line.startswith(EVENT_SIG.strip()):
             if pending is None:
-                raise BackendError(f"{url}: a signature without an event")
+                raise BadSignature(f"{url}: a signature without an event")
             try:
                 signer.check_event(request_header, index, pending[5:].strip(), line[len(EVENT_SIG.strip()):])
             except AuthError as e:
-                raise BackendError(f"{url}: {e}") from None
+                raise BadSignature(f"{url}: {e}") from None
             index += 1
             event, pending = parse_sse_line(pending, url, decoder), None
             if event is SSE_DONE:
                 return
             yield event
-    raise BackendError(f"{url}: stream ended before its signed end ({index} events)")
+    raise BadSignature(f"{url}: stream ended before its signed end ({index} events)")
 
 
 def _json_of(resp: aiohttp.ClientResponse, body: bytes):
@@ -218,7 +236,7 @@ async def _call_json(session: aiohttp.ClientSession, method: str, url: str, what
         if resp.status != 200:  # only its start is shown: read no more than that
             raise BackendError(f"{what}: HTTP {resp.status} {await error_text(resp)}", resp.status)
         if signer is not None and REPLY_HEADER not in resp.headers:
-            raise UnverifiedReply(f"{what}: reply not signed (no {REPLY_HEADER})")
+            raise BadSignature(f"{what}: reply not signed (no {REPLY_HEADER})")
         body = await read_bounded(resp, MAX_CONTROL_REPLY_BYTES, what)
         _check_reply(signer, sent, resp, body, what)  # the signature before anything is read from the reply
         return _json_of(resp, body)

@@ -79,7 +79,7 @@ from sglang_pdd.protocol import RESUME_KEY, RegisterReply, without_pdd_params
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.lifecycle import RecoveryMode
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply, abort,
-                                        generate_once, generate_stream)
+                                        generate_once, generate_stream, server_at_fault)
 from sglang_pdd.router.bodies import (handoff_body, late_destination_params, pd_leg_body, wan_destination_params,
                                       warmup_body)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
@@ -694,15 +694,13 @@ class PddFlow:
         self.queue.put_nowait((event, payload))  # no await between: a cancelled leg holds no room
 
     def _blame(self, role: str, url: str, error: BaseException) -> None:
-        """Note a leg's failure for the router's health board. A server that refused or dropped
-        the connection, cut its reply short, or answered 5xx (but 503: busy, not broken), is at
-        fault itself. RLD's
+        """Note a leg's failure for the router's health board. A server at fault itself
+        (backends.server_at_fault: a dropped connection, a 5xx, a reply whose signature does
+        not verify or over its bound) counts against it. RLD's
         stream failing otherwise (e.g. P's KV never reached it) is the P-RLD pair's: each can be
         healthy and the two fail together. MD's other failures fall back to RLD and count
         against nothing."""
-        status = getattr(error, "status", None)
-        if isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)) or \
-                (status is not None and status >= 500 and status != 503):
+        if server_at_fault(error):
             self.result.failed_backends.append((role, url))
         elif role == "relay":
             self.result.failed_backends.append(("pair", self.prefill.url, url))

@@ -233,6 +233,7 @@ class Knobs:
     md_stats: Optional[dict] = None  # what MD's control GET /pdd/stats answers (None: 404)
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
+    md_bad_event_sig: bool = False  # final handoff: each event signed for another index (a relay altered it)
     # final handoff: before token N, a blank line every md_trickle_every_s for md_trickle_s (bytes, no token)
     md_trickle_from: Optional[int] = None
     md_trickle_every_s: float = 0.1
@@ -565,6 +566,7 @@ class Fakes:
                         **(body["sampling_params"].get("custom_params") or {}), **resume_marker(len(eager))}}}
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             _sign_stream(resp, request)
+            resp["pdd_bad_sig"] = k.md_bad_event_sig
             await resp.prepare(request)
             if k.md_handoff_drop:
                 request.transport.close()
@@ -660,7 +662,9 @@ async def _event(resp: web.StreamResponse, data: bytes) -> None:
     verifier, request_sig = signer
     index = resp["pdd_events"]
     resp["pdd_events"] = index + 1
-    await resp.write(b"data: " + data + b"\n" + EVENT_SIG + verifier.sign_event(request_sig, index, data) + b"\n\n")
+    signed_index = index + 1 if resp.get("pdd_bad_sig") else index
+    await resp.write(b"data: " + data + b"\n" + EVENT_SIG + verifier.sign_event(request_sig, signed_index, data)
+                     + b"\n\n")
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.005) -> None:

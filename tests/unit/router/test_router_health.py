@@ -251,6 +251,45 @@ def test_legs_that_break_on_a_server_open_its_breaker_passively(router_sglang_st
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.parametrize("fault", ["bad_event_signature", "bad_reply_signature", "oversized_event"])
+def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_state, fault):
+    """A reply or stream event from MD whose signature does not verify, or an event over the
+    request's bound, is MD failing (as a dropped connection is): each request ran MD, then a
+    whole P->RLD recovery, and the breaker never opened (10 of 10 in the review). Now two such
+    requests open it (threshold 2 here) and the next ones stay off MD, every answer whole."""
+    from sglang_pdd.router.backends import use_control_key
+    from tests.support.flow_scenarios import p_md_cfg
+
+    key = b"breaker-test-control-key-0123456789"
+    knobs = Knobs(md_bad_event_sig=fault == "bad_event_signature",
+                  md_pad_bytes=(8 << 20) if fault == "oversized_event" else 0)
+
+    async def main():
+        fakes = await Fakes(knobs, control_key=b"another-key-for-md-0123456789abcdef" if fault == "bad_reply_signature"
+                            else key).start()
+        pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
+                      [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
+                      health=HealthConfig(failure_threshold=2, cooldown_s=60))
+        router = Router(pools, p_md_cfg(), None, max_prompt_tokens=1000, served_model="tiny",
+                        sglang_state=router_sglang_state, max_new_tokens_cap=64, operator_token=TOKEN,
+                        health_check_interval_s=0)
+        try:
+            async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
+                for _ in range(4):
+                    status, _, body = await generate(client, base)
+                    assert status == 200 and body["output_ids"] == truth(PROMPT, 8), body
+                assert len(fakes.records("md", "register")) == 2  # the third request on: MD not asked
+                assert await _out(client, base, "main")
+        finally:
+            await fakes.stop()
+
+    use_control_key(key)
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        use_control_key(None)
+
+
 def test_a_request_whose_relay_refuses_before_the_first_token_starts_over_elsewhere(router_sglang_state):
     async def main():
         async with router_on_fakes(router_sglang_state, Knobs(), interval_s=0, dead_relays=1) as (base, client, fakes):
