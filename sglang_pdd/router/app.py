@@ -182,9 +182,11 @@ class Router:
                                   "available": up}, status=200 if serving else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """One token through a real PDD flow (P and RLD at least), as SGLang's /health_generate."""
+        """One token through P and RLD, as SGLang's /health_generate: whether the router can
+        serve. MD is not asked (a request needs none to be served; MD's health is its probes')."""
         try:
-            flow = self.flows.open(FlowRequest([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}))
+            flow = self.flows.open(FlowRequest([self._probe_token()], {"max_new_tokens": 1, "temperature": 0}),
+                                   with_main=False)
             async with self.flows.run(flow) as events:
                 got = [t async for new in events for t in new]
         except UpstreamError as e:

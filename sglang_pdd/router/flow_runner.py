@@ -39,9 +39,10 @@ class FlowRunner:
         self.pools, self.flow_cfg, self.metrics = pools, flow_cfg, metrics
         self.session: Optional[aiohttp.ClientSession] = None
 
-    def open(self, req: FlowRequest, exclude: frozenset = frozenset()) -> PddFlow:
+    def open(self, req: FlowRequest, exclude: frozenset = frozenset(), with_main: bool = True) -> PddFlow:
         """A flow for ``req`` on servers picked now (none of ``exclude``); BackendsUnavailable
-        when no server of a needed role may take it.
+        when no server of a needed role may take it. ``with_main`` False: on P and RLD only,
+        MD not asked at all (the router's own probe, /health_generate).
 
         ``req.options`` (body "pdd_options", operators only) override the router's knobs for
         one request: path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc
@@ -59,6 +60,8 @@ class FlowRunner:
             prefill, relay, main = self.pools.pick(req.input_ids, exclude=exclude)
         except NoBackend as e:
             raise BackendsUnavailable(str(e)) from None
+        if not with_main:
+            main = None
         # The MD prefix estimate routes a request whose P takes late WAN destinations
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, req.input_ids) if main is not None else 0
@@ -67,7 +70,7 @@ class FlowRunner:
                        use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate,
                        extras=req.extras)
         flow.request, flow.operator = req, req.operator
-        if main is None and self.pools.main:
+        if main is None and self.pools.main and with_main:
             flow.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
         flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, req.input_ids)
         return flow

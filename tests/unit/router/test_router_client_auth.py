@@ -93,6 +93,22 @@ def test_health_generate_needs_the_api_key(router_sglang_state):
     run(main())
 
 
+def test_health_generate_asks_nothing_of_md(router_sglang_state):
+    """/health_generate checks that the router can serve (a P and an RLD): it runs on P and RLD
+    only; it used to register a room on MD (and release it) on every call."""
+
+    async def main():
+        async with front(router_sglang_state) as (base, client, fakes):
+            for _ in range(3):
+                async with client.get(f"{base}/health_generate") as r:
+                    assert r.status == 200
+            background = ("health", "kv_senders")
+            assert [rec.kind for rec in fakes.log if rec.server == "md" and rec.kind not in background] == []
+            assert len(fakes.records("rld", "generate")) == 3
+
+    run(main())
+
+
 def test_api_key_guards_the_same_routes_with_the_same_reply_as_sglang(router_sglang_state):
     """Every (route, Authorization) pair: refused exactly when SGLang's own check refuses it,
     with SGLang's 401 body; a refused request reaches no backend."""
