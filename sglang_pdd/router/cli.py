@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest max_new_tokens / max_tokens a client may ask for (400 above)")
     lim.add_argument("--max-n", type=int, default=16, help="largest parallel sample count n")
     lim.add_argument("--max-flows-per-request", type=int, default=64,
-                     help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD)")
+                     help="most generations one request may ask for, batch items x n (each runs on P, RLD and MD); "
+                          "also the most prompts of a /v1/tokenize list")
     lim.add_argument("--max-grammar-bytes", type=int, default=16384,
                      help="largest json_schema / regex / ebnf / structural_tag (P, RLD and MD each compile it)")
     lim.add_argument("--max-top-logprobs-num", type=int, default=LogprobLimits.max_top_logprobs_num,
@@ -144,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wan-timeout-s", type=float, default=30.0,
                    help="MD's KV not landed by then: RLD finishes the request")
     g.add_argument("--md-stall-timeout-s", type=float, default=20.0,
-                   help="MD's stream silent this long after a handoff (the WAN down, MD stopped): MD "
-                        "failed, the request goes on from what the client has on a new P->RLD leg "
-                        "(0: wait as long as TCP does)")
+                   help="no new token on MD's stream this long after a handoff (the WAN down, MD stopped; "
+                        "bytes that carry no token do not count): MD failed, the request goes on from what the "
+                        "client has on a new P->RLD leg (0: wait as long as TCP does)")
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
                     help="a request still running after this fails with a clear error; all its legs are aborted")
     h = ap.add_argument_group("handoff")

@@ -45,7 +45,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("client port security, as on a plain SGLang server (docs/security.md)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="as SGLang's --api-key: clients must send 'Authorization: Bearer KEY' (else 401); "
-                        "/health*, /ready* and /metrics* are exempt, as on SGLang")
+                        "/health*, /ready* and /metrics* are exempt, as on SGLang, but /health_generate (it runs "
+                        "a request on the backends)")
     g.add_argument("--ssl-certfile", default=None, metavar="PATH",
                    help="as SGLang's: certificate (PEM) for HTTPS on --port")
     g.add_argument("--ssl-keyfile", default=None, metavar="PATH",

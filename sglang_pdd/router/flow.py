@@ -117,9 +117,10 @@ class FlowConfig:
     wan_timeout_s: float = 30.0
     rld_max_running: int = 16
     request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
-    # MD's stream after the handoff silent this long (the WAN down, MD stopped): MD failed, and
-    # the request goes on from what the client has on a new P->RLD leg. A decode step or the
-    # handoff's extend takes far less; TCP alone would wait minutes. 0: wait as long as TCP does.
+    # No new token on MD's stream after the handoff this long (the WAN down, MD stopped; bytes
+    # that carry no token do not count): MD failed, and the request goes on from what the client
+    # has on a new P->RLD leg. A decode step or the handoff's extend takes far less; TCP alone
+    # would wait minutes. 0: wait as long as TCP does.
     md_stall_timeout_s: float = 20.0
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
     # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
