@@ -126,6 +126,9 @@ class _ReceiverRoom:
     writers: int = 0  # reader threads currently writing into the destination
     last_progress: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+    # Why the room failed, when no sender had a frame in it to be told: the first frame that
+    # comes gets it (else a sender whose frames were still queued waits out its idle timeout).
+    untold: Optional[Nack] = None
 
     @property
     def sessions(self) -> set:
@@ -234,7 +237,9 @@ class WanKvReceiver(RoomQueries):
         self._rooms: dict[int, _ReceiverRoom] = {}
         self._sessions: dict[bytes, _ReceiverSession] = {}
         self._conns: set[_ReceiverConn] = set()
-        self._rejected_rooms: collections.OrderedDict[int, None] = collections.OrderedDict()  # log once each
+        # Rooms whose late frames are dropped (logged once each); the value, if any, is the NACK
+        # their sender has not heard yet (_ReceiverRoom.untold), sent to the first frame.
+        self._rejected_rooms: collections.OrderedDict[int, Optional[Nack]] = collections.OrderedDict()
         self._closed = False
         self.counters = collections.Counter()
 
@@ -319,14 +324,16 @@ class WanKvReceiver(RoomQueries):
                 del self._rooms[room]
                 # Its sender heard why (or ends on its own failure): frames still on their way
                 # on other streams are dropped, not answered "unknown room", which could reach
-                # the sender first and hide the reason.
-                self._mark_rejected(room)
+                # the sender first and hide the reason. A sender not told yet (none of its frames had
+                # come) is told at its first frame.
+                self._mark_rejected(room, entry.untold)
 
-    def _mark_rejected(self, room: int) -> bool:
-        """Remember a room whose late frames are dropped without a reply; False if it was."""
+    def _mark_rejected(self, room: int, untold: Optional[Nack] = None) -> bool:
+        """Remember a room whose late frames are dropped without a reply (but for ``untold``,
+        the first one's); False if it was."""
         if room in self._rejected_rooms:
             return False
-        self._rejected_rooms[room] = None
+        self._rejected_rooms[room] = untold
         if len(self._rejected_rooms) > 4096:
             self._rejected_rooms.popitem(last=False)
         return True
@@ -485,12 +492,20 @@ class WanKvReceiver(RoomQueries):
         """The registered room, bound to this session; None (after replying) if refused."""
         entry = self._rooms.get(room)
         if entry is None:
+            untold = self._rejected_rooms.get(room)
+            if untold is not None:  # dropped before any of its frames came: the reason, once
+                self._rejected_rooms[room] = None
+                self._post(conn, untold)
+                return None
             self.counters["unknown_room"] += 1
             if self._mark_rejected(room):  # log and NACK once per room, not per chunk
                 logger.warning("room %s: %s from %s refused: room not registered", room, what, conn.peer)
                 self._post(conn, Nack(room, FailureReason.UNKNOWN_ROOM,
                                       f"room {room} is not registered at {self.name!r}"))
             return None
+        if entry.untold is not None:  # failed before any of its frames came: the reason, once
+            untold, entry.untold = entry.untold, None
+            self._post(conn, untold)
         return entry  # late frames of a finished room are dropped by the caller
 
     def _part_for(self, conn: _ReceiverConn, entry: _ReceiverRoom, index: int, what: str,
@@ -760,10 +775,13 @@ class WanKvReceiver(RoomQueries):
                 entry.done.set()
                 self._cv.notify_all()
             elif isinstance(action, recv_room.NackSenders):
+                nack, told = Nack(entry.room, action.reason, action.detail), False
                 for session in entry.sessions | ({conn.session} if conn is not None and conn.session else set()):
                     reply_to = self._conn_of(session, conn)
                     if reply_to is not None:
-                        self._post(reply_to, Nack(entry.room, action.reason, action.detail))
+                        self._post(reply_to, nack)
+                        told = True
+                entry.untold = None if told else nack
 
     def _post(self, conn: _ReceiverConn, msg) -> None:
         """Queue a reply (called with the lock held); sent by the connection's reader thread

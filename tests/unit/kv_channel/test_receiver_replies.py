@@ -86,3 +86,34 @@ def test_late_frames_of_a_released_room_get_no_unknown_room_reply():
             assert isinstance(reply, Nack) and (reply.room, reply.reason) == (62, "unknown_room"), reply
     finally:
         rx.close()
+
+
+@pytest.mark.parametrize("forgotten", [False, True], ids=["aborted", "aborted_and_released"])
+def test_a_room_dropped_before_its_first_frame_tells_its_sender_why(forgotten):
+    """MD drops a room whose KV has not reached it yet (the request ended; a cache flush; the
+    WAN is slow or queued): no sender had a frame in it, so none was told. The first frame
+    that then comes is answered with the reason, once, so P ends the transfer now instead of
+    holding its KV until its idle timeout; later frames are dropped as for any released room."""
+    from tests.support.kv_raw_stream import RawStream
+
+    from sglang_pdd.kv_channel.wire import Chunk, Nack
+
+    key = b"untold-room-test-key-0123456789ab"
+    rx = WanKvReceiver(key, name="md", idle_timeout=5.0)
+    layout = KvLayout(1, 16, 1000)
+    rx.register_room(71, layout, 32, bytearray(2000))
+    try:
+        with RawStream(rx.address, key, "p") as stream:
+            rx.abort(71, "released by the router")  # before any frame of the room arrived
+            if forgotten:
+                rx.release_room(71)
+            stream.send(TransferBegin(71, "", 32, 16, 0, 2, 1, 1000, layout.dtype, 2, b""))
+            stream.send(Chunk(71, 0, 0, 1, 0, 1), bytes(1000))  # late: the sender was told already
+            stream.send(Chunk(72, 0, 0, 1, 0, 1), bytes(1000))  # never registered
+            first = stream.read_message()[0]
+            assert isinstance(first, Nack) and (first.room, first.reason) == (71, "aborted"), first
+            assert "released by the router" in first.detail, first
+            second = stream.read_message()[0]
+            assert isinstance(second, Nack) and (second.room, second.reason) == (72, "unknown_room"), second
+    finally:
+        rx.close()
