@@ -11,8 +11,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+from tests.support.pdd_requests import route_once_p_has_destination
 from tests.support.waiting import wait_until
 
+from sglang_pdd.control_auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
 pytestmark = pytest.mark.e2e
@@ -188,26 +190,42 @@ def test_other_endpoints_answer_like_sglang(urls, pdd_cluster):
 
 
 def test_an_idle_md_flushes_right_after_requests_that_ended_on_rld(pdd_cluster):
-    """Requests that end on RLD while their KV still crosses the (slow) WAN leave MD a room
-    each, kept so the KV enters the cache for the session's next turn. Nothing runs any more:
-    MD's own /flush_cache drops those rooms (the flush empties the cache they would fill),
-    waits for the receiver to let go of their pages, and flushes."""
+    """Requests that end on RLD while their KV still crosses the WAN leave MD a room each,
+    kept so the KV enters the cache for the session's next turn. Nothing runs any more: MD's
+    own /flush_cache drops those rooms (the flush empties the cache they would fill), waits
+    for the receiver to let go of their pages, and flushes.
+
+    Both conditions are made, not left to timing: the KV is held on the WAN (a stall) until
+    the flush is done, so it cannot land first however long the requests take on a loaded
+    machine, and each request ends only once P has its WAN destination
+    (route_once_p_has_destination), since one that ends before leaves MD nothing to keep."""
     topo, key = pdd_cluster.topology, pdd_cluster.control_key
     stats_url = f"{topo.main.control_url}/pdd/stats"
-    for i in range(2):  # 100 tokens: 1.6 s each on the test WAN, RLD's 2 tokens take a fraction of it
-        out = post_json(f"{topo.router_url}/generate", {
-            "input_ids": list(range(100 + i, 200 + i)), "sampling_params": {"temperature": 0, "max_new_tokens": 2},
-            "pdd_options": {"path": "p_rld_md"}})
-        assert out["meta_info"]["pdd"]["md_tokens"] == 0  # ended on RLD, before MD's KV landed
-    held = get_json(stats_url, key=key)
-    assert held["rooms_by_phase"].get("landing_kept", 0) >= 1 and held["held_kv_slots"] > 0, held
-    code, text = _status(f"{topo.main.url}/flush_cache", "POST")
-    assert code == 200, text
-    after = get_json(stats_url, key=key)
-    assert after["open_rooms"] == 0 and after["held_kv_slots"] == 0, after
-    with urllib.request.urlopen(f"{topo.main.url}/health_generate", timeout=60) as resp:
-        assert resp.status == 200  # MD generates on
-    # the dropped rooms' KV still on the emulated link drains before the next test
+    before = get_json(stats_url, key=key)
+    pdd_cluster.wan_control("stall", seconds=300)
+    try:
+        for i in range(2):
+            out = route_once_p_has_destination(pdd_cluster, {
+                "input_ids": list(range(100 + i, 200 + i)), "sampling_params": {"temperature": 0, "max_new_tokens": 2},
+                "pdd_options": {"path": "p_rld_md"}})
+            pdd = out["meta_info"]["pdd"]
+            assert pdd["md_tokens"] == 0 and pdd["md_registration"] == "concurrent", pdd  # ended on RLD
+        held = get_json(stats_url, key=key)
+        assert held.get("rooms_kept_in_flight", 0) - before.get("rooms_kept_in_flight", 0) == 2, held
+        assert held["rooms_by_phase"].get("landing_kept", 0) >= 2 and held["held_kv_slots"] > 0, held
+        code, text = _status(f"{topo.main.url}/flush_cache", "POST")
+        assert code == 200, text
+        after = get_json(stats_url, key=key)
+        assert after["open_rooms"] == 0 and after["held_kv_slots"] == 0, after
+        with urllib.request.urlopen(f"{topo.main.url}/health_generate", timeout=60) as resp:
+            assert resp.status == 200  # MD generates on
+    finally:
+        pdd_cluster.wan_control("heal")
+    # Before the next test: P ends the dropped rooms' transfers (MD answers their first frames
+    # with the reason), and what they had queued on the emulated link drains.
+    p_stats = f"{topo.prefill.control_url}/pdd/stats"
+    assert wait_until(lambda: get_json(p_stats, key=key, role=ROLE_P)["live_rooms"] == 0, 30), \
+        get_json(p_stats, key=key, role=ROLE_P)
     assert wait_until(lambda: _wan_bytes_settled(pdd_cluster), 30)
 
 

@@ -19,7 +19,7 @@ from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
 from tests.support.pdd_requests import (MAX_NEW, PROMPTS, RELAY_MAX_NEW, assert_second_turn_sends_only_the_suffix,
-                                        greedy_body, hand_off_after, route)
+                                        greedy_body, hand_off_after, route, route_once_p_has_destination)
 
 pytestmark = pytest.mark.e2e
 
@@ -242,28 +242,13 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
     """A one-token request ends on RLD long before its KV reaches MD over the slow test WAN;
     MD still lets it land and caches the prompt, so the session's next turn hits it.
 
-    P is paused (SGLang's /pause_generation) until it holds the request's WAN destination: a
-    request that ends before the router has registered on MD and told P drops the destination
-    by design (the end of a request does not wait on MD), which would test nothing here."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from sglang_pdd.control_auth import ROLE_P
-
+    The request ends only once P holds its WAN destination (route_once_p_has_destination): one
+    that ends before drops the destination by design, which would test nothing here."""
     topo, key = pdd_cluster.topology, pdd_cluster.control_key
     ids = [int(x) for x in np.random.default_rng(7).integers(100, 900, 96)]
-    p_stats = f"{topo.prefill.control_url}/pdd/stats"
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "pdd_options": {"path": "p_rld_md"}}
-    post_json(f"{topo.prefill.url}/pause_generation", {"mode": "in_place"})
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(post_json, f"{topo.router_url}/generate", body)
-            assert wait_until(lambda: get_json(p_stats, key=key, role=ROLE_P)["waiting_destinations"] == 1, 30), \
-                get_json(p_stats, key=key, role=ROLE_P)
-            post_json(f"{topo.prefill.url}/continue_generation", {})
-            got = reply.result(timeout=60)
-    finally:
-        post_json(f"{topo.prefill.url}/continue_generation", {})
+    got = route_once_p_has_destination(pdd_cluster, {
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "pdd_options": {"path": "p_rld_md"}})
     pdd = got["meta_info"]["pdd"]
     assert pdd["handoff_at"] is None and pdd["md_tokens"] == 0 and not pdd["fallbacks"], pdd
     assert pdd["md_registration"] == "concurrent", pdd

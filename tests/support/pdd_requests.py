@@ -1,9 +1,14 @@
 """Requests through a real PDD cluster's router and the checks the end-to-end tests share:
-greedy bodies, a P->RLD->MD request MD takes over at a chosen token, every route equal to one
-plain server's output, a second turn that sends only its uncached suffix over the WAN."""
+greedy bodies, a P->RLD->MD request MD takes over at a chosen token, one that ends on RLD only
+once P has its WAN destination, every route equal to one plain server's output, a second turn
+that sends only its uncached suffix over the WAN."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.support.takeover import assert_taken_over, stream_taken_over
+from tests.support.waiting import wait_until
 
+from sglang_pdd.control_auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
 
 MAX_NEW = 24
@@ -34,6 +39,35 @@ def hand_off_after(cluster, prompt: str, eager: int, max_new: int = RELAY_MAX_NE
     body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0},
             "pdd_options": {"path": "p_rld_md", **options}}
     return stream_taken_over(cluster, body, eager)
+
+
+def route_once_p_has_destination(cluster, body: dict) -> dict:
+    """``body``, a P->RLD->MD request, through the router, with P paused (SGLang's
+    /pause_generation) until P holds the request's WAN destination; the reply.
+
+    The router starts P and RLD at once and registers MD's room concurrently (one round trip
+    to MD, then one to P's control API). A short output can end on RLD before that is done:
+    then, by design, the router withdraws the destination and MD keeps nothing (no KV will
+    come). Nothing orders the two, and on a loaded machine a 2-token request ends first within
+    tens of milliseconds. Held on P, the request cannot yield a token before P has been given
+    the destination (P's reply to the router leaves right after; the request's first token
+    needs P's prefill and RLD's decoding first), so it ends as one whose KV is on its way to MD."""
+    url, key = f"{cluster.topology.prefill.control_url}/pdd/stats", cluster.control_key
+
+    def given() -> int:  # destinations P has been given (before or after its request asked)
+        stats = get_json(url, key=key, role=ROLE_P)
+        return stats.get("early", 0) + stats.get("late", 0)
+
+    prefill = cluster.topology.prefill.url
+    before = given()
+    with ThreadPoolExecutor(1) as pool:
+        post_json(f"{prefill}/pause_generation", {"mode": "in_place"})
+        try:
+            reply = pool.submit(post_json, f"{cluster.topology.router_url}/generate", body)
+            assert wait_until(lambda: given() > before, 30), get_json(url, key=key, role=ROLE_P)
+        finally:  # resumed before the pool waits for the reply, also when the wait failed
+            post_json(f"{prefill}/continue_generation", {})
+        return reply.result(timeout=120)
 
 
 def assert_routes_equal_reference(cluster, reference: dict, options: dict, check=lambda pdd: None) -> None:
