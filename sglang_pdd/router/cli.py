@@ -25,7 +25,7 @@ from sglang_pdd.router import client_auth, control_tls, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
-from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathPolicyConfig
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathMode, PathPolicyConfig
 from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.validate import LogprobLimits
 
@@ -131,11 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV size for the WAN estimate until MD reports its own (its stats, asked at start, "
                         "and each registration answer)")
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0,
-                   help="TTFT target; a busy RLD gives P->MD what it leaves after a safety share as WAN budget")
+                   help="TTFT target: P->MD when P's queue + prefill + the WAN fit a share of what it leaves "
+                        "after a safety share (--path-mode)")
+    g.add_argument("--path-mode", choices=[m.value for m in PathMode], default=PathMode.FIT.value,
+                   help="how RLD's load sets P->MD's share of the TTFT slack: fit = --p-md-share-idle while RLD "
+                        "idles, the whole slack when it is busy (high-hit requests P->MD, RLD for the low-hit "
+                        "rest); relay_first = 0 while RLD idles (an idle RLD takes every request)")
+    g.add_argument("--p-md-share-idle", type=float, default=PathPolicyConfig.p_md_share_idle,
+                   help="fit mode: the share of the TTFT slack P->MD may use while RLD idles")
+    g.add_argument("--p-prefill-tokens-per-s", type=float, default=None,
+                   help="P's prefill speed, to count P's queue and the request's prefill (the router's tokens "
+                        "in flight on P) against the TTFT budget; unset: they count 0 (the WAN alone)")
     g.add_argument("--max-wan-transfer-ms", type=float, default=None,
                    help="fixed WAN budget: P->MD when the uncached suffix crosses the WAN within this, else "
-                        "P->RLD->MD. Default: the budget follows RLD's load (router/policy.py: wan_budget_ms): "
-                        "0 with an idle RLD (it hides the WAN for free), up to the TTFT slack with a busy one")
+                        "P->RLD->MD. Default: the budget follows RLD's load and --path-mode "
+                        "(router/policy.py: wan_budget_ms)")
     g.add_argument("--page-size", type=int, default=1, help="KV page size of P and MD (whole-page hits)")
     g.add_argument("--outlier-min-input-tokens", type=int, default=32_768,
                    help="outlier filter: a prompt this long or longer whose max_new_tokens is at most "
@@ -179,6 +189,8 @@ def flow_config(args) -> FlowConfig:
     return FlowConfig(
         path=PathPolicyConfig(wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms,
                               kv_bytes_per_token=args.kv_bytes_per_token, ttft_slo_ms=args.ttft_slo_ms,
+                              mode=PathMode(args.path_mode), p_md_share_idle=args.p_md_share_idle,
+                              p_prefill_tokens_per_s=args.p_prefill_tokens_per_s,
                               max_wan_transfer_ms=args.max_wan_transfer_ms, page_size=args.page_size,
                               enable_outlier_filter=not args.disable_outlier_filter,
                               outlier_min_input_tokens=args.outlier_min_input_tokens,

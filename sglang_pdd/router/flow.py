@@ -84,6 +84,7 @@ from sglang_pdd.router.bodies import (handoff_body, late_destination_params, pd_
                                       warmup_body)
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.reply_limits import max_event_bytes
+from sglang_pdd.router.wan_in_flight import WanInFlight
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -228,8 +229,10 @@ class PddFlow:
 
     def __init__(self, session: aiohttp.ClientSession, cfg: FlowConfig, prefill: PrefillBackend,
                  relay_url: str, main: Optional[MainBackend], input_ids: list[int], sampling: dict,
-                 rid: Optional[str] = None, rld_inflight: int = 0, force_path: Optional[Path] = None,
-                 use_drc: bool = True, md_cached_estimate: int = 0, extras: Optional[dict] = None):
+                 rid: Optional[str] = None, rld_inflight: int = 0, p_queued_tokens: int = 0,
+                 force_path: Optional[Path] = None,
+                 use_drc: bool = True, md_cached_estimate: int = 0, extras: Optional[dict] = None,
+                 wan_in_flight: Optional[WanInFlight] = None):
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
@@ -262,6 +265,8 @@ class PddFlow:
         self.tasks: set[asyncio.Task] = set()
         self._must_finish: set[asyncio.Task] = set()  # aborts / releases: awaited, never cancelled
         self.rld_inflight = rld_inflight
+        self.p_queued_tokens = p_queued_tokens  # P's prefill tokens in flight before this request
+        self.wan_in_flight = wan_in_flight if wan_in_flight is not None else WanInFlight()
         self.room: Optional[int] = None
         self.md_tp = 1  # MD's TP size, from its registration answer
         self.control = MainControl(session, main.control_url) if main else None
@@ -419,16 +424,24 @@ class PddFlow:
         return []
 
     # ------------------------------------------------------------------ path choice
+    @property
+    def p_prefill_tokens(self) -> int:
+        """The tokens the router expects P to prefill: the prompt less what it expects P to hold
+        (at least one: the pass that makes the first token)."""
+        return max(1, len(self.ids) - self.result.p_cached_estimate)
+
     async def _choose_path(self) -> lifecycle.PathChosen:
         if self.main is not None and self.p_control is not None:
             return await self._choose_path_on_estimate()
         return lifecycle.PathChosen(await self._register_and_choose_path())
 
     def _decide(self, md_cached: int) -> PathDecision:
-        # RLD's load feeds the load-aware WAN budget (an explicit --max-wan-transfer-ms wins);
-        # the simulator decides through the same decide_path with the same inputs.
+        # RLD's load and P's queue feed the load-aware WAN budget (an explicit
+        # --max-wan-transfer-ms wins); the simulator decides through the same decide_path with
+        # the same inputs.
         decision = decide_path(len(self.ids), md_cached, self.max_new, self.rld_inflight,
-                               self.cfg.rld_max_running, self.cfg.path)
+                               self.cfg.rld_max_running, self.cfg.path, self.p_queued_tokens,
+                               self.p_prefill_tokens, self.wan_in_flight.total)
         if self.force_path is not None and self.force_path is not decision.path:
             decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
         return decision
@@ -477,6 +490,8 @@ class PddFlow:
         if decision.path is Path.P_RLD_ONLY:
             self._spawn(self.control.release(self.room))  # outlier: no WAN transfer; don't wait on it
             self.room = None
+        else:
+            self.wan_in_flight.sending(self.internal_rid, self._planned_wan[0])
         return decision.path
 
     def _on_registered(self, reg: RegisterReply) -> int:
@@ -518,6 +533,7 @@ class PddFlow:
             self.room = None
             await self._md_side_failed(Fallback(Reason.WAN_DESTINATION_FAILED, str(e)))
             return
+        self.wan_in_flight.sending(self.internal_rid, self._planned_wan[0])
         await self.queue.put((lifecycle.DestinationDelivered(), None))
 
     # ------------------------------------------------------------------ legs
@@ -625,6 +641,8 @@ class PddFlow:
                 timed_out = True
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             status, reason = "failed", f"control API: {e!r}"
+        finally:  # landed, failed or given up on: off the link as far as the router knows
+            self.wan_in_flight.settled(self.internal_rid)
         if status == "ready":
             self.result.wan_ready_s = time.perf_counter() - started
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
@@ -732,6 +750,7 @@ class PddFlow:
             task.add_done_callback(self._must_finish.discard)
 
     async def _cleanup(self) -> None:
+        self.wan_in_flight.settled(self.internal_rid)  # the router no longer watches its transfer
         # P may have accepted its destination just before the end: then there is nothing to withdraw.
         while not self.queue.empty():
             event, _ = self.queue.get_nowait()

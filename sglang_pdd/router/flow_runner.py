@@ -66,7 +66,9 @@ class FlowRunner:
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, req.input_ids) if main is not None else 0
         flow = PddFlow(self.session, cfg, prefill, relay, main, req.input_ids, req.sampling, req.rid,
-                       rld_inflight=self.pools.rld_inflight[relay], force_path=force_path,
+                       rld_inflight=self.pools.rld_inflight[relay],
+                       p_queued_tokens=self.pools.p_tokens[prefill.url], wan_in_flight=self.pools.wan,
+                       force_path=force_path,
                        use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate,
                        extras=req.extras)
         flow.request, flow.operator = req, req.operator
@@ -132,8 +134,7 @@ class FlowRunner:
         """P's load is the prefill tokens it still runs: counted until P's leg replies (or the
         request ends first), not for the whole request as RLD's and MD's are (placement.py's
         pick_prefill)."""
-        url = flow.prefill.url
-        tokens = max(1, len(flow.ids) - flow.result.p_cached_estimate)
+        url, tokens = flow.prefill.url, flow.p_prefill_tokens
         self.pools.count_on_p(url, tokens)
 
         def release() -> None:

@@ -1,16 +1,24 @@
 """Path choice for one request: P->MD, P->RLD->MD, or (outliers only) P->RLD.
 
 Pure functions over plain dataclasses, no I/O: the real router and the simulator
-(`sglang_pdd.sim`) both call `choose_path`, so what the simulator predicts is what the
+(`sglang_pdd.sim`) both call `decide_path`, so what the simulator predicts is what the
 router does.
 
 The decision follows the knobs peers expose (Dynamo, llm-d, PrfaaS): it looks at the
 *uncached tokens* (what Main Decode lacks after its prefix-cache hit, i.e. what must cross
-the WAN) and the *WAN time P->MD makes the user wait* for them, and compares that time
-with a budget: the TTFT SLO left after P's queue and prefill, scaled by how busy RLD is.
-An idle RLD makes the budget 0 (its capacity is paid for and hides the WAN completely); a
-busy RLD leaves the whole slack to the WAN. Callers that know neither RLD's load nor P's
-queue get the old fixed budget (`wan_budget_fraction` of the SLO).
+the WAN) and the *WAN time P->MD makes the user wait* for them, and compares that time with a
+budget: the TTFT SLO left after P's queue and prefill, times a share that RLD's load sets.
+The path mode (`PathMode`) says how the share follows RLD's load:
+
+- FIT (default): P->MD whenever P's queue + prefill + the WAN fit `p_md_share_idle` of the
+  slack while RLD idles, rising to the whole slack as RLD fills. High-hit requests (a small
+  suffix) go P->MD even when RLD is idle; RLD hides the WAN for the low-hit rest.
+- RELAY_FIRST: an idle RLD takes every request (share 0 up to `rld_idle_at`); P->MD only once
+  RLD is busy. Relay capacity is paid for whether used or not, so this buys TTFT with RLD
+  work and handoffs.
+
+Callers that know neither RLD's load nor P's queue get the fixed budget
+(`wan_budget_fraction` of the SLO).
 
 - WAN time fits the budget -> P_MD: the user waits for the WAN, nothing is handed over.
 - Does not fit             -> P_RLD_MD: Relay Decode (same DC as P, KV over RDMA) starts
@@ -40,6 +48,12 @@ from typing import Optional
 RLD_MAX_RUNNING_DEFAULT = 256
 
 
+class PathMode(str, enum.Enum):
+    """How RLD's load sets the share of the TTFT slack P->MD's WAN wait may use."""
+    FIT = "fit"  # p_md_share_idle while RLD idles, up to the whole slack as it fills
+    RELAY_FIRST = "relay_first"  # 0 while RLD idles: an idle RLD takes everything
+
+
 class Path(str, enum.Enum):
     P_MD = "p_md"
     P_RLD_MD = "p_rld_md"
@@ -52,6 +66,13 @@ class PathPolicyConfig:
     wan_rtt_ms: float = 40.0
     kv_bytes_per_token: int = 46_000
     ttft_slo_ms: float = 2000.0
+    mode: PathMode = PathMode.FIT
+    # FIT: the share of the TTFT slack P->MD may use while RLD idles. Below 1 so that an idle
+    # RLD still hides the WAN for requests that would spend most of the SLO waiting on it.
+    p_md_share_idle: float = 0.5
+    # P's prefill speed, to turn P's queue and this request's prefill (tokens) into time.
+    # None: unknown, both count 0 and only the WAN is weighed against the budget.
+    p_prefill_tokens_per_s: Optional[float] = None
     # Fixed budget, used only when the caller does not pass RLD's load (RequestFacts.
     # rld_utilisation None): the WAN may use this much of the TTFT SLO.
     # `max_wan_transfer_ms`, when set, overrides every budget.
@@ -62,9 +83,9 @@ class PathPolicyConfig:
     enable_outlier_filter: bool = True
     outlier_min_input_tokens: int = 32_768
     outlier_max_output_tokens: int = 16
-    # Load-aware budget: RLD utilisation at or below `rld_idle_at` -> budget 0 (requests go
-    # through RLD, the user never waits for the WAN while RLD idles); at or above
-    # `rld_busy_at` -> the whole TTFT slack; linear in between.
+    # Load-aware budget: RLD utilisation at or below `rld_idle_at` -> the idle share (FIT:
+    # p_md_share_idle; RELAY_FIRST: 0); at or above `rld_busy_at` -> the whole TTFT slack;
+    # linear in between.
     rld_idle_at: float = 0.5
     rld_busy_at: float = 0.9
     # Share of the TTFT SLO kept back for what the estimate misses (MD's queue, jitter).
@@ -83,6 +104,11 @@ class PathPolicyConfig:
             raise ValueError("need 0 <= rld_idle_at < rld_busy_at")
         if not 0.0 <= self.ttft_safety_fraction < 1.0:
             raise ValueError("ttft_safety_fraction must be in [0, 1)")
+        if not 0.0 <= self.p_md_share_idle <= 1.0:
+            raise ValueError("p_md_share_idle must be in [0, 1]")
+        if self.p_prefill_tokens_per_s is not None and self.p_prefill_tokens_per_s <= 0:
+            raise ValueError("p_prefill_tokens_per_s must be > 0 (or None: unknown)")
+        object.__setattr__(self, "mode", PathMode(self.mode))
 
     @property
     def wan_budget_ms(self) -> float:
@@ -170,21 +196,28 @@ def estimate_p_md_wan_ms(
     return estimate_wan_transfer_ms(kv_tokens, cfg, competing_bytes) + (trips - 1) * one_way
 
 
+def p_md_share(rld_utilisation: float, cfg: PathPolicyConfig) -> float:
+    """The share of the TTFT slack P->MD's WAN wait may use at this RLD load."""
+    busy = (rld_utilisation - cfg.rld_idle_at) / (cfg.rld_busy_at - cfg.rld_idle_at)
+    busy = min(1.0, max(0.0, busy))
+    idle = cfg.p_md_share_idle if cfg.mode is PathMode.FIT else 0.0
+    return idle + (1.0 - idle) * busy
+
+
 def wan_budget_ms(facts: RequestFacts, cfg: PathPolicyConfig) -> float:
     """How much WAN time P->MD may make this request's user wait.
 
     An explicit `max_wan_transfer_ms` wins. Without RLD's load, the fixed fraction of the
-    SLO. Otherwise: the TTFT SLO left after P's queue, P's prefill and a safety share,
-    times how busy RLD is: an idle RLD hides the WAN at no extra cost (budget 0), a busy
-    one should not take more (the whole slack, as long as P->MD still meets the SLO).
+    SLO. Otherwise: the TTFT SLO left after P's queue, P's prefill and a safety share, times
+    the share RLD's load sets (`p_md_share`): P->MD's user then has its first MD token
+    within that share of the SLO.
     """
     if cfg.max_wan_transfer_ms is not None:
         return cfg.max_wan_transfer_ms
     if facts.rld_utilisation is None:
         return cfg.ttft_slo_ms * cfg.wan_budget_fraction
     slack = cfg.ttft_slo_ms * (1.0 - cfg.ttft_safety_fraction) - facts.p_queue_ms - facts.p_prefill_ms
-    busy = (facts.rld_utilisation - cfg.rld_idle_at) / (cfg.rld_busy_at - cfg.rld_idle_at)
-    return max(0.0, slack) * min(1.0, max(0.0, busy))
+    return max(0.0, slack) * p_md_share(facts.rld_utilisation, cfg)
 
 
 def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
@@ -197,23 +230,35 @@ def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
 
 
 def router_facts(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optional[int],
-                 rld_running: int, rld_max_running: int) -> RequestFacts:
+                 rld_running: int, rld_max_running: int, cfg: PathPolicyConfig,
+                 p_queued_tokens: int = 0, p_prefill_tokens: int = 0,
+                 wan_in_flight_bytes: int = 0) -> RequestFacts:
     """The facts the real router has when it chooses a path, and only those: the prompt, MD's
     prefix (the index's estimate, or MD's registration answer), the request's
-    max_new_tokens and the chosen RLD's requests in flight against its max running.
-    router/flow.py and the simulator both build their facts here, so the simulator cannot
-    decide on what the router does not see (P's queue, P's prefill time, other WAN flows):
-    those stay 0 in the budget."""
+    max_new_tokens, the chosen RLD's requests in flight against its max running, and the
+    chosen P's prefill tokens in flight (its queue as the router counts it) and this
+    request's own (the prompt less what the router expects P to hold), and the KV bytes it
+    has sent over the WAN that have not landed (router/wan_in_flight.py: all of them count as
+    competing, an upper bound under fair sharing). P's tokens become time at
+    `cfg.p_prefill_tokens_per_s` (0 when unknown). router/flow.py and the simulator both
+    build their facts here, so the simulator cannot decide on what the router does not see."""
     util = rld_running / rld_max_running if rld_max_running > 0 else 1.0
+    rate = cfg.p_prefill_tokens_per_s
+    ms = (lambda tokens: 1e3 * max(0, tokens) / rate) if rate else (lambda tokens: 0.0)
     return RequestFacts(input_tokens=input_tokens, md_cached_tokens=md_cached_tokens,
-                        expected_output_tokens=max_new_tokens, rld_utilisation=util)
+                        expected_output_tokens=max_new_tokens, rld_utilisation=util,
+                        p_queue_ms=ms(p_queued_tokens), p_prefill_ms=ms(p_prefill_tokens),
+                        wan_competing_bytes=max(0, wan_in_flight_bytes))
 
 
 def decide_path(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optional[int],
-                rld_running: int, rld_max_running: int, cfg: PathPolicyConfig) -> PathDecision:
+                rld_running: int, rld_max_running: int, cfg: PathPolicyConfig,
+                p_queued_tokens: int = 0, p_prefill_tokens: int = 0,
+                wan_in_flight_bytes: int = 0) -> PathDecision:
     """The router's path decision (router/flow.py and the simulator call this)."""
     return choose_path(router_facts(input_tokens, md_cached_tokens, max_new_tokens, rld_running,
-                                    rld_max_running), cfg)
+                                    rld_max_running, cfg, p_queued_tokens, p_prefill_tokens,
+                                    wan_in_flight_bytes), cfg)
 
 
 def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:

@@ -13,6 +13,7 @@ from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.health import BackendFailed, HealthBoard, HealthConfig, BackendSucceeded
 from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance, pick_prefill
 from sglang_pdd.router.prefix_index import PrefixIndex
+from sglang_pdd.router.wan_in_flight import WanInFlight
 
 
 class NoBackend(Exception):
@@ -35,6 +36,7 @@ class Pools:
         self.p_tokens = {p.url: 0 for p in prefill}
         self.rld_inflight = {url: 0 for url in relay}
         self.md_inflight = {m.url: 0 for m in main}
+        self.wan = WanInFlight()  # one link between the datacenters, whichever MD a transfer goes to
         # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
         self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
         self.health = HealthBoard(health or HealthConfig())

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
                                   generate_agentic_trace, load_trace, realistic_agentic_config,
                                   report_agentic_config, save_trace)
+from sglang_pdd.router.policy import PathMode
 
 from .bathtub import sweep
 from .cluster import ARRIVALS, P_PLACEMENTS, run_scenario
@@ -75,6 +76,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rld-max-running", type=int, default=ClusterSpec.rld_max_running,
                    help="the router's RLD admission (its --rld-max-running): RLD's load in the path decision "
                         "and handoff mode; not RLD's batch cap")
+    p.add_argument("--path-mode", choices=[m.value for m in PathMode], default=ClusterSpec.path_mode.value,
+                   help="the router's --path-mode: fit = P->MD whenever P's queue + prefill + the WAN fit the TTFT "
+                        "budget, RLD for the rest; relay_first = an idle RLD takes every request")
     p.add_argument("--profile-a", help="JSON hardware profile for datacenter A (overrides --model/--chip-a)")
     p.add_argument("--profile-b", help="JSON hardware profile for datacenter B (overrides --model/--chip-b)")
     p.add_argument("--wan-gbps", type=float, default=WAN_DEFAULT.gbps)
@@ -115,6 +119,7 @@ def _spec(a) -> ClusterSpec:
         rld_hw = _preset(a, a.rld_chip or a.chip_a, a.rld_chips, host_cache=host)
     return ClusterSpec(n_prefill=a.prefill, n_rld=a.rld, n_md=a.md, chip_a=chip_a, chip_b=chip_b, wan=wan,
                        rld_hw=rld_hw, p_placement=a.p_placement, rld_max_running=a.rld_max_running,
+                       path_mode=PathMode(a.path_mode),
                        catch_up_threshold_tokens=a.catch_up_threshold, md_staging_mb=a.md_staging_mb,
                        keep_finished_kv=a.keep_finished_kv, seed=a.seed)
 

@@ -61,7 +61,7 @@ from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.config import md_staging_bytes
 from sglang_pdd.router import placement, policy
 from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
-from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathMode, PathPolicyConfig
 from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
 
@@ -102,7 +102,8 @@ class ScenarioConfig:
     rdma: LinkProfile = RDMA_DEFAULT
     drc: bool = True
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
-    router: Optional[PathPolicyConfig] = None  # None: derived from wan, prefill_hw and the SLA
+    router: Optional[PathPolicyConfig] = None  # None: derived from wan, prefill_hw, the SLA and path_mode
+    path_mode: PathMode = PathMode.FIT  # the router's --path-mode
     affinity_excess: float = 0.25  # the KV-load MD rule's bound (md_kv_load what-if)
     # The outlier filter needs an output estimate; the trace's true length stands in for a
     # client's max_tokens or a predictor. False = unknown (filter never fires).
@@ -175,17 +176,20 @@ class ScenarioConfig:
     def router_config(self, sla: Sla) -> PathPolicyConfig:
         if self.router is not None:
             return self.router
+        # P's speed as an operator would pass it (--p-prefill-tokens-per-s): the profile's
+        # per-token cost, without the context term (a linear estimate, as the router's).
         return PathPolicyConfig(
             wan_gbps=self.wan.gbps, wan_rtt_ms=2e3 * self.wan.one_way_latency_s,
             kv_bytes_per_token=self.prefill_hw.kv_bytes_per_token, ttft_slo_ms=1e3 * sla.ttft_s,
-            page_size=BLOCK_TOKENS)
+            page_size=BLOCK_TOKENS, mode=self.path_mode,
+            p_prefill_tokens_per_s=1.0 / self.prefill_hw.prefill_s_per_token)
 
 
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "wan_planned")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -209,6 +213,7 @@ class SimRequest:
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
         self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
+        self.wan_planned = 0  # its bytes in the router's WAN-in-flight count (router/wan_in_flight.py)
         self.p_tok = 0  # prefill tokens the router counts on its P until the prefill is done
         self.p_load_s = 0.0  # loading P's host-tier hit back to HBM
         self.md_load_s = 0.0  # loading MD's host-tier hit back to HBM, after the KV lands
@@ -273,6 +278,9 @@ class Simulation:
         # pools.py's md_inflight: every request assigned to that MD, arrival to end. Every
         # design places MD (and D) on it, as the router does (md_kv_load: the KV-load what-if).
         self.md_flows = [0] * cfg.n_md
+        # router/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
+        # (MD's uncached suffix at its answer) that have not landed or been dropped.
+        self.wan_routed_bytes = 0
         # What the sim does for each lifecycle action; the rest (streaming, bookkeeping) the
         # sim accounts for in time, and failures are not modelled.
         self._actions = {lc.StartRelayLeg: self._act_relay_leg, lc.StartHandoff: self._act_start_handoff,
@@ -411,6 +419,9 @@ class Simulation:
             r.path = Path.P_MD
             r.reg_first = c.kind == "pdd" and self.route_cfg.p_md_registers_first
         if routed:
+            if r.path is not Path.P_RLD_ONLY:
+                r.wan_planned = (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token
+                self.wan_routed_bytes += r.wan_planned
             r.state = lc.State(max_new=tr.output_length)
             self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
         self._registered(now, r)
@@ -443,11 +454,11 @@ class Simulation:
         it into P->RLD->MD (registered before the legs, so no late destination)."""
         tr = r.tr
         estimate = self.md_index.match_blocks(r.md, full) * BLOCK_TOKENS if self.cfg.drc else 0
-        path = self.decide(tr, estimate, r.rld).path
+        path = self.decide(r, estimate).path
         if path is Path.P_MD:
             r.reg_first = self.route_cfg.p_md_registers_first
             if r.md_cached != estimate:  # (the same inputs give the same decision)
-                path = self.decide(tr, r.md_cached, r.rld).path
+                path = self.decide(r, r.md_cached).path
         return path
 
     def pick_rld(self) -> int:
@@ -522,16 +533,20 @@ class Simulation:
     def _act_unmodelled(self, now: float, r: SimRequest, a, event) -> None:
         raise RuntimeError(f"lifecycle action {a!r}: failures and recovery are not simulated")
 
-    def decide(self, tr: TraceRequest, md_cached: int, rld: int) -> PathDecision:
+    def decide(self, r: SimRequest, md_cached: int) -> PathDecision:
         """The router's decision with the router's inputs (router/flow.py's _decide): MD's
         prefix (the index's estimate or MD's registration answer), the request's max_new_tokens (the trace's
-        output length stands in), the other flows in flight on its RLD (this one already
-        counted, as app.py counts it after the decision). Not P's queue, P's prefill time or
-        other WAN flows: the router does not see them (docs/sim.md). Called through the
-        module so that a change to router/policy.py (or a test's patch) changes the sim."""
+        output length stands in), the other flows in flight on its RLD and the other prefill
+        tokens in flight on its P (this request already counted on both, as flow_runner.py
+        counts it after the decision), its own prefill tokens, and the WAN bytes the router
+        has routed that have not landed. Not P's real backlog nor the link's: the router sees
+        neither (docs/sim.md). Called through the module so that a change
+        to router/policy.py (or a test's patch) changes the sim."""
+        tr = r.tr
         return policy.decide_path(tr.input_length, md_cached,
-                           tr.output_length if self.cfg.expected_output_from_trace else None,
-                           self.rld_flows[rld] - 1, self.cfg.rld_max_running, self.route_cfg)
+                                  tr.output_length if self.cfg.expected_output_from_trace else None,
+                                  self.rld_flows[r.rld] - 1, self.cfg.rld_max_running, self.route_cfg,
+                                  self.p_tokens[r.p] - r.p_tok, r.p_tok, self.wan_routed_bytes)
 
     def _registered(self, now: float, r: SimRequest) -> None:
         tr, c = r.tr, self.cfg
@@ -626,8 +641,14 @@ class Simulation:
         r.t_kv_sent = now
         self.kv_link.send(now, r, r.kv_bytes)
 
+    def _wan_settled(self, r: SimRequest) -> None:
+        """The router's _watch_ready or cleanup: its transfer is off the router's count."""
+        self.wan_routed_bytes -= r.wan_planned
+        r.wan_planned = 0
+
     def _refuse(self, now: float, r: SimRequest) -> None:
         """MD has no room for a P->RLD->MD request's KV: RLD finishes it, nothing crosses."""
+        self._wan_settled(r)
         self.md_refused += 1
         self._unpin(r)
         self._md_unpend(r)
@@ -666,6 +687,7 @@ class Simulation:
 
     def _md_kv_landed(self, now: float, r: SimRequest) -> None:
         c, tr = self.cfg, r.tr
+        self._wan_settled(r)
         if r.md_load_s:
             # MD's host-tier hit is loaded back to HBM alongside the transfer (HiCache): the
             # room is complete when both are.
@@ -831,6 +853,7 @@ class Simulation:
 
     def _finish(self, t_done: float, r: SimRequest, rld_tokens: int) -> None:
         assert not r.done, "request finished twice"
+        self._wan_settled(r)
         if self.rld:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
-from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathMode
 
 from .cluster import ScenarioConfig
 from .hardware import CHIP_A, CHIP_B, RDMA_DEFAULT, WAN_DEFAULT, HardwareProfile, LinkProfile
@@ -53,6 +53,7 @@ class ClusterSpec:
     # MD's --pdd-md-staging-mb; None: the real MD's default (a share of MD's KV pool)
     md_staging_mb: Optional[float] = None
     rld_max_running: int = RLD_MAX_RUNNING_DEFAULT  # the router's --rld-max-running
+    path_mode: PathMode = PathMode.FIT  # the router's --path-mode
     keep_finished_kv: bool = False  # KV of a request that ended on RLD still lands in the DRC
     # RLD's own hardware (any chip count, e.g. preset(model, "h100", 3)); None: chip_a.
     rld_hw: Optional[HardwareProfile] = None
@@ -74,7 +75,8 @@ def pdd(spec: ClusterSpec, name: str, drc: bool, mode: "HandoffMode | None") -> 
         name=name, kind="pdd", n_rld=spec.n_rld, n_md=spec.n_md, rld_hw=spec.rld_hw or spec.chip_a,
         md_hw=spec.chip_b, drc=drc,
         handoff=HandoffConfig(catch_up_threshold_tokens=spec.catch_up_threshold_tokens, fixed_mode=mode),
-        rld_max_running=spec.rld_max_running, keep_finished_kv=spec.keep_finished_kv, **_common(spec))
+        rld_max_running=spec.rld_max_running, path_mode=spec.path_mode, keep_finished_kv=spec.keep_finished_kv,
+        **_common(spec))
 
 
 def standard_scenarios(spec: ClusterSpec) -> List[ScenarioConfig]:

@@ -285,20 +285,23 @@ def test_colliding_client_rids_do_not_abort_each_others_legs():
     assert asyncio.run(main()) == truth(PROMPT, 40)
 
 
-def test_path_choice_uses_rlds_load_when_no_fixed_wan_budget_is_set():
-    """Without --max-wan-transfer-ms the router passes RLD's load to the policy: an idle RLD
-    hides the WAN (P->RLD->MD), a saturated one lets a fully cached prompt go P->MD."""
-    from sglang_pdd.router.policy import PathPolicyConfig
+def test_path_choice_uses_rlds_load_and_ps_queue_when_no_fixed_wan_budget_is_set():
+    """Without --max-wan-transfer-ms the router passes RLD's load and P's prefill tokens in
+    flight to the policy. Relay-first: an idle RLD hides the WAN (P->RLD->MD), a saturated one
+    lets a fully cached prompt go P->MD. Fit: the fully cached prompt goes P->MD with RLD idle
+    too, unless P's queue already eats the TTFT budget."""
+    from sglang_pdd.router.policy import PathMode, PathPolicyConfig
 
-    cfg = dataclasses.replace(flow_config(), path=PathPolicyConfig(ttft_slo_ms=2000, wan_gbps=10, wan_rtt_ms=2,
-                                                                   max_wan_transfer_ms=None),
-                              rld_max_running=4)
-    main = MainBackend("http://md", "http://md-control", "127.0.0.1:1", kv_bytes_per_token=512)
-
-    def decide(inflight: int):
+    def decide(mode: PathMode, inflight: int, p_queued: int = 0):
+        path = PathPolicyConfig(ttft_slo_ms=2000, wan_gbps=10, wan_rtt_ms=2, max_wan_transfer_ms=None, mode=mode,
+                                p_prefill_tokens_per_s=1000.0)
+        cfg = dataclasses.replace(flow_config(), path=path, rld_max_running=4)
+        main = MainBackend("http://md", "http://md-control", "127.0.0.1:1", kv_bytes_per_token=512)
         flow = PddFlow(None, cfg, PrefillBackend("http://x", 1), "http://y", main, PROMPT, {"max_new_tokens": 8},
-                       rld_inflight=inflight)
+                       rld_inflight=inflight, p_queued_tokens=p_queued)
         return flow._decide(md_cached=len(PROMPT))
 
-    assert decide(0).path is Path.P_RLD_MD
-    assert decide(8).path is Path.P_MD
+    assert decide(PathMode.RELAY_FIRST, 0).path is Path.P_RLD_MD
+    assert decide(PathMode.RELAY_FIRST, 8).path is Path.P_MD
+    assert decide(PathMode.FIT, 0).path is Path.P_MD
+    assert decide(PathMode.FIT, 0, p_queued=1900).path is Path.P_RLD_MD  # 1.9 s of P's queue: no budget left

@@ -1,11 +1,15 @@
+import dataclasses
+
 import pytest
 
 from sglang_pdd.router.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import (
     Path,
+    PathMode,
     PathPolicyConfig,
     RequestFacts,
     choose_path,
+    decide_path,
     estimate_wan_transfer_ms,
     uncached_tokens,
 )
@@ -140,19 +144,61 @@ def test_latency_alone_can_push_a_small_transfer_over_a_fixed_budget():
     assert choose_path(RequestFacts(input_tokens=1000), cfg).path is Path.P_RLD_MD
 
 
+# The relay-first mode: the budget moves from 0 (RLD idle) to the whole slack (RLD busy).
 LOAD_CFG = PathPolicyConfig(wan_gbps=10.0, wan_rtt_ms=40.0, kv_bytes_per_token=1250, ttft_slo_ms=2000.0,
-                            rld_idle_at=0.5, rld_busy_at=0.9, ttft_safety_fraction=0.1)
+                            rld_idle_at=0.5, rld_busy_at=0.9, ttft_safety_fraction=0.1,
+                            mode=PathMode.RELAY_FIRST)
+FIT_CFG = dataclasses.replace(LOAD_CFG, mode=PathMode.FIT, p_md_share_idle=0.5)
 
 
-def test_idle_rld_keeps_requests_off_the_wan():
-    # A tiny transfer (81 ms) fits the old 500 ms fixed budget, but RLD idles: the user
-    # must not wait for the WAN when RLD can hide it for free.
+def test_relay_first_idle_rld_keeps_requests_off_the_wan():
+    # A tiny transfer (81 ms) fits the old 500 ms fixed budget, but RLD idles: in relay-first
+    # mode the user never waits for the WAN while RLD can hide it.
     small = dict(input_tokens=1000, p_prefill_ms=100.0)
     assert choose_path(RequestFacts(**small), LOAD_CFG).path is Path.P_MD  # caller without load: old rule
     for util in (0.0, 0.3, 0.5):
         d = choose_path(RequestFacts(**small, rld_utilisation=util), LOAD_CFG)
         assert d.path is Path.P_RLD_MD, d.reason
         assert d.budget_ms == 0.0
+
+
+def test_fit_idle_rld_leaves_high_hit_requests_on_p_md():
+    # The same tiny transfer in fit mode: an idle RLD does not pull it off P->MD.
+    for util in (0.0, 0.3, 0.5):
+        d = choose_path(RequestFacts(input_tokens=1000, p_prefill_ms=100.0, rld_utilisation=util), FIT_CFG)
+        assert d.path is Path.P_MD, d.reason
+        assert d.budget_ms == pytest.approx(0.5 * (1800.0 - 100.0))
+
+
+def test_fit_idle_rld_still_takes_a_long_uncached_suffix():
+    # 2M uncached tokens: 2 s on this link, beyond half the slack (900 ms) -> RLD hides it.
+    d = choose_path(RequestFacts(input_tokens=2_000_000, rld_utilisation=0.0), FIT_CFG)
+    assert d.path is Path.P_RLD_MD, d.reason
+    # MD's cache holds all but a page: the suffix crosses in no time -> P->MD.
+    hit = choose_path(RequestFacts(input_tokens=2_000_000, md_cached_tokens=1_999_872, rld_utilisation=0.0),
+                      FIT_CFG)
+    assert hit.path is Path.P_MD, hit.reason
+
+
+@pytest.mark.parametrize("util, share", [(0.0, 0.5), (0.5, 0.5), (0.7, 0.75), (0.9, 1.0), (3.0, 1.0)])
+def test_fit_share_rises_with_rlds_load(util, share):
+    from sglang_pdd.router.policy import p_md_share
+    assert p_md_share(util, FIT_CFG) == pytest.approx(share)
+    # relay-first at the same load: 0 up to idle, then the same ramp from 0
+    assert p_md_share(util, LOAD_CFG) == pytest.approx(min(1.0, max(0.0, (util - 0.5) / 0.4)))
+
+
+def test_fit_counts_ps_queue_and_prefill_from_its_tokens():
+    # The router knows P's prefill tokens in flight and this request's own; at a known P speed
+    # they become time that eats the budget: 1000 tokens -> 81 ms of WAN wait.
+    cfg = dataclasses.replace(FIT_CFG, p_prefill_tokens_per_s=10_000.0)
+    quiet = decide_path(1000, 0, None, 0, 16, cfg, p_queued_tokens=0, p_prefill_tokens=1000)  # 100 ms
+    assert quiet.path is Path.P_MD and quiet.budget_ms == pytest.approx(0.5 * 1700.0)
+    queued = decide_path(1000, 0, None, 0, 16, cfg, p_queued_tokens=16_000, p_prefill_tokens=1000)  # +1600 ms
+    assert queued.path is Path.P_RLD_MD and queued.budget_ms == pytest.approx(50.0)
+    # P's speed unknown: its tokens count nothing (the WAN alone against the budget)
+    blind = decide_path(1000, 0, None, 0, 16, FIT_CFG, p_queued_tokens=16_000, p_prefill_tokens=1000)
+    assert blind.path is Path.P_MD and blind.budget_ms == pytest.approx(900.0)
 
 
 def test_busy_rld_sends_whatever_meets_the_slo_straight_to_md():
@@ -186,7 +232,8 @@ def test_load_facts_validation(bad):
         RequestFacts(input_tokens=10, **bad)
 
 
-@pytest.mark.parametrize("bad", [dict(rld_idle_at=0.9, rld_busy_at=0.9), dict(ttft_safety_fraction=1.0)])
+@pytest.mark.parametrize("bad", [dict(rld_idle_at=0.9, rld_busy_at=0.9), dict(ttft_safety_fraction=1.0),
+                                 dict(p_md_share_idle=1.5), dict(p_prefill_tokens_per_s=0.0), dict(mode="nope")])
 def test_load_config_validation(bad):
     with pytest.raises(ValueError):
         PathPolicyConfig(**bad)

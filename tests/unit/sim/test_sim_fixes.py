@@ -6,6 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from sglang_pdd.router.policy import PathMode
+
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.sim.cache import BlockCache
@@ -128,14 +130,24 @@ def _spec(**kw):
     return ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=2, n_rld=1, n_md=2, **kw)
 
 
-def test_idle_rld_hides_the_wan_busy_rld_does_not():
+def test_relay_first_idle_rld_hides_the_wan_busy_rld_does_not():
     # RLD's load is its flows over the router's admission (--rld-max-running), not RLD's
     # batch cap, which stays TOY_A's here.
-    base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
+    base = [c for c in standard_scenarios(_spec(path_mode=PathMode.RELAY_FIRST)) if c.name == "pdd_drc_adaptive"][0]
     idle = Simulation(replace(base, rld_max_running=100_000)).run(TRACE)
     busy = Simulation(replace(base, rld_max_running=1)).run(TRACE)
     assert idle.paths.get("p_md", 0) == 0, idle.paths  # RLD always has headroom
     assert busy.paths.get("p_md", 0) > len(TRACE) // 5, busy.paths
+
+
+def test_fit_sends_most_requests_p_md_even_with_an_idle_rld():
+    # The same trace (mostly high-hit turns) in fit mode: an idle RLD does not pull the
+    # high-hit majority off P->MD, and RLD still takes some (the low-hit turns).
+    base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
+    assert base.path_mode is PathMode.FIT
+    idle = Simulation(replace(base, rld_max_running=100_000)).run(TRACE)
+    assert idle.paths.get("p_md", 0) > len(TRACE) // 2, idle.paths
+    assert idle.paths.get("p_rld_md", 0) > 0, idle.paths
 
 
 def test_stall_metrics_separate_handoff_modes():
@@ -180,21 +192,29 @@ def test_closed_loop_turns_wait_for_the_previous_answer():
     assert sim.log.arrival[1] > 0.1  # open loop would have sent it at 0.1 s
 
 
-def test_a_faster_wan_never_makes_pdd_worse():
+@pytest.mark.parametrize("mode", list(PathMode))
+def test_a_faster_wan_never_makes_pdd_worse(mode):
     # Issue 12: with a fixed 25% budget and one counted trip, PDD looked best at 1 Gbps
     # and worse at 25 (requests crossed the WAN while RLD idled). Now more bandwidth can
     # only help: the load-aware budget keeps requests on RLD unless it is busy.
     # With the router's P rule (prefill tokens until P replies, since round 4): a P rule that
     # counted requests until they ended let the WAN's speed move P placement (0.82 / 0.75 /
     # 0.57 / 0.68 here at 1 / 10 / 25 / 100 Gbps), so this test pinned round robin then.
-    base = [c for c in standard_scenarios(_spec()) if c.name == "pdd_drc_adaptive"][0]
+    base = [c for c in standard_scenarios(_spec(path_mode=mode)) if c.name == "pdd_drc_adaptive"][0]
     sla = Sla(ttft_s=1.0, tpot_s=0.06)
-    att = []
+    att, rld = [], []
     for gbps in (1.0, 10.0, 25.0, 100.0):
         wan = LinkProfile("wan", gbps=gbps, one_way_latency_s=0.02, jitter_s=0.005)
         s = Simulation(replace(base, wan=wan), sla).run(TRACE)
         att.append(s.sla_attainment)
-    assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
+        rld.append(s.rld_token_share)
+    if mode is PathMode.RELAY_FIRST:
+        assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
+    else:
+        # Fit trades: a faster link moves requests P->MD and so work off RLD; on this toy fleet
+        # (P overloaded at times) that costs up to 2.6 points of attainment (docs/sim-notebook.md).
+        assert all(b <= a + 1e-9 for a, b in zip(rld, rld[1:])) and rld[-1] < 0.5 * rld[0], rld
+        assert min(att) >= max(att) - 0.03, att
 
 
 def test_kv_of_a_request_that_ended_on_rld_is_not_sent_unless_kept():

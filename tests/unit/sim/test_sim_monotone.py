@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from sglang_pdd.router.policy import PathMode
 from sglang_pdd.sim.bathtub import fixed_hit_trace
 from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
@@ -59,7 +60,15 @@ def test_more_wan_bandwidth_never_makes_wan_time_or_attainment_worse(name):
     assert len(wan_s) >= 4 and _non_increasing(wan_s), wan_s
     att = [s.sla_attainment for s in runs]
     assert _non_decreasing(att), att
-    assert _non_increasing([s.ttft_p50 for s in runs])
+    if name == "xdc_pd":
+        assert _non_increasing([s.ttft_p50 for s in runs])
+    else:  # fit: a faster link sends more requests P->MD, whose first token waits on MD's registration
+        p_md = [s.paths.get("p_md", 0) for s in runs]
+        assert _non_decreasing(p_md) and p_md[-1] == len(trace), p_md
+        relay_first = [run_scenario(_scenarios(g, n_prefill=2, n_rld=1, n_md=2, path_mode=PathMode.RELAY_FIRST)[name],
+                                    trace, SLA) for g in GBPS]
+        assert _non_increasing([s.ttft_p50 for s in relay_first])
+        assert all(s.paths.get("p_md", 0) == 0 for s in relay_first)
 
 
 def test_more_wan_bandwidth_never_makes_pdd_dearer():
@@ -103,11 +112,15 @@ OUTS = (16, 64, 256, 1024)
 
 def test_longer_outputs_never_decode_faster_or_cost_less():
     runs = {o: _scenarios(10, n_prefill=2, n_rld=1, n_md=2) for o in OUTS}
-    for name in ("pd_same_dc", "pdd_drc_adaptive"):
-        got = [run_scenario(runs[o][name], _trace(out=o), SLA) for o in OUTS]
+    # Relay-first PDD here: in fit mode a P->MD request's WAN wait falls between its first
+    # token (P's, through RLD) and MD's, i.e. in its TPOT, most in the shortest answers.
+    relay_first = {o: _scenarios(10, n_prefill=2, n_rld=1, n_md=2, path_mode=PathMode.RELAY_FIRST) for o in OUTS}
+    for name, scenarios in (("pd_same_dc", runs), ("pdd_drc_adaptive", relay_first)):
+        got = [run_scenario(scenarios[o][name], _trace(out=o), SLA) for o in OUTS]
         assert _non_decreasing([s.tpot_p50 for s in got]), name
-    # RLD covers the WAN transfer's time: a smaller share of longer answers.
-    pdd = [run_scenario(runs[o]["pdd_drc_adaptive"], _trace(out=o), SLA) for o in OUTS]
+    # RLD covers the WAN transfer's time: a smaller share of longer answers (with the path
+    # fixed: in fit mode RLD's load, which longer answers raise, moves requests P->MD).
+    pdd = [run_scenario(relay_first[o]["pdd_drc_adaptive"], _trace(out=o), SLA) for o in OUTS]
     assert _non_increasing([s.rld_token_share for s in pdd])
     traces = [_trace(out=o, rate=8.0, n=300) for o in (32, 128, 512, 1024)]
     for name in ("pd_same_dc", "pdd_drc_adaptive"):

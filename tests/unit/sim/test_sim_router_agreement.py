@@ -1,11 +1,14 @@
 """The simulator decides a request's path exactly as the real router does: same function,
 same inputs (router/flow.py's PddFlow._decide vs sim's Simulation.decide)."""
 
+import dataclasses
+
 import pytest
 
-from sglang_pdd.router.flow import FlowConfig, PddFlow
-from sglang_pdd.router.policy import Path
-from sglang_pdd.sim.cluster import ScenarioConfig, Simulation
+from sglang_pdd.router.flow import FlowConfig, FlowResult, PddFlow
+from sglang_pdd.router.policy import Path, PathMode
+from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.sim.cluster import ScenarioConfig, SimRequest, Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.workload import TraceRequest
@@ -15,56 +18,85 @@ SLA = Sla(ttft_s=2.0)
 # fractions of it; RLD's own batch cap (TOY_A's max_running_requests) is another number.
 CFG = ScenarioConfig("pdd", "pdd", n_prefill=2, n_rld=1, n_md=1, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B,
                      rld_max_running=128)
+RELAY_FIRST = dataclasses.replace(CFG, path_mode=PathMode.RELAY_FIRST)
 MAX_RUNNING = CFG.rld_max_running
 
-# (input tokens, MD's cached prefix, max_new_tokens or None, other flows in flight on RLD)
+# (input tokens, MD's cached prefix, max_new_tokens or None, other flows in flight on RLD,
+#  other prefill tokens in flight on P[, WAN bytes the router has in flight])
 TABLE = [
-    (2_000, 0, 200, 0),  # idle RLD: budget 0, RLD hides the WAN
-    (2_000, 0, 200, 127),  # busy RLD: the whole slack, a short transfer fits
-    (20_000, 19_500, 300, 110),  # high MD hit, busy RLD: a tiny suffix -> P->MD
-    (20_000, 0, 300, 110),  # same prompt, no hit: 20k tokens on the WAN miss the budget
-    (60_000, 0, 8, 0),  # outlier: long prompt, tiny output -> RLD only
-    (60_000, 0, None, 0),  # unknown output: no outlier filter
-    (40_000, 39_000, 500, 90),  # between idle and busy: part of the slack
-    (40_000, 39_000, 500, 70),  # a little less busy: that share of the slack is 0
-    (8_000, 7_680, 64, 200),  # RLD overloaded (util > 1)
+    (2_000, 0, 200, 0, 0),  # idle RLD: relay-first hides the WAN, fit keeps a short transfer on P->MD
+    (2_000, 0, 200, 127, 0),  # busy RLD: the whole slack, a short transfer fits
+    (20_000, 19_500, 300, 110, 0),  # high MD hit, busy RLD: a tiny suffix -> P->MD
+    (20_000, 19_500, 300, 0, 0),  # high MD hit, idle RLD
+    (20_000, 19_500, 300, 0, 400_000),  # the same behind a long P queue: no budget left
+    (20_000, 19_500, 300, 0, 0, 10**11),  # the same behind 100 GB routed over the WAN, not landed
+    (20_000, 0, 300, 110, 0),  # same prompt, no hit: 20k tokens on the WAN miss the budget
+    (60_000, 0, 8, 0, 0),  # outlier: long prompt, tiny output -> RLD only
+    (60_000, 0, None, 0, 0),  # unknown output: no outlier filter
+    (40_000, 39_000, 500, 90, 0),  # between idle and busy: part of the slack
+    (40_000, 39_000, 500, 70, 0),  # a little less busy
+    (8_000, 7_680, 64, 200, 0),  # RLD overloaded (util > 1)
 ]
 
 
-def router_decision(route_cfg, inp, md_cached, max_new, rld_others, rld_max_running=MAX_RUNNING):
+def router_decision(route_cfg, inp, md_cached, max_new, rld_others, p_queued=0, wan_bytes=0,
+                    rld_max_running=MAX_RUNNING):
     flow = object.__new__(PddFlow)  # only the attributes _decide reads
     flow.ids = [7] * inp
     flow.max_new = max_new
     flow.rld_inflight = rld_others
+    flow.p_queued_tokens = p_queued
+    flow.wan_in_flight = WanInFlight()
+    flow.wan_in_flight.sending("other", wan_bytes)
+    flow.result = FlowResult(rid="r", p_cached_estimate=0)
     flow.cfg = FlowConfig(path=route_cfg, rld_max_running=rld_max_running)
     flow.force_path = None
     return flow._decide(md_cached)
 
 
-def sim_decision(sim, inp, md_cached, max_new, rld_others):
-    sim.rld_flows[0] = rld_others + 1  # the request itself is counted once routed
-    tr = TraceRequest(0.0, inp, max_new if max_new is not None else 100, ())
-    return sim.decide(tr, md_cached, 0)
+def sim_decision(sim, inp, md_cached, max_new, rld_others, p_queued=0, wan_bytes=0):
+    sim.rld_flows[0] = rld_others + 1  # the request itself is counted once routed, on RLD and P
+    r = SimRequest(TraceRequest(0.0, inp, max_new if max_new is not None else 100, ()), 0.0)
+    r.rld, r.p, r.p_tok = 0, 0, inp  # P holds none of the prompt
+    sim.p_tokens[0] = p_queued + r.p_tok
+    sim.wan_routed_bytes = wan_bytes
+    return sim.decide(r, md_cached)
 
 
+@pytest.mark.parametrize("cfg", [CFG, RELAY_FIRST], ids=["fit", "relay_first"])
 @pytest.mark.parametrize("row", TABLE)
-def test_sim_and_router_choose_the_same_path(row):
-    inp, md_cached, max_new, others = row
-    cfg = CFG if max_new is not None else ScenarioConfig(**{**CFG.__dict__, "expected_output_from_trace": False})
+def test_sim_and_router_choose_the_same_path(row, cfg):
+    max_new = row[2]
+    if max_new is None:
+        cfg = dataclasses.replace(cfg, expected_output_from_trace=False)
     sim = Simulation(cfg, SLA)
     a = router_decision(sim.route_cfg, *row)
     b = sim_decision(sim, *row)
     assert (b.path, b.budget_ms, b.est_wan_transfer_ms) == (a.path, a.budget_ms, a.est_wan_transfer_ms)
 
 
-def test_table_covers_every_path_and_both_budget_ends():
-    sim = Simulation(CFG, SLA)
+@pytest.mark.parametrize("cfg", [CFG, RELAY_FIRST], ids=["fit", "relay_first"])
+def test_table_covers_every_path_and_both_budget_ends(cfg):
+    sim = Simulation(cfg, SLA)
     decisions = [router_decision(sim.route_cfg, *row) for row in TABLE if row[2] is not None]
     assert {d.path for d in decisions} == set(Path)
     budgets = [d.budget_ms for d in decisions if d.path is not Path.P_RLD_ONLY]
-    slack = SLA.ttft_s * 1e3 * (1 - sim.route_cfg.ttft_safety_fraction)
+    # the widest budget: the whole slack less the 2000-token row's own prefill on P
+    slack = SLA.ttft_s * 1e3 * (1 - sim.route_cfg.ttft_safety_fraction) - 2e6 * TOY_A.prefill_s_per_token
     assert min(budgets) == 0.0 and max(budgets) == pytest.approx(slack)
     assert any(0.0 < b < slack for b in budgets)
+
+
+def test_fit_keeps_high_hit_requests_on_p_md_while_relay_first_relays_them():
+    """The two modes part on an idle RLD: fit sends the high-hit request P->MD, relay-first
+    through RLD; behind a long P queue or a WAN full of the router's transfers both relay."""
+    paths = {}
+    for name, cfg in (("fit", CFG), ("relay_first", RELAY_FIRST)):
+        sim = Simulation(cfg, SLA)
+        paths[name] = (sim_decision(sim, 20_000, 19_500, 300, 0).path,
+                       sim_decision(sim, 20_000, 19_500, 300, 0, 400_000).path,
+                       sim_decision(sim, 20_000, 19_500, 300, 0, 0, 10**11).path)
+    assert paths == {"fit": (Path.P_MD, Path.P_RLD_MD, Path.P_RLD_MD), "relay_first": (Path.P_RLD_MD,) * 3}
 
 
 def test_sim_path_decision_reads_the_routers_admission_value():
@@ -72,18 +104,18 @@ def test_sim_path_decision_reads_the_routers_admission_value():
     rld_max_running, the router's default unless set), not RLD's batch cap: the same flows
     decide alike in the router and the sim for every admission value, and RLD's batch cap
     moves nothing."""
-    from dataclasses import replace
-
     from sglang_pdd.router.cli import parse_args
     from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT
-    router_default = parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1",
-                                 "--tokenizer-path", "x"]).rld_max_running
-    assert ScenarioConfig("pdd", "pdd", 1, 1, 1).rld_max_running == router_default == RLD_MAX_RUNNING_DEFAULT
+    router_args = parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1", "--tokenizer-path", "x"])
+    assert ScenarioConfig("pdd", "pdd", 1, 1, 1).rld_max_running == router_args.rld_max_running \
+        == RLD_MAX_RUNNING_DEFAULT
+    assert ScenarioConfig("pdd", "pdd", 1, 1, 1).path_mode.value == router_args.path_mode
     row = (20_000, 19_500, 300, 12)  # a tiny suffix; RLD has 12 other flows
     paths = set()
     for admission in (8, 16, 24, 64, 512):
         for batch_cap in (16, 512):
-            cfg = replace(CFG, rld_max_running=admission, rld_hw=replace(TOY_A, max_running_requests=batch_cap))
+            cfg = dataclasses.replace(RELAY_FIRST, rld_max_running=admission,
+                                      rld_hw=dataclasses.replace(TOY_A, max_running_requests=batch_cap))
             sim = Simulation(cfg, SLA)
             a = router_decision(sim.route_cfg, *row, rld_max_running=admission)
             b = sim_decision(sim, *row)
@@ -94,8 +126,8 @@ def test_sim_path_decision_reads_the_routers_admission_value():
 
 
 def test_sim_decision_ignores_what_the_router_cannot_see():
-    """A long P queue and WAN traffic in flight do not change the sim's decision: the router
-    sees neither."""
+    """P's real backlog (beyond the prefill tokens the router counts on it) and WAN traffic
+    in flight do not change the sim's decision: the router sees neither."""
     sim = Simulation(CFG, SLA)
     row = (20_000, 19_500, 300, 110)
     before = sim_decision(sim, *row)
@@ -262,8 +294,10 @@ def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
         sim.rld_flows[0] = 91  # 90 others: P->MD gets half the slack (~0.9 s)
         r = SimRequest(tr, 0.0)
         r.rld, r.md, r.md_cached = 0, 0, md_cached
+        r.p, r.p_tok = 0, 1  # P holds the prompt: its prefill costs no budget
+        sim.p_tokens[0] = 1
         return r
-    sim = Simulation(CFG, SLA)
+    sim = Simulation(RELAY_FIRST, SLA)
     r = request(sim, 59_904)  # MD holds it, the index does not know yet
     assert sim.choose_path(r, full) is Path.P_RLD_MD and not r.reg_first
     sim.md_index.record_blocks(0, full)

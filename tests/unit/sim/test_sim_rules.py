@@ -10,7 +10,7 @@ import pytest
 
 from sglang_pdd.config import md_staging_bytes
 from sglang_pdd.router import placement
-from sglang_pdd.router.policy import Path
+from sglang_pdd.router.policy import Path, PathMode
 from sglang_pdd.sim.cluster import Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
@@ -132,7 +132,8 @@ def test_the_default_budget_is_the_real_mds_share_of_its_pool_in_every_design():
 def test_a_p_rld_md_room_refused_at_transfer_start_stays_on_rld():
     # the budget holds one room; two P->RLD->MD requests' transfers start together
     spec = replace(SPEC, n_prefill=2, n_md=1, md_staging_mb=10 * 512 * TOY_A.kv_bytes_per_token / 2 ** 20,
-                   wan=LinkProfile("wan", gbps=1.0, one_way_latency_s=0.02), rld_max_running=10 ** 6)
+                   wan=LinkProfile("wan", gbps=1.0, one_way_latency_s=0.02), rld_max_running=10 ** 6,
+                   path_mode=PathMode.RELAY_FIRST)  # both through the idle RLD
     cfg = {c.name: c for c in standard_scenarios(spec)}["pdd_drc_oneshot"]
     trace = [TraceRequest(0.0, 8 * 512, 400, tuple(range(8))), TraceRequest(0.0, 8 * 512, 400, tuple(range(50, 58)))]
     sim = Simulation(cfg, SLA)

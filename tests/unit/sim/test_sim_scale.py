@@ -13,17 +13,21 @@ from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.rldsweep import AdmissionPoint, choose_default
 from sglang_pdd.sim.sizing import offered_rps
-from sglang_pdd.sim.traces import tile_trace
+from sglang_pdd.sim.traces import TILE_MODES, tile_trace
 from sglang_pdd.workload import TraceRequest, generate_agentic_trace, ideal_prefix_hit_rate, report_agentic_config
 
 INSTANT = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
 
 
-def test_a_tiled_trace_is_k_populations_at_k_times_the_rate():
+@pytest.mark.parametrize("mode", TILE_MODES)
+def test_a_tiled_trace_is_k_populations_at_k_times_the_rate(mode):
     base = list(generate_agentic_trace(report_agentic_config(num_requests=400, seed=1)))
-    tiled = tile_trace(base, 4)
+    tiled = tile_trace(base, 4, mode)
     assert len(tiled) == 4 * len(base)
-    assert offered_rps(tiled) == pytest.approx(4 * offered_rps(base), rel=0.02)
+    if mode == "lockstep":
+        assert offered_rps(tiled) == pytest.approx(4 * offered_rps(base), rel=0.02)
+    # spread: whole sessions rotate, so a copy's last sessions run on past the trace's span
+    # (test_sim_tiling.py checks the rate of a trace without sessions and the session starts)
     assert [r.timestamp_ms for r in tiled] == sorted(r.timestamp_ms for r in tiled)
     # same requests (lengths), no prefix shared between copies, sessions kept apart
     assert sorted((r.input_length, r.output_length) for r in tiled) == \
@@ -81,13 +85,13 @@ def test_choose_default_takes_the_least_rld_work_within_the_stall_and_sla_bounds
 
 def test_rld_sweep_cli_moves_the_path_mix(tmp_path, capsys):
     rc = main(["rld-sweep", "--agentic", "300", "--prefill", "2", "--rld", "1", "--md", "2", "--values", "1,4,100000",
-               "--out", str(tmp_path)])
+               "--path-mode", "relay_first", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
     rows = [ln.split() for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [1, 4, 100000]
     p_md = [float(r[1]) for r in rows]
-    assert p_md[0] > p_md[-1] and p_md[-1] == 0.0  # an admission never reached: nothing P->MD
+    assert p_md[0] > p_md[-1] and p_md[-1] == 0.0  # relay-first, an admission never reached: nothing P->MD
     assert (tmp_path / "rld_sweep_agentic300.json").exists()
     # the choice line names one of the swept values
     choice = [ln for ln in out.splitlines() if ln.startswith("choice: --rld-max-running ")]
