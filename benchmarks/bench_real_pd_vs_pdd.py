@@ -67,10 +67,14 @@ from tqdm import tqdm
 from benchmarks.bench_agentic import WorkloadConfig, build_jobs, fit_block_scale, segment_tokens
 from benchmarks.common import REPO, astream_events, greedy
 
-DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd")
+DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd", "pdd_relay_first")
+# The router's --path-mode per PDD design: fit (its default) and the relay-first rule.
+PDD_PATH_MODES = {"pdd": "fit", "pdd_relay_first": "relay_first"}
 LABELS = {"same_dc_pd": "same-DC PD (SGLang)", "cross_dc_pd": "cross-DC PD (SGLang)",
-          "cross_dc_pd_radix": "cross-DC PD + decode radix (SGLang)", "pdd": "PDD"}
-COLORS = {"same_dc_pd": "tab:gray", "cross_dc_pd": "tab:red", "cross_dc_pd_radix": "tab:orange", "pdd": "tab:blue"}
+          "cross_dc_pd_radix": "cross-DC PD + decode radix (SGLang)", "pdd": "PDD",
+          "pdd_relay_first": "PDD, relay-first paths"}
+COLORS = {"same_dc_pd": "tab:gray", "cross_dc_pd": "tab:red", "cross_dc_pd_radix": "tab:orange", "pdd": "tab:blue",
+          "pdd_relay_first": "tab:cyan"}
 EXACT_ARGS = ["--dtype", "float32"]  # as tests/conftest.py: greedy outputs comparable across designs
 DEEPSEEK_V3_KV_BYTES_PER_TOKEN = 70_272  # MLA: 61 layers x 576 values x 2 bytes
 # Assumed production prefill speed for the mapping to a real WAN (tokens/s of one prefill
@@ -448,8 +452,10 @@ class SglangPdDesign(Design):
 class PddDesign(Design):
     name = "pdd"
 
-    def __init__(self, run_dir: Path, model: str, link, router_args: list[str], emulated_mbit: float):
+    def __init__(self, run_dir: Path, model: str, link, router_args: list[str], emulated_mbit: float,
+                 name: str = "pdd"):
         super().__init__(run_dir, model, link)
+        self.name = name
         self.router_args, self.emulated_mbit = router_args, emulated_mbit
         self.cluster = None
 
@@ -464,7 +470,7 @@ class PddDesign(Design):
             topo.place_datacenter_b(self.link.b_ip, self.link.namespace, self.link.rate_mbit / 1000)
         else:  # the userspace emulator, P's WAN KV only, no delay either
             topo.wan.rate_gbps, topo.wan.latency_ms, topo.wan.jitter_ms = self.emulated_mbit / 1000, 0.0, 0.0
-        self.cluster = self.stack.enter_context(LocalCluster(self.run_dir / "pdd", self.model, topo, self.router_args))
+        self.cluster = self.stack.enter_context(LocalCluster(self.run_dir / self.name, self.model, topo, self.router_args))
         self.router_url = topo.router_url
 
     def annotate(self, records: list[Record]) -> None:
@@ -480,9 +486,12 @@ class PddDesign(Design):
         self.cluster.restart_router(self.router_args)
 
 
-def make_design(name: str, run_dir: Path, model: str, link, args) -> Design:
-    if name == "pdd":
-        return PddDesign(run_dir, model, link, pdd_router_args(args), args.links[0])
+def make_design(name: str, run_dir: Path, model: str, link, args, prefill_s_per_token=None) -> Design:
+    if name in PDD_PATH_MODES:
+        router_args = pdd_router_args(args) + ["--path-mode", PDD_PATH_MODES[name]]
+        if prefill_s_per_token:  # P's speed as measured on same-DC PD: the router counts P's queue
+            router_args += ["--p-prefill-tokens-per-s", f"{1 / prefill_s_per_token:.1f}"]
+        return PddDesign(run_dir, model, link, router_args, args.links[0], name)
     return SglangPdDesign(name, run_dir, model, link, cross_dc=name != "same_dc_pd", radix=name == "cross_dc_pd_radix")
 
 
@@ -669,7 +678,7 @@ BREAKDOWN_LABELS = {
 
 def server_logs(design: Design) -> list[str]:
     lines = []
-    for log in sorted((design.run_dir / ("pdd" if design.name == "pdd" else design.name) / "logs").glob("*.log")):
+    for log in sorted((design.run_dir / design.name / "logs").glob("*.log")):
         lines += log.read_text(errors="replace").splitlines()
     return lines
 
@@ -847,7 +856,7 @@ def main(argv=None) -> int:
         link = link_or_fallback(args.links[0])
         designs = list(args.designs)
         if link is None:
-            designs = [d for d in designs if d in ("same_dc_pd", "pdd")]
+            designs = [d for d in designs if d == "same_dc_pd" or d in PDD_PATH_MODES]
             print("without the namespace the cross-DC baselines cannot run: same-DC PD and PDD (over the "
                   "userspace emulator, P's WAN KV only) only", file=sys.stderr)
         else:
@@ -864,7 +873,7 @@ def main(argv=None) -> int:
         n_cells = sum(len(args.rates) * (1 if d == "same_dc_pd" else len(args.links)) for d in designs)
         bar = tqdm(total=n_cells * len(order), desc="requests", unit="req", file=sys.stderr)
         for name in designs:
-            design = make_design(name, out / "servers", model, link, args)
+            design = make_design(name, out / "servers", model, link, args, res.get("prefill_s_per_token"))
             bar.set_postfix_str(f"{name}: starting servers")
             try:
                 design.start()
@@ -874,7 +883,7 @@ def main(argv=None) -> int:
                 for li, link_mbit in enumerate(args.links if name != "same_dc_pd" else args.links[:1]):
                     if name != "same_dc_pd":
                         design.set_link(link_mbit)
-                        if name == "pdd":
+                        if name in PDD_PATH_MODES:
                             warm_up(design, args.request_timeout_s)
                     for ri, rate in enumerate(args.rates):
                         cell = f"l{li}r{ri}s{args.seed}"
