@@ -10,7 +10,10 @@ their trace times, the same for every design, each next turn its think time afte
 previous answer (docs/sim.md, "How a trace arrives"); `--arrivals open` replays every turn at
 its trace time (the earlier runs; their JSON files keep their names, sessions runs add
 `_sessions`); refined knees (`--knee-resolution`, 5% by default; 0 for the grid's knee only)
-add `_knee5pct`, a tile other than 8 `_tile<n>`, a seed other than 0 `_seed<n>`.
+add `_knee5pct`, a tile other than 8 `_tile<n>`, a seed other than 0 `_seed<n>`. Copies of a tiled
+trace are spread across it (`--tile-mode spread`, the default: a burst arrives once, not once per
+copy); the runs before it tiled in lockstep (every burst K times at once), so spread runs add
+`_spread` to their files and `--tile-mode lockstep` reproduces the earlier ones under their names.
 
 `headline` sizes same-DC PD, cross-DC PD (no relay, no DRC), cross-DC PD + DRC and PDD on the
 report-like agentic trace (80% of requests at >= 90% prefix hit) tiled to the report's scale,
@@ -41,7 +44,7 @@ from sglang_pdd.sim.loadsweep import load_sweep
 from sglang_pdd.sim.metrics import Sla, Summary
 from sglang_pdd.sim.scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios, with_counts
 from sglang_pdd.sim.sizing import offered_rps, size_designs
-from sglang_pdd.sim.traces import tile_trace
+from sglang_pdd.sim.traces import TILE_MODES, tile_trace, tiling_label
 from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
                                   report_agentic_config)
 
@@ -80,7 +83,7 @@ def _short(s: Summary) -> dict:
 
 def headline(a) -> int:
     base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed)))
-    trace = tile_trace(base, a.tile)
+    trace = tile_trace(base, a.tile, a.tile_mode)
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
     spec = spec_for(a.model, a.wan_gbps, a.mla_kernel)
     by = {c.name: c for c in standard_scenarios(spec)}
@@ -134,7 +137,8 @@ def headline(a) -> int:
         bar.close()
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
     out = dict(trace=f"agentic_report{a.n}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
-               mla_kernel=a.mla_kernel, arrivals=a.arrivals, sla=asdict(sla), target=a.target, sized=sized,
+               mla_kernel=a.mla_kernel, tile=a.tile, tile_mode=a.tile_mode, arrivals=a.arrivals, sla=asdict(sla),
+               target=a.target, sized=sized,
                verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
                knees=knees, sizing_from=a.reuse, scales=a.scales, knee_resolution=a.knee_resolution,
                knee_floor=a.knee_floor if a.knee_resolution > 0 else None, report=REPORT)
@@ -152,10 +156,20 @@ def headline_filename(a) -> str:
     defaults' parts are left out, so the earlier files keep their names."""
     tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
            + ("" if a.arrivals == "open" else f"_{a.arrivals}")
-           + ("" if a.tile == 8 else f"_tile{a.tile}")
+           + ("" if a.tile == 8 else f"_tile{a.tile}") + _tile_tag(a)
            + ("" if a.knee_resolution <= 0 else f"_knee{100 * a.knee_resolution:g}pct")
            + ("" if a.seed == 0 else f"_seed{a.seed}"))
     return f"sim_headline_{tag}.json"
+
+
+def _tile_tag(a) -> str:
+    """Spread tiling in a file's name: the files without it were tiled in lockstep."""
+    return "_spread" if a.tile > 1 and a.tile_mode == "spread" else ""
+
+
+def _tiling(d: dict) -> str:
+    """A result's tiling; results that do not name it were tiled in lockstep."""
+    return tiling_label(d.get("tile", 8), d.get("tile_mode", "lockstep"))
 
 
 def _pct(x: Optional[float]) -> str:
@@ -179,7 +193,8 @@ def headline_markdown(d: dict) -> str:
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
-             f"MLA kernel {d['mla_kernel']}, arrivals {d.get('arrivals', 'open')}, seed {d.get('seed', 0)}; "
+             f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, arrivals {d.get('arrivals', 'open')}, "
+             f"seed {d.get('seed', 0)}; "
              f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
     if pdd and xdc and xdcd:
@@ -241,10 +256,12 @@ def wins_map(a) -> int:
     cells: Dict[str, dict] = {}
     pd_cost: Dict[float, Optional[float]] = {}
     bar = tqdm(desc="wins map", unit="sim", file=sys.stderr)
+    print(f"# report-like agentic trace, {a.n} requests per reset rate, {tiling_label(a.tile, a.tile_mode)}, "
+          f"arrivals {a.arrivals}", flush=True)
     for reset in resets:
         base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed,
                                                                  context_reset_prob=reset)))
-        trace = tile_trace(base, a.tile)
+        trace = tile_trace(base, a.tile, a.tile_mode)
         rates = per_request_hit_rates(base)
         h = round(sum(rates) / len(rates), 3)
         hits.append(h)
@@ -264,9 +281,10 @@ def wins_map(a) -> int:
                 f"{n} {'-' if c is None else f'${c:.0f}/h'}" for n, c in costs.items()), flush=True)
     bar.close()
     os.makedirs(a.out, exist_ok=True)
-    out = dict(model=a.model, n=a.n, tile=a.tile, rate=round(offered_rps(trace), 2), arrivals=a.arrivals, resets=resets,
+    out = dict(model=a.model, n=a.n, tile=a.tile, tile_mode=a.tile_mode, rate=round(offered_rps(trace), 2),
+               arrivals=a.arrivals, resets=resets,
                sla=asdict(sla), target=a.target, hits=hits, gbps=gbps, cells=cells)
-    stem = "sim_wins_map" + ("" if a.arrivals == "open" else f"_{a.arrivals}")
+    stem = "sim_wins_map" + ("" if a.arrivals == "open" else f"_{a.arrivals}") + _tile_tag(a)
     with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {plot_map(out, os.path.join(a.out, f'{stem}.png'))}")
@@ -310,8 +328,8 @@ def plot_map(d: dict, path: str) -> str:
     axes[0].set_ylabel("mean prefix hit per request")
     fig.colorbar(im, ax=axes, label="PDD's cost / baseline's - 1 (green: PDD cheaper)", shrink=0.85)
     fig.suptitle(f"Cheapest fleet meeting {d['target']:.0%} SLA: {d['model']}, report-like agentic trace x{d['tile']} "
-                 f"(~{d['rate']:g} r/s session starts x turns; fewer hits = more context resets), arrivals "
-                 f"{d.get('arrivals', 'open')}, WAN lease in the cost", fontsize=10)
+                 f" {d.get('tile_mode', 'lockstep')} (~{d['rate']:g} r/s session starts x turns; fewer hits = more "
+                 f"context resets), arrivals {d.get('arrivals', 'open')}, WAN lease in the cost", fontsize=10)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -323,9 +341,11 @@ def placement(a) -> int:
     """Every design's SLA attainment under each P rule, same fleets and traces."""
     from sglang_pdd.sim.cluster import P_PLACEMENTS
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
-    traces = {"mooncake x4": tile_trace(list(load_trace(MOONCAKE_TRACE)), 4),
+    tiles = {"mooncake x4": 4, "agentic (realistic)": 1, "agentic-report x8": 8}
+    traces = {"mooncake x4": tile_trace(list(load_trace(MOONCAKE_TRACE)), 4, a.tile_mode),
               "agentic (realistic)": list(generate_agentic_trace(realistic_agentic_config(num_requests=3000))),
-              "agentic-report x8": tile_trace(list(generate_agentic_trace(report_agentic_config(num_requests=3000))), 8)}
+              "agentic-report x8": tile_trace(list(generate_agentic_trace(report_agentic_config(num_requests=3000))), 8,
+                                              a.tile_mode)}
     mixes = {"mooncake x4": (10, 1, 2), "agentic (realistic)": (4, 1, 1), "agentic-report x8": (8, 1, 3)}
     rows = []
     bar = tqdm(total=len(traces) * len(P_PLACEMENTS) * 2, desc="P rules", file=sys.stderr)
@@ -336,13 +356,16 @@ def placement(a) -> int:
             for name in ("pd_same_dc", PDD):
                 cfg = with_counts(by[name], n_p, n_r if name == PDD else 0, n_m if name == PDD else n_m + n_r)
                 s = run_scenario(cfg, trace, sla, arrivals=a.arrivals)
-                rows.append(dict(trace=label, rule=rule, design=name, mix=[n_p, n_r, n_m], **_short(s)))
+                rows.append(dict(trace=label, tile=tiles[label], tile_mode=a.tile_mode, arrivals=a.arrivals, rule=rule,
+                                 design=name, mix=[n_p, n_r, n_m], **_short(s)))
                 bar.update()
     bar.close()
     os.makedirs(a.out, exist_ok=True)
-    sfx = "" if a.arrivals == "open" else f"_{a.arrivals}"
+    sfx = ("" if a.arrivals == "open" else f"_{a.arrivals}") + ("_spread" if a.tile_mode == "spread" else "")
     with open(os.path.join(a.out, f"sim_p_rules{sfx}.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    for label, trace in traces.items():
+        print(f"# {label}: {len(trace)} requests, {tiling_label(tiles[label], a.tile_mode)}, arrivals {a.arrivals}")
     print("| trace, fleet | design | " + " | ".join(P_PLACEMENTS) + " |")
     print("|---|---|" + "---|" * len(P_PLACEMENTS))
     for label in traces:
@@ -358,7 +381,7 @@ def staging(a) -> int:
     """MD's staging budget as a share of MD's KV pool, for the two designs that land KV on MD
     through it most (cross-DC PD + DRC, PDD), on the report-like trace."""
     base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed)))
-    trace = tile_trace(base, a.tile)
+    trace = tile_trace(base, a.tile, a.tile_mode)
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
     by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps), n_prefill=a.prefill,
                                                          n_rld=a.rld, n_md=a.md))}
@@ -369,9 +392,12 @@ def staging(a) -> int:
     for name in ("xdc_pd_drc", PDD):
         for share in shares:
             s = run_scenario(replace(by[name], md_staging_bytes=share * pool), trace, sla, arrivals=a.arrivals)
-            rows.append(dict(design=name, share=share, gib=share * pool / 2 ** 30, **_short(s)))
+            rows.append(dict(design=name, share=share, gib=share * pool / 2 ** 30, tile=a.tile, tile_mode=a.tile_mode,
+                             arrivals=a.arrivals, **_short(s)))
             bar.update()
     bar.close()
+    print(f"# agentic_report{a.n}x{a.tile}: {len(trace)} requests, {tiling_label(a.tile, a.tile_mode)}, "
+          f"arrivals {a.arrivals}; {a.prefill} P / {a.rld} RLD / {a.md} MD, WAN {a.wan_gbps:g} Gbps")
     print(f"| design | budget (share of MD's pool) | SLA % | TTFT p90 s | stall p99 ms | waited | refused | "
           f"MD hit | WAN util |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -380,7 +406,7 @@ def staging(a) -> int:
               f"{r['ttft_p90']:.2f} | {1e3 * r['stall_p99']:.0f} | {r['md_waited']} | {r['md_refused']} | "
               f"{r['mean_md_hit']:.2f} | {r['wan_util']:.2f} |")
     os.makedirs(a.out, exist_ok=True)
-    sfx = "" if a.arrivals == "open" else f"_{a.arrivals}"
+    sfx = ("" if a.arrivals == "open" else f"_{a.arrivals}") + _tile_tag(a)
     with open(os.path.join(a.out, f"sim_staging_{a.model}_{a.wan_gbps:g}g{sfx}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
@@ -401,6 +427,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--out", default="docs/img")
         p.add_argument("--arrivals", choices=ARRIVALS, default="sessions",
                        help="sessions: turns follow answers (default); open: every turn at its trace time")
+        p.add_argument("--tile-mode", choices=TILE_MODES, default="spread",
+                       help="where a tiled trace's copies sit: spread (default) = rotated across the trace, whole "
+                            "sessions at a time; lockstep = a fraction of one mean gap apart (the earlier runs)")
 
     p = sub.add_parser("headline")
     common(p)

@@ -27,7 +27,7 @@ from .report import format_table
 from .rldsweep import choose_default, rld_admission_sweep
 from .scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios
 from .sizing import offered_rps, size_cluster, size_designs
-from .traces import tile_trace
+from .traces import TILE_MODES, tile_trace, tiling_label
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile", type=int, default=1, metavar="K",
                    help="K copies of the trace side by side (other users: own prefixes and sessions), K times "
                         "the arrival rate with the same per-session timing; for fleets at scale")
+    p.add_argument("--tile-mode", choices=TILE_MODES, default="spread",
+                   help="where the copies sit in time: spread (default) = each copy rotated by k/K of the trace, "
+                        "whole sessions at a time, so bursts do not coincide; lockstep = each copy a fraction of one "
+                        "mean gap after the last, every burst K times at once (a what-if)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, default=ClusterSpec.n_prefill)
     p.add_argument("--rld", type=int, default=ClusterSpec.n_rld)
@@ -127,8 +131,22 @@ def _spec(a) -> ClusterSpec:
 def _trace(a) -> (str, List[TraceRequest]):
     label, trace = _base_trace(a)
     if a.tile > 1:
-        return f"{label}x{a.tile}", tile_trace(trace, a.tile)
+        # a lockstep run's files never overwrite a spread run's
+        tag = "" if a.tile_mode == "spread" else a.tile_mode
+        return f"{label}x{a.tile}{tag}", tile_trace(trace, a.tile, a.tile_mode)
     return label, trace
+
+
+def _setup(a, label: str, trace) -> dict:
+    """What the results were run on, in every JSON the commands write."""
+    return dict(trace=label, requests=len(trace), tile=a.tile, tile_mode=a.tile_mode, arrivals=a.arrivals,
+                rate_scale=a.rate_scale)
+
+
+def _header(a, label: str, trace, rate: bool = True) -> str:
+    """The trace line every command prints: the trace, its tiling and how it arrives."""
+    scale = f" x{a.rate_scale:g} rate" if rate else ""
+    return f"{label}: {len(trace)} requests{scale}, {tiling_label(a.tile, a.tile_mode)}, arrivals {a.arrivals}"
 
 
 def _base_trace(a) -> (str, List[TraceRequest]):
@@ -156,13 +174,13 @@ def cmd_compare(a) -> int:
     scenarios = standard_scenarios(_spec(a))
     summaries = [run_scenario(cfg, trace, sla, a.rate_scale, a.arrivals)
                  for cfg in tqdm(scenarios, desc=f"simulating {label}", file=sys.stderr)]
-    print(f"# {label}: {len(trace)} requests x{a.rate_scale:g} rate, arrivals {a.arrivals}, SLA TTFT <= {sla.ttft_s}s, "
+    print(f"# {_header(a, label, trace)}, SLA TTFT <= {sla.ttft_s}s, "
           f"TPOT <= {sla.tpot_s * 1e3:.0f}ms" + (f", ITL <= {sla.max_itl_s * 1e3:.0f}ms" if sla.max_itl_s else ""))
     print(format_table(summaries))
     os.makedirs(a.out, exist_ok=True)
     png = plot_comparison(summaries, f"{label} ({len(trace)} requests)", os.path.join(a.out, f"compare_{label}.png"))
     with open(os.path.join(a.out, f"compare_{label}.json"), "w") as f:
-        json.dump([asdict(s) for s in summaries], f, indent=1)
+        json.dump([dict(asdict(s), setup=_setup(a, label, trace)) for s in summaries], f, indent=1)
     print(f"wrote {png}")
     return 0
 
@@ -209,7 +227,7 @@ def cmd_size(a) -> int:
         least = ""
         if not a.profile_a:
             least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
-        print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, arrivals {a.arrivals}, "
+        print(f"# {_header(a, label, trace)}, "
               f"target {a.target:.0%} SLA attainment; instances: {groups}{least}; WAN {spec.wan.gbps:g} Gbps, "
               f"lease ${spec.wan.lease_per_hour:.1f}/h")
         for name, res in v.results.items():
@@ -227,8 +245,10 @@ def cmd_size(a) -> int:
                         progress=lambda: bar.update(), rate_scale=a.rate_scale, arrivals=a.arrivals)
     bar.close()
     if best is None:
+        print(f"# {_header(a, label, trace)}")
         print(f"no mix within the ranges reaches {a.target:.0%} SLA attainment")
         return 1
+    print(f"# {_header(a, label, trace)}")
     print(f"cheapest {a.scenario} meeting {a.target:.0%} SLA on {label}: {_mix(best)}")
     _print_edges(best.edges)
     _print_offered(a, trace, [best.summary])
@@ -245,7 +265,7 @@ def cmd_rld_sweep(a) -> int:
     points = rld_admission_sweep(cfg, trace, sla, values, rate_scale=a.rate_scale, progress=lambda: bar.update(),
                                  arrivals=a.arrivals)
     bar.close()
-    print(f"# {label}: {len(trace)} requests x{a.rate_scale:g}, {cfg.n_prefill} P / {cfg.n_rld} RLD / {cfg.n_md} MD, "
+    print(f"# {_header(a, label, trace)}, {cfg.n_prefill} P / {cfg.n_rld} RLD / {cfg.n_md} MD, "
           f"WAN {cfg.wan.gbps:g} Gbps; --rld-max-running swept (RLD's batch cap stays "
           f"{cfg.rld_hw.max_running_requests})")
     print(f"{'rld-max-running':>15} {'P->MD %':>8} {'via RLD %':>9} {'RLD tok %':>9} {'stall p50 ms':>12} "
@@ -260,7 +280,8 @@ def cmd_rld_sweep(a) -> int:
           f"{a.max_stall_p99:g} s and SLA attainment within 0.5 points of the sweep's best)")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rld_sweep_{label}.json"), "w") as f:
-        json.dump([{"rld_max_running": p.rld_max_running, "summary": asdict(p.summary)} for p in points], f, indent=1)
+        json.dump([{"rld_max_running": p.rld_max_running, "summary": asdict(p.summary),
+                    "setup": _setup(a, label, trace)} for p in points], f, indent=1)
     return 0
 
 
@@ -276,7 +297,8 @@ def cmd_sweep(a) -> int:
     knees = [load_sweep(cfg, trace, sla, scales, a.target, progress=lambda: bar.update(), arrivals=a.arrivals,
                         resolution=a.knee_resolution, floor=a.knee_floor) for cfg in scenarios]
     bar.close()
-    print(f"# {label}: goodput vs offered load; knee = highest rate with >= {a.target:.0%} SLA attainment")
+    print(f"# {_header(a, label, trace, rate=False)}; goodput vs offered load; "
+          f"knee = highest rate with >= {a.target:.0%} SLA attainment")
     print(f"{'scenario':<20} {'x rate':>6} {'offered r/s':>11} {'good r/s':>8} {'SLA%':>6} {'TTFT p90':>8}")
     for k in knees:
         for p in k.points:
@@ -289,7 +311,8 @@ def cmd_sweep(a) -> int:
     os.makedirs(a.out, exist_ok=True)
     png = plot_load_sweep(knees, f"{label}: goodput vs offered load", os.path.join(a.out, f"sweep_{label}.png"))
     with open(os.path.join(a.out, f"sweep_{label}.json"), "w") as f:
-        json.dump([{"scenario": k.scenario, "cost_per_hour": k.cost_per_hour, "knee_goodput_rps": k.knee_goodput_rps,
+        json.dump([{"scenario": k.scenario, "setup": _setup(a, label, trace), "cost_per_hour": k.cost_per_hour,
+                    "knee_goodput_rps": k.knee_goodput_rps,
                     "knee_bcr": k.knee_bcr,
                     "points": [{"rate_scale": p.rate_scale, "offered_rps": p.offered_rps, "goodput_rps": p.goodput_rps,
                                 "sla_attainment": p.sla_attainment, "summary": asdict(p.summary)} for p in k.points]}

@@ -64,7 +64,18 @@ def _headline_args(monkeypatch, *argv):
 
 
 def test_headline_files_name_the_tile_only_when_it_is_not_8(monkeypatch):
-    # The tile-8 results keep their names; another tile never overwrites them.
-    assert headline_filename(_headline_args(monkeypatch, "--wan-gbps", "20")) == "sim_headline_20g_sessions_knee5pct.json"
+    # The tile-8 results keep their names; another tile never overwrites them. The earlier,
+    # lockstep-tiled results keep theirs: spread tiling (the default) is named.
+    assert (headline_filename(_headline_args(monkeypatch, "--wan-gbps", "20", "--tile-mode", "lockstep"))
+            == "sim_headline_20g_sessions_knee5pct.json")
+    assert (headline_filename(_headline_args(monkeypatch, "--wan-gbps", "20"))
+            == "sim_headline_20g_sessions_spread_knee5pct.json")
     assert (headline_filename(_headline_args(monkeypatch, "--wan-gbps", "50", "--tile", "16", "--seed", "1"))
-            == "sim_headline_50g_sessions_tile16_knee5pct_seed1.json")
+            == "sim_headline_50g_sessions_tile16_spread_knee5pct_seed1.json")
+
+
+def test_the_headline_names_its_tiling():
+    t = _table({})
+    assert "not tiled" not in headline_markdown(t) and "tiled 8x lockstep" in headline_markdown(t)
+    t.update(tile=16, tile_mode="spread")
+    assert "tiled 16x spread" in headline_markdown(t)
