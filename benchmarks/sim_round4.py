@@ -7,9 +7,10 @@
 
 Session traces arrive as sessions (`--arrivals sessions`, the default): session starts at
 their trace times, the same for every design, each next turn its think time after the
-previous answer (docs/sim.md, "How a trace arrives"); `--arrivals open` replays every turn at
-its trace time (the earlier runs; their JSON files keep their names, sessions runs add
-`_sessions`); refined knees (`--knee-resolution`, 5% by default; 0 for the grid's knee only)
+previous answer (docs/sim.md, "How a trace arrives"); a trace without sessions (placement's
+Mooncake trace) replays open loop whatever was asked, and its lines say so. `--arrivals open`
+replays every turn at its trace time (the earlier runs; their JSON files keep their names,
+sessions runs add `_sessions`); refined knees (`--knee-resolution`, 5% by default; 0 for the grid's knee only)
 add `_knee5pct`, a tile other than 8 `_tile<n>`, a seed other than 0 `_seed<n>`. Copies of a tiled
 trace are spread across it (`--tile-mode spread`, the default: a burst arrives once, not once per
 copy); the runs before it tiled in lockstep (every burst K times at once), so spread runs add
@@ -44,7 +45,7 @@ from sglang_pdd.sim.loadsweep import load_sweep
 from sglang_pdd.sim.metrics import Sla, Summary
 from sglang_pdd.sim.scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios, with_counts
 from sglang_pdd.sim.sizing import offered_rps, size_designs
-from sglang_pdd.sim.traces import TILE_MODES, tile_trace, tiling_label
+from sglang_pdd.sim.traces import TILE_MODES, arrivals_label, effective_arrivals, tile_trace, tiling_label
 from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
                                   report_agentic_config)
 
@@ -137,8 +138,8 @@ def headline(a) -> int:
         bar.close()
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
     out = dict(trace=f"agentic_report{a.n}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
-               mla_kernel=a.mla_kernel, tile=a.tile, tile_mode=a.tile_mode, arrivals=a.arrivals, sla=asdict(sla),
-               target=a.target, sized=sized,
+               mla_kernel=a.mla_kernel, tile=a.tile, tile_mode=a.tile_mode,
+               arrivals=effective_arrivals(trace, a.arrivals), sla=asdict(sla), target=a.target, sized=sized,
                verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
                knees=knees, sizing_from=a.reuse, scales=a.scales, knee_resolution=a.knee_resolution,
                knee_floor=a.knee_floor if a.knee_resolution > 0 else None, report=REPORT)
@@ -167,6 +168,11 @@ def _tile_tag(a) -> str:
     return "_spread" if a.tile > 1 and a.tile_mode == "spread" else ""
 
 
+def _arrivals(d: dict) -> str:
+    """A result's arrivals as the sim CLI prints them; results that do not name them replayed open loop."""
+    return "arrivals sessions (turns follow answers)" if d.get("arrivals") == "sessions" else "open loop"
+
+
 def _tiling(d: dict) -> str:
     """A result's tiling; results that do not name it were tiled in lockstep."""
     return tiling_label(d.get("tile", 8), d.get("tile_mode", "lockstep"))
@@ -193,8 +199,7 @@ def headline_markdown(d: dict) -> str:
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
-             f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, arrivals {d.get('arrivals', 'open')}, "
-             f"seed {d.get('seed', 0)}; "
+             f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, {_arrivals(d)}, seed {d.get('seed', 0)}; "
              f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
     if pdd and xdc and xdcd:
@@ -256,12 +261,12 @@ def wins_map(a) -> int:
     cells: Dict[str, dict] = {}
     pd_cost: Dict[float, Optional[float]] = {}
     bar = tqdm(desc="wins map", unit="sim", file=sys.stderr)
-    print(f"# report-like agentic trace, {a.n} requests per reset rate, {tiling_label(a.tile, a.tile_mode)}, "
-          f"arrivals {a.arrivals}", flush=True)
     for reset in resets:
         base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed,
                                                                  context_reset_prob=reset)))
         trace = tile_trace(base, a.tile, a.tile_mode)
+        print(f"# report-like agentic trace, reset {reset:g}: {len(trace)} requests, "
+              f"{tiling_label(a.tile, a.tile_mode)}, {arrivals_label(trace, a.arrivals)}", flush=True)
         rates = per_request_hit_rates(base)
         h = round(sum(rates) / len(rates), 3)
         hits.append(h)
@@ -282,7 +287,7 @@ def wins_map(a) -> int:
     bar.close()
     os.makedirs(a.out, exist_ok=True)
     out = dict(model=a.model, n=a.n, tile=a.tile, tile_mode=a.tile_mode, rate=round(offered_rps(trace), 2),
-               arrivals=a.arrivals, resets=resets,
+               arrivals=effective_arrivals(trace, a.arrivals), resets=resets,
                sla=asdict(sla), target=a.target, hits=hits, gbps=gbps, cells=cells)
     stem = "sim_wins_map" + ("" if a.arrivals == "open" else f"_{a.arrivals}") + _tile_tag(a)
     with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
@@ -329,7 +334,7 @@ def plot_map(d: dict, path: str) -> str:
     fig.colorbar(im, ax=axes, label="PDD's cost / baseline's - 1 (green: PDD cheaper)", shrink=0.85)
     fig.suptitle(f"Cheapest fleet meeting {d['target']:.0%} SLA: {d['model']}, report-like agentic trace x{d['tile']} "
                  f" {d.get('tile_mode', 'lockstep')} (~{d['rate']:g} r/s session starts x turns; fewer hits = more "
-                 f"context resets), arrivals {d.get('arrivals', 'open')}, WAN lease in the cost", fontsize=10)
+                 f"context resets), {_arrivals(d)}, WAN lease in the cost", fontsize=10)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -356,8 +361,9 @@ def placement(a) -> int:
             for name in ("pd_same_dc", PDD):
                 cfg = with_counts(by[name], n_p, n_r if name == PDD else 0, n_m if name == PDD else n_m + n_r)
                 s = run_scenario(cfg, trace, sla, arrivals=a.arrivals)
-                rows.append(dict(trace=label, tile=tiles[label], tile_mode=a.tile_mode, arrivals=a.arrivals, rule=rule,
-                                 design=name, mix=[n_p, n_r, n_m], **_short(s)))
+                rows.append(dict(trace=label, tile=tiles[label], tile_mode=a.tile_mode,
+                                 arrivals=effective_arrivals(trace, a.arrivals), rule=rule, design=name,
+                                 mix=[n_p, n_r, n_m], **_short(s)))
                 bar.update()
     bar.close()
     os.makedirs(a.out, exist_ok=True)
@@ -365,7 +371,8 @@ def placement(a) -> int:
     with open(os.path.join(a.out, f"sim_p_rules{sfx}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     for label, trace in traces.items():
-        print(f"# {label}: {len(trace)} requests, {tiling_label(tiles[label], a.tile_mode)}, arrivals {a.arrivals}")
+        print(f"# {label}: {len(trace)} requests, {tiling_label(tiles[label], a.tile_mode)}, "
+              f"{arrivals_label(trace, a.arrivals)}")
     print("| trace, fleet | design | " + " | ".join(P_PLACEMENTS) + " |")
     print("|---|---|" + "---|" * len(P_PLACEMENTS))
     for label in traces:
@@ -393,11 +400,11 @@ def staging(a) -> int:
         for share in shares:
             s = run_scenario(replace(by[name], md_staging_bytes=share * pool), trace, sla, arrivals=a.arrivals)
             rows.append(dict(design=name, share=share, gib=share * pool / 2 ** 30, tile=a.tile, tile_mode=a.tile_mode,
-                             arrivals=a.arrivals, **_short(s)))
+                             arrivals=effective_arrivals(trace, a.arrivals), **_short(s)))
             bar.update()
     bar.close()
     print(f"# agentic_report{a.n}x{a.tile}: {len(trace)} requests, {tiling_label(a.tile, a.tile_mode)}, "
-          f"arrivals {a.arrivals}; {a.prefill} P / {a.rld} RLD / {a.md} MD, WAN {a.wan_gbps:g} Gbps")
+          f"{arrivals_label(trace, a.arrivals)}; {a.prefill} P / {a.rld} RLD / {a.md} MD, WAN {a.wan_gbps:g} Gbps")
     print(f"| design | budget (share of MD's pool) | SLA % | TTFT p90 s | stall p99 ms | waited | refused | "
           f"MD hit | WAN util |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -27,7 +27,7 @@ from .report import format_table
 from .rldsweep import choose_default, rld_admission_sweep
 from .scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios
 from .sizing import offered_rps, size_cluster, size_designs
-from .traces import TILE_MODES, tile_trace, tiling_label
+from .traces import TILE_MODES, arrivals_label, effective_arrivals, tile_trace, tiling_label
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -139,14 +139,15 @@ def _trace(a) -> (str, List[TraceRequest]):
 
 def _setup(a, label: str, trace) -> dict:
     """What the results were run on, in every JSON the commands write."""
-    return dict(trace=label, requests=len(trace), tile=a.tile, tile_mode=a.tile_mode, arrivals=a.arrivals,
-                rate_scale=a.rate_scale)
+    return dict(trace=label, requests=len(trace), tile=a.tile, tile_mode=a.tile_mode,
+                arrivals=effective_arrivals(trace, a.arrivals), arrivals_requested=a.arrivals, rate_scale=a.rate_scale)
 
 
 def _header(a, label: str, trace, rate: bool = True) -> str:
     """The trace line every command prints: the trace, its tiling and how it arrives."""
     scale = f" x{a.rate_scale:g} rate" if rate else ""
-    return f"{label}: {len(trace)} requests{scale}, {tiling_label(a.tile, a.tile_mode)}, arrivals {a.arrivals}"
+    return (f"{label}: {len(trace)} requests{scale}, {tiling_label(a.tile, a.tile_mode)}, "
+            f"{arrivals_label(trace, a.arrivals)}")
 
 
 def _base_trace(a) -> (str, List[TraceRequest]):
@@ -194,7 +195,7 @@ def _print_offered(a, trace, summaries) -> None:
     """With turns following answers a design's offered rate is its own; it matches the trace's
     only over many session lifetimes (a few long sessions are nearly a fixed population, and a
     slower design then gets less load). Printed so that a verdict resting on it shows."""
-    if a.arrivals != "sessions" or not summaries:
+    if effective_arrivals(trace, a.arrivals) != "sessions" or not summaries:
         return
     print(f"offered r/s, turns after answers (the trace at its timestamps: {offered_rps(trace, a.rate_scale):.2f}): "
           + ", ".join(f"{s.scenario} {s.offered_rps:.2f}" for s in summaries))

@@ -68,3 +68,27 @@ def tile_trace(trace: Sequence[TraceRequest], copies: int, mode: str = "spread")
 def tiling_label(copies: int, mode: str) -> str:
     """How a trace was tiled, as every printed summary names it."""
     return "not tiled" if copies <= 1 else f"tiled {copies}x {mode}"
+
+
+def has_sessions(trace: Sequence[TraceRequest]) -> bool:
+    """Does some session have a next turn? Only then do turns following answers
+    (arrivals="sessions") differ from replaying every request at its trace time."""
+    seen = set()
+    for r in trace:
+        if r.session_id is not None:
+            if r.session_id in seen:
+                return True
+            seen.add(r.session_id)
+    return False
+
+
+def effective_arrivals(trace: Sequence[TraceRequest], arrivals: str) -> str:
+    """What a run asked for `arrivals` does with this trace: without sessions, open loop."""
+    return arrivals if has_sessions(trace) else "open"
+
+
+def arrivals_label(trace: Sequence[TraceRequest], arrivals: str) -> str:
+    """How the trace arrives, as every printed summary names it."""
+    if effective_arrivals(trace, arrivals) == "sessions":
+        return "arrivals sessions (turns follow answers)"
+    return "open loop" if arrivals == "open" else "open loop (the trace has no sessions)"

@@ -1,11 +1,14 @@
 """How a trace arrives: with arrivals="sessions" a session's next turn follows the previous
 turn's answer and its think time, session starts keep their trace times for every design, and
-a trace without sessions replays exactly as open loop."""
+a trace without sessions replays exactly as open loop, and every summary says so."""
 
+import json
 from dataclasses import asdict, replace
 
 import pytest
 
+from benchmarks.sim_round4 import headline_markdown
+from sglang_pdd.sim.cli import main
 from sglang_pdd.sim.cluster import Simulation, run_scenario
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
@@ -117,3 +120,37 @@ def test_sizing_replays_sessions_by_default():
     mix = with_counts(cfg, best.n_prefill, best.n_rld, best.n_md)
     assert _same(best.summary, run_scenario(mix, TRACE, arrivals="sessions"))
     assert not _same(best.summary, run_scenario(mix, TRACE, arrivals="open"))
+
+
+def _write(path, trace):
+    path.write_text("".join(tr.to_json() + "\n" for tr in trace))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", [["compare", "--prefill", "1", "--md", "1"],
+                                     ["size", "--scenario", "pd_same_dc", "--prefill-range", "1:2", "--md-max", "2"],
+                                     ["sweep", "--scenarios", "pd_same_dc", "--scales", "1"],
+                                     ["rld-sweep", "--prefill", "1", "--rld", "1", "--md", "1", "--values", "4"]])
+def test_a_trace_without_sessions_is_printed_as_open_loop(command, tmp_path, capsys):
+    """Whatever --arrivals asked, a trace without sessions replays open loop, and says so."""
+    flat = _write(tmp_path / "flat.jsonl", [replace(tr, session_id=None) for tr in TRACE[:120]])
+    sessions = _write(tmp_path / "sessions.jsonl", TRACE[:120])
+    for path, want, asked in ((flat, "open loop", "sessions"), (flat, "open loop", "open"),
+                              (sessions, "arrivals sessions", "sessions"), (sessions, "open loop", "open")):
+        main([*command, "--trace", path, "--arrivals", asked, "--out", str(tmp_path)])
+        out = capsys.readouterr().out
+        head = next(ln for ln in out.splitlines() if ln.startswith("# "))
+        assert want in head, (path, asked, head)
+        if want == "open loop":
+            assert "arrivals sessions" not in out and "turns after answers" not in out
+    if command[0] == "compare":
+        rows = json.loads((tmp_path / "compare_flat.jsonl.json").read_text())
+        assert {r["setup"]["arrivals"] for r in rows} == {"open"}
+
+
+def test_the_headline_says_open_loop_unless_its_turns_followed_answers():
+    table = dict(trace="t", requests=1, model="m", wan_gbps=20.0, mla_kernel="flashmla", fleet={}, target=0.9,
+                 same_fleet={}, knees={}, sized={}, verdicts=[])
+    assert "open loop" in headline_markdown(dict(table, arrivals="open"))
+    assert "open loop" in headline_markdown(table)  # the earliest results replayed open loop
+    assert "arrivals sessions" in headline_markdown(dict(table, arrivals="sessions"))
