@@ -44,7 +44,8 @@ from typing import Optional
 # requests in flight crossed the busy mark early and 71-87% went P->MD, whose users then
 # waited for the WAN (stall p99 ~4 s, SLA 82.5%). The report-like agentic trace gave no choice
 # (open loop, every value collapsed). About half the RLD's batch cap; scale it with a smaller
-# RLD (docs/sim-notebook.md, "RLD admission").
+# RLD (docs/sim-notebook.md, "RLD admission"). Measured with the relay-first rule; in fit mode
+# it only moves the share between p_md_share_idle and 1.
 RLD_MAX_RUNNING_DEFAULT = 256
 
 

@@ -1,7 +1,8 @@
 """The router's RLD admission (`--rld-max-running`) swept on one fleet and trace.
 
-It is RLD's load in the path decision: the load-aware WAN budget is 0 while RLD's flows in
-flight are under half of it and the whole TTFT slack above 0.9 of it (router/policy.py). A
+It is RLD's load in the path decision: the load-aware WAN budget is the idle share of the TTFT
+slack (0 in relay_first mode, --p-md-share-idle in fit mode) while RLD's flows in flight are
+under half of it and the whole slack above 0.9 of it (router/policy.py). A
 small value makes RLD look busy early, so more requests go P -> MD: less RLD work, but their
 users wait between P's first token and MD's second for the registration and the KV (the
 switch stall). A large value keeps every request on RLD first: small stalls, and RLD decodes
