@@ -6,6 +6,11 @@ Ids chain over the prefix: the same id at the same position means the same prefi
 and including that block, so a cache keyed by block id sees exactly the reuse a radix
 cache would. Optional ``session_id`` / ``turn`` fields are kept when present.
 
+What the gap between two turns of a session is: in a recorded trace, arrival to arrival,
+so the previous answer's time is inside it; the generator here draws each gap as think time
+alone (a tool's run, a user's typing), counted from the previous answer's end, and marks its
+requests ``"gap_after_answer": true``. The simulator replays each kind as what it is.
+
 Everything here is plain data and iterators so the simulator and the real-server
 benchmarks read the same requests.
 """
@@ -31,6 +36,9 @@ class TraceRequest:
     hash_ids: Tuple[int, ...]
     session_id: Optional[int] = None
     turn: int = 0
+    # The gap from this session's previous turn is think time counted from that turn's answer
+    # (a generator's); False: a recorded arrival-to-arrival gap, the answer's time inside it.
+    gap_after_answer: bool = False
 
     def to_json(self) -> str:
         d = {
@@ -42,6 +50,8 @@ class TraceRequest:
         if self.session_id is not None:
             d["session_id"] = self.session_id
             d["turn"] = self.turn
+            if self.gap_after_answer:
+                d["gap_after_answer"] = True
         return json.dumps(d)
 
 
@@ -54,6 +64,7 @@ def parse_trace_line(line: str) -> TraceRequest:
         hash_ids=tuple(int(h) for h in d.get("hash_ids", ())),
         session_id=d.get("session_id"),
         turn=int(d.get("turn", 0)),
+        gap_after_answer=bool(d.get("gap_after_answer", False)),
     )
 
 
@@ -120,7 +131,9 @@ class AgenticTraceConfig:
     first_user_tokens: Tuple[int, int] = (500, 4000)
     tool_result_tokens: Tuple[int, int] = (200, 3000)  # new tokens appended per turn
     output_tokens: Tuple[int, int] = (20, 400)  # tool calls and short answers
-    think_time_s: float = 4.0  # mean gap between a turn and the next (tool runtime etc.)
+    # mean think time between a turn's answer and the next turn (tool runtime etc.): the gap
+    # between the two timestamps, counted from the answer when replayed (gap_after_answer)
+    think_time_s: float = 4.0
     # Long-input short-output outliers (e.g. "classify this document"): own prefix, no reuse.
     outlier_fraction: float = 0.02
     outlier_input_tokens: Tuple[int, int] = (40_000, 120_000)
@@ -189,6 +202,10 @@ def generate_agentic_trace(cfg: AgenticTraceConfig) -> Iterator[TraceRequest]:
     carry over with the same ids; the last, partial block changes content and gets a fresh
     id (the "tail chunk" no cache can reuse). Sessions are generated lazily from a heap, so
     memory is bounded by the number of live sessions, not the trace length.
+
+    Turn k+1's timestamp is turn k's plus a think time: the generator knows no answer time,
+    so the gap is think time alone and every request says so (``gap_after_answer``): a
+    replay with turns following answers counts it from the answer's end.
     """
     rng = random.Random(cfg.seed)
     ids = _IdAllocator()
@@ -227,7 +244,7 @@ def generate_agentic_trace(cfg: AgenticTraceConfig) -> Iterator[TraceRequest]:
         if isinstance(state, tuple):  # outlier
             n_in = rng.randint(*cfg.outlier_input_tokens)
             yield TraceRequest(round(t_ms, 3), n_in, rng.randint(*cfg.outlier_output_tokens),
-                               tuple(ids.take(blocks_for(n_in))), state[1], 0)
+                               tuple(ids.take(blocks_for(n_in))), state[1], 0, gap_after_answer=True)
             emitted += 1
             continue
         n_in = state["tokens"] + state["new"]
@@ -236,7 +253,8 @@ def generate_agentic_trace(cfg: AgenticTraceConfig) -> Iterator[TraceRequest]:
         full_ids = kept + ids.take(full - len(kept))
         partial = ids.take(1) if n_in % BLOCK_TOKENS else []
         n_out = rng.randint(*cfg.output_tokens)
-        yield TraceRequest(round(t_ms, 3), n_in, n_out, tuple(full_ids + partial), state["sid"], state["turn"])
+        yield TraceRequest(round(t_ms, 3), n_in, n_out, tuple(full_ids + partial), state["sid"], state["turn"],
+                           gap_after_answer=True)
         emitted += 1
         state["turn"] += 1
         if state["turn"] < state["turns"]:

@@ -44,9 +44,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="replay arrivals this many times faster (2 = twice the offered load)")
     p.add_argument("--arrivals", choices=ARRIVALS, default="sessions",
-                   help="sessions (default): session starts at their trace times, each next turn its think time "
-                        "after the previous turn's answer; open: every request at its trace time, answered or not "
-                        "(a trace without sessions replays the same either way)")
+                   help="sessions (default): session starts at their trace times, no next turn before the "
+                        "previous turn's answer (a recorded gap kept, a generator's think time counted from the "
+                        "answer); open: every request at its trace time, answered or not (a trace without sessions "
+                        "replays the same either way)")
     p.add_argument("--limit", type=int, help="use only the first N requests of --trace")
     p.add_argument("--tile", type=int, default=1, metavar="K",
                    help="K copies of the trace side by side (other users: own prefixes and sessions), K times "

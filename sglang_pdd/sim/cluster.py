@@ -79,8 +79,9 @@ _LENGTH = {"type": "length"}  # SGLang's finish_reason when the output budget is
 
 KINDS = ("pd", "xdc", "pdd")
 # How a trace's requests arrive (Simulation.run): "sessions" = session starts at their trace
-# times, each next turn its think time after the previous one finished; "open" = every request
-# at its trace time, answered or not (the old replay; the same for a trace without sessions).
+# times, each next turn after the previous one finished (its recorded gap kept, or a
+# generator's think time after the answer); "open" = every request at its trace time,
+# answered or not (the old replay; the same for a trace without sessions).
 ARRIVALS = ("sessions", "open")
 P_PLACEMENTS = ("router", "flows", "backlog", "round_robin")
 
@@ -304,7 +305,7 @@ class Simulation:
         self.md_input_tokens = 0
         self._trace = None
         self._t0 = None
-        self._next_turn = {}  # id(turn) -> (next turn, think time): arrivals="sessions"
+        self._next_turn = {}  # id(turn) -> (next turn, gap in s): arrivals="sessions"
         # MD staging (every design that lands KV on MD): bytes of rooms in flight per MD,
         # transfers waiting for room (no RLD to fall back on), landed requests waiting for MD
         # to admit a handoff.
@@ -323,10 +324,12 @@ class Simulation:
     def run(self, requests: Iterable[TraceRequest], arrivals: str = "open") -> Summary:
         """arrivals (ARRIVALS): "open" replays every request at its trace time. "sessions":
         session starts (first turns, and requests without a session) keep their trace times,
-        and each next turn arrives its think time (the gap between the two turns' timestamps
-        in the trace) after the previous turn *finished*, as an agent or a chat user does: no
-        turn can arrive before the answer it extends. A trace without sessions replays the
-        same either way."""
+        and no next turn arrives before the answer it extends, as an agent or a chat user
+        waits for it. The gap between two turns' timestamps is kept as what it is: a recorded
+        gap (arrival to arrival, the answer's time inside it) puts the next turn that gap
+        after the previous turn's arrival, or at the answer's end if the answer came later; a
+        generator's gap (`gap_after_answer`: think time alone) puts it that gap after the
+        answer's end. A trace without sessions replays the same either way."""
         if arrivals not in ARRIVALS:
             raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         if arrivals == "sessions":
@@ -877,9 +880,9 @@ class Simulation:
         gap = r.max_gap if r.stall != r.stall else max(r.max_gap, r.stall)  # stall NaN: no switch
         log.max_gap.append(gap if out > 1 else float("nan"))
         nxt = self._next_turn.pop(id(r.tr), None)
-        if nxt is not None:  # arrivals="sessions": the session's next turn after its think time
-            tr, think_s = nxt
-            self.loop.at(t_done + think_s, self._route, tr)
+        if nxt is not None:  # arrivals="sessions": the session's next turn, never before this answer
+            tr, gap_s = nxt
+            self.loop.at(t_done + gap_s if tr.gap_after_answer else max(r.arrival + gap_s, t_done), self._route, tr)
 
 
 def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla(),

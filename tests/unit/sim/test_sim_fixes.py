@@ -184,7 +184,7 @@ def test_rate_scale_compresses_arrivals_and_goodput_follows_offered_load():
 def test_closed_loop_turns_wait_for_the_previous_answer():
     cfg = standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=1, n_rld=1, n_md=1))[0]
     sess = [TraceRequest(0.0, 8192, 300, tuple(range(16)), 7, 0),
-            TraceRequest(100.0, 8704, 10, tuple(range(17)), 7, 1)]  # 0.1 s think time
+            TraceRequest(100.0, 8704, 10, tuple(range(17)), 7, 1, gap_after_answer=True)]  # 0.1 s think time
     sim = Simulation(cfg)
     sim.run(sess, arrivals="sessions")
     first_done = sim.log.arrival[0] + sim.log.e2e[0]
