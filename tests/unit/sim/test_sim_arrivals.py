@@ -3,75 +3,26 @@ turn's answer and its think time, session starts keep their trace times for ever
 a trace without sessions replays exactly as open loop, and every summary says so."""
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 
 from benchmarks.sim_round4 import headline_markdown
 from sglang_pdd.sim.cli import main
-from sglang_pdd.sim.cluster import Simulation, run_scenario
-from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
+from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.metrics import Sla
-from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
+from sglang_pdd.sim.scenarios import with_counts
 from sglang_pdd.sim.sizing import size_cluster
-from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
-
-# Sessions arriving faster than one P and one MD serve them: open loop, turns pile up behind
-# their predecessors.
-TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=300, seed=3, session_rate_per_s=1.5,
-                                                       outlier_fraction=0.03)))
-SLOW_WAN = LinkProfile("wan", gbps=5.0, one_way_latency_s=0.02, jitter_s=0.0)
-
-
-def _designs():
-    return standard_scenarios(ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=1, n_rld=1, n_md=1, wan=SLOW_WAN))
-
-
-class Recorder(Simulation):
-    """Keeps each request's trace entry, arrival and end."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.seen = []
-
-    def _finish(self, t_done, r, rld_tokens):
-        self.seen.append((r.tr, r.arrival, t_done))
-        super()._finish(t_done, r, rld_tokens)
-
-
-def _same(a, b):
-    """Summaries equal field by field (repr: NaN equals NaN)."""
-    return repr(asdict(a)) == repr(asdict(b))
-
-
-def _run(cfg, trace, arrivals, rate_scale=1.0):
-    sim = Recorder(cfg, Sla(), rate_scale)
-    sim.run(trace, arrivals)
-    assert len(sim.seen) == len(trace)
-    return sim.seen
-
-
-def _by_session(seen):
-    out = {}
-    for tr, arrival, done in seen:
-        if tr.session_id is not None:
-            out.setdefault(tr.session_id, []).append((tr, arrival, done))
-    return {s: sorted(v, key=lambda x: x[0].timestamp_ms) for s, v in out.items()}
-
-
-def _early_turns(seen):
-    """Turns that arrived before the turn they extend had been answered."""
-    return sum(1 for turns in _by_session(seen).values() for prev, nxt in zip(turns, turns[1:])
-               if nxt[1] < prev[2] - 1e-9)
+from tests.support.sim_sessions import TRACE, by_session, designs, early_turns, run, same, write_trace
 
 
 @pytest.mark.parametrize("name", ["pd_same_dc", "xdc_pd", "pdd_drc_adaptive"])
 def test_a_turn_never_arrives_before_its_predecessor_was_answered(name):
-    cfg = {c.name: c for c in _designs()}[name]
-    assert _early_turns(_run(cfg, TRACE, "open")) > 10  # the trace does send turns early open loop
-    seen = _run(cfg, TRACE, "sessions")
-    assert _early_turns(seen) == 0
-    for turns in _by_session(seen).values():
+    cfg = {c.name: c for c in designs()}[name]
+    assert early_turns(run(cfg, TRACE, "open")) > 10  # the trace does send turns early open loop
+    seen = run(cfg, TRACE, "sessions")
+    assert early_turns(seen) == 0
+    for turns in by_session(seen).values():
         for (prev_tr, _, prev_done), (tr, arrival, _) in zip(turns, turns[1:]):
             think = (tr.timestamp_ms - prev_tr.timestamp_ms) / 1e3
             assert arrival == pytest.approx(prev_done + think)
@@ -90,9 +41,9 @@ def _starts(seen):
 def test_every_design_sees_the_same_session_starts_and_rate_scale_scales_them():
     t0 = TRACE[0].timestamp_ms
     later = {}
-    for cfg in _designs():
+    for cfg in designs():
         for k in (1.0, 2.0):
-            seen = _run(cfg, TRACE, "sessions", k)
+            seen = run(cfg, TRACE, "sessions", k)
             starts = _starts(seen)
             assert len(starts) == len({tr.session_id for tr in TRACE})
             assert [a for a, _ in starts] == pytest.approx([(ts - t0) / 1e3 / k for _, ts in starts])
@@ -104,27 +55,22 @@ def test_every_design_sees_the_same_session_starts_and_rate_scale_scales_them():
 
 def test_a_trace_without_sessions_replays_exactly_as_open_loop():
     flat = [replace(tr, session_id=None) for tr in TRACE]
-    for cfg in _designs():
-        assert _same(run_scenario(cfg, flat, arrivals="sessions"), run_scenario(cfg, flat, arrivals="open"))
+    for cfg in designs():
+        assert same(run_scenario(cfg, flat, arrivals="sessions"), run_scenario(cfg, flat, arrivals="open"))
 
 
 def test_unknown_arrivals_is_refused():
     with pytest.raises(ValueError):
-        run_scenario(_designs()[0], TRACE, arrivals="closed")
+        run_scenario(designs()[0], TRACE, arrivals="closed")
 
 
 def test_sizing_replays_sessions_by_default():
-    cfg = {c.name: c for c in _designs()}["xdc_pd_drc"]
+    cfg = {c.name: c for c in designs()}["xdc_pd_drc"]
     best = size_cluster(cfg, TRACE, Sla(), 0.5, [1, 2], [0], 2)
     assert best is not None
     mix = with_counts(cfg, best.n_prefill, best.n_rld, best.n_md)
-    assert _same(best.summary, run_scenario(mix, TRACE, arrivals="sessions"))
-    assert not _same(best.summary, run_scenario(mix, TRACE, arrivals="open"))
-
-
-def _write(path, trace):
-    path.write_text("".join(tr.to_json() + "\n" for tr in trace))
-    return str(path)
+    assert same(best.summary, run_scenario(mix, TRACE, arrivals="sessions"))
+    assert not same(best.summary, run_scenario(mix, TRACE, arrivals="open"))
 
 
 @pytest.mark.parametrize("command", [["compare", "--prefill", "1", "--md", "1"],
@@ -133,8 +79,8 @@ def _write(path, trace):
                                      ["rld-sweep", "--prefill", "1", "--rld", "1", "--md", "1", "--values", "4"]])
 def test_a_trace_without_sessions_is_printed_as_open_loop(command, tmp_path, capsys):
     """Whatever --arrivals asked, a trace without sessions replays open loop, and says so."""
-    flat = _write(tmp_path / "flat.jsonl", [replace(tr, session_id=None) for tr in TRACE[:120]])
-    sessions = _write(tmp_path / "sessions.jsonl", TRACE[:120])
+    flat = write_trace(tmp_path / "flat.jsonl", [replace(tr, session_id=None) for tr in TRACE[:120]])
+    sessions = write_trace(tmp_path / "sessions.jsonl", TRACE[:120])
     for path, want, asked in ((flat, "open loop", "sessions"), (flat, "open loop", "open"),
                               (sessions, "arrivals sessions", "sessions"), (sessions, "open loop", "open")):
         main([*command, "--trace", path, "--arrivals", asked, "--out", str(tmp_path)])
