@@ -166,6 +166,7 @@ class Record:
     path: str = ""  # PDD: meta_info.pdd
     md_cached_tokens: Optional[int] = None
     handoff_at: Optional[int] = None
+    rld_tokens: Optional[int] = None  # PDD: output tokens RLD made (the router's log)
     router_ttft_s: Optional[float] = None
     fallbacks: list = field(default_factory=list)
     error: Optional[str] = None
@@ -208,6 +209,11 @@ def summarize_cell(records: list[Record], rate: float, sla_ttft_s: float, sla_tp
             s[f"{name}_p{q}"] = pct([getattr(r, key) for r in ok], q)
     s["paths"] = {p: sum(r.path == p for r in ok) for p in sorted({r.path for r in ok if r.path})}
     s["handoffs"] = sum(r.handoff_at is not None for r in ok)
+    # PDD only: the shares the design is judged by, over the requests the router's log names
+    logged = [r for r in ok if r.path]
+    s["p_md_share"] = sum(r.path == "p_md" for r in logged) / len(logged) if logged else None
+    made = sum(r.completion_tokens for r in logged if r.rld_tokens is not None)
+    s["rld_token_share"] = sum(r.rld_tokens or 0 for r in logged) / made if made else None
     s["fallbacks"] = sum(bool(r.fallbacks) for r in ok)
     return s
 
@@ -269,6 +275,7 @@ def annotate_from_router_log(records: list["Record"], entries: list[dict]) -> No
         e = min(cands, key=lambda e: abs(e["logged_at"] - end))
         free.remove(e)
         r.path, r.md_cached_tokens, r.handoff_at = e.get("path", ""), e.get("md_cached"), e.get("handoff_at")
+        r.rld_tokens = e.get("rld_tokens")
         r.router_ttft_s, r.fallbacks = e.get("ttft_s"), list(e.get("fallbacks") or [])
 
 
@@ -595,6 +602,10 @@ def fmt_ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
+def fmt_pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
 def print_table(res: dict) -> None:
     cells, args = res["cells"], res["args"]
     print(f"\nSLA: TTFT <= {args['sla_ttft_ms']:.0f} ms and TPOT <= {args['sla_tpot_ms']:.0f} ms. "
@@ -605,7 +616,7 @@ def print_table(res: dict) -> None:
               f"(DeepSeek-V3 at {info.get('deepseek_v3_gbps', float('nan')):.1f} Gbit/s)")
         print(f"{'rate':>5} {'design':<36} {'TTFT p50':>8} {'p90':>6} {'p99':>6} | {'TPOT p50':>8} {'p90':>5} | "
               f"{'gap p99':>7} | {'SLA %':>5} {'goodput':>7} | {'err':>3} {'held':>4} | {'link MB':>7} | "
-              f"{'cores ours':>10} {'others':>6}  paths")
+              f"{'cores ours':>10} {'others':>6} | {'P->MD':>5} {'RLD tok':>7}  paths")
         for rate in args["rates"]:
             for design in res["designs"]:
                 c = cells.get(cell_key(design, link, rate)) or (cells.get(cell_key(design, args["links"][0], rate))
@@ -617,7 +628,8 @@ def print_table(res: dict) -> None:
                       f"{fmt_ms(c['ttft_p99']):>6} | {fmt_ms(c['tpot_p50']):>8} {fmt_ms(c['tpot_p90']):>5} | "
                       f"{fmt_ms(c['gap_p99']):>7} | {100 * c['sla_attainment']:>5.0f} {c['goodput_rps']:>7.2f} | "
                       f"{c['errors']:>3} {c['held']:>4} | {mb:>7.2f} | {c.get('ours_cores', 0):>10.2f} "
-                      f"{c.get('others_cores', 0):>6.2f}  "
+                      f"{c.get('others_cores', 0):>6.2f} | {fmt_pct(c.get('p_md_share')):>5} "
+                      f"{fmt_pct(c.get('rld_token_share')):>7}  "
                       f"{' '.join(f'{k}:{v}' for k, v in c['paths'].items())}")
     eq = res["equality"]
     print(f"\nGreedy outputs, request by request across designs: {eq['compared']} requests compared, "

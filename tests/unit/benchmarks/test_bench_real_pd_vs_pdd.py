@@ -133,9 +133,9 @@ def test_ttft_is_split_into_stages_from_the_send():
 
 def test_router_log_lines_annotate_requests_by_length_and_end_time():
     lines = ['[2026-12-04 22:49:14] request {"rid": "x1", "path": "p_rld_md", "prompt_tokens": 100, "output_tokens": 2, '
-             '"md_cached": 77, "handoff_at": 1, "ttft_s": 0.07, "fallbacks": ["wan_failed: x"]}',
+             '"md_cached": 77, "handoff_at": 1, "ttft_s": 0.07, "rld_tokens": 2, "fallbacks": ["wan_failed: x"]}',
              '[2026-12-04 22:49:30] request {"rid": "x2", "path": "p_md", "prompt_tokens": 100, "output_tokens": 2, '
-             '"md_cached": 99, "handoff_at": null, "ttft_s": 0.05, "fallbacks": []}',
+             '"md_cached": 99, "handoff_at": null, "ttft_s": 0.05, "rld_tokens": 1, "fallbacks": []}',
              "other line", "[2026-12-04 22:49:30] request {broken"]
     entries = parse_router_requests(lines)
     assert [e["rid"] for e in entries] == ["x1", "x2"]
@@ -146,3 +146,6 @@ def test_router_log_lines_annotate_requests_by_length_and_end_time():
     assert (first.path, first.md_cached_tokens, first.handoff_at, first.fallbacks) == ("p_rld_md", 77, 1, ["wan_failed: x"])
     assert (second.path, second.md_cached_tokens) == ("p_md", 99)
     assert unknown.path == "" and unknown.md_cached_tokens is None
+    # the cell's shares count only requests the log named: 1 of 2 went P->MD, RLD made 3 of 4 tokens
+    s = summarize_cell([first, second, unknown], rate=1.0, sla_ttft_s=0.5, sla_tpot_s=0.1, link_bytes=(0, 0), wall_s=1.0)
+    assert s["p_md_share"] == pytest.approx(0.5) and s["rld_token_share"] == pytest.approx(0.75)
