@@ -270,27 +270,36 @@ def new_output(event: dict, produced: int) -> Optional[int]:
     return n if n > produced else None
 
 
-async def until_stalled(events: AsyncIterator[dict], stall_s: float, what: str) -> AsyncIterator[dict]:
+async def until_stalled(events: AsyncIterator[dict], stall_s: Optional[float], what: str,
+                        first_s: Optional[float] = None, first_past: int = 0) -> AsyncIterator[dict]:
     """``events`` as they come, or TimeoutError once ``stall_s`` of waiting for them passed
     without one carrying a new token: progress is a token, not a byte (a stream kept alive by
-    bytes alone is stalled). Time the consumer spends between events does not count."""
+    bytes alone is stalled). Time the consumer spends between events does not count.
+    ``first_s``: until an event carries more than ``first_past`` output ids (MD's first own
+    token after those it was handed), the wait is bounded by ``first_s`` instead, and events
+    repeating the handed ones are no progress. None: no bound."""
     loop = asyncio.get_running_loop()
-    waited, produced = 0.0, 0
+    waited, produced, first = 0.0, 0, bool(first_s)
     source = events.__aiter__()
     try:
         while True:
             started = loop.time()
+            limit = first_s if first else stall_s
             try:
-                event = await asyncio.wait_for(source.__anext__(), stall_s - waited)
+                event = await asyncio.wait_for(source.__anext__(), limit - waited if limit else None)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
+                if first:
+                    raise asyncio.TimeoutError(f"{what}: no first token past the {first_past} handed over "
+                                               f"within {first_s:g} s") from None
                 raise asyncio.TimeoutError(f"{what}: no new token within {stall_s:g} s") from None
             grown = new_output(event, produced)
-            if grown is None:
+            if grown is None or (first and grown <= first_past):
                 waited += loop.time() - started
+                produced = grown or produced
             else:
-                waited, produced = 0.0, grown
+                waited, produced, first = 0.0, grown, False
             yield event
     finally:
         await source.aclose()  # its stream closed with this one, not whenever the GC gets to it
@@ -367,14 +376,19 @@ class MainControl:
                                 signer=self.signer, tls=self.tls)
 
     def handoff_stream(self, room: int, body: HandoffRequest, max_line_bytes: Optional[int] = None,
-                       stall_timeout_s: Optional[float] = None) -> AsyncIterator[dict]:
+                       stall_timeout_s: Optional[float] = None,
+                       first_token_timeout_s: Optional[float] = None) -> AsyncIterator[dict]:
         """The final handoff: MD continues the request; yields its stream events, each at most
         ``max_line_bytes`` (default: what the handoff's own fields allow for a prompt of 0 tokens;
         the router passes the bound of the whole request). ``stall_timeout_s``: no new token
         from MD for that long (from the call on, its headers included) is a TimeoutError;
-        bytes that carry none (a relay trickling them) do not count."""
+        bytes that carry none (a relay trickling them) do not count. ``first_token_timeout_s``:
+        the same for MD's first token past the handed ``token_ids`` (from the call on)."""
         events = self._handoff_events(room, body, max_line_bytes)
-        return until_stalled(events, stall_timeout_s, f"MD room {room} handoff") if stall_timeout_s else events
+        if not (stall_timeout_s or first_token_timeout_s):
+            return events
+        return until_stalled(events, stall_timeout_s, f"MD room {room} handoff", first_s=first_token_timeout_s,
+                             first_past=len(body.token_ids))
 
     async def _handoff_events(self, room: int, body: HandoffRequest,
                               max_line_bytes: Optional[int]) -> AsyncIterator[dict]:

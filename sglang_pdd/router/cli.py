@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no new token on MD's stream this long after a handoff (the WAN down, MD stopped; "
                         "bytes that carry no token do not count): MD failed, the request goes on from what the "
                         "client has on a new P->RLD leg (0: wait as long as TCP does)")
+    g.add_argument("--md-first-token-timeout-s", type=float, default=FlowConfig.md_first_token_timeout_s,
+                   help="MD's first token after the final handoff not in this long (the client waits for it "
+                        "while RLD's tokens are held back; MD has one extend pass to run): MD failed, and the "
+                        "request goes on from RLD as for --md-stall-timeout-s (0: only that bounds the wait)")
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
                     help="a request still running after this fails with a clear error; all its legs are aborted")
     h = ap.add_argument_group("handoff")
@@ -198,7 +202,8 @@ def flow_config(args) -> FlowConfig:
         handoff=HandoffConfig(catch_up_threshold_tokens=args.catch_up_threshold,
                               fixed_mode=None if args.handoff_mode == "auto" else HandoffMode(args.handoff_mode)),
         wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
-        request_timeout_s=args.request_timeout_s, md_stall_timeout_s=args.md_stall_timeout_s)
+        request_timeout_s=args.request_timeout_s, md_stall_timeout_s=args.md_stall_timeout_s,
+        md_first_token_timeout_s=args.md_first_token_timeout_s)
 
 
 def sglang_argv(args) -> list[str]:

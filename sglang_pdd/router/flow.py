@@ -123,6 +123,12 @@ class FlowConfig:
     # has on a new P->RLD leg. A decode step or the handoff's extend takes far less; TCP alone
     # would wait minutes. 0: wait as long as TCP does.
     md_stall_timeout_s: float = 20.0
+    # MD's first token after the final handoff not in this long (from the call on): MD failed,
+    # as above. Until then the client waits for MD with RLD's tokens held back, and MD has one
+    # extend pass to run (tens of ms on a GPU; up to ~2 s seen on a loaded 2-core CPU machine),
+    # so this bound can be much tighter than the stall timeout's; RLD kept decoding, so giving
+    # up costs the client nothing more. 0: only md_stall_timeout_s bounds it.
+    md_first_token_timeout_s: float = 3.0
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
     # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
     recovery: str = "auto"
@@ -671,8 +677,9 @@ class PddFlow:
         try:
             finished, checked = False, False
             limit = max_event_bytes(len(self.ids) + len(eager), self.max_new, self.extras)
-            async for event in self.control.handoff_stream(self.room, body, limit,
-                                                           stall_timeout_s=max(self.cfg.md_stall_timeout_s, 0) or None):
+            async for event in self.control.handoff_stream(
+                    self.room, body, limit, stall_timeout_s=max(self.cfg.md_stall_timeout_s, 0) or None,
+                    first_token_timeout_s=max(self.cfg.md_first_token_timeout_s, 0) or None):
                 # Aborted by rid only once MD runs it: an abort that reaches MD's front end while
                 # the request waits there (SGLang then ignores any later abort of that rid) would
                 # be lost. Before that, closing the handoff stream is the abort (MD's control

@@ -9,6 +9,7 @@ room released exactly once, no backend stream left running and no task left behi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -189,6 +190,49 @@ def test_md_silent_mid_stream_is_md_failed_and_the_request_goes_on_from_rld(sile
     assert run.fallbacks[0] == "md_failed" and run.fallbacks[-1].startswith("recovered_on_relay")
     assert run.flow.result.md_tokens == silent_from
     assert leg_rid(run, "m") in run.fakes.aborted_rids("md")
+
+
+@pytest.mark.parametrize("path", ["p_rld_md", "p_md"])
+def test_md_late_first_token_after_the_handoff_is_md_failed_within_its_own_deadline(path):
+    """MD holds its first token after the final handoff (the WAN down for a few seconds, MD
+    stopped) for less than md_stall_timeout_s: the client's stall is bounded by
+    md_first_token_timeout_s, not by the stall timeout. MD counts as failed and the request
+    goes on from RLD as after any MD failure: on P->RLD->MD RLD was still decoding and its
+    held-back tokens flow (no new leg); on P->MD (RLD's leg gave one token) a new P->RLD leg.
+    MD's tokens, sent once it wakes up, are never forwarded: every token once."""
+    knobs = Knobs(md_token_delay_s=0.005)
+    cfg = dataclasses.replace(flow_config() if path == "p_rld_md" else p_md_cfg(),
+                              md_stall_timeout_s=20.0, md_first_token_timeout_s=0.5)
+
+    def md_gave_up(run):
+        return lambda: run.flow.state.md.value == "failed"
+
+    def gates(run):
+        knobs.md_before_ready = emitted_at_least(run, 3 if path == "p_rld_md" else 1)
+
+        async def late_first_token(i, budget):  # MD wakes once the router gave up, or after 5 s
+            if i == 0:
+                with contextlib.suppress(AssertionError):
+                    await wait_until(md_gave_up(run), timeout_s=5)
+
+        async def rld_waits(leg, i):  # RLD still decoding when the router decides on MD's first token
+            if leg == 1 and i == 10:
+                await wait_until(lambda: md_gave_up(run)() or run.flow.state.phase.value == "main", timeout_s=10)
+
+        knobs.md_before_token, knobs.rld_before_token = late_first_token, rld_waits
+
+    run = scenario(knobs, max_new=30, cfg=cfg, gates=gates)
+    assert_invariants(run, 30)
+    r = run.flow.result
+    assert r.fallbacks[0].reason.value == "md_failed" and "first token" in r.fallbacks[0].detail
+    assert r.md_tokens == 0 and r.handoff_at is None and run.flow.stitcher.handoffs_failed == 1
+    assert len(run.fakes.records("md", "handoff")) == 1
+    legs = [g.body["rid"] for g in run.fakes.records("rld", "generate")]
+    if path == "p_rld_md":
+        assert run.fallbacks == ["md_failed"] and legs == [leg_rid(run, "r1")]
+    else:
+        assert run.fallbacks == ["md_failed", "recovered_on_relay:md_failed"]
+        assert legs == [leg_rid(run, "r1"), leg_rid(run, "r2")]
 
 
 def test_md_trickling_bytes_without_tokens_is_a_stall():
