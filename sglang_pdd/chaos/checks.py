@@ -11,6 +11,8 @@
   pages, staged KV and WAN destinations is 0, every flush answered 200, no leak warning in a
   server's log.
 * The router's metrics counted each fault by its kind (``EVIDENCE``).
+* Where a scenario bounds them (``Scenario.bound_gaps``), no client waited between two tokens
+  longer than the router's deadlines for MD allow (``GapBounds``).
 * Nothing is left behind: no process, namespace or veth of the run.
 """
 
@@ -34,14 +36,28 @@ class StreamTracker:
         self.received: list[int] = []  # what that client printed, in order
         self.breaks = 0  # events whose output_ids did not extend the previous event's
         self.events = 0
+        # The longest wait between two events that printed something (after the first: the
+        # time to first token is no gap), when it began (``at`` of the event before it) and how
+        # many tokens the client had printed by then.
+        self.longest_gap_s = 0.0
+        self.gap_began_s: Optional[float] = None
+        self.gap_after = 0
+        self._printed_at: Optional[float] = None
 
-    def feed(self, output_ids: list[int]) -> None:
+    def feed(self, output_ids: list[int], at: Optional[float] = None) -> None:
+        """One event's cumulative output ids; ``at``: when it came (seconds on any clock)."""
         self.events += 1
         n = len(self.last)
         if output_ids[:n] != self.last:
             self.breaks += 1
+        before = len(self.received)
         self.received.extend(output_ids[n:])
         self.last = list(output_ids)
+        if at is None or len(self.received) == before:
+            return
+        if self._printed_at is not None and at - self._printed_at > self.longest_gap_s:
+            self.longest_gap_s, self.gap_began_s, self.gap_after = at - self._printed_at, self._printed_at, before
+        self._printed_at = at
 
 
 def token_errors(received: list[int], reference: list[int], completed: bool) -> tuple[int, int]:
@@ -102,6 +118,14 @@ class RequestRecord:
     path: str = ""
     fallbacks: tuple[str, ...] = ()
     message: str = ""
+    # The longest wait between two tokens (StreamTracker), when it began (seconds after the
+    # load started) and the tokens the client had by then; from meta_info.pdd: the position
+    # MD took over at (None: MD produced nothing the client got) and how long MD's KV took.
+    longest_gap_s: float = 0.0
+    gap_began_s: Optional[float] = None
+    gap_after: int = 0
+    handoff_at: Optional[int] = None
+    wan_ready_s: Optional[float] = None
 
     @property
     def completed(self) -> bool:
@@ -116,6 +140,55 @@ def explained(record: RequestRecord, fired: Iterable[FiredFault]) -> bool:
         return False
     return any(f.kind in doc.during and record.sent_s <= f.recovered_s + FAULT_GRACE_S
                and record.ended_s >= f.started_s for f in fired)
+
+
+# ------------------------------------------------------------------------------ gaps
+@dataclass(frozen=True)
+class GapBounds:
+    """The router's deadlines for MD (its flags, in seconds; 0: off), which bound how long a
+    client waits between two tokens when MD goes quiet."""
+    first_token_s: float = 3.0  # --md-first-token-timeout-s: MD's first token after the final handoff
+    stall_s: float = 20.0  # --md-stall-timeout-s: no new token on MD's stream
+    wan_timeout_s: float = 30.0  # --wan-timeout-s: MD's KV not landed
+
+    @property
+    def handoff_s(self) -> float:
+        """The wait for MD's first token after the final handoff (the stall timeout without
+        its own deadline)."""
+        return self.first_token_s or self.stall_s or float("inf")
+
+
+# What the bounds leave to the machine. A handoff MD missed its first token for: RLD's
+# held-back tokens flow at once, or (P->MD, whose RLD leg gave one token) a new P->RLD leg
+# replays one token: a prefill of <= 96 tokens and a decode step, well under a second on the
+# 2-core machine, plus the router's and client's event handling under load. A stall of MD's
+# committed stream: a new P->RLD leg replays what the client has (up to 48 tokens at tens of
+# ms each on the chaos cluster) before the next token.
+HANDOFF_SLACK_S = 2.0
+RECOVERY_SLACK_S = 5.0
+
+
+def gap_kind(r: RequestRecord) -> str:
+    """Where a request's longest gap lies: ``md_stream`` inside MD's committed stream (or the
+    recovery after it), ``p_md_bridge`` after the one token RLD bridges a P->MD request with
+    (the wait for MD's KV, then the handoff), ``handoff`` anywhere else (the wait for MD's first
+    token after the final handoff; RLD's own decoding)."""
+    if r.handoff_at is not None and r.gap_after > r.handoff_at:
+        return "md_stream"
+    if r.path == "p_md" and r.gap_after <= 1:
+        return "p_md_bridge"
+    return "handoff"
+
+
+def gap_bound(r: RequestRecord, bounds: GapBounds) -> float:
+    """The longest gap the router's deadlines allow this request (its ``gap_kind``)."""
+    kind = gap_kind(r)
+    if kind == "md_stream":
+        return (bounds.stall_s or float("inf")) + RECOVERY_SLACK_S
+    if kind == "p_md_bridge":
+        wan = r.wan_ready_s if r.wan_ready_s is not None else bounds.wan_timeout_s
+        return wan + bounds.handoff_s + HANDOFF_SLACK_S
+    return bounds.handoff_s + HANDOFF_SLACK_S
 
 
 # ------------------------------------------------------------------------------ leaks
@@ -202,6 +275,9 @@ EVIDENCE: dict[FaultKind, tuple[Union[tuple[str, dict], Slower], ...]] = {
     FaultKind.MD_SLOW: (("pdd:fallbacks_total", {"reason": "wan_timeout"}),
                         ("pdd:fallbacks_total", {"reason": "md_rejected"}),
                         ("pdd:fallbacks_total", {"reason": "md_failed"}), SLOW_KV, SLOW_HANDOFF),
+    FaultKind.MD_STOP: (("pdd:fallbacks_total", {"reason": "md_failed"}),
+                        ("pdd:fallbacks_total", {"reason": "wan_timeout"}),
+                        ("pdd:backend_failures_total", {"role": "main"}), SLOW_KV, SLOW_HANDOFF),
 }
 
 
@@ -240,21 +316,32 @@ class Row:
     leftovers: tuple[str, ...] = ()
     connect_retries: int = 0
     paths: dict = field(default_factory=dict)  # path -> completed requests
+    gaps: dict = field(default_factory=dict)  # gap_kind -> the longest gap of that kind (s)
+    over_bound: tuple[str, ...] = ()  # requests whose longest gap exceeded gap_bound
 
     @property
     def passed(self) -> bool:
         return not (self.completed_unequal or self.undocumented or self.duplicated or self.skipped or self.breaks
-                    or self.uncounted or self.leaks or self.leftovers)
+                    or self.uncounted or self.leaks or self.leftovers or self.over_bound)
 
 
 def evaluate(name: str, records: list[RequestRecord], references: Mapping[str, list[int]],
              fired: list[FiredFault], uncounted: Iterable[str] = (), leaked: Iterable[str] = (),
-             leftovers: Iterable[str] = ()) -> Row:
+             leftovers: Iterable[str] = (), gap_bounds: Optional[GapBounds] = None) -> Row:
+    """The row of a scenario; ``gap_bounds``: also check each request's longest gap (gap_bound)."""
     equal = unequal = dup = skip = breaks = retries = 0
     failed: Counter = Counter()
     undocumented: Counter = Counter()
     paths: Counter = Counter()
+    gaps: dict = {}
+    over: list[str] = []
     for r in records:
+        if r.gap_began_s is not None:
+            kind = gap_kind(r)
+            gaps[kind] = round(max(gaps.get(kind, 0.0), r.longest_gap_s), 2)
+            if gap_bounds is not None and r.longest_gap_s > gap_bound(r, gap_bounds):
+                over.append(f"#{r.index} {r.key} waited {r.longest_gap_s:.1f}s after token {r.gap_after} "
+                            f"({kind}, bound {gap_bound(r, gap_bounds):.1f}s) from {r.gap_began_s:.1f}s")
         ref = list(references[r.key])
         d, s = token_errors(list(r.received), ref, r.completed)
         dup, skip, breaks, retries = dup + d, skip + s, breaks + r.breaks, retries + r.connect_retries
@@ -270,7 +357,7 @@ def evaluate(name: str, records: list[RequestRecord], references: Mapping[str, l
             undocumented[r.status] += 1
     return Row(name, len(records), equal, unequal, dict(failed), dict(undocumented), dup, skip, breaks,
                dict(Counter(f.kind.value for f in fired)), tuple(uncounted), tuple(leaked), tuple(leftovers),
-               retries, dict(paths))
+               retries, dict(paths), gaps, tuple(over))
 
 
 HEADER = ("scenario", "requests", "completed equal", "failed with status", "duplicated", "skipped", "leaks",
@@ -287,6 +374,8 @@ def cells(row: Row) -> tuple[str, ...]:
     problems = [*(f"not counted: {u}" for u in row.uncounted), *row.leftovers]
     if row.breaks:
         problems.append(f"{row.breaks} stream breaks")
+    if row.over_bound:
+        problems.append(f"{len(row.over_bound)} waited past the bound")
     verdict = "ok" if row.passed else "FAIL" + (f" ({'; '.join(problems)})" if problems else "")
     return (row.name, str(row.requests), str(row.completed_equal), failed, str(row.duplicated), str(row.skipped),
             str(len(row.leaks)), faults, verdict)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from sglang_pdd.chaos.spec import SCENARIOS, LoadSpec, Scenario, Soak, prompt_pool, scenario
+from sglang_pdd.chaos.spec import SCENARIOS, LoadSpec, Soak, prompt_pool, scenario
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the rows and fired faults here")
     ap.add_argument("--markdown", default=None, help="write the table here")
     ap.add_argument("--plot", default=None, help="the soak's timeline as a PNG")
+    ap.add_argument("--router-arg", action="append", default=[], metavar="FLAG[=VALUE]",
+                    help="one more router flag (repeat it), after the chaos cluster's own: e.g. "
+                         "--router-arg=--md-first-token-timeout-s=0 to measure the router without that deadline")
     return ap.parse_args(argv)
 
 
@@ -51,7 +55,7 @@ def main(argv=None) -> int:
     names = list(SCENARIOS) if args.scenarios == "all" else [] if args.scenarios == "none" else \
         [n for n in args.scenarios.split(",") if n]
     load = LoadSpec(rate_per_s=args.rate, seed=args.seed)
-    plans: list = [Scenario(sc.name, sc.faults, load, sc.tail_s, sc.min_load_s) for sc in map(scenario, names)]
+    plans: list = [dataclasses.replace(sc, load=load) for sc in map(scenario, names)]
     if args.soak_minutes > 0:
         plans.append(Soak(args.soak_minutes * 60, args.seed, load))
     if not plans:
@@ -69,7 +73,8 @@ def main(argv=None) -> int:
         url = args.reference_url or stack.enter_context(reference_server(run_dir, default_model_path()))
         references = reference_outputs(url, pool)  # the reference stops before the cluster starts
     outcomes = []
-    with ChaosCluster(run_dir / "cluster", wan_mbps=args.wan_mbps, netns=not args.no_netns) as ctx:
+    with ChaosCluster(run_dir / "cluster", wan_mbps=args.wan_mbps, netns=not args.no_netns,
+                      router_args=args.router_arg) as ctx:
         for plan in plans:
             outcome = run(ctx, plan, references)
             outcomes.append(outcome)
@@ -78,6 +83,11 @@ def main(argv=None) -> int:
                 print(f"    {line}", flush=True)
             for leak in outcome.row.leaks:
                 print(f"    leak: {leak}", flush=True)
+            if outcome.row.gaps:
+                print("    longest gap between tokens: " + ", ".join(
+                    f"{kind} {s:.2f}s" for kind, s in sorted(outcome.row.gaps.items())), flush=True)
+            for line in outcome.row.over_bound[:12]:
+                print(f"    over the bound: {line}", flush=True)
         wan = ctx.injector.describe_wan()
     leftovers = ctx.leftovers()
     rows = [o.row for o in outcomes]
@@ -89,13 +99,17 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "wan": wan, "leftovers": leftovers, "rate_per_s": args.rate, "seed": args.seed,
+            "router_args": ctx.router_args,
             "rows": [{**asdict(o.row), "passed": o.row.passed, "seconds": round(o.seconds, 1),
                       "fired": [{"kind": f.kind.value, "started_s": round(f.started_s, 2),
                                  "recovered_s": round(f.recovered_s, 2)} for f in o.fired],
                       "requests": [{"index": r.index, "key": r.key, "sent_s": round(r.sent_s, 2),
                                     "ended_s": round(r.ended_s, 2), "status": r.status, "path": r.path,
                                     "fallbacks": list(r.fallbacks), "connect_retries": r.connect_retries,
-                                    "message": r.message[:160]} for r in o.records]} for o in outcomes]},
+                                    "message": r.message[:160], "longest_gap_s": round(r.longest_gap_s, 3),
+                                    "gap_began_s": None if r.gap_began_s is None else round(r.gap_began_s, 2),
+                                    "gap_after": r.gap_after, "handoff_at": r.handoff_at,
+                                    "wan_ready_s": r.wan_ready_s} for r in o.records]} for o in outcomes]},
             indent=1))
     soaks = [o for o, plan in zip(outcomes, plans) if isinstance(plan, Soak)]
     if args.plot and soaks:

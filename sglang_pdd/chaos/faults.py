@@ -40,6 +40,7 @@ class FaultInjector:
         self._targets = {FaultKind.KILL_RLD: topo.relay, FaultKind.KILL_MD: topo.main, FaultKind.KILL_P: topo.prefill}
         self._slow: Optional[threading.Event] = None
         self._slow_thread: Optional[threading.Thread] = None
+        self._stopped = False  # MD_STOP holds MD stopped
 
     @property
     def netns(self) -> bool:
@@ -69,6 +70,9 @@ class FaultInjector:
             self._drain(True)
         elif kind is FaultKind.MD_SLOW:
             self._start_slow_md()
+        elif kind is FaultKind.MD_STOP:
+            self._stopped = True
+            self.cluster.procs.signal(self.cluster.topology.main.name, signal.SIGSTOP)
         else:  # pragma: no cover - a new kind without its I/O
             raise AssertionError(kind)
 
@@ -90,11 +94,15 @@ class FaultInjector:
         elif kind is FaultKind.MD_SLOW:
             self._stop_slow_md()
             self._wait_closed("main", self.cluster.topology.main.url)
+        elif kind is FaultKind.MD_STOP:
+            self._continue_md()
+            self._wait_closed("main", self.cluster.topology.main.url)
         logger.warning("recovered: %s", kind.value)
 
     def cleanup(self) -> None:
         """Whatever a fault left on (an interrupted run): MD running, the link up at its rate."""
         self._stop_slow_md()
+        self._continue_md()
         if self.netns and self.link.plan is not None:
             self._wan_up()
 
@@ -158,6 +166,14 @@ class FaultInjector:
         self._slow.set()
         self._slow_thread.join()
         self._slow = self._slow_thread = None
+        name = self.cluster.topology.main.name
+        if name in self.cluster.procs.procs:
+            self.cluster.procs.signal(name, signal.SIGCONT)
+
+    def _continue_md(self) -> None:
+        if not self._stopped:
+            return
+        self._stopped = False
         name = self.cluster.topology.main.name
         if name in self.cluster.procs.procs:
             self.cluster.procs.signal(name, signal.SIGCONT)

@@ -38,8 +38,10 @@ async def one_request(session, url: str, headers: dict, index: int, prompt: Prom
     tracker = StreamTracker()
 
     def record(status: str, **kw) -> RequestRecord:
+        gap_began = None if tracker.gap_began_s is None else tracker.gap_began_s - t0
         return RequestRecord(index, prompt.key, sent, time.monotonic() - t0, status, tuple(tracker.received),
-                             tracker.breaks, connect_retries=retries, **kw)
+                             tracker.breaks, connect_retries=retries, longest_gap_s=tracker.longest_gap_s,
+                             gap_began_s=gap_began, gap_after=tracker.gap_after, **kw)
 
     while True:
         answered = False
@@ -63,11 +65,12 @@ async def one_request(session, url: str, headers: dict, index: int, prompt: Prom
                         error = event["error"]
                         status, message = f"stream_{error.get('code')}", str(error.get("message"))[:300]
                         continue
-                    tracker.feed(event.get("output_ids", []))
+                    tracker.feed(event.get("output_ids", []), time.monotonic())
                     last = event
                 pdd = (last.get("meta_info") or {}).get("pdd") or {}
                 return record(status, message=message, path=pdd.get("path", ""),
-                              fallbacks=tuple(pdd.get("fallbacks") or ()))
+                              fallbacks=tuple(pdd.get("fallbacks") or ()), handoff_at=pdd.get("handoff_at"),
+                              wan_ready_s=pdd.get("wan_ready_s"))
         except asyncio.TimeoutError:
             return record("timeout")
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:

@@ -10,7 +10,7 @@ from sglang_pdd.chaos.spec import FaultKind
 
 _COLORS = {FaultKind.KILL_RLD: "#d62728", FaultKind.KILL_MD: "#9467bd", FaultKind.KILL_P: "#8c564b",
            FaultKind.WAN_DOWN: "#1f77b4", FaultKind.WAN_SLOW: "#17becf", FaultKind.ROUTER_RESTART: "#7f7f7f",
-           FaultKind.MD_DRAIN: "#bcbd22", FaultKind.MD_SLOW: "#ff7f0e"}
+           FaultKind.MD_DRAIN: "#bcbd22", FaultKind.MD_SLOW: "#ff7f0e", FaultKind.MD_STOP: "#e377c2"}
 
 
 def timeline(outcome, path: Path) -> None:

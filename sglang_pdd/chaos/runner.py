@@ -22,7 +22,8 @@ from typing import Iterable, Optional, Union
 from tqdm import tqdm
 
 from sglang_pdd.chaos import probe
-from sglang_pdd.chaos.checks import (CounterLedger, FiredFault, RequestRecord, Row, counted, evaluate, leaks)
+from sglang_pdd.chaos.checks import (CounterLedger, FiredFault, GapBounds, RequestRecord, Row, counted, evaluate,
+                                     leaks)
 from sglang_pdd.chaos.faults import FaultInjector
 from sglang_pdd.chaos.load import LoadThread, request_body
 from sglang_pdd.chaos.spec import Fault, LoadSpec, Prompt, Scenario, Soak, arrivals, prompt_pool
@@ -43,6 +44,25 @@ ROUTER_ARGS = ["--max-wan-transfer-ms", "100", "--wan-timeout-s", "6", "--health
 # After the load, what servers still hold must be gone within this: MD lets go of a room whose
 # release never reached it when the room expires (2 x --pdd-wan-timeout-s, 60 s by default).
 SETTLE_S = 90.0
+
+
+def gap_bounds(router_args: list[str]) -> GapBounds:
+    """The router's deadlines for MD as these flags set them (the router's defaults else)."""
+    from sglang_pdd.router.flow import FlowConfig
+
+    flags = {}
+    for i, arg in enumerate(router_args):  # "--flag value" and "--flag=value"
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            flags[name] = value if eq else (router_args[i + 1] if i + 1 < len(router_args) else "")
+
+    def flag(name: str, default: float) -> float:
+        return float(flags[name]) if name in flags else default
+
+    cfg = FlowConfig()
+    return GapBounds(first_token_s=flag("--md-first-token-timeout-s", cfg.md_first_token_timeout_s),
+                     stall_s=flag("--md-stall-timeout-s", cfg.md_stall_timeout_s),
+                     wan_timeout_s=flag("--wan-timeout-s", cfg.wan_timeout_s))
 DEFAULT_WAN_MBPS = 2.0
 
 
@@ -96,8 +116,9 @@ class ChaosCluster:
     it started, restarts included (for the leftovers check)."""
 
     def __init__(self, run_dir: Path, model_path: Optional[str] = None, wan_mbps: float = DEFAULT_WAN_MBPS,
-                 netns: bool = True, log=lambda m: print(m, file=sys.stderr)):
+                 netns: bool = True, log=lambda m: print(m, file=sys.stderr), router_args: Iterable[str] = ()):
         self.run_dir, self.wan_mbps, self.want_netns, self.log = Path(run_dir), wan_mbps, netns, log
+        self.router_args = list(ROUTER_ARGS) + list(router_args)  # later flags win
         self.model_path = model_path
         self.link = None
         self.cluster = None
@@ -128,7 +149,7 @@ class ChaosCluster:
             else:
                 topo.wan.rate_gbps, topo.wan.latency_ms = self.wan_mbps / 1000, 20.0
             self.cluster = LocalCluster(self.run_dir, model_path=self.model_path, topology=topo,
-                                        router_args=list(ROUTER_ARGS))
+                                        router_args=list(self.router_args))
             self._stack.callback(self.cluster.stop)
             self._pids = PidLog(self.cluster.procs)
             self.cluster.start()
@@ -234,7 +255,8 @@ def run(ctx: ChaosCluster, plan: Union[Scenario, Soak], references: dict[str, li
         if not counted(fault.kind, before, after, restarts_after - restarts):
             uncounted.append(f"{fault.kind.value} at {fired[i].started_s:.0f}s")
     leaked = settle_and_flush(cluster, offsets)
-    row = evaluate(plan.name, records, references, fired, uncounted, leaked)
+    bounds = gap_bounds(ctx.router_args) if getattr(plan, "bound_gaps", False) else None
+    row = evaluate(plan.name, records, references, fired, uncounted, leaked, gap_bounds=bounds)
     return Outcome(row, records, fired, references, time.monotonic() - started)
 
 

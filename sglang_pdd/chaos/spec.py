@@ -15,6 +15,7 @@ short output take the outlier path (P->RLD only).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import random
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class FaultKind(str, enum.Enum):
     ROUTER_RESTART = "router_restart"  # the router stopped (SIGTERM: it drains) and started again
     MD_DRAIN = "md_drain"  # MD drained (POST /pdd/backends/drain) for hold_s, then undrained
     MD_SLOW = "md_slow"  # MD's processes stopped most of the time (SIGSTOP/SIGCONT) for hold_s
+    MD_STOP = "md_stop"  # MD's processes stopped (SIGSTOP) for the whole hold_s, then continued
 
     @property
     def kills(self) -> bool:
@@ -79,6 +81,10 @@ class Scenario:
     load: LoadSpec = field(default_factory=LoadSpec)
     tail_s: float = 10.0  # load after the last fault recovered
     min_load_s: float = 30.0  # the load runs at least this long
+    # Check each request's longest pause between tokens against the router's deadlines for
+    # MD (checks.GapBounds): a scenario about how long a client waits, not only whether it
+    # gets every token.
+    bound_gaps: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ def arrivals(load: LoadSpec, pool: list[Prompt]) -> Iterator[tuple[float, Prompt
 # meet it; then a tail of load on the recovered cluster.
 _HOLD_S = {FaultKind.KILL_RLD: 5.0, FaultKind.KILL_MD: 5.0, FaultKind.KILL_P: 5.0, FaultKind.WAN_DOWN: 10.0,
            FaultKind.WAN_SLOW: 15.0, FaultKind.ROUTER_RESTART: 0.0, FaultKind.MD_DRAIN: 15.0,
-           FaultKind.MD_SLOW: 15.0}
+           FaultKind.MD_SLOW: 15.0, FaultKind.MD_STOP: 6.0}
 FIRST_FAULT_AFTER_S = 8.0
 
 SCENARIOS: dict[str, Scenario] = {"baseline": Scenario("baseline", ())}
@@ -127,6 +133,21 @@ SCENARIOS.update({kind.value: Scenario(kind.value, (Fault(kind, FIRST_FAULT_AFTE
 SCENARIOS["kill_md_wan_down"] = Scenario("kill_md_wan_down", (
     Fault(FaultKind.KILL_MD, FIRST_FAULT_AFTER_S, _HOLD_S[FaultKind.KILL_MD]),
     Fault(FaultKind.WAN_DOWN, 5.0, _HOLD_S[FaultKind.WAN_DOWN])), tail_s=8.0)
+# How long a client waits when MD goes quiet for a few seconds, shorter than the router's
+# --md-stall-timeout-s (20 s): the WAN down twice for WAN_BLIP_S while the load hands streams to
+# MD (TCP's retransmission backoff can add about as much again before MD's bytes move), and MD
+# stopped three times for MD_STOP_S, so that handoffs sent just before or during a stop wait
+# for MD's first token. Each pause outlasts the router's --md-first-token-timeout-s (3 s) and
+# the checks' slack, so a client waiting for MD's first token for the whole pause fails the row.
+WAN_BLIP_S = 6.0
+MD_STOP_S = _HOLD_S[FaultKind.MD_STOP]
+SCENARIOS["wan_blip"] = Scenario("wan_blip", (
+    Fault(FaultKind.WAN_DOWN, FIRST_FAULT_AFTER_S, WAN_BLIP_S), Fault(FaultKind.WAN_DOWN, 4.0, WAN_BLIP_S)),
+    bound_gaps=True)
+SCENARIOS["md_late_first_token"] = Scenario("md_late_first_token", (
+    Fault(FaultKind.MD_STOP, FIRST_FAULT_AFTER_S, MD_STOP_S), Fault(FaultKind.MD_STOP, 3.0, MD_STOP_S),
+    Fault(FaultKind.MD_STOP, 3.0, MD_STOP_S)), bound_gaps=True)
+SCENARIOS["md_stop"] = dataclasses.replace(SCENARIOS["md_stop"], bound_gaps=True)
 
 
 def scenario(name: str) -> Scenario:
@@ -141,7 +162,7 @@ def scenario(name: str) -> Scenario:
 SOAK_HOLD_RANGE_S = {FaultKind.KILL_RLD: (2.0, 8.0), FaultKind.KILL_MD: (2.0, 8.0), FaultKind.KILL_P: (2.0, 8.0),
                      FaultKind.WAN_DOWN: (3.0, 15.0), FaultKind.WAN_SLOW: (5.0, 20.0),
                      FaultKind.ROUTER_RESTART: (0.0, 0.0), FaultKind.MD_DRAIN: (5.0, 20.0),
-                     FaultKind.MD_SLOW: (5.0, 20.0)}
+                     FaultKind.MD_SLOW: (5.0, 20.0), FaultKind.MD_STOP: (1.0, 8.0)}
 SOAK_GAP_RANGE_S = (3.0, 12.0)
 
 

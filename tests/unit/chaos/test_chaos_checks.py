@@ -4,9 +4,10 @@ import re
 
 import pytest
 
-from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, SLOW_HANDOFF, SLOW_KV, STATUSES, CounterLedger,
-                                     FiredFault, RequestRecord, Slower, StreamTracker, cells, counted, counters,
-                                     evaluate, explained, leaks, table, token_errors)
+from sglang_pdd.chaos.checks import (EVIDENCE, FAULT_GRACE_S, HANDOFF_SLACK_S, RECOVERY_SLACK_S, SLOW_HANDOFF, SLOW_KV,
+                                     STATUSES, CounterLedger, FiredFault, GapBounds, RequestRecord, Slower,
+                                     StreamTracker, cells, counted, counters, evaluate, explained, gap_bound, gap_kind,
+                                     leaks, table, token_errors)
 from sglang_pdd.chaos.spec import ALL_KINDS, FaultKind
 from tests.conftest import REPO_ROOT
 
@@ -49,6 +50,53 @@ def test_a_stream_that_starts_over_is_a_break_and_its_repeated_tokens_duplicates
 ])
 def test_duplicated_and_skipped_tokens_against_the_reference(received, completed, dup, skip):
     assert token_errors(received, REF, completed) == (dup, skip)
+
+
+def test_the_longest_gap_is_between_events_that_print_and_not_the_time_to_first_token():
+    t = StreamTracker()
+    t.feed([], at=100.0)  # an event with nothing new (e.g. meta only): no token, no gap yet
+    t.feed([11], at=105.0)  # the first token 5 s in: a time to first token, not a gap
+    t.feed([11, 12], at=105.5)
+    t.feed([11, 12], at=107.0)  # bytes without a token do not end a gap
+    t.feed([11, 12, 13, 14], at=109.5)  # 4 s after token 2
+    t.feed([11, 12, 13, 14, 15], at=110.0)
+    assert t.longest_gap_s == pytest.approx(4.0) and t.gap_began_s == 105.5 and t.gap_after == 2
+    untimed = stream([11], [11, 12])
+    assert untimed.longest_gap_s == 0.0 and untimed.gap_began_s is None
+
+
+# ------------------------------------------------------------------------------ gaps
+def gapped(gap, after, path="p_rld_md", handoff_at=None, wan_ready_s=None, index=0):
+    return RequestRecord(index, "k", 0.0, 30.0, "200", tuple(REF), path=path, longest_gap_s=gap, gap_began_s=12.0,
+                         gap_after=after, handoff_at=handoff_at, wan_ready_s=wan_ready_s)
+
+
+def test_a_gap_is_sorted_by_where_it_lies_and_bounded_by_the_deadline_that_governs_there():
+    bounds = GapBounds(first_token_s=3.0, stall_s=20.0, wan_timeout_s=6.0)
+    # waiting for MD's first token at the cut (MD took over at 5, or never did): its own deadline
+    for r in (gapped(4.0, 5, handoff_at=5), gapped(4.0, 5), gapped(0.5, 2, path="p_rld_only")):
+        assert gap_kind(r) == "handoff" and gap_bound(r, bounds) == 3.0 + HANDOFF_SLACK_S
+    # inside MD's committed stream (or the recovery after it): the stall timeout
+    r = gapped(7.0, 9, handoff_at=5)
+    assert gap_kind(r) == "md_stream" and gap_bound(r, bounds) == 20.0 + RECOVERY_SLACK_S
+    # after RLD's one bridging token on P->MD: the wait for MD's KV, then the handoff's
+    r = gapped(4.0, 1, path="p_md", handoff_at=1, wan_ready_s=0.8)
+    assert gap_kind(r) == "p_md_bridge" and gap_bound(r, bounds) == pytest.approx(0.8 + 3.0 + HANDOFF_SLACK_S)
+    assert gap_bound(gapped(4.0, 1, path="p_md"), bounds) == 6.0 + 3.0 + HANDOFF_SLACK_S  # KV never landed
+    # without the first-token deadline the stall timeout bounds the wait at the cut too
+    assert gap_bound(gapped(4.0, 5), GapBounds(first_token_s=0.0, stall_s=20.0)) == 20.0 + HANDOFF_SLACK_S
+
+
+def test_a_client_waiting_past_the_bound_fails_a_row_that_bounds_gaps():
+    refs = {"k": REF}
+    records = [gapped(1.0, 3, index=0), gapped(9.0, 5, handoff_at=5, index=1), gapped(12.0, 8, handoff_at=5, index=2)]
+    bounds = GapBounds(first_token_s=3.0, stall_s=20.0)
+    row = evaluate("wan_blip", records, refs, [], gap_bounds=bounds)
+    assert row.gaps == {"handoff": 9.0, "md_stream": 12.0}
+    assert not row.passed and len(row.over_bound) == 1 and row.over_bound[0].startswith("#1 k waited 9.0s")
+    assert "waited past the bound" in cells(row)[-1]
+    assert evaluate("wan_down", records, refs, []).passed  # a scenario that does not bound them reports them only
+    assert evaluate("wan_blip", records, refs, [], gap_bounds=GapBounds(first_token_s=0.0, stall_s=20.0)).passed
 
 
 # ------------------------------------------------------------------------------ statuses

@@ -7,10 +7,12 @@ import pytest
 
 from sglang_pdd.chaos.spec import (ALL_KINDS, SCENARIOS, SOAK_GAP_RANGE_S, SOAK_HOLD_RANGE_S, Fault, FaultKind,
                                    LoadSpec, arrivals, prompt_pool, scenario, soak_faults)
+from sglang_pdd.router.flow import FlowConfig
 
 
 def test_one_scenario_per_fault_kind_and_a_baseline():
-    assert set(SCENARIOS) == {"baseline", "kill_md_wan_down", *(k.value for k in ALL_KINDS)}
+    assert set(SCENARIOS) == {"baseline", "kill_md_wan_down", "wan_blip", "md_late_first_token",
+                              *(k.value for k in ALL_KINDS)}
     assert [f.kind for f in SCENARIOS["kill_md_wan_down"].faults] == [FaultKind.KILL_MD, FaultKind.WAN_DOWN]
     assert SCENARIOS["baseline"].faults == ()
     for kind in ALL_KINDS:  # each kind alone
@@ -24,7 +26,7 @@ def test_one_scenario_per_fault_kind_and_a_baseline():
 
 def test_the_kinds_cover_the_issue_and_only_kills_are_kills():
     assert {k.value for k in ALL_KINDS} == {"kill_rld", "kill_md", "kill_p", "wan_down", "wan_slow",
-                                            "router_restart", "md_drain", "md_slow"}
+                                            "router_restart", "md_drain", "md_slow", "md_stop"}
     assert {k for k in ALL_KINDS if k.kills} == {FaultKind.KILL_RLD, FaultKind.KILL_MD, FaultKind.KILL_P}
 
 
@@ -89,10 +91,27 @@ def test_the_soak_brings_every_kind_once_per_round_within_its_ranges():
         low, high = SOAK_HOLD_RANGE_S[f.kind]
         assert low <= f.hold_s <= high
         assert SOAK_GAP_RANGE_S[0] <= f.after_s <= SOAK_GAP_RANGE_S[1]
-    orders = {tuple(f.kind for f in faults[r * 8:(r + 1) * 8]) for r in range(4)}
+    n = len(ALL_KINDS)
+    orders = {tuple(f.kind for f in faults[r * n:(r + 1) * n]) for r in range(4)}
     assert len(orders) > 1  # shuffled per round
     assert faults == list(itertools.islice(soak_faults(seed=5), len(faults)))
     only = list(itertools.islice(soak_faults(1, (FaultKind.WAN_DOWN,)), 3))
     assert [f.kind for f in only] == [FaultKind.WAN_DOWN] * 3
     with pytest.raises(ValueError):
         next(soak_faults(1, ()))
+
+
+def test_the_pause_scenarios_outlast_the_first_token_deadline_and_not_the_stall_timeout():
+    """wan_blip and md_late_first_token pause MD for longer than the router's deadline for
+    MD's first token plus the checks' slack (a client waiting out the whole pause fails the
+    row), and for less than its stall timeout (only the new deadline can bound the wait)."""
+    from sglang_pdd.chaos.checks import HANDOFF_SLACK_S
+
+    cfg = FlowConfig()
+    blip, late = SCENARIOS["wan_blip"], SCENARIOS["md_late_first_token"]
+    assert {f.kind for f in blip.faults} == {FaultKind.WAN_DOWN} and len(blip.faults) >= 2
+    assert {f.kind for f in late.faults} == {FaultKind.MD_STOP} and len(late.faults) >= 2
+    for fault in blip.faults + late.faults:
+        assert cfg.md_first_token_timeout_s + HANDOFF_SLACK_S < fault.hold_s < cfg.md_stall_timeout_s
+    assert blip.bound_gaps and late.bound_gaps and SCENARIOS["md_stop"].bound_gaps
+    assert not SCENARIOS["wan_down"].bound_gaps and not SCENARIOS["baseline"].bound_gaps
