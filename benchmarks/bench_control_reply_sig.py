@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aiohttp
 
-from sglang_pdd import json_http
+from sglang_pdd import control_gate
 from sglang_pdd.control_auth import ROLE_MD, ControlSigner, ControlVerifier
 from sglang_pdd.protocol import HandoffRequest, RegisterReply
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
@@ -84,17 +84,17 @@ class _Runtime:
 @contextlib.contextmanager
 def reply_signing(on: bool):
     """Off: the server sends no reply signature, the router checks none (what the wire was)."""
-    saved = (json_http.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
+    saved = (control_gate.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
              backends.signed_sse_events)
     if not on:
-        json_http.JsonRequestHandler.reply_signature = lambda self, status, body: {}
+        control_gate.JsonRequestHandler.reply_signature = lambda self, status, body: {}
         ControlVerifier.sign_event = lambda self, request_sig, index, data: None  # no signature line
         backends._check_reply = lambda *args: None
         backends.signed_sse_events = lambda resp, url, signer, header, limit: backends.sse_events(resp, url, limit)
     try:
         yield
     finally:
-        (json_http.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
+        (control_gate.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
          backends.signed_sse_events) = saved
 
 

@@ -257,7 +257,7 @@ class Bench:
                      jitter_ms: float, prompt_tokens: int, n: int, desc: str) -> dict:
         from sglang_pdd.kv_channel.layout import KvLayout
         from sglang_pdd.kv_channel.states import RoomState
-        from sglang_pdd.kv_channel.wan_emulator import WanEmulator
+        from sglang_pdd.launcher.wan_emulator import WanEmulator
         from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
         from sglang_pdd.kv_channel.wan_sender import WanKvSender
 
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
         # second router that reaches MD's control through it (router in datacenter A).
         ctl_listen, ctl_ctl, router2 = free_port(), free_port(), free_port()
         cluster.procs.start("ctl-wan-emulator", [
-            sys.executable, "-m", "sglang_pdd.kv_channel.wan_emulator", "--listen", f"127.0.0.1:{ctl_listen}",
+            sys.executable, "-m", "sglang_pdd.launcher.wan_emulator", "--listen", f"127.0.0.1:{ctl_listen}",
             "--upstream", f"127.0.0.1:{topo.main.control_port}", "--latency-ms", str(args.handoff_latency_ms),
             "--jitter-ms", str(args.jitter_ms), "--rate-gbps", str(args.equiv_gbps),
             "--control", f"127.0.0.1:{ctl_ctl}"], health_url=f"http://127.0.0.1:{ctl_ctl}/stats")

@@ -33,13 +33,13 @@ BEGIN, END = "<!-- import_map: begin (scripts/import_map.py --write) -->", "<!--
 # Lowest first. A package may import its own layer's packages and lower ones, never higher.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("foundation",
-     ("sglang_pdd", "machine", "shared_key", "control_auth", "admission", "protocol", "json_http", "control_api", "workload"),
+     ("sglang_pdd", "machine", "shared_key", "control_auth", "admission", "protocol", "control_gate", "control_api", "workload"),
      "pure and stdlib-near: the state machine kit, the shared key's bound, signed control calls, who may connect before "
-     "authenticating, the control protocol (routes, messages, its one error type), the JSON HTTP "
-     "server they run on, workload traces"),
+     "authenticating, the control protocol (routes, messages, its one error type), the gate every "
+     "control server runs behind, workload traces"),
     ("mechanisms",
      ("kv_channel", "handoff", "radix_drc"),
-     "no SGLang import: the WAN KV channel (wire, handshake, sender, receiver, emulator), handoff "
+     "no SGLang import: the KV channels (wire, handshake, WAN sender and receiver, intra-DC engine), handoff "
      "policy and stitching, MD's room bookkeeping (over kv_channel's layouts)"),
     ("flags",
      ("config",),
@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("tools",
      ("sim", "launcher", "chaos"),
      "built on the services: the simulator reuses the router's policy and placement, the launcher "
-     "starts the servers and the router, chaos fires faults at that cluster under load and checks "
+     "starts the servers, the WAN emulator and the router, chaos fires faults at that cluster under load and checks "
      "what it answered"),
 ]
 

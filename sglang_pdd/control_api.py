@@ -1,15 +1,15 @@
 """The one shape of the stdlib control servers: MD's rooms (sglang_glue/main_drc.py), P's WAN
 destinations (sglang_glue/prefill_control.py) and the WAN emulator's faults
-(kv_channel/wan_emulator.py).
+(launcher/wan_emulator.py).
 
 A control API is an object (``ControlApi``) whose routes are its own bound methods, listed in
 a ``RouteTable`` (protocol.routes). Each is called as ``method(call, query, **path_params)``:
-``call`` is the request being served (json_http.JsonRequestHandler: its ``body`` and
+``call`` is the request being served (control_gate.JsonRequestHandler: its ``body`` and
 ``json_body()``, the server's ``stats()``, and for a relayed stream its connection), ``query``
 the URL's query string. It returns the 200 reply (a protocol message or a dict), or None when
 it answered itself; a ControlError it raises is answered with its status.
 
-``ControlServer`` serves one API behind json_http's gate (connection admission, deadlines,
+``ControlServer`` serves one API behind control_gate's gate (connection admission, deadlines,
 the signature, the body budget), on a thread of its own.
 """
 
@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 
 from sglang_pdd.admission import parse_networks
 from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.json_http import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
+from sglang_pdd.control_gate import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import ControlError, RouteTable
 
 
@@ -61,7 +61,7 @@ class ApiRequestHandler(JsonRequestHandler):
 
 
 class ControlServer:
-    """``api`` on ``address`` (json_http.ControlHTTPServer: at most ``max_connections``, known
+    """``api`` on ``address`` (control_gate.ControlHTTPServer: at most ``max_connections``, known
     peers first, i.e. ``trusted_sources`` or a source that signed a call lately;
     ``max_body_bytes_in_flight`` of bodies read at once; ``names``: the hosts a signed call may
     name, None: the bound address; ``ssl_context``: HTTPS only, client certificates required)."""

@@ -1,7 +1,7 @@
 """Signed control-plane requests: an HMAC-SHA256 header on the shared key (pure, stdlib only).
 
 The router signs every call to MD's and P's control APIs; the servers verify in one place
-(json_http.JsonRequestHandler) before any route runs::
+(control_gate.JsonRequestHandler) before any route runs::
 
     Authorization: PDD-HMAC-SHA256 v=2,ts=<unix seconds>,nonce=<32 hex>,body=<64 hex>,sig=<64 hex>
     body = SHA256(request body) hex
@@ -17,7 +17,7 @@ write without the key (the right shape, a fresh time) costs the server nothing. 
 the request target as sent (path and query), so neither the route, the room id, the query
 (``timeout_s``, ``keep_kv``) nor the body can be changed without the key. HOST is the Host
 header (the authority of the URL the router dialled, lower case): a server accepts only its
-own names (json_http), so a call signed for one MD does not verify on another. The
+own names (control_gate), so a call signed for one MD does not verify on another. The
 timestamp bounds a replay to ``window_s``; within it each nonce is accepted once (bounded
 cache); a nonce leaves the cache only with a timestamp no newer than which anything is
 refused, so a wall clock stepped back does not re-admit it. The control key is derived from

@@ -326,7 +326,7 @@ class Topology:
 def wan_emulator_argv(topo: Topology, rank: int = 0, md: int = 0) -> list[str]:
     """The emulated link to MD ``md``'s rank ``rank`` WAN receiver (``wan_emulator_argvs``: all of them)."""
     wan, main = topo.wans[md], topo.mains[md]
-    argv = [sys.executable, "-m", "sglang_pdd.kv_channel.wan_emulator",
+    argv = [sys.executable, "-m", "sglang_pdd.launcher.wan_emulator",
             "--listen", f"{LOOPBACK}:{wan.listen_port + rank}",
             "--upstream", f"{LOOPBACK}:{main.wan_listen_port + rank}",
             "--latency-ms", str(wan.latency_ms), "--jitter-ms", str(wan.jitter_ms),

@@ -36,7 +36,7 @@ from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context,
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.control_api import ControlApi, ControlServer
-from sglang_pdd.json_http import JsonRequestHandler
+from sglang_pdd.control_gate import JsonRequestHandler
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HealthReply, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
@@ -264,7 +264,7 @@ class MdControlApi(ControlApi):
         return HealthReply()
 
     def stats(self, call: JsonRequestHandler, query: str) -> dict:
-        # control_server: its connections and refusals by kind (json_http.ControlHTTPServer)
+        # control_server: its connections and refusals by kind (control_gate.ControlHTTPServer)
         return {**_guard(self.runtime.stats), "control_server": call.server.stats()}
 
     def register(self, call: JsonRequestHandler, query: str) -> RegisterReply:

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional
 from sglang_pdd.config import PddConfigError, parse_host_port
 from sglang_pdd.control_api import ControlApi, ControlServer
 from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.json_http import JsonRequestHandler
+from sglang_pdd.control_gate import JsonRequestHandler
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, HealthReply, InfoReply, RouteTable,
                                  WanDestinationRequest, bad_request)

@@ -35,7 +35,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, control_names, get_pdd_config,
                                parse_host_port, parse_peer_list)
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
-from sglang_pdd.kv_channel import wan_binding
+from sglang_pdd.sglang_glue import wan_binding
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
@@ -129,7 +129,7 @@ class PddKVSender(MooncakeKVSender):
     The WAN destination is known at bind time (``pdd_wan_peer`` in the request) or comes
     later through P's control API (``pdd_wan_expected``); pages given before it arrives are
     remembered (ids only: P keeps the KV, its release waits for the destination up to
-    ``--pdd-wan-destination-wait-ms``). The WAN binding's state is ``kv_channel/wan_binding.py``'s machine;
+    ``--pdd-wan-destination-wait-ms``). The WAN binding's state is ``sglang_glue/wan_binding.py``'s machine;
     this class feeds it events and performs its actions.
     """
 

@@ -306,11 +306,11 @@ def test_local_topology_wires_the_key_and_the_wan_peer(tmp_path):
 
 
 def test_refusal_warnings_are_rate_limited(caplog):
-    from sglang_pdd.json_http import _RefusalLog
+    from sglang_pdd.control_gate import _RefusalLog
 
     clock = [0.0]
     log = _RefusalLog(burst=3, period_s=10, clock=lambda: clock[0])
-    with caplog.at_level("WARNING", logger="sglang_pdd.json_http"):
+    with caplog.at_level("WARNING", logger="sglang_pdd.control_gate"):
         for i in range(100):
             log.warn("refused %d", i)
         clock[0] = 11

@@ -92,15 +92,16 @@ def test_after_end_must_name_events_of_the_table():
 
 def _machines():
     """Every state machine of the package: (its transition, a state, extra arguments)."""
-    from sglang_pdd.kv_channel import fanout_room, handshake_slot, wan_binding, recv_room, send_room
+    from sglang_pdd.kv_channel import handshake_slot, recv_room, send_room
+    from sglang_pdd.sglang_glue import fanout_room, wan_binding
     from sglang_pdd.radix_drc import room_state
     from sglang_pdd.router import health, lifecycle
     return {
         "router/lifecycle": (lifecycle.transition, lifecycle.State(max_new=4), ()),
         "radix_drc/room_state": (room_state.transition, room_state.MdRoomState(), ()),
         "kv_channel/send_room": (send_room.transition, send_room.start(1, 10, True), ()),
-        "kv_channel/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(shares=1), ()),
-        "kv_channel/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
+        "sglang_glue/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(shares=1), ()),
+        "sglang_glue/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
         "router/health": (health.transition, health.BackendHealth(), (health.HealthConfig(),)),
         "kv_channel/recv_room": (recv_room.transition, recv_room.RecvStatus(), ()),
         "kv_channel/handshake_slot": (handshake_slot.transition, handshake_slot.SlotState(1.0), ()),

@@ -14,7 +14,7 @@ import pytest
 from tests.support.waiting import wait_until
 import torch
 
-from sglang_pdd.kv_channel.fanout_room import DropReason, FanoutPhase
+from sglang_pdd.sglang_glue.fanout_room import DropReason, FanoutPhase
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender

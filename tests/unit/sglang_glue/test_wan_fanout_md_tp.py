@@ -15,7 +15,7 @@ import pytest
 from tests.support.waiting import wait_until
 import torch
 
-from sglang_pdd.kv_channel.fanout_room import DropReason
+from sglang_pdd.sglang_glue.fanout_room import DropReason
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver

@@ -1,11 +1,11 @@
-"""P's WAN binding (kv_channel/wan_binding.py): every path without sockets or SGLang."""
+"""P's WAN binding (sglang_glue/wan_binding.py): every path without sockets or SGLang."""
 
 import pytest
 
 from sglang_pdd.machine import fold
 
-from sglang_pdd.kv_channel import wan_binding
-from sglang_pdd.kv_channel.wan_binding import (RequestAborted, AbortRoom, ForgetDestination, Hold, Initialized, Unbound, OpenRoom, BindingPhase,
+from sglang_pdd.sglang_glue import wan_binding
+from sglang_pdd.sglang_glue.wan_binding import (RequestAborted, AbortRoom, ForgetDestination, Hold, Initialized, Unbound, OpenRoom, BindingPhase,
                                          Polled, Posted, FanoutOpened, FanoutRefused, WaitExpired, Withdrawn)
 
 DEST = "md:1"

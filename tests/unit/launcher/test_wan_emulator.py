@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from sglang_pdd.kv_channel.wan_emulator import TokenBucket, WanEmulator
+from sglang_pdd.launcher.wan_emulator import TokenBucket, WanEmulator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,7 +189,7 @@ def test_only_loopback():
 
 def test_cli_and_control_endpoint(echo):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_pdd.kv_channel.wan_emulator", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "sglang_pdd.launcher.wan_emulator", "--listen", "127.0.0.1:0",
          "--upstream", f"127.0.0.1:{echo.address[1]}", "--rate-gbps", "1", "--latency-ms", "5",
          "--jitter-ms", "1", "--control", "127.0.0.1:0", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},

@@ -40,7 +40,7 @@ From another program::
 
 or as a process (prints one JSON line with the bound addresses, then serves)::
 
-    python -m sglang_pdd.kv_channel.wan_emulator --listen 127.0.0.1:0 \\
+    python -m sglang_pdd.launcher.wan_emulator --listen 127.0.0.1:0 \\
         --upstream 127.0.0.1:PORT --rate-gbps 1 --latency-ms 20 --jitter-ms 2 \\
         --control 127.0.0.1:0
     curl -X POST 'http://127.0.0.1:CTRL/stall?seconds=2'   # /partition /heal /reset
@@ -69,7 +69,7 @@ import urllib.parse
 from typing import Optional
 
 from sglang_pdd.control_api import ControlApi, ControlServer
-from sglang_pdd.json_http import JsonRequestHandler
+from sglang_pdd.control_gate import JsonRequestHandler
 from sglang_pdd.protocol import Route, RouteTable, bad_request
 
 logger = logging.getLogger(__name__)

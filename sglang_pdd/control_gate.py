@@ -1,6 +1,8 @@
-"""The JSON side of the small stdlib HTTP control APIs: MD's rooms and P's WAN destinations
-(inside SGLang scheduler processes, which have no event loop of ours) and the WAN emulator's;
-each is a control_api.ControlApi served by control_api.ControlServer on this module's server.
+"""The control plane's gate: the stdlib HTTP server every control API runs behind (MD's rooms
+and P's WAN destinations, inside SGLang scheduler processes, which have no event loop of ours,
+and the WAN emulator's), and the one request handler that admits, verifies and reads a call
+before a route sees it (JSON in, JSON out). Each API is a control_api.ControlApi, served by
+control_api.ControlServer on this module's server.
 
 Nothing is reserved, buffered or waited on for a peer that has not proved the key:
 
