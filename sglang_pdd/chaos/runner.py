@@ -26,7 +26,7 @@ from sglang_pdd.chaos.checks import (CounterLedger, FiredFault, GapBounds, Reque
                                      leaks)
 from sglang_pdd.chaos.faults import FaultInjector
 from sglang_pdd.chaos.load import LoadThread, request_body
-from sglang_pdd.chaos.spec import Fault, LoadSpec, Prompt, Scenario, Soak, arrivals, prompt_pool
+from sglang_pdd.chaos.spec import MD_BUSY_WAIT_S, Fault, LoadSpec, Prompt, Scenario, Soak, arrivals, prompt_pool
 from sglang_pdd.launcher.http import post_json
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,8 @@ def run(ctx: ChaosCluster, plan: Union[Scenario, Soak], references: dict[str, li
             if soak_s is not None and load.now() + fault.after_s >= soak_s:
                 break
             _sleep_until(load, last_recovered + fault.after_s, bar)
+            if fault.when_md_busy:
+                _wait_md_busy(ctx, fault.when_md_busy, load.now() + MD_BUSY_WAIT_S, load)
             ledger.observe(probe.scrape(topo.router_url))
             windows.append((fault, ledger.snapshot(), ledger.restarts))
             begin = load.now()
@@ -258,6 +260,17 @@ def run(ctx: ChaosCluster, plan: Union[Scenario, Soak], references: dict[str, li
     bounds = gap_bounds(ctx.router_args) if getattr(plan, "bound_gaps", False) else None
     row = evaluate(plan.name, records, references, fired, uncounted, leaked, gap_bounds=bounds)
     return Outcome(row, records, fired, references, time.monotonic() - started)
+
+
+def _wait_md_busy(ctx: ChaosCluster, n: int, until_s: float, load: LoadThread) -> None:
+    """Until the router counts ``n`` requests in flight on MD (its /pdd/backends), or ``until_s``."""
+    topo = ctx.cluster.topology
+    while load.now() < until_s:
+        with contextlib.suppress(OSError, KeyError, TypeError):
+            row = probe.backend_view(topo.router_url, ctx.cluster.operator_headers, topo.main.url)
+            if row is not None and row["inflight"] >= n:
+                return
+        time.sleep(0.05)
 
 
 def _sleep_until(load: LoadThread, at_s: float, bar) -> None:

@@ -39,6 +39,7 @@ class FaultKind(str, enum.Enum):
 
 
 ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
+MD_BUSY_WAIT_S = 20.0  # Fault.when_md_busy: the longest wait for MD's requests
 WAN_SLOWDOWN = 10.0  # WAN_SLOW divides the link's rate by this
 # MD_SLOW: of every MD_SLOW_PERIOD_S, MD's processes are stopped for this share (a noisy
 # neighbour taking most of MD's CPU): MD runs at about a quarter of its speed.
@@ -51,10 +52,13 @@ class Fault:
     kind: FaultKind
     after_s: float  # after the previous fault recovered (the first: after the load started)
     hold_s: float = 0.0  # how long it lasts before it recovers (a killed server: dead before its restart)
+    # Fire only once the router counts this many requests in flight on MD (or MD_BUSY_WAIT_S
+    # after after_s, whichever comes first): a fault meant for streams MD carries meets some.
+    when_md_busy: int = 0
 
     def __post_init__(self):
-        if self.after_s < 0 or self.hold_s < 0:
-            raise ValueError(f"{self.kind.value}: after_s and hold_s must be >= 0")
+        if self.after_s < 0 or self.hold_s < 0 or self.when_md_busy < 0:
+            raise ValueError(f"{self.kind.value}: after_s, hold_s and when_md_busy must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -141,12 +145,14 @@ SCENARIOS["kill_md_wan_down"] = Scenario("kill_md_wan_down", (
 # the checks' slack, so a client waiting for MD's first token for the whole pause fails the row.
 WAN_BLIP_S = 6.0
 MD_STOP_S = _HOLD_S[FaultKind.MD_STOP]
+# Each fires once MD has MD_BUSY requests in flight (streams it carries, handoffs on their way).
+MD_BUSY = 2
 SCENARIOS["wan_blip"] = Scenario("wan_blip", (
-    Fault(FaultKind.WAN_DOWN, FIRST_FAULT_AFTER_S, WAN_BLIP_S), Fault(FaultKind.WAN_DOWN, 4.0, WAN_BLIP_S)),
-    bound_gaps=True)
+    Fault(FaultKind.WAN_DOWN, FIRST_FAULT_AFTER_S, WAN_BLIP_S, MD_BUSY),
+    Fault(FaultKind.WAN_DOWN, 4.0, WAN_BLIP_S, MD_BUSY)), bound_gaps=True)
 SCENARIOS["md_late_first_token"] = Scenario("md_late_first_token", (
-    Fault(FaultKind.MD_STOP, FIRST_FAULT_AFTER_S, MD_STOP_S), Fault(FaultKind.MD_STOP, 3.0, MD_STOP_S),
-    Fault(FaultKind.MD_STOP, 3.0, MD_STOP_S)), bound_gaps=True)
+    Fault(FaultKind.MD_STOP, FIRST_FAULT_AFTER_S, MD_STOP_S, MD_BUSY), Fault(FaultKind.MD_STOP, 3.0, MD_STOP_S, MD_BUSY),
+    Fault(FaultKind.MD_STOP, 3.0, MD_STOP_S, MD_BUSY)), bound_gaps=True)
 SCENARIOS["md_stop"] = dataclasses.replace(SCENARIOS["md_stop"], bound_gaps=True)
 
 

@@ -113,5 +113,9 @@ def test_the_pause_scenarios_outlast_the_first_token_deadline_and_not_the_stall_
     assert {f.kind for f in late.faults} == {FaultKind.MD_STOP} and len(late.faults) >= 2
     for fault in blip.faults + late.faults:
         assert cfg.md_first_token_timeout_s + HANDOFF_SLACK_S < fault.hold_s < cfg.md_stall_timeout_s
+        assert fault.when_md_busy >= 1  # the pause meets requests MD carries
+    assert all(f.when_md_busy == 0 for sc in (SCENARIOS["wan_down"], SCENARIOS["kill_md"]) for f in sc.faults)
+    with pytest.raises(ValueError):
+        Fault(FaultKind.MD_STOP, after_s=1, hold_s=1, when_md_busy=-1)
     assert blip.bound_gaps and late.bound_gaps and SCENARIOS["md_stop"].bound_gaps
     assert not SCENARIOS["wan_down"].bound_gaps and not SCENARIOS["baseline"].bound_gaps
