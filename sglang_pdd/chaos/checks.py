@@ -259,6 +259,10 @@ class Slower:
 # 2 Mbit/s link), and MD stalls over half a second after a handoff (tens of ms when MD runs).
 SLOW_KV = Slower("pdd:kv_transfer_latency_ms", 1000.0)
 SLOW_HANDOFF = Slower("pdd:handoff_stall_seconds", 0.5)
+# Requests over the TPOT SLA (100 ms per token after the first; a median of ~50 ms on the chaos
+# cluster): how a pause of MD's stream shorter than the stall timeout shows, as no counter
+# sees it (MD's health probe waits 20 s for an answer, so a stopped MD fails none).
+SLOW_TPOT = Slower("pdd:tpot_seconds", 0.1)
 
 # The router's metrics that count each kind of fault: any of them going up while the fault was
 # on (between the scrape when it fired and the one when the next fired, or the end) counts it.
@@ -277,7 +281,7 @@ EVIDENCE: dict[FaultKind, tuple[Union[tuple[str, dict], Slower], ...]] = {
                         ("pdd:fallbacks_total", {"reason": "md_failed"}), SLOW_KV, SLOW_HANDOFF),
     FaultKind.MD_STOP: (("pdd:fallbacks_total", {"reason": "md_failed"}),
                         ("pdd:fallbacks_total", {"reason": "wan_timeout"}),
-                        ("pdd:backend_failures_total", {"role": "main"}), SLOW_KV, SLOW_HANDOFF),
+                        ("pdd:backend_failures_total", {"role": "main"}), SLOW_KV, SLOW_HANDOFF, SLOW_TPOT),
 }
 
 

@@ -181,6 +181,11 @@ def test_a_slowed_wan_is_counted_by_kv_transfers_over_a_second_only():
     slow = {**stall, key("pdd:handoff_stall_seconds_count", mode="catch_up"): 6.0}  # one over 0.5 s
     assert SLOW_HANDOFF.total(slow) == 1
     assert counted(FaultKind.MD_SLOW, stall, slow) and not counted(FaultKind.WAN_SLOW, stall, slow)
+    tpot = {key("pdd:tpot_seconds_count", path="p_rld_md"): 4.0,
+            key("pdd:tpot_seconds_bucket", path="p_rld_md", le="0.1"): 4.0}
+    paused = {**tpot, key("pdd:tpot_seconds_count", path="p_rld_md"): 5.0}  # a stream MD paused
+    assert counted(FaultKind.MD_STOP, tpot, paused) and not counted(FaultKind.MD_SLOW, tpot, paused)
+    assert not counted(FaultKind.MD_STOP, tpot, tpot)
 
 
 def test_the_ledger_sums_counters_across_router_restarts():
