@@ -11,11 +11,15 @@ This module holds the parts that are the same for every machine:
 * ``IllegalTransition``: the one base of every illegal-event error. An event that cannot
   happen in a state (a bug in the shell, or a peer breaking its contract) raises a subclass
   naming the machine, and the state is unchanged.
-* ``table_machine(...)``: a transition function that dispatches on the event's type through
-  a table of handlers, with the terminal states handled once: after the end, an event listed
-  in ``after_end`` still goes to its handler (``IGNORE``: nothing changes), any other is
-  illegal. A ``guard`` refuses events before the table sees them (e.g. anything but the
-  first event in the first state).
+* ``table_machine(...)``: a transition function over a table of handlers keyed by
+  ``(status, event type)``, the legal pairs one per row, or by the event type alone where
+  the event is handled the same way in every live state. The terminal states are handled
+  once: after the end, an event listed in ``after_end`` still goes to its handler
+  (``IGNORE``: nothing changes), any other is illegal. A ``guard`` refuses events before the
+  table sees them. ``actions`` lists the action types the machine produces, so that a
+  ``Driver`` can check it performs every one.
+* ``Driver``: the one way an owner performs a machine's actions: a table of action type ->
+  the owner's function; ``step`` advances the holder's state and performs what came out.
 * ``fold(transition, state, *events)``: the state after the events and every action, in
   order (tests, and a shell replaying events).
 
@@ -25,6 +29,7 @@ are passed to every handler unchanged.
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Callable, Collection, Mapping, Optional, TypeVar
 
 S = TypeVar("S")
@@ -50,43 +55,106 @@ def label(status: Any) -> str:
     return value if isinstance(value, str) else getattr(status, "name", str(status)).lower()
 
 
-def table_machine(handlers: Mapping[type, Handler], *, error: type[IllegalTransition] = IllegalTransition,
-                  status: str = "phase", terminal: Collection = (), after_end: Optional[Mapping[type, Handler]] = None,
-                  guard: Optional[Callable[[Any, Any], None]] = None, noun: str = "machine") -> Callable[..., Result]:
-    """A transition function over ``handlers`` (event type -> ``handler(state, event, *context)``).
+def _event_type(key) -> type:
+    return key[1] if isinstance(key, tuple) else key
 
-    ``status`` names the state's attribute that says where the machine is; while it is one of
-    ``terminal`` the machine has ended, and only the events of ``after_end`` are legal (their
-    handler runs: IGNORE for those that change nothing). ``guard(state, event)`` may raise
-    ``error`` before a live state's handler runs. Every illegal or unknown event raises
-    ``error``; handlers raise it too for events illegal in the state they see.
+
+def table_machine(handlers: Mapping[Any, Handler], *, error: type[IllegalTransition] = IllegalTransition,
+                  status: str = "phase", terminal: Collection = (), after_end: Optional[Mapping[type, Handler]] = None,
+                  guard: Optional[Callable[[Any, Any], None]] = None, noun: str = "machine",
+                  illegal: Optional[Callable[[Any, Any], str]] = None, actions: Any = ()) -> Callable[..., Result]:
+    """A transition function over ``handlers``: ``(status, event type)`` or ``event type`` ->
+    ``handler(state, event, *context)``.
+
+    ``status`` names the state's attribute that says where the machine is. A pair's row is
+    taken first, then the event type's; a known event with neither in the current status is
+    illegal there (``illegal(state, event)`` words the error; by default "<event> while the
+    <noun> is <status>"). While the status is one of ``terminal`` the machine has ended, and
+    only the events of ``after_end`` are legal (their handler runs: IGNORE for those that
+    change nothing). ``guard(state, event)`` may raise ``error`` before a live state's handler
+    runs. Every illegal or unknown event raises ``error``; handlers raise it too for events
+    illegal in the state they see. ``actions``: the machine's action types (a tuple, one
+    class or a Union), read by ``Driver``.
     """
     table = dict(handlers)
+    events = frozenset(_event_type(key) for key in table)
+    by_status = any(isinstance(key, tuple) for key in table)  # else the status is read only at the end
     late = dict(after_end or {})
     ended = frozenset(terminal)
-    if not set(late) <= set(table):
-        unknown = sorted(t.__name__ for t in set(late) - set(table))
+    if not set(late) <= events:
+        unknown = sorted(t.__name__ for t in set(late) - events)
         raise ValueError(f"after_end lists events the table does not: {unknown}")
+
+    def refuse(state, event) -> IllegalTransition:
+        if illegal is not None:
+            return error(illegal(state, event))
+        return error(f"{type(event).__name__} while the {noun} is {label(getattr(state, status))}")
 
     def transition(state, event, *context) -> Result:
         kind = type(event)
-        if ended and getattr(state, status) in ended:
+        if kind not in events:
+            raise error(f"unknown event {event!r}")
+        where = getattr(state, status) if ended or by_status else None
+        if ended and where in ended:
             handler = late.get(kind)
             if handler is None:
-                if kind not in table:
-                    raise error(f"unknown event {event!r}")
-                raise error(f"{kind.__name__} after the {noun} ended ({label(getattr(state, status))})")
+                raise error(f"{kind.__name__} after the {noun} ended ({label(where)})")
             return handler(state, event, *context)
-        handler = table.get(kind)
-        if handler is None:
-            raise error(f"unknown event {event!r}")
+        handler = (by_status and table.get((where, kind))) or table.get(kind)
         if guard is not None:
             guard(state, event)
+        if handler is None:
+            raise refuse(state, event)
         return handler(state, event, *context)
 
-    transition.handlers = table  # for tests and docs: every event the machine knows
+    transition.handlers = table  # for tests and docs: every (status, event) the machine knows
+    transition.events = events
     transition.terminal = ended
+    transition.actions = frozenset(typing.get_args(actions) or (actions if isinstance(actions, tuple) else (actions,)))
     return transition
+
+
+def nothing(holder: Any, action: Any, *about: Any) -> None:
+    """A Driver's entry for an action its caller reads from ``step``'s answer instead."""
+
+
+class Driver:
+    """Performs one machine's actions for its owner: ``perform`` maps every action type the
+    machine produces to a function ``(holder, action, *about)``; the holder keeps the state in
+    its attribute ``state``.
+
+    ``step(holder, event, *about)`` is the one way the state changes: the transition (with
+    ``context``), the new state stored on the holder, then each action performed in order.
+    ``advance`` and ``perform`` are its two halves, for an owner that must do something in
+    between (drop its lock, yield the tokens an action returns). An owner holding many
+    machines (rooms) passes each room as the holder; an owner that is the holder can list its
+    own (unbound) methods. A machine built with ``actions`` is checked at once: an action the
+    table lacks, or an entry for none, is a ``ValueError`` here, not a surprise at run time.
+    """
+
+    def __init__(self, transition: Callable[..., Result], perform: Mapping[type, Callable[..., Any]], *,
+                 state: str = "state", context: tuple = ()):
+        self.transition, self.state, self.context = transition, state, tuple(context)
+        self.table = dict(perform)
+        declared = getattr(transition, "actions", frozenset())
+        if declared and set(self.table) != declared:
+            missing = sorted(t.__name__ for t in declared - set(self.table))
+            extra = sorted(t.__name__ for t in set(self.table) - declared)
+            raise ValueError(f"the driver's table misses {missing} and has no such actions {extra}")
+
+    def advance(self, holder: Any, event: Any) -> list:
+        state, actions = self.transition(getattr(holder, self.state), event, *self.context)
+        setattr(holder, self.state, state)
+        return actions
+
+    def perform(self, holder: Any, action: Any, *about: Any) -> Any:
+        return self.table[type(action)](holder, action, *about)
+
+    def step(self, holder: Any, event: Any, *about: Any) -> list:
+        actions = self.advance(holder, event)
+        for action in actions:
+            self.perform(holder, action, *about)
+        return actions
 
 
 def fold(transition: Callable[..., Result], state: S, *events: Any, context: tuple = ()) -> tuple[S, list]:

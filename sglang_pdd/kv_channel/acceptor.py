@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Optional
 
 from sglang_pdd.admission import (AdmissionLimits, AdmissionPolicy, IpNetwork, Ticket,  # noqa: F401 (re-exported)
                                   parse_networks, source_of)
+from sglang_pdd.machine import Driver
 
 from . import handshake_slot
 from .handshake_slot import SlotPhase
@@ -70,13 +71,17 @@ class Slot:
         return self.slot_state.phase is SlotPhase.HANDSHAKE
 
     def _step(self, event: handshake_slot.Event) -> bool:
-        """The slot's one way to change; True when it left its handshake now."""
+        """The slot's one way to change: the transition under the slot's lock, its action
+        outside it; True when it left its handshake now."""
         with self._lock:
-            self.slot_state, actions = handshake_slot.transition(self.slot_state, event)
+            actions = _SLOT.advance(self, event)
         for action in actions:  # at most one LeaveHandshake, ever
-            if self._on_leave is not None:
-                self._on_leave(self, action.authenticated)
+            _SLOT.perform(self, action)
         return bool(actions)
+
+    def _leave_handshake(self, action: handshake_slot.LeaveHandshake) -> None:
+        if self._on_leave is not None:
+            self._on_leave(self, action.authenticated)
 
     def authenticated(self) -> bool:
         """The handshake passed: no longer subject to its deadline. False if the deadline
@@ -100,6 +105,10 @@ class Slot:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+# A slot's one way to change: its machine, and Slot's method for its one action.
+_SLOT = Driver(handshake_slot.transition, {handshake_slot.LeaveHandshake: Slot._leave_handshake}, state="slot_state")
 
 
 class Acceptor:

@@ -85,9 +85,15 @@ def _serve_ended(s: SlotState, e: ServeEnded) -> Result:
     return replace(s, phase=SlotPhase.FAILED), [_GAVE_UP]
 
 
-_HANDLERS = {HandshakePassed: _handshake_passed, DeadlineChecked: _deadline_checked, ServeEnded: _serve_ended}
+_HANDSHAKE = SlotPhase.HANDSHAKE
+_HANDLERS = {
+    (_HANDSHAKE, HandshakePassed): _handshake_passed,
+    (_HANDSHAKE, DeadlineChecked): _deadline_checked,
+    (_HANDSHAKE, ServeEnded): _serve_ended,
+}
 
 transition = table_machine(_HANDLERS, error=IllegalSlotEvent,
                            terminal=(SlotPhase.AUTHENTICATED, SlotPhase.EXPIRED, SlotPhase.FAILED),
-                           after_end=dict.fromkeys(_HANDLERS, IGNORE), noun="handshake")
+                           after_end=dict.fromkeys(Event.__args__, IGNORE),
+                           noun="handshake", actions=Action)
 transition.__doc__ = """The slot's one transition function. Raises IllegalSlotEvent for an unknown event."""

@@ -69,7 +69,7 @@ Event = Union[DataArrived, AllVerified, ReceiveFailed]
 
 # ---------------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
-class WakeWaiters:
+class WakeReceiveWaiters:
     """The room reached SUCCESS or FAILED: set its ``done`` and wake whoever waits on the lock."""
 
 
@@ -80,20 +80,16 @@ class NackSenders:
     detail: str
 
 
-Action = Union[WakeWaiters, NackSenders]
+Action = Union[WakeReceiveWaiters, NackSenders]
 Result = tuple[RecvStatus, list]
-_WAKE = WakeWaiters()
+_WAKE = WakeReceiveWaiters()
 
 
 def _data_arrived(s: RecvStatus, e: DataArrived) -> Result:
-    if s.state is RoomState.TRANSFERRING:
-        return s, []
     return replace(s, state=RoomState.TRANSFERRING), []
 
 
 def _all_verified(s: RecvStatus, e: AllVerified) -> Result:
-    if s.state is not RoomState.TRANSFERRING:
-        raise IllegalRecvRoomEvent(f"every byte verified, but nothing arrived ({s.state.name})")
     return replace(s, state=RoomState.SUCCESS), [_WAKE]
 
 
@@ -104,9 +100,20 @@ def _receive_failed(s: RecvStatus, e: ReceiveFailed) -> Result:
     return RecvStatus(RoomState.FAILED, e.reason, e.detail), actions
 
 
-_HANDLERS = {DataArrived: _data_arrived, AllVerified: _all_verified, ReceiveFailed: _receive_failed}
+_WAITING, _TRANSFERRING = RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING
+_HANDLERS = {
+    (_WAITING, DataArrived): _data_arrived,
+    (_TRANSFERRING, DataArrived): IGNORE,
+    (_TRANSFERRING, AllVerified): _all_verified,
+    ReceiveFailed: _receive_failed,  # in any live state
+}
+
+
+def _illegal(s: RecvStatus, e: Event) -> str:
+    return f"every byte verified, but nothing arrived ({s.state.name})"  # the one illegal live pair
+
 
 transition = table_machine(_HANDLERS, error=IllegalRecvRoomEvent, status="state",
                            terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end={ReceiveFailed: IGNORE},
-                           noun="room")
+                           noun="room", illegal=_illegal, actions=Action)
 transition.__doc__ = """The room's one transition function. Raises IllegalRecvRoomEvent for an illegal event."""

@@ -73,7 +73,7 @@ Event = Union[SessionUp, ChunkQueued, EndQueued, SendAcked, SendFailed]
 
 # ---------------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
-class Settled:
+class WakeSendWaiters:
     """The room reached SUCCESS or FAILED: wake its waiters."""
 
 
@@ -83,7 +83,7 @@ class AbortPeer:
     reason: str
 
 
-Action = Union[Settled, AbortPeer]
+Action = Union[WakeSendWaiters, AbortPeer]
 
 
 # ---------------------------------------------------------------------------------- state
@@ -109,12 +109,10 @@ def start(num_chunks: int, total_bytes: int, session_up: bool) -> SendRoom:
 
 
 Result = tuple[SendRoom, list]
-_SETTLED = Settled()
+_WAKE = WakeSendWaiters()
 
 
 def _session_up(r: SendRoom, e: SessionUp) -> Result:
-    if r.state is not RoomState.BOOTSTRAPPING:
-        raise SendRoomError(f"session up, but the room is {r.state.name}")
     return replace(r, state=RoomState.TRANSFERRING if r.has_input else RoomState.WAITING_FOR_INPUT), []
 
 
@@ -141,22 +139,29 @@ def _end_queued(r: SendRoom, e: EndQueued) -> Result:
 
 def _ack(r: SendRoom, e: SendAcked) -> Result:
     if r.end_queued and e.total_bytes == r.total_bytes:
-        return replace(r, state=RoomState.SUCCESS), [_SETTLED]
+        return replace(r, state=RoomState.SUCCESS), [_WAKE]
     return _fail(r, SendFailed(FailureReason.PROTOCOL, f"premature ACK ({e.total_bytes} bytes)"))
 
 
 def _fail(r: SendRoom, e: SendFailed) -> Result:
-    actions: list = [_SETTLED]
+    actions: list = [_WAKE]
     if e.tell_peer:
         actions.append(AbortPeer(e.reason))
     return replace(r, state=RoomState.FAILED, reason=e.reason, detail=e.detail), actions
 
 
-_HANDLERS = {SessionUp: _session_up, ChunkQueued: _chunk_queued, EndQueued: _end_queued, SendAcked: _ack, SendFailed: _fail}
+_HANDLERS = {
+    (RoomState.BOOTSTRAPPING, SessionUp): _session_up,
+    ChunkQueued: _chunk_queued,  # in any live state (before the session is up the frames wait)
+    EndQueued: _end_queued,
+    SendAcked: _ack,
+    SendFailed: _fail,
+}
 # Replies and failures race with the end (a NACK after the watchdog failed the room, an ACK after
 # an abort): ignored there. The producer's and the session's events after the end are bugs.
 _AFTER_END = {SendAcked: IGNORE, SendFailed: IGNORE}
 
 transition = table_machine(_HANDLERS, error=SendRoomError, status="state",
-                           terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end=_AFTER_END, noun="room")
+                           terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end=_AFTER_END, noun="room",
+                           illegal=lambda r, e: f"session up, but the room is {r.state.name}", actions=Action)
 transition.__doc__ = """The room's one transition function. Raises SendRoomError for an illegal event."""

@@ -54,6 +54,8 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from sglang_pdd.machine import Driver
+
 from . import recv_room
 from .acceptor import Acceptor, AdmissionLimits, Slot
 from .handshake import HandshakeError, check_key, server_handshake
@@ -120,7 +122,7 @@ class _ReceiverRoom:
     dest_write: Optional[WriteFn]
     expected_digest: bytes
     deadline: Optional[float]
-    status: recv_room.RecvStatus = recv_room.RecvStatus()  # changed only by _step (recv_room.py)
+    status: recv_room.RecvStatus = recv_room.RecvStatus()  # changed only by the receiver's _machine (recv_room.py)
     parts: dict = field(default_factory=dict)  # slice index -> _Part
     slice_count: Optional[int] = None  # from the first BEGIN; all must agree
     writers: int = 0  # reader threads currently writing into the destination
@@ -235,6 +237,9 @@ class WanKvReceiver(RoomQueries):
         self._flush_cv = threading.Condition(lock)  # the flusher: replies were posted
         self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
         self._rooms: dict[int, _ReceiverRoom] = {}
+        # With the lock held: the only way a room's status changes (step(entry, event[, conn])).
+        self._machine = Driver(recv_room.transition, {recv_room.WakeReceiveWaiters: self._wake_waiters,
+                                                      recv_room.NackSenders: self._nack_senders}, state="status")
         self._sessions: dict[bytes, _ReceiverSession] = {}
         self._conns: set[_ReceiverConn] = set()
         # Rooms whose late frames are dropped (logged once each); the value, if any, is the NACK
@@ -600,7 +605,7 @@ class WanKvReceiver(RoomQueries):
                 return
             entry.slice_count = count
             part.begin = msg
-            self._step(entry, _DATA_ARRIVED)
+            self._machine.step(entry, _DATA_ARRIVED)
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
@@ -617,7 +622,7 @@ class WanKvReceiver(RoomQueries):
                 self._post(conn, Error(msg.room, "duplicate", "TRANSFER_END received twice"))
                 return
             part.end = msg
-            self._step(entry, _DATA_ARRIVED)
+            self._machine.step(entry, _DATA_ARRIVED)
             entry.last_progress = time.monotonic()
             self._check_complete(entry, conn)
 
@@ -672,7 +677,7 @@ class WanKvReceiver(RoomQueries):
         part.indices.add(msg.index)
         region[:] = True
         entry.writers += 1
-        self._step(entry, _DATA_ARRIVED)
+        self._machine.step(entry, _DATA_ARRIVED)
         return entry, part
 
     def _check_chunk(self, entry: _ReceiverRoom, part: _Part, msg: Chunk, plen: int) -> str:
@@ -747,7 +752,7 @@ class WanKvReceiver(RoomQueries):
             self._fail_room(entry, FailureReason.LAYOUT_MISMATCH, f"the {len(parts)} slices cover {covered} of "
                             f"{entry.layout.token_bytes} bytes of each token row", tell_peer=True, conn=conn)
             return
-        self._step(entry, _ALL_VERIFIED)
+        self._machine.step(entry, _ALL_VERIFIED)
         logger.debug("room %s: all chunks of %d slice(s) verified", entry.room, len(parts))
         for p in parts:
             reply_to = self._conn_of(p.session, conn)
@@ -765,23 +770,23 @@ class WanKvReceiver(RoomQueries):
         if entry.state.is_terminal:
             return
         logger.warning("room %s: receive failed: %s (%s)", entry.room, reason, detail)
-        self._step(entry, recv_room.ReceiveFailed(reason, detail, tell_peer), conn)
+        self._machine.step(entry, recv_room.ReceiveFailed(reason, detail, tell_peer), conn)
 
-    def _step(self, entry: _ReceiverRoom, event: recv_room.Event, conn: Optional[_ReceiverConn] = None) -> None:
-        """The room's one way to change (called with the lock held): the transition, then its actions."""
-        entry.status, actions = recv_room.transition(entry.status, event)
-        for action in actions:
-            if isinstance(action, recv_room.WakeWaiters):
-                entry.done.set()
-                self._cv.notify_all()
-            elif isinstance(action, recv_room.NackSenders):
-                nack, told = Nack(entry.room, action.reason, action.detail), False
-                for session in entry.sessions | ({conn.session} if conn is not None and conn.session else set()):
-                    reply_to = self._conn_of(session, conn)
-                    if reply_to is not None:
-                        self._post(reply_to, nack)
-                        told = True
-                entry.untold = None if told else nack
+    def _wake_waiters(self, entry: _ReceiverRoom, action: recv_room.WakeReceiveWaiters,
+                      conn: Optional[_ReceiverConn] = None) -> None:
+        entry.done.set()
+        self._cv.notify_all()
+
+    def _nack_senders(self, entry: _ReceiverRoom, action: recv_room.NackSenders,
+                      conn: Optional[_ReceiverConn] = None) -> None:
+        """``conn``: the stream the failing frame came in on, if any: its session is told too."""
+        nack, told = Nack(entry.room, action.reason, action.detail), False
+        for session in entry.sessions | ({conn.session} if conn is not None and conn.session else set()):
+            reply_to = self._conn_of(session, conn)
+            if reply_to is not None:
+                self._post(reply_to, nack)
+                told = True
+        entry.untold = None if told else nack
 
     def _post(self, conn: _ReceiverConn, msg) -> None:
         """Queue a reply (called with the lock held); sent by the connection's reader thread

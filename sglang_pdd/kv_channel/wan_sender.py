@@ -25,8 +25,8 @@ room of that session fails, since its chunks were striped over all streams), a s
 stuck in ``send`` or a room without progress for ``idle_timeout`` (stall / partition),
 the per-transfer deadline ``transfer_timeout``, connect or auth failure, ``abort()``.
 After a session breaks, the next ``begin_transfer`` opens a new one (a restarted
-receiver just works). A room's state changes only in ``WanKvSender._apply``, through the
-pure state machine in send_room.py.
+receiver just works). A room's state changes only through ``WanKvSender._machine`` (the
+kit's Driver over the pure state machine in send_room.py).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from sglang_pdd.machine import Driver
 
 from .handshake import HandshakeError, SecureStream, check_key, client_handshake
 from . import send_room
@@ -84,7 +86,7 @@ class _SenderRoom:
     begin_msg: TransferBegin
     deadline: float
     row: Optional[RowSlice]  # this sender's bytes of each token row (None: all of it)
-    # The room's state (send_room.py); replaced only by WanKvSender._apply, under its lock.
+    # The room's state (send_room.py); replaced only by WanKvSender._machine, under its lock.
     lifecycle: send_room.SendRoom
     last_progress: float = field(default_factory=time.monotonic)
     queued: set = field(default_factory=set)  # chunk indices handed to us by the producer
@@ -191,6 +193,9 @@ class WanKvSender(RoomQueries):
         self._work = threading.Condition(lock)  # writers: the queue got an item, or the session changed
         self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
         self._rooms: dict[int, _SenderRoom] = {}
+        # Under the lock: the only way a room's state changes (step(entry, event)).
+        self._machine = Driver(send_room.transition, {send_room.WakeSendWaiters: self._wake_waiters,
+                                                      send_room.AbortPeer: self._abort_peer}, state="lifecycle")
         self._session: Optional[_SenderSession] = None
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -326,7 +331,7 @@ class WanKvSender(RoomQueries):
             if entry.state.is_terminal:
                 return False
             entry.queued.add(index)
-            self._apply(entry, send_room.ChunkQueued())
+            self._machine.step(entry, send_room.ChunkQueued())
             self._enqueue(entry, msg, view)
             return True
 
@@ -337,7 +342,7 @@ class WanKvSender(RoomQueries):
             missing = entry.plan.num_chunks - len(entry.queued)
             if missing:
                 raise ValueError(f"room {entry.room}: finish() with {missing} chunks not sent")
-            self._apply(entry, send_room.EndQueued())
+            self._machine.step(entry, send_room.EndQueued())
             self._enqueue(entry, TransferEnd(entry.room, entry.plan.num_chunks, entry.plan.total_bytes,
                                              entry.row.index if entry.row else 0))
 
@@ -372,25 +377,21 @@ class WanKvSender(RoomQueries):
             self._threads.append(t)
         return s
 
-    def _apply(self, entry: _SenderRoom, event: send_room.Event) -> None:
-        """Feed one event to the room's state machine and perform its actions: the only
-        place a room's state changes."""
-        before = entry.lifecycle
-        entry.lifecycle, actions = send_room.transition(before, event)
-        if entry.state is RoomState.FAILED and before.state is not RoomState.FAILED:
+    def _wake_waiters(self, entry: _SenderRoom, action: send_room.WakeSendWaiters) -> None:
+        """The room ended (SUCCESS or FAILED: once)."""
+        if entry.state is RoomState.FAILED:
             logger.warning("room %s: transfer to %s:%s failed: %s (%s)", entry.room, *self.peer, entry.reason,
                            entry.detail)
-        for action in actions:
-            if isinstance(action, send_room.Settled):
-                entry.done.set()
-                self._cv.notify_all()
-            elif isinstance(action, send_room.AbortPeer):
-                # Also before the session is up: its BEGIN may already be queued (writers skip
-                # it now), and the receiver must not wait for this room until its own timeout.
-                self._enqueue(entry, Abort(entry.room, action.reason))
+        entry.done.set()
+        self._cv.notify_all()
+
+    def _abort_peer(self, entry: _SenderRoom, action: send_room.AbortPeer) -> None:
+        # Also before the session is up: its BEGIN may already be queued (writers skip it now),
+        # and the receiver must not wait for this room until its own timeout.
+        self._enqueue(entry, Abort(entry.room, action.reason))
 
     def _fail_room(self, entry: _SenderRoom, reason: str, detail: str, tell_peer: bool = True) -> None:
-        self._apply(entry, send_room.SendFailed(reason, detail, tell_peer))
+        self._machine.step(entry, send_room.SendFailed(reason, detail, tell_peer))
 
     def _kill_session(self, s: _SenderSession, reason: str, detail: str) -> None:
         if s.dead:
@@ -451,7 +452,7 @@ class WanKvSender(RoomQueries):
                 logger.info("session %s to %s:%s up (%d streams)", s.tag, *self.peer, len(s.streams))
                 for entry in self._rooms.values():
                     if entry.session is s and entry.state == RoomState.BOOTSTRAPPING:
-                        self._apply(entry, send_room.SessionUp())
+                        self._machine.step(entry, send_room.SessionUp())
                 self._cv.notify_all()
                 self._work.notify_all()
         reader = threading.Thread(target=self._read_stream, args=(s, stream, frame_reader), daemon=True,
@@ -516,7 +517,7 @@ class WanKvSender(RoomQueries):
             if isinstance(msg, Ack):
                 if entry is not None and not entry.state.is_terminal:  # SUCCESS, or FAILED if premature
                     entry.last_progress = time.monotonic()
-                    self._apply(entry, send_room.SendAcked(msg.total_bytes))
+                    self._machine.step(entry, send_room.SendAcked(msg.total_bytes))
                     if entry.state is RoomState.SUCCESS:
                         logger.debug("room %s: receiver verified %d bytes", entry.room, msg.total_bytes)
             elif isinstance(msg, Nack):

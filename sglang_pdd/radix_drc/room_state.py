@@ -168,36 +168,29 @@ class MdRoomState:
 Result = tuple[MdRoomState, list]
 
 
-def _illegal(state: MdRoomState, event: Event) -> IllegalRoomEvent:
-    return IllegalRoomEvent(f"{type(event).__name__} in phase {state.phase.value}")
-
-
 def _registered(s: MdRoomState, e: Registered) -> Result:
-    if s.phase is not DrcPhase.NEW:
-        raise _illegal(s, e)
     return replace(s, phase=DrcPhase.LANDING, deadline=e.deadline), []
 
 
 def _kv_landed(s: MdRoomState, e: KvLanded) -> Result:
-    if s.phase is DrcPhase.LANDING:
-        return replace(s, phase=DrcPhase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
-    if s.phase is DrcPhase.LANDING_KEPT:  # nobody will hand off: cached, unlocked, gone
-        return replace(s, phase=DrcPhase.RELEASED, deadline=e.deadline, landed=True), [_LOCK_PROMPT, *_GONE]
-    raise _illegal(s, e)
+    return replace(s, phase=DrcPhase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
+
+
+def _kv_landed_kept(s: MdRoomState, e: KvLanded) -> Result:
+    # nobody will hand off: cached, unlocked, gone
+    return replace(s, phase=DrcPhase.RELEASED, deadline=e.deadline, landed=True), [_LOCK_PROMPT, *_GONE]
 
 
 def _failed(s: MdRoomState, e: DrcFailed) -> Result:
-    if s.phase is DrcPhase.LANDING:
-        return replace(s, phase=DrcPhase.FAILED, failure=e.failure), [_UNLOCK]
-    if s.phase is DrcPhase.LANDING_KEPT:
-        return replace(s, phase=DrcPhase.RELEASED, failure=e.failure), list(_GONE)
-    raise _illegal(s, e)
+    return replace(s, phase=DrcPhase.FAILED, failure=e.failure), [_UNLOCK]
+
+
+def _failed_kept(s: MdRoomState, e: DrcFailed) -> Result:
+    return replace(s, phase=DrcPhase.RELEASED, failure=e.failure), list(_GONE)
 
 
 def _handed_off(s: MdRoomState, e: HandedOff) -> Result:
-    if s.phase is DrcPhase.READY:
-        return replace(s, phase=DrcPhase.HANDED_OFF), []
-    raise _illegal(s, e)  # stale (not landed, failed, gone) or a duplicate (HANDED_OFF)
+    return replace(s, phase=DrcPhase.HANDED_OFF), []
 
 
 def _released(s: MdRoomState, e: Released) -> Result:
@@ -211,18 +204,28 @@ def _expired(s: MdRoomState, e: Expired) -> Result:
     return replace(s, phase=DrcPhase.EXPIRED, failure=failure), list(_GONE)
 
 
-_HANDLERS = {Registered: _registered, KvLanded: _kv_landed, DrcFailed: _failed, HandedOff: _handed_off,
-             Released: _released, Expired: _expired}
+_REGISTERED = (DrcPhase.LANDING, DrcPhase.LANDING_KEPT, DrcPhase.READY, DrcPhase.HANDED_OFF, DrcPhase.FAILED)
+_HANDLERS = {
+    (DrcPhase.NEW, Registered): _registered,
+    (DrcPhase.LANDING, KvLanded): _kv_landed,
+    (DrcPhase.LANDING_KEPT, KvLanded): _kv_landed_kept,
+    (DrcPhase.LANDING, DrcFailed): _failed,
+    (DrcPhase.LANDING_KEPT, DrcFailed): _failed_kept,
+    (DrcPhase.READY, HandedOff): _handed_off,  # else stale (not landed, failed) or a duplicate (HANDED_OFF)
+    **{(phase, Released): _released for phase in _REGISTERED},
+    **{(phase, Expired): _expired for phase in _REGISTERED},
+}
 # Late events after the end change nothing: a WAN outcome of a released room (its KV goes with
 # the room), a second release or expiry. A handoff or a registration there is illegal.
 _AFTER_END = {KvLanded: IGNORE, DrcFailed: IGNORE, Released: IGNORE, Expired: IGNORE}
 
 
-def _guard(s: MdRoomState, e: Event) -> None:
-    if s.phase is DrcPhase.NEW and type(e) is not Registered:
-        raise IllegalRoomEvent(f"{type(e).__name__} before the room was registered")
+def _illegal(s: MdRoomState, e: Event) -> str:
+    if s.phase is DrcPhase.NEW:
+        return f"{type(e).__name__} before the room was registered"
+    return f"{type(e).__name__} in phase {s.phase.value}"
 
 
 transition = table_machine(_HANDLERS, error=IllegalRoomEvent, terminal=(DrcPhase.RELEASED, DrcPhase.EXPIRED),
-                           after_end=_AFTER_END, guard=_guard, noun="room")
+                           after_end=_AFTER_END, illegal=_illegal, noun="room", actions=Action)
 transition.__doc__ = """The room's one transition function. Raises IllegalRoomEvent for an illegal event."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, Union
 
 from sglang_pdd.kv_channel.layout import align_down
+from sglang_pdd.machine import Driver
 from sglang_pdd.radix_drc.room_state import (Event, Expired, DrcFailed, FailReason, Failure, ForgetRoom, HandedOff,
                                              IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, DrcPhase,
                                              Registered, Released, UnlockAll, transition)
@@ -133,6 +134,8 @@ class DrcRoomTable:
         # The final handoff (a control thread) and the scheduler thread's events may meet on a
         # READY room: each reads and replaces a room's state under this lock.
         self._lock = threading.Lock()
+        self._machine = Driver(transition, {LockPrompt: self._lock_prompt, UnlockAll: self._unlock_all,
+                                            ForgetRoom: self._forget})
 
     def register(self, room: int, token_ids: Sequence[int], now: float,
                  ttl_s: Optional[float] = None, use_cache: bool = True) -> DrcRoom:
@@ -235,22 +238,25 @@ class DrcRoomTable:
         return [e.room for e in self.rooms.values() if e.state.phase is DrcPhase.LANDING_KEPT]
 
     def _step(self, entry: DrcRoom, event: Event, prompt_node: Any = None) -> None:
-        """The room's one way to change: the transition, then its actions on the tree."""
+        """The room's one way to change: the transition under the lock (an illegal event is a
+        RoomError for the caller), then its actions on the tree (``prompt_node``: where the
+        landed prompt entered it)."""
         try:
             with self._lock:
-                entry.state, actions = transition(entry.state, event)
+                actions = self._machine.advance(entry, event)
         except IllegalRoomEvent as e:
             raise RoomError(f"room {entry.room}: {e}") from None
         for action in actions:
-            if isinstance(action, LockPrompt):
-                prefix_locks, entry.locks = entry.locks, [self.tree.lock(prompt_node)]
-                for lock in prefix_locks:
-                    self.tree.unlock(lock)
-            elif isinstance(action, UnlockAll):
-                self._unlock_all(entry)
-            elif isinstance(action, ForgetRoom):
-                if self.rooms.get(entry.room) is entry:
-                    del self.rooms[entry.room]
+            self._machine.perform(entry, action, prompt_node)
+
+    def _lock_prompt(self, entry: DrcRoom, action: LockPrompt, prompt_node: Any) -> None:
+        prefix_locks, entry.locks = entry.locks, [self.tree.lock(prompt_node)]
+        for lock in prefix_locks:
+            self.tree.unlock(lock)
+
+    def _forget(self, entry: DrcRoom, action: ForgetRoom, prompt_node: Any = None) -> None:
+        if self.rooms.get(entry.room) is entry:
+            del self.rooms[entry.room]
 
     def _get(self, room: int) -> DrcRoom:
         try:
@@ -258,7 +264,7 @@ class DrcRoomTable:
         except KeyError:
             raise RoomError(f"unknown room {room}") from None
 
-    def _unlock_all(self, entry: DrcRoom) -> None:
+    def _unlock_all(self, entry: DrcRoom, action: UnlockAll, prompt_node: Any = None) -> None:
         locks, entry.locks = entry.locks, []
         for lock in locks:
             self.tree.unlock(lock)

@@ -115,7 +115,7 @@ def _failed(state: BackendHealth, event: BackendFailed, cfg: HealthConfig) -> Re
 # No terminal state: a breaker cycles for as long as the router runs. No actions either: the
 # board's readers (pick, /health, metrics) read the state.
 transition = table_machine({Drain: _drain, BackendSucceeded: _succeeded, BackendFailed: _failed}, error=IllegalHealthEvent,
-                           noun="breaker")
+                           status="breaker", noun="breaker")
 transition.__doc__ = """``transition(state, event, cfg) -> (state, [])``; IllegalHealthEvent for an unknown event."""
 
 

@@ -46,7 +46,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from sglang_pdd.machine import IllegalTransition, table_machine
+from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 
 
 class FanoutRoomError(IllegalTransition):
@@ -141,11 +141,11 @@ class AbortSendRooms:
 
 
 @dataclass(frozen=True)
-class AllSent:
+class CountSent:
     """Every share's TRANSFER_END is with its sender (a room finished on P's side)."""
 
 
-Action = Union[QueueCopy, AbortSendRooms, AllSent]
+Action = Union[QueueCopy, AbortSendRooms, CountSent]
 
 
 # ---------------------------------------------------------------------------------- state
@@ -178,15 +178,11 @@ class FanoutRoom:
 
 
 Result = tuple[FanoutRoom, list]
-_QUEUE_COPY, _ABORT_SEND_ROOMS, _ALL_SENT = QueueCopy(), AbortSendRooms(), AllSent()
+_QUEUE_COPY, _ABORT_SEND_ROOMS, _COUNT_SENT = QueueCopy(), AbortSendRooms(), CountSent()
 INCOMPLETE_DETAIL = "P's request ended before all of its KV was produced"
 
 
 def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
-    if r.dropped:
-        return r, []  # later pages are discarded
-    if r.phase is not FanoutPhase.RECEIVING:
-        raise FanoutRoomError(f"{e.count} pages offered after the last ({r.phase.value})")
     phase = r.phase
     if e.last:
         phase = FanoutPhase.SENT if r.shares_ended == r.shares else FanoutPhase.OFFERED
@@ -211,19 +207,15 @@ def _copy_ended(r: FanoutRoom, e: CopyEnded) -> Result:
 
 
 def _share_ended(r: FanoutRoom, e: ShareEnded) -> Result:
-    if r.dropped:
-        return r, []  # the senders' rooms were aborted: this END is no success
     if r.shares_ended >= r.shares:
         raise FanoutRoomError(f"TRANSFER_END {r.shares_ended + 1} of a room with {r.shares} shares")
     r = replace(r, shares_ended=r.shares_ended + 1)
     if r.shares_ended < r.shares:
         return r, []
-    return (replace(r, phase=FanoutPhase.SENT) if r.phase is FanoutPhase.OFFERED else r), [_ALL_SENT]
+    return (replace(r, phase=FanoutPhase.SENT) if r.phase is FanoutPhase.OFFERED else r), [_COUNT_SENT]
 
 
 def _request_ended(r: FanoutRoom, e: RequestEnded) -> Result:
-    if r.dropped or r.phase is not FanoutPhase.RECEIVING:
-        return r, []
     return _drop(r, DropReason.INCOMPLETE, INCOMPLETE_DETAIL)
 
 
@@ -245,9 +237,26 @@ def _drop(r: FanoutRoom, reason: DropReason, detail: str, share_failure: str = "
     return replace(r, phase=reason.phase, reason=reason, detail=detail, share_failure=share_failure), [_ABORT_SEND_ROOMS]
 
 
-_HANDLERS = {PagesOffered: _pages_offered, CopyTaken: _copy_taken, CopyEnded: _copy_ended, ShareEnded: _share_ended,
-             RequestEnded: _request_ended, Cancel: _cancel, FanoutFailed: _fail}
+_DROPPED = (FanoutPhase.CANCELLED, FanoutPhase.FAILED)
+_HANDLERS = {
+    (FanoutPhase.RECEIVING, PagesOffered): _pages_offered,  # OFFERED, SENT: pages after the last
+    **{(phase, PagesOffered): IGNORE for phase in _DROPPED},  # later pages are discarded
+    CopyTaken: _copy_taken,  # the copy hold, not the phase, decides (also after a drop)
+    CopyEnded: _copy_ended,
+    ShareEnded: _share_ended,
+    **{(phase, ShareEnded): IGNORE for phase in _DROPPED},  # the senders' rooms were aborted: no success
+    (FanoutPhase.RECEIVING, RequestEnded): _request_ended,
+    RequestEnded: IGNORE,  # every page was offered, or the room is dropped
+    Cancel: _cancel,
+    FanoutFailed: _fail,
+}
+
+
+def _illegal(r: FanoutRoom, e: Event) -> str:
+    return f"{e.count} pages offered after the last ({r.phase.value})"  # the one missing live pair
+
+
 # No terminal state for the kit: a dropped room still tracks the copy thread's hold on its pages
-# (P frees them only once no copy reads them); each handler says what a dropped room ignores.
-transition = table_machine(_HANDLERS, error=FanoutRoomError, noun="room")
+# (P frees them only once no copy reads them); the table says what a dropped room ignores.
+transition = table_machine(_HANDLERS, error=FanoutRoomError, illegal=_illegal, noun="room", actions=Action)
 transition.__doc__ = """The room's one transition function. Raises FanoutRoomError for an illegal event."""

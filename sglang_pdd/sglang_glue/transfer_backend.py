@@ -35,6 +35,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, control_names, get_pdd_config,
                                parse_host_port, parse_peer_list)
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
+from sglang_pdd.machine import Driver, nothing
 from sglang_pdd.sglang_glue import wan_binding
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
@@ -130,7 +131,8 @@ class PddKVSender(MooncakeKVSender):
     later through P's control API (``pdd_wan_expected``); pages given before it arrives are
     remembered (ids only: P keeps the KV, its release waits for the destination up to
     ``--pdd-wan-destination-wait-ms``). The WAN binding's state is ``sglang_glue/wan_binding.py``'s machine;
-    this class feeds it events and performs its actions.
+    this class feeds it events (``_BINDING.step``, under ``_wan_lock``) and performs its actions
+    (the methods the driver's table names).
     """
 
     _binding: Optional[wan_binding.WanBinding] = None  # None: this request has no WAN binding on this rank
@@ -173,39 +175,35 @@ class PddKVSender(MooncakeKVSender):
         """The router's late destination (or its withdrawal); any thread."""
         with self._wan_lock:
             if value is DROPPED:
-                self._apply(wan_binding.Withdrawn())
+                _BINDING.step(self, wan_binding.Withdrawn())
             elif not self.kv_mgr.wan_fanout.sends_to(value.md_tp):
-                self._apply(wan_binding.Withdrawn(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}"))
+                _BINDING.step(self, wan_binding.Withdrawn(f"other P ranks send this rank's KV heads to an MD on TP {value.md_tp}"))
             else:
-                self._apply(wan_binding.Posted(value))
+                _BINDING.step(self, wan_binding.Posted(value))
 
-    def _apply(self, event: wan_binding.Event) -> list:
-        """(under _wan_lock) The one place the binding's state changes; performs its actions and
-        returns them (a poll reads Hold from them)."""
-        self._binding, actions = wan_binding.transition(self._binding, event)
-        for action in actions:
-            if isinstance(action, wan_binding.OpenRoom):
-                self._open_room()
-            elif isinstance(action, wan_binding.AbortRoom):
-                self.kv_mgr.wan_fanout.abort(self._wan_room, action.why)
-            elif isinstance(action, wan_binding.Unbound):
-                logger.info("rid %s: no WAN leg (%s)", self._rid, action.why)
-                self._pending_pages = []
-            elif isinstance(action, wan_binding.ForgetDestination):
-                if self.kv_mgr.wan_destinations is not None:
-                    self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
-            elif isinstance(action, wan_binding.WaitExpired):
-                self.kv_mgr.wan_fanout.counters["destination_wait_expired"] += 1
-        return actions
+    # ---- the binding's actions (under _wan_lock), performed by _BINDING
+    def _abort_room(self, action: wan_binding.AbortRoom) -> None:
+        self.kv_mgr.wan_fanout.abort(self._wan_room, action.why)
 
-    def _open_room(self) -> None:
+    def _unbind(self, action: wan_binding.Unbind) -> None:
+        logger.info("rid %s: no WAN leg (%s)", self._rid, action.why)
+        self._pending_pages = []
+
+    def _forget_destination(self, action: wan_binding.ForgetDestination) -> None:
+        if self.kv_mgr.wan_destinations is not None:
+            self.kv_mgr.wan_destinations.forget(self.bootstrap_room)
+
+    def _count_wait_expired(self, action: wan_binding.CountWaitExpired) -> None:
+        self.kv_mgr.wan_fanout.counters["destination_wait_expired"] += 1
+
+    def _open_room(self, action: wan_binding.OpenRoom) -> None:
         fanout = self.kv_mgr.wan_fanout
         self._wan_room = fanout.open_room(self._binding.dest, rid=self._rid, token_ids=self._token_ids,
                                           first_offered_page=self._rld_prefix_len // self._page_size)
         if self._wan_room is None:
-            self._apply(wan_binding.FanoutRefused())
+            _BINDING.step(self, wan_binding.FanoutRefused())
             return
-        self._apply(wan_binding.FanoutOpened())
+        _BINDING.step(self, wan_binding.FanoutOpened())
         for pages, event, last in self._pending_pages:
             fanout.offer(self._wan_room, pages, event, last=last)
         self._pending_pages = []
@@ -218,7 +216,7 @@ class PddKVSender(MooncakeKVSender):
         super().init(num_kv_indices, aux_index)
         if self._binding is not None:
             with self._wan_lock:
-                self._apply(wan_binding.Initialized())
+                _BINDING.step(self, wan_binding.Initialized())
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         wait_event = self._early_send_wait_event  # super() consumes it
@@ -242,15 +240,26 @@ class PddKVSender(MooncakeKVSender):
             if not self._binding.live:
                 return status
             holds = self._binding.phase is wan_binding.BindingPhase.OPEN and not self.kv_mgr.wan_fanout.may_free_pages(self._wan_room)
-            actions = self._apply(wan_binding.Polled(time.monotonic(), status == KVPoll.Success,
-                                               self.kv_mgr.pdd_config.wan_destination_wait_ms / 1000, holds))
-        return KVPoll.Transferring if any(isinstance(a, wan_binding.Hold) for a in actions) else status
+            actions = _BINDING.step(self, wan_binding.Polled(time.monotonic(), status == KVPoll.Success,
+                                                             self.kv_mgr.pdd_config.wan_destination_wait_ms / 1000, holds))
+        return KVPoll.Transferring if wan_binding.HoldPages() in actions else status
 
     def abort(self):
         if self._binding is not None:
             with self._wan_lock:
-                self._apply(wan_binding.RequestAborted())
+                _BINDING.step(self, wan_binding.RequestAborted())
         super().abort()
+
+
+# The WAN binding's one way to change: its machine, and PddKVSender's method for each action.
+_BINDING = Driver(wan_binding.transition, {
+    wan_binding.OpenRoom: PddKVSender._open_room,
+    wan_binding.AbortRoom: PddKVSender._abort_room,
+    wan_binding.Unbind: PddKVSender._unbind,
+    wan_binding.ForgetDestination: PddKVSender._forget_destination,
+    wan_binding.CountWaitExpired: PddKVSender._count_wait_expired,
+    wan_binding.HoldPages: nothing,  # the poll reads it from step's answer
+}, state="_binding")
 
 
 class PddKVReceiver(MooncakeKVReceiver):

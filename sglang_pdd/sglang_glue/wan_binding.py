@@ -116,7 +116,7 @@ class AbortRoom:
 
 
 @dataclass(frozen=True)
-class Unbound:
+class Unbind:
     """Log why the request has no WAN binding (no KV to MD); forget the pages that waited."""
     why: str
 
@@ -127,30 +127,26 @@ class ForgetDestination:
 
 
 @dataclass(frozen=True)
-class Hold:
+class HoldPages:
     """The poll answers Transferring: P keeps the pages for now."""
 
 
 @dataclass(frozen=True)
-class WaitExpired:
+class CountWaitExpired:
     """Count a destination that never came within the wait."""
 
 
-Action = Union[OpenRoom, AbortRoom, Unbound, ForgetDestination, Hold, WaitExpired]
+Action = Union[OpenRoom, AbortRoom, Unbind, ForgetDestination, HoldPages, CountWaitExpired]
 Result = tuple[WanBinding, list]
 
-_FORGET, _HOLD, _OPEN = ForgetDestination(), Hold(), OpenRoom()
+_FORGET, _HOLD, _OPEN_ROOM = ForgetDestination(), HoldPages(), OpenRoom()
 
 
 def _posted(b: WanBinding, e: Posted) -> Result:
-    if b.phase is not BindingPhase.AWAITING_DESTINATION:
-        return b, []  # a second post, or one for a binding bound with its destination
     return _maybe_open(replace(b, phase=BindingPhase.DESTINATION_KNOWN, dest=e.dest))
 
 
 def _withdrawn(b: WanBinding, e: Withdrawn) -> Result:
-    if b.phase is not BindingPhase.AWAITING_DESTINATION:
-        return b, []  # the destination is in use: the withdrawal came too late
     return _drop(b, e.why)
 
 
@@ -159,53 +155,71 @@ def _initialized(b: WanBinding, e: Initialized) -> Result:
 
 
 def _room_opened(b: WanBinding, e: FanoutOpened) -> Result:
-    _expect(b, BindingPhase.OPENING, e)
     return replace(b, phase=BindingPhase.OPEN), []
 
 
 def _room_refused(b: WanBinding, e: FanoutRefused) -> Result:
-    _expect(b, BindingPhase.OPENING, e)
     return _drop(b, "refused by the fan-out")
 
 
+def _abort_open(b: WanBinding, e: RequestAborted) -> Result:
+    return replace(b, phase=BindingPhase.DROPPED, why=e.why), [AbortRoom(e.why), _FORGET]
+
+
 def _abort(b: WanBinding, e: RequestAborted) -> Result:
-    if b.phase is BindingPhase.OPEN:
-        return replace(b, phase=BindingPhase.DROPPED, why=e.why), [AbortRoom(e.why), _FORGET]
     return _drop(b, e.why)
 
 
 def _maybe_open(b: WanBinding) -> Result:
     if b.phase is BindingPhase.DESTINATION_KNOWN and b.initialized:
-        return replace(b, phase=BindingPhase.OPENING), [_OPEN]
+        return replace(b, phase=BindingPhase.OPENING), [_OPEN_ROOM]
     return b, []
 
 
 def _drop(b: WanBinding, why: str) -> Result:
-    return replace(b, phase=BindingPhase.DROPPED, why=why), [Unbound(why), _FORGET]
+    return replace(b, phase=BindingPhase.DROPPED, why=why), [Unbind(why), _FORGET]
 
 
-def _polled(b: WanBinding, e: Polled) -> Result:
-    if b.phase is BindingPhase.OPEN:
-        return (b, [_HOLD]) if e.room_holds else (b, [_FORGET])
-    if b.phase is BindingPhase.AWAITING_DESTINATION:
-        deadline = b.wait_deadline if b.wait_deadline is not None else e.now + e.wait_s
-        b = replace(b, wait_deadline=deadline)
-        if e.now < deadline and e.succeeded:
-            return b, [_HOLD]
-        dropped, actions = _drop(b, "no WAN destination within --pdd-wan-destination-wait-ms")
-        return dropped, [WaitExpired(), *actions]
+def _polled_open(b: WanBinding, e: Polled) -> Result:
+    return (b, [_HOLD]) if e.room_holds else (b, [_FORGET])
+
+
+def _polled_awaiting(b: WanBinding, e: Polled) -> Result:
+    deadline = b.wait_deadline if b.wait_deadline is not None else e.now + e.wait_s
+    b = replace(b, wait_deadline=deadline)
+    if e.now < deadline and e.succeeded:
+        return b, [_HOLD]
+    dropped, actions = _drop(b, "no WAN destination within --pdd-wan-destination-wait-ms")
+    return dropped, [CountWaitExpired(), *actions]
+
+
+def _polled_unopened(b: WanBinding, e: Polled) -> Result:
     # Known but never opened (SGLang ended the request before init): nothing was sent.
     return _drop(b, f"the request ended before its WAN room opened ({b.phase.value})")
 
 
-def _expect(b: WanBinding, phase: BindingPhase, event) -> None:
-    if b.phase is not phase:
-        raise IllegalBindingEvent(f"{type(event).__name__} while the WAN binding is {b.phase.value}")
-
-
-_HANDLERS = {Posted: _posted, Withdrawn: _withdrawn, Initialized: _initialized, FanoutOpened: _room_opened,
-             FanoutRefused: _room_refused, Polled: _polled, RequestAborted: _abort}
+_AWAITING, _KNOWN, _OPENING, _OPEN = (BindingPhase.AWAITING_DESTINATION, BindingPhase.DESTINATION_KNOWN,
+                                       BindingPhase.OPENING, BindingPhase.OPEN)
+_HANDLERS = {
+    (_AWAITING, Posted): _posted,
+    (_KNOWN, Posted): IGNORE,  # a second post, or one for a binding bound with its destination
+    (_OPENING, Posted): IGNORE,
+    (_OPEN, Posted): IGNORE,
+    (_AWAITING, Withdrawn): _withdrawn,
+    (_KNOWN, Withdrawn): IGNORE,  # the destination is in use: the withdrawal came too late
+    (_OPENING, Withdrawn): IGNORE,
+    (_OPEN, Withdrawn): IGNORE,
+    Initialized: _initialized,  # in any live phase
+    (_OPENING, FanoutOpened): _room_opened,
+    (_OPENING, FanoutRefused): _room_refused,
+    (_AWAITING, Polled): _polled_awaiting,
+    (_KNOWN, Polled): _polled_unopened,
+    (_OPENING, Polled): _polled_unopened,
+    (_OPEN, Polled): _polled_open,
+    (_OPEN, RequestAborted): _abort_open,
+    RequestAborted: _abort,  # in the other live phases
+}
 # Events after DROPPED change nothing (the router's withdrawal races the request's end).
 transition = table_machine(_HANDLERS, error=IllegalBindingEvent, terminal=(BindingPhase.DROPPED,),
-                           after_end=dict.fromkeys(_HANDLERS, IGNORE), noun="WAN binding")
+                           after_end=dict.fromkeys(Event.__args__, IGNORE), noun="WAN binding", actions=Action)
 transition.__doc__ = """The binding's one transition function. Raises IllegalBindingEvent for an illegal event."""

@@ -20,7 +20,7 @@ budget; a room that would exceed it, a WAN failure, or an abort on P fails that 
 transfer: MD's room fails and RLD finishes the request. Nothing is lost either way.
 
 A room's phase, the copy thread's hold on it and why it was dropped change only in
-``WanFanout._apply``, through the pure state machine in sglang_glue/fanout_room.py.
+``WanFanout._machine.step``, through the pure state machine in sglang_glue/fanout_room.py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from sglang_pdd.config import parse_host_port
+from sglang_pdd.machine import Driver
 from sglang_pdd.sglang_glue import fanout_room
 from sglang_pdd.sglang_glue.fanout_room import CopyHold, DropReason, FanoutRoom
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
@@ -130,7 +131,7 @@ class WanRoom:
     first_offered_page: int  # pool pages arrive from this page on (RLD's own cached prefix ends here)
     shares: list  # [RankShare]
     # Phase, copy hold, progress and drop reason (sglang_glue/fanout_room.py); replaced only
-    # by WanFanout._apply.
+    # by WanFanout._machine.step.
     state: FanoutRoom
     pages: list = field(default_factory=list)  # (page ids, event) in arrival order
     payloads: list = field(default_factory=list)  # host copies, alive until the transfers end
@@ -209,6 +210,10 @@ class WanFanout:
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
         self._send_queue: "queue.Queue[SendItem]" = queue.Queue()  # bounded in bytes by staging_bytes
         self._live: list[WanRoom] = []  # rooms whose copies are still referenced
+        # Under _lock: the only way a room's state changes (step(room, event[, failed share])).
+        self._machine = Driver(fanout_room.transition, {fanout_room.QueueCopy: self._queue_copy,
+                                                        fanout_room.AbortSendRooms: self._abort_shares,
+                                                        fanout_room.CountSent: self._count_sent})
         self._staged = 0
         self._closed = False
         self.counters = collections.Counter()
@@ -339,12 +344,12 @@ class WanFanout:
             if room.state.dropped:
                 return
             try:
-                self._apply(room, fanout_room.PagesOffered(len(pages), last))
+                self._machine.step(room, fanout_room.PagesOffered(len(pages), last))
             except fanout_room.FanoutRoomError as e:
                 # Pages out of turn are a producer bug; this runs on SGLang's scheduler thread,
                 # which must not die of it: the room fails and RLD finishes the request.
                 logger.error("rid %s: WAN room %s: %s", room.rid, room.dest.md_room, e)
-                self._apply(room, fanout_room.FanoutFailed(DropReason.SEND_FAILED, str(e)))
+                self._machine.step(room, fanout_room.FanoutFailed(DropReason.SEND_FAILED, str(e)))
                 return
             room.pages.append((pages, event))
 
@@ -352,14 +357,14 @@ class WanFanout:
         """Stop this room now (P is about to free its pages): later copies are discarded.
         ``detail``: why, in words, for the log."""
         with self._lock:
-            self._apply(room, fanout_room.Cancel(detail))
+            self._machine.step(room, fanout_room.Cancel(detail))
 
     def may_free_pages(self, room: WanRoom) -> bool:
         """Called once P's request is done with its pages (its sender is terminal): True once
         they may be freed — all copied, or the room dropped and no copy in progress. A room
         whose pages did not all arrive is dropped here (the request ended early)."""
         with self._lock:
-            self._apply(room, fanout_room.RequestEnded())
+            self._machine.step(room, fanout_room.RequestEnded())
             return room.state.may_free_pages(room.copy_done)
 
     def close(self) -> None:
@@ -387,20 +392,16 @@ class WanFanout:
             sender = self._senders[peer] = self._sender_factory(peer)
         return sender
 
-    def _apply(self, room: WanRoom, event: fanout_room.Event, *, failed_share: Optional[RankShare] = None) -> None:
-        """(under _lock) Feed one event to the room's state machine and perform its actions:
-        the only place a room's state changes. ``failed_share``: the share a Fail is about."""
-        room.state, actions = fanout_room.transition(room.state, event)
-        for action in actions:
-            if isinstance(action, fanout_room.QueueCopy):
-                self._copy_queue.append(room)
-                self._lock.notify_all()
-            elif isinstance(action, fanout_room.AbortSendRooms):
-                self._abort_shares(room, failed_share)
-            elif isinstance(action, fanout_room.AllSent):
-                self.counters["finished"] += 1
+    def _queue_copy(self, room: WanRoom, action: fanout_room.QueueCopy) -> None:
+        self._copy_queue.append(room)
+        self._lock.notify_all()
 
-    def _abort_shares(self, room: WanRoom, failed_share: Optional[RankShare]) -> None:
+    def _count_sent(self, room: WanRoom, action: fanout_room.CountSent) -> None:
+        self.counters["finished"] += 1
+
+    def _abort_shares(self, room: WanRoom, action: fanout_room.AbortSendRooms,
+                      failed_share: Optional[RankShare] = None) -> None:
+        """``failed_share``: the share whose failure dropped the room, if one did."""
         state = room.state
         self.counters["failed" if state.reason is DropReason.SHARE_FAILED else "aborted"] += 1
         for share in room.shares:  # every MD rank's room fails: none is ready without the others
@@ -420,8 +421,9 @@ class WanFanout:
 
     def _fail_share(self, room: WanRoom, share: RankShare) -> None:
         """(under _lock) ``share``'s transfer failed: the room fails (the other MD ranks' too)."""
-        self._apply(room, fanout_room.FanoutFailed(DropReason.SHARE_FAILED, share.transfer.failure_detail,
-                                           share.transfer.failure_reason or FailureReason.ABORTED), failed_share=share)
+        failed = fanout_room.FanoutFailed(DropReason.SHARE_FAILED, share.transfer.failure_detail,
+                                          share.transfer.failure_reason or FailureReason.ABORTED)
+        self._machine.step(room, failed, share)
 
     def _copy_loop(self) -> None:
         while True:
@@ -431,7 +433,7 @@ class WanFanout:
                     return
                 room = self._copy_queue.popleft()
                 work = [] if room.state.dropped else room.shares_ready()
-                self._apply(room, fanout_room.CopyTaken(bool(work)))
+                self._machine.step(room, fanout_room.CopyTaken(bool(work)))
                 if room.state.copy is not CopyHold.COPYING:
                     continue
                 batches = list(room.pages)
@@ -443,16 +445,16 @@ class WanFanout:
             with self._lock:
                 if copies is None or room.state.dropped:
                     # Dropped meanwhile: the pages may have been freed mid-copy; never send them.
-                    self._apply(room, fanout_room.CopyEnded(more_ready=False))
+                    self._machine.step(room, fanout_room.CopyEnded(more_ready=False))
                     if copies is None:
-                        self._apply(room, fanout_room.FanoutFailed(DropReason.COPY_FAILED, err))
+                        self._machine.step(room, fanout_room.FanoutFailed(DropReason.COPY_FAILED, err))
                     continue
                 nbytes = sum(c.numel() for _, _, c in copies)
                 if self._staged + nbytes > self.staging_bytes:
                     self.counters["dropped_staging_budget"] += 1
-                    self._apply(room, fanout_room.CopyEnded(more_ready=False))
-                    self._apply(room, fanout_room.FanoutFailed(DropReason.STAGING_BUDGET,
-                                                       f"staging budget of {self.staging_bytes} bytes exhausted"))
+                    self._machine.step(room, fanout_room.CopyEnded(more_ready=False))
+                    self._machine.step(room, fanout_room.FanoutFailed(DropReason.STAGING_BUDGET,
+                                                                      f"staging budget of {self.staging_bytes} bytes exhausted"))
                     continue
                 self._staged += nbytes
                 room.staged_bytes += nbytes
@@ -463,7 +465,7 @@ class WanFanout:
                     share.groups_copied = ready
                 finished = [share for share, _, _ in work if share.copy_done]
                 # more pages arrived while copying: another round
-                self._apply(room, fanout_room.CopyEnded(more_ready=bool(room.shares_ready())))
+                self._machine.step(room, fanout_room.CopyEnded(more_ready=bool(room.shares_ready())))
             for share, index, data in copies:
                 self._send_queue.put(SendChunk(room, share, index, data))
             for share in finished:
@@ -504,14 +506,14 @@ class WanFanout:
                     share.transfer.finish()
                     self.counters["bytes"] += share.plan.total_bytes
                     with self._lock:
-                        self._apply(room, fanout_room.ShareEnded())
+                        self._machine.step(room, fanout_room.ShareEnded())
                 elif not share.transfer.send_chunk(item.index, item.data.numpy()):
                     with self._lock:  # the share failed (as the reaper would find): the room fails
                         self._fail_share(room, share)
             except Exception as e:  # noqa: BLE001 — this thread serves every room: never let it die
                 logger.exception("rid %s: WAN send failed", room.rid)
                 with self._lock:
-                    self._apply(room, fanout_room.FanoutFailed(DropReason.SEND_FAILED, f"WAN send failed: {e}"))
+                    self._machine.step(room, fanout_room.FanoutFailed(DropReason.SEND_FAILED, f"WAN send failed: {e}"))
 
     def _reap(self) -> None:
         """Fail a room whose share failed (MD's other ranks wait for nothing then), and free the

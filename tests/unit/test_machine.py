@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from sglang_pdd.machine import IGNORE, IllegalTransition, fold, table_machine
+from sglang_pdd.machine import IGNORE, Driver, IllegalTransition, fold, nothing, table_machine
 
 
 class Light(str, enum.Enum):
@@ -88,6 +88,82 @@ def test_unknown_events_and_guarded_ones_raise_the_machines_error_on_the_one_bas
 def test_after_end_must_name_events_of_the_table():
     with pytest.raises(ValueError, match="Look"):
         table_machine({Switch: _switch}, terminal=(Light.BROKEN,), after_end={Look: IGNORE})
+
+
+# A lamp whose table is keyed by (phase, event): switching on is legal only when it is off.
+@dataclass(frozen=True)
+class TurnOn:
+    pass
+
+
+@dataclass(frozen=True)
+class Glow:
+    """An action: light the room."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """An action: count a switch."""
+
+
+def _turn_on(s: Lamp, e: TurnOn):
+    return replace(s, phase=Light.ON), [Tick(), Glow()]
+
+
+strict = table_machine({(Light.OFF, TurnOn): _turn_on, (Light.ON, Switch): _switch, Look: IGNORE},
+                       error=IllegalLampEvent, terminal=(Light.BROKEN,), noun="lamp", actions=(Glow, Tick))
+
+
+def test_a_pair_runs_in_its_state_only_and_a_missing_pair_is_illegal_there():
+    on, actions = strict(Lamp(), TurnOn())
+    assert on.phase is Light.ON and actions == [Tick(), Glow()]
+    assert strict(on, Look()) == (on, [])  # keyed by the event alone: in every live state
+    with pytest.raises(IllegalLampEvent, match="TurnOn while the lamp is on"):
+        strict(on, TurnOn())
+    with pytest.raises(IllegalLampEvent, match="Switch while the lamp is off"):
+        strict(Lamp(), Switch())
+    with pytest.raises(IllegalLampEvent, match="unknown event"):
+        strict(Lamp(), Smash())
+
+
+class Room:
+    def __init__(self):
+        self.state = Lamp()
+        self.seen: list = []
+
+
+def test_the_driver_stores_the_state_before_it_performs_each_action_in_order():
+    def glow(room, action, why):
+        room.seen.append(("glow", room.state.phase, why))
+
+    def tick(room, action, why):
+        room.seen.append(("tick", room.state.phase, why))
+
+    driver = Driver(strict, {Glow: glow, Tick: tick})
+    room = Room()
+    assert driver.step(room, TurnOn(), "dusk") == [Tick(), Glow()]
+    assert room.state.phase is Light.ON
+    assert room.seen == [("tick", Light.ON, "dusk"), ("glow", Light.ON, "dusk")]
+    with pytest.raises(IllegalLampEvent):
+        driver.step(room, TurnOn(), "again")
+    assert room.state.phase is Light.ON and len(room.seen) == 2  # refused: nothing changed or ran
+
+
+def test_the_driver_keeps_the_state_where_it_is_told_and_advance_performs_nothing():
+    class Owner:
+        lamp = Lamp()
+
+    driver = Driver(strict, {Glow: nothing, Tick: nothing}, state="lamp")
+    owner = Owner()
+    assert driver.advance(owner, TurnOn()) == [Tick(), Glow()]
+    assert owner.lamp.phase is Light.ON
+
+
+def test_a_driver_must_perform_every_action_of_its_machine_and_no_other():
+    with pytest.raises(ValueError, match=r"misses \['Tick'\]"):
+        Driver(strict, {Glow: nothing})
+    with pytest.raises(ValueError, match=r"no such actions \['TurnOn'\]"):
+        Driver(strict, {Glow: nothing, Tick: nothing, TurnOn: nothing})
 
 
 def _machines():

@@ -15,16 +15,16 @@ def test_data_then_every_byte_verified_is_success_and_wakes_the_waiters():
     status, actions = fold(rr.transition, FRESH, rr.DataArrived())
     assert status.state is RoomState.TRANSFERRING and actions == []
     status, actions = fold(rr.transition, status, rr.DataArrived(), rr.DataArrived(), rr.AllVerified())
-    assert status == rr.RecvStatus(RoomState.SUCCESS) and actions == [rr.WakeWaiters()]
+    assert status == rr.RecvStatus(RoomState.SUCCESS) and actions == [rr.WakeReceiveWaiters()]
 
 
 @pytest.mark.parametrize("before", [[], [rr.DataArrived()]])
 def test_a_failure_keeps_its_reason_and_nacks_the_senders_only_when_asked(before):
     status, actions = fold(rr.transition, FRESH, *before, NACK)
     assert status == rr.RecvStatus(RoomState.FAILED, NACK.reason, NACK.detail)
-    assert actions == [rr.WakeWaiters(), rr.NackSenders(NACK.reason, NACK.detail)]
+    assert actions == [rr.WakeReceiveWaiters(), rr.NackSenders(NACK.reason, NACK.detail)]
     status, actions = fold(rr.transition, FRESH, *before, QUIET)
-    assert status.reason == FailureReason.IDLE_TIMEOUT and actions == [rr.WakeWaiters()]
+    assert status.reason == FailureReason.IDLE_TIMEOUT and actions == [rr.WakeReceiveWaiters()]
 
 
 @pytest.mark.parametrize("end", [[rr.DataArrived(), rr.AllVerified()], [QUIET]])

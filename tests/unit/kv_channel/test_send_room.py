@@ -42,7 +42,7 @@ def test_happy_path_whenever_the_session_comes_up(up_after):
         assert room.state is expected, (i, event)
     assert room.end_queued and room.chunks_queued == CHUNKS
     room, actions = sr.transition(room, sr.SendAcked(BYTES))
-    assert room.state is RoomState.SUCCESS and actions == [sr.Settled()]
+    assert room.state is RoomState.SUCCESS and actions == [sr.WakeSendWaiters()]
     assert (room.reason, room.detail) == ("", "")
 
 
@@ -51,7 +51,7 @@ def test_a_room_with_no_chunks_goes_straight_to_the_end():
     room, _ = run(room, sr.EndQueued())
     assert room.state is RoomState.TRANSFERRING
     room, actions = run(room, sr.SendAcked(0))
-    assert room.state is RoomState.SUCCESS and actions == [sr.Settled()]
+    assert room.state is RoomState.SUCCESS and actions == [sr.WakeSendWaiters()]
 
 
 # Every non-terminal point of the happy path, as the events that reach it.
@@ -72,7 +72,7 @@ def test_fail_in_every_state(prefix, tell_peer):
     room, actions = sr.transition(room, sr.SendFailed(FailureReason.IDLE_TIMEOUT, "no progress", tell_peer))
     assert room.state is RoomState.FAILED
     assert (room.reason, room.detail) == (FailureReason.IDLE_TIMEOUT, "no progress")
-    assert actions == [sr.Settled()] + ([sr.AbortPeer(FailureReason.IDLE_TIMEOUT)] if tell_peer else [])
+    assert actions == [sr.WakeSendWaiters()] + ([sr.AbortPeer(FailureReason.IDLE_TIMEOUT)] if tell_peer else [])
 
 
 @pytest.mark.parametrize("prefix", PREFIXES)
@@ -81,7 +81,7 @@ def test_owner_abort_in_every_state(prefix):
     room, _ = run(fresh(), *PREFIXES[prefix])
     room, actions = sr.transition(room, sr.SendFailed(FailureReason.ABORTED, "released by owner"))
     assert (room.state, room.reason) == (RoomState.FAILED, FailureReason.ABORTED)
-    assert actions == [sr.Settled(), sr.AbortPeer(FailureReason.ABORTED)]
+    assert actions == [sr.WakeSendWaiters(), sr.AbortPeer(FailureReason.ABORTED)]
 
 
 @pytest.mark.parametrize("prefix", PREFIXES)
@@ -94,7 +94,7 @@ def test_ack_before_the_end_or_with_the_wrong_count_is_a_protocol_failure(prefix
         return
     assert (room.state, room.reason) == (RoomState.FAILED, FailureReason.PROTOCOL)
     assert room.detail == f"premature ACK ({total} bytes)"
-    assert actions == [sr.Settled(), sr.AbortPeer(FailureReason.PROTOCOL)]
+    assert actions == [sr.WakeSendWaiters(), sr.AbortPeer(FailureReason.PROTOCOL)]
 
 
 def terminal_rooms():

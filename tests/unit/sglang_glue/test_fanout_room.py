@@ -8,7 +8,7 @@ from sglang_pdd.sglang_glue import fanout_room as fr
 from sglang_pdd.sglang_glue.fanout_room import CopyHold, DropReason, FanoutPhase
 from sglang_pdd.kv_channel.states import FailureReason
 
-QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortSendRooms(), fr.AllSent()
+QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortSendRooms(), fr.CountSent()
 
 
 def run(room, *events):

@@ -5,8 +5,8 @@ import pytest
 from sglang_pdd.machine import fold
 
 from sglang_pdd.sglang_glue import wan_binding
-from sglang_pdd.sglang_glue.wan_binding import (RequestAborted, AbortRoom, ForgetDestination, Hold, Initialized, Unbound, OpenRoom, BindingPhase,
-                                         Polled, Posted, FanoutOpened, FanoutRefused, WaitExpired, Withdrawn)
+from sglang_pdd.sglang_glue.wan_binding import (RequestAborted, AbortRoom, ForgetDestination, HoldPages, Initialized, Unbind, OpenRoom, BindingPhase,
+                                         Polled, Posted, FanoutOpened, FanoutRefused, CountWaitExpired, Withdrawn)
 
 DEST = "md:1"
 
@@ -40,33 +40,33 @@ def test_second_post_and_late_withdrawal_change_nothing_once_known():
 
 def test_withdrawn_while_awaiting_drops_and_forgets():
     leg, actions = run(wan_binding.bound(None), Withdrawn())
-    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [Unbound, ForgetDestination]
+    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [Unbind, ForgetDestination]
     assert run(leg, Posted(DEST), Initialized(), RequestAborted(), Polled(0, True, 1)) == (leg, [])
 
 
 def test_refused_room_drops_the_leg():
     leg, actions = run(wan_binding.bound(DEST), Initialized(), FanoutRefused())
-    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [OpenRoom, Unbound, ForgetDestination]
+    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [OpenRoom, Unbind, ForgetDestination]
 
 
 def test_poll_holds_for_a_promised_destination_until_the_wait_ends():
     leg = wan_binding.bound(None)
     leg, actions = run(leg, Initialized(), Polled(now=10.0, succeeded=True, wait_s=0.5))
-    assert kinds(actions) == [Hold] and leg.wait_deadline == 10.5
+    assert kinds(actions) == [HoldPages] and leg.wait_deadline == 10.5
     leg, actions = run(leg, Polled(now=10.4, succeeded=True, wait_s=0.5))
-    assert kinds(actions) == [Hold]
+    assert kinds(actions) == [HoldPages]
     leg, actions = run(leg, Polled(now=10.5, succeeded=True, wait_s=0.5))
-    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [WaitExpired, Unbound, ForgetDestination]
+    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [CountWaitExpired, Unbind, ForgetDestination]
 
 
 def test_poll_after_rld_failed_does_not_wait_for_a_destination():
     leg, actions = run(wan_binding.bound(None), Initialized(), Polled(now=1.0, succeeded=False, wait_s=5))
-    assert leg.phase is BindingPhase.DROPPED and WaitExpired in kinds(actions)
+    assert leg.phase is BindingPhase.DROPPED and CountWaitExpired in kinds(actions)
 
 
 def test_poll_of_an_open_room_holds_while_it_copies_then_forgets():
     leg, _ = run(wan_binding.bound(DEST), Initialized(), FanoutOpened())
-    assert kinds(run(leg, Polled(1.0, True, 0.5, room_holds=True))[1]) == [Hold]
+    assert kinds(run(leg, Polled(1.0, True, 0.5, room_holds=True))[1]) == [HoldPages]
     leg2, actions = run(leg, Polled(1.0, True, 0.5, room_holds=False))
     assert leg2 == leg and kinds(actions) == [ForgetDestination]
 
@@ -74,7 +74,7 @@ def test_poll_of_an_open_room_holds_while_it_copies_then_forgets():
 @pytest.mark.parametrize("before", [[], [Initialized()]])
 def test_abort_before_the_room_opened_drops_without_touching_a_room(before):
     leg, actions = run(wan_binding.bound(None), *before, RequestAborted())
-    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [Unbound, ForgetDestination]
+    assert leg.phase is BindingPhase.DROPPED and kinds(actions) == [Unbind, ForgetDestination]
 
 
 def test_abort_of_an_open_room_aborts_it():
