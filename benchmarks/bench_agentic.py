@@ -1,5 +1,5 @@
 """Agentic workload against the real local PDD topology: WAN bytes with and without DRC,
-hit rates on P and MD side by side, latency per path (issue #5).
+hit rates on P and MD side by side, latency per path.
 
 One LocalCluster (P + RLD in datacenter A, MD in datacenter B behind the emulated WAN,
 the router) replays the SAME multi-turn workload twice in one run:

@@ -1,4 +1,4 @@
-"""Handoff-overhead microbenchmark (issue #4), on real SGLang servers and the emulated WAN.
+"""Handoff-overhead microbenchmark, on real SGLang servers and the emulated WAN.
 
 One ``LocalCluster`` (P + RLD in datacenter A, MD in datacenter B, the WAN emulator, the
 router) and, side by side in the same run:

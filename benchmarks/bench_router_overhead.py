@@ -1,4 +1,4 @@
-"""Router overhead next to direct SGLang, on the same requests, side by side in one run (issue 10).
+"""Router overhead next to direct SGLang, on the same requests, side by side in one run.
 
 Starts one ``LocalCluster`` (real P, RLD, MD, WAN emulator, the router) and one plain SGLang
 server (the "direct" reference, same model and flags), then sends the same streaming

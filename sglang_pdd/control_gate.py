@@ -87,10 +87,6 @@ class ByteBudget:
             else:
                 self._by_source.pop(source, None)
 
-    def held_by(self, source) -> int:
-        with self._lock:
-            return self._by_source.get(source, 0)
-
 
 class HeadTooLarge(ConnectionError):
     """A request head past ``max_head_bytes``: answered with 431 and the connection closed."""
@@ -553,7 +549,7 @@ class ControlHTTPServer(ThreadingHTTPServer):
         else:
             self._names = {h for h in (parse_authority(_bracket(n) + f":{port}", port) for n in hosts) if h}
 
-    # counters that used to be attributes
+    # the counters that readers name as attributes
     @property
     def refused_busy(self) -> int:
         return self.counters["refused_busy"]

@@ -326,9 +326,6 @@ class DatacenterLink:
         """(bytes A->B, bytes B->A) the link has carried since it was made."""
         return link_counters(Path("/sys/class/net") / self.plan.veth_a / "statistics")
 
-    def exec_argv(self, argv: list[str]) -> list[str]:
-        return netns_exec_argv(self.plan.namespace, argv)
-
     def destroy(self) -> None:
         """Remove the veth pair and the namespace (idempotent). Stop the processes inside first:
         a namespace with processes in it outlives its name."""

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -217,10 +216,6 @@ def _group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
-
-
-def python_argv(*args: str) -> list[str]:
-    return [sys.executable, *args]
 
 
 class ClusterProcesses:

@@ -119,14 +119,3 @@ def _contiguous_run(idx: torch.Tensor) -> Optional[tuple[int, int]]:
     if hi - lo == idx.numel() and (idx.numel() == 1 or bool((idx[1:] - idx[:-1] == 1).all())):
         return lo, hi
     return None
-
-
-# ---- page size 1 names (a page is one token slot), kept for the callers that think in rows
-
-def gather_rows(pool, slots: torch.Tensor) -> list[torch.Tensor]:
-    return gather_pages(pool, slots, 1)
-
-
-def scatter_rows(pool, slots: torch.Tensor, staged: torch.Tensor) -> None:
-    """Write ``staged`` ([num_layers, len(slots), bytes_per_page] uint8) into the rows ``slots``."""
-    scatter_pages(pool, slots, 1, staged)

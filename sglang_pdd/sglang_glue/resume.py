@@ -1,4 +1,4 @@
-"""Resume a request: its last k input ids are output it has ALREADY produced (issue 10, item 2).
+"""Resume a request: its last k input ids are output it has ALREADY produced.
 
 The router's handoff gives MD ``input_ids = prompt + eager`` where the eager tokens came from
 RLD. Sent as a plain request, SGLang would treat them as prompt: the grammar would restart,

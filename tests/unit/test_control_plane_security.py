@@ -1,4 +1,4 @@
-"""Control plane against an outsider (issue 11), on real control servers on loopback: MD's
+"""Control plane against an outsider, on real control servers on loopback: MD's
 ControlServer and P's PrefillControlServer refuse unsigned calls (401, nothing changes), bad
 Content-Length and bodies before reading them, malformed room ids with 400 (not 500), a full
 room table with 503, and never put internals in a reply; P takes only its configured WAN

@@ -1,5 +1,5 @@
 """The KV channels' shared acceptor: bounded connections, thread-start failures survived,
-a total handshake deadline (issue 11). Real loopback sockets."""
+a total handshake deadline. Real loopback sockets."""
 
 import logging
 import select

@@ -1,6 +1,6 @@
 """Every frame after the handshake is authenticated (wire.FrameMac, handshake.derive_frame_keys).
 
-The attack this closes (issue 11): a relay on the WAN path that does not know the key
+The attack this closes: a relay on the WAN path that does not know the key
 rewrote KV bytes inside a CHUNK, fixed up its CRC-32, and both ends reported SUCCESS.
 """
 

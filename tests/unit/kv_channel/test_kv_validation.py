@@ -1,4 +1,4 @@
-"""Strict validation of KV frames, and sender identities that cannot collide (issue 11)."""
+"""Strict validation of KV frames, and sender identities that cannot collide."""
 
 import dataclasses
 import os

@@ -1,4 +1,4 @@
-"""The receiver's replies (NACK / ERROR / ACK) are sent outside its lock (issue 11).
+"""The receiver's replies (NACK / ERROR / ACK) are sent outside its lock.
 
 MD's scheduler thread calls register_room / abort / poll, which take that lock; a sender
 that stops reading its replies must not stall it (it used to, for 2 s per reply).

@@ -1,4 +1,4 @@
-"""Mutual TLS on the WAN KV channel, selected by --pdd-wan-tls-cert/-key/-ca (issue 11).
+"""Mutual TLS on the WAN KV channel, selected by --pdd-wan-tls-cert/-key/-ca.
 
 Certificates are made at test time with the openssl CLI: a CA, a leaf for MD (naming
 127.0.0.1) and one for P; and a second, unrelated CA whose leaf must be refused.

@@ -1,5 +1,5 @@
 """PddFlow against the fakes: the resume contract on every leg, SGLang's logprob extras and
-``output_meta``, and what a client must not control (issue 11): backend rids, room ids,
+``output_meta``, and what a client must not control: backend rids, room ids,
 ``pdd_*`` custom params, the WAN peer."""
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def test_unknown_extra_fields_are_refused():
         PddFlow(None, flow_config(), PrefillBackend("http://x", 1), "http://y", None, PROMPT, {}, extras={"n": 2})
 
 
-# ---------------------------------------------------------------------- issue 11
+# ---------------------------------------------------------------------- what a client must not control
 def test_room_ids_do_not_follow_the_random_module():
     random.seed(1234)
     first = new_room()

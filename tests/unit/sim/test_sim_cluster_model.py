@@ -1,4 +1,6 @@
-"""Issue 12 fixes in the cluster model: each test fails on the model before the fix."""
+"""The cluster model's costs and decisions, one per test: catch-up round trips, MD's extend
+stall, when MD's hit is decided, pinned blocks, per-link sharing, load and path rules, stall
+metrics, arrivals, and that a faster WAN never makes PDD worse."""
 
 import math
 from dataclasses import replace
