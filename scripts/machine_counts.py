@@ -130,7 +130,7 @@ def _fold_helpers(rel: str, tree: ast.Module) -> list[str]:
 
 
 def _words(name: str) -> set[str]:
-    """``FanoutRoomError`` -> {fanout, room, error}; ``RoomsFull`` -> {room, full}."""
+    """``AbortSendRooms`` -> {abort, send, room}; ``RoomsFull`` -> {room, full}."""
     return {w.lower().rstrip("s") if w.lower() != "s" else w for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+", name)}
 
 

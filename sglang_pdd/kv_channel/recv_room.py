@@ -20,7 +20,7 @@ Events (who sends them):
                                            (abort, release, close) or the watchdog (timeout)
 
 A failure races with the end (the owner releases a room the watchdog just failed, close() fails
-every room): ignored after it. Data after the end is refused (``IllegalRecvRoomEvent``): the
+every room): ignored after it. Data after the end is refused (``IllegalRecvEvent``): the
 shell checks for a terminal room first, under the same lock, so one arriving is a bug.
 """
 
@@ -34,13 +34,13 @@ from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 from .states import RoomState
 
 
-class IllegalRecvRoomEvent(IllegalTransition):
+class IllegalRecvEvent(IllegalTransition):
     """An event that is illegal in the receiver room's current state."""
 
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
-class RecvStatus:
+class RecvState:
     state: RoomState = RoomState.WAITING_FOR_INPUT
     reason: str = ""  # a FailureReason value once FAILED
     detail: str = ""
@@ -81,23 +81,23 @@ class NackSenders:
 
 
 Action = Union[WakeReceiveWaiters, NackSenders]
-Result = tuple[RecvStatus, list]
+Result = tuple[RecvState, list]
 _WAKE = WakeReceiveWaiters()
 
 
-def _data_arrived(s: RecvStatus, e: DataArrived) -> Result:
+def _data_arrived(s: RecvState, e: DataArrived) -> Result:
     return replace(s, state=RoomState.TRANSFERRING), []
 
 
-def _all_verified(s: RecvStatus, e: AllVerified) -> Result:
+def _all_verified(s: RecvState, e: AllVerified) -> Result:
     return replace(s, state=RoomState.SUCCESS), [_WAKE]
 
 
-def _receive_failed(s: RecvStatus, e: ReceiveFailed) -> Result:
+def _receive_failed(s: RecvState, e: ReceiveFailed) -> Result:
     actions: list = [_WAKE]
     if e.tell_peer:
         actions.append(NackSenders(e.reason, e.detail))
-    return RecvStatus(RoomState.FAILED, e.reason, e.detail), actions
+    return RecvState(RoomState.FAILED, e.reason, e.detail), actions
 
 
 _WAITING, _TRANSFERRING = RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING
@@ -109,11 +109,11 @@ _HANDLERS = {
 }
 
 
-def _illegal(s: RecvStatus, e: Event) -> str:
+def _illegal(s: RecvState, e: Event) -> str:
     return f"every byte verified, but nothing arrived ({s.state.name})"  # the one illegal live pair
 
 
-transition = table_machine(_HANDLERS, error=IllegalRecvRoomEvent, status="state",
+transition = table_machine(_HANDLERS, error=IllegalRecvEvent, status="state",
                            terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end={ReceiveFailed: IGNORE},
                            noun="room", illegal=_illegal, actions=Action)
-transition.__doc__ = """The room's one transition function. Raises IllegalRecvRoomEvent for an illegal event."""
+transition.__doc__ = """The room's one transition function. Raises IllegalRecvEvent for an illegal event."""

@@ -22,7 +22,7 @@ Events (who sends them):
 
 Replies and failures race with each other (a NACK after the watchdog failed the room, an ACK
 after an abort), so SendAcked and SendFailed on a terminal room are ignored. The producer's and the
-session's events are refused there (``SendRoomError``): the shell checks for a terminal
+session's events are refused there (``IllegalSendEvent``): the shell checks for a terminal
 room first, under the same lock, so one arriving is a bug.
 """
 
@@ -36,7 +36,7 @@ from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 from .states import FailureReason, RoomState
 
 
-class SendRoomError(IllegalTransition):
+class IllegalSendEvent(IllegalTransition):
     """An event that is illegal in the room's current state."""
 
 
@@ -88,7 +88,7 @@ Action = Union[WakeSendWaiters, AbortPeer]
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
-class SendRoom:
+class SendState:
     num_chunks: int
     total_bytes: int
     state: RoomState = RoomState.BOOTSTRAPPING
@@ -102,48 +102,48 @@ class SendRoom:
         return self.chunks_queued > 0 or self.end_queued
 
 
-def start(num_chunks: int, total_bytes: int, session_up: bool) -> SendRoom:
+def start(num_chunks: int, total_bytes: int, session_up: bool) -> SendState:
     """A new room: WAITING_FOR_INPUT on a session that is up, else BOOTSTRAPPING."""
-    return SendRoom(num_chunks, total_bytes,
+    return SendState(num_chunks, total_bytes,
                     RoomState.WAITING_FOR_INPUT if session_up else RoomState.BOOTSTRAPPING)
 
 
-Result = tuple[SendRoom, list]
+Result = tuple[SendState, list]
 _WAKE = WakeSendWaiters()
 
 
-def _session_up(r: SendRoom, e: SessionUp) -> Result:
+def _session_up(r: SendState, e: SessionUp) -> Result:
     return replace(r, state=RoomState.TRANSFERRING if r.has_input else RoomState.WAITING_FOR_INPUT), []
 
 
-def _input_state(r: SendRoom) -> RoomState:
+def _input_state(r: SendState) -> RoomState:
     # Before the session is up the room stays BOOTSTRAPPING; its frames wait in the queue.
     return RoomState.TRANSFERRING if r.state is RoomState.WAITING_FOR_INPUT else r.state
 
 
-def _chunk_queued(r: SendRoom, e: ChunkQueued) -> Result:
+def _chunk_queued(r: SendState, e: ChunkQueued) -> Result:
     if r.end_queued:
-        raise SendRoomError("chunk queued after TRANSFER_END")
+        raise IllegalSendEvent("chunk queued after TRANSFER_END")
     if r.chunks_queued >= r.num_chunks:
-        raise SendRoomError(f"chunk {r.chunks_queued + 1} queued, the plan has {r.num_chunks}")
+        raise IllegalSendEvent(f"chunk {r.chunks_queued + 1} queued, the plan has {r.num_chunks}")
     return replace(r, state=_input_state(r), chunks_queued=r.chunks_queued + 1), []
 
 
-def _end_queued(r: SendRoom, e: EndQueued) -> Result:
+def _end_queued(r: SendState, e: EndQueued) -> Result:
     if r.end_queued:
-        raise SendRoomError("TRANSFER_END queued twice")
+        raise IllegalSendEvent("TRANSFER_END queued twice")
     if r.chunks_queued != r.num_chunks:
-        raise SendRoomError(f"TRANSFER_END with {r.num_chunks - r.chunks_queued} chunks not queued")
+        raise IllegalSendEvent(f"TRANSFER_END with {r.num_chunks - r.chunks_queued} chunks not queued")
     return replace(r, state=_input_state(r), end_queued=True), []
 
 
-def _ack(r: SendRoom, e: SendAcked) -> Result:
+def _ack(r: SendState, e: SendAcked) -> Result:
     if r.end_queued and e.total_bytes == r.total_bytes:
         return replace(r, state=RoomState.SUCCESS), [_WAKE]
     return _fail(r, SendFailed(FailureReason.PROTOCOL, f"premature ACK ({e.total_bytes} bytes)"))
 
 
-def _fail(r: SendRoom, e: SendFailed) -> Result:
+def _fail(r: SendState, e: SendFailed) -> Result:
     actions: list = [_WAKE]
     if e.tell_peer:
         actions.append(AbortPeer(e.reason))
@@ -161,7 +161,7 @@ _HANDLERS = {
 # an abort): ignored there. The producer's and the session's events after the end are bugs.
 _AFTER_END = {SendAcked: IGNORE, SendFailed: IGNORE}
 
-transition = table_machine(_HANDLERS, error=SendRoomError, status="state",
+transition = table_machine(_HANDLERS, error=IllegalSendEvent, status="state",
                            terminal=(RoomState.SUCCESS, RoomState.FAILED), after_end=_AFTER_END, noun="room",
                            illegal=lambda r, e: f"session up, but the room is {r.state.name}", actions=Action)
-transition.__doc__ = """The room's one transition function. Raises SendRoomError for an illegal event."""
+transition.__doc__ = """The room's one transition function. Raises IllegalSendEvent for an illegal event."""

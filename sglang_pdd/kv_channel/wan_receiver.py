@@ -122,7 +122,7 @@ class _ReceiverRoom:
     dest_write: Optional[WriteFn]
     expected_digest: bytes
     deadline: Optional[float]
-    status: recv_room.RecvStatus = recv_room.RecvStatus()  # changed only by the receiver's _machine (recv_room.py)
+    status: recv_room.RecvState = recv_room.RecvState()  # changed only by the receiver's _machine (recv_room.py)
     parts: dict = field(default_factory=dict)  # slice index -> _Part
     slice_count: Optional[int] = None  # from the first BEGIN; all must agree
     writers: int = 0  # reader threads currently writing into the destination

@@ -87,7 +87,7 @@ class _SenderRoom:
     deadline: float
     row: Optional[RowSlice]  # this sender's bytes of each token row (None: all of it)
     # The room's state (send_room.py); replaced only by WanKvSender._machine, under its lock.
-    lifecycle: send_room.SendRoom
+    lifecycle: send_room.SendState
     last_progress: float = field(default_factory=time.monotonic)
     queued: set = field(default_factory=set)  # chunk indices handed to us by the producer
     bytes_written: int = 0

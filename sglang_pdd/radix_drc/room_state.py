@@ -23,7 +23,7 @@ Phases::
   or expired.
 
 Late events after a terminal phase (a WAN outcome, a second release or expiry) change nothing;
-an event that cannot happen in a phase raises ``IllegalRoomEvent`` and changes nothing.
+an event that cannot happen in a phase raises ``IllegalDrcEvent`` and changes nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Optional, Union
 from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 
 
-class IllegalRoomEvent(IllegalTransition):
+class IllegalDrcEvent(IllegalTransition):
     """An event that is illegal in the room's current phase; the room is unchanged."""
 
 
@@ -155,7 +155,7 @@ _GONE = [_UNLOCK, _FORGET]
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
-class MdRoomState:
+class DrcState:
     phase: DrcPhase = DrcPhase.NEW
     deadline: float = math.inf
     failure: Optional[Failure] = None  # why the KV never made it into the tree
@@ -165,41 +165,41 @@ class MdRoomState:
         return not self.phase.terminal and self.deadline <= now
 
 
-Result = tuple[MdRoomState, list]
+Result = tuple[DrcState, list]
 
 
-def _registered(s: MdRoomState, e: Registered) -> Result:
+def _registered(s: DrcState, e: Registered) -> Result:
     return replace(s, phase=DrcPhase.LANDING, deadline=e.deadline), []
 
 
-def _kv_landed(s: MdRoomState, e: KvLanded) -> Result:
+def _kv_landed(s: DrcState, e: KvLanded) -> Result:
     return replace(s, phase=DrcPhase.READY, deadline=e.deadline, landed=True), [_LOCK_PROMPT]
 
 
-def _kv_landed_kept(s: MdRoomState, e: KvLanded) -> Result:
+def _kv_landed_kept(s: DrcState, e: KvLanded) -> Result:
     # nobody will hand off: cached, unlocked, gone
     return replace(s, phase=DrcPhase.RELEASED, deadline=e.deadline, landed=True), [_LOCK_PROMPT, *_GONE]
 
 
-def _failed(s: MdRoomState, e: DrcFailed) -> Result:
+def _failed(s: DrcState, e: DrcFailed) -> Result:
     return replace(s, phase=DrcPhase.FAILED, failure=e.failure), [_UNLOCK]
 
 
-def _failed_kept(s: MdRoomState, e: DrcFailed) -> Result:
+def _failed_kept(s: DrcState, e: DrcFailed) -> Result:
     return replace(s, phase=DrcPhase.RELEASED, failure=e.failure), list(_GONE)
 
 
-def _handed_off(s: MdRoomState, e: HandedOff) -> Result:
+def _handed_off(s: DrcState, e: HandedOff) -> Result:
     return replace(s, phase=DrcPhase.HANDED_OFF), []
 
 
-def _released(s: MdRoomState, e: Released) -> Result:
+def _released(s: DrcState, e: Released) -> Result:
     if s.phase.landing and e.keep_kv:
         return replace(s, phase=DrcPhase.LANDING_KEPT), []
     return replace(s, phase=DrcPhase.RELEASED), list(_GONE)
 
 
-def _expired(s: MdRoomState, e: Expired) -> Result:
+def _expired(s: DrcState, e: Expired) -> Result:
     failure = TIMED_OUT if s.phase.landing else s.failure
     return replace(s, phase=DrcPhase.EXPIRED, failure=failure), list(_GONE)
 
@@ -220,12 +220,12 @@ _HANDLERS = {
 _AFTER_END = {KvLanded: IGNORE, DrcFailed: IGNORE, Released: IGNORE, Expired: IGNORE}
 
 
-def _illegal(s: MdRoomState, e: Event) -> str:
+def _illegal(s: DrcState, e: Event) -> str:
     if s.phase is DrcPhase.NEW:
         return f"{type(e).__name__} before the room was registered"
     return f"{type(e).__name__} in phase {s.phase.value}"
 
 
-transition = table_machine(_HANDLERS, error=IllegalRoomEvent, terminal=(DrcPhase.RELEASED, DrcPhase.EXPIRED),
+transition = table_machine(_HANDLERS, error=IllegalDrcEvent, terminal=(DrcPhase.RELEASED, DrcPhase.EXPIRED),
                            after_end=_AFTER_END, illegal=_illegal, noun="room", actions=Action)
-transition.__doc__ = """The room's one transition function. Raises IllegalRoomEvent for an illegal event."""
+transition.__doc__ = """The room's one transition function. Raises IllegalDrcEvent for an illegal event."""

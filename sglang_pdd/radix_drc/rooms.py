@@ -27,7 +27,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 from sglang_pdd.kv_channel.layout import align_down
 from sglang_pdd.machine import Driver
 from sglang_pdd.radix_drc.room_state import (Event, Expired, DrcFailed, FailReason, Failure, ForgetRoom, HandedOff,
-                                             IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, DrcPhase,
+                                             IllegalDrcEvent, KvLanded, LockPrompt, DrcState, DrcPhase,
                                              Registered, Released, UnlockAll, transition)
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class DrcRoom:
     room: int
     token_ids: tuple[int, ...]
     cached_len: int
-    state: MdRoomState = MdRoomState()  # changed only by DrcRoomTable, through room_state.transition
+    state: DrcState = DrcState()  # changed only by DrcRoomTable, through room_state.transition
     locks: list = field(default_factory=list)
 
     @property
@@ -102,13 +102,13 @@ class DrcRoom:
         return self.state.phase is DrcPhase.HANDED_OFF
 
 
-def _status(state: MdRoomState) -> RoomStatus:
+def _status(state: DrcState) -> RoomStatus:
     if not state.phase.terminal:
         return _STATUS[state.phase]
     return RoomStatus.FAILED if state.failure else RoomStatus.READY if state.landed else RoomStatus.PENDING
 
 
-def _reason(state: MdRoomState) -> str:
+def _reason(state: DrcState) -> str:
     return state.failure.text if state.failure else ""
 
 
@@ -168,7 +168,7 @@ class DrcRoomTable:
         event = KvLanded(now + self.ttl_s)  # READY holds the prompt until the handoff arrives
         try:
             transition(entry.state, event)  # legal here? (nothing is ingested otherwise)
-        except IllegalRoomEvent:
+        except IllegalDrcEvent:
             raise RoomError(f"room {room} is {entry.status.value}, not pending") from None
         try:
             prompt_node = self.tree.ingest(entry.token_ids, entry.cached_len, None, kv)
@@ -244,7 +244,7 @@ class DrcRoomTable:
         try:
             with self._lock:
                 actions = self._machine.advance(entry, event)
-        except IllegalRoomEvent as e:
+        except IllegalDrcEvent as e:
             raise RoomError(f"room {entry.room}: {e}") from None
         for action in actions:
             self._machine.perform(entry, action, prompt_node)

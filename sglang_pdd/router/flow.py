@@ -25,7 +25,7 @@ sends them:
     ClientDisconnected()                events(): the consumer closed the generator early
     Ended()                             events(), last: the cleanup (abort, release, withdraw)
 
-PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.State). What
+PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.RequestState). What
 it keeps are I/O handles (session, tasks, queue, stitcher, live backend rids, MD's room id) and
 statistics for FlowResult.
 
@@ -257,7 +257,7 @@ class PddFlow:
                                  prefill_url=prefill.url, main_url=main.url if main is not None else None)
         # RLD's load when the request arrived sets the handoff mode; catch-up rounds are the lifecycle's.
         self.handoff_mode = choose_mode(RldLoad(rld_inflight, cfg.rld_max_running), cfg.handoff)
-        self.state = lifecycle.State(max_new=self.max_new, recovery=self._recovery_mode(),
+        self.state = lifecycle.RequestState(max_new=self.max_new, recovery=self._recovery_mode(),
                                      catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -342,7 +342,7 @@ class PddFlow:
                 self._stream_room.release()  # taken: its leg may read the next one
             try:
                 self.state, actions = lifecycle.transition(self.state, event)
-            except lifecycle.LifecycleError as e:
+            except lifecycle.IllegalRequestEvent as e:
                 self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
                 raise BackendError(f"request broke off: {e}") from None
             for action in actions:
@@ -372,7 +372,7 @@ class PddFlow:
             self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
         elif isinstance(action, lifecycle.WithdrawDestination):
             self._spawn(self.p_control.drop_wan_destination(action.p_room), must_finish=True)
-        elif isinstance(action, lifecycle.RelayOutput):
+        elif isinstance(action, lifecycle.EmitRelayOutput):
             leg, event = payload
             ids, offset, replayed = event.get("output_ids", []), action.offset, action.check_replay
             if replayed and ids[:replayed] != self.stitcher.emitted[:replayed]:
@@ -395,14 +395,14 @@ class PddFlow:
             if action.catch_up_tail is not None:
                 self.result.catch_up_batches.append(action.catch_up_tail)
             self._spawn_leg(self._final_handoff(eager), lifecycle.MainFailed)
-        elif isinstance(action, lifecycle.HandoffCommitted):
+        elif isinstance(action, lifecycle.CommitHandoff):
             self._on_handoff_committed()
-        elif isinstance(action, lifecycle.HandoffAbandoned):
+        elif isinstance(action, lifecycle.AbandonHandoff):
             before = len(self.stitcher.emitted)
             out = self.stitcher.handoff_failed()
             self._out_meta.emitted(("rld", self.state.leg), before, len(self.stitcher.emitted))
             return out
-        elif isinstance(action, lifecycle.MainOutput):
+        elif isinstance(action, lifecycle.EmitMainOutput):
             ids = payload.get("output_ids", [])
             before = len(self.stitcher.emitted)
             self._out_meta.observe(("md", 0), len(ids), payload.get("meta_info", {}))

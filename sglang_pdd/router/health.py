@@ -27,7 +27,7 @@ from typing import Hashable, Iterable
 from sglang_pdd.machine import IllegalTransition, table_machine
 
 
-class Breaker(str, enum.Enum):
+class BreakerPhase(str, enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -44,8 +44,8 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
-class BackendHealth:
-    breaker: Breaker = Breaker.CLOSED
+class BreakerState:
+    breaker: BreakerPhase = BreakerPhase.CLOSED
     failures: int = 0  # consecutive, while CLOSED
     opened_at: float = 0.0
     draining: bool = False
@@ -72,55 +72,55 @@ class Drain:
 
 
 Event = BackendFailed | BackendSucceeded | Drain
-Result = tuple[BackendHealth, list]
+Result = tuple[BreakerState, list]
 
 
-class IllegalHealthEvent(IllegalTransition):
+class IllegalBreakerEvent(IllegalTransition):
     """An event the breaker does not know."""
 
 
-def settle(state: BackendHealth, now: float, cfg: HealthConfig) -> BackendHealth:
+def settle(state: BreakerState, now: float, cfg: HealthConfig) -> BreakerState:
     """An OPEN breaker whose cooldown has passed is HALF_OPEN (time is an input, not a timer)."""
-    if state.breaker is Breaker.OPEN and now - state.opened_at >= cfg.cooldown_s:
-        return replace(state, breaker=Breaker.HALF_OPEN)
+    if state.breaker is BreakerPhase.OPEN and now - state.opened_at >= cfg.cooldown_s:
+        return replace(state, breaker=BreakerPhase.HALF_OPEN)
     return state
 
 
-def counts(state: BackendHealth, event: BackendFailed) -> bool:
+def counts(state: BreakerState, event: BackendFailed) -> bool:
     """A failure counts against a server, except a failed probe of one not seen up yet (still
     starting, as far as the router knows)."""
     return not (event.probe and not state.seen_up)
 
 
-def _drain(state: BackendHealth, event: Drain, cfg: HealthConfig) -> Result:
+def _drain(state: BreakerState, event: Drain, cfg: HealthConfig) -> Result:
     return replace(state, draining=event.draining), []
 
 
-def _succeeded(state: BackendHealth, event: BackendSucceeded, cfg: HealthConfig) -> Result:
-    return replace(settle(state, event.now, cfg), breaker=Breaker.CLOSED, failures=0, seen_up=True), []
+def _succeeded(state: BreakerState, event: BackendSucceeded, cfg: HealthConfig) -> Result:
+    return replace(settle(state, event.now, cfg), breaker=BreakerPhase.CLOSED, failures=0, seen_up=True), []
 
 
-def _failed(state: BackendHealth, event: BackendFailed, cfg: HealthConfig) -> Result:
+def _failed(state: BreakerState, event: BackendFailed, cfg: HealthConfig) -> Result:
     state = settle(state, event.now, cfg)
     if not counts(state, event):
         return replace(state, last_error=event.error), []
-    if state.breaker is Breaker.OPEN:  # already out: a further failure does not extend the cooldown
+    if state.breaker is BreakerPhase.OPEN:  # already out: a further failure does not extend the cooldown
         return replace(state, last_error=event.error or state.last_error), []
     failures = state.failures + 1
-    if state.breaker is Breaker.HALF_OPEN or failures >= cfg.failure_threshold:
-        return replace(state, breaker=Breaker.OPEN, failures=0, opened_at=event.now, last_error=event.error), []
+    if state.breaker is BreakerPhase.HALF_OPEN or failures >= cfg.failure_threshold:
+        return replace(state, breaker=BreakerPhase.OPEN, failures=0, opened_at=event.now, last_error=event.error), []
     return replace(state, failures=failures, last_error=event.error), []
 
 
 # No terminal state: a breaker cycles for as long as the router runs. No actions either: the
 # board's readers (pick, /health, metrics) read the state.
-transition = table_machine({Drain: _drain, BackendSucceeded: _succeeded, BackendFailed: _failed}, error=IllegalHealthEvent,
+transition = table_machine({Drain: _drain, BackendSucceeded: _succeeded, BackendFailed: _failed}, error=IllegalBreakerEvent,
                            status="breaker", noun="breaker")
-transition.__doc__ = """``transition(state, event, cfg) -> (state, [])``; IllegalHealthEvent for an unknown event."""
+transition.__doc__ = """``transition(state, event, cfg) -> (state, [])``; IllegalBreakerEvent for an unknown event."""
 
 
-def pickable(state: BackendHealth, now: float, cfg: HealthConfig) -> bool:
-    return not state.draining and settle(state, now, cfg).breaker is not Breaker.OPEN
+def pickable(state: BreakerState, now: float, cfg: HealthConfig) -> bool:
+    return not state.draining and settle(state, now, cfg).breaker is not BreakerPhase.OPEN
 
 
 class HealthBoard:
@@ -129,12 +129,12 @@ class HealthBoard:
 
     def __init__(self, cfg: HealthConfig = HealthConfig()):
         self.cfg = cfg
-        self.states: dict[Hashable, BackendHealth] = {}
+        self.states: dict[Hashable, BreakerState] = {}
         # failures that counted, by (key, "request" | "probe"): what the metrics export
         self.failures: Counter = Counter()
 
-    def record(self, key: Hashable, event: Event) -> BackendHealth:
-        before = self.states.get(key, BackendHealth())
+    def record(self, key: Hashable, event: Event) -> BreakerState:
+        before = self.states.get(key, BreakerState())
         if isinstance(event, BackendFailed) and counts(before, event):
             self.failures[(key, "probe" if event.probe else "request")] += 1
         state, _ = transition(before, event, self.cfg)
@@ -148,5 +148,5 @@ class HealthBoard:
     def usable(self, keys: Iterable[Hashable], now: float) -> bool:
         return all(self.pickable(k, now) for k in keys)
 
-    def view(self, key: Hashable, now: float) -> BackendHealth:
-        return settle(self.states.get(key, BackendHealth()), now, self.cfg)
+    def view(self, key: Hashable, now: float) -> BreakerState:
+        return settle(self.states.get(key, BreakerState()), now, self.cfg)

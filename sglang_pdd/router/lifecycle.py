@@ -48,17 +48,17 @@ Events (who sends them) and what they do:
     Ended()                             the shell     after the end: withdraw a destination P
                                                       still waits for, release everything
 
-Catch-up rounds (``State.catch_up``, the router's handoff policy when it hands off in
+Catch-up rounds (``RequestState.catch_up``, the router's handoff policy when it hands off in
 catch-up mode) are decided here too: each CutReady hands MD the next batch while the backlog
 exceeds one batch (handoff/policy.py's next_catch_up_batch), then cuts. The simulator runs its
 rounds in simulated time and leaves ``catch_up`` unset. A recovery leg continues as
-``State.recovery`` says (RecoveryMode); its output offset and the positions it replays, checked
-once against the client's, are decided here and carried by StartRelayLeg and RelayOutput.
+``RequestState.recovery`` says (RecoveryMode); its output offset and the positions it replays, checked
+once against the client's, are decided here and carried by StartRelayLeg and EmitRelayOutput.
 
 Positions (``produced``) are absolute output positions: every leg, MD's continuation and the
 recovery legs included, reports its output from position 0 (docs: the resume contract).
 An event that cannot happen in a state (a bug, or a backend that breaks its contract) raises
-``LifecycleError``; the shell fails the request with it rather than guess.
+``IllegalRequestEvent``; the shell fails the request with it rather than guess.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.policy import Path
 
 
-class LifecycleError(IllegalTransition):
+class IllegalRequestEvent(IllegalTransition):
     """An event that is illegal in the request's current state."""
 
 
@@ -234,7 +234,7 @@ class StartMdSide:
 
 
 @dataclass(frozen=True)
-class RelayOutput:
+class EmitRelayOutput:
     """Feed this relay event's tokens to the stitcher; yield what it releases. The leg's
     output starts at position ``offset``; its first ``check_replay`` positions must equal
     what the client has (a recovery leg's replay, checked once), else the request fails."""
@@ -277,17 +277,17 @@ class SendFinalHandoff:
 
 
 @dataclass(frozen=True)
-class HandoffCommitted:
+class CommitHandoff:
     """MD produced past the cut: abort the relay legs, release MD's room."""
 
 
 @dataclass(frozen=True)
-class HandoffAbandoned:
+class AbandonHandoff:
     """MD failed before its first token: RLD's held-back tokens are released (stitcher)."""
 
 
 @dataclass(frozen=True)
-class MainOutput:
+class EmitMainOutput:
     """Feed this MD event's tokens to the stitcher; yield them."""
 
 
@@ -318,14 +318,14 @@ class ReleaseAll:
     keep_md_kv: bool
 
 
-Action = Union[StartRelayLeg, StartMdSide, RelayOutput, WatchMd, WithdrawDestination, StartHandoff,
-               SendCatchUpBatch, SendFinalHandoff, HandoffCommitted, HandoffAbandoned, MainOutput, RecordFallback,
+Action = Union[StartRelayLeg, StartMdSide, EmitRelayOutput, WatchMd, WithdrawDestination, StartHandoff,
+               SendCatchUpBatch, SendFinalHandoff, CommitHandoff, AbandonHandoff, EmitMainOutput, RecordFallback,
                AbortLegs, Finish, FailRequest, ReleaseAll]
 
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
-class State:
+class RequestState:
     max_new: int  # the client's total output budget
     phase: RequestPhase = RequestPhase.STARTING
     md: Md = Md.NONE
@@ -348,43 +348,43 @@ class State:
 
 
 _TERMINAL = (RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED)
-_STATE_FIELDS = frozenset(f.name for f in fields(State))
+_STATE_FIELDS = frozenset(f.name for f in fields(RequestState))
 _new = object.__new__
 
 # Actions are immutable, so the constant ones are made once (the simulator steps this
 # machine for every simulated request; a frozen dataclass costs ~1 us to build).
-_RELAY_OUTPUT, _START_HANDOFF = RelayOutput(), StartHandoff()
-_HANDOFF_COMMITTED, _MAIN_OUTPUT = HandoffCommitted(), MainOutput()
+_EMIT_RELAY_OUTPUT, _START_HANDOFF = EmitRelayOutput(), StartHandoff()
+_COMMIT_HANDOFF, _EMIT_MAIN_OUTPUT = CommitHandoff(), EmitMainOutput()
 _FIRST_LEG = {(one_token, wan, late): StartRelayLeg(leg=1, resume_len=0, one_token=one_token, wan=wan,
                                                     late_destination=late)
               for one_token in (False, True) for wan in (False, True) for late in (False, True)}
 _MD_SIDE = {late: StartMdSide(late_destination=late) for late in (False, True)}
 
 
-def _replace(s: State, **changes) -> State:
-    """dataclasses.replace for State, without re-running __init__ (several times faster,
-    for the simulator as above). State has no __post_init__, so the result is the same;
+def _replace(s: RequestState, **changes) -> RequestState:
+    """dataclasses.replace for RequestState, without re-running __init__ (several times faster,
+    for the simulator as above). RequestState has no __post_init__, so the result is the same;
     an unknown field name still raises."""
-    new = _new(State)
+    new = _new(RequestState)
     d = new.__dict__
     d.update(s.__dict__)
     d.update(changes)
     if len(d) != len(_STATE_FIELDS):
-        raise TypeError(f"unknown State fields {sorted(changes.keys() - _STATE_FIELDS)}")
+        raise TypeError(f"unknown RequestState fields {sorted(changes.keys() - _STATE_FIELDS)}")
     return new
 
 
-def relay_finished_request(state: State, produced: int, finish: dict) -> bool:
+def relay_finished_request(state: RequestState, produced: int, finish: dict) -> bool:
     """A relay leg ended: is the whole request done (budget used, or EOS / stop / abort)?"""
     return produced >= state.max_new or finish.get("type") != "length"
 
 
-Result = tuple[State, list]
+Result = tuple[RequestState, list]
 
 
-def _path_chosen(s: State, e: PathChosen) -> Result:
+def _path_chosen(s: RequestState, e: PathChosen) -> Result:
     if s.phase is not RequestPhase.STARTING:
-        raise LifecycleError("the path was already chosen")
+        raise IllegalRequestEvent("the path was already chosen")
     with_md = e.path is not Path.P_RLD_ONLY
     late = with_md and bool(e.late_destination)
     s = _replace(s, phase=RequestPhase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
@@ -396,20 +396,20 @@ def _path_chosen(s: State, e: PathChosen) -> Result:
     return s, actions
 
 
-def _relay_tokens(s: State, e: RelayTokens) -> Result:
+def _relay_tokens(s: RequestState, e: RelayTokens) -> Result:
     if e.leg > s.leg or e.leg < 1:
-        raise LifecycleError(f"tokens from relay leg {e.leg}, only {s.leg} started")
+        raise IllegalRequestEvent(f"tokens from relay leg {e.leg}, only {s.leg} started")
     if e.leg < s.leg or s.phase is RequestPhase.MAIN:
         return s, []  # a superseded leg, or MD owns the stream (RLD is being aborted)
     if e.produced < s.relay_produced:
-        raise LifecycleError(f"relay leg {e.leg} went back from {s.relay_produced} to {e.produced}")
+        raise IllegalRequestEvent(f"relay leg {e.leg} went back from {s.relay_produced} to {e.produced}")
     if e.produced > s.max_new:
-        raise LifecycleError(f"relay leg {e.leg} produced {e.produced} > max_new_tokens {s.max_new}")
+        raise IllegalRequestEvent(f"relay leg {e.leg} produced {e.produced} > max_new_tokens {s.max_new}")
     if s.leg_offset or s.replay_check:
-        actions: list = [RelayOutput(offset=s.leg_offset, check_replay=s.replay_check)]
+        actions: list = [EmitRelayOutput(offset=s.leg_offset, check_replay=s.replay_check)]
         s = _replace(s, replay_check=0)  # once: the leg's output only grows from there
     else:
-        actions = [_RELAY_OUTPUT]
+        actions = [_EMIT_RELAY_OUTPUT]
     if s.phase is RequestPhase.RELAY:
         s = _replace(s, relay_produced=e.produced, emitted=e.produced)
     else:
@@ -422,7 +422,7 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
         return s, actions
     if request_done:
         if s.phase is RequestPhase.HANDING_OFF:  # RLD finished first: its tokens stand
-            actions.append(HandoffAbandoned())
+            actions.append(AbandonHandoff())
             s = _replace(s, emitted=s.relay_produced)
         return _replace(s, phase=RequestPhase.DONE), actions + [Finish(_total_length(s, e.finish))]
     s = _replace(s, relay_idle=True)
@@ -431,35 +431,35 @@ def _relay_tokens(s: State, e: RelayTokens) -> Result:
     return s, actions
 
 
-def _total_length(s: State, finish: dict) -> dict:
+def _total_length(s: RequestState, finish: dict) -> dict:
     """A length finish reports the client's whole budget (a CONTINUE leg's own is smaller)."""
     if finish.get("type") == "length" and "length" in finish and finish["length"] != s.max_new:
         return {**finish, "length": s.max_new}
     return finish
 
 
-def _relay_failed(s: State, e: RelayFailed) -> Result:
+def _relay_failed(s: RequestState, e: RelayFailed) -> Result:
     if e.leg > s.leg:
-        raise LifecycleError(f"failure of relay leg {e.leg}, only {s.leg} started")
+        raise IllegalRequestEvent(f"failure of relay leg {e.leg}, only {s.leg} started")
     if e.leg < s.leg or s.phase is RequestPhase.MAIN:
         return s, []  # a superseded leg, or the aborted RLD of a committed handoff
     return _replace(s, phase=RequestPhase.FAILED), [FailRequest(f"relay leg failed: {e.message}")]
 
 
-def _md_ready(s: State, e: MdReady) -> Result:
+def _md_ready(s: RequestState, e: MdReady) -> Result:
     if s.md is not Md.PENDING:
-        raise LifecycleError(f"MD ready, but MD is {s.md.value}")
+        raise IllegalRequestEvent(f"MD ready, but MD is {s.md.value}")
     s = _replace(s, md=Md.READY)
     if s.phase is not RequestPhase.RELAY:
-        raise LifecycleError(f"MD ready in phase {s.phase.value}")
+        raise IllegalRequestEvent(f"MD ready in phase {s.phase.value}")
     if s.emitted or s.relay_idle:
         return s, [_START_HANDOFF]
     return _replace(s, handoff_on_first_token=True), []  # P's first token comes via RLD: same-DC TTFT
 
 
-def _md_not_ready(s: State, e: MdNotReady) -> Result:
+def _md_not_ready(s: RequestState, e: MdNotReady) -> Result:
     if s.md is not Md.PENDING:
-        raise LifecycleError(f"MD not ready, but MD is {s.md.value}")
+        raise IllegalRequestEvent(f"MD not ready, but MD is {s.md.value}")
     s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(e.fallback)]
     if s.destination is Destination.PENDING:  # P stops waiting for MD's room
@@ -470,18 +470,18 @@ def _md_not_ready(s: State, e: MdNotReady) -> Result:
     return s, actions
 
 
-def _destination_delivered(s: State, e: DestinationDelivered) -> Result:
+def _destination_delivered(s: RequestState, e: DestinationDelivered) -> Result:
     if s.destination is not Destination.PENDING:
-        raise LifecycleError(f"destination delivered, but it is {s.destination.value}")
+        raise IllegalRequestEvent(f"destination delivered, but it is {s.destination.value}")
     s = _replace(s, destination=Destination.DELIVERED)
     if s.phase in _TERMINAL or s.md is not Md.PENDING:
         return s, []
     return s, [WatchMd()]
 
 
-def _cut_ready(s: State, e: CutReady) -> Result:
+def _cut_ready(s: RequestState, e: CutReady) -> Result:
     if s.md is not Md.READY or s.md_stream:
-        raise LifecycleError(f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}")
+        raise IllegalRequestEvent(f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}")
     if s.phase is not RequestPhase.RELAY or s.emitted >= s.max_new:
         return s, []  # the request ends on RLD anyway
     tail = None
@@ -495,36 +495,36 @@ def _cut_ready(s: State, e: CutReady) -> Result:
             [SendFinalHandoff(cut=s.emitted, catch_up_tail=tail)])
 
 
-def _main_tokens(s: State, e: MainTokens) -> Result:
+def _main_tokens(s: RequestState, e: MainTokens) -> Result:
     if not s.md_stream:
-        raise LifecycleError("MD tokens before any handoff")
+        raise IllegalRequestEvent("MD tokens before any handoff")
     if e.produced > s.max_new:
-        raise LifecycleError(f"MD produced {e.produced} > max_new_tokens {s.max_new}")
+        raise IllegalRequestEvent(f"MD produced {e.produced} > max_new_tokens {s.max_new}")
     if s.phase is RequestPhase.RELAY:
         return s, []  # a late MD event after a failed handoff
     if e.produced < s.main_produced:
-        raise LifecycleError(f"MD went back from {s.main_produced} to {e.produced}")
+        raise IllegalRequestEvent(f"MD went back from {s.main_produced} to {e.produced}")
     s = _replace(s, main_produced=e.produced)
     actions: list = []
     if s.phase is RequestPhase.HANDING_OFF:
         if e.produced <= s.cut:
             return s, []  # MD repeated the eager tokens only; wait for its first own token
         s = _replace(s, phase=RequestPhase.MAIN)
-        actions.append(_HANDOFF_COMMITTED)
-    actions.append(_MAIN_OUTPUT)
+        actions.append(_COMMIT_HANDOFF)
+    actions.append(_EMIT_MAIN_OUTPUT)
     s = _replace(s, emitted=max(s.emitted, e.produced))
     if e.finish is not None:
         return _replace(s, phase=RequestPhase.DONE), actions + [Finish(_total_length(s, e.finish))]
     return s, actions
 
 
-def _main_failed(s: State, e: MainFailed) -> Result:
+def _main_failed(s: RequestState, e: MainFailed) -> Result:
     if s.md is Md.NONE:
-        raise LifecycleError("MD failed, but the request has no MD")
+        raise IllegalRequestEvent("MD failed, but the request has no MD")
     s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(Fallback(Reason.MD_FAILED, e.message))]
     if s.phase is RequestPhase.HANDING_OFF:
-        actions.append(HandoffAbandoned())
+        actions.append(AbandonHandoff())
         s = _replace(s, phase=RequestPhase.RELAY, emitted=s.relay_produced, cut=None)
         if s.relay_idle:
             return _recover(s, actions, Recovery.MD_FAILED)
@@ -536,7 +536,7 @@ def _main_failed(s: State, e: MainFailed) -> Result:
     return s, actions
 
 
-def _recover(s: State, actions: list, why: Recovery) -> Result:
+def _recover(s: RequestState, actions: list, why: Recovery) -> Result:
     """MD cannot finish: a new P->RLD leg continues from what the client already has, as
     ``s.recovery`` says (nothing to continue from: a fresh leg)."""
     leg = StartRelayLeg(leg=s.leg + 1, resume_len=s.emitted, one_token=False, wan=False,
@@ -546,19 +546,19 @@ def _recover(s: State, actions: list, why: Recovery) -> Result:
     return s, actions + [RecordFallback(Fallback.recovered(why)), AbortLegs(), leg]
 
 
-def _timeout(s: State, e: Timeout) -> Result:
+def _timeout(s: RequestState, e: Timeout) -> Result:
     return _replace(s, phase=RequestPhase.FAILED), [FailRequest(e.message)]
 
 
-def _client_disconnected(s: State, e: ClientDisconnected) -> Result:
+def _client_disconnected(s: RequestState, e: ClientDisconnected) -> Result:
     return _replace(s, phase=RequestPhase.CLOSED), []
 
 
-def _broken(s: State, e: Broken) -> Result:
+def _broken(s: RequestState, e: Broken) -> Result:
     return _replace(s, phase=RequestPhase.FAILED), []
 
 
-def _ended(s: State, e: Ended) -> Result:
+def _ended(s: RequestState, e: Ended) -> Result:
     # MD keeps a finished request's KV still on the WAN for the session's next turn; KV that P
     # never got a destination for will not come, and a room kept for it would stay until it
     # expired (holding its prefix and pages, and MD's cache flush).
@@ -583,13 +583,13 @@ _AFTER_END = {DestinationDelivered: _destination_delivered, Broken: _broken, End
 _BEFORE_PATH = (PathChosen, Timeout, ClientDisconnected, Broken)
 
 
-def _guard(s: State, e: Event) -> None:
+def _guard(s: RequestState, e: Event) -> None:
     if type(e) is Ended:
-        raise LifecycleError(f"the request ended in phase {s.phase.value}")
+        raise IllegalRequestEvent(f"the request ended in phase {s.phase.value}")
     if s.phase is RequestPhase.STARTING and not isinstance(e, _BEFORE_PATH):
-        raise LifecycleError(f"{type(e).__name__} before the path was chosen")
+        raise IllegalRequestEvent(f"{type(e).__name__} before the path was chosen")
 
 
-transition = table_machine(_HANDLERS, error=LifecycleError, terminal=_TERMINAL, after_end=_AFTER_END, guard=_guard,
-                           noun="request")
-transition.__doc__ = """The request's one transition function. Raises LifecycleError for an illegal event."""
+transition = table_machine(_HANDLERS, error=IllegalRequestEvent, terminal=_TERMINAL, after_end=_AFTER_END, guard=_guard,
+                           noun="request", actions=Action)
+transition.__doc__ = """The request's one transition function. Raises IllegalRequestEvent for an illegal event."""

@@ -37,7 +37,7 @@ Events (who sends them):
 Pages, cancels and failures after the room was dropped are ignored (P keeps offering until
 it learns; a share fails while another failure drops the room). Events that cannot happen
 (pages after the last, a copy round that was not started, more ENDs than shares) raise
-``FanoutRoomError``.
+``IllegalFanoutEvent``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Optional, Union
 from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 
 
-class FanoutRoomError(IllegalTransition):
+class IllegalFanoutEvent(IllegalTransition):
     """An event that is illegal in the room's current state."""
 
 
@@ -150,7 +150,7 @@ Action = Union[QueueCopy, AbortSendRooms, CountSent]
 
 # ---------------------------------------------------------------------------------- state
 @dataclass(frozen=True)
-class FanoutRoom:
+class FanoutState:
     shares: int  # MD ranks this room goes to
     phase: FanoutPhase = FanoutPhase.RECEIVING
     copy: CopyHold = CopyHold.IDLE
@@ -177,12 +177,12 @@ class FanoutRoom:
         return self.phase is not FanoutPhase.RECEIVING and copy_done
 
 
-Result = tuple[FanoutRoom, list]
+Result = tuple[FanoutState, list]
 _QUEUE_COPY, _ABORT_SEND_ROOMS, _COUNT_SENT = QueueCopy(), AbortSendRooms(), CountSent()
 INCOMPLETE_DETAIL = "P's request ended before all of its KV was produced"
 
 
-def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
+def _pages_offered(r: FanoutState, e: PagesOffered) -> Result:
     phase = r.phase
     if e.last:
         phase = FanoutPhase.SENT if r.shares_ended == r.shares else FanoutPhase.OFFERED
@@ -192,46 +192,46 @@ def _pages_offered(r: FanoutRoom, e: PagesOffered) -> Result:
     return r, []  # the copy thread takes the new pages on this round or the next
 
 
-def _copy_taken(r: FanoutRoom, e: CopyTaken) -> Result:
+def _copy_taken(r: FanoutState, e: CopyTaken) -> Result:
     if r.copy is not CopyHold.QUEUED:
-        raise FanoutRoomError(f"copy taken, but the room is {r.copy.value}")
+        raise IllegalFanoutEvent(f"copy taken, but the room is {r.copy.value}")
     return replace(r, copy=CopyHold.COPYING if e.has_work and not r.dropped else CopyHold.IDLE), []
 
 
-def _copy_ended(r: FanoutRoom, e: CopyEnded) -> Result:
+def _copy_ended(r: FanoutState, e: CopyEnded) -> Result:
     if r.copy is not CopyHold.COPYING:
-        raise FanoutRoomError(f"copy ended, but the room is {r.copy.value}")
+        raise IllegalFanoutEvent(f"copy ended, but the room is {r.copy.value}")
     if e.more_ready and not r.dropped:
         return replace(r, copy=CopyHold.QUEUED), [_QUEUE_COPY]
     return replace(r, copy=CopyHold.IDLE), []
 
 
-def _share_ended(r: FanoutRoom, e: ShareEnded) -> Result:
+def _share_ended(r: FanoutState, e: ShareEnded) -> Result:
     if r.shares_ended >= r.shares:
-        raise FanoutRoomError(f"TRANSFER_END {r.shares_ended + 1} of a room with {r.shares} shares")
+        raise IllegalFanoutEvent(f"TRANSFER_END {r.shares_ended + 1} of a room with {r.shares} shares")
     r = replace(r, shares_ended=r.shares_ended + 1)
     if r.shares_ended < r.shares:
         return r, []
     return (replace(r, phase=FanoutPhase.SENT) if r.phase is FanoutPhase.OFFERED else r), [_COUNT_SENT]
 
 
-def _request_ended(r: FanoutRoom, e: RequestEnded) -> Result:
+def _request_ended(r: FanoutState, e: RequestEnded) -> Result:
     return _drop(r, DropReason.INCOMPLETE, INCOMPLETE_DETAIL)
 
 
-def _cancel(r: FanoutRoom, e: Cancel) -> Result:
+def _cancel(r: FanoutState, e: Cancel) -> Result:
     return _drop(r, DropReason.CANCELLED, e.detail)
 
 
-def _fail(r: FanoutRoom, e: FanoutFailed) -> Result:
+def _fail(r: FanoutState, e: FanoutFailed) -> Result:
     if e.reason.phase is not FanoutPhase.FAILED:
-        raise FanoutRoomError(f"{e.reason.value} is a cancel, not a failure")
+        raise IllegalFanoutEvent(f"{e.reason.value} is a cancel, not a failure")
     if (e.reason is DropReason.SHARE_FAILED) != bool(e.share_failure):
-        raise FanoutRoomError("a share's failure reason comes with SHARE_FAILED, and only with it")
+        raise IllegalFanoutEvent("a share's failure reason comes with SHARE_FAILED, and only with it")
     return _drop(r, e.reason, e.detail, e.share_failure)
 
 
-def _drop(r: FanoutRoom, reason: DropReason, detail: str, share_failure: str = "") -> Result:
+def _drop(r: FanoutState, reason: DropReason, detail: str, share_failure: str = "") -> Result:
     if r.dropped:
         return r, []  # the first reason stands
     return replace(r, phase=reason.phase, reason=reason, detail=detail, share_failure=share_failure), [_ABORT_SEND_ROOMS]
@@ -252,11 +252,11 @@ _HANDLERS = {
 }
 
 
-def _illegal(r: FanoutRoom, e: Event) -> str:
+def _illegal(r: FanoutState, e: Event) -> str:
     return f"{e.count} pages offered after the last ({r.phase.value})"  # the one missing live pair
 
 
 # No terminal state for the kit: a dropped room still tracks the copy thread's hold on its pages
 # (P frees them only once no copy reads them); the table says what a dropped room ignores.
-transition = table_machine(_HANDLERS, error=FanoutRoomError, illegal=_illegal, noun="room", actions=Action)
-transition.__doc__ = """The room's one transition function. Raises FanoutRoomError for an illegal event."""
+transition = table_machine(_HANDLERS, error=IllegalFanoutEvent, illegal=_illegal, noun="room", actions=Action)
+transition.__doc__ = """The room's one transition function. Raises IllegalFanoutEvent for an illegal event."""

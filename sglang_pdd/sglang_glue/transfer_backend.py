@@ -135,7 +135,7 @@ class PddKVSender(MooncakeKVSender):
     (the methods the driver's table names).
     """
 
-    _binding: Optional[wan_binding.WanBinding] = None  # None: this request has no WAN binding on this rank
+    _binding: Optional[wan_binding.BindingState] = None  # None: this request has no WAN binding on this rank
     _wan_room: Optional[WanRoom] = None
     _token_ids: tuple = ()
     _rid: str = ""

@@ -43,7 +43,7 @@ class BindingPhase(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class WanBinding:
+class BindingState:
     phase: BindingPhase
     dest: object = None  # the WanDestination, once known
     initialized: bool = False  # SGLang's init() ran
@@ -55,9 +55,9 @@ class WanBinding:
         return self.phase is not BindingPhase.DROPPED
 
 
-def bound(dest) -> WanBinding:
+def bound(dest) -> BindingState:
     """A request with a WAN binding: its destination now, or (None) promised for later."""
-    return WanBinding(BindingPhase.AWAITING_DESTINATION if dest is None else BindingPhase.DESTINATION_KNOWN, dest)
+    return BindingState(BindingPhase.AWAITING_DESTINATION if dest is None else BindingPhase.DESTINATION_KNOWN, dest)
 
 
 # ---------------------------------------------------------------------------------- events
@@ -137,54 +137,54 @@ class CountWaitExpired:
 
 
 Action = Union[OpenRoom, AbortRoom, Unbind, ForgetDestination, HoldPages, CountWaitExpired]
-Result = tuple[WanBinding, list]
+Result = tuple[BindingState, list]
 
 _FORGET, _HOLD, _OPEN_ROOM = ForgetDestination(), HoldPages(), OpenRoom()
 
 
-def _posted(b: WanBinding, e: Posted) -> Result:
+def _posted(b: BindingState, e: Posted) -> Result:
     return _maybe_open(replace(b, phase=BindingPhase.DESTINATION_KNOWN, dest=e.dest))
 
 
-def _withdrawn(b: WanBinding, e: Withdrawn) -> Result:
+def _withdrawn(b: BindingState, e: Withdrawn) -> Result:
     return _drop(b, e.why)
 
 
-def _initialized(b: WanBinding, e: Initialized) -> Result:
+def _initialized(b: BindingState, e: Initialized) -> Result:
     return _maybe_open(replace(b, initialized=True))
 
 
-def _room_opened(b: WanBinding, e: FanoutOpened) -> Result:
+def _room_opened(b: BindingState, e: FanoutOpened) -> Result:
     return replace(b, phase=BindingPhase.OPEN), []
 
 
-def _room_refused(b: WanBinding, e: FanoutRefused) -> Result:
+def _room_refused(b: BindingState, e: FanoutRefused) -> Result:
     return _drop(b, "refused by the fan-out")
 
 
-def _abort_open(b: WanBinding, e: RequestAborted) -> Result:
+def _abort_open(b: BindingState, e: RequestAborted) -> Result:
     return replace(b, phase=BindingPhase.DROPPED, why=e.why), [AbortRoom(e.why), _FORGET]
 
 
-def _abort(b: WanBinding, e: RequestAborted) -> Result:
+def _abort(b: BindingState, e: RequestAborted) -> Result:
     return _drop(b, e.why)
 
 
-def _maybe_open(b: WanBinding) -> Result:
+def _maybe_open(b: BindingState) -> Result:
     if b.phase is BindingPhase.DESTINATION_KNOWN and b.initialized:
         return replace(b, phase=BindingPhase.OPENING), [_OPEN_ROOM]
     return b, []
 
 
-def _drop(b: WanBinding, why: str) -> Result:
+def _drop(b: BindingState, why: str) -> Result:
     return replace(b, phase=BindingPhase.DROPPED, why=why), [Unbind(why), _FORGET]
 
 
-def _polled_open(b: WanBinding, e: Polled) -> Result:
+def _polled_open(b: BindingState, e: Polled) -> Result:
     return (b, [_HOLD]) if e.room_holds else (b, [_FORGET])
 
 
-def _polled_awaiting(b: WanBinding, e: Polled) -> Result:
+def _polled_awaiting(b: BindingState, e: Polled) -> Result:
     deadline = b.wait_deadline if b.wait_deadline is not None else e.now + e.wait_s
     b = replace(b, wait_deadline=deadline)
     if e.now < deadline and e.succeeded:
@@ -193,7 +193,7 @@ def _polled_awaiting(b: WanBinding, e: Polled) -> Result:
     return dropped, [CountWaitExpired(), *actions]
 
 
-def _polled_unopened(b: WanBinding, e: Polled) -> Result:
+def _polled_unopened(b: BindingState, e: Polled) -> Result:
     # Known but never opened (SGLang ended the request before init): nothing was sent.
     return _drop(b, f"the request ended before its WAN room opened ({b.phase.value})")
 

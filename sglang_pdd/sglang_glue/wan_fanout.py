@@ -40,7 +40,7 @@ import torch
 from sglang_pdd.config import parse_host_port
 from sglang_pdd.machine import Driver
 from sglang_pdd.sglang_glue import fanout_room
-from sglang_pdd.sglang_glue.fanout_room import CopyHold, DropReason, FanoutRoom
+from sglang_pdd.sglang_glue.fanout_room import CopyHold, DropReason, FanoutState
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
@@ -132,7 +132,7 @@ class WanRoom:
     shares: list  # [RankShare]
     # Phase, copy hold, progress and drop reason (sglang_glue/fanout_room.py); replaced only
     # by WanFanout._machine.step.
-    state: FanoutRoom
+    state: FanoutState
     pages: list = field(default_factory=list)  # (page ids, event) in arrival order
     payloads: list = field(default_factory=list)  # host copies, alive until the transfers end
     page_ids: list = field(default_factory=list)  # copy thread only: ``pages`` as host int64, so far
@@ -335,7 +335,7 @@ class WanFanout:
                            rid, dest.md_room, *dest.rank_peer(md_rank), md_rank, dest.md_tp, e)
             return None
         self.counters["rooms"] += 1
-        return WanRoom(dest, rid, first_offered_page, shares, FanoutRoom(len(shares)))
+        return WanRoom(dest, rid, first_offered_page, shares, FanoutState(len(shares)))
 
     def offer(self, room: WanRoom, pages: np.ndarray, event=None, last: bool = False) -> None:
         """The next pool pages of the request (in order), produced by the forward that
@@ -345,7 +345,7 @@ class WanFanout:
                 return
             try:
                 self._machine.step(room, fanout_room.PagesOffered(len(pages), last))
-            except fanout_room.FanoutRoomError as e:
+            except fanout_room.IllegalFanoutEvent as e:
                 # Pages out of turn are a producer bug; this runs on SGLang's scheduler thread,
                 # which must not die of it: the room fails and RLD finishes the request.
                 logger.error("rid %s: WAN room %s: %s", room.rid, room.dest.md_room, e)

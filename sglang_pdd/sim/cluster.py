@@ -207,7 +207,7 @@ class SimRequest:
         self.pinned = None  # MD cache blocks this request's WAN transfer relies on
         self.staged = 0.0  # bytes of MD's staging budget this request's room holds
         self.t_kv_sent = 0.0  # when its WAN transfer started
-        # The router's request lifecycle (router/lifecycle.State); None where no PDD router
+        # The router's request lifecycle (router/lifecycle.RequestState); None where no PDD router
         # with an RLD serves the request (baselines, PDD without RLD).
         self.state = None
         self.rld_others = 0  # other flows in flight on its RLD when it arrived (router's rld_inflight)
@@ -285,7 +285,7 @@ class Simulation:
         # What the sim does for each lifecycle action; the rest (streaming, bookkeeping) the
         # sim accounts for in time, and failures are not modelled.
         self._actions = {lc.StartRelayLeg: self._act_relay_leg, lc.StartHandoff: self._act_start_handoff,
-                         lc.SendFinalHandoff: self._act_final_handoff, lc.HandoffAbandoned: self._act_unmodelled,
+                         lc.SendFinalHandoff: self._act_final_handoff, lc.AbandonHandoff: self._act_unmodelled,
                          lc.AbortLegs: self._act_unmodelled, lc.FailRequest: self._act_unmodelled,
                          lc.Finish: self._act_finish}
         self._p_rr = 0
@@ -425,7 +425,7 @@ class Simulation:
             if r.path is not Path.P_RLD_ONLY:
                 r.wan_planned = (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token
                 self.wan_routed_bytes += r.wan_planned
-            r.state = lc.State(max_new=tr.output_length)
+            r.state = lc.RequestState(max_new=tr.output_length)
             self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
         self._registered(now, r)
 

@@ -173,13 +173,13 @@ def _machines():
     from sglang_pdd.radix_drc import room_state
     from sglang_pdd.router import health, lifecycle
     return {
-        "router/lifecycle": (lifecycle.transition, lifecycle.State(max_new=4), ()),
-        "radix_drc/room_state": (room_state.transition, room_state.MdRoomState(), ()),
+        "router/lifecycle": (lifecycle.transition, lifecycle.RequestState(max_new=4), ()),
+        "radix_drc/room_state": (room_state.transition, room_state.DrcState(), ()),
         "kv_channel/send_room": (send_room.transition, send_room.start(1, 10, True), ()),
-        "sglang_glue/fanout_room": (fanout_room.transition, fanout_room.FanoutRoom(shares=1), ()),
+        "sglang_glue/fanout_room": (fanout_room.transition, fanout_room.FanoutState(shares=1), ()),
         "sglang_glue/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
-        "router/health": (health.transition, health.BackendHealth(), (health.HealthConfig(),)),
-        "kv_channel/recv_room": (recv_room.transition, recv_room.RecvStatus(), ()),
+        "router/health": (health.transition, health.BreakerState(), (health.HealthConfig(),)),
+        "kv_channel/recv_room": (recv_room.transition, recv_room.RecvState(), ()),
         "kv_channel/handshake_slot": (handshake_slot.transition, handshake_slot.SlotState(1.0), ()),
     }
 

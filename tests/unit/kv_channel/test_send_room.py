@@ -114,7 +114,7 @@ def test_late_replies_and_failures_after_the_end_are_ignored(which, late):
 @pytest.mark.parametrize("which", ["success", "failed"])
 @pytest.mark.parametrize("event", [sr.SessionUp(), sr.ChunkQueued(), sr.EndQueued()])
 def test_producer_and_session_events_after_the_end_are_refused(which, event):
-    with pytest.raises(sr.SendRoomError, match="after the room ended"):
+    with pytest.raises(sr.IllegalSendEvent, match="after the room ended"):
         sr.transition(terminal_rooms()[which], event)
 
 
@@ -127,7 +127,7 @@ def test_producer_and_session_events_after_the_end_are_refused(which, event):
     (["not an event"], "unknown event"),
 ])
 def test_invalid_transitions_are_refused(events, match):
-    with pytest.raises(sr.SendRoomError, match=match):
+    with pytest.raises(sr.IllegalSendEvent, match=match):
         run(fresh(), *events)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from sglang_pdd.machine import fold
 from sglang_pdd.radix_drc.room_state import (TIMED_OUT, Expired, DrcFailed, FailReason, Failure, ForgetRoom, HandedOff,
-                                             IllegalRoomEvent, KvLanded, LockPrompt, MdRoomState, DrcPhase, Registered,
+                                             IllegalDrcEvent, KvLanded, LockPrompt, DrcState, DrcPhase, Registered,
                                              Released, UnlockAll, transition)
 from sglang_pdd.radix_drc.rooms import DrcRoom, RoomStatus
 
@@ -30,16 +30,16 @@ EVENTS = [Registered(1.0), KvLanded(2.0), DrcFailed(WAN), HandedOff(), Released(
 
 
 def at(phase):
-    state, _ = fold(transition, MdRoomState(), *ROUTES[phase])
+    state, _ = fold(transition, DrcState(), *ROUTES[phase])
     assert state.phase is phase
     return state
 
 
 def test_landed_handed_off_released():
-    state, actions = fold(transition, MdRoomState(), Registered(10.0), KvLanded(20.0))
+    state, actions = fold(transition, DrcState(), Registered(10.0), KvLanded(20.0))
     assert actions == [LockPrompt()]
     state, actions = fold(transition, state, HandedOff(), Released())
-    assert state == MdRoomState(DrcPhase.RELEASED, deadline=20.0, landed=True)
+    assert state == DrcState(DrcPhase.RELEASED, deadline=20.0, landed=True)
     assert actions == [UnlockAll(), ForgetRoom()]
 
 
@@ -50,7 +50,7 @@ def test_landed_then_released_without_a_handoff_keeps_nothing_locked():
 
 
 def test_wan_failure_unlocks_and_waits_for_the_release():
-    state, actions = fold(transition, MdRoomState(), Registered(10.0), DrcFailed(WAN))
+    state, actions = fold(transition, DrcState(), Registered(10.0), DrcFailed(WAN))
     assert state.phase is DrcPhase.FAILED and state.failure == WAN and not state.landed
     assert actions == [UnlockAll()]  # the table keeps the room: a waiter reads why
     state, actions = fold(transition, state, Released())
@@ -59,7 +59,7 @@ def test_wan_failure_unlocks_and_waits_for_the_release():
 
 def test_kept_room_lands_into_the_cache_and_goes():
     state, actions = fold(transition, at(DrcPhase.LANDING_KEPT), KvLanded(20.0))
-    assert state == MdRoomState(DrcPhase.RELEASED, deadline=20.0, landed=True)
+    assert state == DrcState(DrcPhase.RELEASED, deadline=20.0, landed=True)
     assert actions == [LockPrompt(), UnlockAll(), ForgetRoom()]
 
 
@@ -76,7 +76,7 @@ def test_release_in_every_phase(phase, keep_kv):
     before = at(phase)
     state, actions = transition(before, Released(keep_kv=keep_kv))
     if keep_kv and phase.landing:  # the KV still lands, into the cache
-        assert state == MdRoomState(DrcPhase.LANDING_KEPT, deadline=before.deadline) and actions == []
+        assert state == DrcState(DrcPhase.LANDING_KEPT, deadline=before.deadline) and actions == []
     else:  # keep_kv means nothing once the KV landed or failed: the prompt is cached either way
         assert state.phase is DrcPhase.RELEASED and actions == [UnlockAll(), ForgetRoom()]
         assert (state.landed, state.failure, state.deadline) == (before.landed, before.failure, before.deadline)
@@ -104,7 +104,7 @@ def test_late_events_after_the_end_change_nothing(phase, event):
 @pytest.mark.parametrize("phase", [DrcPhase.RELEASED, DrcPhase.EXPIRED])
 @pytest.mark.parametrize("event", [HandedOff(), Registered(1.0)])
 def test_handoff_or_registration_after_the_end_is_refused(phase, event):
-    with pytest.raises(IllegalRoomEvent):
+    with pytest.raises(IllegalDrcEvent):
         transition(at(phase), event)
 
 
@@ -118,13 +118,13 @@ ILLEGAL = [(DrcPhase.NEW, e) for e in EVENTS if not isinstance(e, Registered)] +
 
 @pytest.mark.parametrize("phase,event", ILLEGAL, ids=lambda v: getattr(v, "value", type(v).__name__))
 def test_illegal_events_are_refused(phase, event):
-    before = MdRoomState() if phase is DrcPhase.NEW else at(phase)
-    with pytest.raises(IllegalRoomEvent, match=type(event).__name__):
+    before = DrcState() if phase is DrcPhase.NEW else at(phase)
+    with pytest.raises(IllegalDrcEvent, match=type(event).__name__):
         transition(before, event)
 
 
 def test_unknown_event_is_refused():
-    with pytest.raises(IllegalRoomEvent, match="unknown event"):
+    with pytest.raises(IllegalDrcEvent, match="unknown event"):
         transition(at(DrcPhase.READY), "ready")
 
 
@@ -134,10 +134,10 @@ def test_every_phase_and_event_is_decided_and_terminal_phases_are_final():
     illegal = {(p, type(e), getattr(e, "keep_kv", None)) for p, e in ILLEGAL}
     reached = set()
     for phase, event in itertools.product([DrcPhase.NEW, *ROUTES], EVENTS):
-        before = MdRoomState() if phase is DrcPhase.NEW else at(phase)
+        before = DrcState() if phase is DrcPhase.NEW else at(phase)
         key = (phase, type(event), getattr(event, "keep_kv", None))
         if key in illegal or (phase.terminal and isinstance(event, (HandedOff, Registered))):
-            with pytest.raises(IllegalRoomEvent):
+            with pytest.raises(IllegalDrcEvent):
                 transition(before, event)
             continue
         after, _ = transition(before, event)

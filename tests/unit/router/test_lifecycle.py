@@ -8,11 +8,11 @@ from sglang_pdd.handoff.policy import HandoffConfig
 from sglang_pdd.machine import fold
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
-                                         DestinationDelivered, Ended, FailRequest, Finish, HandoffAbandoned,
-                                         HandoffCommitted, LifecycleError, MainFailed, MainOutput, MainTokens, Md,
+                                         DestinationDelivered, Ended, FailRequest, Finish, AbandonHandoff,
+                                         CommitHandoff, IllegalRequestEvent, MainFailed, EmitMainOutput, MainTokens, Md,
                                          MdNotReady, MdReady, PathChosen, RequestPhase, RecordFallback, RecoveryMode,
-                                         ReleaseAll, RelayFailed, RelayOutput, RelayTokens, SendCatchUpBatch,
-                                         SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, State, Timeout,
+                                         ReleaseAll, RelayFailed, EmitRelayOutput, RelayTokens, SendCatchUpBatch,
+                                         SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, RequestState, Timeout,
                                          WatchMd, WithdrawDestination, transition)
 from sglang_pdd.router.policy import Path
 
@@ -26,18 +26,18 @@ def kinds(actions) -> list[str]:
     return [type(a).__name__ for a in actions]
 
 
-def started(path: Path = Path.P_RLD_MD, late: bool = False) -> State:
-    state, _ = transition(State(max_new=MAX_NEW), PathChosen(path, late))
+def started(path: Path = Path.P_RLD_MD, late: bool = False) -> RequestState:
+    state, _ = transition(RequestState(max_new=MAX_NEW), PathChosen(path, late))
     return state
 
 
-def handing_off(cut: int = 5) -> State:
+def handing_off(cut: int = 5) -> RequestState:
     state, actions = fold(transition, started(), RelayTokens(1, cut), MdReady(), CutReady())
     assert state.phase is RequestPhase.HANDING_OFF and SendFinalHandoff(cut=cut) in actions
     return state
 
 
-def in_main(cut: int = 5, produced: int = 7) -> State:
+def in_main(cut: int = 5, produced: int = 7) -> RequestState:
     state, _ = transition(handing_off(cut), MainTokens(produced))
     assert state.phase is RequestPhase.MAIN
     return state
@@ -51,7 +51,7 @@ def in_main(cut: int = 5, produced: int = 7) -> State:
     (Path.P_RLD_ONLY, False, [StartRelayLeg(1, 0, one_token=False, wan=False)]),
 ])
 def test_path_chosen_starts_the_legs(path, late, expect):
-    state, actions = transition(State(max_new=MAX_NEW), PathChosen(path, late))
+    state, actions = transition(RequestState(max_new=MAX_NEW), PathChosen(path, late))
     assert actions == expect
     assert state.phase is RequestPhase.RELAY and state.leg == 1
     assert state.md is (Md.NONE if path is Path.P_RLD_ONLY else Md.PENDING)
@@ -60,18 +60,18 @@ def test_path_chosen_starts_the_legs(path, late, expect):
 @pytest.mark.parametrize("event", [RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady(WAN_X), CutReady(),
                                    MainTokens(1), MainFailed("x")])
 def test_nothing_but_the_path_before_the_path(event):
-    with pytest.raises(LifecycleError):
-        transition(State(max_new=MAX_NEW), event)
+    with pytest.raises(IllegalRequestEvent):
+        transition(RequestState(max_new=MAX_NEW), event)
 
 
 def test_path_chosen_twice_is_illegal():
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(started(), PathChosen(Path.P_MD))
 
 
 def test_timeout_and_disconnect_are_legal_from_the_start():
-    assert fold(transition, State(max_new=MAX_NEW), Timeout("late"))[1] == [FailRequest("late")]
-    state, actions = transition(State(max_new=MAX_NEW), ClientDisconnected())
+    assert fold(transition, RequestState(max_new=MAX_NEW), Timeout("late"))[1] == [FailRequest("late")]
+    state, actions = transition(RequestState(max_new=MAX_NEW), ClientDisconnected())
     assert state.phase is RequestPhase.CLOSED and actions == []
 
 
@@ -79,7 +79,7 @@ def test_timeout_and_disconnect_are_legal_from_the_start():
 def test_relay_tokens_are_emitted_and_rld_finishing_ends_the_request():
     state, actions = fold(transition, started(Path.P_RLD_ONLY), RelayTokens(1, 3), RelayTokens(1, MAX_NEW, LENGTH))
     assert state.phase is RequestPhase.DONE and state.emitted == MAX_NEW
-    assert actions == [RelayOutput(), RelayOutput(), Finish(LENGTH)]
+    assert actions == [EmitRelayOutput(), EmitRelayOutput(), Finish(LENGTH)]
 
 
 def test_rld_stopping_early_ends_the_request():
@@ -89,11 +89,11 @@ def test_rld_stopping_early_ends_the_request():
 
 def test_relay_tokens_going_backwards_or_past_the_budget_are_illegal():
     state = fold(transition, started(), RelayTokens(1, 5))[0]
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(state, RelayTokens(1, 4))
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(state, RelayTokens(1, MAX_NEW + 1))
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(state, RelayTokens(2, 6))  # a leg that was never started
 
 
@@ -123,7 +123,7 @@ def test_md_ready_before_first_token_waits_for_it():
     state, actions = fold(transition, started(), MdReady())
     assert actions == [] and state.handoff_on_first_token
     state, actions = transition(state, RelayTokens(1, 1))
-    assert actions == [RelayOutput(), StartHandoff()] and not state.handoff_on_first_token
+    assert actions == [EmitRelayOutput(), StartHandoff()] and not state.handoff_on_first_token
 
 
 def test_md_ready_before_first_token_no_handoff_if_rld_finishes_with_it():
@@ -134,19 +134,19 @@ def test_md_ready_before_first_token_no_handoff_if_rld_finishes_with_it():
 def test_md_ready_twice_is_illegal():
     state = fold(transition, started(), MdReady())[0]
     for event in (MdReady(), MdNotReady(WAN_X)):
-        with pytest.raises(LifecycleError):
+        with pytest.raises(IllegalRequestEvent):
             transition(state, event)
 
 
 def test_md_ready_without_md_is_illegal():
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(started(Path.P_RLD_ONLY), MdReady())
 
 
 def test_cut_freezes_the_stream_and_rld_tokens_are_held_back():
     state = handing_off(cut=5)
     state, actions = transition(state, RelayTokens(1, 8))
-    assert actions == [RelayOutput()] and state.emitted == 5 and state.relay_produced == 8
+    assert actions == [EmitRelayOutput()] and state.emitted == 5 and state.relay_produced == 8
 
 
 def test_cut_after_the_request_used_its_budget_does_nothing():
@@ -155,9 +155,9 @@ def test_cut_after_the_request_used_its_budget_does_nothing():
 
 
 def test_cut_without_md_ready_or_twice_is_illegal():
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(fold(transition, started(), RelayTokens(1, 2))[0], CutReady())
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(handing_off(), CutReady())
 
 
@@ -165,28 +165,28 @@ def test_md_first_token_past_the_cut_commits_the_handoff():
     state, actions = transition(handing_off(cut=5), MainTokens(5))  # the eager tokens only
     assert actions == [] and state.phase is RequestPhase.HANDING_OFF
     state, actions = transition(state, MainTokens(6))
-    assert actions == [HandoffCommitted(), MainOutput()] and state.phase is RequestPhase.MAIN and state.emitted == 6
+    assert actions == [CommitHandoff(), EmitMainOutput()] and state.phase is RequestPhase.MAIN and state.emitted == 6
     state, actions = transition(state, MainTokens(MAX_NEW, LENGTH))
-    assert actions == [MainOutput(), Finish(LENGTH)] and state.phase is RequestPhase.DONE and state.emitted == MAX_NEW
+    assert actions == [EmitMainOutput(), Finish(LENGTH)] and state.phase is RequestPhase.DONE and state.emitted == MAX_NEW
 
 
 def test_md_finishing_in_its_first_event():
     state, actions = transition(handing_off(cut=5), MainTokens(MAX_NEW, LENGTH))
-    assert actions == [HandoffCommitted(), MainOutput(), Finish(LENGTH)]
+    assert actions == [CommitHandoff(), EmitMainOutput(), Finish(LENGTH)]
 
 
 def test_md_tokens_before_any_handoff_or_backwards_or_past_budget_are_illegal():
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(fold(transition, started(), RelayTokens(1, 2), MdReady())[0], MainTokens(3))
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(in_main(produced=8), MainTokens(7))
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(in_main(), MainTokens(MAX_NEW + 1))
 
 
 def test_rld_finishing_first_while_handing_off_keeps_rlds_tokens():
     state, actions = transition(handing_off(cut=5), RelayTokens(1, 9, STOP))
-    assert actions == [RelayOutput(), HandoffAbandoned(), Finish(STOP)]
+    assert actions == [EmitRelayOutput(), AbandonHandoff(), Finish(STOP)]
     assert state.phase is RequestPhase.DONE and state.emitted == 9
 
 
@@ -230,12 +230,12 @@ def test_md_refusing_the_handoff_releases_rlds_tokens(relay_idle):
     else:
         state = fold(transition, handing_off(cut=5), RelayTokens(1, 8))[0]
     state, actions = transition(state, MainFailed("HTTP 409"))
-    assert actions[:2] == [RecordFallback(Fallback(Reason.MD_FAILED, "HTTP 409")), HandoffAbandoned()]
+    assert actions[:2] == [RecordFallback(Fallback(Reason.MD_FAILED, "HTTP 409")), AbandonHandoff()]
     assert state.md is Md.FAILED and state.cut is None
     if relay_idle:
         assert actions[-1] == StartRelayLeg(2, resume_len=1, one_token=False, wan=False)
     else:
-        assert state.phase is RequestPhase.RELAY and state.emitted == 8 and actions[-1] == HandoffAbandoned()
+        assert state.phase is RequestPhase.RELAY and state.emitted == 8 and actions[-1] == AbandonHandoff()
         # late MD events after the failed handoff are dropped; RLD finishes
         assert transition(state, MainTokens(9)) == (state, [])
         assert transition(state, RelayTokens(1, MAX_NEW, LENGTH))[0].phase is RequestPhase.DONE
@@ -256,7 +256,7 @@ def test_md_death_mid_stream_recovers_on_a_new_leg_from_what_the_client_has():
 
 def test_recovery_leg_going_behind_the_resume_point_is_illegal():
     state = transition(in_main(cut=5, produced=9), MainFailed("x"))[0]
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(state, RelayTokens(2, 8))
 
 
@@ -264,12 +264,12 @@ def test_catch_up_warmup_failure_rld_finishes():
     state = fold(transition, started(), RelayTokens(1, 3), MdReady())[0]
     state, actions = transition(state, MainFailed("warmup HTTP 500"))
     assert actions == [RecordFallback(Fallback(Reason.MD_FAILED, "warmup HTTP 500"))] and state.phase is RequestPhase.RELAY
-    with pytest.raises(LifecycleError):  # no cut after MD failed
+    with pytest.raises(IllegalRequestEvent):  # no cut after MD failed
         transition(state, CutReady())
 
 
 def test_md_failure_without_md_is_illegal():
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(started(Path.P_RLD_ONLY), MainFailed("x"))
 
 
@@ -284,8 +284,8 @@ def test_client_disconnect_from_any_running_phase(make):
                                    MdNotReady(WAN_X), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
                                    ClientDisconnected(), DestinationDelivered()])
 def test_no_event_after_the_end(terminal, event):
-    with pytest.raises(LifecycleError):
-        transition(State(max_new=MAX_NEW, phase=terminal), event)
+    with pytest.raises(IllegalRequestEvent):
+        transition(RequestState(max_new=MAX_NEW, phase=terminal), event)
 
 
 def test_random_event_orders_keep_the_invariants():
@@ -320,7 +320,7 @@ def test_random_event_orders_keep_the_invariants():
             before = state
             try:
                 state, actions = transition(state, event)
-            except LifecycleError:
+            except IllegalRequestEvent:
                 assert state is before
                 continue
             assert state.emitted >= before.emitted and state.emitted <= MAX_NEW
@@ -335,7 +335,7 @@ def test_fast_replace_matches_dataclasses_replace():
     import dataclasses
 
     from sglang_pdd.router import lifecycle
-    s = lifecycle.State(max_new=9, emitted=2)
+    s = lifecycle.RequestState(max_new=9, emitted=2)
     fast = lifecycle._replace(s, phase=lifecycle.RequestPhase.MAIN, cut=3)
     assert fast == dataclasses.replace(s, phase=lifecycle.RequestPhase.MAIN, cut=3) and s.cut is None
     assert hash(fast) == hash(dataclasses.replace(fast))
@@ -346,22 +346,22 @@ def test_fast_replace_matches_dataclasses_replace():
 
 
 # ------------------------------------------------------------------------------ P's late WAN destination
-def late(room: int = 77) -> State:
-    state, actions = transition(State(max_new=MAX_NEW), PathChosen(Path.P_RLD_MD, True, p_room=room))
+def late(room: int = 77) -> RequestState:
+    state, actions = transition(RequestState(max_new=MAX_NEW), PathChosen(Path.P_RLD_MD, True, p_room=room))
     assert state.destination is Destination.PENDING and state.p_room == room
     assert actions[0].late_destination and actions[1] == StartMdSide(True)
     return state
 
 
 def test_a_path_without_md_has_no_destination_to_wait_for():
-    state, actions = transition(State(max_new=MAX_NEW), PathChosen(Path.P_RLD_ONLY, True, p_room=5))
+    state, actions = transition(RequestState(max_new=MAX_NEW), PathChosen(Path.P_RLD_ONLY, True, p_room=5))
     assert state.destination is Destination.NONE and not actions[0].late_destination
 
 
 def test_a_delivered_destination_waits_for_mds_kv():
     state, actions = transition(late(), DestinationDelivered())
     assert state.destination is Destination.DELIVERED and actions == [WatchMd()]
-    with pytest.raises(LifecycleError):  # P gets it once
+    with pytest.raises(IllegalRequestEvent):  # P gets it once
         transition(state, DestinationDelivered())
     state, actions = transition(state, MdNotReady(WAN_X))  # the KV never landed: nothing to withdraw on P
     assert actions == [RecordFallback(WAN_X)] and state.destination is Destination.DELIVERED
@@ -393,14 +393,14 @@ def test_a_destination_delivered_just_before_the_end_is_not_withdrawn():
 
 
 def test_ended_only_after_the_end():
-    with pytest.raises(LifecycleError):
+    with pytest.raises(IllegalRequestEvent):
         transition(started(), Ended())
 
 
 # ------------------------------------------------------------------------------ catch-up rounds
-def catching_up(threshold: int = 4, rounds: int = 8) -> State:
+def catching_up(threshold: int = 4, rounds: int = 8) -> RequestState:
     cfg = HandoffConfig(catch_up_threshold_tokens=threshold, max_catch_up_rounds=rounds)
-    state, _ = transition(State(max_new=MAX_NEW, catch_up=cfg), PathChosen(Path.P_RLD_MD))
+    state, _ = transition(RequestState(max_new=MAX_NEW, catch_up=cfg), PathChosen(Path.P_RLD_MD))
     return state
 
 
@@ -433,7 +433,7 @@ def test_one_shot_cuts_at_once():
 @pytest.mark.parametrize("mode, offset, replays", [(RecoveryMode.REPLAY, 0, 9), (RecoveryMode.RESUME, 0, 9),
                                                    (RecoveryMode.CONTINUE, 9, 0)])
 def test_a_recovery_leg_continues_as_the_mode_says(mode, offset, replays):
-    state = transition(State(max_new=MAX_NEW, recovery=mode), PathChosen(Path.P_RLD_MD))[0]
+    state = transition(RequestState(max_new=MAX_NEW, recovery=mode), PathChosen(Path.P_RLD_MD))[0]
     state = fold(transition, state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9))[0]
     state, actions = transition(state, MainFailed("gone"))
     leg = actions[-1]
@@ -441,27 +441,27 @@ def test_a_recovery_leg_continues_as_the_mode_says(mode, offset, replays):
     assert (leg.offset, leg.replays) == (offset, replays)
     # the leg's first output is checked against the client's 9 positions (a replay), once
     state, actions = transition(state, RelayTokens(2, 10))
-    assert actions == [RelayOutput(offset=offset, check_replay=replays)]
+    assert actions == [EmitRelayOutput(offset=offset, check_replay=replays)]
     state, actions = transition(state, RelayTokens(2, 11))
-    assert actions == [RelayOutput(offset=offset, check_replay=0)] if offset else [RelayOutput()]
+    assert actions == [EmitRelayOutput(offset=offset, check_replay=0)] if offset else [EmitRelayOutput()]
 
 
 def test_a_recovery_from_nothing_starts_afresh():
-    state = transition(State(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_MD))[0]
+    state = transition(RequestState(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_MD))[0]
     state, actions = transition(state, RelayTokens(1, 0, LENGTH))  # RLD's bridge ended with no token
     state, actions = transition(state, MdNotReady(WAN_X))
     assert actions[-1] == StartRelayLeg(2, resume_len=0, one_token=False, wan=False, mode=RecoveryMode.RESUME)
 
 
 def test_a_continue_legs_length_finish_reports_the_whole_budget():
-    state = transition(State(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_RLD_MD))[0]
+    state = transition(RequestState(max_new=MAX_NEW, recovery=RecoveryMode.CONTINUE), PathChosen(Path.P_RLD_MD))[0]
     state = fold(transition, state, RelayTokens(1, 5), MdReady(), CutReady(), MainTokens(9), MainFailed("gone"))[0]
     own = {"type": "length", "length": MAX_NEW - 9}  # the CONTINUE leg's own, smaller budget
     state, actions = transition(state, RelayTokens(2, MAX_NEW, own))
     assert actions[-1] == Finish({"type": "length", "length": MAX_NEW}) and state.phase is RequestPhase.DONE
 
 
-@pytest.mark.parametrize("make", [lambda: State(max_new=MAX_NEW), started, handing_off, in_main,
+@pytest.mark.parametrize("make", [lambda: RequestState(max_new=MAX_NEW), started, handing_off, in_main,
                                   lambda: fold(transition, started(), RelayTokens(1, MAX_NEW, LENGTH))[0]])
 def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
     state, actions = transition(make(), Broken("MD repeated a position"))

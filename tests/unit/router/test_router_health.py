@@ -19,14 +19,14 @@ from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
 from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 from sglang_pdd.machine import IllegalTransition, fold
-from sglang_pdd.router.health import (BackendHealth, Breaker, Drain, BackendFailed, HealthBoard, HealthConfig, BackendSucceeded,
+from sglang_pdd.router.health import (BreakerState, BreakerPhase, Drain, BackendFailed, HealthBoard, HealthConfig, BackendSucceeded,
                                       pickable, transition)
 
 CFG = HealthConfig(failure_threshold=2, cooldown_s=10.0)
 TOKEN = "operator-secret-0123456789"
 
 
-def after(state: BackendHealth, *events) -> BackendHealth:
+def after(state: BreakerState, *events) -> BreakerState:
     state, actions = fold(transition, state, *events, context=(CFG,))
     assert actions == []  # the breaker's readers read its state
     return state
@@ -34,26 +34,26 @@ def after(state: BackendHealth, *events) -> BackendHealth:
 
 # ---------------------------------------------------------------------------- state machine
 def test_consecutive_failures_open_the_breaker_and_a_success_in_between_resets_them():
-    s = after(BackendHealth(), BackendFailed(0.0, "reset"))
-    assert s.breaker is Breaker.CLOSED and s.failures == 1
+    s = after(BreakerState(), BackendFailed(0.0, "reset"))
+    assert s.breaker is BreakerPhase.CLOSED and s.failures == 1
     s = after(s, BackendSucceeded(1.0))
     assert s.failures == 0
     s = after(s, BackendFailed(2.0), BackendFailed(3.0, "refused"))
-    assert s.breaker is Breaker.OPEN and s.opened_at == 3.0 and s.last_error == "refused"
+    assert s.breaker is BreakerPhase.OPEN and s.opened_at == 3.0 and s.last_error == "refused"
     assert not pickable(s, 12.9, CFG) and pickable(s, 13.0, CFG)  # out for the cooldown, then a trial
 
 
 def test_half_open_trial_closes_on_success_and_reopens_on_failure():
-    opened = after(BackendHealth(), BackendFailed(0.0), BackendFailed(0.0))
-    assert after(opened, BackendSucceeded(10.0)).breaker is Breaker.CLOSED
+    opened = after(BreakerState(), BackendFailed(0.0), BackendFailed(0.0))
+    assert after(opened, BackendSucceeded(10.0)).breaker is BreakerPhase.CLOSED
     again = after(opened, BackendFailed(10.5))  # one failure in the trial is enough
-    assert again.breaker is Breaker.OPEN and again.opened_at == 10.5
+    assert again.breaker is BreakerPhase.OPEN and again.opened_at == 10.5
     # while open, more failures do not push the cooldown further out
     assert after(opened, BackendFailed(5.0)).opened_at == 0.0
 
 
 def test_drain_is_the_operators_and_outlives_breaker_changes():
-    s = after(BackendHealth(), Drain(True))
+    s = after(BreakerState(), Drain(True))
     s = after(s, BackendFailed(0.0), BackendSucceeded(1.0))
     assert s.draining and not pickable(s, 1.0, CFG)
     assert pickable(after(s, Drain(False)), 1.0, CFG)
@@ -61,7 +61,7 @@ def test_drain_is_the_operators_and_outlives_breaker_changes():
 
 def test_an_unknown_event_is_illegal_and_changes_nothing():
     with pytest.raises(IllegalTransition, match="unknown event"):
-        transition(BackendHealth(), BackendFailed, CFG)  # the class, not an event
+        transition(BreakerState(), BackendFailed, CFG)  # the class, not an event
 
 
 def test_config_is_checked():
@@ -331,16 +331,16 @@ async def _p_done_rld_busy(inflight) -> bool:
 
 
 def test_failed_probes_of_a_server_never_seen_up_do_not_open_its_breaker():
-    s = BackendHealth()
+    s = BreakerState()
     for t in range(5):  # the router started before its backends finished loading
         s = after(s, BackendFailed(float(t), "connection refused", probe=True))
-    assert s.breaker is Breaker.CLOSED and s.last_error == "connection refused"
+    assert s.breaker is BreakerPhase.CLOSED and s.last_error == "connection refused"
     s = after(s, BackendFailed(5.0, "a request failed on it"))  # requests count regardless
     assert s.failures == 1
     s = after(s, BackendSucceeded(6.0))
     for t in (7.0, 8.0):  # once seen up, probes count
         s = after(s, BackendFailed(t, "503", probe=True))
-    assert s.breaker is Breaker.OPEN
+    assert s.breaker is BreakerPhase.OPEN
 
 
 def test_the_board_counts_each_failure_that_counted_by_server_and_source():

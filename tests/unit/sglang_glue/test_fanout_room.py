@@ -20,7 +20,7 @@ def copy_round(more_ready=False):
 
 
 def test_happy_path_one_share():
-    room = fr.FanoutRoom(shares=1)
+    room = fr.FanoutState(shares=1)
     room, actions = fr.transition(room, fr.PagesOffered(10))
     assert (room.phase, room.copy, room.pages_offered, actions) == (FanoutPhase.RECEIVING, CopyHold.QUEUED, 10, [QUEUE])
     room, actions = fr.transition(room, fr.CopyTaken(has_work=True))
@@ -43,7 +43,7 @@ def test_happy_path_one_share():
 
 
 def test_a_copy_round_with_nothing_ready_leaves_the_room_idle():
-    room, _ = run(fr.FanoutRoom(shares=1), fr.PagesOffered(3))
+    room, _ = run(fr.FanoutState(shares=1), fr.PagesOffered(3))
     room, actions = fr.transition(room, fr.CopyTaken(has_work=False))
     assert (room.copy, actions) == (CopyHold.IDLE, [])
     room, actions = fr.transition(room, fr.PagesOffered(3))
@@ -52,18 +52,18 @@ def test_a_copy_round_with_nothing_ready_leaves_the_room_idle():
 
 @pytest.mark.parametrize("shares", [1, 2, 4])
 def test_the_room_is_sent_once_every_share_ended(shares):
-    room, _ = run(fr.FanoutRoom(shares=shares), fr.PagesOffered(8, last=True), *copy_round())
+    room, _ = run(fr.FanoutState(shares=shares), fr.PagesOffered(8, last=True), *copy_round())
     for i in range(shares - 1):
         room, actions = fr.transition(room, fr.ShareEnded())
         assert (room.phase, room.shares_ended, actions) == (FanoutPhase.OFFERED, i + 1, [])
     room, actions = fr.transition(room, fr.ShareEnded())
     assert (room.phase, actions) == (FanoutPhase.SENT, [ALL_SENT])
-    with pytest.raises(fr.FanoutRoomError, match=f"TRANSFER_END {shares + 1} of a room with {shares} shares"):
+    with pytest.raises(fr.IllegalFanoutEvent, match=f"TRANSFER_END {shares + 1} of a room with {shares} shares"):
         fr.transition(room, fr.ShareEnded())
 
 
 def test_shares_ending_before_the_last_offer_are_sent_with_it():
-    room, actions = run(fr.FanoutRoom(shares=1), fr.PagesOffered(8), *copy_round(), fr.ShareEnded())
+    room, actions = run(fr.FanoutState(shares=1), fr.PagesOffered(8), *copy_round(), fr.ShareEnded())
     assert room.phase is FanoutPhase.RECEIVING and actions == [QUEUE, ALL_SENT]
     room, _ = fr.transition(room, fr.PagesOffered(0, last=True))
     assert room.phase is FanoutPhase.SENT
@@ -87,7 +87,7 @@ FAILURES = [fr.FanoutFailed(DropReason.STAGING_BUDGET, "staging budget of 1024 b
 
 
 def live(name):
-    room, _ = run(fr.FanoutRoom(shares=2), *LIVE[name][0])
+    room, _ = run(fr.FanoutState(shares=2), *LIVE[name][0])
     assert room.copy is LIVE[name][1] and not room.dropped
     return room
 
@@ -164,11 +164,11 @@ def test_late_events_after_a_drop_are_ignored_and_the_first_reason_stands(which,
     (["not an event"], "unknown event"),
 ])
 def test_invalid_transitions_are_refused(events, match):
-    with pytest.raises(fr.FanoutRoomError, match=match):
-        run(fr.FanoutRoom(shares=1), *events)
+    with pytest.raises(fr.IllegalFanoutEvent, match=match):
+        run(fr.FanoutState(shares=1), *events)
 
 
 def test_copy_thread_events_still_refused_when_they_cannot_happen_after_a_drop():
-    room, _ = run(fr.FanoutRoom(shares=1), fr.Cancel("gone"))
-    with pytest.raises(fr.FanoutRoomError, match="copy taken, but the room is idle"):
+    room, _ = run(fr.FanoutState(shares=1), fr.Cancel("gone"))
+    with pytest.raises(fr.IllegalFanoutEvent, match="copy taken, but the room is idle"):
         fr.transition(room, fr.CopyTaken(True))
