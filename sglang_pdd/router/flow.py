@@ -25,7 +25,8 @@ sends them:
     ClientDisconnected()                events(): the consumer closed the generator early
     Ended()                             events(), last: the cleanup (abort, release, withdraw)
 
-PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.RequestState). What
+PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.RequestState),
+changed only by ``_REQUEST`` (the kit's Driver: an action type -> the method performing it). What
 it keeps are I/O handles (session, tasks, queue, stitcher, live backend rids, MD's room id) and
 statistics for FlowResult.
 
@@ -37,7 +38,8 @@ from what the client has as ``FlowConfig.recovery`` says (RecoveryMode): RESUME 
 emitted with the resume marker ``custom_params["pdd_resume_output_len"]`` and the total
 budget, stitched the same way; needs P / RLD that resume in PD mode), REPLAY (the request
 again, its first positions checked against the client's and dropped; the default for greedy
-requests, exact) or CONTINUE (prompt + emitted as a new request, the old behaviour).
+requests, exact) or CONTINUE (prompt + emitted as a new request: for sampled requests, whose
+replay would diverge).
 
 MD's room registration (``POST /pdd/rooms`` on MD, which answers MD's exact cached prefix):
 without a control URL for P it is awaited before P and RLD start, and P learns its WAN
@@ -67,13 +69,14 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choose_mode
 from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import StitchError, StreamStitcher
+from sglang_pdd.machine import Driver
 from sglang_pdd.router import lifecycle
 from sglang_pdd.protocol import RESUME_KEY, RegisterReply, without_pdd_params
 from sglang_pdd.router.fallback import Fallback, Reason
@@ -88,7 +91,7 @@ from sglang_pdd.router.wan_in_flight import WanInFlight
 
 logger = logging.getLogger("sglang_pdd.router")
 
-STREAM_EVENTS_QUEUED = 1  # PddFlow._stream_room: parsed backend stream events waiting per flow
+STREAM_EVENTS_QUEUED = 1  # PddFlow._stream_slots: parsed backend stream events waiting per flow
 
 
 @dataclass
@@ -231,6 +234,14 @@ class PddFlow:
 
     ``rid`` is the client's id, kept for the client's response (``result.rid``); backends get
     internal ids (``internal_rid`` + leg suffix) only.
+
+    The flow runner (router/flow_runner.py) builds a flow whole, and sets nothing on it after:
+    ``request`` (the FlowRequest, for a retry) and ``operator`` (its replies carry
+    meta_info.pdd), ``retry_of`` (the flow it starts over for) with the ``fallbacks`` so far,
+    ``p_cached_estimate`` (P's prefix, as the router's index guesses it), ``p_load`` (the
+    router's count of P's load, released once P replies) and ``md_kv_size_learned(bytes)``
+    (called with MD's KV size from its registration answer: the router keeps it for the next
+    flows' path choice; a flow writes no shared record itself).
     """
 
     def __init__(self, session: aiohttp.ClientSession, cfg: FlowConfig, prefill: PrefillBackend,
@@ -238,7 +249,9 @@ class PddFlow:
                  rid: Optional[str] = None, rld_inflight: int = 0, p_queued_tokens: int = 0,
                  force_path: Optional[Path] = None,
                  use_drc: bool = True, md_cached_estimate: int = 0, extras: Optional[dict] = None,
-                 wan_in_flight: Optional[WanInFlight] = None):
+                 wan_in_flight: Optional[WanInFlight] = None, request=None, operator: bool = False,
+                 retry_of: Optional["PddFlow"] = None, fallbacks: Sequence[Fallback] = (), p_cached_estimate: int = 0,
+                 p_load=None, md_kv_size_learned: Optional[Callable[[int], None]] = None):
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
@@ -249,16 +262,17 @@ class PddFlow:
         self.max_new = int(self.sampling["max_new_tokens"])  # settled by the caller (flow_request.py)
         self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
         self.internal_rid = secrets.token_hex(16)
-        self.retry_of: Optional["PddFlow"] = None  # the flow this one starts over for (router's retry)
-        self.request = None  # the FlowRequest it was opened for (flow_runner.py), for a retry
-        self.operator = False  # an operator's request: its replies carry meta_info.pdd
+        self.retry_of = retry_of  # the flow this one starts over for (router's retry)
+        self.request = request  # the FlowRequest it was opened for (flow_runner.py), for a retry
+        self.operator = operator  # an operator's request: its replies carry meta_info.pdd
         self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
                                  md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0,
+                                 p_cached_estimate=p_cached_estimate, fallbacks=list(fallbacks),
                                  prefill_url=prefill.url, main_url=main.url if main is not None else None)
         # RLD's load when the request arrived sets the handoff mode; catch-up rounds are the lifecycle's.
         self.handoff_mode = choose_mode(RldLoad(rld_inflight, cfg.rld_max_running), cfg.handoff)
         self.state = lifecycle.RequestState(max_new=self.max_new, recovery=self._recovery_mode(),
-                                     catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
+                                            catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()
         # Stream events (RLD's and MD's) the queue may hold that the flow has not taken yet. SGLang
@@ -267,7 +281,7 @@ class PddFlow:
         # the last one, so a flow that falls behind (a slow client, a busy router) keeps a few
         # events, not the backlog (the backend's socket holds the rest; SGLang itself keeps only its
         # newest output for a stream that is not read).
-        self._stream_room = asyncio.Semaphore(STREAM_EVENTS_QUEUED)
+        self._stream_slots = asyncio.Semaphore(STREAM_EVENTS_QUEUED)
         self.tasks: set[asyncio.Task] = set()
         self._must_finish: set[asyncio.Task] = set()  # aborts / releases: awaited, never cancelled
         self.rld_inflight = rld_inflight
@@ -287,7 +301,8 @@ class PddFlow:
         # PD decode server reports none). Asked for, the client's first output waits for it, as
         # SGLang's mini_lb reads P's reply before the decode server's.
         self._prefill_replied = asyncio.Event()
-        self.on_prefill_replied: Callable[[], None] = lambda: None  # the router's P load count
+        self.p_load = p_load  # the router's count of P's load (flow_runner.PrefillLoad): released at P's reply
+        self._md_kv_size_learned = md_kv_size_learned  # MD's KV size from a registration, for the router
         self._prefill_failure: Optional[str] = None
         self.t0 = time.perf_counter()
 
@@ -307,7 +322,7 @@ class PddFlow:
             await self._input_logprobs()  # also a request without output tokens reports its prompt's
         finally:
             if not self.state.phase.terminal:  # the consumer stopped early: the client is gone
-                self.state, _ = lifecycle.transition(self.state, lifecycle.ClientDisconnected())
+                _REQUEST.advance(self, lifecycle.ClientDisconnected())
             await self._cleanup()
 
     async def _input_logprobs(self) -> None:
@@ -339,17 +354,17 @@ class PddFlow:
                     f"request not finished within {self.cfg.request_timeout_s:.0f}s "
                     f"(--request-timeout-s); every leg is aborted"), None
             if isinstance(event, (lifecycle.RelayTokens, lifecycle.MainTokens)):
-                self._stream_room.release()  # taken: its leg may read the next one
+                self._stream_slots.release()  # taken: its leg may read the next one
             try:
-                self.state, actions = lifecycle.transition(self.state, event)
+                actions = _REQUEST.advance(self, event)
             except lifecycle.IllegalRequestEvent as e:
-                self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
+                _REQUEST.advance(self, lifecycle.Broken(str(e)))
                 raise BackendError(f"request broke off: {e}") from None
             for action in actions:
                 try:
-                    out = self._perform(action, payload)
+                    out = _REQUEST.perform(self, action, payload)
                 except (StitchError, BackendError) as e:  # a backend broke the stream's invariants
-                    self.state, _ = lifecycle.transition(self.state, lifecycle.Broken(str(e)))
+                    _REQUEST.advance(self, lifecycle.Broken(str(e)))
                     if isinstance(e, BackendError):
                         raise
                     raise BackendError(f"request broke off: {e}") from None
@@ -358,76 +373,79 @@ class PddFlow:
             if self.state.phase.terminal:
                 return
 
-    def _perform(self, action, payload) -> list[int]:
-        """Carries out one lifecycle action; returns tokens to emit (if any)."""
-        if isinstance(action, lifecycle.StartRelayLeg):
-            self._start_relay_leg(action)
-        elif isinstance(action, lifecycle.StartMdSide):
-            if action.late_destination:
-                self._spawn_leg(self._register_and_deliver(),
-                                lambda m: lifecycle.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, m)))
-            else:
-                self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
-        elif isinstance(action, lifecycle.WatchMd):
-            self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
-        elif isinstance(action, lifecycle.WithdrawDestination):
-            self._spawn(self.p_control.drop_wan_destination(action.p_room), must_finish=True)
-        elif isinstance(action, lifecycle.EmitRelayOutput):
-            leg, event = payload
-            ids, offset, replayed = event.get("output_ids", []), action.offset, action.check_replay
-            if replayed and ids[:replayed] != self.stitcher.emitted[:replayed]:
-                raise BackendError(f"recovery leg {leg} diverged from the {replayed} tokens the client has "
-                                   f"(a sampled request replayed? recovery 'continue' suits those)")
-            before = len(self.stitcher.emitted)
-            self._out_meta.observe(("rld", leg), offset + len(ids), event.get("meta_info", {}))
-            out = self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - offset:])
-            self._out_meta.emitted(("rld", leg), before, len(self.stitcher.emitted))
-            return out
-        elif isinstance(action, lifecycle.StartHandoff):
-            self.result.handoff_mode = self.handoff_mode.value
-            self.queue.put_nowait((lifecycle.CutReady(), None))
-        elif isinstance(action, lifecycle.SendCatchUpBatch):
-            self.result.catch_up_batches.append(action.tokens)
-            self._spawn_leg(self._catch_up(action), lifecycle.MainFailed)
-        elif isinstance(action, lifecycle.SendFinalHandoff):
-            eager = self.stitcher.begin_handoff()
-            assert len(eager) == action.cut, (len(eager), action.cut)
-            if action.catch_up_tail is not None:
-                self.result.catch_up_batches.append(action.catch_up_tail)
-            self._spawn_leg(self._final_handoff(eager), lifecycle.MainFailed)
-        elif isinstance(action, lifecycle.CommitHandoff):
-            self._on_handoff_committed()
-        elif isinstance(action, lifecycle.AbandonHandoff):
-            before = len(self.stitcher.emitted)
-            out = self.stitcher.handoff_failed()
-            self._out_meta.emitted(("rld", self.state.leg), before, len(self.stitcher.emitted))
-            return out
-        elif isinstance(action, lifecycle.EmitMainOutput):
-            ids = payload.get("output_ids", [])
-            before = len(self.stitcher.emitted)
-            self._out_meta.observe(("md", 0), len(ids), payload.get("meta_info", {}))
-            out = self.stitcher.on_md_output(ids)
-            self._out_meta.emitted(("md", 0), before, len(self.stitcher.emitted))
-            self.result.md_tokens += len(out)
-            return out
-        elif isinstance(action, lifecycle.RecordFallback):
-            self.result.fallbacks.append(action.fallback)
-            logger.warning("rid %s: %s", self.result.rid, action.fallback)
-        elif isinstance(action, lifecycle.AbortLegs):
-            for rid, url in list(self.live_rids.items()):
-                self._spawn(abort(self.session, url, rid), must_finish=True)
-                del self.live_rids[rid]
-            self.stitcher.resume_relay()
-            self.result.finish_reason = None
-        elif isinstance(action, lifecycle.Finish):
-            self.result.finish_reason = action.finish_reason
-        elif isinstance(action, lifecycle.FailRequest):
-            raise BackendError(action.message)
-        elif isinstance(action, lifecycle.ReleaseAll):
-            self._release_all(action.keep_md_kv)
-        else:  # pragma: no cover - a new action without its I/O
-            raise AssertionError(f"unhandled lifecycle action {action!r}")
-        return []
+    # ------------------------------------------------------------------ the lifecycle's actions
+    # Each performs one action (``_REQUEST``'s table); ``payload``: the event's backend reply.
+    # A method returns the tokens to emit, if any.
+    def _start_md_side(self, action: lifecycle.StartMdSide, payload) -> None:
+        if action.late_destination:
+            self._spawn_leg(self._register_and_deliver(), lambda m: lifecycle.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, m)))
+        else:
+            self._watch_md(action, payload)
+
+    def _watch_md(self, action, payload) -> None:
+        self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
+
+    def _withdraw_destination(self, action: lifecycle.WithdrawDestination, payload) -> None:
+        self._spawn(self.p_control.drop_wan_destination(action.p_room), must_finish=True)
+
+    def _emit_relay_output(self, action: lifecycle.EmitRelayOutput, payload) -> list[int]:
+        leg, event = payload
+        ids, offset, replayed = event.get("output_ids", []), action.offset, action.check_replay
+        if replayed and ids[:replayed] != self.stitcher.emitted[:replayed]:
+            raise BackendError(f"recovery leg {leg} diverged from the {replayed} tokens the client has "
+                               f"(a sampled request replayed? recovery 'continue' suits those)")
+        before = len(self.stitcher.emitted)
+        self._out_meta.observe(("rld", leg), offset + len(ids), event.get("meta_info", {}))
+        out = self.stitcher.on_rld_tokens(ids[len(self.stitcher.rld_tokens) - offset:])
+        self._out_meta.emitted(("rld", leg), before, len(self.stitcher.emitted))
+        return out
+
+    def _start_handoff(self, action: lifecycle.StartHandoff, payload) -> None:
+        self.result.handoff_mode = self.handoff_mode.value
+        self.queue.put_nowait((lifecycle.CutReady(), None))
+
+    def _send_catch_up_batch(self, action: lifecycle.SendCatchUpBatch, payload) -> None:
+        self.result.catch_up_batches.append(action.tokens)
+        self._spawn_leg(self._catch_up(action), lifecycle.MainFailed)
+
+    def _send_final_handoff(self, action: lifecycle.SendFinalHandoff, payload) -> None:
+        eager = self.stitcher.begin_handoff()
+        assert len(eager) == action.cut, (len(eager), action.cut)
+        if action.catch_up_tail is not None:
+            self.result.catch_up_batches.append(action.catch_up_tail)
+        self._spawn_leg(self._final_handoff(eager), lifecycle.MainFailed)
+
+    def _abandon_handoff(self, action: lifecycle.AbandonHandoff, payload) -> list[int]:
+        before = len(self.stitcher.emitted)
+        out = self.stitcher.handoff_failed()
+        self._out_meta.emitted(("rld", self.state.leg), before, len(self.stitcher.emitted))
+        return out
+
+    def _emit_main_output(self, action: lifecycle.EmitMainOutput, payload) -> list[int]:
+        ids = payload.get("output_ids", [])
+        before = len(self.stitcher.emitted)
+        self._out_meta.observe(("md", 0), len(ids), payload.get("meta_info", {}))
+        out = self.stitcher.on_md_output(ids)
+        self._out_meta.emitted(("md", 0), before, len(self.stitcher.emitted))
+        self.result.md_tokens += len(out)
+        return out
+
+    def _record_fallback(self, action: lifecycle.RecordFallback, payload) -> None:
+        self.result.fallbacks.append(action.fallback)
+        logger.warning("rid %s: %s", self.result.rid, action.fallback)
+
+    def _abort_legs(self, action: lifecycle.AbortLegs, payload) -> None:
+        for rid, url in list(self.live_rids.items()):
+            self._spawn(abort(self.session, url, rid), must_finish=True)
+            del self.live_rids[rid]
+        self.stitcher.resume_relay()
+        self.result.finish_reason = None
+
+    def _finish(self, action: lifecycle.Finish, payload) -> None:
+        self.result.finish_reason = action.finish_reason
+
+    def _fail_request(self, action: lifecycle.FailRequest, payload) -> None:
+        raise BackendError(action.message)
 
     # ------------------------------------------------------------------ path choice
     @property
@@ -509,7 +527,8 @@ class PddFlow:
         # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
         self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
         if per_token:  # MD knows its KV size exactly
-            self.main.kv_bytes_per_token = per_token
+            if self._md_kv_size_learned is not None:
+                self._md_kv_size_learned(per_token)  # the router's record of MD, for the next flows
             self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
                 self.cfg.path, kv_bytes_per_token=per_token))
         return cached
@@ -551,7 +570,7 @@ class PddFlow:
     def _leg_rid(self, suffix: str) -> str:
         return f"{self.internal_rid}-{suffix}"
 
-    def _start_relay_leg(self, leg: lifecycle.StartRelayLeg) -> None:
+    def _start_relay_leg(self, leg: lifecycle.StartRelayLeg, payload=None) -> None:
         """P prefills (and fans out to MD if ``wan``); RLD decodes, streaming eager tokens. A
         recovery leg resumes: prompt + emitted tokens, the resume marker, the total budget."""
         resumed, mode = self.stitcher.emitted[:leg.resume_len], leg.mode
@@ -611,7 +630,8 @@ class PddFlow:
         finally:
             if leg == 1:
                 self._prefill_replied.set()
-                self.on_prefill_replied()
+                if self.p_load is not None:
+                    self.p_load.release()
 
     async def _relay_leg(self, start: lifecycle.StartRelayLeg, body: dict) -> None:
         leg = start.leg
@@ -700,7 +720,7 @@ class PddFlow:
             self._blame("main", self.main.url, e)
             await self.queue.put((lifecycle.MainFailed(str(e)), None))
 
-    def _on_handoff_committed(self) -> None:
+    def _commit_handoff(self, action: lifecycle.CommitHandoff, payload) -> None:
         self.result.handoff_stall_s = time.perf_counter() - self._handoff_t
         self.result.handoff_at = self.stitcher.cut
         # MD owns the request now: stop RLD (frees its KV) and let MD's cache keep the prompt.
@@ -715,8 +735,8 @@ class PddFlow:
     # ------------------------------------------------------------------ plumbing
     async def _put_stream_event(self, event, payload) -> None:
         """A backend stream's event into the queue once the flow took the ones before it
-        (``_stream_room``): the leg's next event stays unread until then."""
-        await self._stream_room.acquire()
+        (``_stream_slots``): the leg's next event stays unread until then."""
+        await self._stream_slots.acquire()
         self.queue.put_nowait((event, payload))  # no await between: a cancelled leg holds no room
 
     def _blame(self, role: str, url: str, error: BaseException) -> None:
@@ -762,26 +782,46 @@ class PddFlow:
         while not self.queue.empty():
             event, _ = self.queue.get_nowait()
             if isinstance(event, lifecycle.DestinationDelivered):
-                self.state, _ = lifecycle.transition(self.state, event)
+                _REQUEST.advance(self, event)
         pending = list(self.tasks)
         for task in pending:
             if task not in self._must_finish:  # an abort / release already sent must still land
                 task.cancel()
-        self.state, actions = lifecycle.transition(self.state, lifecycle.Ended())
-        for action in actions:
-            self._perform(action, None)
+        _REQUEST.step(self, lifecycle.Ended(), None)
         self.result.rld_tokens = len(self.stitcher.emitted) - self.result.md_tokens
         if self._must_finish:  # the aborts, releases and withdrawals land before the request ends
             await asyncio.gather(*self._must_finish, return_exceptions=True)
         if pending:  # no task outlives the request
             await asyncio.gather(*pending, return_exceptions=True)
 
-    def _release_all(self, keep_md_kv: bool) -> None:
+    def _release_all(self, action: lifecycle.ReleaseAll, payload) -> None:
         """Abort every backend request still live and release MD's room (a finished request's
         KV still in flight is kept on MD: the session's next turn will hit it, DRC)."""
+        keep_md_kv = action.keep_md_kv
         for rid, url in self.live_rids.items():
             self._spawn(abort(self.session, url, rid), must_finish=True)
         self.live_rids.clear()
         if self.room is not None and self.control is not None:
             self._spawn(self.control.release(self.room, keep_kv=keep_md_kv), must_finish=True)
         self.room = None
+
+
+# The request's one way to change: its machine, and PddFlow's method for each action.
+_REQUEST = Driver(lifecycle.transition, {
+    lifecycle.StartRelayLeg: PddFlow._start_relay_leg,
+    lifecycle.StartMdSide: PddFlow._start_md_side,
+    lifecycle.WatchMd: PddFlow._watch_md,
+    lifecycle.WithdrawDestination: PddFlow._withdraw_destination,
+    lifecycle.EmitRelayOutput: PddFlow._emit_relay_output,
+    lifecycle.StartHandoff: PddFlow._start_handoff,
+    lifecycle.SendCatchUpBatch: PddFlow._send_catch_up_batch,
+    lifecycle.SendFinalHandoff: PddFlow._send_final_handoff,
+    lifecycle.CommitHandoff: PddFlow._commit_handoff,
+    lifecycle.AbandonHandoff: PddFlow._abandon_handoff,
+    lifecycle.EmitMainOutput: PddFlow._emit_main_output,
+    lifecycle.RecordFallback: PddFlow._record_fallback,
+    lifecycle.AbortLegs: PddFlow._abort_legs,
+    lifecycle.Finish: PddFlow._finish,
+    lifecycle.FailRequest: PddFlow._fail_request,
+    lifecycle.ReleaseAll: PddFlow._release_all,
+})

@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router.backends import BackendError
 from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router.flow import FlowConfig, PddFlow
+from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
 from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.metrics import RouterMetrics
 from sglang_pdd.router.policy import Path
@@ -32,6 +33,25 @@ from sglang_pdd.router.serving import BackendsUnavailable, UpstreamError
 logger = logging.getLogger("sglang_pdd.router")
 
 
+class PrefillLoad:
+    """P's load of one flow: the prefill tokens P still runs for it (placement.py's
+    pick_prefill), counted from the flow's start until P's leg replies, or the flow ends first;
+    released once."""
+
+    def __init__(self, pools: Pools, url: str, tokens: int, ids: Sequence[int]):
+        self.pools, self.url, self.tokens, self.ids = pools, url, tokens, ids
+        self.counted = False
+
+    def count(self) -> None:
+        self.pools.count_on_p(self.url, self.tokens)
+        self.counted = True
+
+    def release(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.pools.prefill_replied(self.url, self.tokens, self.ids)
+
+
 class FlowRunner:
     """``session``: the router's client session to its backends (set when the router starts)."""
 
@@ -39,10 +59,12 @@ class FlowRunner:
         self.pools, self.flow_cfg, self.metrics = pools, flow_cfg, metrics
         self.session: Optional[aiohttp.ClientSession] = None
 
-    def open(self, req: FlowRequest, exclude: frozenset = frozenset(), with_main: bool = True) -> PddFlow:
+    def open(self, req: FlowRequest, exclude: frozenset = frozenset(), with_main: bool = True,
+             retry_of: Optional[PddFlow] = None) -> PddFlow:
         """A flow for ``req`` on servers picked now (none of ``exclude``); BackendsUnavailable
         when no server of a needed role may take it. ``with_main`` False: on P and RLD only,
-        MD not asked at all (the router's own probe, /health_generate).
+        MD not asked at all (the router's own probe, /health_generate). ``retry_of``: the flow
+        this one starts over for, on other servers than ``exclude`` (its fallbacks come first).
 
         ``req.options`` (body "pdd_options", operators only) override the router's knobs for
         one request: path (p_md / p_rld_md / p_rld_only), handoff_mode, catch_up_threshold, drc
@@ -65,17 +87,21 @@ class FlowRunner:
         # The MD prefix estimate routes a request whose P takes late WAN destinations
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, req.input_ids) if main is not None else 0
-        flow = PddFlow(self.session, cfg, prefill, relay, main, req.input_ids, req.sampling, req.rid,
+        p_estimate = self.pools.prefixes.match(prefill.url, req.input_ids)
+        fallbacks = []
+        if retry_of is not None:
+            fallbacks += [*retry_of.result.fallbacks, Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(exclude)))]
+        if main is None and self.pools.main and with_main:
+            fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
+        return PddFlow(self.session, cfg, prefill, relay, main, req.input_ids, req.sampling, req.rid,
                        rld_inflight=self.pools.rld_inflight[relay],
                        p_queued_tokens=self.pools.p_tokens[prefill.url], wan_in_flight=self.pools.wan,
                        force_path=force_path,
                        use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate,
-                       extras=req.extras)
-        flow.request, flow.operator = req, req.operator
-        if main is None and self.pools.main and with_main:
-            flow.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
-        flow.result.p_cached_estimate = self.pools.prefixes.match(prefill.url, req.input_ids)
-        return flow
+                       extras=req.extras, request=req, operator=req.operator, retry_of=retry_of,
+                       fallbacks=fallbacks, p_cached_estimate=p_estimate,
+                       p_load=PrefillLoad(self.pools, prefill.url, max(1, len(req.input_ids) - p_estimate), req.input_ids),
+                       md_kv_size_learned=functools.partial(_learn_kv_size, main) if main is not None else None)
 
     def retry(self, failed: PddFlow) -> Optional[PddFlow]:
         """A request whose P or RLD leg broke before its first token starts over once, on
@@ -87,12 +113,9 @@ class FlowRunner:
         if not bad:
             return None
         try:
-            flow = self.open(failed.request, exclude=bad)
+            flow = self.open(failed.request, exclude=bad, retry_of=failed)
         except BackendsUnavailable:
             return None
-        flow.retry_of = failed
-        retried = Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(bad)))
-        flow.result.fallbacks[:0] = failed.result.fallbacks + [retried]
         logger.warning("rid %s failed before its first token on %s; retried on other servers",
                        failed.result.rid, sorted(bad))
         return flow
@@ -122,27 +145,13 @@ class FlowRunner:
 
     def admit(self, flow: PddFlow, delta: int) -> None:
         """A flow starts (+1) or ends (-1): its load on its backends."""
-        if delta > 0:
-            self._count_on_p(flow)
-        else:
-            flow.on_prefill_replied()
+        if flow.p_load is not None and delta > 0:
+            flow.p_load.count()
+        elif flow.p_load is not None:
+            flow.p_load.release()
         self.pools.rld_inflight[flow.relay_url] += delta
         if flow.main is not None:
             self.pools.md_inflight[flow.main.url] += delta
-
-    def _count_on_p(self, flow: PddFlow) -> None:
-        """P's load is the prefill tokens it still runs: counted until P's leg replies (or the
-        request ends first), not for the whole request as RLD's and MD's are (placement.py's
-        pick_prefill)."""
-        url, tokens = flow.prefill.url, flow.p_prefill_tokens
-        self.pools.count_on_p(url, tokens)
-
-        def release() -> None:
-            if flow.on_prefill_replied is release:
-                flow.on_prefill_replied = lambda: None
-                self.pools.prefill_replied(url, tokens, flow.ids)
-
-        flow.on_prefill_replied = release
 
     def observe(self, flow: PddFlow, tokens: list[int]) -> None:
         """A flow ended having emitted ``tokens``: placement, health, its log line, metrics."""
@@ -163,3 +172,9 @@ class FlowRunner:
             self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
         except ValueError as e:  # metrics must never break serving
             logger.warning("metrics: %s", e)
+
+
+def _learn_kv_size(main: MainBackend, per_token: int) -> None:
+    """MD's KV bytes per token from a registration's answer: the WAN estimate of the next
+    path chosen before MD answers."""
+    main.kv_bytes_per_token = per_token

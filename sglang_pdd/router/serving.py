@@ -287,7 +287,7 @@ class PddTokenizerManager:
         return len(events)
 
     def _output(self, flow, rid, prompt_ids, output_ids, text, finish, item) -> dict:
-        meta_out = getattr(flow, "output_meta", None) or {}
+        meta_out = flow.output_meta
         r = flow.result
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt_ids),
                 "weight_version": self.config_value("weight_version"),
@@ -310,7 +310,7 @@ class PddTokenizerManager:
                             "input_token_ids_logprobs"):
                     if meta.get(key):
                         meta[key] = [self._with_text(row) if row else row for row in meta[key]]
-        if getattr(flow, "operator", False):
+        if flow.operator:
             meta["pdd"] = result_dict(r)
         return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
@@ -333,7 +333,7 @@ async def _off_loop_if_long(chars: int, fn: Callable, *args):
 
 
 def _finish_reason(flow) -> Optional[dict]:
-    meta = getattr(flow, "output_meta", None) or {}
+    meta = flow.output_meta
     return meta.get("finish_reason") or flow.result.finish_reason
 
 
