@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from benchmarks.common import MOONCAKE_TRACE
 
+from sglang_pdd.router.policy import PathMode
 from sglang_pdd.sim.cluster import ARRIVALS, run_scenario
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
@@ -92,17 +93,19 @@ def headline(a) -> int:
         with open(a.reuse) as f:
             old = json.load(f)
         sized, verdicts, warnings = old["sized"], old["verdicts"], old["warnings"]
+        # a sizing from before PDD was sized per path mode ran the relay-first rule
+        pdd_mode, sized_by_mode = old.get("pdd_mode", PathMode.RELAY_FIRST.value), old.get("sized_pdd_by_mode", {})
     else:
         bar = tqdm(desc=f"sizing at {a.wan_gbps:g} Gbps", unit="sim", file=sys.stderr)
         lo, hi = (int(x) for x in a.prefill_range.split(":"))
         v = size_designs({n: by[n] for n in DESIGNS}, PDD, trace, sla, a.target, range(lo, hi + 1),
                          range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update(), arrivals=a.arrivals)
         bar.close()
-        sized = {n: (None if r is None else dict(n_prefill=r.n_prefill, n_rld=r.n_rld, n_md=r.n_md,
-                                                  cost_per_hour=r.cost_per_hour, summary=_short(r.summary)))
-                 for n, r in v.results.items()}
+        sized = {n: _sized(r) for n, r in v.results.items()}
+        pdd_mode, sized_by_mode = v.pdd_mode, {m: _sized(r) for m, r in v.pdd_by_mode.items()}
         verdicts, warnings = [asdict(x) for x in v.verdicts], v.warnings
     pdd = sized[PDD]
+    by[PDD] = replace(by[PDD], path_mode=PathMode(pdd_mode or PathMode.FIT.value))
     # Every design on one fleet (PDD's sized counts, or the cheapest baseline's when no PDD
     # mix met the target): what each delivers on the same hardware.
     fleet = pdd or next((r for r in sized.values() if r is not None), None)
@@ -135,12 +138,18 @@ def headline(a) -> int:
                             points=[dict(rate_scale=p.rate_scale, offered_rps=p.offered_rps,
                                          goodput_rps=p.goodput_rps, sla_attainment=p.sla_attainment,
                                          ttft_p90=p.ttft_p90) for p in k.points])
+        # PDD's other path modes on the same fleet: what the mode alone changes
+        for m in PathMode:
+            if m != by[PDD].path_mode:
+                same_fleet[f"{PDD}@{m.value}"] = _short(run_scenario(replace(cfgs[PDD], path_mode=m), trace, sla,
+                                                                     arrivals=a.arrivals))
         bar.close()
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
     out = dict(trace=f"agentic_report{a.n}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
                mla_kernel=a.mla_kernel, tile=a.tile, tile_mode=a.tile_mode,
                arrivals=effective_arrivals(trace, a.arrivals), sla=asdict(sla), target=a.target, sized=sized,
-               verdicts=verdicts, warnings=warnings, fleet=fleet, same_fleet=same_fleet,
+               verdicts=verdicts, warnings=warnings, pdd_mode=by[PDD].path_mode.value,
+               sized_pdd_by_mode=sized_by_mode, fleet=fleet, same_fleet=same_fleet,
                knees=knees, sizing_from=a.reuse, scales=a.scales, knee_resolution=a.knee_resolution,
                knee_floor=a.knee_floor if a.knee_resolution > 0 else None, report=REPORT)
     os.makedirs(a.out, exist_ok=True)
@@ -150,6 +159,33 @@ def headline(a) -> int:
     print(headline_markdown(out))
     print(f"wrote {path}")
     return 0
+
+
+def _sized(r) -> Optional[dict]:
+    return None if r is None else dict(n_prefill=r.n_prefill, n_rld=r.n_rld, n_md=r.n_md,
+                                       cost_per_hour=r.cost_per_hour, summary=_short(r.summary))
+
+
+def _mode_rows(d: dict) -> List[str]:
+    """PDD under each path mode: sized for the target, and on the same fleet."""
+    picked = d.get("pdd_mode", PathMode.RELAY_FIRST.value)
+    rows = {picked: d["same_fleet"].get(PDD)}
+    rows.update({k.split("@", 1)[1]: v for k, v in d["same_fleet"].items() if k.startswith(PDD + "@")})
+    if len(rows) < 2:
+        return []
+    out = ["", f"PDD under each router path mode (`--path-mode`; {picked} stands for PDD above):", "",
+           "| mode | sized for the target | P->MD | RLD cost / tokens | SLA | TTFT p90 | stall p99 | BCR |",
+           "|---|---|---|---|---|---|---|---|"]
+    for mode, s in rows.items():
+        if s is None:
+            continue
+        z = d.get("sized_pdd_by_mode", {}).get(mode)
+        sized = "-" if mode not in d.get("sized_pdd_by_mode", {}) else (
+            "none" if z is None else f"${z['cost_per_hour']:.0f}/h (P{z['n_prefill']}/R{z['n_rld']}/M{z['n_md']})")
+        out.append(f"| {mode} | {sized} | {100 * s['paths'].get('p_md', 0) / s['requests']:.0f}% | "
+                   f"{100 * s['rld_cost_share']:.1f}% / {100 * s['rld_token_share']:.1f}% | {_sla(s)} | "
+                   f"{s['ttft_p90']:.2f} s | {1e3 * s['stall_p99']:.0f} ms | {s['bcr']:.0f} |")
+    return out
 
 
 def headline_filename(a) -> str:
@@ -199,7 +235,8 @@ def headline_markdown(d: dict) -> str:
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
-             f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, {_arrivals(d)}, seed {d.get('seed', 0)}; "
+             f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, {_arrivals(d)}, seed {d.get('seed', 0)}, "
+             f"PDD's path mode {d.get('pdd_mode', 'relay_first')}; "
              f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
     if pdd and xdc and xdcd:
@@ -242,6 +279,7 @@ def headline_markdown(d: dict) -> str:
     if pdd:
         lines.append(f"| handoff stall p50 / p99 | (not quoted) | {1e3 * pdd['stall_p50']:.0f} / {1e3 * pdd['stall_p99']:.0f} ms "
                      f"| PDD, requests that switch to MD |")
+    lines += _mode_rows(d)
     lines.append("")
     for vd in d["verdicts"]:
         lines.append(f"- verdict {vd['message']}")

@@ -26,7 +26,7 @@ from .plots import plot_bathtub, plot_comparison, plot_load_sweep
 from .report import format_table
 from .rldsweep import choose_default, rld_admission_sweep
 from .scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios
-from .sizing import offered_rps, size_cluster, size_designs
+from .sizing import offered_rps, size_cluster, size_designs, verdicts_over_seeds
 from .traces import TILE_MODES, arrivals_label, effective_arrivals, tile_trace, tiling_label
 
 
@@ -218,31 +218,7 @@ def cmd_size(a) -> int:
     lo_r, hi_r = (int(x) for x in a.rld_range.split(":"))
     bar = tqdm(desc=f"sizing {label}", unit="sim", file=sys.stderr)
     if base.kind == "pdd":
-        # Never recommend PDD without sizing every baseline for the same SLA: name each.
-        bases = {n: by_name[n] for n in BASELINES}
-        bases[a.scenario] = base
-        v = size_designs(bases, a.scenario, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1),
-                         a.md_max, progress=lambda: bar.update(), rate_scale=a.rate_scale, arrivals=a.arrivals)
-        bar.close()
-        hw = {"P": spec.chip_a, "RLD": spec.rld_hw or spec.chip_a, "MD": spec.chip_b}
-        groups = ", ".join(f"{role} {h.name}" for role, h in hw.items())
-        least = ""
-        if not a.profile_a:
-            least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
-        print(f"# {_header(a, label, trace)}, "
-              f"target {a.target:.0%} SLA attainment; instances: {groups}{least}; WAN {spec.wan.gbps:g} Gbps, "
-              f"lease ${spec.wan.lease_per_hour:.1f}/h")
-        for name, res in v.results.items():
-            tag = DESIGN_LABELS.get(name, name)
-            print(f"cheapest {name} ({tag}): " + (_mix(res) if res is not None else "none in the searched ranges"))
-        for vd in v.verdicts:
-            print(f"verdict {vd.message}")
-        _print_edges(v.warnings)
-        _print_offered(a, trace, [r.summary for r in v.results.values() if r is not None])
-        shown = [r.summary for r in v.results.values() if r is not None]
-        if shown:
-            print(format_table(shown))
-        return 0 if any(r is not None for r in v.results.values()) else 1
+        return _size_pdd(a, label, trace, sla, spec, by_name, bar, (lo_p, hi_p), (lo_r, hi_r))
     best = size_cluster(base, trace, sla, a.target, range(lo_p, hi_p + 1), range(lo_r, hi_r + 1), a.md_max,
                         progress=lambda: bar.update(), rate_scale=a.rate_scale, arrivals=a.arrivals)
     bar.close()
@@ -256,6 +232,61 @@ def cmd_size(a) -> int:
     _print_offered(a, trace, [best.summary])
     print(format_table([best.summary]))
     return 0
+
+
+def _size_pdd(a, label, trace, sla, spec, by_name, bar, p_range, r_range) -> int:
+    """PDD under each path mode and every baseline, sized on each seed's trace; the verdicts
+    over the seeds (a win on every seed, else a tie)."""
+    modes = [PathMode(m) for m in a.path_modes.split(",")]
+    seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else [a.seed]
+    hw = {"P": spec.chip_a, "RLD": spec.rld_hw or spec.chip_a, "MD": spec.chip_b}
+    groups = ", ".join(f"{role} {h.name}" for role, h in hw.items())
+    least = ""
+    if not a.profile_a:
+        least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
+    sizings, found = [], False
+    for seed in seeds:
+        if seed != a.seed:
+            a = _args_with(a, seed=seed)
+            label, trace = _trace(a)
+            by_name = {c.name: c for c in standard_scenarios(_spec(a))}
+        # Never recommend PDD without sizing every baseline for the same SLA: name each.
+        bases = {n: by_name[n] for n in BASELINES}
+        bases[a.scenario] = by_name[a.scenario]
+        v = size_designs(bases, a.scenario, trace, sla, a.target, range(p_range[0], p_range[1] + 1),
+                         range(r_range[0], r_range[1] + 1), a.md_max, progress=lambda: bar.update(),
+                         rate_scale=a.rate_scale, arrivals=a.arrivals, path_modes=modes)
+        sizings.append(v)
+        print(f"# seed {seed}: {_header(a, label, trace)}, "
+              f"target {a.target:.0%} SLA attainment; instances: {groups}{least}; WAN {spec.wan.gbps:g} Gbps, "
+              f"lease ${spec.wan.lease_per_hour:.1f}/h")
+        for mode, res in v.pdd_by_mode.items():
+            print(f"cheapest {a.scenario} with --path-mode {mode}: "
+                  + (_mix(res) if res is not None else "none in the searched ranges"))
+        print(f"PDD stands as --path-mode {v.pdd_mode}" if v.pdd_mode else "PDD: no mode reaches the target")
+        for name, res in v.results.items():
+            tag = DESIGN_LABELS.get(name, name)
+            print(f"cheapest {name} ({tag}): " + (_mix(res) if res is not None else "none in the searched ranges"))
+        for vd in v.verdicts:
+            print(f"verdict {vd.message}")
+        _print_edges(v.warnings)
+        _print_offered(a, trace, [r.summary for r in v.results.values() if r is not None])
+        shown = [r.summary for r in v.results.values() if r is not None]
+        if shown:
+            print(format_table(shown))
+        found = found or any(r is not None for r in v.results.values())
+    bar.close()
+    if len(sizings) > 1:
+        print(f"# over seeds {','.join(map(str, seeds))}: PDD stood as "
+              + ", ".join(f"{s.pdd_mode}" for s in sizings))
+        for vd in verdicts_over_seeds(sizings):
+            print(f"verdict over seeds {vd.message}")
+    return 0 if found else 1
+
+
+def _args_with(a, **changes):
+    """A copy of parsed arguments with some changed."""
+    return argparse.Namespace(**{**vars(a), **changes})
 
 
 def cmd_rld_sweep(a) -> int:
@@ -370,6 +401,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prefill-range", default="1:6")
     p.add_argument("--rld-range", default="0:2")
     p.add_argument("--md-max", type=int, default=8)
+    p.add_argument("--path-modes", default=",".join(m.value for m in PathMode),
+                   help="PDD is sized under each of these router path modes; the cheapest stands for PDD")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds (default: --seed): each seed's trace sized, then the verdicts "
+                        "over them (a win on every seed, else a tie)")
     p.set_defaults(fn=cmd_size)
     p = sub.add_parser("sweep", help="goodput vs offered load (rate scale) and the knee")
     _add_common(p)

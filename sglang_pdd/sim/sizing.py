@@ -24,14 +24,19 @@ cost_per_hour). Instances are TP groups of the presets' size (hardware.instance_
 `hardware.smallest_group` is the least a group can be (an RLD may use it: --rld-chips).
 
 `size_designs` sizes PDD and every baseline (scenarios.BASELINES) on the same trace and
-states PDD's verdict against each, the baseline named.
+states PDD's verdict against each, the baseline named. PDD is sized under each of the
+router's path modes (`--path-mode`: fit, relay_first) and the cheaper one stands for PDD,
+named in every output: the mode is a deployment choice, like the mix. `verdicts_over_seeds`
+states the verdicts over several seeds: a design wins only where it wins on every seed; a
+difference that changes sign between seeds is inside the spread, a tie.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, List, Optional, Sequence
 
+from sglang_pdd.router.policy import PathMode
 from sglang_pdd.workload import TraceRequest
 
 from .cluster import ScenarioConfig, run_scenario
@@ -210,9 +215,11 @@ class Verdict:
 @dataclass(frozen=True)
 class DesignSizing:
     """The cheapest mix of every design, and PDD's verdict against each baseline."""
-    results: dict  # scenario name -> Optional[SizingResult]
+    results: dict  # scenario name -> Optional[SizingResult]; PDD's under `pdd_mode`
     pdd_name: str
     verdicts: List[Verdict]
+    pdd_by_mode: dict = field(default_factory=dict)  # PathMode value -> Optional[SizingResult]
+    pdd_mode: Optional[str] = None  # the path mode PDD's result was sized under
 
     @property
     def warnings(self) -> List[str]:
@@ -245,13 +252,26 @@ def verdict(baseline: str, label: str, base: Optional[SizingResult], pdd: Option
                    f"(PDD {100 * delta:+.0f}%)")
 
 
+def pick_path_mode(by_mode: dict) -> Optional[str]:
+    """The path mode of PDD's cheapest sized mix; at the same $/h the higher SLA attainment,
+    then the router's default (fit). None if no mode met the target."""
+    found = [(mode, r) for mode, r in by_mode.items() if r is not None]
+    if not found:
+        return None
+    order = [m.value for m in PathMode]
+    return min(found, key=lambda mr: (round(mr[1].cost_per_hour, 2), -mr[1].summary.sla_attainment,
+                                      order.index(mr[0]) if mr[0] in order else len(order)))[0]
+
+
 def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla: Sla, target_attainment: float,
                  prefill_range: Iterable[int], rld_range: Iterable[int], md_max: int,
                  progress: Optional[Callable[[], None]] = None, rate_scale: float = 1.0,
-                 labels: Optional[dict] = None, arrivals: str = "sessions") -> DesignSizing:
-    """Sizes `bases[pdd_name]` (RLD over `rld_range`, 0 included: PDD without a relay) and
-    every baseline present in `bases` (scenarios.BASELINES; a baseline may have as many
-    decode instances as PDD's RLD + MD at most), and states PDD's verdict against each."""
+                 labels: Optional[dict] = None, arrivals: str = "sessions",
+                 path_modes: Sequence[PathMode] = tuple(PathMode)) -> DesignSizing:
+    """Sizes `bases[pdd_name]` under each of `path_modes` (RLD over `rld_range`, 0 included:
+    PDD without a relay) and every baseline present in `bases` (scenarios.BASELINES; a
+    baseline may have as many decode instances as PDD's RLD + MD at most), and states the
+    verdict of PDD's cheapest mode against each."""
     from .scenarios import BASELINES, DESIGN_LABELS
     labels = labels or DESIGN_LABELS
     prefill_range, rld_range = list(prefill_range), list(rld_range)
@@ -260,9 +280,42 @@ def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla:
         if name in bases:
             results[name] = size_cluster(bases[name], trace, sla, target_attainment, prefill_range, [0],
                                          md_max + max(rld_range), progress, rate_scale, arrivals)
-    results[pdd_name] = size_cluster(bases[pdd_name], trace, sla, target_attainment, prefill_range, rld_range,
-                                     md_max, progress, rate_scale, arrivals)
+    by_mode = {PathMode(m).value: size_cluster(replace(bases[pdd_name], path_mode=PathMode(m)), trace, sla,
+                                               target_attainment, prefill_range, rld_range, md_max, progress,
+                                               rate_scale, arrivals)
+               for m in path_modes}
+    mode = pick_path_mode(by_mode)
+    results[pdd_name] = by_mode[mode] if mode is not None else None
     goal = f"{target_attainment:.0%} SLA attainment"
     verdicts = [verdict(name, labels.get(name, name), results[name], results[pdd_name], goal)
                 for name in BASELINES if name in results]
-    return DesignSizing(results, pdd_name, verdicts)
+    return DesignSizing(results, pdd_name, verdicts, by_mode, mode)
+
+
+def verdicts_over_seeds(sizings: Sequence[DesignSizing]) -> List[Verdict]:
+    """PDD against each baseline over several seeds' sizings: a side wins only if it wins on
+    every seed; anything else (a tie on some seed, or winners that change between seeds) is
+    a tie, the spread of PDD's cost difference named."""
+    if not sizings:
+        return []
+    out = []
+    for i, first in enumerate(sizings[0].verdicts):
+        per_seed = [s.verdicts[i] for s in sizings]
+        if any(v.baseline != first.baseline for v in per_seed):
+            raise ValueError("every seed's sizing must state the same baselines in the same order")
+        winners = {v.winner for v in per_seed}
+        deltas = [v.delta for v in per_seed if v.delta is not None]
+        spread = (f"PDD {100 * min(deltas):+.0f}% to {100 * max(deltas):+.0f}%" if deltas else "no cost on some seed")
+        n = len(per_seed)
+        if winners == {"pdd"}:
+            winner, what = "pdd", f"PDD wins on all {n} seeds"
+        elif winners == {"baseline"}:
+            winner, what = "baseline", f"{first.label} wins on all {n} seeds"
+        elif winners == {"none"}:
+            winner, what = "none", f"neither reaches the target on any of {n} seeds"
+        else:
+            winner, what = "tie", (f"a tie over {n} seeds (per seed: "
+                                   + ", ".join(v.winner for v in per_seed) + ")")
+        mean = sum(deltas) / len(deltas) if len(deltas) == n else None
+        out.append(Verdict(first.baseline, first.label, winner, mean, f"vs {first.label}: {what}; {spread}"))
+    return out

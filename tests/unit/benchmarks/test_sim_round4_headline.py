@@ -79,3 +79,20 @@ def test_the_headline_names_its_tiling():
     assert "not tiled" not in headline_markdown(t) and "tiled 8x lockstep" in headline_markdown(t)
     t.update(tile=16, tile_mode="spread")
     assert "tiled 16x spread" in headline_markdown(t)
+
+
+def test_the_headline_names_pdds_path_mode_and_shows_the_other_mode_on_the_same_fleet():
+    fit = dict(_run(0.45, 0.99), paths={"p_md": 80, "p_rld_md": 20}, bcr=120.0)
+    relay = dict(_run(0.40, 0.99), bcr=110.0)
+    t = _table({"pdd_drc_adaptive": fit, "pdd_drc_adaptive@relay_first": relay})
+    t.update(pdd_mode="fit", sized_pdd_by_mode={
+        "fit": dict(n_prefill=4, n_rld=1, n_md=2, cost_per_hour=100.0),
+        "relay_first": None})
+    md = headline_markdown(t)
+    assert "PDD's path mode fit" in md.splitlines()[0]
+    rows = [ln for ln in md.splitlines() if ln.startswith("| fit |") or ln.startswith("| relay_first |")]
+    assert rows[0].startswith("| fit | $100/h (P4/R1/M2) | 80% |")
+    assert rows[1].startswith("| relay_first | none | 10% |")
+    # a result from before the modes was routed relay-first and shows no mode table
+    old = headline_markdown(_table({"pdd_drc_adaptive": relay}))
+    assert "PDD's path mode relay_first" in old and "| mode |" not in old
