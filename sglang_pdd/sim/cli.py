@@ -245,11 +245,12 @@ def _size_pdd(a, label, trace, sla, spec, by_name, bar, p_range, r_range) -> int
     if not a.profile_a:
         least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
     sizings, found = [], False
+    built = {a.seed: (label, trace, by_name)}  # the caller's, for --seed
     for seed in seeds:
-        if seed != a.seed:
-            a = _args_with(a, seed=seed)
-            label, trace = _trace(a)
-            by_name = {c.name: c for c in standard_scenarios(_spec(a))}
+        sa = a if seed == a.seed else _args_with(a, seed=seed)
+        if seed not in built:
+            built[seed] = (*_trace(sa), {c.name: c for c in standard_scenarios(_spec(sa))})
+        label, trace, by_name = built[seed]
         # Never recommend PDD without sizing every baseline for the same SLA: name each.
         bases = {n: by_name[n] for n in BASELINES}
         bases[a.scenario] = by_name[a.scenario]
@@ -257,7 +258,7 @@ def _size_pdd(a, label, trace, sla, spec, by_name, bar, p_range, r_range) -> int
                          range(r_range[0], r_range[1] + 1), a.md_max, progress=lambda: bar.update(),
                          rate_scale=a.rate_scale, arrivals=a.arrivals, path_modes=modes)
         sizings.append(v)
-        print(f"# seed {seed}: {_header(a, label, trace)}, "
+        print(f"# seed {seed}: {_header(sa, label, trace)}, "
               f"target {a.target:.0%} SLA attainment; instances: {groups}{least}; WAN {spec.wan.gbps:g} Gbps, "
               f"lease ${spec.wan.lease_per_hour:.1f}/h")
         for mode, res in v.pdd_by_mode.items():
@@ -270,7 +271,7 @@ def _size_pdd(a, label, trace, sla, spec, by_name, bar, p_range, r_range) -> int
         for vd in v.verdicts:
             print(f"verdict {vd.message}")
         _print_edges(v.warnings)
-        _print_offered(a, trace, [r.summary for r in v.results.values() if r is not None])
+        _print_offered(sa, trace, [r.summary for r in v.results.values() if r is not None])
         shown = [r.summary for r in v.results.values() if r is not None]
         if shown:
             print(format_table(shown))

@@ -260,7 +260,7 @@ def pick_path_mode(by_mode: dict) -> Optional[str]:
         return None
     order = [m.value for m in PathMode]
     return min(found, key=lambda mr: (round(mr[1].cost_per_hour, 2), -mr[1].summary.sla_attainment,
-                                      order.index(mr[0]) if mr[0] in order else len(order)))[0]
+                                      order.index(mr[0])))[0]
 
 
 def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla: Sla, target_attainment: float,

@@ -69,3 +69,21 @@ def test_size_over_seeds_prints_each_seed_and_the_verdicts_over_them(capsys):
     assert out.count("PDD stands as --path-mode") == 3
     assert "# over seeds 0,1,2: PDD stood as" in out
     assert out.count("verdict over seeds vs ") == 3
+
+
+def test_each_seed_is_sized_on_its_own_trace_in_any_order(capsys):
+    """The --seed trace the command built first is not reused for another seed, nor another
+    seed's for --seed."""
+    argv = ["size", "--agentic", "120", "--scenario", "pdd_drc_adaptive", "--prefill-range", "1:2",
+            "--rld-range", "0:1", "--md-max", "2", "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5",
+            "--model", "llama3-70b"]
+
+    def per_seed(out):
+        blocks = out.split("# seed ")[1:]
+        return {b.split(":", 1)[0]: b.split("# over seeds")[0] for b in blocks}
+
+    assert main(argv + ["--seeds", "0,1"]) == 0
+    forward = per_seed(capsys.readouterr().out)
+    assert main(argv + ["--seeds", "1,0"]) == 0
+    backward = per_seed(capsys.readouterr().out)
+    assert forward == backward and forward["0"] != forward["1"]
