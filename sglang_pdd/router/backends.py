@@ -286,7 +286,10 @@ async def until_stalled(events: AsyncIterator[dict], stall_s: Optional[float], w
             started = loop.time()
             limit = first_s if first else stall_s
             try:
-                event = await asyncio.wait_for(source.__anext__(), limit - waited if limit else None)
+                # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel of this task that
+                # meets an arriving event, and a leg cancelled at the request's end went on reading
+                async with asyncio.timeout(limit - waited if limit else None):
+                    event = await source.__anext__()
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:

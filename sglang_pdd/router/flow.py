@@ -92,6 +92,9 @@ from sglang_pdd.router.wan_in_flight import WanInFlight
 logger = logging.getLogger("sglang_pdd.router")
 
 STREAM_EVENTS_QUEUED = 1  # PddFlow._stream_slots: parsed backend stream events waiting per flow
+# A cancelled leg ends at its next await (a socket read): the end of a request waits for its
+# tasks that long at most, so a task that ignores its cancel cannot hold the client's reply.
+CANCELLED_TASKS_GRACE_S = 10.0
 
 
 @dataclass
@@ -181,6 +184,17 @@ class FlowResult:
     # each, what shows an operator where prefix affinity and load balance sent it.
     prefill_url: Optional[str] = None
     main_url: Optional[str] = None
+
+
+def awaiting(coro) -> list[str]:
+    """``name:line`` of each coroutine in the chain ``coro`` awaits, outermost first."""
+    chain = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        name = getattr(coro, "__qualname__", type(coro).__name__)
+        chain.append(f"{name}:{frame.f_lineno}" if frame is not None else name)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return chain
 
 
 def new_room() -> int:
@@ -334,7 +348,8 @@ class PddFlow:
         if not self._prefill_replied.is_set():
             left = self.t0 + self.cfg.request_timeout_s - time.perf_counter()
             try:
-                await asyncio.wait_for(self._prefill_replied.wait(), max(0.0, left))
+                async with asyncio.timeout(max(0.0, left)):
+                    await self._prefill_replied.wait()
             except asyncio.TimeoutError:
                 raise BackendError("P's reply (the prompt's logprobs) did not come within "
                                    "--request-timeout-s") from None
@@ -348,8 +363,12 @@ class PddFlow:
         deadline = self.t0 + self.cfg.request_timeout_s
         while True:
             try:
-                event, payload = await asyncio.wait_for(self.queue.get(), deadline - time.perf_counter())
+                # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel (the client gone,
+                # /abort_request) that meets an arriving event, and the flow would go on
+                async with asyncio.timeout(deadline - time.perf_counter()):
+                    event, payload = await self.queue.get()
             except asyncio.TimeoutError:
+                logger.error("rid %s: not finished within --request-timeout-s; %s", self.result.rid, self.stuck_report())
                 event, payload = lifecycle.Timeout(
                     f"request not finished within {self.cfg.request_timeout_s:.0f}s "
                     f"(--request-timeout-s); every leg is aborted"), None
@@ -372,6 +391,14 @@ class PddFlow:
                     yield out
             if self.state.phase.terminal:
                 return
+
+    def stuck_report(self) -> str:
+        """Where a request that did not end waits: its lifecycle state, the stream slot, events
+        queued, and each of its tasks' innermost await (file:line), for the log of a timeout."""
+        waits = [" > ".join(awaiting(task.get_coro())) for task in self.tasks]
+        return (f"state {self.state}; stream slots {self._stream_slots!r}; queued {self.queue.qsize()}; "
+                f"emitted {len(self.stitcher.emitted)} (RLD produced {len(self.stitcher.rld_tokens)}); "
+                f"tasks [{', '.join(sorted(waits))}]")
 
     # ------------------------------------------------------------------ the lifecycle's actions
     # Each performs one action (``_REQUEST``'s table); ``payload``: the event's backend reply.
@@ -792,7 +819,10 @@ class PddFlow:
         if self._must_finish:  # the aborts, releases and withdrawals land before the request ends
             await asyncio.gather(*self._must_finish, return_exceptions=True)
         if pending:  # no task outlives the request
-            await asyncio.gather(*pending, return_exceptions=True)
+            _, stuck = await asyncio.wait(pending, timeout=CANCELLED_TASKS_GRACE_S)
+            if stuck:  # a bug: the request still ends, and the log says where the tasks wait
+                logger.error("rid %s: %d task(s) still running %.0f s after their cancel; %s", self.result.rid,
+                             len(stuck), CANCELLED_TASKS_GRACE_S, self.stuck_report())
 
     def _release_all(self, action: lifecycle.ReleaseAll, payload) -> None:
         """Abort every backend request still live and release MD's room (a finished request's

@@ -81,7 +81,8 @@ class WriteDeadline:
         try:
             if self.expired:  # past the deadline already: the write may wait a moment, no longer
                 try:
-                    await asyncio.wait_for(out.write(data), WRITE_GRACE_S)
+                    async with asyncio.timeout(WRITE_GRACE_S):
+                        await out.write(data)
                 except asyncio.TimeoutError:
                     self._cut()
             else:
