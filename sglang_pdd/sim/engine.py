@@ -30,9 +30,6 @@ class EventLoop:
     def pending(self) -> int:
         return len(self._heap)
 
-    def peek_time(self) -> float:
-        return self._heap[0][0] if self._heap else float("inf")
-
     def run_until(self, t_stop: float = float("inf")) -> None:
         heap = self._heap
         n = 0

@@ -265,14 +265,6 @@ class DecodeInstance:
         self.waiting_reserve += reserve
         self._admit(now)
 
-    def cancel_waiting(self, job: Any) -> bool:
-        for i, w in enumerate(self.waiting):
-            if w[0] is job:
-                del self.waiting[i]
-                self.waiting_reserve -= w[3]
-                return True
-        return False
-
     def can_admit(self, reserve: int) -> bool:
         """Would a job needing `reserve` KV tokens start now (nobody queued ahead of it)?"""
         return (not self.waiting and len(self.batch) < self.hw.max_running_requests
