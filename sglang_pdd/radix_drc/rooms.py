@@ -240,7 +240,9 @@ class DrcRoomTable:
     def _step(self, entry: DrcRoom, event: Event, prompt_node: Any = None) -> None:
         """The room's one way to change: the transition under the lock (an illegal event is a
         RoomError for the caller), then its actions on the tree (``prompt_node``: where the
-        landed prompt entered it)."""
+        landed prompt entered it). The Driver's two halves, not its ``step``: the lock is
+        dropped between them, so a control thread's handoff waits for the state change only,
+        never for the tree."""
         try:
             with self._lock:
                 actions = self._machine.advance(entry, event)
