@@ -157,6 +157,9 @@ def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model
     # P keeps KV for a late WAN destination longer than the 2 s default: a loaded CI machine
     # can take that long between P's prefill and the router's POST.
     topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]
+    # take-overs at a chosen token (support/takeover.py): RLD holds itself when a test arms it
+    from sglang_pdd.sglang_glue.relay_hold import RELAY_HOLD_FILE_ENV
+    topology.relay.extra_env[RELAY_HOLD_FILE_ENV] = str(run_root / name / "relay_hold")
     for server in topology.servers:
         server.extra_args += list(extra_args)
         if page_size != 1:  # the last --page-size wins over the launcher's default

@@ -132,6 +132,7 @@ class ServerSpec:
     # the first of tp consecutive free ports). Main: rank r's WAN receiver on wan_listen_port + r.
     tp: int = 1
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # on top of server_env's
     control_tls: Optional[ControlTlsFiles] = None  # prefill/main: the control API on mutual TLS (https)
     # The address the server's ports are reached on, and the network namespace it runs in
     # (None: the launcher's own). Datacenter B in a namespace: B's end of the veth.
@@ -192,11 +193,12 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
 
 def server_env(spec: ServerSpec, cores: Optional[list[int]] = None) -> dict[str, str]:
     """CPU_ENV, the server's own address for its KV transfers (SGLANG_HOST_IP), plus the cores
-    of each TP rank when the server runs more than one (``cores``: the machine's, by default)."""
+    of each TP rank when the server runs more than one (``cores``: the machine's, by default),
+    then the spec's ``extra_env``."""
     env = {**CPU_ENV, "SGLANG_HOST_IP": spec.host}
-    if spec.tp <= 1:
-        return env
-    return {**env, "SGLANG_CPU_OMP_THREADS_BIND": omp_threads_bind(spec.tp, cores or _machine_cores())}
+    if spec.tp > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(spec.tp, cores or _machine_cores())
+    return {**env, **spec.extra_env}
 
 
 @dataclass

@@ -14,7 +14,8 @@ Hooks (each a no-op unless --pdd-role asks for it):
 * Scheduler.__init__ (after) — compile SGLang's lazily compiled sampling kernels
   (compile_warmup.py), start MD's runtime in the scheduler process;
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
-  room commands and WAN completions there, on the scheduler thread;
+  room commands and WAN completions there, on the scheduler thread; a test's relay checks its
+  hold there (relay_hold.py, only when started with it);
 * PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
   serves (prompt ids, the router's WAN destination): SGLang builds senders without it;
 * SchedulerInvariantChecker._check_full_pool (around) — MD's pool pages reserved for KV in
@@ -74,12 +75,16 @@ def _attach_pdd_config(server_args, cls, args):
 def _start_role_runtime(result, scheduler, *args, **kwargs):
     cfg = get_pdd_config(scheduler.server_args)
     scheduler._pdd_runtime = None
+    scheduler._pdd_relay_hold = None
     if cfg.active:
         _warm_compiled_kernels(scheduler)
     if cfg.role == "relay":
         from sglang_pdd.sglang_glue import penalty_clock
 
         penalty_clock.align_pd_first_step()
+        from sglang_pdd.sglang_glue.relay_hold import RelayHold
+
+        scheduler._pdd_relay_hold = RelayHold.from_env()  # test-only; None unless set at the start
     if cfg.role == "main":
         from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
         from sglang_pdd.sglang_glue.transfer_backend import read_key
@@ -107,6 +112,9 @@ def _after_ingest(result, scheduler, *args, **kwargs):
     runtime = getattr(scheduler, "_pdd_runtime", None)
     if runtime is not None and hasattr(runtime, "on_scheduler_iteration"):
         runtime.on_scheduler_iteration()
+    hold = getattr(scheduler, "_pdd_relay_hold", None)
+    if hold is not None:
+        hold.check(scheduler)
 
 
 def _flush_cache_without_rooms(original, scheduler, *args, **kwargs):

@@ -162,11 +162,11 @@ def test_abort_request_while_rld_streams(cluster):
 
 def test_dropped_with_the_handoff_on_mds_queue(cluster):
     topo = cluster.topology
-    with md_takes_over(cluster) as take_over, paused(topo.main.url):
+    with md_takes_over(cluster, 3, automatic=False) as let_through, paused(topo.main.url):
         stream = DroppableStream(topo.router_url, {"path": "p_rld_md", "handoff_mode": "one_shot"})
         stream.read_events(3)
         handoffs, abandoned = (md_stats(cluster).get(k, 0) for k in ("handoffs", "handoffs_abandoned"))
-        take_over()  # RLD paused, MD's KV let through: the router hands off to a paused MD
+        let_through()  # RLD held, MD's KV let through: the router hands off to a paused MD
         assert wait_until(lambda: md_stats(cluster).get("handoffs", 0) > handoffs, 30), held(cluster)
         gone = disconnects(cluster)
         stream.drop()

@@ -34,6 +34,7 @@ LOGPROB_TOL = 1e-3
 # P->RLD->MD (takeover.py): streamed, MD takes over once the client holds EAGER tokens from RLD;
 # not streamed, as soon as RLD decodes the request (the client sees nothing before the end).
 EAGER = 3
+RELAY_HOLD_AT = 2  # RLD held after P's token and its own first (non-streamed: MD may take over at 1)
 
 # The full tier's prompts, whatever their margins; CI takes the first of CANDIDATE_PROMPTS on
 # which the single server never has a near-tie (below).
@@ -163,7 +164,7 @@ def route(cluster, prompt: str, sampling: dict, options: dict, stream: bool) -> 
         return stream_final(url, payload) if stream else post_json(f"{url}/generate", payload)
     if stream:
         return stream_taken_over(cluster, payload, EAGER)
-    with md_takes_over(cluster, once_relay_decodes=True):
+    with md_takes_over(cluster, RELAY_HOLD_AT):
         return post_json(f"{url}/generate", payload)
 
 
@@ -251,7 +252,7 @@ def test_router_equals_single_server(pdd_cluster, references, path, stream):
     elif path == "p_md":
         assert len(handoffs) == compared and set(handoffs) == {1}, handoffs
     else:  # MD took over: streamed at the token chosen, else where RLD was paused
-        assert_taken_over(handoffs, compared, EAGER if stream else 1)
+        assert_taken_over(handoffs, compared, EAGER if stream else RELAY_HOLD_AT, exact=stream)
 
 
 @pytest.mark.parametrize("path", ["p_md", "one_shot"])
@@ -304,26 +305,22 @@ def flow_output(cluster, prompt_ids: list[int], sampling: dict, extras: dict, pa
     topo = cluster.topology
     p, m = topo.prefill, topo.main
 
-    async def run(take_over):
+    async def run():
         async with aiohttp.ClientSession() as session:
             cfg = FlowConfig(handoff=HandoffConfig(fixed_mode=HandoffMode.ONE_SHOT), wan_timeout_s=6.0)
             flow = PddFlow(session, cfg, PrefillBackend(p.url, p.bootstrap_port, control_url=p.control_url),
                            topo.relay.url, MainBackend(m.url, m.control_url, f"127.0.0.1:{topo.wan.listen_port}"),
                            prompt_ids, {"max_new_tokens": MAX_NEW, "temperature": 0, **sampling},
                            force_path=Path(path), extras=extras)
-            ids = []
             async for new in flow.events():
-                ids += new
-                if len(ids) >= EAGER:
-                    take_over()  # blocks the loop for a few ms: the flow's legs wait meanwhile
+                ids.extend(new)
             return ids, flow.output_meta, flow.result
 
+    ids: list[int] = []
     if path != "p_rld_md":
-        return asyncio.run(run(lambda: None))
-    # also as soon as RLD decodes it: this flow's events pass through the test's own event loop,
-    # and once in CI RLD ended all 40 tokens before the client-side trigger's pause landed
-    with md_takes_over(cluster, once_relay_decodes=True) as take_over:
-        return asyncio.run(run(take_over))
+        return asyncio.run(run())
+    with md_takes_over(cluster, RELAY_HOLD_AT, progress=lambda: len(ids)):
+        return asyncio.run(run())
 
 
 def assert_logprobs_close(got: list, want: list, where: str) -> None:
@@ -357,5 +354,5 @@ def test_flow_logprobs_equal_single_server(pdd_cluster, single_server, reference
             handoffs.append(result.handoff_at)
     if path == "p_md":
         assert handoffs == [1] * len(references), handoffs
-    else:  # MD's logprobs spliced after RLD's, where RLD was paused (1: P's token only)
-        assert_taken_over(handoffs, len(references), 1)
+    else:  # MD's logprobs spliced after RLD's, where RLD was held
+        assert_taken_over(handoffs, len(references), RELAY_HOLD_AT)

@@ -62,7 +62,7 @@ def test_generate_input_logprobs_equal_single_server(pdd_cluster, single_server,
     assert len(want["meta_info"]["input_token_logprobs"]) > 1  # from logprob_start_len 3: not empty
     with contextlib.ExitStack() as stack:
         if PATHS[path]["path"] == "p_rld_md":
-            stack.enter_context(md_takes_over(pdd_cluster, once_relay_decodes=True))
+            stack.enter_context(md_takes_over(pdd_cluster, 2))
         got = post_json(f"{pdd_cluster.topology.router_url}/generate", generate_body(pdd_options=PATHS[path]))
     assert got["output_ids"] == want["output_ids"], got["meta_info"].get("pdd")
     for key in LOGPROB_FIELDS:

@@ -1,0 +1,68 @@
+"""The test-only relay hold (sglang_glue/relay_hold.py) on a stand-in scheduler: it pauses at
+the first iteration where a running request reached the armed length, once per arming, and
+never unless armed."""
+
+from types import SimpleNamespace
+
+from sglang_pdd.launcher.topology import ServerSpec, server_env
+from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, RelayHold, reached
+
+
+class Req:
+    def __init__(self, n: int, finished: bool = False):
+        self.output_ids, self._finished = list(range(n)), finished
+
+    def finished(self) -> bool:
+        return self._finished
+
+
+def scheduler(*reqs):
+    return SimpleNamespace(_engine_paused=False, _pause_started_at=None, running_batch=SimpleNamespace(reqs=list(reqs)))
+
+
+def test_reached_is_the_first_length_at_or_past_the_armed_one():
+    assert reached(3, [1, 2]) is None
+    assert reached(3, [1, 3, 5]) == 3
+    assert reached(3, []) is None
+
+
+def test_hold_pauses_once_a_running_request_reaches_the_armed_length(tmp_path):
+    path = tmp_path / "hold"
+    hold = RelayHold.from_env({RELAY_HOLD_FILE_ENV: str(path)})
+    s = scheduler(Req(2), Req(9, finished=True))  # a finished request does not count
+    hold.check(s)
+    assert not s._engine_paused  # not armed
+    path.write_text("3")
+    hold.check(s)
+    assert not s._engine_paused and path.exists()  # armed, nobody at 3 yet
+    s.running_batch.reqs.append(Req(3))
+    hold.check(s)
+    assert s._engine_paused and s._pause_started_at is not None
+    assert not path.exists() and (tmp_path / f"hold{HELD_SUFFIX}").read_text() == "3"
+
+
+def test_hold_fires_once_per_arming(tmp_path):
+    path = tmp_path / "hold"
+    hold = RelayHold(str(path))
+    path.write_text("2")
+    s = scheduler(Req(2))
+    hold.check(s)
+    s._engine_paused = False  # /continue_generation
+    (tmp_path / f"hold{HELD_SUFFIX}").unlink()
+    hold.check(s)
+    assert not s._engine_paused and not (tmp_path / f"hold{HELD_SUFFIX}").exists()
+
+
+def test_a_bad_arming_is_dropped_not_fatal(tmp_path):
+    path = tmp_path / "hold"
+    path.write_text("soon")
+    s = scheduler(Req(5))
+    RelayHold(str(path)).check(s)
+    assert not s._engine_paused and not path.exists()
+
+
+def test_unset_means_no_hold_and_the_launcher_passes_a_servers_own_environment():
+    assert RelayHold.from_env({}) is None
+    spec = ServerSpec("relay-0", "relay", 30000, extra_env={RELAY_HOLD_FILE_ENV: "/x/hold"})
+    assert server_env(spec)[RELAY_HOLD_FILE_ENV] == "/x/hold"
+    assert RELAY_HOLD_FILE_ENV not in server_env(ServerSpec("relay-0", "relay", 30000))
