@@ -25,7 +25,6 @@ import json
 import logging
 import queue
 import socket
-import threading
 from array import array
 from typing import Iterable, Optional, Sequence
 
@@ -39,9 +38,10 @@ from sglang_pdd.control_api import ControlApi, ControlServer
 from sglang_pdd.control_gate import JsonRequestHandler
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (ControlError, HealthReply, KvSendersReply, KvSendersRequest, ReadyReply, ReadyRequest,
-                                 RegisterReply, RegisterRequest, ReleaseReply, ReleaseRequest, RouteTable)
-from sglang_pdd.radix_drc.rooms import DrcFull, RoomError, RoomsFull
+from sglang_pdd.protocol import (ControlError, HandoffRequest, HealthReply, KvSendersReply, KvSendersRequest,
+                                 ReadyReply, ReadyRequest, RegisterReply, RegisterRequest, ReleaseReply, ReleaseRequest,
+                                 RouteTable)
+from sglang_pdd.radix_drc.rooms import DrcFull, DrcRoomTable, RoomError, RoomsFull
 from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
 from sglang_pdd.sglang_glue.idle_wake import IdleWake
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, InjectedDelay
@@ -139,11 +139,11 @@ class SglangTreeOps:
         return prompt_node
 
 
-class MainDrcRuntime(MdRoomQueries):
+class MainDrcRuntime:
     """Owned by MD's scheduler; ``on_scheduler_iteration`` runs on the scheduler thread. A
     façade over its parts: this rank's rooms (md_rooms.RankRooms, with their page accounting,
     md_pages), the command queue and the lockstep iteration (md_driver), and the control
-    threads' queries (md_queries)."""
+    threads' queries (md_queries.MdRoomQueries)."""
 
     def __init__(self, scheduler, cfg: PddConfig, key: bytes, tp_sync: Optional[TpSync] = None):
         self.cfg = cfg
@@ -153,7 +153,6 @@ class MainDrcRuntime(MdRoomQueries):
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
         self.http_api_key = getattr(scheduler.server_args, "api_key", None)  # its --api-key guards /generate
         self.http_ssl_certfile = getattr(scheduler.server_args, "ssl_certfile", None)  # then it serves HTTPS
-        self._handoff_lock = threading.Lock()  # control threads: one final handoff per room
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
@@ -165,11 +164,7 @@ class MainDrcRuntime(MdRoomQueries):
         self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)
         self.commands = CommandQueue(on_submit=self.idle_wake.wake)
         self.driver = LockstepDriver(self.tp, self.rank_rooms, self.commands)
-        # The parts the queries and the control server read (shared objects, not copies).
-        rr = self.rank_rooms
-        self.table, self.ready_events, self.counters, self.drc_stats = rr.table, rr.ready_events, rr.counters, rr.drc_stats
-        self.landings, self.budget, self.pages = rr.landings, rr.budget, rr.pages
-        self.ingest_mode, self.kv_bytes_per_token = rr.ingest_mode, rr.kv_bytes_per_token
+        self.queries = MdRoomQueries(self.rank_rooms)
         _RUNTIMES[id(self.ops.allocator)] = self
         chost, cport = parse_host_port("--pdd-control-listen", cfg.control_listen)
         # The router talks to rank 0 only; rank 0 drives the other ranks' room tables.
@@ -182,13 +177,26 @@ class MainDrcRuntime(MdRoomQueries):
         logger.info("MD DRC runtime (TP rank %d of %d): WAN KV on %s:%s, control %s, KV pool %s, ingest %s, "
                     "in flight <= %d MiB", self.tp.rank, self.tp.size, *self.receiver.address,
                     f"on {chost}:{cport}" if self.control else "on rank 0", self.layout_description(),
-                    self.ingest_mode, self.budget.limit_bytes >> 20)
+                    self.rank_rooms.ingest_mode, self.rank_rooms.budget.limit_bytes >> 20)
+
+    # ---- what the control server, the plugin's hooks and the tests read of this rank's rooms
+    @property
+    def table(self) -> DrcRoomTable:
+        return self.rank_rooms.table
+
+    @property
+    def counters(self) -> dict:
+        return self.rank_rooms.counters
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.rank_rooms.kv_bytes_per_token
 
     @property
     def held_tokens(self) -> int:
         """Pool slots held by rooms in flight (reserved, or waiting to be freed until the
         receiver has stopped writing): SGLang's leak check counts them (plugin.py hook)."""
-        return self.pages.held_tokens
+        return self.queries.held_tokens
 
     def close(self) -> None:
         self.rank_rooms.pages.close()  # before the receiver: its queued releases run on it
@@ -210,6 +218,22 @@ class MainDrcRuntime(MdRoomQueries):
     def announce_kv_senders(self, req: KvSendersRequest, timeout: float = 30.0) -> KvSendersReply:
         return self.commands.call(req, timeout=timeout)
 
+    # ---- control threads: answered from this rank's rooms at once (md_queries)
+    def wait_ready(self, req: ReadyRequest) -> ReadyReply:
+        return self.queries.wait_ready(req)
+
+    def handoff_request(self, room: int, req: HandoffRequest) -> tuple[dict, bool]:
+        return self.queries.handoff_request(room, req)
+
+    def flush_blocker(self) -> Optional[str]:
+        return self.queries.flush_blocker()
+
+    def flush_waits_only_for_pages(self) -> bool:
+        return self.queries.flush_waits_only_for_pages()
+
+    def stats(self) -> dict:
+        return self.queries.stats()
+
     def before_flush(self) -> int:
         """A cache flush came in (scheduler thread, every TP rank): rooms kept only to fill the
         cache go (md_rooms.RankRooms.drop_rooms_kept_for_cache); returns how many."""
@@ -220,7 +244,7 @@ class MainDrcRuntime(MdRoomQueries):
         self.idle_wake.drain()
         self.driver.iterate()
         # KV landing or pages on their way back: their progress is seen only in iterations.
-        self.idle_wake.keep_awake(bool(self.table.pending()) or bool(self.pages.releasing))
+        self.idle_wake.keep_awake(bool(self.table.pending()) or bool(self.rank_rooms.pages.releasing))
 
 
 class MdControlServer(ControlServer):

@@ -17,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from sglang_pdd.control_auth import ROLE_P, ControlVerifier
 from sglang_pdd.protocol import KvSendersReply, RegisterReply, ReleaseReply
 from sglang_pdd.radix_drc.rooms import DrcRoomTable
-from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime, MdControlServer
+from sglang_pdd.sglang_glue.main_drc import MdControlServer
+from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
 from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
 
 KEY = b"control-plane-test-key-0123456789"
@@ -120,9 +121,6 @@ class FakeGenerate:
 
 
 class FakeMdRuntime:
-    wait_ready = MainDrcRuntime.wait_ready
-    handoff_request = MainDrcRuntime.handoff_request
-
     kv_bytes_per_token = 512  # a tiny model's
 
     def __init__(self, http_port: int, max_rooms: int = 4096):
@@ -132,8 +130,8 @@ class FakeMdRuntime:
     def reset(self, max_rooms: int = 4096) -> None:
         self.table = DrcRoomTable(FakeTree(), ttl_s=60.0, max_rooms=max_rooms)
         self.ready_events: dict[int, threading.Event] = {}
-        self._handoff_lock = threading.Lock()
         self.counters: dict = {}
+        self.queries = MdRoomQueries(self)  # MD's own answers, over this fake's table, events and counters
         self.fail_stats_with = None  # an exception stats() raises (an internal error)
         self.http_api_key = None  # MD's own SGLang --api-key
         self.http_ssl_certfile = None  # MD's own SGLang --ssl-certfile (then it serves HTTPS)
@@ -151,6 +149,12 @@ class FakeMdRuntime:
     def release(self, req):
         self.ready_events.pop(req.room, None)
         return ReleaseReply(self.table.release(req.room))
+
+    def wait_ready(self, req):
+        return self.queries.wait_ready(req)
+
+    def handoff_request(self, room: int, req):
+        return self.queries.handoff_request(room, req)
 
     def mark_ready(self, room: int) -> None:
         self.table.complete(room, None, time.monotonic())

@@ -14,17 +14,13 @@ from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
 from tests.conftest import require_sglang_import
 
 
-class FakeRuntime:
-    """MD's flush queries over a room table in the given phases."""
+def room_queries(phases=(), held_tokens=0):
+    """MD's flush queries (what the plugin's flush hooks ask) over rooms in the given phases."""
+    from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
 
-    def __init__(self, phases=(), held_tokens=0):
-        from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
-
-        self.table = SimpleNamespace(rooms={i: SimpleNamespace(state=SimpleNamespace(phase=p))
-                                            for i, p in enumerate(phases)})
-        self.held_tokens = held_tokens
-        for name in ("flush_blocker", "rooms_by_phase", "flush_waits_only_for_pages"):
-            setattr(self, name, getattr(MdRoomQueries, name).__get__(self))
+    rooms = {i: SimpleNamespace(state=SimpleNamespace(phase=p)) for i, p in enumerate(phases)}
+    return MdRoomQueries(SimpleNamespace(table=SimpleNamespace(rooms=rooms),
+                                         pages=SimpleNamespace(held_tokens=held_tokens)))
 
 
 def flush(runtime):
@@ -45,24 +41,24 @@ def phases(*names):
 
 
 def test_flush_refused_while_rooms_of_requests_in_flight_hold_kv(caplog):
-    runtime = FakeRuntime(phases("landing", "ready", "handed_off"))
+    runtime = room_queries(phases("landing", "ready", "handed_off"))
     assert flush(runtime) == (False, False)
     assert "MD holds 3 PDD rooms of requests in flight (handed_off 1, landing 1, ready 1)" in caplog.text
 
 
 def test_a_failed_room_holds_nothing_and_does_not_stop_a_flush():
-    assert flush(FakeRuntime(phases("failed"))) == (True, True)
+    assert flush(room_queries(phases("failed"))) == (True, True)
 
 
 def test_flush_refused_while_pages_wait_for_the_wan_to_let_go():
-    runtime = FakeRuntime(held_tokens=64)
+    runtime = room_queries(held_tokens=64)
     assert flush(runtime) == (False, False)
     assert runtime.flush_waits_only_for_pages()
-    assert not FakeRuntime(phases("ready"), held_tokens=64).flush_waits_only_for_pages()
+    assert not room_queries(phases("ready"), held_tokens=64).flush_waits_only_for_pages()
 
 
 def test_flush_runs_when_md_holds_nothing_and_on_other_roles():
-    assert flush(FakeRuntime()) == (True, True)
+    assert flush(room_queries()) == (True, True)
     assert flush(None) == (True, True)  # P, RLD, plain servers: SGLang's own flush
 
 

@@ -104,18 +104,18 @@ def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
     md = build_md(16, ingest=ingest)
     try:
         per_page = md.ops.pool_layout.page_bytes * md.ops.pool_layout.num_buffers
-        md.budget.limit_bytes = 3 * per_page  # three pages in flight at most
+        md.rank_rooms.budget.limit_bytes = 3 * per_page  # three pages in flight at most
         free_before = md.ops.allocator.available_size()
         md.rank_rooms.register(RegisterRequest(1, list(range(20))))  # two pages: fits
         with pytest.raises(RoomRefused, match=rf"needs {2 * per_page} bytes of KV in flight on MD, {per_page} of"):
             md.rank_rooms.register(RegisterRequest(2, list(range(100, 120))))
         assert md.counters["rooms_refused"] == 1 and 2 not in md.table.rooms
-        assert md.budget.used_bytes == 2 * per_page and conserved(md)
+        assert md.rank_rooms.budget.used_bytes == 2 * per_page and conserved(md)
         md.rank_rooms.register(RegisterRequest(3, list(range(200, 210))))  # one page still fits
         for room in (1, 3):
             md.rank_rooms.release(ReleaseRequest(room))
         settle(md)
-        assert md.ops.allocator.available_size() == free_before and md.budget.used_bytes == 0
+        assert md.ops.allocator.available_size() == free_before and md.rank_rooms.budget.used_bytes == 0
     finally:
         close(md)
 
@@ -128,7 +128,7 @@ def test_room_larger_than_the_pool_is_refused_at_registration():
         free_before = md.ops.allocator.available_size()
         with pytest.raises(RoomRefused, match="KV pool cannot hold"):
             md.rank_rooms.register(RegisterRequest(1, list(range(16 * POOL_PAGES + 5))))
-        assert md.table.rooms == {} and md.held_tokens == 0 and md.budget.used_bytes == 0
+        assert md.table.rooms == {} and md.held_tokens == 0 and md.rank_rooms.budget.used_bytes == 0
         assert md.ops.allocator.available_size() == free_before and conserved(md)
         assert md.counters["rooms_refused"] == 1
     finally:
@@ -168,10 +168,10 @@ def test_room_released_in_flight_frees_its_pages_after_the_receiver(ingest):
     try:
         free_before = md.ops.allocator.available_size()
         md.rank_rooms.register(RegisterRequest(1, list(range(100))))
-        assert md.budget.used_bytes > 0
+        assert md.rank_rooms.budget.used_bytes > 0
         md.rank_rooms.release(ReleaseRequest(1))  # the router gave up before any KV came
         settle(md)
-        assert md.held_tokens == 0 and md.budget.used_bytes == 0 and md.table.rooms == {}
+        assert md.held_tokens == 0 and md.rank_rooms.budget.used_bytes == 0 and md.table.rooms == {}
         assert md.ops.allocator.available_size() == free_before and conserved(md)
     finally:
         close(md)

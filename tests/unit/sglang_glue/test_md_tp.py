@@ -44,7 +44,7 @@ def test_room_completes_on_every_rank_only_when_every_rank_has_its_heads(kind, k
         assert reg.tp_size == 2 and reg.cached_tokens == 0
         assert reg.wan_peer == "%s:%d" % md0.receiver.address
         # the same pages reserved on every rank, counted by SGLang's leak check on each
-        assert torch.equal(md0.landings[1].slots, md1.landings[1].slots)
+        assert torch.equal(md0.rank_rooms.landings[1].slots, md1.rank_rooms.landings[1].slots)
         assert md0.held_tokens == md1.held_tokens == 4 * PAGE
         for md in c.ranks:
             checker = SimpleNamespace(token_to_kv_pool_allocator=md.ops.allocator)
@@ -118,11 +118,12 @@ def test_pages_go_back_only_when_every_ranks_receiver_let_go():
         assert c.call(ReleaseRequest(7)).released is True  # the router gave up before any KV came
         for _ in range(20):
             c.step()
-        assert md0.pages.releasing[0].outcome is True and md1.pages.releasing[0].outcome is None
+        assert md0.rank_rooms.pages.releasing[0].outcome is True and md1.rank_rooms.pages.releasing[0].outcome is None
         assert md0.held_tokens == md1.held_tokens == held  # rank 0 let go, rank 1 not: held on both
         gate.set()
         c.settle()
-        assert md0.ops.allocator.available_size() == free_before and md0.pages.releasing == md1.pages.releasing == []
+        assert md0.ops.allocator.available_size() == free_before
+        assert md0.rank_rooms.pages.releasing == md1.rank_rooms.pages.releasing == []
     finally:
         gate.set()
         c.close()
@@ -140,7 +141,7 @@ def test_a_failed_receiver_release_keeps_the_pages_held_on_every_rank():
         c.call(RegisterRequest(8, list(range(50))))
         held = md0.held_tokens
         c.call(ReleaseRequest(8))
-        c.step_until(lambda: not md0.pages.releasing)
+        c.step_until(lambda: not md0.rank_rooms.pages.releasing)
         for _ in range(5):
             c.step()
         assert md0.held_tokens == md1.held_tokens == held > 0  # lost capacity, allocators still alike
@@ -161,10 +162,11 @@ def test_a_registration_one_rank_refuses_is_undone_on_every_rank():
             c.call(RegisterRequest(9, list(range(30))))
         assert status_values(c, 9) == [None, None]
         c.settle()
-        assert md0.ops.allocator.available_size() == free_before and md0.budget.used_bytes == md1.budget.used_bytes == 0
+        assert md0.ops.allocator.available_size() == free_before
+        assert md0.rank_rooms.budget.used_bytes == md1.rank_rooms.budget.used_bytes == 0
         assert md0.counters["rooms_refused"] == 1 and md0.counters["rooms_registered"] == 0
         reg = c.call(RegisterRequest(10, list(range(30))))  # the next one goes through on both
-        assert reg.tp_size == 2 and torch.equal(md0.landings[10].slots, md1.landings[10].slots)
+        assert reg.tp_size == 2 and torch.equal(md0.rank_rooms.landings[10].slots, md1.rank_rooms.landings[10].slots)
     finally:
         c.close()
 
