@@ -694,13 +694,14 @@ class PddFlow:
                 timed_out = True
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             status, reason = "failed", f"control API: {e!r}"
+            self._blame("main", self.main.url, e)  # MD's own fault (a bad signature, a drop) counts
         finally:  # landed, failed or given up on: off the link as far as the router knows
             self.wan_in_flight.settled(self.internal_rid)
         if status == "ready":
             self.result.wan_ready_s = time.perf_counter() - started
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))
-        else:  # not a breaker failure: RLD finishes this request, the next one tries the WAN again
+        else:  # MD answered "failed" or not in time: the WAN's, not MD's; the next request tries again
             await self._md_side_failed(Fallback(Reason.WAN_FAILED, reason, timed_out=timed_out))
 
     async def _catch_up(self, batch: lifecycle.SendCatchUpBatch) -> None:

@@ -234,6 +234,7 @@ class Knobs:
     md_before_token: Hook = None  # async fn(index, budget) awaited before each MD token
     md_burst: bool = False  # all of MD's tokens in one event, with the finish reason
     md_bad_event_sig: bool = False  # final handoff: each event signed for another index (a relay altered it)
+    md_bad_ready_sig: bool = False  # /ready: the reply's signature is for another body (a relay altered it)
     # final handoff: before token N, a blank line every md_trickle_every_s for md_trickle_s (bytes, no token)
     md_trickle_from: Optional[int] = None
     md_trickle_every_s: float = 0.1
@@ -297,7 +298,8 @@ class Fakes:
                 request["pdd_signer"] = (verifier, request_sig_of(header))
             resp = await handler(request)
             if signed and isinstance(resp, web.Response) and not resp.prepared:
-                resp.headers[REPLY_HEADER] = verifier.sign_reply(request_sig_of(header), resp.status, resp.body or b"")
+                body = (resp.body or b"") + (b" " if resp.get("pdd_bad_sig") else b"")
+                resp.headers[REPLY_HEADER] = verifier.sign_reply(request_sig_of(header), resp.status, body)
             return resp
 
         return [sign]
@@ -526,7 +528,9 @@ class Fakes:
                 await k.md_before_ready(room)
             if k.md_ready == "failed":
                 return web.json_response(ReadyReply(room, "failed", "KV transfer failed (injected)").to_json())
-            return web.json_response(ReadyReply(room, "ready", "").to_json())
+            resp = web.json_response(ReadyReply(room, "ready", "").to_json())
+            resp["pdd_bad_sig"] = k.md_bad_ready_sig
+            return resp
 
         async def handoff(request: web.Request, room: int) -> web.StreamResponse:
             # the protocol's type, looked up when called: a field added to it reaches the records

@@ -251,7 +251,8 @@ def test_legs_that_break_on_a_server_open_its_breaker_passively(router_sglang_st
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-@pytest.mark.parametrize("fault", ["bad_event_signature", "bad_reply_signature", "oversized_event"])
+@pytest.mark.parametrize("fault", ["bad_event_signature", "bad_reply_signature", "bad_ready_signature",
+                                   "oversized_event"])
 def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_state, fault):
     """A reply or stream event from MD whose signature does not verify, or an event over the
     request's bound, is MD failing (as a dropped connection is): each request ran MD, then a
@@ -261,7 +262,7 @@ def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_s
     from tests.support.flow_scenarios import p_md_cfg
 
     key = b"breaker-test-control-key-0123456789"
-    knobs = Knobs(md_bad_event_sig=fault == "bad_event_signature",
+    knobs = Knobs(md_bad_event_sig=fault == "bad_event_signature", md_bad_ready_sig=fault == "bad_ready_signature",
                   md_pad_bytes=(8 << 20) if fault == "oversized_event" else 0)
 
     async def main():
