@@ -4,21 +4,22 @@ The request's course is decided by one pure transition function (router/lifecycl
 states, events and actions); path and handoff choices by router/policy.py and
 handoff/policy.py; token bookkeeping by handoff/stitcher.py. This module turns backend replies
 into lifecycle events, all through one queue (so the order of events is the order of
-decisions), and performs the actions the transition function returns. The events and who
-sends them:
+decisions), and performs the actions the transition function returns. The I/O with MD's
+control API and P's WAN-destination API is the flow's ``MdSide`` (router/md_side.py). The
+events and who sends them:
 
     event (router/lifecycle.py)         sent by
     PathChosen(path, late_destination,  _choose_path, before any leg starts
                p_room)
     RelayTokens(leg, produced, finish)  _relay_leg: each event of RLD's stream
     RelayFailed(leg, message)           _relay_leg / _prefill_leg: RLD or P failed
-    MdReady / MdNotReady(fallback)      _watch_ready (MD's KV landed, or not: WAN_FAILED),
-                                        _register_and_deliver (MD_UNAVAILABLE,
+    MdReady / MdNotReady(fallback)      MdSide.watch_ready (MD's KV landed, or not: WAN_FAILED),
+                                        MdSide.register_and_deliver (MD_UNAVAILABLE,
                                         WAN_DESTINATION_FAILED)
-    DestinationDelivered()              _register_and_deliver: P accepted MD's room
-    CutReady()                          StartHandoff, and _catch_up after each catch-up batch
-    MainTokens(produced, finish)        _final_handoff: each event of MD's stream
-    MainFailed(message)                 _catch_up / _final_handoff: MD refused or died
+    DestinationDelivered()              MdSide.register_and_deliver: P accepted MD's room
+    CutReady()                          StartHandoff, and MdSide.catch_up after each catch-up batch
+    MainTokens(produced, finish)        MdSide.final_handoff: each event of MD's stream
+    MainFailed(message)                 MdSide.catch_up / final_handoff: MD refused or died
     Timeout()                           _run: --request-timeout-s passed
     Broken(message)                     _run: an event was illegal, or a backend's reply broke
                                         the stream's invariants (an action raised)
@@ -27,8 +28,8 @@ sends them:
 
 PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.RequestState),
 changed only by ``_REQUEST`` (the kit's Driver: an action type -> the method performing it). What
-it keeps are I/O handles (session, tasks, queue, stitcher, live backend rids, MD's room id) and
-statistics for FlowResult.
+it keeps are I/O handles (session, tasks, queue, stitcher, live backend rids, its MdSide with
+MD's room id) and statistics for FlowResult.
 
 The handoff continues the request on MD (the resume contract, docs/router.md): MD gets the
 eager token ids, the client's TOTAL max_new_tokens and the logprob fields, and its stream
@@ -64,7 +65,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
 import time
@@ -78,13 +78,12 @@ from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import StitchError, StreamStitcher
 from sglang_pdd.machine import Driver
 from sglang_pdd.router import lifecycle
-from sglang_pdd.protocol import RESUME_KEY, RegisterReply, without_pdd_params
+from sglang_pdd.protocol import RESUME_KEY, without_pdd_params
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.lifecycle import RecoveryMode
-from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply, abort,
-                                        generate_once, generate_stream, server_at_fault)
-from sglang_pdd.router.bodies import (handoff_body, late_destination_params, pd_leg_body, wan_destination_params,
-                                      warmup_body)
+from sglang_pdd.router.backends import BackendError, abort, generate_once, generate_stream, server_at_fault
+from sglang_pdd.router.bodies import pd_leg_body
+from sglang_pdd.router.md_side import MdSide, new_room
 from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.reply_limits import max_event_bytes
 from sglang_pdd.router.wan_in_flight import WanInFlight
@@ -197,11 +196,6 @@ def awaiting(coro) -> list[str]:
     return chain
 
 
-def new_room() -> int:
-    """A bootstrap / MD room id nobody can guess (a CSPRNG, not ``random``)."""
-    return secrets.randbelow(2**63)
-
-
 # SGLang's /generate fields that ride along on every leg (beside input_ids, sampling_params,
 # stream, rid): the per-request logprob options.
 EXTRA_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
@@ -301,22 +295,22 @@ class PddFlow:
         self.rld_inflight = rld_inflight
         self.p_queued_tokens = p_queued_tokens  # P's prefill tokens in flight before this request
         self.wan_in_flight = wan_in_flight if wan_in_flight is not None else WanInFlight()
-        self.room: Optional[int] = None
-        self.md_tp = 1  # MD's TP size, from its registration answer
-        self.control = MainControl(session, main.control_url) if main else None
-        self.p_control = PrefillControl(session, prefill.control_url) if prefill.control_url else None
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
         self.force_path = force_path
-        self.use_drc = use_drc
-        self._planned_wan = (0, 0)  # statistics: (bytes to send, bytes MD already has)
-        self._handoff_t = 0.0  # statistics: when the final handoff was sent
+        # MD's control API and P's WAN-destination API (None: a request without an MD)
+        self.md = None if main is None else MdSide(
+            session, main.url, main.control_url, main.wan_peer, prefill.control_url, ids=self.ids,
+            sampling=self.sampling, extras=self.extras, max_new=self.max_new, use_drc=use_drc,
+            internal_rid=self.internal_rid, wan_timeout_s=cfg.wan_timeout_s,
+            stall_timeout_s=cfg.md_stall_timeout_s, first_token_timeout_s=cfg.md_first_token_timeout_s,
+            result=self.result, queue=self.queue, put_stream_event=self._put_stream_event, spawn=self._spawn,
+            live_rids=self.live_rids, wan_in_flight=self.wan_in_flight, kv_size_learned=md_kv_size_learned)
         self._out_meta = OutputMeta(self.extras)
         # P's reply to the first leg: the prompt's logprobs come from it (P prefills the prompt; a
         # PD decode server reports none). Asked for, the client's first output waits for it, as
         # SGLang's mini_lb reads P's reply before the decode server's.
         self._prefill_replied = asyncio.Event()
         self.p_load = p_load  # the router's count of P's load (flow_runner.PrefillLoad): released at P's reply
-        self._md_kv_size_learned = md_kv_size_learned  # MD's KV size from a registration, for the router
         self._prefill_failure: Optional[str] = None
         self.t0 = time.perf_counter()
 
@@ -405,15 +399,16 @@ class PddFlow:
     # A method returns the tokens to emit, if any.
     def _start_md_side(self, action: lifecycle.StartMdSide, payload) -> None:
         if action.late_destination:
-            self._spawn_leg(self._register_and_deliver(), lambda m: lifecycle.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, m)))
+            self._spawn_leg(self.md.register_and_deliver(self.state.p_room),
+                            lambda m: lifecycle.MdNotReady(Fallback(Reason.MD_UNAVAILABLE, m)))
         else:
             self._watch_md(action, payload)
 
     def _watch_md(self, action, payload) -> None:
-        self._spawn_leg(self._watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
+        self._spawn_leg(self.md.watch_ready(), lambda m: lifecycle.MdNotReady(Fallback(Reason.WAN_FAILED, m)))
 
     def _withdraw_destination(self, action: lifecycle.WithdrawDestination, payload) -> None:
-        self._spawn(self.p_control.drop_wan_destination(action.p_room), must_finish=True)
+        self.md.withdraw_destination(action.p_room)
 
     def _emit_relay_output(self, action: lifecycle.EmitRelayOutput, payload) -> list[int]:
         leg, event = payload
@@ -433,14 +428,23 @@ class PddFlow:
 
     def _send_catch_up_batch(self, action: lifecycle.SendCatchUpBatch, payload) -> None:
         self.result.catch_up_batches.append(action.tokens)
-        self._spawn_leg(self._catch_up(action), lifecycle.MainFailed)
+        self._spawn_leg(self.md.catch_up(self.stitcher.emitted[:action.upto], action.round), lifecycle.MainFailed)
 
     def _send_final_handoff(self, action: lifecycle.SendFinalHandoff, payload) -> None:
         eager = self.stitcher.begin_handoff()
         assert len(eager) == action.cut, (len(eager), action.cut)
         if action.catch_up_tail is not None:
             self.result.catch_up_batches.append(action.catch_up_tail)
-        self._spawn_leg(self._final_handoff(eager), lifecycle.MainFailed)
+        self._spawn_leg(self.md.final_handoff(eager), lifecycle.MainFailed)
+
+    def _commit_handoff(self, action: lifecycle.CommitHandoff, payload) -> None:
+        self.result.handoff_at = self.stitcher.cut
+        # MD owns the request now: stop RLD (frees its KV) and let MD's cache keep the prompt.
+        for rid, url in list(self.live_rids.items()):
+            if url == self.relay_url:
+                self._spawn(abort(self.session, url, rid), must_finish=True)
+                del self.live_rids[rid]
+        self.md.handoff_committed()
 
     def _abandon_handoff(self, action: lifecycle.AbandonHandoff, payload) -> list[int]:
         before = len(self.stitcher.emitted)
@@ -482,7 +486,7 @@ class PddFlow:
         return max(1, len(self.ids) - self.result.p_cached_estimate)
 
     async def _choose_path(self) -> lifecycle.PathChosen:
-        if self.main is not None and self.p_control is not None:
+        if self.md is not None and self.md.p_control is not None:
             return await self._choose_path_on_estimate()
         return lifecycle.PathChosen(await self._register_and_choose_path())
 
@@ -497,96 +501,43 @@ class PddFlow:
             decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
         return decision
 
+    def _decide_with_kv_size(self, kv_bytes_per_token: int) -> None:
+        """The WAN estimate of the path choice with MD's KV size as MD reported it."""
+        self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
+            self.cfg.path, kv_bytes_per_token=kv_bytes_per_token))
+
     async def _choose_path_on_estimate(self) -> lifecycle.PathChosen:
         """P has a control API: decide on the router's estimate of MD's prefix, without a WAN
         round trip. P->RLD->MD starts P and RLD at once and registers on MD concurrently
-        (``_register_and_deliver``). P->MD still registers first (MD's first token is the
+        (``MdSide.register_and_deliver``). P->MD still registers first (MD's first token is the
         TTFT anyway, so the round trip is hidden) and then decides on MD's exact answer, as
         without a control API. P->RLD only (outlier; decided on the prompt length and
         max_new_tokens, not on MD's prefix) registers nothing."""
         if self.main.kv_bytes_per_token:  # MD's KV size as it last reported it
-            self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
-                self.cfg.path, kv_bytes_per_token=self.main.kv_bytes_per_token))
+            self._decide_with_kv_size(self.main.kv_bytes_per_token)
         decision = self._decide(self.result.md_cached_estimate)
         if decision.path is Path.P_MD:
             return lifecycle.PathChosen(await self._register_and_choose_path())
         self.result.path, self.result.reason = decision.path.value, decision.reason
-        if decision.path is Path.P_RLD_MD:
-            self.room = new_room()  # MD's room and P's bootstrap room of leg 1
-            self.result.md_registration = "concurrent"
-            return lifecycle.PathChosen(decision.path, late_destination=True, p_room=self.room)
+        if decision.path is Path.P_RLD_MD:  # MD's room is P's bootstrap room of leg 1
+            return lifecycle.PathChosen(decision.path, late_destination=True, p_room=self.md.open_late_room())
         return lifecycle.PathChosen(decision.path)
 
     async def _register_and_choose_path(self) -> Path:
         """MD's room first (one round trip to MD), then the path on MD's exact prefix."""
-        cached = 0
-        if self.main is not None:
-            self.result.md_registration = "before_legs"
-            self.room, reg = new_room(), None
-            try:
-                reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
-                cached = self._on_registered(reg)
-            except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
-                self._blame("main", self.main.url, e)
-                self.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, str(e)))
-                logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
-                if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
-                    self._spawn(self.control.release(self.room), must_finish=True)
-                self.room = None
-        if self.room is None:
+        reg = await self.md.register() if self.md is not None else None
+        if reg is None:
             self.result.path, self.result.reason = Path.P_RLD_ONLY.value, "no MD available"
             return Path.P_RLD_ONLY
-        decision = self._decide(cached)
+        if reg.kv_bytes_per_token:  # MD knows its KV size exactly
+            self._decide_with_kv_size(reg.kv_bytes_per_token)
+        decision = self._decide(reg.cached_tokens)
         self.result.path, self.result.reason = decision.path.value, decision.reason
         if decision.path is Path.P_RLD_ONLY:
-            self._spawn(self.control.release(self.room))  # outlier: no WAN transfer; don't wait on it
-            self.room = None
+            self.md.release(must_finish=False)  # outlier: no WAN transfer; don't wait on it
         else:
-            self.wan_in_flight.sending(self.internal_rid, self._planned_wan[0])
+            self.md.count_wan_transfer()
         return decision.path
-
-    def _on_registered(self, reg: RegisterReply) -> int:
-        """MD's registration answer: its exact cached prefix (returned) and KV size."""
-        cached = reg.cached_tokens
-        per_token = reg.kv_bytes_per_token or 0
-        self.md_tp = reg.md_tp  # P feeds each of MD's TP ranks (their WAN ports: wan_peer's + r)
-        self.result.md_cached_tokens = cached
-        # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
-        self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
-        if per_token:  # MD knows its KV size exactly
-            if self._md_kv_size_learned is not None:
-                self._md_kv_size_learned(per_token)  # the router's record of MD, for the next flows
-            self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
-                self.cfg.path, kv_bytes_per_token=per_token))
-        return cached
-
-    async def _register_and_deliver(self) -> None:
-        """P and RLD run already: register the room on MD, tell P the destination (MD's exact
-        prefix), then wait for MD's KV as usual. Any failure withdraws the destination on P
-        and ends in a failed "ready", so RLD finishes the request."""
-        room, p_room, reg = self.room, self.state.p_room, None
-        try:
-            reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
-            cached = self._on_registered(reg)
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-            self._blame("main", self.main.url, e)
-            if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
-                self._spawn(self.control.release(room), must_finish=True)
-            self.room = None  # MD holds no room for it
-            await self._md_side_failed(Fallback(Reason.MD_UNAVAILABLE, str(e)))
-            return
-        if cached != self.result.md_cached_estimate:
-            logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
-                        self.result.rid, cached, self.result.md_cached_estimate, self.result.path)
-        try:
-            await self.p_control.set_wan_destination(p_room, room, self.main.wan_peer, cached, md_tp=self.md_tp)
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._spawn(self.control.release(room), must_finish=True)  # unlock MD's prefix now
-            self.room = None
-            await self._md_side_failed(Fallback(Reason.WAN_DESTINATION_FAILED, str(e)))
-            return
-        self.wan_in_flight.sending(self.internal_rid, self._planned_wan[0])
-        await self.queue.put((lifecycle.DestinationDelivered(), None))
 
     # ------------------------------------------------------------------ legs
     def _recovery_mode(self) -> RecoveryMode:
@@ -604,7 +555,7 @@ class PddFlow:
         if mode is not RecoveryMode.RESUME:
             self.result.recovery_mode = mode.value
         rid = self._leg_rid(f"r{leg.leg}")
-        room = self.room if (leg.wan and leg.leg == 1) else new_room()
+        room = self.md.room if (leg.wan and leg.leg == 1) else new_room()
         sampling = dict(self.sampling)
         custom = dict(sampling.get("custom_params") or {})
         if leg.one_token:  # P->MD: RLD only bridges the time to the first token
@@ -615,11 +566,8 @@ class PddFlow:
         elif mode is RecoveryMode.CONTINUE:
             sampling["max_new_tokens"] = self.max_new - len(resumed)
             sampling["min_new_tokens"] = max(0, int(sampling.get("min_new_tokens") or 0) - len(resumed))
-        if leg.late_destination:  # P learns its destination later
-            custom.update(late_destination_params(self.room))
-        elif leg.wan:
-            custom.update(wan_destination_params(self.room, self.main.wan_peer, self.result.md_cached_tokens,
-                                                 self.md_tp))
+        if leg.wan:  # P sends the prompt's KV to MD's room, to a destination it gets now or later
+            custom.update(self.md.destination_params(late=leg.late_destination))
         if custom:
             sampling["custom_params"] = custom
         input_ids = self.ids if mode is RecoveryMode.REPLAY else self.ids + resumed
@@ -681,85 +629,6 @@ class PddFlow:
             self._blame("relay", self.relay_url, e)
             await self.queue.put((lifecycle.RelayFailed(leg, str(e)), None))
 
-    async def _md_side_failed(self, fallback: Fallback) -> None:
-        await self.queue.put((lifecycle.MdNotReady(fallback), None))
-
-    async def _watch_ready(self) -> None:
-        started, timed_out = time.perf_counter(), False
-        try:
-            reply = await self.control.wait_ready(self.room, self.cfg.wan_timeout_s)
-            status, reason = reply.status, reply.reason or ""
-            if status == "pending":
-                status, reason = "failed", f"not ready within {self.cfg.wan_timeout_s:.0f}s"
-                timed_out = True
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            status, reason = "failed", f"control API: {e!r}"
-            self._blame("main", self.main.url, e)  # MD's own fault (a bad signature, a drop) counts
-        finally:  # landed, failed or given up on: off the link as far as the router knows
-            self.wan_in_flight.settled(self.internal_rid)
-        if status == "ready":
-            self.result.wan_ready_s = time.perf_counter() - started
-            self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
-            await self.queue.put((lifecycle.MdReady(), None))
-        else:  # MD answered "failed" or not in time: the WAN's, not MD's; the next request tries again
-            await self._md_side_failed(Fallback(Reason.WAN_FAILED, reason, timed_out=timed_out))
-
-    async def _catch_up(self, batch: lifecycle.SendCatchUpBatch) -> None:
-        """One catch-up round: MD extends the eager tokens so far (its radix cache warms up)
-        while RLD keeps decoding; then CutReady, and the lifecycle decides the next step."""
-        try:
-            await self.control.handoff(self.room, warmup_body(
-                self.stitcher.emitted[:batch.upto], self._leg_rid(f"c{batch.round}"), self.sampling))
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._blame("main", self.main.url, e)
-            await self.queue.put((lifecycle.MainFailed(str(e)), None))
-            return
-        await self.queue.put((lifecycle.CutReady(), None))
-
-    async def _final_handoff(self, eager: list[int]) -> None:
-        """The cut: MD continues the request (total budget) and streams it from position 0."""
-        self._handoff_t = time.perf_counter()
-        rid = self._leg_rid("m")
-        body = handoff_body(eager, rid, self.sampling, self.extras)
-        self.result.handoff_payload_bytes = len(json.dumps(body.to_json()))
-        try:
-            finished, checked = False, False
-            limit = max_event_bytes(len(self.ids) + len(eager), self.max_new, self.extras)
-            async for event in self.control.handoff_stream(
-                    self.room, body, limit, stall_timeout_s=max(self.cfg.md_stall_timeout_s, 0) or None,
-                    first_token_timeout_s=max(self.cfg.md_first_token_timeout_s, 0) or None):
-                # Aborted by rid only once MD runs it: an abort that reaches MD's front end while
-                # the request waits there (SGLang then ignores any later abort of that rid) would
-                # be lost. Before that, closing the handoff stream is the abort (MD's control
-                # API aborts a continuation whose reader went away).
-                self.live_rids.setdefault(rid, self.main.url)
-                finish = event.get("meta_info", {}).get("finish_reason")
-                finished = finish is not None
-                ids = event.get("output_ids", [])
-                if not checked and len(ids) > len(eager):  # MD continues the request, it does not restart it
-                    checked = True
-                    if ids[:len(eager)] != eager:
-                        raise BackendError("MD's output does not start with the eager tokens it was handed "
-                                           "(an MD without the resume contract?)")
-                await self._put_stream_event(lifecycle.MainTokens(len(ids), finish), event)
-            if not finished:
-                raise BackendError("MD stream ended without a finish reason")
-        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._blame("main", self.main.url, e)
-            await self.queue.put((lifecycle.MainFailed(str(e)), None))
-
-    def _commit_handoff(self, action: lifecycle.CommitHandoff, payload) -> None:
-        self.result.handoff_stall_s = time.perf_counter() - self._handoff_t
-        self.result.handoff_at = self.stitcher.cut
-        # MD owns the request now: stop RLD (frees its KV) and let MD's cache keep the prompt.
-        for rid, url in list(self.live_rids.items()):
-            if url == self.relay_url:
-                self._spawn(abort(self.session, url, rid), must_finish=True)
-                del self.live_rids[rid]
-        if self.room is not None:
-            self._spawn(self.control.release(self.room), must_finish=True)
-            self.room = None
-
     # ------------------------------------------------------------------ plumbing
     async def _put_stream_event(self, event, payload) -> None:
         """A backend stream's event into the queue once the flow took the ones before it
@@ -772,8 +641,7 @@ class PddFlow:
         (backends.server_at_fault: a dropped connection, a 5xx, a reply whose signature does
         not verify or over its bound) counts against it. RLD's
         stream failing otherwise (e.g. P's KV never reached it) is the P-RLD pair's: each can be
-        healthy and the two fail together. MD's other failures fall back to RLD and count
-        against nothing."""
+        healthy and the two fail together. MD's failures are MdSide's to note."""
         if server_at_fault(error):
             self.result.failed_backends.append((role, url))
         elif role == "relay":
@@ -828,13 +696,11 @@ class PddFlow:
     def _release_all(self, action: lifecycle.ReleaseAll, payload) -> None:
         """Abort every backend request still live and release MD's room (a finished request's
         KV still in flight is kept on MD: the session's next turn will hit it, DRC)."""
-        keep_md_kv = action.keep_md_kv
         for rid, url in self.live_rids.items():
             self._spawn(abort(self.session, url, rid), must_finish=True)
         self.live_rids.clear()
-        if self.room is not None and self.control is not None:
-            self._spawn(self.control.release(self.room, keep_kv=keep_md_kv), must_finish=True)
-        self.room = None
+        if self.md is not None:
+            self.md.release(keep_kv=action.keep_md_kv)
 
 
 # The request's one way to change: its machine, and PddFlow's method for each action.

@@ -255,7 +255,7 @@ def test_router_passes_md_prefix_estimate_to_the_flow():
     assert router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="a")).result.md_cached_estimate == 0
     pools.prefixes.record(md.url, prompt[:35])
     flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, rid="b"))
-    assert flow.result.md_cached_estimate == 32 and flow.p_control is not None
+    assert flow.result.md_cached_estimate == 32 and flow.md.p_control is not None
     flow = router.flows.open(FlowRequest(prompt, {"max_new_tokens": 4}, options={"drc": False}, rid="c"))
     assert flow.result.md_cached_estimate == 0
 

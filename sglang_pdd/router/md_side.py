@@ -1,0 +1,266 @@
+"""MD's side of one request: the I/O a flow does with MD's control API and P's WAN-destination
+API (async I/O shell, no decisions).
+
+A ``PddFlow`` (router/flow.py) runs the request; its ``MdSide`` registers MD's room, delivers
+that room to P when P learns it late, waits for MD's KV, sends the catch-up rounds and the
+final handoff, reads MD's stream and releases the room. It holds that I/O's handles and state
+(MD's and P's control clients, the room id, MD's TP size, the WAN bytes planned, when the final
+handoff was sent) and tells the flow what happened only as lifecycle events on the flow's
+queue (MD's stream events through the flow's stream slot, as every backend stream's), besides
+the statistics it writes into the flow's FlowResult:
+
+    event (router/lifecycle.py)       sent by
+    DestinationDelivered()            register_and_deliver: P accepted MD's room
+    MdNotReady(fallback)              register_and_deliver (MD_UNAVAILABLE, WAN_DESTINATION_FAILED),
+                                      watch_ready (WAN_FAILED: not landed, or not in time)
+    MdReady()                         watch_ready: MD's KV landed
+    CutReady()                        catch_up: MD extended its cache by the batch
+    MainTokens(produced, finish)      final_handoff: each event of MD's stream
+    MainFailed(message)               catch_up / final_handoff: MD refused or died
+
+Before the legs start (path choice, no event loop yet) ``register`` answers the flow directly:
+the path is chosen on MD's answer. The flow runs each coroutine here as one of its leg tasks;
+the releases and withdrawals sent here go through the flow's ``spawn`` as tasks that must
+finish, so that the request ends only once they landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Awaitable, Callable, Optional
+
+import aiohttp
+
+from sglang_pdd.protocol import RegisterReply
+from sglang_pdd.router import lifecycle
+from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply,
+                                        server_at_fault)
+from sglang_pdd.router.bodies import handoff_body, late_destination_params, wan_destination_params, warmup_body
+from sglang_pdd.router.fallback import Fallback, Reason
+from sglang_pdd.router.reply_limits import max_event_bytes
+from sglang_pdd.router.wan_in_flight import WanInFlight
+
+logger = logging.getLogger("sglang_pdd.router")
+
+
+def new_room() -> int:
+    """A bootstrap / MD room id nobody can guess (a CSPRNG, not ``random``)."""
+    return secrets.randbelow(2**63)
+
+
+class MdSide:
+    """MD's side of one flow, built whole by ``PddFlow.__init__`` for a request with an MD.
+
+    ``room`` is MD's room id while MD holds one for the request (None before registration,
+    after a failed one and once released); the flow gives it to P's first leg as its bootstrap
+    room. ``md_tp``: MD's TP size, from its registration answer. ``p_control``: P's
+    WAN-destination API, where P has one (then P may learn MD's room after its leg started).
+
+    ``live_rids``, ``queue``, ``put_stream_event``, ``spawn``, ``result`` and ``wan_in_flight``
+    are the flow's: MD's handoff rid joins the backend rids the flow aborts at the end, the
+    events go to its queue, the tasks to its task set, the statistics to its FlowResult, the
+    planned WAN bytes to the router's count of the link.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, main_url: str, control_url: str, wan_peer: str,
+                 p_control_url: Optional[str], *, ids: list[int], sampling: dict, extras: dict, max_new: int,
+                 use_drc: bool, internal_rid: str, wan_timeout_s: float, stall_timeout_s: float,
+                 first_token_timeout_s: float, result, queue: asyncio.Queue,
+                 put_stream_event: Callable[[object, object], Awaitable[None]],
+                 spawn: Callable[..., None], live_rids: dict[str, str], wan_in_flight: WanInFlight,
+                 kv_size_learned: Optional[Callable[[int], None]] = None):
+        self.main_url, self.wan_peer = main_url, wan_peer
+        self.control = MainControl(session, control_url)
+        self.p_control = PrefillControl(session, p_control_url) if p_control_url else None
+        self.ids, self.sampling, self.extras, self.max_new = ids, sampling, extras, max_new
+        self.use_drc, self.internal_rid = use_drc, internal_rid
+        self.wan_timeout_s = wan_timeout_s
+        # After the final handoff (0: as long as TCP waits): no new token this long, no first token this long.
+        self.stall_timeout_s, self.first_token_timeout_s = stall_timeout_s, first_token_timeout_s
+        self.result, self.queue, self._put_stream_event = result, queue, put_stream_event
+        self._spawn, self.live_rids, self.wan_in_flight = spawn, live_rids, wan_in_flight
+        self._kv_size_learned = kv_size_learned  # MD's KV size from a registration, for the router
+        self.room: Optional[int] = None
+        self.md_tp = 1
+        self._planned_wan = (0, 0)  # statistics: (bytes to send, bytes MD already has)
+        self._handoff_sent_t = 0.0  # statistics: when the final handoff was sent
+
+    # ------------------------------------------------------------------ registration
+    async def register(self) -> Optional[RegisterReply]:
+        """MD's room before P and RLD start: MD's answer (its exact cached prefix and KV size),
+        or None where MD is unavailable (the fallback recorded: the request goes on RLD only)."""
+        self.result.md_registration = "before_legs"
+        self.room, reg = new_room(), None
+        try:
+            reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
+            self._on_registered(reg)
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
+            self._blame(e)
+            self.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, str(e)))
+            logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
+            if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
+                self._spawn(self.control.release(self.room), must_finish=True)
+            self.room = None
+            return None
+        return reg
+
+    def open_late_room(self) -> int:
+        """The room of a request whose P and RLD start before MD registers it: also P's
+        bootstrap room of leg 1 (returned); ``register_and_deliver`` registers it on MD."""
+        self.room = new_room()
+        self.result.md_registration = "concurrent"
+        return self.room
+
+    def _on_registered(self, reg: RegisterReply) -> int:
+        """MD's registration answer: its exact cached prefix (returned) and KV size."""
+        cached = reg.cached_tokens
+        per_token = reg.kv_bytes_per_token or 0
+        self.md_tp = reg.md_tp  # P feeds each of MD's TP ranks (their WAN ports: wan_peer's + r)
+        self.result.md_cached_tokens = cached
+        # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
+        self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
+        if per_token and self._kv_size_learned is not None:  # MD knows its KV size exactly
+            self._kv_size_learned(per_token)  # the router's record of MD, for the next flows
+        return cached
+
+    def count_wan_transfer(self) -> None:
+        """P will send the prompt's KV to MD: the router counts its bytes on the link until
+        they land or fail (``watch_ready``) or the request ends."""
+        self.wan_in_flight.sending(self.internal_rid, self._planned_wan[0])
+
+    def destination_params(self, late: bool) -> dict:
+        """P's ``custom_params`` for leg 1: where its KV goes over the WAN (MD's room, WAN
+        address, cached prefix and TP size), or, ``late``, that P learns it later."""
+        if late:
+            return late_destination_params(self.room)
+        return wan_destination_params(self.room, self.wan_peer, self.result.md_cached_tokens, self.md_tp)
+
+    async def register_and_deliver(self, p_room: int) -> None:
+        """P and RLD run already: register the room on MD, tell P (``p_room``) the destination
+        (MD's exact prefix), then wait for MD's KV as usual. Any failure withdraws the
+        destination on P and ends in a failed "ready", so RLD finishes the request."""
+        room, reg = self.room, None
+        try:
+            reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
+            cached = self._on_registered(reg)
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+            self._blame(e)
+            if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
+                self._spawn(self.control.release(room), must_finish=True)
+            self.room = None  # MD holds no room for it
+            await self._not_ready(Fallback(Reason.MD_UNAVAILABLE, str(e)))
+            return
+        if cached != self.result.md_cached_estimate:
+            logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
+                        self.result.rid, cached, self.result.md_cached_estimate, self.result.path)
+        try:
+            await self.p_control.set_wan_destination(p_room, room, self.wan_peer, cached, md_tp=self.md_tp)
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._spawn(self.control.release(room), must_finish=True)  # unlock MD's prefix now
+            self.room = None
+            await self._not_ready(Fallback(Reason.WAN_DESTINATION_FAILED, str(e)))
+            return
+        self.count_wan_transfer()
+        await self.queue.put((lifecycle.DestinationDelivered(), None))
+
+    def withdraw_destination(self, p_room: Optional[int]) -> None:
+        """Tell P (``p_room``) to stop waiting for its WAN destination."""
+        self._spawn(self.p_control.drop_wan_destination(p_room), must_finish=True)
+
+    # ------------------------------------------------------------------ MD's KV
+    async def watch_ready(self) -> None:
+        """Wait for MD's KV to land: MdReady, or MdNotReady (WAN_FAILED)."""
+        started, timed_out = time.perf_counter(), False
+        try:
+            reply = await self.control.wait_ready(self.room, self.wan_timeout_s)
+            status, reason = reply.status, reply.reason or ""
+            if status == "pending":
+                status, reason = "failed", f"not ready within {self.wan_timeout_s:.0f}s"
+                timed_out = True
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            status, reason = "failed", f"control API: {e!r}"
+            self._blame(e)  # MD's own fault (a bad signature, a drop) counts
+        finally:  # landed, failed or given up on: off the link as far as the router knows
+            self.wan_in_flight.settled(self.internal_rid)
+        if status == "ready":
+            self.result.wan_ready_s = time.perf_counter() - started
+            self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
+            await self.queue.put((lifecycle.MdReady(), None))
+        else:  # MD answered "failed" or not in time: the WAN's, not MD's; the next request tries again
+            await self._not_ready(Fallback(Reason.WAN_FAILED, reason, timed_out=timed_out))
+
+    async def _not_ready(self, fallback: Fallback) -> None:
+        await self.queue.put((lifecycle.MdNotReady(fallback), None))
+
+    # ------------------------------------------------------------------ handoff
+    async def catch_up(self, handed: list[int], round_no: int) -> None:
+        """One catch-up round: MD extends its cache by the ``handed`` eager tokens while RLD
+        keeps decoding; then CutReady, and the lifecycle decides the next step."""
+        try:
+            await self.control.handoff(self.room, warmup_body(handed, self._rid(f"c{round_no}"), self.sampling))
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._blame(e)
+            await self.queue.put((lifecycle.MainFailed(str(e)), None))
+            return
+        await self.queue.put((lifecycle.CutReady(), None))
+
+    async def final_handoff(self, eager: list[int]) -> None:
+        """The cut: MD continues the request (total budget) and streams it from position 0."""
+        self._handoff_sent_t = time.perf_counter()
+        rid = self._rid("m")
+        body = handoff_body(eager, rid, self.sampling, self.extras)
+        self.result.handoff_payload_bytes = len(json.dumps(body.to_json()))
+        try:
+            finished, checked = False, False
+            limit = max_event_bytes(len(self.ids) + len(eager), self.max_new, self.extras)
+            async for event in self.control.handoff_stream(
+                    self.room, body, limit, stall_timeout_s=max(self.stall_timeout_s, 0) or None,
+                    first_token_timeout_s=max(self.first_token_timeout_s, 0) or None):
+                # Aborted by rid only once MD runs it: an abort that reaches MD's front end while
+                # the request waits there (SGLang then ignores any later abort of that rid) would
+                # be lost. Before that, closing the handoff stream is the abort (MD's control
+                # API aborts a continuation whose reader went away).
+                self.live_rids.setdefault(rid, self.main_url)
+                finish = event.get("meta_info", {}).get("finish_reason")
+                finished = finish is not None
+                ids = event.get("output_ids", [])
+                if not checked and len(ids) > len(eager):  # MD continues the request, it does not restart it
+                    checked = True
+                    if ids[:len(eager)] != eager:
+                        raise BackendError("MD's output does not start with the eager tokens it was handed "
+                                           "(an MD without the resume contract?)")
+                await self._put_stream_event(lifecycle.MainTokens(len(ids), finish), event)
+            if not finished:
+                raise BackendError("MD stream ended without a finish reason")
+        except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._blame(e)
+            await self.queue.put((lifecycle.MainFailed(str(e)), None))
+
+    def handoff_committed(self) -> None:
+        """MD produced past the cut and owns the request: how long the client waited for it,
+        and MD's room released (MD's cache keeps the prompt)."""
+        self.result.handoff_stall_s = time.perf_counter() - self._handoff_sent_t
+        self.release()
+
+    # ------------------------------------------------------------------ the end
+    def release(self, keep_kv: bool = False, must_finish: bool = True) -> None:
+        """Release MD's room, if MD holds one. ``keep_kv``: the request finished, so KV still
+        in flight is kept on MD (the session's next turn hits it). ``must_finish``: the request
+        ends only once the release landed."""
+        if self.room is not None:
+            self._spawn(self.control.release(self.room, keep_kv=keep_kv), must_finish=must_finish)
+            self.room = None
+
+    # ------------------------------------------------------------------ plumbing
+    def _rid(self, suffix: str) -> str:
+        return f"{self.internal_rid}-{suffix}"
+
+    def _blame(self, error: BaseException) -> None:
+        """MD's own failure (backends.server_at_fault) counts against MD's breaker; any other
+        falls back to RLD and counts against nothing."""
+        if server_at_fault(error):
+            self.result.failed_backends.append(("main", self.main_url))
