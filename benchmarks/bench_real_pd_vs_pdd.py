@@ -840,6 +840,18 @@ def measure_prefill_s_per_token(design: Design, tokens: int = 2000, n: int = 3) 
     return max(1e-7, (large - small) / tokens)
 
 
+def measure_on_same_dc_pd(run_dir: Path, model: str, link, args) -> float:
+    """P's cold prefill time per token, on a same-DC PD started for that alone."""
+    print("measuring P's prefill speed on same-DC PD (not compared in this run) for PDD's router", file=sys.stderr)
+    probe = make_design("same_dc_pd", run_dir, model, link, args)
+    try:
+        probe.start()
+        warm_up(probe, args.request_timeout_s)
+        return measure_prefill_s_per_token(probe)
+    finally:
+        probe.stop()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -882,6 +894,10 @@ def main(argv=None) -> int:
             (out / "breakdown.json").write_text(json.dumps(bd, indent=1))
             print_breakdown(bd)
             return 0
+        if "same_dc_pd" not in designs and any(d in PDD_PATH_MODES for d in designs):
+            # PDD's router counts P's queue and prefill against the TTFT budget at P's speed as
+            # measured on same-DC PD; without it the router counts the WAN alone (another rule)
+            res["prefill_s_per_token"] = measure_on_same_dc_pd(out / "servers", model, link, args)
         n_cells = sum(len(args.rates) * (1 if d == "same_dc_pd" else len(args.links)) for d in designs)
         bar = tqdm(total=n_cells * len(order), desc="requests", unit="req", file=sys.stderr)
         for name in designs:
