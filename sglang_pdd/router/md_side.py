@@ -99,14 +99,20 @@ class MdSide:
             reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
             self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
-            self._blame(e)
+            self._registration_failed(self.room, reg, e)
             self.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, str(e)))
             logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
-            if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
-                self._spawn(self.control.release(self.room), must_finish=True)
-            self.room = None
             return None
         return reg
+
+    def _registration_failed(self, room: int, reg: Optional[RegisterReply], error: BaseException) -> None:
+        """MD holds no room for the request from now on: ``room``, which it may hold (it
+        answered, or its answer could not be verified), is released at once, so its prefix is
+        not locked."""
+        self._blame(error)
+        if reg is not None or isinstance(error, UnverifiedReply):
+            self._spawn(self.control.release(room), must_finish=True)
+        self.room = None
 
     def open_late_room(self) -> int:
         """The room of a request whose P and RLD start before MD registers it: also P's
@@ -148,10 +154,7 @@ class MdSide:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-            self._blame(e)
-            if reg is not None or isinstance(e, UnverifiedReply):  # MD may hold the room: unlock it now
-                self._spawn(self.control.release(room), must_finish=True)
-            self.room = None  # MD holds no room for it
+            self._registration_failed(room, reg, e)
             await self._not_ready(Fallback(Reason.MD_UNAVAILABLE, str(e)))
             return
         if cached != self.result.md_cached_estimate:

@@ -13,7 +13,6 @@ armed only inside ``md_takes_over``, for one request at a time.
 """
 
 import contextlib
-import os
 import threading
 from pathlib import Path
 
