@@ -230,6 +230,20 @@ def _vs(a: dict, b: dict, key: str, target: float) -> str:
     return _pct(a[key] / b[key] - 1)
 
 
+def wan_need(xdc_drc: dict, same_dc: dict, link_gbps: float) -> Optional[dict]:
+    """What the link must carry for every request's KV to reach MD: cross-DC PD + DRC's bytes
+    per request (only the suffix MD lacks crosses, MD's hit as high as one decode tier gets)
+    at the trace's own rate (same-DC PD's offered rate: it has no link to fall behind on).
+    ``max_share``: the most of the requests whose KV the link can carry, fully busy; a router
+    sends no more P->MD than that, whatever its rule."""
+    if not xdc_drc.get("requests") or not xdc_drc.get("wan_gb") or not same_dc.get("offered_rps"):
+        return None
+    gb_per_request = xdc_drc["wan_gb"] / xdc_drc["requests"]
+    gbps = 8 * gb_per_request * same_dc["offered_rps"]
+    return dict(gb_per_request=gb_per_request, offered_rps=same_dc["offered_rps"], gbps=gbps,
+                max_share=min(1.0, link_gbps / gbps))
+
+
 def headline_markdown(d: dict) -> str:
     """The report's metrics beside the sim's, from a headline JSON."""
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
@@ -276,6 +290,12 @@ def headline_markdown(d: dict) -> str:
     if xdc and xdcd and xdcd["wan_gb"] > 0:
         lines.append(f"| DRC bytes (no DRC / DRC) | ~10x | {xdc['wan_gb'] / xdcd['wan_gb']:.1f}x | "
                      f"cross-DC PD {xdc['wan_gb']:.0f} GB vs +DRC {xdcd['wan_gb']:.0f} GB; PDD {pdd['wan_gb']:.0f} GB |")
+    need = wan_need(xdcd, pd, d["wan_gbps"]) if xdcd and pd else None
+    if need:
+        lines.append(f"| WAN for every request's suffix | (not quoted) | {need['gbps']:.1f} Gbps on a {d['wan_gbps']:g} Gbps "
+                     f"link: at most {100 * need['max_share']:.0f}% of requests' KV can cross | cross-DC PD + DRC's "
+                     f"{1e3 * need['gb_per_request']:.0f} MB per request (MD hit {xdcd['mean_md_hit']:.2f}) at the "
+                     f"trace's {need['offered_rps']:.1f} r/s (same-DC PD's) |")
     if pdd:
         lines.append(f"| handoff stall p50 / p99 | (not quoted) | {1e3 * pdd['stall_p50']:.0f} / {1e3 * pdd['stall_p99']:.0f} ms "
                      f"| PDD, requests that switch to MD |")

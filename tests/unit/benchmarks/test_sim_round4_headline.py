@@ -96,3 +96,21 @@ def test_the_headline_names_pdds_path_mode_and_shows_the_other_mode_on_the_same_
     # a result from before the modes was routed relay-first and shows no mode table
     old = headline_markdown(_table({"pdd_drc_adaptive": relay}))
     assert "PDD's path mode relay_first" in old and "| mode |" not in old
+
+
+def test_the_wan_row_says_how_much_of_the_trace_the_link_can_carry():
+    # 100 requests of cross-DC PD + DRC moved 50 GB: 0.5 GB each; at the trace's 10 r/s that
+    # is 40 Gbps, so a 20 Gbps link carries at most half of the requests' KV.
+    xdcd = dict(_run(0.5, 0.97, wan_gb=50.0), mean_md_hit=0.9)
+    t = _table(dict(pdd_drc_adaptive=_run(0.4, 0.99), xdc_pd=_run(9.0, 0.01, 500.0), xdc_pd_drc=xdcd,
+                    pd_same_dc=dict(_run(0.3, 1.0, wan_gb=0.0), offered_rps=10.0)))
+    t["wan_gbps"] = 20.0
+    row = next(ln for ln in headline_markdown(t).splitlines() if ln.startswith("| WAN for every"))
+    assert "40.0 Gbps on a 20 Gbps link: at most 50% of requests' KV can cross" in row
+    assert "500 MB per request (MD hit 0.90) at the trace's 10.0 r/s" in row
+    # a link wider than the need carries every request: the share stops at 100%
+    t["wan_gbps"] = 100.0
+    assert "at most 100% of requests' KV" in headline_markdown(t)
+    # no same-DC PD run (the trace's own rate unknown): no row rather than a guess
+    del t["same_fleet"]["pd_same_dc"]
+    assert "| WAN for every" not in headline_markdown(t)
