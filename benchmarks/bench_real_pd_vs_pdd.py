@@ -50,6 +50,7 @@ import calendar
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -374,13 +375,23 @@ def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
             continue
         prealloc = d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", d.get("prealloc_queue_duration", 0.0))
         ready = d["entry_time"] + prealloc + d.get("transfer_duration", 0.0) + d.get("queue_duration", 0.0) - r.sent_at
-        rows.append({"design": r.design, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
+        rows.append({"design": r.design, "cell": r.cell, "path": r.path, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
                      "p_bootstrap": p.get("bootstrap_duration", p.get("bootstrap_queue_duration", 0.0)),
                      "p_queue": p.get("queue_duration", 0.0), "p_forward": p.get("forward_duration", 0.0),
                      "to_decode": d["entry_time"] - r.sent_at, "d_prealloc": prealloc,
                      "d_transfer": d.get("transfer_duration", 0.0), "d_queue": d.get("queue_duration", 0.0),
                      "after_ready": r.ttft_s - ready})
     return rows
+
+
+def stage_summary(rows: list[dict], tail_share: float = 0.25) -> dict:
+    """Medians of each stage over all rows and over the slowest ``tail_share`` of them by TTFT:
+    which stage a cell's tail spends its time in."""
+    if not rows:
+        return {"matched": 0, "tail_n": 0, "all": {}, "tail": {}}
+    slow = sorted(rows, key=lambda r: r["ttft"], reverse=True)[:max(1, math.ceil(tail_share * len(rows)))]
+    med = lambda rs: {k: float(np.median([r[k] for r in rs])) for k in ("ttft",) + STAGES}
+    return {"matched": len(rows), "tail_n": len(slow), "all": med(rows), "tail": med(slow)}
 
 
 # ----------------------------------------------------------------------------- designs (I/O)
@@ -636,6 +647,32 @@ def print_table(res: dict) -> None:
           f"{eq['mismatches']} differ" + (f" (first: {eq['examples'][0]})" if eq["examples"] else ""))
 
 
+def add_stages(res: dict, design: str, records: list[Record], stats: list[dict]) -> None:
+    """Each of ``design``'s cells gets the stage split of its requests whose first token came
+    the PD way (PD designs, PDD's P->MD): a relayed request's first token comes from RLD, which
+    the decode-side time stats do not tell apart from MD's."""
+    rows = [r for r in ttft_stages(records, stats) if r["path"] in ("", "p_md")]
+    key_of = {r.cell: cell_key(design, r.link_mbit, r.rate) for r in records}
+    for cell, key in key_of.items():
+        if key in res["cells"]:
+            res["cells"][key]["stages"] = stage_summary([r for r in rows if r["cell"] == cell])
+
+
+def print_stages(res: dict) -> None:
+    print("\n== Where the time to first token goes (PD and P->MD requests; medians in ms, over the slowest "
+          "quarter of each cell / over all)")
+    head = " ".join(f"{k:>11}" for k in STAGES)
+    print(f"{'link':>5} {'rate':>5} {'design':<36} {'matched':>7} {'TTFT':>9} {head}")
+    for key, c in res["cells"].items():
+        st = c.get("stages")
+        if not st or not st["matched"]:
+            continue
+        design, link, rate = key.split("|")
+        both = lambda k: f"{fmt_ms(st['tail'][k])}/{fmt_ms(st['all'][k])}"
+        print(f"{link:>5} {rate:>5} {LABELS[design]:<36} {st['matched']:>7} {both('ttft'):>9} "
+              + " ".join(f"{both(k):>11}" for k in STAGES))
+
+
 def cell_key(design: str, link: float, rate: float) -> str:
     return f"{design}|{link:g}|{rate:g}"
 
@@ -672,6 +709,52 @@ def plot(res: dict, path: Path) -> None:
     ax[1][0].legend(fontsize=7)
     fig.suptitle("PDD vs SGLang's own PD, real servers, datacenter B behind one shaped link (tiny model, 2 CPU cores)",
                  fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def spread_by_seed(runs: list[dict], link: float) -> dict:
+    """TTFT p90 of every run's cell on ``link``: {seed: {design: {rate: [p90 s, one per run]}}}."""
+    out: dict = {}
+    for res in runs:
+        seed = res["args"].get("seed", 0)
+        for key, c in res["cells"].items():
+            design, cell_link, rate = key.split("|")
+            if float(cell_link) == link and c.get("ttft_p90") is not None:
+                out.setdefault(seed, {}).setdefault(design, {}).setdefault(float(rate), []).append(c["ttft_p90"])
+    return out
+
+
+def plot_spread(runs: list[dict], link: float, path: Path) -> None:
+    """One panel per seed: each run's TTFT p90 per design and rate as a dot, the median of the
+    runs as a line, so a difference is read against the spread between runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spread = spread_by_seed(runs, link)
+    seeds = sorted(spread)
+    fig, ax = plt.subplots(1, len(seeds), figsize=(4.4 * len(seeds), 3.8), squeeze=False, sharey=True)
+    for col, seed in enumerate(seeds):
+        a = ax[0][col]
+        for design, by_rate in spread[seed].items():
+            rates = sorted(by_rate)
+            for rate in rates:
+                a.scatter([rate] * len(by_rate[rate]), [1e3 * v for v in by_rate[rate]], color=COLORS[design], s=14,
+                          alpha=0.6)
+            a.plot(rates, [1e3 * float(np.median(by_rate[r])) for r in rates], color=COLORS[design],
+                   label=LABELS[design], marker="o" if design in PDD_PATH_MODES else None)
+        runs_here = max(len(v) for d in spread[seed].values() for v in d.values())
+        a.set_title(f"seed {seed}: {runs_here} runs, dots = runs, line = median", fontsize=9)
+        a.set_yscale("log")
+        a.set_xlabel("request rate (req/s, Poisson)")
+        a.axhline(runs[0]["args"]["sla_ttft_ms"], color="k", linewidth=0.6, linestyle=":")
+    ax[0][0].set_ylabel("TTFT p90 (ms, log)")
+    ax[0][0].legend(fontsize=7)
+    fig.suptitle(f"TTFT p90 across reruns, real servers, {link:g} Mbit/s link (tiny model, 2 CPU cores)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -784,6 +867,12 @@ def parse_args(argv=None):
     ap.add_argument("--ttft-breakdown", action="store_true",
                     help="instead of the comparison: where same-DC PD's and PDD's time to first token goes, at the "
                          "first rate and link (servers log their own time stats)")
+    ap.add_argument("--spread-of", nargs="+", metavar="RESULTS_JSON",
+                    help="instead of running: draw the TTFT p90 of these runs' cells on the first --links rate, a "
+                         "panel per seed, to --plot")
+    ap.add_argument("--time-stats", action="store_true",
+                    help="servers log their time stats; each cell's TTFT of P->MD (and PD) requests is split into "
+                         "stages, over all of them and over the slowest quarter")
     ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS))
     ap.add_argument("--links", type=float, nargs="+", default=[200.0, 40.0, 10.0], metavar="MBIT",
                     help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "
@@ -858,6 +947,12 @@ def main(argv=None) -> int:
     from sglang_pdd.launcher.cluster import default_model_path
     from sglang_pdd.launcher.netns import link_or_fallback
 
+    if args.spread_of:
+        if not args.plot:
+            raise SystemExit("--spread-of draws to --plot PNG")
+        plot_spread([json.loads(Path(p).read_text()) for p in args.spread_of], args.links[0], Path(args.plot))
+        print(f"wrote {args.plot}")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = Path(args.plot) if args.plot else (out / "real_pd_vs_pdd.png" if args.quick
@@ -902,6 +997,9 @@ def main(argv=None) -> int:
         bar = tqdm(total=n_cells * len(order), desc="requests", unit="req", file=sys.stderr)
         for name in designs:
             design = make_design(name, out / "servers", model, link, args, res.get("prefill_s_per_token"))
+            if args.time_stats:
+                design.server_args = ["--enable-request-time-stats-logging"]
+            design_recs: list[Record] = []
             bar.set_postfix_str(f"{name}: starting servers")
             try:
                 design.start()
@@ -928,9 +1026,12 @@ def main(argv=None) -> int:
                             recs, rate, args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3,
                             (after[0] - before[0], after[1] - before[1]), wall) | cores
                         records += recs
+                        design_recs += recs
             finally:
                 bar.set_postfix_str(f"{name}: stopping")
                 design.stop()
+            if args.time_stats:
+                add_stages(res, name, design_recs, parse_time_stats(server_logs(design)))
         bar.close()
     res["wall_s"] = time.time() - t_start
     kv = kv_bytes_per_token(model)
@@ -947,6 +1048,8 @@ def main(argv=None) -> int:
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
     print_table(res)
+    if args.time_stats:
+        print_stages(res)
     plot(res, plot_path)
     print(f"\nwall {res['wall_s'] / 60:.1f} min; wrote {out / 'results.json'}, {out / 'requests.jsonl'}, {plot_path}")
     bad = res["equality"]["mismatches"] or any(c["errors"] or c["completion_mismatch"] for c in res["cells"].values())

@@ -8,7 +8,8 @@ from benchmarks.bench_agentic import Job, Turn, WorkloadConfig, build_jobs
 from benchmarks.bench_real_pd_vs_pdd import (STAGES, Record, Slot, annotate_from_router_log, compare_outputs,
                                              dispatch_order, ideal_hit_per_request, meets_sla, parse_args,
                                              parse_router_requests, parse_time_stats, poisson_arrivals,
-                                             summarize_cell, token_timing, ttft_stages, workload)
+                                             add_stages, cell_key, spread_by_seed, stage_summary, summarize_cell, token_timing,
+                                             ttft_stages, workload)
 
 
 def session(index, turns, system=0):
@@ -129,6 +130,41 @@ def test_ttft_is_split_into_stages_from_the_send():
     # ready to decode at 0.02 + 0.004 + 0.040 + 0.005 after the send: the rest of the 100 ms TTFT
     assert row["after_ready"] == pytest.approx(0.1 - 0.069)
     assert set(STAGES) <= set(row)
+
+
+def stage_row(ttft, p_forward, d_transfer):
+    row = {k: 0.0 for k in STAGES}
+    return row | {"ttft": ttft, "p_forward": p_forward, "d_transfer": d_transfer}
+
+
+def test_stage_summary_names_where_the_slowest_quarter_waits():
+    rows = [stage_row(0.05, 0.03, 0.01) for _ in range(6)] + [stage_row(0.8, 0.03, 0.7), stage_row(0.6, 0.04, 0.5)]
+    s = stage_summary(rows)
+    assert s["matched"] == 8 and s["tail_n"] == 2
+    assert s["tail"]["d_transfer"] == pytest.approx(0.6) and s["all"]["d_transfer"] == pytest.approx(0.01)
+    assert s["tail"]["ttft"] == pytest.approx(0.7)
+    assert stage_summary([])["matched"] == 0
+
+
+def test_stages_go_to_their_cell_and_leave_relayed_requests_out():
+    relayed = rec("pdd", ttft=0.1, cell="l0r1s0")
+    relayed.rate, relayed.path, relayed.prompt_tokens, relayed.sent_at = 2.5, "p_rld_md", 300, 999.99
+    direct = rec("pdd", ttft=0.1, cell="l0r0s0")
+    direct.path, direct.prompt_tokens, direct.sent_at = "p_md", 300, 1000.0
+    res = {"cells": {cell_key("pdd", 10, 1): {}, cell_key("pdd", 10, 2.5): {}}}
+    stats = parse_time_stats([PREFILL_LINE, DECODE_LINE, PREFILL_LINE.replace("77", "78").replace("1000.010", "1000.005"),
+                              DECODE_LINE.replace("77", "78")])
+    add_stages(res, "pdd", [relayed, direct], stats)
+    assert res["cells"][cell_key("pdd", 10, 1)]["stages"]["matched"] == 1
+    assert res["cells"][cell_key("pdd", 10, 2.5)]["stages"]["matched"] == 0
+
+
+def test_spread_gathers_each_runs_p90_by_seed_design_and_rate_on_one_link():
+    run = lambda seed, p90: {"args": {"seed": seed}, "cells": {
+        cell_key("pdd", 200, 5): {"ttft_p90": p90}, cell_key("pdd", 10, 5): {"ttft_p90": 9.0},
+        cell_key("cross_dc_pd", 200, 5): {"ttft_p90": None}}}
+    spread = spread_by_seed([run(2, 0.4), run(2, 0.2), run(0, 0.1)], 200)
+    assert spread == {2: {"pdd": {5.0: [0.4, 0.2]}}, 0: {"pdd": {5.0: [0.1]}}}
 
 
 def test_router_log_lines_annotate_requests_by_length_and_end_time():
