@@ -355,13 +355,30 @@ def parse_time_stats(lines) -> list[dict]:
     return out
 
 
+def _decode_prealloc(d: dict) -> float:
+    return d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", d.get("prealloc_queue_duration", 0.0))
+
+
+def _decode_ready_at(d: dict) -> float:
+    """When a decode-side request could take its first decode step (wall clock)."""
+    return d["entry_time"] + _decode_prealloc(d) + d.get("transfer_duration", 0.0) + d.get("queue_duration", 0.0)
+
+
 def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
     """Each completed request's TTFT split into STAGES (seconds). A request is matched to the
     prefill server's line with its prompt length that entered soonest after it was sent, and
-    that to the decode side's line with the same bootstrap room; unmatched ones are left out."""
+    that to the decode side's line with the same bootstrap room (where two decode it, the one
+    ready first); unmatched ones are left out."""
     prefill = sorted((p for p in stats if p.get("type") == "prefill" and "entry_time" in p),
                      key=lambda p: p["entry_time"])
-    decode = {d["bootstrap_room"]: d for d in stats if d.get("type") == "decode" and d.get("bootstrap_room") is not None}
+    # PDD's RLD and MD decode the same room (RLD bridges the first token, MD takes over): the
+    # user's first token is the side ready first
+    decode: dict = {}
+    for d in stats:
+        if d.get("type") == "decode" and d.get("bootstrap_room") is not None and "entry_time" in d:
+            room = d["bootstrap_room"]
+            if room not in decode or _decode_ready_at(d) < _decode_ready_at(decode[room]):
+                decode[room] = d
     used, rows = set(), []
     for r in sorted((r for r in records if r.error is None and r.ttft_s is not None), key=lambda r: r.sent_at):
         cands = [i for i, p in enumerate(prefill) if i not in used and p.get("input_len") == r.prompt_tokens
@@ -371,11 +388,11 @@ def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
         i = min(cands, key=lambda i: prefill[i]["entry_time"] - r.sent_at)
         used.add(i)
         p, d = prefill[i], decode.get(prefill[i].get("bootstrap_room"))
-        if d is None or "entry_time" not in d:
+        if d is None:
             continue
-        prealloc = d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", d.get("prealloc_queue_duration", 0.0))
-        ready = d["entry_time"] + prealloc + d.get("transfer_duration", 0.0) + d.get("queue_duration", 0.0) - r.sent_at
-        rows.append({"design": r.design, "cell": r.cell, "path": r.path, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
+        prealloc = _decode_prealloc(d)
+        ready = _decode_ready_at(d) - r.sent_at
+        rows.append({"design": r.design, "cell": r.cell, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
                      "p_bootstrap": p.get("bootstrap_duration", p.get("bootstrap_queue_duration", 0.0)),
                      "p_queue": p.get("queue_duration", 0.0), "p_forward": p.get("forward_duration", 0.0),
                      "to_decode": d["entry_time"] - r.sent_at, "d_prealloc": prealloc,
@@ -648,10 +665,8 @@ def print_table(res: dict) -> None:
 
 
 def add_stages(res: dict, design: str, records: list[Record], stats: list[dict]) -> None:
-    """Each of ``design``'s cells gets the stage split of its requests whose first token came
-    the PD way (PD designs, PDD's P->MD): a relayed request's first token comes from RLD, which
-    the decode-side time stats do not tell apart from MD's."""
-    rows = [r for r in ttft_stages(records, stats) if r["path"] in ("", "p_md")]
+    """Each of ``design``'s cells gets the stage split of its requests (ttft_stages)."""
+    rows = ttft_stages(records, stats)
     key_of = {r.cell: cell_key(design, r.link_mbit, r.rate) for r in records}
     for cell, key in key_of.items():
         if key in res["cells"]:
@@ -659,8 +674,8 @@ def add_stages(res: dict, design: str, records: list[Record], stats: list[dict])
 
 
 def print_stages(res: dict) -> None:
-    print("\n== Where the time to first token goes (PD and P->MD requests; medians in ms, over the slowest "
-          "quarter of each cell / over all)")
+    print("\n== Where the time to first token goes (medians in ms, over the slowest quarter of each cell / over "
+          "all; the decode side is the one that gave the first token: PDD's RLD)")
     head = " ".join(f"{k:>11}" for k in STAGES)
     print(f"{'link':>5} {'rate':>5} {'design':<36} {'matched':>7} {'TTFT':>9} {head}")
     for key, c in res["cells"].items():
@@ -871,8 +886,8 @@ def parse_args(argv=None):
                     help="instead of running: draw the TTFT p90 of these runs' cells on the first --links rate, a "
                          "panel per seed, to --plot")
     ap.add_argument("--time-stats", action="store_true",
-                    help="servers log their time stats; each cell's TTFT of P->MD (and PD) requests is split into "
-                         "stages, over all of them and over the slowest quarter")
+                    help="servers log their time stats; each cell's TTFT is split into stages, over all requests "
+                         "and over the slowest quarter")
     ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS))
     ap.add_argument("--links", type=float, nargs="+", default=[200.0, 40.0, 10.0], metavar="MBIT",
                     help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "

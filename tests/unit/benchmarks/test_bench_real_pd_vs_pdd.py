@@ -146,17 +146,27 @@ def test_stage_summary_names_where_the_slowest_quarter_waits():
     assert stage_summary([])["matched"] == 0
 
 
-def test_stages_go_to_their_cell_and_leave_relayed_requests_out():
-    relayed = rec("pdd", ttft=0.1, cell="l0r1s0")
-    relayed.rate, relayed.path, relayed.prompt_tokens, relayed.sent_at = 2.5, "p_rld_md", 300, 999.99
-    direct = rec("pdd", ttft=0.1, cell="l0r0s0")
-    direct.path, direct.prompt_tokens, direct.sent_at = "p_md", 300, 1000.0
+def test_stages_go_to_their_cell():
+    first = rec("pdd", ttft=0.1, cell="l0r1s0")
+    first.rate, first.prompt_tokens, first.sent_at = 2.5, 300, 999.99
+    second = rec("pdd", ttft=0.1, cell="l0r0s0")
+    second.prompt_tokens, second.sent_at = 300, 1000.0
     res = {"cells": {cell_key("pdd", 10, 1): {}, cell_key("pdd", 10, 2.5): {}}}
     stats = parse_time_stats([PREFILL_LINE, DECODE_LINE, PREFILL_LINE.replace("77", "78").replace("1000.010", "1000.005"),
                               DECODE_LINE.replace("77", "78")])
-    add_stages(res, "pdd", [relayed, direct], stats)
+    add_stages(res, "pdd", [first, second], stats)
     assert res["cells"][cell_key("pdd", 10, 1)]["stages"]["matched"] == 1
-    assert res["cells"][cell_key("pdd", 10, 2.5)]["stages"]["matched"] == 0
+    assert res["cells"][cell_key("pdd", 10, 2.5)]["stages"]["matched"] == 1
+
+
+def test_where_two_decode_sides_share_a_room_the_first_token_is_the_one_ready_first():
+    r = rec("pdd", ttft=0.1)
+    r.prompt_tokens, r.sent_at = 300, 1000.0
+    # RLD (ready at 0.069 after the send, DECODE_LINE) and MD (its KV 0.5 s over the WAN), MD's line last
+    md = DECODE_LINE.replace("transfer_duration=40.00ms", "transfer_duration=500.00ms")
+    for lines in ([PREFILL_LINE, DECODE_LINE, md], [PREFILL_LINE, md, DECODE_LINE]):
+        (row,) = ttft_stages([r], parse_time_stats(lines))
+        assert row["d_transfer"] == pytest.approx(0.04)
 
 
 def test_spread_gathers_each_runs_p90_by_seed_design_and_rate_on_one_link():
