@@ -14,12 +14,13 @@ mix meets the target when its SLA attainment reaches it **over the whole run and
 last tenth of arrivals** (`Summary.tail_sla_attainment`): a backlog that builds up late in
 the trace would otherwise hide in the overall percentage.
 
-For each RLD count: bisect the fewest P that meet the target with the most MD, then for each
-P count from there, bisect the fewest MD (meeting the target rises with MD count), and stop
-adding P once P alone costs more than the cheapest mix found. That assumes more P and more
-MD never hurt, which holds in these runs up to placement noise; when the cheapest mix sits
-on an edge of a range, `SizingResult.edges` says which (a wider range may hold a cheaper
-mix). Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.
+For each RLD count: bisect the fewest P that meet the target with some MD count, then for
+each P count from there, count MD up from one to the first that meets it, and stop adding P
+once P alone costs more than the cheapest mix found. That assumes more P never hurts; more
+MD can (at the report's scale on a 50 Gbps WAN, P5/R1/M3 met the target and P5/R1/M6 did
+not: the router's affinity escape spreads turns over MDs without their prefix), so MD's
+count is never bisected. When the cheapest mix sits on an edge of a range,
+`SizingResult.edges` says which (a wider range may hold a cheaper mix). Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.
 cost_per_hour). Instances are TP groups of the presets' size (hardware.instance_chips);
 `hardware.smallest_group` is the least a group can be (an RLD may use it: --rld-chips).
 
@@ -123,30 +124,40 @@ def size_cluster(
     def ok(n_p: int, n_rld: int, n_md: int) -> bool:
         return meets(attempt(n_p, n_rld, n_md), target_attainment)
 
+    def fewest_md(n_p: int, n_rld: int) -> Optional[int]:
+        """The fewest MD (D) that meet the target at these counts, counted up from one: the
+        attainment is not monotone in MD's count (with more MDs the router's affinity escape
+        sends more turns to an MD without their prefix, so more bytes cross the WAN), so
+        neither a bisection nor a probe at the most MD finds it. Stops once the mix would
+        cost more than the cheapest found."""
+        for n_md in range(1, md_max + 1):
+            if best is not None and with_counts(base, n_p, n_rld, n_md).cost_per_hour >= best.cost_per_hour:
+                return None
+            if ok(n_p, n_rld, n_md):
+                return n_md
+        return None
+
+    def can_meet(n_p: int, n_rld: int) -> bool:
+        return any(ok(n_p, n_rld, n_md) for n_md in range(1, md_max + 1))
+
     for n_rld in rlds:
-        # the fewest P that can meet the target (with the most MD)
+        # the fewest P that meet the target with some MD count (more P never hurts)
         lo, hi = 0, len(prefill_range)
         while lo < hi:
             mid = (lo + hi) // 2
-            if ok(prefill_range[mid], n_rld, md_max):
+            if can_meet(prefill_range[mid], n_rld):
                 hi = mid
             else:
                 lo = mid + 1
         for n_p in prefill_range[lo:]:
             if best is not None and with_counts(base, n_p, n_rld, 1).cost_per_hour >= best.cost_per_hour:
                 break  # more P alone already costs more than the cheapest mix
-            if not ok(n_p, n_rld, md_max):
+            n_md = fewest_md(n_p, n_rld)
+            if n_md is None:
                 continue
-            m_lo, m_hi = 1, md_max
-            while m_lo < m_hi:
-                mid = (m_lo + m_hi) // 2
-                if ok(n_p, n_rld, mid):
-                    m_hi = mid
-                else:
-                    m_lo = mid + 1
-            cfg = with_counts(base, n_p, n_rld, m_lo)
+            cfg = with_counts(base, n_p, n_rld, n_md)
             if best is None or cfg.cost_per_hour < best.cost_per_hour:
-                best = SizingResult(n_p, n_rld, m_lo, cfg.cost_per_hour, attempt(n_p, n_rld, m_lo))
+                best = SizingResult(n_p, n_rld, n_md, cfg.cost_per_hour, attempt(n_p, n_rld, n_md))
     if best is not None:
         name = "md" if base.kind == "pdd" else "d"
         best = SizingResult(best.n_prefill, best.n_rld, best.n_md, best.cost_per_hour, best.summary,

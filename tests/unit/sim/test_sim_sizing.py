@@ -89,3 +89,21 @@ def test_equal_costs_are_a_tie_not_a_baseline_win():
     dearer = verdict("xdc_pd_drc", "cross-DC PD + DRC", base, SimpleNamespace(cost_per_hour=115.8, n_rld=1), "90%")
     cheaper = verdict("xdc_pd_drc", "cross-DC PD + DRC", base, SimpleNamespace(cost_per_hour=55.8, n_rld=1), "90%")
     assert (dearer.winner, cheaper.winner) == ("baseline", "pdd")
+
+
+def test_a_fleet_that_fails_with_more_md_does_not_hide_a_cheaper_one_with_fewer(monkeypatch):
+    """Attainment is not monotone in MD's count: MD's affinity escape sends more turns to a
+    less loaded MD that lacks their prefix when there are more MDs, so more bytes cross the
+    WAN (the report's scale at 50 Gbps: P5/R1/M3 99.9%, P5/R1/M6 88.8%). A search that probes
+    each P at the most MD, or bisects MD's count, misses the cheaper mix."""
+    import sglang_pdd.sim.sizing as sizing
+
+    summary = replace(run_scenario(with_counts(_pd(), 2, 0, 2), TRACE[:20], SLA), requests=len(TRACE))
+
+    def fake_run(cfg, *args, **kwargs):
+        attainment = 0.99 if cfg.n_prefill >= 5 and 2 <= cfg.n_md <= 3 else 0.5
+        return replace(summary, sla_attainment=attainment, tail_sla_attainment=attainment)
+
+    monkeypatch.setattr(sizing, "run_scenario", fake_run)
+    best = size_cluster(_pd(), TRACE, SLA, 0.9, range(3, 9), [0], md_max=6)
+    assert best is not None and (best.n_prefill, best.n_md) == (5, 2)
