@@ -19,9 +19,9 @@ each P count from there, count MD up from one to the first that meets it, and st
 once P alone costs more than the cheapest mix found. That assumes more P never hurts; more
 MD can (at the report's scale on a 50 Gbps WAN, P5/R1/M3 met the target and P5/R1/M6 did
 not: the router's affinity escape spreads turns over MDs without their prefix), so MD's
-count is never bisected. When the cheapest mix sits on an edge of a range,
-`SizingResult.edges` says which (a wider range may hold a cheaper mix). Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.
-cost_per_hour). Instances are TP groups of the presets' size (hardware.instance_chips);
+count is never bisected (the price: about twice the runs). When the cheapest mix sits on an
+edge of a range, `SizingResult.edges` says which (a wider range may hold a cheaper mix).
+Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.cost_per_hour). Instances are TP groups of the presets' size (hardware.instance_chips);
 `hardware.smallest_group` is the least a group can be (an RLD may use it: --rld-chips).
 
 `size_designs` sizes PDD and every baseline (scenarios.BASELINES) on the same trace and
@@ -125,11 +125,9 @@ def size_cluster(
         return meets(attempt(n_p, n_rld, n_md), target_attainment)
 
     def fewest_md(n_p: int, n_rld: int) -> Optional[int]:
-        """The fewest MD (D) that meet the target at these counts, counted up from one: the
-        attainment is not monotone in MD's count (with more MDs the router's affinity escape
-        sends more turns to an MD without their prefix, so more bytes cross the WAN), so
-        neither a bisection nor a probe at the most MD finds it. Stops once the mix would
-        cost more than the cheapest found."""
+        """The fewest MD (D) that meet the target at these counts, counted up from one (not
+        monotone: the module's note), or None; stops once the mix would cost more than the
+        cheapest found."""
         for n_md in range(1, md_max + 1):
             if best is not None and with_counts(base, n_p, n_rld, n_md).cost_per_hour >= best.cost_per_hour:
                 return None
