@@ -331,6 +331,9 @@ STAGES = ("to_prefill", "p_bootstrap", "p_queue", "p_forward", "to_decode", "d_p
           "after_ready")
 
 
+TIME_STATS_ARGS = ["--enable-request-time-stats-logging"]  # the servers log the lines below
+
+
 def parse_time_stats(lines) -> list[dict]:
     """SGLang's ReqTimeStats log lines: head fields (rid, bootstrap_room, input_len, type, ...)
     and durations (seconds), entry_time (wall clock)."""
@@ -819,7 +822,7 @@ def run_breakdown(args, link, model: str, out: Path) -> dict:
         records.extend(recs)
 
     sglang = SglangPdDesign("same_dc_pd", out / "breakdown", model, link, cross_dc=False, radix=False)
-    sglang.server_args = ["--enable-request-time-stats-logging"]
+    sglang.server_args = TIME_STATS_ARGS
     try:
         sglang.start()
         warm_up(sglang, args.request_timeout_s)
@@ -831,7 +834,7 @@ def run_breakdown(args, link, model: str, out: Path) -> dict:
     finally:
         sglang.stop()
     pdd = PddDesign(out / "breakdown", model, link, pdd_router_args(args), link_mbit)
-    pdd.server_args = ["--enable-request-time-stats-logging"]
+    pdd.server_args = TIME_STATS_ARGS
     try:
         pdd.start()
         pdd.set_link(link_mbit)
@@ -1013,8 +1016,7 @@ def main(argv=None) -> int:
         for name in designs:
             design = make_design(name, out / "servers", model, link, args, res.get("prefill_s_per_token"))
             if args.time_stats:
-                design.server_args = ["--enable-request-time-stats-logging"]
-            design_recs: list[Record] = []
+                design.server_args = TIME_STATS_ARGS
             bar.set_postfix_str(f"{name}: starting servers")
             try:
                 design.start()
@@ -1041,12 +1043,11 @@ def main(argv=None) -> int:
                             recs, rate, args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3,
                             (after[0] - before[0], after[1] - before[1]), wall) | cores
                         records += recs
-                        design_recs += recs
             finally:
                 bar.set_postfix_str(f"{name}: stopping")
                 design.stop()
             if args.time_stats:
-                add_stages(res, name, design_recs, parse_time_stats(server_logs(design)))
+                add_stages(res, name, [r for r in records if r.design == name], parse_time_stats(server_logs(design)))
         bar.close()
     res["wall_s"] = time.time() - t_start
     kv = kv_bytes_per_token(model)

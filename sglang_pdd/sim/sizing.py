@@ -21,7 +21,8 @@ MD can (at the report's scale on a 50 Gbps WAN, P5/R1/M3 met the target and P5/R
 not: the router's affinity escape spreads turns over MDs without their prefix), so MD's
 count is never bisected (the price: about twice the runs). When the cheapest mix sits on an
 edge of a range, `SizingResult.edges` says which (a wider range may hold a cheaper mix).
-Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.cost_per_hour). Instances are TP groups of the presets' size (hardware.instance_chips);
+Costs include the WAN's lease for a cross-datacenter design (ScenarioConfig.cost_per_hour).
+Instances are TP groups of the presets' size (hardware.instance_chips);
 `hardware.smallest_group` is the least a group can be (an RLD may use it: --rld-chips).
 
 `size_designs` sizes PDD and every baseline (scenarios.BASELINES) on the same trace and
