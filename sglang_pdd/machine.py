@@ -18,6 +18,10 @@ This module holds the parts that are the same for every machine:
   (``IGNORE``: nothing changes), any other is illegal. A ``guard`` refuses events before the
   table sees them. ``actions`` lists the action types the machine produces, so that a
   ``Driver`` can check it performs every one.
+* ``Row`` and ``rows_table(rows, error)``: a table written as rows, one a legal
+  ``(status, event type)`` pair, each with its guard (why the event is illegal there after all)
+  and the statuses it may lead to; ``diagram(rows)`` prints the rows as text or mermaid, so a
+  machine's picture is read from the table it runs on.
 * ``Driver``: the one way an owner performs a machine's actions: a table of action type ->
   the owner's function; ``step`` advances the holder's state and performs what came out.
 * ``fold(transition, state, *events)``: the state after the events and every action, in
@@ -30,7 +34,8 @@ are passed to every handler unchanged.
 from __future__ import annotations
 
 import typing
-from typing import Any, Callable, Collection, Mapping, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional, TypeVar
 
 S = TypeVar("S")
 Result = tuple  # (state, list of actions)
@@ -70,8 +75,8 @@ def table_machine(handlers: Mapping[Any, Handler], *, error: type[IllegalTransit
     taken first, then the event type's; a known event with neither in the current status is
     illegal there (``illegal(state, event)`` words the error; by default "<event> while the
     <noun> is <status>"). While the status is one of ``terminal`` the machine has ended, and
-    only the events of ``after_end`` are legal (their handler runs: IGNORE for those that
-    change nothing). ``guard(state, event)`` may raise ``error`` before a live state's handler
+    only a pair's row for that status or the events of ``after_end`` are legal (their handler
+    runs: IGNORE for those that change nothing). ``guard(state, event)`` may raise ``error`` before a live state's handler
     runs. Every illegal or unknown event raises ``error``; handlers raise it too for events
     illegal in the state they see. ``actions``: the machine's action types (a tuple, one
     class or a Union), read by ``Driver``.
@@ -96,7 +101,7 @@ def table_machine(handlers: Mapping[Any, Handler], *, error: type[IllegalTransit
             raise error(f"unknown event {event!r}")
         where = getattr(state, status) if ended or by_status else None
         if ended and where in ended:
-            handler = late.get(kind)
+            handler = (by_status and table.get((where, kind))) or late.get(kind)
             if handler is None:
                 raise error(f"{kind.__name__} after the {noun} ended ({label(where)})")
             return handler(state, event, *context)
@@ -112,6 +117,76 @@ def table_machine(handlers: Mapping[Any, Handler], *, error: type[IllegalTransit
     transition.terminal = ended
     transition.actions = frozenset(typing.get_args(actions) or (actions if isinstance(actions, tuple) else (actions,)))
     return transition
+
+
+@dataclass(frozen=True)
+class Row:
+    """One legal ``(status, event)`` pair of a machine: ``handler`` makes the move, to one of
+    ``to`` (the statuses it may lead to, for the diagram and the tests that hold it to them);
+    ``guard(state, event)``, where there is one, says why the event is illegal in this status
+    after all (a string; None: it is legal). ``note`` says what the row does, in a few words."""
+    status: Any
+    event: type
+    to: tuple
+    handler: Handler
+    guard: Optional[Callable[[Any, Any], Optional[str]]] = None
+    note: str = ""
+
+
+def _guarded(row: Row, error: type[IllegalTransition]) -> Handler:
+    guard, handler = row.guard, row.handler
+
+    def run(state, event, *context):
+        why = guard(state, event)
+        if why is not None:
+            raise error(why)
+        return handler(state, event, *context)
+
+    run.row = row
+    return run
+
+
+def rows_table(rows: Iterable[Row], error: type[IllegalTransition] = IllegalTransition) -> dict:
+    """``table_machine``'s handlers from ``rows``: each row's handler behind its guard. Two rows
+    for one pair are a ``ValueError``."""
+    table: dict = {}
+    for row in rows:
+        key = (row.status, row.event)
+        if key in table:
+            raise ValueError(f"two rows for ({label(row.status)}, {row.event.__name__})")
+        table[key] = row.handler if row.guard is None else _guarded(row, error)
+    return table
+
+
+def _guard_words(row: Row) -> str:
+    doc = (row.guard.__doc__ or row.guard.__name__) if row.guard is not None else ""
+    return doc.strip().splitlines()[0].rstrip(".") if doc else ""
+
+
+def diagram(rows: Iterable[Row], *, mermaid: bool = False) -> str:
+    """The rows as a picture: one line a row, ``status --Event [guard]--> to | to: note``, or
+    with ``mermaid`` a ``stateDiagram-v2`` with one arrow per (row, status it may lead to)."""
+    rows = list(rows)
+    if mermaid:
+        lines = ["stateDiagram-v2"]
+        for row in rows:
+            guard = _guard_words(row)
+            text = row.event.__name__ + (f" [{guard}]" if guard else "")
+            lines += [f"    {label(row.status)} --> {label(to)}: {text}" for to in row.to]
+        return "\n".join(lines) + "\n"
+    width = max(len(label(row.status)) for row in rows)
+    events = max(len(row.event.__name__) for row in rows)
+    lines = []
+    for row in rows:
+        guard = _guard_words(row)
+        to = " | ".join(label(t) for t in row.to)
+        line = f"{label(row.status):<{width}}  {row.event.__name__:<{events}}  -> {to}"
+        if guard:
+            line += f"  [{guard}]"
+        if row.note:
+            line += f"  {row.note}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def nothing(holder: Any, action: Any, *about: Any) -> None:

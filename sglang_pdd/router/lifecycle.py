@@ -5,13 +5,10 @@ is decided; router/flow.py is the I/O shell that turns backend replies into even
 in one at a time (one queue, so the order of events is the order of decisions) and performs
 the actions. Token contents live in handoff/stitcher.py; this module only counts positions.
 
-Phases::
-
-    STARTING ──PathChosen──▶ RELAY ──CutReady──▶ HANDING_OFF ──MainTokens(new)──▶ MAIN
-                               ▲  ▲                   │                              │
-                               │  └── MainFailed ─────┘ (RLD's buffered tokens flow)  │
-                               └──────────── Recover (new relay leg) ◀── MainFailed ──┘
-    every phase ──finish / error / Timeout / ClientDisconnected──▶ DONE | FAILED | CLOSED
+Phases: STARTING -> RELAY -> HANDING_OFF -> MAIN (a failed MD brings the request back to
+RELAY, on a new relay leg where needed), ended DONE | FAILED | CLOSED. ``ROWS`` below is the
+whole table, one legal (phase, event) pair a row with its guard and the phases it may lead
+to; ``python -m sglang_pdd.router.lifecycle [--mermaid]`` prints it (docs/router.md holds it).
 
 Orthogonal to the phase, MD's room: NONE (no MD for this request) -> PENDING -> READY | FAILED;
 and P's WAN destination where P learns it after its leg started (P's control API): NONE ->
@@ -68,7 +65,8 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from sglang_pdd.handoff.policy import HandoffConfig, next_catch_up_batch
-from sglang_pdd.machine import IllegalTransition, table_machine
+from sglang_pdd.machine import IGNORE, IllegalTransition, Row, rows_table, table_machine
+from sglang_pdd.machine import diagram as machine_diagram
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.policy import Path
 
@@ -383,8 +381,6 @@ Result = tuple[RequestState, list]
 
 
 def _path_chosen(s: RequestState, e: PathChosen) -> Result:
-    if s.phase is not RequestPhase.STARTING:
-        raise IllegalRequestEvent("the path was already chosen")
     with_md = e.path is not Path.P_RLD_ONLY
     late = with_md and bool(e.late_destination)
     s = _replace(s, phase=RequestPhase.RELAY, leg=1, md=Md.PENDING if with_md else Md.NONE)
@@ -397,10 +393,8 @@ def _path_chosen(s: RequestState, e: PathChosen) -> Result:
 
 
 def _relay_tokens(s: RequestState, e: RelayTokens) -> Result:
-    if e.leg > s.leg or e.leg < 1:
-        raise IllegalRequestEvent(f"tokens from relay leg {e.leg}, only {s.leg} started")
-    if e.leg < s.leg or s.phase is RequestPhase.MAIN:
-        return s, []  # a superseded leg, or MD owns the stream (RLD is being aborted)
+    if e.leg < s.leg:
+        return s, []  # a superseded leg
     if e.produced < s.relay_produced:
         raise IllegalRequestEvent(f"relay leg {e.leg} went back from {s.relay_produced} to {e.produced}")
     if e.produced > s.max_new:
@@ -439,40 +433,30 @@ def _total_length(s: RequestState, finish: dict) -> dict:
 
 
 def _relay_failed(s: RequestState, e: RelayFailed) -> Result:
-    if e.leg > s.leg:
-        raise IllegalRequestEvent(f"failure of relay leg {e.leg}, only {s.leg} started")
-    if e.leg < s.leg or s.phase is RequestPhase.MAIN:
-        return s, []  # a superseded leg, or the aborted RLD of a committed handoff
+    if e.leg < s.leg:
+        return s, []  # a superseded leg
     return _replace(s, phase=RequestPhase.FAILED), [FailRequest(f"relay leg failed: {e.message}")]
 
 
 def _md_ready(s: RequestState, e: MdReady) -> Result:
-    if s.md is not Md.PENDING:
-        raise IllegalRequestEvent(f"MD ready, but MD is {s.md.value}")
     s = _replace(s, md=Md.READY)
-    if s.phase is not RequestPhase.RELAY:
-        raise IllegalRequestEvent(f"MD ready in phase {s.phase.value}")
     if s.emitted or s.relay_idle:
         return s, [_START_HANDOFF]
     return _replace(s, handoff_on_first_token=True), []  # P's first token comes via RLD: same-DC TTFT
 
 
 def _md_not_ready(s: RequestState, e: MdNotReady) -> Result:
-    if s.md is not Md.PENDING:
-        raise IllegalRequestEvent(f"MD not ready, but MD is {s.md.value}")
     s = _replace(s, md=Md.FAILED)
     actions: list = [RecordFallback(e.fallback)]
     if s.destination is Destination.PENDING:  # P stops waiting for MD's room
         s = _replace(s, destination=Destination.DROPPED)
         actions.append(WithdrawDestination(s.p_room))
-    if s.relay_idle and s.phase is RequestPhase.RELAY:
+    if s.relay_idle:
         return _recover(s, actions, Recovery.WAN_FAILED_AFTER_RLD)
     return s, actions
 
 
 def _destination_delivered(s: RequestState, e: DestinationDelivered) -> Result:
-    if s.destination is not Destination.PENDING:
-        raise IllegalRequestEvent(f"destination delivered, but it is {s.destination.value}")
     s = _replace(s, destination=Destination.DELIVERED)
     if s.phase in _TERMINAL or s.md is not Md.PENDING:
         return s, []
@@ -480,9 +464,7 @@ def _destination_delivered(s: RequestState, e: DestinationDelivered) -> Result:
 
 
 def _cut_ready(s: RequestState, e: CutReady) -> Result:
-    if s.md is not Md.READY or s.md_stream:
-        raise IllegalRequestEvent(f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}")
-    if s.phase is not RequestPhase.RELAY or s.emitted >= s.max_new:
+    if s.emitted >= s.max_new:
         return s, []  # the request ends on RLD anyway
     tail = None
     if s.catch_up is not None:
@@ -496,12 +478,6 @@ def _cut_ready(s: RequestState, e: CutReady) -> Result:
 
 
 def _main_tokens(s: RequestState, e: MainTokens) -> Result:
-    if not s.md_stream:
-        raise IllegalRequestEvent("MD tokens before any handoff")
-    if e.produced > s.max_new:
-        raise IllegalRequestEvent(f"MD produced {e.produced} > max_new_tokens {s.max_new}")
-    if s.phase is RequestPhase.RELAY:
-        return s, []  # a late MD event after a failed handoff
     if e.produced < s.main_produced:
         raise IllegalRequestEvent(f"MD went back from {s.main_produced} to {e.produced}")
     s = _replace(s, main_produced=e.produced)
@@ -518,22 +494,29 @@ def _main_tokens(s: RequestState, e: MainTokens) -> Result:
     return s, actions
 
 
-def _main_failed(s: RequestState, e: MainFailed) -> Result:
-    if s.md is Md.NONE:
-        raise IllegalRequestEvent("MD failed, but the request has no MD")
-    s = _replace(s, md=Md.FAILED)
-    actions: list = [RecordFallback(Fallback(Reason.MD_FAILED, e.message))]
-    if s.phase is RequestPhase.HANDING_OFF:
-        actions.append(AbandonHandoff())
-        s = _replace(s, phase=RequestPhase.RELAY, emitted=s.relay_produced, cut=None)
-        if s.relay_idle:
-            return _recover(s, actions, Recovery.MD_FAILED)
-        return s, actions
-    if s.phase is RequestPhase.MAIN:
-        return _recover(s, actions, Recovery.MD_FAILED_MID_STREAM)
+def _md_failed(s: RequestState, e: MainFailed) -> tuple[RequestState, list]:
+    return _replace(s, md=Md.FAILED), [RecordFallback(Fallback(Reason.MD_FAILED, e.message))]
+
+
+def _main_failed_relaying(s: RequestState, e: MainFailed) -> Result:
+    s, actions = _md_failed(s, e)
     if s.relay_idle:
         return _recover(s, actions, Recovery.MD_FAILED)
     return s, actions
+
+
+def _main_failed_handing_off(s: RequestState, e: MainFailed) -> Result:
+    s, actions = _md_failed(s, e)
+    actions.append(AbandonHandoff())
+    s = _replace(s, phase=RequestPhase.RELAY, emitted=s.relay_produced, cut=None)
+    if s.relay_idle:
+        return _recover(s, actions, Recovery.MD_FAILED)
+    return s, actions
+
+
+def _main_failed_in_main(s: RequestState, e: MainFailed) -> Result:
+    s, actions = _md_failed(s, e)
+    return _recover(s, actions, Recovery.MD_FAILED_MID_STREAM)
 
 
 def _recover(s: RequestState, actions: list, why: Recovery) -> Result:
@@ -570,26 +553,132 @@ def _ended(s: RequestState, e: Ended) -> Result:
     return s, actions
 
 
-_HANDLERS = {PathChosen: _path_chosen, RelayTokens: _relay_tokens, RelayFailed: _relay_failed, MdReady: _md_ready,
-             MdNotReady: _md_not_ready, DestinationDelivered: _destination_delivered, CutReady: _cut_ready,
-             MainTokens: _main_tokens, MainFailed: _main_failed, Timeout: _timeout,
-             ClientDisconnected: _client_disconnected, Broken: _broken, Ended: _ended}
-# What may still come once the request ended: P's answer to a destination delivered just
-# before the end (then there is nothing to withdraw), a reply found broken while the last
-# actions ran (the request failed after all), and the shell's cleanup.
-_AFTER_END = {DestinationDelivered: _destination_delivered, Broken: _broken, Ended: _ended}
+# ---------------------------------------------------------------------------------- guards
+# A guard says why an event its row lists is illegal in this state after all (None: legal).
+def _a_started_leg(s: RequestState, e: RelayTokens) -> Optional[str]:
+    """leg started"""
+    if e.leg > s.leg or e.leg < 1:
+        return f"tokens from relay leg {e.leg}, only {s.leg} started"
+    return None
 
 
-_BEFORE_PATH = (PathChosen, Timeout, ClientDisconnected, Broken)
+def _a_started_leg_failed(s: RequestState, e: RelayFailed) -> Optional[str]:
+    """leg started"""
+    if e.leg > s.leg:
+        return f"failure of relay leg {e.leg}, only {s.leg} started"
+    return None
 
 
-def _guard(s: RequestState, e: Event) -> None:
+def _md_pending(s: RequestState, e: Union[MdReady, MdNotReady]) -> Optional[str]:
+    """MD pending"""
+    if s.md is not Md.PENDING:
+        return f"MD {'ready' if type(e) is MdReady else 'not ready'}, but MD is {s.md.value}"
+    return None
+
+
+def _destination_pending(s: RequestState, e: DestinationDelivered) -> Optional[str]:
+    """destination pending"""
+    if s.destination is not Destination.PENDING:
+        return f"destination delivered, but it is {s.destination.value}"
+    return None
+
+
+def _md_ready_no_handoff_yet(s: RequestState, e: CutReady) -> Optional[str]:
+    """MD ready, no final handoff sent"""
+    if s.md is not Md.READY or s.md_stream:
+        return f"cut requested with MD {s.md.value}, handoff sent {s.md_stream}"
+    return None
+
+
+def _handoff_sent(s: RequestState, e: MainTokens) -> Optional[str]:
+    """final handoff sent, within the budget"""
+    if not s.md_stream:
+        return "MD tokens before any handoff"
+    if e.produced > s.max_new:
+        return f"MD produced {e.produced} > max_new_tokens {s.max_new}"
+    return None
+
+
+def _has_md(s: RequestState, e: MainFailed) -> Optional[str]:
+    """the request has MD"""
+    if s.md is Md.NONE:
+        return "MD failed, but the request has no MD"
+    return None
+
+
+# ---------------------------------------------------------------------------------- the table
+_STARTING, _RELAY, _HANDING_OFF, _MAIN = (RequestPhase.STARTING, RequestPhase.RELAY, RequestPhase.HANDING_OFF,
+                                          RequestPhase.MAIN)
+_DONE, _FAILED, _CLOSED = _TERMINAL
+_LIVE = (_STARTING, _RELAY, _HANDING_OFF, _MAIN)
+
+# Every legal (phase, event) pair of a request, one a row; an event a phase does not list is
+# illegal there. MD's room and P's destination (orthogonal to the phase) are read by the guards.
+ROWS = (
+    Row(_STARTING, PathChosen, (_RELAY,), _path_chosen, note="start relay leg 1 and the MD side"),
+
+    Row(_RELAY, RelayTokens, (_RELAY, _DONE), _relay_tokens, _a_started_leg,
+        "emit; RLD finishing the request ends it; an idle leg with MD failed recovers"),
+    Row(_RELAY, RelayFailed, (_RELAY, _FAILED), _relay_failed, _a_started_leg_failed, "a superseded leg: nothing"),
+    Row(_RELAY, MdReady, (_RELAY,), _md_ready, _md_pending, "start the handoff now or after the first token"),
+    Row(_RELAY, MdNotReady, (_RELAY,), _md_not_ready, _md_pending,
+        "RLD finishes; withdraw a pending destination; an idle leg recovers"),
+    Row(_RELAY, DestinationDelivered, (_RELAY,), _destination_delivered, _destination_pending, "watch MD's KV"),
+    Row(_RELAY, CutReady, (_RELAY, _HANDING_OFF), _cut_ready, _md_ready_no_handoff_yet,
+        "a catch-up batch, or the final handoff at the cut"),
+    Row(_RELAY, MainTokens, (_RELAY,), IGNORE, _handoff_sent, "a late MD event after a failed handoff"),
+    Row(_RELAY, MainFailed, (_RELAY,), _main_failed_relaying, _has_md, "RLD finishes; an idle leg recovers"),
+
+    Row(_HANDING_OFF, RelayTokens, (_HANDING_OFF, _DONE), _relay_tokens, _a_started_leg,
+        "held back; RLD finishing first keeps its tokens"),
+    Row(_HANDING_OFF, RelayFailed, (_HANDING_OFF, _FAILED), _relay_failed, _a_started_leg_failed,
+        "a superseded leg: nothing"),
+    Row(_HANDING_OFF, DestinationDelivered, (_HANDING_OFF,), _destination_delivered, _destination_pending),
+    Row(_HANDING_OFF, MainTokens, (_HANDING_OFF, _MAIN, _DONE), _main_tokens, _handoff_sent,
+        "the first token past the cut commits the handoff"),
+    Row(_HANDING_OFF, MainFailed, (_RELAY,), _main_failed_handing_off, _has_md,
+        "RLD's tokens stand; an idle leg recovers"),
+
+    Row(_MAIN, RelayTokens, (_MAIN,), IGNORE, _a_started_leg, "RLD is being aborted"),
+    Row(_MAIN, RelayFailed, (_MAIN,), IGNORE, _a_started_leg_failed, "RLD is being aborted"),
+    Row(_MAIN, DestinationDelivered, (_MAIN,), _destination_delivered, _destination_pending),
+    Row(_MAIN, MainTokens, (_MAIN, _DONE), _main_tokens, _handoff_sent, "emit MD's tokens"),
+    Row(_MAIN, MainFailed, (_RELAY,), _main_failed_in_main, _has_md, "recover on a new relay leg"),
+
+    *(Row(phase, Timeout, (_FAILED,), _timeout) for phase in _LIVE),
+    *(Row(phase, ClientDisconnected, (_CLOSED,), _client_disconnected) for phase in _LIVE),
+    *(Row(phase, Broken, (_FAILED,), _broken) for phase in _LIVE),
+
+    # What may still come once the request ended: P's answer to a destination delivered just
+    # before the end (then there is nothing to withdraw), a reply found broken while the last
+    # actions ran (the request failed after all), and the shell's cleanup.
+    *(Row(phase, DestinationDelivered, (phase,), _destination_delivered, _destination_pending) for phase in _TERMINAL),
+    *(Row(phase, Broken, (_FAILED,), _broken, note="failed after all") for phase in _TERMINAL),
+    *(Row(phase, Ended, (phase,), _ended, note="release everything, withdraw a pending destination")
+      for phase in _TERMINAL),
+)
+
+
+def _illegal(s: RequestState, e: Event) -> str:
+    if s.phase is RequestPhase.STARTING:
+        return f"{type(e).__name__} before the path was chosen"
+    if type(e) is PathChosen:
+        return "the path was already chosen"
     if type(e) is Ended:
-        raise IllegalRequestEvent(f"the request ended in phase {s.phase.value}")
-    if s.phase is RequestPhase.STARTING and not isinstance(e, _BEFORE_PATH):
-        raise IllegalRequestEvent(f"{type(e).__name__} before the path was chosen")
+        return f"Ended while the request is still {s.phase.value}"
+    return f"{type(e).__name__} in phase {s.phase.value}"
 
 
-transition = table_machine(_HANDLERS, error=IllegalRequestEvent, terminal=_TERMINAL, after_end=_AFTER_END, guard=_guard,
-                           noun="request", actions=Action)
+transition = table_machine(rows_table(ROWS, IllegalRequestEvent), error=IllegalRequestEvent, terminal=_TERMINAL,
+                           illegal=_illegal, noun="request", actions=Action)
 transition.__doc__ = """The request's one transition function. Raises IllegalRequestEvent for an illegal event."""
+
+
+def diagram(mermaid: bool = False) -> str:
+    """The request's table as a picture (docs/router.md holds the text one)."""
+    return machine_diagram(ROWS, mermaid=mermaid)
+
+
+if __name__ == "__main__":
+    import sys
+    print(diagram(mermaid="--mermaid" in sys.argv[1:]), end="")

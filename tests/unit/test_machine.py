@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from sglang_pdd.machine import IGNORE, Driver, IllegalTransition, fold, nothing, table_machine
+from sglang_pdd.machine import IGNORE, Driver, IllegalTransition, Row, diagram, fold, nothing, rows_table, table_machine
 
 
 class Light(str, enum.Enum):
@@ -190,3 +190,56 @@ def test_every_machine_refuses_an_unknown_event_with_the_kits_error(name):
     assert transition.handlers  # built by the kit: its table is there to read
     with pytest.raises(IllegalTransition, match="unknown event"):
         transition(state, object(), *context)
+
+
+# ------------------------------------------------------------------------------ rows
+def _lit(s: Lamp, e) -> str | None:
+    """switched fewer than twice"""
+    return "worn out" if s.switched >= 2 else None
+
+
+_ROWS = (
+    Row(Light.OFF, Switch, (Light.ON,), _switch, _lit, "light"),
+    Row(Light.ON, Switch, (Light.OFF,), _switch),
+    Row(Light.ON, Smash, (Light.BROKEN,), _smash),
+    Row(Light.BROKEN, Look, (Light.BROKEN,), IGNORE),
+)
+rowed = table_machine(rows_table(_ROWS, IllegalLampEvent), error=IllegalLampEvent, terminal=(Light.BROKEN,),
+                      noun="lamp")
+
+
+def test_rows_run_their_handler_behind_their_guard():
+    assert rowed(Lamp(), Switch()) == (Lamp(Light.ON, 1), ["click"])
+    worn = Lamp(Light.OFF, switched=2)
+    with pytest.raises(IllegalLampEvent, match="worn out"):
+        rowed(worn, Switch())
+    with pytest.raises(IllegalLampEvent, match="Smash while the lamp is off"):  # no row: illegal
+        rowed(Lamp(), Smash())
+
+
+def test_after_the_end_a_pair_row_of_the_terminal_status_runs_and_nothing_else():
+    broken = Lamp(Light.BROKEN)
+    assert rowed(broken, Look()) == (broken, [])
+    with pytest.raises(IllegalLampEvent, match=r"Switch after the lamp ended \(broken\)"):
+        rowed(broken, Switch())
+
+
+def test_two_rows_for_one_pair_are_refused():
+    with pytest.raises(ValueError, match=r"two rows for \(on, Smash\)"):
+        rows_table(_ROWS + (Row(Light.ON, Smash, (Light.OFF,), _smash),))
+
+
+def test_the_diagram_prints_each_row_with_its_guard_and_where_it_leads():
+    assert diagram(_ROWS).splitlines() == [
+        "off     Switch  -> on  [switched fewer than twice]  light",
+        "on      Switch  -> off",
+        "on      Smash   -> broken",
+        "broken  Look    -> broken",
+    ]
+    assert diagram(_ROWS, mermaid=True).splitlines() == [
+        "stateDiagram-v2",
+        "    off --> on: Switch [switched fewer than twice]",
+        "    on --> off: Switch",
+        "    on --> broken: Smash",
+        "    broken --> broken: Look",
+    ]

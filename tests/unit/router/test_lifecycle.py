@@ -14,6 +14,7 @@ from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, 
                                          ReleaseAll, RelayFailed, EmitRelayOutput, RelayTokens, SendCatchUpBatch,
                                          SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, RequestState, Timeout,
                                          WatchMd, WithdrawDestination, transition)
+from sglang_pdd.router.lifecycle import Event
 from sglang_pdd.router.policy import Path
 
 MAX_NEW = 20
@@ -466,3 +467,114 @@ def test_a_continue_legs_length_finish_reports_the_whole_budget():
 def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
     state, actions = transition(make(), Broken("MD repeated a position"))
     assert state.phase is RequestPhase.FAILED and actions == []
+
+
+# ------------------------------------------------------------------------------ the table
+def test_the_table_has_one_row_per_legal_pair_and_no_event_only_rows():
+    from sglang_pdd.router.lifecycle import ROWS
+    pairs = [(row.status, row.event) for row in ROWS]
+    assert len(pairs) == len(set(pairs)) == len(transition.handlers) >= 40
+    assert all(isinstance(key, tuple) for key in transition.handlers)  # every row keyed by (phase, event)
+
+
+@pytest.mark.parametrize("mermaid", [False, True])
+def test_the_diagram_lists_every_row(mermaid):
+    from sglang_pdd.router.lifecycle import ROWS, diagram
+    text = diagram(mermaid=mermaid)
+    lines = text.splitlines()
+    for row in ROWS:
+        phase, event = row.status.value, row.event.__name__
+        if mermaid:
+            for to in row.to:
+                assert any(line.split() == [phase, "-->", f"{to.value}:", event, *line.split()[4:]]
+                           for line in lines), (phase, event, to)
+        else:
+            match = [line for line in lines if line.split()[:2] == [phase, event]]
+            assert len(match) == 1, (phase, event)
+            assert " | ".join(t.value for t in row.to) in match[0]
+    assert len(lines) == (1 + sum(len(row.to) for row in ROWS) if mermaid else len(ROWS))
+
+
+def test_docs_router_md_holds_the_table_as_the_code_prints_it():
+    from tests.conftest import REPO_ROOT
+    from sglang_pdd.router.lifecycle import diagram
+    assert diagram() in (REPO_ROOT / "docs" / "router.md").read_text(), \
+        "docs/router.md's request table is stale: paste `python -m sglang_pdd.router.lifecycle`"
+
+
+def test_random_runs_take_every_row_and_land_where_the_row_says():
+    """Every row is reachable, and every transition ends in a phase its row lists (so the
+    printed table cannot promise less than the machine does)."""
+    import random
+    from sglang_pdd.router.lifecycle import ROWS
+    rows = {(row.status, row.event): row for row in ROWS}
+    taken = set()
+    rng = random.Random(11)
+    for _ in range(4000):
+        state = RequestState(max_new=MAX_NEW, catch_up=HandoffConfig(catch_up_threshold_tokens=4)
+                             if rng.random() < 0.3 else None)
+        produced = {"rld": 0, "md": 0}
+        for _step in range(40):
+            if state.phase is RequestPhase.STARTING:
+                event = PathChosen(rng.choice(list(Path)), rng.random() < 0.5) if rng.random() < 0.9 else \
+                    rng.choice([Timeout(), ClientDisconnected(), Broken("x"), MdReady()])
+            elif state.phase.terminal:
+                event = rng.choice([Ended(), Broken("x"), DestinationDelivered()])
+            else:
+                pick = rng.randrange(9)
+                if pick == 0:
+                    produced["rld"] = min(MAX_NEW, max(produced["rld"], state.relay_produced) + rng.randint(0, 3))
+                    event = RelayTokens(state.leg, produced["rld"], LENGTH if produced["rld"] == MAX_NEW else
+                                        STOP if rng.random() < 0.05 else None)
+                elif pick == 1:
+                    event = MdReady() if rng.random() < 0.7 else MdNotReady(WAN_X)
+                elif pick in (2, 3):
+                    event = CutReady()
+                elif pick == 4:
+                    produced["md"] = min(MAX_NEW, max(produced["md"], (state.cut or 0) + rng.randint(0, 3)))
+                    event = MainTokens(produced["md"], LENGTH if produced["md"] == MAX_NEW else None)
+                elif pick == 5:
+                    event = MainFailed("x") if rng.random() < 0.5 else DestinationDelivered()
+                elif pick == 6:
+                    event = RelayFailed(state.leg - rng.randint(0, 1), "x") if rng.random() < 0.2 else \
+                        RelayTokens(max(1, state.leg - 1), 0)
+                elif pick == 7:
+                    event = RelayTokens(state.leg, min(MAX_NEW, state.relay_produced + 1), {"type": "length"})
+                else:
+                    event = rng.choice([Timeout(), ClientDisconnected(), Broken("x"), Ended()]) \
+                        if rng.random() < 0.1 else CutReady()
+            before = state
+            try:
+                state, _ = transition(state, event)
+            except IllegalRequestEvent:
+                assert state is before
+                continue
+            row = rows[before.phase, type(event)]
+            assert state.phase in row.to, (before.phase, type(event).__name__, state.phase)
+            taken.add((before.phase, type(event)))
+            if state.leg != before.leg:
+                produced["rld"] = state.emitted
+            if isinstance(event, MainFailed):
+                produced["md"] = 0
+            if isinstance(event, Ended):
+                break
+    missed = sorted(f"{p.value}/{e.__name__}" for p, e in set(rows) - taken)
+    assert missed == []
+
+
+_ONE_OF_EACH = [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady(WAN_X),
+                DestinationDelivered(), CutReady(), MainTokens(1), MainFailed("x"), Timeout(), ClientDisconnected(),
+                Broken("x"), Ended()]
+
+
+@pytest.mark.parametrize("phase", list(RequestPhase))
+def test_a_pair_the_table_does_not_list_is_illegal(phase):
+    from sglang_pdd.router.lifecycle import ROWS
+    listed = {row.event for row in ROWS if row.status is phase}
+    assert {type(e) for e in _ONE_OF_EACH} == set(Event.__args__)
+    state = RequestState(max_new=MAX_NEW, phase=phase, leg=1, md=Md.READY, md_stream=True,
+                         destination=Destination.PENDING)
+    for event in _ONE_OF_EACH:
+        if type(event) not in listed:
+            with pytest.raises(IllegalRequestEvent):
+                transition(state, event)
