@@ -13,7 +13,8 @@ load being its flows over the router's admission (`rld_max_running`, --rld-max-r
 the handoff mode by `handoff.policy.choose_mode`; and every request's life by
 `router.lifecycle.transition` (`_event`), fed the events the router's I/O shell would feed
 (PathChosen, RLD's first and last tokens, MdReady / MD's refusal as MdNotReady, the cut, MD's
-tokens). The sim does what the returned actions say. What the sim models itself is time:
+tokens), and does what the returned actions say through the kit's Driver, every action named
+(`_lifecycle_actions`). What the sim models itself is time:
     P_MD:       KV of MD's uncached suffix over the WAN -> MD decodes everything;
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
@@ -56,6 +57,7 @@ from typing import Iterable, Optional
 
 from sglang_pdd.handoff import policy as handoff_policy
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, RldLoad, next_catch_up_batch
+from sglang_pdd.machine import Driver, nothing
 from sglang_pdd.router import lifecycle as lc
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.config import md_staging_bytes
@@ -282,12 +284,7 @@ class Simulation:
         # router/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
         # (MD's uncached suffix at its answer) that have not landed or been dropped.
         self.wan_routed_bytes = 0
-        # What the sim does for each lifecycle action; the rest (streaming, bookkeeping) the
-        # sim accounts for in time, and failures are not modelled.
-        self._actions = {lc.StartRelayLeg: self._act_relay_leg, lc.StartHandoff: self._act_start_handoff,
-                         lc.SendFinalHandoff: self._act_final_handoff, lc.AbandonHandoff: self._act_unmodelled,
-                         lc.AbortLegs: self._act_unmodelled, lc.FailRequest: self._act_unmodelled,
-                         lc.Finish: self._act_finish}
+        self._request = Driver(lc.transition, self._lifecycle_actions())
         self._p_rr = 0
         self._md_ids = list(range(cfg.n_md))
         kv_link = cfg.wan if cfg.md_remote else cfg.rdma
@@ -509,23 +506,41 @@ class Simulation:
         return pick_instance(loads, affinity, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
 
     # ---- the router's request lifecycle ------------------------------------------------
+    def _lifecycle_actions(self) -> dict:
+        """What the sim does for each of the lifecycle's actions, every one named (the Driver
+        refuses a table that misses one): the sim's own step, ``nothing`` where the sim
+        accounts for the action in simulated time, or a refusal where the sim never models it."""
+        return {
+            lc.StartRelayLeg: self._act_relay_leg,
+            lc.StartHandoff: self._act_start_handoff,
+            lc.SendFinalHandoff: self._act_final_handoff,
+            lc.Finish: self._act_finish,
+            lc.StartMdSide: nothing,  # _registered: MD's room, in time
+            lc.EmitRelayOutput: nothing,  # the decoders' steps time the stream
+            lc.EmitMainOutput: nothing,
+            lc.CommitHandoff: nothing,  # RLD stopped at the final handoff (_act_final_handoff)
+            lc.RecordFallback: nothing,  # _refuse counts MD's refusals
+            lc.WithdrawDestination: nothing,  # _refuse: nothing crosses the WAN
+            lc.WatchMd: self._act_unmodelled,  # P's control API (DestinationDelivered) is not simulated
+            lc.SendCatchUpBatch: self._act_unmodelled,  # catch-up rounds run in simulated time
+            lc.AbandonHandoff: self._act_unmodelled,  # failures and recovery are not simulated
+            lc.AbortLegs: self._act_unmodelled,
+            lc.FailRequest: self._act_unmodelled,
+            lc.ReleaseAll: self._act_unmodelled,  # _finish releases; the sim sends no Ended
+        }
+
     def _event(self, now: float, r: SimRequest, event) -> None:
         """Feed one event to router/lifecycle.transition, the router's own state machine,
         and do what its actions say (the sim acts on these, it does not re-decide them)."""
-        r.state, actions = lc.transition(r.state, event)
-        acts = self._actions
-        for a in actions:
-            act = acts.get(type(a))
-            if act is not None:
-                act(now, r, a, event)
+        self._request.step(r, event, now, event)
 
-    def _act_finish(self, now: float, r: SimRequest, a: lc.Finish, event) -> None:
+    def _act_finish(self, r: SimRequest, a: lc.Finish, now: float, event) -> None:
         (self._md_finished if type(event) is lc.MainTokens else self._rld_finished)(now, r)
 
-    def _act_relay_leg(self, now: float, r: SimRequest, a: lc.StartRelayLeg, event) -> None:
+    def _act_relay_leg(self, r: SimRequest, a: lc.StartRelayLeg, now: float, event) -> None:
         r.wan = a.wan  # whether P also sends the KV to MD
 
-    def _act_start_handoff(self, now: float, r: SimRequest, a: lc.StartHandoff, event) -> None:
+    def _act_start_handoff(self, r: SimRequest, a: lc.StartHandoff, now: float, event) -> None:
         if r.path is Path.P_MD:  # the one-token bridge ended: MD continues after token 1
             self._event(now, r, lc.CutReady())
         elif self.rld[r.rld].is_running(r):
@@ -533,8 +548,8 @@ class Simulation:
         else:  # RLD's first token, reported while RLD admits the request
             self.loop.after(0.0, self._try_handoff, r)
 
-    def _act_unmodelled(self, now: float, r: SimRequest, a, event) -> None:
-        raise RuntimeError(f"lifecycle action {a!r}: failures and recovery are not simulated")
+    def _act_unmodelled(self, r: SimRequest, a, now: float, event) -> None:
+        raise RuntimeError(f"lifecycle action {a!r} after {event!r}: the sim does not model it")
 
     def decide(self, r: SimRequest, md_cached: int) -> PathDecision:
         """The router's decision with the router's inputs (router/flow.py's _decide): MD's
@@ -766,7 +781,7 @@ class Simulation:
         # The token ids cross the WAN to MD, which extends them in a pass of its own.
         self.loop.after(self.cfg.wan.one_way_latency_s, self._md_extend, (r, extend_s, final))
 
-    def _act_final_handoff(self, now: float, r: SimRequest, a: lc.SendFinalHandoff, event) -> None:
+    def _act_final_handoff(self, r: SimRequest, a: lc.SendFinalHandoff, now: float, event) -> None:
         tr = r.tr
         if r.path is Path.P_MD:  # MD decodes all but P's first token (KV landed, no extend)
             self._md_submit(now, r, tr.output_length - 1, tr.input_length)

@@ -305,3 +305,34 @@ def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
     assert sim.choose_path(r, full) is Path.P_MD and r.reg_first
     r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD
     assert sim.choose_path(r, full) is Path.P_RLD_MD and r.reg_first
+
+
+def test_the_sim_names_every_lifecycle_action_and_one_it_misses_fails_at_build(monkeypatch):
+    """The sim performs the router's lifecycle through the kit's Driver: every action the
+    lifecycle can produce has an entry (its step, nothing, or a refusal), and a table that
+    lacks one stops the simulation from being built rather than skipping the action."""
+    from sglang_pdd.router import lifecycle as lc
+    sim = Simulation(CFG, SLA)
+    assert set(sim._request.table) == set(lc.Action.__args__)
+    full = Simulation._lifecycle_actions
+
+    def missing_one(self):
+        table = full(self)
+        del table[lc.WithdrawDestination]
+        return table
+
+    monkeypatch.setattr(Simulation, "_lifecycle_actions", missing_one)
+    with pytest.raises(ValueError, match=r"misses \['WithdrawDestination'\]"):
+        Simulation(CFG, SLA)
+
+
+def test_an_action_the_sim_does_not_model_stops_the_run_instead_of_being_skipped():
+    from sglang_pdd.handoff.policy import HandoffConfig
+    from sglang_pdd.router import lifecycle as lc
+    sim = Simulation(CFG, SLA)
+    r = SimRequest(TraceRequest(timestamp_ms=0.0, input_length=100, output_length=20, hash_ids=(1,)), 0.0)
+    r.state = lc.RequestState(max_new=20, catch_up=HandoffConfig(catch_up_threshold_tokens=1))
+    sim._event(0.0, r, lc.PathChosen(Path.P_RLD_MD))
+    r.state = dataclasses.replace(r.state, emitted=10, md=lc.Md.READY)
+    with pytest.raises(RuntimeError, match="SendCatchUpBatch"):
+        sim._event(0.0, r, lc.CutReady())
