@@ -208,7 +208,21 @@ def _mix(res) -> str:
             f"(WAN lease ${c.wan_lease_per_hour:.1f}/h), SLA {100 * c.sla_attainment:.1f}%, BCR {c.bcr:.0f}")
 
 
+def _size_path_modes(a) -> None:
+    """``sim size`` sizes PDD under ``--path-modes`` (default: every mode), or under the one
+    ``--path-mode`` names; both at once would leave one of them unread, so that is refused."""
+    if a.path_mode is not None and a.path_modes is not None:
+        raise SystemExit(f"sim size: --path-mode {a.path_mode} and --path-modes {a.path_modes} conflict: give "
+                         f"--path-mode to size PDD under one mode, or --path-modes for a list, not both")
+    if a.path_mode is not None:
+        a.path_modes = a.path_mode
+    elif a.path_modes is None:
+        a.path_modes = ",".join(m.value for m in PathMode)
+    a.path_mode = a.path_mode or ClusterSpec.path_mode.value
+
+
 def cmd_size(a) -> int:
+    _size_path_modes(a)
     label, trace = _trace(a)
     sla = _sla(a)
     spec = _spec(a)
@@ -402,8 +416,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prefill-range", default="1:6")
     p.add_argument("--rld-range", default="0:2")
     p.add_argument("--md-max", type=int, default=8)
-    p.add_argument("--path-modes", default=",".join(m.value for m in PathMode),
-                   help="PDD is sized under each of these router path modes; the cheapest stands for PDD")
+    p.add_argument("--path-modes", default=None,
+                   help="PDD is sized under each of these router path modes (default: every mode, or the one "
+                        "--path-mode names; not both); the cheapest stands for PDD")
+    p.set_defaults(path_mode=None)  # read by _size_path_modes: given or not
     p.add_argument("--seeds", default=None,
                    help="comma-separated seeds (default: --seed): each seed's trace sized, then the verdicts "
                         "over them (a win on every seed, else a tie)")

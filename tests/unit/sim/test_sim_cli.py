@@ -169,3 +169,19 @@ def test_sweep_cli_refines_the_knee(tmp_path, capsys):
     assert all(p["sla_attainment"] >= 0.9 for p in pts if p["rate_scale"] <= knee)
     hi = min(p["rate_scale"] for p in pts if p["sla_attainment"] < 0.9)
     assert knee < hi <= 1.1 * knee + 0.01  # the printed knee has two decimals
+
+
+_SIZE_SMALL = ["size", "--agentic", "150", "--prefill-range", "4:4", "--rld-range", "1:1", "--md-max", "2",
+               "--ttft-slo", "30", "--tpot-slo", "1", "--target", "0.5", "--wan-gbps", "400"]
+
+
+def test_size_refuses_path_mode_with_path_modes(capsys):
+    with pytest.raises(SystemExit, match="--path-mode relay_first and --path-modes fit conflict"):
+        main(_SIZE_SMALL + ["--path-mode", "relay_first", "--path-modes", "fit"])
+
+
+def test_size_with_path_mode_sizes_pdd_under_that_mode_only(capsys):
+    assert main(_SIZE_SMALL + ["--path-mode", "relay_first"]) == 0
+    modes = [ln.split("--path-mode ")[1].split(":")[0] for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith("cheapest pdd_drc_adaptive with --path-mode")]
+    assert modes == ["relay_first"]
