@@ -84,7 +84,7 @@ from sglang_pdd.router.lifecycle import RecoveryMode
 from sglang_pdd.router.backends import BackendError, abort, generate_once, generate_stream, server_at_fault
 from sglang_pdd.router.bodies import pd_leg_body
 from sglang_pdd.router.md_side import MdSide, new_room
-from sglang_pdd.router.policy import Path, PathDecision, PathPolicyConfig, decide_path
+from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.reply_limits import max_event_bytes
 from sglang_pdd.router.wan_in_flight import WanInFlight
 
@@ -121,7 +121,7 @@ class FlowConfig:
     path: PathPolicyConfig = field(default_factory=PathPolicyConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     wan_timeout_s: float = 30.0
-    rld_max_running: int = 16
+    rld_max_running: int = RLD_MAX_RUNNING_DEFAULT  # the router's --rld-max-running
     request_timeout_s: float = 600.0  # a bounded end to every request, whatever hangs
     # No new token on MD's stream after the handoff this long (the WAN down, MD stopped; bytes
     # that carry no token do not count): MD failed, and the request goes on from what the client

@@ -1,0 +1,46 @@
+"""One default per setting: a router flag that fills a field of the flow's configuration
+(router/cli.py's flow_config: FlowConfig, its PathPolicyConfig and HandoffConfig) defaults to
+the dataclass's own default, so code that builds a FlowConfig() (tests, the simulator, a
+library user) runs with what `python -m sglang_pdd.router` runs with. The simulator's flags
+that stand for the router's read the same defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_pdd.router.cli import build_parser, flow_config
+from sglang_pdd.router.flow import FlowConfig
+
+# The router's --page-size (1) and PathPolicyConfig.page_size (512) are settled by the
+# placement work on router/policy.py; either way round the pair may agree from then on.
+_SETTLED_ELSEWHERE = {"path.page_size"}
+
+
+def _leaves(value, prefix=""):
+    """Every field of a (nested) dataclass as ``dotted.name -> value``."""
+    if not dataclasses.is_dataclass(value):
+        return {prefix[:-1]: value}
+    out = {}
+    for f in dataclasses.fields(value):
+        out.update(_leaves(getattr(value, f.name), f"{prefix}{f.name}."))
+    return out
+
+
+def test_every_router_flag_defaults_to_its_flow_config_field():
+    args = build_parser().parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1",
+                                      "--tokenizer-path", "t"])
+    from_cli, from_code = _leaves(flow_config(args)), _leaves(FlowConfig())
+    assert from_cli.keys() == from_code.keys() and len(from_cli) > 20
+    differ = {name: (from_cli[name], from_code[name]) for name in from_cli
+              if from_cli[name] != from_code[name] and name not in _SETTLED_ELSEWHERE}
+    assert differ == {}, "CLI default vs dataclass default"
+
+
+def test_the_rld_admission_has_one_default_in_router_flow_and_simulator():
+    from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT
+    from sglang_pdd.sim.cli import main  # noqa: F401  (the sim's flags read ClusterSpec's defaults)
+    from sglang_pdd.sim.scenarios import ClusterSpec
+    args = build_parser().parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1",
+                                      "--tokenizer-path", "t"])
+    assert args.rld_max_running == FlowConfig().rld_max_running == ClusterSpec().rld_max_running \
+        == RLD_MAX_RUNNING_DEFAULT
