@@ -26,6 +26,17 @@ MD_INGEST_MODES = ("pool", "staged")
 # server: its KV arrives into its decode-side radix cache over the WAN, and a handoff is an
 # extend on top of that cache.
 REQUIRED_DISAGG_MODE = {"prefill": "prefill", "relay": "decode", "main": "null"}
+DISAGG_ROLES = tuple(role for role, mode in REQUIRED_DISAGG_MODE.items() if mode != "null")  # on the pdd backend
+
+
+def role_rule() -> str:
+    """REQUIRED_DISAGG_MODE in words, for --pdd-role's help (and so docs/flags.md)."""
+    first, *rest = DISAGG_ROLES
+    modes = [f"{first} needs --disaggregation-mode {REQUIRED_DISAGG_MODE[first]}",
+             *(f"{role} --disaggregation-mode {REQUIRED_DISAGG_MODE[role]}" for role in rest)]
+    plain = " and ".join(role for role in ROLES if role not in DISAGG_ROLES)
+    together = "both" if len(DISAGG_ROLES) == 2 else "all"
+    return f"{', '.join(modes)} ({together} with --disaggregation-transfer-backend {TRANSFER_BACKEND}), {plain} neither."
 
 
 class PddConfigError(ValueError):
@@ -80,8 +91,7 @@ class PddFlag(NamedTuple):
 FLAGS = [
     PddFlag("--pdd-role", "pdd_role", "all roles", dict(choices=ROLES, default=None,
         help="PDD role of this server: prefill (P, DC A), relay (RLD, decode next to P) or main (MD, decode "
-             "in DC B). Omit to run plain SGLang. prefill needs --disaggregation-mode prefill, relay "
-             "--disaggregation-mode decode (both with --disaggregation-transfer-backend pdd), main neither.")),
+             "in DC B). Omit to run plain SGLang. " + role_rule())),
     PddFlag("--pdd-datacenter", "pdd_datacenter", "all roles", dict(default="", metavar="NAME",
         help="label of this server's datacenter, used in logs and metrics.")),
     PddFlag("--pdd-wan-listen", "pdd_wan_listen", "main (required)", dict(default=None, metavar="HOST:PORT",
@@ -236,7 +246,7 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     """Raise PddConfigError naming the first offending flag; return cfg unchanged if consistent."""
     defaults = PddConfig()
     uses_backend = (disaggregation_mode or "null") != "null" and transfer_backend == TRANSFER_BACKEND
-    if uses_backend and cfg.role not in ("prefill", "relay"):
+    if uses_backend and cfg.role not in DISAGG_ROLES:
         raise PddConfigError(f"--disaggregation-transfer-backend {TRANSFER_BACKEND} needs --pdd-role prefill (P) "
                              f"or relay (RLD)")
     if not cfg.active:
@@ -250,7 +260,7 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
         need = "no --disaggregation-mode" if want_mode == "null" else f"--disaggregation-mode {want_mode}"
         raise PddConfigError(
             f"--pdd-role {cfg.role} needs {need} (got --disaggregation-mode {disaggregation_mode})")
-    if cfg.role in ("prefill", "relay") and not uses_backend:
+    if cfg.role in DISAGG_ROLES and not uses_backend:
         raise PddConfigError(f"--pdd-role {cfg.role} needs --disaggregation-transfer-backend {TRANSFER_BACKEND} "
                              f"(got {transfer_backend})")
     if cfg.role == "main":

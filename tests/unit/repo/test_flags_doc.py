@@ -97,3 +97,24 @@ def test_a_flag_the_doc_says_is_one_roles_only_is_refused_on_the_others(flag, ot
     cfg = dataclasses.replace(base, **{flag.dest[len("pdd_"):]: _other_value(flag)})
     with pytest.raises(PddConfigError, match=re.escape(flag.flag)):
         validate(cfg, _MODE[other])
+
+
+def test_the_role_rule_the_doc_prints_is_the_one_validate_applies(doc):
+    """--pdd-role's SGLang modes are one table (config.REQUIRED_DISAGG_MODE): the doc's words
+    come from it, and validate() accepts each role in its mode only, with the pdd backend
+    exactly where the table puts the role in a disaggregation mode."""
+    from sglang_pdd.config import REQUIRED_DISAGG_MODE, role_rule
+    assert role_rule() in _flag_rows(doc)["--pdd-role"]
+    for role, mode in REQUIRED_DISAGG_MODE.items():
+        assert (f"{role} needs --disaggregation-mode {mode}" in role_rule() or f"{role} --disaggregation-mode "
+                f"{mode}" in role_rule()) if mode != "null" else f"{role} neither" in role_rule()
+        backend = "pdd" if mode != "null" else "mooncake"  # SGLang's own for a role outside PD
+        for given in ("prefill", "decode", "null"):
+            if given == mode:
+                validate(_valid(role), given, backend)
+            else:
+                with pytest.raises(PddConfigError, match=f"--pdd-role {role} needs"):
+                    validate(_valid(role), given, backend)
+        if mode != "null":
+            with pytest.raises(PddConfigError, match="--disaggregation-transfer-backend pdd"):
+                validate(_valid(role), mode, transfer_backend="mooncake")
