@@ -48,6 +48,7 @@ from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, Inject
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
 from sglang_pdd.sglang_glue.loopback import LoopbackServer
 from sglang_pdd.sglang_glue.md_driver import CommandQueue, LockstepDriver
+from sglang_pdd.sglang_glue.md_evictions import count_evictions
 from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
 from sglang_pdd.sglang_glue.md_rooms import RankRooms
 from sglang_pdd.sglang_glue.md_tp_sync import TpSync, tp_sync_of
@@ -161,6 +162,8 @@ class MainDrcRuntime:
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
                                                                   server_side=True))
         self.rank_rooms = RankRooms(cfg, self.ops, self.receiver, self.tp.size, scheduler.page_size)
+        # MD's stats count the cache's real evictions, by SGLang's scheduler or MD's ingest
+        count_evictions(scheduler.tree_cache, self.rank_rooms.drc_stats.record_eviction)
         self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)
         self.commands = CommandQueue(on_submit=self.idle_wake.wake)
         self.driver = LockstepDriver(self.tp, self.rank_rooms, self.commands)

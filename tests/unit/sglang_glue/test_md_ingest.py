@@ -281,3 +281,43 @@ def test_a_missing_tp_slice_leaves_the_room_waiting():
     finally:
         rank0.fanout.close()
         close(md)
+
+
+def test_mds_stats_count_the_radix_caches_real_evictions():
+    """A prompt landed and released stays in MD's cache, unlocked; when a larger room needs its
+    pages, the reservation evicts it through SGLang's own evict, and so does SGLang's
+    scheduler asking the cache for room: MD's stats count both passes and their tokens."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    page_size = 16
+    md = build_md(page_size)
+    p = Prefill("mha", page_size, md)
+    try:
+        assert md.stats()["evictions"] == 0
+        for room, base in ((1, 1000), (2, 3000)):
+            ids = list(range(base, base + 200))
+            p.send(room, ids, md.rank_rooms.register(RegisterRequest(room, ids)).cached_tokens,
+                   p.pages_for(200, seed=room))
+            drive_until(md, room)
+            settle(md)
+            md.rank_rooms.release(ReleaseRequest(room))
+        cached = md.ops.tree.evictable_size()
+        assert cached == 2 * 192 and md.stats()["evictions"] == 0  # 12 whole pages each, unlocked
+        # a room of 19 pages: more than the pool has free, so its reservation evicts (one prompt)
+        free = md.ops.allocator.available_size()
+        ids = list(range(5000, 5300))
+        md.rank_rooms.register(RegisterRequest(3, ids))
+        first = md.stats()
+        assert first["evictions"] == 1 and first["evicted_tokens"] >= 304 - free
+        assert first["evicted_tokens"] == cached - md.ops.tree.evictable_size()
+        # SGLang's scheduler evicting for its own batch goes through the same report
+        left = md.ops.tree.evictable_size()
+        result = md.ops.tree.evict(EvictParams(num_tokens=left))
+        after = md.stats()
+        assert result.num_tokens_evicted == left > 0
+        assert after["evictions"] == 2 and after["evicted_tokens"] == first["evicted_tokens"] + left
+        md.rank_rooms.release(ReleaseRequest(3))
+        settle(md)
+        assert conserved(md)
+    finally:
+        close(md, p)
