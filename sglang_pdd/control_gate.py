@@ -551,10 +551,6 @@ class ControlHTTPServer(ThreadingHTTPServer):
 
     # the counters that readers name as attributes
     @property
-    def refused_busy(self) -> int:
-        return self.counters["refused_busy"]
-
-    @property
     def tls_refused(self) -> int:
         return self.counters["tls_refused"]
 
