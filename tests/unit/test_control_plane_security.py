@@ -238,6 +238,22 @@ def test_connections_past_the_cap_get_503_not_a_thread():
         server.close()
 
 
+def test_a_connection_refused_at_the_cap_is_counted_in_the_servers_stats():
+    """The one place the busy refusals are read: the control server's stats (MD's and P's
+    /pdd/stats under control_server)."""
+    server = MdControl(max_connections=1)
+    try:
+        u = urlsplit(server.url)
+        held = socket.create_connection((u.hostname, u.port))
+        assert wait_until(lambda: server.server.httpd.in_use == 1)
+        assert server.server.httpd.stats()["refused_busy"] == 0
+        assert raw(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 503
+        assert wait_until(lambda: server.server.httpd.stats()["refused_busy"] == 1)
+        held.close()
+    finally:
+        server.close()
+
+
 # ---------------------------------------------------------------------------- router side
 def test_router_clients_sign_and_unsigned_clients_are_refused(md, p):
     async def run():
