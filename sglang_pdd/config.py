@@ -36,7 +36,8 @@ def role_rule() -> str:
              *(f"{role} --disaggregation-mode {REQUIRED_DISAGG_MODE[role]}" for role in rest)]
     plain = " and ".join(role for role in ROLES if role not in DISAGG_ROLES)
     together = "both" if len(DISAGG_ROLES) == 2 else "all"
-    return f"{', '.join(modes)} ({together} with --disaggregation-transfer-backend {TRANSFER_BACKEND}), {plain} neither."
+    backend = f"--disaggregation-transfer-backend {TRANSFER_BACKEND}"
+    return f"{', '.join(modes)} ({together} with {backend}), {plain} neither."
 
 
 class PddConfigError(ValueError):

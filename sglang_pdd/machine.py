@@ -18,7 +18,7 @@ This module holds the parts that are the same for every machine:
   (``IGNORE``: nothing changes), any other is illegal. A ``guard`` refuses events before the
   table sees them. ``actions`` lists the action types the machine produces, so that a
   ``Driver`` can check it performs every one.
-* ``Row`` and ``rows_table(rows, error)``: a table written as rows, one a legal
+* ``TableRow`` and ``rows_table(rows, error)``: a table written as rows, one a legal
   ``(status, event type)`` pair, each with its guard (why the event is illegal there after all)
   and the statuses it may lead to; ``diagram(rows)`` prints the rows as text or mermaid, so a
   machine's picture is read from the table it runs on.
@@ -76,10 +76,10 @@ def table_machine(handlers: Mapping[Any, Handler], *, error: type[IllegalTransit
     illegal there (``illegal(state, event)`` words the error; by default "<event> while the
     <noun> is <status>"). While the status is one of ``terminal`` the machine has ended, and
     only a pair's row for that status or the events of ``after_end`` are legal (their handler
-    runs: IGNORE for those that change nothing). ``guard(state, event)`` may raise ``error`` before a live state's handler
-    runs. Every illegal or unknown event raises ``error``; handlers raise it too for events
-    illegal in the state they see. ``actions``: the machine's action types (a tuple, one
-    class or a Union), read by ``Driver``.
+    runs: IGNORE for those that change nothing). ``guard(state, event)`` may raise ``error``
+    before a live state's handler runs. Every illegal or unknown event raises ``error``;
+    handlers raise it too for events illegal in the state they see. ``actions``: the machine's
+    action types (a tuple, one class or a Union), read by ``Driver``.
     """
     table = dict(handlers)
     events = frozenset(_event_type(key) for key in table)
@@ -120,7 +120,7 @@ def table_machine(handlers: Mapping[Any, Handler], *, error: type[IllegalTransit
 
 
 @dataclass(frozen=True)
-class Row:
+class TableRow:
     """One legal ``(status, event)`` pair of a machine: ``handler`` makes the move, to one of
     ``to`` (the statuses it may lead to, for the diagram and the tests that hold it to them);
     ``guard(state, event)``, where there is one, says why the event is illegal in this status
@@ -133,7 +133,7 @@ class Row:
     note: str = ""
 
 
-def _guarded(row: Row, error: type[IllegalTransition]) -> Handler:
+def _guarded(row: TableRow, error: type[IllegalTransition]) -> Handler:
     guard, handler = row.guard, row.handler
 
     def run(state, event, *context):
@@ -146,7 +146,7 @@ def _guarded(row: Row, error: type[IllegalTransition]) -> Handler:
     return run
 
 
-def rows_table(rows: Iterable[Row], error: type[IllegalTransition] = IllegalTransition) -> dict:
+def rows_table(rows: Iterable[TableRow], error: type[IllegalTransition] = IllegalTransition) -> dict:
     """``table_machine``'s handlers from ``rows``: each row's handler behind its guard. Two rows
     for one pair are a ``ValueError``."""
     table: dict = {}
@@ -158,12 +158,12 @@ def rows_table(rows: Iterable[Row], error: type[IllegalTransition] = IllegalTran
     return table
 
 
-def _guard_words(row: Row) -> str:
+def _guard_words(row: TableRow) -> str:
     doc = (row.guard.__doc__ or row.guard.__name__) if row.guard is not None else ""
     return doc.strip().splitlines()[0].rstrip(".") if doc else ""
 
 
-def diagram(rows: Iterable[Row], *, mermaid: bool = False) -> str:
+def diagram(rows: Iterable[TableRow], *, mermaid: bool = False) -> str:
     """The rows as a picture: one line a row, ``status --Event [guard]--> to | to: note``, or
     with ``mermaid`` a ``stateDiagram-v2`` with one arrow per (row, status it may lead to)."""
     rows = list(rows)

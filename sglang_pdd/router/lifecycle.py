@@ -65,7 +65,7 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from sglang_pdd.handoff.policy import HandoffConfig, next_catch_up_batch
-from sglang_pdd.machine import IGNORE, IllegalTransition, Row, rows_table, table_machine
+from sglang_pdd.machine import IGNORE, IllegalTransition, TableRow, rows_table, table_machine
 from sglang_pdd.machine import diagram as machine_diagram
 from sglang_pdd.router.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.policy import Path
@@ -615,46 +615,47 @@ _LIVE = (_STARTING, _RELAY, _HANDING_OFF, _MAIN)
 # Every legal (phase, event) pair of a request, one a row; an event a phase does not list is
 # illegal there. MD's room and P's destination (orthogonal to the phase) are read by the guards.
 ROWS = (
-    Row(_STARTING, PathChosen, (_RELAY,), _path_chosen, note="start relay leg 1 and the MD side"),
+    TableRow(_STARTING, PathChosen, (_RELAY,), _path_chosen, note="start relay leg 1 and the MD side"),
 
-    Row(_RELAY, RelayTokens, (_RELAY, _DONE), _relay_tokens, _a_started_leg,
+    TableRow(_RELAY, RelayTokens, (_RELAY, _DONE), _relay_tokens, _a_started_leg,
         "emit; RLD finishing the request ends it; an idle leg with MD failed recovers"),
-    Row(_RELAY, RelayFailed, (_RELAY, _FAILED), _relay_failed, _a_started_leg_failed, "a superseded leg: nothing"),
-    Row(_RELAY, MdReady, (_RELAY,), _md_ready, _md_pending, "start the handoff now or after the first token"),
-    Row(_RELAY, MdNotReady, (_RELAY,), _md_not_ready, _md_pending,
+    TableRow(_RELAY, RelayFailed, (_RELAY, _FAILED), _relay_failed, _a_started_leg_failed, "a superseded leg: nothing"),
+    TableRow(_RELAY, MdReady, (_RELAY,), _md_ready, _md_pending, "start the handoff now or after the first token"),
+    TableRow(_RELAY, MdNotReady, (_RELAY,), _md_not_ready, _md_pending,
         "RLD finishes; withdraw a pending destination; an idle leg recovers"),
-    Row(_RELAY, DestinationDelivered, (_RELAY,), _destination_delivered, _destination_pending, "watch MD's KV"),
-    Row(_RELAY, CutReady, (_RELAY, _HANDING_OFF), _cut_ready, _md_ready_no_handoff_yet,
+    TableRow(_RELAY, DestinationDelivered, (_RELAY,), _destination_delivered, _destination_pending, "watch MD's KV"),
+    TableRow(_RELAY, CutReady, (_RELAY, _HANDING_OFF), _cut_ready, _md_ready_no_handoff_yet,
         "a catch-up batch, or the final handoff at the cut"),
-    Row(_RELAY, MainTokens, (_RELAY,), IGNORE, _handoff_sent, "a late MD event after a failed handoff"),
-    Row(_RELAY, MainFailed, (_RELAY,), _main_failed_relaying, _has_md, "RLD finishes; an idle leg recovers"),
+    TableRow(_RELAY, MainTokens, (_RELAY,), IGNORE, _handoff_sent, "a late MD event after a failed handoff"),
+    TableRow(_RELAY, MainFailed, (_RELAY,), _main_failed_relaying, _has_md, "RLD finishes; an idle leg recovers"),
 
-    Row(_HANDING_OFF, RelayTokens, (_HANDING_OFF, _DONE), _relay_tokens, _a_started_leg,
+    TableRow(_HANDING_OFF, RelayTokens, (_HANDING_OFF, _DONE), _relay_tokens, _a_started_leg,
         "held back; RLD finishing first keeps its tokens"),
-    Row(_HANDING_OFF, RelayFailed, (_HANDING_OFF, _FAILED), _relay_failed, _a_started_leg_failed,
+    TableRow(_HANDING_OFF, RelayFailed, (_HANDING_OFF, _FAILED), _relay_failed, _a_started_leg_failed,
         "a superseded leg: nothing"),
-    Row(_HANDING_OFF, DestinationDelivered, (_HANDING_OFF,), _destination_delivered, _destination_pending),
-    Row(_HANDING_OFF, MainTokens, (_HANDING_OFF, _MAIN, _DONE), _main_tokens, _handoff_sent,
+    TableRow(_HANDING_OFF, DestinationDelivered, (_HANDING_OFF,), _destination_delivered, _destination_pending),
+    TableRow(_HANDING_OFF, MainTokens, (_HANDING_OFF, _MAIN, _DONE), _main_tokens, _handoff_sent,
         "the first token past the cut commits the handoff"),
-    Row(_HANDING_OFF, MainFailed, (_RELAY,), _main_failed_handing_off, _has_md,
+    TableRow(_HANDING_OFF, MainFailed, (_RELAY,), _main_failed_handing_off, _has_md,
         "RLD's tokens stand; an idle leg recovers"),
 
-    Row(_MAIN, RelayTokens, (_MAIN,), IGNORE, _a_started_leg, "RLD is being aborted"),
-    Row(_MAIN, RelayFailed, (_MAIN,), IGNORE, _a_started_leg_failed, "RLD is being aborted"),
-    Row(_MAIN, DestinationDelivered, (_MAIN,), _destination_delivered, _destination_pending),
-    Row(_MAIN, MainTokens, (_MAIN, _DONE), _main_tokens, _handoff_sent, "emit MD's tokens"),
-    Row(_MAIN, MainFailed, (_RELAY,), _main_failed_in_main, _has_md, "recover on a new relay leg"),
+    TableRow(_MAIN, RelayTokens, (_MAIN,), IGNORE, _a_started_leg, "RLD is being aborted"),
+    TableRow(_MAIN, RelayFailed, (_MAIN,), IGNORE, _a_started_leg_failed, "RLD is being aborted"),
+    TableRow(_MAIN, DestinationDelivered, (_MAIN,), _destination_delivered, _destination_pending),
+    TableRow(_MAIN, MainTokens, (_MAIN, _DONE), _main_tokens, _handoff_sent, "emit MD's tokens"),
+    TableRow(_MAIN, MainFailed, (_RELAY,), _main_failed_in_main, _has_md, "recover on a new relay leg"),
 
-    *(Row(phase, Timeout, (_FAILED,), _timeout) for phase in _LIVE),
-    *(Row(phase, ClientDisconnected, (_CLOSED,), _client_disconnected) for phase in _LIVE),
-    *(Row(phase, Broken, (_FAILED,), _broken) for phase in _LIVE),
+    *(TableRow(phase, Timeout, (_FAILED,), _timeout) for phase in _LIVE),
+    *(TableRow(phase, ClientDisconnected, (_CLOSED,), _client_disconnected) for phase in _LIVE),
+    *(TableRow(phase, Broken, (_FAILED,), _broken) for phase in _LIVE),
 
     # What may still come once the request ended: P's answer to a destination delivered just
     # before the end (then there is nothing to withdraw), a reply found broken while the last
     # actions ran (the request failed after all), and the shell's cleanup.
-    *(Row(phase, DestinationDelivered, (phase,), _destination_delivered, _destination_pending) for phase in _TERMINAL),
-    *(Row(phase, Broken, (_FAILED,), _broken, note="failed after all") for phase in _TERMINAL),
-    *(Row(phase, Ended, (phase,), _ended, note="release everything, withdraw a pending destination")
+    *(TableRow(phase, DestinationDelivered, (phase,), _destination_delivered, _destination_pending)
+      for phase in _TERMINAL),
+    *(TableRow(phase, Broken, (_FAILED,), _broken, note="failed after all") for phase in _TERMINAL),
+    *(TableRow(phase, Ended, (phase,), _ended, note="release everything, withdraw a pending destination")
       for phase in _TERMINAL),
 )
 

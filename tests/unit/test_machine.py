@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from sglang_pdd.machine import IGNORE, Driver, IllegalTransition, Row, diagram, fold, nothing, rows_table, table_machine
+from sglang_pdd.machine import IGNORE, Driver, IllegalTransition, TableRow, diagram, fold, nothing, rows_table, table_machine
 
 
 class Light(str, enum.Enum):
@@ -199,10 +199,10 @@ def _lit(s: Lamp, e) -> str | None:
 
 
 _ROWS = (
-    Row(Light.OFF, Switch, (Light.ON,), _switch, _lit, "light"),
-    Row(Light.ON, Switch, (Light.OFF,), _switch),
-    Row(Light.ON, Smash, (Light.BROKEN,), _smash),
-    Row(Light.BROKEN, Look, (Light.BROKEN,), IGNORE),
+    TableRow(Light.OFF, Switch, (Light.ON,), _switch, _lit, "light"),
+    TableRow(Light.ON, Switch, (Light.OFF,), _switch),
+    TableRow(Light.ON, Smash, (Light.BROKEN,), _smash),
+    TableRow(Light.BROKEN, Look, (Light.BROKEN,), IGNORE),
 )
 rowed = table_machine(rows_table(_ROWS, IllegalLampEvent), error=IllegalLampEvent, terminal=(Light.BROKEN,),
                       noun="lamp")
@@ -226,7 +226,7 @@ def test_after_the_end_a_pair_row_of_the_terminal_status_runs_and_nothing_else()
 
 def test_two_rows_for_one_pair_are_refused():
     with pytest.raises(ValueError, match=r"two rows for \(on, Smash\)"):
-        rows_table(_ROWS + (Row(Light.ON, Smash, (Light.OFF,), _smash),))
+        rows_table(_ROWS + (TableRow(Light.ON, Smash, (Light.OFF,), _smash),))
 
 
 def test_the_diagram_prints_each_row_with_its_guard_and_where_it_leads():
