@@ -36,11 +36,17 @@ def test_every_router_flag_defaults_to_its_flow_config_field():
     assert differ == {}, "CLI default vs dataclass default"
 
 
-def test_the_rld_admission_has_one_default_in_router_flow_and_simulator():
+def test_the_simulators_flags_for_the_routers_settings_default_as_the_router_does():
+    import argparse
+
     from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT
-    from sglang_pdd.sim.cli import main  # noqa: F401  (the sim's flags read ClusterSpec's defaults)
-    from sglang_pdd.sim.scenarios import ClusterSpec
-    args = build_parser().parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1",
-                                      "--tokenizer-path", "t"])
-    assert args.rld_max_running == FlowConfig().rld_max_running == ClusterSpec().rld_max_running \
+    from sglang_pdd.sim.cli import _add_common
+    sim = argparse.ArgumentParser()
+    _add_common(sim)
+    router = build_parser().parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1",
+                                        "--tokenizer-path", "t"])
+    assert sim.get_default("rld_max_running") == router.rld_max_running == FlowConfig().rld_max_running \
         == RLD_MAX_RUNNING_DEFAULT
+    assert sim.get_default("path_mode") == router.path_mode == FlowConfig().path.mode.value
+    assert sim.get_default("catch_up_threshold") == router.catch_up_threshold \
+        == FlowConfig().handoff.catch_up_threshold_tokens
