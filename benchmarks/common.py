@@ -21,6 +21,17 @@ from sglang_pdd.launcher.http import stream_events
 REPO = Path(__file__).resolve().parents[1]
 # The public Mooncake FAST'25 request trace, beside the repository (../shared/traces).
 MOONCAKE_TRACE = str(REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
+MOONCAKE_TRACE_SOURCE = ("https://github.com/kvcache-ai/Mooncake, FAST25-release/traces/"
+                         "mooncake_synthetic_trace.jsonl (Apache-2.0)")
+
+
+def require_trace(path: str, flag: Optional[str] = "--trace") -> str:
+    """``path`` when it is a file; else SystemExit naming it and where the Mooncake trace comes
+    from (``flag``: the option that names another file, if the script has one)."""
+    if not Path(path).is_file():
+        raise SystemExit(f"trace not found: {path}\n  the Mooncake trace is {MOONCAKE_TRACE_SOURCE}; download it "
+                         f"to {MOONCAKE_TRACE}" + (f" or pass {flag} PATH" if flag else ""))
+    return path
 
 
 def load_module(path: Path) -> ModuleType:

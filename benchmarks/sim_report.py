@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
-from benchmarks.common import MOONCAKE_TRACE
+from benchmarks.common import MOONCAKE_TRACE, require_trace
 
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
@@ -34,7 +34,7 @@ CHIPS = {"llama3-70b": ("h100", "h20"), "deepseek-v3": ("h200", "h20")}
 def traces(a):
     out = []
     if "mooncake" in a.traces:
-        out.append(("mooncake", list(load_trace(a.mooncake, a.n)), False))
+        out.append(("mooncake", list(load_trace(require_trace(a.mooncake, "--mooncake"), a.n)), False))
     if "agentic" in a.traces:
         out.append(("agentic", list(generate_agentic_trace(realistic_agentic_config(num_requests=a.n, seed=a.seed))),
                     True))
