@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,17 @@ def require_trace(path: str, flag: Optional[str] = "--trace") -> str:
         raise SystemExit(f"trace not found: {path}\n  the Mooncake trace is {MOONCAKE_TRACE_SOURCE}; download it "
                          f"to {MOONCAKE_TRACE}" + (f" or pass {flag} PATH" if flag else ""))
     return path
+
+
+# Process CPU times count in clock ticks (10 ms on Linux): a figure from fewer than
+# MIN_CPU_TICKS of them (or a difference of two such) is noise, and a benchmark prints n/a.
+CPU_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+MIN_CPU_TICKS = 50
+
+
+def enough_cpu(cpu_s: float) -> bool:
+    """Whether ``cpu_s`` CPU seconds are enough clock ticks to divide into a per-unit figure."""
+    return cpu_s >= MIN_CPU_TICKS * CPU_TICK_S
 
 
 def load_module(path: Path) -> ModuleType:
