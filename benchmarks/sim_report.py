@@ -133,7 +133,7 @@ def main() -> int:
     ap.add_argument("--itl-slo", type=float, default=1.0)
     ap.add_argument("--scales", default="0.5,0.75,1,1.25,1.5,2,2.5,3", help="load sweep, relative to --rate-scale")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="size for the trace replayed this much faster")
-    ap.add_argument("--out", default="docs/img")
+    ap.add_argument("--out", default="artifacts/sim_report", help="docs/img to replace the docs' figures")
     a = ap.parse_args()
     chip_a, chip_b = CHIPS[a.model]
     spec = ClusterSpec(chip_a=preset(a.model, chip_a), chip_b=preset(a.model, chip_b),
