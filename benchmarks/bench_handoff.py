@@ -36,7 +36,7 @@ a 1 Gbps link with the real model); token-ID traffic (control link) runs at the 
 rate since its size does not depend on the model.
 
     .venv/bin/python -m benchmarks.bench_handoff                 # ~5-8 min on 2 cores
-    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 2 --latencies-ms 5,200
+    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 1 --latencies-ms 5,200   # quick look
 
 Writes results.json and bench_handoff.png under --out (default artifacts/bench_handoff/).
 """

@@ -14,8 +14,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT, _require_sglang
 
-# Each starts its own servers (a cluster, a plain server, or the router against fakes):
-# minutes on two cores, so the full tier's shard of own configurations.
+# Each starts its own servers (a cluster, a plain server, or the router against fakes) or
+# takes most of a minute: the full tier's shard of own configurations.
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
 
@@ -43,6 +43,13 @@ SMOKE = {
     "bench_router_overhead": (["--requests", "1", "--rounds", "1", "--max-new-tokens", "4", "--out", "{out}"],
                               ["router overhead", "front-end CPU n/a"], ["results.json"]),
     "bench_sim_calibration": (["--n", "10", "--loads", "0.5", "--out", "{out}"], [], ["results.json"]),
+    # no servers, but ~45 s each on two busy cores: the router's serving stack imported, MD's
+    # runtime on SGLang's pools in process
+    "bench_control_tls": (["--seconds", "0.05", "--rounds", "1", "--events", "8", "--prompt-tokens", "64"],
+                          ["new connection", "handoff stream (8 ev)"], []),
+    "bench_md_ingest": (["--in-process", "--room-tokens", "2048", "--rooms", "1", "--decode-tokens", "200",
+                         "--baseline-s", "0.5", "--gap-s", "0.2", "--pool-tokens", "16384", "--staging-mb", "64",
+                         "--out", "{out}"], ["pool", "md_complete_ms_max"], ["results-in-process.json"]),
     "bench_router_cpu": (["--requests", "2", "--rounds", "1", "--max-new", "8", "--short-new", "4",
                           "--concurrency", "2", "--out", "{out}/results.json"],
                          ["marginal CPU per 1k tokens", "n/a: fewer than"], ["results.json"]),

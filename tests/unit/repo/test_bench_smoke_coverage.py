@@ -20,11 +20,11 @@ SMOKE_RUNS = {
     "bench_agentic": E2E,
     "bench_control_dos": UNIT,
     "bench_control_reply_sig": UNIT,
-    "bench_control_tls": UNIT,
+    "bench_control_tls": E2E,
     "bench_frame_mac": UNIT,
     "bench_gpu_roofline": UNIT,  # --smoke: CPU, tiny shapes
     "bench_handoff": E2E,
-    "bench_md_ingest": UNIT,  # --in-process
+    "bench_md_ingest": E2E,  # --in-process
     "bench_real_pd_vs_pdd": "tests/e2e/test_e2e_real_pd_vs_pdd.py::quick_run",  # --quick, then four checks on it
     "bench_router_cpu": E2E,
     "bench_router_long_stream_memory": E2E,
