@@ -1,6 +1,8 @@
 """Cost of signing control replies (not a timed test): MD's real MdControlServer on loopback,
-the router's MainControl calling it, with reply signatures (as shipped) and without (the
-server's reply_signature and the router's check patched out), side by side.
+the router's MainControl calling it, with reply signatures (as shipped) and without, side by
+side. Without: the server computes no signature, it sends a placeholder of a signature's length
+in its place (the router refuses a reply without the header before reading its body, so the
+bytes on the wire stay the same), and the router's check is patched out.
 
 * ``stats``:    GET /pdd/stats, sequential calls (one connection each, as the router's do):
   requests/s and ms per call;
@@ -30,13 +32,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import aiohttp
 
 from sglang_pdd import control_gate
-from sglang_pdd.control_auth import ROLE_MD, ControlSigner, ControlVerifier
+from sglang_pdd.control_auth import REPLY_HEADER, ROLE_MD, ControlSigner, ControlVerifier
 from sglang_pdd.protocol import HandoffRequest, RegisterReply
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
 from sglang_pdd.sglang_glue.main_drc import MdControlServer
 
 KEY = b"bench-control-reply-signing-key-0123456789"
+_PLACEHOLDER = "0" * len(ControlVerifier(KEY, role=ROLE_MD).sign_reply("sig", 200, b"{}"))
 
 
 class _Generate:
@@ -83,14 +86,17 @@ class _Runtime:
 
 @contextlib.contextmanager
 def reply_signing(on: bool):
-    """Off: the server sends no reply signature, the router checks none (what the wire was)."""
+    """Off: the server signs no reply (a placeholder header of a signature's length instead),
+    sends no event signature lines, and the router checks none."""
     saved = (control_gate.JsonRequestHandler.reply_signature, ControlVerifier.sign_event, backends._check_reply,
              backends.signed_sse_events)
     if not on:
-        control_gate.JsonRequestHandler.reply_signature = lambda self, status, body: {}
+        control_gate.JsonRequestHandler.reply_signature = (
+            lambda self, status, body: {REPLY_HEADER: _PLACEHOLDER} if self.request_sig is not None else {})
         ControlVerifier.sign_event = lambda self, request_sig, index, data: None  # no signature line
         backends._check_reply = lambda *args: None
-        backends.signed_sse_events = lambda resp, url, signer, header, limit: backends.sse_events(resp, url, limit)
+        backends.signed_sse_events = (lambda resp, url, signer, header, limit, decoder=None:
+                                      backends.sse_events(resp, url, limit, decoder))
     try:
         yield
     finally:

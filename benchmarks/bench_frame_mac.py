@@ -157,6 +157,13 @@ def main(argv=None) -> int:
     ap.add_argument("--hot", action="store_true", help="tag the same frame again and again (in cache)")
     ap.add_argument("--schemes", default="", help="comma-separated subset (memcpy is always run)")
     args = ap.parse_args(argv)
+    frames_kib = [int(x) for x in args.frames_kib.split(",")]
+    if args.mb < 1 or any(f < 1 for f in frames_kib):
+        ap.error("--mb and --frames-kib must be positive")
+    too_large = [f for f in frames_kib if f * KiB > args.mb * MiB]
+    if too_large:  # no whole frame to tag: a rate would be made up
+        ap.error(f"--frames-kib {','.join(map(str, too_large))}: a frame larger than the --mb {args.mb} MiB "
+                 f"of data; raise --mb or drop those frame sizes")
     data = memoryview(np.random.default_rng(0).integers(0, 256, args.mb * MiB, dtype=np.uint8).tobytes())
     table = schemes()
     if args.schemes:
@@ -165,17 +172,18 @@ def main(argv=None) -> int:
     print(f"{args.mb} MiB per measurement{' (one frame, hot)' if args.hot else ''}, best of {args.repeats}; "
           f"GB/s = 1e9 bytes/s; "
           f"xN = {args.threads} threads' total rate / 1 thread's")
-    for frame_kib in (int(x) for x in args.frames_kib.split(",")):
+    for frame_kib in frames_kib:
         frame = frame_kib * KiB
+        tagged = len(data) // frame * frame  # whole frames only (run_scheme's)
         send = min(plain_sendall(data, frame) for _ in range(args.repeats))
         rates = {"sendall": len(data) / send / 1e9}
         par = {}
         for name, fn in table.items():
             one = min(run_scheme(fn, data, frame, 1, args.hot) for _ in range(args.repeats))
-            rates[name] = len(data) / one / 1e9
+            rates[name] = tagged / one / 1e9
             if args.threads > 1:
                 many = min(run_scheme(fn, data, frame, args.threads, args.hot) for _ in range(args.repeats))
-                par[name] = (args.threads * len(data) / many / 1e9) / rates[name]
+                par[name] = (args.threads * tagged / many / 1e9) / rates[name]
         print(f"\nframe {frame_kib} KiB: plain sendall {rates['sendall']:.2f} GB/s, memcpy {rates['memcpy']:.2f} GB/s")
         print(f"  {'scheme':<12} {'GB/s':>7} {'s/GB':>6} {'/memcpy':>8} {'/sendall':>9} {'x' + str(args.threads):>5}")
         for name in table:

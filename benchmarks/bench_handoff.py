@@ -36,7 +36,7 @@ a 1 Gbps link with the real model); token-ID traffic (control link) runs at the 
 rate since its size does not depend on the model.
 
     .venv/bin/python -m benchmarks.bench_handoff                 # ~5-8 min on 2 cores
-    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 2 --latencies-ms 5,200
+    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 1 --latencies-ms 5,200   # quick look
 
 Writes results.json and bench_handoff.png under --out (default artifacts/bench_handoff/).
 """
@@ -452,6 +452,11 @@ def main(argv=None) -> int:
     topo = Topology.on_free_ports()
     topo.wan.rate_gbps = scaled_rate_gbps(args.equiv_gbps, tiny_kv)
     topo.wan.latency_ms, topo.wan.jitter_ms = args.handoff_latency_ms, args.jitter_ms
+    # MD's control API behind its own emulated link: a TCP proxy on another port, which MD
+    # answers to only once it is one of MD's names (--pdd-control-names HOST:PORT, as behind
+    # any proxy or load balancer in a real deployment).
+    ctl_listen, ctl_ctl, router2 = free_port(), free_port(), free_port()
+    topo.main.extra_args += ["--pdd-control-names", f"127.0.0.1:{ctl_listen}"]
     t_start = time.perf_counter()
     results: dict = {"config": {**vars(args), "latencies_ms": latencies, "placements": placements,
                                 "model": model, "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}",
@@ -462,7 +467,6 @@ def main(argv=None) -> int:
     with LocalCluster(run_dir, model_path=model, topology=topo, router_args=BENCH_ROUTER_ARGS) as cluster:
         # MD's control API behind its own emulated link (token-ID traffic: unscaled rate), and a
         # second router that reaches MD's control through it (router in datacenter A).
-        ctl_listen, ctl_ctl, router2 = free_port(), free_port(), free_port()
         cluster.procs.start("ctl-wan-emulator", [
             sys.executable, "-m", "sglang_pdd.launcher.wan_emulator", "--listen", f"127.0.0.1:{ctl_listen}",
             "--upstream", f"127.0.0.1:{topo.main.control_port}", "--latency-ms", str(args.handoff_latency_ms),

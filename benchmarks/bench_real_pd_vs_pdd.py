@@ -39,7 +39,8 @@ request. same_dc_pd does not use the link: it runs once per rate, shown in every
     .venv/bin/python -m benchmarks.bench_real_pd_vs_pdd --quick    # one link, one rate, a few sessions
 
 Needs root for the namespace (without it: same_dc_pd and PDD over the userspace emulator only,
-said so). Writes results.json, requests.jsonl under --out and the plot to --plot.
+said so). Writes results.json, requests.jsonl and the plot (unless --plot names another path)
+under --out.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.bench_agentic import WorkloadConfig, build_jobs, fit_block_scale, segment_tokens
-from benchmarks.common import REPO, astream_events, greedy
+from benchmarks.common import astream_events, greedy
 
 DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd", "pdd_relay_first")
 # The router's --path-mode per PDD design: fit (its default) and the relay-first rule.
@@ -908,7 +909,8 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="artifacts/bench_real_pd_vs_pdd")
-    ap.add_argument("--plot", default=None, help="PNG path (default: docs/img/real_pd_vs_pdd.png, --quick: under --out)")
+    ap.add_argument("--plot", default=None, help="PNG path (default: real_pd_vs_pdd.png under --out; the docs' "
+                                                  "figure is docs/img/real_pd_vs_pdd.png, name it to replace it)")
     args = ap.parse_args(argv)
     if args.quick:
         args.links, args.rates = args.links[1:2], [1.5]
@@ -973,8 +975,7 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot_path = Path(args.plot) if args.plot else (out / "real_pd_vs_pdd.png" if args.quick
-                                                    else REPO / "docs" / "img" / "real_pd_vs_pdd.png")
+    plot_path = Path(args.plot) if args.plot else out / "real_pd_vs_pdd.png"
     model = default_model_path()
     cfg, jobs = workload(args)
     order = dispatch_order(jobs, args.lanes)

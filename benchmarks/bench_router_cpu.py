@@ -44,7 +44,7 @@ import aiohttp
 import psutil
 from tqdm import tqdm
 
-from benchmarks.common import REPO, greedy
+from benchmarks.common import CPU_TICK_S, MIN_CPU_TICKS, REPO, enough_cpu, greedy
 from sglang_pdd.launcher.topology import free_port
 
 
@@ -167,15 +167,22 @@ def summarize(name: str, workers: int, phases: list[dict]) -> dict:
         ps = [p for p in phases if p["kind"] == kind]
         tokens, wall, cpu = (sum(p[k] for p in ps) for k in ("tokens", "wall_s", "router_cpu_s"))
         requests = sum(p["requests"] for p in ps)
+        ok = enough_cpu(cpu)  # else too few clock ticks to divide: None (printed n/a)
         out[kind] = {"requests": requests, "max_new": ps[0]["max_new"], "tokens": tokens, "wall_s": round(wall, 3),
-                     "router_cpu_s": round(cpu, 3), "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 4),
-                     "cpu_ms_per_request": round(1000 * cpu / requests, 2),
+                     "router_cpu_s": round(cpu, 3),
+                     "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 4) if ok else None,
+                     "cpu_ms_per_request": round(1000 * cpu / requests, 2) if ok else None,
                      "tokens_per_s": round(tokens / wall, 1), "handed_to_md": sum(p["handed_to_md"] for p in ps),
                      "router_cores_busy": round(cpu / wall, 2)}
-    extra = (out["long"]["tokens"] - out["short"]["tokens"]) or 1
-    out["marginal_cpu_s_per_1k_tokens"] = round(
-        1000 * (out["long"]["router_cpu_s"] - out["short"]["router_cpu_s"]) / extra, 4)
+    extra = out["long"]["tokens"] - out["short"]["tokens"]
+    difference = out["long"]["router_cpu_s"] - out["short"]["router_cpu_s"]
+    out["marginal_cpu_s_per_1k_tokens"] = (round(1000 * difference / extra, 4)
+                                           if extra > 0 and enough_cpu(abs(difference)) else None)
     return out
+
+
+def _fmt(value, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 async def measure(args, routers: list[tuple[str, int, Path]], token_delay_s: float, key_file: str) -> list[dict]:
@@ -220,10 +227,13 @@ def show(r: dict) -> None:
     for name in ("long", "short"):
         p = r[name]
         print(f"  {name:5s} {p['requests']} req x {p['max_new']} tok: {p['tokens_per_s']:8.0f} tok/s  "
-              f"CPU {p['cpu_s_per_1k_tokens']:.3f} s/1k tok  {p['cpu_ms_per_request']:.1f} ms/req  "
+              f"CPU {_fmt(p['cpu_s_per_1k_tokens'], 3)} s/1k tok  {_fmt(p['cpu_ms_per_request'], 1)} ms/req  "
               f"router {p['router_cores_busy']:.2f} cores busy  "
               f"({p['handed_to_md']} handed to MD)")
-    print(f"  marginal CPU per 1k tokens (long - short): {r['marginal_cpu_s_per_1k_tokens']:.3f} s")
+    print(f"  marginal CPU per 1k tokens (long - short): {_fmt(r['marginal_cpu_s_per_1k_tokens'], 3)} s")
+    if None in (r["long"]["cpu_s_per_1k_tokens"], r["short"]["cpu_s_per_1k_tokens"], r["marginal_cpu_s_per_1k_tokens"]):
+        print(f"  n/a: fewer than {MIN_CPU_TICKS} CPU clock ticks ({MIN_CPU_TICKS * CPU_TICK_S:.1f} s) in the phase or "
+              f"the difference; raise --requests or --rounds")
 
 
 def main() -> None:
@@ -271,9 +281,10 @@ def main() -> None:
         base, new = runs
         for key in ("cpu_s_per_1k_tokens", "cpu_ms_per_request"):
             for kind in ("long", "short"):
-                result[f"{kind}_{key}_ratio"] = round(new[kind][key] / base[kind][key], 3)
-        print(f"this tree / baseline: CPU per 1k tokens {result['long_cpu_s_per_1k_tokens_ratio']:.2f}x (long), "
-              f"CPU per request {result['short_cpu_ms_per_request_ratio']:.2f}x (short)")
+                n, b = new[kind][key], base[kind][key]
+                result[f"{kind}_{key}_ratio"] = round(n / b, 3) if n is not None and b else None
+        print(f"this tree / baseline: CPU per 1k tokens {_fmt(result['long_cpu_s_per_1k_tokens_ratio'], 2)}x (long), "
+              f"CPU per request {_fmt(result['short_cpu_ms_per_request_ratio'], 2)}x (short)")
     if args.compare_workers:
         ratio = runs[1]["long"]["tokens_per_s"] / runs[0]["long"]["tokens_per_s"]
         result["throughput_ratio"] = round(ratio, 3)

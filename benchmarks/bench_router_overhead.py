@@ -43,7 +43,7 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
-from benchmarks.common import REPO, greedy, timed_events
+from benchmarks.common import CPU_TICK_S, MIN_CPU_TICKS, REPO, enough_cpu, greedy, timed_events
 from sglang_pdd.launcher.cluster import LocalCluster, default_model_path
 from sglang_pdd.launcher.http import stream_events
 from sglang_pdd.launcher.processes import ProcessGroup
@@ -108,14 +108,15 @@ def frontend_procs(server_pid: int) -> list[psutil.Process]:
 def measure(name, send, urls: dict, front_ends: dict, idle_rates: dict, args, bar) -> dict:
     """``front_ends``: target -> the processes whose CPU is that target's front-end cost;
     ``idle_rates``: target -> their idle CPU rate (subtracted)."""
-    stats = {k: {"ttft": [], "tokens": 0, "wall": 0.0, "cpu": 0.0} for k in urls}
+    stats = {k: {"ttft": [], "tokens": 0, "wall": 0.0, "cpu": 0.0, "idle": 0.0} for k in urls}
     batch = prompts(args.requests)
     for _ in range(args.rounds):
         for target, url in urls.items():  # alternate: drift hits both alike
             before = cpu_s(front_ends[target])
             ttfts, tokens, wall = one_round(send, url, batch, args.max_new_tokens, args.concurrency)
             s = stats[target]
-            s["cpu"] += cpu_s(front_ends[target]) - before - idle_rates[target] * wall
+            s["cpu"] += cpu_s(front_ends[target]) - before
+            s["idle"] += idle_rates[target] * wall
             s["ttft"] += ttfts
             s["tokens"] += tokens
             s["wall"] += wall
@@ -126,13 +127,27 @@ def measure(name, send, urls: dict, front_ends: dict, idle_rates: dict, args, ba
         out[target] = {"ttft_median_ms": 1000 * statistics.median(ttft),
                        "ttft_p90_ms": 1000 * ttft[int(0.9 * (len(ttft) - 1))],
                        "tokens": s["tokens"], "tokens_per_s": s["tokens"] / s["wall"],
-                       "front_end_cpu_s_per_1k_tokens": 1000 * s["cpu"] / max(1, s["tokens"])}
+                       "front_end_cpu_s": s["cpu"], "front_end_idle_cpu_s": s["idle"],
+                       "front_end_cpu_s_per_1k_tokens": front_end_cpu_per_1k(s["cpu"], s["idle"], s["tokens"])}
     r, d = out["router"], out["direct"]
     out["added_ttft_ms"] = r["ttft_median_ms"] - d["ttft_median_ms"]
     out["ttft_ratio"] = r["ttft_median_ms"] / d["ttft_median_ms"]
     out["tokens_per_s_ratio"] = r["tokens_per_s"] / d["tokens_per_s"]
-    out["cpu_ratio"] = r["front_end_cpu_s_per_1k_tokens"] / d["front_end_cpu_s_per_1k_tokens"]
+    rc, dc = r["front_end_cpu_s_per_1k_tokens"], d["front_end_cpu_s_per_1k_tokens"]
+    out["cpu_ratio"] = rc / dc if rc is not None and dc is not None else None
     return out
+
+
+def front_end_cpu_per_1k(cpu_s: float, idle_s: float, tokens: int) -> float | None:
+    """CPU seconds per 1 000 tokens, less the idle share; None when too few clock ticks were
+    measured for the subtraction to mean anything (one request gave a negative CPU)."""
+    if not enough_cpu(cpu_s) or cpu_s <= idle_s or tokens <= 0:
+        return None
+    return 1000 * (cpu_s - idle_s) / tokens
+
+
+def _fmt(value: float | None, width: int, digits: int) -> str:
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
 
 
 def main() -> None:
@@ -179,8 +194,12 @@ def main() -> None:
         print(f"{r['api']:<22}{d['ttft_median_ms']:>10.1f} ms{rt['ttft_median_ms']:>10.1f} ms"
               f"{r['added_ttft_ms']:>8.1f} ms{r['ttft_ratio']:>7.2f}{d['tokens_per_s']:>14.1f}"
               f"{rt['tokens_per_s']:>14.1f}{r['tokens_per_s_ratio']:>7.2f}"
-              f"{d['front_end_cpu_s_per_1k_tokens']:>31.3f}{rt['front_end_cpu_s_per_1k_tokens']:>8.3f}"
-              f"{r['cpu_ratio']:>7.2f}")
+              f"{_fmt(d['front_end_cpu_s_per_1k_tokens'], 31, 3)}{_fmt(rt['front_end_cpu_s_per_1k_tokens'], 8, 3)}"
+              f"{_fmt(r['cpu_ratio'], 7, 2)}")
+    if any(r["cpu_ratio"] is None for r in results):
+        print(f"front-end CPU n/a: fewer than {MIN_CPU_TICKS} CPU ticks ({MIN_CPU_TICKS * CPU_TICK_S:.1f} s) measured, "
+              f"or no more than the idle rate: too few for the idle subtraction; raise --requests, --rounds or "
+              f"--max-new-tokens")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("idle front-end CPU (subtracted): " + ", ".join(f"{t} {r:.3f} CPU s/s" for t, r in idle_rates.items()))

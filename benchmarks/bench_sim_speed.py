@@ -20,7 +20,7 @@ import argparse
 import resource
 import time
 
-from benchmarks.common import MOONCAKE_TRACE
+from benchmarks.common import MOONCAKE_TRACE, require_trace
 
 from sglang_pdd.sim.cluster import ARRIVALS, Simulation
 from sglang_pdd.sim.hardware import preset
@@ -66,7 +66,7 @@ def main() -> None:
             # sessions the run lists it first, to find each session's next turn).
             trace = generate_agentic_trace(realistic_agentic_config(num_requests=a.n))
         else:
-            trace = load_trace(MOONCAKE_TRACE if a.trace == "mooncake" else a.trace)
+            trace = load_trace(require_trace(MOONCAKE_TRACE if a.trace == "mooncake" else a.trace))
         counted = [0]
         trace = _counting_blocks(trace, counted)
         sim = Simulation(cfg)

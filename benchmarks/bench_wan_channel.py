@@ -61,7 +61,12 @@ PAGE_BYTES = 64 * 1024  # one page of one layer (e.g. 16 tokens x 8 kv heads x 1
 
 
 def make_kv(size_bytes: int, num_layers: int = 32):
-    pages = max(1, size_bytes // (num_layers * PAGE_BYTES))
+    """(layout, KV, tokens) of ``size_bytes`` rounded down to whole pages (no more: the engines
+    register ``size_bytes``): ``num_layers`` layers, fewer below one page per layer."""
+    if size_bytes < PAGE_BYTES:
+        raise ValueError(f"a KV size of {size_bytes} B is below one {PAGE_BYTES} B page")
+    num_layers = min(num_layers, size_bytes // PAGE_BYTES)
+    pages = size_bytes // (num_layers * PAGE_BYTES)
     layout = KvLayout(num_layers, 16, PAGE_BYTES, "bfloat16")
     kv = np.random.default_rng(0).integers(0, 256, (num_layers, pages, PAGE_BYTES), dtype=np.uint8)
     return layout, kv, pages * 16
@@ -573,7 +578,7 @@ def main(argv=None) -> int:
 
     # ---- report
     print(f"\nEmulated WAN: latency {args.latency_ms} ms one-way, jitter {args.jitter_ms} ms, "
-          f"{args.streams} streams, 32 layers x 64 KiB pages")
+          f"{args.streams} streams, 32 layers x 64 KiB pages (fewer layers below 2 MiB)")
     print(f"{'link Gbps':>9} {'KV MiB':>7} {'wire bytes':>12} {'seconds':>8} {'Gbps':>7} {'frac':>6}")
     for r in wan_rows:
         print(f"{r['rate_gbps']:>9g} {r['kv_bytes'] / MB:>7.0f} {r['wire_bytes']:>12d} {r['seconds']:>8.3f} "

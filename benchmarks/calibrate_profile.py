@@ -7,8 +7,9 @@ Prefill: single requests with max_new_tokens=1 and random (uncacheable) prompts 
 lengths -> fit  t = overhead + n * s_per_token + n^2/2 * s_per_token_ctx.
 Decode: B concurrent requests decoding T tokens vs 1 token -> per-step time at (B, kv);
 fit  step = overhead + B * s_per_seq + kv * s_per_kv_token.
-KV bytes per token come from the model config (layers, KV heads, head dim, dtype), and
-memory from the server's max_total_num_tokens. The fits are pure functions (unit-tested);
+KV bytes per token and the vocabulary come from the served model's config.json (the
+model_path the server reports, or --model-config; SGLang's HTTP API reports neither), and
+memory from the server's max_total_num_tokens. Prompt ids stay inside the vocabulary. The fits are pure functions (unit-tested);
 the HTTP part is deliberately small.
 """
 
@@ -21,7 +22,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
-from typing import Dict, List, Sequence, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -98,6 +100,36 @@ def _get(url: str) -> Dict:
         return json.loads(r.read())
 
 
+def served_model_config(model_path: str, override: Optional[str] = None) -> Dict:
+    """The served model's config (its text part for a multimodal one): ``override`` (a
+    config.json or a model directory), else the server's model_path, read here (a directory)
+    or through transformers (a hub id in the local cache). SystemExit naming --model-config
+    when neither works: a guessed vocabulary sends ids the model does not have."""
+    path = Path(override or model_path)
+    file = path if path.is_file() else path / "config.json"
+    try:
+        if file.is_file():
+            cfg = json.loads(file.read_text())
+        else:
+            from transformers import AutoConfig
+            cfg = AutoConfig.from_pretrained(str(path)).to_dict()
+    except Exception as e:  # noqa: BLE001 (any failure: the same advice)
+        raise SystemExit(f"calibrate_profile: cannot read the config of the served model {str(path)!r} ({e}); "
+                         f"pass --model-config PATH (its config.json or model directory)") from None
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    if not cfg.get("vocab_size"):
+        raise SystemExit(f"calibrate_profile: {str(path)!r} names no vocab_size; pass --model-config")
+    return cfg
+
+
+def kv_dtype(info: Dict, cfg: Dict) -> str:
+    """The KV cache's dtype: the server's --kv-cache-dtype, or its model dtype when "auto"."""
+    for value in (info.get("kv_cache_dtype"), info.get("dtype"), cfg.get("torch_dtype"), cfg.get("dtype")):
+        if value and value != "auto":
+            return value
+    return "bfloat16"
+
+
 def _generate(url: str, input_ids: List[int], max_new_tokens: int) -> float:
     body = json.dumps({"input_ids": input_ids,
                        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0}})
@@ -137,17 +169,19 @@ def main() -> None:
     ap.add_argument("--decode-batches", default="1,4,16")
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--model-config", help="the served model's config.json or directory (default: the "
+                    "model_path the server reports, when readable here)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rng = random.Random(0)
-    info = _get(a.prefill_url + "/get_server_info")
-    model = _get(a.prefill_url + "/get_model_info")
-    vocab = int(info.get("vocab_size") or model.get("vocab_size") or 32000)
-    hf = model.get("hf_config") or info.get("hf_config") or {}
-    layers = hf.get("num_hidden_layers", 1)
-    kv_heads = hf.get("num_key_value_heads", hf.get("num_attention_heads", 1))
-    head_dim = hf.get("head_dim") or hf.get("hidden_size", 128) // hf.get("num_attention_heads", 1)
-    kvb = kv_bytes_per_token(layers, kv_heads, head_dim, info.get("kv_cache_dtype", "bfloat16"))
+    info = _get(a.prefill_url + "/server_info")
+    model = _get(a.prefill_url + "/model_info")
+    hf = served_model_config(model["model_path"], a.model_config)
+    vocab = int(hf["vocab_size"])
+    layers = hf["num_hidden_layers"]
+    kv_heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kvb = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype(info, hf))
     capacity = int(info.get("max_total_num_tokens", 0)) or CHIP_A.kv_capacity_tokens
     pre = measure_prefill(a.prefill_url, [int(x) for x in a.prefill_lengths.split(",")], vocab, rng)
     dec = measure_decode(a.decode_url or a.prefill_url, [int(x) for x in a.decode_batches.split(",")],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,28 @@ from sglang_pdd.launcher.http import stream_events
 REPO = Path(__file__).resolve().parents[1]
 # The public Mooncake FAST'25 request trace, beside the repository (../shared/traces).
 MOONCAKE_TRACE = str(REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
+MOONCAKE_TRACE_SOURCE = ("https://github.com/kvcache-ai/Mooncake, FAST25-release/traces/"
+                         "mooncake_synthetic_trace.jsonl (Apache-2.0)")
+
+
+def require_trace(path: str, flag: Optional[str] = "--trace") -> str:
+    """``path`` when it is a file; else SystemExit naming it and where the Mooncake trace comes
+    from (``flag``: the option that names another file, if the script has one)."""
+    if not Path(path).is_file():
+        raise SystemExit(f"trace not found: {path}\n  the Mooncake trace is {MOONCAKE_TRACE_SOURCE}; download it "
+                         f"to {MOONCAKE_TRACE}" + (f" or pass {flag} PATH" if flag else ""))
+    return path
+
+
+# Process CPU times count in clock ticks (10 ms on Linux): a figure from fewer than
+# MIN_CPU_TICKS of them (or a difference of two such) is noise, and a benchmark prints n/a.
+CPU_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+MIN_CPU_TICKS = 50
+
+
+def enough_cpu(cpu_s: float) -> bool:
+    """Whether ``cpu_s`` CPU seconds are enough clock ticks to divide into a per-unit figure."""
+    return cpu_s >= MIN_CPU_TICKS * CPU_TICK_S
 
 
 def load_module(path: Path) -> ModuleType:

@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import MOONCAKE_TRACE
+from benchmarks.common import MOONCAKE_TRACE, require_trace
 from sglang_pdd.router.policy import PathMode
 from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
@@ -46,7 +46,7 @@ def traces(names, n: int, seed: int):
         if name == "agentic":
             yield name, list(generate_agentic_trace(report_agentic_config(num_requests=n, seed=seed))), "sessions"
         else:
-            yield name, list(load_trace(MOONCAKE_TRACE)), "open"  # no session ids: open loop
+            yield name, list(load_trace(require_trace(MOONCAKE_TRACE, None))), "open"  # no session ids: open loop
 
 
 def run(args) -> list[dict]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
-from benchmarks.common import MOONCAKE_TRACE
+from benchmarks.common import MOONCAKE_TRACE, require_trace
 
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
@@ -34,7 +34,7 @@ CHIPS = {"llama3-70b": ("h100", "h20"), "deepseek-v3": ("h200", "h20")}
 def traces(a):
     out = []
     if "mooncake" in a.traces:
-        out.append(("mooncake", list(load_trace(a.mooncake, a.n)), False))
+        out.append(("mooncake", list(load_trace(require_trace(a.mooncake, "--mooncake"), a.n)), False))
     if "agentic" in a.traces:
         out.append(("agentic", list(generate_agentic_trace(realistic_agentic_config(num_requests=a.n, seed=a.seed))),
                     True))
@@ -133,7 +133,7 @@ def main() -> int:
     ap.add_argument("--itl-slo", type=float, default=1.0)
     ap.add_argument("--scales", default="0.5,0.75,1,1.25,1.5,2,2.5,3", help="load sweep, relative to --rate-scale")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="size for the trace replayed this much faster")
-    ap.add_argument("--out", default="docs/img")
+    ap.add_argument("--out", default="artifacts/sim_report", help="docs/img to replace the docs' figures")
     a = ap.parse_args()
     chip_a, chip_b = CHIPS[a.model]
     spec = ClusterSpec(chip_a=preset(a.model, chip_a), chip_b=preset(a.model, chip_b),

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from benchmarks.common import MOONCAKE_TRACE
+from benchmarks.common import MOONCAKE_TRACE, require_trace
 
 from sglang_pdd.router.policy import PathMode
 from sglang_pdd.sim.cluster import ARRIVALS, run_scenario
@@ -405,7 +405,7 @@ def placement(a) -> int:
     from sglang_pdd.sim.cluster import P_PLACEMENTS
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
     tiles = {"mooncake x4": 4, "agentic (realistic)": 1, "agentic-report x8": 8}
-    traces = {"mooncake x4": tile_trace(list(load_trace(MOONCAKE_TRACE)), 4, a.tile_mode),
+    traces = {"mooncake x4": tile_trace(list(load_trace(require_trace(MOONCAKE_TRACE, None))), 4, a.tile_mode),
               "agentic (realistic)": list(generate_agentic_trace(realistic_agentic_config(num_requests=3000))),
               "agentic-report x8": tile_trace(list(generate_agentic_trace(report_agentic_config(num_requests=3000))), 8,
                                               a.tile_mode)}

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from sglang_pdd.admission import AdmissionLimits, parse_networks
+from sglang_pdd.control_gate import name_authority
 from sglang_pdd.protocol import check_md_tp
 
 ROLES = ("prefill", "relay", "main")
@@ -136,10 +136,13 @@ FLAGS = [
              "connections cannot keep them out. A source that sent a validly signed request in the last "
              "24 h is treated the same way.")),
     PddFlag("--pdd-control-names", "pdd_control_names", "prefill and main, with --pdd-control-listen",
-        dict(default=None, metavar="HOST,...",
+        dict(default=None, metavar="HOST[:PORT],...",
         help="further names the router's CONTROL_URL may give this control API (a DNS name, a proxy's). A "
              "signed call is served only when its Host is one of this server's names: the "
-             "--pdd-control-listen host, its TLS certificate's names, and these.")),
+             "--pdd-control-listen host, its TLS certificate's names, and these. A name without a port "
+             "is taken at this server's own port; HOST:PORT names a TCP proxy or load balancer in "
+             "front of it that listens on another port (it forwards the Host the router signed, "
+             "which names the proxy).")),
     PddFlag("--pdd-wan-streams", "pdd_wan_streams", "prefill only", dict(type=int, default=4, metavar="N",
         help="parallel TCP streams per WAN peer (fills a long fat pipe), 1..64.")),
     PddFlag("--pdd-wan-timeout-s", "pdd_wan_timeout_s", "prefill and main",
@@ -311,8 +314,9 @@ def validate(cfg: PddConfig, disaggregation_mode: str, transfer_backend: str = T
     except ValueError as e:
         raise PddConfigError(f"--pdd-control-trusted-sources: {e}") from None
     for name in control_names(cfg):
-        if not name or any(c in name for c in "/:@ ") and not _is_ipv6(name):
-            raise PddConfigError(f"--pdd-control-names: {name!r} is not a host name or address")
+        if name_authority(name, 1) is None:
+            raise PddConfigError(f"--pdd-control-names: {name!r} is not a host name or address, "
+                                 f"optionally with a :port (a proxy's)")
     if cfg.role == "relay" and cfg.intra_dc_transport == "tcp" and not cfg.wan_key_file:
         raise PddConfigError("--pdd-intra-dc-transport tcp needs --pdd-wan-key-file (P and RLD authenticate)")
     if cfg.wan_peers is not None:
@@ -376,13 +380,6 @@ def md_staging_bytes(staging_mb: int, pool_tokens: int, kv_bytes_per_token: int)
     if staging_mb > 0:
         return staging_mb << 20
     return max(1 << 20, int(MD_STAGING_POOL_SHARE * pool_tokens * kv_bytes_per_token))
-
-
-def _is_ipv6(name: str) -> bool:
-    try:
-        return ipaddress.ip_address(name).version == 6
-    except ValueError:
-        return False
 
 
 def admission_limits(cfg: PddConfig):

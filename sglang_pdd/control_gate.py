@@ -498,6 +498,21 @@ def parse_authority(value: Optional[str], default_port: int) -> Optional[tuple[s
     return (host.rstrip("."), default_port if port is None else port) if host else None
 
 
+def name_authority(name: str, port: int) -> Optional[tuple[str, int]]:
+    """(host, port) that a server name stands for: a host (an IPv6 address bare or bracketed)
+    at the server's own ``port``, or ``host:port``: a proxy in front of the server that
+    listens on another port (a TCP proxy forwards the Host the router signed, which names the
+    proxy). None when it is not a name, or its port is not 1-65535."""
+    name = name.strip()
+    try:
+        if ipaddress.ip_address(name).version == 6:
+            name = f"[{name}]"
+    except ValueError:
+        pass
+    authority = parse_authority(name, port)
+    return authority if authority is not None and 0 < authority[1] < 65536 else None
+
+
 class ControlHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with bounded connections: at most ``max_connections`` handler
     threads, and of the connections that have not sent a validly signed request yet, known
@@ -547,7 +562,7 @@ class ControlHTTPServer(ThreadingHTTPServer):
         if names is None and bound in _WILDCARDS:
             self._names = None  # a wildcard bind with no names given: any host, this port
         else:
-            self._names = {h for h in (parse_authority(_bracket(n) + f":{port}", port) for n in hosts) if h}
+            self._names = {h for h in (name_authority(n, port) for n in hosts) if h}
 
     # the counters that readers name as attributes
     @property
@@ -688,10 +703,6 @@ class ControlHTTPServer(ThreadingHTTPServer):
     def _count(self, delta: int) -> None:
         with self._lock:
             self.in_use += delta
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def serve_in_thread(server: ControlHTTPServer, name: str) -> threading.Thread:

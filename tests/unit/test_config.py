@@ -137,8 +137,11 @@ def test_control_admission_and_name_flags_are_checked_and_reach_the_server_names
     assert control_server_names("0.0.0.0") == ()  # a wildcard bind with no names: any host at its port
     with pytest.raises(PddConfigError, match="--pdd-control-trusted-sources.*'10.2.0.300'"):
         validate(PddConfig(**main, control_trusted_sources="10.2.0.300"), "null")
-    with pytest.raises(PddConfigError, match="--pdd-control-names"):
-        validate(PddConfig(**main, control_names="md.example:18001"), "null")
+    # a proxy in front of the API on another port: its name with that port
+    assert validate(PddConfig(**main, control_names="md.example:18001,[fd00::7]:443"), "null")
+    for bad in ("md.example:0", "md.example:99999", "http://md.example", "a@b"):
+        with pytest.raises(PddConfigError, match="--pdd-control-names"):
+            validate(PddConfig(**main, control_names=bad), "null")
     with pytest.raises(PddConfigError, match="needs --pdd-control-listen"):
         validate(PddConfig(role="relay", control_trusted_sources="10.2.0.9"), "decode", "pdd")
 

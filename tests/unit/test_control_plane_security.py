@@ -692,6 +692,21 @@ def test_a_server_answers_to_the_names_it_is_given(md):
         named.close()
 
 
+def test_a_server_answers_to_a_proxys_name_at_the_proxys_port(md):
+    """--pdd-control-names host:port: a TCP proxy on another port (a load balancer, the WAN
+    emulator) forwards the Host the router signed, which names the proxy; only that authority
+    is added, not the proxy's host at the server's own port."""
+    named = MdControl(names=("md-ctl.example:8443", "[fd00::7]:9000"))
+    try:
+        port = named.server.address[1]
+        for host, want in (("md-ctl.example:8443", 200), ("[fd00::7]:9000", 200), (f"md-ctl.example:{port}", 401),
+                           ("md-ctl.example:8444", 401), ("[fd00::7]:8443", 401)):
+            status, _ = raw(named.url, signed_request(named.url, "GET", "/pdd/stats", host=host))
+            assert status == want, host
+    finally:
+        named.close()
+
+
 # ---------------------------------------------------------------------------- connections before authentication
 class Trickle:
     """``n`` sockets from ``sources`` (in turn) that each send a request line, then a byte of
