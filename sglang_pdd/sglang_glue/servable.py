@@ -38,13 +38,15 @@ def why_not_servable(kv_pool, req_to_token_pool, attention_backend: str, named_m
     if reason:
         return reason
     if is_hybrid(kv_pool):
+        state = ", plus request state" if hasattr(kv_pool, "get_request_state_buf_infos") else ""
         return (f"sglang-pdd cannot move this model's KV yet: its {pool_type(kv_pool)} is a hybrid pool (full-"
-                f"attention pages plus sliding-window state{', plus request state' if hasattr(kv_pool, 'get_request_state_buf_infos') else ''}), "
-                f"and the WAN channel moves only MHA and MLA pools; serve it with plain SGLang PD")
+                f"attention pages plus sliding-window state{state}), and the WAN channel moves only MHA and MLA "
+                f"pools; serve it with plain SGLang PD")
     if attention_backend == "torch_native":
         sinks = sink_layers(named_modules)
         if sinks:
-            return (f"this model's attention takes sinks ({sinks[0]}{f' and {len(sinks) - 1} more' if len(sinks) > 1 else ''}), "
+            more = f" and {len(sinks) - 1} more" if len(sinks) > 1 else ""
+            return (f"sglang-pdd cannot serve this model on torch_native: its attention takes sinks ({sinks[0]}{more}), "
                     f"which SGLang's torch_native attention backend does not support; start it with a backend "
                     f"that does (not available on CPU)")
     return None
@@ -58,4 +60,4 @@ def check_scheduler(scheduler) -> None:
                               str(getattr(scheduler.server_args, "attention_backend", "")),
                               model.named_modules() if model is not None else ())
     if reason:
-        raise NotServable(f"sglang-pdd: {reason}")
+        raise NotServable(reason)

@@ -9,6 +9,7 @@ size; unpatched, torch_native reads an SWA layer with those indices and the sche
 """
 
 import random
+import re
 
 import pytest
 
@@ -54,13 +55,35 @@ def transformers_greedy(model_path: str, prompts: list[list[int]], new_tokens: i
 def test_small_swa_pool_serves_sequential_prompts_past_its_size(run_root, swa_model, servers_under_test):
     servers_under_test.stop()
     prompts = random_prompts(12, 100, 210)
-    # 65536 full slots, 1311 SWA slots: the radix cache keeps every prompt, so full-pool indices
-    # pass 1311 by the 8th prompt while the SWA pool frees what leaves the window
+    # 65536 full slots, 1310 SWA slots: the radix cache keeps every prompt, so full-pool indices
+    # pass the SWA pool's size by the 8th prompt while the SWA pool frees what leaves the window
     args = ("--dtype", "float32", "--swa-full-tokens-ratio", "0.02")
     with plain_server(run_root, swa_model, name="single-swa-small", extra_args=args) as url:
         got = [post_json(f"{url}/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}, timeout=300)["output_ids"]
                for ids in prompts]
         log = (run_root / "single-swa-small-logs" / "single-swa-small.log").read_text(errors="replace")
-    assert "swa size: 1311" in log  # the SWA pool really is that small
+    swa_size = int(re.search(r"swa size: (\d+)", log).group(1))
+    assert swa_size < sum(len(p) + NEW_TOKENS for p in prompts)  # the run passes the SWA pool's size
     assert got == transformers_greedy(swa_model, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("role", ["main", "prefill"])
+def test_pdd_roles_refuse_the_hybrid_pool_at_start_naming_it(run_root, swa_model, servers_under_test, role):
+    """PDD's WAN channel does not move hybrid pools yet: P and MD stop before serving, saying
+    which pool (sglang_glue/servable.py), instead of failing at a request."""
+    from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
+    from sglang_pdd.launcher.topology import Topology, server_argv, server_env, write_wan_key
+
+    servers_under_test.stop()
+    topology = Topology.on_free_ports()
+    spec = topology.main if role == "main" else topology.prefill
+    key = write_wan_key(run_root / f"refuse-{role}.key")
+    with ProcessGroup(run_root / f"refuse-{role}-logs") as procs:
+        procs.start(spec.name, server_argv(spec, swa_model, str(key)) + ["--dtype", "float32"],
+                    health_url=f"{spec.url}/health", env=server_env(spec))
+        with pytest.raises(ProcessFailed) as failed:
+            procs.wait_healthy(timeout_s=600)
+    assert "exited with code" in str(failed.value)
+    log = (run_root / f"refuse-{role}-logs" / f"{spec.name}.log").read_text(errors="replace")
+    assert "sglang-pdd cannot move this model's KV yet: its SWAKVPool is a hybrid pool" in log

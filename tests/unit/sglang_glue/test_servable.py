@@ -65,5 +65,5 @@ def test_the_scheduler_check_raises_with_the_reason():
             server_args=types.SimpleNamespace(attention_backend="torch_native"))
 
     check_scheduler(scheduler(mha_pool()))
-    with pytest.raises(NotServable, match="^sglang-pdd: .*SWAKVPool"):
+    with pytest.raises(NotServable, match="^sglang-pdd cannot move .*SWAKVPool"):
         check_scheduler(scheduler(swa_pool()))
