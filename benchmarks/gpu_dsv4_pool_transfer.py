@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=4000, help="tokens per request")
-    ap.add_argument("--max-prefix-pages", type=int, default=4, help="DRC-style cached prefix, in pages, drawn per request")
+    ap.add_argument("--max-prefix-pages", type=int, default=4,
+                    help="DRC-style cached prefix, in pages, drawn per request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)

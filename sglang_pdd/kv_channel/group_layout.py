@@ -62,10 +62,13 @@ class GroupedPoolLayout:
         if self.page_size <= 0 or self.window < 0:
             raise ValueError(f"invalid pool layout {self}")
         names = [g.name for g in self.groups]
-        if not names or PAGES not in names or names != sorted(names, key=GROUP_NAMES.index) or len(set(names)) != len(names):
-            raise ValueError(f"pool layout groups must include {PAGES!r}, once each, in order {GROUP_NAMES}; got {names}")
+        ordered = names == sorted(names, key=GROUP_NAMES.index) and len(set(names)) == len(names)
+        if PAGES not in names or not ordered:
+            raise ValueError(f"pool layout groups must include {PAGES!r}, once each, in order {GROUP_NAMES}; "
+                             f"got {names}")
         if (WINDOW in names) != (self.window > 0):
-            raise ValueError(f"a {WINDOW!r} group goes with a sliding window > 0 (window {self.window}, groups {names})")
+            raise ValueError(f"a {WINDOW!r} group goes with a sliding window > 0 (window {self.window}, "
+                             f"groups {names})")
 
     def group(self, name: str) -> Optional[BufferGroup]:
         return next((g for g in self.groups if g.name == name), None)

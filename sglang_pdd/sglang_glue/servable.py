@@ -46,9 +46,9 @@ def why_not_servable(kv_pool, req_to_token_pool, attention_backend: str, named_m
         sinks = sink_layers(named_modules)
         if sinks:
             more = f" and {len(sinks) - 1} more" if len(sinks) > 1 else ""
-            return (f"sglang-pdd cannot serve this model on torch_native: its attention takes sinks ({sinks[0]}{more}), "
-                    f"which SGLang's torch_native attention backend does not support; start it with a backend "
-                    f"that does (not available on CPU)")
+            return (f"sglang-pdd cannot serve this model on torch_native: its attention takes sinks "
+                    f"({sinks[0]}{more}), which SGLang's torch_native attention backend does not support; "
+                    f"start it with a backend that does (not available on CPU)")
     return None
 
 

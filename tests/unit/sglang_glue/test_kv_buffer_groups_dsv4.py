@@ -29,7 +29,8 @@ def dsv4_pool(full_to_swa_pages: dict[int, int]):
 
     # sized as SGLang's configurator does: C4 compress states by SWA page x ring; C128 request-scoped
     pool = DeepSeekV4TokenToKVPool(
-        max_num_reqs=4, swa_size=2048, c4_size=1024, c128_size=512, c4_state_pool_size=2048 // PAGE * resolve_compress_state_ring_size(4),
+        max_num_reqs=4, swa_size=2048, c4_size=1024, c128_size=512,
+        c4_state_pool_size=2048 // PAGE * resolve_compress_state_ring_size(4),
         c128_state_pool_size=0,
         page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
         c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
@@ -64,7 +65,8 @@ def test_dsv4_pool_round_trip_with_a_cached_prefix(published):
     dst = GroupedPool(dsv4_pool({2: 1, 5: 4, 6: 7}), PAGE, 128)
     dst.layout.check_same(src.layout, "MD", "P")
     assert [g.name for g in src.layout.groups] == [PAGES, WINDOW, REQUEST]
-    assert [len(g.item_bytes) for g in src.layout.groups] == [5, 8, 1]  # C4 KV x2, indexer K x2, C128 KV; SWA x4 + C4 states; C128 ring
+    # pages: C4 KV x2, C4 indexer K x2, C128 KV; window: SWA KV x4, C4 compress states; request: C128 ring
+    assert [len(g.item_bytes) for g in src.layout.groups] == [5, 8, 1]
     randomize(src, 1)
     randomize(dst, 2)
     before = {n: [v.clone() for v in g.views] for n, g in dst.groups.items()}
