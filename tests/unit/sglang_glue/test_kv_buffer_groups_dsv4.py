@@ -91,3 +91,11 @@ def test_dsv4_pool_round_trip_with_a_cached_prefix(published):
     sent = plan.group_bytes(request_items=1)
     assert sent[PAGES] == 2 * sum(src.layout.group(PAGES).item_bytes)
     assert sent[WINDOW] == sum(src.layout.group(WINDOW).item_bytes)
+
+
+def test_pdd_roles_refuse_the_dsv4_pool_at_start_naming_it(published):
+    from sglang_pdd.sglang_glue.servable import why_not_servable
+
+    reason = why_not_servable(dsv4_pool({}), None, "dsv4")
+    assert "its DeepSeekV4TokenToKVPool is a hybrid pool (full-attention pages plus sliding-window state, " \
+           "plus request state)" in reason
