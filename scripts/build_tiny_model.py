@@ -1,11 +1,13 @@
 """Build a tiny model + byte-level BPE tokenizer locally and deterministically (no downloads).
 
 Random weights make the text meaningless, but greedy token IDs are deterministic, which is what
-the end-to-end tests compare (PDD output_ids == single-server output_ids). Two architectures:
-``llama`` (MHA KV pool) and ``deepseek_v2`` (MLA: one latent KV buffer per layer).
+the end-to-end tests compare (PDD output_ids == single-server output_ids). Three architectures:
+``llama`` (MHA KV pool), ``deepseek_v2`` (MLA: one latent KV buffer per layer) and ``mellum``
+(hybrid sliding-window: SGLang gives it an SWAKVPool, full layers and a smaller window pool).
 
     python scripts/build_tiny_model.py --out artifacts/tiny-llama
     python scripts/build_tiny_model.py --arch deepseek_v2 --out artifacts/tiny-deepseek
+    python scripts/build_tiny_model.py --arch mellum --out artifacts/tiny-mellum
 """
 
 import argparse
@@ -91,7 +93,26 @@ def deepseek_v2_model(tokenizer):
     return DeepseekV2ForCausalLM(config)
 
 
-ARCHITECTURES = {"llama": llama_model, "deepseek_v2": deepseek_v2_model}
+# Smaller than the tests' prompts, so the sliding layers really drop tokens the full layers keep.
+MELLUM_SLIDING_WINDOW = 32
+
+
+def mellum_model(tokenizer):
+    """Hybrid SWA: 4 layers sliding/full/sliding/full, window 32, dense MLPs only (no MoE)."""
+    from transformers import MellumConfig, MellumForCausalLM
+
+    common = _common_config(tokenizer)
+    common["num_hidden_layers"] = 4
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    config = MellumConfig(
+        num_key_value_heads=2, head_dim=32, sliding_window=MELLUM_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2, mlp_layer_types=["dense"] * 4,
+        rope_parameters={"full_attention": dict(rope), "sliding_attention": dict(rope)}, **common,
+    )
+    return MellumForCausalLM(config)
+
+
+ARCHITECTURES = {"llama": llama_model, "deepseek_v2": deepseek_v2_model, "mellum": mellum_model}
 
 
 def build_model(out: Path, tokenizer, arch: str = "llama"):

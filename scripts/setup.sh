@@ -11,6 +11,7 @@ VENV="${PDD_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 MODEL_DIR="${PDD_MODEL_DIR:-$ROOT/artifacts/tiny-llama}"
 MLA_MODEL_DIR="${PDD_MLA_MODEL_DIR:-$ROOT/artifacts/tiny-deepseek}"
+SWA_MODEL_DIR="${PDD_SWA_MODEL_DIR:-$ROOT/artifacts/tiny-mellum}"
 STAMP="$VENV/.pdd-setup-stamp"
 log() { echo "[setup] $*"; }
 
@@ -80,9 +81,11 @@ echo "$ROOT/cpu_shims" > "$(site_packages)/sglang_pdd_cpu_shims.pth"
 # 4. Small upstreamable diffs SGLang (and a CPU-only torchvision) need; see patches/README.md.
 apply_patches apply
 
-# 5. Tiny models + tokenizer, built locally (deterministic, no downloads): a Llama (MHA KV pool)
-#    and a DeepSeek-V2-style model (MLA KV pool) for tests/e2e/test_e2e_mla.py.
+# 5. Tiny models + tokenizer, built locally (deterministic, no downloads): a Llama (MHA KV pool),
+#    a DeepSeek-V2-style model (MLA KV pool) for tests/e2e/test_e2e_mla.py, and a Mellum-style
+#    hybrid sliding-window model (SWAKVPool) for tests/e2e/test_e2e_swa.py.
 "$PY" "$ROOT/scripts/build_tiny_model.py" --out "$MODEL_DIR"
 "$PY" "$ROOT/scripts/build_tiny_model.py" --arch deepseek_v2 --out "$MLA_MODEL_DIR"
+"$PY" "$ROOT/scripts/build_tiny_model.py" --arch mellum --out "$SWA_MODEL_DIR"
 
 "$PY" -c "import sglang, sglang_pdd, sgl_kernel, mooncake.engine; print('[setup] ok: sglang', sglang.__version__)"

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "artifacts" / "tiny-llama"
 DEFAULT_MLA_MODEL = REPO_ROOT / "artifacts" / "tiny-deepseek"  # MLA attention (DeepSeek-V2 style)
+DEFAULT_SWA_MODEL = REPO_ROOT / "artifacts" / "tiny-mellum"  # hybrid sliding-window (Mellum style)
 
 
 def default_model_path(env: str = "PDD_MODEL_DIR", default: Path = DEFAULT_MODEL) -> str:
@@ -31,6 +32,10 @@ def default_model_path(env: str = "PDD_MODEL_DIR", default: Path = DEFAULT_MODEL
 
 def default_mla_model_path() -> str:
     return default_model_path("PDD_MLA_MODEL_DIR", DEFAULT_MLA_MODEL)
+
+
+def default_swa_model_path() -> str:
+    return default_model_path("PDD_SWA_MODEL_DIR", DEFAULT_SWA_MODEL)
 
 
 class LocalCluster(ClusterProcesses):

@@ -11,8 +11,9 @@ Hooks (each a no-op unless --pdd-role asks for it):
 * ServerArgs.add_cli_args / from_cli_args — the --pdd-* flags and their validation;
 * Scheduler.__init__ (before) — MLA models on ``torch_native`` take SGLang's absorbed MLA
   path (mla_attention.py; the fallback dispatch reads the latent pool as per-head K/V);
-* Scheduler.__init__ (after) — compile SGLang's lazily compiled sampling kernels
-  (compile_warmup.py), start MD's runtime in the scheduler process;
+* Scheduler.__init__ (after) — refuse a model PDD cannot move (servable.py: Mamba/linear
+  state, hybrid sliding-window pools, attention sinks on torch_native), compile SGLang's lazily
+  compiled sampling kernels (compile_warmup.py), start MD's runtime in the scheduler process;
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
   room commands and WAN completions there, on the scheduler thread; a test's relay checks its
   hold there (relay_hold.py, only when started with it);
@@ -77,6 +78,9 @@ def _start_role_runtime(result, scheduler, *args, **kwargs):
     scheduler._pdd_runtime = None
     scheduler._pdd_relay_hold = None
     if cfg.active:
+        from sglang_pdd.sglang_glue.servable import check_scheduler
+
+        check_scheduler(scheduler)  # a model PDD cannot move stops here, named (servable.py)
         _warm_compiled_kernels(scheduler)
     if cfg.role == "relay":
         from sglang_pdd.sglang_glue import penalty_clock

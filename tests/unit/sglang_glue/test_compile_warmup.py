@@ -44,13 +44,14 @@ def test_after_the_warm_up_no_request_shape_compiles_again():
 
 
 def test_only_servers_with_a_pdd_role_warm_up(monkeypatch):
-    from sglang_pdd.sglang_glue import compile_warmup, plugin
+    from sglang_pdd.sglang_glue import compile_warmup, plugin, servable
 
-    calls = []
+    calls, checked = [], []
     monkeypatch.setattr(compile_warmup, "warm_sampling_kernels", lambda *a: calls.append(a) or 0.0)
+    monkeypatch.setattr(servable, "check_scheduler", checked.append)  # its own test: test_servable.py
     model = types.SimpleNamespace(vocab_size=64, dtype=torch.bfloat16)
     for role, want in ((None, 0), ("prefill", 1), ("relay", 2)):
         args = types.SimpleNamespace(_pdd_config=PddConfig(role=role) if role else None)
         plugin._start_role_runtime(None, types.SimpleNamespace(server_args=args, device="cpu", model_config=model))
-        assert len(calls) == want
+        assert len(calls) == len(checked) == want
     assert calls[0] == ("cpu", 64, torch.bfloat16)
