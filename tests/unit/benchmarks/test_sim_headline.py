@@ -3,7 +3,7 @@ baseline (hours of backlog) the ratio says nothing about the design."""
 
 import json
 
-from benchmarks.sim_round4 import headline_filename, headline_markdown, main
+from benchmarks.sim_headline import headline_filename, headline_markdown, main
 from tests.conftest import REPO_ROOT
 
 HEADLINE = REPO_ROOT / "docs" / "img" / "sim_headline_20g.json"
@@ -58,7 +58,7 @@ def test_the_rps_row_names_each_knee_and_how_it_was_found():
 
 def _headline_args(monkeypatch, *argv):
     seen = []
-    monkeypatch.setattr("benchmarks.sim_round4.headline", lambda a: seen.append(a) or 0)
+    monkeypatch.setattr("benchmarks.sim_headline.headline", lambda a: seen.append(a) or 0)
     assert main(["headline", *argv]) == 0
     return seen[0]
 

@@ -1,9 +1,9 @@
 """The report's question at the report's scale, one set of rules for every design:
 
-    python -m benchmarks.sim_round4 headline --wan-gbps 20 [--tile 8]   # the headline table
-    python -m benchmarks.sim_round4 map                                  # where PDD wins, PNG
-    python -m benchmarks.sim_round4 placement                            # the P rules compared
-    python -m benchmarks.sim_round4 staging --wan-gbps 50                # MD's staging budget swept
+    python -m benchmarks.sim_headline headline --wan-gbps 20 [--tile 8]   # the headline table
+    python -m benchmarks.sim_headline map                                  # where PDD wins, PNG
+    python -m benchmarks.sim_headline placement                            # the P rules compared
+    python -m benchmarks.sim_headline staging --wan-gbps 50                # MD's staging budget swept
 
 Session traces arrive as sessions (`--arrivals sessions`, the default): session starts at
 their trace times, the same for every design, each next turn its think time after the
@@ -478,7 +478,7 @@ def staging(a) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_round4", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_headline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
