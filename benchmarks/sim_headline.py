@@ -41,14 +41,14 @@ from benchmarks.common import MOONCAKE_TRACE
 
 from sglang_pdd.router.policy import PathMode
 from sglang_pdd.sim.cluster import ARRIVALS, run_scenario
-from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
+from sglang_pdd.sim.hardware import KV_DTYPES, WAN_DEFAULT, preset
 from sglang_pdd.sim.loadsweep import load_sweep
 from sglang_pdd.sim.metrics import Sla, Summary
 from sglang_pdd.sim.scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios, with_counts
 from sglang_pdd.sim.sizing import offered_rps, size_designs
 from sglang_pdd.sim.traces import TILE_MODES, arrivals_label, effective_arrivals, tile_trace, tiling_label
 from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
-                                  report_agentic_config)
+                                  report_agentic_config, report_scenario_config)
 
 PDD = "pdd_drc_adaptive"
 DESIGNS = BASELINES + (PDD,)
@@ -67,11 +67,24 @@ REPORT = {
 }
 
 
-def spec_for(model: str, wan_gbps: float, mla_kernel: str = "flashmla") -> ClusterSpec:
-    chip_a = "h200" if model == "deepseek-v3" else "h100"
-    return ClusterSpec(chip_a=preset(model, chip_a, mla_kernel=mla_kernel),
-                       chip_b=preset(model, "h20", mla_kernel=mla_kernel),
+# The traces a headline runs on: the report-like mix (short answers on ~34k contexts) and the
+# report's own scenario (~64K tokens in all, ~1K output, ~77% of requests at >= 90% hit).
+SCENARIOS = {"report-like": ("agentic_report", report_agentic_config),
+             "report": ("report_scenario", report_scenario_config)}
+
+
+def spec_for(model: str, wan_gbps: float, mla_kernel: str = "flashmla", kv_dtype: str = "bf16") -> ClusterSpec:
+    chip_a = "h100" if model == "llama3-70b" else "h200"
+    kv = "bf16" if model == "deepseek-v4-pro" else kv_dtype  # V4's KV is its own fp8 layout
+    return ClusterSpec(chip_a=preset(model, chip_a, mla_kernel=mla_kernel, kv_dtype=kv),
+                       chip_b=preset(model, "h20", mla_kernel=mla_kernel, kv_dtype=kv),
                        wan=replace(WAN_DEFAULT, gbps=wan_gbps))
+
+
+def scenario_trace(a) -> tuple:
+    """(label, base trace) of the headline's --scenario."""
+    stem, make = SCENARIOS[a.scenario]
+    return f"{stem}{a.n}", list(generate_agentic_trace(make(num_requests=a.n, seed=a.seed)))
 
 
 def _short(s: Summary) -> dict:
@@ -84,10 +97,10 @@ def _short(s: Summary) -> dict:
 
 
 def headline(a) -> int:
-    base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed)))
+    label, base = scenario_trace(a)
     trace = tile_trace(base, a.tile, a.tile_mode)
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
-    spec = spec_for(a.model, a.wan_gbps, a.mla_kernel)
+    spec = spec_for(a.model, a.wan_gbps, a.mla_kernel, a.kv_dtype)
     by = {c.name: c for c in standard_scenarios(spec)}
     if a.reuse:  # the sizing of an earlier run of the same setup (it is the slow part)
         with open(a.reuse) as f:
@@ -145,7 +158,8 @@ def headline(a) -> int:
                                                                      arrivals=a.arrivals))
         bar.close()
         fleet = dict(n_prefill=n_p, n_rld=n_r, n_md=n_m)
-    out = dict(trace=f"agentic_report{a.n}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
+    out = dict(trace=f"{label}x{a.tile}", seed=a.seed, requests=len(trace), model=a.model, wan_gbps=a.wan_gbps,
+               kv_dtype=_kv_dtype(a), scenario=a.scenario,
                mla_kernel=a.mla_kernel, tile=a.tile, tile_mode=a.tile_mode,
                arrivals=effective_arrivals(trace, a.arrivals), sla=asdict(sla), target=a.target, sized=sized,
                verdicts=verdicts, warnings=warnings, pdd_mode=by[PDD].path_mode.value,
@@ -188,10 +202,18 @@ def _mode_rows(d: dict) -> List[str]:
     return out
 
 
+def _kv_dtype(a) -> str:
+    return "fp8" if a.model == "deepseek-v4-pro" else getattr(a, "kv_dtype", "bf16")
+
+
 def headline_filename(a) -> str:
     """Each setup its own file, so a run never overwrites another setup's results; the
     defaults' parts are left out, so the earlier files keep their names."""
-    tag = (f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
+    model = getattr(a, "model", "deepseek-v3")
+    tag = (("" if model == "deepseek-v3" else f"{model}_")
+           + ("" if getattr(a, "kv_dtype", "bf16") == "bf16" or model == "deepseek-v4-pro" else f"kv{a.kv_dtype}_")
+           + ("" if getattr(a, "scenario", "report-like") == "report-like" else f"{a.scenario}_")
+           + f"{a.wan_gbps:g}g" + ("" if a.mla_kernel == "flashmla" else f"_{a.mla_kernel}")
            + ("" if a.arrivals == "open" else f"_{a.arrivals}")
            + ("" if a.tile == 8 else f"_tile{a.tile}") + _tile_tag(a)
            + ("" if a.knee_resolution <= 0 else f"_knee{100 * a.knee_resolution:g}pct")
@@ -248,7 +270,8 @@ def headline_markdown(d: dict) -> str:
     """The report's metrics beside the sim's, from a headline JSON."""
     sf, kn, sz = d["same_fleet"], d["knees"], d["sized"]
     pdd, xdc, xdcd, pd = (sf.get(n) for n in (PDD, "xdc_pd", "xdc_pd_drc", "pd_same_dc"))
-    lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}, WAN {d['wan_gbps']:g} Gbps, "
+    lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}"
+             + (f" (KV {d['kv_dtype']})" if d.get("kv_dtype") else "") + f", WAN {d['wan_gbps']:g} Gbps, "
              f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, {_arrivals(d)}, seed {d.get('seed', 0)}, "
              f"PDD's path mode {d.get('pdd_mode', 'relay_first')}; "
              f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
@@ -329,7 +352,7 @@ def wins_map(a) -> int:
         h = round(sum(rates) / len(rates), 3)
         hits.append(h)
         for g in gbps:
-            by = {c.name: c for c in standard_scenarios(spec_for(a.model, g))}
+            by = {c.name: c for c in standard_scenarios(spec_for(a.model, g, kv_dtype=a.kv_dtype))}
             names = [n for n in DESIGNS if n != "pd_same_dc" or h not in pd_cost]
             v = size_designs({n: by[n] for n in names}, PDD, trace, sla, a.target, range(lo, hi + 1),
                              range(0, a.rld_max + 1), a.md_max, progress=lambda: bar.update(), arrivals=a.arrivals)
@@ -415,7 +438,7 @@ def placement(a) -> int:
     for label, trace in traces.items():
         n_p, n_r, n_m = mixes[label]
         for rule in P_PLACEMENTS:
-            by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps), p_placement=rule))}
+            by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps, kv_dtype=a.kv_dtype), p_placement=rule))}
             for name in ("pd_same_dc", PDD):
                 cfg = with_counts(by[name], n_p, n_r if name == PDD else 0, n_m if name == PDD else n_m + n_r)
                 s = run_scenario(cfg, trace, sla, arrivals=a.arrivals)
@@ -448,7 +471,7 @@ def staging(a) -> int:
     base = list(generate_agentic_trace(report_agentic_config(num_requests=a.n, seed=a.seed)))
     trace = tile_trace(base, a.tile, a.tile_mode)
     sla = Sla(a.ttft_slo, a.tpot_slo, a.itl_slo)
-    by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps), n_prefill=a.prefill,
+    by = {c.name: c for c in standard_scenarios(replace(spec_for(a.model, a.wan_gbps, kv_dtype=a.kv_dtype), n_prefill=a.prefill,
                                                          n_rld=a.rld, n_md=a.md))}
     pool = by["xdc_pd_drc"].md_hw.kv_capacity_tokens * by["xdc_pd_drc"].md_hw.kv_bytes_per_token
     shares = [4 * 2 ** 30 / pool] + [float(x) for x in a.shares.split(",")]
@@ -483,7 +506,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def common(p):
-        p.add_argument("--model", default="deepseek-v3", choices=("deepseek-v3", "llama3-70b"))
+        p.add_argument("--model", default="deepseek-v3", choices=("deepseek-v3", "deepseek-v4-pro", "llama3-70b"))
+        p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES,
+                       help="deepseek-v3's KV dtype (deepseek-v4-pro's is its own fp8 layout)")
         p.add_argument("--ttft-slo", type=float, default=2.0)
         p.add_argument("--tpot-slo", type=float, default=0.06)
         p.add_argument("--itl-slo", type=float, default=1.0)
@@ -498,6 +523,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     p = sub.add_parser("headline")
     common(p)
+    p.add_argument("--scenario", default="report-like", choices=sorted(SCENARIOS),
+                   help="report-like: short answers on ~34k contexts (default); report: the report's own "
+                        "(~64K tokens in all, ~1K output, ~77%% of requests at >= 90%% hit)")
     p.add_argument("--n", type=int, default=3000)
     p.add_argument("--tile", type=int, default=8,
                    help="copies of the trace: with sessions 16 sizes same-DC PD at 80 GPUs, the report's scale "
