@@ -71,6 +71,11 @@ REPORT = {
 # report's own scenario (~64K tokens in all, ~1K output, ~77% of requests at >= 90% hit).
 SCENARIOS = {"report-like": ("agentic_report", report_agentic_config),
              "report": ("report_scenario", report_scenario_config)}
+# The report's scenario's cold turns (first and compacted, ~23% of requests) prefill 40-64K
+# tokens: 3.1-3.7 s on an 8xH200 DeepSeek-V3 instance with nothing else in the pass, so a 2 s
+# TTFT SLO would fail them on any fleet and no design could reach a 90% target. 5 s leaves
+# them a queue; TTFT p90 is still compared as measured.
+SCENARIO_TTFT_SLO = {"report-like": 2.0, "report": 5.0}
 
 
 def spec_for(model: str, wan_gbps: float, mla_kernel: str = "flashmla", kv_dtype: str = "bf16") -> ClusterSpec:
@@ -273,6 +278,8 @@ def headline_markdown(d: dict) -> str:
     lines = [f"Setup: {d['trace']} ({d['requests']} requests), {d['model']}"
              + (f" (KV {d['kv_dtype']})" if d.get("kv_dtype") else "") + f", WAN {d['wan_gbps']:g} Gbps, "
              f"MLA kernel {d['mla_kernel']}, {_tiling(d)}, {_arrivals(d)}, seed {d.get('seed', 0)}, "
+             + (f"SLA TTFT <= {d['sla']['ttft_s']:g} s, TPOT <= {1e3 * d['sla']['tpot_s']:g} ms, "
+                if d.get("sla") else "") +
              f"PDD's path mode {d.get('pdd_mode', 'relay_first')}; "
              f"same fleet = {d['fleet']}" + (f"; sizing from {d['sizing_from']}" if d.get("sizing_from") else ""),
              "", "| metric | report | sim | baseline in the sim |", "|---|---|---|---|"]
@@ -509,7 +516,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--model", default="deepseek-v3", choices=("deepseek-v3", "deepseek-v4-pro", "llama3-70b"))
         p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES,
                        help="deepseek-v3's KV dtype (deepseek-v4-pro's is its own fp8 layout)")
-        p.add_argument("--ttft-slo", type=float, default=2.0)
+        p.add_argument("--ttft-slo", type=float, default=None,
+                       help="seconds; default 2, or 5 with --scenario report (see SCENARIO_TTFT_SLO)")
         p.add_argument("--tpot-slo", type=float, default=0.06)
         p.add_argument("--itl-slo", type=float, default=1.0)
         p.add_argument("--target", type=float, default=0.9)
@@ -570,6 +578,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--wan-gbps", type=float, default=100.0)
     p.set_defaults(fn=placement)
     a = ap.parse_args(argv)
+    if a.ttft_slo is None:
+        a.ttft_slo = SCENARIO_TTFT_SLO[getattr(a, "scenario", "report-like")]
     return a.fn(a)
 
 

@@ -119,6 +119,9 @@ def test_the_wan_row_says_how_much_of_the_trace_the_link_can_carry():
 def test_headline_files_name_the_model_kv_dtype_and_scenario_when_not_the_defaults(monkeypatch):
     a = _headline_args(monkeypatch, "--tile", "16", "--kv-dtype", "fp8", "--scenario", "report")
     assert headline_filename(a) == "sim_headline_kvfp8_report_20g_sessions_tile16_spread_knee5pct.json"
+    assert a.ttft_slo == 5.0  # the scenario's cold 40-64K prefills take 3-3.7 s alone
+    assert _headline_args(monkeypatch).ttft_slo == 2.0
+    assert _headline_args(monkeypatch, "--scenario", "report", "--ttft-slo", "3").ttft_slo == 3.0
     a = _headline_args(monkeypatch, "--model", "deepseek-v4-pro", "--scenario", "report", "--wan-gbps", "50")
     assert headline_filename(a) == "sim_headline_deepseek-v4-pro_report_50g_sessions_spread_knee5pct.json"
 
@@ -128,6 +131,6 @@ def test_headline_runs_the_reports_scenario_on_deepseek_v4_pro_at_its_smallest(t
                  "--prefill-range", "1:2", "--rld-max", "0", "--md-max", "1", "--scales", "1",
                  "--knee-resolution", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "report_scenario60x1" in out and "deepseek-v4-pro (KV fp8)" in out
+    assert "report_scenario60x1" in out and "deepseek-v4-pro (KV fp8)" in out and "SLA TTFT <= 5 s" in out
     d = json.load(open(tmp_path / "sim_headline_deepseek-v4-pro_report_20g_sessions_tile1.json"))
     assert d["scenario"] == "report" and d["kv_dtype"] == "fp8" and d["requests"] == 60
