@@ -321,7 +321,8 @@ class Simulation:
         self.md_host_tokens = 0  # prompt tokens MD loaded back from its host tier (not shipped)
 
     # ---- driving -------------------------------------------------------------------
-    def run(self, requests: Iterable[TraceRequest], arrivals: str = "open") -> Summary:
+    def run(self, requests: Iterable[TraceRequest], arrivals: str = "open",
+            give_up_below: Optional[float] = None) -> Optional[Summary]:
         """arrivals (ARRIVALS): "open" replays every request at its trace time. "sessions":
         session starts (first turns, and requests without a session) keep their trace times,
         and no next turn arrives before the answer it extends, as an agent or a chat user
@@ -329,7 +330,12 @@ class Simulation:
         gap (arrival to arrival, the answer's time inside it) puts the next turn that gap
         after the previous turn's arrival, or at the answer's end if the answer came later; a
         generator's gap (`gap_after_answer`: think time alone) puts it that gap after the
-        answer's end. A trace without sessions replays the same either way."""
+        answer's end. A trace without sessions replays the same either way.
+
+        give_up_below: stop, returning None, once so many requests have missed the TTFT SLO
+        that the run's SLA attainment must end below this (a sizing probe that cannot pass
+        need not run to its end). The loop runs in slices of simulated time to look, which
+        changes no event's order."""
         if arrivals not in ARRIVALS:
             raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         if arrivals == "sessions":
@@ -345,11 +351,31 @@ class Simulation:
                 if sid is not None:
                     last[sid] = tr
             requests = first
+        if give_up_below is not None:
+            requests = list(requests)
+            n_total = len(requests) + len(self._next_turn)
         self._trace = iter(requests)
         self._schedule_next_arrival()
         with _collector_paused():
-            self.loop.run_until()
+            if give_up_below is None:
+                self.loop.run_until()
+            elif self._hopeless_run(n_total, give_up_below):
+                return None
         return self.summary()
+
+    GIVE_UP_SLICE_S = 30.0  # simulated seconds between looks
+
+    def _hopeless_run(self, n_total: int, give_up_below: float) -> bool:
+        slo, ttft, seen, missed = self.sla.ttft_s, self.log.ttft, 0, 0
+        while self.loop.pending():
+            self.loop.run_until(self.loop.now + self.GIVE_UP_SLICE_S)
+            for i in range(seen, len(ttft)):
+                missed += ttft[i] > slo
+            seen = len(ttft)
+            # the most that can still be served within the SLA is every request but these
+            if (n_total - missed) / n_total < give_up_below:
+                return True
+        return False
 
     def _schedule_next_arrival(self) -> None:
         tr = next(self._trace, None)
@@ -886,8 +912,10 @@ class Simulation:
 
 
 def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla(),
-                 rate_scale: float = 1.0, arrivals: str = "open") -> Summary:
-    return Simulation(cfg, sla, rate_scale).run(requests, arrivals)
+                 rate_scale: float = 1.0, arrivals: str = "open",
+                 give_up_below: Optional[float] = None) -> Optional[Summary]:
+    """give_up_below: see Simulation.run (None: always a summary)."""
+    return Simulation(cfg, sla, rate_scale).run(requests, arrivals, give_up_below)
 
 
 __all__ = ["ARRIVALS", "ScenarioConfig", "Simulation", "run_scenario", "PATH_NAMES"]

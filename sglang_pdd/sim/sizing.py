@@ -113,14 +113,16 @@ def size_cluster(
     demand = offered_rps(trace, rate_scale)
     own = {}
 
-    def attempt(n_p: int, n_rld: int, n_md: int) -> Summary:
+    def attempt(n_p: int, n_rld: int, n_md: int) -> Optional[Summary]:
+        """The run's summary; None for a run given up once it could no longer meet the target."""
         key = (n_p, n_rld, n_md)
         cache = no_rld_runs if n_rld == 0 and no_rld_runs is not None else own
         if key not in cache:
-            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale, arrivals)
-            if s.requests != len(trace):
+            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale, arrivals,
+                             give_up_below=target_attainment)
+            if s is not None and s.requests != len(trace):
                 raise RuntimeError(f"a sizing run served {s.requests} requests, not the trace's {len(trace)}")
-            if arrivals == "open" and abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
+            if s is not None and arrivals == "open" and abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
                 raise RuntimeError(f"a sizing run saw {s.offered_rps} r/s, not the demand {demand}")
             cache[key] = s
             if progress:
@@ -128,7 +130,8 @@ def size_cluster(
         return cache[key]
 
     def ok(n_p: int, n_rld: int, n_md: int) -> bool:
-        return meets(attempt(n_p, n_rld, n_md), target_attainment)
+        s = attempt(n_p, n_rld, n_md)
+        return s is not None and meets(s, target_attainment)
 
     def fewest_md(n_p: int, n_rld: int) -> Optional[int]:
         """The fewest MD (D) that meet the target at these counts, counted up from one (not

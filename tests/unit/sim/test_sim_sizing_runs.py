@@ -22,9 +22,9 @@ PDD = BY["pdd_drc_adaptive"]
 def _recorded(monkeypatch):
     runs = []
 
-    def run(cfg, trace, sla, rate_scale=1.0, arrivals="open"):
+    def run(cfg, trace, sla, rate_scale=1.0, arrivals="open", give_up_below=None):
         runs.append((cfg.path_mode, cfg.n_prefill, cfg.n_rld, cfg.n_md))
-        return run_scenario(cfg, trace, sla, rate_scale, arrivals)
+        return run_scenario(cfg, trace, sla, rate_scale, arrivals, give_up_below)
     monkeypatch.setattr(sizing, "run_scenario", run)
     return runs
 
@@ -66,3 +66,18 @@ def test_an_rld_count_dearer_than_the_best_mix_is_not_searched(monkeypatch):
     assert with_counts(dear, 1, 1, 1).cost_per_hour >= best.cost_per_hour
     assert all(r[2] == 0 for r in runs)
     assert _key(best)[:4] == _key(sizing.size_cluster(dear, TRACE, SLA, 0.9, range(1, 4), [0], 3))[:4]
+
+
+def test_a_run_that_cannot_meet_the_target_is_given_up_and_one_that_can_is_not():
+    tight = Sla(ttft_s=0.05, tpot_s=0.1)  # most requests miss this TTFT
+    full = run_scenario(with_counts(BY["pd_same_dc"], 1, 0, 1), TRACE, tight, arrivals="sessions")
+    assert full.sla_attainment < 0.9
+    assert run_scenario(with_counts(BY["pd_same_dc"], 1, 0, 1), TRACE, tight, arrivals="sessions",
+                        give_up_below=0.9) is None
+    # a run that passes (or fails on anything but TTFT) runs to its end: the same summary
+    for sla in (SLA, Sla(ttft_s=10.0, tpot_s=0.001)):
+        a = run_scenario(with_counts(PDD, 1, 1, 1), TRACE, sla, arrivals="sessions")
+        b = run_scenario(with_counts(PDD, 1, 1, 1), TRACE, sla, arrivals="sessions", give_up_below=0.9)
+        assert json.dumps(asdict(a), sort_keys=True) == json.dumps(asdict(b), sort_keys=True)
+    # and sizing under the tight SLA finds what it found before: nothing
+    assert sizing.size_cluster(BY["pd_same_dc"], TRACE, tight, 0.9, range(1, 3), [0], 2) is None
