@@ -96,7 +96,8 @@ def _short(s: Summary) -> dict:
     keep = ("scenario", "requests", "cost_per_hour", "hw_cost_per_hour", "wan_lease_per_hour", "gpus", "ttft_p50",
             "ttft_p90", "ttft_p99", "tpot_p50", "stall_p50", "stall_p99", "sla_attainment", "tail_sla_attainment",
             "goodput_rps", "offered_rps", "wan_gb", "wan_util", "mean_md_hit", "md_refused", "md_waited",
-            "rld_token_share", "rld_cost_share", "bcr", "paths", "p_host_tokens", "md_host_tokens")
+            "rld_token_share", "rld_cost_share", "bcr", "paths", "p_host_tokens", "md_host_tokens",
+            "wan_cancelled_gb", "kv_landed", "switches")
     d = asdict(s)
     return {k: d[k] for k in keep}
 
