@@ -3,6 +3,7 @@
     python -m benchmarks.sim_headline headline --wan-gbps 20 [--tile 8]   # the headline table
     python -m benchmarks.sim_headline map                                  # where PDD wins, PNG
     python -m benchmarks.sim_headline placement                            # the P rules compared
+    python -m benchmarks.sim_headline table docs/img/sim_headline_*.json   # seeds side by side
     python -m benchmarks.sim_headline staging --wan-gbps 50                # MD's staging budget swept
 
 Session traces arrive as sessions (`--arrivals sessions`, the default): session starts at
@@ -337,6 +338,81 @@ def headline_markdown(d: dict) -> str:
     return "\n".join(lines)
 
 
+# -------------------------------------------------------------------------------- table
+def _cell(vals, fmt) -> str:
+    """One metric over seeds: the value, or min-max when the seeds differ."""
+    got = [v for v in vals if v is not None and v == v]
+    if not got:
+        return "-"
+    lo, hi = fmt(min(got)), fmt(max(got))
+    return lo if lo == hi else f"{lo} - {hi}"
+
+
+def table_rows(results: List[dict]) -> List[str]:
+    """The report's headline metrics for several headline JSONs of one setup (seeds side by
+    side as a range), beside the report's own numbers."""
+    def pdd(d):
+        return d["same_fleet"].get(PDD) or {}
+
+    def share(d):
+        s = pdd(d)
+        return s["paths"].get("p_md", 0) / s["requests"] if s.get("requests") else None
+
+    def vs_xdc(d):
+        a, b = pdd(d), d["same_fleet"].get("xdc_pd") or {}
+        if not a or not b or min(a["sla_attainment"], b["sla_attainment"]) < d["target"]:
+            return None
+        return a["ttft_p90"] / b["ttft_p90"] - 1
+
+    def rps(d):
+        k = d.get("knees") or {}
+        g = {n: (k.get(n) or {}).get("knee_goodput_rps") for n in (PDD, "xdc_pd")}
+        return g[PDD] / g["xdc_pd"] - 1 if g[PDD] and g["xdc_pd"] else None
+
+    def bcr(d):
+        a, b = d["sized"].get(PDD), d["sized"].get("pd_same_dc")
+        return b["cost_per_hour"] / a["cost_per_hour"] - 1 if a and b else None
+
+    def mix(d):
+        z = d["sized"].get(PDD)
+        return "none" if z is None else f"P{z['n_prefill']}/R{z['n_rld']}/M{z['n_md']} ${z['cost_per_hour']:.0f}/h"
+
+    pct = (lambda x: f"{100 * x:+.0f}%")
+    pc = (lambda x: f"{100 * x:.0f}%")
+    rows = [("PDD sized (fleet, $/h)", "-", " / ".join(mix(d) for d in results)),
+            ("BCR vs same-DC PD (sized, same SLA)", "+32-37.5%", _cell([bcr(d) for d in results], pct)),
+            ("P->MD share (same fleet, 1+ RLD)", "79%", _cell([share(d) for d in results], pc)),
+            ("RLD share of tokens", "~6%", _cell([pdd(d).get("rld_token_share") for d in results],
+                                                  lambda x: f"{100 * x:.1f}%")),
+            ("RLD share of cost", "a few %", _cell([pdd(d).get("rld_cost_share") for d in results], pc)),
+            ("SLA attainment (PDD, same fleet)", "-", _cell([pdd(d).get("sla_attainment") for d in results],
+                                                            lambda x: f"{100 * x:.1f}%")),
+            ("MD hit", "-", _cell([pdd(d).get("mean_md_hit") for d in results], lambda x: f"{x:.2f}")),
+            ("WAN GB landed / cancelled", "-", " / ".join(
+                f"{pdd(d).get('wan_gb', 0):.0f} / {pdd(d).get('wan_cancelled_gb', float('nan')):.0f}" for d in results)),
+            ("handoff stall p99", "-", _cell([pdd(d).get("stall_p99") for d in results], lambda x: f"{1e3 * x:.0f} ms")),
+            ("TTFT p90 vs cross-DC PD", "-46%", _cell([vs_xdc(d) for d in results], pct)),
+            ("RPS within SLA vs cross-DC PD (knees)", "+27.8%", _cell([rps(d) for d in results], pct))]
+    d0 = results[0]
+    head = (f"{d0['model']} (KV {d0.get('kv_dtype', 'bf16')}), {d0.get('scenario', 'report-like')} scenario "
+            f"({d0['trace']}, {d0['requests']} requests), {_tiling(d0)}, WAN {d0['wan_gbps']:g} Gbps, seeds "
+            + ",".join(str(d.get("seed", 0)) for d in results))
+    return [head, "", "| metric | report | sim |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+
+
+def table(a) -> int:
+    groups: Dict[tuple, List[dict]] = {}
+    for path in a.files:
+        with open(path) as f:
+            d = json.load(f)
+        key = (d["model"], d.get("kv_dtype"), d.get("scenario"), d["wan_gbps"], d.get("tile"), d["trace"])
+        groups.setdefault(key, []).append(d)
+    for key in sorted(groups, key=str):
+        print("\n".join(table_rows(sorted(groups[key], key=lambda d: d.get("seed", 0)))))
+        print()
+    return 0
+
+
 # ---------------------------------------------------------------------------------- map
 def wins_map(a) -> int:
     """The prefix hit moves with the report-like generator's context resets (a session
@@ -553,6 +629,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="when even the lowest scale fails, look for the knee down to this scale")
     p.add_argument("--reuse", help="take the sizing from this earlier headline JSON of the same setup")
     p.set_defaults(fn=headline)
+    p = sub.add_parser("table", help="the report's metrics of several headline JSONs, seeds side by side")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(fn=table, ttft_slo=0.0)
     p = sub.add_parser("map")
     common(p)
     p.add_argument("--resets", default="0.02,0.1,0.25,0.5",

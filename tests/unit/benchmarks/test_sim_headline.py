@@ -134,3 +134,8 @@ def test_headline_runs_the_reports_scenario_on_deepseek_v4_pro_at_its_smallest(t
     assert "report_scenario60x1" in out and "deepseek-v4-pro (KV fp8)" in out and "SLA TTFT <= 5 s" in out
     d = json.load(open(tmp_path / "sim_headline_deepseek-v4-pro_report_20g_sessions_tile1.json"))
     assert d["scenario"] == "report" and d["kv_dtype"] == "fp8" and d["requests"] == 60
+    # the table of several seeds' files (here one) beside the report's numbers
+    assert main(["table", str(tmp_path / "sim_headline_deepseek-v4-pro_report_20g_sessions_tile1.json")]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v4-pro (KV fp8), report scenario" in out and "seeds 0" in out
+    assert "| BCR vs same-DC PD (sized, same SLA) | +32-37.5% |" in out and "| P->MD share" in out

@@ -81,3 +81,11 @@ def test_a_run_that_cannot_meet_the_target_is_given_up_and_one_that_can_is_not()
         assert json.dumps(asdict(a), sort_keys=True) == json.dumps(asdict(b), sort_keys=True)
     # and sizing under the tight SLA finds what it found before: nothing
     assert sizing.size_cluster(BY["pd_same_dc"], TRACE, tight, 0.9, range(1, 3), [0], 2) is None
+
+
+def test_giving_up_runs_through_quiet_stretches_longer_than_its_slice():
+    # two requests 10 minutes apart: the loop's looks must move past the gap by themselves
+    from sglang_pdd.workload import TraceRequest
+    quiet = [TraceRequest(0.0, 1000, 10, (1, 2)), TraceRequest(600_000.0, 1000, 10, (3, 4))]
+    s = run_scenario(with_counts(BY["pd_same_dc"], 1, 0, 1), quiet, SLA, give_up_below=0.9)
+    assert s is not None and s.requests == 2
