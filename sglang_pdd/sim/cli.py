@@ -102,8 +102,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--md-staging-mb", type=float, default=None,
                    help="KV of rooms in flight to one MD, at most (MD's --pdd-md-staging-mb), every design; "
                         "charged when a transfer starts; default: the real MD's, a quarter of MD's KV pool")
-    p.add_argument("--keep-finished-kv", action="store_true",
-                   help="KV of a request that ended on RLD still lands in MD's DRC (default: cancelled)")
+    p.add_argument("--keep-finished-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="KV of a request that ended on RLD still lands in MD's DRC, as the real router "
+                        "releases MD's room with keep_kv (--no-keep-finished-kv: the what-if that cancels it)")
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=Sla().tpot_s, help="seconds")
     p.add_argument("--itl-slo", type=float, default=None,
