@@ -406,7 +406,7 @@ def cmd_bathtub(a) -> int:
 
 def cmd_gen_trace(a) -> int:
     make = {"agentic": realistic_agentic_config, "agentic-report": report_agentic_config,
-            "conversation": conversation_config,
+            "report-scenario": report_scenario_config, "conversation": conversation_config,
             "legacy-agentic": AgenticTraceConfig}[a.kind]
     rate = {} if a.session_rate is None else {"session_rate_per_s": a.session_rate}
     n = save_trace(generate_agentic_trace(make(num_requests=a.n, seed=a.seed, **rate)), a.output)

@@ -16,3 +16,14 @@ def test_report_scenario_has_the_reports_lengths_and_hits(seed):
     assert 58_000 <= mean(r.input_length + r.output_length for r in trace) <= 66_000
     assert 900 <= mean(r.output_length for r in trace) <= 1100
     assert has_sessions(trace) and all(r.gap_after_answer for r in trace)
+
+
+def test_the_cli_generates_and_simulates_the_report_scenario(tmp_path, capsys):
+    from sglang_pdd.sim.cli import main
+    from sglang_pdd.workload import load_trace
+    out = tmp_path / "t.jsonl"
+    assert main(["gen-trace", "--kind", "report-scenario", "--n", "30", "--output", str(out)]) == 0
+    assert len(list(load_trace(str(out)))) == 30
+    assert main(["compare", "--report-scenario", "30", "--model", "deepseek-v4-pro", "--chip-a", "h200",
+                 "--prefill", "1", "--rld", "1", "--md", "1", "--out", str(tmp_path)]) == 0
+    assert "report_scenario30" in capsys.readouterr().out

@@ -40,7 +40,7 @@ COMMANDS = _commands()
 
 def test_the_guide_has_commands_for_every_headline_subcommand_and_the_sim():
     assert len(COMMANDS) >= 10
-    for sub in ("headline", "map", "placement", "staging"):
+    for sub in ("headline", "map", "placement", "staging", "table"):
         assert any(c.startswith(f"python -m benchmarks.sim_headline {sub}") for c in COMMANDS), sub
     for sub in ("size", "compare", "rld-sweep", "sweep", "bathtub", "gen-trace"):
         assert any(c.startswith(f"python -m sglang_pdd.sim {sub} ") for c in COMMANDS), sub
@@ -57,7 +57,7 @@ def test_a_guide_command_parses(command, monkeypatch):
                 monkeypatch.setattr(cli, name, lambda a, name=name: seen.append(name) or 0)
         assert cli.main(args) == 0
     elif module == "benchmarks.sim_headline":
-        for name in ("headline", "wins_map", "placement", "staging"):
+        for name in ("headline", "wins_map", "placement", "staging", "table"):
             monkeypatch.setattr(sim_headline, name, lambda a, name=name: seen.append(name) or 0)
         assert sim_headline.main(args) == 0
     else:
