@@ -1,4 +1,4 @@
-"""The per-trace PD vs PDD report of docs/sim-notebook.md (2026-12-03, superseded by benchmarks/sim_round4.py): for each trace and model class, the
+"""The per-trace PD vs PDD report of docs/sim-notebook.md (2026-12-03, superseded by benchmarks/sim_headline.py): for each trace and model class, the
 cheapest PD and PDD mixes meeting the SLA (sizing says which wins), then goodput vs offered
 load at both mixes (the knee and BCR at the knee). Writes JSON and PNGs.
 

@@ -174,6 +174,23 @@ def report_agentic_config(**overrides) -> AgenticTraceConfig:
     return AgenticTraceConfig(**cfg)
 
 
+def report_scenario_config(**overrides) -> AgenticTraceConfig:
+    """The PDD report's own scenario: requests of ~64K tokens in all with ~1K output, 70-80% of
+    them at >= 90% prefix hit, in agent sessions. A session opens on an 8k system prompt plus a
+    40-56k task (a repository, documents: the cold turn), then 3-7 turns each append the answer
+    (500-1500 tokens) and a 0.3-3k tool result; at 72k tokens the agent compacts to a new
+    40-56k summary (cold again). The cold turns (first and compacted, ~20-25% of requests) are
+    the misses. `report_agentic_config` is the report-like mix of short answers on ~34k
+    contexts; this one is the report's lengths, where decode is a large part of the work."""
+    cfg = dict(turns_min=3, turns_max=7, system_prompt_tokens=8192, num_system_prompts=8,
+               first_user_tokens=(40_000, 56_000), tool_result_tokens=(300, 3000), output_tokens=(500, 1500),
+               think_time_s=3.0, session_rate_per_s=0.08, outlier_fraction=0.01,
+               outlier_input_tokens=(48_000, 64_000), outlier_output_tokens=(1, 8),
+               context_reset_prob=0.0, max_context_tokens=72_000, reset_tokens=(40_000, 56_000))
+    cfg.update(overrides)
+    return AgenticTraceConfig(**cfg)
+
+
 def conversation_config(**overrides) -> AgenticTraceConfig:
     """Chat-like traffic with little reuse: ~12k-token prompts (a document or a long paste
     plus a question), one to two turns, a short shared system prompt; ~35-40% of prompt

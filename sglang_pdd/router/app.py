@@ -26,7 +26,7 @@ from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router import client_auth, kv_senders, shared_drain
+from sglang_pdd.router import client_auth, kv_senders, loads, shared_drain
 from sglang_pdd.router.backends import BackendError, MainControl, error_text, read_bounded
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 from sglang_pdd.router.flow import FlowConfig, MainBackend
@@ -111,7 +111,7 @@ class Router:
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
                  logprob_limits: LogprobLimits = LogprobLimits(), health_check_interval_s: float = 10.0,
-                 shared_drains: Optional[SharedDrains] = None):
+                 shared_drains: Optional[SharedDrains] = None, measure_prefill: bool = True):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -126,6 +126,9 @@ class Router:
         self.health_check_interval_s = health_check_interval_s
         self._probes: Optional[asyncio.Task] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
+        self._speeds: Optional[asyncio.Task] = None  # loads.measure_forever, from start() on
+        # P's speed from its /v1/loads, unless the operator fixed it (--p-prefill-tokens-per-s)
+        self.measure_prefill = measure_prefill
         self._kv_senders: Optional[asyncio.Task] = None  # kv_senders.announce_forever, from start() on
         # --workers: operator drains shared with the other workers (shared_drain.py)
         self.shared_drains = shared_drains
@@ -149,6 +152,8 @@ class Router:
     async def start(self, app):
         self.flows.session = backend_session()
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
+        self._speeds = asyncio.ensure_future(loads.measure_forever(
+            self.session, self.pools.prefill, self.pools.main, self.pools.md_flow_step_s, self.measure_prefill))
         if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
             self._kv_senders = asyncio.ensure_future(
                 kv_senders.announce_forever(self.session, self.pools.main, self.pools.prefill))
@@ -158,7 +163,7 @@ class Router:
             self._drain_sync = asyncio.ensure_future(self._sync_drains_forever())
 
     async def close(self, app):
-        for task in (self._md_sizes, self._kv_senders, self._probes, self._drain_sync):
+        for task in (self._md_sizes, self._speeds, self._kv_senders, self._probes, self._drain_sync):
             if task is not None:
                 task.cancel()
         await self.session.close()

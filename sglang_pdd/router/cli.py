@@ -26,6 +26,7 @@ from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathMode, PathPolicyConfig
+from sglang_pdd.router.placement import MD_FLOW_STEP_S_DEFAULT, MdMoveCost
 from sglang_pdd.router.pools import Pools
 from sglang_pdd.router.validate import LogprobLimits
 
@@ -141,12 +142,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fit mode: the share of the TTFT slack P->MD may use while RLD idles")
     g.add_argument("--p-prefill-tokens-per-s", type=float, default=None,
                    help="P's prefill speed, to count P's queue and the request's prefill (the router's tokens "
-                        "in flight on P) against the TTFT budget; unset: they count 0 (the WAN alone)")
+                        "in flight on P) against the TTFT budget; unset: measured from each P's /v1/loads "
+                        f"(SGLang's prefill counters), {PathPolicyConfig.p_prefill_tokens_per_s:g} until P has "
+                        "prefilled enough to say")
+    g.add_argument("--p-prefill-s-per-token-ctx", type=float, default=PathPolicyConfig.p_prefill_s_per_token_ctx,
+                   help="P's attention term: seconds per new token per context token (the simulator's "
+                        "prefill_s_per_token_ctx for the model and chip); 0: a linear prefill estimate")
+    g.add_argument("--gap-slo-ms", type=float, default=1000.0,
+                   help="longest gap between tokens the users should see: P->MD's WAN wait falls between its "
+                        "first token (through RLD) and MD's first, so the path rule budgets it against this "
+                        "(and the TTFT SLO against P's queue, prefill and the registration); 0: budget the "
+                        "WAN wait against the TTFT SLO instead")
+    g.add_argument("--md-flow-step-ms", type=float, default=MD_FLOW_STEP_S_DEFAULT * 1e3,
+                   help="MD's decode step growth per request in flight, until the router measures it from MD's "
+                        "/v1/loads: a turn leaves the MD holding its prefix only when the busier MD's longer "
+                        "steps cost it more than re-sending the prefix over the WAN (router/placement.py)")
     g.add_argument("--max-wan-transfer-ms", type=float, default=None,
                    help="fixed WAN budget: P->MD when the uncached suffix crosses the WAN within this, else "
                         "P->RLD->MD. Default: the budget follows RLD's load and --path-mode "
-                        "(router/policy.py: wan_budget_ms)")
-    g.add_argument("--page-size", type=int, default=1, help="KV page size of P and MD (whole-page hits)")
+                        "(router/policy.py: p_md_wan_budget_ms)")
+    g.add_argument("--page-size", type=int, default=PathPolicyConfig.page_size,
+                   help="KV page size of P and MD (whole-page hits)")
     g.add_argument("--outlier-min-input-tokens", type=int, default=32_768,
                    help="outlier filter: a prompt this long or longer whose max_new_tokens is at most "
                         "--outlier-max-output-tokens stays on P->RLD (MD never sees it)")
@@ -194,7 +210,9 @@ def flow_config(args) -> FlowConfig:
         path=PathPolicyConfig(wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms,
                               kv_bytes_per_token=args.kv_bytes_per_token, ttft_slo_ms=args.ttft_slo_ms,
                               mode=PathMode(args.path_mode), p_md_share_idle=args.p_md_share_idle,
-                              p_prefill_tokens_per_s=args.p_prefill_tokens_per_s,
+                              p_prefill_tokens_per_s=args.p_prefill_tokens_per_s or PathPolicyConfig.p_prefill_tokens_per_s,
+                              p_prefill_s_per_token_ctx=args.p_prefill_s_per_token_ctx,
+                              first_token_via_rld=True, gap_slo_ms=args.gap_slo_ms or None,
                               max_wan_transfer_ms=args.max_wan_transfer_ms, page_size=args.page_size,
                               enable_outlier_filter=not args.disable_outlier_filter,
                               outlier_min_input_tokens=args.outlier_min_input_tokens,
@@ -280,7 +298,9 @@ def main(argv=None) -> None:
         health = HealthConfig(failure_threshold=args.breaker_failures, cooldown_s=args.breaker_cooldown_s)
     except ValueError as e:
         raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
-    router = Router(Pools(args.prefill, args.relay, args.main, health=health), flow_config(args), state[2],
+    md_move = MdMoveCost(kv_bytes_per_token=args.kv_bytes_per_token, wan_bytes_per_s=args.wan_gbps * 1e9 / 8,
+                         flow_step_s=args.md_flow_step_ms / 1e3)
+    router = Router(Pools(args.prefill, args.relay, args.main, health=health, md_move=md_move), flow_config(args), state[2],
                     args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
                     max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
                     operator_token=read_operator_token(args.operator_token_file),
@@ -289,7 +309,8 @@ def main(argv=None) -> None:
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
                     logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob,
                                                   args.max_logprob_stream_entries),
-                    health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env())
+                    health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env(),
+                    measure_prefill=args.p_prefill_tokens_per_s is None)
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
                 ssl_context=client_ssl)

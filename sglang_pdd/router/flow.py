@@ -114,6 +114,9 @@ class PrefillBackend:
     # P's WAN-destination API (``--pdd-control-listen`` on P). Set: the router need not wait
     # for MD's registration before starting P and RLD (see PddFlow).
     control_url: Optional[str] = None
+    # P's prefill speed as the router measured it (router/loads.py); None: not yet, the path
+    # policy's default (or --p-prefill-tokens-per-s) stands.
+    prefill_tokens_per_s: Optional[float] = None
 
 
 @dataclass
@@ -172,6 +175,9 @@ class FlowResult:
     catch_up_batches: list = field(default_factory=list)
     rld_tokens: int = 0  # output tokens the client got from RLD (eager + any fallback)
     md_tokens: int = 0  # output tokens the client got from MD
+    # The request ended on RLD with its KV still on its way to MD: MD's room released with
+    # keep_kv, so the KV lands in MD's cache for the session's next turn.
+    md_kv_kept: bool = False
     fallbacks: list = field(default_factory=list)  # router/fallback.py's Fallback, in order
     finish_reason: Optional[dict] = None
     ttft_s: Optional[float] = None
@@ -700,6 +706,7 @@ class PddFlow:
             self._spawn(abort(self.session, url, rid), must_finish=True)
         self.live_rids.clear()
         if self.md is not None:
+            self.result.md_kv_kept = action.keep_md_kv and self.md.room is not None
             self.md.release(keep_kv=action.keep_md_kv)
 
 

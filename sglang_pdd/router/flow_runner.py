@@ -79,11 +79,13 @@ class FlowRunner:
                 catch_up_threshold_tokens=int(options.get("catch_up_threshold", cfg.handoff.catch_up_threshold_tokens)))
             cfg = dataclasses.replace(cfg, handoff=handoff)
         try:
-            prefill, relay, main = self.pools.pick(req.input_ids, exclude=exclude)
+            prefill, relay, main = self.pools.pick(req.input_ids, exclude=exclude, max_new_tokens=req.max_new_tokens)
         except NoBackend as e:
             raise BackendsUnavailable(str(e)) from None
         if not with_main:
             main = None
+        if prefill.prefill_tokens_per_s and prefill.prefill_tokens_per_s != cfg.path.p_prefill_tokens_per_s:
+            cfg = dataclasses.replace(cfg, path=dataclasses.replace(cfg.path, p_prefill_tokens_per_s=prefill.prefill_tokens_per_s))
         # The MD prefix estimate routes a request whose P takes late WAN destinations
         # without waiting for MD's registration (PddFlow); MD's exact answer is reported too.
         md_estimate = self.pools.prefixes.match(main.url, req.input_ids) if main is not None else 0

@@ -100,6 +100,10 @@ class RouterMetrics:
         self._wan_bytes = counter("pdd:wan_bytes", "KV bytes sent over the WAN.")
         self._wan_bytes_saved = counter(
             "pdd:wan_bytes_saved", "KV bytes not sent over the WAN because MD's DRC had them.")
+        self._md_kv_kept = counter(
+            "pdd:md_kv_kept", "Requests that ended on RLD with their KV still crossing: MD's room released "
+                              "with keep_kv, the KV landing in MD's cache for the next turn (MD's /pdd/stats: "
+                              "rooms_kept_landed, kv_bytes_kept_landed vs rooms_cancelled_landing).")
         self._md_hit = histogram("pdd:md_prefix_hit_ratio",
                                  "Per request: MD cached prefix tokens / prompt tokens.", _RATIO_BUCKETS)
         self._p_hit = histogram("pdd:p_prefix_hit_ratio",
@@ -255,6 +259,8 @@ class RouterMetrics:
                              prompt_tokens=r.prompt_tokens, md_cached_tokens=r.md_cached_tokens,
                              p_cached_tokens=min(r.p_cached_tokens, r.prompt_tokens),
                              rld_output_tokens=r.rld_tokens, md_output_tokens=r.md_tokens)
+        if r.md_kv_kept:
+            self._md_kv_kept.inc()
         if r.wan_bytes is not None:
             self.wan_transfer(r.wan_bytes, r.wan_bytes_saved)
             if r.wan_ready_s is not None:

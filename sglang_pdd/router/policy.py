@@ -71,16 +71,21 @@ class PathPolicyConfig:
     # FIT: the share of the TTFT slack P->MD may use while RLD idles. Below 1 so that an idle
     # RLD still hides the WAN for requests that would spend most of the SLO waiting on it.
     p_md_share_idle: float = 0.5
-    # P's prefill speed, to turn P's queue and this request's prefill (tokens) into time.
-    # None: unknown, both count 0 and only the WAN is weighed against the budget.
-    p_prefill_tokens_per_s: Optional[float] = None
+    # P's prefill speed, to turn P's queue and this request's prefill (tokens) into time. The
+    # router measures it (router/loads.py, P's /v1/loads) and starts from this default; never 0.
+    p_prefill_tokens_per_s: float = 10_000.0
+    # P's attention term: seconds per new token per token of context (the prompt's cached
+    # prefix, and the new tokens before it), as sim/hardware.py's prefill_s_per_token_ctx. 0:
+    # a linear estimate, which misses most of a long context's prefill.
+    p_prefill_s_per_token_ctx: float = 0.0
     # Fixed budget, used only when the caller does not pass RLD's load (RequestFacts.
     # rld_utilisation None): the WAN may use this much of the TTFT SLO.
     # `max_wan_transfer_ms`, when set, overrides every budget.
     wan_budget_fraction: float = 0.25
     max_wan_transfer_ms: Optional[float] = None
-    # Caches hit in whole pages, so a partial page is always uncached.
-    page_size: int = 512
+    # Caches hit in whole pages, so a partial page is always uncached. SGLang's default, 1; the
+    # router's --page-size and the simulator (its block size) pass theirs.
+    page_size: int = 1
     enable_outlier_filter: bool = True
     outlier_min_input_tokens: int = 32_768
     outlier_max_output_tokens: int = 16
@@ -93,6 +98,12 @@ class PathPolicyConfig:
     ttft_safety_fraction: float = 0.1
     # router/flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
     p_md_registers_first: bool = True
+    # P->MD's first token comes from P through RLD's one-token leg (router/flow.py): the WAN
+    # wait for the KV then falls in the gap between that token and MD's first, judged against
+    # `gap_slo_ms`; TTFT only pays the registration. False (or no gap SLO): the user waits for
+    # the whole WAN before its first token, judged against the TTFT SLO.
+    first_token_via_rld: bool = False
+    gap_slo_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.wan_gbps <= 0:
@@ -107,12 +118,21 @@ class PathPolicyConfig:
             raise ValueError("ttft_safety_fraction must be in [0, 1)")
         if not 0.0 <= self.p_md_share_idle <= 1.0:
             raise ValueError("p_md_share_idle must be in [0, 1]")
-        if self.p_prefill_tokens_per_s is not None and self.p_prefill_tokens_per_s <= 0:
-            raise ValueError("p_prefill_tokens_per_s must be > 0 (or None: unknown)")
+        if not self.p_prefill_tokens_per_s > 0:
+            raise ValueError("p_prefill_tokens_per_s must be > 0")
+        if self.p_prefill_s_per_token_ctx < 0:
+            raise ValueError("p_prefill_s_per_token_ctx must be >= 0")
+        if self.gap_slo_ms is not None and not self.gap_slo_ms > 0:
+            raise ValueError("gap_slo_ms must be > 0 (or None: no gap SLO)")
         object.__setattr__(self, "mode", PathMode(self.mode))
 
     @property
-    def wan_budget_ms(self) -> float:
+    def budgets_the_gap(self) -> bool:
+        """P->MD's WAN wait lands between token 1 (through RLD) and MD's first token."""
+        return self.first_token_via_rld and self.gap_slo_ms is not None
+
+    @property
+    def fixed_wan_budget_ms(self) -> float:
         """The fixed budget, for callers that know neither RLD's load nor P's queue."""
         if self.max_wan_transfer_ms is not None:
             return self.max_wan_transfer_ms
@@ -188,13 +208,28 @@ def estimate_p_md_wan_ms(
     kv_tokens: int, cfg: PathPolicyConfig, competing_bytes: int = 0
 ) -> float:
     """WAN time the user of a P->MD request waits for until MD's first token, beyond a
-    same-DC request: the one-way trips above plus the serialisation."""
+    same-DC request: the one-way trips above plus the serialisation. When the policy budgets
+    the gap (`cfg.budgets_the_gap`), the trips after P's prefill only: the registration is in
+    TTFT (`registration_ms`), before the first token."""
     one_way = cfg.wan_rtt_ms / 2.0
     trips = P_MD_AFTER_PREFILL_ONE_WAY_TRIPS
-    if cfg.p_md_registers_first:
+    if cfg.p_md_registers_first and not cfg.budgets_the_gap:
         trips += P_MD_REGISTRATION_ONE_WAY_TRIPS
     # estimate_wan_transfer_ms holds one of the trips (trip 3)
     return estimate_wan_transfer_ms(kv_tokens, cfg, competing_bytes) + (trips - 1) * one_way
+
+
+def registration_ms(cfg: PathPolicyConfig) -> float:
+    """What P->MD's registration on MD adds to TTFT (0 when it does not register first)."""
+    return P_MD_REGISTRATION_ONE_WAY_TRIPS * cfg.wan_rtt_ms / 2.0 if cfg.p_md_registers_first else 0.0
+
+
+def prefill_ms(new_tokens: int, ctx_tokens: int, cfg: PathPolicyConfig) -> float:
+    """P's prefill of ``new_tokens`` after ``ctx_tokens`` it holds: the linear term at P's
+    speed plus the attention term (each new token reads the context and the new tokens
+    before it), as sim/hardware.py's prefill_time_s."""
+    new, ctx = max(0, new_tokens), max(0, ctx_tokens)
+    return 1e3 * (new / cfg.p_prefill_tokens_per_s + new * (ctx + new / 2.0) * cfg.p_prefill_s_per_token_ctx)
 
 
 def p_md_share(rld_utilisation: float, cfg: PathPolicyConfig) -> float:
@@ -205,20 +240,26 @@ def p_md_share(rld_utilisation: float, cfg: PathPolicyConfig) -> float:
     return idle + (1.0 - idle) * busy
 
 
-def wan_budget_ms(facts: RequestFacts, cfg: PathPolicyConfig) -> float:
+def p_md_wan_budget_ms(facts: RequestFacts, cfg: PathPolicyConfig) -> float:
     """How much WAN time P->MD may make this request's user wait.
 
     An explicit `max_wan_transfer_ms` wins. Without RLD's load, the fixed fraction of the
-    SLO. Otherwise: the TTFT SLO left after P's queue, P's prefill and a safety share, times
-    the share RLD's load sets (`p_md_share`): P->MD's user then has its first MD token
-    within that share of the SLO.
+    SLO. Otherwise the SLO the wait counts against, less a safety share, times the share RLD's
+    load sets (`p_md_share`):
+    - the first token through RLD (`cfg.budgets_the_gap`): the wait is the gap before MD's
+      first token, so the gap SLO; none at all when P's queue, its prefill and the
+      registration already use the TTFT SLO's slack (the registration would only add to it);
+    - else the TTFT SLO left after P's queue and prefill.
     """
-    if cfg.max_wan_transfer_ms is not None:
-        return cfg.max_wan_transfer_ms
-    if facts.rld_utilisation is None:
-        return cfg.ttft_slo_ms * cfg.wan_budget_fraction
+    if cfg.max_wan_transfer_ms is not None or facts.rld_utilisation is None:
+        return cfg.fixed_wan_budget_ms
     slack = cfg.ttft_slo_ms * (1.0 - cfg.ttft_safety_fraction) - facts.p_queue_ms - facts.p_prefill_ms
-    return max(0.0, slack) * p_md_share(facts.rld_utilisation, cfg)
+    share = p_md_share(facts.rld_utilisation, cfg)
+    if cfg.budgets_the_gap:
+        if slack < registration_ms(cfg):
+            return 0.0
+        return cfg.gap_slo_ms * (1.0 - cfg.ttft_safety_fraction) * share
+    return max(0.0, slack) * share
 
 
 def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
@@ -240,15 +281,17 @@ def router_facts(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optio
     chosen P's prefill tokens in flight (its queue as the router counts it) and this
     request's own (the prompt less what the router expects P to hold), and the KV bytes it
     has sent over the WAN that have not landed (router/wan_in_flight.py: all of them count as
-    competing, an upper bound under fair sharing). P's tokens become time at
-    `cfg.p_prefill_tokens_per_s` (0 when unknown). router/flow.py and the simulator both
-    build their facts here, so the simulator cannot decide on what the router does not see."""
+    competing, an upper bound under fair sharing). P's queue becomes time at
+    `cfg.p_prefill_tokens_per_s` (linear: the router does not know the queued prompts'
+    contexts), this request's with its attention term over the prompt
+    (`prefill_ms`: its prefill tokens after the prefix P is expected to hold). router/flow.py
+    and the simulator both build their facts here, so the simulator cannot decide on what the
+    router does not see."""
     util = rld_running / rld_max_running if rld_max_running > 0 else 1.0
-    rate = cfg.p_prefill_tokens_per_s
-    ms = (lambda tokens: 1e3 * max(0, tokens) / rate) if rate else (lambda tokens: 0.0)
     return RequestFacts(input_tokens=input_tokens, md_cached_tokens=md_cached_tokens,
                         expected_output_tokens=max_new_tokens, rld_utilisation=util,
-                        p_queue_ms=ms(p_queued_tokens), p_prefill_ms=ms(p_prefill_tokens),
+                        p_queue_ms=1e3 * max(0, p_queued_tokens) / cfg.p_prefill_tokens_per_s,
+                        p_prefill_ms=prefill_ms(p_prefill_tokens, input_tokens - p_prefill_tokens, cfg),
                         wan_competing_bytes=max(0, wan_in_flight_bytes))
 
 
@@ -273,7 +316,7 @@ def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:
             f"outlier: input {facts.input_tokens} >= {cfg.outlier_min_input_tokens} and "
             f"expected output {facts.expected_output_tokens} <= {cfg.outlier_max_output_tokens}",
         )
-    budget = wan_budget_ms(facts, cfg)
+    budget = p_md_wan_budget_ms(facts, cfg)
     if est_ms <= budget:
         return PathDecision(
             Path.P_MD, uncached, est_ms,

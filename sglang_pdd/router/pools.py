@@ -4,6 +4,7 @@ policy: router/placement.py; breakers: router/health.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Optional
@@ -11,7 +12,7 @@ from typing import Optional
 from sglang_pdd.router import lifecycle
 from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
 from sglang_pdd.router.health import BackendFailed, HealthBoard, HealthConfig, BackendSucceeded
-from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance, pick_prefill
+from sglang_pdd.router.placement import InstanceLoad, MdMoveCost, pick_main, pick_prefill
 from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.router.wan_in_flight import WanInFlight
 
@@ -25,7 +26,8 @@ class Pools:
     health (router/health.py: breakers per server and per P-RLD pair, drain)."""
 
     def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
-                 index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None):
+                 index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None,
+                 md_move: Optional[MdMoveCost] = None):
         if not prefill or not relay:
             raise ValueError("the router needs at least one --prefill and one --relay server")
         self.prefill, self.relay, self.main = prefill, relay, main
@@ -40,6 +42,11 @@ class Pools:
         # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
         self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
         self.health = HealthBoard(health or HealthConfig())
+        # What leaving the MD that holds a prefix costs (placement.pick_main): the WAN's rate and
+        # the KV size until MD reports its own; each MD's step growth per flow as measured
+        # (router/loads.py), the default until then.
+        self.md_move = md_move or MdMoveCost(kv_bytes_per_token=46_000, wan_bytes_per_s=10e9 / 8)
+        self.md_flow_step_s = {m.url: self.md_move.flow_step_s for m in main}
 
     def roles(self) -> dict[str, list[str]]:
         return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
@@ -48,11 +55,12 @@ class Pools:
         """Role -> {url: requests in flight}, the live counts (not copies)."""
         return {"prefill": self.p_inflight, "relay": self.rld_inflight, "main": self.md_inflight}
 
-    def pick(self, input_ids: list[int], now: Optional[float] = None,
-             exclude: frozenset = frozenset()) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
+    def pick(self, input_ids: list[int], now: Optional[float] = None, exclude: frozenset = frozenset(),
+             max_new_tokens: Optional[int] = None) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
         """P and MD by cached prefix with load balance, RLD by load; only servers (and P-RLD pairs)
         the health board lets through, none of the urls in ``exclude``. No P or no RLD:
-        NoBackend. No MD: None (RLD serves)."""
+        NoBackend. No MD: None (RLD serves). ``max_new_tokens``: the request's decode steps,
+        what a busier MD costs it (None: placement's default)."""
         now = time.monotonic() if now is None else now
 
         def ok(key, now) -> bool:
@@ -72,7 +80,7 @@ class Pools:
         relays = [url for url in relays if ok(("pair", prefill.url, url), now)]
         relay = min(relays, key=lambda url: self.rld_inflight[url])  # least loaded RLD
         mains = [m for m in self.main if ok(("main", m.url), now)]
-        main = self._by_prefix(mains, self.md_inflight, input_ids) if mains else None
+        main = self._pick_main(mains, input_ids, max_new_tokens) if mains else None
         return prefill, relay, main
 
     def _pick_prefill(self, servers: list, input_ids: list[int]):
@@ -97,13 +105,20 @@ class Pools:
         self.p_tokens[url] -= tokens
         self.prefixes.record(url, input_ids)
 
-    def _by_prefix(self, servers: list, inflight: dict[str, int], input_ids: list[int]):
-        """The server holding the longest cached prefix of the prompt, unless it has 4+ more
-        requests in flight than the least loaded (then that one); ties to the least loaded."""
+    def _pick_main(self, servers: list, input_ids: list[int], max_new_tokens: Optional[int]):
+        """placement.pick_main over MD's flows in flight: the MD holding the longest cached
+        prefix keeps the request unless its excess flows cost more than re-sending that prefix
+        over the WAN; ties to the least loaded, then to the first in ``servers``."""
+        inflight = self.md_inflight
         by_load = sorted(servers, key=lambda s: inflight[s.url])
         owner, matched = self.prefixes.best([s.url for s in by_load], input_ids)
         loads = [InstanceLoad(s.url, inflight[s.url]) for s in servers]
-        chosen = pick_instance(loads, owner if matched else None, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
+        cost = self.md_move
+        if matched:
+            held = next(s for s in servers if s.url == owner)
+            cost = dataclasses.replace(cost, kv_bytes_per_token=held.kv_bytes_per_token or cost.kv_bytes_per_token,
+                                       flow_step_s=self.md_flow_step_s.get(owner, cost.flow_step_s))
+        chosen = pick_main(loads, owner if matched else None, matched, max_new_tokens, self.wan.transfers, cost)
         return next(s for s in servers if s.url == chosen)
 
     def record_health(self, flow: PddFlow, now: float) -> None:
@@ -123,7 +138,12 @@ class Pools:
                 self.health.record(key, BackendSucceeded(now))
 
     def record(self, flow: PddFlow, output_ids: list[int]) -> None:
-        """After a request: P holds its prompt; the MD that decoded it holds prompt + output."""
+        """After a request: P holds its prompt; the MD that decoded it holds prompt + output; an
+        MD its KV landed on (or is landing on, released with keep_kv) holds the prompt."""
         self.prefixes.record(flow.prefill.url, flow.ids)
-        if flow.main is not None and flow.result.md_tokens:
+        if flow.main is None:
+            return
+        if flow.result.md_tokens:
             self.prefixes.record(flow.main.url, flow.ids + output_ids)
+        elif flow.result.wan_bytes is not None or flow.result.md_kv_kept:
+            self.prefixes.record(flow.main.url, flow.ids)

@@ -18,6 +18,11 @@ class WanInFlight:
         self._bytes[key] = nbytes
         self.total += nbytes
 
+    @property
+    def transfers(self) -> int:
+        """Transfers in flight: those a new one shares the link with."""
+        return len(self._bytes)
+
     def settled(self, key: str) -> None:
         """The transfer landed, failed or was dropped (idempotent)."""
         self.total -= self._bytes.pop(key, 0)

@@ -57,7 +57,7 @@ class RankRooms:
             raise
         landing = Landing.plan(self.ops.pool_layout, len(token_ids), entry.cached_len)
         try:
-            self.budget.take(room, landing.nbytes)
+            self._take_budget(room, landing.nbytes)
         except RoomRefused:
             self.counters["rooms_refused"] += 1
             self.table.unregister(room)
@@ -105,11 +105,38 @@ class RankRooms:
             # and enter the radix cache, so the session's next turn finds it on MD.
             self.counters["rooms_kept_in_flight"] = self.counters.get("rooms_kept_in_flight", 0) + 1
             return self.table.release(room, keep_pending_kv=True)
+        if entry is not None and entry.state.phase.landing:  # its KV stops where it got to
+            self._count("rooms_cancelled_landing", "kv_bytes_cancelled", entry)
         self.receiver.abort(room, "released by the router")  # no further writes into its landing
         self._forget_in_receiver(room)
         released = self.table.release(room)
         self._forget(room)
         return released
+
+    def _take_budget(self, room: int, nbytes: int) -> None:
+        """The staging budget for a room whose request waits for it. Rooms landing only to fill
+        the cache (their request ended on RLD: released with keep_kv) come after it: they give
+        theirs up, newest first (the oldest is nearest to landing), until the room fits. Every
+        rank runs the same registrations on the same rooms, so every rank drops the same."""
+        try:
+            self.budget.take(room, nbytes)
+            return
+        except RoomRefused:
+            kept = self.table.kept_for_cache()
+            if not kept:
+                raise
+        for other in reversed(kept):
+            self._release(other)
+            self.counters["rooms_kept_dropped_for_room"] = self.counters.get("rooms_kept_dropped_for_room", 0) + 1
+            if self.budget.used_bytes + nbytes <= self.budget.limit_bytes:
+                break
+        self.budget.take(room, nbytes)
+
+    def _count(self, rooms: str, nbytes: str, entry: DrcRoom) -> None:
+        """One more room in ``rooms``, its uncached suffix's KV bytes in ``nbytes``."""
+        self.counters[rooms] = self.counters.get(rooms, 0) + 1
+        suffix = (len(entry.token_ids) - entry.cached_len) * self.kv_bytes_per_token
+        self.counters[nbytes] = self.counters.get(nbytes, 0) + suffix
 
     def drop_rooms_kept_for_cache(self) -> int:
         """A cache flush is coming: KV landing only to enter the cache (its request ended on
@@ -191,6 +218,8 @@ class RankRooms:
             received = len(entry.token_ids) - entry.cached_len
             self.drc_stats.record_ingest(received, received * self.kv_bytes_per_token, entry.cached_len,
                                          self.kv_bytes_per_token)
+            if entry.state.phase.terminal:  # released with keep before it landed: it warmed the cache
+                self._count("rooms_kept_landed", "kv_bytes_kept_landed", entry)
         else:
             self.counters["rooms_failed"] += 1
             logger.warning("room %s failed: %s", room, entry.reason)

@@ -13,12 +13,12 @@ from tqdm import tqdm
 
 from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
                                   generate_agentic_trace, load_trace, realistic_agentic_config,
-                                  report_agentic_config, save_trace)
+                                  report_agentic_config, report_scenario_config, save_trace)
 from sglang_pdd.router.policy import PathMode
 
 from .bathtub import sweep
 from .cluster import ARRIVALS, P_PLACEMENTS, run_scenario
-from .hardware import (CHIPS, MLA_KERNELS, MODELS, WAN_DEFAULT, WAN_PRICE_PER_GBPS_HOUR, HardwareProfile, preset,
+from .hardware import (CHIPS, KV_DTYPES, MLA_KERNELS, MODELS, WAN_DEFAULT, WAN_PRICE_PER_GBPS_HOUR, HardwareProfile, preset,
                        smallest_group)
 from .loadsweep import load_sweep
 from .metrics import Sla
@@ -37,6 +37,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                      help="generate N agentic requests (realistic hits: ~0.72 per request)")
     src.add_argument("--agentic-report", type=int, metavar="N",
                      help="generate N agentic requests with the report's hits (~80%% at >= 90%%)")
+    src.add_argument("--report-scenario", type=int, metavar="N",
+                     help="generate N requests of the report's scenario: ~64K tokens in all, ~1K output, "
+                          "~77%% at >= 90%% prefix hit, agent sessions")
     src.add_argument("--conversation", type=int, metavar="N",
                      help="generate N conversation-like requests (~36%% reusable prefix)")
     p.add_argument("--agentic-session-rate", type=float, default=None,
@@ -67,6 +70,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rld-chips", type=int, default=0,
                    help="chips per RLD instance, any count (e.g. 3); 0 = the smallest power of two "
                         "that holds the weights with room for KV")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                   help="KV cache dtype of deepseek-v3: bf16 (576 x 2 B a layer, default) or fp8 (FlashMLA's "
+                        "656 B a layer): pools, host tier, KV read and WAN bytes scale with it; deepseek-v4-pro's "
+                        "KV is its own fp8 layout either way")
     p.add_argument("--mla-kernel", choices=MLA_KERNELS, default="flashmla",
                    help="MLA decode attention efficiency: flashmla = FlashMLA's published figures (default), "
                         "generic = 0.15 of peak, what PyTorch's generic kernels reached on an H200 (sensitivity)")
@@ -95,8 +102,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--md-staging-mb", type=float, default=None,
                    help="KV of rooms in flight to one MD, at most (MD's --pdd-md-staging-mb), every design; "
                         "charged when a transfer starts; default: the real MD's, a quarter of MD's KV pool")
-    p.add_argument("--keep-finished-kv", action="store_true",
-                   help="KV of a request that ended on RLD still lands in MD's DRC (default: cancelled)")
+    p.add_argument("--keep-finished-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="KV of a request that ended on RLD still lands in MD's DRC, as the real router "
+                        "releases MD's room with keep_kv (--no-keep-finished-kv: the what-if that cancels it)")
     p.add_argument("--ttft-slo", type=float, default=Sla().ttft_s, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=Sla().tpot_s, help="seconds")
     p.add_argument("--itl-slo", type=float, default=None,
@@ -106,7 +114,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _preset(a, chip: str, chips: int = 0, host_cache: bool = True) -> HardwareProfile:
-    hw = preset(a.model, chip, chips, mla_kernel=a.mla_kernel, host_cache=host_cache)
+    kv_dtype = "bf16" if a.model == "deepseek-v4-pro" else a.kv_dtype
+    hw = preset(a.model, chip, chips, mla_kernel=a.mla_kernel, host_cache=host_cache, kv_dtype=kv_dtype)
     return replace(hw, decode_attn_s_per_kv_token=hw.decode_attn_s_per_kv_token * a.decode_attn_scale)
 
 
@@ -134,7 +143,9 @@ def _trace(a) -> (str, List[TraceRequest]):
     if a.tile > 1:
         # a lockstep run's files never overwrite a spread run's
         tag = "" if a.tile_mode == "spread" else a.tile_mode
-        return f"{label}x{a.tile}{tag}", tile_trace(trace, a.tile, a.tile_mode)
+        # A generated trace is redrawn by its seed; a trace file's seed places the copies.
+        seed = a.seed if a.trace else 0
+        return f"{label}x{a.tile}{tag}", tile_trace(trace, a.tile, a.tile_mode, seed=seed)
     return label, trace
 
 
@@ -158,6 +169,9 @@ def _base_trace(a) -> (str, List[TraceRequest]):
     if a.conversation:
         cfg = conversation_config(num_requests=a.conversation, seed=a.seed, **rate)
         return f"conversation{a.conversation}", list(generate_agentic_trace(cfg))
+    if a.report_scenario:
+        cfg = report_scenario_config(num_requests=a.report_scenario, seed=a.seed, **rate)
+        return f"report_scenario{a.report_scenario}", list(generate_agentic_trace(cfg))
     if a.agentic_report:
         cfg = report_agentic_config(num_requests=a.agentic_report, seed=a.seed, **rate)
         return f"agentic_report{a.agentic_report}", list(generate_agentic_trace(cfg))
@@ -258,6 +272,8 @@ def _size_pdd(a, label, trace, sla, spec, by_name, bar, p_range, r_range) -> int
     least = ""
     if not a.profile_a:
         least = f" (least a {a.model} group can be on {a.rld_chip or a.chip_a}: {smallest_group(a.model, a.rld_chip or a.chip_a)})"
+    if a.trace and len(seeds) > 1:
+        print(f"# seeds on a trace file: {seed_effect(a)}")
     sizings, found = [], False
     built = {a.seed: (label, trace, by_name)}  # the caller's, for --seed
     for seed in seeds:
@@ -297,6 +313,16 @@ def _size_pdd(a, label, trace, sla, spec, by_name, bar, p_range, r_range) -> int
         for vd in verdicts_over_seeds(sizings):
             print(f"verdict over seeds {vd.message}")
     return 0 if found else 1
+
+
+def seed_effect(a) -> str:
+    """What a seed changes when the trace is a file (a generated trace is redrawn by it)."""
+    if a.tile > 1 and a.tile_mode == "spread":
+        return (f"each seed draws where the {a.tile} copies of the trace sit (offsets in [k/K, (k+1)/K) of its "
+                f"period; seed 0 the even ones) and the WAN's jitter; the requests are the file's")
+    return (f"only the WAN's jitter (uniform in [0, {a.wan_jitter_ms:g} ms] a transfer) changes: the requests are "
+            f"the file's{'' if a.tile <= 1 else ' and lockstep tiling draws nothing'}; tile it (--tile K, spread) "
+            f"for seeds that place the copies differently")
 
 
 def _args_with(a, **changes):
@@ -394,7 +420,7 @@ def cmd_bathtub(a) -> int:
 
 def cmd_gen_trace(a) -> int:
     make = {"agentic": realistic_agentic_config, "agentic-report": report_agentic_config,
-            "conversation": conversation_config,
+            "report-scenario": report_scenario_config, "conversation": conversation_config,
             "legacy-agentic": AgenticTraceConfig}[a.kind]
     rate = {} if a.session_rate is None else {"session_rate_per_s": a.session_rate}
     n = save_trace(generate_agentic_trace(make(num_requests=a.n, seed=a.seed, **rate)), a.output)
@@ -461,7 +487,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("gen-trace", help="write a synthetic agentic trace as JSONL")
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kind", choices=["agentic", "agentic-report", "conversation", "legacy-agentic"], default="agentic")
+    p.add_argument("--kind", choices=["agentic", "agentic-report", "report-scenario", "conversation", "legacy-agentic"], default="agentic")
     p.add_argument("--session-rate", type=float, default=None)
     p.add_argument("--output", required=True)
     p.set_defaults(fn=cmd_gen_trace)

@@ -5,7 +5,8 @@ Routing and the request's course are the router's own functions, called at run t
 a change to them changes the sim. For every design: P by `router.placement.pick_prefill` on
 P's prefill tokens in flight and the router's prefix index (candidates rotated so equal ones
 take turns), MD (and same-DC PD's D) by `pick_instance` on flows in flight with the router's
-affinity bound (`pick_p`, `pick_md`: router/pools.py's Pools.pick, checked against it in
+affinity bound (`pick_p`, `pick_md`: router/pools.py's Pools.pick, MD by placement.pick_main's
+cost of a move in seconds, checked against it in
 tests/unit/sim/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
 flight (`pick_rld`); the path by `router.policy.decide_path` on the prefix index's estimate,
 again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's control API), RLD's
@@ -19,8 +20,9 @@ tokens), and does what the returned actions say through the kit's Driver, every 
     P_RLD_MD:   KV over RDMA to RLD, which decodes at once, and the same suffix over the WAN
                 to MD; when it lands and MD can admit it, RLD hands its tokens over
                 (one-shot or catch-up rounds, `handoff.policy.next_catch_up_batch`), MD
-                extends them and decodes the rest. A request that ends on RLD first cancels
-                the rest of its transfer (`keep_finished_kv` lets it land in MD's DRC);
+                extends them and decodes the rest. A request that ends on RLD first lets
+                its transfer land in MD's DRC for the session's next turn, as the real
+                router does (`keep_finished_kv` False: the what-if that cancels it);
     P_RLD_ONLY: outliers and MD refusals decode entirely on RLD, nothing crosses the WAN.
 "pd" is P->D over RDMA in one datacenter with one chip type; "xdc" is P->MD over the WAN for
 every request (with MD's DRC when `drc`), no RLD, MD learning of the request as P starts
@@ -62,7 +64,7 @@ from sglang_pdd.router import lifecycle as lc
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.config import md_staging_bytes
 from sglang_pdd.router import placement, policy
-from sglang_pdd.router.placement import MD_AFFINITY_EXCESS_FLOWS, InstanceLoad, pick_instance
+from sglang_pdd.router.placement import InstanceLoad, MdMoveCost, pick_instance, pick_main
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathMode, PathPolicyConfig
 from sglang_pdd.router.prefix_index import PrefixIndex
 from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
@@ -77,6 +79,7 @@ PATH_CODES = (Path.P_MD, Path.P_RLD_MD, Path.P_RLD_ONLY)
 PATH_NAMES = tuple(p.value for p in PATH_CODES)
 TOKEN_ID_BYTES = 15  # what a handed-over token costs on the wire (id + framing)
 _LENGTH = {"type": "length"}  # SGLang's finish_reason when the output budget is used up
+FLOWS_RULE_EXCESS = 4  # the "flows" P what-if: the router's earlier bound, in flows in flight
 
 
 KINDS = ("pd", "xdc", "pdd")
@@ -119,9 +122,13 @@ class ScenarioConfig:
     # handoff mode is its flows in flight over this. Not RLD's batch cap (rld_hw's
     # max_running_requests), which bounds what RLD decodes at once.
     rld_max_running: int = RLD_MAX_RUNNING_DEFAULT
-    # A request that ended on RLD: False cancels the rest of its WAN transfer (nothing more is
-    # sent for it); True lets it land in MD's DRC for the session's next turn (router.md step 9).
-    keep_finished_kv: bool = False
+    # A request that ended on RLD: True (the real router: released with keep_kv) lets its WAN
+    # transfer land in MD's DRC for the session's next turn (router.md step 9), within MD's
+    # staging budget; False cancels the rest of it (what-if: nothing more is sent for it).
+    keep_finished_kv: bool = True
+    # What-if: such a kept transfer yields the WAN to the transfers a request waits on (strict
+    # priority). False, as the real sender (kv_channel/wan_sender.py: one FIFO per peer).
+    kept_kv_background: bool = False
     # P placement, the same for every design. "router": router/placement.py's pick_prefill
     # (prefill tokens in flight, prefix affinity within the held prefix; what the router and
     # the sim both run). What-ifs: "flows" (the router's earlier rule: flows in flight, excess
@@ -129,9 +136,15 @@ class ScenarioConfig:
     # stand-in for SGLang's cache-aware router), "round_robin".
     p_placement: str = "router"
     # MD (and D) placement, the same for every design. None: the router's (router/pools.py:
-    # flows in flight, affinity kept within MD_AFFINITY_EXCESS_FLOWS). True: KV load + pending
-    # KV within `affinity_excess` (what-if).
+    # placement.pick_main, flows in flight against the cost of re-sending the held prefix).
+    # True: KV load + pending KV within `affinity_excess` (what-if).
     md_kv_load: Optional[bool] = None
+    # What-if: MD placed by a fixed bound in flows in flight (the router's earlier rule: 4)
+    # instead of placement.pick_main's cost of a move. None: the router's rule.
+    md_affinity_excess_flows: Optional[float] = None
+    # MD's decode step growth per flow in flight, what the router measures (router/loads.py);
+    # None: md_hw's at half its batch cap and a 30k-token context (`md_flow_step_s`).
+    md_flow_step_s: Optional[float] = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -179,20 +192,35 @@ class ScenarioConfig:
     def router_config(self, sla: Sla) -> PathPolicyConfig:
         if self.router is not None:
             return self.router
-        # P's speed as an operator would pass it (--p-prefill-tokens-per-s): the profile's
-        # per-token cost, without the context term (a linear estimate, as the router's).
+        # P's speed as the router knows it (measured, or --p-prefill-tokens-per-s) and its
+        # attention term (--p-prefill-s-per-token-ctx): the profile's. P->MD's first token
+        # comes through RLD (flow.py) where there is one, so its WAN wait is budgeted
+        # against the gap SLO (--gap-slo-ms) when the SLA has one.
         return PathPolicyConfig(
             wan_gbps=self.wan.gbps, wan_rtt_ms=2e3 * self.wan.one_way_latency_s,
             kv_bytes_per_token=self.prefill_hw.kv_bytes_per_token, ttft_slo_ms=1e3 * sla.ttft_s,
             page_size=BLOCK_TOKENS, mode=self.path_mode,
-            p_prefill_tokens_per_s=1.0 / self.prefill_hw.prefill_s_per_token)
+            p_prefill_tokens_per_s=1.0 / self.prefill_hw.prefill_s_per_token,
+            p_prefill_s_per_token_ctx=self.prefill_hw.prefill_s_per_token_ctx,
+            first_token_via_rld=self.kind == "pdd" and self.n_rld > 0,
+            gap_slo_ms=1e3 * sla.max_itl_s if sla.max_itl_s else None)
+
+    @property
+    def flow_step_s(self) -> float:
+        """MD's decode step growth per flow (what the router measures from MD's /v1/loads):
+        as given, or md_hw's marginal step at half its batch cap and a 30k-token context."""
+        if self.md_flow_step_s is not None:
+            return self.md_flow_step_s
+        hw, b, ctx = self.md_hw, max(1, self.md_hw.max_running_requests // 2), 30_000
+        return max(0.0, hw.decode_step_s(b + 1, (b + 1) * ctx) - hw.decode_step_s(b, b * ctx))
 
 
 class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "wan_planned")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "wan_planned", "wan_counted",
+                 "kept")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -217,6 +245,8 @@ class SimRequest:
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
         self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
         self.wan_planned = 0  # its bytes in the router's WAN-in-flight count (router/wan_in_flight.py)
+        self.wan_counted = False  # one of the router's transfers in flight (WanInFlight.transfers)
+        self.kept = False  # ended on RLD with its transfer still landing on MD (released with keep)
         self.p_tok = 0  # prefill tokens the router counts on its P until the prefill is done
         self.p_load_s = 0.0  # loading P's host-tier hit back to HBM
         self.md_load_s = 0.0  # loading MD's host-tier hit back to HBM, after the KV lands
@@ -284,6 +314,10 @@ class Simulation:
         # router/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
         # (MD's uncached suffix at its answer) that have not landed or been dropped.
         self.wan_routed_bytes = 0
+        self.wan_routed_transfers = 0  # and how many transfers (WanInFlight.transfers)
+        # What leaving the MD that holds a prefix weighs (placement.pick_main)
+        self.md_move = MdMoveCost(kv_bytes_per_token=cfg.md_hw.kv_bytes_per_token,
+                                  wan_bytes_per_s=cfg.wan.bytes_per_s, flow_step_s=cfg.flow_step_s)
         self._request = Driver(lc.transition, self._lifecycle_actions())
         self._p_rr = 0
         self._md_ids = list(range(cfg.n_md))
@@ -308,17 +342,26 @@ class Simulation:
         # to admit a handoff.
         self.staging_bytes = cfg.staging_bytes
         self.md_staged = [0.0] * cfg.n_md
+        # Transfers of requests that ended on RLD, landing only to fill MD's cache, per MD in
+        # the order they were kept: they give up their staging to a transfer a request waits on.
+        self.md_kept = [dict() for _ in range(cfg.n_md)]
+        self.kv_kept_dropped = 0
         self.md_send_wait = [deque() for _ in range(cfg.n_md)]
         self.md_handoff_wait = [deque() for _ in range(cfg.n_md)]
         self.md_refused = 0
         self.md_waited = 0  # transfers that waited for MD's staging budget
         self.kv_landed = 0
+        self.kv_landed_bytes = 0.0
+        self.kv_kept = 0  # transfers of requests that ended on RLD, left to land (keep_finished_kv)
+        self.kv_kept_landed = 0  # ... and landed
+        self.kv_cancelled = 0  # transfers cancelled as their request ended on RLD
         self.kv_wan_s_sum = 0.0
         self.p_host_tokens = 0  # prompt tokens P loaded back from its host tier
         self.md_host_tokens = 0  # prompt tokens MD loaded back from its host tier (not shipped)
 
     # ---- driving -------------------------------------------------------------------
-    def run(self, requests: Iterable[TraceRequest], arrivals: str = "open") -> Summary:
+    def run(self, requests: Iterable[TraceRequest], arrivals: str = "open",
+            give_up_below: Optional[float] = None) -> Optional[Summary]:
         """arrivals (ARRIVALS): "open" replays every request at its trace time. "sessions":
         session starts (first turns, and requests without a session) keep their trace times,
         and no next turn arrives before the answer it extends, as an agent or a chat user
@@ -326,7 +369,12 @@ class Simulation:
         gap (arrival to arrival, the answer's time inside it) puts the next turn that gap
         after the previous turn's arrival, or at the answer's end if the answer came later; a
         generator's gap (`gap_after_answer`: think time alone) puts it that gap after the
-        answer's end. A trace without sessions replays the same either way."""
+        answer's end. A trace without sessions replays the same either way.
+
+        give_up_below: stop, returning None, once so many requests have missed the TTFT SLO
+        that the run's SLA attainment must end below this (a sizing probe that cannot pass
+        need not run to its end). The loop runs in slices of simulated time to look, which
+        changes no event's order."""
         if arrivals not in ARRIVALS:
             raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         if arrivals == "sessions":
@@ -342,11 +390,35 @@ class Simulation:
                 if sid is not None:
                     last[sid] = tr
             requests = first
+        if give_up_below is not None:
+            requests = list(requests)
+            n_total = len(requests) + len(self._next_turn)
         self._trace = iter(requests)
         self._schedule_next_arrival()
         with _collector_paused():
-            self.loop.run_until()
+            if give_up_below is None:
+                self.loop.run_until()
+            elif self._hopeless_run(n_total, give_up_below):
+                return None
         return self.summary()
+
+    GIVE_UP_SLICE_S = 30.0  # simulated seconds between looks
+
+    def _hopeless_run(self, n_total: int, give_up_below: float) -> bool:
+        slo, ttft, seen, missed = self.sla.ttft_s, self.log.ttft, 0, 0
+        t = self.loop.now
+        while self.loop.pending():
+            # the slice's end moves on by itself (the clock only moves with events) and skips
+            # a quiet stretch to the next event
+            t = max(t + self.GIVE_UP_SLICE_S, self.loop.next_time())
+            self.loop.run_until(t)
+            for i in range(seen, len(ttft)):
+                missed += ttft[i] > slo
+            seen = len(ttft)
+            # the most that can still be served within the SLA is every request but these
+            if (n_total - missed) / n_total < give_up_below:
+                return True
+        return False
 
     def _schedule_next_arrival(self) -> None:
         tr = next(self._trace, None)
@@ -367,7 +439,10 @@ class Simulation:
             md_refused=self.md_refused,
             kv_wan_s_mean=self.kv_wan_s_sum / self.kv_landed if self.kv_landed else float("nan"),
             wan_cancelled_gb=self.kv_link.bytes_cancelled / 1e9 if c.md_remote else 0.0, kv_landed=self.kv_landed,
-            extra=dict(hw_cost_per_hour=c.hw_cost_per_hour, wan_lease_per_hour=c.wan_lease_per_hour, gpus=c.gpus,
+            extra=dict(wan_landed_gb=self.kv_landed_bytes / 1e9 if c.md_remote else 0.0, kv_kept=self.kv_kept,
+                       kv_kept_landed=self.kv_kept_landed, kv_cancelled=self.kv_cancelled,
+                       kv_kept_dropped=self.kv_kept_dropped,
+                       hw_cost_per_hour=c.hw_cost_per_hour, wan_lease_per_hour=c.wan_lease_per_hour, gpus=c.gpus,
                        md_waited=self.md_waited, rld_cost_share=c.n_rld * c.rld_hw.price_per_hour / c.cost_per_hour,
                        p_host_tokens=self.p_host_tokens, md_host_tokens=self.md_host_tokens,
                        staging_gb=self.staging_bytes / 1e9 if c.md_remote else 0.0,
@@ -405,7 +480,7 @@ class Simulation:
             md_affinity = self._affinity(self.md_index, self._md_ids, md_loads, full) if c.drc else None
             r.md = pick_instance(md_loads, md_affinity, c.affinity_excess)
         else:
-            r.md = self.pick_md(full)
+            r.md = self.pick_md(full, tr.output_length if c.expected_output_from_trace else None)
         self.md_flows[r.md] += 1
         r.md_cached = self.md_cache[r.md].match_prefix_blocks(full, touch=False) * BLOCK_TOKENS if c.drc else 0
 
@@ -422,6 +497,8 @@ class Simulation:
             if r.path is not Path.P_RLD_ONLY:
                 r.wan_planned = (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token
                 self.wan_routed_bytes += r.wan_planned
+                r.wan_counted = True
+                self.wan_routed_transfers += 1
             r.state = lc.RequestState(max_new=tr.output_length)
             self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
         self._registered(now, r)
@@ -494,16 +571,22 @@ class Simulation:
         if not matched:
             return least
         return pick_instance((InstanceLoad(least, flows[least]), InstanceLoad(inst, flows[inst])), inst,
-                             max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
+                             max_affinity_excess=FLOWS_RULE_EXCESS)
 
-    def pick_md(self, full) -> int:
-        """router/pools.py's Pools.pick for MD: the MD whose prefix index holds the longest
-        prefix (least loaded first among equals), kept unless it has
-        MD_AFFINITY_EXCESS_FLOWS more flows in flight than the least loaded MD."""
+    def pick_md(self, full, output_tokens: Optional[int] = None) -> int:
+        """router/pools.py's Pools.pick for MD: placement.pick_main over MD's flows in flight.
+        The MD whose prefix index holds the longest prefix (least loaded first among equals)
+        keeps the turn unless its excess flows cost more than re-sending that prefix over the
+        WAN, at the share one more transfer gets beside the router's transfers in flight."""
         flows = self.md_flows
         loads = [InstanceLoad(i, f) for i, f in enumerate(flows)]
-        affinity = self._affinity(self.md_index, self._md_ids, loads, full) if self.cfg.drc else None
-        return pick_instance(loads, affinity, max_affinity_excess=MD_AFFINITY_EXCESS_FLOWS)
+        owner, matched = None, 0
+        if self.cfg.drc:
+            owner, matched = self.md_index.best_blocks(sorted(self._md_ids, key=flows.__getitem__), full)
+        if self.cfg.md_affinity_excess_flows is not None:  # the fixed-bound what-if
+            return pick_instance(loads, owner if matched else None, self.cfg.md_affinity_excess_flows)
+        return pick_main(loads, owner if matched else None, matched * BLOCK_TOKENS, output_tokens,
+                         self.wan_routed_transfers, self.md_move)
 
     # ---- the router's request lifecycle ------------------------------------------------
     def _lifecycle_actions(self) -> dict:
@@ -640,6 +723,8 @@ class Simulation:
         r.kv_bytes = (tr.input_length - r.md_cached) * c.prefill_hw.kv_bytes_per_token
         if c.md_remote:
             i = r.md
+            if self.md_staged[i] + r.kv_bytes > self.staging_bytes and self.md_kept[i]:
+                self._drop_kept(now, i, r.kv_bytes)
             if self.md_staged[i] + r.kv_bytes > self.staging_bytes and (self.md_staged[i] > 0 or self.md_send_wait[i]):
                 if r.path is Path.P_RLD_MD:
                     self._refuse(now, r)
@@ -650,6 +735,20 @@ class Simulation:
             self.md_staged[i] += r.kv_bytes
             r.staged = r.kv_bytes
         self._send_kv(now, r)
+
+    def _drop_kept(self, now: float, i: int, nbytes: float) -> None:
+        """MD i's kept transfers (landing only to fill its cache) give up their staging to one a
+        request waits on, newest first, until it fits (md_rooms.RankRooms._take_budget)."""
+        kept = self.md_kept[i]
+        while kept and self.md_staged[i] + nbytes > self.staging_bytes:
+            k, _ = kept.popitem()
+            if not self.kv_link.in_flight(k):  # serialised, landing (or loading MD's host tier)
+                continue
+            self.kv_kept_dropped += 1
+            self.kv_cancelled += 1
+            self.kv_link.cancel(now, k)
+            self._unpin(k)
+            self._unstage(now, k)
 
     def _send_kv(self, now: float, r: SimRequest) -> None:
         self.md_hit_tokens += r.md_cached
@@ -663,6 +762,9 @@ class Simulation:
         """The router's _watch_ready or cleanup: its transfer is off the router's count."""
         self.wan_routed_bytes -= r.wan_planned
         r.wan_planned = 0
+        if r.wan_counted:
+            r.wan_counted = False
+            self.wan_routed_transfers -= 1
 
     def _refuse(self, now: float, r: SimRequest) -> None:
         """MD has no room for a P->RLD->MD request's KV: RLD finishes it, nothing crosses."""
@@ -716,7 +818,11 @@ class Simulation:
                 return
         self._unpin(r)
         self._unstage(now, r)
+        if r.kept:
+            self.md_kept[r.md].pop(r, None)
         self.kv_landed += 1
+        self.kv_landed_bytes += r.kv_bytes
+        self.kv_kept_landed += r.kept
         self.kv_wan_s_sum += now - r.t_kv_sent
         if c.drc:
             full = r.full
@@ -845,13 +951,21 @@ class Simulation:
     def _rld_finished(self, now: float, r: SimRequest) -> None:
         """The request ended on RLD (its last relay leg), or on RLD's one-token bridge."""
         if r.path is not Path.P_RLD_ONLY:
-            # Nothing more is sent for a request that is over (P drops a destination it no
-            # longer needs); keep_finished_kv lets it land in MD's DRC instead, for the
-            # session's next turn (docs/router.md, step 9). Without a DRC it is useless.
-            if (not self.cfg.drc or not self.cfg.keep_finished_kv) and self.kv_link.in_flight(r):
-                self.kv_link.cancel(now, r)
-                self._unpin(r)  # it will never land
-                self._unstage(now, r)
+            # The router releases MD's room with keep: the rest lands in MD's DRC for the
+            # session's next turn (docs/router.md, step 9), still within MD's staging budget.
+            # Without a DRC it is useless, and the keep_finished_kv what-if cancels it.
+            if self.kv_link.in_flight(r):
+                if self.cfg.drc and self.cfg.keep_finished_kv:
+                    r.kept = True
+                    self.kv_kept += 1
+                    self.md_kept[r.md][r] = None
+                    if self.cfg.kept_kv_background:
+                        self.kv_link.to_background(now, r)
+                else:
+                    self.kv_cancelled += 1
+                    self.kv_link.cancel(now, r)
+                    self._unpin(r)  # it will never land
+                    self._unstage(now, r)
             self._md_unpend(r)
         # P produced the first token; RLD decoded the rest.
         self._finish(max(now, r.t_first), r, rld_tokens=r.tr.output_length - 1)
@@ -901,8 +1015,10 @@ class Simulation:
 
 
 def run_scenario(cfg: ScenarioConfig, requests: Iterable[TraceRequest], sla: Sla = Sla(),
-                 rate_scale: float = 1.0, arrivals: str = "open") -> Summary:
-    return Simulation(cfg, sla, rate_scale).run(requests, arrivals)
+                 rate_scale: float = 1.0, arrivals: str = "open",
+                 give_up_below: Optional[float] = None) -> Optional[Summary]:
+    """give_up_below: see Simulation.run (None: always a summary)."""
+    return Simulation(cfg, sla, rate_scale).run(requests, arrivals, give_up_below)
 
 
 __all__ = ["ARRIVALS", "ScenarioConfig", "Simulation", "run_scenario", "PATH_NAMES"]

@@ -30,6 +30,10 @@ class EventLoop:
     def pending(self) -> int:
         return len(self._heap)
 
+    def next_time(self) -> float:
+        """When the earliest pending event runs (inf: none)."""
+        return self._heap[0][0] if self._heap else float("inf")
+
     def run_until(self, t_stop: float = float("inf")) -> None:
         heap = self._heap
         n = 0

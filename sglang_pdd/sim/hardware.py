@@ -60,6 +60,9 @@ class HardwareProfile:
     # stay here; a hit here is loaded back to HBM at `host_load_s_per_token`. 0: no tier.
     host_cache_tokens: int = 0
     host_load_s_per_token: float = 0.0
+    # KV read per sequence per step whatever its length (memory side of the roofline): a
+    # sparse model's top-k compressed entries and sliding window. 0 for dense attention.
+    decode_read_s_per_seq: float = 0.0
 
     @property
     def price_per_hour(self) -> float:
@@ -77,7 +80,8 @@ class HardwareProfile:
         if self.decode_roofline:
             return self.decode_step_overhead_s + max(
                 batch * self.decode_step_s_per_seq + kv_tokens * self.decode_attn_s_per_kv_token,
-                self.decode_weights_s + kv_tokens * self.decode_step_s_per_kv_token)
+                self.decode_weights_s + kv_tokens * self.decode_step_s_per_kv_token
+                + batch * self.decode_read_s_per_seq)
         return (
             self.decode_step_overhead_s
             + batch * self.decode_step_s_per_seq
@@ -163,6 +167,13 @@ class ModelClass:
     # MLA: decode attention runs FlashMLA (per-chip efficiency) on a KV cache each DP rank
     # holds for its own requests (SGLang's DP attention), so one request's KV is on one chip.
     mla: bool = False
+    # Sparse attention (DeepSeek-V4): work per token that does not grow with the context.
+    # KV a request holds whatever its length (sliding window, compression state), bytes:
+    kv_bytes_per_request: int = 0
+    # attention FLOPs per new token over its bounded set (top-k entries + window), prefill and decode:
+    attn_flops_per_token_bounded: float = 0.0
+    # KV bytes one decode step reads per sequence from that bounded set:
+    decode_read_bytes_per_seq: float = 0.0
 
 
 # Chip figures: vendor datasheets, dense (no sparsity) tensor-core peaks.
@@ -200,7 +211,83 @@ DEEPSEEK_V3 = ModelClass("deepseek-v3", active_params_b=37.0, weight_bytes_gb=69
                          kv_bytes_per_token=(512 + 64) * 61 * 2,
                          attn_flops_per_token_ctx=2 * 61 * 128 * (192 + 128), fp8_compute=True,
                          decode_attn_flops_per_token_ctx=2 * 61 * 128 * (576 + 512), mla=True)
-MODELS = {m.name: m for m in (LLAMA3_70B, DEEPSEEK_V3)}
+
+# DeepSeek-V4-Pro. Architecture: the DeepSeek-V4 technical report as summarised publicly (61
+# layers, hidden 7168, 128 query heads, head dim 512 of which 64 RoPE, one shared KV head
+# (MQA); the first two layers HCA, then CSA and HCA alternate; CSA compresses 4 tokens into one
+# entry and attends the top-k 1024 entries its lightning indexer (64 heads x 128 dims) picks;
+# HCA compresses 128 tokens into one entry and attends all of them; every layer adds a 128-token
+# sliding window; 384 routed experts of intermediate 3072; 1.6T parameters, 49B activated).
+# So 30 CSA and 31 HCA layers. KV as SGLang 0.5.23 stores it (mem_cache/deepseek_v4_memory_pool
+# .py's DeepSeekV4TokenToKVPool, sized by model_executor/pool_configurator.py):
+# - one compressed entry = FlashMLA's V4 layout, 448 fp8 NoPE + 64 bf16 RoPE + 8 scale bytes
+#   = 584 B (pool_configurator: qk_nope_head_dim + qk_rope_head_dim * 2 + 8);
+# - CSA's indexer key per entry, fp4: 128 / 2 + 128 / 32 = 68 B (get_dsv4_indexer_bytes_per_token,
+#   the low-ratio indexer pools are built fp4);
+# - per request, whatever its length: the 128-token window of every layer (584 B a slot) and
+#   the compression state rings, fp32 kv + score (deepseek_v4_compress_state.py): ratio 4
+#   rings of 8 rows x 2 x 2 x 512 (plus the indexer's compressor, x 128 dims), ratio 128 rings
+#   of 128 rows x 2 x 512.
+V4_LAYERS, V4_CSA_LAYERS, V4_HCA_LAYERS = 61, 30, 31
+V4_ENTRY_B, V4_INDEXER_B, V4_WINDOW = 584, 68, 128
+V4_CSA_RATIO, V4_HCA_RATIO, V4_TOPK = 4, 128, 1024
+V4_HEADS, V4_HEAD_DIM = 128, 512
+V4_INDEX_HEADS, V4_INDEX_DIM = 64, 128
+V4_KV_BYTES_PER_TOKEN = round(V4_CSA_LAYERS * (V4_ENTRY_B + V4_INDEXER_B) / V4_CSA_RATIO
+                              + V4_HCA_LAYERS * V4_ENTRY_B / V4_HCA_RATIO)  # 5,031 B
+V4_STATE_BYTES = (V4_CSA_LAYERS * 8 * 2 * 2 * (V4_HEAD_DIM + V4_INDEX_DIM) * 4
+                  + V4_HCA_LAYERS * 128 * 2 * V4_HEAD_DIM * 4)
+V4_KV_BYTES_PER_REQUEST = V4_LAYERS * V4_WINDOW * V4_ENTRY_B + V4_STATE_BYTES  # ~21.7 MB
+# Attention FLOPs: every query head scores and sums a 512-dim entry, 2 * 128 * (512 + 512) a
+# (token, entry); CSA's entries per token are bounded (top-k + window), HCA's and the
+# indexer's grow with the context (one per 128 / per 4 tokens).
+_V4_PER_ENTRY = 2 * V4_HEADS * (V4_HEAD_DIM + V4_HEAD_DIM)
+_V4_BOUNDED_ENTRIES = V4_CSA_LAYERS * (V4_TOPK + V4_WINDOW) + V4_HCA_LAYERS * V4_WINDOW
+_V4_FLOPS_PER_CTX = (V4_HCA_LAYERS * _V4_PER_ENTRY / V4_HCA_RATIO
+                     + V4_CSA_LAYERS * 2 * V4_INDEX_HEADS * V4_INDEX_DIM / V4_CSA_RATIO)
+# Weights as served: routed experts (3 x 7168 x 3072 each, 384 x 61 of them, ~1.55T) in mxfp4
+# (0.5 B + one e8m0 scale per 32 values), the rest (~50B) fp8: ~870 GB. Hopper has no fp4
+# tensor cores: the matmuls run fp8 (weights dequantised in the kernel).
+_V4_EXPERT_PARAMS = 384 * V4_LAYERS * 3 * 7168 * 3072
+DEEPSEEK_V4_PRO = ModelClass("deepseek-v4-pro", active_params_b=49.0,
+                             weight_bytes_gb=(_V4_EXPERT_PARAMS * (0.5 + 1 / 32) + 50e9) / 1e9,
+                             kv_bytes_per_token=V4_KV_BYTES_PER_TOKEN,
+                             attn_flops_per_token_ctx=_V4_FLOPS_PER_CTX, fp8_compute=True,
+                             decode_attn_flops_per_token_ctx=_V4_FLOPS_PER_CTX, mla=True,
+                             kv_bytes_per_request=V4_KV_BYTES_PER_REQUEST,
+                             attn_flops_per_token_bounded=_V4_BOUNDED_ENTRIES * _V4_PER_ENTRY,
+                             decode_read_bytes_per_seq=_V4_BOUNDED_ENTRIES * V4_ENTRY_B)
+MODELS = {m.name: m for m in (LLAMA3_70B, DEEPSEEK_V3, DEEPSEEK_V4_PRO)}
+
+# KV dtypes of DeepSeek-V3 (--kv-dtype). bf16: the latent and RoPE dims as computed (576 x 2 B
+# a layer). fp8: FlashMLA's fp8 KV format, what SGLang's fp8 MLA pools store and FlashMLA
+# decodes: 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE = 656 B a layer (deepseek-ai/FlashMLA
+# README; SGLang 0.5.23 layers/attention/dsa_backend.py: "an fp8 pool (656 B/token)"), 40,016 B
+# a token, near the report's 4,649 KB per 100 tokens. Decode attention still computes in bf16
+# (FlashMLA dequantises), so only the bytes change: pools, the host tier, the KV read, the WAN.
+KV_DTYPES = ("bf16", "fp8")
+_KV_BYTES_PER_LAYER = {"bf16": (512 + 64) * 2, "fp8": 512 + 4 * 4 + 64 * 2}
+_KV_DTYPE_SUFFIX = "-fp8kv"
+
+
+def with_kv_dtype(model: "ModelClass | str", kv_dtype: str = "bf16") -> ModelClass:
+    """The model with its KV stored in `kv_dtype`; bf16 is every model's own. Only the
+    MLA model has an fp8 layout here (DeepSeek-V4's own is fp8 already)."""
+    m = MODELS[model] if isinstance(model, str) else model
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    if kv_dtype == "bf16":
+        return m
+    if m.name != DEEPSEEK_V3.name:
+        raise ValueError(f"--kv-dtype fp8 is modelled for {DEEPSEEK_V3.name} only, not {m.name}")
+    return replace(m, name=m.name + _KV_DTYPE_SUFFIX, kv_bytes_per_token=_KV_BYTES_PER_LAYER["fp8"] * 61)
+
+
+def request_kv_bytes(model: "ModelClass | str", context_tokens: int) -> int:
+    """KV one request of `context_tokens` holds: its per-token entries and, for sparse
+    attention, the window and compression state it holds whatever its length."""
+    m = MODELS[model] if isinstance(model, str) else model
+    return context_tokens * m.kv_bytes_per_token + m.kv_bytes_per_request
 
 # Estimated efficiencies (fractions of peak); docs/sim-notebook.md has the H200 kernel check.
 PREFILL_MFU = 0.40
@@ -225,10 +312,18 @@ HOST_KV_GB_PER_CHIP = 2000 * 0.8 / 8
 HOST_LOAD_GB_S_PER_CHIP = 50.0
 
 
+# KV room an instance needs at least, in requests of a long context: with a quarter of the
+# weights a dense-KV model holds far fewer than this; a sparse one (DeepSeek-V4-Pro: ~0.35 GB
+# a 64K request) holds it in much less, so it need not double its chips for KV it cannot use.
+ROOM_REQUESTS, ROOM_CONTEXT = 256, 65_536
+
+
 def instance_chips(model: ModelClass, chip: Chip) -> int:
-    """Smallest power-of-two TP group whose memory holds the weights with >= 25% left for KV."""
+    """Smallest power-of-two TP group whose memory holds the weights with room for KV: 25% of
+    the weights, or ROOM_REQUESTS requests of ROOM_CONTEXT tokens when that is less."""
+    room = min(model.weight_bytes_gb * 0.25, ROOM_REQUESTS * request_kv_bytes(model, ROOM_CONTEXT) / 1e9)
     n = 1
-    while n * chip.hbm_gb * USABLE_HBM < model.weight_bytes_gb * 1.25:
+    while n * chip.hbm_gb * USABLE_HBM < model.weight_bytes_gb + room:
         n *= 2
     return n
 
@@ -252,10 +347,12 @@ def mla_attn_eff(chip: "Chip", mla_kernel: str = "flashmla") -> float:
 
 
 def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0, mla_kernel: str = "flashmla",
-           host_cache: bool = True) -> HardwareProfile:
+           host_cache: bool = True, kv_dtype: str = "bf16") -> HardwareProfile:
     """A HardwareProfile derived from the model's size and the chip's spec sheet. mla_kernel:
-    "flashmla" (the published efficiency, the default) or "generic" (the sensitivity)."""
-    m = MODELS[model] if isinstance(model, str) else model
+    "flashmla" (the published efficiency, the default) or "generic" (the sensitivity);
+    kv_dtype: see with_kv_dtype. `chips` may be any count (an RLD slice, priced pro rata by
+    chip) as long as the weights fit it with room for KV."""
+    m = with_kv_dtype(model, kv_dtype)
     c = CHIPS[chip] if isinstance(chip, str) else chip
     n = chips or instance_chips(m, c)
     flops = 2.0 * m.active_params_b * 1e9
@@ -264,6 +361,9 @@ def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0, mla_ke
     free_bytes = n * c.hbm_gb * 1e9 * USABLE_HBM - m.weight_bytes_gb * 1e9
     if free_bytes < 0.1 * m.weight_bytes_gb * 1e9:  # no room for a useful KV pool
         raise ValueError(f"{m.name} does not fit {n} x {c.name} with room for KV")
+    # SGLang sizes a sparse model's window and compression state for every request slot up
+    # front (DeepSeekV4TokenToKVPool: per req_pool_idx), so they come off the token pool.
+    free_bytes -= 512 * m.kv_bytes_per_request
     kv_tokens = int(free_bytes / m.kv_bytes_per_token)
     if m.mla:
         attn_eff, kv_bw = mla_attn_eff(c, mla_kernel), c.hbm_tb_s * 1e12 * n * MLA_KV_MBU
@@ -284,11 +384,13 @@ def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0, mla_ke
         cache_capacity_tokens=kv_tokens // 2,
         max_running_requests=512,
         prefill_overhead_s=0.010,
-        prefill_s_per_token=flops / (peak * PREFILL_MFU),
+        prefill_s_per_token=(flops / peak + m.attn_flops_per_token_bounded / (c.bf16_tflops * 1e12 * n))
+        / PREFILL_MFU,
         prefill_s_per_token_ctx=m.attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * PREFILL_MFU),
         prefill_chunk_tokens=8192,
         decode_step_overhead_s=STEP_OVERHEAD_S,
-        decode_step_s_per_seq=flops / (peak * DECODE_MFU),
+        decode_step_s_per_seq=(flops / (peak * DECODE_MFU)
+                               + m.attn_flops_per_token_bounded / (c.bf16_tflops * 1e12 * n * attn_eff)),
         decode_step_s_per_kv_token=m.kv_bytes_per_token / kv_bw,
         prefill_s_per_extra_request=1.0e-3,
         decode_roofline=True,
@@ -296,6 +398,7 @@ def preset(model: "ModelClass | str", chip: "Chip | str", chips: int = 0, mla_ke
         decode_attn_s_per_kv_token=m.decode_attn_flops_per_token_ctx / (c.bf16_tflops * 1e12 * n * attn_eff),
         host_cache_tokens=host_tokens,
         host_load_s_per_token=m.kv_bytes_per_token / (load_chips * HOST_LOAD_GB_S_PER_CHIP * 1e9),
+        decode_read_s_per_seq=m.decode_read_bytes_per_seq / kv_bw,
     )
 
 
@@ -351,10 +454,15 @@ _PRESET_NAME = re.compile(r"^([\w.-]+)@(\d+)x([\w.-]+)$")
 def reference_preset(name: str) -> Optional[HardwareProfile]:
     """The spec-sheet preset a profile's name ("model@Nxchip") refers to, if any."""
     m = _PRESET_NAME.match(name)
-    if not m or m.group(1) not in MODELS or m.group(3) not in CHIPS:
+    if not m:
+        return None
+    model, kv_dtype = m.group(1), "bf16"
+    if model.endswith(_KV_DTYPE_SUFFIX):
+        model, kv_dtype = model[: -len(_KV_DTYPE_SUFFIX)], "fp8"
+    if model not in MODELS or m.group(3) not in CHIPS:
         return None
     try:
-        return preset(m.group(1), m.group(3), int(m.group(2)))
+        return preset(model, m.group(3), int(m.group(2)), kv_dtype=kv_dtype)
     except ValueError:
         return None
 

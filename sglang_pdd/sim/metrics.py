@@ -110,6 +110,11 @@ class Summary:
     kv_wan_s_mean: float = float("nan")  # mean time from a WAN transfer's start to its landing
     kv_landed: int = 0  # WAN transfers that landed on MD (the others were cancelled)
     wan_cancelled_gb: float = 0.0  # KV not sent because its request had ended
+    wan_landed_gb: float = 0.0  # KV that landed on MD (its hits' source)
+    kv_kept: int = 0  # transfers whose request ended on RLD first, left to land in MD's DRC
+    kv_kept_landed: int = 0  # ... of those, landed by the run's end
+    kv_cancelled: int = 0  # transfers cancelled as their request ended on RLD first
+    kv_kept_dropped: int = 0  # kept transfers cancelled to make room for one a request waits on
     # SLA attainment of the last tenth of arrivals: a backlog that builds up late in the run
     # shows here while the whole run's percentage still looks fine.
     tail_sla_attainment: float = 0.0

@@ -54,7 +54,7 @@ class ClusterSpec:
     md_staging_mb: Optional[float] = None
     rld_max_running: int = RLD_MAX_RUNNING_DEFAULT  # the router's --rld-max-running
     path_mode: PathMode = PathMode.FIT  # the router's --path-mode
-    keep_finished_kv: bool = False  # KV of a request that ended on RLD still lands in the DRC
+    keep_finished_kv: bool = True  # KV of a request that ended on RLD still lands in the DRC
     # RLD's own hardware (any chip count, e.g. preset(model, "h100", 3)); None: chip_a.
     rld_hw: Optional[HardwareProfile] = None
     p_placement: str = "router"  # every design's P rule (what-ifs: flows, backlog, round_robin)

@@ -330,13 +330,18 @@ class DecodeInstance:
 class SharedLink:
     """A link whose in-flight transfers share the rate fairly; then latency (+ jitter).
     With gbps = inf a transfer costs its latency only. `shared=False`: every transfer gets
-    the full rate (same-DC RDMA: each P's NICs to each D, no common bottleneck)."""
+    the full rate (same-DC RDMA: each P's NICs to each D, no common bottleneck).
+
+    A transfer moved to the background (`to_background`: nobody waits for it any more) shares
+    what the foreground leaves, i.e. the whole rate only while no foreground transfer is in
+    flight (strict priority)."""
 
     def __init__(self, loop: EventLoop, link: LinkProfile, rng, on_arrive: Callable[[float, Any], None],
                  shared: bool = True) -> None:
         self.loop, self.link, self.rng, self.on_arrive = loop, link, rng, on_arrive
         self.shared = shared
-        self.flows = EqualShareServer(loop, self._flow_rate, self._sent)
+        self.flows = EqualShareServer(loop, self._flow_rate, self._sent_foreground)
+        self.background = EqualShareServer(loop, self._background_rate, self._sent)
         self.bytes_sent = 0.0
         self.bytes_cancelled = 0.0
         self._sizes: Dict[Any, float] = {}
@@ -344,9 +349,19 @@ class SharedLink:
     def _flow_rate(self, n: int, _w: float) -> float:
         return self.link.bytes_per_s / n
 
+    def _background_rate(self, n: int, _w: float) -> float:
+        return 0.0 if len(self.flows) else self.link.bytes_per_s / n
+
     def _latency(self) -> float:
         j = self.link.jitter_s
         return self.link.one_way_latency_s + (self.rng.uniform(0.0, j) if j > 0 else 0.0)
+
+    def _foreground_changed(self, now: float) -> None:
+        """The background's rate follows whether the foreground is empty."""
+        bg = self.background
+        if bg.jobs:
+            bg._advance(now)
+            bg._reschedule(now)
 
     def send(self, now: float, job: Any, nbytes: float) -> None:
         if nbytes <= 0 or math.isinf(self.link.gbps) or not self.shared:
@@ -355,15 +370,30 @@ class SharedLink:
             return
         self._sizes[job] = nbytes
         self.flows.add(now, job, nbytes)
+        self._foreground_changed(now)
 
     def in_flight(self, job: Any) -> bool:
-        return job in self.flows.jobs
+        return job in self.flows.jobs or job in self.background.jobs
+
+    def to_background(self, now: float, job: Any) -> None:
+        """Nobody waits for this transfer any more: it yields the link to those somebody does."""
+        if job not in self.flows.jobs:
+            return
+        done = self.flows.remove(now, job)
+        self.background.add(now, job, max(0.0, self._sizes[job] - done))
+        self._foreground_changed(now)
 
     def cancel(self, now: float, job: Any) -> float:
         """Drop a transfer still serialising; returns the bytes already sent."""
-        if job not in self.flows.jobs:
+        if job in self.flows.jobs:
+            sent = self.flows.remove(now, job)
+            self._foreground_changed(now)
+        elif job in self.background.jobs:
+            start_v, finish_v, _ = self.background.jobs[job]
+            sent_before = self._sizes[job] - (finish_v - start_v)  # in the foreground
+            sent = sent_before + self.background.remove(now, job)
+        else:
             return 0.0
-        sent = self.flows.remove(now, job)
         size = self._sizes.pop(job)
         self.bytes_sent += sent
         self.bytes_cancelled += size - sent
@@ -374,6 +404,10 @@ class SharedLink:
         each flow competes with at most our size; approximated from the totals)."""
         n = len(self.flows)
         return min(self.flows.remaining_work_total(now), n * own_bytes) if n else 0.0
+
+    def _sent_foreground(self, now: float, job: Any) -> None:
+        self._foreground_changed(now)
+        self._sent(now, job)
 
     def _sent(self, now: float, job: Any) -> None:
         self.bytes_sent += self._sizes.pop(job)

@@ -102,20 +102,27 @@ def size_cluster(
     progress: Optional[Callable[[], None]] = None,
     rate_scale: float = 1.0,
     arrivals: str = "sessions",
+    no_rld_runs: Optional[dict] = None,
 ) -> Optional[SizingResult]:
+    """no_rld_runs: runs without an RLD shared with another sizing of the same trace, SLA and
+    design that differs only in the router's path mode (size_designs): with no RLD there is
+    no path to choose, every request goes P->MD, so the mode changes nothing in such a run."""
     best: Optional[SizingResult] = None
     prefill_range = sorted(prefill_range)
     rlds: List[int] = list(rld_range) if base.kind == "pdd" else [0]
     demand = offered_rps(trace, rate_scale)
-    cache = {}
+    own = {}
 
-    def attempt(n_p: int, n_rld: int, n_md: int) -> Summary:
+    def attempt(n_p: int, n_rld: int, n_md: int) -> Optional[Summary]:
+        """The run's summary; None for a run given up once it could no longer meet the target."""
         key = (n_p, n_rld, n_md)
+        cache = no_rld_runs if n_rld == 0 and no_rld_runs is not None else own
         if key not in cache:
-            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale, arrivals)
-            if s.requests != len(trace):
+            s = run_scenario(with_counts(base, n_p, n_rld, n_md), trace, sla, rate_scale, arrivals,
+                             give_up_below=target_attainment)
+            if s is not None and s.requests != len(trace):
                 raise RuntimeError(f"a sizing run served {s.requests} requests, not the trace's {len(trace)}")
-            if arrivals == "open" and abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
+            if s is not None and arrivals == "open" and abs(s.offered_rps - demand) > 1e-6 * max(1.0, demand):
                 raise RuntimeError(f"a sizing run saw {s.offered_rps} r/s, not the demand {demand}")
             cache[key] = s
             if progress:
@@ -123,7 +130,8 @@ def size_cluster(
         return cache[key]
 
     def ok(n_p: int, n_rld: int, n_md: int) -> bool:
-        return meets(attempt(n_p, n_rld, n_md), target_attainment)
+        s = attempt(n_p, n_rld, n_md)
+        return s is not None and meets(s, target_attainment)
 
     def fewest_md(n_p: int, n_rld: int) -> Optional[int]:
         """The fewest MD (D) that meet the target at these counts, counted up from one (not
@@ -140,6 +148,10 @@ def size_cluster(
         return any(ok(n_p, n_rld, n_md) for n_md in range(1, md_max + 1))
 
     for n_rld in rlds:
+        # No mix with this many RLD can cost less than its fewest P with one MD: if that is
+        # already no cheaper than the best found, the search below would find nothing better.
+        if best is not None and with_counts(base, prefill_range[0], n_rld, 1).cost_per_hour >= best.cost_per_hour:
+            continue
         # the fewest P that meet the target with some MD count (more P never hurts)
         lo, hi = 0, len(prefill_range)
         while lo < hi:
@@ -290,9 +302,10 @@ def size_designs(bases: dict, pdd_name: str, trace: Sequence[TraceRequest], sla:
         if name in bases:
             results[name] = size_cluster(bases[name], trace, sla, target_attainment, prefill_range, [0],
                                          md_max + max(rld_range), progress, rate_scale, arrivals)
+    no_rld_runs: dict = {}  # the same runs under every mode (size_cluster's no_rld_runs)
     by_mode = {PathMode(m).value: size_cluster(replace(bases[pdd_name], path_mode=PathMode(m)), trace, sla,
                                                target_attainment, prefill_range, rld_range, md_max, progress,
-                                               rate_scale, arrivals)
+                                               rate_scale, arrivals, no_rld_runs=no_rld_runs)
                for m in path_modes}
     mode = pick_path_mode(by_mode)
     results[pdd_name] = by_mode[mode] if mode is not None else None

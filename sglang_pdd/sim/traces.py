@@ -16,10 +16,15 @@ Where the copies sit in time (`mode`):
   once, not K times at once, and the copies' bursts fill each other's lulls.
 - "lockstep": copy k shifted by k/K of one mean gap, so every burst arrives K times within one
   gap. A what-if (and the earlier behaviour): it sizes for bursts K times the trace's.
+
+`seed` (spread only): 0 keeps the even offsets k/K; another seed draws copy k's offset
+uniformly in [k/K, (k+1)/K) of the period, so a recorded trace's seeds differ in where the
+copies' bursts meet, the one thing about a tiled trace file a seed can honestly change.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from typing import List, Sequence
 
@@ -28,7 +33,7 @@ from sglang_pdd.workload import TraceRequest
 TILE_MODES = ("spread", "lockstep")
 
 
-def tile_trace(trace: Sequence[TraceRequest], copies: int, mode: str = "spread") -> List[TraceRequest]:
+def tile_trace(trace: Sequence[TraceRequest], copies: int, mode: str = "spread", seed: int = 0) -> List[TraceRequest]:
     if copies < 1:
         raise ValueError("copies must be >= 1")
     if mode not in TILE_MODES:
@@ -49,9 +54,10 @@ def tile_trace(trace: Sequence[TraceRequest], copies: int, mode: str = "spread")
     for r in trace:
         if r.session_id is not None and r.timestamp_ms < first.get(r.session_id, float("inf")):
             first[r.session_id] = r.timestamp_ms
+    rng = random.Random(seed) if seed else None
     out = []
     for k in range(copies):
-        offset = period * k / copies
+        offset = period * (k + (rng.random() if rng else 0.0)) / copies
         for r in trace:
             if mode == "lockstep":
                 shift = gap * k / copies

@@ -245,6 +245,8 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
     The request ends only once P holds its WAN destination (route_once_p_has_destination): one
     that ends before drops the destination by design, which would test nothing here."""
     topo, key = pdd_cluster.topology, pdd_cluster.control_key
+    stats_url = f"{topo.main.control_url}/pdd/stats"
+    before = get_json(stats_url, key=key)
     ids = [int(x) for x in np.random.default_rng(7).integers(100, 900, 96)]
     got = route_once_p_has_destination(pdd_cluster, {
         "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -261,3 +263,14 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
 
     cached = []
     assert wait_until(lambda: cached.append(md_cached()) or cached[-1] == len(ids) - 1, 30, poll_s=0.5), cached
+    # MD counts the room kept and landed, its suffix's bytes with it
+    stats = []
+    assert wait_until(lambda: stats.append(get_json(stats_url, key=key))
+                      or stats[-1].get("rooms_kept_landed", 0) > before.get("rooms_kept_landed", 0), 30, poll_s=0.5)
+    landed = stats[-1].get("kv_bytes_kept_landed", 0) - before.get("kv_bytes_kept_landed", 0)
+    assert landed >= (len(ids) - 1 - pdd["md_cached_tokens"]) * stats[-1]["kv_bytes_per_token"] > 0, stats[-1]
+    # the session's next turn, through the router: MD's DRC has the prefix, only the suffix crosses
+    nxt = route_once_p_has_destination(pdd_cluster, {
+        "input_ids": ids + [int(x) for x in np.random.default_rng(8).integers(100, 900, 24)],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "pdd_options": {"path": "p_rld_md"}})
+    assert nxt["meta_info"]["pdd"]["md_cached_tokens"] >= len(ids) - 1, nxt["meta_info"]["pdd"]

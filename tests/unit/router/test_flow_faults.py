@@ -353,13 +353,25 @@ def test_outlier_registers_then_releases_and_never_hands_off():
     assert "custom_params" not in run.fakes.records("rld", "generate")[0].body["sampling_params"]
 
 
-def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_turn():
+@pytest.mark.parametrize("p_control", [False, True], ids=["registered_first", "late_destination"])
+def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_turn(p_control):
+    """RLD finishes first: MD's room is released with keep_kv (the KV goes on landing, into
+    MD's cache), P's destination is not withdrawn (the router aborts only RLD's leg, so P goes
+    on sending), and the router counts MD as holding the prompt for the next turn's placement."""
+    from sglang_pdd.router.pools import Pools
     knobs = Knobs()
     knobs.md_ready = "never"  # still in flight when RLD finishes
-    run = scenario(knobs, max_new=8)
+    run = scenario(knobs, max_new=8, p_control=p_control)
     assert_invariants(run, 8)
-    assert run.flow.result.md_tokens == 0 and run.flow.result.handoff_at is None
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.md_tokens == 0 and r.handoff_at is None
     assert [r.body["keep_kv"] for r in run.fakes.records("md", "release")] == [True]
+    assert r.md_kv_kept and r.wan_bytes is None  # kept, not (yet) landed
+    assert len(run.fakes.records("p", "reply")) == 1  # P's leg ran to its reply
+    assert run.fakes.dropped_rooms() == []  # P's WAN destination never withdrawn
+    pools = Pools([run.flow.prefill], [run.flow.relay_url], [run.flow.main])
+    pools.record(run.flow, list(run.flow.stitcher.emitted))
+    assert pools.prefixes.match(run.flow.main.url, run.flow.ids) == len(run.flow.ids) // 16 * 16
 
 
 # ---------------------------------------------------------------------- relay / prefill failures

@@ -22,6 +22,7 @@ from sglang_pdd.router.fallback import Reason
 from sglang_pdd.router.flow import MainBackend, PrefillBackend
 from sglang_pdd.router.flow_request import FlowRequest
 from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
+from sglang_pdd.router.placement import MdMoveCost
 from sglang_pdd.router.policy import PathPolicyConfig
 from sglang_pdd.router.pools import Pools
 from tests.support.flow_scenarios import (P_MD_POLICY, PROMPT, SLOW_WAN, WAN_PEER, assert_handed_off,
@@ -272,6 +273,10 @@ def test_md_prefix_tie_goes_to_the_least_loaded_md():
     assert pools.pick(prompt)[2] is mds[1]
     pools.md_inflight[mds[0].url], pools.md_inflight[mds[1].url] = 0, 2
     assert pools.pick(prompt)[2] is mds[0]
-    # a longer prefix on the busier MD still wins (affinity within --max excess 4)
+    # a longer prefix on the busier MD: on a slow WAN (8 Mbit/s) re-sending it costs more than
+    # 2 more flows' longer steps, so it stays; on a fast one (10 Gbps) moving is cheaper
     pools.prefixes.record(mds[1].url, prompt)
+    pools.md_move = MdMoveCost(kv_bytes_per_token=46_000, wan_bytes_per_s=1e6, flow_step_s=1e-3)
     assert pools.pick(prompt)[2] is mds[1]
+    pools.md_move = MdMoveCost(kv_bytes_per_token=46_000, wan_bytes_per_s=10e9 / 8, flow_step_s=1e-3)
+    assert pools.pick(prompt)[2] is mds[0]

@@ -81,8 +81,8 @@ def test_transfer_estimate_scales_with_bytes_and_rtt():
 
 def test_budget_fraction_of_slo():
     cfg = PathPolicyConfig(ttft_slo_ms=2000, wan_budget_fraction=0.25)
-    assert cfg.wan_budget_ms == 500
-    assert PathPolicyConfig(max_wan_transfer_ms=123).wan_budget_ms == 123
+    assert cfg.fixed_wan_budget_ms == 500
+    assert PathPolicyConfig(max_wan_transfer_ms=123).fixed_wan_budget_ms == 123
 
 
 @pytest.mark.parametrize("bad", [dict(wan_gbps=0), dict(page_size=0), dict(wan_budget_fraction=0)])
@@ -196,9 +196,10 @@ def test_fit_counts_ps_queue_and_prefill_from_its_tokens():
     assert quiet.path is Path.P_MD and quiet.budget_ms == pytest.approx(0.5 * 1700.0)
     queued = decide_path(1000, 0, None, 0, 16, cfg, p_queued_tokens=16_000, p_prefill_tokens=1000)  # +1600 ms
     assert queued.path is Path.P_RLD_MD and queued.budget_ms == pytest.approx(50.0)
-    # P's speed unknown: its tokens count nothing (the WAN alone against the budget)
-    blind = decide_path(1000, 0, None, 0, 16, FIT_CFG, p_queued_tokens=16_000, p_prefill_tokens=1000)
-    assert blind.path is Path.P_MD and blind.budget_ms == pytest.approx(900.0)
+    # P's speed not given: the policy's default, never 0 (P's queue always costs time)
+    default = decide_path(1000, 0, None, 0, 16, FIT_CFG, p_queued_tokens=16_000, p_prefill_tokens=1000)
+    assert PathPolicyConfig().p_prefill_tokens_per_s > 0
+    assert default.budget_ms < 0.5 * 1800.0
 
 
 def test_busy_rld_sends_whatever_meets_the_slo_straight_to_md():
@@ -237,3 +238,61 @@ def test_load_facts_validation(bad):
 def test_load_config_validation(bad):
     with pytest.raises(ValueError):
         PathPolicyConfig(**bad)
+
+
+# ---- the gap P->MD creates, P's prefill with its context term, one page size ----------
+
+GAP_CFG = dataclasses.replace(FIT_CFG, first_token_via_rld=True, gap_slo_ms=1000.0)
+
+
+def test_first_token_through_rld_budgets_the_wan_wait_against_the_gap_slo():
+    # P->MD's first token comes through RLD: the KV's wait falls in the gap before MD's
+    # first token. 1M uncached tokens: 1000 ms + 40 ms (trips 3-4) > half of 900 ms.
+    big = RequestFacts(input_tokens=1_000_000, p_prefill_ms=100.0, rld_utilisation=0.0)
+    d = choose_path(big, GAP_CFG)
+    assert d.path is Path.P_RLD_MD and d.budget_ms == pytest.approx(0.5 * 900.0)
+    assert d.est_wan_transfer_ms == pytest.approx(1040.0)  # the registration is in TTFT, not in the gap
+    # the same request judged against the TTFT (the first token after the WAN): 0.5 x 1700 ms
+    assert choose_path(big, FIT_CFG).budget_ms == pytest.approx(0.5 * 1700.0)
+    small = RequestFacts(input_tokens=300_000, p_prefill_ms=100.0, rld_utilisation=0.0)  # 300 + 40 ms
+    assert choose_path(small, GAP_CFG).path is Path.P_MD
+    # no gap SLO: the TTFT rule, whatever the first token's way
+    assert dataclasses.replace(GAP_CFG, gap_slo_ms=None).budgets_the_gap is False
+
+
+def test_gap_budget_is_none_when_ps_queue_and_prefill_use_up_the_ttft():
+    # P's queue + prefill + the registration (40 ms) beyond the TTFT slack (1800 ms): P->MD would
+    # only add its registration to a first token already late.
+    late = RequestFacts(input_tokens=1000, p_queue_ms=1700.0, p_prefill_ms=80.0, rld_utilisation=1.0)
+    assert choose_path(late, GAP_CFG).budget_ms == 0.0
+    ok = RequestFacts(input_tokens=1000, p_queue_ms=1700.0, p_prefill_ms=50.0, rld_utilisation=1.0)
+    assert choose_path(ok, GAP_CFG).budget_ms == pytest.approx(900.0)  # the whole gap slack
+
+
+def test_ps_prefill_counts_its_context_term():
+    from sglang_pdd.router.policy import prefill_ms
+    cfg = dataclasses.replace(FIT_CFG, p_prefill_tokens_per_s=20_000.0, p_prefill_s_per_token_ctx=2e-9)
+    # 3.4k new tokens after a 31k prefix: 170 ms linear + 3400 x (31k + 1.7k) x 2 ns = 222 ms more
+    assert prefill_ms(3_400, 31_000, cfg) == pytest.approx(170.0 + 3400 * 32_700 * 2e-6)
+    assert prefill_ms(3_400, 31_000, dataclasses.replace(cfg, p_prefill_s_per_token_ctx=0.0)) == pytest.approx(170.0)
+    # decide_path gives the request's own prefill its context: the prompt less its prefill tokens
+    d = decide_path(34_400, 0, None, 0, 16, cfg, p_prefill_tokens=3_400)
+    lin = decide_path(34_400, 0, None, 0, 16, dataclasses.replace(cfg, p_prefill_s_per_token_ctx=0.0),
+                      p_prefill_tokens=3_400)
+    assert lin.budget_ms - d.budget_ms == pytest.approx(0.5 * 3400 * 32_700 * 2e-6)
+
+
+def test_policy_and_router_cli_share_one_page_size_default():
+    from sglang_pdd.router.cli import flow_config, parse_args
+    args = parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1", "--tokenizer-path", "x"])
+    assert args.page_size == PathPolicyConfig().page_size == 1
+    path = flow_config(args).path
+    assert path.page_size == 1 and path.budgets_the_gap and path.gap_slo_ms == 1000.0
+    assert path.p_prefill_tokens_per_s == PathPolicyConfig().p_prefill_tokens_per_s > 0  # never 0
+
+
+def test_the_fixed_budget_and_the_load_aware_budget_have_distinct_names():
+    from sglang_pdd.router import policy
+    assert not hasattr(PathPolicyConfig, "wan_budget_ms") and not hasattr(policy, "wan_budget_ms")
+    assert PathPolicyConfig(ttft_slo_ms=2000, wan_budget_fraction=0.25).fixed_wan_budget_ms == 500
+    assert policy.p_md_wan_budget_ms(RequestFacts(1000), PathPolicyConfig(ttft_slo_ms=2000)) == 500

@@ -321,3 +321,60 @@ def test_mds_stats_count_the_radix_caches_real_evictions():
         assert conserved(md)
     finally:
         close(md, p)
+
+
+def test_kv_of_a_request_released_with_keep_still_lands_in_the_tree_and_is_counted():
+    """The request ended on RLD before its KV crossed (the router releases MD's room with
+    keep_kv): P goes on sending, MD lands the pages in its radix cache, where the session's
+    next turn finds them; MD counts the room kept and landed. A room released without keep
+    while landing is counted cancelled, with its suffix's bytes."""
+    md = build_md(16, "mha")
+    p = Prefill("mha", 16, md)
+    try:
+        ids = list(range(5000, 5048))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        assert md.rank_rooms.release(ReleaseRequest(1, keep_kv=True)).released is True  # before any KV came
+        assert md.table.rooms[1].state.phase.value == "landing_kept"
+        p.send(1, ids, reg.cached_tokens, p.pages_for(len(ids), seed=3))
+        deadline = time.monotonic() + 20
+        while 1 in md.table.rooms and time.monotonic() < deadline:
+            md.on_scheduler_iteration()
+            time.sleep(0.01)
+        assert 1 not in md.table.rooms  # landed, cached and gone
+        assert md.ops.match(ids)[0] == 48  # the next turn's prefix is on MD
+        counters, per_token = md.rank_rooms.counters, md.rank_rooms.kv_bytes_per_token
+        assert counters["rooms_kept_in_flight"] == 1 and counters["rooms_kept_landed"] == 1
+        assert counters["kv_bytes_kept_landed"] == 48 * per_token
+        assert counters.get("rooms_cancelled_landing", 0) == 0
+        other = list(range(6000, 6040))
+        md.rank_rooms.register(RegisterRequest(2, other))
+        md.rank_rooms.release(ReleaseRequest(2))  # no keep: its KV will not land
+        assert counters["rooms_cancelled_landing"] == 1 and counters["kv_bytes_cancelled"] == 40 * per_token
+        settle(md)
+        assert conserved(md)
+    finally:
+        close(md, p)
+
+
+def test_a_room_kept_only_for_the_cache_gives_its_staging_budget_to_a_room_a_request_waits_for():
+    """Kept KV comes after the KV a request waits on: a registration that does not fit MD's
+    staging budget drops rooms kept only to fill the cache (released with keep_kv) instead of
+    being refused; with none to drop it is refused as before."""
+    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+    md = build_md(16, "mha")
+    try:
+        md.rank_rooms.budget.limit_bytes = 8000  # one 3-page room of 128-byte tokens (6144 bytes)
+        md.rank_rooms.register(RegisterRequest(1, list(range(7000, 7048))))
+        md.rank_rooms.release(ReleaseRequest(1, keep_kv=True))
+        reg = md.rank_rooms.register(RegisterRequest(2, list(range(8000, 8040))))  # would not fit beside room 1
+        assert reg.room == 2 and 1 not in md.table.rooms
+        counters = md.rank_rooms.counters
+        assert counters["rooms_kept_dropped_for_room"] == 1 and counters["rooms_cancelled_landing"] == 1
+        with pytest.raises(RoomRefused):  # room 2's request still waits for it: nothing to drop
+            md.rank_rooms.register(RegisterRequest(3, list(range(9000, 9040))))
+        assert counters["rooms_refused"] == 1
+        md.rank_rooms.release(ReleaseRequest(2))
+        settle(md)
+        assert conserved(md)
+    finally:
+        close(md)

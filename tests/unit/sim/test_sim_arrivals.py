@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.sim_round4 import headline_markdown
+from benchmarks.sim_headline import headline_markdown
 from sglang_pdd.sim.cli import main
 from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.metrics import Sla

@@ -154,7 +154,9 @@ def test_fit_sends_most_requests_p_md_even_with_an_idle_rld():
 
 def test_stall_metrics_separate_handoff_modes():
     slow = LinkProfile("slow", gbps=2.0, one_way_latency_s=0.03)
-    spec = _spec(wan=slow, catch_up_threshold_tokens=8)
+    # Finished requests' KV cancelled: on this 2 Gbps link the kept KV of ~470 relayed requests
+    # would share the link with the few handoffs measured here (p50 over ~15 switches).
+    spec = _spec(wan=slow, catch_up_threshold_tokens=8, keep_finished_kv=False)
     by = {c.name: c for c in standard_scenarios(spec)}
     one_sim, catch_sim = Simulation(by["pdd_drc_oneshot"]), Simulation(by["pdd_drc_catchup"])
     one, catch = one_sim.run(TRACE), catch_sim.run(TRACE)
@@ -219,32 +221,60 @@ def test_a_faster_wan_never_makes_pdd_worse(mode):
         assert min(att) >= max(att) - 0.03, att
 
 
-def test_kv_of_a_request_that_ended_on_rld_is_not_sent_unless_kept():
-    # RLD finishes a short answer before MD's KV has landed. By default the rest of the
-    # transfer is cancelled (nothing more is sent for a finished request), so the next turn
-    # misses MD and ships whole; keep_finished_kv lets it land in MD's cache instead
-    # (docs/router.md step 9), and the next turn ships only its new block.
+def test_kv_of_a_request_that_ended_on_rld_lands_for_the_next_turn_unless_cancelled():
+    # RLD finishes a short answer before MD's KV has landed. By default (the real router's
+    # release with keep_kv) the rest of the transfer still lands in MD's cache (docs/router.md
+    # step 9), and the next turn ships only its new block; the keep_finished_kv=False what-if
+    # cancels it, so the next turn misses MD and ships whole.
     wan = LinkProfile("wan", gbps=1.0, one_way_latency_s=0.02)
     ids = tuple(range(16))
     turns = [TraceRequest(0.0, 16 * 512, 2, ids, 1, 0), TraceRequest(60_000.0, 17 * 512, 2, ids + (99,), 1, 1)]
     cfg = _pdd(wan, mode=HandoffMode.ONE_SHOT, router=PathPolicyConfig(max_wan_transfer_ms=0.0,
                                                                     enable_outlier_filter=False))
     kvb = TOY_A.kv_bytes_per_token
-    sim = Simulation(cfg)
-    s = sim.run(turns)
-    assert s.paths == {"p_rld_md": 2} and list(sim.log.rld_tokens) == [1, 1]  # both ended on RLD
-    assert sim.kv_link.bytes_cancelled > 0.9 * (16 + 17) * 512 * kvb  # barely anything crossed
-    assert s.wan_cancelled_gb == pytest.approx(sim.kv_link.bytes_cancelled / 1e9)
-    assert s.mean_md_hit == 0.0
-    assert not any(sim.md_staged)  # cancelled rooms gave MD's staging budget back
-    kept = Simulation(replace(cfg, keep_finished_kv=True))
+    assert cfg.keep_finished_kv
+    kept = Simulation(cfg)
     sk = kept.run(turns)
+    assert sk.paths == {"p_rld_md": 2} and list(kept.log.rld_tokens) == [1, 1]  # both ended on RLD
     assert kept.kv_link.bytes_sent == pytest.approx((16 * 512 + 512) * kvb)
     assert sk.mean_md_hit == pytest.approx(16 * 512 / (33 * 512))
+    assert (sk.kv_kept, sk.kv_kept_landed, sk.kv_cancelled, sk.wan_cancelled_gb) == (2, 2, 0, 0.0)
+    assert sk.wan_landed_gb == pytest.approx((16 * 512 + 512) * kvb / 1e9)
+    sim = Simulation(replace(cfg, keep_finished_kv=False))
+    s = sim.run(turns)
+    assert s.paths == {"p_rld_md": 2} and list(sim.log.rld_tokens) == [1, 1]
+    assert sim.kv_link.bytes_cancelled > 0.9 * (16 + 17) * 512 * kvb  # barely anything crossed
+    assert s.wan_cancelled_gb == pytest.approx(sim.kv_link.bytes_cancelled / 1e9)
+    assert s.mean_md_hit == 0.0 and (s.kv_kept, s.kv_cancelled, s.kv_landed) == (0, 2, 0)
+    assert not any(sim.md_staged)  # cancelled rooms gave MD's staging budget back
     # Without a DRC the transfer is useless and cancelled whatever keep_finished_kv says.
-    nodrc = Simulation(replace(cfg, drc=False, keep_finished_kv=True))
+    nodrc = Simulation(replace(cfg, drc=False))
     nodrc.run(turns)
     assert nodrc.kv_link.bytes_cancelled > 0
+
+
+def test_a_kept_transfer_in_the_background_yields_the_link_to_one_a_request_waits_for():
+    """SharedLink: a transfer moved to the background gets no rate while a foreground one is
+    in flight, then the whole link; the foreground one finishes as if alone."""
+    import random
+
+    from sglang_pdd.sim.engine import EventLoop
+    from sglang_pdd.sim.servers import SharedLink
+    loop, landed = EventLoop(), {}
+    link = SharedLink(loop, LinkProfile("wan", gbps=8.0, one_way_latency_s=0.0), random.Random(0),
+                      lambda now, job: landed.setdefault(job, now))
+    link.send(0.0, "kept", 2e9)  # 2 s alone
+    loop.at(0.5, lambda now, _: (link.to_background(now, "kept"), link.send(now, "waited", 1e9)), None)
+    loop.run_until()
+    assert landed["waited"] == pytest.approx(1.5)  # 1 GB at the whole 1 GB/s from 0.5 s
+    assert landed["kept"] == pytest.approx(3.0)  # 0.5 GB before, the other 1.5 GB after the foreground one
+    assert link.bytes_sent == pytest.approx(3e9) and link.bytes_cancelled == 0
+    loop2 = EventLoop()
+    link2 = SharedLink(loop2, LinkProfile("wan", gbps=8.0, one_way_latency_s=0.0), random.Random(0), lambda *a: None)
+    link2.send(0.0, "kept", 2e9)
+    link2.to_background(0.5, "kept")
+    assert link2.cancel(1.0, "kept") == pytest.approx(1e9)  # 0.5 GB in the foreground, 0.5 GB after
+    assert link2.bytes_cancelled == pytest.approx(1e9)
 
 
 def test_wan_utilisation_never_exceeds_one_when_kv_outlives_its_requests():

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from benchmarks import sim_round4
+from benchmarks import sim_headline
 from sglang_pdd.sim import cli
 from tests.conftest import REPO_ROOT
 
@@ -38,10 +38,10 @@ def _commands():
 COMMANDS = _commands()
 
 
-def test_the_guide_has_commands_for_every_round4_subcommand_and_the_sim():
+def test_the_guide_has_commands_for_every_headline_subcommand_and_the_sim():
     assert len(COMMANDS) >= 10
-    for sub in ("headline", "map", "placement", "staging"):
-        assert any(c.startswith(f"python -m benchmarks.sim_round4 {sub}") for c in COMMANDS), sub
+    for sub in ("headline", "map", "placement", "staging", "table"):
+        assert any(c.startswith(f"python -m benchmarks.sim_headline {sub}") for c in COMMANDS), sub
     for sub in ("size", "compare", "rld-sweep", "sweep", "bathtub", "gen-trace"):
         assert any(c.startswith(f"python -m sglang_pdd.sim {sub} ") for c in COMMANDS), sub
 
@@ -56,10 +56,10 @@ def test_a_guide_command_parses(command, monkeypatch):
             if name.startswith("cmd_"):
                 monkeypatch.setattr(cli, name, lambda a, name=name: seen.append(name) or 0)
         assert cli.main(args) == 0
-    elif module == "benchmarks.sim_round4":
-        for name in ("headline", "wins_map", "placement", "staging"):
-            monkeypatch.setattr(sim_round4, name, lambda a, name=name: seen.append(name) or 0)
-        assert sim_round4.main(args) == 0
+    elif module == "benchmarks.sim_headline":
+        for name in ("headline", "wins_map", "placement", "staging", "table"):
+            monkeypatch.setattr(sim_headline, name, lambda a, name=name: seen.append(name) or 0)
+        assert sim_headline.main(args) == 0
     else:
         pytest.skip(f"{module} has no parser to check here")
     assert len(seen) == 1

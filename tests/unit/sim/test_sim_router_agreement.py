@@ -81,8 +81,13 @@ def test_table_covers_every_path_and_both_budget_ends(cfg):
     decisions = [router_decision(sim.route_cfg, *row) for row in TABLE if row[2] is not None]
     assert {d.path for d in decisions} == set(Path)
     budgets = [d.budget_ms for d in decisions if d.path is not Path.P_RLD_ONLY]
-    # the widest budget: the whole slack less the 2000-token row's own prefill on P
-    slack = SLA.ttft_s * 1e3 * (1 - sim.route_cfg.ttft_safety_fraction) - 2e6 * TOY_A.prefill_s_per_token
+    # the widest budget: the whole slack less the 2000-token row's own prefill on P, its
+    # attention term included (the profile's, as the router's --p-prefill-s-per-token-ctx)
+    from sglang_pdd.router.policy import prefill_ms
+    own_prefill_ms = prefill_ms(2_000, 0, sim.route_cfg)
+    assert own_prefill_ms == pytest.approx(1e3 * (TOY_A.prefill_time_s(2_000, 0) - TOY_A.prefill_overhead_s))
+    assert own_prefill_ms > 2e6 * TOY_A.prefill_s_per_token  # more than the linear estimate
+    slack = SLA.ttft_s * 1e3 * (1 - sim.route_cfg.ttft_safety_fraction) - own_prefill_ms
     assert min(budgets) == 0.0 and max(budgets) == pytest.approx(slack)
     assert any(0.0 < b < slack for b in budgets)
 
@@ -174,12 +179,16 @@ def test_sim_places_p_rld_and_md_as_pools_pick():
     tokens = list(range(1000, 1000 + 16 * 6))
     hashes = list(range(6))
     p_seen, p_rotated = set(), 0
+    md_kept = md_moved = 0
     for _ in range(300):
         sim = Simulation(cfg, SLA)
         ps = [SimpleNamespace(url=f"http://p{i}") for i in range(3)]
         rlds = [f"http://rld{i}" for i in range(3)]
-        mds = [SimpleNamespace(url=f"http://md{i}") for i in range(4)]
-        pools = Pools(ps, rlds, mds)
+        mds = [SimpleNamespace(url=f"http://md{i}", kv_bytes_per_token=None) for i in range(4)]
+        # the sim's cost of a move; 32x the KV per token for the router's 16-token blocks (the
+        # sim's are 512), so that one held block weighs the same bytes in both
+        pools = Pools(ps, rlds, mds, md_move=dataclasses.replace(
+            sim.md_move, kv_bytes_per_token=sim.md_move.kv_bytes_per_token * 512 // 16))
         assert all(pools.health.pickable(("prefill", p.url), 0.0) for p in ps)
         for i in range(3):
             # P's load is prefill tokens in flight, in blocks here (16 tokens a block there,
@@ -205,10 +214,17 @@ def test_sim_places_p_rld_and_md_as_pools_pick():
             if held:
                 pools.prefixes.record(mds[i].url, tokens[:16 * held])
                 sim.md_index.record_blocks(i, hashes[:held])
-        _, relay, main = pools.pick(tokens, now=0.0)
+        # 8 output tokens: a held block is worth ~1 excess flow, 6 blocks ~6 (stays and moves both)
+        _, relay, main = pools.pick(tokens, now=0.0, max_new_tokens=8)
         assert rlds[sim.pick_rld()] == relay
-        assert mds[sim.pick_md(hashes)] is main
+        md = sim.pick_md(hashes, 8)
+        assert mds[md] is main
+        owner, held = sim.md_index.best_blocks(sorted(range(4), key=sim.md_flows.__getitem__), hashes)
+        if held:
+            md_kept += md == owner
+            md_moved += md != owner
     assert p_seen == {0, 1, 2} and p_rotated > 10  # ties broken by the rotation, not index order
+    assert md_kept > 20 and md_moved > 20
 
 
 def test_a_change_to_the_router_policy_changes_the_sims_routing(monkeypatch):

@@ -88,17 +88,24 @@ def test_without_rld_registrations_wait_for_room():
     assert sim.peak_staged <= 30 * 512 * KVB  # the oversized room went alone
 
 
-def test_kv_of_a_finished_request_is_cancelled_and_frees_the_budget():
-    # Short answers end on RLD long before their KV crosses a slow WAN: each cancels its
-    # transfer, so the next request's room is admitted instead of refused.
+def test_kv_kept_for_the_cache_gives_its_budget_to_a_request_that_waits_for_it():
+    # Short answers end on RLD long before their KV crosses a slow WAN. Kept (the default) it
+    # goes on landing for the next turn, but gives up MD's staging budget to the next
+    # request's room, which a request waits for: admitted, never refused for it. Cancelled
+    # (the what-if), it frees the budget at once.
     wan = LinkProfile("wan", gbps=0.2, one_way_latency_s=0.02)
     budget = 10 * 512 * KVB
     trace = [_req(2000.0 * i, 8, 3, 100 * i) for i in range(10)]
-    s = Simulation(_cfg(wan, md_staging_bytes=budget)).run(trace)
-    assert s.md_refused == 0 and s.paths == {"p_rld_md": 10}
-    assert s.wan_cancelled_gb > 0.5 * 10 * 8 * 512 * KVB / 1e9
-    kept = Simulation(replace(_cfg(wan, md_staging_bytes=budget), drc=True, keep_finished_kv=True)).run(trace)
-    assert kept.md_refused > 0  # landing KV of finished requests holds the budget
+    cancel = Simulation(_cfg(wan, md_staging_bytes=budget, keep_finished_kv=False)).run(trace)
+    assert cancel.md_refused == 0 and cancel.paths == {"p_rld_md": 10}
+    assert cancel.wan_cancelled_gb > 0.5 * 10 * 8 * 512 * KVB / 1e9
+    assert (cancel.kv_cancelled, cancel.kv_kept) == (10, 0)
+    sim = Simulation(replace(_cfg(wan, md_staging_bytes=budget), drc=True))
+    kept = sim.run(trace)
+    assert kept.md_refused == 0 and kept.paths == {"p_rld_md": 10}
+    assert kept.kv_kept == 10 and kept.kv_kept_dropped == 9  # each next room took the last one's budget
+    assert kept.kv_kept_landed == 1 and kept.kv_cancelled == 9  # the last one landed
+    assert not any(sim.md_kept) or all(not k for k in sim.md_kept)
 
 
 def test_handoff_waits_until_md_can_admit():

@@ -105,3 +105,21 @@ def test_cli_names_the_tiling_in_its_summary_and_json(tmp_path, capsys):
         name = "agentic80x2" + ("" if mode == "spread" else "lockstep")
         rows = json.loads((tmp_path / f"compare_{name}.json").read_text())
         assert {(r["setup"]["tile"], r["setup"]["tile_mode"]) for r in rows} == {(2, mode)}
+
+
+def test_a_seed_draws_where_the_copies_sit_and_seed_0_keeps_the_even_offsets():
+    from sglang_pdd.sim.cli import _add_common, seed_effect
+    import argparse
+    base = [TraceRequest(t * 1000.0, 100, 10, (t,)) for t in range(20)]
+    even = tile_trace(base, 4, "spread")
+    assert tile_trace(base, 4, "spread", seed=0) == even
+    one, two = tile_trace(base, 4, "spread", seed=1), tile_trace(base, 4, "spread", seed=2)
+    assert sorted(r.timestamp_ms for r in one) != sorted(r.timestamp_ms for r in even)
+    assert sorted(r.timestamp_ms for r in one) != sorted(r.timestamp_ms for r in two)
+    # the same requests, only placed differently
+    assert sorted(r.hash_ids for r in one) == sorted(r.hash_ids for r in even)
+    assert tile_trace(base, 4, "spread", seed=1) == one
+    p = argparse.ArgumentParser()
+    _add_common(p)
+    assert "draws where the 4 copies" in seed_effect(p.parse_args(["--trace", "x.jsonl", "--tile", "4"]))
+    assert "only the WAN's jitter" in seed_effect(p.parse_args(["--trace", "x.jsonl"]))

@@ -3,7 +3,7 @@ baseline (hours of backlog) the ratio says nothing about the design."""
 
 import json
 
-from benchmarks.sim_round4 import headline_filename, headline_markdown, main
+from benchmarks.sim_headline import headline_filename, headline_markdown, main
 from tests.conftest import REPO_ROOT
 
 HEADLINE = REPO_ROOT / "docs" / "img" / "sim_headline_20g.json"
@@ -58,7 +58,7 @@ def test_the_rps_row_names_each_knee_and_how_it_was_found():
 
 def _headline_args(monkeypatch, *argv):
     seen = []
-    monkeypatch.setattr("benchmarks.sim_round4.headline", lambda a: seen.append(a) or 0)
+    monkeypatch.setattr("benchmarks.sim_headline.headline", lambda a: seen.append(a) or 0)
     assert main(["headline", *argv]) == 0
     return seen[0]
 
@@ -114,3 +114,28 @@ def test_the_wan_row_says_how_much_of_the_trace_the_link_can_carry():
     # no same-DC PD run (the trace's own rate unknown): no row rather than a guess
     del t["same_fleet"]["pd_same_dc"]
     assert "| WAN for every" not in headline_markdown(t)
+
+
+def test_headline_files_name_the_model_kv_dtype_and_scenario_when_not_the_defaults(monkeypatch):
+    a = _headline_args(monkeypatch, "--tile", "16", "--kv-dtype", "fp8", "--scenario", "report")
+    assert headline_filename(a) == "sim_headline_kvfp8_report_20g_sessions_tile16_spread_knee5pct.json"
+    assert a.ttft_slo == 5.0  # the scenario's cold 40-64K prefills take 2.3-4.0 s alone
+    assert _headline_args(monkeypatch).ttft_slo == 2.0
+    assert _headline_args(monkeypatch, "--scenario", "report", "--ttft-slo", "3").ttft_slo == 3.0
+    a = _headline_args(monkeypatch, "--model", "deepseek-v4-pro", "--scenario", "report", "--wan-gbps", "50")
+    assert headline_filename(a) == "sim_headline_deepseek-v4-pro_report_50g_sessions_spread_knee5pct.json"
+
+
+def test_headline_runs_the_reports_scenario_on_deepseek_v4_pro_at_its_smallest(tmp_path, capsys):
+    assert main(["headline", "--scenario", "report", "--model", "deepseek-v4-pro", "--n", "60", "--tile", "1",
+                 "--prefill-range", "1:2", "--rld-max", "0", "--md-max", "1", "--scales", "1",
+                 "--knee-resolution", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "report_scenario60x1" in out and "deepseek-v4-pro (KV fp8)" in out and "SLA TTFT <= 5 s" in out
+    d = json.load(open(tmp_path / "sim_headline_deepseek-v4-pro_report_20g_sessions_tile1.json"))
+    assert d["scenario"] == "report" and d["kv_dtype"] == "fp8" and d["requests"] == 60
+    # the table of several seeds' files (here one) beside the report's numbers
+    assert main(["table", str(tmp_path / "sim_headline_deepseek-v4-pro_report_20g_sessions_tile1.json")]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v4-pro (KV fp8), report scenario" in out and "seeds 0" in out
+    assert "| BCR vs same-DC PD (sized, same SLA) | +32-37.5% |" in out and "| P->MD share" in out
