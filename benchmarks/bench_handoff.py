@@ -35,8 +35,8 @@ in the reference design, so the KV link is slowed by that ratio (KV transfer *ti
 a 1 Gbps link with the real model); token-ID traffic (control link) runs at the unscaled
 rate since its size does not depend on the model.
 
-    .venv/bin/python -m benchmarks.bench_handoff                 # ~5-8 min on 2 cores
-    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 1 --latencies-ms 5,200   # quick look
+    .venv/bin/python -m benchmarks.bench_handoff                 # 3-10 min on 2 cores, with their load
+    .venv/bin/python -m benchmarks.bench_handoff --n 5 --ttft-requests 1 --latencies-ms 5,200   # quick look, 3-5 min
 
 Writes results.json and bench_handoff.png under --out (default artifacts/bench_handoff/).
 """
