@@ -37,7 +37,7 @@ SMOKE = {
     "sim_path_modes": (["--quick", "--n", "100", "--out", "{out}"], ["agentic"], []),
     "sim_report": (["--traces", "agentic", "--n", "100", "--prefill-max", "2", "--rld-max", "1", "--md-max", "2",
                     "--scales", "1", "--out", "{out}"], [], []),
-    "sim_round4": (["staging", "--n", "60", "--tile", "1", "--shares", "0.25", "--out", "{out}"], [], []),
+    "sim_headline": (["staging", "--n", "60", "--tile", "1", "--shares", "0.25", "--out", "{out}"], [], []),
     "bench_router_reply_bounds": (["--reply-mib", "4", "--line-mib", "4", "--timeout-s", "30"], ["register"], []),
     # GPU only: imported and its options printed
     "gpu_pdd_backend": (["--help"], ["--arch"], []),
