@@ -186,3 +186,31 @@ def test_a_kubeconfig_is_read_by_the_official_client_and_its_token_sent(tmp_path
             assert seen.changes == [("Join", "http://10.0.0.2:30000")] and api.authorization == ["Bearer tok-b"]
 
     run(main())
+
+
+@pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="KUBECONFIG unset: no real API server to list pods from")
+def test_discovery_against_a_real_api_server():
+    """Lists and watches the pods of $KUBECONFIG's cluster (namespace PDD_DISCOVERY_NAMESPACE,
+    default 'default') for a few seconds: the client speaks the real API, whatever it finds."""
+
+    async def main():
+        seen = []
+
+        async def on_update(update):
+            seen.extend(update.changes)
+
+        endpoint = discovery_watch.endpoint_for(os.environ["KUBECONFIG"].split(os.pathsep)[0],
+                                                os.environ.get("PDD_DISCOVERY_CONTEXT"))
+        state = DiscoveryState({"relay": Selector.parse(os.environ.get("PDD_DISCOVERY_SELECTOR",
+                                                                       "pdd.sglang.ai/role=relay"))})
+        watcher = PodWatcher(endpoint, os.environ.get("PDD_DISCOVERY_NAMESPACE", "default"), state, on_update)
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.ensure_future(watcher.run(session))
+            await asyncio.wait_for(watcher.stats.synced.wait(), 30)
+            await asyncio.sleep(3)  # the watch opens and holds
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert watcher.stats.lists == 1 and watcher.stats.errors == 0, watcher.stats.last_error
+        assert watcher.stats.watches >= 1
+
+    asyncio.run(main())
