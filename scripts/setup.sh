@@ -49,6 +49,11 @@ missing=()
 for pkg in libibverbs1 librdmacm1 libnuma1 patch openssl; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
+# kubectl renders deploy/kubernetes (tests/unit/deploy skip without it): Debian's own package where
+# apt has one (the kubernetes-client of Debian 12 is 1.20, too old for kustomize v5's fields).
+if ! command -v kubectl >/dev/null 2>&1 && apt-cache policy kubectl 2>/dev/null | grep -q "Candidate: [0-9]"; then
+  missing+=(kubectl)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing Debian packages: ${missing[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

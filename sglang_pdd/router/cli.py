@@ -21,7 +21,7 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router import client_auth, control_tls, shared_drain
+from sglang_pdd.router import client_auth, control_tls, discovery_setup, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
 from sglang_pdd.router.health import HealthConfig
@@ -60,13 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The router's whole command line (docs/flags.md is generated from it)."""
     ap = argparse.ArgumentParser(prog="python -m sglang_pdd.router",
                                  description="PDD router: P, RLD and MD pools behind one /generate.")
-    ap.add_argument("--prefill", type=_prefill_arg, action="append", required=True,
+    ap.add_argument("--prefill", type=_prefill_arg, action="append", default=[],
                     metavar="URL,BOOTSTRAP_PORT[,CONTROL_URL]",
                     help="a prefill server (repeatable); CONTROL_URL is P's --pdd-control-listen: then a "
                          "P->RLD->MD request is routed on the router's estimate of MD's prefix, P and RLD start "
                          "at once and MD's room is registered concurrently (one WAN round trip off the TTFT); "
                          "without it the router registers on MD first")
-    ap.add_argument("--relay", action="append", required=True, metavar="URL",
+    ap.add_argument("--relay", action="append", default=[], metavar="URL",
                     help="a relay decode server (repeatable)")
     ap.add_argument("--main", type=_main_arg, action="append", default=[], metavar="URL,CONTROL_URL,WAN_ADDR",
                     help="a main decode server (repeatable); CONTROL_URL is its --pdd-control-listen, WAN_ADDR "
@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how long a backend stays out before it gets a trial request again")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
     control_tls.add_args(ap)  # --control-tls-*
+    discovery_setup.add_args(ap)  # --service-discovery, --*-selector, --main-discovery-*
     return ap
 
 
@@ -258,6 +259,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.workers < 1:
         raise SystemExit("sglang_pdd.router: error: --workers must be at least 1")
+    wrong = discovery_setup.check_args(args)
+    if wrong:
+        raise SystemExit(f"sglang_pdd.router: error: {wrong}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for warning in client_auth.resolve_secrets(args):  # key files read; a worker's from its environment
         logger.warning(warning)
@@ -288,9 +292,9 @@ def main(argv=None) -> None:
             use_control_key(load_key(args.control_key_file))
         except ValueError as e:  # KeyFileError: names the file, its mode or length
             raise SystemExit(f"sglang_pdd.router: error: --control-key-file: {e}") from None
-    elif args.main or any(p.control_url for p in args.prefill):
-        raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main or a P CONTROL_URL "
-                         "(MD and P accept only signed control calls)")
+    elif args.main or any(p.control_url for p in args.prefill) or discovery_setup.may_find_main(args):
+        raise SystemExit("sglang_pdd.router: error: --control-key-file is required with --main, a P CONTROL_URL, "
+                         "--main-selector or --main-discovery-file (MD and P accept only signed control calls)")
     state = build_sglang_state(sglang_argv(args))
     if args.every_client_is_operator:
         logger.warning("--every-client-is-operator: any client may steer PDD (pdd_options); tests only")
@@ -300,7 +304,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
     md_move = MdMoveCost(kv_bytes_per_token=args.kv_bytes_per_token, wan_bytes_per_s=args.wan_gbps * 1e9 / 8,
                          flow_step_s=args.md_flow_step_ms / 1e3)
-    router = Router(Pools(args.prefill, args.relay, args.main, health=health, md_move=md_move), flow_config(args), state[2],
+    pools = Pools(args.prefill, args.relay, args.main, health=health, md_move=md_move,
+                  allow_empty=args.service_discovery)  # discovery fills them
+    router = Router(pools, flow_config(args), state[2],
                     args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
                     max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
                     operator_token=read_operator_token(args.operator_token_file),
@@ -311,6 +317,11 @@ def main(argv=None) -> None:
                                                   args.max_logprob_stream_entries),
                     health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env(),
                     measure_prefill=args.p_prefill_tokens_per_s is None)
-    web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
+    app = build_app(router, args.max_body_bytes)
+    discovery = discovery_setup.build(args, router)
+    if discovery is not None:  # after the router's own start: the membership uses its session
+        app.on_startup.append(discovery.start)
+        app.on_cleanup.insert(0, discovery.close)
+    web.run_app(client_auth.install(app, args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
                 ssl_context=client_ssl)

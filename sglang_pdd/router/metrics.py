@@ -232,6 +232,14 @@ class RouterMetrics:
         self._backends = dict(inflight)
         self.registry.register(_InflightCollector(self._backends, self._index))
 
+    def track_backend(self, role: str, url: str) -> None:
+        """A backend that joined after start (service discovery) gets the next index of its role;
+        one seen before keeps its index (a label names one backend for the router's life)."""
+        index = self._index.setdefault(_label(role, BACKEND_ROLES, "backend role"), {})
+        if url not in index:
+            index[url] = str(len(index))
+            self._backend_fallbacks.labels(role, index[url])
+
     def track_health(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]]) -> None:
         """``read()``: (role, url, up, draining) per backend, at each scrape."""
         self.registry.register(_HealthCollector(read, self.index_of))

@@ -27,8 +27,9 @@ class Pools:
 
     def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
                  index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None,
-                 md_move: Optional[MdMoveCost] = None):
-        if not prefill or not relay:
+                 md_move: Optional[MdMoveCost] = None, allow_empty: bool = False):
+        # allow_empty: service discovery fills the pools once the pods are found
+        if not allow_empty and (not prefill or not relay):
             raise ValueError("the router needs at least one --prefill and one --relay server")
         self.prefill, self.relay, self.main = prefill, relay, main
         self._rr = itertools.count()
@@ -50,6 +51,24 @@ class Pools:
 
     def roles(self) -> dict[str, list[str]]:
         return {"prefill": [p.url for p in self.prefill], "relay": list(self.relay), "main": [m.url for m in self.main]}
+
+    def add(self, role: str, backend) -> None:
+        """A backend joins its role's pool (service discovery): picked from now on. ``backend``: a
+        PrefillBackend, a relay URL or a MainBackend."""
+        url = backend if role == "relay" else backend.url
+        if url in self.roles()[role]:
+            raise ValueError(f"{role} backend {url} is in the pool already")
+        {"prefill": self.prefill, "relay": self.relay, "main": self.main}[role].append(backend)
+        for counts in ((self.p_inflight, self.p_tokens) if role == "prefill" else
+                       (self.rld_inflight,) if role == "relay" else (self.md_inflight,)):
+            counts.setdefault(url, 0)
+
+    def remove(self, role: str, url: str) -> None:
+        """A backend leaves its role's pool (drained first: nothing runs on it). Its counts stay
+        (at 0): a flow that picked it just before cannot find its counter gone."""
+        pool = {"prefill": self.prefill, "relay": self.relay, "main": self.main}[role]
+        pool[:] = [b for b in pool if (b if role == "relay" else b.url) != url]
+        self.prefixes.forget(url)
 
     def inflight(self) -> dict[str, dict[str, int]]:
         """Role -> {url: requests in flight}, the live counts (not copies)."""
