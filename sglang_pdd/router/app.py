@@ -41,7 +41,7 @@ from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
 from sglang_pdd.router.serving import PddTokenizerManager, UpstreamError
 from sglang_pdd.router.shared_drain import SharedDrains
-from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_object
+from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_body
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -203,7 +203,7 @@ class Router:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: single or batch, ``n``, streaming, logprobs."""
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             scope = self._scope(request, body.pop("pdd_options", None))
             # ours first: its messages name the field; then SGLang's own contract (all types)
             check_generate_body(body, cap=self.max_new_tokens_cap, vocab_size=self.manager.vocab_size,
@@ -354,7 +354,7 @@ class Router:
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang's body: {"rid": str} or {"abort_all": true} (operator only)."""
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
             if not isinstance(rid, str) or not isinstance(abort_all, bool):
                 raise ApiError(400, "rid must be a string and abort_all a boolean")
@@ -383,7 +383,8 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 ok, error = False, f"/health failed: {e!r}"
             now = time.monotonic()
-            self.pools.health.record((role, url), BackendSucceeded(now) if ok else BackendFailed(now, error, probe=True))
+            self.pools.health.record((role, url), BackendSucceeded(now, probe=True) if ok
+                                     else BackendFailed(now, error, probe=True))
 
         await asyncio.gather(*(one(role, url) for role, urls in self.pools.roles().items() for url in urls))
 
@@ -425,7 +426,7 @@ class Router:
         if not self.is_operator(request):
             return error_reply(403, f"/pdd/backends/drain is operator-only: send {OPERATOR_HEADER}", "Forbidden")
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             url, draining = body.get("url"), body.get("draining", True)
             if not isinstance(url, str) or not isinstance(draining, bool):
                 raise ApiError(400, "the body is {\"url\": backend url, \"draining\": true|false}")

@@ -29,6 +29,7 @@ from sglang_pdd.router.metrics import RouterMetrics
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.serving import BackendsUnavailable, UpstreamError
+from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -117,7 +118,7 @@ class FlowRunner:
         except BackendsUnavailable:
             return None
         logger.warning("rid %s failed before its first token on %s; retried on other servers",
-                       failed.result.rid, sorted(bad))
+                       client_text(failed.result.rid), sorted(bad))
         return flow
 
     @contextlib.asynccontextmanager
@@ -129,7 +130,7 @@ class FlowRunner:
         try:
             yield events
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            logger.error("rid %s failed: %s", flow.result.rid, e)
+            logger.error("rid %s failed: %s", client_text(flow.result.rid), e)
             raise UpstreamError(f"the request failed on a backend: {e}") from None
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.client_disconnect()
