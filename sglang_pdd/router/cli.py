@@ -21,6 +21,7 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
+from sglang_pdd.router.overload import OverloadLimits
 from sglang_pdd.router import client_auth, control_tls, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
@@ -180,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
     hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
                     help="how long a backend stays out before it gets a trial request again")
+    ov = ap.add_argument_group("overload (router/overload.py)")
+    ov.add_argument("--max-inflight-per-relay", type=int, default=0,
+                    help="requests one relay decode server may hold (every request holds one until it ends); "
+                         "past it on the least loaded one, 503 with Retry-After at once. 0: 4x its "
+                         "--max-running-requests, read from its /v1/loads (no cap until it answers)")
+    ov.add_argument("--max-inflight-total", type=int, default=0,
+                    help="requests the router may hold in all (503 with Retry-After past it); 0: the sum of the "
+                         "relay decode servers' caps. With --workers each worker counts its own")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
     control_tls.add_args(ap)  # --control-tls-*
     return ap
@@ -280,6 +289,10 @@ def main(argv=None) -> None:
         health = HealthConfig(failure_threshold=args.breaker_failures, cooldown_s=args.breaker_cooldown_s)
     except ValueError as e:
         raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
+    try:
+        shed = OverloadLimits(per_relay=args.max_inflight_per_relay or None, total=args.max_inflight_total or None)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: --max-inflight-per-relay / --max-inflight-total: {e}") from None
     router = Router(Pools(args.prefill, args.relay, args.main, health=health), flow_config(args), state[2],
                     args.max_prompt_tokens, args.served_model_name or args.tokenizer_path, sglang_state=state,
                     max_new_tokens_cap=args.max_new_tokens_cap, max_n=args.max_n,
@@ -289,7 +302,8 @@ def main(argv=None) -> None:
                     max_flows_per_request=args.max_flows_per_request, max_grammar_bytes=args.max_grammar_bytes,
                     logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob,
                                                   args.max_logprob_stream_entries),
-                    health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env())
+                    health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env(),
+                    overload=shed)
     web.run_app(client_auth.install(build_app(router, args.max_body_bytes), args.api_key), host=args.host,
                 port=args.port, print=None, handler_cancellation=True, reuse_port=args.reuse_port or None,
                 ssl_context=client_ssl)
