@@ -150,7 +150,6 @@ def test_md_refuses_handoff_rld_continues(fault):
     r = run.flow.result
     assert run.fallbacks == ["md_failed"]
     assert r.md_tokens == 0 and r.handoff_at is None and run.flow.stitcher.handoffs_failed == 1
-    assert ("main", run.fakes.md_url) in r.failed_backends  # MD's breaker counts the missed deadline
     assert len(run.fakes.records("rld", "generate")) == 1  # no new leg: RLD was still running
 
 
