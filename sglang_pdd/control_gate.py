@@ -497,8 +497,8 @@ def parse_authority(value: Optional[str], default_port: int) -> Optional[tuple[s
 
 class ControlHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with bounded connections: at most ``max_connections`` handler
-    threads, and of the connections that have not sent a validly signed request yet, known
-    peers first (``admission``, see control_admission). A connection past either gets an
+    threads, and of the connections that have not sent a validly signed request yet,
+    allow-listed sources first (``admission``, see control_admission). A connection past either gets an
     immediate 503 and is closed (a TLS one is closed: it could not read a plain-text 503),
     instead of one more thread each.
 
