@@ -33,8 +33,8 @@ BEGIN, END = "<!-- import_map: begin (scripts/import_map.py --write) -->", "<!--
 # Lowest first. A package may import its own layer's packages and lower ones, never higher.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("foundation",
-     ("sglang_pdd", "machine", "shared_key", "control_auth", "admission", "protocol", "control_gate", "control_api", "workload"),
-     "pure and stdlib-near: the state machine kit, the shared key's bound, signed control calls, who may connect before "
+     ("sglang_pdd", "machine", "log_text", "shared_key", "control_auth", "admission", "protocol", "control_gate", "control_api", "workload"),
+     "pure and stdlib-near: the state machine kit, client strings as a log line takes them, the shared key's bound, signed control calls, who may connect before "
      "authenticating, the control protocol (routes, messages, its one error type), the gate every "
      "control server runs behind, workload traces"),
     ("mechanisms",

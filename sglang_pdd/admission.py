@@ -14,8 +14,10 @@ when it proved the key.
     servers a source becomes known by one valid call, which a relay on the path could win a
     race to send, so no single known source may hold every slot;
   * known: in the allow-list (``trusted``, from configuration), named by an authenticated
-    control call (``announce``: the router tells MD which P hosts send it KV), or
-    authenticated from that source in the last ``remember_s``.
+    control call (``announce``: the router tells MD which P hosts send it KV), or (where
+    ``known_on_authentication``: the KV acceptors, whose challenge-response handshake cannot
+    be replayed) authenticated from that source in the last ``remember_s``. The control
+    servers turn that off: a signed call can be replayed by whoever gets it there first.
 
 A flood of keyless connections from a few hosts (or many) then cannot keep a known peer out.
 """
@@ -92,6 +94,9 @@ class AdmissionLimits:
     reserved: int = 32  # of those, only for known sources
     per_known_source: Optional[int] = None  # of those, from one known source (None: no cap)
     trusted: tuple[IpNetwork, ...] = ()  # allow-list: always known
+    # A source that authenticated becomes known (for remember_s): only where authenticating
+    # proves the key live (a challenge), not where a captured message could be replayed.
+    known_on_authentication: bool = True
     remember_s: float = 24 * 3600.0  # a source that authenticated stays known this long
     max_remembered: int = 4096
     per_source_flag: str = "--pdd-kv-max-handshakes-per-source"
@@ -185,7 +190,10 @@ class AdmissionPolicy:
             del counts[ticket.source]
 
     def authenticated(self, ticket: Ticket, now: float) -> None:
-        """The source proved the key: known from now on (for ``remember_s``)."""
+        """The source proved the key: known from now on (for ``remember_s``), where the
+        limits make it so."""
+        if not self.limits.known_on_authentication:
+            return
         self._recent[ticket.source] = now
         self._recent.move_to_end(ticket.source)
         while len(self._recent) > self.limits.max_remembered:

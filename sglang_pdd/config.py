@@ -130,11 +130,11 @@ FLAGS = [
         help="CA certificate(s) (PEM) that the router's client certificate must be signed by.")),
     PddFlag("--pdd-control-trusted-sources", "pdd_control_trusted_sources",
         "prefill and main, with --pdd-control-listen", dict(default=None, metavar="ADDR[/PREFIX],...",
-        help="the router host(s) calling the control API. They take the connection slots reserved for known "
-             "peers (a quarter of the cap), with no per-source cap (an unknown source holds at most 16 "
-             "unauthenticated connections), and read bodies from the whole budget, so a flood of "
-             "connections cannot keep them out. A source that sent a validly signed request in the last "
-             "24 h is treated the same way.")),
+        help="the router host(s) calling the control API. Only they take the connection slots reserved "
+             "for the router (a quarter of the cap; one listed source at most half the cap), while any other "
+             "source holds at most 16 unauthenticated connections, and they read bodies from the whole "
+             "budget, so a flood of connections cannot keep them out. A validly signed request makes its "
+             "source nothing more (a captured one can be replayed): list the router hosts.")),
     PddFlag("--pdd-control-names", "pdd_control_names", "prefill and main, with --pdd-control-listen",
         dict(default=None, metavar="HOST[:PORT],...",
         help="further names the router's CONTROL_URL may give this control API (a DNS name, a proxy's). A "

@@ -61,8 +61,8 @@ class ApiRequestHandler(JsonRequestHandler):
 
 
 class ControlServer:
-    """``api`` on ``address`` (control_gate.ControlHTTPServer: at most ``max_connections``, known
-    peers first, i.e. ``trusted_sources`` or a source that signed a call lately;
+    """``api`` on ``address`` (control_gate.ControlHTTPServer: at most ``max_connections``,
+    ``trusted_sources`` (the router's addresses) first;
     ``max_body_bytes_in_flight`` of bodies read at once; ``names``: the hosts a signed call may
     name, None: the bound address; ``ssl_context``: HTTPS only, client certificates required)."""
 

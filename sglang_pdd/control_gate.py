@@ -7,11 +7,12 @@ control_api.ControlServer on this module's server.
 Nothing is reserved, buffered or waited on for a peer that has not proved the key:
 
   * a connection is admitted only within the server's caps (``ControlHTTPServer``): at most
-    ``max_connections`` in all, and known peers first (sglang_pdd.admission: a source that
-    is not allow-listed nor authenticated lately holds at most ``per_source`` unauthenticated
-    connections, and all such sources together leave ``reserved`` slots to the known; a
-    known source holds at most half of them; a source becomes known once a whole request
-    from it, head and body, verified);
+    ``max_connections`` in all, and allow-listed sources first (sglang_pdd.admission: a
+    source outside ``--pdd-control-trusted-sources`` holds at most ``per_source``
+    unauthenticated connections, and all such sources together leave ``reserved`` slots to
+    the allow-listed ones, each of which holds at most half of them). A valid call makes its
+    source nothing more: a captured call replayed by whoever gets it here first verifies
+    just as the router's own would;
   * its TLS handshake, then each request head (request line and headers), must arrive within
     a total deadline and a byte cap, however slowly it trickles;
   * every request passes one gate before a route runs (``parse_request``): a valid
@@ -46,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
-from sglang_pdd.admission import AdmissionLimits, AdmissionPolicy, Ticket, source_of
+from sglang_pdd.admission import AdmissionLimits, AdmissionPolicy, source_of
 from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier, SignedHead
 from sglang_pdd.protocol import ControlError, Message, RouteTable
 
@@ -190,7 +191,6 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         if not super().parse_request():
             return False
         self._replied, self._body_read, self._reserved, self.request_sig = False, True, 0, None
-        self._ticket = None
         try:
             length = self._content_length()
             cap = self.body_cap(self.command, urlsplit(self.path).path)
@@ -201,7 +201,6 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             self.body, digest = self._read_body(length)
             if head is not None:
                 self._check_body(head, digest)
-                self._proven()
         except ControlError as e:
             self.close_connection = True  # the rest of the stream is not trusted
             self._reply(e.status, e.to_json(), headers=e.headers)
@@ -312,8 +311,7 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     def _authenticate_head(self, length: int) -> Optional[SignedHead]:
         """The signed head (control_auth.verify_head) and this server's name in it; a
-        connection whose head verified no longer counts as unauthenticated (admission), but
-        its source becomes known only once the body verified too (``_proven``)."""
+        connection whose head verified no longer counts as unauthenticated (admission)."""
         if not self._needs_auth():
             return None
         host = self.headers.get("Host")
@@ -328,16 +326,9 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
             self._refused(e)
         self.request_sig = head.sig  # its reply is signed, bound to it
         head_verified = getattr(self.server, "head_verified", None)
-        self._ticket = head_verified(self.client_address) if head_verified is not None else None
+        if head_verified is not None:
+            head_verified(self.client_address)
         return head
-
-    def _proven(self) -> None:
-        """The whole request verified: its source is a known peer from now on. Not on the
-        head alone: a replayer holding a captured head (whose nonce it got in first) but not
-        the body it signed would be made known by it."""
-        ticket, self._ticket = getattr(self, "_ticket", None), None
-        if ticket is not None:
-            self.server.remember(ticket)
 
     def _check_body(self, head: SignedHead, digest: str) -> None:
         try:
@@ -472,15 +463,21 @@ _WILDCARDS = ("", "0.0.0.0", "::")
 
 def control_admission(max_connections: int, trusted=(), per_source: int = 16,
                       reserved: Optional[int] = None) -> AdmissionLimits:
-    """Known peers first on a control server (sglang_pdd.admission): of ``max_connections``,
-    an unknown source holds at most ``per_source`` unauthenticated ones, and ``reserved``
-    (default: a quarter) are left to known peers, i.e. ``trusted`` (the router's addresses,
-    ``--pdd-control-trusted-sources``) or a source that sent a validly signed request lately;
-    one known source holds at most half of them (a source a replay made known cannot take
-    them all from the router)."""
+    """Allow-listed sources first on a control server (sglang_pdd.admission): of
+    ``max_connections``, a source outside ``trusted`` (the router's addresses,
+    ``--pdd-control-trusted-sources``) holds at most ``per_source`` unauthenticated ones, and
+    ``reserved`` (default: a quarter) are left to the allow-listed; one allow-listed source
+    holds at most half of them (a flood from behind the router's own address).
+
+    A valid signed call makes its source nothing more (``known_on_authentication=False``):
+    unlike the KV handshake's challenge, a signed call can be replayed, and a relay on the
+    path that sends a captured call before the router's own copy verifies as the router
+    would. Only the allow-list takes the reserved slots, so no number of such addresses,
+    with any flood beside them, can keep the router out."""
     reserved = max_connections // 4 if reserved is None else reserved
     return AdmissionLimits(max_handshaking=max_connections, per_source=min(per_source, max_connections),
                            reserved=reserved, per_known_source=max(1, max_connections // 2), trusted=tuple(trusted),
+                           known_on_authentication=False,
                            per_source_flag="the control server's per-source cap",
                            trusted_flag="--pdd-control-trusted-sources", what="unauthenticated connections")
 
@@ -515,8 +512,8 @@ def name_authority(name: str, port: int) -> Optional[tuple[str, int]]:
 
 class ControlHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with bounded connections: at most ``max_connections`` handler
-    threads, and of the connections that have not sent a validly signed request yet, known
-    peers first (``admission``, see control_admission). A connection past either gets an
+    threads, and of the connections that have not sent a validly signed request yet,
+    allow-listed sources first (``admission``, see control_admission). A connection past either gets an
     immediate 503 and is closed (a TLS one is closed: it could not read a plain-text 503),
     instead of one more thread each.
 
@@ -598,19 +595,13 @@ class ControlHTTPServer(ThreadingHTTPServer):
         addr = source.network_address if isinstance(source, ipaddress.IPv6Network) else source
         return source, not any(addr.version == net.version and addr in net for net in trusted)
 
-    def head_verified(self, client_address) -> Optional[Ticket]:
+    def head_verified(self, client_address) -> None:
         """The connection sent a validly signed request head: it no longer counts as
-        unauthenticated. Its ticket, for ``remember`` once the body verified too."""
+        unauthenticated (its source stays what it was: see control_admission)."""
         with self._lock:
             ticket = self._tickets.pop(client_address, None)
             if ticket is not None:
                 self.policy.release(ticket)
-            return ticket
-
-    def remember(self, ticket: Ticket) -> None:
-        """A whole request (head and body) verified: its source is known from now on."""
-        with self._lock:
-            self.policy.authenticated(ticket, time.monotonic())
 
     def process_request(self, request, client_address):
         why = None

@@ -82,8 +82,9 @@ class StatusDoc:
 # What a client of the router may get instead of a complete output, and when. Anything else
 # (a stream cut short, a timeout, another status) is a failed check.
 STATUSES: dict[str, StatusDoc] = {
-    "503": StatusDoc("no P or no RLD could be picked (each killed, failing or draining): nothing was started; "
-                     "retry after Retry-After seconds", (FaultKind.KILL_P, FaultKind.KILL_RLD), retry_after=True),
+    "503": StatusDoc("no P or no RLD could be picked (each killed, failing or draining), or the router held its "
+                     "cap of requests (message 'overloaded', at any time): nothing was started; retry after "
+                     "Retry-After seconds", (FaultKind.KILL_P, FaultKind.KILL_RLD), retry_after=True),
     "502": StatusDoc("the P or RLD running the request died before the client got a token, and the router's "
                      "one retry on other servers found none or failed too",
                      (FaultKind.KILL_P, FaultKind.KILL_RLD)),
@@ -91,6 +92,9 @@ STATUSES: dict[str, StatusDoc] = {
                             "nothing else held the request's state: an error event with code 502, then [DONE]",
                             (FaultKind.KILL_P, FaultKind.KILL_RLD)),
 }
+# The router's 503 when it holds its cap of requests (router/overload.py): shed at once, with
+# Retry-After, whatever fault is on or none.
+OVERLOADED = "overloaded"
 # A fault explains a failure of a request that was in flight from when it fired until this
 # long after it recovered (a recovered server is pickable again; the router has noticed it).
 FAULT_GRACE_S = 3.0
@@ -138,6 +142,8 @@ def explained(record: RequestRecord, fired: Iterable[FiredFault]) -> bool:
     doc = STATUSES.get(record.status)
     if doc is None or (doc.retry_after and not record.retry_after):
         return False
+    if record.status == "503" and OVERLOADED in record.message:
+        return True  # load shed at once (router/overload.py): documented with or without a fault
     return any(f.kind in doc.during and record.sent_s <= f.recovered_s + FAULT_GRACE_S
                and record.ended_s >= f.started_s for f in fired)
 

@@ -175,7 +175,8 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
     # and MD's also when a room command comes or while KV lands (sglang_glue/idle_wake.py).
     argv += ["--sleep-on-idle"]
     if spec.role in ("prefill", "main") and spec.control_port:
-        argv += ["--pdd-control-listen", f"{spec.host}:{spec.control_port}"]
+        # The router (on loopback here) is allow-listed: the only way to the reserved slots.
+        argv += ["--pdd-control-listen", f"{spec.host}:{spec.control_port}", "--pdd-control-trusted-sources", LOOPBACK]
         if spec.control_tls:
             argv += spec.control_tls.server_flags()
     if spec.role == "prefill" and spec.wan_peers:

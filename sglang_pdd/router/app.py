@@ -27,6 +27,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router import client_auth, kv_senders, loads, shared_drain
+from sglang_pdd.router.overload import OverloadLimits, running_slots_of
 from sglang_pdd.router.backends import BackendError, MainControl, error_text, read_bounded
 from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
 from sglang_pdd.router.flow import FlowConfig, MainBackend
@@ -41,7 +42,7 @@ from sglang_pdd.router.scope import RequestScope
 from sglang_pdd.router.scope import current_scope as _scope
 from sglang_pdd.router.serving import PddTokenizerManager, UpstreamError
 from sglang_pdd.router.shared_drain import SharedDrains
-from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_object
+from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_body
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -104,6 +105,24 @@ async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBack
         await asyncio.sleep(interval_s)
 
 
+async def learn_relay_slots(session: aiohttp.ClientSession, slots: dict, interval_s: float = 2.0,
+                            refresh_s: float = 30.0) -> None:
+    """Each RLD's running slots (its --max-running-requests) from its /v1/loads, into ``slots``
+    (url -> slots): the default overload caps (router/overload.py). Asked every ``interval_s``
+    until each has answered, then every ``refresh_s`` (a restarted RLD may run another size)."""
+    while True:
+        for url in list(slots):
+            try:
+                async with session.get(f"{url}/v1/loads?include=core", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    reply = await resp.json(content_type=None) if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                reply = None
+            known = running_slots_of(reply) if reply is not None else None
+            if known is not None:
+                slots[url] = known
+        await asyncio.sleep(refresh_s if all(v is not None for v in slots.values()) else interval_s)
+
+
 class Router:
     def __init__(self, pools: Pools, flow_cfg: FlowConfig, tokenizer, max_prompt_tokens: int,
                  served_model: str, *, sglang_state=None, max_new_tokens_cap: int = 32768, max_n: int = 16,
@@ -111,7 +130,8 @@ class Router:
                  report_cached_tokens: bool = False, max_prompt_chars: Optional[int] = None,
                  max_flows_per_request: int = 64, max_grammar_bytes: int = 16384,
                  logprob_limits: LogprobLimits = LogprobLimits(), health_check_interval_s: float = 10.0,
-                 shared_drains: Optional[SharedDrains] = None, measure_prefill: bool = True):
+                 shared_drains: Optional[SharedDrains] = None, measure_prefill: bool = True,
+                 overload: OverloadLimits = OverloadLimits()):
         self.pools, self.flow_cfg, self.tokenizer = pools, flow_cfg, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.served_model = served_model
@@ -119,7 +139,7 @@ class Router:
         self.operator_token = operator_token
         self.every_client_is_operator = every_client_is_operator
         self.metrics = RouterMetrics()
-        self.flows = FlowRunner(pools, flow_cfg, self.metrics)
+        self.flows = FlowRunner(pools, flow_cfg, self.metrics, overload)
         self.metrics.track_backends(pools.inflight())
         self.metrics.track_health(self._health_rows)
         self.metrics.track_failures(self._failure_rows)
@@ -129,6 +149,7 @@ class Router:
         self._speeds: Optional[asyncio.Task] = None  # loads.measure_forever, from start() on
         # P's speed from its /v1/loads, unless the operator fixed it (--p-prefill-tokens-per-s)
         self.measure_prefill = measure_prefill
+        self._relay_slots: Optional[asyncio.Task] = None  # learn_relay_slots, from start() on
         self._kv_senders: Optional[asyncio.Task] = None  # kv_senders.announce_forever, from start() on
         # --workers: operator drains shared with the other workers (shared_drain.py)
         self.shared_drains = shared_drains
@@ -154,6 +175,7 @@ class Router:
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
         self._speeds = asyncio.ensure_future(loads.measure_forever(
             self.session, self.pools.prefill, self.pools.main, self.pools.md_flow_step_s, self.measure_prefill))
+        self._relay_slots = asyncio.ensure_future(learn_relay_slots(self.session, self.flows.relay_slots))
         if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
             self._kv_senders = asyncio.ensure_future(
                 kv_senders.announce_forever(self.session, self.pools.main, self.pools.prefill))
@@ -163,7 +185,8 @@ class Router:
             self._drain_sync = asyncio.ensure_future(self._sync_drains_forever())
 
     async def close(self, app):
-        for task in (self._md_sizes, self._speeds, self._kv_senders, self._probes, self._drain_sync):
+        for task in (self._md_sizes, self._speeds, self._relay_slots, self._kv_senders, self._probes,
+                     self._drain_sync):
             if task is not None:
                 task.cancel()
         await self.session.close()
@@ -208,7 +231,7 @@ class Router:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native /generate: single or batch, ``n``, streaming, logprobs."""
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             scope = self._scope(request, body.pop("pdd_options", None))
             # ours first: its messages name the field; then SGLang's own contract (all types)
             check_generate_body(body, cap=self.max_new_tokens_cap, vocab_size=self.manager.vocab_size,
@@ -359,7 +382,7 @@ class Router:
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang's body: {"rid": str} or {"abort_all": true} (operator only)."""
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
             if not isinstance(rid, str) or not isinstance(abort_all, bool):
                 raise ApiError(400, "rid must be a string and abort_all a boolean")
@@ -388,7 +411,8 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 ok, error = False, f"/health failed: {e!r}"
             now = time.monotonic()
-            self.pools.health.record((role, url), BackendSucceeded(now) if ok else BackendFailed(now, error, probe=True))
+            self.pools.health.record((role, url), BackendSucceeded(now, probe=True) if ok
+                                     else BackendFailed(now, error, probe=True))
 
         await asyncio.gather(*(one(role, url) for role, urls in self.pools.roles().items() for url in urls))
 
@@ -430,7 +454,7 @@ class Router:
         if not self.is_operator(request):
             return error_reply(403, f"/pdd/backends/drain is operator-only: send {OPERATOR_HEADER}", "Forbidden")
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             url, draining = body.get("url"), body.get("draining", True)
             if not isinstance(url, str) or not isinstance(draining, bool):
                 raise ApiError(400, "the body is {\"url\": backend url, \"draining\": true|false}")

@@ -88,13 +88,19 @@ class BadSignature(UnverifiedReply):
     answer, which counts as the server failing (router/health.py), as a dropped connection does."""
 
 
+class StreamStalled(asyncio.TimeoutError):
+    """A stream the server took that brought no new token within its bound (until_stalled):
+    the server's path failing the request (a stopped server, or a relay holding the stream),
+    not a deadline the client chose."""
+
+
 def server_at_fault(error: BaseException) -> bool:
     """Whether a leg's failure is the server's own (its breaker counts it): it refused or
-    dropped the connection, cut its reply short, answered 5xx (but 503: busy, not broken), or
-    sent what the router refuses to take: a reply or event whose signature does not verify, or
-    one over the bound the request allows."""
+    dropped the connection, cut its reply short, answered 5xx (but 503: busy, not broken),
+    stalled a stream it took (StreamStalled), or sent what the router refuses to take: a reply
+    or event whose signature does not verify, or one over the bound the request allows."""
     status = getattr(error, "status", None)
-    if isinstance(error, (BadSignature, ReplyTooLarge)):
+    if isinstance(error, (BadSignature, ReplyTooLarge, StreamStalled)):
         return True
     return isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)) or \
         (status is not None and status >= 500 and status != 503)
@@ -272,7 +278,7 @@ def new_output(event: dict, produced: int) -> Optional[int]:
 
 async def until_stalled(events: AsyncIterator[dict], stall_s: Optional[float], what: str,
                         first_s: Optional[float] = None, first_past: int = 0) -> AsyncIterator[dict]:
-    """``events`` as they come, or TimeoutError once ``stall_s`` of waiting for them passed
+    """``events`` as they come, or StreamStalled once ``stall_s`` of waiting for them passed
     without one carrying a new token: progress is a token, not a byte (a stream kept alive by
     bytes alone is stalled). Time the consumer spends between events does not count.
     ``first_s``: until an event carries more than ``first_past`` output ids (MD's first own
@@ -294,9 +300,9 @@ async def until_stalled(events: AsyncIterator[dict], stall_s: Optional[float], w
                 return
             except asyncio.TimeoutError:
                 if first:
-                    raise asyncio.TimeoutError(f"{what}: no first token past the {first_past} handed over "
-                                               f"within {first_s:g} s") from None
-                raise asyncio.TimeoutError(f"{what}: no new token within {stall_s:g} s") from None
+                    raise StreamStalled(f"{what}: no first token past the {first_past} handed over "
+                                        f"within {first_s:g} s") from None
+                raise StreamStalled(f"{what}: no new token within {stall_s:g} s") from None
             grown = new_output(event, produced)
             if grown is None or (first and grown <= first_past):
                 waited += loop.time() - started

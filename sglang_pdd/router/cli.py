@@ -21,6 +21,7 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
+from sglang_pdd.router.overload import OverloadLimits
 from sglang_pdd.router import client_auth, control_tls, discovery_setup, shared_drain
 from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
 from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
@@ -196,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
     hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
                     help="how long a backend stays out before it gets a trial request again")
+    ov = ap.add_argument_group("overload (router/overload.py)")
+    ov.add_argument("--max-inflight-per-relay", type=int, default=0,
+                    help="requests one relay decode server may hold (every request holds one until it ends); "
+                         "past it on the least loaded one, 503 with Retry-After at once. 0: 4x its "
+                         "--max-running-requests, read from its /v1/loads (no cap until it answers)")
+    ov.add_argument("--max-inflight-total", type=int, default=0,
+                    help="requests the router may hold in all (503 with Retry-After past it); 0: the sum of the "
+                         "relay decode servers' caps. With --workers each worker counts its own")
     client_auth.add_args(ap)  # --api-key, --ssl-*, --backend-api-key, --backend-ca-file
     control_tls.add_args(ap)  # --control-tls-*
     discovery_setup.add_args(ap)  # --service-discovery, --*-selector, --main-discovery-*
@@ -304,6 +313,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
     md_move = MdMoveCost(kv_bytes_per_token=args.kv_bytes_per_token, wan_bytes_per_s=args.wan_gbps * 1e9 / 8,
                          flow_step_s=args.md_flow_step_ms / 1e3)
+    try:
+        shed = OverloadLimits(per_relay=args.max_inflight_per_relay or None, total=args.max_inflight_total or None)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: --max-inflight-per-relay / --max-inflight-total: {e}") from None
     pools = Pools(args.prefill, args.relay, args.main, health=health, md_move=md_move,
                   allow_empty=args.service_discovery)  # discovery fills them
     router = Router(pools, flow_config(args), state[2],
@@ -316,7 +329,7 @@ def main(argv=None) -> None:
                     logprob_limits=LogprobLimits(args.max_top_logprobs_num, args.max_token_ids_logprob,
                                                   args.max_logprob_stream_entries),
                     health_check_interval_s=args.health_check_interval_s, shared_drains=shared_drain.from_env(),
-                    measure_prefill=args.p_prefill_tokens_per_s is None)
+                    measure_prefill=args.p_prefill_tokens_per_s is None, overload=shed)
     app = build_app(router, args.max_body_bytes)
     discovery = discovery_setup.build(args, router)
     if discovery is not None:  # after the router's own start: the membership uses its session

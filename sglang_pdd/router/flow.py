@@ -87,6 +87,7 @@ from sglang_pdd.router.md_side import MdSide, new_room
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.reply_limits import max_event_bytes
 from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -368,7 +369,8 @@ class PddFlow:
                 async with asyncio.timeout(deadline - time.perf_counter()):
                     event, payload = await self.queue.get()
             except asyncio.TimeoutError:
-                logger.error("rid %s: not finished within --request-timeout-s; %s", self.result.rid, self.stuck_report())
+                logger.error("rid %s: not finished within --request-timeout-s; %s", client_text(self.result.rid),
+                             self.stuck_report())
                 event, payload = lifecycle.Timeout(
                     f"request not finished within {self.cfg.request_timeout_s:.0f}s "
                     f"(--request-timeout-s); every leg is aborted"), None
@@ -469,7 +471,7 @@ class PddFlow:
 
     def _record_fallback(self, action: lifecycle.RecordFallback, payload) -> None:
         self.result.fallbacks.append(action.fallback)
-        logger.warning("rid %s: %s", self.result.rid, action.fallback)
+        logger.warning("rid %s: %s", client_text(self.result.rid), action.fallback)
 
     def _abort_legs(self, action: lifecycle.AbortLegs, payload) -> None:
         for rid, url in list(self.live_rids.items()):
@@ -665,7 +667,7 @@ class PddFlow:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the watchdog's whole point
-                logger.exception("rid %s: a leg task failed unexpectedly", self.result.rid)
+                logger.exception("rid %s: a leg task failed unexpectedly", client_text(self.result.rid))
                 await self.queue.put((failed(f"{type(e).__name__}: {e}"), None))
 
         self._spawn(watched())
@@ -696,7 +698,7 @@ class PddFlow:
         if pending:  # no task outlives the request
             _, stuck = await asyncio.wait(pending, timeout=CANCELLED_TASKS_GRACE_S)
             if stuck:  # a bug: the request still ends, and the log says where the tasks wait
-                logger.error("rid %s: %d task(s) still running %.0f s after their cancel; %s", self.result.rid,
+                logger.error("rid %s: %d task(s) still running %.0f s after their cancel; %s", client_text(self.result.rid),
                              len(stuck), CANCELLED_TASKS_GRACE_S, self.stuck_report())
 
     def _release_all(self, action: lifecycle.ReleaseAll, payload) -> None:

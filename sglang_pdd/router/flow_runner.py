@@ -29,6 +29,9 @@ from sglang_pdd.router.metrics import RouterMetrics
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.pools import NoBackend, Pools
 from sglang_pdd.router.serving import BackendsUnavailable, UpstreamError
+from sglang_pdd.router import overload
+from sglang_pdd.router.overload import OverloadLimits
+from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -55,9 +58,12 @@ class PrefillLoad:
 class FlowRunner:
     """``session``: the router's client session to its backends (set when the router starts)."""
 
-    def __init__(self, pools: Pools, flow_cfg: FlowConfig, metrics: RouterMetrics):
+    def __init__(self, pools: Pools, flow_cfg: FlowConfig, metrics: RouterMetrics,
+                 overload: OverloadLimits = OverloadLimits()):
         self.pools, self.flow_cfg, self.metrics = pools, flow_cfg, metrics
         self.session: Optional[aiohttp.ClientSession] = None
+        self.overload = overload
+        self.relay_slots: dict[str, Optional[int]] = {url: None for url in pools.relay}  # from their /v1/loads
 
     def open(self, req: FlowRequest, exclude: frozenset = frozenset(), with_main: bool = True,
              retry_of: Optional[PddFlow] = None) -> PddFlow:
@@ -82,6 +88,10 @@ class FlowRunner:
             prefill, relay, main = self.pools.pick(req.input_ids, exclude=exclude, max_new_tokens=req.max_new_tokens)
         except NoBackend as e:
             raise BackendsUnavailable(str(e)) from None
+        why = overload.refusal(self.overload, relay, self.pools.rld_inflight, self.relay_slots)
+        if why is not None:  # at once, nothing started: the client retries, the cluster drains
+            self.metrics.overload_refused()
+            raise BackendsUnavailable(why, self.overload.retry_after_s)
         if not with_main:
             main = None
         if prefill.prefill_tokens_per_s and prefill.prefill_tokens_per_s != cfg.path.p_prefill_tokens_per_s:
@@ -119,7 +129,7 @@ class FlowRunner:
         except BackendsUnavailable:
             return None
         logger.warning("rid %s failed before its first token on %s; retried on other servers",
-                       failed.result.rid, sorted(bad))
+                       client_text(failed.result.rid), sorted(bad))
         return flow
 
     @contextlib.asynccontextmanager
@@ -131,7 +141,7 @@ class FlowRunner:
         try:
             yield events
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            logger.error("rid %s failed: %s", flow.result.rid, e)
+            logger.error("rid %s failed: %s", client_text(flow.result.rid), e)
             raise UpstreamError(f"the request failed on a backend: {e}") from None
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.client_disconnect()

@@ -9,8 +9,13 @@ over a broken link between them), one state machine:
     HALF_OPEN ──a success (request or /health probe)──▶ CLOSED
     HALF_OPEN ──a failure──▶ OPEN (cooldown again)
 
+A passing /health probe proves less than failing requests: within ``failure_window_s`` of a
+request that failed on the server, a probe's success neither resets the failures counted nor
+closes the breaker (a relay that stalls MD's streams while MD's /health answers would
+otherwise keep the breaker closed forever); a request that completes on it does.
+
 A failure is a leg that broke on the backend (connection refused or reset, 5xx, a stream cut
-short) or a failed /health probe; a client that went away, a timeout the client chose and a
+short, a stream it took that stalled or missed its first-token deadline) or a failed /health probe; a client that went away, a timeout the client chose and a
 request refused as bad input count as neither. A failed probe of a server never seen up since
 the router started does not count: a router started beside its backends would otherwise
 open their breakers while they load their weights (requests that fail on it still count). Draining is the operator's, not the
@@ -22,7 +27,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Optional
 
 from sglang_pdd.machine import IllegalTransition, table_machine
 
@@ -37,10 +42,11 @@ class BreakerPhase(str, enum.Enum):
 class HealthConfig:
     failure_threshold: int = 3  # consecutive failures that open the breaker
     cooldown_s: float = 10.0  # how long an open breaker keeps the server out
+    failure_window_s: float = 60.0  # a request's failure outweighs /health successes this long
 
     def __post_init__(self):
-        if self.failure_threshold < 1 or not self.cooldown_s >= 0:
-            raise ValueError("failure_threshold must be >= 1 and cooldown_s >= 0")
+        if self.failure_threshold < 1 or not self.cooldown_s >= 0 or not self.failure_window_s >= 0:
+            raise ValueError("failure_threshold must be >= 1, cooldown_s and failure_window_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class BreakerState:
     draining: bool = False
     last_error: str = ""
     seen_up: bool = False  # a success (request or probe) since the router started
+    request_failed_at: Optional[float] = None  # the last request's failure that counted
 
 
 # ---------------------------------------------------------------------------------- events
@@ -64,6 +71,7 @@ class BackendFailed:
 @dataclass(frozen=True)
 class BackendSucceeded:
     now: float
+    probe: bool = False  # a passing /health probe (not a request that completed)
 
 
 @dataclass(frozen=True)
@@ -97,13 +105,19 @@ def _drain(state: BreakerState, event: Drain, cfg: HealthConfig) -> Result:
 
 
 def _succeeded(state: BreakerState, event: BackendSucceeded, cfg: HealthConfig) -> Result:
-    return replace(settle(state, event.now, cfg), breaker=BreakerPhase.CLOSED, failures=0, seen_up=True), []
+    state = settle(state, event.now, cfg)
+    if event.probe and state.request_failed_at is not None \
+            and event.now - state.request_failed_at < cfg.failure_window_s:
+        return replace(state, seen_up=True), []  # requests failed on it lately: they decide
+    return replace(state, breaker=BreakerPhase.CLOSED, failures=0, seen_up=True, request_failed_at=None), []
 
 
 def _failed(state: BreakerState, event: BackendFailed, cfg: HealthConfig) -> Result:
     state = settle(state, event.now, cfg)
     if not counts(state, event):
         return replace(state, last_error=event.error), []
+    if not event.probe:
+        state = replace(state, request_failed_at=event.now)
     if state.breaker is BreakerPhase.OPEN:  # already out: a further failure does not extend the cooldown
         return replace(state, last_error=event.error or state.last_error), []
     failures = state.failures + 1

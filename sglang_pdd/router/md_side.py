@@ -43,6 +43,7 @@ from sglang_pdd.router.bodies import handoff_body, late_destination_params, wan_
 from sglang_pdd.router.fallback import Fallback, Reason
 from sglang_pdd.router.reply_limits import max_event_bytes
 from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -101,7 +102,7 @@ class MdSide:
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
             self._registration_failed(self.room, reg, e)
             self.result.fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, str(e)))
-            logger.warning("rid %s: MD unavailable (%r); serving on RLD only", self.result.rid, e)
+            logger.warning("rid %s: MD unavailable (%r); serving on RLD only", client_text(self.result.rid), e)
             return None
         return reg
 
@@ -159,7 +160,7 @@ class MdSide:
             return
         if cached != self.result.md_cached_estimate:
             logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
-                        self.result.rid, cached, self.result.md_cached_estimate, self.result.path)
+                        client_text(self.result.rid), cached, self.result.md_cached_estimate, self.result.path)
         try:
             await self.p_control.set_wan_destination(p_room, room, self.wan_peer, cached, md_tp=self.md_tp)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:

@@ -112,6 +112,8 @@ class RouterMetrics:
         self._md_out = counter("pdd:md_output_tokens", "Output tokens decoded on Main Decode.")
         self._outliers = counter("pdd:outliers", "Requests the outlier filter kept on RLD.")
         self._disconnects = counter("pdd:client_disconnects", "Clients gone before the response ended.")
+        self._overload_refused = counter("pdd:overload_refused",
+                                         "Requests refused at once (503) because the router held its cap of them.")
         self._transfer_failed = counter(
             "pdd:num_transfer_failed_reqs",
             "Requests whose KV transfer failed (as SGLang's num_transfer_failed_reqs).")
@@ -289,6 +291,9 @@ class RouterMetrics:
 
     def client_disconnect(self) -> None:
         self._disconnects.inc()
+
+    def overload_refused(self) -> None:
+        self._overload_refused.inc()
 
     # ---- reading ---------------------------------------------------------------------
 

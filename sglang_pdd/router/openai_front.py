@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from sglang_pdd.router.scope import current_scope
 from sglang_pdd.router.serving import INLINE_TEXT_CHARS, UpstreamError
-from sglang_pdd.router.validate import (ApiError, check_openai_body, check_prompt_chars, check_token_ids,
-                                        parse_json_object, text_chars)
+from sglang_pdd.router.validate import (ApiError, check_detokenize_ids, check_detokenize_size, check_openai_body,
+                                        check_prompt_chars, check_token_ids, parse_json_body, text_chars)
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -163,7 +163,7 @@ class OpenAIFront:
         from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
         try:
-            body = parse_json_object(await request.read())
+            body = await parse_json_body(await request.read())
             scope = scope_of(request, body.pop("pdd_options", None))
             check_openai_body(body, cap=self.manager.max_new_tokens_cap, max_n=self.max_n,
                               max_prompt_chars=self.manager.max_prompt_chars)
@@ -196,13 +196,18 @@ class OpenAIFront:
         vocabulary (one server answers that with a 500) are 400s; long work runs off the loop."""
         from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 
-        try:
-            body = parse_json_object(await request.read())
+        def validated(body: dict):
             try:
                 parsed = (TokenizeRequest if kind == "tokenize" else DetokenizeRequest).model_validate(body)
             except ValidationError as e:
                 raise ApiError(400, _pydantic_message(e)) from None
-            work = self._check_tokenize(parsed) if kind == "tokenize" else self._check_detokenize(parsed)
+            return parsed, self._check_tokenize(parsed) if kind == "tokenize" else self._check_detokenize(parsed)
+
+        try:
+            raw = await request.read()
+            if kind == "detokenize":
+                check_detokenize_size(raw, *self._detokenize_caps(), self.manager.max_flows_per_request)
+            parsed, work = await parse_json_body(raw, validated)
         except ApiError as e:
             return _error(e.status, e.message)
         serving = self.tokenizing if kind == "tokenize" else self.detokenizing
@@ -237,13 +242,22 @@ class OpenAIFront:
             raise ApiError(400, f"the request has {n} {what}, more than this router's cap {cap} "
                                 f"(--max-flows-per-request)")
 
+    def _detokenize_caps(self) -> tuple[int, int]:
+        """(ids per row, ids in all) /v1/detokenize takes: a row at most the longest sequence
+        this router serves (a prompt and its output), all rows at most two such."""
+        per_row = self.manager.max_prompt_tokens + self.manager.max_new_tokens_cap
+        return per_row, 2 * per_row
+
     def _check_detokenize(self, parsed) -> int:
-        """Token ids to decode, each in the vocabulary; a list of lists holds at most
-        --max-flows-per-request rows."""
+        """Token ids to decode, each in the vocabulary, within _detokenize_caps; a list of
+        lists holds at most --max-flows-per-request rows."""
         vocab = self.manager.vocab_size
         tokens = parsed.tokens
-        if tokens and isinstance(tokens[0], list):
+        rows = tokens if tokens and isinstance(tokens[0], list) else [tokens]
+        if rows is tokens:
             self._check_list_len(len(tokens), "rows of tokens")
+        check_detokenize_ids(rows, *self._detokenize_caps())
+        if rows is tokens:
             for i, row in enumerate(tokens):
                 check_token_ids(row, f"tokens[{i}]", vocab, allow_empty=True)
             return sum(len(row) for row in tokens)

@@ -90,6 +90,48 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
+# A body larger than this is parsed (and checked) on a worker thread, not on the event loop
+# that serves every other request. json's C parser holds the GIL while it runs, so what keeps
+# the loop responsive is a body bounded before it is parsed (--max-body-bytes; a count of
+# JSON values, as detokenize_ids_bound does), not the thread alone.
+INLINE_PARSE_BYTES = 1 << 20
+
+
+async def parse_json_body(raw: bytes, then=None):
+    """``parse_json_object(raw)``, and ``then(body)`` on it if given (its result returned),
+    inline for a small body, on a worker thread for one over INLINE_PARSE_BYTES."""
+    def parse():
+        body = parse_json_object(raw)
+        return then(body) if then is not None else body
+
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return parse()
+    import asyncio
+
+    return await asyncio.to_thread(parse)
+
+
+def check_detokenize_size(raw: bytes, max_row_ids: int, max_total_ids: int, max_rows: int) -> None:
+    """Refuse (400) a /v1/detokenize body that cannot hold at most ``max_total_ids`` token ids
+    before parsing it: every id but a row's last is followed by a comma, so a body with more
+    commas than ids and rows allow holds too many (1.9 M ids took 2.6 s of the router's loop)."""
+    if raw.count(b",") > max_total_ids + max_rows:
+        raise ApiError(400, f"too many token ids: at most {max_total_ids} in all, {max_row_ids} per row")
+
+
+def check_detokenize_ids(rows: list, max_row_ids: int, max_total_ids: int) -> None:
+    """Each row within ``max_row_ids`` ids, all rows within ``max_total_ids`` (400 naming which)."""
+    total = 0
+    for i, row in enumerate(rows):
+        n = len(row) if isinstance(row, list) else 0
+        if n > max_row_ids:
+            raise ApiError(400, f"tokens[{i}] has {n} ids, more than {max_row_ids} (the longest sequence this "
+                                f"router serves: --max-prompt-tokens plus its max new tokens)")
+        total += n
+    if total > max_total_ids:
+        raise ApiError(400, f"the request has {total} token ids, more than {max_total_ids} in all")
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

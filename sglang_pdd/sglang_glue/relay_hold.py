@@ -45,11 +45,16 @@ class RelayHold:
         return cls(path)
 
     def armed_at(self) -> Optional[int]:
-        try:
-            with open(self.path) as f:
-                text = f.read().strip()
+        try:  # never through a symlink: the hold reads and writes only files of its own directory
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            logger.error("relay hold: %s is not a plain file (%s); disarmed", self.path, e)
+            os.remove(self.path)
+            return None
+        with os.fdopen(fd) as f:
+            text = f.read(64).strip()
         try:
             return int(text)
         except ValueError:
@@ -71,8 +76,14 @@ class RelayHold:
         scheduler._engine_paused = True  # as Scheduler.pause_generation(mode="in_place")
         if scheduler._pause_started_at is None:
             scheduler._pause_started_at = time.monotonic()
-        with open(self.path + HELD_SUFFIX + ".tmp", "w") as f:
+        os.remove(self.path)  # fires once per arming, whatever follows
+        tmp = self.path + HELD_SUFFIX + ".tmp"
+        try:  # a file this call creates, never one planted there (a symlink is not followed)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            logger.error("relay hold: paused, but %s is already there (%s): not written", tmp, e)
+            return
+        with os.fdopen(fd, "w") as f:
             f.write(str(length))
-        os.replace(self.path + HELD_SUFFIX + ".tmp", self.path + HELD_SUFFIX)  # a reader sees it whole
-        os.remove(self.path)
+        os.replace(tmp, self.path + HELD_SUFFIX)  # a reader sees it whole; replaces a link, never its target
         logger.warning("relay hold: paused with a request at %d output tokens (armed at %d)", length, at)

@@ -207,6 +207,7 @@ class Knobs:
     # RLD
     rld_token_delay_s: float = 0.005
     rld_before_token: Hook = None  # async fn(leg, index_in_leg) awaited before each token
+    rld_max_running: Optional[int] = None  # RLD answers GET /v1/loads with it (None: 404, as an old server)
     rld_fail_after: dict = field(default_factory=dict)  # leg -> drop the connection after N tokens
     rld_abort_lag_tokens: int = 0  # tokens still sent after an abort (late tokens)
     rld_prefill_wait_s: float = 5.0  # RLD waits this long for P's prefill of its room
@@ -425,6 +426,14 @@ class Fakes:
     def _rld_app(self) -> web.Application:
         app = web.Application()
         self._add_health(app, "rld")
+
+        async def loads(request: web.Request) -> web.Response:
+            if self.knobs.rld_max_running is None:
+                return web.Response(status=404)
+            return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.rld_active,
+                                                 "max_running_requests": self.knobs.rld_max_running}]})
+
+        app.router.add_get("/v1/loads", loads)
 
         async def generate(request: web.Request) -> web.StreamResponse:
             body = await request.json()

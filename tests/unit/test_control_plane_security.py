@@ -20,7 +20,7 @@ import torch
 from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exchange_raw
 from tests.support.waiting import wait_until
 
-from sglang_pdd.admission import source_of
+from sglang_pdd.admission import AdmissionPolicy, source_of
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json, get_json
@@ -762,17 +762,12 @@ def test_a_trickling_flood_from_one_host_leaves_signed_calls_served():
         server.close()
 
 
-@pytest.mark.parametrize("router_known_by", ["allow-list", "a signed call before"])
-def test_a_flood_from_many_hosts_leaves_the_reserved_slots_to_the_router(router_known_by):
+def test_a_flood_from_many_hosts_leaves_the_reserved_slots_to_the_router():
     """Six attacker hosts fill the 48 slots unknown sources may hold (64 - 16 reserved); a new
-    unknown host is refused, and the router (allow-listed, or known since it sent a validly
-    signed call) still gets every call served."""
-    trusted = "127.0.0.1" if router_known_by == "allow-list" else ()
-    server = MdControl(max_connections=64, trusted_sources=trusted)
+    unknown host is refused, and the allow-listed router still gets every call served."""
+    server = MdControl(max_connections=64, trusted_sources="127.0.0.1")
     flood = None
     try:
-        if router_known_by == "a signed call before":
-            assert _signed_calls(server.url, 1) == [200]
         flood = Trickle(server.url, 96, [f"127.0.0.{i}" for i in range(2, 8)])
         httpd = server.server.httpd
         assert wait_until(lambda: httpd.stats()["handshaking_unknown"] == 48 and httpd.stats()["refused_unknown"] > 0)
@@ -786,10 +781,9 @@ def test_a_flood_from_many_hosts_leaves_the_reserved_slots_to_the_router(router_
 
 
 def test_a_replay_does_not_make_its_source_a_known_peer():
-    """Only a request whose head and body both verify makes its source known: a captured
-    call replayed (its nonce used) or its signed head sent with another body (a replayer
-    without the body, or one that altered it) is refused, and its source stays unknown, so
-    it keeps the per-source cap of unknown sources (it used to become known on the head)."""
+    """A captured call replayed (its nonce used), its signed head sent with another body, or
+    the captured call sent *before* the router's own copy (its nonce still new: it verifies
+    and is served) all leave the sender's source unknown: only the allow-list is known."""
     server = MdControl(max_connections=64, trusted_sources="127.0.0.1")
     try:
         policy, now = server.server.httpd.policy, time.monotonic
@@ -801,32 +795,66 @@ def test_a_replay_does_not_make_its_source_a_known_peer():
         head = signed_request(server.url, "POST", "/pdd/rooms", json.dumps({"room": 5, "token_ids": [1]}).encode())
         other_body = exchange_raw(u.hostname, u.port, head.replace(b'"room": 5', b'"room": 6'), source="127.0.0.3")
         assert other_body.split()[1] == b"401" and b"not the one signed" in other_body
-        for source in ("127.0.0.2", "127.0.0.3"):
+        first = signed_request(server.url, "POST", "/pdd/rooms", json.dumps({"room": 7, "token_ids": [1]}).encode())
+        assert exchange_raw(u.hostname, u.port, first, source="127.0.0.4").split()[1] == b"200"  # won the race
+        assert exchange_raw(u.hostname, u.port, first).split()[1] == b"401"  # the router's copy: a replay now
+        for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
             assert not policy.is_known(source_of(source), now()), source
-        assert call_json("GET", server.url + "/pdd/stats", key=KEY)[0] == 200  # a whole valid call does
-        assert policy.is_known(source_of("127.0.0.1"), now())
+        assert policy.is_known(source_of("127.0.0.1"), now())  # the allow-list
+        assert policy.stats()["known_sources_remembered"] == 0
     finally:
         server.close()
 
 
-def test_a_known_source_holds_at_most_half_the_unauthenticated_connections():
-    """A source that once sent a valid call (or won a replay race on the path) is a known
-    peer; known peers had no per-source cap, so its flood of trickling sockets held every
-    slot and the allow-listed router got 503 (13 of 15 calls in the review). Now a known
-    source holds at most half the cap too, and the router is served."""
+def _promote(server, source: str) -> None:
+    """What a relay on the control path does: sends a captured signed call ahead of the
+    router's copy, from its own address (or one it controls). The call verifies and is served."""
+    u = urlsplit(server.url)
+    call = signed_request(server.url, "GET", "/pdd/stats")
+    assert exchange_raw(u.hostname, u.port, call, source=source).split()[1] == b"200"
+
+
+@pytest.mark.parametrize("attack", ["two promoted addresses", "one promoted plus 40 keyless hosts"])
+def test_promoted_addresses_and_a_flood_leave_the_router_its_slots_at_default_limits(attack):
+    """The review's attacks at MD's default limits (1024 connections: 16 per unknown source, a
+    quarter reserved, half per allow-listed source): two addresses that each won a replay race
+    x 560 trickling sockets, or one x 560 and 40 keyless hosts x 16, left the allow-listed
+    router 1 of 15 calls (the replay had made each a known peer, 512 slots apiece). Admission
+    as MD's server decides it, on the pure policy with the real server's limits; a promoted
+    address is admitted as what a signed call makes it (an authenticated ticket)."""
+    server = MdControl(trusted_sources="127.0.0.1")
+    try:
+        policy = AdmissionPolicy(server.server.httpd.policy.limits)
+        assert policy.limits.max_handshaking == 1024
+        promoted = ["10.9.0.1", "10.9.0.2"] if attack == "two promoted addresses" else ["10.9.0.1"]
+        now = time.monotonic()
+        for host in promoted:  # each sent a valid call first (what the server does with it)
+            ticket = policy.admit(host, now)[0]
+            policy.release(ticket)
+            policy.authenticated(ticket, now)
+        held = [policy.admit(host, now)[0] for host in promoted for _ in range(560)]
+        if attack != "two promoted addresses":
+            held += [policy.admit(f"10.8.0.{i}", now)[0] for i in range(40) for _ in range(16)]
+        assert sum(t is not None for t in held) <= 1024 - 256  # the reserved quarter is left
+        router = [policy.admit("127.0.0.1", now) for _ in range(15)]
+        assert [t is not None for t, _, _ in router] == [True] * 15, router[-1]
+    finally:
+        server.close()
+
+
+def test_a_promoted_address_gets_no_reserved_slot_on_a_real_server():
+    """The same attack on real sockets (the cap lowered to 64): an address that won a replay
+    race, then 96 trickling sockets from it and from five keyless hosts; the allow-listed
+    router's calls are all served (the promoted address is one more unknown source)."""
     server = MdControl(max_connections=64, trusted_sources="127.0.0.1")
     flood = None
     try:
         httpd = server.server.httpd
-        promoted = signed_request(server.url, "GET", "/pdd/stats")
-        u = urlsplit(server.url)
-        assert exchange_raw(u.hostname, u.port, promoted, source="127.0.0.2").split()[1] == b"200"
-        assert httpd.policy.is_known(source_of("127.0.0.2"), time.monotonic())
-        flood = Trickle(server.url, 96, ["127.0.0.2"])
-        assert wait_until(lambda: flood.connects >= 96, timeout=30)
-        time.sleep(0.5)  # the flood in place
+        _promote(server, "127.0.0.2")
+        assert not httpd.policy.is_known(source_of("127.0.0.2"), time.monotonic())
+        flood = Trickle(server.url, 96, [f"127.0.0.{i}" for i in range(2, 8)])
+        assert wait_until(lambda: httpd.stats()["handshaking_unknown"] == 48 and httpd.stats()["refused_unknown"] > 0)
         assert _signed_calls(server.url, 15) == [200] * 15
-        assert httpd.stats()["refused_per_source"] > 0
     finally:
         if flood:
             flood.close()

@@ -119,6 +119,15 @@ def test_503_is_documented_only_with_retry_after_and_while_no_p_or_rld_can_serve
     assert explained(rec("503", sent=1.0, ended=10.5, retry_after="1"), [KILL_P])  # in flight when it fired
 
 
+def test_a_shed_503_is_documented_at_any_time_with_retry_after():
+    """The router's overload 503 (router/overload.py) comes with or without a fault."""
+    import dataclasses
+
+    shed = dataclasses.replace(rec("503", retry_after="1"), message='{"error": "overloaded: 64 requests in flight"}')
+    assert explained(shed, []) and explained(shed, [FiredFault(FaultKind.KILL_MD, 10.0, 20.0)])
+    assert not explained(dataclasses.replace(shed, retry_after=None), [])  # Retry-After still required
+
+
 @pytest.mark.parametrize("status", ["cut", "timeout", "refused", "500", "stream_500", "bad_reply", "200x"])
 def test_anything_not_documented_is_never_explained(status):
     every = [FiredFault(k, 0.0, 100.0) for k in ALL_KINDS]

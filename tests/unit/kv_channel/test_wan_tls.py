@@ -6,11 +6,11 @@ Certificates are made at test time with the openssl CLI: a CA, a leaf for MD (na
 
 import shutil
 import ssl
-import time
 
 import numpy as np
 import pytest
 from tests.support.pki import make_ca, make_leaf, needs_openssl
+from tests.support.waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.kv_channel.layout import KvLayout
@@ -72,10 +72,7 @@ def test_peer_with_a_certificate_from_another_ca_is_refused(pki):
             assert xfer.failure_reason in (FailureReason.CONNECT_FAILED, FailureReason.AUTH)
             assert rx.poll(room) == RoomState.WAITING_FOR_INPUT and not dest.any()
         # The sender can see its failure before the receiver's handshake thread counts it.
-        deadline = time.monotonic() + 10
-        while rx.stats()["auth_failures"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert rx.stats()["auth_failures"] >= 2
+        assert wait_until(lambda: rx.stats()["auth_failures"] >= 2), rx.stats()
     finally:
         rogue.close()
         plain.close()

@@ -36,3 +36,12 @@ def test_two_p_two_md():
     argv = router_argv(topo, "/m")
     assert [a.split(",")[0] for a in flag_values(argv, "--prefill")] == [p.url for p in topo.prefills]
     assert flag_values(argv, "--main") == [f"{m.url},{m.control_url},{link}" for m, link in zip(topo.mains, links)]
+
+
+def test_the_router_is_allow_listed_on_every_control_api():
+    """A valid control call makes its source nothing (a replay would too): the reserved control
+    connections are the allow-list's only, so the launcher lists its router (on loopback)."""
+    topo = Topology.on_free_ports(prefills=2, mains=2)
+    for spec in (*topo.prefills, *topo.mains):
+        assert flag_values(server_argv(spec, "/m", "/k"), "--pdd-control-trusted-sources") == [LOOPBACK], spec.name
+    assert flag_values(server_argv(topo.relay, "/m", "/k"), "--pdd-control-trusted-sources") == []

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from sglang_pdd.launcher.wan_emulator import TokenBucket, WanEmulator
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,10 +160,7 @@ def test_reset_sends_rst_to_client(echo):
                 if not s.recv(10):
                     raise ConnectionError("eof")
                 time.sleep(0.01)
-        deadline = time.monotonic() + 5
-        while emu.stats()["active_connections"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert emu.stats()["active_connections"] == 0
+        assert wait_until(lambda: emu.stats()["active_connections"] == 0, timeout=5)
         with socket.create_connection(emu.address) as s2:  # new connections still work
             s2.sendall(b"b")
             assert recv_exactly(s2, 1) == b"b"

@@ -226,6 +226,7 @@ def test_md_late_first_token_after_the_handoff_is_md_failed_within_its_own_deadl
     r = run.flow.result
     assert r.fallbacks[0].reason.value == "md_failed" and "first token" in r.fallbacks[0].detail
     assert r.md_tokens == 0 and r.handoff_at is None and run.flow.stitcher.handoffs_failed == 1
+    assert ("main", run.fakes.md_url) in r.failed_backends  # MD's breaker counts the missed deadline
     assert len(run.fakes.records("md", "handoff")) == 1
     legs = [g.body["rid"] for g in run.fakes.records("rld", "generate")]
     if path == "p_rld_md":
@@ -250,6 +251,7 @@ def test_md_trickling_bytes_without_tokens_is_a_stall():
     assert run.fallbacks[0] == "md_failed" and run.fallbacks[-1].startswith("recovered_on_relay")
     assert run.flow.result.md_tokens == 2
     assert leg_rid(run, "m") in run.fakes.aborted_rids("md")
+    assert ("main", run.fakes.md_url) in run.flow.result.failed_backends  # MD's breaker counts the stall
 
 
 # ---------------------------------------------------------------------- P -> MD (RLD budget 1)

@@ -635,6 +635,60 @@ def test_a_tokenize_list_is_capped_in_count_and_characters_before_tokenizing(rou
     run(main())
 
 
+def test_detokenize_caps_ids_per_row_and_in_total_before_decoding(router_sglang_state, monkeypatch):
+    """/v1/detokenize capped rows (64) but not ids: 1.9 M ids took 2.58 s of the router's loop
+    (4 at once 15.6 s, /ready stalled 7 s). A row now holds at most the longest sequence the
+    router serves (--max-prompt-tokens + max new tokens), all rows twice that; a body whose
+    commas alone exceed that is refused before it is parsed. 400s, nothing decoded."""
+    tok = router_sglang_state[2]
+    decoded, decode = [], tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **kw: decoded.append(len(ids)) or decode(ids, *a, **kw))
+
+    async def main():
+        async with front(router_sglang_state, max_body_bytes=4 << 20) as (base, client, _, router):
+            per_row = router.manager.max_prompt_tokens + router.manager.max_new_tokens_cap
+            decoded.clear()
+            review = b'{"tokens":[' + b"1," * 1_899_999 + b"1]}"  # 3.8 MB: within the default --max-body-bytes
+            for body, words in (({"tokens": [1] * (per_row + 1)}, f"tokens[0] has {per_row + 1} ids, more than {per_row}"),
+                                ({"tokens": [[1] * per_row] * 2 + [[1] * 10]},
+                                 f"{2 * per_row + 10} token ids, more than {2 * per_row} in all"),
+                                (review, f"at most {2 * per_row} in all")):
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                async with client.post(f"{base}/v1/detokenize", data=data,
+                                       headers={"Content-Type": "application/json"}) as r:
+                    got = await r.json()
+                assert r.status == 400 and words in got["message"], got["message"][:300]
+            assert decoded == []
+            async with client.post(f"{base}/v1/detokenize", json={"tokens": [[1] * per_row] * 2}) as r:
+                assert r.status == 200 and len((await r.json())["text"]) == 2
+    run(main())
+
+
+def test_a_body_over_a_mebibyte_is_parsed_off_the_loop(router_sglang_state, monkeypatch):
+    import threading
+
+    from sglang_pdd.router import validate
+
+    threads, parse = [], validate.parse_json_object
+
+    def spy(raw):
+        threads.append((len(raw), threading.current_thread() is threading.main_thread()))
+        return parse(raw)
+
+    monkeypatch.setattr(validate, "parse_json_object", spy)
+
+    async def main():
+        async with front(router_sglang_state, max_body_bytes=4 << 20) as (base, client, _, _r):
+            for path, field in (("/generate", "text"), ("/v1/completions", "prompt"), ("/v1/tokenize", "prompt")):
+                threads.clear()
+                body = {field: "a" * (1 << 20)}
+                async with client.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 400  # over --max-prompt-chars, once parsed
+                assert threads and all(size > validate.INLINE_PARSE_BYTES and not on_loop for size, on_loop in threads), \
+                    (path, threads)
+    run(main())
+
+
 def test_long_text_is_tokenized_off_the_loop(router_sglang_state, monkeypatch):
     import threading
 

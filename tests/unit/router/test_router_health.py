@@ -52,6 +52,35 @@ def test_half_open_trial_closes_on_success_and_reopens_on_failure():
     assert after(opened, BackendFailed(5.0)).opened_at == 0.0
 
 
+def test_passing_probes_do_not_erase_failed_requests_within_the_window():
+    """Requests failing on MD ~5 s apart, its /health passing between them (a relay stalling
+    MD's streams, MD itself fine): each probe used to reset the streak, and six such requests
+    never opened the breaker. Within failure_window_s a probe's success keeps the failures."""
+    cfg = HealthConfig(failure_threshold=3, cooldown_s=10.0, failure_window_s=60.0)
+    s = BreakerState(seen_up=True)
+    for i in range(3):
+        s, _ = transition(s, BackendFailed(5.0 * i, "MD room 1 handoff: no new token within 20 s"), cfg)
+        s, _ = transition(s, BackendSucceeded(5.0 * i + 2.5, probe=True), cfg)
+    assert s.breaker is BreakerPhase.OPEN and s.opened_at == 10.0
+    s, _ = transition(s, BackendSucceeded(12.0, probe=True), cfg)  # a probe does not end the cooldown
+    assert s.breaker is BreakerPhase.OPEN and not pickable(s, 12.0, cfg)
+    trial, _ = transition(s, BackendSucceeded(21.0, probe=True), cfg)  # half open, requests failed lately
+    assert trial.breaker is BreakerPhase.HALF_OPEN and pickable(trial, 21.0, cfg)  # requests get the trial
+    closed, _ = transition(trial, BackendSucceeded(21.5), cfg)  # a request that completes closes it
+    assert closed.breaker is BreakerPhase.CLOSED and closed.failures == 0
+
+
+def test_a_probe_after_the_window_resets_failures_as_before():
+    cfg = HealthConfig(failure_threshold=3, cooldown_s=10.0, failure_window_s=60.0)
+    s, _ = transition(BreakerState(seen_up=True), BackendFailed(0.0), cfg)
+    s, _ = transition(s, BackendSucceeded(30.0, probe=True), cfg)
+    assert s.failures == 1  # inside the window: kept
+    s, _ = transition(s, BackendSucceeded(61.0, probe=True), cfg)
+    assert s.failures == 0 and s.request_failed_at is None
+    probes_only, _ = transition(BreakerState(seen_up=True), BackendFailed(0.0, probe=True), cfg)
+    assert transition(probes_only, BackendSucceeded(1.0, probe=True), cfg)[0].failures == 0  # probe vs probe
+
+
 def test_drain_is_the_operators_and_outlives_breaker_changes():
     s = after(BreakerState(), Drain(True))
     s = after(s, BackendFailed(0.0), BackendSucceeded(1.0))
@@ -65,7 +94,8 @@ def test_an_unknown_event_is_illegal_and_changes_nothing():
 
 
 def test_config_is_checked():
-    for bad in ({"failure_threshold": 0}, {"cooldown_s": -1.0}, {"cooldown_s": float("nan")}):
+    for bad in ({"failure_threshold": 0}, {"cooldown_s": -1.0}, {"cooldown_s": float("nan")},
+                {"failure_window_s": -1.0}):
         with pytest.raises(ValueError):
             HealthConfig(**bad)
 
@@ -289,6 +319,45 @@ def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_s
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         use_control_key(None)
+
+
+@pytest.mark.parametrize("hold", ["first token", "mid stream"])
+def test_a_relay_holding_mds_stream_opens_mds_breaker_despite_passing_probes(router_sglang_state, hold):
+    """A relay holding MD's handoff stream (no first token, or no next token) charged each
+    request a stall and never counted against MD (3 of 3 requests, +0), and MD's /health
+    passing between requests reset any streak. Now each stall is MD failing, probes between
+    do not erase them, and after two (threshold 2 here) MD is not asked; every answer whole."""
+    import dataclasses
+
+    from tests.support.flow_scenarios import p_md_cfg
+
+    async def held(index, budget):
+        if index == (0 if hold == "first token" else 2):
+            await asyncio.sleep(30)
+
+    knobs = Knobs(md_before_token=held)
+    cfg = dataclasses.replace(p_md_cfg(), md_first_token_timeout_s=0.3, md_stall_timeout_s=0.3)
+
+    async def main():
+        fakes = await Fakes(knobs).start()
+        pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
+                      [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
+                      health=HealthConfig(failure_threshold=2, cooldown_s=60))
+        router = Router(pools, cfg, None, max_prompt_tokens=1000, served_model="tiny",
+                        sglang_state=router_sglang_state, max_new_tokens_cap=64, operator_token=TOKEN,
+                        health_check_interval_s=0)
+        try:
+            async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
+                for _ in range(4):
+                    status, _, body = await generate(client, base)
+                    assert status == 200 and body["output_ids"] == truth(PROMPT, 8), body
+                    await router.probe_backends()  # MD's /health passes between requests
+                assert len(fakes.records("md", "handoff")) == 2  # the third request on: MD not asked
+                assert await _out(client, base, "main")
+        finally:
+            await fakes.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_a_request_whose_relay_refuses_before_the_first_token_starts_over_elsewhere(router_sglang_state):

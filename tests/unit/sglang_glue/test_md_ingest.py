@@ -13,6 +13,7 @@ import torch
 from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
 from tests.support.md_runtime import (KEY, POOL_PAGES, Prefill, build_md, close, conserved, drive_until, make_pool,
                                      md_rows, settle, shard_pool)
+from tests.support.waiting import wait_until
 
 @pytest.mark.parametrize("kind,page_size,prompt_len", [
     ("mha", 1, 37), ("mha", 16, 50), ("mha", 16, 48), ("mla", 16, 50), ("mha", 64, 150), ("mla", 64, 70),
@@ -191,10 +192,7 @@ def test_layout_mismatch_fails_the_room_naming_both_sides(caplog):
         def p_said_so():  # P hears it too (NACK), and says so as an error
             return any(r.levelname == "ERROR" and "page_size 16 vs 1" in r.getMessage() for r in caplog.records)
 
-        deadline = time.monotonic() + 10
-        while not p_said_so() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert p_said_so()
+        assert wait_until(p_said_so)
         settle(md)
         assert md.held_tokens == 0 and conserved(md)
     finally:
@@ -277,7 +275,7 @@ def test_a_missing_tp_slice_leaves_the_room_waiting():
             md.on_scheduler_iteration()
             time.sleep(0.02)
         assert md.table.rooms[1].status.value == "pending"  # half of every row landed: not ready
-        assert md.receiver.stats()["connections"] > 0
+        assert wait_until(lambda: md.receiver.stats()["connections"] > 0)
     finally:
         rank0.fanout.close()
         close(md)

@@ -66,3 +66,33 @@ def test_unset_means_no_hold_and_the_launcher_passes_a_servers_own_environment()
     spec = ServerSpec("relay-0", "relay", 30000, extra_env={RELAY_HOLD_FILE_ENV: "/x/hold"})
     assert server_env(spec)[RELAY_HOLD_FILE_ENV] == "/x/hold"
     assert RELAY_HOLD_FILE_ENV not in server_env(ServerSpec("relay-0", "relay", 30000))
+
+
+def test_the_hold_never_writes_through_a_planted_symlink_or_a_file_it_did_not_create(tmp_path):
+    """With its environment variable set, the hold wrote ``<file>.held.tmp`` with open(..., "w"):
+    a symlink planted there made it overwrite the file the link named. Now it writes only a file
+    it creates itself (O_CREAT | O_EXCL | O_NOFOLLOW), and reads its arming without following a link."""
+    path, victim = tmp_path / "hold", tmp_path / "victim"
+    victim.write_text("precious")
+    tmp = tmp_path / f"hold{HELD_SUFFIX}.tmp"
+    tmp.symlink_to(victim)
+    path.write_text("2")
+    s = scheduler(Req(2))
+    RelayHold(str(path)).check(s)
+    assert s._engine_paused and not path.exists()  # the hold fired (RLD paused, disarmed)
+    assert victim.read_text() == "precious" and tmp.is_symlink()  # nothing written through the link
+    assert not (tmp_path / f"hold{HELD_SUFFIX}").exists()
+
+    tmp.unlink()
+    tmp.write_text("someone else's")  # a plain file it did not create: left alone too
+    path.write_text("2")
+    s = scheduler(Req(2))
+    RelayHold(str(path)).check(s)
+    assert s._engine_paused and tmp.read_text() == "someone else's"
+
+    secret = tmp_path / "secret"
+    secret.write_text("7")
+    path.symlink_to(secret)  # an arming that is a link is refused, not followed
+    s = scheduler(Req(9))
+    RelayHold(str(path)).check(s)
+    assert not s._engine_paused and not path.exists() and secret.read_text() == "7"
