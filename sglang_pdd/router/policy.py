@@ -8,7 +8,9 @@ The decision follows the knobs peers expose (Dynamo, llm-d, PrfaaS): it looks at
 *uncached tokens* (what Main Decode lacks after its prefix-cache hit, i.e. what must cross
 the WAN) and the *WAN time P->MD makes the user wait* for them, and compares that time with a
 budget: the TTFT SLO left after P's queue and prefill, times a share that RLD's load sets.
-The path mode (`PathMode`) says how the share follows RLD's load:
+When P->MD's first token comes through RLD (the router's flow), the WAN wait lands in the
+gap before MD's first token instead, so the budget is capped by the gap SLO
+(`p_md_wan_budget_ms`). The path mode (`PathMode`) says how the share follows RLD's load:
 
 - FIT (default): P->MD whenever P's queue + prefill + the WAN fit `p_md_share_idle` of the
   slack while RLD idles, rising to the whole slack as RLD fills. High-hit requests (a small
