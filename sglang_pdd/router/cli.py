@@ -151,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill_s_per_token_ctx for the model and chip); 0: a linear prefill estimate")
     g.add_argument("--gap-slo-ms", type=float, default=1000.0,
                    help="longest gap between tokens the users should see: P->MD's WAN wait falls between its "
-                        "first token (through RLD) and MD's first, so the path rule budgets it against this "
-                        "(and the TTFT SLO against P's queue, prefill and the registration); 0: budget the "
-                        "WAN wait against the TTFT SLO instead")
+                        "first token (through RLD) and MD's first, so the path rule caps its budget (the TTFT "
+                        "slack's share, less P's queue, prefill and the registration) at this; 0: no cap, "
+                        "the TTFT rule alone")
     g.add_argument("--md-flow-step-ms", type=float, default=MD_FLOW_STEP_S_DEFAULT * 1e3,
                    help="MD's decode step growth per request in flight, until the router measures it from MD's "
                         "/v1/loads: a turn leaves the MD holding its prefix only when the busier MD's longer "

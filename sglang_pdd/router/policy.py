@@ -8,7 +8,9 @@ The decision follows the knobs peers expose (Dynamo, llm-d, PrfaaS): it looks at
 *uncached tokens* (what Main Decode lacks after its prefix-cache hit, i.e. what must cross
 the WAN) and the *WAN time P->MD makes the user wait* for them, and compares that time with a
 budget: the TTFT SLO left after P's queue and prefill, times a share that RLD's load sets.
-The path mode (`PathMode`) says how the share follows RLD's load:
+When P->MD's first token comes through RLD (the router's flow), the WAN wait lands in the
+gap before MD's first token instead, so the budget is capped by the gap SLO
+(`p_md_wan_budget_ms`). The path mode (`PathMode`) says how the share follows RLD's load:
 
 - FIT (default): P->MD whenever P's queue + prefill + the WAN fit `p_md_share_idle` of the
   slack while RLD idles, rising to the whole slack as RLD fills. High-hit requests (a small
@@ -99,9 +101,9 @@ class PathPolicyConfig:
     # router/flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
     p_md_registers_first: bool = True
     # P->MD's first token comes from P through RLD's one-token leg (router/flow.py): the WAN
-    # wait for the KV then falls in the gap between that token and MD's first, judged against
-    # `gap_slo_ms`; TTFT only pays the registration. False (or no gap SLO): the user waits for
-    # the whole WAN before its first token, judged against the TTFT SLO.
+    # wait for the KV then falls in the gap between that token and MD's first, so its budget
+    # is capped by `gap_slo_ms`, and TTFT pays only the registration. False (or no gap SLO):
+    # the user waits for the whole WAN before its first token, judged against the TTFT SLO.
     first_token_via_rld: bool = False
     gap_slo_ms: Optional[float] = None
 
@@ -244,21 +246,19 @@ def p_md_wan_budget_ms(facts: RequestFacts, cfg: PathPolicyConfig) -> float:
     """How much WAN time P->MD may make this request's user wait.
 
     An explicit `max_wan_transfer_ms` wins. Without RLD's load, the fixed fraction of the
-    SLO. Otherwise the SLO the wait counts against, less a safety share, times the share RLD's
-    load sets (`p_md_share`):
-    - the first token through RLD (`cfg.budgets_the_gap`): the wait is the gap before MD's
-      first token, so the gap SLO; none at all when P's queue, its prefill and the
-      registration already use the TTFT SLO's slack (the registration would only add to it);
-    - else the TTFT SLO left after P's queue and prefill.
+    SLO. Otherwise the TTFT SLO left after a safety share, P's queue and P's prefill, times the
+    share RLD's load sets (`p_md_share`). With the first token through RLD
+    (`cfg.budgets_the_gap`) the registration's round trip comes off that slack too (it is in
+    TTFT), and the wait, which lands in the gap before MD's first token, is capped by the gap
+    SLO less the safety share.
     """
     if cfg.max_wan_transfer_ms is not None or facts.rld_utilisation is None:
         return cfg.fixed_wan_budget_ms
     slack = cfg.ttft_slo_ms * (1.0 - cfg.ttft_safety_fraction) - facts.p_queue_ms - facts.p_prefill_ms
     share = p_md_share(facts.rld_utilisation, cfg)
     if cfg.budgets_the_gap:
-        if slack < registration_ms(cfg):
-            return 0.0
-        return cfg.gap_slo_ms * (1.0 - cfg.ttft_safety_fraction) * share
+        slack -= registration_ms(cfg)
+        return min(max(0.0, slack) * share, cfg.gap_slo_ms * (1.0 - cfg.ttft_safety_fraction))
     return max(0.0, slack) * share
 
 

@@ -4,10 +4,9 @@ over a trace, every design under the same rules.
 Routing and the request's course are the router's own functions, called at run time so that
 a change to them changes the sim. For every design: P by `router.placement.pick_prefill` on
 P's prefill tokens in flight and the router's prefix index (candidates rotated so equal ones
-take turns), MD (and same-DC PD's D) by `pick_instance` on flows in flight with the router's
-affinity bound (`pick_p`, `pick_md`: router/pools.py's Pools.pick, MD by placement.pick_main's
-cost of a move in seconds, checked against it in
-tests/unit/sim/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
+take turns), MD (and same-DC PD's D) by `placement.pick_main` on flows in flight: the MD
+holding the prefix unless a move costs less time than its excess flows (`pick_p`, `pick_md`:
+router/pools.py's Pools.pick, checked against it in tests/unit/sim/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
 flight (`pick_rld`); the path by `router.policy.decide_path` on the prefix index's estimate,
 again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's control API), RLD's
 load being its flows over the router's admission (`rld_max_running`, --rld-max-running);

@@ -23,6 +23,8 @@ COLUMNS = [
     ("WAN GB", "{:>7.0f}", "wan_gb"),
     ("WAN util", "{:>8.2f}", "wan_util"),
     ("MD hit", "{:>6.2f}", "mean_md_hit"),
+    ("KV landed GB", "{:>12.0f}", "wan_landed_gb"),
+    ("cancelled GB", "{:>12.0f}", "wan_cancelled_gb"),
     ("refused", "{:>7d}", "md_refused"),
     ("RLD tok%", "{:>8.1f}", "rld_token_share"),
     ("BCR", "{:>7.1f}", "bcr"),

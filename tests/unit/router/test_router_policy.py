@@ -245,28 +245,35 @@ def test_load_config_validation(bad):
 GAP_CFG = dataclasses.replace(FIT_CFG, first_token_via_rld=True, gap_slo_ms=1000.0)
 
 
-def test_first_token_through_rld_budgets_the_wan_wait_against_the_gap_slo():
-    # P->MD's first token comes through RLD: the KV's wait falls in the gap before MD's
-    # first token. 1M uncached tokens: 1000 ms + 40 ms (trips 3-4) > half of 900 ms.
-    big = RequestFacts(input_tokens=1_000_000, p_prefill_ms=100.0, rld_utilisation=0.0)
+def test_first_token_through_rld_caps_the_wan_wait_by_the_gap_slo():
+    # P->MD's first token comes through RLD: the KV's wait falls in the gap before MD's first
+    # token, so the budget (the TTFT slack's share, the registration's 40 ms off it too) is
+    # capped by the gap SLO less the safety share (900 ms).
+    big = RequestFacts(input_tokens=1_000_000, p_prefill_ms=100.0, rld_utilisation=0.0)  # 1000 + 40 ms
     d = choose_path(big, GAP_CFG)
-    assert d.path is Path.P_RLD_MD and d.budget_ms == pytest.approx(0.5 * 900.0)
+    assert d.path is Path.P_RLD_MD and d.budget_ms == pytest.approx(0.5 * (1800.0 - 100.0 - 40.0))
     assert d.est_wan_transfer_ms == pytest.approx(1040.0)  # the registration is in TTFT, not in the gap
-    # the same request judged against the TTFT (the first token after the WAN): 0.5 x 1700 ms
-    assert choose_path(big, FIT_CFG).budget_ms == pytest.approx(0.5 * 1700.0)
     small = RequestFacts(input_tokens=300_000, p_prefill_ms=100.0, rld_utilisation=0.0)  # 300 + 40 ms
     assert choose_path(small, GAP_CFG).path is Path.P_MD
+    # RLD busy: the whole TTFT slack (1660 ms) would let a 1 s wait into the gap; the cap does not
+    busy = RequestFacts(input_tokens=1_000_000, p_prefill_ms=100.0, rld_utilisation=1.0)
+    capped = choose_path(busy, GAP_CFG)
+    assert capped.path is Path.P_RLD_MD and capped.budget_ms == pytest.approx(900.0)
+    uncapped = choose_path(busy, FIT_CFG)  # the first token after the WAN: the TTFT rule
+    assert uncapped.path is Path.P_MD and uncapped.budget_ms == pytest.approx(1700.0)
     # no gap SLO: the TTFT rule, whatever the first token's way
     assert dataclasses.replace(GAP_CFG, gap_slo_ms=None).budgets_the_gap is False
+    assert dataclasses.replace(GAP_CFG, gap_slo_ms=300.0).budgets_the_gap
+    assert choose_path(small, dataclasses.replace(GAP_CFG, gap_slo_ms=300.0)).path is Path.P_RLD_MD  # 340 > 270
 
 
-def test_gap_budget_is_none_when_ps_queue_and_prefill_use_up_the_ttft():
+def test_gap_budget_is_none_when_ps_queue_prefill_and_registration_use_up_the_ttft():
     # P's queue + prefill + the registration (40 ms) beyond the TTFT slack (1800 ms): P->MD would
     # only add its registration to a first token already late.
     late = RequestFacts(input_tokens=1000, p_queue_ms=1700.0, p_prefill_ms=80.0, rld_utilisation=1.0)
     assert choose_path(late, GAP_CFG).budget_ms == 0.0
     ok = RequestFacts(input_tokens=1000, p_queue_ms=1700.0, p_prefill_ms=50.0, rld_utilisation=1.0)
-    assert choose_path(ok, GAP_CFG).budget_ms == pytest.approx(900.0)  # the whole gap slack
+    assert choose_path(ok, GAP_CFG).budget_ms == pytest.approx(10.0)
 
 
 def test_ps_prefill_counts_its_context_term():
