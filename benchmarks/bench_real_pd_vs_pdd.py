@@ -170,6 +170,8 @@ class Record:
     handoff_at: Optional[int] = None
     rld_tokens: Optional[int] = None  # PDD: output tokens RLD made (the router's log)
     router_ttft_s: Optional[float] = None
+    router_marks: dict = field(default_factory=dict)  # PDD: FlowResult.marks (s from the router's start of the flow)
+    path_reason: str = ""  # PDD: why the router chose the path
     fallbacks: list = field(default_factory=list)
     error: Optional[str] = None
     output_ids: list = field(default_factory=list)
@@ -279,6 +281,7 @@ def annotate_from_router_log(records: list["Record"], entries: list[dict]) -> No
         r.path, r.md_cached_tokens, r.handoff_at = e.get("path", ""), e.get("md_cached"), e.get("handoff_at")
         r.rld_tokens = e.get("rld_tokens")
         r.router_ttft_s, r.fallbacks = e.get("ttft_s"), list(e.get("fallbacks") or [])
+        r.router_marks, r.path_reason = dict(e.get("marks") or {}), e.get("reason", "")
 
 
 # ----------------------------------------------------------------------------- CPU (I/O)
@@ -310,14 +313,52 @@ class CpuMeter:
                 pass
         return total
 
-    def _sample(self) -> tuple[float, float, float]:
-        return time.monotonic(), self._machine_busy_s(), self._ours_s()
+    def _by_server_s(self) -> dict:
+        """CPU seconds of each server this process started (with its own children), by role."""
+        import psutil
+
+        out: dict = {}
+        for child in self._me.children():
+            try:
+                label = server_label(child.cmdline())
+                procs = [child, *child.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for proc in procs:
+                try:
+                    t = proc.cpu_times()
+                    out[label] = out.get(label, 0.0) + t.user + t.system
+                except psutil.Error:
+                    pass
+        return out
+
+    def _sample(self) -> tuple[float, float, float, dict]:
+        return time.monotonic(), self._machine_busy_s(), self._ours_s(), self._by_server_s()
 
     def stop(self) -> dict:
-        (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._sample()
+        (t0, busy0, ours0, by0), (t1, busy1, ours1, by1) = self._start, self._sample()
         wall = max(1e-6, t1 - t0)
         ours = max(0.0, ours1 - ours0) / wall
-        return {"ours_cores": ours, "others_cores": max(0.0, (busy1 - busy0) / wall - ours)}
+        return {"ours_cores": ours, "others_cores": max(0.0, (busy1 - busy0) / wall - ours),
+                "server_cores": {k: round(max(0.0, v - by0.get(k, 0.0)) / wall, 3) for k, v in sorted(by1.items())}}
+
+
+def server_label(cmdline: list[str]) -> str:
+    """A started process by what it serves: PDD's role (prefill, relay, main), SGLang PD's mode
+    (pd_prefill, pd_decode), or the router."""
+    def after(flag: str) -> Optional[str]:
+        return cmdline[cmdline.index(flag) + 1] if flag in cmdline[:-1] else None
+
+    if after("--pdd-role"):
+        return after("--pdd-role")
+    if after("--disaggregation-mode"):
+        return f"pd_{after('--disaggregation-mode')}"
+    joined = " ".join(cmdline)
+    if "sglang_router" in joined:
+        return "sglang_router"
+    if "sglang_pdd.router" in joined:
+        return "pdd_router"
+    return "other"
 
 
 # ----------------------------------------------------------------------------- TTFT breakdown (pure)
@@ -396,7 +437,8 @@ def ttft_stages(records: list[Record], stats: list[dict]) -> list[dict]:
             continue
         prealloc = _decode_prealloc(d)
         ready = _decode_ready_at(d) - r.sent_at
-        rows.append({"design": r.design, "cell": r.cell, "ttft": r.ttft_s, "to_prefill": p["entry_time"] - r.sent_at,
+        rows.append({"design": r.design, "cell": r.cell, "path": r.path, "turn": r.turn, "ttft": r.ttft_s,
+                     "to_prefill": p["entry_time"] - r.sent_at,
                      "p_bootstrap": p.get("bootstrap_duration", p.get("bootstrap_queue_duration", 0.0)),
                      "p_queue": p.get("queue_duration", 0.0), "p_forward": p.get("forward_duration", 0.0),
                      "to_decode": d["entry_time"] - r.sent_at, "d_prealloc": prealloc,
@@ -879,6 +921,292 @@ def print_breakdown(bd: dict) -> None:
           "MD was stopped)")
 
 
+# ----------------------------------------------------------------------------- cold burst (pure)
+BURST_DESIGNS = ("same_dc_pd", "cross_dc_pd", "pdd")
+BURST_PATHS = ("p_md", "p_rld_md", "p_rld_only")
+
+
+def burst_workload(args) -> tuple[WorkloadConfig, list]:
+    """``args.burst`` sessions, no outliers: the burst is the sessions' cold first turns, of
+    about ``args.burst_prompt_tokens`` each (+-10%); later turns' new blocks scaled as
+    ``--target-hit`` says."""
+    cfg = WorkloadConfig(sessions=args.burst, turns=tuple(args.turns), outliers=0,
+                         output_tokens=tuple(args.output_tokens), seed=args.seed)
+    if args.target_hit > 0:
+        cfg = fit_block_scale(cfg, args.target_hit)
+    first = max(1, args.burst_prompt_tokens - cfg.system_tokens) / cfg.block_scale
+    cfg = replace(cfg, first_user_tokens=(0.9 * first, 1.1 * first))
+    return cfg, build_jobs(cfg)
+
+
+def burst_arrivals(order: list[Slot]) -> list[float]:
+    """Every slot arrives at the cell's start: the sessions' first turns go out together, and a
+    later turn goes out the moment its session has the previous answer (run_cell holds it)."""
+    return [0.0] * len(order)
+
+
+def _ttft_cell(recs: list[Record]) -> dict:
+    ttft = [r.ttft_s for r in recs]
+    return {"n": len(recs), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "ttft_max": pct(ttft, 100)}
+
+
+def burst_summary(records: list[Record]) -> dict:
+    """TTFT per design and link: over all requests, over the cold first turns and the later
+    turns, per PDD path, and each repeat's p90 (the spread); errors counted apart. Keyed
+    ``design|link``."""
+    out: dict = {}
+    for key in sorted({(r.design, r.link_mbit) for r in records}):
+        mine = [r for r in records if (r.design, r.link_mbit) == key]
+        ok = [r for r in mine if r.error is None and r.ttft_s is not None]
+        cell = _ttft_cell(ok) | {"errors": len(mine) - len(ok),
+                                 "first_turns": _ttft_cell([r for r in ok if r.turn == 0]),
+                                 "later_turns": _ttft_cell([r for r in ok if r.turn > 0]),
+                                 "paths": {p: _ttft_cell([r for r in ok if r.path == p])
+                                           for p in BURST_PATHS if any(r.path == p for r in ok)},
+                                 "p90_per_repeat": [pct([r.ttft_s for r in ok if r.cell == c], 90)
+                                                    for c in sorted({r.cell for r in ok})]}
+        out[f"{key[0]}|{key[1]:g}"] = cell
+    return out
+
+
+def burst_ratios(summary: dict, link: float) -> dict:
+    """The goal's ratios on one link: PDD's TTFT p90 over cross-DC PD's and same-DC PD's, and
+    its relayed requests' (P->RLD->MD) p90 over same-DC PD's; None where a side is missing."""
+    get = lambda design: summary.get(f"{design}|{link:g}") or summary.get(f"{design}|0")
+    pdd, cross, same = get("pdd"), get("cross_dc_pd"), get("same_dc_pd")
+    ratio = lambda a, b: a / b if a is not None and b else None
+    relayed = (pdd or {}).get("paths", {}).get("p_rld_md", {}).get("ttft_p90")
+    return {"pdd_over_cross_dc": ratio(pdd and pdd["ttft_p90"], cross and cross["ttft_p90"]),
+            "pdd_over_same_dc": ratio(pdd and pdd["ttft_p90"], same and same["ttft_p90"]),
+            "relayed_over_same_dc": ratio(relayed, same and same["ttft_p90"])}
+
+
+def same_turns_on(records: list[Record], design: str, like: list[Record]) -> list[Record]:
+    """``design``'s records of the requests ``like`` holds (same repeat, session and turn; the
+    link may differ: same-DC PD runs once, on the first link's prompts)."""
+    rep = lambda r: r.cell.split("x", 1)[-1]
+    want = {(rep(r), r.job, r.turn) for r in like}
+    return [r for r in records if r.design == design and r.error is None and (rep(r), r.job, r.turn) in want]
+
+
+def relayed_vs_same_dc(records: list[Record], link: float) -> dict:
+    """PDD's relayed requests (P->RLD->MD) on ``link`` against same-DC PD serving the same turns:
+    TTFT p90 of each and their ratio."""
+    relayed = [r for r in records if r.design == "pdd" and r.link_mbit == link and r.path == "p_rld_md"
+               and r.error is None]
+    same = same_turns_on(records, "same_dc_pd", relayed)
+    a, b = pct([r.ttft_s for r in relayed], 90), pct([r.ttft_s for r in same], 90)
+    return {"n": len(relayed), "relayed_p90": a, "same_dc_same_turns_p90": b,
+            "ratio": a / b if a is not None and b else None}
+
+
+ROUTER_MARKS = ("path", "legs", "md_registered", "destination", "p_replied", "first_token", "md_ready")
+
+
+def router_marks_table(records: list[Record]) -> dict:
+    """Medians of the router's marks (s from the flow's start) per PDD design, link and path."""
+    groups: dict = {}
+    for r in records:
+        if r.router_marks and r.error is None:
+            groups.setdefault(f"{r.design}|{r.link_mbit:g}|{r.path}", []).append(r.router_marks)
+    return {key: {"n": len(ms), **{m: pct([x.get(m) for x in ms], 50) for m in ROUTER_MARKS}}
+            for key, ms in sorted(groups.items())}
+
+
+def burst_stage_table(rows: list[dict]) -> dict:
+    """Medians of each TTFT stage per design and PDD path (``design`` or ``design:path``)."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(row["design"] + (f":{row['path']}" if row.get("path") else ""), []).append(row)
+    return {name: {"matched": len(rs), **{k: float(np.median([r[k] for r in rs])) for k in ("ttft",) + STAGES}}
+            for name, rs in sorted(groups.items())}
+
+
+# ----------------------------------------------------------------------------- cold burst (I/O)
+def run_burst(args, link, model: str, out: Path) -> dict:
+    """The cold burst: every design's servers up at once (idle ones sleep), then per link and
+    repeat the same burst on each design in turn, the order rotated per repeat, so that the
+    machine's load falls on all designs alike. Each repeat's prompts are new (cold
+    everywhere) and the same for every design."""
+    cfg, jobs = burst_workload(args)
+    order = dispatch_order(jobs, lanes=args.burst)
+    names = [d for d in args.designs if d in BURST_DESIGNS or d in PDD_PATH_MODES]
+    if link is None:
+        names = [d for d in names if d == "same_dc_pd" or d in PDD_PATH_MODES]
+    records: list[Record] = []
+    stats: list[dict] = []
+    meta: dict = {"loadavg_before": os.getloadavg(), "cells": {}}
+    started: dict = {}
+    n_cells = sum(len(args.links) if d != "same_dc_pd" else 1 for d in names) * args.repeats
+    bar = tqdm(total=n_cells * len(order), desc="burst", unit="req", file=sys.stderr)
+    try:
+        prefill_s_per_token = None
+        for name in [n for n in names if n == "same_dc_pd"] + [n for n in names if n != "same_dc_pd"]:
+            bar.set_postfix_str(f"{name}: starting servers")
+            design = make_design(name, out / "servers", model, link, args, prefill_s_per_token)
+            if args.time_stats:
+                design.server_args = TIME_STATS_ARGS
+            started[name] = design
+            design.start()
+            warm_up(design, args.request_timeout_s)
+            if name == "same_dc_pd":
+                prefill_s_per_token = measure_prefill_s_per_token(design)
+                meta["prefill_s_per_token"] = prefill_s_per_token
+        for li, link_mbit in enumerate(args.links):
+            for name, design in started.items():
+                if name != "same_dc_pd":
+                    design.set_link(link_mbit)
+                    if name in PDD_PATH_MODES:
+                        warm_up(design, args.request_timeout_s)
+            for rep in range(args.repeats):
+                turn = list(started.items())
+                turn = turn[rep % len(turn):] + turn[:rep % len(turn)]
+                for name, design in turn:
+                    if name == "same_dc_pd" and li > 0:
+                        continue  # no link in its path: once is enough
+                    cell = f"b{li}x{rep}s{args.seed}"
+                    bar.set_postfix_str(f"{name}, {link_mbit:g} Mbit/s, repeat {rep + 1}")
+                    before = link.counters() if link is not None else (0, 0)
+                    t0, cpu, load = time.time(), CpuMeter(), os.getloadavg()[0]
+                    recs = asyncio.run(run_cell([design.route()], jobs, cfg, order, burst_arrivals(order), cell,
+                                                0 if name == "same_dc_pd" else link_mbit, 0, args.request_timeout_s,
+                                                bar))
+                    after = link.counters() if link is not None else (0, 0)
+                    design.annotate(recs)
+                    meta["cells"][f"{name}|{cell}"] = {"wall_s": time.time() - t0, "loadavg_1m": load,
+                                                       "link_bytes": (after[0] - before[0]) + (after[1] - before[1])
+                                                       } | cpu.stop()
+                    records += recs
+    finally:
+        bar.close()
+        for name, design in started.items():
+            if args.time_stats:
+                with contextlib.suppress(OSError):
+                    stats += parse_time_stats(server_logs(design))
+            design.stop()
+    summary = burst_summary(records)
+    res = {"args": vars(args), "designs": list(started), "workload": {"config": asdict(cfg),
+           "requests_per_cell": len(order), "first_turn_tokens": [r.prompt_tokens for r in records
+                                                                  if r.turn == 0 and r.design == names[0]][:args.burst]},
+           "summary": summary, "ratios": {f"{m:g}": burst_ratios(summary, m) | {
+               "relayed_same_turns": relayed_vs_same_dc(records, m)} for m in args.links},
+           "equality": compare_outputs(records), "router_marks": router_marks_table(records), **meta}
+    if args.time_stats:
+        res["stages"] = burst_stages_per_link(records, stats, args.links)
+    with open(out / "burst_requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    return res
+
+
+def burst_stages_per_link(records: list[Record], stats: list[dict], links: list[float]) -> dict:
+    """The stage table of each link's cells (same-DC PD's cells, which have no link, in each)."""
+    rows = ttft_stages(records, stats)
+    link_of = {(r.design, r.cell): r.link_mbit for r in records}
+    return {f"{m:g}": burst_stage_table([row for row in rows if link_of.get((row["design"], row["cell"])) in (m, 0)])
+            for m in links}
+
+
+def print_burst(res: dict) -> None:
+    a = res["args"]
+    print(f"\n== Cold burst: {a['burst']} sessions' first turns at once, later turns as answers come "
+          f"({res['workload']['requests_per_cell']} requests per cell, {a['repeats']} repeat(s)); TTFT in ms")
+    for link in a["links"]:
+        print(f"\n-- link {link:g} Mbit/s")
+        print(f"{'design':<26} {'n':>3} {'err':>3} {'p50':>6} {'p90':>6} {'max':>6} | {'1st p50':>7} {'p90':>6} | "
+              f"{'later p50':>9} {'p90':>6} | {'p90 per repeat':<22} | paths: n p50/p90")
+        for design in res["designs"]:
+            c = res["summary"].get(f"{design}|{link:g}") or (res["summary"].get(f"{design}|0")
+                                                            if design == "same_dc_pd" else None)
+            if c is None:
+                continue
+            f, l = c["first_turns"], c["later_turns"]
+            paths = "  ".join(f"{p}: {v['n']} {fmt_ms(v['ttft_p50'])}/{fmt_ms(v['ttft_p90'])}"
+                              for p, v in c["paths"].items())
+            reps = " ".join(fmt_ms(v) for v in c["p90_per_repeat"])
+            print(f"{LABELS[design]:<26} {c['n']:>3} {c['errors']:>3} {fmt_ms(c['ttft_p50']):>6} "
+                  f"{fmt_ms(c['ttft_p90']):>6} {fmt_ms(c['ttft_max']):>6} | {fmt_ms(f['ttft_p50']):>7} "
+                  f"{fmt_ms(f['ttft_p90']):>6} | {fmt_ms(l['ttft_p50']):>9} {fmt_ms(l['ttft_p90']):>6} | "
+                  f"{reps:<22} | {paths}")
+        r = res["ratios"][f"{link:g}"]
+        fr = lambda v: "-" if v is None else f"{v:.2f}"
+        print(f"PDD TTFT p90 / cross-DC PD's {fr(r['pdd_over_cross_dc'])} (goal <= 1), / same-DC PD's "
+              f"{fr(r['pdd_over_same_dc'])} (<= 1.1); relayed (P->RLD->MD) p90 / same-DC PD's "
+              f"{fr(r['relayed_over_same_dc'])} (<= 1.1)")
+        same = r.get("relayed_same_turns") or {}
+        if same.get("n"):
+            print(f"relayed requests ({same['n']}): TTFT p90 {fmt_ms(same['relayed_p90'])} ms; same-DC PD on the same "
+                  f"turns {fmt_ms(same['same_dc_same_turns_p90'])} ms (ratio {fr(same['ratio'])})")
+        for design in res["designs"]:
+            cores = burst_server_cores(res["cells"], design, 0 if design == "same_dc_pd" else link, res["args"])
+            if cores:
+                print(f"cores while {design}'s bursts ran (mean): "
+                      + " ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.01))
+        marks = {k: v for k, v in res.get("router_marks", {}).items() if k.split("|")[1] == f"{link:g}"}
+        if marks:
+            print("router's marks (medians, ms from the flow's start): " + " ".join(ROUTER_MARKS))
+            for key, v in marks.items():
+                print(f"  {key:<24} {v['n']:>3} " + " ".join(f"{fmt_ms(v[m]):>8}" for m in ROUTER_MARKS))
+        st = res.get("stages", {}).get(f"{link:g}")
+        if st:
+            print("stages (medians, ms):")
+            print(f"  {'design[:path]':<24} {'n':>3} {'TTFT':>6} " + " ".join(f"{k:>11}" for k in STAGES))
+            for name, v in st.items():
+                print(f"  {name:<24} {v['matched']:>3} {fmt_ms(v['ttft']):>6} "
+                      + " ".join(f"{fmt_ms(v[k]):>11}" for k in STAGES))
+    eq = res["equality"]
+    loads = [c["loadavg_1m"] for c in res["cells"].values()]
+    print(f"\nGreedy outputs across designs: {eq['compared']} requests compared, {eq['mismatches']} differ; "
+          f"load average (1 min) at the cells' starts {min(loads):.1f}-{max(loads):.1f}" if loads else "")
+
+
+def burst_server_cores(cells: dict, design: str, link: float, args: dict) -> dict:
+    """Mean cores of each server (by role), the benchmark's total and everything else's, over
+    ``design``'s burst cells on ``link`` (0: same-DC PD's, which run on the first link)."""
+    li = 0 if not link else args["links"].index(link)
+    mine = [c for key, c in cells.items() if key.startswith(f"{design}|b{li}x")]
+    if not mine:
+        return {}
+    labels = sorted({k for c in mine for k in c.get("server_cores", {})})
+    out = {k: float(np.mean([c.get("server_cores", {}).get(k, 0.0) for c in mine])) for k in labels}
+    out["all ours"] = float(np.mean([c["ours_cores"] for c in mine]))
+    out["others"] = float(np.mean([c["others_cores"] for c in mine]))
+    return out
+
+
+def plot_burst(res: dict, path: Path) -> None:
+    """TTFT p90 per design and link, PDD's split by path, each repeat a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = res["args"]["links"]
+    fig, ax = plt.subplots(1, len(links), figsize=(4.8 * len(links), 3.8), squeeze=False, sharey=True)
+    for col, link in enumerate(links):
+        a, bars = ax[0][col], []
+        for design in res["designs"]:
+            c = res["summary"].get(f"{design}|{link:g}") or (res["summary"].get(f"{design}|0")
+                                                            if design == "same_dc_pd" else None)
+            if c is None:
+                continue
+            bars.append((LABELS[design], c["ttft_p90"], COLORS[design], c["p90_per_repeat"]))
+            for p, v in c["paths"].items():
+                bars.append((f"{LABELS[design]} {p}", v["ttft_p90"], COLORS[design], []))
+        for i, (label, p90, color, reps) in enumerate(bars):
+            a.bar(i, 1e3 * (p90 or 0), color=color, alpha=0.5 if " p_" in label else 0.9)
+            a.scatter([i] * len(reps), [1e3 * v for v in reps if v is not None], color="k", s=10, zorder=3)
+        a.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30, ha="right", fontsize=7)
+        a.set_title(f"link {link:g} Mbit/s", fontsize=9)
+    ax[0][0].set_ylabel("TTFT p90 (ms); dots: each repeat")
+    fig.suptitle(f"Cold burst of {res['args']['burst']} sessions, real servers (tiny model, 2 CPU cores)",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -892,10 +1220,19 @@ def parse_args(argv=None):
     ap.add_argument("--time-stats", action="store_true",
                     help="servers log their time stats; each cell's TTFT is split into stages, over all requests "
                          "and over the slowest quarter")
-    ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS))
-    ap.add_argument("--links", type=float, nargs="+", default=[200.0, 40.0, 10.0], metavar="MBIT",
+    ap.add_argument("--burst", type=int, default=0, metavar="N",
+                    help="instead of the comparison: a cold burst of N sessions (first turns at once, each later "
+                         "turn as soon as its session has the answer) on same-DC PD, cross-DC PD and PDD, their "
+                         "servers up together, designs taking turns per repeat; TTFT per design and PDD path "
+                         "(links default 8 and 40 Mbit/s)")
+    ap.add_argument("--burst-prompt-tokens", type=int, default=680,
+                    help="--burst: the cold first turns' prompt length (+-10%%; later turns grow from it)")
+    ap.add_argument("--repeats", type=int, default=2, help="--burst: bursts per design and link (new prompts each)")
+    ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=None,
+                    help="default: all (--burst: same_dc_pd cross_dc_pd pdd)")
+    ap.add_argument("--links", type=float, nargs="+", default=None, metavar="MBIT",
                     help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "
-                         "prefill: r ~0.3-5 on this machine)")
+                         "prefill: r ~0.3-5 on this machine); default 200 40 10 (--burst: 8 40)")
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.5, 5.0], metavar="RPS",
                     help="request rates, Poisson (the last near saturation on 2 shared cores)")
     ap.add_argument("--sessions", type=int, default=6)
@@ -912,7 +1249,15 @@ def parse_args(argv=None):
     ap.add_argument("--plot", default=None, help="PNG path (default: real_pd_vs_pdd.png under --out; the docs' "
                                                   "figure is docs/img/real_pd_vs_pdd.png, name it to replace it)")
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.designs is None:
+        args.designs = list(BURST_DESIGNS if args.burst else DESIGNS)
+    if args.links is None:
+        args.links = [8.0, 40.0] if args.burst else [200.0, 40.0, 10.0]
+    if args.burst and args.burst < 2:
+        ap.error("--burst needs at least 2 sessions")
+    if args.quick and args.burst:  # the e2e test's size: the smallest burst that still is one
+        args.links, args.repeats, args.burst, args.turns = args.links[:1], 1, 3, [2, 2]
+    elif args.quick:
         args.links, args.rates = args.links[1:2], [1.5]
         args.sessions, args.turns, args.lanes, args.outliers = 2, [3, 3], 2, 1
     return args
@@ -975,6 +1320,8 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.burst:
+        return main_burst(args, out)
     plot_path = Path(args.plot) if args.plot else out / "real_pd_vs_pdd.png"
     model = default_model_path()
     cfg, jobs = workload(args)
@@ -1070,6 +1417,33 @@ def main(argv=None) -> int:
     plot(res, plot_path)
     print(f"\nwall {res['wall_s'] / 60:.1f} min; wrote {out / 'results.json'}, {out / 'requests.jsonl'}, {plot_path}")
     bad = res["equality"]["mismatches"] or any(c["errors"] or c["completion_mismatch"] for c in res["cells"].values())
+    return 1 if bad else 0
+
+
+def main_burst(args, out: Path) -> int:
+    """--burst: results to --out (burst.json, burst_requests.jsonl), the plot to --plot or --out."""
+    from sglang_pdd.launcher.cluster import default_model_path
+    from sglang_pdd.launcher.netns import link_or_fallback
+
+    plot_path = Path(args.plot) if args.plot else out / "real_pd_vs_pdd_burst.png"
+    t0 = time.time()
+    with contextlib.ExitStack() as stack:
+        link = link_or_fallback(args.links[0])
+        if link is None:
+            print("without the namespace the cross-DC baseline cannot run: same-DC PD and PDD (over the userspace "
+                  "emulator, P's WAN KV only) only", file=sys.stderr)
+        else:
+            stack.callback(link.destroy)
+        res = run_burst(args, link, default_model_path(), out)
+        if link is not None:
+            res["namespace"] = {"name": link.namespace, "veth": link.plan.veth_a}
+    res["wall_s"] = time.time() - t0
+    (out / "burst.json").write_text(json.dumps(res, indent=1))
+    print_burst(res)
+    plot_burst(res, plot_path)
+    print(f"\nwall {res['wall_s'] / 60:.1f} min; wrote {out / 'burst.json'}, {out / 'burst_requests.jsonl'}, "
+          f"{plot_path}")
+    bad = res["equality"]["mismatches"] or any(c["errors"] for c in res["summary"].values())
     return 1 if bad else 0
 
 

@@ -219,8 +219,12 @@ class WanKvReceiver(RoomQueries):
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         ssl_context: Optional[ssl.SSLContext] = None,
         admission: AdmissionLimits = AdmissionLimits(),
+        on_settled: Optional[Callable[[int], None]] = None,
     ):
         self.key = check_key(auth_key)
+        # Called (lock held: must not block) when a room reaches SUCCESS or FAILED, so an owner
+        # that polls rooms from a loop may sleep until then instead of polling all along.
+        self._on_settled = on_settled
         self.name = name
         self.max_header_bytes = max_header_bytes
         self.max_payload_bytes = max_payload_bytes
@@ -776,6 +780,8 @@ class WanKvReceiver(RoomQueries):
                       conn: Optional[_ReceiverConn] = None) -> None:
         entry.done.set()
         self._cv.notify_all()
+        if self._on_settled is not None:
+            self._on_settled(entry.room)
 
     def _nack_senders(self, entry: _ReceiverRoom, action: recv_room.NackSenders,
                       conn: Optional[_ReceiverConn] = None) -> None:

@@ -190,6 +190,15 @@ class FlowResult:
     # each, what shows an operator where prefix affinity and load balance sent it.
     prefill_url: Optional[str] = None
     main_url: Optional[str] = None
+    # Seconds from the flow's start to each step of its way to the first token (router side):
+    # path (chosen), legs (P and RLD sent), md_registered (MD answered the registration),
+    # destination (P accepted MD's room), p_replied (P's leg answered), first_token, md_ready
+    # (MD's KV landed). Where a request's time to first token went, beside the servers' stats.
+    marks: dict = field(default_factory=dict)
+
+    def mark(self, step: str, t0: float) -> None:
+        """Step ``step`` happened now (first time only), ``t0`` the flow's start."""
+        self.marks.setdefault(step, round(time.perf_counter() - t0, 4))
 
 
 def awaiting(coro) -> list[str]:
@@ -267,6 +276,7 @@ class PddFlow:
                  wan_in_flight: Optional[WanInFlight] = None, request=None, operator: bool = False,
                  retry_of: Optional["PddFlow"] = None, fallbacks: Sequence[Fallback] = (), p_cached_estimate: int = 0,
                  p_load=None, md_kv_size_learned: Optional[Callable[[int], None]] = None):
+        self.t0 = time.perf_counter()
         self.session, self.cfg = session, cfg
         self.prefill, self.relay_url, self.main = prefill, relay_url, main
         self.ids = list(input_ids)
@@ -310,7 +320,7 @@ class PddFlow:
             sampling=self.sampling, extras=self.extras, max_new=self.max_new, use_drc=use_drc,
             internal_rid=self.internal_rid, wan_timeout_s=cfg.wan_timeout_s,
             stall_timeout_s=cfg.md_stall_timeout_s, first_token_timeout_s=cfg.md_first_token_timeout_s,
-            result=self.result, queue=self.queue, put_stream_event=self._put_stream_event, spawn=self._spawn,
+            result=self.result, t0=self.t0, queue=self.queue, put_stream_event=self._put_stream_event, spawn=self._spawn,
             live_rids=self.live_rids, wan_in_flight=self.wan_in_flight, kv_size_learned=md_kv_size_learned)
         self._out_meta = OutputMeta(self.extras)
         # P's reply to the first leg: the prompt's logprobs come from it (P prefills the prompt; a
@@ -319,7 +329,6 @@ class PddFlow:
         self._prefill_replied = asyncio.Event()
         self.p_load = p_load  # the router's count of P's load (flow_runner.PrefillLoad): released at P's reply
         self._prefill_failure: Optional[str] = None
-        self.t0 = time.perf_counter()
 
     @property
     def output_meta(self) -> dict:
@@ -333,6 +342,7 @@ class PddFlow:
                     await self._input_logprobs()
                     if self.result.ttft_s is None:
                         self.result.ttft_s = time.perf_counter() - self.t0
+                        self.result.mark("first_token", self.t0)
                     yield tokens
             await self._input_logprobs()  # also a request without output tokens reports its prompt's
         finally:
@@ -360,7 +370,9 @@ class PddFlow:
                                f"and P gave none: {self._prefill_failure or f'its reply lacks {missing}'}")
 
     async def _run(self) -> AsyncIterator[list[int]]:
-        await self.queue.put((await self._choose_path(), None))
+        chosen = await self._choose_path()
+        self.result.mark("path", self.t0)
+        await self.queue.put((chosen, None))
         deadline = self.t0 + self.cfg.request_timeout_s
         while True:
             try:
@@ -584,6 +596,8 @@ class PddFlow:
             extras["logprob_start_len"] = -1  # (so a recovery leg's P may use its prefix cache)
         body = pd_leg_body(input_ids, sampling, rid, self.prefill.host, self.prefill.bootstrap_port, room, extras)
         self.live_rids[rid] = self.relay_url
+        if leg.leg == 1:
+            self.result.mark("legs", self.t0)
         self._spawn_leg(self._prefill_leg(leg.leg, body), lambda m: self._prefill_failed(leg.leg, m))
         self._spawn_leg(self._relay_leg(leg, body), lambda m: lifecycle.RelayFailed(leg.leg, m))
 
@@ -612,6 +626,7 @@ class PddFlow:
             await self.queue.put((self._prefill_failed(leg, str(e)), None))
         finally:
             if leg == 1:
+                self.result.mark("p_replied", self.t0)
                 self._prefill_replied.set()
                 if self.p_load is not None:
                     self.p_load.release()

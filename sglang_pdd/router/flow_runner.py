@@ -178,7 +178,7 @@ class FlowRunner:
             "md_cached": r.md_cached_tokens, "md_cached_est": r.md_cached_estimate,
             "md_registration": r.md_registration, "p_cached": r.p_cached_tokens, "handoff_at": r.handoff_at,
             "mode": r.handoff_mode, "stall_s": r.handoff_stall_s, "ttft_s": r.ttft_s, "e2e_s": round(e2e, 4),
-            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens,
+            "rld_tokens": r.rld_tokens, "md_tokens": r.md_tokens, "reason": r.reason, "marks": r.marks,
             "fallbacks": [str(f) for f in r.fallbacks]}))
         try:
             self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)

@@ -70,7 +70,7 @@ class MdSide:
     def __init__(self, session: aiohttp.ClientSession, main_url: str, control_url: str, wan_peer: str,
                  p_control_url: Optional[str], *, ids: list[int], sampling: dict, extras: dict, max_new: int,
                  use_drc: bool, internal_rid: str, wan_timeout_s: float, stall_timeout_s: float,
-                 first_token_timeout_s: float, result, queue: asyncio.Queue,
+                 first_token_timeout_s: float, result, queue: asyncio.Queue, t0: float = 0.0,
                  put_stream_event: Callable[[object, object], Awaitable[None]],
                  spawn: Callable[..., None], live_rids: dict[str, str], wan_in_flight: WanInFlight,
                  kv_size_learned: Optional[Callable[[int], None]] = None):
@@ -83,6 +83,7 @@ class MdSide:
         # After the final handoff (0: as long as TCP waits): no new token this long, no first token this long.
         self.stall_timeout_s, self.first_token_timeout_s = stall_timeout_s, first_token_timeout_s
         self.result, self.queue, self._put_stream_event = result, queue, put_stream_event
+        self.t0 = t0  # the flow's start: result.marks are seconds from it
         self._spawn, self.live_rids, self.wan_in_flight = spawn, live_rids, wan_in_flight
         self._kv_size_learned = kv_size_learned  # MD's KV size from a registration, for the router
         self.room: Optional[int] = None
@@ -98,6 +99,7 @@ class MdSide:
         self.room, reg = new_room(), None
         try:
             reg = await self.control.register(self.room, self.ids, use_cache=self.use_drc)
+            self.result.mark("md_registered", self.t0)
             self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError) as e:
             self._registration_failed(self.room, reg, e)
@@ -153,6 +155,7 @@ class MdSide:
         room, reg = self.room, None
         try:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
+            self.result.mark("md_registered", self.t0)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
             self._registration_failed(room, reg, e)
@@ -168,6 +171,7 @@ class MdSide:
             self.room = None
             await self._not_ready(Fallback(Reason.WAN_DESTINATION_FAILED, str(e)))
             return
+        self.result.mark("destination", self.t0)
         self.count_wan_transfer()
         await self.queue.put((lifecycle.DestinationDelivered(), None))
 
@@ -191,6 +195,7 @@ class MdSide:
         finally:  # landed, failed or given up on: off the link as far as the router knows
             self.wan_in_flight.settled(self.internal_rid)
         if status == "ready":
+            self.result.mark("md_ready", self.t0)
             self.result.wan_ready_s = time.perf_counter() - started
             self.result.wan_bytes, self.result.wan_bytes_saved = self._planned_wan
             await self.queue.put((lifecycle.MdReady(), None))

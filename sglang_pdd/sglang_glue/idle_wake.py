@@ -9,10 +9,13 @@ small machine that core is taken from P and RLD (measured: PDD's first tokens 32
 MD stopped, 305-375 ms with MD idle beside P and RLD on 2 cores).
 
 ``IdleWake`` adds one pipe to the sleeper's poller: a control thread that queues a command
-writes a byte, and the scheduler wakes at once. While rooms are landing or pages wait to go
-back, the iteration wakes itself (``keep_awake``), so the scheduler spins only while MD has
-room work in flight, as it did all the time before. Without SGLang's sleeper (no flag, a TP
-rank other than 0, a test double) every call is a no-op.
+writes a byte, and the scheduler wakes at once; so does the WAN receiver when a room's KV has
+all landed (or failed), and the page-release thread when a room's pages may go back. Only
+while such a decision waits for the next iteration does the iteration wake itself
+(``keep_awake``; md_rooms.RankRooms.needs_iteration): KV still crossing the WAN keeps no core
+busy, which on a slow link is seconds per room, taken from P and RLD on a shared machine.
+Without SGLang's sleeper (no flag, a TP rank other than 0, a test double) every call is a
+no-op.
 """
 
 from __future__ import annotations

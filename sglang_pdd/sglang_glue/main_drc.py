@@ -157,14 +157,16 @@ class MainDrcRuntime:
         self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
+        self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)
         self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
                                       idle_timeout=cfg.wan_timeout_s, admission=admission_limits(cfg),
                                       ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
-                                                                  server_side=True))
-        self.rank_rooms = RankRooms(cfg, self.ops, self.receiver, self.tp.size, scheduler.page_size)
+                                                                  server_side=True),
+                                      on_settled=lambda room: self.idle_wake.wake())
+        self.rank_rooms = RankRooms(cfg, self.ops, self.receiver, self.tp.size, scheduler.page_size,
+                                    wake=self.idle_wake.wake)
         # MD's stats count the cache's real evictions, by SGLang's scheduler or MD's ingest
         count_evictions(scheduler.tree_cache, self.rank_rooms.drc_stats.record_eviction)
-        self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)
         self.commands = CommandQueue(on_submit=self.idle_wake.wake)
         self.driver = LockstepDriver(self.tp, self.rank_rooms, self.commands)
         self.queries = MdRoomQueries(self.rank_rooms)
@@ -246,8 +248,9 @@ class MainDrcRuntime:
         """One scheduler iteration, on every TP rank in lockstep (md_driver.LockstepDriver)."""
         self.idle_wake.drain()
         self.driver.iterate()
-        # KV landing or pages on their way back: their progress is seen only in iterations.
-        self.idle_wake.keep_awake(bool(self.table.pending()) or bool(self.rank_rooms.pages.releasing))
+        # A settled room or released pages wait for the group's decision; KV still landing
+        # does not keep MD awake (the receiver wakes it when a room settles).
+        self.idle_wake.keep_awake(self.rank_rooms.needs_iteration())
 
 
 class MdControlServer(ControlServer):

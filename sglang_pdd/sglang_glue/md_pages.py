@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from sglang_pdd.sglang_glue.md_ingest import Landing
 
@@ -33,9 +33,10 @@ class PageReleases:
     order every rank queued them (only decisions every rank takes queue one), so the list is
     the same on every rank."""
 
-    def __init__(self, receiver, free_slots):
+    def __init__(self, receiver, free_slots, on_outcome: Callable[[], None] = lambda: None):
         self.receiver = receiver
         self._free_slots = free_slots  # SglangTreeOps.free: back to the allocator
+        self._on_outcome = on_outcome  # a record's outcome is in: wakes a scheduler sleeping on idle
         self.held_tokens = 0
         self.releasing: list[PagesRelease] = []
         self._to_receiver: "queue.Queue[Optional[tuple[int, Optional[PagesRelease]]]]" = queue.Queue()
@@ -106,3 +107,4 @@ class PageReleases:
                 ok = False
             if record is not None:
                 record.outcome = ok
+                self._on_outcome()

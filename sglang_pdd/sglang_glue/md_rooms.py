@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig, md_staging_bytes
@@ -26,14 +26,15 @@ logger = logging.getLogger(__name__)
 
 
 class RankRooms:
-    def __init__(self, cfg: PddConfig, ops, receiver, tp_size: int, page_size: int):
+    def __init__(self, cfg: PddConfig, ops, receiver, tp_size: int, page_size: int,
+                 wake: Callable[[], None] = lambda: None):
         self.ops, self.receiver, self.tp_size = ops, receiver, tp_size
         self.wan_timeout_s = cfg.wan_timeout_s
         self.ingest_mode = cfg.md_ingest
         self.table = DrcRoomTable(ops, ttl_s=cfg.wan_timeout_s * 2, page_size=page_size)
         self.budget = InFlightBudget(md_staging_bytes(cfg.md_staging_mb, getattr(ops.pool, "size", 0),
                                                       ops.pool_layout.bytes_per_token))
-        self.pages = PageReleases(receiver, ops.free)
+        self.pages = PageReleases(receiver, ops.free, on_outcome=wake)
         self.landings: dict[int, Landing] = {}
         self.unregistered: dict[int, Landing] = {}  # pages of a registration only this rank refused
         self.ready_events: dict[int, threading.Event] = {}
@@ -172,6 +173,16 @@ class RankRooms:
         record.outcome = True  # this rank's receiver never had the room
 
     # ---- the group's decisions on rooms whose KV is landing
+    def needs_iteration(self) -> bool:
+        """Whether the next scheduler iteration has a decision to take now: a room this rank's
+        receiver has settled (landed or failed) that the group has not completed yet (with TP,
+        the other ranks' shares may still be landing), or pages whose receiver let go. KV that
+        is still crossing the WAN is not such work: the receiver wakes the scheduler when a room
+        settles (``on_settled``) and the release thread when pages are let go, so MD sleeps
+        meanwhile instead of spinning a core for as long as the WAN takes."""
+        return (any(self.poll(entry.room).is_terminal for entry in self.table.pending())
+                or any(record.outcome is not None for record in self.pages.releasing))
+
     def poll(self, room: int) -> RoomState:
         try:
             return self.receiver.poll(room)

@@ -78,3 +78,59 @@ def test_nothing_left_behind(quick_run):
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert ns["name"] not in names and ns["veth"] not in links
+
+
+# ----------------------------------------------------------------------------- the cold burst
+@pytest.fixture(scope="module")
+def burst_run(tmp_path_factory, servers_under_test):
+    """``--burst --quick``: three sessions' cold first turns at once, then their second turns, on
+    same-DC PD, cross-DC PD and PDD (their servers up together), one link, one repeat."""
+    _require_sglang()
+    if netns.unavailable_reason():
+        pytest.skip(netns.unavailable_reason())
+    servers_under_test.stop()
+    out = tmp_path_factory.mktemp("real_pd_vs_pdd_burst")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_real_pd_vs_pdd", "--burst", "3", "--quick",
+                           "--time-stats", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    res = json.loads((out / "burst.json").read_text()) if (out / "burst.json").exists() else None
+    records = [json.loads(line) for line in (out / "burst_requests.jsonl").read_text().splitlines()] if res else []
+    return done, res, records, out
+
+
+def test_burst_completes_on_every_design_with_equal_outputs(burst_run):
+    done, res, records, out = burst_run
+    assert done.returncode == 0 and res is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    assert res["designs"] == ["same_dc_pd", "cross_dc_pd", "pdd"]
+    n = res["workload"]["requests_per_cell"]
+    assert n == 6  # 3 sessions x 2 turns
+    for key, cell in res["summary"].items():
+        assert cell["errors"] == 0 and cell["n"] == n, (key, cell)
+    eq = res["equality"]
+    assert eq["mismatches"] == 0 and eq["compared"] == n and eq["designs_per_request"] == [3], eq
+    # the burst: every session's first turn was sent before any answer came back
+    for design in res["designs"]:
+        firsts = [r for r in records if r["design"] == design and r["turn"] == 0]
+        assert max(r["sent_at"] for r in firsts) < min(r["sent_at"] + r["ttft_s"] for r in firsts), design
+    assert (out / "real_pd_vs_pdd_burst.png").exists()
+    assert "namespace" in res
+
+
+def test_burst_reports_pdds_paths_stages_and_router_marks(burst_run):
+    _, res, records, _ = burst_run
+    link = f"{res['args']['links'][0]:g}"
+    pdd = [r for r in records if r["design"] == "pdd"]
+    assert all(r["path"] in ("p_md", "p_rld_md") for r in pdd), [r["path"] for r in pdd]
+    assert sum(res["summary"][f"pdd|{link}"]["paths"][p]["n"] for p in res["summary"][f"pdd|{link}"]["paths"]) == 6
+    assert all({"path", "legs", "first_token"} <= set(r["router_marks"]) for r in pdd)
+    stages = res["stages"][link]
+    assert any(name.startswith("pdd:") for name in stages) and "same_dc_pd" in stages
+    cores = [c["server_cores"] for key, c in res["cells"].items() if key.startswith("pdd|")]
+    assert cores and all({"prefill", "relay", "main"} <= set(c) for c in cores)
+
+
+def test_burst_leaves_no_namespace_behind(burst_run):
+    _, res, _, _ = burst_run
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert res["namespace"]["name"] not in names and res["namespace"]["veth"] not in links

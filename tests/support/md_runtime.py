@@ -24,10 +24,11 @@ def build_md(page_size, kind="mha", tmp_budget_mb=64, ingest="pool", head_num=2)
     return runtime_on_pool(pool, page_size, KEY, wan_timeout_s=10.0, md_staging_mb=tmp_budget_mb, md_ingest=ingest)
 
 
-def runtime_on_pool(pool, page_size: int, key: bytes, **config):
+def runtime_on_pool(pool, page_size: int, key: bytes, idle_sleeper=None, **config):
     """MD's real runtime (WAN receiver, rooms, ingest, control API on free loopback ports) over
     ``pool`` with SGLang's allocator (paged unless ``page_size`` is 1) and radix cache, without a
-    server; ``config``: the rest of its PddConfig."""
+    server; ``idle_sleeper``: the scheduler's (SGLang's --sleep-on-idle), if any; ``config``: the
+    rest of its PddConfig."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -44,7 +45,8 @@ def runtime_on_pool(pool, page_size: int, key: bytes, **config):
                                       page_size=page_size))
     cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
                     **config)
-    sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size)
+    sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size,
+                            idle_sleeper=idle_sleeper)
     return MainDrcRuntime(sched, cfg, key)
 
 

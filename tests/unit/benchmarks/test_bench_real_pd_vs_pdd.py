@@ -2,6 +2,8 @@
 the SLA, the cross-design output comparison and the TTFT breakdown from the servers' time
 stats. No server."""
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.bench_agentic import Job, Turn, WorkloadConfig, build_jobs
@@ -195,3 +197,79 @@ def test_router_log_lines_annotate_requests_by_length_and_end_time():
     # the cell's shares count only requests the log named: 1 of 2 went P->MD, RLD made 3 of 4 tokens
     s = summarize_cell([first, second, unknown], rate=1.0, sla_ttft_s=0.5, sla_tpot_s=0.1, link_bytes=(0, 0), wall_s=1.0)
     assert s["p_md_share"] == pytest.approx(0.5) and s["rld_token_share"] == pytest.approx(0.75)
+
+
+# ----------------------------------------------------------------------------- the cold burst
+from benchmarks.bench_real_pd_vs_pdd import (burst_arrivals, burst_ratios, burst_stage_table, burst_summary,  # noqa: E402
+                                             burst_workload, relayed_vs_same_dc)
+
+
+def test_burst_sends_every_first_turn_at_once_and_holds_later_turns_on_their_session():
+    args = parse_args(["--burst", "4", "--turns", "3", "3"])
+    assert args.designs == ["same_dc_pd", "cross_dc_pd", "pdd"] and args.links == [8.0, 40.0]
+    cfg, jobs = burst_workload(args)
+    assert cfg.outliers == 0 and len(jobs) == 4
+    order = dispatch_order(jobs, lanes=args.burst)
+    assert [s.turn for s in order[:4]] == [0] * 4  # the burst: every session's first turn first
+    assert burst_arrivals(order) == [0.0] * len(order)  # later turns wait for their answers only
+    first = [cfg.system_tokens + j.turns[0].new_block for j in jobs]
+    assert all(0.85 * 680 <= n <= 1.15 * 680 for n in first), first
+
+
+def test_burst_quick_size_is_a_burst_on_one_link():
+    args = parse_args(["--burst", "6", "--quick"])
+    assert args.burst >= 2 and len(args.links) == 1 and args.repeats == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--burst", "1"])
+
+
+def burst_record(design, link, rep, job, turn, ttft, path=""):
+    return Record(design, link, 0, f"b0x{rep}s0", 0, "session", job, turn, 700, 8, ttft_s=ttft, path=path)
+
+
+def test_burst_summary_splits_first_and_later_turns_paths_and_repeats():
+    recs = [burst_record("pdd", 8.0, rep, j, t, 1.0 + j if t == 0 else 0.1, "p_rld_md" if t == 0 else "p_md")
+            for rep in range(2) for j in range(3) for t in range(2)]
+    recs.append(replace(burst_record("pdd", 8.0, 0, 9, 0, None), error="boom"))
+    s = burst_summary(recs)["pdd|8"]
+    assert s["n"] == 12 and s["errors"] == 1
+    assert s["first_turns"]["ttft_p50"] == pytest.approx(2.0) and s["later_turns"]["ttft_p90"] == pytest.approx(0.1)
+    assert s["paths"]["p_rld_md"]["n"] == 6 and s["paths"]["p_md"]["ttft_p50"] == pytest.approx(0.1)
+    assert len(s["p90_per_repeat"]) == 2
+
+
+def test_burst_ratios_against_both_baselines_and_the_same_turns_on_same_dc():
+    recs = ([burst_record("same_dc_pd", 0, 0, j, t, 1.0 if t == 0 else 0.5) for j in range(2) for t in range(2)]
+            + [burst_record("cross_dc_pd", 8.0, 0, j, t, 2.0) for j in range(2) for t in range(2)]
+            + [burst_record("pdd", 8.0, 0, j, t, 1.5 if t == 0 else 0.2, "p_rld_md" if t == 0 else "p_md")
+               for j in range(2) for t in range(2)])
+    r = burst_ratios(burst_summary(recs), 8.0)
+    assert r["pdd_over_cross_dc"] == pytest.approx(pct_of([1.5, 1.5, 0.2, 0.2]) / 2.0)
+    assert r["relayed_over_same_dc"] == pytest.approx(1.5 / pct_of([1, 1, 0.5, 0.5]))
+    same = relayed_vs_same_dc(recs, 8.0)  # the relayed first turns against same-DC PD's first turns
+    assert same["n"] == 2 and same["ratio"] == pytest.approx(1.5)
+
+
+def pct_of(values):
+    import numpy as np
+
+    return float(np.percentile(values, 90))
+
+
+def test_burst_stage_table_groups_by_design_and_path():
+    row = lambda design, path, ttft: {"design": design, "path": path, "ttft": ttft, **{k: ttft / 10 for k in STAGES}}
+    t = burst_stage_table([row("pdd", "p_rld_md", 2.0), row("pdd", "p_rld_md", 4.0), row("pdd", "p_md", 1.0),
+                           row("same_dc_pd", "", 1.0)])
+    assert set(t) == {"pdd:p_rld_md", "pdd:p_md", "same_dc_pd"}
+    assert t["pdd:p_rld_md"]["matched"] == 2 and t["pdd:p_rld_md"]["p_forward"] == pytest.approx(0.3)
+
+
+def test_servers_are_labelled_by_role_for_the_cpu_split():
+    from benchmarks.bench_real_pd_vs_pdd import server_label
+
+    assert server_label(["python", "-m", "sglang.launch_server", "--pdd-role", "main", "--port", "1"]) == "main"
+    assert server_label(["ip", "netns", "exec", "b", "python", "-m", "sglang.launch_server",
+                         "--disaggregation-mode", "decode"]) == "pd_decode"
+    assert server_label(["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]) == "sglang_router"
+    assert server_label(["python", "-m", "sglang_pdd.router", "--port", "2"]) == "pdd_router"
+    assert server_label(["python", "-m", "sglang.launch_server", "--pdd-role"]) == "other"

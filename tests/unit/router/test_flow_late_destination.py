@@ -74,6 +74,25 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
     assert 0 < r.wan_ready_s < run.last_chunk_t - t_of(run, "p", "destination")
 
 
+def test_router_marks_each_step_of_a_relayed_request_in_order():
+    """FlowResult.marks (the request's log line): the path and the legs come before MD's answer,
+    the first token too; the destination follows the answer, MD's KV the destination."""
+    knobs = Knobs(md_register_delay_s=0.3, md_cached_tokens=3)
+
+    def gates(run):
+        takeover(knobs, 3)(run)
+        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value in ("ready", "failed"), 6)
+
+    run = scenario(knobs, max_new=40, p_control=True, md_estimate=0, gates=gates)
+    assert_invariants(run, 40)
+    m = run.flow.result.marks
+    assert set(m) >= {"path", "legs", "md_registered", "destination", "p_replied", "first_token"}, m
+    assert m["path"] <= m["legs"] <= m["first_token"] < m["md_registered"] <= m["destination"]
+    assert m["legs"] <= m["p_replied"]
+    assert m["md_registered"] >= 0.3  # MD answered after its delay, measured from the flow's start
+    assert m["destination"] <= m["md_ready"]
+
+
 def test_destination_carries_md_exact_prefix_and_room_path_kept_on_estimate():
     """Estimate 0 -> P->RLD->MD; MD actually holds the whole prompt (with it, P->MD would have
     been chosen). The path is not changed after the fact; both numbers are reported."""

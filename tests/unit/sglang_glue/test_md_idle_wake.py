@@ -81,3 +81,36 @@ def test_without_sglangs_sleeper_nothing_happens():
         wake = IdleWake(scheduler)
         assert not wake.active
         wake.wake(), wake.keep_awake(True), wake.drain(), wake.close()
+
+
+def test_md_sleeps_while_kv_crosses_the_wan_and_wakes_when_it_has_landed(sleeper):
+    """MD's real runtime and WAN receiver, P's real fan-out: a registered room whose KV has not
+    come yet keeps no core busy (the idle poll sleeps its full second); the receiver wakes the
+    scheduler once the room has landed, and the next iteration puts it in the tree."""
+    from sglang_pdd.protocol import RegisterRequest
+    from tests.support.md_runtime import KEY, Prefill, close, make_pool, runtime_on_pool, settle
+
+    md = runtime_on_pool(make_pool("mha", 16, seed=None), 16, KEY, idle_sleeper=sleeper, wan_timeout_s=10.0,
+                         md_staging_mb=64, md_ingest="pool")
+    p = Prefill("mha", 16, md)
+    try:
+        ids = list(range(1000, 1050))
+        md.rank_rooms.register(RegisterRequest(1, ids))
+        md.on_scheduler_iteration()
+        assert md.table.pending() and not md.rank_rooms.needs_iteration()
+        assert slept(sleeper) > 0.9  # the room waits for its KV: MD sleeps, it does not spin
+        md.on_scheduler_iteration()
+        threading.Timer(0.2, lambda: p.send(1, ids, 0, p.pages_for(len(ids), seed=1))).start()
+        assert slept(sleeper) < 0.9  # the room landed: the receiver woke the scheduler
+        assert md.rank_rooms.needs_iteration()  # a landed room waits for the iteration's decision
+        deadline = time.monotonic() + 10
+        while md.table.pending() and time.monotonic() < deadline:
+            md.on_scheduler_iteration()
+            time.sleep(0.01)
+        assert md.table.rooms[1].status.value == "ready"
+        settle(md)  # the partial page goes back once the receiver let go of the room
+        assert md.held_tokens == 0
+        md.on_scheduler_iteration()
+        assert not md.rank_rooms.needs_iteration()
+    finally:
+        close(md, p)
