@@ -105,12 +105,18 @@ async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBack
         await asyncio.sleep(interval_s)
 
 
-async def learn_relay_slots(session: aiohttp.ClientSession, slots: dict, interval_s: float = 2.0,
-                            refresh_s: float = 30.0) -> None:
+async def learn_relay_slots(session: aiohttp.ClientSession, slots: dict, relays: list[str],
+                            interval_s: float = 2.0, refresh_s: float = 30.0) -> None:
     """Each RLD's running slots (its --max-running-requests) from its /v1/loads, into ``slots``
-    (url -> slots): the default overload caps (router/overload.py). Asked every ``interval_s``
+    (url -> slots): the default overload caps (router/overload.py). ``relays`` is the pool's own
+    list, which service discovery grows and shrinks: a new RLD is unknown (no cap) until it
+    answers, one that left no longer counts toward the total. Asked every ``interval_s``
     until each has answered, then every ``refresh_s`` (a restarted RLD may run another size)."""
     while True:
+        for url in [u for u in slots if u not in relays]:
+            del slots[url]
+        for url in relays:
+            slots.setdefault(url, None)
         for url in list(slots):
             try:
                 async with session.get(f"{url}/v1/loads?include=core", timeout=aiohttp.ClientTimeout(total=10)) as resp:
@@ -175,7 +181,8 @@ class Router:
         self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
         self._speeds = asyncio.ensure_future(loads.measure_forever(
             self.session, self.pools.prefill, self.pools.main, self.pools.md_flow_step_s, self.measure_prefill))
-        self._relay_slots = asyncio.ensure_future(learn_relay_slots(self.session, self.flows.relay_slots))
+        self._relay_slots = asyncio.ensure_future(learn_relay_slots(self.session, self.flows.relay_slots,
+                                                                     self.pools.relay))
         if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
             self._kv_senders = asyncio.ensure_future(
                 kv_senders.announce_forever(self.session, self.pools.main, self.pools.prefill))
