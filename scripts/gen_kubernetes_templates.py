@@ -26,19 +26,23 @@ COMMON_ENV = """\
 - name: MODEL_PATH
   valueFrom: {configMapKeyRef: {name: pdd-params, key: MODEL_PATH}}
 """
+# SGLang's /health: 503 while the weights load; then it decodes one token and answers after at
+# least a second (up to its HEALTH_CHECK_TIMEOUT, 20 s): the probes wait 25 s, not kubelet's 1 s.
 PROBES = """\
-startupProbe:   # 503 while the weights load (SGLang's /health: ServerStatus.Starting)
+startupProbe:
   httpGet: {path: /health, port: http}
   periodSeconds: 10
+  timeoutSeconds: 25
   failureThreshold: 180
 readinessProbe:
   httpGet: {path: /health, port: http}
-  periodSeconds: 5
+  periodSeconds: 10
+  timeoutSeconds: 25
   failureThreshold: 2
 livenessProbe:
   httpGet: {path: /health, port: http}
-  periodSeconds: 15
-  timeoutSeconds: 10
+  periodSeconds: 20
+  timeoutSeconds: 25
   failureThreshold: 4
 """
 KEY_VOLUME = """\

@@ -193,6 +193,7 @@ def test_every_pdd_flag_the_servers_get_exists():
 
 @needs_kubectl
 def test_probes_hit_routes_the_servers_serve(router_sglang_state):
+    from sglang.srt.entrypoints.http_server import HEALTH_CHECK_TIMEOUT
     from sglang.srt.entrypoints.http_server import app as sglang_app
 
     from sglang_pdd.router.app import Router, build_app
@@ -210,6 +211,8 @@ def test_probes_hit_routes_the_servers_serve(router_sglang_state):
                 get = c[probe]["httpGet"]
                 assert get["port"] in ports
                 assert get["path"] in (router_routes if role == "router" else sglang_routes), (role, probe)
+                if role != "router":  # SGLang's /health decodes a token: >= 1 s, up to its timeout
+                    assert c[probe].get("timeoutSeconds", 1) > HEALTH_CHECK_TIMEOUT, (role, probe)
 
 
 @needs_kubectl
