@@ -122,7 +122,10 @@ class PrefillBackend:
 
 @dataclass
 class FlowConfig:
-    path: PathPolicyConfig = field(default_factory=PathPolicyConfig)
+    # The router's own: its first token always comes through RLD's bridge, judged by the gap
+    # SLO (--gap-slo-ms). PathPolicyConfig's bare defaults are a design without that bridge.
+    path: PathPolicyConfig = field(default_factory=lambda: PathPolicyConfig(first_token_via_rld=True,
+                                                                            gap_slo_ms=1000.0))
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     wan_timeout_s: float = 30.0
     rld_max_running: int = RLD_MAX_RUNNING_DEFAULT  # the router's --rld-max-running

@@ -11,9 +11,7 @@ import dataclasses
 from sglang_pdd.router.cli import build_parser, flow_config
 from sglang_pdd.router.flow import FlowConfig
 
-# The router's --page-size (1) and PathPolicyConfig.page_size (512) are settled by the
-# placement work on router/policy.py; either way round the pair may agree from then on.
-_SETTLED_ELSEWHERE = {"path.page_size"}
+_SETTLED_ELSEWHERE: set = set()  # pairs that may differ, each with its reason
 
 
 def _leaves(value, prefix=""):

@@ -86,9 +86,13 @@ def test_past_its_cap_the_router_answers_503_at_once_and_serves_again_after(rout
                     assert router.flows.relay_slots[fakes.rld_url] == 1
                 held = [asyncio.ensure_future(_generate(client, base)) for _ in range(2)]
                 deadline = time.monotonic() + 10
-                while pools.rld_inflight[fakes.rld_url] < 2 and time.monotonic() < deadline:
+                # both held requests counted on RLD by the router *and* arrived there: their legs
+                # reach RLD a moment after the router counts them
+                while (pools.rld_inflight[fakes.rld_url] < 2 or len(fakes.records("rld", "generate")) < 2) \
+                        and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                 legs = len(fakes.records("rld", "generate"))
+                assert legs == 2
                 t0 = time.monotonic()
                 status, headers, body = await _generate(client, base)
                 assert status == 503 and headers.get("Retry-After") == "1", body
