@@ -291,7 +291,10 @@ class Router:
 
     async def server_info(self, request: web.Request) -> web.Response:
         """A decode backend's /server_info (its internal states), plus the router's pools."""
-        url = self.pools.main[0].url if self.pools.main else self.pools.relay[0]
+        decoders = [m.url for m in self.pools.main] + list(self.pools.relay)
+        if not decoders:  # service discovery has found none yet
+            return error_reply(503, "no decode backend to ask for /server_info", "ServiceUnavailable")
+        url = decoders[0]
         try:
             async with self.session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 info = json.loads(await read_bounded(resp, MAX_CONTROL_REPLY_BYTES, f"{url}/server_info"))

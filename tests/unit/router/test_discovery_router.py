@@ -148,3 +148,19 @@ def test_pods_join_after_health_and_leave_by_drain_while_requests_stream(router_
         await b.stop()
 
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_server_info_before_discovery_found_a_decoder_is_a_503(router_sglang_state):
+    """With service discovery the pools start empty: /server_info answers 503 (no decode backend
+    to ask), as when none answers, not a 500 from indexing an empty pool."""
+
+    async def main():
+        router = Router(Pools([], [], [], allow_empty=True), flow_config(), None, max_prompt_tokens=1000,
+                        served_model="tiny", sglang_state=router_sglang_state, max_new_tokens_cap=64,
+                        operator_token=TOKEN, health_check_interval_s=0)
+        async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
+            async with client.get(f"{base}/server_info") as resp:
+                assert resp.status == 503, await resp.text()
+                assert "no decode backend" in (await resp.json())["error"]
+
+    asyncio.run(asyncio.wait_for(main(), 30))
