@@ -118,11 +118,7 @@ async def learn_relay_slots(session: aiohttp.ClientSession, slots: dict, relays:
         for url in relays:
             slots.setdefault(url, None)
         for url in list(slots):
-            try:
-                async with session.get(f"{url}/v1/loads?include=core", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                    reply = await resp.json(content_type=None) if resp.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                reply = None
+            reply = await loads.read_loads_reply(session, url)
             known = running_slots_of(reply) if reply is not None else None
             if known is not None:
                 slots[url] = known

@@ -70,17 +70,25 @@ def merge_ranks(entries: Sequence[dict]) -> dict:
     return out
 
 
-async def read_load(session: aiohttp.ClientSession, url: str) -> Optional[dict]:
-    """The server's ``/v1/loads`` counters, its ranks merged; None when it does not answer."""
+async def read_loads_reply(session: aiohttp.ClientSession, url: str) -> Optional[dict]:
+    """The server's ``/v1/loads?include=core`` reply (read up to MAX_LOADS_REPLY_BYTES); None
+    when it does not answer with a JSON object."""
     try:
         async with session.get(f"{url}/v1/loads", params={"include": "core"},
                                timeout=aiohttp.ClientTimeout(total=10)) as resp:
             if resp.status != 200:
                 return None
             body = await resp.content.read(MAX_LOADS_REPLY_BYTES)
-        entries = json.loads(body).get("loads")
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+        reply = json.loads(body)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
+    return reply if isinstance(reply, dict) else None
+
+
+async def read_load(session: aiohttp.ClientSession, url: str) -> Optional[dict]:
+    """The server's ``/v1/loads`` counters, its ranks merged; None when it does not answer."""
+    reply = await read_loads_reply(session, url)
+    entries = reply.get("loads") if reply is not None else None
     return merge_ranks([e for e in entries if isinstance(e, dict)]) if isinstance(entries, list) else None
 
 
