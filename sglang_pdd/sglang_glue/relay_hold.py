@@ -6,7 +6,8 @@ the client saw the token it reacted to; on a loaded machine RLD had finished 20-
 outputs by then, and the handoff the test was about never happened. Here RLD pauses itself,
 on its scheduler thread, before the next decode step.
 
-Armed by writing N to the file named by SGLANG_PDD_TEST_RELAY_HOLD_FILE, an environment
+Armed by ``arm(path, N)``: N written whole (a temporary file renamed over the path) to the file
+named by SGLANG_PDD_TEST_RELAY_HOLD_FILE, an environment
 variable read when the relay server starts (never per request, as injected_delays.py: no client
 can reach it). At the first scheduler iteration where a running request has N or more output
 ids, RLD pauses in place (what /pause_generation mode "in_place" does) and renames the file to
@@ -16,6 +17,7 @@ ids, RLD pauses in place (what /pause_generation mode "in_place" does) and renam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -25,6 +27,16 @@ logger = logging.getLogger(__name__)
 
 RELAY_HOLD_FILE_ENV = "SGLANG_PDD_TEST_RELAY_HOLD_FILE"
 HELD_SUFFIX = ".held"
+
+
+def arm(path: str, at: int) -> None:
+    """Arms the hold at ``at`` tokens. Renamed into place, never written in place: RLD polls the
+    file every scheduler iteration and would otherwise read it empty between its creation and
+    its write."""
+    tmp = f"{path}.arming"
+    with open(tmp, "w") as f:
+        f.write(str(at))
+    os.replace(tmp, path)
 
 
 def reached(armed_at: int, output_lengths: Iterable[int]) -> Optional[int]:
@@ -55,6 +67,8 @@ class RelayHold:
             return None
         with os.fdopen(fd) as f:
             text = f.read(64).strip()
+        if not text:  # being written by a writer that does not rename: not armed yet, not bad
+            return None
         try:
             return int(text)
         except ValueError:
@@ -76,7 +90,8 @@ class RelayHold:
         scheduler._engine_paused = True  # as Scheduler.pause_generation(mode="in_place")
         if scheduler._pause_started_at is None:
             scheduler._pause_started_at = time.monotonic()
-        os.remove(self.path)  # fires once per arming, whatever follows
+        with contextlib.suppress(FileNotFoundError):  # disarmed meanwhile: it fired all the same
+            os.remove(self.path)  # fires once per arming, whatever follows
         tmp = self.path + HELD_SUFFIX + ".tmp"
         try:  # a file this call creates, never one planted there (a symlink is not followed)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
-from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV
+from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, arm
 
 WATCHDOG_S = 60.0
 
@@ -82,7 +82,8 @@ def md_takes_over(cluster, at: int, automatic: bool = True, progress=None):
     done = threading.Event()
 
     def let_through():
-        assert wait_until(lambda: held.exists() or done.is_set(), WATCHDOG_S), "RLD never reached the hold"
+        assert wait_until(lambda: held.exists() or done.is_set(), WATCHDOG_S), (
+            f"RLD never reached the hold (still armed: {armed.exists()}, RLD running: {running_requests(relay)})")
         with lock:
             if state["through"]:
                 return
@@ -106,7 +107,7 @@ def md_takes_over(cluster, at: int, automatic: bool = True, progress=None):
     assert wait_until(lambda: running_requests(relay) == 0, 30), "RLD still runs an earlier request"
     held.unlink(missing_ok=True)
     cluster.wan_control("stall", seconds=WATCHDOG_S * 2)
-    armed.write_text(str(at))
+    arm(str(armed), at)
     watchdog = threading.Timer(WATCHDOG_S, resume_relay)
     watchdog.start()
     watcher = threading.Thread(target=watch_hold, daemon=True) if automatic else None

@@ -5,7 +5,7 @@ never unless armed."""
 from types import SimpleNamespace
 
 from sglang_pdd.launcher.topology import ServerSpec, server_env
-from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, RelayHold, reached
+from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, RelayHold, arm, reached
 
 
 class Req:
@@ -59,6 +59,47 @@ def test_a_bad_arming_is_dropped_not_fatal(tmp_path):
     s = scheduler(Req(5))
     RelayHold(str(path)).check(s)
     assert not s._engine_paused and not path.exists()
+
+
+def test_an_arming_caught_half_written_stays_armed(tmp_path):
+    """RLD polls the file every iteration: one that exists but is still empty (created, not yet
+    written) was taken for a bad arming and removed, and RLD then never held (a test waited 60 s
+    for a hold that could not come)."""
+    path = tmp_path / "hold"
+    path.write_text("")
+    s = scheduler(Req(5))
+    hold = RelayHold(str(path))
+    hold.check(s)
+    assert not s._engine_paused and path.exists()
+    path.write_text("3")
+    hold.check(s)
+    assert s._engine_paused
+
+
+def test_arm_renames_the_whole_count_into_place(tmp_path):
+    path = tmp_path / "hold"
+    arm(str(path), 4)
+    assert path.read_text() == "4" and sorted(p.name for p in tmp_path.iterdir()) == ["hold"]
+    s = scheduler(Req(4))
+    RelayHold(str(path)).check(s)
+    assert s._engine_paused and (tmp_path / f"hold{HELD_SUFFIX}").read_text() == "4"
+
+
+def test_disarmed_between_read_and_pause_still_holds_cleanly(tmp_path):
+    """The test disarms (removes the file) while RLD's iteration has just read it: RLD holds and
+    says so, and the scheduler thread gets no exception."""
+    path = tmp_path / "hold"
+    arm(str(path), 2)
+
+    class DisarmedAfterRead(RelayHold):
+        def armed_at(self):
+            at = super().armed_at()
+            path.unlink()
+            return at
+
+    s = scheduler(Req(2))
+    DisarmedAfterRead(str(path)).check(s)
+    assert s._engine_paused and (tmp_path / f"hold{HELD_SUFFIX}").read_text() == "2"
 
 
 def test_unset_means_no_hold_and_the_launcher_passes_a_servers_own_environment():
