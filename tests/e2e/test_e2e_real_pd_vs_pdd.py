@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, _require_sglang
 from sglang_pdd.launcher import netns
+from benchmarks.bench_real_pd_vs_pdd import DESIGNS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
@@ -24,7 +25,7 @@ def quick_run(tmp_path_factory, servers_under_test):
     _require_sglang()
     if netns.unavailable_reason():
         pytest.skip(netns.unavailable_reason())
-    servers_under_test.stop()  # four designs start their own servers, one after another
+    servers_under_test.stop()  # the designs start their own servers, one after another
     out = tmp_path_factory.mktemp("real_pd_vs_pdd")
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_real_pd_vs_pdd", "--quick", "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
@@ -36,9 +37,9 @@ def quick_run(tmp_path_factory, servers_under_test):
 def test_every_design_completes_every_request(quick_run):
     done, res, records, _ = quick_run
     assert done.returncode == 0 and res is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    assert res["designs"] == ["same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd"]
+    assert res["designs"] == list(DESIGNS)
     per_cell = res["workload"]["requests_per_cell"]
-    assert len(res["cells"]) == 4
+    assert len(res["cells"]) == len(DESIGNS)
     for key, cell in res["cells"].items():
         assert cell["requests"] == per_cell and cell["errors"] == 0 and cell["completion_mismatch"] == 0, (key, cell)
     for r in records:
@@ -52,7 +53,7 @@ def test_greedy_outputs_equal_across_designs(quick_run):
     _, res, records, _ = quick_run
     eq = res["equality"]
     assert eq["mismatches"] == 0, eq
-    assert eq["compared"] == res["workload"]["requests_per_cell"] and eq["designs_per_request"] == [4], eq
+    assert eq["compared"] == res["workload"]["requests_per_cell"] and eq["designs_per_request"] == [len(DESIGNS)], eq
     outputs = {tuple(r["output_ids"]) for r in records if r["design"] == "pdd"}
     assert len(outputs) == len([r for r in records if r["design"] == "pdd"])  # prompts differ, outputs too
 
