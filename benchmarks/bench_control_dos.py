@@ -37,8 +37,8 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from sglang_pdd import control_auth
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control import auth as control_auth
+from sglang_pdd.control.auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import MainControl
 from sglang_pdd.protocol import ReleaseRequest

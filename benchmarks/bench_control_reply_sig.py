@@ -31,12 +31,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aiohttp
 
-from sglang_pdd import control_gate
-from sglang_pdd.control_auth import REPLY_HEADER, ROLE_MD, ControlSigner, ControlVerifier
+from sglang_pdd.control import gate as control_gate
+from sglang_pdd.control.auth import REPLY_HEADER, ROLE_MD, ControlSigner, ControlVerifier
 from sglang_pdd.protocol import HandoffRequest, RegisterReply
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
-from sglang_pdd.sglang_glue.main_drc import MdControlServer
+from sglang_pdd.sglang_glue.md.main_drc import MdControlServer
 
 KEY = b"bench-control-reply-signing-key-0123456789"
 _PLACEHOLDER = "0" * len(ControlVerifier(KEY, role=ROLE_MD).sign_reply("sig", 200, b"{}"))

@@ -33,12 +33,12 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.bench_control_reply_sig import KEY, _Generate, _Runtime, _timed, add_call_args, measure_calls
-from sglang_pdd.control_auth import ROLE_MD, ControlSigner
+from sglang_pdd.control.auth import ROLE_MD, ControlSigner
 from sglang_pdd.kv_channel.tls import control_tls_context
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
 from sglang_pdd.router import backends
 from sglang_pdd.router.app import backend_session
-from sglang_pdd.sglang_glue.main_drc import MdControlServer
+from sglang_pdd.sglang_glue.md.main_drc import MdControlServer
 
 MODES = ("tls", "plain")
 

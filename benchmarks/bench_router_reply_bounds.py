@@ -40,7 +40,7 @@ def fake_server(port_file: str, reply_mib: int, line_mib: int) -> None:
 
     from aiohttp import web
 
-    from sglang_pdd.control_auth import REPLY_HEADER
+    from sglang_pdd.control.auth import REPLY_HEADER
 
     async def rooms(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})

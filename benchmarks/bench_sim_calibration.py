@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from benchmarks.common import greedy
 from sglang_pdd.sim.hardware import check_profile
-from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
+from sglang_pdd.sim.workload import BLOCK_TOKENS, TraceRequest
 
 VOCAB = 1024
 FIRST_TOKEN_ID = 3  # 0..2 are bos / eos / pad in the tiny model

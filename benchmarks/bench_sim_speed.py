@@ -25,7 +25,7 @@ from benchmarks.common import MOONCAKE_TRACE, require_trace
 from sglang_pdd.sim.cluster import ARRIVALS, Simulation
 from sglang_pdd.sim.hardware import preset
 from sglang_pdd.sim.scenarios import BASELINES, ClusterSpec, standard_scenarios
-from sglang_pdd.workload import generate_agentic_trace, load_trace, realistic_agentic_config
+from sglang_pdd.sim.workload import generate_agentic_trace, load_trace, realistic_agentic_config
 
 PDD = "pdd_drc_adaptive"
 

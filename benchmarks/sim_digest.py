@@ -19,7 +19,7 @@ import time
 from sglang_pdd.sim.cluster import ARRIVALS, Simulation
 from sglang_pdd.sim.hardware import preset
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
-from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+from sglang_pdd.sim.workload import generate_agentic_trace, realistic_agentic_config
 
 MODELS = (("llama3-70b", "h100"), ("deepseek-v3", "h200"))
 

@@ -48,7 +48,7 @@ from sglang_pdd.sim.metrics import Sla, Summary
 from sglang_pdd.sim.scenarios import BASELINES, DESIGN_LABELS, ClusterSpec, standard_scenarios, with_counts
 from sglang_pdd.sim.sizing import offered_rps, size_designs
 from sglang_pdd.sim.traces import TILE_MODES, arrivals_label, effective_arrivals, tile_trace, tiling_label
-from sglang_pdd.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
+from sglang_pdd.sim.workload import (generate_agentic_trace, load_trace, per_request_hit_rates, realistic_agentic_config,
                                   report_agentic_config, report_scenario_config)
 
 PDD = "pdd_drc_adaptive"

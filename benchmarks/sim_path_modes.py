@@ -30,7 +30,7 @@ from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.hardware import WAN_DEFAULT, preset
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
-from sglang_pdd.workload import generate_agentic_trace, load_trace, report_agentic_config
+from sglang_pdd.sim.workload import generate_agentic_trace, load_trace, report_agentic_config
 
 PDD = "pdd_drc_adaptive"
 ROWS = (("pd_same_dc", None), ("xdc_pd_drc", None), (PDD, PathMode.FIT), (PDD, PathMode.RELAY_FIRST))

@@ -25,7 +25,7 @@ from sglang_pdd.sim.plots import plot_load_sweep
 from sglang_pdd.sim.report import format_table
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
 from sglang_pdd.sim.sizing import compare_designs
-from sglang_pdd.workload import (conversation_config, generate_agentic_trace, ideal_prefix_hit_rate, load_trace,
+from sglang_pdd.sim.workload import (conversation_config, generate_agentic_trace, ideal_prefix_hit_rate, load_trace,
                                  per_request_hit_rates, realistic_agentic_config)
 
 CHIPS = {"llama3-70b": ("h100", "h20"), "deepseek-v3": ("h200", "h20")}

@@ -33,10 +33,10 @@ BEGIN, END = "<!-- import_map: begin (scripts/import_map.py --write) -->", "<!--
 # Lowest first. A package may import its own layer's packages and lower ones, never higher.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("foundation",
-     ("sglang_pdd", "machine", "log_text", "shared_key", "control_auth", "admission", "protocol", "control_gate", "control_api", "workload"),
+     ("sglang_pdd", "machine", "log_text", "shared_key", "admission", "protocol", "control"),
      "pure and stdlib-near: the state machine kit, client strings as a log line takes them, the shared key's bound, signed control calls, who may connect before "
      "authenticating, the control protocol (routes, messages, its one error type), the gate every "
-     "control server runs behind, workload traces"),
+     "control server runs behind and the one shape of a control server on it (control/)"),
     ("mechanisms",
      ("kv_channel", "handoff", "radix_drc"),
      "no SGLang import: the KV channels (wire, handshake, WAN sender and receiver, intra-DC engine), handoff "

@@ -15,7 +15,7 @@ Counts (nothing is imported or run):
 * class names defined in more than one module of sglang_pdd/;
 * class names containing "room" / "leg" (how many things each word names), and the holder
   chains ``.rooms.rooms``;
-* control servers: ``ControlApi`` subclasses (sglang_pdd/control_api.py's one shape) and
+* control servers: ``ControlApi`` subclasses (sglang_pdd/control/api.py's one shape) and
   request-handler classes of their own (a subclass of control_gate's handler outside control_gate
   and control_api, or one built with ``type()``), and functions routing by an ``if ... .path == "/..."`` chain;
 * typed paths into MD's runtime: room commands named by a string (``.call("register", ...)``,
@@ -139,7 +139,7 @@ def _control_servers(package) -> tuple[list[str], list[str], list[str]]:
     ``if ... .path == "/..." ... else`` chain)."""
     apis, handlers, chains = [], [], []
     for rel, tree in package:
-        own_module = rel in ("sglang_pdd/control_gate.py", "sglang_pdd/control_api.py")
+        own_module = rel in ("sglang_pdd/control/gate.py", "sglang_pdd/control/api.py")
         for n in ast.walk(tree):
             if isinstance(n, ast.ClassDef):
                 bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in n.bases}

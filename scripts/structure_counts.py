@@ -27,7 +27,7 @@ CONTROL_KEYS = {"pdd_room", "pdd_wan_peer", "pdd_md_prefix_len", "pdd_md_tp", "p
                 "pdd_resume_output_len"}
 BOUNDARY_ERRORS = {"HttpError", "DestinationError", "RoomError", "ControlError"}
 # the modules serving the control APIs (and their test fakes)
-SERVERS = ("sglang_pdd/control_gate.py", "sglang_pdd/sglang_glue/main_drc.py", "sglang_pdd/sglang_glue/prefill_control.py",
+SERVERS = ("sglang_pdd/control/gate.py", "sglang_pdd/sglang_glue/md/main_drc.py", "sglang_pdd/sglang_glue/p/prefill_control.py",
            "sglang_pdd/protocol", "tests/support/fake_backends.py", "tests/support/control_fakes.py")
 
 

@@ -1,7 +1,7 @@
 """Known peers first: who may open one more unauthenticated connection now (pure, no sockets).
 
 Shared by the servers an outsider can reach before proving the key: the KV channels'
-acceptor (kv_channel/acceptor.py: the handshake) and the control APIs (control_gate.py: the
+acceptor (kv_channel/acceptor.py: the handshake) and the control APIs (control/gate.py: the
 signed request head). Each calls ``admit`` when a connection arrives, ``release`` when it
 leaves its unauthenticated phase (authenticated, failed or cut off) and ``authenticated``
 when it proved the key.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from sglang_pdd.admission import AdmissionLimits, parse_networks
-from sglang_pdd.control_gate import name_authority
+from sglang_pdd.control.gate import name_authority
 from sglang_pdd.protocol import check_md_tp
 
 ROLES = ("prefill", "relay", "main")

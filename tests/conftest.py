@@ -158,7 +158,7 @@ def start_pdd_cluster(run_root, name: str = "cluster", page_size: int = 1, model
     # can take that long between P's prefill and the router's POST.
     topology.prefill.extra_args += ["--pdd-wan-destination-wait-ms", str(TEST_DESTINATION_WAIT_MS)]
     # take-overs at a chosen token (support/takeover.py): RLD holds itself when a test arms it
-    from sglang_pdd.sglang_glue.relay_hold import RELAY_HOLD_FILE_ENV
+    from sglang_pdd.sglang_glue.relay.relay_hold import RELAY_HOLD_FILE_ENV
     topology.relay.extra_env[RELAY_HOLD_FILE_ENV] = str(run_root / name / "relay_hold")
     for server in topology.servers:
         server.extra_args += list(extra_args)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from sglang_pdd.chaos.checks import MetricKey, counters
-from sglang_pdd.control_auth import ROLE_MD, ROLE_P
+from sglang_pdd.control.auth import ROLE_MD, ROLE_P
 from sglang_pdd.launcher.http import get_json
 
 # SGLang's /v1/loads sections whose counts are requests a server still holds

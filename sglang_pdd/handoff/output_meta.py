@@ -3,7 +3,7 @@
 Each leg (RLD's legs, MD's continuation) reports SGLang's cumulative meta_info lists; a list
 covers the LAST ``len(list)`` of the positions the leg has produced (a server that resumed k
 tokens cannot give their logprobs: its list may be shorter by k, or hold placeholders there,
-``None`` or ``[None, token_id, text]`` as sglang_glue/resume.py documents).
+``None`` or ``[None, token_id, text]`` as sglang_glue/md/resume.py documents).
 A position's entry comes from the leg that emitted its token; where that leg gave none, it is
 spliced from any other leg that did (e.g. RLD's logprob for a position MD resumed). The
 prompt's logprobs (``input_*``) come from P's reply alone (``observe_prefill``).
@@ -55,7 +55,7 @@ class OutputMeta:
 
         The prompt's logprobs: P prefills the prompt; the decode servers report none (SGLang's
         PD decode never scores the prompt, MD's resumed request gives ``[]``:
-        sglang_glue/resume.py), so P's lists are taken as they are, ``logprob_start_len`` and
+        sglang_glue/md/resume.py), so P's lists are taken as they are, ``logprob_start_len`` and
         the leading ``None`` entry included. P's entries for the first output position are a
         source like a leg's: RLD, handed P's first token, has no ``output_token_ids_logprobs``
         entry for it."""

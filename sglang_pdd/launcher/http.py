@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 def control_role(path: str) -> str:
     """Whose control API a path is (each has its own signing key): P's WAN-destination routes
     and /pdd/info are P's, the rest MD's. /pdd/stats is on both: pass ``role`` for P's."""
-    from sglang_pdd.control_auth import ROLE_MD, ROLE_P
+    from sglang_pdd.control.auth import ROLE_MD, ROLE_P
     from sglang_pdd.protocol import is_p_path
 
     return ROLE_P if is_p_path(path) else ROLE_MD
@@ -24,7 +24,7 @@ def control_role(path: str) -> str:
 def signed_headers(method: str, url: str, body: bytes, key: Optional[bytes], role: Optional[str] = None) -> dict:
     if key is None:
         return {}
-    from sglang_pdd.control_auth import ControlSigner
+    from sglang_pdd.control.auth import ControlSigner
 
     return ControlSigner(key, role=role or control_role(urlsplit(url).path)).headers(method, url, body)
 

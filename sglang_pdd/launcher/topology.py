@@ -152,7 +152,7 @@ class ServerSpec:
     def bind_host(self) -> str:
         """SGLang's --host. In a namespace of its own every interface: that is the namespace's
         loopback and its end of the veth only, and MD's handoff relay calls its own server on
-        127.0.0.1 (sglang_glue/loopback.py)."""
+        127.0.0.1 (sglang_glue/md/loopback.py)."""
         return "0.0.0.0" if self.netns else self.host
 
 
@@ -172,7 +172,7 @@ def server_argv(spec: ServerSpec, model_path: str, wan_key_file: Optional[str] =
         argv += ["--pdd-wan-listen", f"{spec.host}:{spec.wan_listen_port}"]
     # An idle SGLang scheduler busy-polls a core (measured: 1.01 cores idle, 0.025 with this
     # flag); it wakes on the tokenizer's socket, which brings every P, RLD and plain request,
-    # and MD's also when a room command comes or while KV lands (sglang_glue/idle_wake.py).
+    # and MD's also when a room command comes or while KV lands (sglang_glue/md/idle_wake.py).
     argv += ["--sleep-on-idle"]
     if spec.role in ("prefill", "main") and spec.control_port:
         # The router (on loopback here) is allow-listed: the only way to the reserved slots.

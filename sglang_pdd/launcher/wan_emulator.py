@@ -68,8 +68,8 @@ import time
 import urllib.parse
 from typing import Optional
 
-from sglang_pdd.control_api import ControlApi, ControlServer
-from sglang_pdd.control_gate import JsonRequestHandler
+from sglang_pdd.control.api import ControlApi, ControlServer
+from sglang_pdd.control.gate import JsonRequestHandler
 from sglang_pdd.protocol import Route, RouteTable, bad_request
 
 logger = logging.getLogger(__name__)

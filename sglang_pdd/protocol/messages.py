@@ -24,7 +24,7 @@ MAX_TOKEN_ID = (1 << 31) - 1  # far above any vocabulary; keeps ids inside the r
 MAX_PREFIX_LEN = (1 << 31) - 1
 MAX_P_TP = 4096
 PARAM_PREFIX = "pdd_"  # custom params the router sets; a client's are dropped
-RESUME_KEY = "pdd_resume_output_len"  # the resume contract's marker (resume.py)
+RESUME_KEY = "pdd_resume_output_len"  # the resume contract's marker (md/resume.py)
 
 
 def is_int(value) -> bool:

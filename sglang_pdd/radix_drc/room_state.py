@@ -2,7 +2,7 @@
 
 ``transition(state, event) -> (state, actions)`` is the only place a room's course is decided;
 radix_drc/rooms.py (the room table on the radix tree) performs the actions on the tree, and
-sglang_glue/main_drc.py feeds the events it learns from the WAN receiver and the router.
+sglang_glue/md/main_drc.py feeds the events it learns from the WAN receiver and the router.
 
 Phases::
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from aiohttp.http_exceptions import LineTooLong
 
-from sglang_pdd.control_auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
+from sglang_pdd.control.auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HandoffRequest, InfoReply, ReadyReply, RegisterReply,
                                  RegisterRequest, WanDestinationRequest, check_md_tp)
@@ -442,7 +442,7 @@ _prefill_tp_sizes: "weakref.WeakKeyDictionary[aiohttp.ClientSession, dict[str, a
 
 def prefill_rank_url(control_url: str, rank: int) -> str:
     """TP rank ``rank``'s control API: rank 0's scheme and host, its port + ``rank``
-    (the convention of sglang_glue/prefill_control)."""
+    (the convention of sglang_glue/p/prefill_control)."""
     if rank == 0:
         return control_url
     parts = urlsplit(control_url)

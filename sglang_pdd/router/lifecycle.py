@@ -108,7 +108,7 @@ class RecoveryMode(str, enum.Enum):
 
     RESUME: prompt + emitted tokens with the resume marker and the total budget (the resume
       contract), for P / RLD servers that support resuming in PD mode. SGLang's PD path does
-      not (sglang_glue/resume.py: a PD server answers 400), hence not the default.
+      not (sglang_glue/md/resume.py: a PD server answers 400), hence not the default.
     REPLAY: the original request again (prompt, total budget, the client's sampling); its
       first positions must reproduce what the client has (checked, else the request fails)
       and are dropped. Exact for greedy requests: grammar, stop strings, penalties,

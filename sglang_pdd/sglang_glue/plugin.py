@@ -16,7 +16,7 @@ Hooks (each a no-op unless --pdd-role asks for it):
   compiled sampling kernels (compile_warmup.py), start MD's runtime in the scheduler process;
 * Scheduler.ingest_requests (after) — SGLang's per-iteration input point: MD drains its
   room commands and WAN completions there, on the scheduler thread; a test's relay checks its
-  hold there (relay_hold.py, only when started with it);
+  hold there (relay/relay_hold.py, only when started with it);
 * PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
   serves (prompt ids, the router's WAN destination): SGLang builds senders without it;
 * SchedulerInvariantChecker._check_full_pool (around) — MD's pool pages reserved for KV in
@@ -25,10 +25,10 @@ Hooks (each a no-op unless --pdd-role asks for it):
   flushes only when its rooms hold nothing; rooms kept only to fill the cache go on a
   flush, and a refusal says what MD holds.
 * Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
-  resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
+  md/resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
   the marker, which only the router / MD glue sets).
 * ScheduleBatch.process_prebuilt (after) / cumulate_penalty_output_tokens (around) —
-  penalty_clock.py: on the relay (a PD decode server) penalties count tokens on one server's
+  relay/penalty_clock.py: on the relay (a PD decode server) penalties count tokens on one server's
   clock (inert on every other role).
 """
 
@@ -83,14 +83,13 @@ def _start_role_runtime(result, scheduler, *args, **kwargs):
         check_scheduler(scheduler)  # a model PDD cannot move stops here, named (servable.py)
         _warm_compiled_kernels(scheduler)
     if cfg.role == "relay":
-        from sglang_pdd.sglang_glue import penalty_clock
-
+        from sglang_pdd.sglang_glue.relay import penalty_clock
         penalty_clock.align_pd_first_step()
-        from sglang_pdd.sglang_glue.relay_hold import RelayHold
+        from sglang_pdd.sglang_glue.relay.relay_hold import RelayHold
 
         scheduler._pdd_relay_hold = RelayHold.from_env()  # test-only; None unless set at the start
     if cfg.role == "main":
-        from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+        from sglang_pdd.sglang_glue.md.main_drc import MainDrcRuntime
         from sglang_pdd.sglang_glue.transfer_backend import read_key
 
         scheduler._pdd_runtime = MainDrcRuntime(scheduler, cfg, read_key(cfg))
@@ -178,7 +177,7 @@ def _idle_without_md_rooms(original, scheduler, *args, **kwargs):
 def _count_md_held_slots(original, checker, ps, uncached=0):
     """MD reserves pool pages for KV still crossing the WAN (in no request, not yet in the
     tree): SGLang's pool-conservation check counts them with the other uncached tokens."""
-    from sglang_pdd.sglang_glue.main_drc import held_kv_tokens
+    from sglang_pdd.sglang_glue.md.main_drc import held_kv_tokens
 
     return original(checker, ps, uncached=uncached + held_kv_tokens(checker.token_to_kv_pool_allocator))
 
@@ -228,8 +227,8 @@ def register() -> None:
 
 
 def _register_resume_hooks() -> None:
-    from sglang_pdd.sglang_glue import penalty_clock, resume
-
+    from sglang_pdd.sglang_glue.relay import penalty_clock
+    from sglang_pdd.sglang_glue.md import resume
     HookRegistry.register(f"{_SCHEDULER}._create_generation_req", resume.seed_resumed_output, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", resume.advance_resumed_request, HookType.BEFORE)
     for target, seed in resume.PENALIZER_SEEDS.items():

@@ -8,7 +8,7 @@ by subclassing, nothing re-implemented) plus:
   Mooncake is not installed or ``--pdd-intra-dc-transport tcp`` asks for it, the
   ``TcpTransferEngine`` of kv_channel — the same one-sided writes over authenticated TCP;
 * on P (``--pdd-role prefill``), the WAN path: every page the sender is given also goes to
-  the request's WAN destination (wan_fanout.py), pipelined with chunked prefill.
+  the request's WAN destination (p/wan_fanout.py), pipelined with chunked prefill.
 
 Registered through SGLang's transfer-backend registry (patches/sglang-0002-...), so the
 servers need no other change. The one HookRegistry hook this needs is in plugin.py: SGLang
@@ -34,16 +34,16 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_pdd.config import (PddConfig, PddConfigError, admission_limits, control_names, get_pdd_config,
                                parse_host_port, parse_peer_list)
-from sglang_pdd.control_auth import ROLE_P, ControlVerifier
+from sglang_pdd.control.auth import ROLE_P, ControlVerifier
 from sglang_pdd.machine import Driver, nothing
-from sglang_pdd.sglang_glue import wan_binding
+from sglang_pdd.sglang_glue.p import wan_binding
 from sglang_pdd.kv_channel.fallback import MOONCAKE, intra_dc_transport
 from sglang_pdd.kv_channel.handshake import KeyFileError, load_key
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.tp_relayout import TpShard
 from sglang_pdd.protocol import LegParams
-from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout, WanRoom
+from sglang_pdd.sglang_glue.p.prefill_control import DROPPED, DestinationBoard, PrefillControlServer
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination, WanFanout, WanRoom
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class PddKVSender(MooncakeKVSender):
     The WAN destination is known at bind time (``pdd_wan_peer`` in the request) or comes
     later through P's control API (``pdd_wan_expected``); pages given before it arrives are
     remembered (ids only: P keeps the KV, its release waits for the destination up to
-    ``--pdd-wan-destination-wait-ms``). The WAN binding's state is ``sglang_glue/wan_binding.py``'s machine;
+    ``--pdd-wan-destination-wait-ms``). The WAN binding's state is ``sglang_glue/p/wan_binding.py``'s machine;
     this class feeds it events (``_BINDING.step``, under ``_wan_lock``) and performs its actions
     (the methods the driver's table names).
     """

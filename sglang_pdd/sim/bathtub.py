@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest, blocks_for
+from sglang_pdd.sim.workload import BLOCK_TOKENS, TraceRequest, blocks_for
 
 from .cluster import ScenarioConfig, Simulation
 from .metrics import Sla, itl_ok

@@ -21,7 +21,7 @@ from operator import not_
 from typing import Sequence
 
 from sglang_pdd.router.prefix_index import touch_chain
-from sglang_pdd.workload import BLOCK_TOKENS
+from sglang_pdd.sim.workload import BLOCK_TOKENS
 
 
 # Pinned blocks an eviction walk passes one by one before it scans the rest in C (a walk

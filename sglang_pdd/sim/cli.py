@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
-from sglang_pdd.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
+from sglang_pdd.sim.workload import (BLOCK_TOKENS, AgenticTraceConfig, TraceRequest, conversation_config,
                                   generate_agentic_trace, load_trace, realistic_agentic_config,
                                   report_agentic_config, report_scenario_config, save_trace)
 from sglang_pdd.router.policy import PathMode

@@ -66,7 +66,7 @@ from sglang_pdd.router import placement, policy
 from sglang_pdd.router.placement import InstanceLoad, MdMoveCost, pick_instance, pick_main
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathMode, PathPolicyConfig
 from sglang_pdd.router.prefix_index import PrefixIndex
-from sglang_pdd.workload import BLOCK_TOKENS, TraceRequest
+from sglang_pdd.sim.workload import BLOCK_TOKENS, TraceRequest
 
 from .cache import BlockCache
 from .engine import EventLoop
@@ -737,7 +737,7 @@ class Simulation:
 
     def _drop_kept(self, now: float, i: int, nbytes: float) -> None:
         """MD i's kept transfers (landing only to fill its cache) give up their staging to one a
-        request waits on, newest first, until it fits (md_rooms.RankRooms._take_budget)."""
+        request waits on, newest first, until it fits (sglang_glue/md/rooms.py: RankRooms._take_budget)."""
         kept = self.md_kept[i]
         while kept and self.md_staged[i] + nbytes > self.staging_bytes:
             k, _ = kept.popitem()

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 from .cluster import ScenarioConfig, run_scenario
 from .metrics import Sla, Summary

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence
 
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 from .cluster import ScenarioConfig, run_scenario
 from .metrics import Sla, Summary

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from sglang_pdd.router.policy import PathMode
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 from .cluster import ScenarioConfig, run_scenario
 from .metrics import Sla, Summary

@@ -28,7 +28,7 @@ import random
 from dataclasses import replace
 from typing import List, Sequence
 
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 TILE_MODES = ("spread", "lockstep")
 

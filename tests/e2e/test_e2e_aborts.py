@@ -18,7 +18,7 @@ import pytest
 from tests.support.takeover import md_takes_over
 from tests.support.waiting import wait_until
 
-from sglang_pdd.control_auth import ROLE_MD, ROLE_P
+from sglang_pdd.control.auth import ROLE_MD, ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
 
 # CI's representative tier drops a client while RLD streams and with the handoff on MD's queue

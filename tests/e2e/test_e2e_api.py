@@ -14,7 +14,7 @@ import pytest
 from tests.support.pdd_requests import route_once_p_has_destination
 from tests.support.waiting import wait_until
 
-from sglang_pdd.control_auth import ROLE_P
+from sglang_pdd.control.auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
 
 pytestmark = pytest.mark.e2e

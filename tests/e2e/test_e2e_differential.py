@@ -5,12 +5,12 @@ with a handoff mid-stream and after a WAN partition (recovery on RLD), for every
 parameter that keeps state across the cut: stop strings, stop_token_ids, regex, json_schema,
 penalties, min_new_tokens; and logprobs (PddFlow's ``output_meta``, stitched from RLD and MD)
 equal within 1e-3. Penalties included: RLD and MD count penalized tokens on one server's clock
-(sglang_glue/penalty_clock.py), so a handoff at any position changes nothing.
+(sglang_glue/relay/penalty_clock.py), so a handoff at any position changes nothing.
 
 Handoffs mid-stream: the test WAN is slow (conftest: 0.5 Mbit/s) and each P->RLD->MD request
 starts with the link stalled for a moment, so RLD has streamed eager tokens when MD's KV lands;
 P->MD always hands off after RLD's first token. Needs MD to continue requests (the resume
-contract, sglang_glue/resume.py).
+contract, sglang_glue/md/resume.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 from tests.support.takeover import assert_taken_over, md_takes_over, stream_final, stream_taken_over
 
 from sglang_pdd.launcher.http import post_json
-from sglang_pdd.sglang_glue.resume import RESUME_KEY
+from sglang_pdd.sglang_glue.md.resume import RESUME_KEY
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tests.support.waiting import wait_until
 
-from sglang_pdd.control_auth import ROLE_P
+from sglang_pdd.control.auth import ROLE_P
 from sglang_pdd.launcher.http import call_json, get_json, post_json
 
 pytestmark = pytest.mark.e2e

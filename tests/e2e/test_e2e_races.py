@@ -101,7 +101,7 @@ def assert_nothing_held(cluster) -> None:
     destination, RLD runs nothing."""
     from tests.support.takeover import running_requests
 
-    from sglang_pdd.control_auth import ROLE_P
+    from sglang_pdd.control.auth import ROLE_P
 
     topo, key = cluster.topology, cluster.control_key
     md_stats = f"{topo.main.control_url}/pdd/stats"

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from sglang_pdd.launcher.http import post_json, stream_events
-from sglang_pdd.sglang_glue.resume import RESUME_KEY
+from sglang_pdd.sglang_glue.md.resume import RESUME_KEY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
@@ -193,7 +193,7 @@ def test_penalties_count_resumed_tokens(server, prompt_ids, penalty):
 
 
 def test_penalties_follow_the_servers_clock(server, tokenizer):
-    """Under the overlap scheduler one server counts penalties one token late (penalty_clock.py):
+    """Under the overlap scheduler one server counts penalties one token late (relay/penalty_clock.py):
     on this prompt its greedy output repeats the first token under repetition_penalty, which a
     resume at k=1 that counted the resumed token at once would not (measured before the fix)."""
     ids = tokenizer("call error the printing")["input_ids"]

@@ -15,7 +15,7 @@ suffix crossing the WAN."""
 import pytest
 
 from tests.conftest import start_pdd_cluster
-from sglang_pdd.control_auth import ROLE_P
+from sglang_pdd.control.auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
 from tests.support.pdd_requests import PROMPTS, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body
 from tests.support.waiting import wait_until

@@ -14,12 +14,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from sglang_pdd.control_auth import ROLE_P, ControlVerifier
+from sglang_pdd.control.auth import ROLE_P, ControlVerifier
 from sglang_pdd.protocol import KvSendersReply, RegisterReply, ReleaseReply
 from sglang_pdd.radix_drc.rooms import DrcRoomTable
-from sglang_pdd.sglang_glue.main_drc import MdControlServer
-from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
-from sglang_pdd.sglang_glue.prefill_control import DestinationBoard, PrefillControlServer
+from sglang_pdd.sglang_glue.md.main_drc import MdControlServer
+from sglang_pdd.sglang_glue.md.queries import MdRoomQueries
+from sglang_pdd.sglang_glue.p.prefill_control import DestinationBoard, PrefillControlServer
 
 KEY = b"control-plane-test-key-0123456789"
 WAN_PEER = ("127.0.0.1", 18000)  # the one MD P may send KV to

@@ -40,7 +40,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import orjson
 from aiohttp import web
 
-from sglang_pdd.control_auth import (EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, SCHEME, ControlVerifier,
+from sglang_pdd.control.auth import (EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, ROLE_P, SCHEME, ControlVerifier,
                                      request_sig_of)
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api

@@ -35,7 +35,7 @@ def runtime_on_pool(pool, page_size: int, key: bytes, idle_sleeper=None, **confi
 
     from sglang_pdd.config import PddConfig
     from sglang_pdd.launcher.topology import free_port
-    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+    from sglang_pdd.sglang_glue.md.main_drc import MainDrcRuntime
 
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(pool.size, pool.dtype, "cpu", pool, need_sort=False)
@@ -73,7 +73,7 @@ class Prefill:
 
     def __init__(self, kind, page_size, md, pool=None, shard=None, num_streams=2):
         from sglang_pdd.kv_channel.tp_relayout import TpShard
-        from sglang_pdd.sglang_glue.wan_fanout import WanFanout
+        from sglang_pdd.sglang_glue.p.wan_fanout import WanFanout
 
         shard = shard or TpShard()
         self.page_size, self.md = page_size, md
@@ -87,7 +87,7 @@ class Prefill:
         return np.random.default_rng(seed).permutation(pool_pages(self.page_size))[:n].astype(np.int64)
 
     def send(self, room, token_ids, md_prefix_len, pages):
-        from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+        from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 
         dest = WanDestination(room, self.md.receiver.address, md_prefix_len)
         wan_room = self.fanout.open_room(dest, rid=f"r{room}", token_ids=token_ids, first_offered_page=0)

@@ -59,7 +59,7 @@ def build_rank(kind, sync, wan_port, control_port, heads):
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from sglang_pdd.config import PddConfig
-    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+    from sglang_pdd.sglang_glue.md.main_drc import MainDrcRuntime
 
     pool = make_pool(kind, PAGE, seed=None, head_num=heads)
     alloc = PagedTokenToKVPoolAllocator(pool_pages(PAGE) * PAGE, PAGE, pool.dtype, "cpu", pool, need_sort=False)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tests.support.takeover import assert_taken_over, stream_taken_over
 from tests.support.waiting import wait_until
 
-from sglang_pdd.control_auth import ROLE_P
+from sglang_pdd.control.auth import ROLE_P
 from sglang_pdd.launcher.http import get_json, post_json
 
 MAX_NEW = 24

@@ -6,7 +6,7 @@ from sglang_pdd.sim.cluster import Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
-from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, generate_agentic_trace
 
 # Sessions arriving faster than one P and one MD serve them: open loop, turns pile up behind
 # their predecessors.

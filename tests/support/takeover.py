@@ -1,7 +1,7 @@
 """MD takes over a P->RLD->MD request at a point the test chooses, not when timing allows.
 
 MD's KV is held on the emulated WAN (a long stall) while RLD decodes; RLD stops itself once the
-request has ``at`` output tokens (sglang_glue/relay_hold.py: on its scheduler thread, before its
+request has ``at`` output tokens (sglang_glue/relay/relay_hold.py: on its scheduler thread, before its
 next decode step, so however loaded the machine is it cannot race to the end of the output);
 then the KV is let through on a fast link and the router hands off at exactly the tokens RLD
 had streamed. RLD resumes, and the WAN gets its test settings back, when the block ends. A
@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
-from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, arm
+from sglang_pdd.sglang_glue.relay.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, arm
 
 WATCHDOG_S = 60.0
 
@@ -57,7 +57,7 @@ def stream_taken_over(cluster, payload: dict, at: int) -> dict:
 
 
 def hold_file(cluster) -> Path:
-    """Where the cluster's relay looks for its hold (relay_hold.py)."""
+    """Where the cluster's relay looks for its hold (relay/relay_hold.py)."""
     path = cluster.topology.relay.extra_env.get(RELAY_HOLD_FILE_ENV)
     assert path, "this cluster's relay was started without the hold (conftest.start_pdd_cluster)"
     return Path(path)

@@ -154,7 +154,7 @@ def test_unknown_role_is_rejected_by_the_parser():
 def test_md_and_p_take_any_tp_with_one_wan_port_per_md_rank():
     cfg, mode, backend = parse(*GOOD[7][0])  # main
     assert validate(cfg, mode, backend, tp_size=1) is cfg
-    assert validate(cfg, mode, backend, tp_size=2) is cfg  # ranks' rooms run in lockstep (main_drc.py)
+    assert validate(cfg, mode, backend, tp_size=2) is cfg  # ranks' rooms run in lockstep (md/main_drc.py)
     port = int(cfg.wan_listen.rpartition(":")[2])
     assert validate(cfg, mode, backend, tp_size=65536 - port) is cfg  # the last rank on port 65535
     with pytest.raises(PddConfigError, match=re.escape(f"--pdd-wan-listen port {port} + {65536 - port} "

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sglang_pdd.control_auth import (HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner, ControlVerifier,
+from sglang_pdd.control.auth import (HEADER, ROLE_MD, ROLE_P, AuthError, ControlSigner, ControlVerifier,
                                      derive_control_key)
 
 KEY = b"k" * 32

@@ -13,7 +13,7 @@ from tests.support.control_fakes import KEY, WAN_PEER, MdControl, PControl, exch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
+from sglang_pdd.control.auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,

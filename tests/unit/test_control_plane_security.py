@@ -22,11 +22,11 @@ from tests.support.waiting import wait_until
 
 from sglang_pdd.admission import AdmissionPolicy, source_of
 from sglang_pdd.config import PddConfig, PddConfigError, validate
-from sglang_pdd.control_auth import ROLE_MD, ROLE_P, ControlSigner
+from sglang_pdd.control.auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json, get_json
 from sglang_pdd.protocol import HandoffRequest, RegisterRequest, ReleaseRequest
 from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination, WanFanout
 
 
 @pytest.fixture(scope="module")
@@ -322,11 +322,11 @@ def test_local_topology_wires_the_key_and_the_wan_peer(tmp_path):
 
 
 def test_refusal_warnings_are_rate_limited(caplog):
-    from sglang_pdd.control_gate import _RefusalLog
+    from sglang_pdd.control.gate import _RefusalLog
 
     clock = [0.0]
     log = _RefusalLog(burst=3, period_s=10, clock=lambda: clock[0])
-    with caplog.at_level("WARNING", logger="sglang_pdd.control_gate"):
+    with caplog.at_level("WARNING", logger="sglang_pdd.control.gate"):
         for i in range(100):
             log.warn("refused %d", i)
         clock[0] = 11

@@ -25,7 +25,7 @@ from tests.support.flow_scenarios import PROMPT, SLOW_WAN, assert_invariants, fl
 from tests.support.waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
-from sglang_pdd.control_auth import ROLE_P, ControlSigner
+from sglang_pdd.control.auth import ROLE_P, ControlSigner
 from sglang_pdd.kv_channel.tls import TlsConfigError, control_tls_context
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.protocol import HandoffRequest

@@ -169,15 +169,16 @@ def test_a_driver_must_perform_every_action_of_its_machine_and_no_other():
 def _machines():
     """Every state machine of the package: (its transition, a state, extra arguments)."""
     from sglang_pdd.kv_channel import handshake_slot, recv_room, send_room
-    from sglang_pdd.sglang_glue import fanout_room, wan_binding
+    from sglang_pdd.sglang_glue.p import fanout_room
+    from sglang_pdd.sglang_glue.p import wan_binding
     from sglang_pdd.radix_drc import room_state
     from sglang_pdd.router import health, lifecycle
     return {
         "router/lifecycle": (lifecycle.transition, lifecycle.RequestState(max_new=4), ()),
         "radix_drc/room_state": (room_state.transition, room_state.DrcState(), ()),
         "kv_channel/send_room": (send_room.transition, send_room.start(1, 10, True), ()),
-        "sglang_glue/fanout_room": (fanout_room.transition, fanout_room.FanoutState(shares=1), ()),
-        "sglang_glue/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
+        "sglang_glue/p/fanout_room": (fanout_room.transition, fanout_room.FanoutState(shares=1), ()),
+        "sglang_glue/p/wan_binding": (wan_binding.transition, wan_binding.bound(None), ()),
         "router/health": (health.transition, health.BreakerState(), (health.HealthConfig(),)),
         "kv_channel/recv_room": (recv_room.transition, recv_room.RecvState(), ()),
         "kv_channel/handshake_slot": (handshake_slot.transition, handshake_slot.SlotState(1.0), ()),

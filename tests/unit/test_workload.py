@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from sglang_pdd.workload import (
+from sglang_pdd.sim.workload import (
     BLOCK_TOKENS,
     AgenticTraceConfig,
     TraceRequest,
@@ -87,7 +87,7 @@ def test_ideal_hit_rate_counts_whole_blocks():
 
 
 def test_realistic_agentic_hits_look_like_agent_traces():
-    from sglang_pdd.workload import per_request_hit_rates, realistic_agentic_config
+    from sglang_pdd.sim.workload import per_request_hit_rates, realistic_agentic_config
     reqs = list(generate_agentic_trace(realistic_agentic_config(num_requests=3000, seed=5)))
     hits = per_request_hit_rates(reqs)
     mean = sum(hits) / len(hits)
@@ -99,7 +99,7 @@ def test_realistic_agentic_hits_look_like_agent_traces():
 
 
 def test_compaction_bounds_the_context_and_misses_the_cache():
-    from sglang_pdd.workload import realistic_agentic_config
+    from sglang_pdd.sim.workload import realistic_agentic_config
     cfg = realistic_agentic_config(num_requests=2000, seed=1, outlier_fraction=0.0, context_reset_prob=0.0)
     reqs = list(generate_agentic_trace(cfg))
     assert max(r.input_length for r in reqs) < cfg.max_context_tokens + cfg.tool_result_tokens[1] + 1
@@ -118,7 +118,7 @@ def test_compaction_bounds_the_context_and_misses_the_cache():
 
 
 def test_conversation_generator_reuses_little():
-    from sglang_pdd.workload import conversation_config
+    from sglang_pdd.sim.workload import conversation_config
     reqs = list(generate_agentic_trace(conversation_config(num_requests=3000, seed=2)))
     hit = ideal_prefix_hit_rate(reqs)
     assert 0.30 <= hit <= 0.42, hit
@@ -131,7 +131,7 @@ def test_report_agentic_hits_match_the_report():
     with an infinite cache (what the trace offers; a real cache can only lose some)."""
     import numpy as np
 
-    from sglang_pdd.workload import per_request_hit_rates, report_agentic_config
+    from sglang_pdd.sim.workload import per_request_hit_rates, report_agentic_config
     for seed in (0, 3):
         reqs = list(generate_agentic_trace(report_agentic_config(num_requests=3000, seed=seed)))
         hits = np.array(per_request_hit_rates(reqs))

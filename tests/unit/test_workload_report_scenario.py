@@ -5,7 +5,7 @@ from statistics import mean
 import pytest
 
 from sglang_pdd.sim.traces import has_sessions
-from sglang_pdd.workload import generate_agentic_trace, per_request_hit_rates, report_scenario_config
+from sglang_pdd.sim.workload import generate_agentic_trace, per_request_hit_rates, report_scenario_config
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -20,7 +20,7 @@ def test_report_scenario_has_the_reports_lengths_and_hits(seed):
 
 def test_the_cli_generates_and_simulates_the_report_scenario(tmp_path, capsys):
     from sglang_pdd.sim.cli import main
-    from sglang_pdd.workload import load_trace
+    from sglang_pdd.sim.workload import load_trace
     out = tmp_path / "t.jsonl"
     assert main(["gen-trace", "--kind", "report-scenario", "--n", "30", "--output", str(out)]) == 0
     assert len(list(load_trace(str(out)))) == 30

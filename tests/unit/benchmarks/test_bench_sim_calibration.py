@@ -6,7 +6,7 @@ import math
 import pytest
 
 from benchmarks import bench_sim_calibration as bsc
-from sglang_pdd.workload import BLOCK_TOKENS
+from sglang_pdd.sim.workload import BLOCK_TOKENS
 
 
 def test_workload_is_seeded_and_only_arrivals_follow_the_rate():

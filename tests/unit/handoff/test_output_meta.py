@@ -31,7 +31,7 @@ def run_handoff(md_format: str) -> dict:
     own = [entry(i, "md") for i in range(5, 10)]
     if md_format == "shorter":
         lists = {"output_token_logprobs": own, "output_top_logprobs": [[e] for e in own]}
-    else:  # placeholders, as sglang_glue/resume.py returns them
+    else:  # placeholders, as sglang_glue/md/resume.py returns them
         lists = {"output_token_logprobs": [[None, 100 + i, None] for i in range(5)] + own,
                  "output_top_logprobs": [None] * 5 + [[e] for e in own]}
     meta.observe(("md", 0), 10, {**lists, "input_token_logprobs": []})

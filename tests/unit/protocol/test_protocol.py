@@ -15,7 +15,7 @@ from tests.support.control_fakes import KEY, MdControl, PControl, WAN_PEER
 from tests.support.fake_backends import Fakes
 
 from sglang_pdd import protocol
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control.auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, DestinationReply, DropReply, HandoffRequest,
                                  InfoReply, LegParams, ReadyReply, ReadyRequest, RegisterReply, RegisterRequest,

@@ -65,7 +65,7 @@ def test_a_small_package_scanned_from_source(tmp_path):
     _write(pkg, {
         "__init__.py": "",
         "shared_key.py": "import os\n",
-        "control_auth.py": "from sglang_pdd.kv_channel.wire import X\n",  # foundation -> mechanisms
+        "control/auth.py": "from sglang_pdd.kv_channel.wire import X\n",  # foundation -> mechanisms
         "kv_channel/__init__.py": "",
         "kv_channel/wire.py": "from sglang_pdd import shared_key\nX = 1\n",
         "kv_channel/handshake.py": "from .wire import X\n",
@@ -81,7 +81,7 @@ def test_a_small_package_scanned_from_source(tmp_path):
     report = import_map.analyse(pkg)
     assert report.module_cycles == [["sglang_pdd.router.app", "sglang_pdd.router.front"]]
     assert report.package_cycles == []
-    assert [(e.src, e.dst) for e in report.upward] == [("sglang_pdd.control_auth", "sglang_pdd.kv_channel.wire")]
+    assert [(e.src, e.dst) for e in report.upward] == [("sglang_pdd.control.auth", "sglang_pdd.kv_channel.wire")]
     assert not report.ok
 
 

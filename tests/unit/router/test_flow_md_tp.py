@@ -77,7 +77,7 @@ def test_routers_bound_is_ps():
 def test_unsigned_md_replies_fall_back_to_rld(monkeypatch):
     """With the router signing, a registration reply without MD's signature (a relay on the
     path, or not MD at all) is an MD failure: the request stays on RLD."""
-    from sglang_pdd.control_auth import ControlSigner
+    from sglang_pdd.control.auth import ControlSigner
     from sglang_pdd.router import backends
 
     monkeypatch.setattr(backends, "_control_signer", ControlSigner(b"k" * 32))

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sglang_pdd.control_auth import REPLY_HEADER, ControlSigner
+from sglang_pdd.control.auth import REPLY_HEADER, ControlSigner
 from sglang_pdd.protocol import HandoffRequest
 from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, ReplyTooLarge, UnverifiedReply,
                                         generate_once)

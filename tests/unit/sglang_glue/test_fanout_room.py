@@ -1,11 +1,11 @@
-"""P's WAN room (sglang_glue/fanout_room.py, driven by sglang_glue/wan_fanout.py), without
+"""P's WAN room (sglang_glue/p/fanout_room.py, driven by sglang_glue/p/wan_fanout.py), without
 sockets, threads or a pool."""
 
 import pytest
 
 from sglang_pdd.machine import fold
-from sglang_pdd.sglang_glue import fanout_room as fr
-from sglang_pdd.sglang_glue.fanout_room import CopyHold, DropReason, FanoutPhase
+from sglang_pdd.sglang_glue.p import fanout_room as fr
+from sglang_pdd.sglang_glue.p.fanout_room import CopyHold, DropReason, FanoutPhase
 from sglang_pdd.kv_channel.states import FailureReason
 
 QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortSendRooms(), fr.CountSent()

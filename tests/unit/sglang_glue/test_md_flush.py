@@ -16,7 +16,7 @@ from tests.conftest import require_sglang_import
 
 def room_queries(phases=(), held_tokens=0):
     """MD's flush queries (what the plugin's flush hooks ask) over rooms in the given phases."""
-    from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
+    from sglang_pdd.sglang_glue.md.queries import MdRoomQueries
 
     rooms = {i: SimpleNamespace(state=SimpleNamespace(phase=p)) for i, p in enumerate(phases)}
     return MdRoomQueries(SimpleNamespace(table=SimpleNamespace(rooms=rooms),

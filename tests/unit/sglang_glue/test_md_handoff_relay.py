@@ -12,7 +12,7 @@ import pytest
 from tests.support.control_fakes import KEY, MdControl
 from tests.support.waiting import wait_until
 
-from sglang_pdd.control_auth import ControlSigner
+from sglang_pdd.control.auth import ControlSigner
 from sglang_pdd.protocol import HandoffRequest, RegisterRequest
 from sglang_pdd.router.backends import MainControl
 

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from sglang_pdd.protocol import ReleaseRequest
-from sglang_pdd.sglang_glue.idle_wake import IdleWake
-from sglang_pdd.sglang_glue.md_driver import CommandQueue
+from sglang_pdd.sglang_glue.md.idle_wake import IdleWake
+from sglang_pdd.sglang_glue.md.driver import CommandQueue
 
 IdleSleeper = pytest.importorskip("sglang.srt.managers.scheduler_components.idle_sleeper").IdleSleeper
 

@@ -100,7 +100,7 @@ def test_cached_prefix_is_page_aligned_and_p_sends_from_it(page_size):
 
 @pytest.mark.parametrize("ingest", ["pool", "staged"])
 def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
-    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+    from sglang_pdd.sglang_glue.md.ingest import RoomRefused
 
     md = build_md(16, ingest=ingest)
     try:
@@ -122,7 +122,7 @@ def test_room_over_the_budget_is_refused_and_holds_nothing(ingest):
 
 
 def test_room_larger_than_the_pool_is_refused_at_registration():
-    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+    from sglang_pdd.sglang_glue.md.ingest import RoomRefused
 
     md = build_md(16)
     try:
@@ -253,7 +253,7 @@ def test_p_tp_ranks_each_send_their_heads_into_mds_one_pool(kind, heads, tp, pag
 
 
 def WanDest(room, md):
-    from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+    from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 
     return WanDestination(room, md.receiver.address, 0)
 
@@ -358,7 +358,7 @@ def test_a_room_kept_only_for_the_cache_gives_its_staging_budget_to_a_room_a_req
     """Kept KV comes after the KV a request waits on: a registration that does not fit MD's
     staging budget drops rooms kept only to fill the cache (released with keep_kv) instead of
     being refused; with none to drop it is refused as before."""
-    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+    from sglang_pdd.sglang_glue.md.ingest import RoomRefused
     md = build_md(16, "mha")
     try:
         md.rank_rooms.budget.limit_bytes = 8000  # one 3-page room of 128-byte tokens (6144 bytes)

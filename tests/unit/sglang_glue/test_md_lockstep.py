@@ -1,4 +1,4 @@
-"""MD's TP votes (md_lockstep.py) and its command queue (md_driver.py), without SGLang or sockets."""
+"""MD's TP votes (md/lockstep.py) and its command queue (md/driver.py), without SGLang or sockets."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.protocol import ReleaseReply, ReleaseRequest
-from sglang_pdd.sglang_glue.md_driver import CommandQueue
-from sglang_pdd.sglang_glue.md_lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
-from sglang_pdd.sglang_glue.md_tp_sync import SingleRank
+from sglang_pdd.sglang_glue.md.driver import CommandQueue
+from sglang_pdd.sglang_glue.md.lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
+from sglang_pdd.sglang_glue.md.tp_sync import SingleRank
 
 
 class OtherRank:

@@ -150,7 +150,7 @@ def test_a_failed_receiver_release_keeps_the_pages_held_on_every_rank():
 
 
 def test_a_registration_one_rank_refuses_is_undone_on_every_rank():
-    from sglang_pdd.sglang_glue.md_ingest import RoomRefused
+    from sglang_pdd.sglang_glue.md.ingest import RoomRefused
 
     c = MdTp("mha", 2, 2)
     md0, md1 = c.ranks
@@ -204,7 +204,7 @@ def test_expiry_is_rank_zeros_decision_taken_on_every_rank():
 
 
 def test_single_rank_has_no_collectives():
-    from sglang_pdd.sglang_glue.md_tp_sync import SingleRank, tp_sync_of
+    from sglang_pdd.sglang_glue.md.tp_sync import SingleRank, tp_sync_of
 
     assert isinstance(tp_sync_of(SimpleNamespace()), SingleRank)
     assert isinstance(tp_sync_of(SimpleNamespace(tp_group=SimpleNamespace(world_size=1))), SingleRank)
@@ -216,7 +216,7 @@ def test_single_rank_has_no_collectives():
 def _gloo_rank(rank, port, out):
     import torch.distributed as dist
 
-    from sglang_pdd.sglang_glue.md_tp_sync import GroupTpSync
+    from sglang_pdd.sglang_glue.md.tp_sync import GroupTpSync
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -1,4 +1,4 @@
-"""SGLang's penalty clock (sglang_glue/penalty_clock.py): the pure history rule and the relay's
+"""SGLang's penalty clock (sglang_glue/relay/penalty_clock.py): the pure history rule and the relay's
 first-step hooks on a real ScheduleBatch-shaped object with a real penalizer (no server)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_pdd.sglang_glue import penalty_clock
-from sglang_pdd.sglang_glue.penalty_clock import history
+from sglang_pdd.sglang_glue.relay import penalty_clock
+from sglang_pdd.sglang_glue.relay.penalty_clock import history
 
 
 def test_history_without_overlap_is_the_output():

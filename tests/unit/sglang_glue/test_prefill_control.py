@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from sglang_pdd.control_auth import ROLE_P, ControlVerifier
+from sglang_pdd.control.auth import ROLE_P, ControlVerifier
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.protocol import ControlError
-from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard, PrefillControlServer, parse_destination
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+from sglang_pdd.sglang_glue.p.prefill_control import DROPPED, DestinationBoard, PrefillControlServer, parse_destination
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 
 DEST = WanDestination(md_room=5, peer=("10.0.0.2", 7000), md_prefix_len=64)
 

@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sglang_pdd.control_auth import ROLE_P, ControlSigner
+from sglang_pdd.control.auth import ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_rank_url
 from sglang_pdd.protocol import ControlError
-from sglang_pdd.sglang_glue.prefill_control import DROPPED, DestinationBoard
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+from sglang_pdd.sglang_glue.p.prefill_control import DROPPED, DestinationBoard
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 from tests.conftest import on_consecutive_ports
 from tests.support.control_fakes import KEY, WAN_PEER, PControl
 

@@ -1,11 +1,11 @@
-"""The test-only relay hold (sglang_glue/relay_hold.py) on a stand-in scheduler: it pauses at
+"""The test-only relay hold (sglang_glue/relay/relay_hold.py) on a stand-in scheduler: it pauses at
 the first iteration where a running request reached the armed length, once per arming, and
 never unless armed."""
 
 from types import SimpleNamespace
 
 from sglang_pdd.launcher.topology import ServerSpec, server_env
-from sglang_pdd.sglang_glue.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, RelayHold, arm, reached
+from sglang_pdd.sglang_glue.relay.relay_hold import HELD_SUFFIX, RELAY_HOLD_FILE_ENV, RelayHold, arm, reached
 
 
 class Req:

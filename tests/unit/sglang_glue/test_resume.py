@@ -1,4 +1,4 @@
-"""Unit tests of the resume marker (sglang_glue/resume.py): pure rules, the hooks on real SGLang
+"""Unit tests of the resume marker (sglang_glue/md/resume.py): pure rules, the hooks on real SGLang
 Req / penalizer objects (no server), and MD's handoff body."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_pdd.protocol import HandoffRequest
-from sglang_pdd.sglang_glue.resume import (RESUME_KEY, ResumeError, handoff_generate_body, resume_output_len,
+from sglang_pdd.sglang_glue.md.resume import (RESUME_KEY, ResumeError, handoff_generate_body, resume_output_len,
                                            split_resumed, validate_resume)
 from tests.conftest import require_sglang_import
 
@@ -70,7 +70,7 @@ def _recv():
 
 
 def test_seed_moves_the_tail_to_output(sglang_ctx):
-    from sglang_pdd.sglang_glue.resume import resumed_len, seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import resumed_len, seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3, 4, 5, 6], k=2), _scheduler(), _recv())
     assert list(req.origin_input_ids) == [1, 2, 3, 4]
@@ -82,7 +82,7 @@ def test_seed_moves_the_tail_to_output(sglang_ctx):
 
 
 def test_seed_pads_logprobs_of_the_resumed_positions(sglang_ctx):
-    from sglang_pdd.sglang_glue.resume import seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3, 4, 5], k=2, req_kwargs={
         "return_logprob": True, "top_logprobs_num": 2, "token_ids_logprob": [4]}), _scheduler(), _recv())
@@ -95,14 +95,14 @@ def test_seed_pads_logprobs_of_the_resumed_positions(sglang_ctx):
 
 
 def test_seed_leaves_unmarked_requests_alone(sglang_ctx):
-    from sglang_pdd.sglang_glue.resume import seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3]), _scheduler(), _recv())
     assert list(req.origin_input_ids) == [1, 2, 3] and list(req.output_ids) == []
 
 
 def test_seed_leaves_sglangs_parallel_sampling_prefix_request_alone(sglang_ctx):
-    from sglang_pdd.sglang_glue.resume import seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3], k=1, max_new=0), _scheduler(), _recv())
     assert list(req.origin_input_ids) == [1, 2, 3] and req.to_finish is None
@@ -110,7 +110,7 @@ def test_seed_leaves_sglangs_parallel_sampling_prefix_request_alone(sglang_ctx):
 
 @pytest.mark.parametrize("k,max_new,mode", [(3, 16, "null"), (2, 2, "null"), (1, 16, "prefill"), (1, 16, "decode")])
 def test_seed_aborts_bad_markers_with_400(sglang_ctx, k, max_new, mode):
-    from sglang_pdd.sglang_glue.resume import seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3], k=k, max_new=max_new), _scheduler(mode), _recv())
     assert req.to_finish is not None and req.to_finish.status_code == 400
@@ -131,7 +131,7 @@ class _Grammar:
 
 
 def test_grammar_advances_once_through_the_resumed_tokens(sglang_ctx):
-    from sglang_pdd.sglang_glue.resume import advance_resumed_request, seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import advance_resumed_request, seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3, 4, 5], k=3), _scheduler(), _recv())
     req.grammar, req.logprob_start_len = _Grammar(), 2
@@ -143,7 +143,7 @@ def test_grammar_advances_once_through_the_resumed_tokens(sglang_ctx):
 
 
 def test_grammar_rejecting_a_resumed_token_aborts_with_400(sglang_ctx):
-    from sglang_pdd.sglang_glue.resume import advance_resumed_request, seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import advance_resumed_request, seed_resumed_output
 
     req = seed_resumed_output(_req([1, 2, 3, 150, 5], k=3), _scheduler(), _recv())
     req.grammar = _Grammar()
@@ -154,7 +154,7 @@ def test_grammar_rejecting_a_resumed_token_aborts_with_400(sglang_ctx):
 
 
 # Penalizers: seeding at _prepare must equal what the server counts when it samples the resumed
-# tokens itself, one cumulation per step on its clock (penalty_clock.py): without overlap
+# tokens itself, one cumulation per step on its clock (relay/penalty_clock.py): without overlap
 # out[0..k-1]; under overlap (one token late) prompt[-1], out[0..k-2].
 
 class _Orchestrator:
@@ -194,7 +194,7 @@ def _penalizer_state(cls_name, seed_fn, reqs, sequential: bool, overlap: bool = 
 def test_penalizer_seed_equals_sampling_the_tokens(sglang_ctx, cls_name, sampling, overlap):
     import torch
 
-    from sglang_pdd.sglang_glue.resume import PENALIZER_SEEDS, seed_resumed_output
+    from sglang_pdd.sglang_glue.md.resume import PENALIZER_SEEDS, seed_resumed_output
 
     seed_fn = next(fn for target, fn in PENALIZER_SEEDS.items() if target.split(".")[-2] == cls_name)
     tokenizer = SimpleNamespace(additional_stop_token_ids=None, eos_token_id=None)

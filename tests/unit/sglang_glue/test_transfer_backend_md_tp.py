@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.conftest import require_sglang_import
-from sglang_pdd.sglang_glue.wan_binding import BindingPhase
+from sglang_pdd.sglang_glue.p.wan_binding import BindingPhase
 from sglang_pdd.kv_channel.tp_relayout import TpShard
-from sglang_pdd.sglang_glue.prefill_control import DestinationBoard
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
+from sglang_pdd.sglang_glue.p.prefill_control import DestinationBoard
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination, WanFanout
 
 PEER = ("127.0.0.1", 9000)
 

@@ -1,11 +1,11 @@
-"""P's WAN binding (sglang_glue/wan_binding.py): every path without sockets or SGLang."""
+"""P's WAN binding (sglang_glue/p/wan_binding.py): every path without sockets or SGLang."""
 
 import pytest
 
 from sglang_pdd.machine import fold
 
-from sglang_pdd.sglang_glue import wan_binding
-from sglang_pdd.sglang_glue.wan_binding import (RequestAborted, AbortRoom, ForgetDestination, HoldPages, Initialized, Unbind, OpenRoom, BindingPhase,
+from sglang_pdd.sglang_glue.p import wan_binding
+from sglang_pdd.sglang_glue.p.wan_binding import (RequestAborted, AbortRoom, ForgetDestination, HoldPages, Initialized, Unbind, OpenRoom, BindingPhase,
                                          Polled, Posted, FanoutOpened, FanoutRefused, CountWaitExpired, Withdrawn)
 
 DEST = "md:1"

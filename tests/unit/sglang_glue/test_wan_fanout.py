@@ -1,4 +1,4 @@
-"""P's WAN fan-out (sglang_glue/wan_fanout.py) against a real WanKvReceiver on loopback.
+"""P's WAN fan-out (sglang_glue/p/wan_fanout.py) against a real WanKvReceiver on loopback.
 
 A fake MHA pool (k_buffer/v_buffer lists, like SGLang's) stands in for P's token pool; the
 pages a request occupies are scattered over it, as in a real pool.
@@ -14,12 +14,12 @@ import pytest
 from tests.support.waiting import wait_until
 import torch
 
-from sglang_pdd.sglang_glue.fanout_room import DropReason, FanoutPhase
+from sglang_pdd.sglang_glue.p.fanout_room import DropReason, FanoutPhase
 from sglang_pdd.kv_channel.states import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination, WanFanout
 
 KEY = b"k" * 32
 LAYERS, HEADS, DIM, POOL_SLOTS = 2, 2, 4, 256

@@ -15,13 +15,13 @@ import pytest
 from tests.support.waiting import wait_until
 import torch
 
-from sglang_pdd.sglang_glue.fanout_room import DropReason
+from sglang_pdd.sglang_glue.p.fanout_room import DropReason
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination, WanFanout
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination, WanFanout
 from tests.conftest import on_consecutive_ports
 
 KEY = b"k" * 32

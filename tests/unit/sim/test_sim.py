@@ -13,7 +13,7 @@ from sglang_pdd.sim.cluster import PATH_NAMES, ScenarioConfig, Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
-from sglang_pdd.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
 
 
 def trace(n=600, **kw):

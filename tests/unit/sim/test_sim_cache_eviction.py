@@ -14,7 +14,7 @@ import pytest
 
 from sglang_pdd.sim import cache as cache_mod
 from sglang_pdd.sim.cache import BlockCache
-from sglang_pdd.workload import BLOCK_TOKENS
+from sglang_pdd.sim.workload import BLOCK_TOKENS
 
 
 class WalkingCache:

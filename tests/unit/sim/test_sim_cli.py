@@ -9,7 +9,7 @@ from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.sizing import size_cluster
-from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace, ideal_prefix_hit_rate
+from sglang_pdd.sim.workload import AgenticTraceConfig, generate_agentic_trace, ideal_prefix_hit_rate
 
 
 def test_compare_writes_table_plot_and_json(tmp_path, capsys):

@@ -19,7 +19,7 @@ from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.servers import DecodeInstance, PrefillInstance
-from sglang_pdd.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
 
 INSTANT = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
 TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=500, seed=1, session_rate_per_s=0.6,

@@ -17,7 +17,7 @@ from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import GapSamples, RequestLog, Sla, itl_samples, weighted_percentile
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.servers import DecodeInstance
-from sglang_pdd.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, TraceRequest, generate_agentic_trace
 
 # Step = 10 ms + 10 ms per running sequence: 20 ms alone, 30 ms with two.
 HW = replace(TOY_A, decode_step_overhead_s=0.010, decode_step_s_per_seq=0.010, decode_step_s_per_kv_token=0.0)

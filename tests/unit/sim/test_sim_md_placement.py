@@ -12,7 +12,7 @@ from sglang_pdd.sim.cluster import ScenarioConfig, Simulation
 from sglang_pdd.sim.hardware import MODELS, WAN_DEFAULT, preset
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.traces import tile_trace
-from sglang_pdd.workload import generate_agentic_trace, report_agentic_config
+from sglang_pdd.sim.workload import generate_agentic_trace, report_agentic_config
 
 # DeepSeek-V3 with an fp8 KV cache (61 layers x 656 bytes), the report-like agentic trace tiled 4x,
 # a 5 Gbps link: a quarter of the report's scale (21.5 req/s on 20 Gbps), in seconds.

@@ -5,7 +5,7 @@ time alone (`gap_after_answer`), counted from the answer's end, and its saved tr
 
 import pytest
 
-from sglang_pdd.workload import TraceRequest, load_trace
+from sglang_pdd.sim.workload import TraceRequest, load_trace
 from tests.support.sim_sessions import TRACE, by_session, designs, early_turns, run, write_trace
 
 

@@ -11,7 +11,7 @@ from sglang_pdd.router.wan_in_flight import WanInFlight
 from sglang_pdd.sim.cluster import ScenarioConfig, SimRequest, Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.metrics import Sla
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 SLA = Sla(ttft_s=2.0)
 # The router's RLD admission (--rld-max-running) 128 here, so the table's loads read as
@@ -231,7 +231,7 @@ def test_a_change_to_the_router_policy_changes_the_sims_routing(monkeypatch):
     """The sim calls router/policy.py at run time: patching the policy (here the function
     decide_path calls) moves both the router's decision and every simulated request."""
     from sglang_pdd.router import policy
-    from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+    from sglang_pdd.sim.workload import generate_agentic_trace, realistic_agentic_config
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     base = Simulation(CFG, SLA).run(trace)
     assert base.paths.get("p_rld_md", 0) > 0
@@ -264,7 +264,7 @@ def _counting_transition(monkeypatch, drop=None):
 
 def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
     from sglang_pdd.router.lifecycle import RequestPhase
-    from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+    from sglang_pdd.sim.workload import generate_agentic_trace, realistic_agentic_config
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     seen = _counting_transition(monkeypatch)
     cfg = ScenarioConfig(**{**CFG.__dict__, "n_md": 2})
@@ -285,7 +285,7 @@ def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
     """Make CutReady a no-op in the lifecycle (as it is when the request ends on RLD anyway)
     and no simulated request is handed to MD: the sim does what the lifecycle says."""
     from sglang_pdd.router import lifecycle
-    from sglang_pdd.workload import generate_agentic_trace, realistic_agentic_config
+    from sglang_pdd.sim.workload import generate_agentic_trace, realistic_agentic_config
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     import dataclasses
     no_p_md = ScenarioConfig(**{**CFG.__dict__, "router": dataclasses.replace(

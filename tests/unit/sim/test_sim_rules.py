@@ -15,7 +15,7 @@ from sglang_pdd.sim.cluster import Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 SPEC = ClusterSpec(chip_a=TOY_A, chip_b=TOY_B, n_prefill=3, n_rld=1, n_md=2)
 DESIGNS = [c.name for c in standard_scenarios(SPEC)]

@@ -14,7 +14,7 @@ from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.rldsweep import AdmissionPoint, choose_default
 from sglang_pdd.sim.sizing import offered_rps
 from sglang_pdd.sim.traces import TILE_MODES, tile_trace
-from sglang_pdd.workload import TraceRequest, generate_agentic_trace, ideal_prefix_hit_rate, report_agentic_config
+from sglang_pdd.sim.workload import TraceRequest, generate_agentic_trace, ideal_prefix_hit_rate, report_agentic_config
 
 INSTANT = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
 

@@ -11,7 +11,7 @@ from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
 from sglang_pdd.sim.sizing import keeps_up, meets, offered_rps, size_cluster
-from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, generate_agentic_trace
 
 TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=300, seed=2)))
 SLA = Sla(ttft_s=10.0, tpot_s=0.1)

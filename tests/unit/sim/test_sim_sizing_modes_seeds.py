@@ -11,7 +11,7 @@ from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.sizing import DesignSizing, Verdict, pick_path_mode, size_designs, verdicts_over_seeds
-from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, generate_agentic_trace
 
 
 def _sized(cost, attainment=0.95):

@@ -11,7 +11,7 @@ from sglang_pdd.sim.cluster import run_scenario
 from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios, with_counts
-from sglang_pdd.workload import AgenticTraceConfig, generate_agentic_trace
+from sglang_pdd.sim.workload import AgenticTraceConfig, generate_agentic_trace
 
 TRACE = list(generate_agentic_trace(AgenticTraceConfig(num_requests=200, seed=3)))
 SLA = Sla(ttft_s=10.0, tpot_s=0.1)
@@ -85,7 +85,7 @@ def test_a_run_that_cannot_meet_the_target_is_given_up_and_one_that_can_is_not()
 
 def test_giving_up_runs_through_quiet_stretches_longer_than_its_slice():
     # two requests 10 minutes apart: the loop's looks must move past the gap by themselves
-    from sglang_pdd.workload import TraceRequest
+    from sglang_pdd.sim.workload import TraceRequest
     quiet = [TraceRequest(0.0, 1000, 10, (1, 2)), TraceRequest(600_000.0, 1000, 10, (3, 4))]
     s = run_scenario(with_counts(BY["pd_same_dc"], 1, 0, 1), quiet, SLA, give_up_below=0.9)
     assert s is not None and s.requests == 2

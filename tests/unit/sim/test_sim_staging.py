@@ -10,7 +10,7 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from sglang_pdd.sim.cluster import ScenarioConfig, Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 INSTANT = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
 KVB = TOY_A.kv_bytes_per_token

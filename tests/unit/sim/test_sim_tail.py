@@ -13,7 +13,7 @@ from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile
 from sglang_pdd.sim.metrics import Sla
 from sglang_pdd.sim.scenarios import ClusterSpec, standard_scenarios
 from sglang_pdd.sim.servers import PrefillInstance
-from sglang_pdd.workload import TraceRequest
+from sglang_pdd.sim.workload import TraceRequest
 
 INSTANT = LinkProfile("instant", gbps=math.inf, one_way_latency_s=0.0)
 

@@ -9,7 +9,7 @@ import pytest
 from sglang_pdd.sim.cli import main
 from sglang_pdd.sim.sizing import offered_rps
 from sglang_pdd.sim.traces import tile_trace
-from sglang_pdd.workload import TraceRequest, generate_agentic_trace, report_agentic_config
+from sglang_pdd.sim.workload import TraceRequest, generate_agentic_trace, report_agentic_config
 
 
 def _bursty(n_bursts=15, burst=12, between=30, seed=5):

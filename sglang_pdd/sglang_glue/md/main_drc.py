@@ -3,12 +3,12 @@
 Runs inside MD's scheduler process. Three pieces:
 * ``SglangTreeOps`` — DrcRoomTable' TreeOps on SGLang's radix cache (match, lock, reserve pool
   pages, ingest = insert the landed pages under the prompt's token ids, page-aligned);
-* ``MainDrcRuntime`` — a façade over the WAN receiver, this rank's rooms (md_rooms.py; each
+* ``MainDrcRuntime`` — a façade over the WAN receiver, this rank's rooms (rooms.py; each
   room's course is radix_drc/room_state.py's state machine) and a command queue drained by the
-  scheduler thread (md_driver.py; the only thread that touches the tree and the allocator; the
-  receiver's threads write KV only into pages reserved for their room: md_ingest.py, md_pages.py,
+  scheduler thread (driver.py; the only thread that touches the tree and the allocator; the
+  receiver's threads write KV only into pages reserved for their room: ingest.py, pages.py,
   docs/data_path.md); with SGLang ``--tp N`` one per rank (own pool, receiver on port + rank),
-  the ranks' room tables changed in lockstep (md_lockstep.py, md_tp_sync.py);
+  the ranks' room tables changed in lockstep (lockstep.py, tp_sync.py);
 * ``MdControlApi`` — a small HTTP API for the router (rank 0 only): register a room (returns how many
   prompt tokens MD already holds, i.e. decode_prefix_len for P), wait until it is ready,
   release it, DRC stats.
@@ -33,25 +33,25 @@ import torch
 from sglang_pdd.config import PddConfig, admission_limits, control_names, parse_host_port
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
-from sglang_pdd.control_auth import EVENT_SIG, ROLE_MD, ControlVerifier
-from sglang_pdd.control_api import ControlApi, ControlServer
-from sglang_pdd.control_gate import JsonRequestHandler
+from sglang_pdd.control.auth import EVENT_SIG, ROLE_MD, ControlVerifier
+from sglang_pdd.control.api import ControlApi, ControlServer
+from sglang_pdd.control.gate import JsonRequestHandler
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HandoffRequest, HealthReply, KvSendersReply, KvSendersRequest,
                                  ReadyReply, ReadyRequest, RegisterReply, RegisterRequest, ReleaseReply, ReleaseRequest,
                                  RouteTable)
 from sglang_pdd.radix_drc.rooms import DrcFull, DrcRoomTable, RoomError, RoomsFull
-from sglang_pdd.sglang_glue.hangup_watch import HangupWatch
-from sglang_pdd.sglang_glue.idle_wake import IdleWake
+from sglang_pdd.sglang_glue.md.hangup_watch import HangupWatch
+from sglang_pdd.sglang_glue.md.idle_wake import IdleWake
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.kv_pool_view import pool_layout
-from sglang_pdd.sglang_glue.loopback import LoopbackServer
-from sglang_pdd.sglang_glue.md_driver import CommandQueue, LockstepDriver
-from sglang_pdd.sglang_glue.md_evictions import count_evictions
-from sglang_pdd.sglang_glue.md_queries import MdRoomQueries
-from sglang_pdd.sglang_glue.md_rooms import RankRooms
-from sglang_pdd.sglang_glue.md_tp_sync import TpSync, tp_sync_of
+from sglang_pdd.sglang_glue.md.loopback import LoopbackServer
+from sglang_pdd.sglang_glue.md.driver import CommandQueue, LockstepDriver
+from sglang_pdd.sglang_glue.md.evictions import count_evictions
+from sglang_pdd.sglang_glue.md.queries import MdRoomQueries
+from sglang_pdd.sglang_glue.md.rooms import RankRooms
+from sglang_pdd.sglang_glue.md.tp_sync import TpSync, tp_sync_of
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +142,13 @@ class SglangTreeOps:
 
 class MainDrcRuntime:
     """Owned by MD's scheduler; ``on_scheduler_iteration`` runs on the scheduler thread. A
-    façade over its parts: this rank's rooms (md_rooms.RankRooms, with their page accounting,
-    md_pages), the command queue and the lockstep iteration (md_driver), and the control
-    threads' queries (md_queries.MdRoomQueries)."""
+    façade over its parts: this rank's rooms (rooms.RankRooms, with their page accounting,
+    pages), the command queue and the lockstep iteration (driver), and the control
+    threads' queries (queries.MdRoomQueries)."""
 
     def __init__(self, scheduler, cfg: PddConfig, key: bytes, tp_sync: Optional[TpSync] = None):
         self.cfg = cfg
-        # MD's TP group (SGLang --tp N): every rank runs one of these, in lockstep (md_driver);
+        # MD's TP group (SGLang --tp N): every rank runs one of these, in lockstep (driver);
         # TP 1 has no collectives at all.
         self.tp = tp_sync if tp_sync is not None else tp_sync_of(scheduler)
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
@@ -213,7 +213,7 @@ class MainDrcRuntime:
     def layout_description(self) -> str:
         return self.ops.layout.describe()
 
-    # ---- control threads (rank 0's): room commands, run on the scheduler thread (md_driver)
+    # ---- control threads (rank 0's): room commands, run on the scheduler thread (driver)
     def register(self, req: RegisterRequest, timeout: float = 30.0) -> RegisterReply:
         return self.commands.call(req, timeout=timeout)
 
@@ -223,7 +223,7 @@ class MainDrcRuntime:
     def announce_kv_senders(self, req: KvSendersRequest, timeout: float = 30.0) -> KvSendersReply:
         return self.commands.call(req, timeout=timeout)
 
-    # ---- control threads: answered from this rank's rooms at once (md_queries)
+    # ---- control threads: answered from this rank's rooms at once (queries)
     def wait_ready(self, req: ReadyRequest) -> ReadyReply:
         return self.queries.wait_ready(req)
 
@@ -241,11 +241,11 @@ class MainDrcRuntime:
 
     def before_flush(self) -> int:
         """A cache flush came in (scheduler thread, every TP rank): rooms kept only to fill the
-        cache go (md_rooms.RankRooms.drop_rooms_kept_for_cache); returns how many."""
+        cache go (rooms.RankRooms.drop_rooms_kept_for_cache); returns how many."""
         return self.rank_rooms.drop_rooms_kept_for_cache()
 
     def on_scheduler_iteration(self) -> None:
-        """One scheduler iteration, on every TP rank in lockstep (md_driver.LockstepDriver)."""
+        """One scheduler iteration, on every TP rank in lockstep (driver.LockstepDriver)."""
         self.idle_wake.drain()
         self.driver.iterate()
         # A settled room or released pages wait for the group's decision; KV still landing

@@ -5,7 +5,7 @@ protocol's request itself (``MdCommand``: RegisterRequest, ReleaseRequest, KvSen
 answered with its reply type. The scheduler thread,
 the only one that touches the radix tree and the allocator, runs ``LockstepDriver.iterate``
 once per SGLang scheduler iteration: rank 0 drains the commands and reads the clock, every
-rank applies them in the same order, then the ranks vote (md_lockstep.py) on registrations,
+rank applies them in the same order, then the ranks vote (lockstep.py) on registrations,
 on rooms whose KV is landing and on pages waiting to go back, and act on the group's decision.
 """
 
@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from typing import Callable, Optional, Union
 
 from sglang_pdd.protocol import KvSendersRequest, RegisterRequest, ReleaseRequest
-from sglang_pdd.sglang_glue.md_lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
-from sglang_pdd.sglang_glue.md_rooms import RankRooms
-from sglang_pdd.sglang_glue.md_tp_sync import TpSync
+from sglang_pdd.sglang_glue.md.lockstep import RegistrationVote, ReleaseVote, RoomVote, agree
+from sglang_pdd.sglang_glue.md.rooms import RankRooms
+from sglang_pdd.sglang_glue.md.tp_sync import TpSync
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from sglang_pdd.sglang_glue.md_ingest import Landing
+from sglang_pdd.sglang_glue.md.ingest import Landing
 
 logger = logging.getLogger(__name__)
 

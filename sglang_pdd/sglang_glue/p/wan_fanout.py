@@ -20,7 +20,7 @@ budget; a room that would exceed it, a WAN failure, or an abort on P fails that 
 transfer: MD's room fails and RLD finishes the request. Nothing is lost either way.
 
 A room's phase, the copy thread's hold on it and why it was dropped change only in
-``WanFanout._machine.step``, through the pure state machine in sglang_glue/fanout_room.py.
+``WanFanout._machine.step``, through the pure state machine in sglang_glue/p/fanout_room.py.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 
 from sglang_pdd.config import parse_host_port
 from sglang_pdd.machine import Driver
-from sglang_pdd.sglang_glue import fanout_room
-from sglang_pdd.sglang_glue.fanout_room import CopyHold, DropReason, FanoutState
+from sglang_pdd.sglang_glue.p import fanout_room
+from sglang_pdd.sglang_glue.p.fanout_room import CopyHold, DropReason, FanoutState
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.states import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
@@ -130,7 +130,7 @@ class WanRoom:
     rid: str
     first_offered_page: int  # pool pages arrive from this page on (RLD's own cached prefix ends here)
     shares: list  # [RankShare]
-    # Phase, copy hold, progress and drop reason (sglang_glue/fanout_room.py); replaced only
+    # Phase, copy hold, progress and drop reason (sglang_glue/p/fanout_room.py); replaced only
     # by WanFanout._machine.step.
     state: FanoutState
     pages: list = field(default_factory=list)  # (page ids, event) in arrival order

@@ -1,7 +1,7 @@
 """One MD TP rank's rooms: the room table (radix_drc.rooms, whose state machine decides each
-room's course), where each room's KV lands (md_ingest), the WAN receiver's side of it, and
+room's course), where each room's KV lands (ingest.py), the WAN receiver's side of it, and
 the wake-ups of control threads waiting for a room. Scheduler thread only; every TP rank
-calls the same operations in the same order (md_driver.py), so the ranks stay alike.
+calls the same operations in the same order (driver.py), so the ranks stay alike.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from sglang_pdd.protocol import (KvSendersReply, KvSendersRequest, RegisterReply
 from sglang_pdd.radix_drc.room_state import Failure, FailReason
 from sglang_pdd.radix_drc.rooms import DrcRoom, DrcRoomTable, RoomReleased
 from sglang_pdd.radix_drc.stats import DrcStats
-from sglang_pdd.sglang_glue.md_ingest import InFlightBudget, Landing, RoomRefused
-from sglang_pdd.sglang_glue.md_pages import PageReleases
+from sglang_pdd.sglang_glue.md.ingest import InFlightBudget, Landing, RoomRefused
+from sglang_pdd.sglang_glue.md.pages import PageReleases
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RankRooms:
         self.drc_stats = DrcStats()
         self.kv_bytes_per_token = ops.pool_layout.bytes_per_token
 
-    # ---- commands (rank 0's control threads, applied on every rank; md_driver.MdCommand)
+    # ---- commands (rank 0's control threads, applied on every rank; driver.MdCommand)
     def register(self, req: RegisterRequest, now: Optional[float] = None) -> RegisterReply:
         t0 = time.perf_counter()
         try:

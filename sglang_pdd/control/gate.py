@@ -48,7 +48,7 @@ from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
 from sglang_pdd.admission import AdmissionLimits, AdmissionPolicy, source_of
-from sglang_pdd.control_auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier, SignedHead
+from sglang_pdd.control.auth import HEADER, REPLY_HEADER, AuthError, ControlVerifier, SignedHead
 from sglang_pdd.protocol import ControlError, Message, RouteTable
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 SGLang's ``--sleep-on-idle`` parks an idle scheduler in a zmq poll of its tokenizer and RPC
 sockets (up to a second at a time) instead of spinning a core. MD's room work does not come
 through those sockets: the router's registrations and releases arrive on MD's control threads
-(md_driver.CommandQueue) and KV lands from the WAN receiver's threads, both taken up in
+(driver.CommandQueue) and KV lands from the WAN receiver's threads, both taken up in
 scheduler iterations. So MD ran without the flag, and one core stayed busy on an idle MD: on a
 small machine that core is taken from P and RLD (measured: PDD's first tokens 32 ms p50 with
 MD stopped, 305-375 ms with MD idle beside P and RLD on 2 cores).
@@ -12,7 +12,7 @@ MD stopped, 305-375 ms with MD idle beside P and RLD on 2 cores).
 writes a byte, and the scheduler wakes at once; so does the WAN receiver when a room's KV has
 all landed (or failed), and the page-release thread when a room's pages may go back. Only
 while such a decision waits for the next iteration does the iteration wake itself
-(``keep_awake``; md_rooms.RankRooms.needs_iteration): KV still crossing the WAN keeps no core
+(``keep_awake``; rooms.RankRooms.needs_iteration): KV still crossing the WAN keeps no core
 busy, which on a slow link is seconds per room, taken from P and RLD on a shared machine.
 Without SGLang's sleeper (no flag, a TP rank other than 0, a test double) every call is a
 no-op.

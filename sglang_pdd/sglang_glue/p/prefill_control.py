@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from sglang_pdd.config import PddConfigError, parse_host_port
-from sglang_pdd.control_api import ControlApi, ControlServer
-from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.control_gate import JsonRequestHandler
+from sglang_pdd.control.api import ControlApi, ControlServer
+from sglang_pdd.control.auth import ControlVerifier
+from sglang_pdd.control.gate import JsonRequestHandler
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, HealthReply, InfoReply, RouteTable,
                                  WanDestinationRequest, bad_request)
 from sglang_pdd.sglang_glue.injected_delays import P_DESTINATION_DELAY_ENV, InjectedDelay
-from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What MD's control threads ask of its rooms without queueing a command: wait until a room is
 ready, turn a handoff into MD's own /generate, whether a cache flush is safe now, DRC stats.
 
-Built over one rank's rooms (md_rooms.RankRooms: the DrcRoomTable table, the ready events, the
+Built over one rank's rooms (rooms.RankRooms: the DrcRoomTable table, the ready events, the
 counters, ...): reads of the scheduler thread's state, plus the one change a control thread
 makes itself, the final handoff, which goes through the room's state machine.
 """
@@ -15,8 +15,8 @@ from typing import Optional
 from sglang_pdd.protocol import ControlError, HandoffRequest, ReadyReply, ReadyRequest
 from sglang_pdd.radix_drc.room_state import DrcPhase
 from sglang_pdd.radix_drc.rooms import RoomError, RoomStatus
-from sglang_pdd.sglang_glue.md_rooms import RankRooms
-from sglang_pdd.sglang_glue.resume import handoff_generate_body
+from sglang_pdd.sglang_glue.md.rooms import RankRooms
+from sglang_pdd.sglang_glue.md.resume import handoff_generate_body
 
 logger = logging.getLogger(__name__)
 

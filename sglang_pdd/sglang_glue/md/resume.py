@@ -20,7 +20,7 @@ no patch):
   structural_tag) accepts the k tokens; a token it rejects aborts the request with 400.
 * each penalizer's ``_prepare`` (after): frequency / presence / repetition hold what the server
   would have counted had it sampled the k tokens itself (its penalty clock, one token late under
-  the overlap scheduler: penalty_clock.py), and min_new_tokens counts them.
+  the overlap scheduler: relay/penalty_clock.py), and min_new_tokens counts them.
 * stop strings / stop regexes: SGLang checks the decoded tail of ``output_ids``, which now
   holds the k tokens, so a stop string straddling the cut is found at the first new token;
   stop token ids are checked per new token (the k tokens are known not to finish the request).
@@ -73,8 +73,7 @@ from http import HTTPStatus
 from typing import Any, Optional, Sequence
 
 from sglang_pdd.protocol import HANDOFF_LOGPROB_FIELDS, RESUME_KEY, HandoffRequest, without_pdd_params
-from sglang_pdd.sglang_glue import penalty_clock
-
+from sglang_pdd.sglang_glue.relay import penalty_clock
 logger = logging.getLogger(__name__)
 
 _RESUMED_ATTR = "_pdd_resumed_len"  # set on a Req: how many of its output_ids were resumed
@@ -130,7 +129,7 @@ def seed_resumed_output(req, scheduler, recv_req, *args, **kwargs):
             raise ResumeError(f"custom_params.{RESUME_KEY} needs input_ids, not input_embeds")
         if scheduler.disaggregation_mode.value != "null":
             raise ResumeError(f"custom_params.{RESUME_KEY} is not supported on a PD "
-                              f"{scheduler.disaggregation_mode.value} server (see sglang_glue/resume.py)")
+                              f"{scheduler.disaggregation_mode.value} server (see sglang_glue/md/resume.py)")
         validate_resume(k, len(req.origin_input_ids), req.sampling_params.max_new_tokens)
     except ResumeError as e:
         req.set_finish_with_abort(str(e), status_code=HTTPStatus.BAD_REQUEST)

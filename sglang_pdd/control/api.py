@@ -1,5 +1,5 @@
-"""The one shape of the stdlib control servers: MD's rooms (sglang_glue/main_drc.py), P's WAN
-destinations (sglang_glue/prefill_control.py) and the WAN emulator's faults
+"""The one shape of the stdlib control servers: MD's rooms (sglang_glue/md/main_drc.py), P's WAN
+destinations (sglang_glue/p/prefill_control.py) and the WAN emulator's faults
 (launcher/wan_emulator.py).
 
 A control API is an object (``ControlApi``) whose routes are its own bound methods, listed in
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from sglang_pdd.admission import parse_networks
-from sglang_pdd.control_auth import ControlVerifier
-from sglang_pdd.control_gate import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
+from sglang_pdd.control.auth import ControlVerifier
+from sglang_pdd.control.gate import ControlHTTPServer, JsonRequestHandler, control_admission, serve_in_thread
 from sglang_pdd.protocol import ControlError, RouteTable
 
 

@@ -1,7 +1,7 @@
 """What MD's TP ranks vote on each scheduler iteration, and how a vote becomes the group's decision.
 
 Each vote is a small frozen dataclass of yes/no fields; ``agree`` sends the votes of one
-iteration through one element-wise MIN over the ranks (md_tp_sync.TpSync.all_min), so a field
+iteration through one element-wise MIN over the ranks (tp_sync.TpSync.all_min), so a field
 comes back true only if it is true on every rank. Every rank passes the same kinds of vote in
 the same order (they are derived from state every rank shares), so the flattened lists line up.
 """
@@ -12,7 +12,7 @@ from dataclasses import astuple, dataclass, fields
 from typing import Sequence, TypeVar
 
 from sglang_pdd.kv_channel.states import RoomState
-from sglang_pdd.sglang_glue.md_tp_sync import TpSync
+from sglang_pdd.sglang_glue.md.tp_sync import TpSync
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""P's WAN room (one request's KV to MD, sglang_glue/wan_fanout.py) as an explicit state
+"""P's WAN room (one request's KV to MD, sglang_glue/p/wan_fanout.py) as an explicit state
 machine (pure; on the machine kit, sglang_pdd/machine.py).
 
 ``transition(state, event) -> (state, actions)`` decides every change of the room; WanFanout

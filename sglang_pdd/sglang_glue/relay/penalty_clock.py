@@ -15,7 +15,7 @@ position 0's token).
 "Behaves exactly as one SGLang server would" therefore means reproducing that clock in the two
 places PDD starts a request somewhere other than at its first token:
 
-* MD resuming k tokens (resume.py): the penalizers are seeded with ``history(...)`` below, not
+* MD resuming k tokens (md/resume.py): the penalizers are seeded with ``history(...)`` below, not
   with all k tokens; MD's own next decode step then counts ``out[k-1]``, as the server would.
 * RLD, a PD decode server: it gets ``output_ids = [P's first token]`` before its first decode,
   so SGLang counts that token at the first step where one server counts ``prompt[-1]`` (and
