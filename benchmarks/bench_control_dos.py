@@ -40,7 +40,7 @@ from tqdm import tqdm
 from sglang_pdd.control import auth as control_auth
 from sglang_pdd.control.auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
-from sglang_pdd.router.backends import MainControl
+from sglang_pdd.router.backends.clients import MainControl
 from sglang_pdd.protocol import ReleaseRequest
 from tests.support import control_fakes as fakes
 

@@ -35,7 +35,7 @@ from sglang_pdd.control import gate as control_gate
 from sglang_pdd.control.auth import REPLY_HEADER, ROLE_MD, ControlSigner, ControlVerifier
 from sglang_pdd.protocol import HandoffRequest, RegisterReply
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
-from sglang_pdd.router import backends
+from sglang_pdd.router.backends import clients as backends
 from sglang_pdd.sglang_glue.md.main_drc import MdControlServer
 
 KEY = b"bench-control-reply-signing-key-0123456789"

@@ -36,8 +36,8 @@ from benchmarks.bench_control_reply_sig import KEY, _Generate, _Runtime, _timed,
 from sglang_pdd.control.auth import ROLE_MD, ControlSigner
 from sglang_pdd.kv_channel.tls import control_tls_context
 from sglang_pdd.protocol.routes import MD_REGISTER, STATS
-from sglang_pdd.router import backends
-from sglang_pdd.router.app import backend_session
+from sglang_pdd.router.backends import clients as backends
+from sglang_pdd.router.front.app import backend_session
 from sglang_pdd.sglang_glue.md.main_drc import MdControlServer
 
 MODES = ("tls", "plain")

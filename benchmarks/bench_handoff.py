@@ -4,11 +4,11 @@ One ``LocalCluster`` (P + RLD in datacenter A, MD in datacenter B, the WAN emula
 router) and, side by side in the same run:
 
 (a) token-ID handoff + MD extend. Per room: register the prompt at MD, make P send its KV
-    over the WAN (the PD request to P and RLD from the router's builders, router/bodies.py), wait
+    over the WAN (the PD request to P and RLD from the router's builders, router/flow/bodies.py), wait
     until MD's room is ready, then POST the E eager tokens (the real greedy continuation,
     from a reference generation) to MD's handoff API *through an emulated WAN link* (a
     second emulator in front of MD's control port: the router sits in datacenter A).
-    Payload = the JSON body (what flow.py sends; msgpack for reference) and the bytes that
+    Payload = the JSON body (what pdd_flow.py sends; msgpack for reference) and the bytes that
     crossed the emulated link (HTTP headers included). Latency = send -> MD's first
     continuation token (= MD's stall) and -> full response.
 (b) incremental KV: the same E tokens' KV (decode_prefix_len = prompt, num_tokens = prompt
@@ -66,8 +66,8 @@ from tqdm import tqdm
 from sglang_pdd.launcher.http import get_json, post_json, signed_headers
 from sglang_pdd.protocol import ReadyReply, RegisterReply, RegisterRequest
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.router.backends import SSE_DONE, parse_sse_line
-from sglang_pdd.router.bodies import handoff_body, pd_leg_body, wan_destination_params
+from sglang_pdd.router.backends.clients import SSE_DONE, parse_sse_line
+from sglang_pdd.router.flow.bodies import handoff_body, pd_leg_body, wan_destination_params
 
 BENCH_ROUTER_ARGS = ["--every-client-is-operator"]  # pdd_options are operator-only
 
@@ -107,7 +107,7 @@ def handoff_message(eager: Sequence[int], rid: str, continuation_tokens: int,
 
 
 def payload_sizes(body: dict) -> dict:
-    """Encoded sizes of one handoff message: JSON as flow.py counts it, compact JSON, msgpack."""
+    """Encoded sizes of one handoff message: JSON as pdd_flow.py counts it, compact JSON, msgpack."""
     import msgpack
 
     return {"json": len(json.dumps(body)), "json_compact": len(json.dumps(body, separators=(",", ":"))),
@@ -584,7 +584,7 @@ def report(results: dict, args, latencies: list[float], placements: list[str]) -
           f"= {args.equiv_gbps:g} Gbps scaled by {a['rows'][0]['kv_bytes_per_token']}/{REF_KV_BYTES_PER_TOKEN}; "
           f"control link {args.equiv_gbps:g} Gbps.")
     print("\nPayload per handoff (bytes crossing the WAN):")
-    rows = [["(a) token IDs, JSON body (as flow.py counts)", f"{a['payload_json_mean']:.0f}", "-"],
+    rows = [["(a) token IDs, JSON body (as pdd_flow.py counts)", f"{a['payload_json_mean']:.0f}", "-"],
             ["(a) token IDs, msgpack", f"{a['payload_msgpack_mean']:.0f}", "-"],
             ["(a) token IDs, on the wire (HTTP request incl. headers)", f"{a['wire_bytes_up_mean']:.0f}", "-"],
             [f"(a) JSON body with {REAL_VOCAB}-vocab ids (estimate)", f"{a['real_vocab_payload']['json']}", "-"],

@@ -87,7 +87,7 @@ def start_fakes(token_delay_s: float) -> tuple[subprocess.Popen, dict]:
 # a control key): the router's --control-key-file is given (it is required with --main) and its
 # key then dropped before any call, so the router talks to them unsigned. Signatures are not what
 # this benchmark measures.
-UNSIGNED_ROUTER = ("import runpy, sglang_pdd.router.backends as b; use = b.use_control_key; "
+UNSIGNED_ROUTER = ("import runpy, sglang_pdd.router.backends.clients as b; use = b.use_control_key; "
                    "b.use_control_key = lambda key: use(None); "
                    "runpy.run_module('sglang_pdd.router', run_name='__main__', alter_sys=True)")
 

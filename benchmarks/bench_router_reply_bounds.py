@@ -6,7 +6,7 @@ not counted) answers the router's registration call with 200 and a body of ``--r
 (chunked, as fast as loopback takes it), once without a reply signature and once with a
 signature header of the right shape (a forger's: it does not verify). A fake SGLang server
 answers a streamed ``/generate`` with one event line of ``--line-mib``. The router's own
-client code (``sglang_pdd.router.backends``) is run in a child process against each, and the
+client code (``sglang_pdd.router.backends.clients``) is run in a child process against each, and the
 table gives the child's peak RSS growth, the time until it gave up, and the error it raised.
 
     python -m benchmarks.bench_router_reply_bounds                         # this tree
@@ -87,8 +87,7 @@ def attack(url: str, kind: str, timeout_s: float) -> dict:
 
     import aiohttp
 
-    from sglang_pdd.router import backends
-
+    from sglang_pdd.router.backends import clients as backends
     def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -103,7 +102,7 @@ def attack(url: str, kind: str, timeout_s: float) -> dict:
                 return "answered"
             body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 16}}
             try:  # the bound the router sets for this leg (a tree without bounds takes none)
-                from sglang_pdd.router.reply_limits import max_event_bytes
+                from sglang_pdd.router.backends.reply_limits import max_event_bytes
                 stream = backends.generate_stream(session, url, body, max_event_bytes(3, 16))
             except ImportError:
                 stream = backends.generate_stream(session, url, body)

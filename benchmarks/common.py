@@ -2,7 +2,7 @@
 (blocking and asyncio).
 
 Request bodies the router itself builds come from the control protocol's types
-(``sglang_pdd.protocol``: MD registration, handoff, routes) and ``sglang_pdd.router.bodies``
+(``sglang_pdd.protocol``: MD registration, handoff, routes) and ``sglang_pdd.router.flow.bodies``
 (P/RLD legs), not from here: a benchmark sends what the router sends.
 """
 

@@ -71,7 +71,7 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def package_of(module: str) -> str:
-    """``sglang_pdd.router.flow`` -> ``router``; ``sglang_pdd.config`` -> ``config``."""
+    """``sglang_pdd.router.flow.pdd_flow`` -> ``router``; ``sglang_pdd.config`` -> ``config``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -207,7 +207,7 @@ def router_sglang_state():
     """The router's SGLang serving state (tokenizer, model config, chatml template) for the tiny
     model, built in-process as the router builds it: HTTP-front tests without servers."""
     model = _require_sglang()
-    from sglang_pdd.router.serving import build_sglang_state
+    from sglang_pdd.router.front.serving import build_sglang_state
 
     return build_sglang_state(["--model-path", model, "--device", "cpu", "--chat-template", "chatml"])
 

@@ -92,7 +92,7 @@ STATUSES: dict[str, StatusDoc] = {
                             "nothing else held the request's state: an error event with code 502, then [DONE]",
                             (FaultKind.KILL_P, FaultKind.KILL_RLD)),
 }
-# The router's 503 when it holds its cap of requests (router/overload.py): shed at once, with
+# The router's 503 when it holds its cap of requests (router/front/overload.py): shed at once, with
 # Retry-After, whatever fault is on or none.
 OVERLOADED = "overloaded"
 # A fault explains a failure of a request that was in flight from when it fired until this
@@ -143,7 +143,7 @@ def explained(record: RequestRecord, fired: Iterable[FiredFault]) -> bool:
     if doc is None or (doc.retry_after and not record.retry_after):
         return False
     if record.status == "503" and OVERLOADED in record.message:
-        return True  # load shed at once (router/overload.py): documented with or without a fault
+        return True  # load shed at once (router/front/overload.py): documented with or without a fault
     return any(f.kind in doc.during and record.sent_s <= f.recovered_s + FAULT_GRACE_S
                and record.ended_s >= f.started_s for f in fired)
 

@@ -48,7 +48,7 @@ SETTLE_S = 90.0
 
 def gap_bounds(router_args: list[str]) -> GapBounds:
     """The router's deadlines for MD as these flags set them (the router's defaults else)."""
-    from sglang_pdd.router.flow import FlowConfig
+    from sglang_pdd.router.flow.pdd_flow import FlowConfig
 
     flags = {}
     for i, arg in enumerate(router_args):  # "--flag value" and "--flag=value"

@@ -64,7 +64,7 @@ class LocalCluster(ClusterProcesses):
     @property
     def operator_headers(self) -> dict[str, str]:
         """Headers that make a request to the router an operator's (pdd_options, meta_info.pdd)."""
-        from sglang_pdd.router.app import OPERATOR_HEADER
+        from sglang_pdd.router.front.app import OPERATOR_HEADER
 
         return {OPERATOR_HEADER: self.operator_token_file.read_text().strip()}
 

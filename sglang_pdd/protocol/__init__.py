@@ -1,7 +1,7 @@
 """The control protocol between the router and P / MD: routes, messages, the error type.
 
 Foundation layer (imports nothing from router/ or sglang_glue/): the router's clients
-(router/backends.py), the servers (sglang_glue/md/main_drc.py's MdControlApi,
+(router/backends/clients.py), the servers (sglang_glue/md/main_drc.py's MdControlApi,
 sglang_glue/p/prefill_control.py), the test fakes and the benchmarks all build and parse the
 control calls with these types, so the contract lives here once (docs/architecture.md,
 "The control protocol").

@@ -1,3 +1,3 @@
-from sglang_pdd.router.cli import main
+from sglang_pdd.router.front.cli import main
 
 main()

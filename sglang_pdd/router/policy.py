@@ -74,7 +74,7 @@ class PathPolicyConfig:
     # RLD still hides the WAN for requests that would spend most of the SLO waiting on it.
     p_md_share_idle: float = 0.5
     # P's prefill speed, to turn P's queue and this request's prefill (tokens) into time. The
-    # router measures it (router/loads.py, P's /v1/loads) and starts from this default; never 0.
+    # router measures it (router/backends/loads.py, P's /v1/loads) and starts from this default; never 0.
     p_prefill_tokens_per_s: float = 10_000.0
     # P's attention term: seconds per new token per token of context (the prompt's cached
     # prefix, and the new tokens before it), as sim/hardware.py's prefill_s_per_token_ctx. 0:
@@ -98,9 +98,9 @@ class PathPolicyConfig:
     rld_busy_at: float = 0.9
     # Share of the TTFT SLO kept back for what the estimate misses (MD's queue, jitter).
     ttft_safety_fraction: float = 0.1
-    # router/flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
+    # router/flow/pdd_flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
     p_md_registers_first: bool = True
-    # P->MD's first token comes from P through RLD's one-token leg (router/flow.py): the WAN
+    # P->MD's first token comes from P through RLD's one-token leg (router/flow/pdd_flow.py): the WAN
     # wait for the KV then falls in the gap between that token and MD's first, so its budget
     # is capped by `gap_slo_ms`, and TTFT pays only the registration. False (or no gap SLO):
     # the user waits for the whole WAN before its first token, judged against the TTFT SLO.
@@ -194,9 +194,9 @@ def estimate_wan_transfer_ms(
 
 
 # One-way WAN trips a P->MD user waits for, from the path's message sequence in
-# router/flow.py (router and user in datacenter A, MD in B):
+# router/flow/pdd_flow.py (router and user in datacenter A, MD in B):
 #   1. router -> MD: registration;  2. MD -> router: its prefix answer.
-#      flow.py sends these *before* starting P on P->MD, so both are in TTFT
+#      flow/pdd_flow.py sends these *before* starting P on P->MD, so both are in TTFT
 #      (P->RLD->MD registers concurrently with P and RLD and pays neither);
 #   -  P's first token reaches the user through RLD's one-token leg (same DC, no WAN);
 #   3. P -> MD: the KV pages (plus their serialisation);
@@ -280,11 +280,11 @@ def router_facts(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optio
     max_new_tokens, the chosen RLD's requests in flight against its max running, and the
     chosen P's prefill tokens in flight (its queue as the router counts it) and this
     request's own (the prompt less what the router expects P to hold), and the KV bytes it
-    has sent over the WAN that have not landed (router/wan_in_flight.py: all of them count as
+    has sent over the WAN that have not landed (router/backends/wan_in_flight.py: all of them count as
     competing, an upper bound under fair sharing). P's queue becomes time at
     `cfg.p_prefill_tokens_per_s` (linear: the router does not know the queued prompts'
     contexts), this request's with its attention term over the prompt
-    (`prefill_ms`: its prefill tokens after the prefix P is expected to hold). router/flow.py
+    (`prefill_ms`: its prefill tokens after the prefix P is expected to hold). router/flow/pdd_flow.py
     and the simulator both build their facts here, so the simulator cannot decide on what the
     router does not see."""
     util = rld_running / rld_max_running if rld_max_running > 0 else 1.0
@@ -299,7 +299,7 @@ def decide_path(input_tokens: int, md_cached_tokens: int, max_new_tokens: Option
                 rld_running: int, rld_max_running: int, cfg: PathPolicyConfig,
                 p_queued_tokens: int = 0, p_prefill_tokens: int = 0,
                 wan_in_flight_bytes: int = 0) -> PathDecision:
-    """The router's path decision (router/flow.py and the simulator call this)."""
+    """The router's path decision (router/flow/pdd_flow.py and the simulator call this)."""
     return choose_path(router_facts(input_tokens, md_cached_tokens, max_new_tokens, rld_running,
                                     rld_max_running, cfg, p_queued_tokens, p_prefill_tokens,
                                     wan_in_flight_bytes), cfg)

@@ -20,7 +20,7 @@ from itertools import compress, islice, takewhile
 from operator import not_
 from typing import Sequence
 
-from sglang_pdd.router.prefix_index import touch_chain
+from sglang_pdd.router.backends.prefix_index import touch_chain
 from sglang_pdd.sim.workload import BLOCK_TOKENS
 
 

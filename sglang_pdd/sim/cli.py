@@ -83,7 +83,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="host (DRAM) tier behind the prefix caches, as SGLang's HiCache: on P and MD (default), "
                         "off, or on P only")
     p.add_argument("--p-placement", choices=P_PLACEMENTS, default="router",
-                   help="P placement of every design: router = router/placement.py's pick_prefill (default); "
+                   help="P placement of every design: router = router/backends/placement.py's pick_prefill (default); "
                         "what-ifs: flows (the router's earlier rule), backlog, round_robin")
     p.add_argument("--rld-max-running", type=int, default=ClusterSpec.rld_max_running,
                    help="the router's RLD admission (its --rld-max-running): RLD's load in the path decision "

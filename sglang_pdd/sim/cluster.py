@@ -6,9 +6,9 @@ a change to them changes the sim. For every design: P by `router.placement.pick_
 P's prefill tokens in flight and the router's prefix index (candidates rotated so equal ones
 take turns), MD (and same-DC PD's D) by `placement.pick_main` on flows in flight: the MD
 holding the prefix unless a move costs less time than its excess flows (`pick_p`, `pick_md`:
-router/pools.py's Pools.pick, checked against it in tests/unit/sim/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
+router/backends/pools.py's Pools.pick, checked against it in tests/unit/sim/test_sim_router_agreement.py). For PDD with an RLD also: RLD with the fewest flows in
 flight (`pick_rld`); the path by `router.policy.decide_path` on the prefix index's estimate,
-again on MD's exact prefix for P->MD (`choose_path`: flow.py with P's control API), RLD's
+again on MD's exact prefix for P->MD (`choose_path`: pdd_flow.py with P's control API), RLD's
 load being its flows over the router's admission (`rld_max_running`, --rld-max-running);
 the handoff mode by `handoff.policy.choose_mode`; and every request's life by
 `router.lifecycle.transition` (`_event`), fed the events the router's I/O shell would feed
@@ -27,7 +27,7 @@ tokens), and does what the returned actions say through the kit's Driver, every 
 every request (with MD's DRC when `drc`), no RLD, MD learning of the request as P starts
 (SGLang's PD: no round trip before P).
 
-Message timing follows router/flow.py: P->MD registers on MD first (a WAN round trip
+Message timing follows router/flow/pdd_flow.py: P->MD registers on MD first (a WAN round trip
 before P starts; `PathPolicyConfig.p_md_registers_first`) and its first token comes from
 P through RLD's one-token leg in datacenter A; MD's tokens reach the user one WAN trip
 later. Each catch-up round is a one-way trip of token ids to MD, an extend pass that holds
@@ -59,13 +59,14 @@ from typing import Iterable, Optional
 from sglang_pdd.handoff import policy as handoff_policy
 from sglang_pdd.handoff.policy import CatchUpStep, HandoffConfig, HandoffMode, RldLoad, next_catch_up_batch
 from sglang_pdd.machine import Driver, nothing
-from sglang_pdd.router import lifecycle as lc
-from sglang_pdd.router.fallback import Fallback, Reason
+from sglang_pdd.router.flow import lifecycle as lc
+from sglang_pdd.router.flow.fallback import Fallback, Reason
 from sglang_pdd.config import md_staging_bytes
-from sglang_pdd.router import placement, policy
-from sglang_pdd.router.placement import InstanceLoad, MdMoveCost, pick_instance, pick_main
+from sglang_pdd.router import policy
+from sglang_pdd.router.backends import placement
+from sglang_pdd.router.backends.placement import InstanceLoad, MdMoveCost, pick_instance, pick_main
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathMode, PathPolicyConfig
-from sglang_pdd.router.prefix_index import PrefixIndex
+from sglang_pdd.router.backends.prefix_index import PrefixIndex
 from sglang_pdd.sim.workload import BLOCK_TOKENS, TraceRequest
 
 from .cache import BlockCache
@@ -128,20 +129,20 @@ class ScenarioConfig:
     # What-if: such a kept transfer yields the WAN to the transfers a request waits on (strict
     # priority). False, as the real sender (kv_channel/wan_sender.py: one FIFO per peer).
     kept_kv_background: bool = False
-    # P placement, the same for every design. "router": router/placement.py's pick_prefill
+    # P placement, the same for every design. "router": router/backends/placement.py's pick_prefill
     # (prefill tokens in flight, prefix affinity within the held prefix; what the router and
     # the sim both run). What-ifs: "flows" (the router's earlier rule: flows in flight, excess
     # 4), "backlog" (affinity weighed against P's queue in seconds, the sim's earlier
     # stand-in for SGLang's cache-aware router), "round_robin".
     p_placement: str = "router"
-    # MD (and D) placement, the same for every design. None: the router's (router/pools.py:
+    # MD (and D) placement, the same for every design. None: the router's (router/backends/pools.py:
     # placement.pick_main, flows in flight against the cost of re-sending the held prefix).
     # True: KV load + pending KV within `affinity_excess` (what-if).
     md_kv_load: Optional[bool] = None
     # What-if: MD placed by a fixed bound in flows in flight (the router's earlier rule: 4)
     # instead of placement.pick_main's cost of a move. None: the router's rule.
     md_affinity_excess_flows: Optional[float] = None
-    # MD's decode step growth per flow in flight, what the router measures (router/loads.py);
+    # MD's decode step growth per flow in flight, what the router measures (router/backends/loads.py);
     # None: md_hw's at half its batch cap and a 30k-token context (`md_flow_step_s`).
     md_flow_step_s: Optional[float] = None
     seed: int = 0
@@ -193,7 +194,7 @@ class ScenarioConfig:
             return self.router
         # P's speed as the router knows it (measured, or --p-prefill-tokens-per-s) and its
         # attention term (--p-prefill-s-per-token-ctx): the profile's. P->MD's first token
-        # comes through RLD (flow.py) where there is one, so its WAN wait is budgeted
+        # comes through RLD (pdd_flow.py) where there is one, so its WAN wait is budgeted
         # against the gap SLO (--gap-slo-ms) when the SLA has one.
         return PathPolicyConfig(
             wan_gbps=self.wan.gbps, wan_rtt_ms=2e3 * self.wan.one_way_latency_s,
@@ -243,7 +244,7 @@ class SimRequest:
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
         self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
-        self.wan_planned = 0  # its bytes in the router's WAN-in-flight count (router/wan_in_flight.py)
+        self.wan_planned = 0  # its bytes in the router's WAN-in-flight count (router/backends/wan_in_flight.py)
         self.wan_counted = False  # one of the router's transfers in flight (WanInFlight.transfers)
         self.kept = False  # ended on RLD with its transfer still landing on MD (released with keep)
         self.p_tok = 0  # prefill tokens the router counts on its P until the prefill is done
@@ -303,14 +304,14 @@ class Simulation:
         # Pools.pick rotates P's candidates by a counter before the stable sorts, so equal
         # ones take turns; one precomputed order per turn.
         self._p_turns = [self._p_ids[t:] + self._p_ids[:t] for t in range(cfg.n_prefill)]
-        # The router's in-flight count per RLD (router/pools.py's rld_inflight): every request
+        # The router's in-flight count per RLD (router/backends/pools.py's rld_inflight): every request
         # routed through that RLD, from arrival to its end, whatever its path (a P->MD request
         # decoding on MD counts too). It is RLD's load in the path decision.
         self.rld_flows = [0] * cfg.n_rld
         # pools.py's md_inflight: every request assigned to that MD, arrival to end. Every
         # design places MD (and D) on it, as the router does (md_kv_load: the KV-load what-if).
         self.md_flows = [0] * cfg.n_md
-        # router/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
+        # router/backends/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
         # (MD's uncached suffix at its answer) that have not landed or been dropped.
         self.wan_routed_bytes = 0
         self.wan_routed_transfers = 0  # and how many transfers (WanInFlight.transfers)
@@ -472,7 +473,7 @@ class Simulation:
         if pc.host_hits:
             self.p_host_tokens += min(pc.host_hits * BLOCK_TOKENS, r.p_cached)
 
-        routed = c.kind == "pdd" and bool(self.rld)  # through the PDD router (flow.py, app.py)
+        routed = c.kind == "pdd" and bool(self.rld)  # through the PDD router (pdd_flow.py, app.py)
         if self.cfg.md_kv_load:
             md_cap = c.md_hw.kv_capacity_tokens
             md_loads = [InstanceLoad(i, m.load() + self.md_pending[i] / md_cap) for i, m in enumerate(self.md)]
@@ -524,7 +525,7 @@ class Simulation:
         return p
 
     def choose_path(self, r: SimRequest, full) -> Path:
-        """flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
+        """pdd_flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
         on the router's prefix-index estimate of MD's prefix; P->MD registers on MD first
         (a WAN round trip before P) and decides again on MD's exact answer, which may turn
         it into P->RLD->MD (registered before the legs, so no late destination)."""
@@ -538,12 +539,12 @@ class Simulation:
         return path
 
     def pick_rld(self) -> int:
-        """router/pools.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
+        """router/backends/pools.py's Pools.pick for RLD: the fewest flows in flight, first on ties."""
         flows = self.rld_flows
         return min(range(len(flows)), key=flows.__getitem__)
 
     def pick_p(self, full) -> int:
-        """router/pools.py's Pools.pick for P (every P healthy): the candidates rotated by a
+        """router/backends/pools.py's Pools.pick for P (every P healthy): the candidates rotated by a
         round-robin counter, then placement.pick_prefill over P's prefill tokens in flight:
         the P whose prefix index holds the longest prefix (least loaded first among equals,
         then rotated order) keeps it unless its tokens exceed the least loaded P's by more
@@ -573,7 +574,7 @@ class Simulation:
                              max_affinity_excess=FLOWS_RULE_EXCESS)
 
     def pick_md(self, full, output_tokens: Optional[int] = None) -> int:
-        """router/pools.py's Pools.pick for MD: placement.pick_main over MD's flows in flight.
+        """router/backends/pools.py's Pools.pick for MD: placement.pick_main over MD's flows in flight.
         The MD whose prefix index holds the longest prefix (least loaded first among equals)
         keeps the turn unless its excess flows cost more than re-sending that prefix over the
         WAN, at the share one more transfer gets beside the router's transfers in flight."""
@@ -634,10 +635,10 @@ class Simulation:
         raise RuntimeError(f"lifecycle action {a!r} after {event!r}: the sim does not model it")
 
     def decide(self, r: SimRequest, md_cached: int) -> PathDecision:
-        """The router's decision with the router's inputs (router/flow.py's _decide): MD's
+        """The router's decision with the router's inputs (router/flow/pdd_flow.py's _decide): MD's
         prefix (the index's estimate or MD's registration answer), the request's max_new_tokens (the trace's
         output length stands in), the other flows in flight on its RLD and the other prefill
-        tokens in flight on its P (this request already counted on both, as flow_runner.py
+        tokens in flight on its P (this request already counted on both, as front/flow_runner.py
         counts it after the decision), its own prefill tokens, and the WAN bytes the router
         has routed that have not landed. Not P's real backlog nor the link's: the router sees
         neither (docs/sim.md). Called through the module so that a change
@@ -654,13 +655,13 @@ class Simulation:
             r.md_pending = tr.input_length + tr.output_length
             self.md_pending[r.md] += r.md_pending
         if r.reg_first and self._first_token_via_rld():
-            # flow.py: P->MD registers on MD (a WAN round trip) before P starts.
+            # pdd_flow.py: P->MD registers on MD (a WAN round trip) before P starts.
             self.loop.after(2 * c.wan.one_way_latency_s, self._submit_prefill, r)
         else:
             self._submit_prefill(now, r)
 
     def _first_token_via_rld(self) -> bool:
-        """PDD's P->MD streams P's first token through RLD's one-token leg (flow.py)."""
+        """PDD's P->MD streams P's first token through RLD's one-token leg (pdd_flow.py)."""
         return self.cfg.kind == "pdd" and bool(self.rld)
 
     def _submit_prefill(self, now: float, r: SimRequest) -> None:
@@ -843,7 +844,7 @@ class Simulation:
         if not md.can_admit(r.tr.input_length + r.tr.output_length):
             self.md_handoff_wait[r.md].append(r)
             return
-        # flow.py's _handoff: RLD's flows in flight when the request arrived, no hysteresis
+        # pdd_flow.py's _handoff: RLD's flows in flight when the request arrived, no hysteresis
         r.mode = handoff_policy.choose_mode(RldLoad(r.rld_others, self.cfg.rld_max_running),
                                             self.cfg.handoff)
         self._handoff_round(now, r)
@@ -988,7 +989,7 @@ class Simulation:
         if self.rld:
             self.rld_flows[r.rld] -= 1
         self.md_flows[r.md] -= 1
-        if self.p_placement in ("router", "flows"):  # pools.py's Pools.record: P's prompt, at request end
+        if self.p_placement in ("router", "flows"):  # the router's record_prefixes (front/flow_runner.py): P's prompt, at request end
             self.p_index.record_blocks(r.p, r.full)
         r.done = True
         r.t_done = t_done

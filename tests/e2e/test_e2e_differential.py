@@ -296,8 +296,9 @@ def test_recovery_after_wan_partition_equals_single_server(pdd_cluster, referenc
 def flow_output(cluster, prompt_ids: list[int], sampling: dict, extras: dict, path: str) -> tuple[list[int], dict]:
     """One request through PddFlow in this process, on the cluster's real P / RLD / MD."""
     from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
-    from sglang_pdd.router.backends import use_control_key
-    from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
+    from sglang_pdd.router.backends.clients import use_control_key
+    from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
+    from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
     from sglang_pdd.router.policy import Path
 
     use_control_key(cluster.control_key)  # as the router's --control-key-file: MD and P need signed calls

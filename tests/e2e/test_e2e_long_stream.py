@@ -4,7 +4,7 @@ server's (full tier).
 SGLang streams cumulatively: each event repeats the whole output and its logprobs so far, so
 with 40 top logprobs the last events of a 500-token request are ~600 KB lines (the stream as
 a whole ~150 MB). The router
-reads each backend event whole, up to the bound its request allows (router/reply_limits.py),
+reads each backend event whole, up to the bound its request allows (router/backends/reply_limits.py),
 and must carry such a stream to the end like one server does, on P->MD, P->RLD->MD (one-shot
 and catch-up) and P->RLD only.
 """

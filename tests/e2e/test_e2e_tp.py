@@ -42,7 +42,7 @@ def tp_cluster(run_root, servers_under_test, request):
 
 def p_rank_stats(cluster):
     """Each P rank's control API (port + rank): its WAN fan-out's counters."""
-    from sglang_pdd.router.backends import prefill_rank_url
+    from sglang_pdd.router.backends.clients import prefill_rank_url
 
     url = cluster.topology.prefill.control_url
     return [get_json(f"{prefill_rank_url(url, r)}/pdd/stats", key=cluster.control_key, role=ROLE_P)

@@ -5,7 +5,7 @@ token, so any server continuing any prefix produces the same text, and a correct
 output is exactly ``truth(prompt, max_new_tokens)``. P, RLD and MD all run in the test's event
 loop; knobs (``Knobs``) inject faults, ``Fakes.log`` records every request each server got.
 
-What the fakes mimic (see sglang_pdd/router/flow.py's docstring and backends.py):
+What the fakes mimic (see sglang_pdd/router/flow/pdd_flow.py's docstring and backends.py):
 
 - P: POST /generate (non-stream) -> {"meta_info": {"cached_tokens": N}}; it marks the request's
   bootstrap_room as prefilled, which RLD waits for (as a real PD decode waits for its KV).

@@ -13,9 +13,10 @@ from typing import Optional
 import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
-from sglang_pdd.router.backends import BackendError, use_control_key
-from sglang_pdd.router.fallback import Reason
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow, PrefillBackend
+from sglang_pdd.router.backends.clients import BackendError, use_control_key
+from sglang_pdd.router.flow.fallback import Reason
+from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from tests.support.fake_backends import Fakes, Knobs, truth, wait_until
 

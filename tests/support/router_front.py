@@ -9,9 +9,9 @@ import json
 
 import aiohttp
 
-from sglang_pdd.router.app import Router, build_app
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.front.app import Router, build_app
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.pools import Pools
 from tests.support.fake_backends import Fakes, Knobs, serve_app
 from tests.support.flow_scenarios import flow_config
 

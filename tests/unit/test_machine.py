@@ -172,7 +172,8 @@ def _machines():
     from sglang_pdd.sglang_glue.p import fanout_room
     from sglang_pdd.sglang_glue.p import wan_binding
     from sglang_pdd.radix_drc import room_state
-    from sglang_pdd.router import health, lifecycle
+    from sglang_pdd.router.backends import health
+    from sglang_pdd.router.flow import lifecycle
     return {
         "router/lifecycle": (lifecycle.transition, lifecycle.RequestState(max_new=4), ()),
         "radix_drc/room_state": (room_state.transition, room_state.DrcState(), ()),

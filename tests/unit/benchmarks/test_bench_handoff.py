@@ -34,7 +34,7 @@ def test_ideal_transfer_time():
 
 
 def test_handoff_message_is_the_routers_body_and_sizes():
-    from sglang_pdd.router.bodies import handoff_body
+    from sglang_pdd.router.flow.bodies import handoff_body
 
     body = bh.handoff_message([5, 6, 7], "r-m", 9, {"temperature": 0.0})
     # the router's max_new_tokens is the whole budget: 3 eager tokens + 9 more

@@ -48,7 +48,7 @@ def test_trace_keeps_lengths_send_times_and_the_shared_block():
 
 
 def test_router_line_maps_to_metrics():
-    line = ('2026-12-04 15:00:00,000 sglang_pdd.router.app INFO request ' + json.dumps(
+    line = ('2026-12-04 15:00:00,000 sglang_pdd.router.front.app INFO request ' + json.dumps(
         {"rid": "x", "path": "p_rld_md", "output_tokens": 11, "handoff_at": 4, "mode": "one_shot",
          "stall_s": 0.05, "ttft_s": 0.2, "e2e_s": 1.2}))
     d = bsc.parse_request_line(line)

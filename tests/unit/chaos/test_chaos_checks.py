@@ -120,7 +120,7 @@ def test_503_is_documented_only_with_retry_after_and_while_no_p_or_rld_can_serve
 
 
 def test_a_shed_503_is_documented_at_any_time_with_retry_after():
-    """The router's overload 503 (router/overload.py) comes with or without a fault."""
+    """The router's overload 503 (router/front/overload.py) comes with or without a fault."""
     import dataclasses
 
     shed = dataclasses.replace(rec("503", retry_after="1"), message='{"error": "overloaded: 64 requests in flight"}')
@@ -278,7 +278,7 @@ def test_a_clean_row_passes_and_any_single_problem_fails_it():
 
 
 def test_slow_evidence_reads_bucket_bounds_the_router_exports():
-    from sglang_pdd.router.metrics import RouterMetrics
+    from sglang_pdd.router.front.metrics import RouterMetrics
 
     m = RouterMetrics()
     m.kv_transfer(0.2, 4096)

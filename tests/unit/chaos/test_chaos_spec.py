@@ -7,7 +7,7 @@ import pytest
 
 from sglang_pdd.chaos.spec import (ALL_KINDS, SCENARIOS, SOAK_GAP_RANGE_S, SOAK_HOLD_RANGE_S, Fault, FaultKind,
                                    LoadSpec, arrivals, prompt_pool, scenario, soak_faults)
-from sglang_pdd.router.flow import FlowConfig
+from sglang_pdd.router.flow.pdd_flow import FlowConfig
 
 
 def test_one_scenario_per_fault_kind_and_a_baseline():

@@ -25,7 +25,7 @@ from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.control.auth import ROLE_MD, ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json, get_json
 from sglang_pdd.protocol import HandoffRequest, RegisterRequest, ReleaseRequest
-from sglang_pdd.router.backends import BackendError, MainControl, PrefillControl
+from sglang_pdd.router.backends.clients import BackendError, MainControl, PrefillControl
 from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination, WanFanout
 
 
@@ -337,7 +337,7 @@ def test_refusal_warnings_are_rate_limited(caplog):
 
 
 def test_router_will_not_start_unable_to_sign():
-    from sglang_pdd.router.cli import main
+    from sglang_pdd.router.front.cli import main
 
     with pytest.raises(SystemExit, match="--control-key-file is required"):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
@@ -570,8 +570,8 @@ def test_p_and_the_router_bound_md_tp_by_their_own_configuration():
     with pytest.raises(PddConfigError, match="--pdd-max-md-tp applies only"):
         validate(PddConfig(role="main", max_md_tp=4, wan_listen="10.0.0.1:1", control_listen="10.0.0.1:2",
                            wan_key_file="k"), "null")
-    from sglang_pdd.router import backends
-    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.backends import clients as backends
+    from sglang_pdd.router.front.cli import parse_args
 
     base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
     assert parse_args(base + ["--max-md-tp", "4"]).max_md_tp == 4 and parse_args(base).max_md_tp == 8

@@ -29,9 +29,9 @@ from sglang_pdd.control.auth import ROLE_P, ControlSigner
 from sglang_pdd.kv_channel.tls import TlsConfigError, control_tls_context
 from sglang_pdd.launcher.http import call_json
 from sglang_pdd.protocol import HandoffRequest
-from sglang_pdd.router import backends
-from sglang_pdd.router.backends import MainControl, PrefillControl
-from sglang_pdd.router.control_tls import control_client_context
+from sglang_pdd.router.backends import clients as backends
+from sglang_pdd.router.backends.clients import MainControl, PrefillControl
+from sglang_pdd.router.backends.control_tls import control_client_context
 
 pytestmark = [pytest.mark.timeout(60), needs_openssl]
 
@@ -310,7 +310,7 @@ def test_router_flags_come_in_threes_and_need_https_control_urls(pki):
 
 
 def test_the_router_will_not_start_with_part_of_the_flags(pki):
-    from sglang_pdd.router.cli import main
+    from sglang_pdd.router.front.cli import main
 
     with pytest.raises(SystemExit, match="missing --control-tls-ca"):
         main(["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10",
@@ -320,7 +320,7 @@ def test_the_router_will_not_start_with_part_of_the_flags(pki):
 
 def test_the_local_topology_puts_the_control_plane_on_tls_only_when_asked(pki, tmp_path):
     from sglang_pdd.launcher.topology import ControlTlsFiles, Topology, router_argv, server_argv
-    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.front.cli import parse_args
 
     topo = Topology.on_free_ports(prefills=2)
     topo.key_file = str(tmp_path / "wan.key")

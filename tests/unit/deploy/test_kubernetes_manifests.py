@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sglang_pdd.router import cli, discovery_setup
-from sglang_pdd.router.discovery import DiscoveryState, Selector
+from sglang_pdd.router.front import cli
+
+from sglang_pdd.router.front import discovery_setup
+from sglang_pdd.router.discovery.pods import DiscoveryState, Selector
 
 REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy" / "kubernetes"
@@ -196,8 +198,8 @@ def test_probes_hit_routes_the_servers_serve(router_sglang_state):
     from sglang.srt.entrypoints.http_server import HEALTH_CHECK_TIMEOUT
     from sglang.srt.entrypoints.http_server import app as sglang_app
 
-    from sglang_pdd.router.app import Router, build_app
-    from sglang_pdd.router.pools import Pools
+    from sglang_pdd.router.front.app import Router, build_app
+    from sglang_pdd.router.backends.pools import Pools
 
     sglang_routes = {getattr(r, "path", None) for r in sglang_app.routes}
     router = Router(Pools([], [], [], allow_empty=True), cli.flow_config(cli.parse_args(["--tokenizer-path", "m"])),

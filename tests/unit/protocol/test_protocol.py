@@ -22,7 +22,7 @@ from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, Destinati
                                  ReleaseReply, ReleaseRequest, RouteTable, WanDestinationRequest, check_md_tp)
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.router.backends import MainControl, PrefillControl
+from sglang_pdd.router.backends.clients import MainControl, PrefillControl
 
 pytestmark = pytest.mark.timeout(60)
 

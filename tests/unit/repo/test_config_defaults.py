@@ -1,5 +1,5 @@
 """One default per setting: a router flag that fills a field of the flow's configuration
-(router/cli.py's flow_config: FlowConfig, its PathPolicyConfig and HandoffConfig) defaults to
+(router/front/cli.py's flow_config: FlowConfig, its PathPolicyConfig and HandoffConfig) defaults to
 the dataclass's own default, so code that builds a FlowConfig() (tests, the simulator, a
 library user) runs with what `python -m sglang_pdd.router` runs with. The simulator's flags
 that stand for the router's read the same defaults."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_pdd.router.cli import build_parser, flow_config
-from sglang_pdd.router.flow import FlowConfig
+from sglang_pdd.router.front.cli import build_parser, flow_config
+from sglang_pdd.router.flow.pdd_flow import FlowConfig
 
 _SETTLED_ELSEWHERE: set = set()  # pairs that may differ, each with its reason
 

@@ -54,7 +54,7 @@ def test_every_flag_config_py_registers_has_a_row_with_its_default_and_roles(doc
 
 
 def test_every_router_flag_has_a_row(doc):
-    from sglang_pdd.router.cli import build_parser
+    from sglang_pdd.router.front.cli import build_parser
 
     rows = _flag_rows(doc)
     visible = [a.option_strings[0] for a in build_parser()._actions

@@ -21,7 +21,7 @@ def readme_command(prefix: str) -> list[str]:
 
 
 def test_the_readmes_router_command_parses(tmp_path):
-    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.front.cli import parse_args
 
     argv = readme_command("python -m sglang_pdd.router")[3:]
     args = parse_args([tmp_path.name if a == "M" else a for a in argv])

@@ -14,11 +14,12 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_pdd.router.app import Router
-from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
-from sglang_pdd.router.flow_request import FlowRequest
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.front.app import Router
+from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.flow.pdd_flow import FlowConfig
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.backends.pools import Pools
 from tests.conftest import REPO_ROOT
 
 DASHBOARD = REPO_ROOT / "docs" / "grafana" / "sglang-pdd.json"

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from sglang_pdd.router.discovery import (ADVERTISE_HOST, BOOTSTRAP_PORT, CONTROL_PORT, WAN_PORT, DiscoveredBackend,
+from sglang_pdd.router.discovery.pods import (ADVERTISE_HOST, BOOTSTRAP_PORT, CONTROL_PORT, WAN_PORT, DiscoveredBackend,
                                          DiscoveryState, Drain, Join, Leave, Selector, SelectorError,
                                          backends_from_file_entries, file_changes)
 
@@ -104,7 +104,7 @@ def test_a_new_ip_for_the_same_pod_drains_the_old_address_and_joins_the_new():
 def test_two_roles_on_one_pod_are_refused_with_a_clear_log_once(caplog):
     sels = {"prefill": Selector.parse("app=sglang"), "relay": Selector.parse(["app=sglang", f"{ROLE}=relay"])}
     s = DiscoveryState(sels)
-    with caplog.at_level(logging.ERROR, logger="sglang_pdd.router.discovery"):
+    with caplog.at_level(logging.ERROR, logger="sglang_pdd.router.discovery.pods"):
         update = s.apply("ADDED", pod("both", "relay"))
         again = s.apply("MODIFIED", pod("both", "relay"))
     assert update.changes == [] and again.changes == [] and again.refused == []

@@ -10,11 +10,13 @@ import time
 
 import aiohttp
 
-from sglang_pdd.router import cli, discovery_setup
-from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
-from sglang_pdd.router.discovery import Selector
-from sglang_pdd.router.discovery_pools import Membership
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.front import cli
+
+from sglang_pdd.router.front import discovery_setup
+from sglang_pdd.router.front.app import OPERATOR_HEADER, Router, build_app
+from sglang_pdd.router.discovery.pods import Selector
+from sglang_pdd.router.discovery.apply import Membership
+from sglang_pdd.router.backends.pools import Pools
 from tests.support.fake_backends import Fakes, Knobs, serve_app, truth, wait_until
 from tests.support.fake_kube_api import FakeKubeApi, pod
 from tests.support.flow_scenarios import PROMPT, flow_config

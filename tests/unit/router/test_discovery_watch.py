@@ -11,9 +11,9 @@ import os
 import aiohttp
 import pytest
 
-from sglang_pdd.router import discovery_watch
-from sglang_pdd.router.discovery import DiscoveryState, Selector
-from sglang_pdd.router.discovery_watch import ApiEndpoint, FileWatcher, PodWatcher, common_label_selector
+from sglang_pdd.router.discovery import watch as discovery_watch
+from sglang_pdd.router.discovery.pods import DiscoveryState, Selector
+from sglang_pdd.router.discovery.watch import ApiEndpoint, FileWatcher, PodWatcher, common_label_selector
 from tests.support.fake_backends import serve_app, wait_until
 from tests.support.fake_kube_api import FakeKubeApi, pod
 

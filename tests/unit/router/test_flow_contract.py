@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from tests.support.fake_backends import Fakes, Knobs, fake_logprob, truth, wait_until
-from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend, client_sampling, new_room
+from sglang_pdd.router.flow.pdd_flow import PddFlow, client_sampling, new_room
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import Path
 from tests.support.flow_scenarios import (PROMPT, assert_handed_off, assert_invariants, emitted_at_least,
                                          flow_config, p_md_cfg, scenario, takeover)

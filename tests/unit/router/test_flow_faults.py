@@ -17,11 +17,12 @@ import time
 import aiohttp
 import pytest
 
-from sglang_pdd.router.app import Router, build_app
-from sglang_pdd.router.backends import BackendError
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.front.app import Router, build_app
+from sglang_pdd.router.backends.clients import BackendError
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import PathPolicyConfig
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.backends.pools import Pools
+from sglang_pdd.router.front.flow_runner import record_prefixes
 from tests.support.fake_backends import Fakes, Knobs, closed_port, serve_app, truth, wait_until
 from tests.support.flow_scenarios import (PROMPT, WAN_TIMEOUT_S, assert_handed_off, assert_invariants, emitted_at_least,
                                          flow_config, leg_rid, p_md_cfg, scenario, takeover)
@@ -360,7 +361,7 @@ def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_tu
     """RLD finishes first: MD's room is released with keep_kv (the KV goes on landing, into
     MD's cache), P's destination is not withdrawn (the router aborts only RLD's leg, so P goes
     on sending), and the router counts MD as holding the prompt for the next turn's placement."""
-    from sglang_pdd.router.pools import Pools
+    from sglang_pdd.router.backends.pools import Pools
     knobs = Knobs()
     knobs.md_ready = "never"  # still in flight when RLD finishes
     run = scenario(knobs, max_new=8, p_control=p_control)
@@ -372,7 +373,7 @@ def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_tu
     assert len(run.fakes.records("p", "reply")) == 1  # P's leg ran to its reply
     assert run.fakes.dropped_rooms() == []  # P's WAN destination never withdrawn
     pools = Pools([run.flow.prefill], [run.flow.relay_url], [run.flow.main])
-    pools.record(run.flow, list(run.flow.stitcher.emitted))
+    record_prefixes(pools, run.flow, list(run.flow.stitcher.emitted))
     assert pools.prefixes.match(run.flow.main.url, run.flow.ids) == len(run.flow.ids) // 16 * 16
 
 
@@ -457,7 +458,7 @@ def test_request_timeout_bounds_a_stuck_relay_and_aborts_every_leg():
 # ---------------------------------------------------------------------- long events, bounded
 # SGLang's stream events are cumulative: with logprobs one event of a long request passes
 # 512 KiB (1,500 tokens with 20 top logprobs: ~1 MB). The router reads an event up to the
-# bound its leg's body allows (router/reply_limits.py: ~2 MiB for these 30-token legs) and
+# bound its leg's body allows (router/backends/reply_limits.py: ~2 MiB for these 30-token legs) and
 # no further.
 LONG_EVENT = 700 << 10
 OVERSIZED_EVENT = 3 << 20

@@ -1,6 +1,6 @@
 """Late WAN destinations: with a control API on P, a P->RLD->MD request starts P and RLD at
 once and registers MD's room concurrently; MD's answer is posted to P afterwards (PddFlow,
-router/flow.py). Against the fake P / RLD / MD (tests/support/fake_backends.py): the order of events
+router/flow/pdd_flow.py). Against the fake P / RLD / MD (tests/support/fake_backends.py): the order of events
 is asserted on the timestamps the fakes record (one clock, one event loop), never on
 wall-clock thresholds.
 
@@ -16,15 +16,15 @@ import argparse
 import pytest
 
 from tests.support.fake_backends import Knobs, closed_port, wait_until
-from sglang_pdd.router.app import Router
-from sglang_pdd.router.cli import _prefill_arg, parse_args
-from sglang_pdd.router.fallback import Reason
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
-from sglang_pdd.router.flow_request import FlowRequest
-from sglang_pdd.router.metrics import FLOW_FALLBACK_REASONS
-from sglang_pdd.router.placement import MdMoveCost
+from sglang_pdd.router.front.app import Router
+from sglang_pdd.router.front.cli import _prefill_arg, parse_args
+from sglang_pdd.router.flow.fallback import Reason
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.front.metrics import FLOW_FALLBACK_REASONS
+from sglang_pdd.router.backends.placement import MdMoveCost
 from sglang_pdd.router.policy import PathPolicyConfig
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.backends.pools import Pools
 from tests.support.flow_scenarios import (P_MD_POLICY, PROMPT, SLOW_WAN, WAN_PEER, assert_handed_off,
                                          assert_invariants, assert_p_control_sane, flow_config, p_leg_params,
                                          scenario, t_of, takeover)

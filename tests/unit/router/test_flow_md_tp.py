@@ -62,8 +62,7 @@ def test_bad_tp_size_from_md_falls_back_to_rld_and_releases_mds_room(bad, p_cont
 def test_routers_bound_is_ps():
     from sglang_pdd.kv_channel.tp_relayout import MAX_MD_TP as p_bound
     from sglang_pdd.protocol import MAX_MD_TP as protocol_bound
-    from sglang_pdd.router import backends
-
+    from sglang_pdd.router.backends import clients as backends
     assert p_bound is protocol_bound
     backends.set_max_md_tp(protocol_bound)  # the router's --max-md-tp reaches exactly P's bound
     try:
@@ -78,8 +77,7 @@ def test_unsigned_md_replies_fall_back_to_rld(monkeypatch):
     """With the router signing, a registration reply without MD's signature (a relay on the
     path, or not MD at all) is an MD failure: the request stays on RLD."""
     from sglang_pdd.control.auth import ControlSigner
-    from sglang_pdd.router import backends
-
+    from sglang_pdd.router.backends import clients as backends
     monkeypatch.setattr(backends, "_control_signer", ControlSigner(b"k" * 32))
     knobs = Knobs(md_tp_size=1, md_register_delay_s=0.05)
     run = scenario(knobs, max_new=20, cfg=flow_config(policy=SLOW_WAN), p_control=False, md_estimate=len(PROMPT))

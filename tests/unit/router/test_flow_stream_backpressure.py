@@ -14,8 +14,9 @@ import pytest
 
 from tests.support.fake_backends import Fakes, Knobs, fake_logprob, truth, wait_until
 from sglang_pdd.handoff.stitcher import Source
-from sglang_pdd.router import lifecycle
-from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
+from sglang_pdd.router.flow import lifecycle
+from sglang_pdd.router.flow.pdd_flow import PddFlow
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import Path
 from tests.support.flow_scenarios import PROMPT, flow_config, p_md_cfg
 

@@ -1,4 +1,4 @@
-"""router/lifecycle.py: every legal and illegal transition of a request, without HTTP or asyncio."""
+"""router/flow/lifecycle.py: every legal and illegal transition of a request, without HTTP or asyncio."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import pytest
 
 from sglang_pdd.handoff.policy import HandoffConfig
 from sglang_pdd.machine import fold
-from sglang_pdd.router.fallback import Fallback, Reason, Recovery
-from sglang_pdd.router.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
+from sglang_pdd.router.flow.fallback import Fallback, Reason, Recovery
+from sglang_pdd.router.flow.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
                                          DestinationDelivered, Ended, FailRequest, Finish, AbandonHandoff,
                                          CommitHandoff, IllegalRequestEvent, MainFailed, EmitMainOutput, MainTokens, Md,
                                          MdNotReady, MdReady, PathChosen, RequestPhase, RecordFallback, RecoveryMode,
                                          ReleaseAll, RelayFailed, EmitRelayOutput, RelayTokens, SendCatchUpBatch,
                                          SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, RequestState, Timeout,
                                          WatchMd, WithdrawDestination, transition)
-from sglang_pdd.router.lifecycle import Event
+from sglang_pdd.router.flow.lifecycle import Event
 from sglang_pdd.router.policy import Path
 
 MAX_NEW = 20
@@ -335,7 +335,7 @@ def test_random_event_orders_keep_the_invariants():
 def test_fast_replace_matches_dataclasses_replace():
     import dataclasses
 
-    from sglang_pdd.router import lifecycle
+    from sglang_pdd.router.flow import lifecycle
     s = lifecycle.RequestState(max_new=9, emitted=2)
     fast = lifecycle._replace(s, phase=lifecycle.RequestPhase.MAIN, cut=3)
     assert fast == dataclasses.replace(s, phase=lifecycle.RequestPhase.MAIN, cut=3) and s.cut is None
@@ -471,7 +471,7 @@ def test_a_broken_stream_fails_the_request_even_after_its_finish(make):
 
 # ------------------------------------------------------------------------------ the table
 def test_the_table_has_one_row_per_legal_pair_and_no_event_only_rows():
-    from sglang_pdd.router.lifecycle import ROWS
+    from sglang_pdd.router.flow.lifecycle import ROWS
     pairs = [(row.status, row.event) for row in ROWS]
     assert len(pairs) == len(set(pairs)) == len(transition.handlers) >= 40
     assert all(isinstance(key, tuple) for key in transition.handlers)  # every row keyed by (phase, event)
@@ -479,7 +479,7 @@ def test_the_table_has_one_row_per_legal_pair_and_no_event_only_rows():
 
 @pytest.mark.parametrize("mermaid", [False, True])
 def test_the_diagram_lists_every_row(mermaid):
-    from sglang_pdd.router.lifecycle import ROWS, diagram
+    from sglang_pdd.router.flow.lifecycle import ROWS, diagram
     text = diagram(mermaid=mermaid)
     lines = text.splitlines()
     for row in ROWS:
@@ -497,16 +497,16 @@ def test_the_diagram_lists_every_row(mermaid):
 
 def test_docs_router_md_holds_the_table_as_the_code_prints_it():
     from tests.conftest import REPO_ROOT
-    from sglang_pdd.router.lifecycle import diagram
+    from sglang_pdd.router.flow.lifecycle import diagram
     assert diagram() in (REPO_ROOT / "docs" / "router.md").read_text(), \
-        "docs/router.md's request table is stale: paste `python -m sglang_pdd.router.lifecycle`"
+        "docs/router.md's request table is stale: paste `python -m sglang_pdd.router.flow.lifecycle`"
 
 
 def test_random_runs_take_every_row_and_land_where_the_row_says():
     """Every row is reachable, and every transition ends in a phase its row lists (so the
     printed table cannot promise less than the machine does)."""
     import random
-    from sglang_pdd.router.lifecycle import ROWS
+    from sglang_pdd.router.flow.lifecycle import ROWS
     rows = {(row.status, row.event): row for row in ROWS}
     taken = set()
     rng = random.Random(11)
@@ -569,7 +569,7 @@ _ONE_OF_EACH = [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), M
 
 @pytest.mark.parametrize("phase", list(RequestPhase))
 def test_a_pair_the_table_does_not_list_is_illegal(phase):
-    from sglang_pdd.router.lifecycle import ROWS
+    from sglang_pdd.router.flow.lifecycle import ROWS
     listed = {row.event for row in ROWS if row.status is phase}
     assert {type(e) for e in _ONE_OF_EACH} == set(Event.__args__)
     state = RequestState(max_new=MAX_NEW, phase=phase, leg=1, md=Md.READY, md_stream=True,

@@ -1,4 +1,4 @@
-"""MD placement by what a move costs (router/placement.py's pick_main): a turn leaves the MD
+"""MD placement by what a move costs (router/backends/placement.py's pick_main): a turn leaves the MD
 holding its prefix only when that MD's excess flows cost more time than re-sending the prefix
 over the WAN, both in seconds."""
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sglang_pdd.router.placement import (EXPECTED_OUTPUT_TOKENS_DEFAULT, InstanceLoad, MdMoveCost,
+from sglang_pdd.router.backends.placement import (EXPECTED_OUTPUT_TOKENS_DEFAULT, InstanceLoad, MdMoveCost,
                                          md_affinity_excess_flows, md_resend_s, pick_main)
 
 L = InstanceLoad
@@ -65,10 +65,10 @@ def test_no_step_growth_never_moves_and_bad_costs_are_refused():
 
 
 def test_pools_weigh_the_owners_measured_step_growth_and_kv_size():
-    """router/pools.py places MD with pick_main: the owner MD's step growth as measured
-    (router/loads.py fills md_flow_step_s) and its KV size as it reported it."""
-    from sglang_pdd.router.flow import MainBackend, PrefillBackend
-    from sglang_pdd.router.pools import Pools
+    """router/backends/pools.py places MD with pick_main: the owner MD's step growth as measured
+    (router/backends/loads.py fills md_flow_step_s) and its KV size as it reported it."""
+    from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+    from sglang_pdd.router.backends.pools import Pools
     mds = [MainBackend(f"http://md{i}:1", f"http://md{i}:2", f"md{i}:3") for i in range(2)]
     pools = Pools([PrefillBackend("http://p:1", 8998)], ["http://rld:1"], mds, md_move=COST)
     prompt = list(range(1000, 1000 + 1000))

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from sglang_pdd.router.placement import InstanceLoad
-from sglang_pdd.router.prefix_index import PrefixIndex, block_hashes
+from sglang_pdd.router.backends.placement import InstanceLoad
+from sglang_pdd.router.backends.prefix_index import PrefixIndex, block_hashes
 from tests.conftest import REPO_ROOT
 
 B = 4  # small blocks keep the tables readable
@@ -37,7 +37,7 @@ def test_block_hashes_chain_depends_on_all_previous_blocks():
 
 def test_block_hashes_are_deterministic_across_processes():
     # Python's hash() is salted per process; ours must not be.
-    code = "from sglang_pdd.router.prefix_index import block_hashes; print(block_hashes(list(range(256)), 64))"
+    code = "from sglang_pdd.router.backends.prefix_index import block_hashes; print(block_hashes(list(range(256)), 64))"
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        cwd=REPO_ROOT, env={"PYTHONHASHSEED": seed}).stdout

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from sglang_pdd.router.app import OPERATOR_HEADER
+from sglang_pdd.router.front.app import OPERATOR_HEADER
 from tests.support.fake_backends import Knobs, truth
 from tests.support.router_front import TOKEN, front, run, sse
 
@@ -73,7 +73,7 @@ def test_generate_stream_is_cumulative_with_indices_and_one_finish(router_sglang
     # one server refuses these too (400), a backend leg would fail on them (502)
     ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
     ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
-    # each multiplies every event's size (router/reply_limits.py): capped by the router
+    # each multiplies every event's size (router/backends/reply_limits.py): capped by the router
     ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 65}, "--max-top-logprobs-num"),
     ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": list(range(65))}, "--max-token-ids-logprob"),
     # SGLang's own checks, with its words (a leg would fail: 502; or compile nothing: empty 200)
@@ -370,7 +370,7 @@ def test_long_prompts_are_refused_before_tokenizing_and_tokenized_off_the_loop(r
                     assert r.status == 400, (path, await r.text())
                     assert "--max-prompt-chars" in (await r.json())["message"]
             assert not [c for c in calls if c[0] > 16_000]  # never tokenized
-            from sglang_pdd.router.serving import INLINE_TEXT_CHARS
+            from sglang_pdd.router.front.serving import INLINE_TEXT_CHARS
 
             tokenized = "a" * (INLINE_TEXT_CHARS + 1)  # under the character cap: tokenized, then too many tokens
             async with client.post(f"{base}/generate", json={"text": tokenized}) as r:
@@ -403,7 +403,7 @@ def test_openai_sampling_checked_as_one_server_before_any_leg(router_sglang_stat
 def test_operator_token_file_must_be_private(tmp_path):
     import os
 
-    from sglang_pdd.router.cli import read_operator_token
+    from sglang_pdd.router.front.cli import read_operator_token
 
     path = tmp_path / "operator-token"
     path.write_text(TOKEN + "\n")
@@ -426,9 +426,9 @@ def test_a_client_that_stops_reading_ends_at_the_request_timeout(router_sglang_s
     import socket
     from urllib.parse import urlsplit
 
-    from sglang_pdd.router.app import Router, build_app
-    from sglang_pdd.router.flow import PrefillBackend
-    from sglang_pdd.router.pools import Pools
+    from sglang_pdd.router.front.app import Router, build_app
+    from sglang_pdd.router.backends.servers import PrefillBackend
+    from sglang_pdd.router.backends.pools import Pools
     from tests.support.fake_backends import Fakes, serve_app, wait_until
     from tests.support.flow_scenarios import PROMPT, flow_config
 
@@ -483,8 +483,8 @@ def test_a_leg_failing_unforeseen_answers_the_client_and_frees_its_counts(router
     whole output where RLD can finish after MD's leg broke) and every in-flight count is 0
     again, instead of a request left waiting for --request-timeout-s while its count steers
     placement."""
-    from sglang_pdd.router import backends, flow as flow_module
-
+    from sglang_pdd.router.backends import clients as backends
+    from sglang_pdd.router.flow import pdd_flow as flow_module
     def broken_after(real, events: int):
         async def gen(*args, **kwargs):
             n = 0
@@ -667,8 +667,7 @@ def test_detokenize_caps_ids_per_row_and_in_total_before_decoding(router_sglang_
 def test_a_body_over_a_mebibyte_is_parsed_off_the_loop(router_sglang_state, monkeypatch):
     import threading
 
-    from sglang_pdd.router import validate
-
+    from sglang_pdd.router.front import validate
     threads, parse = [], validate.parse_json_object
 
     def spy(raw):
@@ -692,7 +691,7 @@ def test_a_body_over_a_mebibyte_is_parsed_off_the_loop(router_sglang_state, monk
 def test_long_text_is_tokenized_off_the_loop(router_sglang_state, monkeypatch):
     import threading
 
-    from sglang_pdd.router.serving import INLINE_TEXT_CHARS
+    from sglang_pdd.router.front.serving import INLINE_TEXT_CHARS
 
     tok = router_sglang_state[2]
     calls, encode = [], tok.encode

@@ -18,11 +18,11 @@ from tests.support.fake_backends import Fakes, serve_app, truth
 from tests.support.pki import make_ca, make_leaf, needs_openssl
 from tests.support.flow_scenarios import flow_config
 
-from sglang_pdd.router import client_auth
-from sglang_pdd.router.app import Router, backend_session, build_app
-from sglang_pdd.router.cli import parse_args
-from sglang_pdd.router.pools import Pools
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.front import client_auth
+from sglang_pdd.router.front.app import Router, backend_session, build_app
+from sglang_pdd.router.front.cli import parse_args
+from sglang_pdd.router.backends.pools import Pools
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 
 API_KEY = "client-key-0123456789"
 ROUTER_ARGV = ["--prefill", "http://p:1,8998", "--relay", "http://r:1", "--tokenizer-path", "m"]
@@ -292,7 +292,7 @@ def test_backend_ca_file_that_cannot_be_read_stops_the_router(tmp_path):
 def test_api_keys_come_from_private_files(tmp_path):
     """--api-key-file / --backend-api-key-file: the keys off the command line (which every
     local user can read), from files only their owner may access, as every key file."""
-    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.front.cli import parse_args
 
     base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
     client, backend = tmp_path / "client.key", tmp_path / "backend.key"

@@ -1,4 +1,4 @@
-"""Incremental detokenization (router/detokenize.py) on the tiny model's byte-level tokenizer."""
+"""Incremental detokenization (router/front/detokenize.py) on the tiny model's byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from tests.conftest import require_sglang_import
 
 require_sglang_import()
 
-from sglang_pdd.router.detokenize import IncrementalDetokenizer  # noqa: E402
+from sglang_pdd.router.front.detokenize import IncrementalDetokenizer  # noqa: E402
 
 
 class CountingTokenizer:

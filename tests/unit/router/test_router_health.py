@@ -14,12 +14,12 @@ from tests.support.fake_backends import Fakes, Knobs, closed_port, serve_app, tr
 from tests.support.flow_scenarios import PROMPT, flow_config
 from tests.support.router_front import sse
 
-from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
+from sglang_pdd.router.front.app import OPERATOR_HEADER, Router, build_app
 
-from sglang_pdd.router.pools import NoBackend, Pools
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.pools import NoBackend, Pools
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.machine import IllegalTransition, fold
-from sglang_pdd.router.health import (BreakerState, BreakerPhase, Drain, BackendFailed, HealthBoard, HealthConfig, BackendSucceeded,
+from sglang_pdd.router.backends.health import (BreakerState, BreakerPhase, Drain, BackendFailed, HealthBoard, HealthConfig, BackendSucceeded,
                                       pickable, transition)
 
 CFG = HealthConfig(failure_threshold=2, cooldown_s=10.0)
@@ -288,7 +288,7 @@ def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_s
     request's bound, is MD failing (as a dropped connection is): each request ran MD, then a
     whole P->RLD recovery, and the breaker never opened (10 of 10 in the review). Now two such
     requests open it (threshold 2 here) and the next ones stay off MD, every answer whole."""
-    from sglang_pdd.router.backends import use_control_key
+    from sglang_pdd.router.backends.clients import use_control_key
     from tests.support.flow_scenarios import p_md_cfg
 
     key = b"breaker-test-control-key-0123456789"

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from sglang_pdd.router.backends import SSE_DONE, BackendError, parse_sse_line
-from sglang_pdd.router.fallback import Fallback, Reason, Recovery
-from sglang_pdd.router.flow import FlowResult
-from sglang_pdd.router.serving import Aborted, _until, result_dict
+from sglang_pdd.router.backends.clients import SSE_DONE, BackendError, parse_sse_line
+from sglang_pdd.router.flow.fallback import Fallback, Reason, Recovery
+from sglang_pdd.router.flow.pdd_flow import FlowResult
+from sglang_pdd.router.front.serving import Aborted, _until, result_dict
 
 
 @pytest.mark.parametrize("line", [

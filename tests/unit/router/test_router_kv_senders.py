@@ -1,4 +1,4 @@
-"""The router tells every MD which P hosts send it KV (router/kv_senders.py), so MD's WAN
+"""The router tells every MD which P hosts send it KV (router/backends/kv_senders.py), so MD's WAN
 receiver counts them as known peers even right after MD started (a keyless flood of its
 unknown-source handshake slots then cannot keep them out: tests/unit/kv_channel/test_admission.py).
 On fake backends: no SGLang."""
@@ -11,10 +11,10 @@ import aiohttp
 from tests.support.fake_backends import Fakes, closed_port, serve_app, wait_until
 from tests.support.flow_scenarios import flow_config
 
-from sglang_pdd.router import kv_senders
-from sglang_pdd.router.app import Router, build_app
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.backends import kv_senders
+from sglang_pdd.router.front.app import Router, build_app
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.pools import Pools
 
 
 def test_p_hosts_are_resolved_to_addresses_once_each():

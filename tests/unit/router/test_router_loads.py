@@ -1,9 +1,9 @@
-"""What the router measures of its servers from SGLang's /v1/loads (router/loads.py): P's
+"""What the router measures of its servers from SGLang's /v1/loads (router/backends/loads.py): P's
 prefill speed and MD's decode step growth per running request; None until they can say."""
 
 import pytest
 
-from sglang_pdd.router.loads import MIN_DECODE_STEPS, flow_step_s, merge_ranks, prefill_tokens_per_s
+from sglang_pdd.router.backends.loads import MIN_DECODE_STEPS, flow_step_s, merge_ranks, prefill_tokens_per_s
 
 
 def moments(steps):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_pdd.router.validate import ApiError, LogprobLimits, stream_logprob_entries
+from sglang_pdd.router.front.validate import ApiError, LogprobLimits, stream_logprob_entries
 from tests.support.router_front import front, run
 
 

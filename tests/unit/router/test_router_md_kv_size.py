@@ -10,9 +10,9 @@ import pytest
 from tests.support.control_fakes import KEY, MdControl
 from tests.support.fake_backends import closed_port
 
-from sglang_pdd.router.app import learn_md_kv_sizes
-from sglang_pdd.router.backends import use_control_key
-from sglang_pdd.router.flow import MainBackend
+from sglang_pdd.router.front.app import learn_md_kv_sizes
+from sglang_pdd.router.backends.clients import use_control_key
+from sglang_pdd.router.backends.servers import MainBackend
 from sglang_pdd.router.policy import PathPolicyConfig
 
 

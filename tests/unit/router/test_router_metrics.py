@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router.metrics import (
+from sglang_pdd.router.front.metrics import (
     CONTENT_TYPE,
     FALLBACK_REASONS,
     HANDOFF_MODES,
@@ -303,8 +303,8 @@ def test_backends_inflight_read_at_scrape_time():
 
 
 def test_observe_flow_from_flow_results():
-    from sglang_pdd.router.fallback import Fallback, Reason
-    from sglang_pdd.router.flow import FlowResult
+    from sglang_pdd.router.flow.fallback import Fallback, Reason
+    from sglang_pdd.router.flow.pdd_flow import FlowResult
     m = RouterMetrics()
     md_url = "http://md:1"
     m.track_backends({"relay": {"http://rld:1": 0}, "main": {md_url: 0}})
@@ -349,9 +349,10 @@ def test_metrics_name_backends_by_role_and_index_never_by_url():
     the operator-only GET /pdd/backends maps each index to its URL."""
     import asyncio
 
-    from sglang_pdd.router.app import Router
-    from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
-    from sglang_pdd.router.pools import Pools
+    from sglang_pdd.router.front.app import Router
+    from sglang_pdd.router.flow.pdd_flow import FlowConfig
+    from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+    from sglang_pdd.router.backends.pools import Pools
 
     pools = Pools([PrefillBackend("http://p0.internal:30000", 1), PrefillBackend("http://p1.internal:30000", 1)],
                   ["http://rld.internal:30001"], [MainBackend("http://md.internal:30002", "http://md.internal:31002",

@@ -1,4 +1,4 @@
-"""Overload shedding (router/overload.py): past its cap of requests in flight the router
+"""Overload shedding (router/front/overload.py): past its cap of requests in flight the router
 answers 503 with Retry-After at once, starting nothing, instead of queueing for minutes. The
 caps are pure logic; the router's replies run against the fake backends."""
 
@@ -10,10 +10,10 @@ import time
 import aiohttp
 import pytest
 
-from sglang_pdd.router.app import OPERATOR_HEADER, Router, build_app
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
-from sglang_pdd.router.overload import OverloadLimits, refusal, relay_cap, running_slots_of, total_cap
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.front.app import OPERATOR_HEADER, Router, build_app
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.front.overload import OverloadLimits, refusal, relay_cap, running_slots_of, total_cap
+from sglang_pdd.router.backends.pools import Pools
 from tests.support.fake_backends import Fakes, Knobs, serve_app, truth
 from tests.support.flow_scenarios import PROMPT, flow_config
 

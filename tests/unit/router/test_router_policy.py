@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from sglang_pdd.router.placement import InstanceLoad, pick_instance
+from sglang_pdd.router.backends.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import (
     Path,
     PathMode,
@@ -290,7 +290,7 @@ def test_ps_prefill_counts_its_context_term():
 
 
 def test_policy_and_router_cli_share_one_page_size_default():
-    from sglang_pdd.router.cli import flow_config, parse_args
+    from sglang_pdd.router.front.cli import flow_config, parse_args
     args = parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1", "--tokenizer-path", "x"])
     assert args.page_size == PathPolicyConfig().page_size == 1
     path = flow_config(args).path

@@ -1,6 +1,6 @@
 """What the router reads from a control server is bounded in size and time, whatever the server
 (or a relay on its path) sends: a huge or unsigned 200, an endless body, a reply that never
-comes. Real sockets, a hostile fake server, the router's own clients (router/backends.py)."""
+comes. Real sockets, a hostile fake server, the router's own clients (router/backends/clients.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from aiohttp import web
 
 from sglang_pdd.control.auth import REPLY_HEADER, ControlSigner
 from sglang_pdd.protocol import HandoffRequest
-from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, ReplyTooLarge, UnverifiedReply,
+from sglang_pdd.router.backends.clients import (BackendError, MainControl, PrefillControl, ReplyTooLarge, UnverifiedReply,
                                         generate_once)
-from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
+from sglang_pdd.router.backends.reply_limits import MAX_CONTROL_REPLY_BYTES
 
 from tests.support.fake_backends import serve_app
 

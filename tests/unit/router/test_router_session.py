@@ -2,7 +2,7 @@
 
 import asyncio
 
-from sglang_pdd.router.app import BACKEND_KEEPALIVE_S, backend_session
+from sglang_pdd.router.front.app import BACKEND_KEEPALIVE_S, backend_session
 
 
 def test_idle_connections_are_not_reused_after_the_keepalive():

@@ -1,11 +1,11 @@
-"""Router input validation (router/validate.py): pure, no servers."""
+"""Router input validation (router/front/validate.py): pure, no servers."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_pdd.router.flow_request import DEFAULT_MAX_NEW_TOKENS, settle_max_new_tokens
-from sglang_pdd.router.validate import (ApiError, check_generate_body, check_openai_body, check_token_budget,
+from sglang_pdd.router.front.flow_request import DEFAULT_MAX_NEW_TOKENS, settle_max_new_tokens
+from sglang_pdd.router.front.validate import (ApiError, check_generate_body, check_openai_body, check_token_budget,
                                         check_token_ids, parse_json_object)
 
 LIMITS = dict(cap=100, vocab_size=1000, max_n=4)
@@ -69,7 +69,7 @@ def test_error_messages_bound_echoed_client_values():
 
 
 def test_json_nested_too_deep_is_refused_not_a_recursion_error():
-    from sglang_pdd.router.validate import MAX_JSON_DEPTH, json_depth
+    from sglang_pdd.router.front.validate import MAX_JSON_DEPTH, json_depth
 
     assert json_depth({"a": [1, {"b": []}]}) == 4 and json_depth(5) == 0
     ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
@@ -81,7 +81,7 @@ def test_json_nested_too_deep_is_refused_not_a_recursion_error():
 
 
 def test_grammar_size_is_capped_for_every_grammar_kind():
-    from sglang_pdd.router.validate import GRAMMAR_FIELDS, check_grammar_size
+    from sglang_pdd.router.front.validate import GRAMMAR_FIELDS, check_grammar_size
 
     for name in GRAMMAR_FIELDS:
         check_grammar_size({name: "x" * 100}, "sampling_params", 100)
@@ -90,7 +90,7 @@ def test_grammar_size_is_capped_for_every_grammar_kind():
 
 
 def test_openai_prompt_characters_are_capped_per_prompt_and_per_conversation():
-    from sglang_pdd.router.validate import text_chars
+    from sglang_pdd.router.front.validate import text_chars
 
     messages = [{"role": "user", "content": [{"type": "text", "text": "ab"}]}, {"role": "system", "content": "cde"}]
     assert text_chars(messages) == len("user" + "text" + "ab" + "system" + "cde")
@@ -112,7 +112,7 @@ def test_openai_prompt_characters_are_capped_per_prompt_and_per_conversation():
     ({"temperature": "hot"}, "bad sampling_params"),
 ])
 def test_sampling_params_are_checked_as_one_sglang_server_checks_them(sampling, words):
-    from sglang_pdd.router.validate import check_sampling_as_sglang
+    from sglang_pdd.router.front.validate import check_sampling_as_sglang
 
     with pytest.raises(ApiError) as e:
         check_sampling_as_sglang(sampling, None, 1000)
@@ -121,7 +121,7 @@ def test_sampling_params_are_checked_as_one_sglang_server_checks_them(sampling, 
 
 
 def test_valid_sampling_params_and_grammars_pass():
-    from sglang_pdd.router.validate import check_sampling_as_sglang
+    from sglang_pdd.router.front.validate import check_sampling_as_sglang
 
     for sampling in ({"temperature": 0, "top_p": 0.5, "max_new_tokens": None}, {"regex": "hello (world|there)"},
                      {"json_schema": '{"type": "object"}'}, {"json_schema": "$$ANY$$"}):

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.support.processes import wait_gone
 
-from sglang_pdd.router.workers import check_port_free, worker_argv
+from sglang_pdd.router.front.workers import check_port_free, worker_argv
 
 # A stand-in worker: answers its pid on the shared port (SO_REUSEPORT), as a router worker binds it.
 PID_WORKER = textwrap.dedent("""
@@ -30,7 +30,7 @@ PID_WORKER = textwrap.dedent("""
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), reuse_port=True, print=None)
 """)
 
-SUPERVISOR = "import sys; from sglang_pdd.router.workers import supervise; sys.exit(supervise({cmds!r}))"
+SUPERVISOR = "import sys; from sglang_pdd.router.front.workers import supervise; sys.exit(supervise({cmds!r}))"
 
 
 def free_port() -> int:
@@ -111,8 +111,8 @@ def test_secrets_reach_workers_in_their_environment_never_on_their_argv(monkeypa
     """--api-key, --backend-api-key and --ssl-keyfile-password were copied onto every worker's
     argv (readable by every local user in /proc/PID/cmdline). The supervisor now drops them,
     however the flag is spelled, and hands them over in the workers' environment."""
-    from sglang_pdd.router import client_auth, workers
-
+    from sglang_pdd.router.front import client_auth
+    from sglang_pdd.router.front import workers
     argv = ["--tokenizer-path", "m", "--api-key", "k-client", "--backend-api-k=k-backend", "--workers", "2",
             "--ssl-keyfile-password", "k-tls", "--api-key-file", "/keys/none", "--port", "1"]
     cmd = worker_argv(argv, ["k-client", "k-backend", "k-tls"])
@@ -125,8 +125,7 @@ def test_secrets_reach_workers_in_their_environment_never_on_their_argv(monkeypa
         seen.update(commands=commands, env=dict(env), shared=os.path.isdir(env[shared_drain.ENV]))
         return 0
 
-    from sglang_pdd.router import shared_drain
-
+    from sglang_pdd.router.front import shared_drain
     monkeypatch.setattr(workers, "supervise", fake_supervise)
     port = free_port()
     secrets = {client_auth.SECRET_ENV["api_key"]: "k-client", client_auth.SECRET_ENV["backend_api_key"]: "k-backend"}
@@ -138,8 +137,8 @@ def test_secrets_reach_workers_in_their_environment_never_on_their_argv(monkeypa
 
 
 def test_a_worker_takes_its_secrets_from_the_environment_and_forgets_them():
-    from sglang_pdd.router import client_auth
-    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.front import client_auth
+    from sglang_pdd.router.front.cli import parse_args
 
     base = ["--tokenizer-path", "m", "--relay", "http://r:1", "--prefill", "http://p:1,10"]
     env = {client_auth.SECRET_ENV["api_key"]: "k-client", "OTHER": "x"}
@@ -157,10 +156,10 @@ def test_a_drain_posted_to_one_worker_reaches_every_worker(tmp_path):
     from tests.support.fake_backends import serve_app
     from tests.support.flow_scenarios import flow_config
 
-    from sglang_pdd.router.app import Router, build_app
-    from sglang_pdd.router.flow import MainBackend, PrefillBackend
-    from sglang_pdd.router.pools import Pools
-    from sglang_pdd.router.shared_drain import SharedDrains
+    from sglang_pdd.router.front.app import Router, build_app
+    from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+    from sglang_pdd.router.backends.pools import Pools
+    from sglang_pdd.router.front.shared_drain import SharedDrains
 
     md = "http://md:30002"
 

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from sglang_pdd.router.backends import until_stalled
+from sglang_pdd.router.backends.clients import until_stalled
 
 
 async def _leg_cancelled_as_an_event_arrives(first_s):

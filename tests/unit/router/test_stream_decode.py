@@ -1,4 +1,4 @@
-"""router/stream_decode.py: a cumulative stream's events decoded incrementally are what parsing
+"""router/backends/stream_decode.py: a cumulative stream's events decoded incrementally are what parsing
 each event whole gives (for what the router reads), and each position's entries are built once."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import orjson
 import pytest
 
-from sglang_pdd.router.stream_decode import OUTPUT_KEYS, CumulativeDecoder, MalformedEvent, parse_whole
+from sglang_pdd.router.backends.stream_decode import OUTPUT_KEYS, CumulativeDecoder, MalformedEvent, parse_whole
 
 
 def read_fields(event: dict) -> dict:

@@ -14,7 +14,7 @@ from tests.support.waiting import wait_until
 
 from sglang_pdd.control.auth import ControlSigner
 from sglang_pdd.protocol import HandoffRequest, RegisterRequest
-from sglang_pdd.router.backends import MainControl
+from sglang_pdd.router.backends.clients import MainControl
 
 
 def handoff_events(md: MdControl, room: int, rid: str, read: int) -> list[dict]:

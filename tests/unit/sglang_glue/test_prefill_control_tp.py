@@ -12,7 +12,7 @@ from aiohttp import web
 
 from sglang_pdd.control.auth import ROLE_P, ControlSigner
 from sglang_pdd.launcher.http import call_json
-from sglang_pdd.router.backends import BackendError, PrefillControl, prefill_rank_url
+from sglang_pdd.router.backends.clients import BackendError, PrefillControl, prefill_rank_url
 from sglang_pdd.protocol import ControlError
 from sglang_pdd.sglang_glue.p.prefill_control import DROPPED, DestinationBoard
 from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination

@@ -1,4 +1,4 @@
-"""MD placement by what a move costs (router/placement.py's pick_main, the router's and the
+"""MD placement by what a move costs (router/backends/placement.py's pick_main, the router's and the
 simulator's): with more MDs a session's turns stay on the MD holding its prefix while that is
 cheaper than re-sending it, so the path mix one MD gives survives a second and a fourth MD.
 With the earlier rule (a fixed bound of 4 flows in flight) turns left their MD, shipped whole

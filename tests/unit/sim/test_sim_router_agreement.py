@@ -1,13 +1,13 @@
 """The simulator decides a request's path exactly as the real router does: same function,
-same inputs (router/flow.py's PddFlow._decide vs sim's Simulation.decide)."""
+same inputs (router/flow/pdd_flow.py's PddFlow._decide vs sim's Simulation.decide)."""
 
 import dataclasses
 
 import pytest
 
-from sglang_pdd.router.flow import FlowConfig, FlowResult, PddFlow
+from sglang_pdd.router.flow.pdd_flow import FlowConfig, FlowResult, PddFlow
 from sglang_pdd.router.policy import Path, PathMode
-from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.sim.cluster import ScenarioConfig, SimRequest, Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B
 from sglang_pdd.sim.metrics import Sla
@@ -109,7 +109,7 @@ def test_sim_path_decision_reads_the_routers_admission_value():
     rld_max_running, the router's default unless set), not RLD's batch cap: the same flows
     decide alike in the router and the sim for every admission value, and RLD's batch cap
     moves nothing."""
-    from sglang_pdd.router.cli import parse_args
+    from sglang_pdd.router.front.cli import parse_args
     from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT
     router_args = parse_args(["--prefill", "http://p:1,8998", "--relay", "http://r:1", "--tokenizer-path", "x"])
     assert ScenarioConfig("pdd", "pdd", 1, 1, 1).rld_max_running == router_args.rld_max_running \
@@ -167,13 +167,13 @@ def test_pdd_places_prefill_by_prefix_like_the_router():
 
 def test_sim_places_p_rld_and_md_as_pools_pick():
     """Random loads and prefix owners: the sim's P, RLD and MD choice for a PDD request is
-    router/pools.py's Pools.pick (16-token blocks there, one trace block here),
+    router/backends/pools.py's Pools.pick (16-token blocks there, one trace block here),
     every server healthy. Several picks per state with the counters in step: P's rotation
     decides among equal candidates (frequent here: loads from 0-2, often no prefix)."""
     import random
     from types import SimpleNamespace
 
-    from sglang_pdd.router.pools import Pools
+    from sglang_pdd.router.backends.pools import Pools
     rng = random.Random(1)
     cfg = ScenarioConfig("pdd", "pdd", n_prefill=3, n_rld=3, n_md=4, prefill_hw=TOY_A, rld_hw=TOY_A, md_hw=TOY_B)
     tokens = list(range(1000, 1000 + 16 * 6))
@@ -249,7 +249,7 @@ def test_a_change_to_the_router_policy_changes_the_sims_routing(monkeypatch):
 def _counting_transition(monkeypatch, drop=None):
     """Wrap router/lifecycle.transition: record every (event, phase after); optionally make
     one event type a no-op (state kept, no actions)."""
-    from sglang_pdd.router import lifecycle
+    from sglang_pdd.router.flow import lifecycle
     real, seen = lifecycle.transition, []
 
     def wrapped(state, event):
@@ -263,7 +263,7 @@ def _counting_transition(monkeypatch, drop=None):
 
 
 def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
-    from sglang_pdd.router.lifecycle import RequestPhase
+    from sglang_pdd.router.flow.lifecycle import RequestPhase
     from sglang_pdd.sim.workload import generate_agentic_trace, realistic_agentic_config
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     seen = _counting_transition(monkeypatch)
@@ -284,7 +284,7 @@ def test_sim_requests_live_through_the_routers_lifecycle(monkeypatch):
 def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
     """Make CutReady a no-op in the lifecycle (as it is when the request ends on RLD anyway)
     and no simulated request is handed to MD: the sim does what the lifecycle says."""
-    from sglang_pdd.router import lifecycle
+    from sglang_pdd.router.flow import lifecycle
     from sglang_pdd.sim.workload import generate_agentic_trace, realistic_agentic_config
     trace = list(generate_agentic_trace(realistic_agentic_config(num_requests=150, seed=2)))
     import dataclasses
@@ -327,7 +327,7 @@ def test_the_sim_names_every_lifecycle_action_and_one_it_misses_fails_at_build(m
     """The sim performs the router's lifecycle through the kit's Driver: every action the
     lifecycle can produce has an entry (its step, nothing, or a refusal), and a table that
     lacks one stops the simulation from being built rather than skipping the action."""
-    from sglang_pdd.router import lifecycle as lc
+    from sglang_pdd.router.flow import lifecycle as lc
     sim = Simulation(CFG, SLA)
     assert set(sim._request.table) == set(lc.Action.__args__)
     full = Simulation._lifecycle_actions
@@ -344,7 +344,7 @@ def test_the_sim_names_every_lifecycle_action_and_one_it_misses_fails_at_build(m
 
 def test_an_action_the_sim_does_not_model_stops_the_run_instead_of_being_skipped():
     from sglang_pdd.handoff.policy import HandoffConfig
-    from sglang_pdd.router import lifecycle as lc
+    from sglang_pdd.router.flow import lifecycle as lc
     sim = Simulation(CFG, SLA)
     r = SimRequest(TraceRequest(timestamp_ms=0.0, input_length=100, output_length=20, hash_ids=(1,)), 0.0)
     r.state = lc.RequestState(max_new=20, catch_up=HandoffConfig(catch_up_threshold_tokens=1))

@@ -1,4 +1,4 @@
-"""One set of rules for every design: the same P placement (router/placement.py's
+"""One set of rules for every design: the same P placement (router/backends/placement.py's
 pick_prefill, what the router runs), the same MD staging budget and admission, charged when a
 transfer starts, for every design that lands KV on MD, and the WAN's lease in every
 cross-datacenter design's cost."""
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from sglang_pdd.config import md_staging_bytes
-from sglang_pdd.router import placement
+from sglang_pdd.router.backends import placement
 from sglang_pdd.router.policy import Path, PathMode
 from sglang_pdd.sim.cluster import Simulation
 from sglang_pdd.sim.hardware import TOY_A, TOY_B, LinkProfile

@@ -1,14 +1,14 @@
 """One request through PDD: path choice, P + RLD + MD legs, handoff, fallbacks (async I/O shell).
 
-The request's course is decided by one pure transition function (router/lifecycle.py: typed
+The request's course is decided by one pure transition function (router/flow/lifecycle.py: typed
 states, events and actions); path and handoff choices by router/policy.py and
 handoff/policy.py; token bookkeeping by handoff/stitcher.py. This module turns backend replies
 into lifecycle events, all through one queue (so the order of events is the order of
 decisions), and performs the actions the transition function returns. The I/O with MD's
-control API and P's WAN-destination API is the flow's ``MdSide`` (router/md_side.py). The
+control API and P's WAN-destination API is the flow's ``MdSide`` (router/flow/md_side.py). The
 events and who sends them:
 
-    event (router/lifecycle.py)         sent by
+    event (router/flow/lifecycle.py)         sent by
     PathChosen(path, late_destination,  _choose_path, before any leg starts
                p_room)
     RelayTokens(leg, produced, finish)  _relay_leg: each event of RLD's stream
@@ -77,16 +77,17 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode, RldLoad, choos
 from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import StitchError, StreamStitcher
 from sglang_pdd.machine import Driver
-from sglang_pdd.router import lifecycle
+from sglang_pdd.router.flow import lifecycle
 from sglang_pdd.protocol import RESUME_KEY, without_pdd_params
-from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router.lifecycle import RecoveryMode
-from sglang_pdd.router.backends import BackendError, abort, generate_once, generate_stream, server_at_fault
-from sglang_pdd.router.bodies import pd_leg_body
-from sglang_pdd.router.md_side import MdSide, new_room
+from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.flow.lifecycle import RecoveryMode
+from sglang_pdd.router.backends.clients import BackendError, abort, generate_once, generate_stream, server_at_fault
+from sglang_pdd.router.flow.bodies import pd_leg_body
+from sglang_pdd.router.flow.md_side import MdSide, new_room
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig, decide_path
-from sglang_pdd.router.reply_limits import max_event_bytes
-from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.router.backends.reply_limits import max_event_bytes
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -95,29 +96,6 @@ STREAM_EVENTS_QUEUED = 1  # PddFlow._stream_slots: parsed backend stream events 
 # A cancelled leg ends at its next await (a socket read): the end of a request waits for its
 # tasks that long at most, so a task that ignores its cancel cannot hold the client's reply.
 CANCELLED_TASKS_GRACE_S = 10.0
-
-
-@dataclass
-class MainBackend:
-    url: str
-    control_url: str
-    wan_peer: str  # HOST:PORT that P dials for this MD (through the WAN emulator in the demo)
-    # KV bytes per token as MD last reported them at a registration (None before the first):
-    # the WAN estimate of a path chosen before MD answers.
-    kv_bytes_per_token: Optional[int] = None
-
-
-@dataclass
-class PrefillBackend:
-    url: str
-    bootstrap_port: int
-    host: str = "127.0.0.1"
-    # P's WAN-destination API (``--pdd-control-listen`` on P). Set: the router need not wait
-    # for MD's registration before starting P and RLD (see PddFlow).
-    control_url: Optional[str] = None
-    # P's prefill speed as the router measured it (router/loads.py); None: not yet, the path
-    # policy's default (or --p-prefill-tokens-per-s) stands.
-    prefill_tokens_per_s: Optional[float] = None
 
 
 @dataclass
@@ -182,11 +160,11 @@ class FlowResult:
     # The request ended on RLD with its KV still on its way to MD: MD's room released with
     # keep_kv, so the KV lands in MD's cache for the session's next turn.
     md_kv_kept: bool = False
-    fallbacks: list = field(default_factory=list)  # router/fallback.py's Fallback, in order
+    fallbacks: list = field(default_factory=list)  # router/flow/fallback.py's Fallback, in order
     finish_reason: Optional[dict] = None
     ttft_s: Optional[float] = None
     recovery_mode: Optional[str] = None  # how the last recovery leg continued (RecoveryMode)
-    # Backends a leg broke on, as health keys (router/health.py): ("prefill" | "relay" | "main",
+    # Backends a leg broke on, as health keys (router/backends/health.py): ("prefill" | "relay" | "main",
     # url) when the server itself did not answer, ("pair", P url, url) for a failure between them.
     failed_backends: list = field(default_factory=list)
     # The P and MD this request was routed to (MD: None on a path without one); with several of
@@ -242,7 +220,7 @@ class PddFlow:
     """Runs one request; ``events()`` yields lists of newly emitted token ids.
 
     ``sampling``: the client's sampling params with ``max_new_tokens`` settled (the whole
-    output budget: router/flow_request.py). ``extras``: SGLang's per-request logprob fields
+    output budget: router/front/flow_request.py). ``extras``: SGLang's per-request logprob fields
     (``EXTRA_FIELDS``), sent on every leg.
     ``output_meta`` (read it while or after iterating): a dict for building SGLang responses,
 
@@ -262,7 +240,7 @@ class PddFlow:
     ``rid`` is the client's id, kept for the client's response (``result.rid``); backends get
     internal ids (``internal_rid`` + leg suffix) only.
 
-    The flow runner (router/flow_runner.py) builds a flow whole, and sets nothing on it after:
+    The flow runner (router/front/flow_runner.py) builds a flow whole, and sets nothing on it after:
     ``request`` (the FlowRequest, for a retry) and ``operator`` (its replies carry
     meta_info.pdd), ``retry_of`` (the flow it starts over for) with the ``fallbacks`` so far,
     ``p_cached_estimate`` (P's prefix, as the router's index guesses it), ``p_load`` (the
@@ -287,11 +265,11 @@ class PddFlow:
         if unknown:
             raise ValueError(f"unsupported request fields {sorted(unknown)}")
         self.sampling = client_sampling(sampling)
-        self.max_new = int(self.sampling["max_new_tokens"])  # settled by the caller (flow_request.py)
+        self.max_new = int(self.sampling["max_new_tokens"])  # settled by the caller (front/flow_request.py)
         self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
         self.internal_rid = secrets.token_hex(16)
         self.retry_of = retry_of  # the flow this one starts over for (router's retry)
-        self.request = request  # the FlowRequest it was opened for (flow_runner.py), for a retry
+        self.request = request  # the FlowRequest it was opened for (front/flow_runner.py), for a retry
         self.operator = operator  # an operator's request: its replies carry meta_info.pdd
         self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
                                  md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0,
@@ -332,6 +310,11 @@ class PddFlow:
         self._prefill_replied = asyncio.Event()
         self.p_load = p_load  # the router's count of P's load (flow_runner.PrefillLoad): released at P's reply
         self._prefill_failure: Optional[str] = None
+
+    @property
+    def completed(self) -> bool:
+        """The request reached its end (not failed, not closed by the client)."""
+        return self.state.phase is lifecycle.RequestPhase.DONE
 
     @property
     def output_meta(self) -> dict:

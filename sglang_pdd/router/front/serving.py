@@ -8,7 +8,7 @@ GenerateReqInput, raw_request)`` and read SGLang output dicts (``{"text", "outpu
 "meta_info", "index"}``), plus the tokenizer, model config and server args. ``PddTokenizerManager``
 provides exactly that; its ``generate_request`` runs one ``PddFlow`` per item (batch x ``n``,
 SGLang's ``GenerateReqInput`` normalization) and detokenizes incrementally
-(router/detokenize.py). So templates, parsers and response formats are SGLang's own code.
+(router/front/detokenize.py). So templates, parsers and response formats are SGLang's own code.
 
 The router process publishes a ``ServerArgs`` (role "tokenizer") built from the router's flags
 (``--tokenizer-path``, ``--chat-template``, ``--tool-call-parser``, ...) so that SGLang's
@@ -27,11 +27,11 @@ from typing import AsyncIterator, Callable, Optional
 
 from fastapi import HTTPException
 
-from sglang_pdd.router.detokenize import IncrementalDetokenizer
-from sglang_pdd.router.fallback import Fallback
-from sglang_pdd.router.flow_request import FlowRequest, settle_max_new_tokens
-from sglang_pdd.router.scope import current_scope
-from sglang_pdd.router.validate import (GRAMMAR_FIELDS, ApiError, LogprobLimits, check_custom_params, check_grammar_size,
+from sglang_pdd.router.front.detokenize import IncrementalDetokenizer
+from sglang_pdd.router.flow.fallback import Fallback
+from sglang_pdd.router.front.flow_request import FlowRequest, settle_max_new_tokens
+from sglang_pdd.router.front.scope import current_scope
+from sglang_pdd.router.front.validate import (GRAMMAR_FIELDS, ApiError, LogprobLimits, check_custom_params, check_grammar_size,
                                         check_prompt_chars, check_sampling_as_sglang, check_token_ids,
                                         load_grammar_checker, text_chars)
 
@@ -89,8 +89,8 @@ def build_sglang_state(argv: list[str]):
 class PddTokenizerManager:
     """The TokenizerManager surface SGLang's entry points use, serving requests by PDD flows.
 
-    Each item's parameters are settled here once (``FlowRequest``: router/flow_request.py) and
-    handed to ``flows`` (router/flow_runner.py's FlowRunner): ``flows.open(request)`` returns a
+    Each item's parameters are settled here once (``FlowRequest``: router/front/flow_request.py) and
+    handed to ``flows`` (router/front/flow_runner.py's FlowRunner): ``flows.open(request)`` returns a
     started-on-iteration flow (``PddFlow``), ``flows.run(flow)`` is an async context manager
     that accounts for it (load, metrics), ``flows.retry(flow)`` starts a flow that failed
     before its first token over on other servers (or None).
@@ -340,7 +340,7 @@ def _finish_reason(flow) -> Optional[dict]:
 def result_dict(result) -> dict:
     """``dataclasses.asdict`` of a FlowResult (scalars, lists of scalars, the finish-reason
     dict), for a fraction of its cost: an operator's stream carries it in every event. A
-    fallback (router/fallback.py) is reported as its text, "reason: detail"."""
+    fallback (router/flow/fallback.py) is reported as its text, "reason: detail"."""
     out = {}
     for name in _result_fields(type(result)):
         value = getattr(result, name)

@@ -7,7 +7,7 @@ SIGTERM to them. If one worker exits the others are stopped and the supervisor e
 worker's status: a deployment's process manager sees one service that is up or down, never a
 router running at a fraction of its capacity. Secrets given on the command line reach the
 workers in their environment, not on their argv. Operator drains are shared through a
-private directory (shared_drain.py). What each worker keeps to itself: docs/router.md.
+private directory (front/shared_drain.py). What each worker keeps to itself: docs/router.md.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import tempfile
 import time
 from typing import Iterable, Optional, Sequence
 
-from sglang_pdd.router import shared_drain
-
+from sglang_pdd.router.front import shared_drain
 STOP_GRACE_S = 15.0
 
 
@@ -126,7 +125,7 @@ def supervise(commands: Sequence[Sequence[str]], poll_s: float = 0.2, env: Optio
 def run_workers(n: int, host: str, port: int, argv: Sequence[str], secrets: Optional[dict] = None) -> int:
     """``secrets``: environment variables holding the secrets the workers need (client_auth.
     secrets_for_workers); their values are dropped from the workers' argv. The workers also
-    share a private directory for operator drains (shared_drain.py)."""
+    share a private directory for operator drains (front/shared_drain.py)."""
     check_port_free(host, port)
     secrets = secrets or {}
     shared = tempfile.mkdtemp(prefix="sglang-pdd-router-")  # mode 0700

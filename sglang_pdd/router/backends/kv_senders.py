@@ -21,8 +21,8 @@ import aiohttp
 
 from sglang_pdd.protocol import KvSendersReply, KvSendersRequest
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.router.backends import BackendError, MainControl, _call_json
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.clients import BackendError, MainControl, _call_json
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``OpenAIServingChat`` / ``OpenAIServingCompletion`` (templates, tool-call and reasoning
 parsers, ``response_format``, usage, stream chunks) run unchanged on the router's
 ``PddTokenizerManager``; this module parses bodies with SGLang's pydantic models, applies the
-router's own limits (router/validate.py) and turns the Starlette responses SGLang returns into
+router's own limits (router/front/validate.py) and turns the Starlette responses SGLang returns into
 aiohttp ones (a JSON body, or its SSE stream written as it comes).
 """
 
@@ -19,9 +19,9 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from sglang_pdd.router.scope import current_scope
-from sglang_pdd.router.serving import INLINE_TEXT_CHARS, UpstreamError
-from sglang_pdd.router.validate import (ApiError, check_detokenize_ids, check_detokenize_size, check_openai_body,
+from sglang_pdd.router.front.scope import current_scope
+from sglang_pdd.router.front.serving import INLINE_TEXT_CHARS, UpstreamError
+from sglang_pdd.router.front.validate import (ApiError, check_detokenize_ids, check_detokenize_size, check_openai_body,
                                         check_prompt_chars, check_token_ids, parse_json_body, text_chars)
 
 logger = logging.getLogger("sglang_pdd.router")

@@ -1,13 +1,13 @@
 """The PDD router's HTTP front (aiohttp): SGLang's API over P, RLD and MD pools.
 
-I/O only: per request item a ``PddFlow`` (router/flow.py) runs the legs, opened and accounted
-for by the ``FlowRunner`` (router/flow_runner.py) from the item's settled parameters
-(router/flow_request.py); path and handoff decisions come from the pure policy modules, the
-servers from the pools (router/pools.py).
+I/O only: per request item a ``PddFlow`` (router/flow/pdd_flow.py) runs the legs, opened and accounted
+for by the ``FlowRunner`` (router/front/flow_runner.py) from the item's settled parameters
+(router/front/flow_request.py); path and handoff decisions come from the pure policy modules, the
+servers from the pools (router/backends/pools.py).
 ``/generate`` and the OpenAI endpoints are served by SGLang's own code on the router's
-``PddTokenizerManager`` (router/serving.py, router/openai_front.py); what clients may send is
-checked by router/validate.py. The API, its limits and what is operator-only: docs/api.md.
-The command line that starts it: router/cli.py.
+``PddTokenizerManager`` (router/front/serving.py, router/front/openai_front.py); what clients may send is
+checked by router/front/validate.py. The API, its limits and what is operator-only: docs/api.md.
+The command line that starts it: router/front/cli.py.
 """
 
 from __future__ import annotations
@@ -26,23 +26,27 @@ from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router import client_auth, kv_senders, loads, shared_drain
-from sglang_pdd.router.overload import OverloadLimits, running_slots_of
-from sglang_pdd.router.backends import BackendError, MainControl, error_text, read_bounded
-from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES
-from sglang_pdd.router.flow import FlowConfig, MainBackend
-from sglang_pdd.router.flow_request import FlowRequest
-from sglang_pdd.router.flow_runner import FlowRunner
-from sglang_pdd.router.health import Drain, BackendFailed, BackendSucceeded
-from sglang_pdd.router.metrics import CONTENT_TYPE, RouterMetrics
+from sglang_pdd.router.front import client_auth
+from sglang_pdd.router.backends import kv_senders
+from sglang_pdd.router.backends import loads
+from sglang_pdd.router.front import shared_drain
+from sglang_pdd.router.front.overload import OverloadLimits, running_slots_of
+from sglang_pdd.router.backends.clients import BackendError, MainControl, error_text, read_bounded
+from sglang_pdd.router.backends.reply_limits import MAX_CONTROL_REPLY_BYTES
+from sglang_pdd.router.flow.pdd_flow import FlowConfig
+from sglang_pdd.router.backends.servers import MainBackend
+from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.front.flow_runner import FlowRunner
+from sglang_pdd.router.backends.health import Drain, BackendFailed, BackendSucceeded
+from sglang_pdd.router.front.metrics import CONTENT_TYPE, RouterMetrics
 from sglang_pdd.router.policy import Path
-from sglang_pdd.router.openai_front import OpenAIFront, _dumps, dumps_bytes, sse_reply
-from sglang_pdd.router.pools import Pools
-from sglang_pdd.router.scope import RequestScope
-from sglang_pdd.router.scope import current_scope as _scope
-from sglang_pdd.router.serving import PddTokenizerManager, UpstreamError
-from sglang_pdd.router.shared_drain import SharedDrains
-from sglang_pdd.router.validate import ApiError, LogprobLimits, check_generate_body, parse_json_body
+from sglang_pdd.router.front.openai_front import OpenAIFront, _dumps, dumps_bytes, sse_reply
+from sglang_pdd.router.backends.pools import Pools
+from sglang_pdd.router.front.scope import RequestScope
+from sglang_pdd.router.front.scope import current_scope as _scope
+from sglang_pdd.router.front.serving import PddTokenizerManager, UpstreamError
+from sglang_pdd.router.front.shared_drain import SharedDrains
+from sglang_pdd.router.front.validate import ApiError, LogprobLimits, check_generate_body, parse_json_body
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -108,7 +112,7 @@ async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBack
 async def learn_relay_slots(session: aiohttp.ClientSession, slots: dict, relays: list[str],
                             interval_s: float = 2.0, refresh_s: float = 30.0) -> None:
     """Each RLD's running slots (its --max-running-requests) from its /v1/loads, into ``slots``
-    (url -> slots): the default overload caps (router/overload.py). ``relays`` is the pool's own
+    (url -> slots): the default overload caps (router/front/overload.py). ``relays`` is the pool's own
     list, which service discovery grows and shrinks: a new RLD is unknown (no cap) until it
     answers, one that left no longer counts toward the total. Asked every ``interval_s``
     until each has answered, then every ``refresh_s`` (a restarted RLD may run another size)."""
@@ -153,7 +157,7 @@ class Router:
         self.measure_prefill = measure_prefill
         self._relay_slots: Optional[asyncio.Task] = None  # learn_relay_slots, from start() on
         self._kv_senders: Optional[asyncio.Task] = None  # kv_senders.announce_forever, from start() on
-        # --workers: operator drains shared with the other workers (shared_drain.py)
+        # --workers: operator drains shared with the other workers (front/shared_drain.py)
         self.shared_drains = shared_drains
         self._drain_sync: Optional[asyncio.Task] = None
         self.manager = None
@@ -179,7 +183,7 @@ class Router:
             self.session, self.pools.prefill, self.pools.main, self.pools.md_flow_step_s, self.measure_prefill))
         self._relay_slots = asyncio.ensure_future(learn_relay_slots(self.session, self.flows.relay_slots,
                                                                      self.pools.relay))
-        if self.pools.main:  # each MD learns the P hosts as known KV peers (kv_senders.py)
+        if self.pools.main:  # each MD learns the P hosts as known KV peers (backends/kv_senders.py)
             self._kv_senders = asyncio.ensure_future(
                 kv_senders.announce_forever(self.session, self.pools.main, self.pools.prefill))
         if self.health_check_interval_s > 0:

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router.fallback import Reason
+from sglang_pdd.router.flow.fallback import Reason
 from sglang_pdd.router.policy import Path
 
 # Closed label sets. Paths and modes come from the policies, so they cannot drift apart.
@@ -43,7 +43,7 @@ FALLBACK_REASONS: Tuple[str, ...] = (
     "retried_elsewhere",  # P or RLD broke before the first token; started over on another
 )
 
-# Each fallback reason (router/fallback.py) -> its FALLBACK_REASONS label.
+# Each fallback reason (router/flow/fallback.py) -> its FALLBACK_REASONS label.
 FLOW_FALLBACK_REASONS: Dict[Reason, str] = {
     Reason.WAN_FAILED: "wan_failed", Reason.MD_FAILED: "md_failed", Reason.MD_UNAVAILABLE: "md_rejected",
     Reason.RECOVERED_ON_RELAY: "md_failed",
@@ -262,7 +262,7 @@ class RouterMetrics:
         self._backend_fallbacks.labels(role, self.index_of(role, url)).inc()
 
     def observe_flow(self, r, e2e_s: float, output_tokens: int, main_url: Optional[str] = None) -> None:
-        """Everything one finished request's FlowResult (router/flow.py) tells the metrics;
+        """Everything one finished request's FlowResult (router/flow/pdd_flow.py) tells the metrics;
         `main_url`: the MD it was routed to (its fallbacks count against that MD)."""
         tpot = (e2e_s - r.ttft_s) / (output_tokens - 1) if r.ttft_s is not None and output_tokens > 1 else None
         self.observe_request(r.path or "p_rld_only", ttft_s=r.ttft_s, tpot_s=tpot, e2e_s=e2e_s,
@@ -333,7 +333,7 @@ class RouterMetrics:
 
 class _HealthCollector:
     """`pdd:backend_up` (1: the router may pick it) and `pdd:backend_draining`, per backend, from
-    the router's health board (router/health.py) at scrape time."""
+    the router's health board (router/backends/health.py) at scrape time."""
 
     def __init__(self, read: Callable[[], Iterable[tuple[str, str, bool, bool]]],
                  index_of: Callable[[str, str], str]) -> None:

@@ -1,7 +1,7 @@
 """The router's command line: ``python -m sglang_pdd.router`` (flags, the flow settings they
 make, the serving layer's SGLang flags, the operator token) and the process it starts: one
-router serving the HTTP app (router/app.py), or several workers on one port
-(router/workers.py).
+router serving the HTTP app (router/front/app.py), or several workers on one port
+(router/front/workers.py).
 
     python -m sglang_pdd.router --tokenizer-path MODEL \\
         --prefill http://P:30000,8998[,http://P:31000] --relay http://RLD:30001 \\
@@ -21,15 +21,19 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
-from sglang_pdd.router.overload import OverloadLimits
-from sglang_pdd.router import client_auth, control_tls, discovery_setup, shared_drain
-from sglang_pdd.router.app import MAX_BODY_BYTES, Router, build_app
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PrefillBackend
-from sglang_pdd.router.health import HealthConfig
+from sglang_pdd.router.front.overload import OverloadLimits
+from sglang_pdd.router.front import client_auth
+from sglang_pdd.router.backends import control_tls
+from sglang_pdd.router.front import discovery_setup
+from sglang_pdd.router.front import shared_drain
+from sglang_pdd.router.front.app import MAX_BODY_BYTES, Router, build_app
+from sglang_pdd.router.flow.pdd_flow import FlowConfig
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.health import HealthConfig
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, PathMode, PathPolicyConfig
-from sglang_pdd.router.placement import MD_FLOW_STEP_S_DEFAULT, MdMoveCost
-from sglang_pdd.router.pools import Pools
-from sglang_pdd.router.validate import LogprobLimits
+from sglang_pdd.router.backends.placement import MD_FLOW_STEP_S_DEFAULT, MdMoveCost
+from sglang_pdd.router.backends.pools import Pools
+from sglang_pdd.router.front.validate import LogprobLimits
 
 logger = logging.getLogger("sglang_pdd.router")
 
@@ -157,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--md-flow-step-ms", type=float, default=MD_FLOW_STEP_S_DEFAULT * 1e3,
                    help="MD's decode step growth per request in flight, until the router measures it from MD's "
                         "/v1/loads: a turn leaves the MD holding its prefix only when the busier MD's longer "
-                        "steps cost it more than re-sending the prefix over the WAN (router/placement.py)")
+                        "steps cost it more than re-sending the prefix over the WAN (router/backends/placement.py)")
     g.add_argument("--max-wan-transfer-ms", type=float, default=None,
                    help="fixed WAN budget: P->MD when the uncached suffix crosses the WAN within this, else "
                         "P->RLD->MD. Default: the budget follows RLD's load and --path-mode "
@@ -197,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consecutive failures (requests or probes) that take a backend or P-RLD pair out")
     hc.add_argument("--breaker-cooldown-s", type=float, default=10.0,
                     help="how long a backend stays out before it gets a trial request again")
-    ov = ap.add_argument_group("overload (router/overload.py)")
+    ov = ap.add_argument_group("overload (router/front/overload.py)")
     ov.add_argument("--max-inflight-per-relay", type=int, default=0,
                     help="requests one relay decode server may hold (every request holds one until it ends); "
                          "past it on the least loaded one, 503 with Retry-After at once. 0: 4x its "
@@ -275,18 +279,18 @@ def main(argv=None) -> None:
     for warning in client_auth.resolve_secrets(args):  # key files read; a worker's from its environment
         logger.warning(warning)
     if args.workers > 1:
-        from sglang_pdd.router.workers import run_workers
+        from sglang_pdd.router.front.workers import run_workers
 
         raise SystemExit(run_workers(args.workers, args.host, args.port, sys.argv[1:] if argv is None else argv,
                                      client_auth.secrets_for_workers(args)))
-    from sglang_pdd.router.serving import build_sglang_state
+    from sglang_pdd.router.front.serving import build_sglang_state
 
     client_ssl = client_auth.ssl_context(args)  # before the slow start: bad TLS flags fail at once
     client_auth.use_backend_api_key(args.backend_api_key)
     client_auth.use_backend_ca(args.backend_ca_file)
 
     from sglang_pdd.kv_channel.handshake import load_key
-    from sglang_pdd.router.backends import set_max_md_tp, use_control_key, use_control_tls
+    from sglang_pdd.router.backends.clients import set_max_md_tp, use_control_key, use_control_tls
 
     control_urls = [p.control_url for p in args.prefill if p.control_url] + [m.control_url for m in args.main]
     use_control_tls(control_tls.control_client_context(args, control_urls))

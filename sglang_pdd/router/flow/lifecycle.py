@@ -1,14 +1,14 @@
 """The life of one PDD request as an explicit state machine (pure; modelled on h11's _state.py).
 
 ``transition(state, event) -> (state, actions)`` is the only place where the request's course
-is decided; router/flow.py is the I/O shell that turns backend replies into events, feeds them
+is decided; router/flow/pdd_flow.py is the I/O shell that turns backend replies into events, feeds them
 in one at a time (one queue, so the order of events is the order of decisions) and performs
 the actions. Token contents live in handoff/stitcher.py; this module only counts positions.
 
 Phases: STARTING -> RELAY -> HANDING_OFF -> MAIN (a failed MD brings the request back to
 RELAY, on a new relay leg where needed), ended DONE | FAILED | CLOSED. ``ROWS`` below is the
 whole table, one legal (phase, event) pair a row with its guard and the phases it may lead
-to; ``python -m sglang_pdd.router.lifecycle [--mermaid]`` prints it (docs/router.md holds it).
+to; ``python -m sglang_pdd.router.flow.lifecycle [--mermaid]`` prints it (docs/router.md holds it).
 
 Orthogonal to the phase, MD's room: NONE (no MD for this request) -> PENDING -> READY | FAILED;
 and P's WAN destination where P learns it after its leg started (P's control API): NONE ->
@@ -67,7 +67,7 @@ from typing import Optional, Union
 from sglang_pdd.handoff.policy import HandoffConfig, next_catch_up_batch
 from sglang_pdd.machine import IGNORE, IllegalTransition, TableRow, rows_table, table_machine
 from sglang_pdd.machine import diagram as machine_diagram
-from sglang_pdd.router.fallback import Fallback, Reason, Recovery
+from sglang_pdd.router.flow.fallback import Fallback, Reason, Recovery
 from sglang_pdd.router.policy import Path
 
 

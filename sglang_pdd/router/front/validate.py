@@ -236,7 +236,7 @@ def check_openai_body(body: dict, *, cap: int, max_n: int, max_prompt_chars: Opt
 @dataclass(frozen=True)
 class LogprobLimits:
     """The router's caps on the logprob fields: each one multiplies what P, RLD and MD send
-    back for every position (router/reply_limits.py), so together with --max-new-tokens-cap
+    back for every position (router/backends/reply_limits.py), so together with --max-new-tokens-cap
     they bound the largest reply the router has to read."""
 
     max_top_logprobs_num: int = 64

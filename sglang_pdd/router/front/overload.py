@@ -1,7 +1,7 @@
 """Overload shedding: whether one more request may start now (pure, no I/O).
 
 Every request holds a relay decode server (RLD) from its start to its end, whatever its path
-(router/flow_runner.py counts it), so the requests in flight on an RLD are what it runs plus
+(router/front/flow_runner.py counts it), so the requests in flight on an RLD are what it runs plus
 what waits in its and its P's queues for it. Unbounded, a saturated cluster queued requests for
 minutes (TTFTs of 281 s, then --request-timeout-s failed them) instead of refusing at once as
 SGLang's own router does. Here a request is refused (503 with Retry-After, before anything is

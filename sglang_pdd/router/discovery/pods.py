@@ -1,6 +1,6 @@
 """Which pods are the router's backends (pure logic: pod objects in, backend-set changes out).
 
-The router watches pods (router/discovery_watch.py) and feeds each watch event here, as the
+The router watches pods (router/discovery/watch.py) and feeds each watch event here, as the
 Kubernetes API returns it (plain dicts). A pod is a backend when:
 
 - its labels match exactly one role's selector (``--prefill-selector`` / ``--relay-selector`` /
@@ -15,7 +15,7 @@ What comes out is a list of changes: ``Join`` (a new backend, or a changed one's
 ``Drain`` (the pod is still there but no longer serves: not Ready, being deleted, relabelled
 away) and ``Leave`` (the pod is gone). The router treats Drain and Leave alike (no new
 requests; the backend is dropped from its pools once its requests in flight have ended) and
-health-checks a joining backend before it picks it (router/discovery_pools.py).
+health-checks a joining backend before it picks it (router/discovery/apply.py).
 
 A re-list (at start, and after the watch's 410 Gone) is ``relist``: pods absent from the new
 list leave, the others are applied as MODIFIED.

@@ -1,6 +1,6 @@
 """The router's backend pools: P, RLD and MD servers, what the router knows of them (requests
 in flight, cached prefixes, health) and the pick of one of each for a request (placement
-policy: router/placement.py; breakers: router/health.py)."""
+policy: router/backends/placement.py; breakers: router/backends/health.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import itertools
 import time
 from typing import Optional
 
-from sglang_pdd.router import lifecycle
-from sglang_pdd.router.flow import MainBackend, PddFlow, PrefillBackend
-from sglang_pdd.router.health import BackendFailed, HealthBoard, HealthConfig, BackendSucceeded
-from sglang_pdd.router.placement import InstanceLoad, MdMoveCost, pick_main, pick_prefill
-from sglang_pdd.router.prefix_index import PrefixIndex
-from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.health import HealthBoard, HealthConfig
+from sglang_pdd.router.backends.placement import InstanceLoad, MdMoveCost, pick_main, pick_prefill
+from sglang_pdd.router.backends.prefix_index import PrefixIndex
+from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 
 
 class NoBackend(Exception):
@@ -23,7 +22,7 @@ class NoBackend(Exception):
 
 class Pools:
     """Backend pools and what the router knows of them: in-flight counts, cached prefixes and
-    health (router/health.py: breakers per server and per P-RLD pair, drain)."""
+    health (router/backends/health.py: breakers per server and per P-RLD pair, drain)."""
 
     def __init__(self, prefill: list[PrefillBackend], relay: list[str], main: list[MainBackend],
                  index_blocks_per_instance: int = 1 << 16, health: Optional[HealthConfig] = None,
@@ -45,7 +44,7 @@ class Pools:
         self.health = HealthBoard(health or HealthConfig())
         # What leaving the MD that holds a prefix costs (placement.pick_main): the WAN's rate and
         # the KV size until MD reports its own; each MD's step growth per flow as measured
-        # (router/loads.py), the default until then.
+        # (router/backends/loads.py), the default until then.
         self.md_move = md_move or MdMoveCost(kv_bytes_per_token=46_000, wan_bytes_per_s=10e9 / 8)
         self.md_flow_step_s = {m.url: self.md_move.flow_step_s for m in main}
 
@@ -139,30 +138,3 @@ class Pools:
                                        flow_step_s=self.md_flow_step_s.get(owner, cost.flow_step_s))
         chosen = pick_main(loads, owner if matched else None, matched, max_new_tokens, self.wan.transfers, cost)
         return next(s for s in servers if s.url == chosen)
-
-    def record_health(self, flow: PddFlow, now: float) -> None:
-        """A finished flow's outcome on the board: each backend a leg broke on fails; a request
-        that completed is a success for every server and pair it used (closes a half-open
-        breaker). A client gone or a timeout is neither."""
-        failed = set(map(tuple, flow.result.failed_backends))
-        for key in failed:
-            self.health.record(key, BackendFailed(now, "a request failed on it"))
-        if flow.state.phase is not lifecycle.RequestPhase.DONE:
-            return
-        used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
-        if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
-            used.append(("main", flow.main.url))
-        for key in used:
-            if key not in failed:
-                self.health.record(key, BackendSucceeded(now))
-
-    def record(self, flow: PddFlow, output_ids: list[int]) -> None:
-        """After a request: P holds its prompt; the MD that decoded it holds prompt + output; an
-        MD its KV landed on (or is landing on, released with keep_kv) holds the prompt."""
-        self.prefixes.record(flow.prefill.url, flow.ids)
-        if flow.main is None:
-            return
-        if flow.result.md_tokens:
-            self.prefixes.record(flow.main.url, flow.ids + output_ids)
-        elif flow.result.wan_bytes is not None or flow.result.md_kv_kept:
-            self.prefixes.record(flow.main.url, flow.ids)

@@ -1,10 +1,10 @@
-"""Service discovery's changes applied to the router's pools (router/pools.py).
+"""Service discovery's changes applied to the router's pools (router/backends/pools.py).
 
 - ``Join``: the backend is probed (GET /health, as the router's own health checks) until it
   answers 200, then added to its role's pool: picked from then on. A backend that leaves
   before it passes is never added.
 - ``Drain`` / ``Leave``: the backend is drained at once (the health board's Drain: no new
-  request picks it; router/health.py) and dropped from its pool once the requests in flight on
+  request picks it; router/backends/health.py) and dropped from its pool once the requests in flight on
   it have ended. A join of the same URL before then undrains it (after its health check).
 
 Only drains this module set are lifted by it: an operator's drain (POST /pdd/backends/drain)
@@ -21,10 +21,10 @@ from typing import Callable, Optional
 
 import aiohttp
 
-from sglang_pdd.router.discovery import DiscoveredBackend, Join, Update
-from sglang_pdd.router.flow import MainBackend, PrefillBackend
-from sglang_pdd.router.health import BackendSucceeded, Drain
-from sglang_pdd.router.pools import Pools
+from sglang_pdd.router.discovery.pods import DiscoveredBackend, Join, Update
+from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.health import BackendSucceeded, Drain
+from sglang_pdd.router.backends.pools import Pools
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The per-request scope the router's handlers set and its serving layer reads when it settles
-each item of the request (router/serving.py's FlowRequest).
+each item of the request (router/front/serving.py's FlowRequest).
 
-Its own module so that app.py (which sets it) and openai_front.py (which sets it for the
+Its own module so that front/app.py (which sets it) and front/openai_front.py (which sets it for the
 OpenAI routes) both import it from below rather than from each other.
 """
 

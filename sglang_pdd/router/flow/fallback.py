@@ -1,7 +1,7 @@
 """Why a request left its planned path: typed fallback records (pure).
 
-A request records one ``Fallback`` each time MD cannot serve it as planned (router/lifecycle.py
-decides most of them, router/flow.py and router/app.py the ones before any leg starts). The
+A request records one ``Fallback`` each time MD cannot serve it as planned (router/flow/lifecycle.py
+decides most of them, router/flow/pdd_flow.py and router/front/app.py the ones before any leg starts). The
 reason is a closed set, so code branches on it (metrics labels, tests) and never parses text;
 the detail is for people only (an error message, a URL). Clients see ``str(fallback)``,
 "reason: detail", in meta_info.pdd and the request log line.

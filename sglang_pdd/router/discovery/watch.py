@@ -1,6 +1,6 @@
 """Service discovery's I/O: the Kubernetes API's pod list and watch, and MD's discovery file.
 
-The decisions are router/discovery.py's; this module feeds it. ``PodWatcher`` lists the pods
+The decisions are router/discovery/pods.py's; this module feeds it. ``PodWatcher`` lists the pods
 (paged), then watches from the list's resourceVersion (bookmarks on, each event's version kept);
 a watch that ends is reopened from the last version, one answered 410 Gone (the version is
 older than the API server keeps) re-lists, and an error backs off exponentially
@@ -31,7 +31,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from sglang_pdd.router.discovery import (DiscoveredBackend, DiscoveryState, Update, backends_from_file_entries,
+from sglang_pdd.router.discovery.pods import (DiscoveredBackend, DiscoveryState, Update, backends_from_file_entries,
                                          file_changes)
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 options), run it (load on each backend, metrics, the request's log line), retry one that broke
 before its first token.
 
-SGLang's serving layer (router/serving.py) and the router's own /health_generate use it; the
-HTTP front (router/app.py) builds it beside them, so the serving layer never calls back into
+SGLang's serving layer (router/front/serving.py) and the router's own /health_generate use it; the
+HTTP front (router/front/app.py) builds it beside them, so the serving layer never calls back into
 the app.
 """
 
@@ -21,23 +21,25 @@ from typing import Optional, Sequence
 import aiohttp
 
 from sglang_pdd.handoff.policy import HandoffMode
-from sglang_pdd.router.backends import BackendError
-from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router.flow import FlowConfig, MainBackend, PddFlow
-from sglang_pdd.router.flow_request import FlowRequest
-from sglang_pdd.router.metrics import RouterMetrics
+from sglang_pdd.router.backends.clients import BackendError
+from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
+from sglang_pdd.router.backends.servers import MainBackend
+from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.front.metrics import RouterMetrics
 from sglang_pdd.router.policy import Path
-from sglang_pdd.router.pools import NoBackend, Pools
-from sglang_pdd.router.serving import BackendsUnavailable, UpstreamError
-from sglang_pdd.router import overload
-from sglang_pdd.router.overload import OverloadLimits
+from sglang_pdd.router.backends.health import BackendFailed, BackendSucceeded
+from sglang_pdd.router.backends.pools import NoBackend, Pools
+from sglang_pdd.router.front.serving import BackendsUnavailable, UpstreamError
+from sglang_pdd.router.front import overload
+from sglang_pdd.router.front.overload import OverloadLimits
 from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
 
 
 class PrefillLoad:
-    """P's load of one flow: the prefill tokens P still runs for it (placement.py's
+    """P's load of one flow: the prefill tokens P still runs for it (backends/placement.py's
     pick_prefill), counted from the flow's start until P's leg replies, or the flow ends first;
     released once."""
 
@@ -167,8 +169,8 @@ class FlowRunner:
 
     def observe(self, flow: PddFlow, tokens: list[int]) -> None:
         """A flow ended having emitted ``tokens``: placement, health, its log line, metrics."""
-        self.pools.record(flow, tokens)
-        self.pools.record_health(flow, time.monotonic())
+        record_prefixes(self.pools, flow, tokens)
+        record_health(self.pools, flow, time.monotonic())
         n_tokens = len(tokens)
         r = flow.result
         e2e = time.perf_counter() - flow.t0
@@ -190,3 +192,31 @@ def _learn_kv_size(main: MainBackend, per_token: int) -> None:
     """MD's KV bytes per token from a registration's answer: the WAN estimate of the next
     path chosen before MD answers."""
     main.kv_bytes_per_token = per_token
+
+
+def record_health(pools: Pools, flow: PddFlow, now: float) -> None:
+    """A finished flow's outcome on the board: each backend a leg broke on fails; a request
+    that completed is a success for every server and pair it used (closes a half-open
+    breaker). A client gone or a timeout is neither."""
+    failed = set(map(tuple, flow.result.failed_backends))
+    for key in failed:
+        pools.health.record(key, BackendFailed(now, "a request failed on it"))
+    if not flow.completed:
+        return
+    used = [("prefill", flow.prefill.url), ("relay", flow.relay_url), ("pair", flow.prefill.url, flow.relay_url)]
+    if flow.main is not None and (flow.result.md_tokens or flow.result.wan_ready_s is not None):
+        used.append(("main", flow.main.url))
+    for key in used:
+        if key not in failed:
+            pools.health.record(key, BackendSucceeded(now))
+
+def record_prefixes(pools: Pools, flow: PddFlow, output_ids: list[int]) -> None:
+    """After a request: P holds its prompt; the MD that decoded it holds prompt + output; an
+    MD its KV landed on (or is landing on, released with keep_kv) holds the prompt."""
+    pools.prefixes.record(flow.prefill.url, flow.ids)
+    if flow.main is None:
+        return
+    if flow.result.md_tokens:
+        pools.prefixes.record(flow.main.url, flow.ids + output_ids)
+    elif flow.result.wan_bytes is not None or flow.result.md_kv_kept:
+        pools.prefixes.record(flow.main.url, flow.ids)

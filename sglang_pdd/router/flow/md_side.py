@@ -1,7 +1,7 @@
 """MD's side of one request: the I/O a flow does with MD's control API and P's WAN-destination
 API (async I/O shell, no decisions).
 
-A ``PddFlow`` (router/flow.py) runs the request; its ``MdSide`` registers MD's room, delivers
+A ``PddFlow`` (router/flow/pdd_flow.py) runs the request; its ``MdSide`` registers MD's room, delivers
 that room to P when P learns it late, waits for MD's KV, sends the catch-up rounds and the
 final handoff, reads MD's stream and releases the room. It holds that I/O's handles and state
 (MD's and P's control clients, the room id, MD's TP size, the WAN bytes planned, when the final
@@ -9,7 +9,7 @@ handoff was sent) and tells the flow what happened only as lifecycle events on t
 queue (MD's stream events through the flow's stream slot, as every backend stream's), besides
 the statistics it writes into the flow's FlowResult:
 
-    event (router/lifecycle.py)       sent by
+    event (router/flow/lifecycle.py)       sent by
     DestinationDelivered()            register_and_deliver: P accepted MD's room
     MdNotReady(fallback)              register_and_deliver (MD_UNAVAILABLE, WAN_DESTINATION_FAILED),
                                       watch_ready (WAN_FAILED: not landed, or not in time)
@@ -36,13 +36,13 @@ from typing import Awaitable, Callable, Optional
 import aiohttp
 
 from sglang_pdd.protocol import RegisterReply
-from sglang_pdd.router import lifecycle
-from sglang_pdd.router.backends import (BackendError, MainControl, PrefillControl, UnverifiedReply,
+from sglang_pdd.router.flow import lifecycle
+from sglang_pdd.router.backends.clients import (BackendError, MainControl, PrefillControl, UnverifiedReply,
                                         server_at_fault)
-from sglang_pdd.router.bodies import handoff_body, late_destination_params, wan_destination_params, warmup_body
-from sglang_pdd.router.fallback import Fallback, Reason
-from sglang_pdd.router.reply_limits import max_event_bytes
-from sglang_pdd.router.wan_in_flight import WanInFlight
+from sglang_pdd.router.flow.bodies import handoff_body, late_destination_params, wan_destination_params, warmup_body
+from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.backends.reply_limits import max_event_bytes
+from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")

@@ -1,6 +1,6 @@
 """Operator drains shared by every ``--workers`` process: one small JSON file.
 
-With ``--workers N`` each worker keeps its own health board (router/health.py), so a drain
+With ``--workers N`` each worker keeps its own health board (router/backends/health.py), so a drain
 posted to one worker (the kernel picks which) would leave the other N-1 sending the backend
 (N-1)/N of the traffic. The supervisor makes a private directory for its workers; a drain
 is written there (``{url: draining}``, replaced atomically under a file lock), and every

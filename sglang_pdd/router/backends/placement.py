@@ -16,7 +16,7 @@ from typing import Hashable, Optional, Sequence
 
 
 # MD's decode step grows by about this much per flow in flight, until the router has measured
-# it (router/loads.py: the slope of MD's step time on its batch size, SGLang's /v1/loads
+# it (router/backends/loads.py: the slope of MD's step time on its batch size, SGLang's /v1/loads
 # decode moments). 1 ms: the simulator's default MD (sim/hardware.py's CHIP_B) at a 30k-token
 # context, 0.22 ms per sequence plus 0.66 ms of KV read.
 MD_FLOW_STEP_S_DEFAULT = 1e-3
@@ -61,7 +61,7 @@ def pick_main(loads: Sequence["InstanceLoad"], owner: Optional[Hashable], matche
     """MD for a request. ``loads``: each MD's flows in flight (the router's count). The MD
     holding the longest cached prefix (``owner``, ``matched_tokens`` of the prompt) keeps the
     turn unless its excess flows over the least loaded MD cost more time than re-sending
-    that prefix over the WAN (``md_affinity_excess_flows``). The router (router/pools.py)
+    that prefix over the WAN (``md_affinity_excess_flows``). The router (router/backends/pools.py)
     and the simulator (sim/cluster.py's pick_md) both place MD here."""
     out = EXPECTED_OUTPUT_TOKENS_DEFAULT if output_tokens is None else output_tokens
     bound = md_affinity_excess_flows(matched_tokens, out, wan_transfers, cost) if owner is not None else 0.0

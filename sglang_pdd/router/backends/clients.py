@@ -17,8 +17,8 @@ from sglang_pdd.control.auth import EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, RO
 from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HandoffRequest, InfoReply, ReadyReply, RegisterReply,
                                  RegisterRequest, WanDestinationRequest, check_md_tp)
-from sglang_pdd.router.reply_limits import MAX_CONTROL_REPLY_BYTES, MAX_ERROR_BODY_BYTES, max_event_bytes
-from sglang_pdd.router.stream_decode import CumulativeDecoder, MalformedEvent, parse_whole
+from sglang_pdd.router.backends.reply_limits import MAX_CONTROL_REPLY_BYTES, MAX_ERROR_BODY_BYTES, max_event_bytes
+from sglang_pdd.router.backends.stream_decode import CumulativeDecoder, MalformedEvent, parse_whole
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class UnverifiedReply(BackendError):
 class BadSignature(UnverifiedReply):
     """A control reply, or an event of a signed stream, that is not signed as the server signs
     it (missing, altered, reordered, a stream cut before its signed end): not the server's
-    answer, which counts as the server failing (router/health.py), as a dropped connection does."""
+    answer, which counts as the server failing (router/backends/health.py), as a dropped connection does."""
 
 
 class StreamStalled(asyncio.TimeoutError):
@@ -109,7 +109,7 @@ def server_at_fault(error: BaseException) -> bool:
 async def generate_stream(session: aiohttp.ClientSession, url: str, body: dict,
                           max_line_bytes: int) -> AsyncIterator[dict]:
     """POST /generate with stream=true; yields each SSE data object (cumulative output_ids), as
-    router/stream_decode.py decodes it (what the router reads, each event's new logprob entries
+    router/backends/stream_decode.py decodes it (what the router reads, each event's new logprob entries
     parsed only). An event over ``max_line_bytes`` (reply_limits.max_event_bytes of the leg)
     fails the stream."""
     async with session.post(f"{url}/generate", json={**body, "stream": True}) as resp:
@@ -161,7 +161,7 @@ SSE_DONE = object()  # parse_sse_line's answer to "data: [DONE]"
 def parse_sse_line(raw: bytes, source: str, decoder: Optional[CumulativeDecoder] = None):
     """One line of an SGLang stream: its event dict, SSE_DONE, or None (not a data line).
     Raises BackendError for a malformed event or an error event. ``decoder``: the stream's
-    (router/stream_decode.py), which parses only what a cumulative event adds."""
+    (router/backends/stream_decode.py), which parses only what a cumulative event adds."""
     line = raw.strip()
     if not line.startswith(b"data:"):
         return None

@@ -18,10 +18,10 @@ import asyncio
 import logging
 from typing import Optional
 
-from sglang_pdd.router import kv_senders
-from sglang_pdd.router.discovery import DiscoveryState, Selector, SelectorError
-from sglang_pdd.router.discovery_pools import Discovery, Membership
-from sglang_pdd.router.discovery_watch import FileWatcher, PodWatcher, endpoint_for
+from sglang_pdd.router.backends import kv_senders
+from sglang_pdd.router.discovery.pods import DiscoveryState, Selector, SelectorError
+from sglang_pdd.router.discovery.apply import Discovery, Membership
+from sglang_pdd.router.discovery.watch import FileWatcher, PodWatcher, endpoint_for
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +101,10 @@ def build(args, router) -> Optional[Discovery]:
 
     def joined(role: str, entry) -> None:
         if role == "main":
-            from sglang_pdd.router.app import learn_md_kv_sizes
+            from sglang_pdd.router.front.app import learn_md_kv_sizes
 
             asyncio.ensure_future(learn_md_kv_sizes(router.session, [entry]))
-            if router._kv_senders is None:  # the first MD: P hosts announced from now on (kv_senders.py)
+            if router._kv_senders is None:  # the first MD: P hosts announced from now on (backends/kv_senders.py)
                 router._kv_senders = asyncio.ensure_future(
                     kv_senders.announce_forever(router.session, pools.main, pools.prefill))
                 return

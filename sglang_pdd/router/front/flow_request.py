@@ -1,9 +1,9 @@
 """One generation's parameters, settled once before any leg starts (pure, no I/O).
 
-SGLang's serving layer (router/serving.py) turns each item of a client's request into a
+SGLang's serving layer (router/front/serving.py) turns each item of a client's request into a
 ``FlowRequest``: the prompt's token ids, the sampling params with ``max_new_tokens`` settled
 here and nowhere else, the logprob fields, and the HTTP request's scope (operator or not, its
-``pdd_options``). The flow runner (router/flow_runner.py) picks the servers and starts a
+``pdd_options``). The flow runner (router/front/flow_runner.py) picks the servers and starts a
 ``PddFlow`` from these values; nothing reads them back from the app.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang_pdd.router.validate import check_token_budget
+from sglang_pdd.router.front.validate import check_token_budget
 
 # What a request that names no max_new_tokens gets (SGLang's own default).
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -35,7 +35,7 @@ def settle_max_new_tokens(sampling: dict, prompt_len: int, *, cap: int, context_
 class FlowRequest:
     """What a flow needs of one generation, as values. ``sampling["max_new_tokens"]`` is
     settled (``settle_max_new_tokens``); ``extras``: SGLang's logprob fields (None: none asked);
-    ``operator`` / ``options``: the HTTP request's scope (router/scope.py); ``rid``: an id for
+    ``operator`` / ``options``: the HTTP request's scope (router/front/scope.py); ``rid``: an id for
     the flow's result (None: its internal one)."""
 
     input_ids: list
