@@ -256,7 +256,7 @@ class Bench:
     def kv_transfers(self, kv_bytes_per_token: int, num_layers: int, rate_gbps: float, latency_ms: float,
                      jitter_ms: float, prompt_tokens: int, n: int, desc: str) -> dict:
         from sglang_pdd.kv_channel.layout import KvLayout
-        from sglang_pdd.kv_channel.states import RoomState
+        from sglang_pdd.kv_channel.contract import RoomState
         from sglang_pdd.launcher.wan_emulator import WanEmulator
         from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
         from sglang_pdd.kv_channel.wan_sender import WanKvSender

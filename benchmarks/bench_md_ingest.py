@@ -35,7 +35,7 @@ from tqdm import tqdm
 from benchmarks.common import greedy, timed_events
 from sglang_pdd.kv_channel.handshake import load_key
 from sglang_pdd.kv_channel.layout import KvPoolLayout
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.launcher.cluster import default_model_path
 from sglang_pdd.launcher.http import call_json, get_json, post_json

@@ -50,7 +50,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.launcher.wan_emulator import WanEmulator
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender

@@ -11,7 +11,8 @@ One job per module:
 * ``handshake_slot``  one accepted connection's place before it authenticates (a machine)
 * ``layout``          KvLayout and TransferPlan: which pages (>= decode_prefix_len) go, in which chunks
 * ``tp_relayout``     which bytes go to which MD rank when P's and MD's TP sizes differ
-* ``states``          RoomState (same numbers as SGLang's KVPoll) and FailureReason
+* ``contract``        what a sender and a receiver provide (KvSender, KvTransfer, KvReceiver, their
+                      shared RoomEndpoint), RoomState (SGLang's KVPoll numbers), FailureReason
 * ``send_room``       one room on the WAN sender (a machine); ``wan_sender`` its I/O: WanKvSender,
                       N striped TCP streams, a bounded window, a poll per room
 * ``recv_room``       one room on the WAN receiver (a machine); ``wan_receiver`` its I/O:

@@ -5,7 +5,7 @@ wan_receiver.py is the I/O shell: its reader threads, the owner's calls and the 
 frames and timers into events, apply them under the receiver's lock and perform the actions.
 Which pages arrived, from which sender slice, is data the shell keeps (it decides when every
 byte is verified); the room's course is decided here. The states are SGLang's KVPoll
-numbering (states.py)::
+numbering (contract.py)::
 
     WAITING_FOR_INPUT ──DataArrived──▶ TRANSFERRING ──AllVerified──▶ SUCCESS
             │                               │
@@ -31,7 +31,7 @@ from typing import Union
 
 from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 
-from .states import RoomState
+from .contract import RoomState
 
 
 class IllegalRecvEvent(IllegalTransition):

@@ -3,7 +3,7 @@
 ``transition(state, event) -> (state, actions)`` decides every change of a room's
 ``RoomState``; wan_sender.py is the I/O shell that turns producer calls, session changes,
 receiver replies and the watchdog into events, applies them under its lock and performs the
-actions. The states are SGLang's KVPoll numbering (states.py)::
+actions. The states are SGLang's KVPoll numbering (contract.py)::
 
     BOOTSTRAPPING ──SessionUp──▶ WAITING_FOR_INPUT ──ChunkQueued / EndQueued──▶ TRANSFERRING
          │  └──────────SessionUp (a chunk or END already queued)─────────────────▲   │
@@ -33,7 +33,7 @@ from typing import Union
 
 from sglang_pdd.machine import IGNORE, IllegalTransition, table_machine
 
-from .states import FailureReason, RoomState
+from .contract import FailureReason, RoomState
 
 
 class IllegalSendEvent(IllegalTransition):

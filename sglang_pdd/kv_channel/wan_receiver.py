@@ -60,7 +60,7 @@ from . import recv_room
 from .acceptor import Acceptor, AdmissionLimits, Slot
 from .handshake import HandshakeError, check_key, server_handshake
 from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest
-from .states import FailureReason, RoomState, RoomQueries
+from .contract import FailureReason, KvReceiver, RoomEntry, RoomState, WriteFn
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
 from .wire import (
     DEFAULT_MAX_HEADER_BYTES,
@@ -83,7 +83,6 @@ from .wire import (
 
 logger = logging.getLogger(__name__)
 
-WriteFn = Callable[[int, int, int, int, memoryview], None]
 _DATA_ARRIVED, _ALL_VERIFIED = recv_room.DataArrived(), recv_room.AllVerified()
 MAX_QUEUED_REPLIES = 4096  # per stream; more means the peer is not reading them
 
@@ -112,7 +111,7 @@ class _Part:
 
 
 @dataclass
-class _ReceiverRoom:
+class _ReceiverRoom(RoomEntry):
     room: int
     layout: KvLayout
     num_tokens: int
@@ -135,19 +134,6 @@ class _ReceiverRoom:
     @property
     def sessions(self) -> set:
         return {p.session for p in self.parts.values()}
-
-    # What RoomQueries reads.
-    @property
-    def state(self) -> RoomState:
-        return self.status.state
-
-    @property
-    def reason(self) -> str:
-        return self.status.reason
-
-    @property
-    def detail(self) -> str:
-        return self.status.detail
 
 
 def _row_range(offset: int, width: int) -> str:
@@ -201,7 +187,7 @@ class _ReceiverSession:
         self.dead = False
 
 
-class WanKvReceiver(RoomQueries):
+class WanKvReceiver(KvReceiver):
     """Accepts authenticated senders and writes the KV of registered rooms."""
 
     def __init__(
@@ -222,39 +208,34 @@ class WanKvReceiver(RoomQueries):
         on_settled: Optional[Callable[[int], None]] = None,
     ):
         self.key = check_key(auth_key)
+        # One lock (contract.RoomEndpoint); the flusher and the watchdog wait on conditions of
+        # their own, so the notifications of the per-chunk path do not wake them.
+        super().__init__(name, idle_timeout,
+                         Driver(recv_room.transition, {recv_room.WakeReceiveWaiters: self._wake_waiters,
+                                                       recv_room.NackSenders: self._nack_senders}, state="status"),
+                         watchdog_name=f"kv-recv-watchdog-{name}")
         # Called (lock held: must not block) when a room reaches SUCCESS or FAILED, so an owner
         # that polls rooms from a loop may sleep until then instead of polling all along.
         self._on_settled = on_settled
-        self.name = name
         self.max_header_bytes = max_header_bytes
         self.max_payload_bytes = max_payload_bytes
-        self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
         self.socket_buffer_bytes = socket_buffer_bytes
         self.ssl_context = ssl_context
 
-        # One lock; the flusher and the watchdog wait on conditions of their own, so the
-        # notifications of the per-chunk path do not wake them.
-        lock = threading.RLock()
-        self._cv = threading.Condition(lock)  # room states, writers leaving a destination
-        self._flush_cv = threading.Condition(lock)  # the flusher: replies were posted
-        self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
-        self._rooms: dict[int, _ReceiverRoom] = {}
-        # With the lock held: the only way a room's status changes (step(entry, event[, conn])).
-        self._machine = Driver(recv_room.transition, {recv_room.WakeReceiveWaiters: self._wake_waiters,
-                                                      recv_room.NackSenders: self._nack_senders}, state="status")
+        # ``_cv`` also carries writers leaving a destination.
+        self._flush_cv = self._condition()  # the flusher: replies were posted
+        self._rooms: dict[int, _ReceiverRoom]
         self._sessions: dict[bytes, _ReceiverSession] = {}
         self._conns: set[_ReceiverConn] = set()
         # Rooms whose late frames are dropped (logged once each); the value, if any, is the NACK
         # their sender has not heard yet (_ReceiverRoom.untold), sent to the first frame.
         self._rejected_rooms: collections.OrderedDict[int, Optional[Nack]] = collections.OrderedDict()
-        self._closed = False
         self.counters = collections.Counter()
 
         listener = socket.create_server((host, port), backlog=128)
         self.address: tuple[str, int] = listener.getsockname()[:2]
-        self._watchdog = threading.Thread(target=self._watch, name=f"kv-recv-watchdog-{name}", daemon=True)
         self._to_flush: set[_ReceiverConn] = set()  # connections with posted replies (guarded by _cv)
         self._flusher = threading.Thread(target=self._flush_loop, name=f"kv-recv-replies-{name}", daemon=True)
         self._watchdog.start()
@@ -350,20 +331,16 @@ class WanKvReceiver(RoomQueries):
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, fail unfinished rooms (``closed``), close sockets, join threads."""
         with self._cv:
-            if self._closed:
+            if not self._mark_closed():
                 return
-            self._closed = True
             for entry in self._rooms.values():
                 self._fail_room(entry, FailureReason.CLOSED, "receiver closed", tell_peer=False)
             for conn in self._conns:
                 conn.shutdown()
-            self._cv.notify_all()
             self._flush_cv.notify_all()
-            self._tick.notify_all()
         deadline = time.monotonic() + timeout
         self._acceptor.close(timeout)
-        for t in [self._watchdog, self._flusher]:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self._join([self._watchdog, self._flusher], max(0.0, deadline - time.monotonic()))
 
     def announce_senders(self, networks) -> int:
         """The hosts that send this receiver KV, as an authenticated control call names them
@@ -817,19 +794,13 @@ class WanKvReceiver(RoomQueries):
             for conn in conns:
                 conn.flush()
 
-    def _watch(self) -> None:
-        while True:
-            with self._cv:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                for entry in self._rooms.values():
-                    if entry.state.is_terminal:
-                        continue
-                    if entry.deadline is not None and now > entry.deadline:
-                        self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed", tell_peer=False)
-                    elif entry.parts and now - entry.last_progress > self.idle_timeout:
-                        # No NACK: the stream may be the stalled thing; the sender has its own timer.
-                        self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
-                                        f"no data for {now - entry.last_progress:.1f}s", tell_peer=False)
-                self._tick.wait(min(0.1, self.idle_timeout / 4))
+    def _check_rooms(self, now: float) -> None:
+        for entry in self._rooms.values():
+            if entry.state.is_terminal:
+                continue
+            if entry.deadline is not None and now > entry.deadline:
+                self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed", tell_peer=False)
+            elif entry.parts and now - entry.last_progress > self.idle_timeout:
+                # No NACK: the stream may be the stalled thing; the sender has its own timer.
+                self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
+                                f"no data for {now - entry.last_progress:.1f}s", tell_peer=False)

@@ -46,7 +46,7 @@ from sglang_pdd.machine import Driver
 from .handshake import HandshakeError, SecureStream, check_key, client_handshake
 from . import send_room
 from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, RowSlice, TransferPlan, token_digest
-from .states import FailureReason, RoomState, RoomQueries
+from .contract import FailureReason, KvSender, KvTransfer, RoomEntry, RoomState
 from .wire import (
     Abort,
     Ack,
@@ -79,7 +79,7 @@ def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) ->
 
 
 @dataclass
-class _SenderRoom:
+class _SenderRoom(RoomEntry):
     room: int
     plan: TransferPlan
     session: "_SenderSession"
@@ -87,27 +87,15 @@ class _SenderRoom:
     deadline: float
     row: Optional[RowSlice]  # this sender's bytes of each token row (None: all of it)
     # The room's state (send_room.py); replaced only by WanKvSender._machine, under its lock.
-    lifecycle: send_room.SendState
+    status: send_room.SendState
     last_progress: float = field(default_factory=time.monotonic)
     queued: set = field(default_factory=set)  # chunk indices handed to us by the producer
     bytes_written: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
-    def state(self) -> RoomState:
-        return self.lifecycle.state
-
-    @property
-    def reason(self) -> str:
-        return self.lifecycle.reason
-
-    @property
-    def detail(self) -> str:
-        return self.lifecycle.detail
-
-    @property
     def end_queued(self) -> bool:
-        return self.lifecycle.end_queued
+        return self.status.end_queued
 
 
 @dataclass
@@ -146,7 +134,7 @@ class _SenderSession:
         self.streams = [_Stream(i) for i in range(sender.num_streams)]
 
 
-class WanKvSender(RoomQueries):
+class WanKvSender(KvSender):
     """Sends KV of many rooms to one ``WanKvReceiver`` over N parallel TCP streams."""
 
     def __init__(
@@ -168,9 +156,12 @@ class WanKvSender(RoomQueries):
     ):
         if num_streams < 1:
             raise ValueError("num_streams must be >= 1")
+        super().__init__(name, idle_timeout,
+                         Driver(send_room.transition, {send_room.WakeSendWaiters: self._wake_waiters,
+                                                       send_room.AbortPeer: self._abort_peer}, state="status"),
+                         watchdog_name=f"kv-send-watchdog-{name}")
         self.peer = (peer[0], int(peer[1]))
         self.key = check_key(auth_key)
-        self.name = name
         # What the receiver knows us by: the name plus a random instance tag, so two P hosts
         # configured with the same name never pass for each other (the receiver ends the
         # older session of an identity that reconnects: "peer_restarted").
@@ -179,7 +170,6 @@ class WanKvSender(RoomQueries):
         self.max_chunk_bytes = max_chunk_bytes
         self.window_bytes = window_bytes
         self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
         self.transfer_timeout = transfer_timeout
         self.socket_buffer_bytes = socket_buffer_bytes
         self.ssl_context = ssl_context
@@ -188,18 +178,11 @@ class WanKvSender(RoomQueries):
         # One lock guards rooms, sessions and the send queue. Waiters of different things wait
         # on different conditions of it, so a queued chunk wakes one writer, and a written one
         # only a producer blocked on the window, not every thread (per chunk, on the hot path).
-        lock = threading.RLock()
-        self._cv = threading.Condition(lock)  # room states, window space, session up/dead
-        self._work = threading.Condition(lock)  # writers: the queue got an item, or the session changed
-        self._tick = threading.Condition(lock)  # the watchdog's sleep, cut short by close()
-        self._rooms: dict[int, _SenderRoom] = {}
-        # Under the lock: the only way a room's state changes (step(entry, event)).
-        self._machine = Driver(send_room.transition, {send_room.WakeSendWaiters: self._wake_waiters,
-                                                      send_room.AbortPeer: self._abort_peer}, state="lifecycle")
+        # ``_cv`` (contract.RoomEndpoint) also carries window space and the session up/dead.
+        self._work = self._condition()  # writers: the queue got an item, or the session changed
+        self._rooms: dict[int, _SenderRoom]
         self._session: Optional[_SenderSession] = None
         self._threads: list[threading.Thread] = []
-        self._closed = False
-        self._watchdog = threading.Thread(target=self._watch, name=f"kv-send-watchdog-{name}", daemon=True)
         self._watchdog.start()
 
     # ------------------------------------------------------------------ public API
@@ -287,16 +270,11 @@ class WanKvSender(RoomQueries):
     def close(self, timeout: float = 5.0) -> None:
         """Fail unfinished rooms (reason ``closed``), close all sockets, join all threads."""
         with self._cv:
-            if self._closed:
+            if not self._mark_closed():
                 return
-            self._closed = True
             if self._session is not None:
                 self._kill_session(self._session, FailureReason.CLOSED, "sender closed")
-            self._cv.notify_all()
-            self._tick.notify_all()
-        deadline = time.monotonic() + timeout
-        for t in [self._watchdog, *self._threads]:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self._join([self._watchdog, *self._threads], timeout)
 
     def stats(self) -> dict:
         with self._cv:
@@ -534,31 +512,25 @@ class WanKvSender(RoomQueries):
             else:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from receiver")
 
-    def _watch(self) -> None:
-        while True:
-            with self._cv:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                s = self._session
-                if s is not None and not s.dead:
-                    for stream in s.streams:
-                        if stream.busy_since is not None and now - stream.busy_since > self.idle_timeout:
-                            self._kill_session(s, FailureReason.IDLE_TIMEOUT,
-                                               f"stream {stream.index} stuck in send for {now - stream.busy_since:.1f}s")
-                            break
-                for entry in list(self._rooms.values()):
-                    if entry.state.is_terminal:
-                        continue
-                    if now > entry.deadline:
-                        self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed")
-                    elif now - entry.last_progress > self.idle_timeout:
-                        self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
-                                        f"no progress for {now - entry.last_progress:.1f}s in {entry.state.name}")
-                self._tick.wait(min(0.1, self.idle_timeout / 4))
+    def _check_rooms(self, now: float) -> None:
+        s = self._session
+        if s is not None and not s.dead:
+            for stream in s.streams:
+                if stream.busy_since is not None and now - stream.busy_since > self.idle_timeout:
+                    self._kill_session(s, FailureReason.IDLE_TIMEOUT,
+                                       f"stream {stream.index} stuck in send for {now - stream.busy_since:.1f}s")
+                    break
+        for entry in list(self._rooms.values()):
+            if entry.state.is_terminal:
+                continue
+            if now > entry.deadline:
+                self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed")
+            elif now - entry.last_progress > self.idle_timeout:
+                self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
+                                f"no progress for {now - entry.last_progress:.1f}s in {entry.state.name}")
 
 
-class Transfer:
+class Transfer(KvTransfer):
     """Handle of one room on the sender: feed chunks, then ``finish()``."""
 
     def __init__(self, sender: WanKvSender, entry: _SenderRoom):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, fields
 from typing import Sequence, TypeVar
 
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.sglang_glue.md.tp_sync import TpSync
 
 

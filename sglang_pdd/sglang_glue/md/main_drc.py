@@ -32,7 +32,8 @@ import torch
 
 from sglang_pdd.config import PddConfig, admission_limits, control_names, parse_host_port
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
-from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
+from sglang_pdd.kv_channel.contract import KvReceiver
+from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver  # the contract's implementation, built here only
 from sglang_pdd.control.auth import EVENT_SIG, ROLE_MD, ControlVerifier
 from sglang_pdd.control.api import ControlApi, ControlServer
 from sglang_pdd.control.gate import JsonRequestHandler
@@ -158,11 +159,11 @@ class MainDrcRuntime:
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
         self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)
-        self.receiver = WanKvReceiver(key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port,
-                                      idle_timeout=cfg.wan_timeout_s, admission=admission_limits(cfg),
-                                      ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca,
-                                                                  server_side=True),
-                                      on_settled=lambda room: self.idle_wake.wake())
+        self.receiver: KvReceiver = WanKvReceiver(
+            key, name=f"md-{cfg.datacenter or 'main'}", host=host, port=port, idle_timeout=cfg.wan_timeout_s,
+            admission=admission_limits(cfg),
+            ssl_context=wan_tls_context(cfg.wan_tls_cert, cfg.wan_tls_key, cfg.wan_tls_ca, server_side=True),
+            on_settled=lambda room: self.idle_wake.wake())
         self.rank_rooms = RankRooms(cfg, self.ops, self.receiver, self.tp.size, scheduler.page_size,
                                     wake=self.idle_wake.wake)
         # MD's stats count the cache's real evictions, by SGLang's scheduler or MD's ingest

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from sglang_pdd.admission import parse_networks
 from sglang_pdd.config import PddConfig, md_staging_bytes
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.protocol import (KvSendersReply, KvSendersRequest, RegisterReply, RegisterRequest, ReleaseReply,
                                  ReleaseRequest)
 from sglang_pdd.radix_drc.room_state import Failure, FailReason

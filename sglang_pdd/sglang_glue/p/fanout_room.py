@@ -122,7 +122,7 @@ class Cancel:
 class FanoutFailed:
     reason: DropReason
     detail: str = ""
-    share_failure: str = ""  # SHARE_FAILED: the share's FailureReason value (states.py)
+    share_failure: str = ""  # SHARE_FAILED: the share's FailureReason value (kv_channel/contract.py)
 
 
 Event = Union[PagesOffered, CopyTaken, CopyEnded, ShareEnded, RequestEnded, Cancel, FanoutFailed]

@@ -6,8 +6,8 @@ The scheduler thread never waits on the network::
     scheduler thread   PddKVSender.send(pages) -> offer(): remember the pool page ids
     copy thread        copies each page group that is complete (one chunk per layer) out of
                        the pool into host memory, as soon as prefill has produced it
-    send thread        hands the copies to WanKvSender (blocks only on its window), then
-                       TRANSFER_END after the last group
+    send thread        hands the copies to the share's KvSender (kv_channel/contract.py;
+                       blocks only on its window), then TRANSFER_END after the last group
 
 With MD on ``--tp b`` (the destination's ``md_tp``) a room is a set of *shares*, one per MD
 rank this P rank feeds (tp_relayout.sender_parts: every MD holder of a head gets it over the
@@ -42,9 +42,9 @@ from sglang_pdd.machine import Driver
 from sglang_pdd.sglang_glue.p import fanout_room
 from sglang_pdd.sglang_glue.p.fanout_room import CopyHold, DropReason, FanoutState
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, KvSender, KvTransfer, RoomState
 from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
-from sglang_pdd.kv_channel.wan_sender import Transfer, WanKvSender
+from sglang_pdd.kv_channel.wan_sender import WanKvSender  # the contract's implementation, built in _new_sender only
 from sglang_pdd.protocol import MAX_MD_TP, LegParams, check_md_tp
 from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
 
@@ -111,8 +111,8 @@ class RankShare:
     spec: RankShareSpec
     peer: tuple[str, int]
     plan: TransferPlan
-    sender: Optional[WanKvSender] = None
-    transfer: Optional[Transfer] = None
+    sender: Optional[KvSender] = None
+    transfer: Optional[KvTransfer] = None
     groups_copied: int = 0  # under WanFanout._lock
 
     @property
@@ -187,7 +187,7 @@ class WanFanout:
         num_streams: int = 4,
         timeout_s: float = 30.0,
         staging_bytes: int = 1 << 30,
-        sender_factory: Optional[Callable[[tuple[str, int]], WanKvSender]] = None,
+        sender_factory: Optional[Callable[[tuple[str, int]], KvSender]] = None,
         allowed_peers: Iterable[tuple[str, int]] = (),
         ssl_context: Optional[ssl.SSLContext] = None,  # --pdd-wan-tls-*: TLS to MD
         max_md_tp: int = MAX_MD_TP,  # --pdd-max-md-tp: MD ranks (WAN ports) one destination may name
@@ -201,7 +201,7 @@ class WanFanout:
         self.num_streams, self.timeout_s = num_streams, timeout_s
         self.staging_bytes = staging_bytes
         self._sender_factory = sender_factory or self._new_sender
-        self._senders: dict[tuple[str, int], WanKvSender] = {}
+        self._senders: dict[tuple[str, int], KvSender] = {}
         self._pool = None
         self._pool_layout: Optional[KvPoolLayout] = None
         self._shares_by_md_tp: dict[int, object] = {}  # md_tp -> [RankShareSpec] or the TpLayoutError
@@ -381,12 +381,12 @@ class WanFanout:
 
     # ------------------------------------------------------------------ internals
 
-    def _new_sender(self, peer: tuple[str, int]) -> WanKvSender:
+    def _new_sender(self, peer: tuple[str, int]) -> KvSender:
         return WanKvSender(peer, self.key, name=self.name, num_streams=self.num_streams,
                            transfer_timeout=self.timeout_s, idle_timeout=min(10.0, self.timeout_s),
                            ssl_context=self.ssl_context)
 
-    def _sender(self, peer: tuple[str, int]) -> WanKvSender:
+    def _sender(self, peer: tuple[str, int]) -> KvSender:
         sender = self._senders.get(peer)
         if sender is None:
             sender = self._senders[peer] = self._sender_factory(peer)

@@ -158,7 +158,7 @@ def test_sender_survives_a_thread_it_cannot_start(monkeypatch):
     """The sender's side of thread exhaustion: that transfer fails (connect_failed), the
     next one works."""
     from sglang_pdd.kv_channel.layout import KvLayout
-    from sglang_pdd.kv_channel.states import FailureReason, RoomState
+    from sglang_pdd.kv_channel.contract import FailureReason, RoomState
     from sglang_pdd.kv_channel.wan_sender import WanKvSender
 
     rx = WanKvReceiver(KEY, name="md")

@@ -13,7 +13,7 @@ from tests.support.waiting import wait_until
 from sglang_pdd.kv_channel.acceptor import (Acceptor, AdmissionLimits, AdmissionPolicy, Slot, parse_networks,
                                             source_of)
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 

@@ -13,7 +13,7 @@ import pytest
 
 from sglang_pdd.kv_channel import wire
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.kv_channel.wire import PREFIX, PREFIX_SIZE, Ack, Chunk, FrameReader, MsgType, send_frame

@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.kv_channel.wire import (

@@ -9,7 +9,7 @@ import pytest
 
 from sglang_pdd.kv_channel.handshake import HandshakeError, client_handshake, server_handshake
 from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.kv_channel.wire import (
     MAGIC,
     PREFIX,

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wire import Chunk, TransferBegin, TransferEnd
 

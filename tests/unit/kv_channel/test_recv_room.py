@@ -3,7 +3,7 @@
 import pytest
 
 from sglang_pdd.kv_channel import recv_room as rr
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.machine import fold
 
 FRESH = rr.RecvState()

@@ -4,7 +4,7 @@ import pytest
 
 from sglang_pdd.machine import fold
 from sglang_pdd.kv_channel import send_room as sr
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 
 CHUNKS, BYTES = 3, 3000
 

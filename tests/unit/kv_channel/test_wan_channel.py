@@ -14,7 +14,7 @@ from tests.support.waiting import wait_until
 
 from tests.support.kv_raw_stream import RawStream
 from sglang_pdd.kv_channel.layout import KvLayout, TransferPlan
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.launcher.wan_emulator import WanEmulator
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender

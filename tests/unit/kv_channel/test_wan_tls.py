@@ -14,7 +14,7 @@ from tests.support.waiting import wait_until
 
 from sglang_pdd.config import PddConfig, PddConfigError, validate
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.kv_channel.tls import TlsConfigError, wan_tls_context
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender

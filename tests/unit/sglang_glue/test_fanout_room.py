@@ -6,7 +6,7 @@ import pytest
 from sglang_pdd.machine import fold
 from sglang_pdd.sglang_glue.p import fanout_room as fr
 from sglang_pdd.sglang_glue.p.fanout_room import CopyHold, DropReason, FanoutPhase
-from sglang_pdd.kv_channel.states import FailureReason
+from sglang_pdd.kv_channel.contract import FailureReason
 
 QUEUE, ABORT, ALL_SENT = fr.QueueCopy(), fr.AbortSendRooms(), fr.CountSent()
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.protocol import ReleaseReply, ReleaseRequest
 from sglang_pdd.sglang_glue.md.driver import CommandQueue
 from sglang_pdd.sglang_glue.md.lockstep import RegistrationVote, ReleaseVote, RoomVote, agree

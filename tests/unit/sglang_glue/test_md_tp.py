@@ -51,7 +51,7 @@ def test_room_completes_on_every_rank_only_when_every_rank_has_its_heads(kind, k
             assert _count_md_held_slots(lambda ch, ps, uncached=0: uncached, checker, None) == 4 * PAGE
         pages = c.senders[0].pages_for(len(ids), seed=4)
         c.senders[0].send(1, ids, 0, pages)  # rank 0's heads only
-        from sglang_pdd.kv_channel.states import RoomState
+        from sglang_pdd.kv_channel.contract import RoomState
 
         c.step_until(lambda: md0.receiver.poll(1) is RoomState.SUCCESS)
         for _ in range(20):  # rank 0 has all of its KV; rank 1 nothing yet: not ready anywhere

@@ -15,7 +15,7 @@ from tests.support.waiting import wait_until
 import torch
 
 from sglang_pdd.sglang_glue.p.fanout_room import DropReason, FanoutPhase
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.sglang_glue.kv_pool_view import kv_layout_of

@@ -16,7 +16,7 @@ from tests.support.waiting import wait_until
 import torch
 
 from sglang_pdd.sglang_glue.p.fanout_room import DropReason
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.kv_channel.tp_relayout import TpShard, kv_heads_of_rank
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
