@@ -19,9 +19,6 @@ gap before MD's first token instead, so the budget is capped by the gap SLO
   RLD is busy. Relay capacity is paid for whether used or not, so this buys TTFT with RLD
   work and handoffs.
 
-Callers that know neither RLD's load nor P's queue get the fixed budget
-(`wan_budget_fraction` of the SLO).
-
 - WAN time fits the budget -> P_MD: the user waits for the WAN, nothing is handed over.
 - Does not fit             -> P_RLD_MD: Relay Decode (same DC as P, KV over RDMA) starts
   decoding at once and hides the WAN transfer; MD takes over when its KV has landed.
@@ -80,10 +77,7 @@ class PathPolicyConfig:
     # prefix, and the new tokens before it), as sim/hardware.py's prefill_s_per_token_ctx. 0:
     # a linear estimate, which misses most of a long context's prefill.
     p_prefill_s_per_token_ctx: float = 0.0
-    # Fixed budget, used only when the caller does not pass RLD's load (RequestFacts.
-    # rld_utilisation None): the WAN may use this much of the TTFT SLO.
-    # `max_wan_transfer_ms`, when set, overrides every budget.
-    wan_budget_fraction: float = 0.25
+    # A fixed WAN budget (--max-wan-transfer-ms): when set, it replaces the load-aware one.
     max_wan_transfer_ms: Optional[float] = None
     # Caches hit in whole pages, so a partial page is always uncached. SGLang's default, 1; the
     # router's --page-size and the simulator (its block size) pass theirs.
@@ -112,8 +106,6 @@ class PathPolicyConfig:
             raise ValueError("wan_gbps must be > 0")
         if self.page_size <= 0:
             raise ValueError("page_size must be > 0")
-        if not 0.0 < self.wan_budget_fraction <= 1.0:
-            raise ValueError("wan_budget_fraction must be in (0, 1]")
         if not 0.0 <= self.rld_idle_at < self.rld_busy_at:
             raise ValueError("need 0 <= rld_idle_at < rld_busy_at")
         if not 0.0 <= self.ttft_safety_fraction < 1.0:
@@ -133,13 +125,6 @@ class PathPolicyConfig:
         """P->MD's WAN wait lands between token 1 (through RLD) and MD's first token."""
         return self.first_token_via_rld and self.gap_slo_ms is not None
 
-    @property
-    def fixed_wan_budget_ms(self) -> float:
-        """The fixed budget, for callers that know neither RLD's load nor P's queue."""
-        if self.max_wan_transfer_ms is not None:
-            return self.max_wan_transfer_ms
-        return self.ttft_slo_ms * self.wan_budget_fraction
-
 
 @dataclass(frozen=True)
 class RequestFacts:
@@ -150,10 +135,9 @@ class RequestFacts:
     # Bytes of other transfers that will share the WAN with this one before it completes
     # (under fair sharing: sum over in-flight flows of min(their remaining, ours)).
     wan_competing_bytes: int = 0
-    # Inputs of the load-aware budget. rld_utilisation None = unknown: the fixed budget.
-    # RLD's utilisation = running requests / max running of the RLD this request would
-    # use (> 1 when requests already wait for it).
-    rld_utilisation: Optional[float] = None
+    # Inputs of the load-aware budget. RLD's utilisation = running requests / max running of
+    # the RLD this request would use (> 1 when requests already wait for it; 0: idle).
+    rld_utilisation: float = 0.0
     # P's expected wait before this request's prefill starts, and its own prefill time.
     p_queue_ms: float = 0.0
     p_prefill_ms: float = 0.0
@@ -163,8 +147,7 @@ class RequestFacts:
             raise ValueError("input_tokens must be > 0")
         if self.md_cached_tokens < 0 or self.p_cached_tokens < 0 or self.wan_competing_bytes < 0:
             raise ValueError("cached tokens and competing bytes must be >= 0")
-        if (self.rld_utilisation is not None and self.rld_utilisation < 0) or self.p_queue_ms < 0 \
-                or self.p_prefill_ms < 0:
+        if self.rld_utilisation < 0 or self.p_queue_ms < 0 or self.p_prefill_ms < 0:
             raise ValueError("rld_utilisation, p_queue_ms and p_prefill_ms must be >= 0")
 
 
@@ -245,15 +228,14 @@ def p_md_share(rld_utilisation: float, cfg: PathPolicyConfig) -> float:
 def p_md_wan_budget_ms(facts: RequestFacts, cfg: PathPolicyConfig) -> float:
     """How much WAN time P->MD may make this request's user wait.
 
-    An explicit `max_wan_transfer_ms` wins. Without RLD's load, the fixed fraction of the
-    SLO. Otherwise the TTFT SLO left after a safety share, P's queue and P's prefill, times the
-    share RLD's load sets (`p_md_share`). With the first token through RLD
+    An explicit `max_wan_transfer_ms` wins. Otherwise the TTFT SLO left after a safety share,
+    P's queue and P's prefill, times the share RLD's load sets (`p_md_share`). With the first token through RLD
     (`cfg.budgets_the_gap`) the registration's round trip comes off that slack too (it is in
     TTFT), and the wait, which lands in the gap before MD's first token, is capped by the gap
     SLO less the safety share.
     """
-    if cfg.max_wan_transfer_ms is not None or facts.rld_utilisation is None:
-        return cfg.fixed_wan_budget_ms
+    if cfg.max_wan_transfer_ms is not None:
+        return cfg.max_wan_transfer_ms
     slack = cfg.ttft_slo_ms * (1.0 - cfg.ttft_safety_fraction) - facts.p_queue_ms - facts.p_prefill_ms
     share = p_md_share(facts.rld_utilisation, cfg)
     if cfg.budgets_the_gap:

@@ -79,13 +79,16 @@ def test_transfer_estimate_scales_with_bytes_and_rtt():
     assert estimate_wan_transfer_ms(1000, cfg, competing_bytes=1_000_000) == pytest.approx(22.0)
 
 
-def test_budget_fraction_of_slo():
-    cfg = PathPolicyConfig(ttft_slo_ms=2000, wan_budget_fraction=0.25)
-    assert cfg.fixed_wan_budget_ms == 500
-    assert PathPolicyConfig(max_wan_transfer_ms=123).fixed_wan_budget_ms == 123
+def test_a_fixed_budget_replaces_the_load_aware_one():
+    from sglang_pdd.router.policy import p_md_wan_budget_ms
+    busy, idle = RequestFacts(1000, rld_utilisation=1.0), RequestFacts(1000, rld_utilisation=0.0)
+    fixed = PathPolicyConfig(ttft_slo_ms=2000, max_wan_transfer_ms=123)
+    assert p_md_wan_budget_ms(busy, fixed) == p_md_wan_budget_ms(idle, fixed) == 123
+    aware = PathPolicyConfig(ttft_slo_ms=2000)
+    assert p_md_wan_budget_ms(busy, aware) == pytest.approx(1800) and p_md_wan_budget_ms(idle, aware) == pytest.approx(900)
 
 
-@pytest.mark.parametrize("bad", [dict(wan_gbps=0), dict(page_size=0), dict(wan_budget_fraction=0)])
+@pytest.mark.parametrize("bad", [dict(wan_gbps=0), dict(page_size=0)])
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         PathPolicyConfig(**bad)
@@ -152,10 +155,11 @@ FIT_CFG = dataclasses.replace(LOAD_CFG, mode=PathMode.FIT, p_md_share_idle=0.5)
 
 
 def test_relay_first_idle_rld_keeps_requests_off_the_wan():
-    # A tiny transfer (81 ms) fits the old 500 ms fixed budget, but RLD idles: in relay-first
+    # A tiny transfer (81 ms) would fit a 500 ms budget, but RLD idles: in relay-first
     # mode the user never waits for the WAN while RLD can hide it.
     small = dict(input_tokens=1000, p_prefill_ms=100.0)
-    assert choose_path(RequestFacts(**small), LOAD_CFG).path is Path.P_MD  # caller without load: old rule
+    fixed = dataclasses.replace(LOAD_CFG, max_wan_transfer_ms=500.0)
+    assert choose_path(RequestFacts(**small), fixed).path is Path.P_MD  # --max-wan-transfer-ms: RLD's load aside
     for util in (0.0, 0.3, 0.5):
         d = choose_path(RequestFacts(**small, rld_utilisation=util), LOAD_CFG)
         assert d.path is Path.P_RLD_MD, d.reason
@@ -298,8 +302,8 @@ def test_policy_and_router_cli_share_one_page_size_default():
     assert path.p_prefill_tokens_per_s == PathPolicyConfig().p_prefill_tokens_per_s > 0  # never 0
 
 
-def test_the_fixed_budget_and_the_load_aware_budget_have_distinct_names():
+def test_the_wan_budget_has_one_name_and_one_rule():
     from sglang_pdd.router import policy
     assert not hasattr(PathPolicyConfig, "wan_budget_ms") and not hasattr(policy, "wan_budget_ms")
-    assert PathPolicyConfig(ttft_slo_ms=2000, wan_budget_fraction=0.25).fixed_wan_budget_ms == 500
-    assert policy.p_md_wan_budget_ms(RequestFacts(1000), PathPolicyConfig(ttft_slo_ms=2000)) == 500
+    assert not hasattr(PathPolicyConfig, "fixed_wan_budget_ms")  # one budget: load-aware, or --max-wan-transfer-ms
+    assert policy.p_md_wan_budget_ms(RequestFacts(1000), PathPolicyConfig(ttft_slo_ms=2000)) == pytest.approx(900)
