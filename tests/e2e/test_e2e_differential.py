@@ -298,6 +298,8 @@ def flow_output(cluster, prompt_ids: list[int], sampling: dict, extras: dict, pa
     from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
     from sglang_pdd.router.backends.clients import use_control_key
     from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
+    from sglang_pdd.router.flow.request import FlowRequest
+    from sglang_pdd.router.flow.pick import FlowShared, ServerPick
     from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
     from sglang_pdd.router.policy import Path
 
@@ -309,10 +311,10 @@ def flow_output(cluster, prompt_ids: list[int], sampling: dict, extras: dict, pa
     async def run():
         async with aiohttp.ClientSession() as session:
             cfg = FlowConfig(handoff=HandoffConfig(fixed_mode=HandoffMode.ONE_SHOT), wan_timeout_s=6.0)
-            flow = PddFlow(session, cfg, PrefillBackend(p.url, p.bootstrap_port, control_url=p.control_url),
-                           topo.relay.url, MainBackend(m.url, m.control_url, f"127.0.0.1:{topo.wan.listen_port}"),
-                           prompt_ids, {"max_new_tokens": MAX_NEW, "temperature": 0, **sampling},
-                           force_path=Path(path), extras=extras)
+            pick = ServerPick(PrefillBackend(p.url, p.bootstrap_port, control_url=p.control_url), topo.relay.url,
+                          MainBackend(m.url, m.control_url, f"127.0.0.1:{topo.wan.listen_port}"), force_path=Path(path))
+            req = FlowRequest(prompt_ids, {"max_new_tokens": MAX_NEW, "temperature": 0, **sampling}, extras=extras)
+            flow = PddFlow(req, pick, cfg, FlowShared(session))
             async for new in flow.events():
                 ids.extend(new)
             return ids, flow.output_meta, flow.result

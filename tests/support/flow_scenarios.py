@@ -16,6 +16,8 @@ from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.backends.clients import BackendError, use_control_key
 from sglang_pdd.router.flow.fallback import Reason
 from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
+from sglang_pdd.router.flow.request import FlowRequest
+from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import Path, PathPolicyConfig
 from tests.support.fake_backends import Fakes, Knobs, truth, wait_until
@@ -77,10 +79,10 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             main_backend = MainBackend(fakes.md_url, control_url or fakes.md_url, WAN_PEER)
             prefill = PrefillBackend(fakes.p_url, 8998,
                                      control_url=(p_control_url or fakes.p_control_url) if p_control else None)
-            run.flow = PddFlow(session, cfg or flow_config(), prefill, fakes.rld_url,
-                               main_backend, PROMPT, {"max_new_tokens": max_new, "temperature": 0.0, **(sampling or {})},
-                               rid=rid, rld_inflight=0, force_path=force_path, md_cached_estimate=md_estimate,
-                               extras=extras)
+            req = FlowRequest(PROMPT, {"max_new_tokens": max_new, "temperature": 0.0, **(sampling or {})},
+                              extras=extras, rid=rid)
+            pick = ServerPick(prefill, fakes.rld_url, main_backend, force_path=force_path, md_cached_estimate=md_estimate)
+            run.flow = PddFlow(req, pick, cfg or flow_config(), FlowShared(session))
             try:
                 async for tokens in run.flow.events():
                     run.last_chunk_t = time.monotonic()

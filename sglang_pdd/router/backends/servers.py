@@ -11,9 +11,6 @@ class MainBackend:
     url: str
     control_url: str
     wan_peer: str  # HOST:PORT that P dials for this MD (through the WAN emulator in the demo)
-    # KV bytes per token as MD last reported them at a registration (None before the first):
-    # the WAN estimate of a path chosen before MD answers.
-    kv_bytes_per_token: Optional[int] = None
 
 
 @dataclass

@@ -31,7 +31,8 @@ import json
 import logging
 import secrets
 import time
-from typing import Awaitable, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
 
 import aiohttp
 
@@ -41,6 +42,7 @@ from sglang_pdd.router.backends.clients import (BackendError, MainControl, Prefi
                                         server_at_fault)
 from sglang_pdd.router.flow.bodies import handoff_body, late_destination_params, wan_destination_params, warmup_body
 from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.flow.pick import ServerPick
 from sglang_pdd.router.backends.reply_limits import max_event_bytes
 from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.log_text import client_text
@@ -53,6 +55,28 @@ def new_room() -> int:
     return secrets.randbelow(2**63)
 
 
+@dataclass(frozen=True)
+class FlowIo:
+    """What a flow hands its MD side: the request's values, and the flow's parts that MD's side
+    writes to (its result, its event queue and stream slot, its tasks, its backend rids), with
+    the router's shared WAN count and where MD's KV size goes."""
+
+    session: Any
+    ids: list
+    sampling: dict
+    extras: dict
+    max_new: int
+    internal_rid: str
+    result: Any  # the flow's FlowResult
+    t0: float  # the flow's start: result.marks are seconds from it
+    queue: asyncio.Queue
+    put_stream_event: Callable[[object, object], Awaitable[None]]
+    spawn: Callable[..., None]
+    live_rids: dict
+    wan_in_flight: WanInFlight
+    learn_md_kv_size: Optional[Callable[[str, int], None]] = None
+
+
 class MdSide:
     """MD's side of one flow, built whole by ``PddFlow.__init__`` for a request with an MD.
 
@@ -61,31 +85,29 @@ class MdSide:
     room. ``md_tp``: MD's TP size, from its registration answer. ``p_control``: P's
     WAN-destination API, where P has one (then P may learn MD's room after its leg started).
 
-    ``live_rids``, ``queue``, ``put_stream_event``, ``spawn``, ``result`` and ``wan_in_flight``
-    are the flow's: MD's handoff rid joins the backend rids the flow aborts at the end, the
-    events go to its queue, the tasks to its task set, the statistics to its FlowResult, the
-    planned WAN bytes to the router's count of the link.
+    ``io`` is the flow's side of it (``FlowIo``): the request's values, and where MD's side
+    leaves what happened: MD's handoff rid joins the backend rids the flow aborts at the end
+    (``live_rids``), the events go to its queue, the tasks to its task set, the statistics to
+    its FlowResult, the planned WAN bytes to the router's count of the link, MD's KV size to
+    the router's pools. ``pick`` says which MD and P (flow/pick.py).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, main_url: str, control_url: str, wan_peer: str,
-                 p_control_url: Optional[str], *, ids: list[int], sampling: dict, extras: dict, max_new: int,
-                 use_drc: bool, internal_rid: str, wan_timeout_s: float, stall_timeout_s: float,
-                 first_token_timeout_s: float, result, queue: asyncio.Queue, t0: float = 0.0,
-                 put_stream_event: Callable[[object, object], Awaitable[None]],
-                 spawn: Callable[..., None], live_rids: dict[str, str], wan_in_flight: WanInFlight,
-                 kv_size_learned: Optional[Callable[[int], None]] = None):
-        self.main_url, self.wan_peer = main_url, wan_peer
-        self.control = MainControl(session, control_url)
-        self.p_control = PrefillControl(session, p_control_url) if p_control_url else None
-        self.ids, self.sampling, self.extras, self.max_new = ids, sampling, extras, max_new
-        self.use_drc, self.internal_rid = use_drc, internal_rid
+    def __init__(self, io: FlowIo, pick: ServerPick, *, wan_timeout_s: float, stall_timeout_s: float,
+                 first_token_timeout_s: float):
+        main = pick.main
+        self.main_url, self.wan_peer = main.url, main.wan_peer
+        self.control = MainControl(io.session, main.control_url)
+        p_control_url = pick.prefill.control_url
+        self.p_control = PrefillControl(io.session, p_control_url) if p_control_url else None
+        self.ids, self.sampling, self.extras, self.max_new = io.ids, io.sampling, io.extras, io.max_new
+        self.use_drc, self.internal_rid = pick.use_drc, io.internal_rid
         self.wan_timeout_s = wan_timeout_s
         # After the final handoff (0: as long as TCP waits): no new token this long, no first token this long.
         self.stall_timeout_s, self.first_token_timeout_s = stall_timeout_s, first_token_timeout_s
-        self.result, self.queue, self._put_stream_event = result, queue, put_stream_event
-        self.t0 = t0  # the flow's start: result.marks are seconds from it
-        self._spawn, self.live_rids, self.wan_in_flight = spawn, live_rids, wan_in_flight
-        self._kv_size_learned = kv_size_learned  # MD's KV size from a registration, for the router
+        self.result, self.queue, self._put_stream_event = io.result, io.queue, io.put_stream_event
+        self.t0 = io.t0  # the flow's start: result.marks are seconds from it
+        self._spawn, self.live_rids, self.wan_in_flight = io.spawn, io.live_rids, io.wan_in_flight
+        self._learn_kv_size = io.learn_md_kv_size  # MD's KV size from a registration, for the router
         self.room: Optional[int] = None
         self.md_tp = 1
         self._planned_wan = (0, 0)  # statistics: (bytes to send, bytes MD already has)
@@ -132,8 +154,8 @@ class MdSide:
         self.result.md_cached_tokens = cached
         # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
         self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
-        if per_token and self._kv_size_learned is not None:  # MD knows its KV size exactly
-            self._kv_size_learned(per_token)  # the router's record of MD, for the next flows
+        if per_token and self._learn_kv_size is not None:  # MD knows its KV size exactly
+            self._learn_kv_size(self.main_url, per_token)  # the router's pools, for the next flows' routes
         return cached
 
     def count_wan_transfer(self) -> None:

@@ -69,7 +69,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional
 
 import aiohttp
 
@@ -83,11 +83,11 @@ from sglang_pdd.router.flow.fallback import Fallback, Reason
 from sglang_pdd.router.flow.lifecycle import RecoveryMode
 from sglang_pdd.router.backends.clients import BackendError, abort, generate_once, generate_stream, server_at_fault
 from sglang_pdd.router.flow.bodies import pd_leg_body
-from sglang_pdd.router.flow.md_side import MdSide, new_room
+from sglang_pdd.router.flow.md_side import FlowIo, MdSide, new_room
+from sglang_pdd.router.flow.request import FlowRequest
+from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.backends.reply_limits import max_event_bytes
-from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
-from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -219,8 +219,8 @@ def client_sampling(sampling: dict) -> dict:
 class PddFlow:
     """Runs one request; ``events()`` yields lists of newly emitted token ids.
 
-    ``sampling``: the client's sampling params with ``max_new_tokens`` settled (the whole
-    output budget: router/front/flow_request.py). ``extras``: SGLang's per-request logprob fields
+    ``req.sampling``: the client's sampling params with ``max_new_tokens`` settled (the whole
+    output budget: front/validate.py). ``req.extras``: SGLang's per-request logprob fields
     (``EXTRA_FIELDS``), sent on every leg.
     ``output_meta`` (read it while or after iterating): a dict for building SGLang responses,
 
@@ -237,46 +237,38 @@ class PddFlow:
     - ``finish_reason``: SGLang's dict from the leg that finished the request (incl.
       ``matched``), ``None`` while running; ``prompt_tokens``; ``completion_tokens``.
 
-    ``rid`` is the client's id, kept for the client's response (``result.rid``); backends get
+    ``req.rid`` is the client's id, kept for the client's response (``result.rid``); backends get
     internal ids (``internal_rid`` + leg suffix) only.
 
-    The flow runner (router/front/flow_runner.py) builds a flow whole, and sets nothing on it after:
-    ``request`` (the FlowRequest, for a retry) and ``operator`` (its replies carry
-    meta_info.pdd), ``retry_of`` (the flow it starts over for) with the ``fallbacks`` so far,
-    ``p_cached_estimate`` (P's prefix, as the router's index guesses it), ``p_load`` (the
-    router's count of P's load, released once P replies) and ``md_kv_size_learned(bytes)``
-    (called with MD's KV size from its registration answer: the router keeps it for the next
-    flows' path choice; a flow writes no shared record itself).
+    A flow is opened with four things and nothing is set on it after: ``req`` (the settled
+    request, flow/request.py; kept for a retry), ``pick`` (its servers and what the router knew
+    of them when it picked them, frozen: flow/pick.py, built by front/flow_runner.py's
+    ``FlowRunner.open``), ``cfg`` (the router's flow settings, with the request's operator
+    overrides) and ``shared`` (what every flow of the router shares: the client session, the
+    count of the WAN, where MD's KV size goes when a registration tells it; a flow writes no
+    shared record itself).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, cfg: FlowConfig, prefill: PrefillBackend,
-                 relay_url: str, main: Optional[MainBackend], input_ids: list[int], sampling: dict,
-                 rid: Optional[str] = None, rld_inflight: int = 0, p_queued_tokens: int = 0,
-                 force_path: Optional[Path] = None,
-                 use_drc: bool = True, md_cached_estimate: int = 0, extras: Optional[dict] = None,
-                 wan_in_flight: Optional[WanInFlight] = None, request=None, operator: bool = False,
-                 retry_of: Optional["PddFlow"] = None, fallbacks: Sequence[Fallback] = (), p_cached_estimate: int = 0,
-                 p_load=None, md_kv_size_learned: Optional[Callable[[int], None]] = None):
+    def __init__(self, req: FlowRequest, pick: ServerPick, cfg: FlowConfig, shared: FlowShared):
         self.t0 = time.perf_counter()
-        self.session, self.cfg = session, cfg
-        self.prefill, self.relay_url, self.main = prefill, relay_url, main
-        self.ids = list(input_ids)
-        unknown = set(extras or {}) - set(EXTRA_FIELDS)
+        self.request, self.pick, self.cfg = req, pick, cfg  # the request is kept for a retry
+        self.session = shared.session
+        self.prefill, self.relay_url, self.main = pick.prefill, pick.relay_url, pick.main
+        self.ids = list(req.input_ids)
+        unknown = set(req.extras or {}) - set(EXTRA_FIELDS)
         if unknown:
             raise ValueError(f"unsupported request fields {sorted(unknown)}")
-        self.sampling = client_sampling(sampling)
-        self.max_new = int(self.sampling["max_new_tokens"])  # settled by the caller (front/flow_request.py)
-        self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
+        self.sampling = client_sampling(req.sampling)
+        self.max_new = int(self.sampling["max_new_tokens"])  # settled by the caller (front/validate.py)
+        self.extras = {k: v for k, v in (req.extras or {}).items() if v is not None}
         self.internal_rid = secrets.token_hex(16)
-        self.retry_of = retry_of  # the flow this one starts over for (router's retry)
-        self.request = request  # the FlowRequest it was opened for (front/flow_runner.py), for a retry
-        self.operator = operator  # an operator's request: its replies carry meta_info.pdd
-        self.result = FlowResult(rid=rid or self.internal_rid, prompt_tokens=len(self.ids),
-                                 md_cached_estimate=max(0, int(md_cached_estimate)) if use_drc else 0,
-                                 p_cached_estimate=p_cached_estimate, fallbacks=list(fallbacks),
-                                 prefill_url=prefill.url, main_url=main.url if main is not None else None)
+        self.operator = req.operator  # an operator's request: its replies carry meta_info.pdd
+        self.result = FlowResult(rid=req.rid or self.internal_rid, prompt_tokens=len(self.ids),
+                                 md_cached_estimate=max(0, int(pick.md_cached_estimate)) if pick.use_drc else 0,
+                                 p_cached_estimate=pick.p_cached_estimate, fallbacks=list(pick.fallbacks),
+                                 prefill_url=pick.prefill.url, main_url=pick.main.url if pick.main is not None else None)
         # RLD's load when the request arrived sets the handoff mode; catch-up rounds are the lifecycle's.
-        self.handoff_mode = choose_mode(RldLoad(rld_inflight, cfg.rld_max_running), cfg.handoff)
+        self.handoff_mode = choose_mode(RldLoad(pick.rld_inflight, cfg.rld_max_running), cfg.handoff)
         self.state = lifecycle.RequestState(max_new=self.max_new, recovery=self._recovery_mode(),
                                             catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
         self.stitcher = StreamStitcher()
@@ -290,25 +282,21 @@ class PddFlow:
         self._stream_slots = asyncio.Semaphore(STREAM_EVENTS_QUEUED)
         self.tasks: set[asyncio.Task] = set()
         self._must_finish: set[asyncio.Task] = set()  # aborts / releases: awaited, never cancelled
-        self.rld_inflight = rld_inflight
-        self.p_queued_tokens = p_queued_tokens  # P's prefill tokens in flight before this request
-        self.wan_in_flight = wan_in_flight if wan_in_flight is not None else WanInFlight()
+        self.wan_in_flight = shared.wan_in_flight
         self.live_rids: dict[str, str] = {}  # rid -> server url, aborted at the end
-        self.force_path = force_path
         # MD's control API and P's WAN-destination API (None: a request without an MD)
-        self.md = None if main is None else MdSide(
-            session, main.url, main.control_url, main.wan_peer, prefill.control_url, ids=self.ids,
-            sampling=self.sampling, extras=self.extras, max_new=self.max_new, use_drc=use_drc,
-            internal_rid=self.internal_rid, wan_timeout_s=cfg.wan_timeout_s,
-            stall_timeout_s=cfg.md_stall_timeout_s, first_token_timeout_s=cfg.md_first_token_timeout_s,
-            result=self.result, t0=self.t0, queue=self.queue, put_stream_event=self._put_stream_event, spawn=self._spawn,
-            live_rids=self.live_rids, wan_in_flight=self.wan_in_flight, kv_size_learned=md_kv_size_learned)
+        self.md = None if pick.main is None else MdSide(
+            FlowIo(shared.session, self.ids, self.sampling, self.extras, self.max_new, self.internal_rid, self.result,
+                   self.t0, self.queue, self._put_stream_event, self._spawn, self.live_rids, self.wan_in_flight,
+                   shared.learn_md_kv_size),
+            pick, wan_timeout_s=cfg.wan_timeout_s, stall_timeout_s=cfg.md_stall_timeout_s,
+            first_token_timeout_s=cfg.md_first_token_timeout_s)
         self._out_meta = OutputMeta(self.extras)
         # P's reply to the first leg: the prompt's logprobs come from it (P prefills the prompt; a
         # PD decode server reports none). Asked for, the client's first output waits for it, as
         # SGLang's mini_lb reads P's reply before the decode server's.
         self._prefill_replied = asyncio.Event()
-        self.p_load = p_load  # the router's count of P's load (flow_runner.PrefillLoad): released at P's reply
+        self.p_load = pick.p_load  # the router's count of P's load: released at P's reply
         self._prefill_failure: Optional[str] = None
 
     @property
@@ -500,11 +488,12 @@ class PddFlow:
         # RLD's load and P's queue feed the load-aware WAN budget (an explicit
         # --max-wan-transfer-ms wins); the simulator decides through the same decide_path with
         # the same inputs.
-        decision = decide_path(len(self.ids), md_cached, self.max_new, self.rld_inflight,
-                               self.cfg.rld_max_running, self.cfg.path, self.p_queued_tokens,
+        decision = decide_path(len(self.ids), md_cached, self.max_new, self.pick.rld_inflight,
+                               self.cfg.rld_max_running, self.cfg.path, self.pick.p_queued_tokens,
                                self.p_prefill_tokens, self.wan_in_flight.total)
-        if self.force_path is not None and self.force_path is not decision.path:
-            decision = dataclasses.replace(decision, path=self.force_path, reason=f"forced by request ({decision.reason})")
+        if self.pick.force_path is not None and self.pick.force_path is not decision.path:
+            decision = dataclasses.replace(decision, path=self.pick.force_path,
+                                           reason=f"forced by request ({decision.reason})")
         return decision
 
     def _decide_with_kv_size(self, kv_bytes_per_token: int) -> None:
@@ -519,8 +508,8 @@ class PddFlow:
         TTFT anyway, so the round trip is hidden) and then decides on MD's exact answer, as
         without a control API. P->RLD only (outlier; decided on the prompt length and
         max_new_tokens, not on MD's prefix) registers nothing."""
-        if self.main.kv_bytes_per_token:  # MD's KV size as it last reported it
-            self._decide_with_kv_size(self.main.kv_bytes_per_token)
+        if self.pick.md_kv_bytes_per_token:  # MD's KV size as it last reported it (the pools')
+            self._decide_with_kv_size(self.pick.md_kv_bytes_per_token)
         decision = self._decide(self.result.md_cached_estimate)
         if decision.path is Path.P_MD:
             return lifecycle.PathChosen(await self._register_and_choose_path())

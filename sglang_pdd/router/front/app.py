@@ -2,7 +2,7 @@
 
 I/O only: per request item a ``PddFlow`` (router/flow/pdd_flow.py) runs the legs, opened and accounted
 for by the ``FlowRunner`` (router/front/flow_runner.py) from the item's settled parameters
-(router/front/flow_request.py); path and handoff decisions come from the pure policy modules, the
+(router/flow/request.py); path and handoff decisions come from the pure policy modules, the
 servers from the pools (router/backends/pools.py).
 ``/generate`` and the OpenAI endpoints are served by SGLang's own code on the router's
 ``PddTokenizerManager`` (router/front/serving.py, router/front/openai_front.py); what clients may send is
@@ -35,7 +35,7 @@ from sglang_pdd.router.backends.clients import BackendError, MainControl, error_
 from sglang_pdd.router.backends.reply_limits import MAX_CONTROL_REPLY_BYTES
 from sglang_pdd.router.flow.pdd_flow import FlowConfig
 from sglang_pdd.router.backends.servers import MainBackend
-from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.front.flow_runner import FlowRunner
 from sglang_pdd.router.backends.health import Drain, BackendFailed, BackendSucceeded
 from sglang_pdd.router.front.metrics import CONTENT_TYPE, RouterMetrics
@@ -90,11 +90,12 @@ def upstream_reply(e: UpstreamError) -> web.Response:
     return reply
 
 
-async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBackend], attempts: int = 30,
-                            interval_s: float = 2.0) -> None:
-    """Each MD's KV bytes per token from its stats, asked at start until it answers, so that the
-    first requests' WAN estimates use MD's real size rather than the policy's default (46 KB, a
-    70B-class model: orders of magnitude off for a small one). A registration answer also sets it."""
+async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBackend], pools: Pools,
+                            attempts: int = 30, interval_s: float = 2.0) -> None:
+    """Each MD's KV bytes per token from its stats, into the pools, asked at start until it
+    answers, so that the first requests' WAN estimates use MD's real size rather than the
+    policy's default (46 KB, a 70B-class model: orders of magnitude off for a small one). A
+    registration answer already taken is kept."""
     waiting = list(mains)
     for _ in range(attempts):
         for main in list(waiting):
@@ -102,8 +103,8 @@ async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBack
             if stats is not None:
                 waiting.remove(main)
                 size = stats.get("kv_bytes_per_token")
-                if isinstance(size, int) and size > 0 and not main.kv_bytes_per_token:
-                    main.kv_bytes_per_token = size
+                if isinstance(size, int):
+                    pools.learn_md_kv_size(main.url, size, from_stats=True)
         if not waiting:
             return
         await asyncio.sleep(interval_s)
@@ -178,7 +179,7 @@ class Router:
 
     async def start(self, app):
         self.flows.session = backend_session()
-        self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main))
+        self._md_sizes = asyncio.ensure_future(learn_md_kv_sizes(self.session, self.pools.main, self.pools))
         self._speeds = asyncio.ensure_future(loads.measure_forever(
             self.session, self.pools.prefill, self.pools.main, self.pools.md_flow_step_s, self.measure_prefill))
         self._relay_slots = asyncio.ensure_future(learn_relay_slots(self.session, self.flows.relay_slots,

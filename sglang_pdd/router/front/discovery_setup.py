@@ -103,7 +103,7 @@ def build(args, router) -> Optional[Discovery]:
         if role == "main":
             from sglang_pdd.router.front.app import learn_md_kv_sizes
 
-            asyncio.ensure_future(learn_md_kv_sizes(router.session, [entry]))
+            asyncio.ensure_future(learn_md_kv_sizes(router.session, [entry], pools))
             if router._kv_senders is None:  # the first MD: P hosts announced from now on (backends/kv_senders.py)
                 router._kv_senders = asyncio.ensure_future(
                     kv_senders.announce_forever(router.session, pools.main, pools.prefill))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import time
@@ -24,8 +23,8 @@ from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router.backends.clients import BackendError
 from sglang_pdd.router.flow.fallback import Fallback, Reason
 from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
-from sglang_pdd.router.backends.servers import MainBackend
-from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.flow.pick import FlowShared, ServerPick
+from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.front.metrics import RouterMetrics
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.backends.health import BackendFailed, BackendSucceeded
@@ -107,21 +106,20 @@ class FlowRunner:
             fallbacks += [*retry_of.result.fallbacks, Fallback(Reason.RETRIED_ELSEWHERE, ", ".join(sorted(exclude)))]
         if main is None and self.pools.main and with_main:
             fallbacks.append(Fallback(Reason.MD_UNAVAILABLE, "every MD is failing or draining"))
-        return PddFlow(self.session, cfg, prefill, relay, main, req.input_ids, req.sampling, req.rid,
-                       rld_inflight=self.pools.rld_inflight[relay],
-                       p_queued_tokens=self.pools.p_tokens[prefill.url], wan_in_flight=self.pools.wan,
-                       force_path=force_path,
-                       use_drc=bool((options or {}).get("drc", True)), md_cached_estimate=md_estimate,
-                       extras=req.extras, request=req, operator=req.operator, retry_of=retry_of,
-                       fallbacks=fallbacks, p_cached_estimate=p_estimate,
-                       p_load=PrefillLoad(self.pools, prefill.url, max(1, len(req.input_ids) - p_estimate), req.input_ids),
-                       md_kv_size_learned=functools.partial(_learn_kv_size, main) if main is not None else None)
+        pick = ServerPick(prefill, relay, main, rld_inflight=self.pools.rld_inflight[relay],
+                      p_queued_tokens=self.pools.p_tokens[prefill.url], md_cached_estimate=md_estimate,
+                      p_cached_estimate=p_estimate,
+                      md_kv_bytes_per_token=self.pools.md_kv_bytes_per_token.get(main.url) if main is not None else None,
+                      force_path=force_path, use_drc=bool((options or {}).get("drc", True)),
+                      fallbacks=tuple(fallbacks), retry=retry_of is not None,
+                      p_load=PrefillLoad(self.pools, prefill.url, max(1, len(req.input_ids) - p_estimate), req.input_ids))
+        return PddFlow(req, pick, cfg, FlowShared(self.session, self.pools.wan, self.pools.learn_md_kv_size))
 
     def retry(self, failed: PddFlow) -> Optional[PddFlow]:
         """A request whose P or RLD leg broke before its first token starts over once, on
         other servers (the failed ones' breakers counted the failure): None when it was
         already a retry, failed elsewhere, or nothing else may take it."""
-        if failed.retry_of is not None:
+        if failed.pick.retry:
             return None
         bad = frozenset(key[-1] for key in failed.result.failed_backends if key[0] in ("prefill", "relay", "pair"))
         if not bad:
@@ -186,12 +184,6 @@ class FlowRunner:
             self.metrics.observe_flow(r, e2e, n_tokens, flow.main.url if flow.main is not None else None)
         except ValueError as e:  # metrics must never break serving
             logger.warning("metrics: %s", e)
-
-
-def _learn_kv_size(main: MainBackend, per_token: int) -> None:
-    """MD's KV bytes per token from a registration's answer: the WAN estimate of the next
-    path chosen before MD answers."""
-    main.kv_bytes_per_token = per_token
 
 
 def record_health(pools: Pools, flow: PddFlow, now: float) -> None:

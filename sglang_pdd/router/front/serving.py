@@ -29,7 +29,8 @@ from fastapi import HTTPException
 
 from sglang_pdd.router.front.detokenize import IncrementalDetokenizer
 from sglang_pdd.router.flow.fallback import Fallback
-from sglang_pdd.router.front.flow_request import FlowRequest, settle_max_new_tokens
+from sglang_pdd.router.flow.request import FlowRequest
+from sglang_pdd.router.front.validate import settle_max_new_tokens
 from sglang_pdd.router.front.scope import current_scope
 from sglang_pdd.router.front.validate import (GRAMMAR_FIELDS, ApiError, LogprobLimits, check_custom_params, check_grammar_size,
                                         check_prompt_chars, check_sampling_as_sglang, check_token_ids,
@@ -89,7 +90,7 @@ def build_sglang_state(argv: list[str]):
 class PddTokenizerManager:
     """The TokenizerManager surface SGLang's entry points use, serving requests by PDD flows.
 
-    Each item's parameters are settled here once (``FlowRequest``: router/front/flow_request.py) and
+    Each item's parameters are settled here once (``FlowRequest``: router/flow/request.py) and
     handed to ``flows`` (router/front/flow_runner.py's FlowRunner): ``flows.open(request)`` returns a
     started-on-iteration flow (``PddFlow``), ``flows.run(flow)`` is an async context manager
     that accounts for it (load, metrics), ``flows.retry(flow)`` starts a flow that failed

@@ -375,3 +375,20 @@ def check_sampling_as_sglang(sampling: dict, tokenizer, vocab_size: int) -> None
             raise ApiError(400, f"Failed to compile json grammar: {e}") from None
         except RecursionError:
             raise ApiError(400, "Failed to compile json grammar: nested too deeply") from None
+
+
+# What a request that names no max_new_tokens gets (SGLang's own default).
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def settle_max_new_tokens(sampling: dict, prompt_len: int, *, cap: int, context_len: int) -> int:
+    """The output budget of a request: the client's ``max_new_tokens`` (checked against the
+    router's cap; ApiError(400) otherwise), DEFAULT_MAX_NEW_TOKENS when it names none, and when
+    it is None (SGLang's OpenAI classes leave it None when the client sets no max_tokens) what
+    one server would decode, up to its context length, within the cap."""
+    if "max_new_tokens" not in sampling:
+        return DEFAULT_MAX_NEW_TOKENS
+    asked = sampling["max_new_tokens"]
+    if asked is None:
+        return max(0, min(cap, int(context_len) - prompt_len))
+    return check_token_budget(asked, "max_new_tokens", cap, allow_missing=False)

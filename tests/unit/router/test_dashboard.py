@@ -18,7 +18,7 @@ from sglang_pdd.router.front.app import Router
 from sglang_pdd.router.flow.fallback import Fallback, Reason
 from sglang_pdd.router.flow.pdd_flow import FlowConfig
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
-from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.backends.pools import Pools
 from tests.conftest import REPO_ROOT
 
@@ -92,7 +92,7 @@ def dashboard_queries(dash: dict) -> list[tuple[str, str]]:
 def router_exposition() -> dict[str, tuple[str, str]]:
     """Sample name -> (family, type), from the router's /metrics after a few finished requests."""
     prefill = [PrefillBackend("http://p:30000", 8998)]
-    mains = [MainBackend("http://md:30002", "http://md:31002", "127.0.0.1:1", kv_bytes_per_token=100)]
+    mains = [MainBackend("http://md:30002", "http://md:31002", "127.0.0.1:1")]
     pools = Pools(prefill, ["http://rld:30001"], mains)
     router = Router(pools, FlowConfig(), None, max_prompt_tokens=4096, served_model="m")
     prompt = list(range(1, 65))

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.fake_backends import Fakes, Knobs, fake_logprob, truth, wait_until
 from sglang_pdd.router.flow.pdd_flow import PddFlow, client_sampling, new_room
+from sglang_pdd.router.flow.request import FlowRequest
+from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import Path
 from tests.support.flow_scenarios import (PROMPT, assert_handed_off, assert_invariants, emitted_at_least,
@@ -211,7 +213,8 @@ def test_output_meta_without_logprobs_has_usage_and_finish_only():
 
 def test_unknown_extra_fields_are_refused():
     with pytest.raises(ValueError, match="n"):
-        PddFlow(None, flow_config(), PrefillBackend("http://x", 1), "http://y", None, PROMPT, {}, extras={"n": 2})
+        PddFlow(FlowRequest(PROMPT, {}, extras={"n": 2}), ServerPick(PrefillBackend("http://x", 1), "http://y"),
+                flow_config(), FlowShared(None))
 
 
 # ---------------------------------------------------------------------- what a client must not control
@@ -256,9 +259,10 @@ def test_colliding_client_rids_do_not_abort_each_others_legs():
         session = aiohttp.ClientSession()
         try:
             def make() -> PddFlow:
-                return PddFlow(session, flow_config(), PrefillBackend(fakes.p_url, 8998), fakes.rld_url,
-                               MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1"), PROMPT,
-                               {"max_new_tokens": 40}, rid="dup")
+                return PddFlow(FlowRequest(PROMPT, {"max_new_tokens": 40}, rid="dup"),
+                               ServerPick(PrefillBackend(fakes.p_url, 8998), fakes.rld_url,
+                                     MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")),
+                               flow_config(), FlowShared(session))
             quitter, stayer = make(), make()
 
             async def quit_early():
@@ -297,9 +301,10 @@ def test_path_choice_uses_rlds_load_and_ps_queue_when_no_fixed_wan_budget_is_set
         path = PathPolicyConfig(ttft_slo_ms=2000, wan_gbps=10, wan_rtt_ms=2, max_wan_transfer_ms=None, mode=mode,
                                 p_prefill_tokens_per_s=1000.0)
         cfg = dataclasses.replace(flow_config(), path=path, rld_max_running=4)
-        main = MainBackend("http://md", "http://md-control", "127.0.0.1:1", kv_bytes_per_token=512)
-        flow = PddFlow(None, cfg, PrefillBackend("http://x", 1), "http://y", main, PROMPT, {"max_new_tokens": 8},
-                       rld_inflight=inflight, p_queued_tokens=p_queued)
+        main = MainBackend("http://md", "http://md-control", "127.0.0.1:1")
+        pick = ServerPick(PrefillBackend("http://x", 1), "http://y", main, rld_inflight=inflight, p_queued_tokens=p_queued,
+                      md_kv_bytes_per_token=512)
+        flow = PddFlow(FlowRequest(PROMPT, {"max_new_tokens": 8}), pick, cfg, FlowShared(None))
         return flow._decide(md_cached=len(PROMPT))
 
     assert decide(PathMode.RELAY_FIRST, 0).path is Path.P_RLD_MD

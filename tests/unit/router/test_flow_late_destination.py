@@ -20,7 +20,7 @@ from sglang_pdd.router.front.app import Router
 from sglang_pdd.router.front.cli import _prefill_arg, parse_args
 from sglang_pdd.router.flow.fallback import Reason
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
-from sglang_pdd.router.front.flow_request import FlowRequest
+from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.front.metrics import FLOW_FALLBACK_REASONS
 from sglang_pdd.router.backends.placement import MdMoveCost
 from sglang_pdd.router.policy import PathPolicyConfig

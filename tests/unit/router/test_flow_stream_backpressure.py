@@ -16,6 +16,8 @@ from tests.support.fake_backends import Fakes, Knobs, fake_logprob, truth, wait_
 from sglang_pdd.handoff.stitcher import Source
 from sglang_pdd.router.flow import lifecycle
 from sglang_pdd.router.flow.pdd_flow import PddFlow
+from sglang_pdd.router.flow.request import FlowRequest
+from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.policy import Path
 from tests.support.flow_scenarios import PROMPT, flow_config, p_md_cfg
@@ -38,9 +40,10 @@ async def slow_client(knobs: Knobs, cfg, force_path, stall_when, backend_done) -
     session = aiohttp.ClientSession()
     out, most, stalled = [], 0, False
     try:
-        flow = PddFlow(session, cfg, PrefillBackend(fakes.p_url, 8998), fakes.rld_url,
-                       MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1"), PROMPT,
-                       {"max_new_tokens": MAX_NEW, "temperature": 0.0}, force_path=force_path, extras=LOGPROBS)
+        pick = ServerPick(PrefillBackend(fakes.p_url, 8998), fakes.rld_url,
+                      MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1"), force_path=force_path)
+        flow = PddFlow(FlowRequest(PROMPT, {"max_new_tokens": MAX_NEW, "temperature": 0.0}, extras=LOGPROBS), pick,
+                       cfg, FlowShared(session))
         async for tokens in flow.events():
             out.extend(tokens)
             most = max(most, stream_events_queued(flow))

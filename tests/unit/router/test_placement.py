@@ -77,5 +77,5 @@ def test_pools_weigh_the_owners_measured_step_growth_and_kv_size():
     assert pools.pick(prompt, now=0.0, max_new_tokens=100)[2] is mds[0]
     pools.md_flow_step_s[mds[0].url] = 2e-3  # measured: 1.2 s of longer steps
     assert pools.pick(prompt, now=0.0, max_new_tokens=100)[2] is mds[1]
-    mds[0].kv_bytes_per_token = 2_000_000  # MD's real KV: 2 s to re-send
+    pools.learn_md_kv_size(mds[0].url, 2_000_000)  # MD's real KV: 2 s to re-send
     assert pools.pick(prompt, now=0.0, max_new_tokens=100)[2] is mds[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_pdd.router.front.flow_request import DEFAULT_MAX_NEW_TOKENS, settle_max_new_tokens
+from sglang_pdd.router.front.validate import DEFAULT_MAX_NEW_TOKENS, settle_max_new_tokens
 from sglang_pdd.router.front.validate import (ApiError, check_generate_body, check_openai_body, check_token_budget,
                                         check_token_ids, parse_json_object)
 

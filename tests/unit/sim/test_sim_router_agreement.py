@@ -6,6 +6,10 @@ import dataclasses
 import pytest
 
 from sglang_pdd.router.flow.pdd_flow import FlowConfig, FlowResult, PddFlow
+
+from sglang_pdd.router.flow.pick import ServerPick
+
+from sglang_pdd.router.backends.servers import PrefillBackend
 from sglang_pdd.router.policy import Path, PathMode
 from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.sim.cluster import ScenarioConfig, SimRequest, Simulation
@@ -44,13 +48,11 @@ def router_decision(route_cfg, inp, md_cached, max_new, rld_others, p_queued=0, 
     flow = object.__new__(PddFlow)  # only the attributes _decide reads
     flow.ids = [7] * inp
     flow.max_new = max_new
-    flow.rld_inflight = rld_others
-    flow.p_queued_tokens = p_queued
+    flow.pick = ServerPick(PrefillBackend("http://p", 1), "http://rld", rld_inflight=rld_others, p_queued_tokens=p_queued)
     flow.wan_in_flight = WanInFlight()
     flow.wan_in_flight.sending("other", wan_bytes)
     flow.result = FlowResult(rid="r", p_cached_estimate=0)
     flow.cfg = FlowConfig(path=route_cfg, rld_max_running=rld_max_running)
-    flow.force_path = None
     return flow._decide(md_cached)
 
 
