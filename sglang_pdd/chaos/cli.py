@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--scenarios", "--scenario", default="all", help="comma-separated names, 'all', or 'none'")
     ap.add_argument("--soak-minutes", type=float, default=0.0, help="then a soak mixing every fault for this long")
     ap.add_argument("--rate", type=float, default=LoadSpec.rate_per_s, help="requests per second (Poisson)")
+    ap.add_argument("--burst", type=int, default=0,
+                    help="an overload burst: this many more requests at once, 8 s into each scenario's load")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wan-mbps", type=float, default=2.0, help="the link between the datacenters")
     ap.add_argument("--no-netns", action="store_true", help="the WAN emulator even where namespaces are possible")
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
         return 0
     names = list(SCENARIOS) if args.scenarios == "all" else [] if args.scenarios == "none" else \
         [n for n in args.scenarios.split(",") if n]
-    load = LoadSpec(rate_per_s=args.rate, seed=args.seed)
+    load = LoadSpec(rate_per_s=args.rate, seed=args.seed, burst=args.burst)
     plans: list = [dataclasses.replace(sc, load=load) for sc in map(scenario, names)]
     if args.soak_minutes > 0:
         plans.append(Soak(args.soak_minutes * 60, args.seed, load))

@@ -72,10 +72,16 @@ class LoadSpec:
     long_prompt_tokens: int = 320
     long_max_new: int = 4
     vocab: tuple[int, int] = (3, 1000)  # token ids drawn from [low, high): no BOS/EOS/PAD
+    # An overload burst: this many more requests all sent at ``burst_at_s`` into the load, beside
+    # the Poisson ones (more than the router's shedding cap: the excess must get 503 at once).
+    burst: int = 0
+    burst_at_s: float = 8.0
 
     def __post_init__(self):
         if self.rate_per_s <= 0 or self.prompts < 1 or not self.max_new_choices:
             raise ValueError("the load needs rate_per_s > 0, prompts >= 1 and a max_new choice")
+        if self.burst < 0 or self.burst_at_s < 0:
+            raise ValueError("burst and burst_at_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -113,11 +119,16 @@ def prompt_pool(load: LoadSpec) -> list[Prompt]:
 
 
 def arrivals(load: LoadSpec, pool: list[Prompt]) -> Iterator[tuple[float, Prompt]]:
-    """(seconds after the load started, request) forever: Poisson arrivals, prompts uniform."""
+    """(seconds after the load started, request) forever, in time order: Poisson arrivals,
+    prompts uniform, and ``load.burst`` more at once at ``load.burst_at_s``."""
     rng = random.Random(load.seed * 104729 + 2)
-    t = 0.0
+    burst_rng = random.Random(load.seed * 104729 + 3)  # the Poisson stream is the same with or without it
+    t, burst_left = 0.0, load.burst
     while True:
         t += rng.expovariate(load.rate_per_s)
+        while burst_left and load.burst_at_s <= t:
+            burst_left -= 1
+            yield load.burst_at_s, pool[burst_rng.randrange(len(pool))]
         yield t, pool[rng.randrange(len(pool))]
 
 

@@ -82,6 +82,23 @@ def test_arrivals_are_open_loop_poisson_at_the_rate_and_repeatable():
     assert keys == {p.key for p in pool}  # every request of the pool comes, again and again
 
 
+def test_a_burst_adds_its_requests_at_once_and_leaves_the_poisson_stream_as_it_was():
+    plain, burst = LoadSpec(rate_per_s=2.0, seed=1), LoadSpec(rate_per_s=2.0, seed=1, burst=48, burst_at_s=8.0)
+    pool = prompt_pool(plain)
+    base = [(t, p) for t, p in itertools.islice(arrivals(plain, pool), 200)]
+    both = list(itertools.islice(arrivals(burst, pool), 248))
+    times = [t for t, _ in both]
+    assert times == sorted(times)  # the load sends them in order of time
+    at_once = [p for t, p in both if t == 8.0]
+    assert len(at_once) == 48 and len({p.key for p in at_once}) > 1
+    assert [(t, p) for t, p in both if t != 8.0] == base  # the Poisson arrivals unchanged
+
+
+def test_a_negative_burst_is_refused():
+    with pytest.raises(ValueError, match="burst"):
+        LoadSpec(burst=-1)
+
+
 def test_the_soak_brings_every_kind_once_per_round_within_its_ranges():
     faults = list(itertools.islice(soak_faults(seed=5), len(ALL_KINDS) * 4))
     for r in range(4):
