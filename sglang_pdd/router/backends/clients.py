@@ -7,7 +7,7 @@ import json
 import logging
 import ssl
 import weakref
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -18,6 +18,7 @@ from sglang_pdd.protocol import routes as api
 from sglang_pdd.protocol import (ControlError, HandoffRequest, InfoReply, ReadyReply, RegisterReply,
                                  RegisterRequest, WanDestinationRequest, check_md_tp)
 from sglang_pdd.router.backends.reply_limits import MAX_CONTROL_REPLY_BYTES, MAX_ERROR_BODY_BYTES, max_event_bytes
+from sglang_pdd.router.backends.stall import BackendProgress, RelayStallBounds, wait_left
 from sglang_pdd.router.backends.stream_decode import CumulativeDecoder, MalformedEvent, parse_whole
 
 logger = logging.getLogger(__name__)
@@ -309,6 +310,63 @@ async def until_stalled(events: AsyncIterator[dict], stall_s: Optional[float], w
                 produced = grown or produced
             else:
                 waited, produced, first = 0.0, grown, False
+            yield event
+    finally:
+        await source.aclose()  # its stream closed with this one, not whenever the GC gets to it
+
+
+async def until_relay_stalled(events: AsyncIterator[dict], bounds: RelayStallBounds, progress: BackendProgress,
+                              rld_url: str, p_url: str, p_replied: Callable[[], bool],
+                              what: str) -> AsyncIterator[dict]:
+    """A relay leg's ``events`` as they come, or StreamStalled once router/backends/stall.py's rule says
+    the leg is stalled (no new token within its bound while RLD, and P while it owes the leg its
+    reply, made no progress the router saw). Each new token is RLD's progress (``progress``);
+    ``p_replied()``: P replied to this leg. The read in flight is cancelled only when the leg is
+    stalled: a check that finds the servers progressing sets the next one."""
+    loop = asyncio.get_running_loop()
+    waited, produced = 0.0, 0
+    source = events.__aiter__()
+    try:
+        while True:
+            started, stalled, check_at = loop.time(), False, None
+
+            def check() -> None:
+                nonlocal stalled, check_at
+                now = loop.time()
+                first = produced == 0
+                p_idle = progress.idle_s(p_url, now) if first and not p_replied() else None
+                left = wait_left(bounds, waited + now - started, first, progress.idle_s(rld_url, now), p_idle)
+                if left is None:
+                    check_at = None
+                elif left <= 0:
+                    stalled, check_at = True, None
+                    bound.reschedule(now)  # expires now: the read is cancelled
+                else:
+                    check_at = loop.call_later(left, check)
+
+            try:
+                async with asyncio.timeout(None) as bound:
+                    check()
+                    try:
+                        event = await source.__anext__()
+                    finally:
+                        if check_at is not None:
+                            check_at.cancel()
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                if not stalled:
+                    raise
+                own = bounds.first_s if produced == 0 else bounds.stall_s
+                raise StreamStalled(f"{what}: no {'first' if produced == 0 else 'new'} token within {own:g} s "
+                                    f"while its servers made no progress (--relay-"
+                                    f"{'first-token' if produced == 0 else 'stall'}-timeout-s)") from None
+            grown = new_output(event, produced)
+            if grown is None:
+                waited += loop.time() - started
+            else:
+                waited, produced = 0.0, grown
+                progress.note(rld_url, loop.time())
             yield event
     finally:
         await source.aclose()  # its stream closed with this one, not whenever the GC gets to it

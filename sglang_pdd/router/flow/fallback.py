@@ -20,6 +20,7 @@ class Reason(str, enum.Enum):
     MD_FAILED = "md_failed"  # MD refused the handoff or died while owning the stream
     RECOVERED_ON_RELAY = "recovered_on_relay"  # a new P->RLD leg continues the request
     RETRIED_ELSEWHERE = "retried_elsewhere"  # P or RLD broke before the first token: started over
+    RELAY_STALLED = "relay_stalled"  # RLD made no progress (router/backends/stall.py): MD goes on, or the request ends
 
 
 class Recovery(str, enum.Enum):

@@ -22,11 +22,16 @@ Events (who sends them) and what they do:
                                                       ignored when stale or in MAIN; RLD
                                                       finishing the request ends it
     RelayFailed(leg, message)           RLD or P      FAILED, unless stale or MD owns the stream
+    RelayStalled(leg, message)          RLD's stream  the leg made no progress (router/backends/stall.py):
+                                                      MD takes over where it may (a handoff
+                                                      under way, or MD's KV on its way after
+                                                      the client's first token), else FAILED
     MdReady()                           MD's room     start the handoff (now, or after the
                                                       client's first token)
     MdNotReady(fallback)                MD's room     RLD finishes (a pending destination is
                                                       withdrawn on P); a finished short relay
-                                                      leg recovers on a new relay leg
+                                                      leg recovers on a new relay leg; a
+                                                      stalled one fails the request
     DestinationDelivered()              P's control   P has MD's room: wait for MD's KV (after
                                                       the end: nothing left to withdraw)
     CutReady()                          handoff       the handoff may go on: one more catch-up
@@ -36,7 +41,8 @@ Events (who sends them) and what they do:
     MainTokens(produced, finish)        MD's stream   first token past the cut commits the
                                                       handoff (RLD aborted, room released)
     MainFailed(message)                 MD            HANDING_OFF: RLD's tokens stand; MAIN:
-                                                      recover on a new relay leg
+                                                      recover on a new relay leg; RLD stalled
+                                                      too: RLD's tokens so far, then FAILED
     Timeout()                           the deadline  FAILED
     ClientDisconnected()                the client    CLOSED
     Broken(message)                     the shell     FAILED, even after the end: an illegal
@@ -144,6 +150,14 @@ class RelayFailed:
 
 
 @dataclass(frozen=True)
+class RelayStalled:
+    """The relay leg got no new token within its bound while its servers made no progress
+    (router/backends/stall.py): its stream is closed, its backend request still to be aborted."""
+    leg: int
+    message: str
+
+
+@dataclass(frozen=True)
 class MdReady:
     pass
 
@@ -194,7 +208,7 @@ class Ended:
     """The request ended (a terminal phase) and its shell cleans up."""
 
 
-Event = Union[PathChosen, RelayTokens, RelayFailed, MdReady, MdNotReady, DestinationDelivered, CutReady,
+Event = Union[PathChosen, RelayTokens, RelayFailed, RelayStalled, MdReady, MdNotReady, DestinationDelivered, CutReady,
               MainTokens, MainFailed, Timeout, ClientDisconnected, Broken, Ended]
 
 
@@ -343,6 +357,7 @@ class RequestState:
     catch_up: Optional[HandoffConfig] = None  # catch-up rounds' policy; None: one-shot
     handed: int = 0  # eager tokens MD has extended in catch-up rounds
     catch_up_round: int = 0  # catch-up rounds done
+    relay_stalled: bool = False  # the current relay leg stalled: only MD may go on from here
 
 
 _TERMINAL = (RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED)
@@ -438,6 +453,27 @@ def _relay_failed(s: RequestState, e: RelayFailed) -> Result:
     return _replace(s, phase=RequestPhase.FAILED), [FailRequest(f"relay leg failed: {e.message}")]
 
 
+def _relay_stalled(s: RequestState, e: RelayStalled) -> Result:
+    """RLD stopped progressing. Nothing it produced is lost: the client has every token RLD
+    sent (RELAY), or gets the held-back ones if MD fails too (HANDING_OFF). MD may go on from
+    the client's tokens where a handoff is under way or MD's KV is on its way; without a first
+    token there is nothing to hand off (the router may retry the request elsewhere)."""
+    if e.leg < s.leg:
+        return s, []  # a superseded leg
+    why = f"relay leg {e.leg} stalled: {e.message}"
+    if s.phase is RequestPhase.HANDING_OFF:  # MD's first token (or its deadline) decides
+        return _replace(s, relay_stalled=True), [RecordFallback(Fallback(Reason.RELAY_STALLED, why))]
+    if s.emitted and s.md in (Md.PENDING, Md.READY):
+        return _replace(s, relay_stalled=True), [RecordFallback(Fallback(Reason.RELAY_STALLED, why))]
+    return _replace(s, phase=RequestPhase.FAILED), [FailRequest(why)]
+
+
+def _stalled_and_md_gone(s: RequestState, actions: list) -> Result:
+    """MD cannot go on either: the request ends with the tokens the client has."""
+    return (_replace(s, phase=RequestPhase.FAILED),
+            actions + [FailRequest("the relay leg stalled and MD cannot continue the request")])
+
+
 def _md_ready(s: RequestState, e: MdReady) -> Result:
     s = _replace(s, md=Md.READY)
     if s.emitted or s.relay_idle:
@@ -453,6 +489,8 @@ def _md_not_ready(s: RequestState, e: MdNotReady) -> Result:
         actions.append(WithdrawDestination(s.p_room))
     if s.relay_idle:
         return _recover(s, actions, Recovery.WAN_FAILED_AFTER_RLD)
+    if s.relay_stalled:
+        return _stalled_and_md_gone(s, actions)
     return s, actions
 
 
@@ -502,6 +540,8 @@ def _main_failed_relaying(s: RequestState, e: MainFailed) -> Result:
     s, actions = _md_failed(s, e)
     if s.relay_idle:
         return _recover(s, actions, Recovery.MD_FAILED)
+    if s.relay_stalled:
+        return _stalled_and_md_gone(s, actions)
     return s, actions
 
 
@@ -511,6 +551,8 @@ def _main_failed_handing_off(s: RequestState, e: MainFailed) -> Result:
     s = _replace(s, phase=RequestPhase.RELAY, emitted=s.relay_produced, cut=None)
     if s.relay_idle:
         return _recover(s, actions, Recovery.MD_FAILED)
+    if s.relay_stalled:  # RLD's held-back tokens first (AbandonHandoff), then the end
+        return _stalled_and_md_gone(s, actions)
     return s, actions
 
 
@@ -525,7 +567,7 @@ def _recover(s: RequestState, actions: list, why: Recovery) -> Result:
     leg = StartRelayLeg(leg=s.leg + 1, resume_len=s.emitted, one_token=False, wan=False,
                         mode=s.recovery if s.emitted else RecoveryMode.RESUME)
     s = _replace(s, phase=RequestPhase.RELAY, leg=leg.leg, relay_produced=s.emitted, relay_idle=False, cut=None,
-                 md=Md.FAILED, leg_offset=leg.offset, replay_check=leg.replays)
+                 md=Md.FAILED, leg_offset=leg.offset, replay_check=leg.replays, relay_stalled=False)
     return s, actions + [RecordFallback(Fallback.recovered(why)), AbortLegs(), leg]
 
 
@@ -620,27 +662,33 @@ ROWS = (
     TableRow(_RELAY, RelayTokens, (_RELAY, _DONE), _relay_tokens, _a_started_leg,
         "emit; RLD finishing the request ends it; an idle leg with MD failed recovers"),
     TableRow(_RELAY, RelayFailed, (_RELAY, _FAILED), _relay_failed, _a_started_leg_failed, "a superseded leg: nothing"),
+    TableRow(_RELAY, RelayStalled, (_RELAY, _FAILED), _relay_stalled, _a_started_leg_failed,
+        "MD goes on where a handoff is under way or its KV is coming after the first token"),
     TableRow(_RELAY, MdReady, (_RELAY,), _md_ready, _md_pending, "start the handoff now or after the first token"),
-    TableRow(_RELAY, MdNotReady, (_RELAY,), _md_not_ready, _md_pending,
-        "RLD finishes; withdraw a pending destination; an idle leg recovers"),
+    TableRow(_RELAY, MdNotReady, (_RELAY, _FAILED), _md_not_ready, _md_pending,
+        "RLD finishes; withdraw a pending destination; an idle leg recovers; a stalled one fails"),
     TableRow(_RELAY, DestinationDelivered, (_RELAY,), _destination_delivered, _destination_pending, "watch MD's KV"),
     TableRow(_RELAY, CutReady, (_RELAY, _HANDING_OFF), _cut_ready, _md_ready_no_handoff_yet,
         "a catch-up batch, or the final handoff at the cut"),
     TableRow(_RELAY, MainTokens, (_RELAY,), IGNORE, _handoff_sent, "a late MD event after a failed handoff"),
-    TableRow(_RELAY, MainFailed, (_RELAY,), _main_failed_relaying, _has_md, "RLD finishes; an idle leg recovers"),
+    TableRow(_RELAY, MainFailed, (_RELAY, _FAILED), _main_failed_relaying, _has_md,
+        "RLD finishes; an idle leg recovers; a stalled one fails"),
 
     TableRow(_HANDING_OFF, RelayTokens, (_HANDING_OFF, _DONE), _relay_tokens, _a_started_leg,
         "held back; RLD finishing first keeps its tokens"),
     TableRow(_HANDING_OFF, RelayFailed, (_HANDING_OFF, _FAILED), _relay_failed, _a_started_leg_failed,
         "a superseded leg: nothing"),
+    TableRow(_HANDING_OFF, RelayStalled, (_HANDING_OFF,), _relay_stalled, _a_started_leg_failed,
+        "MD's first token or its deadline decides"),
     TableRow(_HANDING_OFF, DestinationDelivered, (_HANDING_OFF,), _destination_delivered, _destination_pending),
     TableRow(_HANDING_OFF, MainTokens, (_HANDING_OFF, _MAIN, _DONE), _main_tokens, _handoff_sent,
         "the first token past the cut commits the handoff"),
-    TableRow(_HANDING_OFF, MainFailed, (_RELAY,), _main_failed_handing_off, _has_md,
-        "RLD's tokens stand; an idle leg recovers"),
+    TableRow(_HANDING_OFF, MainFailed, (_RELAY, _FAILED), _main_failed_handing_off, _has_md,
+        "RLD's tokens stand; an idle leg recovers; RLD stalled: they end the request"),
 
     TableRow(_MAIN, RelayTokens, (_MAIN,), IGNORE, _a_started_leg, "RLD is being aborted"),
     TableRow(_MAIN, RelayFailed, (_MAIN,), IGNORE, _a_started_leg_failed, "RLD is being aborted"),
+    TableRow(_MAIN, RelayStalled, (_MAIN,), IGNORE, _a_started_leg_failed, "RLD is being aborted"),
     TableRow(_MAIN, DestinationDelivered, (_MAIN,), _destination_delivered, _destination_pending),
     TableRow(_MAIN, MainTokens, (_MAIN, _DONE), _main_tokens, _handoff_sent, "emit MD's tokens"),
     TableRow(_MAIN, MainFailed, (_RELAY,), _main_failed_in_main, _has_md, "recover on a new relay leg"),

@@ -13,6 +13,7 @@ events and who sends them:
                p_room)
     RelayTokens(leg, produced, finish)  _relay_leg: each event of RLD's stream
     RelayFailed(leg, message)           _relay_leg / _prefill_leg: RLD or P failed
+    RelayStalled(leg, message)          _relay_leg: no progress within the leg's bound (router/backends/stall.py)
     MdReady / MdNotReady(fallback)      MdSide.watch_ready (MD's KV landed, or not: WAN_FAILED),
                                         MdSide.register_and_deliver (MD_UNAVAILABLE,
                                         WAN_DESTINATION_FAILED)
@@ -81,13 +82,15 @@ from sglang_pdd.router.flow import lifecycle
 from sglang_pdd.protocol import RESUME_KEY, without_pdd_params
 from sglang_pdd.router.flow.fallback import Fallback, Reason
 from sglang_pdd.router.flow.lifecycle import RecoveryMode
-from sglang_pdd.router.backends.clients import BackendError, abort, generate_once, generate_stream, server_at_fault
+from sglang_pdd.router.backends.clients import (BackendError, StreamStalled, abort, generate_once, generate_stream,
+                                                server_at_fault, until_relay_stalled)
 from sglang_pdd.router.flow.bodies import pd_leg_body
 from sglang_pdd.router.flow.md_side import FlowIo, MdSide, new_room
 from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathPolicyConfig, decide_path
 from sglang_pdd.router.backends.reply_limits import max_event_bytes
+from sglang_pdd.router.backends.stall import RelayStallBounds
 from sglang_pdd.log_text import client_text
 
 logger = logging.getLogger("sglang_pdd.router")
@@ -119,6 +122,12 @@ class FlowConfig:
     # so this bound can be much tighter than the stall timeout's; RLD kept decoding, so giving
     # up costs the client nothing more. 0: only md_stall_timeout_s bounds it.
     md_first_token_timeout_s: float = 3.0
+    # A relay leg (P prefills, RLD decodes) that gets no new token while its servers make no
+    # progress at all (router/backends/stall.py: a stopped RLD or P, not a busy one) ends within these
+    # instead of --request-timeout-s: MD goes on where it can, else the request fails (a retry
+    # elsewhere before the first token). After the leg's first token / before it; 0: no bound.
+    relay_stall_timeout_s: float = RelayStallBounds.stall_s
+    relay_first_token_timeout_s: float = RelayStallBounds.first_s
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
     # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
     recovery: str = "auto"
@@ -297,6 +306,10 @@ class PddFlow:
         # SGLang's mini_lb reads P's reply before the decode server's.
         self._prefill_replied = asyncio.Event()
         self.p_load = pick.p_load  # the router's count of P's load: released at P's reply
+        # when each server last made progress, as the router's flows saw it (the stall guard's)
+        self.progress = shared.progress
+        self._relay_stall = RelayStallBounds(cfg.relay_stall_timeout_s, cfg.relay_first_token_timeout_s)
+        self._p_replied_legs: set[int] = set()
         self._prefill_failure: Optional[str] = None
 
     @property
@@ -588,6 +601,8 @@ class PddFlow:
     async def _prefill_leg(self, leg: int, body: dict) -> None:
         try:
             reply = await generate_once(self.session, self.prefill.url, body, self._event_limit(body))
+            self.progress.note(self.prefill.url, asyncio.get_running_loop().time())
+            self._p_replied_legs.add(leg)
             if leg == 1:
                 meta = reply.get("meta_info", {}) if isinstance(reply, dict) else {}
                 self.result.p_cached_tokens = int(meta.get("cached_tokens") or 0)
@@ -610,7 +625,12 @@ class PddFlow:
         leg = start.leg
         try:
             finished = False
-            async for event in generate_stream(self.session, self.relay_url, body, self._event_limit(body)):
+            events = generate_stream(self.session, self.relay_url, body, self._event_limit(body))
+            if self._relay_stall.stall_s or self._relay_stall.first_s:
+                events = until_relay_stalled(events, self._relay_stall, self.progress, self.relay_url,
+                                             self.prefill.url, lambda: leg in self._p_replied_legs,
+                                             f"RLD {self.relay_url}")
+            async for event in events:
                 finish = event.get("meta_info", {}).get("finish_reason")
                 finished = finish is not None
                 ids = event.get("output_ids", [])
@@ -623,6 +643,12 @@ class PddFlow:
                 await self._put_stream_event(lifecycle.RelayTokens(leg, produced, finish), (leg, event))
             if not finished:
                 raise BackendError("relay stream ended without a finish reason")
+        except StreamStalled as e:
+            if leg in self._p_replied_legs:  # P is done with it: RLD stopped
+                self._blame("relay", self.relay_url, e)
+            else:  # both were silent: either may be the one stopped
+                self.result.failed_backends.append(("pair", self.prefill.url, self.relay_url))
+            await self.queue.put((lifecycle.RelayStalled(leg, str(e)), None))
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._blame("relay", self.relay_url, e)
             await self.queue.put((lifecycle.RelayFailed(leg, str(e)), None))

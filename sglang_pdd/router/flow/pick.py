@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.router.backends.stall import BackendProgress
 from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.router.flow.fallback import Fallback
 from sglang_pdd.router.policy import Path
@@ -45,3 +46,5 @@ class FlowShared:
     # Where MD's KV size goes when a registration answer tells it: (MD url, bytes per token) ->
     # the pools (backends/pools.py), for the next flows' routes.
     learn_md_kv_size: Optional[Callable[[str, int], None]] = None
+    # When each server last made progress, as the router's flows saw it (the relay stall guard's)
+    progress: BackendProgress = field(default_factory=BackendProgress)

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.kv_channel.handshake import KeyFileError, open_private
+from sglang_pdd.router.backends.stall import RelayStallBounds
 from sglang_pdd.router.front.overload import OverloadLimits
 from sglang_pdd.router.front import client_auth
 from sglang_pdd.router.backends import control_tls
@@ -183,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MD's first token after the final handoff not in this long (the client waits for it "
                         "while RLD's tokens are held back; MD has one extend pass to run): MD failed, and the "
                         "request goes on from RLD as for --md-stall-timeout-s (0: only that bounds the wait)")
+    g.add_argument("--relay-stall-timeout-s", type=float, default=FlowConfig.relay_stall_timeout_s,
+                   help="no new token on a relay leg's stream this long after its first, while RLD made no "
+                        "progress on any stream the router reads (a stopped RLD, not a busy one): the leg "
+                        "stalled; MD goes on where a handoff is under way or its KV is coming, else the "
+                        "request ends with what the client has and a clear error (0: no bound)")
+    g.add_argument("--relay-first-token-timeout-s", type=float, default=FlowConfig.relay_first_token_timeout_s,
+                   help="the same for a relay leg's first token (P's queue and prefill, the KV transfer, RLD's "
+                        "queue), while RLD, and P until it replied to the leg, made no progress: the request "
+                        "is retried elsewhere once or fails with 502 (0: no bound)")
     ap.add_argument("--request-timeout-s", type=float, default=600.0,
                     help="a request still running after this fails with a clear error; all its legs are aborted")
     h = ap.add_argument_group("handoff")
@@ -235,7 +245,8 @@ def flow_config(args) -> FlowConfig:
                               fixed_mode=None if args.handoff_mode == "auto" else HandoffMode(args.handoff_mode)),
         wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
         request_timeout_s=args.request_timeout_s, md_stall_timeout_s=args.md_stall_timeout_s,
-        md_first_token_timeout_s=args.md_first_token_timeout_s)
+        md_first_token_timeout_s=args.md_first_token_timeout_s,
+        relay_stall_timeout_s=args.relay_stall_timeout_s, relay_first_token_timeout_s=args.relay_first_token_timeout_s)
 
 
 def sglang_argv(args) -> list[str]:
@@ -317,6 +328,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"sglang_pdd.router: error: --breaker-failures / --breaker-cooldown-s: {e}") from None
     md_move = MdMoveCost(kv_bytes_per_token=args.kv_bytes_per_token, wan_bytes_per_s=args.wan_gbps * 1e9 / 8,
                          flow_step_s=args.md_flow_step_ms / 1e3)
+    try:
+        RelayStallBounds(args.relay_stall_timeout_s, args.relay_first_token_timeout_s)
+    except ValueError as e:
+        raise SystemExit(f"sglang_pdd.router: error: --relay-stall-timeout-s / --relay-first-token-timeout-s: {e}") from None
     try:
         shed = OverloadLimits(per_relay=args.max_inflight_per_relay or None, total=args.max_inflight_total or None)
     except ValueError as e:

@@ -29,6 +29,7 @@ from sglang_pdd.router.front.metrics import RouterMetrics
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.backends.health import BackendFailed, BackendSucceeded
 from sglang_pdd.router.backends.pools import NoBackend, Pools
+from sglang_pdd.router.backends.stall import BackendProgress
 from sglang_pdd.router.front.serving import BackendsUnavailable, UpstreamError
 from sglang_pdd.router.front import overload
 from sglang_pdd.router.front.overload import OverloadLimits
@@ -65,6 +66,7 @@ class FlowRunner:
         self.session: Optional[aiohttp.ClientSession] = None
         self.overload = overload
         self.relay_slots: dict[str, Optional[int]] = {url: None for url in pools.relay}  # from their /v1/loads
+        self.progress = BackendProgress()  # when each server last made progress (the relay stall guard's)
 
     def open(self, req: FlowRequest, exclude: frozenset = frozenset(), with_main: bool = True,
              retry_of: Optional[PddFlow] = None) -> PddFlow:
@@ -113,7 +115,8 @@ class FlowRunner:
                       force_path=force_path, use_drc=bool((options or {}).get("drc", True)),
                       fallbacks=tuple(fallbacks), retry=retry_of is not None,
                       p_load=PrefillLoad(self.pools, prefill.url, max(1, len(req.input_ids) - p_estimate), req.input_ids))
-        return PddFlow(req, pick, cfg, FlowShared(self.session, self.pools.wan, self.pools.learn_md_kv_size))
+        return PddFlow(req, pick, cfg, FlowShared(self.session, self.pools.wan, self.pools.learn_md_kv_size,
+                                                  self.progress))
 
     def retry(self, failed: PddFlow) -> Optional[PddFlow]:
         """A request whose P or RLD leg broke before its first token starts over once, on

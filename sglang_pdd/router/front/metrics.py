@@ -41,6 +41,7 @@ FALLBACK_REASONS: Tuple[str, ...] = (
     "md_failed",  # Main Decode errored or died while owning the request
     "md_rejected",  # Main Decode refused the request or the handoff (full, draining)
     "retried_elsewhere",  # P or RLD broke before the first token; started over on another
+    "relay_stalled",  # RLD made no progress within its deadline; MD went on, or the request ended
 )
 
 # Each fallback reason (router/flow/fallback.py) -> its FALLBACK_REASONS label.
@@ -49,6 +50,7 @@ FLOW_FALLBACK_REASONS: Dict[Reason, str] = {
     Reason.RECOVERED_ON_RELAY: "md_failed",
     Reason.WAN_DESTINATION_FAILED: "wan_failed",  # P refused the late WAN destination
     Reason.RETRIED_ELSEWHERE: "retried_elsewhere",
+    Reason.RELAY_STALLED: "relay_stalled",
 }
 # Backend roles in the per-backend series (the router's pools: RLD and MD).
 BACKEND_ROLES: Tuple[str, ...] = ("prefill", "relay", "main")
@@ -281,7 +283,7 @@ class RouterMetrics:
             if fb.reason is Reason.WAN_FAILED:
                 self.transfer_failed()
             self.fallback("wan_timeout" if fb.timed_out else FLOW_FALLBACK_REASONS[fb.reason])
-            if fb.reason is Reason.RETRIED_ELSEWHERE:
+            if fb.reason in (Reason.RETRIED_ELSEWHERE, Reason.RELAY_STALLED):
                 continue  # P's or RLD's failure, not the MD's
             if main_url is not None and main_url in self._backends.get("main", {}):
                 self.backend_fallback("main", main_url)

@@ -11,7 +11,7 @@ from sglang_pdd.router.flow.lifecycle import (AbortLegs, Broken, ClientDisconnec
                                          DestinationDelivered, Ended, FailRequest, Finish, AbandonHandoff,
                                          CommitHandoff, IllegalRequestEvent, MainFailed, EmitMainOutput, MainTokens, Md,
                                          MdNotReady, MdReady, PathChosen, RequestPhase, RecordFallback, RecoveryMode,
-                                         ReleaseAll, RelayFailed, EmitRelayOutput, RelayTokens, SendCatchUpBatch,
+                                         ReleaseAll, RelayFailed, RelayStalled, EmitRelayOutput, RelayTokens, SendCatchUpBatch,
                                          SendFinalHandoff, StartHandoff, StartMdSide, StartRelayLeg, RequestState, Timeout,
                                          WatchMd, WithdrawDestination, transition)
 from sglang_pdd.router.flow.lifecycle import Event
@@ -21,6 +21,7 @@ MAX_NEW = 20
 WAN_X = Fallback(Reason.WAN_FAILED, "x")
 LENGTH = {"type": "length", "length": MAX_NEW}
 STOP = {"type": "stop", "matched": 2}
+LENGTH_SHORT = {"type": "length", "length": 1}  # P->MD's one-token relay leg
 
 
 def kinds(actions) -> list[str]:
@@ -58,7 +59,8 @@ def test_path_chosen_starts_the_legs(path, late, expect):
     assert state.md is (Md.NONE if path is Path.P_RLD_ONLY else Md.PENDING)
 
 
-@pytest.mark.parametrize("event", [RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady(WAN_X), CutReady(),
+@pytest.mark.parametrize("event", [RelayTokens(1, 1), RelayFailed(1, "x"), RelayStalled(1, "x"), MdReady(),
+                                   MdNotReady(WAN_X), CutReady(),
                                    MainTokens(1), MainFailed("x")])
 def test_nothing_but_the_path_before_the_path(event):
     with pytest.raises(IllegalRequestEvent):
@@ -112,6 +114,68 @@ def test_rld_death_after_md_took_over_is_ignored():
     state = in_main()
     assert transition(state, RelayFailed(1, "aborted")) == (state, [])
     assert transition(state, RelayTokens(1, 9)) == (state, [])  # RLD's late tokens: dropped
+
+
+# ------------------------------------------------------------------------------ a stalled relay leg
+STALL = "RLD: no new token within 30 s"
+
+
+def test_a_stalled_leg_without_md_fails_the_request_with_what_the_client_has():
+    state, actions = fold(transition, started(Path.P_RLD_ONLY), RelayTokens(1, 4), RelayStalled(1, STALL))
+    assert state.phase is RequestPhase.FAILED and state.emitted == 4
+    assert actions[-1] == FailRequest(f"relay leg 1 stalled: {STALL}")
+
+
+def test_a_stalled_leg_before_the_first_token_fails_even_with_md_ready():
+    """Nothing to hand MD (no first token): the request fails (the router may retry it elsewhere)."""
+    state, actions = fold(transition, started(), MdReady(), RelayStalled(1, STALL))
+    assert state.phase is RequestPhase.FAILED and isinstance(actions[-1], FailRequest)
+
+
+def test_a_stalled_leg_with_mds_kv_coming_waits_for_md_to_take_over():
+    state, actions = fold(transition, started(), RelayTokens(1, 3), RelayStalled(1, STALL))
+    assert state.phase is RequestPhase.RELAY and state.relay_stalled
+    assert kinds(actions)[-1] == "RecordFallback" and actions[-1].fallback.reason is Reason.RELAY_STALLED
+    assert not any(isinstance(a, (FailRequest, AbortLegs, StartRelayLeg)) for a in actions)
+    state, actions = fold(transition, state, MdReady(), CutReady())
+    assert state.phase is RequestPhase.HANDING_OFF and SendFinalHandoff(cut=3) in actions
+    state, actions = transition(state, MainTokens(5))
+    assert state.phase is RequestPhase.MAIN and state.emitted == 5  # MD goes on from the client's 3 tokens
+
+
+@pytest.mark.parametrize("md_gone", [MdNotReady(WAN_X), MainFailed("MD refused")])
+def test_a_stalled_leg_fails_once_md_cannot_take_over_either(md_gone):
+    state, _ = fold(transition, started(), RelayTokens(1, 3), RelayStalled(1, STALL))
+    if isinstance(md_gone, MainFailed):
+        state, _ = transition(state, MdReady())
+    state, actions = transition(state, md_gone)
+    assert state.phase is RequestPhase.FAILED and state.emitted == 3
+    assert isinstance(actions[-1], FailRequest) and "stalled" in actions[-1].message
+
+
+def test_a_stalled_leg_while_handing_off_leaves_it_to_md():
+    state, actions = transition(handing_off(cut=5), RelayStalled(1, STALL))
+    assert state.phase is RequestPhase.HANDING_OFF and kinds(actions) == ["RecordFallback"]
+    committed, _ = transition(state, MainTokens(6))
+    assert committed.phase is RequestPhase.MAIN
+
+
+def test_md_failing_after_the_relay_stalled_releases_rlds_held_back_tokens_then_ends():
+    """RLD produced 8 while the handoff at 5 waited for MD: the client gets all 8 (nothing lost),
+    then the end, instead of a wait for a relay leg that will not go on."""
+    state, _ = fold(transition, handing_off(cut=5), RelayTokens(1, 8), RelayStalled(1, STALL))
+    assert state.emitted == 5  # the client has the tokens up to the cut; 6-8 are held back
+    state, actions = transition(state, MainFailed("no first token within 3 s"))
+    assert state.phase is RequestPhase.FAILED and state.emitted == 8
+    assert kinds(actions) == ["RecordFallback", "AbandonHandoff", "FailRequest"]
+
+
+def test_a_stall_of_a_superseded_leg_or_after_md_took_over_changes_nothing():
+    state = in_main()
+    assert transition(state, RelayStalled(1, STALL)) == (state, [])
+    state, _ = fold(transition, started(Path.P_MD), RelayTokens(1, 1, LENGTH_SHORT), MdNotReady(WAN_X))
+    assert state.leg == 2 and not state.relay_stalled
+    assert transition(state, RelayStalled(1, STALL)) == (state, [])
 
 
 # ------------------------------------------------------------------------------ MD ready / handoff
@@ -281,8 +345,8 @@ def test_client_disconnect_from_any_running_phase(make):
 
 
 @pytest.mark.parametrize("terminal", [RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED])
-@pytest.mark.parametrize("event", [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(),
-                                   MdNotReady(WAN_X), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
+@pytest.mark.parametrize("event", [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), RelayStalled(1, "x"),
+                                   MdReady(), MdNotReady(WAN_X), CutReady(), MainTokens(1), MainFailed("x"), Timeout(),
                                    ClientDisconnected(), DestinationDelivered()])
 def test_no_event_after_the_end(terminal, event):
     with pytest.raises(IllegalRequestEvent):
@@ -536,7 +600,9 @@ def test_random_runs_take_every_row_and_land_where_the_row_says():
                 elif pick == 5:
                     event = MainFailed("x") if rng.random() < 0.5 else DestinationDelivered()
                 elif pick == 6:
-                    event = RelayFailed(state.leg - rng.randint(0, 1), "x") if rng.random() < 0.2 else \
+                    roll = rng.random()
+                    event = RelayFailed(state.leg - rng.randint(0, 1), "x") if roll < 0.2 else \
+                        RelayStalled(state.leg - rng.randint(0, 1), "x") if roll < 0.4 else \
                         RelayTokens(max(1, state.leg - 1), 0)
                 elif pick == 7:
                     event = RelayTokens(state.leg, min(MAX_NEW, state.relay_produced + 1), {"type": "length"})
@@ -562,7 +628,7 @@ def test_random_runs_take_every_row_and_land_where_the_row_says():
     assert missed == []
 
 
-_ONE_OF_EACH = [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), MdReady(), MdNotReady(WAN_X),
+_ONE_OF_EACH = [PathChosen(Path.P_MD), RelayTokens(1, 1), RelayFailed(1, "x"), RelayStalled(1, "x"), MdReady(), MdNotReady(WAN_X),
                 DestinationDelivered(), CutReady(), MainTokens(1), MainFailed("x"), Timeout(), ClientDisconnected(),
                 Broken("x"), Ended()]
 

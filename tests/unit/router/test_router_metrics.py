@@ -34,7 +34,8 @@ def value(m, name, **labels):
 def test_label_sets_follow_the_policies():
     assert PATHS == ("p_md", "p_rld_md", "p_rld_only")
     assert HANDOFF_MODES == ("one_shot", "catch_up")
-    assert set(FALLBACK_REASONS) == {"wan_failed", "wan_timeout", "md_failed", "md_rejected", "retried_elsewhere"}
+    assert set(FALLBACK_REASONS) == {"wan_failed", "wan_timeout", "md_failed", "md_rejected", "retried_elsewhere",
+                                     "relay_stalled"}
 
 
 def test_own_registry_so_many_can_coexist():
