@@ -61,7 +61,8 @@ def stalled_flow(cluster, ids: list[int], pause_url: str, pause_after: int):
     """A P->RLD request of LONG tokens; ``pause_url`` paused once the client has ``pause_after``
     tokens (0: before the request starts). Returns (tokens, error, seconds from the pause to the
     end, the flow's result)."""
-    from sglang_pdd.router.flow import FlowConfig, PrefillBackend, PddFlow
+    from sglang_pdd.router.backends.servers import PrefillBackend
+    from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
     from sglang_pdd.router.policy import Path
 
     topo = cluster.topology

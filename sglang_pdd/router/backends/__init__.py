@@ -8,4 +8,6 @@
 * clients.py — the async clients: SGLang /generate streams (decoded by stream_decode.py) and
   MD's and P's signed control APIs (mutual TLS: control_tls.py), each reply read within
   reply_limits.py; kv_senders.py tells each MD which P hosts send it KV.
+* stall.py — when a relay leg counts as stalled (its servers made no progress the router saw),
+  the rule clients.until_relay_stalled applies to RLD's stream.
 """
