@@ -63,6 +63,8 @@ def stalled_flow(cluster, ids: list[int], pause_url: str, pause_after: int):
     end, the flow's result)."""
     from sglang_pdd.router.backends.servers import PrefillBackend
     from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
+    from sglang_pdd.router.flow.pick import FlowShared, ServerPick
+    from sglang_pdd.router.flow.request import FlowRequest
     from sglang_pdd.router.policy import Path
 
     topo = cluster.topology
@@ -75,9 +77,9 @@ def stalled_flow(cluster, ids: list[int], pause_url: str, pause_after: int):
         stack = contextlib.ExitStack()
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as session:
-            flow = PddFlow(session, cfg, PrefillBackend(p.url, p.bootstrap_port), topo.relay.url, None, ids,
-                           {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
-                           force_path=Path.P_RLD_ONLY)
+            pick = ServerPick(PrefillBackend(p.url, p.bootstrap_port), topo.relay.url, None, force_path=Path.P_RLD_ONLY)
+            req = FlowRequest(ids, {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True})
+            flow = PddFlow(req, pick, cfg, FlowShared(session))
             try:
                 if pause_after == 0:
                     await loop.run_in_executor(None, stack.enter_context, paused(pause_url))
