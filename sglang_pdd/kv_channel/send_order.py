@@ -12,7 +12,7 @@ A kept room's bytes must not delay a waited one's, so every waited item goes bef
 one (strict priority). Within a kind, rooms take turns item by item (a chunk each), so the link
 is shared fairly between the rooms of a kind: a small transfer queued behind a large one lands
 after about twice its own bytes, not after the large one (the router's estimate,
-router/wan_in_flight.competing_wan_bytes, counts on that). Within one room, items keep their
+router/backends/wan_in_flight.competing_wan_bytes, counts on that). Within one room, items keep their
 order (its BEGIN before its chunks, its END after them). Urgent items (an ABORT frame) go before
 everything.
 """

@@ -67,6 +67,7 @@ from sglang_pdd.router.backends import placement
 from sglang_pdd.router.backends.placement import InstanceLoad, MdMoveCost, pick_instance, pick_main
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathMode, PathPolicyConfig
 from sglang_pdd.router.backends.prefix_index import PrefixIndex
+from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.sim.workload import BLOCK_TOKENS, TraceRequest
 
 from .cache import BlockCache
@@ -126,9 +127,10 @@ class ScenarioConfig:
     # transfer land in MD's DRC for the session's next turn (router.md step 9), within MD's
     # staging budget; False cancels the rest of it (what-if: nothing more is sent for it).
     keep_finished_kv: bool = True
-    # What-if: such a kept transfer yields the WAN to the transfers a request waits on (strict
-    # priority). False, as the real sender (kv_channel/wan_sender.py: one FIFO per peer).
-    kept_kv_background: bool = False
+    # Such a kept transfer yields the WAN to the transfers a request waits on (strict
+    # priority), as P's sender orders them (kv_channel/send_order.py: the router marks a room
+    # kept on P when it releases it with keep). False: the what-if of one queue for both.
+    kept_kv_background: bool = True
     # P placement, the same for every design. "router": router/backends/placement.py's pick_prefill
     # (prefill tokens in flight, prefix affinity within the held prefix; what the router and
     # the sim both run). What-ifs: "flows" (the router's earlier rule: flows in flight, excess
@@ -219,8 +221,7 @@ class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "wan_planned", "wan_counted",
-                 "kept")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "kept")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -244,8 +245,6 @@ class SimRequest:
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
         self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
-        self.wan_planned = 0  # its bytes in the router's WAN-in-flight count (router/backends/wan_in_flight.py)
-        self.wan_counted = False  # one of the router's transfers in flight (WanInFlight.transfers)
         self.kept = False  # ended on RLD with its transfer still landing on MD (released with keep)
         self.p_tok = 0  # prefill tokens the router counts on its P until the prefill is done
         self.p_load_s = 0.0  # loading P's host-tier hit back to HBM
@@ -311,10 +310,10 @@ class Simulation:
         # pools.py's md_inflight: every request assigned to that MD, arrival to end. Every
         # design places MD (and D) on it, as the router does (md_kv_load: the KV-load what-if).
         self.md_flows = [0] * cfg.n_md
-        # router/backends/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
-        # (MD's uncached suffix at its answer) that have not landed or been dropped.
-        self.wan_routed_bytes = 0
-        self.wan_routed_transfers = 0  # and how many transfers (WanInFlight.transfers)
+        # The router's own count (router/backends/wan_in_flight.py, keyed by request): the KV bytes it
+        # has routed over the WAN (MD's uncached suffix at its answer) that someone waits for
+        # and that have not landed or been dropped (a request's ends with the request).
+        self.wan_waited = WanInFlight()
         # What leaving the MD that holds a prefix weighs (placement.pick_main)
         self.md_move = MdMoveCost(kv_bytes_per_token=cfg.md_hw.kv_bytes_per_token,
                                   wan_bytes_per_s=cfg.wan.bytes_per_s, flow_step_s=cfg.flow_step_s)
@@ -495,10 +494,7 @@ class Simulation:
             r.reg_first = c.kind == "pdd" and self.route_cfg.p_md_registers_first
         if routed:
             if r.path is not Path.P_RLD_ONLY:
-                r.wan_planned = (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token
-                self.wan_routed_bytes += r.wan_planned
-                r.wan_counted = True
-                self.wan_routed_transfers += 1
+                self.wan_waited.sending(r, (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token)
             r.state = lc.RequestState(max_new=tr.output_length)
             self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
         self._registered(now, r)
@@ -586,7 +582,7 @@ class Simulation:
         if self.cfg.md_affinity_excess_flows is not None:  # the fixed-bound what-if
             return pick_instance(loads, owner if matched else None, self.cfg.md_affinity_excess_flows)
         return pick_main(loads, owner if matched else None, matched * BLOCK_TOKENS, output_tokens,
-                         self.wan_routed_transfers, self.md_move)
+                         self.wan_waited.transfers, self.md_move)
 
     # ---- the router's request lifecycle ------------------------------------------------
     def _lifecycle_actions(self) -> dict:
@@ -647,7 +643,7 @@ class Simulation:
         return policy.decide_path(tr.input_length, md_cached,
                                   tr.output_length if self.cfg.expected_output_from_trace else None,
                                   self.rld_flows[r.rld] - 1, self.cfg.rld_max_running, self.route_cfg,
-                                  self.p_tokens[r.p] - r.p_tok, r.p_tok, self.wan_routed_bytes)
+                                  self.p_tokens[r.p] - r.p_tok, r.p_tok, self.wan_waited.sizes())
 
     def _registered(self, now: float, r: SimRequest) -> None:
         tr, c = r.tr, self.cfg
@@ -760,11 +756,7 @@ class Simulation:
 
     def _wan_settled(self, r: SimRequest) -> None:
         """The router's _watch_ready or cleanup: its transfer is off the router's count."""
-        self.wan_routed_bytes -= r.wan_planned
-        r.wan_planned = 0
-        if r.wan_counted:
-            r.wan_counted = False
-            self.wan_routed_transfers -= 1
+        self.wan_waited.settled(r)
 
     def _refuse(self, now: float, r: SimRequest) -> None:
         """MD has no room for a P->RLD->MD request's KV: RLD finishes it, nothing crosses."""

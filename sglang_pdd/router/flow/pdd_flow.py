@@ -490,7 +490,7 @@ class PddFlow:
         # the same inputs.
         decision = decide_path(len(self.ids), md_cached, self.max_new, self.pick.rld_inflight,
                                self.cfg.rld_max_running, self.cfg.path, self.pick.p_queued_tokens,
-                               self.p_prefill_tokens, self.wan_in_flight.total)
+                               self.p_prefill_tokens, self.wan_in_flight.sizes())
         if self.pick.force_path is not None and self.pick.force_path is not decision.path:
             decision = dataclasses.replace(decision, path=self.pick.force_path,
                                            reason=f"forced by request ({decision.reason})")
