@@ -94,7 +94,9 @@ class PathPolicyConfig:
     rld_busy_at: float = 0.9
     # Share of the TTFT SLO kept back for what the estimate misses (MD's queue, jitter).
     ttft_safety_fraction: float = 0.1
-    # router/flow/pdd_flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
+    # P->MD registers on MD before P starts: a WAN round trip in TTFT. The router does so only
+    # with --p-md-registers-first or for a P without a control API (router/flow/pdd_flow.py); otherwise
+    # MD registers beside P's prefill, as for P->RLD->MD.
     p_md_registers_first: bool = True
     # P->MD's first token comes from P through RLD's one-token leg (router/flow/pdd_flow.py): the WAN
     # wait for the KV then falls in the gap between that token and MD's first, so its budget

@@ -27,9 +27,10 @@ tokens), and does what the returned actions say through the kit's Driver, every 
 every request (with MD's DRC when `drc`), no RLD, MD learning of the request as P starts
 (SGLang's PD: no round trip before P).
 
-Message timing follows router/flow/pdd_flow.py: P->MD registers on MD first (a WAN round trip
-before P starts; `PathPolicyConfig.p_md_registers_first`) and its first token comes from
-P through RLD's one-token leg in datacenter A; MD's tokens reach the user one WAN trip
+Message timing follows router/flow/pdd_flow.py: P->MD starts P at once and registers on MD beside it
+(`p_md_late`; with --p-md-registers-first, `PathPolicyConfig.p_md_registers_first`, a WAN
+round trip before P starts) and its first token comes from P through RLD's one-token leg in
+datacenter A; MD's tokens reach the user one WAN trip
 later. Each catch-up round is a one-way trip of token ids to MD, an extend pass that holds
 MD (its running sequences stall), and the answer's trip back. MD's prefix hit (and so the
 bytes shipped) is decided when the transfer starts, and the blocks it relies on are pinned
@@ -147,6 +148,10 @@ class ScenarioConfig:
     # MD's decode step growth per flow in flight, what the router measures (router/backends/loads.py);
     # None: md_hw's at half its batch cap and a 30k-token context (`md_flow_step_s`).
     md_flow_step_s: Optional[float] = None
+    # The router's default: P->MD starts P at once and registers on MD beside it (router/flow.py
+    # with P's control API). False: --p-md-registers-first (a WAN round trip before P starts,
+    # then a second decision on MD's exact prefix). Used where `router` is None.
+    p_md_late: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -205,7 +210,8 @@ class ScenarioConfig:
             p_prefill_tokens_per_s=1.0 / self.prefill_hw.prefill_s_per_token,
             p_prefill_s_per_token_ctx=self.prefill_hw.prefill_s_per_token_ctx,
             first_token_via_rld=self.kind == "pdd" and self.n_rld > 0,
-            gap_slo_ms=1e3 * sla.max_itl_s if sla.max_itl_s else None)
+            gap_slo_ms=1e3 * sla.max_itl_s if sla.max_itl_s else None,
+            p_md_registers_first=not self.p_md_late)
 
     @property
     def flow_step_s(self) -> float:
@@ -496,7 +502,7 @@ class Simulation:
             if r.path is not Path.P_RLD_ONLY:
                 self.wan_waited.sending(r, (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token)
             r.state = lc.RequestState(max_new=tr.output_length)
-            self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
+            self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is not Path.P_RLD_ONLY))
         self._registered(now, r)
 
     def _place_p(self, full) -> int:
@@ -522,15 +528,16 @@ class Simulation:
 
     def choose_path(self, r: SimRequest, full) -> Path:
         """pdd_flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
-        on the router's prefix-index estimate of MD's prefix; P->MD registers on MD first
-        (a WAN round trip before P) and decides again on MD's exact answer, which may turn
-        it into P->RLD->MD (registered before the legs, so no late destination)."""
+        on the router's prefix-index estimate of MD's prefix. With p_md_registers_first P->MD
+        registers on MD first (a WAN round trip before P) and decides again on MD's exact
+        answer, which may turn it into P->RLD->MD (registered before the legs, so no late
+        destination); by default it keeps its path and MD registers beside P."""
         tr = r.tr
         estimate = self.md_index.match_blocks(r.md, full) * BLOCK_TOKENS if self.cfg.drc else 0
         path = self.decide(r, estimate).path
         if path is Path.P_MD:
             r.reg_first = self.route_cfg.p_md_registers_first
-            if r.md_cached != estimate:  # (the same inputs give the same decision)
+            if r.reg_first and r.md_cached != estimate:  # (the same inputs give the same decision)
                 path = self.decide(r, r.md_cached).path
         return path
 

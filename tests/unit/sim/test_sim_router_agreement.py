@@ -309,9 +309,11 @@ def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
     assert sim.loop.pending() == 0
 
 
-def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
-    """flow.py with P's control API: decide on the prefix index's estimate; only P->MD
-    registers first (a round trip before P) and decides again on MD's exact prefix."""
+@pytest.mark.parametrize("late", [True, False], ids=["default", "registers_first"])
+def test_sim_decides_on_the_index_estimate_then_on_mds_answer(late):
+    """flow.py with P's control API: decide on the prefix index's estimate. By default every
+    path keeps it (MD registers beside P); with --p-md-registers-first P->MD registers first (a
+    round trip before P) and decides again on MD's exact prefix."""
     from sglang_pdd.sim.cluster import SimRequest
     full = list(range(117))  # 117 blocks of 512 tokens
     tr = TraceRequest(0.0, 60_000, 300, tuple(full))  # ~1 s of WAN uncached, more than the budget
@@ -323,14 +325,15 @@ def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
         r.p, r.p_tok = 0, 1  # P holds the prompt: its prefill costs no budget
         sim.p_tokens[0] = 1
         return r
-    sim = Simulation(RELAY_FIRST, SLA)
+    sim = Simulation(dataclasses.replace(RELAY_FIRST, p_md_late=late), SLA)
+    assert sim.route_cfg.p_md_registers_first is not late
     r = request(sim, 59_904)  # MD holds it, the index does not know yet
     assert sim.choose_path(r, full) is Path.P_RLD_MD and not r.reg_first
     sim.md_index.record_blocks(0, full)
     r = request(sim, 59_904)
-    assert sim.choose_path(r, full) is Path.P_MD and r.reg_first
-    r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD
-    assert sim.choose_path(r, full) is Path.P_RLD_MD and r.reg_first
+    assert sim.choose_path(r, full) is Path.P_MD and r.reg_first is not late
+    r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD, or P->MD ships it all
+    assert sim.choose_path(r, full) is (Path.P_MD if late else Path.P_RLD_MD) and r.reg_first is not late
 
 
 def test_the_sim_names_every_lifecycle_action_and_one_it_misses_fails_at_build(monkeypatch):
