@@ -148,7 +148,7 @@ class ScenarioConfig:
     # MD's decode step growth per flow in flight, what the router measures (router/backends/loads.py);
     # None: md_hw's at half its batch cap and a 30k-token context (`md_flow_step_s`).
     md_flow_step_s: Optional[float] = None
-    # The router's default: P->MD starts P at once and registers on MD beside it (router/flow.py
+    # The router's default: P->MD starts P at once and registers on MD beside it (router/flow/pdd_flow.py
     # with P's control API). False: --p-md-registers-first (a WAN round trip before P starts,
     # then a second decision on MD's exact prefix). Used where `router` is None.
     p_md_late: bool = True
