@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sglang_pdd.kv_channel.layout import KvLayout
-from sglang_pdd.kv_channel.states import RoomState
+from sglang_pdd.kv_channel.contract import RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 from sglang_pdd.launcher.wan_emulator import WanEmulator
