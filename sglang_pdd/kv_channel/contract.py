@@ -223,6 +223,12 @@ class KvSender(RoomEndpoint):
     def release(self, room: int) -> None:
         """Forget a room, aborting it if unfinished."""
 
+    def keep_only(self, room: int) -> bool:
+        """Nobody waits for ``room``'s KV any more (MD keeps it for its cache): send it behind
+        the rooms someone waits for. True if it was sending that room; a sender without an
+        order of its own ignores it (False)."""
+        return False
+
 
 # Where a receiver writes a chunk that lands: (first layer, layers, first page, pages, bytes[, row=(offset,
 # width)]: a P rank's slice of each token row when P's TP differs from MD's).

@@ -12,10 +12,14 @@ Data path::
 
 * Striping: the writers pull from one shared queue, so chunks spread over all streams
   and a slow stream simply takes fewer chunks.
+* Order (send_order.py): rooms someone waits for go before rooms kept only for MD's cache
+  (``keep_only``: the router released MD's room with keep), and rooms of a kind take turns
+  chunk by chunk, so a small transfer is not queued behind a large one.
 * Pipelining: chunks are queued as soon as the producer has them (e.g. per layer);
   they go on the wire while later layers are still being produced.
 * Backpressure: ``send_chunk`` blocks while ``window_bytes`` of payload are queued but
-  not yet written. Payloads are *not* copied: the caller's buffer must stay unchanged
+  not yet written (a waited room's chunk counts only the waited rooms' bytes, so kept
+  rooms filling the window never hold it back). Payloads are *not* copied: the caller's buffer must stay unchanged
   until the room is SUCCESS or FAILED (same contract as Mooncake's transfer).
 * Success means the receiver verified every chunk (ACK), not that bytes left this host.
 
@@ -31,7 +35,6 @@ kit's Driver over the pure state machine in send_room.py).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
@@ -45,6 +48,7 @@ from sglang_pdd.machine import Driver
 
 from .handshake import HandshakeError, SecureStream, check_key, client_handshake
 from . import send_room
+from .send_order import SendOrder
 from .layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, RowSlice, TransferPlan, token_digest
 from .contract import FailureReason, KvSender, KvTransfer, RoomEntry, RoomState
 from .wire import (
@@ -90,6 +94,7 @@ class _SenderRoom(RoomEntry):
     status: send_room.SendState
     last_progress: float = field(default_factory=time.monotonic)
     queued: set = field(default_factory=set)  # chunk indices handed to us by the producer
+    kept: bool = False  # nobody waits for it (keep_only): it sends behind the waited rooms
     bytes_written: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -129,9 +134,21 @@ class _SenderSession:
         self.dead = False
         self.dead_reason = ""
         self.connected = 0
-        self.queue: collections.deque[_Item] = collections.deque()
-        self.queued_bytes = 0
+        self.order: SendOrder[_Item] = SendOrder()  # queued, not yet taken by a writer
+        self.writing_bytes = 0  # taken by a writer, not yet written
+        self.last_write = time.monotonic()
         self.streams = [_Stream(i) for i in range(sender.num_streams)]
+
+    @property
+    def queued_bytes(self) -> int:
+        """Payload queued or being written: what the window bounds."""
+        return self.order.queued_bytes + self.writing_bytes
+
+    def window_open(self, room: int, nbytes: int, window: int) -> bool:
+        """Whether ``room``'s next ``nbytes`` may be queued: a waited room's chunk counts the
+        waited rooms' bytes only, a kept room's all of them (an oversized chunk may go alone)."""
+        queued = self.writing_bytes + (self.order.queued_bytes if self.order.is_kept(room) else self.order.waited_bytes)
+        return queued == 0 or queued + nbytes <= window
 
 
 class WanKvSender(KvSender):
@@ -260,12 +277,28 @@ class WanKvSender(KvSender):
                 self._fail_room(entry, FailureReason.ABORTED, reason)
 
     def release(self, room: int) -> None:
-        """Forget a room (aborting it if unfinished). Its buffers are no longer referenced
-        once queued chunks are skipped by the writers."""
+        """Forget a room (aborting it if unfinished). Its queued chunks are dropped (an ABORT
+        for the receiver still goes), so its buffers are no longer referenced."""
         with self._cv:
             entry = self._rooms.pop(room, None)
             if entry is not None and not entry.state.is_terminal:
                 self._fail_room(entry, FailureReason.ABORTED, "released by owner")
+            if entry is not None:
+                entry.session.order.forget(room)
+                self._cv.notify_all()
+
+    def keep_only(self, room: int) -> bool:
+        """Nobody waits for ``room``'s KV any more (its request ended on RLD; MD keeps what
+        lands for its cache): its chunks go behind every waited room's from now on. False if
+        the room is unknown here or already ended."""
+        with self._cv:
+            entry = self._rooms.get(room)
+            if entry is None or entry.state.is_terminal:
+                return False
+            entry.kept = True
+            entry.session.order.keep_only(room)
+            self._cv.notify_all()  # a kept chunk's window now counts what it did not
+            return True
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail unfinished rooms (reason ``closed``), close all sockets, join all threads."""
@@ -303,8 +336,7 @@ class WanKvSender(KvSender):
             self._cv.wait_for(
                 lambda: entry.state.is_terminal
                 or session.dead
-                or session.queued_bytes == 0
-                or session.queued_bytes + view.nbytes <= self.window_bytes
+                or session.window_open(entry.room, view.nbytes, self.window_bytes)
             )
             if entry.state.is_terminal:
                 return False
@@ -331,8 +363,7 @@ class WanKvSender(KvSender):
         if session.dead:
             return
         item = _Item(entry, msg, payload)
-        session.queue.append(item)
-        session.queued_bytes += item.nbytes
+        session.order.push(entry.room, item, item.nbytes, urgent=isinstance(msg, Abort))
         entry.last_progress = time.monotonic()
         self._work.notify()
 
@@ -380,8 +411,7 @@ class WanKvSender(KvSender):
         for entry in self._rooms.values():
             if entry.session is s:
                 self._fail_room(entry, reason, detail, tell_peer=False)
-        s.queue.clear()
-        s.queued_bytes = 0
+        s.order.clear()
         for stream in s.streams:
             if stream.sock is not None:
                 try:  # shutdown (not just close) wakes a thread blocked in send/recv
@@ -447,15 +477,15 @@ class WanKvSender(KvSender):
     def _write_stream(self, s: _SenderSession, stream: _Stream, sock: socket.socket) -> None:
         while True:
             with self._cv:
-                self._work.wait_for(lambda: s.dead or (s.up and s.queue))
+                self._work.wait_for(lambda: s.dead or (s.up and s.order))
                 if s.dead:
                     return
-                item = s.queue.popleft()
+                _, item, _ = s.order.pop()
                 entry = item.room
                 if entry.state.is_terminal and not isinstance(item.msg, Abort):
-                    s.queued_bytes -= item.nbytes
                     self._cv.notify_all()
                     continue
+                s.writing_bytes += item.nbytes
                 stream.busy_since = time.monotonic()
             try:
                 # Tagged here, so N writers tag in parallel (OpenSSL's GMAC releases the GIL).
@@ -467,9 +497,9 @@ class WanKvSender(KvSender):
                 return
             with self._cv:
                 stream.busy_since = None
-                s.queued_bytes -= item.nbytes
+                s.writing_bytes -= item.nbytes
                 entry.bytes_written += item.nbytes
-                entry.last_progress = time.monotonic()
+                entry.last_progress = s.last_write = time.monotonic()
                 self._cv.notify_all()
 
     def _read_stream(self, s: _SenderSession, stream: _Stream, reader: FrameReader) -> None:
@@ -512,6 +542,13 @@ class WanKvSender(KvSender):
             else:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from receiver")
 
+    def _progress(self, entry: _SenderRoom) -> float:
+        """When ``entry`` last moved; a kept room waits behind the waited ones by design, so
+        for it any room's write on its session counts (the link is not stalled)."""
+        if entry.kept:
+            return max(entry.last_progress, entry.session.last_write)
+        return entry.last_progress
+
     def _check_rooms(self, now: float) -> None:
         s = self._session
         if s is not None and not s.dead:
@@ -525,7 +562,7 @@ class WanKvSender(KvSender):
                 continue
             if now > entry.deadline:
                 self._fail_room(entry, FailureReason.TIMEOUT, "transfer deadline passed")
-            elif now - entry.last_progress > self.idle_timeout:
+            elif now - self._progress(entry) > self.idle_timeout:
                 self._fail_room(entry, FailureReason.IDLE_TIMEOUT,
                                 f"no progress for {now - entry.last_progress:.1f}s in {entry.state.name}")
 

@@ -331,6 +331,14 @@ class DropReply(Message):
 
 
 @dataclass(frozen=True)
+class KeptReply(Message):
+    """``POST /pdd/wan_destinations/{bootstrap_room}/kept``'s answer: whether this P rank was
+    sending that room (False: it never did, or it has ended)."""
+
+    kept: bool = wire(_bool, default=True)
+
+
+@dataclass(frozen=True)
 class InfoReply(Message):
     """``GET /pdd/info``: this P rank and how many there are (each serves its own API)."""
 

@@ -14,6 +14,7 @@ P (``--pdd-control-listen``, every TP rank at port + rank)::
 
     POST   /pdd/wan_destinations                   WanDestinationRequest -> DestinationReply
     DELETE /pdd/wan_destinations/{bootstrap_room}  -> DropReply
+    POST   /pdd/wan_destinations/{bootstrap_room}/kept  -> KeptReply (nobody waits for its KV now)
     GET    /pdd/info                               -> InfoReply
     GET    /pdd/stats
 """
@@ -77,9 +78,13 @@ STATS = Route("GET", "/pdd/stats")  # MD's and P's
 P_DESTINATION = Route("POST", "/pdd/wan_destinations")
 P_DROP = Route("DELETE", "/pdd/wan_destinations/{bootstrap_room}")
 P_INFO = Route("GET", "/pdd/info")
+# The request ended on RLD and MD keeps what lands (released with keep): P sends the room's KV
+# behind the KV someone waits for (kv_channel/send_order.py). The WAN room is MD's room, which
+# is also the bootstrap room of the request's P leg.
+P_KEPT = Route("POST", "/pdd/wan_destinations/{bootstrap_room}/kept")
 
 MD_ROUTES = (HEALTH, MD_REGISTER, MD_READY, MD_HANDOFF, MD_RELEASE, MD_KV_SENDERS, STATS)
-P_ROUTES = (HEALTH, P_DESTINATION, P_DROP, P_INFO, STATS)
+P_ROUTES = (HEALTH, P_DESTINATION, P_DROP, P_KEPT, P_INFO, STATS)
 
 
 def ready_target(room: int, timeout_s: float) -> str:

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
+
+from sglang_pdd.router.backends.wan_in_flight import competing_wan_bytes
 
 
 # The router's RLD admission (--rld-max-running): the requests in flight one RLD counts as
@@ -92,7 +94,9 @@ class PathPolicyConfig:
     rld_busy_at: float = 0.9
     # Share of the TTFT SLO kept back for what the estimate misses (MD's queue, jitter).
     ttft_safety_fraction: float = 0.1
-    # router/flow/pdd_flow.py registers on MD before starting P on P->MD: a WAN round trip in TTFT.
+    # P->MD registers on MD before P starts: a WAN round trip in TTFT. The router does so only
+    # with --p-md-registers-first or for a P without a control API (router/flow/pdd_flow.py); otherwise
+    # MD registers beside P's prefill, as for P->RLD->MD.
     p_md_registers_first: bool = True
     # P->MD's first token comes from P through RLD's one-token leg (router/flow/pdd_flow.py): the WAN
     # wait for the KV then falls in the gap between that token and MD's first, so its budget
@@ -132,8 +136,8 @@ class RequestFacts:
     md_cached_tokens: int = 0  # prefix already in the chosen MD's decode radix cache (DRC)
     p_cached_tokens: int = 0  # prefix already in P's radix cache (prefill cost, not path)
     expected_output_tokens: Optional[int] = None  # None = unknown (outlier filter stays off)
-    # Bytes of other transfers that will share the WAN with this one before it completes
-    # (under fair sharing: sum over in-flight flows of min(their remaining, ours)).
+    # Bytes of other transfers that cross the WAN before this one has landed
+    # (router/backends/wan_in_flight.competing_wan_bytes: the waited ones, each up to ours).
     wan_competing_bytes: int = 0
     # Inputs of the load-aware budget. RLD's utilisation = running requests / max running of
     # the RLD this request would use (> 1 when requests already wait for it; 0: idle).
@@ -256,35 +260,38 @@ def is_outlier(facts: RequestFacts, cfg: PathPolicyConfig) -> bool:
 def router_facts(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optional[int],
                  rld_running: int, rld_max_running: int, cfg: PathPolicyConfig,
                  p_queued_tokens: int = 0, p_prefill_tokens: int = 0,
-                 wan_in_flight_bytes: int = 0) -> RequestFacts:
+                 wan_waited_sizes: Iterable[int] = ()) -> RequestFacts:
     """The facts the real router has when it chooses a path, and only those: the prompt, MD's
     prefix (the index's estimate, or MD's registration answer), the request's
     max_new_tokens, the chosen RLD's requests in flight against its max running, and the
     chosen P's prefill tokens in flight (its queue as the router counts it) and this
-    request's own (the prompt less what the router expects P to hold), and the KV bytes it
-    has sent over the WAN that have not landed (router/backends/wan_in_flight.py: all of them count as
-    competing, an upper bound under fair sharing). P's queue becomes time at
-    `cfg.p_prefill_tokens_per_s` (linear: the router does not know the queued prompts'
-    contexts), this request's with its attention term over the prompt
+    request's own (the prompt less what the router expects P to hold), and the size of each
+    transfer it has had P send over the WAN that someone waits for and that has not landed
+    (router/backends/wan_in_flight.py): those cross before this one, each up to this one's bytes
+    (``competing_wan_bytes``: P's sender interleaves them and puts kept ones behind). P's
+    queue becomes time at `cfg.p_prefill_tokens_per_s` (linear: the router does not know the
+    queued prompts' contexts), this request's with its attention term over the prompt
     (`prefill_ms`: its prefill tokens after the prefix P is expected to hold). router/flow/pdd_flow.py
     and the simulator both build their facts here, so the simulator cannot decide on what the
     router does not see."""
     util = rld_running / rld_max_running if rld_max_running > 0 else 1.0
+    cached = min(max(0, md_cached_tokens), input_tokens)
+    own_bytes = (input_tokens - (cached - cached % cfg.page_size)) * cfg.kv_bytes_per_token  # uncached_tokens'
     return RequestFacts(input_tokens=input_tokens, md_cached_tokens=md_cached_tokens,
                         expected_output_tokens=max_new_tokens, rld_utilisation=util,
                         p_queue_ms=1e3 * max(0, p_queued_tokens) / cfg.p_prefill_tokens_per_s,
                         p_prefill_ms=prefill_ms(p_prefill_tokens, input_tokens - p_prefill_tokens, cfg),
-                        wan_competing_bytes=max(0, wan_in_flight_bytes))
+                        wan_competing_bytes=competing_wan_bytes(wan_waited_sizes, own_bytes))
 
 
 def decide_path(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optional[int],
                 rld_running: int, rld_max_running: int, cfg: PathPolicyConfig,
                 p_queued_tokens: int = 0, p_prefill_tokens: int = 0,
-                wan_in_flight_bytes: int = 0) -> PathDecision:
+                wan_waited_sizes: Iterable[int] = ()) -> PathDecision:
     """The router's path decision (router/flow/pdd_flow.py and the simulator call this)."""
     return choose_path(router_facts(input_tokens, md_cached_tokens, max_new_tokens, rld_running,
                                     rld_max_running, cfg, p_queued_tokens, p_prefill_tokens,
-                                    wan_in_flight_bytes), cfg)
+                                    wan_waited_sizes), cfg)
 
 
 def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:

@@ -99,6 +99,7 @@ class PddKVManager(MooncakeKVManager):
                     trusted_sources=cfg.control_trusted_sources,
                     names=control_server_names(host, control_names(cfg), cfg.control_tls_cert) or None,
                     stats=self.wan_fanout.stats, tp_rank=self.attn_tp_rank, tp_size=self.attn_tp_size,
+                    keep_only=self.wan_fanout.keep_only,
                     # What a rank sends depends on each destination's MD TP size, so every rank
                     # keeps every destination; one whose heads other ranks send drops it (bind_request).
                     sends_wan=True)

@@ -27,9 +27,10 @@ tokens), and does what the returned actions say through the kit's Driver, every 
 every request (with MD's DRC when `drc`), no RLD, MD learning of the request as P starts
 (SGLang's PD: no round trip before P).
 
-Message timing follows router/flow/pdd_flow.py: P->MD registers on MD first (a WAN round trip
-before P starts; `PathPolicyConfig.p_md_registers_first`) and its first token comes from
-P through RLD's one-token leg in datacenter A; MD's tokens reach the user one WAN trip
+Message timing follows router/flow/pdd_flow.py: P->MD starts P at once and registers on MD beside it
+(`p_md_late`; with --p-md-registers-first, `PathPolicyConfig.p_md_registers_first`, a WAN
+round trip before P starts) and its first token comes from P through RLD's one-token leg in
+datacenter A; MD's tokens reach the user one WAN trip
 later. Each catch-up round is a one-way trip of token ids to MD, an extend pass that holds
 MD (its running sequences stall), and the answer's trip back. MD's prefix hit (and so the
 bytes shipped) is decided when the transfer starts, and the blocks it relies on are pinned
@@ -67,6 +68,7 @@ from sglang_pdd.router.backends import placement
 from sglang_pdd.router.backends.placement import InstanceLoad, MdMoveCost, pick_instance, pick_main
 from sglang_pdd.router.policy import RLD_MAX_RUNNING_DEFAULT, Path, PathDecision, PathMode, PathPolicyConfig
 from sglang_pdd.router.backends.prefix_index import PrefixIndex
+from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.sim.workload import BLOCK_TOKENS, TraceRequest
 
 from .cache import BlockCache
@@ -126,9 +128,10 @@ class ScenarioConfig:
     # transfer land in MD's DRC for the session's next turn (router.md step 9), within MD's
     # staging budget; False cancels the rest of it (what-if: nothing more is sent for it).
     keep_finished_kv: bool = True
-    # What-if: such a kept transfer yields the WAN to the transfers a request waits on (strict
-    # priority). False, as the real sender (kv_channel/wan_sender.py: one FIFO per peer).
-    kept_kv_background: bool = False
+    # Such a kept transfer yields the WAN to the transfers a request waits on (strict
+    # priority), as P's sender orders them (kv_channel/send_order.py: the router marks a room
+    # kept on P when it releases it with keep). False: the what-if of one queue for both.
+    kept_kv_background: bool = True
     # P placement, the same for every design. "router": router/backends/placement.py's pick_prefill
     # (prefill tokens in flight, prefix affinity within the held prefix; what the router and
     # the sim both run). What-ifs: "flows" (the router's earlier rule: flows in flight, excess
@@ -145,6 +148,10 @@ class ScenarioConfig:
     # MD's decode step growth per flow in flight, what the router measures (router/backends/loads.py);
     # None: md_hw's at half its batch cap and a 30k-token context (`md_flow_step_s`).
     md_flow_step_s: Optional[float] = None
+    # The router's default: P->MD starts P at once and registers on MD beside it (router/flow/pdd_flow.py
+    # with P's control API). False: --p-md-registers-first (a WAN round trip before P starts,
+    # then a second decision on MD's exact prefix). Used where `router` is None.
+    p_md_late: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -203,7 +210,8 @@ class ScenarioConfig:
             p_prefill_tokens_per_s=1.0 / self.prefill_hw.prefill_s_per_token,
             p_prefill_s_per_token_ctx=self.prefill_hw.prefill_s_per_token_ctx,
             first_token_via_rld=self.kind == "pdd" and self.n_rld > 0,
-            gap_slo_ms=1e3 * sla.max_itl_s if sla.max_itl_s else None)
+            gap_slo_ms=1e3 * sla.max_itl_s if sla.max_itl_s else None,
+            p_md_registers_first=not self.p_md_late)
 
     @property
     def flow_step_s(self) -> float:
@@ -219,8 +227,7 @@ class SimRequest:
     __slots__ = ("tr", "arrival", "path", "p", "md", "rld", "p_cached", "md_cached", "kv_bytes",
                  "t_first", "t_done", "handed", "round", "mode", "done", "t_prefill_in", "md_pending",
                  "t_switch", "stall", "pinned", "staged", "t_kv_sent", "state", "rld_others", "wan",
-                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "wan_planned", "wan_counted",
-                 "kept")
+                 "reg_first", "max_gap", "p_tok", "p_load_s", "md_load_s", "full", "kept")
 
     def __init__(self, tr: TraceRequest, arrival: float) -> None:
         self.tr = tr
@@ -244,8 +251,6 @@ class SimRequest:
         self.wan = True  # P sends its KV to MD (the lifecycle's StartRelayLeg.wan)
         self.reg_first = False  # registered on MD (a WAN round trip) before P starts
         self.max_gap = 0.0  # longest decode gap so far (the stall is added at the end)
-        self.wan_planned = 0  # its bytes in the router's WAN-in-flight count (router/backends/wan_in_flight.py)
-        self.wan_counted = False  # one of the router's transfers in flight (WanInFlight.transfers)
         self.kept = False  # ended on RLD with its transfer still landing on MD (released with keep)
         self.p_tok = 0  # prefill tokens the router counts on its P until the prefill is done
         self.p_load_s = 0.0  # loading P's host-tier hit back to HBM
@@ -311,10 +316,10 @@ class Simulation:
         # pools.py's md_inflight: every request assigned to that MD, arrival to end. Every
         # design places MD (and D) on it, as the router does (md_kv_load: the KV-load what-if).
         self.md_flows = [0] * cfg.n_md
-        # router/backends/wan_in_flight.py's total: the KV bytes the router has routed over the WAN
-        # (MD's uncached suffix at its answer) that have not landed or been dropped.
-        self.wan_routed_bytes = 0
-        self.wan_routed_transfers = 0  # and how many transfers (WanInFlight.transfers)
+        # The router's own count (router/backends/wan_in_flight.py, keyed by request): the KV bytes it
+        # has routed over the WAN (MD's uncached suffix at its answer) that someone waits for
+        # and that have not landed or been dropped (a request's ends with the request).
+        self.wan_waited = WanInFlight()
         # What leaving the MD that holds a prefix weighs (placement.pick_main)
         self.md_move = MdMoveCost(kv_bytes_per_token=cfg.md_hw.kv_bytes_per_token,
                                   wan_bytes_per_s=cfg.wan.bytes_per_s, flow_step_s=cfg.flow_step_s)
@@ -495,12 +500,9 @@ class Simulation:
             r.reg_first = c.kind == "pdd" and self.route_cfg.p_md_registers_first
         if routed:
             if r.path is not Path.P_RLD_ONLY:
-                r.wan_planned = (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token
-                self.wan_routed_bytes += r.wan_planned
-                r.wan_counted = True
-                self.wan_routed_transfers += 1
+                self.wan_waited.sending(r, (tr.input_length - r.md_cached) * self.route_cfg.kv_bytes_per_token)
             r.state = lc.RequestState(max_new=tr.output_length)
-            self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is Path.P_RLD_MD))
+            self._event(now, r, lc.PathChosen(r.path, late_destination=not r.reg_first and r.path is not Path.P_RLD_ONLY))
         self._registered(now, r)
 
     def _place_p(self, full) -> int:
@@ -526,15 +528,16 @@ class Simulation:
 
     def choose_path(self, r: SimRequest, full) -> Path:
         """pdd_flow.py's _choose_path_on_estimate (P with a control API, as sglang_pdd's P): decide
-        on the router's prefix-index estimate of MD's prefix; P->MD registers on MD first
-        (a WAN round trip before P) and decides again on MD's exact answer, which may turn
-        it into P->RLD->MD (registered before the legs, so no late destination)."""
+        on the router's prefix-index estimate of MD's prefix. With p_md_registers_first P->MD
+        registers on MD first (a WAN round trip before P) and decides again on MD's exact
+        answer, which may turn it into P->RLD->MD (registered before the legs, so no late
+        destination); by default it keeps its path and MD registers beside P."""
         tr = r.tr
         estimate = self.md_index.match_blocks(r.md, full) * BLOCK_TOKENS if self.cfg.drc else 0
         path = self.decide(r, estimate).path
         if path is Path.P_MD:
             r.reg_first = self.route_cfg.p_md_registers_first
-            if r.md_cached != estimate:  # (the same inputs give the same decision)
+            if r.reg_first and r.md_cached != estimate:  # (the same inputs give the same decision)
                 path = self.decide(r, r.md_cached).path
         return path
 
@@ -586,7 +589,7 @@ class Simulation:
         if self.cfg.md_affinity_excess_flows is not None:  # the fixed-bound what-if
             return pick_instance(loads, owner if matched else None, self.cfg.md_affinity_excess_flows)
         return pick_main(loads, owner if matched else None, matched * BLOCK_TOKENS, output_tokens,
-                         self.wan_routed_transfers, self.md_move)
+                         self.wan_waited.transfers, self.md_move)
 
     # ---- the router's request lifecycle ------------------------------------------------
     def _lifecycle_actions(self) -> dict:
@@ -647,7 +650,7 @@ class Simulation:
         return policy.decide_path(tr.input_length, md_cached,
                                   tr.output_length if self.cfg.expected_output_from_trace else None,
                                   self.rld_flows[r.rld] - 1, self.cfg.rld_max_running, self.route_cfg,
-                                  self.p_tokens[r.p] - r.p_tok, r.p_tok, self.wan_routed_bytes)
+                                  self.p_tokens[r.p] - r.p_tok, r.p_tok, self.wan_waited.sizes())
 
     def _registered(self, now: float, r: SimRequest) -> None:
         tr, c = r.tr, self.cfg
@@ -760,11 +763,7 @@ class Simulation:
 
     def _wan_settled(self, r: SimRequest) -> None:
         """The router's _watch_ready or cleanup: its transfer is off the router's count."""
-        self.wan_routed_bytes -= r.wan_planned
-        r.wan_planned = 0
-        if r.wan_counted:
-            r.wan_counted = False
-            self.wan_routed_transfers -= 1
+        self.wan_waited.settled(r)
 
     def _refuse(self, now: float, r: SimRequest) -> None:
         """MD has no room for a P->RLD->MD request's KV: RLD finishes it, nothing crosses."""

@@ -44,7 +44,7 @@ from sglang_pdd.control.auth import (EVENT_SIG, HEADER, REPLY_HEADER, ROLE_MD, R
                                      request_sig_of)
 from sglang_pdd.protocol import messages as protocol_messages
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, KvSendersReply,
+from sglang_pdd.protocol import (RESUME_KEY, ControlError, DestinationReply, DropReply, InfoReply, KeptReply, KvSendersReply,
                                  KvSendersRequest, LegParams, ReadyReply, RegisterReply, ReleaseReply, ReleaseRequest,
                                  RouteTable, WanDestinationRequest, resume_marker)
 
@@ -255,7 +255,7 @@ def _pad(meta: dict, size: int) -> dict:
 @dataclass
 class Record:
     server: str  # p | rld | md
-    # generate | abort | destination | drop | first_token | register | registered | ready |
+    # generate | abort | destination | drop | kept | first_token | register | registered | ready |
     # warmup | handoff | release | health | flush
     kind: str
     body: dict
@@ -415,11 +415,15 @@ class Fakes:
             self.p_control_seen.add(room)
             return web.json_response(DropReply().to_json())
 
+        async def kept(request: web.Request, bootstrap_room: int) -> web.Response:
+            self._record("p", "kept", {"bootstrap_room": bootstrap_room})
+            return web.json_response(KeptReply(bootstrap_room in self.p_control_seen).to_json())
+
         async def info(request: web.Request) -> web.Response:
             return web.json_response(InfoReply(tp_rank=0, tp_size=1, sends_wan=True).to_json())
 
         serve_routes(app, RouteTable({api.P_DESTINATION: set_destination, api.P_DROP: drop_destination,
-                                      api.P_INFO: info}))
+                                      api.P_KEPT: kept, api.P_INFO: info}))
         return app
 
     # ------------------------------------------------------------------ RLD

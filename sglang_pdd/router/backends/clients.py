@@ -578,6 +578,25 @@ class PrefillControl:
             urls = [self.url]
         await asyncio.gather(*(self._drop(url, bootstrap_room) for url in urls))
 
+    async def keep_only_wan(self, bootstrap_room: int) -> None:
+        """Best effort: the request ended on RLD and MD keeps what lands for its cache, so every
+        P rank sends the room's KV behind the KV other requests wait for (P_KEPT)."""
+        try:
+            urls = await self._rank_urls()
+        except (BackendError, aiohttp.ClientError, TimeoutError) as e:
+            logger.info("P control %s: TP size unknown (%r); marking room %s kept on rank 0 only", self.url, e,
+                        bootstrap_room)
+            urls = [self.url]
+        await asyncio.gather(*(self._kept(url, bootstrap_room) for url in urls))
+
+    async def _kept(self, base_url: str, bootstrap_room: int) -> None:
+        url = f"{base_url}{api.P_KEPT.path(bootstrap_room=bootstrap_room)}"
+        try:
+            await _call_json(self.session, "POST", url, f"P kept room {bootstrap_room}", json={}, timeout_s=5,
+                             signer=self.signer, tls=self.tls)
+        except (BackendError, aiohttp.ClientError, TimeoutError) as e:  # only the order of P's sends is at stake
+            logger.info("marking WAN room %s kept on %s failed: %r", bootstrap_room, base_url, e)
+
     async def _drop(self, base_url: str, bootstrap_room: int) -> None:
         url = f"{base_url}{api.P_DROP.path(bootstrap_room=bootstrap_room)}"
         try:

@@ -281,9 +281,12 @@ class MdSide:
     def release(self, keep_kv: bool = False, must_finish: bool = True) -> None:
         """Release MD's room, if MD holds one. ``keep_kv``: the request finished, so KV still
         in flight is kept on MD (the session's next turn hits it). ``must_finish``: the request
-        ends only once the release landed."""
+        ends only once the release landed. With ``keep_kv`` P is told too (where it has a control
+        API): nobody waits for the KV now, so P sends it behind the KV other requests wait for."""
         if self.room is not None:
             self._spawn(self.control.release(self.room, keep_kv=keep_kv), must_finish=must_finish)
+            if keep_kv and self.p_control is not None:
+                self._spawn(self.p_control.keep_only_wan(self.room), must_finish=must_finish)
             self.room = None
 
     # ------------------------------------------------------------------ plumbing

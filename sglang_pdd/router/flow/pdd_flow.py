@@ -104,9 +104,11 @@ CANCELLED_TASKS_GRACE_S = 10.0
 @dataclass
 class FlowConfig:
     # The router's own: its first token always comes through RLD's bridge, judged by the gap
-    # SLO (--gap-slo-ms). PathPolicyConfig's bare defaults are a design without that bridge.
+    # SLO (--gap-slo-ms), and P->MD starts P at once where P has a control API (MD's room is
+    # registered beside it). PathPolicyConfig's bare defaults are a design without either.
     path: PathPolicyConfig = field(default_factory=lambda: PathPolicyConfig(first_token_via_rld=True,
-                                                                            gap_slo_ms=1000.0))
+                                                                            gap_slo_ms=1000.0,
+                                                                            p_md_registers_first=False))
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     wan_timeout_s: float = 30.0
     rld_max_running: int = RLD_MAX_RUNNING_DEFAULT  # the router's --rld-max-running
@@ -503,7 +505,7 @@ class PddFlow:
         # the same inputs.
         decision = decide_path(len(self.ids), md_cached, self.max_new, self.pick.rld_inflight,
                                self.cfg.rld_max_running, self.cfg.path, self.pick.p_queued_tokens,
-                               self.p_prefill_tokens, self.wan_in_flight.total)
+                               self.p_prefill_tokens, self.wan_in_flight.sizes())
         if self.pick.force_path is not None and self.pick.force_path is not decision.path:
             decision = dataclasses.replace(decision, path=self.pick.force_path,
                                            reason=f"forced by request ({decision.reason})")
@@ -517,17 +519,20 @@ class PddFlow:
     async def _choose_path_on_estimate(self) -> lifecycle.PathChosen:
         """P has a control API: decide on the router's estimate of MD's prefix, without a WAN
         round trip. P->RLD->MD starts P and RLD at once and registers on MD concurrently
-        (``MdSide.register_and_deliver``). P->MD still registers first (MD's first token is the
-        TTFT anyway, so the round trip is hidden) and then decides on MD's exact answer, as
-        without a control API. P->RLD only (outlier; decided on the prompt length and
+        (``MdSide.register_and_deliver``); so does P->MD (its first token comes through RLD's
+        one-token leg, and MD's room and P's destination are ready long before P's prefill
+        ends), its path kept whatever MD's exact prefix (a smaller one makes the transfer
+        longer, not a failure). With ``p_md_registers_first`` (--p-md-registers-first) P->MD
+        registers first, a WAN round trip before P starts, and decides again on MD's exact
+        answer, as without a control API. P->RLD only (outlier; decided on the prompt length and
         max_new_tokens, not on MD's prefix) registers nothing."""
         if self.pick.md_kv_bytes_per_token:  # MD's KV size as it last reported it (the pools')
             self._decide_with_kv_size(self.pick.md_kv_bytes_per_token)
         decision = self._decide(self.result.md_cached_estimate)
-        if decision.path is Path.P_MD:
+        if decision.path is Path.P_MD and self.cfg.path.p_md_registers_first:
             return lifecycle.PathChosen(await self._register_and_choose_path())
         self.result.path, self.result.reason = decision.path.value, decision.reason
-        if decision.path is Path.P_RLD_MD:  # MD's room is P's bootstrap room of leg 1
+        if decision.path is not Path.P_RLD_ONLY:  # MD's room is P's bootstrap room of leg 1
             return lifecycle.PathChosen(decision.path, late_destination=True, p_room=self.md.open_late_room())
         return lifecycle.PathChosen(decision.path)
 

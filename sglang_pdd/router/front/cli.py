@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "in flight on P) against the TTFT budget; unset: measured from each P's /v1/loads "
                         f"(SGLang's prefill counters), {PathPolicyConfig.p_prefill_tokens_per_s:g} until P has "
                         "prefilled enough to say")
+    g.add_argument("--p-md-registers-first", action="store_true",
+                   help="P->MD registers the request on MD (a WAN round trip) before P starts and decides again "
+                        "on MD's exact prefix; default: P starts at once and MD registers beside it, as for "
+                        "P->RLD->MD (a P without a control API always registers first)")
     g.add_argument("--p-prefill-s-per-token-ctx", type=float, default=PathPolicyConfig.p_prefill_s_per_token_ctx,
                    help="P's attention term: seconds per new token per context token (the simulator's "
                         "prefill_s_per_token_ctx for the model and chip); 0: a linear prefill estimate")
@@ -237,6 +241,7 @@ def flow_config(args) -> FlowConfig:
                               p_prefill_tokens_per_s=args.p_prefill_tokens_per_s or PathPolicyConfig.p_prefill_tokens_per_s,
                               p_prefill_s_per_token_ctx=args.p_prefill_s_per_token_ctx,
                               first_token_via_rld=True, gap_slo_ms=args.gap_slo_ms or None,
+                              p_md_registers_first=args.p_md_registers_first,
                               max_wan_transfer_ms=args.max_wan_transfer_ms, page_size=args.page_size,
                               enable_outlier_filter=not args.disable_outlier_filter,
                               outlier_min_input_tokens=args.outlier_min_input_tokens,

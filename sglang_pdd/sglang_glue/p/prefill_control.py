@@ -7,6 +7,8 @@ size, default 1; MD rank r's WAN receiver is ``wan_peer``'s port + r):
 
     POST   /pdd/wan_destinations                {bootstrap_room, md_room, wan_peer, md_prefix_len[, md_tp]}
     DELETE /pdd/wan_destinations/{bootstrap_room}   (no MD after all; withdraws one not yet claimed)
+    POST   /pdd/wan_destinations/{bootstrap_room}/kept   (the request ended on RLD: its KV goes
+                                                    behind the KV someone waits for)
     GET    /pdd/stats
     GET    /pdd/info                            {tp_rank, tp_size, sends_wan}
 
@@ -38,8 +40,8 @@ from sglang_pdd.control.api import ControlApi, ControlServer
 from sglang_pdd.control.auth import ControlVerifier
 from sglang_pdd.control.gate import JsonRequestHandler
 from sglang_pdd.protocol import routes as api
-from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, HealthReply, InfoReply, RouteTable,
-                                 WanDestinationRequest, bad_request)
+from sglang_pdd.protocol import (MAX_MD_TP, ControlError, DestinationReply, DropReply, HealthReply, InfoReply, KeptReply,
+                                 RouteTable, WanDestinationRequest, bad_request)
 from sglang_pdd.sglang_glue.injected_delays import P_DESTINATION_DELAY_ENV, InjectedDelay
 from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 
@@ -162,19 +164,23 @@ class PrefillControlApi(ControlApi):
     """P's routes (protocol.routes.P_ROUTES) in front of a DestinationBoard. Every route but
     /health needs the router's signature (``auth``); a destination whose ``wan_peer`` is not
     one P was configured with (``peer_allowed``) is refused with 403. ``sends_wan`` False: the
-    destinations are checked and acknowledged but not stored (no sender here would claim them)."""
+    destinations are checked and acknowledged but not stored (no sender here would claim them).
+    ``keep_only``: the WAN fan-out's (a room's KV goes behind the waited rooms'; False if it is
+    not sending that room)."""
 
     def __init__(self, board: DestinationBoard, *, auth: ControlVerifier,
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
                  tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True, max_md_tp: int = MAX_MD_TP,
-                 destination_delay: Optional[InjectedDelay] = None):
+                 destination_delay: Optional[InjectedDelay] = None,
+                 keep_only: Callable[[int], bool] = lambda room: False):
         self.board, self.auth, self.peer_allowed, self.extra_stats = board, auth, peer_allowed, stats
+        self.keep_only = keep_only
         self.sends_wan, self.max_md_tp = sends_wan, max_md_tp
         self.info = InfoReply(int(tp_rank), int(tp_size), bool(sends_wan))
         # test-only (injected_delays.py): none unless set when the server starts
         self.delay = destination_delay or InjectedDelay.from_env(P_DESTINATION_DELAY_ENV)
         self.routes = RouteTable({api.HEALTH: self.health, api.P_DESTINATION: self.destination, api.P_DROP: self.drop,
-                                  api.P_INFO: self.get_info, api.STATS: self.stats})
+                                  api.P_KEPT: self.kept, api.P_INFO: self.get_info, api.STATS: self.stats})
 
     def health(self, call: JsonRequestHandler, query: str) -> HealthReply:
         return HealthReply()
@@ -198,6 +204,9 @@ class PrefillControlApi(ControlApi):
             return DropReply(sends_wan=False)
         self.board.post(bootstrap_room, DROPPED)
         return DropReply()
+
+    def kept(self, call: JsonRequestHandler, query: str, bootstrap_room: int) -> KeptReply:
+        return KeptReply(bool(self.sends_wan and self.keep_only(bootstrap_room)))
 
     def get_info(self, call: JsonRequestHandler, query: str) -> InfoReply:
         return self.info
@@ -224,10 +233,11 @@ class PrefillControlServer(ControlServer):
                  peer_allowed: Callable[[tuple[str, int]], bool], stats: Callable[[], dict] = dict,
                  max_connections: int = 256, tp_rank: int = 0, tp_size: int = 1, sends_wan: bool = True,
                  max_md_tp: int = MAX_MD_TP, ssl_context=None, trusted_sources=(),
-                 names: Optional[Iterable[str]] = None, destination_delay: Optional[InjectedDelay] = None):
+                 names: Optional[Iterable[str]] = None, destination_delay: Optional[InjectedDelay] = None,
+                 keep_only: Callable[[int], bool] = lambda room: False):
         control = PrefillControlApi(board, auth=auth, peer_allowed=peer_allowed, stats=stats, tp_rank=tp_rank,
                                     tp_size=tp_size, sends_wan=sends_wan, max_md_tp=max_md_tp,
-                                    destination_delay=destination_delay)
+                                    destination_delay=destination_delay, keep_only=keep_only)
         # Bodies are at most 64 KiB: 4 MiB held by requests being read at once is plenty.
         super().__init__(control, (host, port), thread_name="pdd-prefill-control", max_connections=max_connections,
                          max_body_bytes_in_flight=4 << 20, ssl_context=ssl_context,

@@ -7,7 +7,10 @@ The scheduler thread never waits on the network::
     copy thread        copies each page group that is complete (one chunk per layer) out of
                        the pool into host memory, as soon as prefill has produced it
     send thread        hands the copies to the share's KvSender (kv_channel/contract.py;
-                       blocks only on its window), then TRANSFER_END after the last group
+                       blocks only on its window), then TRANSFER_END after the last group;
+                       rooms someone waits for first, rooms kept only for MD's cache
+                       (``keep_only``) after them, rooms of a kind in turns
+                       (kv_channel/send_order.py, as the senders order them)
 
 With MD on ``--tp b`` (the destination's ``md_tp``) a room is a set of *shares*, one per MD
 rank this P rank feeds (tp_relayout.sender_parts: every MD holder of a head gets it over the
@@ -28,7 +31,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import queue
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ from sglang_pdd.sglang_glue.p import fanout_room
 from sglang_pdd.sglang_glue.p.fanout_room import CopyHold, DropReason, FanoutState
 from sglang_pdd.kv_channel.layout import KvLayout, KvPoolLayout, RowSlice, TransferPlan
 from sglang_pdd.kv_channel.contract import FailureReason, KvSender, KvTransfer, RoomState
+from sglang_pdd.kv_channel.send_order import SendOrder
 from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
 from sglang_pdd.kv_channel.wan_sender import WanKvSender  # the contract's implementation, built in _new_sender only
 from sglang_pdd.protocol import MAX_MD_TP, LegParams, check_md_tp
@@ -168,12 +171,7 @@ class SendEnd:
     share: RankShare
 
 
-@dataclass(frozen=True)
-class StopSending:
-    """For the send thread: the fan-out is closed."""
-
-
-SendItem = Union[SendChunk, SendEnd, StopSending]
+SendItem = Union[SendChunk, SendEnd]
 
 
 class WanFanout:
@@ -208,7 +206,8 @@ class WanFanout:
         self.shard = TpShard()
         self._lock = threading.Condition()
         self._copy_queue: "collections.deque[WanRoom]" = collections.deque()
-        self._send_queue: "queue.Queue[SendItem]" = queue.Queue()  # bounded in bytes by staging_bytes
+        # For the send thread, under _lock, by MD room: bounded in bytes by staging_bytes
+        self._send_order: SendOrder[SendItem] = SendOrder()
         self._live: list[WanRoom] = []  # rooms whose copies are still referenced
         # Under _lock: the only way a room's state changes (step(room, event[, failed share])).
         self._machine = Driver(fanout_room.transition, {fanout_room.QueueCopy: self._queue_copy,
@@ -367,11 +366,25 @@ class WanFanout:
             self._machine.step(room, fanout_room.RequestEnded())
             return room.state.may_free_pages(room.copy_done)
 
+    def keep_only(self, md_room: int) -> bool:
+        """Nobody waits for MD room ``md_room``'s KV any more (its request ended on RLD; the
+        router released MD's room with keep): its chunks go behind every waited room's, here
+        and on each MD rank's sender. False if no room of that id is sending here."""
+        with self._lock:
+            room = next((r for r in self._live if r.dest.md_room == md_room and not r.state.dropped), None)
+            if room is None:
+                return False
+            self._send_order.keep_only(md_room)
+            shares = [share for share in room.shares if share.transfer is not None]
+        for share in shares:
+            share.sender.keep_only(md_room)
+        self.counters["kept_only"] += 1
+        return True
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._send_queue.put(StopSending())
         for s in self._senders.values():
             s.close()
 
@@ -466,10 +479,12 @@ class WanFanout:
                 finished = [share for share, _, _ in work if share.copy_done]
                 # more pages arrived while copying: another round
                 self._machine.step(room, fanout_room.CopyEnded(more_ready=bool(room.shares_ready())))
-            for share, index, data in copies:
-                self._send_queue.put(SendChunk(room, share, index, data))
-            for share in finished:
-                self._send_queue.put(SendEnd(room, share))
+                md_room = room.dest.md_room
+                for share, index, data in copies:
+                    self._send_order.push(md_room, SendChunk(room, share, index, data), data.numel())
+                for share in finished:
+                    self._send_order.push(md_room, SendEnd(room, share))
+                self._lock.notify_all()
 
     def _copy_groups(self, room: WanRoom, batches, work) -> list[tuple[RankShare, int, torch.Tensor]]:
         for pages, event in batches[len(room.page_ids):]:  # each batch is converted once
@@ -491,13 +506,13 @@ class WanFanout:
 
     def _send_loop(self) -> None:
         while True:
-            try:
-                item: Optional[SendItem] = self._send_queue.get(timeout=0.2)
-            except queue.Empty:
-                item = None  # nothing to send: only reap
+            with self._lock:
+                self._lock.wait_for(lambda: self._send_order or self._closed, timeout=0.2)
+                if self._closed:
+                    return
+                nxt = self._send_order.pop()
+            item: Optional[SendItem] = None if nxt is None else nxt[1]  # None: nothing to send, only reap
             self._reap()
-            if isinstance(item, StopSending):
-                return
             if item is None or item.room.state.dropped or item.share.transfer is None:
                 continue
             room, share = item.room, item.share
@@ -532,6 +547,7 @@ class WanFanout:
                     continue
                 self._staged -= room.staged_bytes
                 room.staged_bytes, room.payloads = 0, []
+                self._send_order.forget(room.dest.md_room)
                 for share in room.shares:
                     if share.sender is not None:
                         share.sender.release(room.dest.md_room)

@@ -17,7 +17,7 @@ from tests.support.fake_backends import Fakes
 from sglang_pdd import protocol
 from sglang_pdd.control.auth import ControlSigner
 from sglang_pdd.launcher.http import call_json
-from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, DestinationReply, DropReply, HandoffRequest,
+from sglang_pdd.protocol import (MAX_MD_TP, MAX_ROOM_ID, ControlError, DestinationReply, DropReply, HandoffRequest, KeptReply,
                                  InfoReply, LegParams, ReadyReply, ReadyRequest, RegisterReply, RegisterRequest,
                                  ReleaseReply, ReleaseRequest, RouteTable, WanDestinationRequest, check_md_tp)
 from sglang_pdd.protocol import messages as protocol_messages
@@ -45,6 +45,8 @@ MESSAGES = [
     DestinationReply(sends_wan=False),
     DropReply(),
     DropReply(sends_wan=False),
+    KeptReply(),
+    KeptReply(False),
     InfoReply(1, 4, True),
     LegParams.destination(7, "10.0.0.2:7000", 64),
     LegParams.destination(7, "10.0.0.2:7000", 64, md_tp=2),

@@ -360,7 +360,9 @@ def test_outlier_registers_then_releases_and_never_hands_off():
 def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_turn(p_control):
     """RLD finishes first: MD's room is released with keep_kv (the KV goes on landing, into
     MD's cache), P's destination is not withdrawn (the router aborts only RLD's leg, so P goes
-    on sending), and the router counts MD as holding the prompt for the next turn's placement."""
+    on sending) and P, where it has a control API, is told the room is kept (it sends it behind
+    the KV other requests wait for), and the router counts MD as holding the prompt for the next
+    turn's placement."""
     from sglang_pdd.router.backends.pools import Pools
     knobs = Knobs()
     knobs.md_ready = "never"  # still in flight when RLD finishes
@@ -372,6 +374,8 @@ def test_request_ending_on_rld_before_mds_kv_lands_keeps_that_kv_for_the_next_tu
     assert r.md_kv_kept and r.wan_bytes is None  # kept, not (yet) landed
     assert len(run.fakes.records("p", "reply")) == 1  # P's leg ran to its reply
     assert run.fakes.dropped_rooms() == []  # P's WAN destination never withdrawn
+    kept = [k.body["bootstrap_room"] for k in run.fakes.records("p", "kept")]
+    assert kept == (run.fakes.released_rooms() if p_control else [])
     pools = Pools([run.flow.prefill], [run.flow.relay_url], [run.flow.main])
     record_prefixes(pools, run.flow, list(run.flow.stitcher.emitted))
     assert pools.prefixes.match(run.flow.main.url, run.flow.ids) == len(run.flow.ids) // 16 * 16

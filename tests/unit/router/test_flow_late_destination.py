@@ -240,6 +240,33 @@ def test_p_md_with_p_control_still_awaits_registration():
     assert_handed_off(run, 30)
 
 
+@pytest.mark.parametrize("md_fails", [False, True], ids=["lands", "md_unavailable"])
+def test_p_md_starts_p_at_once_and_registers_beside_it_by_default(md_fails):
+    """The router's default (no --p-md-registers-first): P->MD starts P and RLD's one-token leg
+    before MD answers, MD's room is registered beside them and P learns it late; MD's KV
+    lands and MD continues after token 1. MD unavailable: RLD finishes the request on a new
+    leg from the token the client has."""
+    import dataclasses
+    knobs = Knobs(md_register_delay_s=0.2, md_register="error500" if md_fails else "ok")
+    policy = dataclasses.replace(P_MD_POLICY, p_md_registers_first=False)
+    run = scenario(knobs, max_new=30, cfg=flow_config(policy=policy), p_control=True,
+                   gates=None if md_fails else takeover(knobs, 0))
+    assert_invariants(run, 30)
+    r = run.flow.result
+    assert r.path == "p_md" and r.md_registration == "concurrent"
+    assert run.fakes.records("rld", "generate")[0].body["sampling_params"]["max_new_tokens"] == 1
+    if md_fails:
+        assert run.fallbacks[0] == "md_unavailable" and r.md_tokens == 0
+        assert run.fakes.dropped_rooms() == [run.fakes.records("p", "generate")[0].body["bootstrap_room"]]
+        assert len(run.fakes.records("rld", "generate")) == 2  # the recovery leg finished it
+        return
+    assert t_of(run, "p", "generate") < t_of(run, "md", "registered")
+    room = run.fakes.registered_rooms()[0]
+    assert [p.body["bootstrap_room"] for p in run.fakes.records("p", "destination")] == [room]
+    assert r.fallbacks == []
+    assert_handed_off(run, 30)
+
+
 def test_outlier_with_p_control_registers_nothing():
     policy = PathPolicyConfig(outlier_min_input_tokens=4, outlier_max_output_tokens=16)
     run = scenario(Knobs(), max_new=12, cfg=flow_config(policy=policy), p_control=True)

@@ -145,3 +145,21 @@ def test_md_tp_is_optional_and_carried():
     assert parse_destination(json.dumps(body).encode())[1].md_tp == 1  # older routers: MD on TP 1
     room, dest = parse_destination(json.dumps({**body, "md_tp": 4}).encode())
     assert (room, dest) == (1, WanDestination(2, ("10.0.0.2", 7000), 0, 4))
+
+
+def test_kept_marks_the_room_on_the_fan_out():
+    """The router's 'kept': P's fan-out puts the room's KV behind the waited rooms' (it answers
+    whether it was sending that room); unsigned calls are refused."""
+    marked = []
+    server = PrefillControlServer(DestinationBoard(), "127.0.0.1", 0, auth=ControlVerifier(KEY, role=ROLE_P),
+                                  peer_allowed=lambda peer: True,
+                                  keep_only=lambda room: marked.append(room) or room == 21)
+    base = "http://%s:%s" % server.address
+    try:
+        assert _call("POST", base + "/pdd/wan_destinations/21/kept", {}) == (200, {"kept": True})
+        assert _call("POST", base + "/pdd/wan_destinations/22/kept", {}) == (200, {"kept": False})
+        assert _call("POST", base + "/pdd/wan_destinations/x/kept", {})[0] == 400
+        assert call_json("POST", base + "/pdd/wan_destinations/21/kept", {}, timeout=5)[0] == 401
+        assert marked == [21, 22]
+    finally:
+        server.close()

@@ -219,3 +219,25 @@ def test_concurrent_rooms_each_land_intact(receiver):
         assert wait_state(receiver, 100 + i) is RoomState.SUCCESS
         assert np.array_equal(dest, pool.rows(slots))
     fanout.close()
+
+
+def test_a_room_marked_kept_still_lands_and_its_senders_know_it(receiver):
+    """The router released MD's room with keep: P's fan-out puts the room behind the waited ones
+    (here and on its sender) and still sends all of it; an unknown room is answered False."""
+    pool, fanout = FakePool(), make_fanout(receiver)
+    prompt_len = 40
+    slots = np.arange(prompt_len)
+    dest = expect_room(receiver, 9, pool, prompt_len, 0)
+    fanout.attach_pool(pool, 1)
+    room = fanout.open_room(WanDestination(9, receiver.address, 0), rid="r",
+                            token_ids=list(range(prompt_len)), first_offered_page=0)
+    assert fanout.keep_only(9) is False  # nothing copied yet: not sending
+    fanout.offer(room, slots[:20])
+    assert wait_until(lambda: fanout.stats()["live_rooms"] == 1)
+    assert fanout.keep_only(9) is True and fanout.keep_only(12345) is False
+    assert room.shares[0].sender._rooms[9].kept
+    fanout.offer(room, slots[20:], last=True)
+    assert wait_state(receiver, 9) is RoomState.SUCCESS
+    assert np.array_equal(dest, pool.rows(slots))
+    assert fanout.stats()["kept_only"] == 1
+    fanout.close()

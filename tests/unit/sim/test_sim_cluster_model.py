@@ -212,13 +212,13 @@ def test_a_faster_wan_never_makes_pdd_worse(mode):
         s = Simulation(replace(base, wan=wan), sla).run(TRACE)
         att.append(s.sla_attainment)
         rld.append(s.rld_token_share)
-    if mode is PathMode.RELAY_FIRST:
-        assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
-    else:
-        # Fit trades: a faster link moves requests P->MD and so work off RLD; on this toy fleet
-        # (P overloaded at times) that costs up to 2.6 points of attainment (docs/sim-notebook.md).
+    assert all(b >= a - 0.005 for a, b in zip(att, att[1:])), att
+    if mode is PathMode.FIT:
+        # Fit moves requests P->MD and so work off RLD as the link gets faster. P->MD starts P at
+        # once (MD registers beside it), so on this toy fleet (P overloaded at times) attainment
+        # holds; with a WAN round trip before each P->MD prefill (--p-md-registers-first) the
+        # requests queued behind on P missed TTFT: 0.936 at 1 Gbps, 0.896 at 10.
         assert all(b <= a + 1e-9 for a, b in zip(rld, rld[1:])) and rld[-1] < 0.5 * rld[0], rld
-        assert min(att) >= max(att) - 0.03, att
 
 
 def test_kv_of_a_request_that_ended_on_rld_lands_for_the_next_turn_unless_cancelled():

@@ -54,11 +54,9 @@ def test_more_wan_bandwidth_never_makes_wan_time_or_attainment_worse(name):
     # Every design's P rule (the router's: prefill tokens until P replies) does not depend on
     # when requests end, so the WAN's speed does not move P placement.
     # Relayed requests' KV kept for the next turn yields the link to KV a request waits for
-    # (kept_kv_background): shared equally, as the real sender's FIFO does, it holds a P->MD
-    # request's first MD token back (at 5 Gbps two of them miss TPOT, 99.5%) - a real cost of
-    # keeping on a slow link, not a trend the model gets wrong.
-    runs = [run_scenario(replace(_scenarios(g, n_prefill=2, n_rld=1, n_md=2)[name], kept_kv_background=True),
-                         trace, SLA) for g in GBPS]
+    # (kept_kv_background, the default, as P's sender orders them): shared equally, it holds a
+    # P->MD request's first MD token back (at 5 Gbps two of them miss TPOT, 99.5%).
+    runs = [run_scenario(_scenarios(g, n_prefill=2, n_rld=1, n_md=2)[name], trace, SLA) for g in GBPS]
     landed = [s.kv_landed for s in runs]
     assert _non_decreasing(landed), landed  # fewer transfers outrun by their request's end
     wan_s = [s.kv_wan_s_mean for s in runs if s.kv_landed]

@@ -26,14 +26,15 @@ RELAY_FIRST = dataclasses.replace(CFG, path_mode=PathMode.RELAY_FIRST)
 MAX_RUNNING = CFG.rld_max_running
 
 # (input tokens, MD's cached prefix, max_new_tokens or None, other flows in flight on RLD,
-#  other prefill tokens in flight on P[, WAN bytes the router has in flight])
+#  other prefill tokens in flight on P[, the sizes of the waited WAN transfers the router has in flight])
 TABLE = [
     (2_000, 0, 200, 0, 0),  # idle RLD: relay-first hides the WAN, fit keeps a short transfer on P->MD
     (2_000, 0, 200, 127, 0),  # busy RLD: the whole slack, a short transfer fits
     (20_000, 19_500, 300, 110, 0),  # high MD hit, busy RLD: a tiny suffix -> P->MD
     (20_000, 19_500, 300, 0, 0),  # high MD hit, idle RLD
     (20_000, 19_500, 300, 0, 400_000),  # the same behind a long P queue: no budget left
-    (20_000, 19_500, 300, 0, 0, 10**11),  # the same behind 100 GB routed over the WAN, not landed
+    (20_000, 19_500, 300, 0, 0, (10**9,) * 2000),  # the same beside 2000 waited transfers of 1 GB, not landed
+    (20_000, 19_500, 300, 0, 0, (10**11,)),  # beside one of 100 GB: the link is shared, ours lands first
     (20_000, 0, 300, 110, 0),  # same prompt, no hit: 20k tokens on the WAN miss the budget
     (60_000, 0, 8, 0, 0),  # outlier: long prompt, tiny output -> RLD only
     (60_000, 0, None, 0, 0),  # unknown output: no outlier filter
@@ -43,25 +44,28 @@ TABLE = [
 ]
 
 
-def router_decision(route_cfg, inp, md_cached, max_new, rld_others, p_queued=0, wan_bytes=0,
+def router_decision(route_cfg, inp, md_cached, max_new, rld_others, p_queued=0, wan_sizes=(),
                     rld_max_running=MAX_RUNNING):
     flow = object.__new__(PddFlow)  # only the attributes _decide reads
     flow.ids = [7] * inp
     flow.max_new = max_new
     flow.pick = ServerPick(PrefillBackend("http://p", 1), "http://rld", rld_inflight=rld_others, p_queued_tokens=p_queued)
     flow.wan_in_flight = WanInFlight()
-    flow.wan_in_flight.sending("other", wan_bytes)
+    for i, size in enumerate(wan_sizes):
+        flow.wan_in_flight.sending(f"other{i}", size)
     flow.result = FlowResult(rid="r", p_cached_estimate=0)
     flow.cfg = FlowConfig(path=route_cfg, rld_max_running=rld_max_running)
     return flow._decide(md_cached)
 
 
-def sim_decision(sim, inp, md_cached, max_new, rld_others, p_queued=0, wan_bytes=0):
+def sim_decision(sim, inp, md_cached, max_new, rld_others, p_queued=0, wan_sizes=()):
     sim.rld_flows[0] = rld_others + 1  # the request itself is counted once routed, on RLD and P
     r = SimRequest(TraceRequest(0.0, inp, max_new if max_new is not None else 100, ()), 0.0)
     r.rld, r.p, r.p_tok = 0, 0, inp  # P holds none of the prompt
     sim.p_tokens[0] = p_queued + r.p_tok
-    sim.wan_routed_bytes = wan_bytes
+    sim.wan_waited = WanInFlight()
+    for i, size in enumerate(wan_sizes):
+        sim.wan_waited.sending(i, size)
     return sim.decide(r, md_cached)
 
 
@@ -96,14 +100,18 @@ def test_table_covers_every_path_and_both_budget_ends(cfg):
 
 def test_fit_keeps_high_hit_requests_on_p_md_while_relay_first_relays_them():
     """The two modes part on an idle RLD: fit sends the high-hit request P->MD, relay-first
-    through RLD; behind a long P queue or a WAN full of the router's transfers both relay."""
+    through RLD; behind a long P queue or a WAN full of the router's waited transfers both relay.
+    Beside one huge transfer fit still sends it P->MD: the two share the link, the small one
+    lands first (counting the huge one as ahead of it relayed every such request)."""
     paths = {}
     for name, cfg in (("fit", CFG), ("relay_first", RELAY_FIRST)):
         sim = Simulation(cfg, SLA)
         paths[name] = (sim_decision(sim, 20_000, 19_500, 300, 0).path,
                        sim_decision(sim, 20_000, 19_500, 300, 0, 400_000).path,
-                       sim_decision(sim, 20_000, 19_500, 300, 0, 0, 10**11).path)
-    assert paths == {"fit": (Path.P_MD, Path.P_RLD_MD, Path.P_RLD_MD), "relay_first": (Path.P_RLD_MD,) * 3}
+                       sim_decision(sim, 20_000, 19_500, 300, 0, 0, (10**9,) * 2000).path,
+                       sim_decision(sim, 20_000, 19_500, 300, 0, 0, (10**11,)).path)
+    assert paths == {"fit": (Path.P_MD, Path.P_RLD_MD, Path.P_RLD_MD, Path.P_MD),
+                     "relay_first": (Path.P_RLD_MD,) * 4}
 
 
 def test_sim_path_decision_reads_the_routers_admission_value():
@@ -301,9 +309,11 @@ def test_the_lifecycles_actions_drive_the_sim(monkeypatch):
     assert sim.loop.pending() == 0
 
 
-def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
-    """flow.py with P's control API: decide on the prefix index's estimate; only P->MD
-    registers first (a round trip before P) and decides again on MD's exact prefix."""
+@pytest.mark.parametrize("late", [True, False], ids=["default", "registers_first"])
+def test_sim_decides_on_the_index_estimate_then_on_mds_answer(late):
+    """flow.py with P's control API: decide on the prefix index's estimate. By default every
+    path keeps it (MD registers beside P); with --p-md-registers-first P->MD registers first (a
+    round trip before P) and decides again on MD's exact prefix."""
     from sglang_pdd.sim.cluster import SimRequest
     full = list(range(117))  # 117 blocks of 512 tokens
     tr = TraceRequest(0.0, 60_000, 300, tuple(full))  # ~1 s of WAN uncached, more than the budget
@@ -315,14 +325,15 @@ def test_sim_decides_on_the_index_estimate_then_on_mds_answer():
         r.p, r.p_tok = 0, 1  # P holds the prompt: its prefill costs no budget
         sim.p_tokens[0] = 1
         return r
-    sim = Simulation(RELAY_FIRST, SLA)
+    sim = Simulation(dataclasses.replace(RELAY_FIRST, p_md_late=late), SLA)
+    assert sim.route_cfg.p_md_registers_first is not late
     r = request(sim, 59_904)  # MD holds it, the index does not know yet
     assert sim.choose_path(r, full) is Path.P_RLD_MD and not r.reg_first
     sim.md_index.record_blocks(0, full)
     r = request(sim, 59_904)
-    assert sim.choose_path(r, full) is Path.P_MD and r.reg_first
-    r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD
-    assert sim.choose_path(r, full) is Path.P_RLD_MD and r.reg_first
+    assert sim.choose_path(r, full) is Path.P_MD and r.reg_first is not late
+    r = request(sim, 0)  # the index is stale: MD's answer moves it to P->RLD->MD, or P->MD ships it all
+    assert sim.choose_path(r, full) is (Path.P_MD if late else Path.P_RLD_MD) and r.reg_first is not late
 
 
 def test_the_sim_names_every_lifecycle_action_and_one_it_misses_fails_at_build(monkeypatch):
