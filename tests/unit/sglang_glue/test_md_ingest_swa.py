@@ -205,6 +205,34 @@ def test_second_turn_hits_the_window_and_p_sends_only_the_rest():
         close(md, p)
 
 
+def test_a_fully_cached_prompt_matches_only_where_the_window_before_its_last_token_is_cached():
+    """MD sends at least the prompt's last token: its cached prefix is the SWA-aware match of
+    the prompt without it. Matching the whole prompt and cutting back claimed a prefix whose
+    window MD does not hold (the insert then found "locked prefix shrank")."""
+    md = build_hybrid_md()
+    p = HybridPrefill(md)
+    try:
+        ids = list(range(4000, 4150))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        slots = p.prompt_slots(len(ids))
+        p.send(1, ids, reg.cached_tokens, slots)
+        drive_until(md, 1)
+        md.rank_rooms.release(ReleaseRequest(1))
+        assert md.ops.match(ids)[0] == len(ids)  # the whole prompt: its window is on MD
+        assert md.ops.match(ids[:-1])[0] == 0  # without its last token: token 117 is not
+        reg = md.rank_rooms.register(RegisterRequest(2, ids))
+        assert reg.cached_tokens == 0
+        room = p.send(2, ids, reg.cached_tokens, slots)
+        drive_until(md, 2)  # lands and enters the tree (the tree keeps its own copy)
+        assert sum(s.plan.total_bytes for s in room.shares) == (4 * 150 + 4 * WINDOW) * 64
+        assert md.ops.match(ids)[0] == len(ids)
+        md.rank_rooms.release(ReleaseRequest(2))
+        settle(md)
+        assert md.rank_rooms.pages.held_tokens == 0 and conserved(md)
+    finally:
+        close(md, p)
+
+
 def test_a_failed_room_gives_back_its_window_slots():
     md = build_hybrid_md()
     try:
