@@ -185,7 +185,7 @@ def _count_md_held_slots(original, checker, ps, uncached=0):
 
 def _count_md_held_swa_slots(original, checker, ps, uncached=0):
     """The same for a hybrid pool's sliding-window slots (MD holds them for a room's window)."""
-    from sglang_pdd.sglang_glue.main_drc import held_swa_kv_tokens
+    from sglang_pdd.sglang_glue.md.main_drc import held_swa_kv_tokens
 
     return original(checker, ps, uncached=uncached + held_swa_kv_tokens(checker.token_to_kv_pool_allocator))
 

@@ -50,7 +50,7 @@ def build_hybrid_md():
 
     from sglang_pdd.config import PddConfig
     from sglang_pdd.launcher.topology import free_port
-    from sglang_pdd.sglang_glue.main_drc import MainDrcRuntime
+    from sglang_pdd.sglang_glue.md.main_drc import MainDrcRuntime
 
     pool, alloc = swa_pool()
     tree = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
@@ -67,7 +67,7 @@ class HybridPrefill:
     """P: an SWAKVPool holding prompts at slots of its own (full and sliding differ), the real fan-out."""
 
     def __init__(self, md):
-        from sglang_pdd.sglang_glue.wan_fanout import WanFanout
+        from sglang_pdd.sglang_glue.p.wan_fanout import WanFanout
 
         self.md = md
         self.pool, self.alloc = swa_pool(seed=7)
@@ -79,7 +79,7 @@ class HybridPrefill:
         return self.alloc.alloc(n)
 
     def send(self, room, token_ids, md_prefix_len, slots):
-        from sglang_pdd.sglang_glue.wan_fanout import WanDestination
+        from sglang_pdd.sglang_glue.p.wan_fanout import WanDestination
 
         dest = WanDestination(room, self.md.receiver.address, md_prefix_len)
         wan_room = self.fanout.open_room(dest, rid=f"r{room}", token_ids=token_ids, first_offered_page=0)
