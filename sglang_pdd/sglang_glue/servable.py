@@ -13,7 +13,7 @@ never half-way through a transfer):
 * an ``SWAKVPool`` the WAN path does not move yet: sub-pools other than two MHA pools, no
   full-attention layer, or ``--page-size`` > 1 (moved and tested at page size 1 only). An
   SWAKVPool of two MHA pools at page size 1 is served: full layers per page, the sliding
-  layers' window only (kv_pool_view.py, md_ingest.py);
+  layers' window only (kv_pool_view.py, md/ingest.py);
 * attention sinks (gpt-oss, GraniteSWA) on SGLang's ``torch_native`` backend, the CPU one: its
   ``forward_extend`` takes no ``sinks`` (TypeError at the first prefill otherwise).
 """
