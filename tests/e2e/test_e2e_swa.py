@@ -150,7 +150,7 @@ def test_swa_output_ids_equal_single_server(swa_cluster, swa_reference, options)
 def test_swa_wan_sends_full_layers_and_only_the_window_of_sliding_ones(swa_cluster):
     """P's WAN bytes for one P->MD request: the full layers' pages MD lacks and the sliding
     layers' window only; printed beside what a full-attention-only plan would send."""
-    from sglang_pdd.control_auth import ROLE_P
+    from sglang_pdd.control.auth import ROLE_P
     from sglang_pdd.launcher.http import get_json
     from tests.support.pdd_requests import route
 
