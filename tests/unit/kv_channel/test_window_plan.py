@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sglang_pdd.kv_channel.layout import KvLayout, KvLayoutMismatch, KvPoolLayout, TransferPlan, window_first_page
-from sglang_pdd.kv_channel.states import FailureReason, RoomState
+from sglang_pdd.kv_channel.contract import FailureReason, RoomState
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver
 from sglang_pdd.kv_channel.wan_sender import WanKvSender
 
