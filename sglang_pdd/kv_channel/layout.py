@@ -13,11 +13,19 @@ page-aligned: a partially cached page is sent whole.
 Chunks are one layer x up to ``pages_per_chunk`` pages, numbered layer-major, so a
 producer can send layer 0 while layer 1 is still being computed (pipelining), and
 every chunk is contiguous both in a per-layer source buffer and in the destination.
+
+A hybrid sliding-window pool (SGLang's ``SWAKVPool``) adds a second page range: its last
+``window_buffers`` buffers (the sliding layers' K and V) carry only the request's window,
+pages ``[window_first_page, end_page)`` with ``window_first_page`` the page of
+``max(decode_prefix_len, num_tokens - window)`` (SGLang's own PD, ``_swa_payload``); the
+attention never reads a sliding layer's KV further back. Those buffers' chunks keep the page
+groups of the full buffers (a group's chunks are ready together), cut to the window.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -66,10 +74,18 @@ class KvLayout:
     bytes_per_page: int  # bytes of one page of one layer
     dtype: str = "bfloat16"  # both sides must agree
     kind: str = "mha"  # what the buffers hold (KV_KINDS); both sides must agree
+    window_buffers: int = 0  # the last buffers hold sliding-window layers: only the window is sent
+    window: int = 0  # the sliding window in tokens (0 iff window_buffers is 0)
 
     def __post_init__(self):
         if self.num_layers <= 0 or self.page_size <= 0 or self.bytes_per_page <= 0 or self.kind not in KV_KINDS:
             raise ValueError(f"invalid KV layout {self}")
+        if not 0 <= self.window_buffers < self.num_layers or self.window < 0 or (self.window > 0) != (self.window_buffers > 0):
+            raise ValueError(f"invalid sliding-window part of KV layout {self}: window_buffers must be in "
+                             f"[0, num_layers) and come with a window > 0")
+
+    def is_window_buffer(self, layer: int) -> bool:
+        return layer >= self.num_layers - self.window_buffers
 
     @property
     def token_bytes(self) -> int:
@@ -81,12 +97,14 @@ class KvLayout:
         return dataclasses.replace(self, bytes_per_page=self.page_size * row.width)
 
     def describe(self) -> str:
+        window = f" window_buffers={self.window_buffers} window={self.window}" if self.window_buffers else ""
         return (f"kind={self.kind} buffers={self.num_layers} page_size={self.page_size} "
-                f"bytes_per_page={self.bytes_per_page} dtype={self.dtype}")
+                f"bytes_per_page={self.bytes_per_page} dtype={self.dtype}{window}")
 
     def check_same(self, other: "KvLayout", mine: str, theirs: str) -> None:
         """Raise KvLayoutMismatch naming both sides unless ``other`` equals this layout."""
-        diffs = _differences(self, other, ("kind", "num_layers", "page_size", "bytes_per_page", "dtype"))
+        diffs = _differences(self, other, ("kind", "num_layers", "page_size", "bytes_per_page", "dtype",
+                                           "window_buffers", "window"))
         if diffs:
             raise KvLayoutMismatch(f"KV layout mismatch ({mine} vs {theirs}): {'; '.join(diffs)} "
                                    f"[{mine}: {self.describe()}; {theirs}: {other.describe()}]")
@@ -133,12 +151,18 @@ class KvPoolLayout:
     page_size: int
     token_bytes: int  # bytes per token, per layer, per buffer
     dtype: str
+    # A hybrid sliding-window pool (SGLang's SWAKVPool): the last ``window_layers`` of ``layers``
+    # are sliding-window layers (their buffers come last), ``window`` tokens wide.
+    window_layers: int = 0
+    window: int = 0
 
     def __post_init__(self):
         if self.kind not in KV_KINDS:
             raise ValueError(f"KV pool kind must be one of {KV_KINDS}, got {self.kind!r}")
         if self.layers <= 0 or self.page_size <= 0 or self.token_bytes <= 0:
             raise ValueError(f"invalid KV pool layout {self}")
+        if not 0 <= self.window_layers < self.layers or (self.window > 0) != (self.window_layers > 0):
+            raise ValueError(f"invalid sliding-window part of KV pool layout {self}")
 
     @property
     def buffers_per_layer(self) -> int:
@@ -159,7 +183,8 @@ class KvPoolLayout:
         return self.token_bytes * self.num_buffers
 
     def wire(self) -> KvLayout:
-        return KvLayout(self.num_buffers, self.page_size, self.page_bytes, self.dtype, self.kind)
+        return KvLayout(self.num_buffers, self.page_size, self.page_bytes, self.dtype, self.kind,
+                        self.window_layers * self.buffers_per_layer, self.window)
 
     def align_down(self, tokens: int) -> int:
         return align_down(tokens, self.page_size)
@@ -169,10 +194,11 @@ class KvPoolLayout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "KvPoolLayout":
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def check_same(self, other: "KvPoolLayout", mine: str, theirs: str) -> None:
-        diffs = _differences(self, other, ("kind", "page_size", "layers", "token_bytes", "dtype"))
+        diffs = _differences(self, other, ("kind", "page_size", "layers", "token_bytes", "dtype", "window_layers",
+                                           "window"))
         if diffs:
             raise KvLayoutMismatch(f"KV pool layout mismatch ({mine} vs {theirs}): {'; '.join(diffs)}")
 
@@ -184,6 +210,12 @@ class ChunkSpec:
     page_start: int
     page_count: int
     nbytes: int
+
+
+def window_first_page(num_tokens: int, decode_prefix_len: int, window: int, page_size: int) -> int:
+    """First page of the sliding window the receiver needs (SGLang's ``_swa_payload``): the
+    sliding layers' KV of tokens it lacks that the next token can still see."""
+    return align_down(max(decode_prefix_len, num_tokens - window), page_size) // page_size
 
 
 @dataclass(frozen=True)
@@ -220,33 +252,77 @@ class TransferPlan:
         )
 
     @property
+    def window_first_page(self) -> int:
+        """First page the window buffers send (``first_page`` when the layout has none)."""
+        if not self.layout.window_buffers:
+            return self.first_page
+        return window_first_page(self.num_tokens, self.decode_prefix_len, self.layout.window, self.layout.page_size)
+
+    def layer_first_page(self, layer: int) -> int:
+        return self.window_first_page if self.layout.is_window_buffer(layer) else self.first_page
+
+    @property
     def pages_sent(self) -> int:
+        """Pages each full (non-window) buffer sends."""
         return self.end_page - self.first_page
 
     @property
     def chunks_per_layer(self) -> int:
+        """Page groups: a full buffer has one chunk in each, a window buffer only in those that
+        reach its window."""
         return -(-self.pages_sent // self.pages_per_chunk)
+
+    def _group_pages(self, layer: int, group: int) -> tuple[int, int]:
+        """Pages ``[start, end)`` of page group ``group`` that ``layer`` sends (empty: none)."""
+        start = self.first_page + group * self.pages_per_chunk
+        end = min(start + self.pages_per_chunk, self.end_page)
+        return max(start, self.layer_first_page(layer)), end
+
+    @functools.cached_property
+    def _chunks(self) -> tuple[ChunkSpec, ...]:
+        out = []
+        bpp = self.layout.bytes_per_page
+        for layer in range(self.layout.num_layers):
+            for group in range(self.chunks_per_layer):
+                start, end = self._group_pages(layer, group)
+                if end > start:
+                    out.append(ChunkSpec(len(out), layer, start, end - start, (end - start) * bpp))
+        return tuple(out)
+
+    @functools.cached_property
+    def _group_index(self) -> dict:
+        groups: dict[int, list[ChunkSpec]] = {}
+        for spec in self._chunks:
+            groups.setdefault((spec.page_start - self.first_page) // self.pages_per_chunk, []).append(spec)
+        return groups
 
     @property
     def num_chunks(self) -> int:
-        return self.chunks_per_layer * self.layout.num_layers
+        return len(self._chunks)
+
+    def layer_pages(self, layer: int) -> int:
+        """Pages buffer ``layer`` sends."""
+        return self.end_page - self.layer_first_page(layer) if self.pages_sent else 0
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes sent per layer."""
+        """Bytes sent per full (non-window) layer."""
         return self.pages_sent * self.layout.bytes_per_page
+
+    def bytes_of_layer(self, layer: int) -> int:
+        return self.layer_pages(layer) * self.layout.bytes_per_page
 
     @property
     def total_bytes(self) -> int:
-        return self.layer_bytes * self.layout.num_layers
+        full = self.layout.num_layers - self.layout.window_buffers
+        return (self.layer_bytes * full
+                + self.layout.window_buffers * (self.end_page - self.window_first_page) * self.layout.bytes_per_page
+                if self.pages_sent else 0)
 
     def chunk(self, index: int) -> ChunkSpec:
         if not 0 <= index < self.num_chunks:
             raise IndexError(f"chunk index {index} out of range [0, {self.num_chunks})")
-        layer, group = divmod(index, self.chunks_per_layer)
-        page_start = self.first_page + group * self.pages_per_chunk
-        page_count = min(self.pages_per_chunk, self.end_page - page_start)
-        return ChunkSpec(index, layer, page_start, page_count, page_count * self.layout.bytes_per_page)
+        return self._chunks[index]
 
     def groups_ready(self, pages_available: int) -> int:
         """How many leading page groups (one chunk per layer each) are complete once pages
@@ -256,12 +332,11 @@ class TransferPlan:
         return max(0, pages_available - self.first_page) // self.pages_per_chunk
 
     def group_chunks(self, group: int) -> list[ChunkSpec]:
-        """The chunks of page group ``group``, one per layer."""
+        """The chunks of page group ``group``: one per layer that sends pages in it."""
         n = self.chunks_per_layer
         if not 0 <= group < n:
             raise IndexError(f"page group {group} out of range [0, {n})")
-        return [self.chunk(layer * n + group) for layer in range(self.layout.num_layers)]
+        return list(self._group_index.get(group, ()))
 
     def chunks_of_layer(self, layer: int) -> list[ChunkSpec]:
-        n = self.chunks_per_layer
-        return [self.chunk(layer * n + g) for g in range(n)]
+        return [spec for spec in self._chunks if spec.layer == layer]

@@ -59,7 +59,7 @@ from sglang_pdd.machine import Driver
 from . import recv_room
 from .acceptor import Acceptor, AdmissionLimits, Slot
 from .handshake import HandshakeError, check_key, server_handshake
-from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest
+from .layout import MAX_ROW_SLICES, KvLayout, KvLayoutMismatch, num_pages, token_digest, window_first_page
 from .contract import FailureReason, KvReceiver, RoomEntry, RoomState, WriteFn
 from .wan_sender import SOCKET_BUFFER_BYTES, tune_socket
 from .wire import (
@@ -105,9 +105,22 @@ class _Part:
     def page_bytes(self, layout: KvLayout) -> int:
         return layout.bytes_per_page if self.width == 0 else layout.page_size * self.width
 
-    def expected_bytes(self, layout: KvLayout) -> int:
+    def window_first_page(self, layout: KvLayout) -> int:
+        """First page the window buffers send (the announced first page without a window)."""
         b = self.begin
-        return self.covered.shape[0] * (b.end_page - b.first_page) * self.page_bytes(layout)
+        if not layout.window_buffers or b.first_page == b.end_page:
+            return b.first_page
+        return window_first_page(b.num_tokens, b.first_page * layout.page_size, layout.window, layout.page_size)
+
+    def expected_bytes(self, layout: KvLayout) -> int:
+        b, full = self.begin, layout.num_layers - layout.window_buffers
+        pages = full * (b.end_page - b.first_page) + layout.window_buffers * (b.end_page - self.window_first_page(layout))
+        return pages * self.page_bytes(layout)
+
+    def all_covered(self, layout: KvLayout) -> bool:
+        b, full = self.begin, layout.num_layers - layout.window_buffers
+        return bool(self.covered[:full, b.first_page:b.end_page].all()
+                    and self.covered[full:, self.window_first_page(layout):b.end_page].all())
 
 
 @dataclass
@@ -560,8 +573,8 @@ class WanKvReceiver(KvReceiver):
             lay = entry.layout
             problems = []
             try:
-                lay.check_same(KvLayout(msg.num_layers, msg.page_size, msg.bytes_per_page, msg.dtype, msg.kv_kind),
-                               "receiver (registered)", "sender")
+                lay.check_same(KvLayout(msg.num_layers, msg.page_size, msg.bytes_per_page, msg.dtype, msg.kv_kind,
+                                        msg.window_buffers, msg.window), "receiver (registered)", "sender")
             except (KvLayoutMismatch, ValueError) as e:
                 problems.append(str(e))
             if msg.num_tokens != entry.num_tokens:
@@ -572,7 +585,10 @@ class WanKvReceiver(KvReceiver):
                 problems.append(f"first page {msg.first_page} != decode_prefix_len {entry.decode_prefix_len} / page_size")
             if entry.expected_digest and msg.token_digest != entry.expected_digest:
                 problems.append("prompt token digest differs")
-            if any(i >= msg.num_chunks for i in part.indices) or part.covered[:, : msg.first_page].any():
+            window_first = (window_first_page(msg.num_tokens, msg.first_page * lay.page_size, lay.window, lay.page_size)
+                            if lay.window_buffers and msg.first_page < msg.end_page else msg.first_page)
+            if (any(i >= msg.num_chunks for i in part.indices) or part.covered[:, : msg.first_page].any()
+                    or part.covered[lay.num_layers - lay.window_buffers:, :window_first].any()):
                 problems.append("chunks already received lie outside the announced range")
             count = entry.slice_count or msg.slice_count
             if msg.slice_count != count or not 1 <= count <= MAX_ROW_SLICES or max(entry.parts) >= count:
@@ -673,6 +689,10 @@ class WanKvReceiver(KvReceiver):
             return f"pages [{msg.page_start}, +{msg.page_count}) outside [{first}, {entry.total_pages})"
         if entry.decode_prefix_len is not None and msg.page_start * lay.page_size < entry.decode_prefix_len:
             return f"page {msg.page_start} is below decode_prefix_len {entry.decode_prefix_len}"
+        if part.begin is not None and msg.layer_start + msg.layer_count > lay.num_layers - lay.window_buffers:
+            window_first = part.window_first_page(lay)
+            if msg.page_start < window_first:
+                return f"window buffer pages from {msg.page_start}, before the window's first page {window_first}"
         page_bytes = part.page_bytes(lay)
         if plen != msg.layer_count * msg.page_count * page_bytes:
             return f"payload {plen} bytes != {msg.layer_count} layers x {msg.page_count} pages x {page_bytes}"
@@ -720,8 +740,7 @@ class WanKvReceiver(KvReceiver):
                                 f"slice {p.index}: END says {e.num_chunks} chunks / {e.total_bytes} bytes, expected "
                                 f"{b.num_chunks} / {expected}", tell_peer=True, conn=conn)
                 return
-        if any(len(p.indices) < p.begin.num_chunks or not p.covered[:, p.begin.first_page : p.begin.end_page].all()
-               for p in parts):
+        if any(len(p.indices) < p.begin.num_chunks or not p.all_covered(lay) for p in parts):
             return  # chunks still in flight on other streams
         for p in parts:
             if p.bytes_received != p.expected_bytes(lay):

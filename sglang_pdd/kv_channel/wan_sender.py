@@ -251,6 +251,8 @@ class WanKvSender(KvSender):
             num_chunks=plan.num_chunks,
             token_digest=token_digest(token_ids),
             kv_kind=layout.kind,
+            window_buffers=layout.window_buffers,
+            window=layout.window,
             **sliced,
         )
         with self._cv:
@@ -582,11 +584,13 @@ class Transfer(KvTransfer):
         return self._sender._send_chunk(self._entry, index, payload)
 
     def send_layer(self, layer: int, data) -> bool:
-        """Queue one layer: ``data`` holds pages [first_page, end_page) of that layer,
-        contiguous (``plan.layer_bytes`` bytes). Sliced into chunks without copying."""
+        """Queue one layer: ``data`` holds the pages that layer sends ([first_page, end_page),
+        a window buffer's [window_first_page, end_page)), contiguous (``plan.bytes_of_layer``
+        bytes). Sliced into chunks without copying."""
         view = memoryview(data).cast("B")
-        if view.nbytes != self.plan.layer_bytes:
-            raise ValueError(f"room {self.room} layer {layer}: {view.nbytes} bytes, expected {self.plan.layer_bytes}")
+        expected = self.plan.bytes_of_layer(layer)
+        if view.nbytes != expected:
+            raise ValueError(f"room {self.room} layer {layer}: {view.nbytes} bytes, expected {expected}")
         offset, ok = 0, True
         for spec in self.plan.chunks_of_layer(layer):
             ok = self.send_chunk(spec.index, view[offset : offset + spec.nbytes]) and ok
@@ -602,11 +606,10 @@ class Transfer(KvTransfer):
         layer_stride = self.plan.end_page * layout.bytes_per_page
         if view.nbytes != layer_stride * layout.num_layers:
             raise ValueError(f"room {self.room}: KV buffer is {view.nbytes} bytes, expected {layer_stride * layout.num_layers}")
-        skip = self.plan.first_page * layout.bytes_per_page
         ok = True
         for layer in range(layout.num_layers):
-            start = layer * layer_stride + skip
-            ok = self.send_layer(layer, view[start : start + self.plan.layer_bytes]) and ok
+            start = layer * layer_stride + self.plan.layer_first_page(layer) * layout.bytes_per_page
+            ok = self.send_layer(layer, view[start : start + self.plan.bytes_of_layer(layer)]) and ok
         self.finish()
         return ok
 

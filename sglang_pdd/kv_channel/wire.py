@@ -223,7 +223,8 @@ class HelloOk:
 
 @dataclass
 class TransferBegin:
-    """Announces one request's KV: pages [first_page, end_page) of every layer.
+    """Announces one request's KV: pages [first_page, end_page) of every layer (of a window
+    buffer, only the window's pages).
 
     first_page = decode_prefix_len // page_size: the pages MD already holds are not sent.
     """
@@ -248,6 +249,10 @@ class TransferBegin:
     slice_count: int = 1
     row_offset: int = 0
     row_bytes: int = 0
+    # A hybrid sliding-window pool: the last window_buffers buffers send only the window's pages
+    # (layout.py, TransferPlan.window_first_page), window tokens wide; 0, 0: no window.
+    window_buffers: int = 0
+    window: int = 0
 
 
 @dataclass

@@ -151,12 +151,15 @@ class DrcRoomTable:
             raise RoomsFull(f"room {room}: too many open rooms ({self.max_rooms})")
         entry = DrcRoom(room, tuple(token_ids), 0)
         if use_cache:
-            cached_len, node = self.tree.match(token_ids)
             # At least the last prompt token always crosses the WAN, so every room has a
             # transfer whose arrival marks it ready (a fully cached prompt sends its last
-            # page). P sends from this page boundary on.
-            entry.cached_len = min(align_down(cached_len, self.page_size),
-                                   align_down(len(token_ids) - 1, self.page_size))
+            # page). P sends from this page boundary on. The match is of that shorter prefix
+            # itself, not the whole prompt cut back: in a sliding-window cache a prefix is a
+            # hit only where the window before its end is cached, and the whole prompt's hit
+            # says nothing about the window before its last page.
+            usable = align_down(len(token_ids) - 1, self.page_size)
+            cached_len, node = self.tree.match(token_ids[:max(usable, 1)])
+            entry.cached_len = min(align_down(cached_len, self.page_size), usable)
             entry.locks.append(self.tree.lock(node))
         self._step(entry, Registered(now + (ttl_s or self.ttl_s)))
         self.rooms[room] = entry

@@ -19,8 +19,9 @@ Hooks (each a no-op unless --pdd-role asks for it):
   hold there (relay/relay_hold.py, only when started with it);
 * PrefillBootstrapQueue.create_sender (after) — give P's ``pdd`` sender the request it
   serves (prompt ids, the router's WAN destination): SGLang builds senders without it;
-* SchedulerInvariantChecker._check_full_pool (around) — MD's pool pages reserved for KV in
-  flight count as held (SGLang's idle leak check would otherwise stop MD's scheduler).
+* SchedulerInvariantChecker._check_full_pool / _check_swa_pool (around) — MD's pool pages
+  (and a hybrid pool's sliding-window slots) reserved for KV in flight count as held (SGLang's
+  idle leak check would otherwise stop MD's scheduler).
 * Scheduler.flush_cache / is_fully_idle and SchedulerFlushWrapper.handle (around) — MD
   flushes only when its rooms hold nothing; rooms kept only to fill the cache go on a
   flush, and a refusal says what MD holds.
@@ -182,11 +183,19 @@ def _count_md_held_slots(original, checker, ps, uncached=0):
     return original(checker, ps, uncached=uncached + held_kv_tokens(checker.token_to_kv_pool_allocator))
 
 
+def _count_md_held_swa_slots(original, checker, ps, uncached=0):
+    """The same for a hybrid pool's sliding-window slots (MD holds them for a room's window)."""
+    from sglang_pdd.sglang_glue.md.main_drc import held_swa_kv_tokens
+
+    return original(checker, ps, uncached=uncached + held_swa_kv_tokens(checker.token_to_kv_pool_allocator))
+
+
 def _bind_sender(created, queue, req, *args, **kwargs):
     sender = getattr(req, "disagg_kv_sender", None) if created else None
     if sender is not None and hasattr(sender, "bind_request"):
         try:
-            sender.bind_request(req, queue.token_to_kv_pool, queue.scheduler.token_to_kv_pool_allocator.page_size)
+            sender.bind_request(req, queue.token_to_kv_pool, queue.scheduler.token_to_kv_pool_allocator.page_size,
+                                int(getattr(queue.scheduler, "sliding_window_size", None) or 0))
         except Exception:  # noqa: BLE001 — without a WAN leg the request still completes on RLD
             logger.exception("rid %s: no WAN leg (binding the request to its sender failed)", req.rid)
 
@@ -220,6 +229,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.ingest_requests", _after_ingest, HookType.AFTER)
     HookRegistry.register(f"{_BOOTSTRAP_QUEUE}.create_sender", _bind_sender, HookType.AFTER)
     HookRegistry.register(f"{_INVARIANT_CHECKER}._check_full_pool", _count_md_held_slots, HookType.AROUND)
+    HookRegistry.register(f"{_INVARIANT_CHECKER}._check_swa_pool", _count_md_held_swa_slots, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.flush_cache", _flush_cache_without_rooms, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.is_fully_idle", _idle_without_md_rooms, HookType.AROUND)
     HookRegistry.register(f"{_FLUSH_WRAPPER}.handle", _flush_request_on_md, HookType.AROUND)

@@ -143,9 +143,10 @@ class PddKVSender(MooncakeKVSender):
     _rld_prefix_len: int = 0
     _page_size: int = 1
 
-    def bind_request(self, req, token_to_kv_pool, page_size: int) -> None:
+    def bind_request(self, req, token_to_kv_pool, page_size: int, window: int = 0) -> None:
         """Called right after SGLang builds this sender (plugin hook): what the request
-        carries that the sender contract does not pass."""
+        carries that the sender contract does not pass (``window``: the model's sliding
+        window, for a hybrid pool)."""
         mgr = self.kv_mgr
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
         try:
@@ -160,7 +161,7 @@ class PddKVSender(MooncakeKVSender):
                 logger.warning("rid %s: a late WAN destination was promised but this P has no "
                                "--pdd-control-listen; RLD finishes the request", req.rid)
             return
-        mgr.wan_fanout.attach_pool(token_to_kv_pool, page_size, mgr.tp_shard)
+        mgr.wan_fanout.attach_pool(token_to_kv_pool, page_size, mgr.tp_shard, window)
         if dest is not None and not mgr.wan_fanout.sends_to(dest.md_tp):
             return  # other P ranks send this rank's heads to an MD on that TP (a late one: _on_destination)
         self._wan_lock = threading.Lock()

@@ -2,6 +2,10 @@
 sliding/full, window 32) on real SGLang: SGLang gives it an SWAKVPool, the sliding layers in a
 pool smaller than the full one.
 
+Through PDD (one single server, then one cluster): greedy output_ids through P->MD and
+P->RLD->MD (one-shot and catch-up handoffs) equal the single server's; the WAN carries the
+full layers' pages and only the sliding layers' window; a second turn hits MD's SWA-aware DRC.
+
 The plain-server test is the real-server repro of patches/sglang-0003: with the SWA pool at 2%
 of the full pool, a dozen sequential prompts push the full-pool indices past the SWA pool's
 size; unpatched, torch_native reads an SWA layer with those indices and the scheduler dies
@@ -14,6 +18,7 @@ import re
 import pytest
 
 from sglang_pdd.launcher.http import post_json
+from tests.support.waiting import wait_until
 from tests.conftest import _require_sglang, plain_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
@@ -68,22 +73,113 @@ def test_small_swa_pool_serves_sequential_prompts_past_its_size(run_root, swa_mo
     assert got == transformers_greedy(swa_model, prompts, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("role", ["main", "prefill"])
-def test_pdd_roles_refuse_the_hybrid_pool_at_start_naming_it(run_root, swa_model, servers_under_test, role):
-    """PDD's WAN channel does not move hybrid pools yet: P and MD stop before serving, saying
-    which pool (sglang_glue/servable.py), instead of failing at a request."""
+def test_pdd_refuses_a_hybrid_pool_it_cannot_move_at_start_naming_it(run_root, swa_model, servers_under_test):
+    """An SWAKVPool moves over the WAN at --page-size 1 only so far: a paged MD stops before
+    serving, saying so (sglang_glue/servable.py), instead of failing at a request."""
     from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
     from sglang_pdd.launcher.topology import Topology, server_argv, server_env, write_wan_key
 
     servers_under_test.stop()
-    topology = Topology.on_free_ports()
-    spec = topology.main if role == "main" else topology.prefill
-    key = write_wan_key(run_root / f"refuse-{role}.key")
-    with ProcessGroup(run_root / f"refuse-{role}-logs") as procs:
-        procs.start(spec.name, server_argv(spec, swa_model, str(key)) + ["--dtype", "float32"],
+    spec = Topology.on_free_ports().main
+    key = write_wan_key(run_root / "refuse-paged.key")
+    with ProcessGroup(run_root / "refuse-paged-logs") as procs:
+        procs.start(spec.name, server_argv(spec, swa_model, str(key)) + ["--dtype", "float32", "--page-size", "16"],
                     health_url=f"{spec.url}/health", env=server_env(spec))
         with pytest.raises(ProcessFailed) as failed:
             procs.wait_healthy(timeout_s=600)
     assert "exited with code" in str(failed.value)
-    log = (run_root / f"refuse-{role}-logs" / f"{spec.name}.log").read_text(errors="replace")
-    assert "sglang-pdd cannot move this model's KV yet: its SWAKVPool is a hybrid pool" in log
+    log = (run_root / "refuse-paged-logs" / f"{spec.name}.log").read_text(errors="replace")
+    assert "its SWAKVPool (sliding-window layers) moves over the WAN at --page-size 1 only so far (got 16)" in log
+
+
+# ---------------------------------------------------------------- end to end through PDD
+
+# 36-105 tokens (the tiny tokenizer), longer than the window (32): the sliding layers' KV of the
+# first tokens never crosses the WAN. Short enough for the tests' slow emulated WAN (0.5 Mbit/s).
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "import collections\n\nclass LRUCache:\n    def __init__(self, capacity):\n        self.data = {}\n" * 2,
+    "The quick brown fox jumps over the lazy dog. " * 4,
+]
+TURN1 = "def parse(config):\n    values = {}\n    for key in config:\n        values[key] = config[key]\n"
+
+
+def next_turn(first_text: str) -> str:
+    return TURN1 + first_text + "\n# next turn\n"
+
+
+@pytest.fixture(scope="module")
+def swa_reference(run_root, swa_model, servers_under_test):
+    """Greedy output_ids of a plain single server on the hybrid model (stopped before the cluster)."""
+    from tests.support.pdd_requests import greedy_body
+
+    servers_under_test.stop()
+    with plain_server(run_root, swa_model, name="single-swa") as url:
+        def generate(prompt):
+            return post_json(f"{url}/generate", greedy_body(prompt))
+
+        reference = {p: generate(p)["output_ids"] for p in PROMPTS}
+        first = generate(TURN1)
+        reference[TURN1] = first["output_ids"]
+        reference[next_turn(first["text"])] = generate(next_turn(first["text"]))["output_ids"]
+    return reference
+
+
+@pytest.fixture(scope="module")
+def swa_cluster(run_root, swa_model, swa_reference, servers_under_test):
+    from tests.conftest import start_pdd_cluster
+
+    return servers_under_test.get("cluster-swa", lambda: start_pdd_cluster(run_root, "cluster-swa",
+                                                                           model_path=swa_model))
+
+
+def _window(cluster) -> int:
+    log = (cluster.procs.log_dir / "main-0.log").read_text(errors="replace")
+    return int(re.search(r"KV pool kind=mha buffers=8 .* window_buffers=4 window=(\d+)", log).group(1))
+
+
+@pytest.mark.parametrize("options", [{"path": "p_md"}, {"path": "p_rld_md", "handoff_mode": "one_shot"},
+                                     {"path": "p_rld_md", "handoff_mode": "catch_up"}],
+                         ids=lambda o: o.get("handoff_mode", o["path"]))
+def test_swa_output_ids_equal_single_server(swa_cluster, swa_reference, options):
+    from tests.support.pdd_requests import assert_routes_equal_reference
+
+    assert_routes_equal_reference(swa_cluster, {p: swa_reference[p] for p in PROMPTS}, options)
+
+
+def test_swa_wan_sends_full_layers_and_only_the_window_of_sliding_ones(swa_cluster):
+    """P's WAN bytes for one P->MD request: the full layers' pages MD lacks and the sliding
+    layers' window only; printed beside what a full-attention-only plan would send."""
+    from sglang_pdd.control.auth import ROLE_P
+    from sglang_pdd.launcher.http import get_json
+    from tests.support.pdd_requests import route
+
+    window = _window(swa_cluster)
+    stats_url, key = f"{swa_cluster.topology.prefill.control_url}/pdd/stats", swa_cluster.control_key
+    token_bytes = 2 * 32 * 4  # 2 KV heads x head_dim 32 x fp32, per buffer
+    for prompt in PROMPTS[2:] + ["word " * 40]:
+        before = get_json(stats_url, key=key, role=ROLE_P)["bytes"]
+        got = route(swa_cluster, prompt, path="p_md", drc=False)
+        pdd, n = got["meta_info"]["pdd"], got["meta_info"]["prompt_tokens"]
+        assert not pdd["fallbacks"], pdd
+        cached = pdd["md_cached_tokens"]
+        assert n > window + cached
+        expected = (4 * (n - cached) + 4 * (n - max(cached, n - window))) * token_bytes
+
+        def sent() -> int:  # P counts a transfer's bytes once its last chunk is queued
+            return get_json(stats_url, key=key, role=ROLE_P)["bytes"] - before
+
+        wait_until(lambda: sent() >= expected, 10)
+        sent = sent()
+        full_only = 8 * (n - cached) * token_bytes
+        print(f"hybrid SWA model, prompt {n} tokens, MD held {cached}: WAN {sent} B with the window, "
+              f"{full_only} B sent like full attention ({sent / full_only:.2f}x)")
+        assert sent == expected
+
+
+def test_swa_drc_second_turn_hits_md_and_sends_only_the_suffix(swa_cluster, swa_reference):
+    from tests.support.pdd_requests import assert_second_turn_sends_only_the_suffix
+
+    turn1_tokens, cached = assert_second_turn_sends_only_the_suffix(swa_cluster, TURN1, swa_reference.__getitem__,
+                                                                    next_turn)
+    assert cached >= turn1_tokens - 1  # turn 1's prompt (the last token may be recomputed)

@@ -9,6 +9,11 @@ Two ways (``--pdd-md-ingest``):
   whole room into the pool before the insert — a stall of MD's decode loop that grows with
   the room.
 
+A hybrid sliding-window pool (``SWAKVPool``): the sliding layers' buffers receive only the
+window's pages ``[window_first_page, end)`` (kv_channel/layout.py); the reservation holds a
+sliding-pool slot only for those tokens (SglangTreeOps.reserve), and the tree gets the rest of
+the prompt as sliding-window tombstones (full KV only), as SGLang's own SWA cache keeps them.
+
 Either way the bytes of rooms in flight are bounded (``--pdd-md-staging-mb``): a room that
 does not fit is refused at registration (the router keeps that request on RLD), never queued.
 """
@@ -21,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from sglang_pdd.kv_channel.layout import KvPoolLayout, num_pages
+from sglang_pdd.kv_channel.layout import KvPoolLayout, num_pages, window_first_page
 from sglang_pdd.radix_drc.rooms import RoomError
 from sglang_pdd.sglang_glue.kv_pool_view import page_ids_of_slots, scatter_pages
 
@@ -60,6 +65,7 @@ class Landing:
     layout: KvPoolLayout
     first_page: int
     num_pages: int
+    window_first_page: int = 0  # the sliding buffers' first page (first_page without a window)
     pool: object = None
     slots: Optional[torch.Tensor] = None
     page_ids: Optional[torch.Tensor] = None
@@ -71,15 +77,29 @@ class Landing:
         return self.num_pages * self.layout.page_size
 
     @property
+    def window_buffers(self) -> int:
+        return self.layout.window_layers * self.layout.buffers_per_layer
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens whose sliding-window KV lands (the last of ``num_tokens``); 0 without a window."""
+        if not self.window_buffers:
+            return 0
+        return (self.first_page + self.num_pages - self.window_first_page) * self.layout.page_size
+
+    @property
     def nbytes(self) -> int:
-        return self.num_pages * self.layout.page_bytes * self.layout.num_buffers
+        full = self.layout.num_buffers - self.window_buffers
+        return (full * self.num_tokens + self.window_buffers * self.window_tokens) * self.layout.token_bytes
 
     @classmethod
     def plan(cls, layout: KvPoolLayout, prompt_len: int, cached_len: int) -> "Landing":
         if cached_len % layout.page_size:
             raise ValueError(f"cached prefix {cached_len} is not page-aligned (page size {layout.page_size})")
         first = cached_len // layout.page_size
-        return cls(layout, first, num_pages(prompt_len, layout.page_size) - first)
+        window_first = (window_first_page(prompt_len, cached_len, layout.window, layout.page_size)
+                        if layout.window_layers else first)
+        return cls(layout, first, num_pages(prompt_len, layout.page_size) - first, window_first)
 
     def into_pool(self, pool, slots: torch.Tensor) -> None:
         """Pool mode: write chunks straight into these reserved slots."""
@@ -109,5 +129,10 @@ class Landing:
 
     def flush_staged(self, pool, slots: torch.Tensor) -> None:
         """Staged mode, at completion (scheduler thread): copy the host buffer into ``slots``."""
-        scatter_pages(pool, page_ids_of_slots(slots, self.layout.page_size), self.layout.page_size, self.staged)
+        page_ids = page_ids_of_slots(slots, self.layout.page_size)
+        full = self.layout.num_buffers - self.window_buffers
+        scatter_pages(pool, page_ids, self.layout.page_size, self.staged[:full])
+        if self.window_buffers:  # only the window's pages have sliding-window slots
+            lo = self.window_first_page - self.first_page
+            scatter_pages(pool, page_ids[lo:], self.layout.page_size, self.staged[full:, lo:], full)
         self.slots, self.staged = slots, None

@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from sglang_pdd.config import PddConfig, admission_limits, control_names, parse_host_port
+from sglang_pdd.kv_channel.layout import window_first_page
 from sglang_pdd.kv_channel.tls import control_server_names, control_tls_context, wan_tls_context
 from sglang_pdd.kv_channel.contract import KvReceiver
 from sglang_pdd.kv_channel.wan_receiver import WanKvReceiver  # the contract's implementation, built here only
@@ -67,12 +68,18 @@ def held_kv_tokens(allocator) -> int:
     return runtime.held_tokens if runtime is not None else 0
 
 
+def held_swa_kv_tokens(allocator) -> int:
+    """Sliding-window pool slots MD's rooms in flight hold outside the tree (a hybrid pool)."""
+    runtime = _RUNTIMES.get(id(allocator))
+    return runtime.rank_rooms.pages.held_swa_tokens if runtime is not None else 0
+
+
 class SglangTreeOps:
     """DrcRoomTable' TreeOps on SGLang's radix cache, plus slot reservation for arriving KV.
     Scheduler thread only. With page size > 1 the tree holds whole pages: matches are
     page-aligned, and a prompt enters the tree up to its last full page."""
 
-    def __init__(self, tree_cache, page_size: int):
+    def __init__(self, tree_cache, page_size: int, window: int = 0):
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -80,9 +87,12 @@ class SglangTreeOps:
         self.tree = tree_cache
         self.allocator = tree_cache.token_to_kv_pool_allocator
         self.pool = self.allocator.get_kvcache()
-        self.pool_layout = pool_layout(self.pool, page_size)
+        self.pool_layout = pool_layout(self.pool, page_size, window)
         self.layout = self.pool_layout.wire()
         self.page_size = page_size
+        # A hybrid sliding-window pool: slots of the sliding pool only for each prompt's window
+        # (reserve), and the rest of the prompt enters the tree as SWA tombstones (ingest).
+        self.window = self.pool_layout.window
 
     def _key(self, token_ids: Sequence[int]):
         return self._types[3](array("q", token_ids))
@@ -97,19 +107,57 @@ class SglangTreeOps:
     def unlock(self, lock):
         self.tree.unlock(lock)
 
-    def reserve(self, num_tokens: int) -> Optional[torch.Tensor]:
+    def reserve(self, num_tokens: int, window_tokens: int = 0) -> Optional[torch.Tensor]:
         """Pool slots for ``num_tokens`` (whole pages), evicting unlocked cache if needed;
-        None if the pool cannot hold them even then."""
+        None if the pool cannot hold them even then. A hybrid pool: sliding-window slots for
+        the last ``window_tokens`` only (the tokens before them never get sliding KV here)."""
         if num_tokens == 0:
             return torch.empty(0, dtype=torch.int64)
+        if self.window:
+            return self._reserve_hybrid(num_tokens, window_tokens)
         short = num_tokens - self.allocator.available_size()
         if short > 0:
             self.tree.evict(self._types[0](num_tokens=short))
         return self.allocator.alloc(num_tokens)
 
+    def _reserve_hybrid(self, num_tokens: int, window_tokens: int) -> Optional[torch.Tensor]:
+        alloc = self.allocator
+        if not 0 <= window_tokens <= num_tokens:
+            raise ValueError(f"window of {window_tokens} tokens for a reservation of {num_tokens}")
+        short_full = max(0, num_tokens - alloc.full_available_size())
+        short_swa = max(0, window_tokens - alloc.swa_available_size())
+        if short_full or short_swa:
+            self.tree.evict(self._types[0](num_tokens=short_full, swa_num_tokens=short_swa))
+        if num_tokens > alloc.full_available_size() or window_tokens > alloc.swa_available_size():
+            return None
+        full = alloc.full_attn_allocator.alloc(num_tokens)
+        if full is None:
+            return None
+        if window_tokens:
+            swa = alloc.swa_attn_allocator.alloc(window_tokens)
+            if swa is None:
+                alloc.full_attn_allocator.free(full)
+                return None
+            alloc.set_full_to_swa_mapping(full[num_tokens - window_tokens:], swa)
+        return full
+
     def free(self, slots: Optional[torch.Tensor]) -> None:
-        if slots is not None and slots.numel():
+        if slots is None or not slots.numel():
+            return
+        if not self.window:
             self.allocator.free(slots)
+            return
+        # a hybrid reservation: sliding-window slots only where it holds them
+        mapped = self.allocator.full_to_swa_index_mapping[slots.to(torch.int64)] > 0
+        if bool(mapped.any()):
+            self.allocator.free_swa(slots[mapped])
+        self.allocator.free_full(slots)
+
+    def swa_held(self, slots: Optional[torch.Tensor]) -> int:
+        """Sliding-window slots ``slots`` hold (0 without a window)."""
+        if not self.window or slots is None or not slots.numel():
+            return 0
+        return int((self.allocator.full_to_swa_index_mapping[slots.to(torch.int64)] > 0).sum())
 
     def ingest(self, token_ids, prefix_len, prefix_node, slots):
         """Insert the prompt into the tree with ``slots`` (KV of tokens [prefix_len, ...),
@@ -133,8 +181,15 @@ class SglangTreeOps:
             # prev_prefix_len: slots before it are the tree's own; any of ours that duplicate a
             # concurrent insert are freed by the tree itself (MD's cache frees them: freeing
             # them here too was a double free that SGLang's idle leak check caught).
-            self.tree.insert(InsertParams(key=self._key(token_ids[:insert_len]), value=value,
-                                          prev_prefix_len=prefix_len))
+            params = InsertParams(key=self._key(token_ids[:insert_len]), value=value, prev_prefix_len=prefix_len)
+            if self.window:
+                from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+                # tokens before the window came without sliding-window KV: tombstones in the
+                # tree (full KV only), so a later match never ends where the window is missing
+                params.set_evicted_seqlen(ComponentType.SWA, window_first_page(
+                    len(token_ids), prefix_len, self.window, self.page_size) * self.page_size)
+            self.tree.insert(params)
         full, prompt_node = self.match(token_ids)
         if full < insert_len:
             raise DrcFull(f"prompt of {len(token_ids)} tokens only {full} cached after insert")
@@ -155,7 +210,8 @@ class MainDrcRuntime:
         self.http_port = scheduler.server_args.port  # MD's own SGLang HTTP API, for handoffs
         self.http_api_key = getattr(scheduler.server_args, "api_key", None)  # its --api-key guards /generate
         self.http_ssl_certfile = getattr(scheduler.server_args, "ssl_certfile", None)  # then it serves HTTPS
-        self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size)
+        self.ops = SglangTreeOps(scheduler.tree_cache, scheduler.page_size,
+                                 int(getattr(scheduler, "sliding_window_size", None) or 0))
         host, port = parse_host_port("--pdd-wan-listen", cfg.wan_listen)
         port = port + self.tp.rank if port else port  # rank r's KV heads arrive on port + r
         self.idle_wake = IdleWake(scheduler)  # MD sleeps on idle like P and RLD (idle_wake.py)

@@ -38,23 +38,29 @@ class PageReleases:
         self._free_slots = free_slots  # SglangTreeOps.free: back to the allocator
         self._on_outcome = on_outcome  # a record's outcome is in: wakes a scheduler sleeping on idle
         self.held_tokens = 0
+        self.held_swa_tokens = 0  # of those, slots with sliding-window KV (a hybrid pool's window)
         self.releasing: list[PagesRelease] = []
         self._to_receiver: "queue.Queue[Optional[tuple[int, Optional[PagesRelease]]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._release_rooms_in_receiver, name="pdd-md-room-release",
                                         daemon=True)
         self._thread.start()
 
-    def hold(self, num_tokens: int) -> None:
+    def hold(self, num_tokens: int, window_tokens: int = 0) -> None:
         self.held_tokens += num_tokens
+        self.held_swa_tokens += window_tokens
+
+    def _let_go(self, landing: Landing) -> None:
+        self.held_tokens -= landing.num_tokens
+        self.held_swa_tokens -= landing.window_tokens
 
     def hand_to_tree(self, landing: Landing) -> None:
         """The landed pages go into the tree (or ingest's frees): no longer ours."""
-        self.held_tokens -= landing.num_tokens
+        self._let_go(landing)
 
     def free_now(self, landing: Landing) -> None:
         """Pages no receiver ever wrote into (a registration that did not reach the receiver, TP 1)."""
         self._free_slots(landing.slots)
-        self.held_tokens -= landing.num_tokens
+        self._let_go(landing)
 
     def queue(self, room: int, landing: Optional[Landing], always: bool = False) -> Optional[PagesRelease]:
         """Queue ``landing``'s pages (if any) to go back once every rank's receiver let go;
@@ -84,7 +90,7 @@ class PageReleases:
                          landing.num_tokens)
             return
         self._free_slots(landing.slots)
-        self.held_tokens -= landing.num_tokens
+        self._let_go(landing)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the release thread once the releases queued before are done (it holds the

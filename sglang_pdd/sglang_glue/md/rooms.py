@@ -67,13 +67,15 @@ class RankRooms:
             if self.ingest_mode == "staged":
                 landing.into_host()
             else:
-                slots = self.ops.reserve(landing.num_tokens)
+                slots = self.ops.reserve(landing.num_tokens, landing.window_tokens)
                 if slots is None:
                     self.counters["rooms_refused"] += 1
+                    window = f" ({landing.window_tokens} of them with sliding-window KV)" if landing.window_tokens else ""
                     raise RoomRefused(f"room {room} refused: MD's KV pool cannot hold {landing.num_tokens} more "
-                                      f"tokens now ({self.ops.allocator.available_size()} free after eviction)")
+                                      f"tokens{window} now ({self.ops.allocator.available_size()} free after "
+                                      f"eviction)")
                 landing.into_pool(self.ops.pool, slots)
-                self.pages.hold(landing.num_tokens)
+                self.pages.hold(landing.num_tokens, landing.window_tokens)
             self.receiver.register_room(room, self.ops.layout, len(token_ids), landing.write,
                                         decode_prefix_len=entry.cached_len, token_ids=token_ids,
                                         timeout=self.wan_timeout_s)
@@ -213,7 +215,7 @@ class RankRooms:
         landing = self.landings.pop(room)
         self.budget.give_back(landing.nbytes)
         if landing.staged is not None:  # staged ingest: copy the room now, on this thread
-            slots = self.ops.reserve(landing.num_tokens)
+            slots = self.ops.reserve(landing.num_tokens, landing.window_tokens)
             if slots is None:
                 return self.table.fail(room, Failure(FailReason.DRC_FULL,
                                                      f"cannot allocate {landing.num_tokens} KV slots"))

@@ -49,7 +49,7 @@ from sglang_pdd.kv_channel.send_order import SendOrder
 from sglang_pdd.kv_channel.tp_relayout import SenderPart, TpLayoutError, TpShard, sender_parts
 from sglang_pdd.kv_channel.wan_sender import WanKvSender  # the contract's implementation, built in _new_sender only
 from sglang_pdd.protocol import MAX_MD_TP, LegParams, check_md_tp
-from sglang_pdd.sglang_glue.kv_pool_view import gather_pages, pool_layout
+from sglang_pdd.sglang_glue.kv_pool_view import gather_buffer_pages, gather_pages, pool_layout
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +243,12 @@ class WanFanout:
         shares = self._shares(md_tp)
         return shares is None or not isinstance(shares, list) or bool(shares)
 
-    def attach_pool(self, pool, page_size: int, shard: TpShard = TpShard()) -> None:
+    def attach_pool(self, pool, page_size: int, shard: TpShard = TpShard(), window: int = 0) -> None:
         """The token pool to copy from (once; the first request brings it), and where it sits
-        in P's TP group: with TP > 1 this rank sends its heads' bytes of each row (tp_relayout)."""
+        in P's TP group: with TP > 1 this rank sends its heads' bytes of each row (tp_relayout).
+        ``window``: the model's sliding window (an SWAKVPool's sliding layers send only it)."""
         if self._pool is None:
-            self.shard, self._pool_layout = shard, pool_layout(pool, page_size)
+            self.shard, self._pool_layout = shard, pool_layout(pool, page_size, window)
             shares = self._shares(1)
             if isinstance(shares, TpLayoutError):  # P's own pool does not shard as SGLang says: a bug
                 self._pool_layout = None
@@ -497,10 +498,21 @@ class WanFanout:
         for share, first, ready in work:
             for group in range(first, ready):
                 specs = share.plan.group_chunks(group)
+                page_size = share.plan.layout.page_size
+                if share.plan.layout.window_buffers:
+                    # a window buffer's chunk may start later in the group (its own page range);
+                    # the sliding pool's page ids are translated once per range
+                    translated: dict = {}
+                    for spec in specs:
+                        lo = spec.page_start - room.first_offered_page
+                        out.append((share, spec.index, gather_buffer_pages(
+                            self._pool, spec.layer, page_ids[lo : lo + spec.page_count], page_size,
+                            share.spec.src_row, translated.setdefault((lo, spec.page_count), {})).cpu()))
+                    continue
                 lo = specs[0].page_start - room.first_offered_page
                 slots = page_ids[lo : lo + specs[0].page_count]
                 # one host copy per buffer: the share's bytes of every token row (strided), or all
-                rows = gather_pages(self._pool, slots, share.plan.layout.page_size, share.spec.src_row)
+                rows = gather_pages(self._pool, slots, page_size, share.spec.src_row)
                 out.extend((share, spec.index, rows[spec.layer].cpu()) for spec in specs)
         return out
 
