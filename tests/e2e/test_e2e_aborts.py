@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from tests.support.takeover import md_takes_over
+from tests.support.pdd_requests import paused
 from tests.support.waiting import wait_until
 
 from sglang_pdd.control.auth import ROLE_MD, ROLE_P
@@ -106,15 +107,6 @@ class DroppableStream:
         with contextlib.suppress(OSError):
             self.conn.sock.shutdown(2)
         self.conn.close()
-
-
-@contextlib.contextmanager
-def paused(server_url: str):
-    post_json(f"{server_url}/pause_generation", {"mode": "in_place"})
-    try:
-        yield
-    finally:
-        post_json(f"{server_url}/continue_generation", {})
 
 
 @pytest.fixture

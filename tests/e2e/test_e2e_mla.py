@@ -10,8 +10,8 @@ One single server (stopped first) and one cluster, a few short requests: CI cost
 import pytest
 
 from tests.conftest import _require_sglang, plain_server, start_pdd_cluster
-from sglang_pdd.launcher.http import post_json
-from tests.support.pdd_requests import assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix, greedy_body, route
+from tests.support.pdd_requests import (TURN1, assert_routes_equal_reference, assert_second_turn_sends_only_the_suffix,
+                                        next_turn, route, single_server_reference)
 
 # the full tier (scripts/test.sh --full): its own servers, beyond CI's representative tier
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
@@ -21,11 +21,6 @@ PROMPTS = [
     "import collections\n\nclass LRUCache:\n    def __init__(self, capacity):",
     "The quick brown fox jumps over the lazy dog. " * 4,
 ]
-TURN1 = "def parse(config):\n    values = {}\n    for key in config:\n        values[key] = config[key]\n"
-
-
-def next_turn(first_text: str) -> str:
-    return TURN1 + first_text + "\n# next turn\n"
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +34,7 @@ def mla_reference(run_root, mla_model, servers_under_test):
     starts (two servers' worth of CPU less)."""
     servers_under_test.stop()
     with plain_server(run_root, mla_model, name="single-mla", extra_args=()) as url:
-        def generate(prompt):
-            return post_json(f"{url}/generate", greedy_body(prompt))
-
-        reference = {p: generate(p)["output_ids"] for p in PROMPTS}
-        first = generate(TURN1)
-        reference[TURN1] = first["output_ids"]
-        reference[next_turn(first["text"])] = generate(next_turn(first["text"]))["output_ids"]
-    return reference
+        return single_server_reference(url, PROMPTS)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from sglang_pdd.launcher.http import get_json, post_json
+from tests.support.pdd_requests import paused
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -29,15 +30,6 @@ STALL_S = 3.0
 ENDS_WITHIN_S = STALL_S + 7.0
 LONG = 3000  # left alone, many seconds of decoding here
 IDS = list(range(100, 148))  # a prompt of token ids (no BOS/EOS/PAD), greedy with ignore_eos
-
-
-@contextlib.contextmanager
-def paused(server_url: str):
-    post_json(f"{server_url}/pause_generation", {"mode": "in_place"})
-    try:
-        yield
-    finally:
-        post_json(f"{server_url}/continue_generation", {})
 
 
 def queued(server_url: str) -> int:

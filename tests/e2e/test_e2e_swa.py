@@ -20,6 +20,7 @@ import pytest
 from sglang_pdd.launcher.http import post_json
 from tests.support.waiting import wait_until
 from tests.conftest import _require_sglang, plain_server
+from tests.support.pdd_requests import TURN1, next_turn, single_server_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
 
@@ -101,28 +102,14 @@ PROMPTS = [
     "import collections\n\nclass LRUCache:\n    def __init__(self, capacity):\n        self.data = {}\n" * 2,
     "The quick brown fox jumps over the lazy dog. " * 4,
 ]
-TURN1 = "def parse(config):\n    values = {}\n    for key in config:\n        values[key] = config[key]\n"
-
-
-def next_turn(first_text: str) -> str:
-    return TURN1 + first_text + "\n# next turn\n"
 
 
 @pytest.fixture(scope="module")
 def swa_reference(run_root, swa_model, servers_under_test):
     """Greedy output_ids of a plain single server on the hybrid model (stopped before the cluster)."""
-    from tests.support.pdd_requests import greedy_body
-
     servers_under_test.stop()
     with plain_server(run_root, swa_model, name="single-swa") as url:
-        def generate(prompt):
-            return post_json(f"{url}/generate", greedy_body(prompt))
-
-        reference = {p: generate(p)["output_ids"] for p in PROMPTS}
-        first = generate(TURN1)
-        reference[TURN1] = first["output_ids"]
-        reference[next_turn(first["text"])] = generate(next_turn(first["text"]))["output_ids"]
-    return reference
+        return single_server_reference(url, PROMPTS)
 
 
 @pytest.fixture(scope="module")

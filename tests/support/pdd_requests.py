@@ -3,6 +3,7 @@ greedy bodies, a P->RLD->MD request MD takes over at a chosen token, one that en
 once P has its WAN destination, every route equal to one plain server's output, a second turn
 that sends only its uncached suffix over the WAN."""
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.support.takeover import assert_taken_over, stream_taken_over
@@ -23,6 +24,37 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
     "for i in range(10):\n    print(i)",
 ]
+
+
+# A two-turn session: the second turn is the first turn, its answer and a new line.
+TURN1 = "def parse(config):\n    values = {}\n    for key in config:\n        values[key] = config[key]\n"
+
+
+def next_turn(first_text: str) -> str:
+    return TURN1 + first_text + "\n# next turn\n"
+
+
+def single_server_reference(url: str, prompts) -> dict:
+    """Greedy output_ids of one plain server at ``url``: each of ``prompts``, TURN1 and TURN1's
+    next turn (keyed by prompt text)."""
+    def generate(prompt):
+        return post_json(f"{url}/generate", greedy_body(prompt))
+
+    reference = {p: generate(p)["output_ids"] for p in prompts}
+    first = generate(TURN1)
+    reference[TURN1] = first["output_ids"]
+    reference[next_turn(first["text"])] = generate(next_turn(first["text"]))["output_ids"]
+    return reference
+
+
+@contextlib.contextmanager
+def paused(server_url: str):
+    """A server paused in place within the block (SGLang's /pause_generation), resumed after."""
+    post_json(f"{server_url}/pause_generation", {"mode": "in_place"})
+    try:
+        yield
+    finally:
+        post_json(f"{server_url}/continue_generation", {})
 
 
 def greedy_body(prompt: str, **extra) -> dict:
