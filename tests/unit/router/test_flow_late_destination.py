@@ -42,7 +42,9 @@ def hold_rld_until(run_ref: dict, predicate, at_token: int):
 
 
 # ---------------------------------------------------------------------- (a) + (b) happy path
-def test_legs_start_before_md_registration_answers_and_first_token_reaches_client_first():
+def relayed_with_md_slow_to_answer():
+    """A P->RLD->MD request of 40 tokens whose MD answers its registration 0.3 s late (3 tokens
+    cached), handed off at 3; checked for the flow's invariants."""
     knobs = Knobs(md_register_delay_s=0.3, md_cached_tokens=3)
 
     def gates(run):
@@ -52,6 +54,11 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
 
     run = scenario(knobs, max_new=40, p_control=True, md_estimate=0, gates=gates)
     assert_invariants(run, 40)
+    return run
+
+
+def test_legs_start_before_md_registration_answers_and_first_token_reaches_client_first():
+    run = relayed_with_md_slow_to_answer()
     assert_p_control_sane(run)
     r = run.flow.result
     assert r.path == "p_rld_md" and r.fallbacks == [] and r.md_registration == "concurrent"
@@ -77,14 +84,7 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
 def test_router_marks_each_step_of_a_relayed_request_in_order():
     """FlowResult.marks (the request's log line): the path and the legs come before MD's answer,
     the first token too; the destination follows the answer, MD's KV the destination."""
-    knobs = Knobs(md_register_delay_s=0.3, md_cached_tokens=3)
-
-    def gates(run):
-        takeover(knobs, 3)(run)
-        knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.flow.state.md.value in ("ready", "failed"), 6)
-
-    run = scenario(knobs, max_new=40, p_control=True, md_estimate=0, gates=gates)
-    assert_invariants(run, 40)
+    run = relayed_with_md_slow_to_answer()
     m = run.flow.result.marks
     assert set(m) >= {"path", "legs", "md_registered", "destination", "p_replied", "first_token"}, m
     assert m["path"] <= m["legs"] <= m["first_token"] < m["md_registered"] <= m["destination"]

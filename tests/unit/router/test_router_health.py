@@ -281,6 +281,16 @@ def test_legs_that_break_on_a_server_open_its_breaker_passively(router_sglang_st
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def one_of_each_breaking_at_two(fakes, cfg, sglang_state) -> Router:
+    """A router over one fake P, RLD and MD whose breakers open after two failures (60 s cool-down)
+    and that probes only when the test asks."""
+    pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
+                  [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
+                  health=HealthConfig(failure_threshold=2, cooldown_s=60))
+    return Router(pools, cfg, None, max_prompt_tokens=1000, served_model="tiny", sglang_state=sglang_state,
+                  max_new_tokens_cap=64, operator_token=TOKEN, health_check_interval_s=0)
+
+
 @pytest.mark.parametrize("fault", ["bad_event_signature", "bad_reply_signature", "bad_ready_signature",
                                    "oversized_event"])
 def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_state, fault):
@@ -298,12 +308,7 @@ def test_md_replies_the_router_refuses_count_against_mds_breaker(router_sglang_s
     async def main():
         fakes = await Fakes(knobs, control_key=b"another-key-for-md-0123456789abcdef" if fault == "bad_reply_signature"
                             else key).start()
-        pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
-                      [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
-                      health=HealthConfig(failure_threshold=2, cooldown_s=60))
-        router = Router(pools, p_md_cfg(), None, max_prompt_tokens=1000, served_model="tiny",
-                        sglang_state=router_sglang_state, max_new_tokens_cap=64, operator_token=TOKEN,
-                        health_check_interval_s=0)
+        router = one_of_each_breaking_at_two(fakes, p_md_cfg(), router_sglang_state)
         try:
             async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
                 for _ in range(4):
@@ -340,12 +345,7 @@ def test_a_relay_holding_mds_stream_opens_mds_breaker_despite_passing_probes(rou
 
     async def main():
         fakes = await Fakes(knobs).start()
-        pools = Pools([PrefillBackend(fakes.p_url, 8998)], [fakes.rld_url],
-                      [MainBackend(fakes.md_url, fakes.md_url, "127.0.0.1:1")],
-                      health=HealthConfig(failure_threshold=2, cooldown_s=60))
-        router = Router(pools, cfg, None, max_prompt_tokens=1000, served_model="tiny",
-                        sglang_state=router_sglang_state, max_new_tokens_cap=64, operator_token=TOKEN,
-                        health_check_interval_s=0)
+        router = one_of_each_breaking_at_two(fakes, cfg, router_sglang_state)
         try:
             async with serve_app(build_app(router)) as base, aiohttp.ClientSession() as client:
                 for _ in range(4):
