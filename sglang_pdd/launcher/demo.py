@@ -29,10 +29,11 @@ from sglang_pdd.launcher.topology import Topology
 from sglang_pdd.protocol import STATS
 
 # MD must take over while RLD still decodes, or the demo shows no handoff: on an idle machine
-# RLD makes ~300-400 tokens/s with the tiny model, and a turn's KV (60-85 KB) takes ~0.3 s at
-# 2 Mbit/s (1 s+ at 0.5 Mbit/s, when 96 tokens were over in 0.25 s). MD's first token after
-# the cut sometimes comes a second or more late: 256 tokens (~0.7 s) were over first in 2 of 4
-# runs on 2 busy cores; 512 leave twice that time (and were over first in 1 of 3).
+# RLD makes ~250-400 tokens/s on the short first turn, and MD is ready ~0.6 s after P replied
+# (the KV at 2 Mbit/s plus MD's ingest), sometimes a second or more later. 512 tokens leave
+# ~1.5 s, which a fast RLD still beats now and then on turn 1 (the row then says so). The
+# second turn's KV takes ~1.4 s on the link, and RLD, on a longer context, had made ~64 tokens
+# by then when measured: it hands off.
 MAX_NEW_TOKENS = 512
 
 SYSTEM = "You are a coding agent. Tools: read_file, run_tests.\n" * 3
@@ -109,6 +110,8 @@ def run_demo(args, cluster: LocalCluster, wan: str, link: Optional[DatacenterLin
               f"{(pdd['wan_bytes'] or 0) / 1024:>7.1f} {1000 * (pdd['ttft_s'] or 0):>8.0f} "
               f"{str(pdd['handoff_at']):>8} {pdd['rld_tokens']:>4} {pdd['md_tokens']:>4}  "
               f"{out['text'][:30]!r}")
+        if pdd["handoff_at"] is None and pdd["md_kv_kept"]:
+            print("     RLD finished before MD's KV landed; the KV still went on to MD for the next turn")
         if pdd["fallbacks"]:
             print(f"     fallbacks: {pdd['fallbacks']}")
         context += out["text"] + "\n"

@@ -85,22 +85,22 @@ class DroppableStream:
                 "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
         self.conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
         self.resp = None
-        self.events = 0
         self.last: dict = {}
 
-    def read_events(self, n: int) -> dict:
-        """Reads up to the ``n``-th event (or the end of the stream); the last event read."""
+    def read_tokens(self, n: int) -> dict:
+        """Reads until the client holds ``n`` output tokens (or the stream ends); the last event.
+        Counted in tokens, not events: RLD's first event carries P's token and its own first one,
+        and SGLang merges the tokens a slow reader has not taken yet into one event."""
         if self.resp is None:
             self.resp = self.conn.getresponse()
             assert self.resp.status == 200, self.resp.read()
-        while self.events < n:
+        while len(self.last.get("output_ids", ())) < n:
             line = self.resp.fp.readline()
             if not line or line.strip() == b"data: [DONE]":
                 break
             if line.startswith(b"data:"):
                 self.last = json.loads(line[5:])
                 assert "error" not in self.last, line
-                self.events += 1
         return self.last
 
     def drop(self) -> None:
@@ -135,7 +135,7 @@ def test_dropped_before_p_answers(cluster):
 def test_dropped_while_rld_streams(cluster):
     cluster.wan_control("stall", seconds=60)  # MD's KV held: RLD alone decodes
     stream = DroppableStream(cluster.topology.router_url, {"path": "p_rld_md", "handoff_mode": "one_shot"})
-    stream.read_events(3)
+    stream.read_tokens(3)
     assert queued(cluster.topology.relay.url) == 1
     stream.drop()
     assert_freed(cluster)
@@ -144,9 +144,9 @@ def test_dropped_while_rld_streams(cluster):
 def test_abort_request_while_rld_streams(cluster):
     cluster.wan_control("stall", seconds=60)
     stream = DroppableStream(cluster.topology.router_url, {"path": "p_rld_md"}, rid="abort-me")
-    stream.read_events(3)
+    stream.read_tokens(3)
     assert post_json(f"{cluster.topology.router_url}/abort_request", {"rid": "abort-me"}) == {"aborted": 1}
-    last = stream.read_events(LONG)  # the stream ends, SGLang's way: finish_reason abort
+    last = stream.read_tokens(LONG)  # the stream ends, SGLang's way: finish_reason abort
     assert last["meta_info"]["finish_reason"]["type"] == "abort" and len(last["output_ids"]) < LONG, last["meta_info"]
     stream.drop()
     assert_freed(cluster)
@@ -156,7 +156,7 @@ def test_dropped_with_the_handoff_on_mds_queue(cluster):
     topo = cluster.topology
     with md_takes_over(cluster, 3, automatic=False) as let_through, paused(topo.main.url):
         stream = DroppableStream(topo.router_url, {"path": "p_rld_md", "handoff_mode": "one_shot"})
-        stream.read_events(3)
+        stream.read_tokens(3)
         handoffs, abandoned = (md_stats(cluster).get(k, 0) for k in ("handoffs", "handoffs_abandoned"))
         let_through()  # RLD held, MD's KV let through: the router hands off to a paused MD
         assert wait_until(lambda: md_stats(cluster).get("handoffs", 0) > handoffs, 30), held(cluster)
@@ -171,7 +171,7 @@ def test_dropped_with_the_handoff_on_mds_queue(cluster):
 @pytest.mark.full
 def test_dropped_while_md_streams(cluster):
     stream = DroppableStream(cluster.topology.router_url, {"path": "p_md"})
-    stream.read_events(10)
+    stream.read_tokens(10)
     assert queued(cluster.topology.main.url) == 1
     stream.drop()
     assert_freed(cluster)

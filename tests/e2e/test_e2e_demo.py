@@ -50,7 +50,12 @@ def test_demo_session_hands_off_and_hits_mds_cache(demo):
     assert second["md_cached_tokens"] >= first["prompt_tokens"], second
     for pdd in (first, second):
         assert not pdd["fallbacks"], pdd
-        assert pdd["handoff_at"] is not None and pdd["md_tokens"] > 0, pdd
         assert pdd["rld_tokens"] + pdd["md_tokens"] == MAX_NEW_TOKENS, pdd
+        # MD took over, or RLD finished before MD's KV landed (a fast RLD on a short first turn)
+        # and the KV still went on to MD for the next turn: never neither
+        handed_off = pdd["handoff_at"] is not None and pdd["md_tokens"] > 0
+        assert handed_off or (pdd["md_tokens"] == 0 and pdd["md_kv_kept"]), pdd
+    # the longer second turn's KV takes longer than RLD's 512 tokens on any machine seen
+    assert any(pdd["handoff_at"] is not None for pdd in (first, second)), summary["turns"]
     drc = summary["drc"]
     assert drc["hit_rate"] > 0 and drc["bytes_saved"] > 0 and drc["rooms_failed"] == 0, drc
