@@ -1052,6 +1052,10 @@ def run_burst(args, link, model: str, out: Path) -> dict:
             if name == "same_dc_pd":
                 prefill_s_per_token = measure_prefill_s_per_token(design)
                 meta["prefill_s_per_token"] = prefill_s_per_token
+        if args.dc_b_nice and link is not None:
+            from sglang_pdd.launcher.netns import renice_namespace
+
+            meta["dc_b_threads_reniced"] = renice_namespace(link.namespace, args.dc_b_nice)
         for li, link_mbit in enumerate(args.links):
             for name, design in started.items():
                 if name != "same_dc_pd":
@@ -1111,6 +1115,9 @@ def print_burst(res: dict) -> None:
     a = res["args"]
     print(f"\n== Cold burst: {a['burst']} sessions' first turns at once, later turns as answers come "
           f"({res['workload']['requests_per_cell']} requests per cell, {a['repeats']} repeat(s)); TTFT in ms")
+    if a.get("dc_b_nice"):
+        print(f"datacenter B's servers at nice {a['dc_b_nice']} ({res.get('dc_b_threads_reniced', 0)} threads): "
+              f"B's work takes only the cycles A's leaves")
     for link in a["links"]:
         print(f"\n-- link {link:g} Mbit/s")
         print(f"{'design':<26} {'n':>3} {'err':>3} {'p50':>6} {'p90':>6} {'max':>6} | {'1st p50':>7} {'p90':>6} | "
@@ -1228,6 +1235,10 @@ def parse_args(argv=None):
     ap.add_argument("--burst-prompt-tokens", type=int, default=680,
                     help="--burst: the cold first turns' prompt length (+-10%%; later turns grow from it)")
     ap.add_argument("--repeats", type=int, default=2, help="--burst: bursts per design and link (new prompts each)")
+    ap.add_argument("--dc-b-nice", type=int, default=0, metavar="N",
+                    help="--burst: every thread in datacenter B's namespace (PDD's MD, cross-DC PD's decode "
+                         "server) at nice N (1-19) once the servers are up, so B's work takes only the cycles A's "
+                         "leaves, as B's own chips would; 0: all servers share the cores alike")
     ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=None,
                     help="default: all (--burst: same_dc_pd cross_dc_pd pdd)")
     ap.add_argument("--links", type=float, nargs="+", default=None, metavar="MBIT",
@@ -1255,6 +1266,10 @@ def parse_args(argv=None):
         args.links = [8.0, 40.0] if args.burst else [200.0, 40.0, 10.0]
     if args.burst and args.burst < 2:
         ap.error("--burst needs at least 2 sessions")
+    if not 0 <= args.dc_b_nice <= 19:
+        ap.error(f"--dc-b-nice takes 0-19, got {args.dc_b_nice}")
+    if args.dc_b_nice and not args.burst:
+        ap.error("--dc-b-nice is a --burst option")
     if args.quick and args.burst:  # the e2e test's size: the smallest burst that still is one
         args.links, args.repeats, args.burst, args.turns = args.links[:1], 1, 3, [2, 2]
     elif args.quick:

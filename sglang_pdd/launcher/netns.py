@@ -234,14 +234,37 @@ def project_leftovers() -> list[tuple[str, str, Owner, bool]]:
     return found
 
 
+def pids_in(namespace: str) -> list[int]:
+    """The processes running in ``namespace`` (``ip netns pids``)."""
+    return [int(pid) for pid in _ip("netns", "pids", namespace, check=False).stdout.split() if pid.isdigit()]
+
+
+def renice_namespace(namespace: str, nice: int) -> int:
+    """Every thread of every process in ``namespace`` at ``nice``; the threads reniced. Threads,
+    not processes: Linux keeps a nice value per thread, and SGLang's servers have started theirs
+    by the time a caller asks."""
+    done = 0
+    for pid in pids_in(namespace):
+        try:
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:  # gone meanwhile
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                done += 1
+            except OSError:
+                pass
+    return done
+
+
 def _end_processes_in(namespace: str) -> None:
     """SIGKILL what a dead owner left running in its namespace (it would keep the namespace,
     and so the veth, alive after ``ip netns del``)."""
-    pids = _ip("netns", "pids", namespace, check=False).stdout.split()
-    for pid in pids:
+    for pid in pids_in(namespace):
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
