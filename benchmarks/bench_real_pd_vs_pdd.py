@@ -1000,6 +1000,45 @@ def relayed_vs_same_dc(records: list[Record], link: float) -> dict:
             "ratio": a / b if a is not None and b else None}
 
 
+def pool_bursts(out_dirs: list[Path]) -> dict:
+    """Several --burst runs' requests as one sample: each run's cells tagged with the run
+    (``cell@i``, so the same turns still match within a run only), then summarised as one run
+    is, plus each run's own p90 per design and link."""
+    records: list[Record] = []
+    per_run: dict = {}
+    for i, out in enumerate(out_dirs):
+        path = out / "burst_requests.jsonl"
+        if not path.exists():
+            raise SystemExit(f"--pool-bursts: {path} does not exist (not a --burst run's --out?)")
+        mine = [Record(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        for r in mine:
+            r.cell = f"{r.cell}@{i}"
+        for key, cell in burst_summary(mine).items():
+            per_run.setdefault(key, []).append(cell["ttft_p90"])
+        records += mine
+    summary = burst_summary(records)
+    links = sorted({r.link_mbit for r in records if r.link_mbit})
+    return {"runs": len(out_dirs), "summary": summary, "p90_per_run": per_run,
+            "ratios": {f"{m:g}": burst_ratios(summary, m) | {"relayed_same_turns": relayed_vs_same_dc(records, m)}
+                       for m in links}}
+
+
+def print_pooled_bursts(pooled: dict, names: list[str]) -> None:
+    fr = lambda v: "-" if v is None else f"{v:.2f}"
+    print(f"== {pooled['runs']} burst runs pooled ({', '.join(names)}); TTFT in ms")
+    print(f"{'design|link':<22} {'n':>4} {'err':>3} {'p50':>6} {'p90':>6} | p90 per run")
+    for key, c in pooled["summary"].items():
+        runs = " ".join(fmt_ms(v) for v in pooled["p90_per_run"].get(key, []))
+        print(f"{key:<22} {c['n']:>4} {c['errors']:>3} {fmt_ms(c['ttft_p50']):>6} {fmt_ms(c['ttft_p90']):>6} | {runs}")
+        for path, v in c["paths"].items():
+            print(f"  {path:<20} {v['n']:>4}     {fmt_ms(v['ttft_p50']):>6} {fmt_ms(v['ttft_p90']):>6}")
+    for link, r in pooled["ratios"].items():
+        same = r["relayed_same_turns"]
+        print(f"link {link} Mbit/s, pooled p90s: PDD / cross-DC PD {fr(r['pdd_over_cross_dc'])} (goal <= 1), "
+              f"/ same-DC PD {fr(r['pdd_over_same_dc'])} (<= 1.1); relayed / same-DC PD "
+              f"{fr(r['relayed_over_same_dc'])} (<= 1.1), on the same turns {fr(same['ratio'])} (n {same['n']})")
+
+
 ROUTER_MARKS = ("path", "legs", "md_registered", "destination", "p_replied", "first_token", "md_ready")
 
 
@@ -1224,6 +1263,10 @@ def parse_args(argv=None):
     ap.add_argument("--spread-of", nargs="+", metavar="RESULTS_JSON",
                     help="instead of running: draw the TTFT p90 of these runs' cells on the first --links rate, a "
                          "panel per seed, to --plot")
+    ap.add_argument("--pool-bursts", nargs="+", metavar="OUT_DIR",
+                    help="instead of running: the requests of these --burst runs (their burst_requests.jsonl) "
+                         "pooled: TTFT p50/p90 per design and link over all runs, each run's p90 beside it, "
+                         "and the goal's ratios on the pooled p90s")
     ap.add_argument("--time-stats", action="store_true",
                     help="servers log their time stats; each cell's TTFT is split into stages, over all requests "
                          "and over the slowest quarter")
@@ -1327,6 +1370,9 @@ def main(argv=None) -> int:
     from sglang_pdd.launcher.cluster import default_model_path
     from sglang_pdd.launcher.netns import link_or_fallback
 
+    if args.pool_bursts:
+        print_pooled_bursts(pool_bursts([Path(d) for d in args.pool_bursts]), args.pool_bursts)
+        return 0
     if args.spread_of:
         if not args.plot:
             raise SystemExit("--spread-of draws to --plot PNG")

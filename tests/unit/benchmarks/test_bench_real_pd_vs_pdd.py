@@ -4,6 +4,7 @@ stats. No server."""
 
 from dataclasses import replace
 
+import json
 import pytest
 
 from benchmarks.bench_agentic import Job, Turn, WorkloadConfig, build_jobs
@@ -273,3 +274,31 @@ def test_servers_are_labelled_by_role_for_the_cpu_split():
     assert server_label(["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]) == "sglang_router"
     assert server_label(["python", "-m", "sglang_pdd.router", "--port", "2"]) == "pdd_router"
     assert server_label(["python", "-m", "sglang.launch_server", "--pdd-role"]) == "other"
+
+
+def test_pooled_bursts_are_one_sample_with_each_runs_p90_and_same_turns_matched_within_a_run(tmp_path, capsys):
+    from dataclasses import asdict
+
+    from benchmarks.bench_real_pd_vs_pdd import main, pool_bursts
+
+    def run(name, relayed_s, same_first_s, relayed_jobs):
+        recs = ([burst_record("same_dc_pd", 0, 0, j, t, same_first_s[j] if t == 0 else 0.1) for j in range(2) for t in range(2)]
+                + [burst_record("pdd", 8.0, 0, j, t, relayed_s if t == 0 else 0.1,
+                                "p_rld_md" if t == 0 and j in relayed_jobs else "p_md") for j in range(2) for t in range(2)])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "burst_requests.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in recs))
+        return tmp_path / name
+
+    # both runs have the same cells, sessions and turns: only the run tells their requests apart
+    a = run("a", relayed_s=1.0, same_first_s=[2.0, 2.0], relayed_jobs={0, 1})
+    b = run("b", relayed_s=3.0, same_first_s=[1.0, 9.0], relayed_jobs={0})
+    pooled = pool_bursts([a, b])
+    assert pooled["runs"] == 2 and pooled["summary"]["pdd|8"]["n"] == 8
+    assert pooled["p90_per_run"]["pdd|8"] == [pytest.approx(pct_of([1, 1, .1, .1])), pytest.approx(pct_of([3, 3, .1, .1]))]
+    same = pooled["ratios"]["8"]["relayed_same_turns"]
+    # run b's session 1 was not relayed: its same-DC turn (9 s) is not one of the same turns
+    assert same["n"] == 3 and same["same_dc_same_turns_p90"] == pytest.approx(pct_of([2, 2, 1]))
+    assert main(["--pool-bursts", str(a), str(b)]) == 0
+    assert "2 burst runs pooled" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not exist"):
+        pool_bursts([tmp_path / "nowhere"])
