@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from sglang_pdd.protocol.kv_size import KvSize
+
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
 
@@ -179,8 +181,15 @@ class KvPoolLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """One token across every layer and buffer: what a token costs on the WAN."""
+        """One token across every layer and buffer (what a token holds in the pools)."""
         return self.token_bytes * self.num_buffers
+
+    @property
+    def wan_kv_size(self) -> KvSize:
+        """What a request costs on the WAN (what MD reports to the router): the full layers per
+        token MD lacks, the sliding layers only for the window (TransferPlan.total_bytes)."""
+        window = self.token_bytes * self.window_layers * self.buffers_per_layer
+        return KvSize(self.bytes_per_token - window, self.window if window else 0, window)
 
     def wire(self) -> KvLayout:
         return KvLayout(self.num_buffers, self.page_size, self.page_bytes, self.dtype, self.kind,

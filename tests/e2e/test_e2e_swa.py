@@ -136,16 +136,30 @@ def test_swa_output_ids_equal_single_server(swa_cluster, swa_reference, options)
 
 def test_swa_wan_sends_full_layers_and_only_the_window_of_sliding_ones(swa_cluster):
     """P's WAN bytes for one P->MD request: the full layers' pages MD lacks and the sliding
-    layers' window only; printed beside what a full-attention-only plan would send."""
+    layers' window only; printed beside what a full-attention-only plan would send. MD reports
+    its KV size that way (full layers per token, the sliding ones per window token), so the
+    router's count of the request's WAN bytes (from MD's registration answer, the size its
+    path estimate uses) and MD's count of bytes landed are P's."""
+    from sglang_pdd.chaos.probe import scrape
     from sglang_pdd.control.auth import ROLE_P
     from sglang_pdd.launcher.http import get_json
     from tests.support.pdd_requests import route
 
     window = _window(swa_cluster)
     stats_url, key = f"{swa_cluster.topology.prefill.control_url}/pdd/stats", swa_cluster.control_key
+    md_stats_url = f"{swa_cluster.topology.main.control_url}/pdd/stats"
     token_bytes = 2 * 32 * 4  # 2 KV heads x head_dim 32 x fp32, per buffer
+    md_stats = get_json(md_stats_url, key=key)
+    assert (md_stats["kv_bytes_per_token"], md_stats["kv_window_tokens"], md_stats["kv_window_bytes_per_token"]) \
+        == (4 * token_bytes, window, 4 * token_bytes)
+
+    def router_wan_bytes() -> float:
+        return sum(v for (name, _), v in scrape(swa_cluster.topology.router_url).items()
+                   if name == "pdd:wan_bytes_total")
+
     for prompt in PROMPTS[2:] + ["word " * 40]:
         before = get_json(stats_url, key=key, role=ROLE_P)["bytes"]
+        router_before, md_before = router_wan_bytes(), get_json(md_stats_url, key=key)["wan_bytes"]
         got = route(swa_cluster, prompt, path="p_md", drc=False)
         pdd, n = got["meta_info"]["pdd"], got["meta_info"]["prompt_tokens"]
         assert not pdd["fallbacks"], pdd
@@ -162,6 +176,9 @@ def test_swa_wan_sends_full_layers_and_only_the_window_of_sliding_ones(swa_clust
         print(f"hybrid SWA model, prompt {n} tokens, MD held {cached}: WAN {sent} B with the window, "
               f"{full_only} B sent like full attention ({sent / full_only:.2f}x)")
         assert sent == expected
+        # the router counts a transfer once its flow has ended
+        assert wait_until(lambda: router_wan_bytes() - router_before == sent, 10, poll_s=0.2), router_wan_bytes() - router_before
+        assert get_json(md_stats_url, key=key)["wan_bytes"] - md_before == sent
 
 
 def test_swa_drc_second_turn_hits_md_and_sends_only_the_suffix(swa_cluster, swa_reference):

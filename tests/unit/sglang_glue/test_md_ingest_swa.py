@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_pdd.protocol import RegisterRequest, ReleaseRequest
+from sglang_pdd.protocol import KvSize, RegisterReply, RegisterRequest, ReleaseRequest
 from tests.support.md_runtime import KEY, close, drive_until, settle
 from tests.conftest import require_sglang_import
 
@@ -120,6 +120,20 @@ def conserved(md):
     return full and swa
 
 
+def assert_router_estimate_is_what_p_sent(reg, prompt_tokens: int, sent: int, landed: int) -> None:
+    """MD's KV size as the router reads it from the registration answer (the full layers per
+    token, the window's layers per window token) gives the bytes P's fan-out sent, and MD
+    counts as much ``landed``; the sliding layers counted per token would be more."""
+    size = RegisterReply.from_json(reg.to_json()).kv_size
+    assert size == KvSize(4 * 64, WINDOW, 4 * 64)
+    assert size.wan_bytes(prompt_tokens, reg.cached_tokens) == sent == landed
+    assert (prompt_tokens - reg.cached_tokens) * 8 * 64 > sent
+
+
+def landed_bytes(md) -> int:
+    return md.rank_rooms.drc_stats.bytes_received
+
+
 def test_md_announces_the_hybrid_layout_and_holds_window_slots_only_for_the_window():
     md = build_hybrid_md()
     try:
@@ -149,7 +163,9 @@ def test_window_only_lands_and_the_tree_holds_tombstones_before_it():
         room = p.send(1, ids, reg.cached_tokens, slots)
         drive_until(md, 1)
         # P sent 4 full buffers x 150 tokens + 4 sliding buffers x 32 tokens (64 B rows)
-        assert sum(s.plan.total_bytes for s in room.shares) == (4 * 150 + 4 * WINDOW) * 64
+        sent = sum(s.plan.total_bytes for s in room.shares)
+        assert sent == (4 * 150 + 4 * WINDOW) * 64
+        assert_router_estimate_is_what_p_sent(reg, len(ids), sent, landed_bytes(md))
         got = md_slots(md, ids)
         assert got.numel() == len(ids)
         for want, have in zip(p.rows(slots, 0, 150), md_rows(md, got)):
@@ -188,9 +204,12 @@ def test_second_turn_hits_the_window_and_p_sends_only_the_rest():
         # the window of the 165-token prompt reaches back to token 133, past turn 1's end: 32 tokens
         assert md.rank_rooms.pages.held_swa_tokens == WINDOW
         slots2 = torch.cat([slots1, p.prompt_slots(45)])
+        before = landed_bytes(md)
         room = p.send(2, second, reg.cached_tokens, slots2)
         drive_until(md, 2)
-        assert sum(s.plan.total_bytes for s in room.shares) == (4 * 45 + 4 * WINDOW) * 64
+        sent = sum(s.plan.total_bytes for s in room.shares)
+        assert sent == (4 * 45 + 4 * WINDOW) * 64
+        assert_router_estimate_is_what_p_sent(reg, len(second), sent, landed_bytes(md) - before)
         got = md_slots(md, second)
         assert got.numel() == len(second)
         for want, have in zip(p.rows(slots2, 0, len(second)), md_rows(md, got)):
