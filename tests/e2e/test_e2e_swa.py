@@ -6,6 +6,9 @@ Through PDD (one single server, then one cluster): greedy output_ids through P->
 P->RLD->MD (one-shot and catch-up handoffs) equal the single server's; the WAN carries the
 full layers' pages and only the sliding layers' window; a second turn hits MD's SWA-aware DRC.
 
+A soak (its own cluster) wraps the sliding-window pools of P, RLD and MD many times over with
+multi-turn sessions on both paths: outputs equal, nothing lost or leaked.
+
 The plain-server test is the real-server repro of patches/sglang-0003: with the SWA pool at 2%
 of the full pool, a dozen sequential prompts push the full-pool indices past the SWA pool's
 size; unpatched, torch_native reads an SWA layer with those indices and the scheduler dies
@@ -14,6 +17,9 @@ size; unpatched, torch_native reads an SWA layer with those indices and the sche
 
 import random
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import pytest
 
@@ -187,3 +193,139 @@ def test_swa_drc_second_turn_hits_md_and_sends_only_the_suffix(swa_cluster, swa_
     turn1_tokens, cached = assert_second_turn_sends_only_the_suffix(swa_cluster, TURN1, swa_reference.__getitem__,
                                                                     next_turn)
     assert cached >= turn1_tokens - 1  # turn 1's prompt (the last token may be recomputed)
+
+
+# ---------------------------------------------------------------- a soak that wraps the sliding-window pools
+
+# --swa-full-tokens-ratio on P, RLD and MD: 65536 full slots, 1310 sliding-window slots each, so
+# the sliding pool's slots are freed and taken again many times over (the issue's repro ratio)
+SOAK_RATIO = "0.02"
+SOAK_SESSIONS, SOAK_TURNS, SOAK_CONCURRENT, SOAK_NEW = 24, 5, 4, 32
+# session s goes through SOAK_OPTIONS[s % 3]: P->MD, and P->RLD->MD handing off in each mode
+SOAK_OPTIONS = [{"path": "p_md"}, {"path": "p_rld_md", "handoff_mode": "one_shot"},
+                {"path": "p_rld_md", "handoff_mode": "catch_up"}]
+# MD's KV lands in ~0.1 s (a turn is ~250-400 KB), while RLD still streams: P->RLD->MD hands off
+SOAK_WAN_GBPS = 0.02
+
+
+def soak_body(ids: list[int], options: Optional[dict] = None) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": SOAK_NEW, "temperature": 0}}
+    return body if options is None else {**body, "pdd_options": options}
+
+
+@pytest.fixture(scope="module")
+def soak_reference(run_root, swa_model, servers_under_test):
+    """The soak's sessions as one plain server (default pools: nothing wraps) answers them:
+    per session, its turns as (input_ids, greedy output_ids). A session's first prompt has
+    100-210 tokens; each later turn is the one before, its answer and 10-39 new tokens."""
+    servers_under_test.stop()
+    rng = random.Random(45)
+    sessions = []
+    with plain_server(run_root, swa_model, name="single-swa-soak") as url:
+        for conversation in random_prompts(SOAK_SESSIONS, 100, 210, seed=45):
+            turns = []
+            for _ in range(SOAK_TURNS):
+                out = post_json(f"{url}/generate", soak_body(conversation), timeout=300)["output_ids"]
+                turns.append((conversation, out))
+                conversation = conversation + out + [rng.randrange(3, 1024) for _ in range(rng.randrange(10, 40))]
+            sessions.append(turns)
+    return sessions
+
+
+@pytest.fixture(scope="module")
+def swa_soak_cluster(run_root, swa_model, soak_reference, servers_under_test):
+    from tests.conftest import EXACT_ARGS, start_pdd_cluster
+
+    args = (*EXACT_ARGS, "--swa-full-tokens-ratio", SOAK_RATIO)
+    return servers_under_test.get("cluster-swa-soak", lambda: start_pdd_cluster(
+        run_root, "cluster-swa-soak", model_path=swa_model, extra_args=args))
+
+
+def prefilled_tokens(url: str) -> int:
+    """SGLang's count of the tokens a server's prefills and extends computed (cache hits
+    excluded), summed over its ranks: each took a sliding-window slot (page size 1)."""
+    from sglang_pdd.launcher.http import get_json
+
+    loads = get_json(f"{url}/v1/loads?include=all")["loads"]
+    return sum(int(load.get("total_prefill_uncached_tokens", load.get("core", {}).get(
+        "total_prefill_uncached_tokens", 0))) for load in loads)
+
+
+def test_swa_soak_wraps_the_sliding_window_pools_through_both_paths(swa_soak_cluster, soak_reference):
+    """Multi-turn sessions, four at a time, through P->MD and P->RLD->MD (one-shot and
+    catch-up handoffs) on servers whose sliding-window pools hold 2% of the full pool's
+    tokens: the sliding slots are taken and freed many times over on P, RLD and MD. Every
+    turn's greedy output_ids equal the plain server's, none falls back or is lost; afterwards
+    no server holds a request, a room, a WAN slot or (after a flush) a KV slot, and no
+    server logged a leak (SGLang's idle checks, both pools, raise on one)."""
+    from sglang_pdd.chaos import probe
+    from sglang_pdd.chaos.runner import settle_and_flush
+    from tests.support.takeover import stream_final
+
+    cluster, topo = swa_soak_cluster, swa_soak_cluster.topology
+    cluster.wan_control("link", rate_gbps=SOAK_WAN_GBPS)
+    offsets = probe.log_offsets(cluster.procs.log_dir)
+    prefilled = {spec.name: prefilled_tokens(spec.url) for spec in topo.servers}
+
+    def session(s: int) -> list[tuple[dict, list[int]]]:
+        options = SOAK_OPTIONS[s % len(SOAK_OPTIONS)]
+        out = []
+        for ids, want in soak_reference[s]:
+            if options["path"] == "p_rld_md":  # streamed: each token once, in order
+                got = stream_final(topo.router_url, soak_body(ids, options))
+            else:
+                got = post_json(f"{topo.router_url}/generate", soak_body(ids, options), timeout=300)
+            out.append((got, want))
+        return out
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(SOAK_CONCURRENT) as pool:
+        results = list(pool.map(session, range(SOAK_SESSIONS)))
+    elapsed = time.monotonic() - started
+    leaks = settle_and_flush(cluster, offsets)
+
+    handoffs = {"p_md": 0, "one_shot": 0, "catch_up": 0}
+    md_tokens = rld_tokens = windows = drc_hits = prompts = 0
+    relay_handoff_at = []
+    for s, turns in enumerate(results):
+        options = SOAK_OPTIONS[s % len(SOAK_OPTIONS)]
+        for t, (got, want) in enumerate(turns):
+            pdd = got["meta_info"]["pdd"]
+            assert got["output_ids"] == want, (s, t, pdd)
+            assert not pdd["fallbacks"], (s, t, pdd)
+            assert pdd["rld_tokens"] + pdd["md_tokens"] == len(want), (s, t, pdd)
+            handoffs[options.get("handoff_mode", "p_md")] += pdd["md_tokens"] > 0
+            if options["path"] == "p_rld_md" and pdd["md_tokens"]:
+                relay_handoff_at.append(pdd["handoff_at"])
+            md_tokens, rld_tokens = md_tokens + pdd["md_tokens"], rld_tokens + pdd["rld_tokens"]
+            n, cached = len(soak_reference[s][t][0]), pdd["md_cached_tokens"]
+            prompts += n
+            windows += n - max(cached, n - _window(cluster)) if pdd["md_tokens"] else 0
+            drc_hits += t > 0 and cached > 0
+    requests = SOAK_SESSIONS * SOAK_TURNS
+    sizes = {spec.name: swa_pool_size(cluster, spec.name) for spec in topo.servers}
+    computed = {name: prefilled_tokens(spec.url) - prefilled[name] for name, spec in
+                ((spec.name, spec) for spec in topo.servers)}
+    # sliding-window slots each server took (lower bounds): P one per token it prefilled; MD
+    # one per token its handoff extends computed, per window token landed and per token it
+    # decoded; RLD one per prompt token (every request has an RLD leg, P->MD's relays P's first
+    # token, and SGLang's decode side preallocates the whole prompt in both pools at page
+    # size 1: disaggregation/decode.py _prealloc_kv_lens) and per token it decoded
+    taken = {topo.prefill.name: computed[topo.prefill.name],
+             topo.main.name: computed[topo.main.name] + windows + md_tokens,
+             topo.relay.name: prompts + rld_tokens}
+    print(f"\nSWA soak: {requests} requests in {SOAK_SESSIONS} sessions ({elapsed:.0f} s), all equal to one "
+          f"server, no fallback; handoffs to MD {handoffs} (P->RLD->MD at tokens {min(relay_handoff_at, default=0)}-"
+          f"{max(relay_handoff_at, default=0)}); later turns hitting MD's DRC {drc_hits} of "
+          f"{requests - SOAK_SESSIONS}; sliding-window slots taken vs pool size: " + ", ".join(
+              f"{name} >= {taken[name]} / {sizes[name]} ({taken[name] / sizes[name]:.1f}x)" for name in taken))
+    assert leaks == [], leaks
+    for name in taken:  # each server's sliding-window pool wrapped several times over
+        assert taken[name] >= 3 * sizes[name], (name, taken[name], sizes[name])
+    assert handoffs["p_md"] == requests // 3 and handoffs["one_shot"] > 0 and handoffs["catch_up"] > 0, handoffs
+    assert drc_hits > 0
+
+
+def swa_pool_size(cluster, name: str) -> int:
+    log = (cluster.procs.log_dir / f"{name}.log").read_text(errors="replace")
+    return int(re.search(r"swa size: (\d+)", log).group(1))
