@@ -2,9 +2,10 @@
 sliding/full, window 32) on real SGLang: SGLang gives it an SWAKVPool, the sliding layers in a
 pool smaller than the full one.
 
-Through PDD (one single server, then one cluster): greedy output_ids through P->MD and
-P->RLD->MD (one-shot and catch-up handoffs) equal the single server's; the WAN carries the
-full layers' pages and only the sliding layers' window; a second turn hits MD's SWA-aware DRC.
+Through PDD (one single server, then one cluster at --page-size 1 and one at 16): greedy
+output_ids through P->MD and P->RLD->MD (one-shot and catch-up handoffs) equal the single
+server's; the WAN carries the full layers' pages and only the sliding layers' window; a second
+turn hits MD's SWA-aware DRC.
 
 A soak (its own cluster) wraps the sliding-window pools of P, RLD and MD many times over with
 multi-turn sessions on both paths: outputs equal, nothing lost or leaked.
@@ -78,25 +79,6 @@ def test_small_swa_pool_serves_sequential_prompts_past_its_size(run_root, swa_mo
     swa_size = int(re.search(r"swa size: (\d+)", log).group(1))
     assert swa_size < sum(len(p) + NEW_TOKENS for p in prompts)  # the run passes the SWA pool's size
     assert got == transformers_greedy(swa_model, prompts, NEW_TOKENS)
-
-
-def test_pdd_refuses_a_hybrid_pool_it_cannot_move_at_start_naming_it(run_root, swa_model, servers_under_test):
-    """An SWAKVPool moves over the WAN at --page-size 1 only so far: a paged MD stops before
-    serving, saying so (sglang_glue/servable.py), instead of failing at a request."""
-    from sglang_pdd.launcher.processes import ProcessFailed, ProcessGroup
-    from sglang_pdd.launcher.topology import Topology, server_argv, server_env, write_wan_key
-
-    servers_under_test.stop()
-    spec = Topology.on_free_ports().main
-    key = write_wan_key(run_root / "refuse-paged.key")
-    with ProcessGroup(run_root / "refuse-paged-logs") as procs:
-        procs.start(spec.name, server_argv(spec, swa_model, str(key)) + ["--dtype", "float32", "--page-size", "16"],
-                    health_url=f"{spec.url}/health", env=server_env(spec))
-        with pytest.raises(ProcessFailed) as failed:
-            procs.wait_healthy(timeout_s=600)
-    assert "exited with code" in str(failed.value)
-    log = (run_root / "refuse-paged-logs" / f"{spec.name}.log").read_text(errors="replace")
-    assert "its SWAKVPool (sliding-window layers) moves over the WAN at --page-size 1 only so far (got 16)" in log
 
 
 # ---------------------------------------------------------------- end to end through PDD
@@ -193,6 +175,39 @@ def test_swa_drc_second_turn_hits_md_and_sends_only_the_suffix(swa_cluster, swa_
     turn1_tokens, cached = assert_second_turn_sends_only_the_suffix(swa_cluster, TURN1, swa_reference.__getitem__,
                                                                     next_turn)
     assert cached >= turn1_tokens - 1  # turn 1's prompt (the last token may be recomputed)
+
+
+# ---------------------------------------------------------------- paged pools (--page-size 16)
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def swa_cluster_paged(run_root, swa_model, swa_reference, servers_under_test):
+    """P, RLD and MD at --page-size 16: SGLang's paged SWA allocator on each side."""
+    from tests.conftest import start_pdd_cluster
+
+    return servers_under_test.get("cluster-swa-page16", lambda: start_pdd_cluster(
+        run_root, "cluster-swa-page16", page_size=PAGE, model_path=swa_model))
+
+
+@pytest.mark.parametrize("options", [{"path": "p_md"}, {"path": "p_rld_md", "handoff_mode": "one_shot"},
+                                     {"path": "p_rld_md", "handoff_mode": "catch_up"}],
+                         ids=lambda o: o.get("handoff_mode", o["path"]))
+def test_swa_at_page_size_16_output_ids_equal_single_server(swa_cluster_paged, swa_reference, options):
+    from tests.support.pdd_requests import assert_routes_equal_reference
+
+    assert_routes_equal_reference(swa_cluster_paged, {p: swa_reference[p] for p in PROMPTS}, options)
+
+
+def test_swa_at_page_size_16_second_turn_hits_md_in_whole_pages(swa_cluster_paged, swa_reference):
+    from tests.support.pdd_requests import assert_second_turn_sends_only_the_suffix
+
+    log = (swa_cluster_paged.procs.log_dir / "main-0.log").read_text(errors="replace")
+    assert re.search(r"KV pool kind=mha buffers=8 page_size=16 .* window_buffers=4 window=\d+", log)
+    turn1_tokens, cached = assert_second_turn_sends_only_the_suffix(swa_cluster_paged, TURN1,
+                                                                    swa_reference.__getitem__, next_turn)
+    assert cached % PAGE == 0 and cached >= turn1_tokens - PAGE  # turn 1's prompt, its whole pages
 
 
 # ---------------------------------------------------------------- a soak that wraps the sliding-window pools
