@@ -48,7 +48,7 @@ class KvSize:
         cached = min(max(0, md_cached_tokens), input_tokens)
         cached -= cached % page_size
         out = (input_tokens - cached) * self.per_token
-        if self.window_tokens:
-            start = max(cached, input_tokens - self.window_tokens)
+        if self.window_tokens:  # kv_channel/layout.py window_first_page
+            start = max(cached, input_tokens - input_tokens % page_size - self.window_tokens)
             out += (input_tokens - (start - start % page_size)) * self.window_bytes_per_token
         return out

@@ -40,7 +40,7 @@ def swa_bufs(pool):
     return [*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer]
 
 
-def build_hybrid_md(page_size: int = 1):
+def build_hybrid_md(page_size: int = 1, window: int = WINDOW):
     require_sglang_import()
     from types import SimpleNamespace
 
@@ -54,19 +54,19 @@ def build_hybrid_md(page_size: int = 1):
 
     pool, alloc = swa_pool(page_size=page_size)
     tree = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                                             page_size=page_size, sliding_window_size=WINDOW,
+                                             page_size=page_size, sliding_window_size=window,
                                              tree_components=(ComponentType.FULL, ComponentType.SWA)))
     cfg = PddConfig(role="main", wan_listen=f"127.0.0.1:{free_port()}", control_listen=f"127.0.0.1:{free_port()}",
                     wan_timeout_s=10.0, md_staging_mb=64)
-    sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size, idle_sleeper=None,
-                            sliding_window_size=WINDOW)
+    sched = SimpleNamespace(server_args=SimpleNamespace(port=1), tree_cache=tree, page_size=page_size,
+                            idle_sleeper=None, sliding_window_size=window)
     return MainDrcRuntime(sched, cfg, KEY)
 
 
 class HybridPrefill:
     """P: an SWAKVPool holding prompts at slots of its own (full and sliding differ), the real fan-out."""
 
-    def __init__(self, md, page_size: int = 1):
+    def __init__(self, md, page_size: int = 1, window: int = WINDOW):
         from sglang_pdd.sglang_glue.p.wan_fanout import WanFanout
 
         self.md, self.page_size = md, page_size
@@ -74,7 +74,7 @@ class HybridPrefill:
         # P's sliding slots differ from its full ones
         self.alloc.swa_attn_allocator.alloc(11 if page_size == 1 else 3 * page_size)
         self.fanout = WanFanout(KEY, "p-swa", num_streams=2, timeout_s=10.0, allowed_peers=[tuple(md.receiver.address)])
-        self.fanout.attach_pool(self.pool, page_size, window=WINDOW)
+        self.fanout.attach_pool(self.pool, page_size, window=window)
 
     def prompt_slots(self, n, prefix_slots=None):
         """Slots for tokens [len(prefix_slots), n) after a prefix at ``prefix_slots``, as SGLang's
@@ -338,6 +338,38 @@ def test_at_page_size_16_whole_pages_and_the_windows_pages_land_and_a_second_tur
             assert torch.equal(want, have)
         for want, have in zip(p.rows(slots2, 160, 192, window=True), md_rows(md, got[160:], window=True)):
             assert torch.equal(want, have)
+        md.rank_rooms.release(ReleaseRequest(2))
+        settle(md)
+        assert conserved(md)
+    finally:
+        close(md, p)
+
+
+def test_at_page_size_16_a_prompt_ending_early_in_its_last_page_keeps_a_whole_window_before_its_last_full_page():
+    """The tree takes whole pages only, so a 111-token prompt enters it up to token 96; the
+    window P sends (31 tokens: SGLang's for the tiny model) must reach back a whole window from
+    there (token 65, so page 4), not only from the prompt's end (token 80, page 5): with the SWA
+    KV of tokens 80-95 only, SGLang's SWA-aware match found no prefix at all and the room failed
+    (`only 0 cached after insert`)."""
+    md = build_hybrid_md(PAGE, window=31)
+    p = HybridPrefill(md, PAGE, window=31)
+    try:
+        ids = list(range(4000, 4111))
+        reg = md.rank_rooms.register(RegisterRequest(1, ids))
+        slots = p.prompt_slots(len(ids))
+        room = p.send(1, ids, reg.cached_tokens, slots)
+        drive_until(md, 1)
+        assert md.rank_rooms.counters["rooms_failed"] == 0 and md.rank_rooms.counters["rooms_ready"] == 1
+        # full pages 0-6, the window's from page 4 (token 64)
+        assert sum(s.plan.total_bytes for s in room.shares) == (4 * 112 + 4 * 48) * 64
+        got = md_slots(md, ids)
+        assert got.numel() == 96
+        for want, have in zip(p.rows(slots, 64, 96, window=True), md_rows(md, got[64:], window=True)):
+            assert torch.equal(want, have)
+        md.rank_rooms.release(ReleaseRequest(1))
+        # a second turn extending it hits all of its whole pages
+        second = ids + list(range(5000, 5020))
+        assert md.rank_rooms.register(RegisterRequest(2, second)).cached_tokens == 96
         md.rank_rooms.release(ReleaseRequest(2))
         settle(md)
         assert conserved(md)
