@@ -165,7 +165,8 @@ def test_swa_wan_sends_full_layers_and_only_the_window_of_sliding_ones(swa_clust
               f"{full_only} B sent like full attention ({sent / full_only:.2f}x)")
         assert sent == expected
         # the router counts a transfer once its flow has ended
-        assert wait_until(lambda: router_wan_bytes() - router_before == sent, 10, poll_s=0.2), router_wan_bytes() - router_before
+        assert wait_until(lambda: router_wan_bytes() - router_before == sent, 10, poll_s=0.2), \
+            router_wan_bytes() - router_before
         assert get_json(md_stats_url, key=key)["wan_bytes"] - md_before == sent
 
 
@@ -247,18 +248,21 @@ def soak_reference(run_root, swa_model, servers_under_test):
     return sessions
 
 
-@pytest.fixture(scope="module")
-def swa_soak_cluster(run_root, swa_model, soak_reference, servers_under_test):
+@pytest.fixture(scope="module", params=[1, PAGE], ids=lambda n: f"page{n}")
+def swa_soak_cluster(run_root, swa_model, soak_reference, servers_under_test, request):
     from tests.conftest import EXACT_ARGS, start_pdd_cluster
 
     args = (*EXACT_ARGS, "--swa-full-tokens-ratio", SOAK_RATIO)
-    return servers_under_test.get("cluster-swa-soak", lambda: start_pdd_cluster(
-        run_root, "cluster-swa-soak", model_path=swa_model, extra_args=args))
+    name = f"cluster-swa-soak-page{request.param}"
+    cluster = servers_under_test.get(name, lambda: start_pdd_cluster(
+        run_root, name, page_size=request.param, model_path=swa_model, extra_args=args))
+    cluster.page_size = request.param
+    return cluster
 
 
 def prefilled_tokens(url: str) -> int:
     """SGLang's count of the tokens a server's prefills and extends computed (cache hits
-    excluded), summed over its ranks: each took a sliding-window slot (page size 1)."""
+    excluded), summed over its ranks: each took a sliding-window slot."""
     from sglang_pdd.launcher.http import get_json
 
     loads = get_json(f"{url}/v1/loads?include=all")["loads"]
@@ -269,15 +273,18 @@ def prefilled_tokens(url: str) -> int:
 def test_swa_soak_wraps_the_sliding_window_pools_through_both_paths(swa_soak_cluster, soak_reference):
     """Multi-turn sessions, four at a time, through P->MD and P->RLD->MD (one-shot and
     catch-up handoffs) on servers whose sliding-window pools hold 2% of the full pool's
-    tokens: the sliding slots are taken and freed many times over on P, RLD and MD. Every
+    tokens, at page size 1 and 16: the sliding slots are taken and freed many times over on
+    P, RLD and MD. Every
     turn's greedy output_ids equal the plain server's, none falls back or is lost; afterwards
     no server holds a request, a room, a WAN slot or (after a flush) a KV slot, and no
     server logged a leak (SGLang's idle checks, both pools, raise on one)."""
     from sglang_pdd.chaos import probe
     from sglang_pdd.chaos.runner import settle_and_flush
+    from sglang_pdd.kv_channel.layout import num_pages, window_first_page
     from tests.support.takeover import stream_final
 
-    cluster, topo = swa_soak_cluster, swa_soak_cluster.topology
+    cluster, topo, page = swa_soak_cluster, swa_soak_cluster.topology, swa_soak_cluster.page_size
+    window = _window(cluster)
     cluster.wan_control("link", rate_gbps=SOAK_WAN_GBPS)
     offsets = probe.log_offsets(cluster.procs.log_dir)
     prefilled = {spec.name: prefilled_tokens(spec.url) for spec in topo.servers}
@@ -300,7 +307,7 @@ def test_swa_soak_wraps_the_sliding_window_pools_through_both_paths(swa_soak_clu
     leaks = settle_and_flush(cluster, offsets)
 
     handoffs = {"p_md": 0, "one_shot": 0, "catch_up": 0}
-    md_tokens = rld_tokens = windows = drc_hits = prompts = 0
+    md_tokens = rld_tokens = windows = drc_hits = relay_prealloc = 0
     relay_handoff_at = []
     for s, turns in enumerate(results):
         options = SOAK_OPTIONS[s % len(SOAK_OPTIONS)]
@@ -314,28 +321,31 @@ def test_swa_soak_wraps_the_sliding_window_pools_through_both_paths(swa_soak_clu
                 relay_handoff_at.append(pdd["handoff_at"])
             md_tokens, rld_tokens = md_tokens + pdd["md_tokens"], rld_tokens + pdd["rld_tokens"]
             n, cached = len(soak_reference[s][t][0]), pdd["md_cached_tokens"]
-            prompts += n
-            windows += n - max(cached, n - _window(cluster)) if pdd["md_tokens"] else 0
+            # SGLang's decode side preallocates the whole prompt in both pools at page size 1,
+            # the window's pages of the sliding one above (disaggregation/decode.py _prealloc_kv_lens)
+            relay_prealloc += n if page == 1 else n - window_first_page(n, 0, window, page) * page
+            if pdd["md_tokens"]:  # MD reserved the window's pages
+                windows += (num_pages(n, page) - window_first_page(n, cached, window, page)) * page
             drc_hits += t > 0 and cached > 0
     requests = SOAK_SESSIONS * SOAK_TURNS
     sizes = {spec.name: swa_pool_size(cluster, spec.name) for spec in topo.servers}
-    computed = {name: prefilled_tokens(spec.url) - prefilled[name] for name, spec in
-                ((spec.name, spec) for spec in topo.servers)}
+    computed = {spec.name: prefilled_tokens(spec.url) - prefilled[spec.name] for spec in topo.servers}
     # sliding-window slots each server took (lower bounds): P one per token it prefilled; MD
     # one per token its handoff extends computed, per window token landed and per token it
-    # decoded; RLD one per prompt token (every request has an RLD leg, P->MD's relays P's first
-    # token, and SGLang's decode side preallocates the whole prompt in both pools at page
-    # size 1: disaggregation/decode.py _prealloc_kv_lens) and per token it decoded
+    # decoded; RLD its preallocation for each request (every request has an RLD leg: P->MD's
+    # relays P's first token) and one per token it decoded
     taken = {topo.prefill.name: computed[topo.prefill.name],
              topo.main.name: computed[topo.main.name] + windows + md_tokens,
-             topo.relay.name: prompts + rld_tokens}
-    print(f"\nSWA soak: {requests} requests in {SOAK_SESSIONS} sessions ({elapsed:.0f} s), all equal to one "
-          f"server, no fallback; handoffs to MD {handoffs} (P->RLD->MD at tokens {min(relay_handoff_at, default=0)}-"
-          f"{max(relay_handoff_at, default=0)}); later turns hitting MD's DRC {drc_hits} of "
-          f"{requests - SOAK_SESSIONS}; sliding-window slots taken vs pool size: " + ", ".join(
+             topo.relay.name: relay_prealloc + rld_tokens}
+    print(f"\nSWA soak, page size {page}: {requests} requests in {SOAK_SESSIONS} sessions ({elapsed:.0f} s), "
+          f"all equal to one server, no fallback; handoffs to MD {handoffs} (P->RLD->MD at tokens "
+          f"{min(relay_handoff_at, default=0)}-{max(relay_handoff_at, default=0)}); later turns hitting MD's DRC "
+          f"{drc_hits} of {requests - SOAK_SESSIONS}; sliding-window slots taken vs pool size: " + ", ".join(
               f"{name} >= {taken[name]} / {sizes[name]} ({taken[name] / sizes[name]:.1f}x)" for name in taken))
     assert leaks == [], leaks
-    for name in taken:  # each server's sliding-window pool wrapped several times over
+    # P's and MD's sliding-window pools wrapped several times over; RLD's too at page size 1
+    # (at 16 its decode side sizes a larger pool and preallocates only the window: ~1x)
+    for name in (topo.prefill.name, topo.main.name) + ((topo.relay.name,) if page == 1 else ()):
         assert taken[name] >= 3 * sizes[name], (name, taken[name], sizes[name])
     assert handoffs["p_md"] == requests // 3 and handoffs["one_shot"] > 0 and handoffs["catch_up"] > 0, handoffs
     assert drc_hits > 0
