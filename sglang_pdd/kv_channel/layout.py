@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from sglang_pdd.protocol.kv_size import KvSize
+
 DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
 
@@ -179,8 +181,15 @@ class KvPoolLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """One token across every layer and buffer: what a token costs on the WAN."""
+        """One token across every layer and buffer (what a token holds in the pools)."""
         return self.token_bytes * self.num_buffers
+
+    @property
+    def wan_kv_size(self) -> KvSize:
+        """What a request costs on the WAN (what MD reports to the router): the full layers per
+        token MD lacks, the sliding layers only for the window (TransferPlan.total_bytes)."""
+        window = self.token_bytes * self.window_layers * self.buffers_per_layer
+        return KvSize(self.bytes_per_token - window, self.window if window else 0, window)
 
     def wire(self) -> KvLayout:
         return KvLayout(self.num_buffers, self.page_size, self.page_bytes, self.dtype, self.kind,
@@ -213,9 +222,14 @@ class ChunkSpec:
 
 
 def window_first_page(num_tokens: int, decode_prefix_len: int, window: int, page_size: int) -> int:
-    """First page of the sliding window the receiver needs (SGLang's ``_swa_payload``): the
-    sliding layers' KV of tokens it lacks that the next token can still see."""
-    return align_down(max(decode_prefix_len, num_tokens - window), page_size) // page_size
+    """First page of the sliding window the receiver needs: the sliding layers' KV of tokens it
+    lacks that the next token can still see (SGLang's ``_swa_payload``), and at page size > 1
+    a whole window before the prompt's last page boundary too. MD's radix cache takes the
+    prompt's whole pages only, and SGLang's SWA-aware match counts a prefix only where the
+    window before its end is cached: from the prompt's end alone, a prompt ending one token
+    short of a window's page multiple (111 tokens, window 31, page 16) entered the tree with
+    too short a window and matched nothing. The same as SGLang's at page size 1."""
+    return align_down(max(decode_prefix_len, align_down(num_tokens, page_size) - window), page_size) // page_size
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ control calls with these types, so the contract lives here once (docs/architectu
 """
 
 from sglang_pdd.protocol.errors import ControlError, bad_request
+from sglang_pdd.protocol.kv_size import KvSize
 from sglang_pdd.protocol.messages import (HANDOFF_LOGPROB_FIELDS, MAX_MD_TP, MAX_TOKEN_ID, PARAM_PREFIX, READY_STATES,
                                           RESUME_KEY, DestinationReply, DropReply, HandoffRequest, InfoReply, KeptReply,
                                           HealthReply, KvSendersReply, KvSendersRequest, LegParams, Message, ReadyReply,

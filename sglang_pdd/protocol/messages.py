@@ -17,6 +17,7 @@ from urllib.parse import parse_qs
 
 from sglang_pdd.admission import MAX_ANNOUNCED, check_announced, parse_networks
 from sglang_pdd.protocol.errors import bad_request
+from sglang_pdd.protocol.kv_size import KvSize
 from sglang_pdd.protocol.routes import MAX_ROOM_ID
 
 MAX_MD_TP = 64  # the largest MD TP size anyone accepts (one WAN leg, port and sender per MD rank)
@@ -188,10 +189,18 @@ class RegisterReply(Message):
     tp_size: Optional[int] = wire(_optional(lambda v, n: check_md_tp(v, name="tp_size")), omit=_absent, default=None)
     kv_bytes_per_token: Optional[int] = wire(_optional(_int_in(0, 1 << 40)), omit=_absent, default=None)
     kv_layout: Optional[dict] = wire(_optional(_object), omit=_absent, default=None)
+    # a sliding-window pool: kv_bytes_per_token is the full layers', the window's here (KvSize)
+    kv_window_tokens: Optional[int] = wire(_optional(_int_in(0, MAX_PREFIX_LEN)), omit=_absent, default=None)
+    kv_window_bytes_per_token: Optional[int] = wire(_optional(_int_in(0, 1 << 40)), omit=_absent, default=None)
 
     @property
     def md_tp(self) -> int:
         return 1 if self.tp_size is None else self.tp_size
+
+    @property
+    def kv_size(self) -> Optional[KvSize]:
+        """MD's KV size (None when it did not say)."""
+        return KvSize.reported(dataclasses.asdict(self))
 
 
 READY_STATES = ("ready", "failed", "pending")

@@ -29,10 +29,12 @@ gap before MD's first token instead, so the budget is capped by the gap SLO
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from sglang_pdd.protocol.kv_size import KvSize
 from sglang_pdd.router.backends.wan_in_flight import competing_wan_bytes
 
 
@@ -67,6 +69,11 @@ class PathPolicyConfig:
     wan_gbps: float = 10.0
     wan_rtt_ms: float = 40.0
     kv_bytes_per_token: int = 46_000
+    # A sliding-window model (SGLang's SWAKVPool): kv_bytes_per_token is then its
+    # full-attention layers' only, and its sliding layers cost kv_window_bytes_per_token for each
+    # of the last kv_window_tokens tokens MD lacks: P sends their window, not the prompt (KvSize).
+    kv_window_tokens: int = 0
+    kv_window_bytes_per_token: int = 0
     ttft_slo_ms: float = 2000.0
     mode: PathMode = PathMode.FIT
     # FIT: the share of the TTFT slack P->MD may use while RLD idles. Below 1 so that an idle
@@ -110,6 +117,7 @@ class PathPolicyConfig:
             raise ValueError("wan_gbps must be > 0")
         if self.page_size <= 0:
             raise ValueError("page_size must be > 0")
+        KvSize(self.kv_bytes_per_token, self.kv_window_tokens, self.kv_window_bytes_per_token)  # raises if invalid
         if not 0.0 <= self.rld_idle_at < self.rld_busy_at:
             raise ValueError("need 0 <= rld_idle_at < rld_busy_at")
         if not 0.0 <= self.ttft_safety_fraction < 1.0:
@@ -123,6 +131,15 @@ class PathPolicyConfig:
         if self.gap_slo_ms is not None and not self.gap_slo_ms > 0:
             raise ValueError("gap_slo_ms must be > 0 (or None: no gap SLO)")
         object.__setattr__(self, "mode", PathMode(self.mode))
+
+    @property
+    def kv_size(self) -> KvSize:
+        return KvSize(self.kv_bytes_per_token, self.kv_window_tokens, self.kv_window_bytes_per_token)
+
+    def with_kv_size(self, size: KvSize) -> "PathPolicyConfig":
+        """This configuration with MD's KV size as MD reported it."""
+        return dataclasses.replace(self, kv_bytes_per_token=size.per_token, kv_window_tokens=size.window_tokens,
+                                   kv_window_bytes_per_token=size.window_bytes_per_token)
 
     @property
     def budgets_the_gap(self) -> bool:
@@ -171,13 +188,22 @@ def uncached_tokens(facts: RequestFacts, cfg: PathPolicyConfig) -> int:
     return facts.input_tokens - cached
 
 
+def request_wan_bytes(facts: RequestFacts, cfg: PathPolicyConfig) -> int:
+    """The KV bytes P sends MD for this request (KvSize.wan_bytes at MD's size)."""
+    return cfg.kv_size.wan_bytes(facts.input_tokens, facts.md_cached_tokens, cfg.page_size)
+
+
+def wan_transfer_ms(kv_bytes: int, cfg: PathPolicyConfig, competing_bytes: int = 0) -> float:
+    """Until ``kv_bytes`` have landed on MD: one-way latency plus serialisation of them and
+    the bytes sharing the link."""
+    return cfg.wan_rtt_ms / 2.0 + (kv_bytes + competing_bytes) * 8.0 / (cfg.wan_gbps * 1e9) * 1e3
+
+
 def estimate_wan_transfer_ms(
     kv_tokens: int, cfg: PathPolicyConfig, competing_bytes: int = 0
 ) -> float:
-    """Until the KV has landed on MD: one-way latency plus serialisation of our bytes and
-    the bytes sharing the link."""
-    total_bytes = kv_tokens * cfg.kv_bytes_per_token + competing_bytes
-    return cfg.wan_rtt_ms / 2.0 + total_bytes * 8.0 / (cfg.wan_gbps * 1e9) * 1e3
+    """``wan_transfer_ms`` for ``kv_tokens`` tokens of ``cfg.kv_bytes_per_token`` each."""
+    return wan_transfer_ms(kv_tokens * cfg.kv_bytes_per_token, cfg, competing_bytes)
 
 
 # One-way WAN trips a P->MD user waits for, from the path's message sequence in
@@ -193,19 +219,24 @@ P_MD_REGISTRATION_ONE_WAY_TRIPS = 2
 P_MD_AFTER_PREFILL_ONE_WAY_TRIPS = 2
 
 
-def estimate_p_md_wan_ms(
-    kv_tokens: int, cfg: PathPolicyConfig, competing_bytes: int = 0
-) -> float:
-    """WAN time the user of a P->MD request waits for until MD's first token, beyond a
-    same-DC request: the one-way trips above plus the serialisation. When the policy budgets
-    the gap (`cfg.budgets_the_gap`), the trips after P's prefill only: the registration is in
-    TTFT (`registration_ms`), before the first token."""
+def p_md_wan_ms(kv_bytes: int, cfg: PathPolicyConfig, competing_bytes: int = 0) -> float:
+    """WAN time the user of a P->MD request whose KV is ``kv_bytes`` waits for until MD's
+    first token, beyond a same-DC request: the one-way trips above plus the serialisation.
+    When the policy budgets the gap (`cfg.budgets_the_gap`), the trips after P's prefill only:
+    the registration is in TTFT (`registration_ms`), before the first token."""
     one_way = cfg.wan_rtt_ms / 2.0
     trips = P_MD_AFTER_PREFILL_ONE_WAY_TRIPS
     if cfg.p_md_registers_first and not cfg.budgets_the_gap:
         trips += P_MD_REGISTRATION_ONE_WAY_TRIPS
-    # estimate_wan_transfer_ms holds one of the trips (trip 3)
-    return estimate_wan_transfer_ms(kv_tokens, cfg, competing_bytes) + (trips - 1) * one_way
+    # wan_transfer_ms holds one of the trips (trip 3)
+    return wan_transfer_ms(kv_bytes, cfg, competing_bytes) + (trips - 1) * one_way
+
+
+def estimate_p_md_wan_ms(
+    kv_tokens: int, cfg: PathPolicyConfig, competing_bytes: int = 0
+) -> float:
+    """``p_md_wan_ms`` for ``kv_tokens`` tokens of ``cfg.kv_bytes_per_token`` each."""
+    return p_md_wan_ms(kv_tokens * cfg.kv_bytes_per_token, cfg, competing_bytes)
 
 
 def registration_ms(cfg: PathPolicyConfig) -> float:
@@ -275,8 +306,7 @@ def router_facts(input_tokens: int, md_cached_tokens: int, max_new_tokens: Optio
     and the simulator both build their facts here, so the simulator cannot decide on what the
     router does not see."""
     util = rld_running / rld_max_running if rld_max_running > 0 else 1.0
-    cached = min(max(0, md_cached_tokens), input_tokens)
-    own_bytes = (input_tokens - (cached - cached % cfg.page_size)) * cfg.kv_bytes_per_token  # uncached_tokens'
+    own_bytes = cfg.kv_size.wan_bytes(input_tokens, md_cached_tokens, cfg.page_size)
     return RequestFacts(input_tokens=input_tokens, md_cached_tokens=md_cached_tokens,
                         expected_output_tokens=max_new_tokens, rld_utilisation=util,
                         p_queue_ms=1e3 * max(0, p_queued_tokens) / cfg.p_prefill_tokens_per_s,
@@ -296,7 +326,7 @@ def decide_path(input_tokens: int, md_cached_tokens: int, max_new_tokens: Option
 
 def choose_path(facts: RequestFacts, cfg: PathPolicyConfig) -> PathDecision:
     uncached = uncached_tokens(facts, cfg)
-    est_ms = estimate_p_md_wan_ms(uncached, cfg, facts.wan_competing_bytes)
+    est_ms = p_md_wan_ms(request_wan_bytes(facts, cfg), cfg, facts.wan_competing_bytes)
     if is_outlier(facts, cfg):
         return PathDecision(
             Path.P_RLD_ONLY,

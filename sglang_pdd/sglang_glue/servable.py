@@ -11,9 +11,9 @@ never half-way through a transfer):
   (kv_buffer_groups.py moves it between pools; docs/data_path.md, "Hybrid pools"); its model
   path also needs CUDA kernels;
 * an ``SWAKVPool`` the WAN path does not move yet: sub-pools other than two MHA pools, no
-  full-attention layer, or ``--page-size`` > 1 (moved and tested at page size 1 only). An
-  SWAKVPool of two MHA pools at page size 1 is served: full layers per page, the sliding
-  layers' window only (kv_pool_view.py, md/ingest.py);
+  full-attention layer, no sliding window size. An SWAKVPool of two MHA pools is served, at
+  any page size: full layers per page, the sliding layers' window's pages only
+  (kv_pool_view.py, md/ingest.py);
 * attention sinks (gpt-oss, GraniteSWA) on SGLang's ``torch_native`` backend, the CPU one: its
   ``forward_extend`` takes no ``sinks`` (TypeError at the first prefill otherwise).
 """
@@ -41,10 +41,6 @@ def swa_refusal(kv_pool, page_size: int, window: int) -> Optional[str]:
     """Why the WAN path cannot move this SWAKVPool (None if it can)."""
     from sglang_pdd.sglang_glue.kv_pool_view import UnsupportedKvPool, pool_layout
 
-    if page_size != 1:
-        return (f"sglang-pdd cannot move this model's KV yet: its SWAKVPool (sliding-window layers) moves over "
-                f"the WAN at --page-size 1 only so far (got {page_size}); serve it with --page-size 1 or with "
-                f"plain SGLang PD")
     try:
         pool_layout(kv_pool, page_size, window)
     except UnsupportedKvPool as e:

@@ -122,6 +122,7 @@ class FakeGenerate:
 
 class FakeMdRuntime:
     kv_bytes_per_token = 512  # a tiny model's
+    kv_window: dict = {}  # a sliding-window MD's kv_window_tokens and kv_window_bytes_per_token
 
     def __init__(self, http_port: int, max_rooms: int = 4096):
         self.http_port = http_port
@@ -163,7 +164,7 @@ class FakeMdRuntime:
     def stats(self) -> dict:
         if self.fail_stats_with is not None:
             raise self.fail_stats_with
-        return {"open_rooms": len(self.table.rooms), "kv_bytes_per_token": self.kv_bytes_per_token}
+        return {"open_rooms": len(self.table.rooms), "kv_bytes_per_token": self.kv_bytes_per_token, **self.kv_window}
 
     def state(self):
         """Everything a control call can change."""

@@ -39,10 +39,10 @@ class Pools:
         self.rld_inflight = {url: 0 for url in relay}
         self.md_inflight = {m.url: 0 for m in main}
         self.wan = WanInFlight()  # one link between the datacenters, whichever MD a transfer goes to
-        # Each MD's KV bytes per token as it last told them (its stats at start, then each
-        # registration answer): a flow's route carries it, the WAN estimate of a path chosen
-        # before MD answers; the default (md_move) until an MD has told.
-        self.md_kv_bytes_per_token: dict[str, int] = {}
+        # Each MD's KV size (router/policy.py KvSize) as it last told it (its stats at start,
+        # then each registration answer): a flow's route carries it, the WAN estimate of a path
+        # chosen before MD answers; the default (md_move) until an MD has told.
+        self.md_kv_sizes: dict = {}
         # Approximate prefix index (16-token blocks): P's and MD's cached prefixes.
         self.prefixes = PrefixIndex(index_blocks_per_instance, block_tokens=16)
         self.health = HealthBoard(health or HealthConfig())
@@ -77,11 +77,11 @@ class Pools:
         """Role -> {url: requests in flight}, the live counts (not copies)."""
         return {"prefill": self.p_inflight, "relay": self.rld_inflight, "main": self.md_inflight}
 
-    def learn_md_kv_size(self, url: str, per_token: int, from_stats: bool = False) -> None:
-        """MD ``url`` told its KV bytes per token: a registration answer replaces what the pools
+    def learn_md_kv_size(self, url: str, size, from_stats: bool = False) -> None:
+        """MD ``url`` told its KV size (a KvSize): a registration answer replaces what the pools
         held; its stats at start (``from_stats``) only fill in a size not known yet."""
-        if per_token > 0 and not (from_stats and url in self.md_kv_bytes_per_token):
-            self.md_kv_bytes_per_token[url] = per_token
+        if size is not None and size.per_token > 0 and not (from_stats and url in self.md_kv_sizes):
+            self.md_kv_sizes[url] = size
 
     def pick(self, input_ids: list[int], now: Optional[float] = None, exclude: frozenset = frozenset(),
              max_new_tokens: Optional[int] = None) -> tuple[PrefillBackend, str, Optional[MainBackend]]:
@@ -143,8 +143,10 @@ class Pools:
         loads = [InstanceLoad(s.url, inflight[s.url]) for s in servers]
         cost = self.md_move
         if matched:
+            # re-sending the prefix costs its full layers' KV (a sliding window is sent either way)
+            size = self.md_kv_sizes.get(owner)
             cost = dataclasses.replace(cost,
-                                       kv_bytes_per_token=self.md_kv_bytes_per_token.get(owner) or cost.kv_bytes_per_token,
+                                       kv_bytes_per_token=size.per_token if size is not None else cost.kv_bytes_per_token,
                                        flow_step_s=self.md_flow_step_s.get(owner, cost.flow_step_s))
         chosen = pick_main(loads, owner if matched else None, matched, max_new_tokens, self.wan.transfers, cost)
         return next(s for s in servers if s.url == chosen)

@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import aiohttp
 
-from sglang_pdd.protocol import RegisterReply
+from sglang_pdd.protocol import KvSize, RegisterReply
 from sglang_pdd.router.flow import lifecycle
 from sglang_pdd.router.backends.clients import (BackendError, MainControl, PrefillControl, UnverifiedReply,
                                         server_at_fault)
@@ -74,7 +74,7 @@ class FlowIo:
     spawn: Callable[..., None]
     live_rids: dict
     wan_in_flight: WanInFlight
-    learn_md_kv_size: Optional[Callable[[str, int], None]] = None
+    learn_md_kv_size: Optional[Callable[[str, KvSize], None]] = None
 
 
 class MdSide:
@@ -149,13 +149,13 @@ class MdSide:
     def _on_registered(self, reg: RegisterReply) -> int:
         """MD's registration answer: its exact cached prefix (returned) and KV size."""
         cached = reg.cached_tokens
-        per_token = reg.kv_bytes_per_token or 0
+        size = reg.kv_size or KvSize(0)
         self.md_tp = reg.md_tp  # P feeds each of MD's TP ranks (their WAN ports: wan_peer's + r)
         self.result.md_cached_tokens = cached
         # Counted once MD confirms the KV landed (a cancelled transfer is not "sent").
-        self._planned_wan = ((len(self.ids) - cached) * per_token, cached * per_token)
-        if per_token and self._learn_kv_size is not None:  # MD knows its KV size exactly
-            self._learn_kv_size(self.main_url, per_token)  # the router's pools, for the next flows' routes
+        self._planned_wan = (size.wan_bytes(len(self.ids), cached), cached * size.per_token)
+        if reg.kv_size is not None and self._learn_kv_size is not None:  # MD knows its KV size exactly
+            self._learn_kv_size(self.main_url, reg.kv_size)  # the router's pools, for the next flows' routes
         return cached
 
     def count_wan_transfer(self) -> None:

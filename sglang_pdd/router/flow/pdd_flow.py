@@ -79,7 +79,7 @@ from sglang_pdd.handoff.output_meta import OutputMeta
 from sglang_pdd.handoff.stitcher import StitchError, StreamStitcher
 from sglang_pdd.machine import Driver
 from sglang_pdd.router.flow import lifecycle
-from sglang_pdd.protocol import RESUME_KEY, without_pdd_params
+from sglang_pdd.protocol import RESUME_KEY, KvSize, without_pdd_params
 from sglang_pdd.router.flow.fallback import Fallback, Reason
 from sglang_pdd.router.flow.lifecycle import RecoveryMode
 from sglang_pdd.router.backends.clients import (BackendError, StreamStalled, abort, generate_once, generate_stream,
@@ -511,10 +511,9 @@ class PddFlow:
                                            reason=f"forced by request ({decision.reason})")
         return decision
 
-    def _decide_with_kv_size(self, kv_bytes_per_token: int) -> None:
+    def _decide_with_kv_size(self, size: KvSize) -> None:
         """The WAN estimate of the path choice with MD's KV size as MD reported it."""
-        self.cfg = dataclasses.replace(self.cfg, path=dataclasses.replace(
-            self.cfg.path, kv_bytes_per_token=kv_bytes_per_token))
+        self.cfg = dataclasses.replace(self.cfg, path=self.cfg.path.with_kv_size(size))
 
     async def _choose_path_on_estimate(self) -> lifecycle.PathChosen:
         """P has a control API: decide on the router's estimate of MD's prefix, without a WAN
@@ -526,8 +525,8 @@ class PddFlow:
         registers first, a WAN round trip before P starts, and decides again on MD's exact
         answer, as without a control API. P->RLD only (outlier; decided on the prompt length and
         max_new_tokens, not on MD's prefix) registers nothing."""
-        if self.pick.md_kv_bytes_per_token:  # MD's KV size as it last reported it (the pools')
-            self._decide_with_kv_size(self.pick.md_kv_bytes_per_token)
+        if self.pick.md_kv_size is not None:  # MD's KV size as it last reported it (the pools')
+            self._decide_with_kv_size(self.pick.md_kv_size)
         decision = self._decide(self.result.md_cached_estimate)
         if decision.path is Path.P_MD and self.cfg.path.p_md_registers_first:
             return lifecycle.PathChosen(await self._register_and_choose_path())
@@ -542,8 +541,8 @@ class PddFlow:
         if reg is None:
             self.result.path, self.result.reason = Path.P_RLD_ONLY.value, "no MD available"
             return Path.P_RLD_ONLY
-        if reg.kv_bytes_per_token:  # MD knows its KV size exactly
-            self._decide_with_kv_size(reg.kv_bytes_per_token)
+        if reg.kv_size is not None:  # MD knows its KV size exactly
+            self._decide_with_kv_size(reg.kv_size)
         decision = self._decide(reg.cached_tokens)
         self.result.path, self.result.reason = decision.path.value, decision.reason
         if decision.path is Path.P_RLD_ONLY:

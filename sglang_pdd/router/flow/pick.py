@@ -15,6 +15,7 @@ from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.backends.stall import BackendProgress
 from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.router.flow.fallback import Fallback
+from sglang_pdd.protocol import KvSize
 from sglang_pdd.router.policy import Path
 
 
@@ -29,7 +30,7 @@ class ServerPick:
     p_queued_tokens: int = 0  # P's prefill tokens in flight before this request
     md_cached_estimate: int = 0  # the router's prefix index: what MD holds of the prompt
     p_cached_estimate: int = 0  # ... and what P holds
-    md_kv_bytes_per_token: Optional[int] = None  # MD's KV size as the pools last learned it
+    md_kv_size: Optional[KvSize] = None  # MD's KV size as the pools last learned it
     force_path: Optional[Path] = None  # an operator's pdd_options path
     use_drc: bool = True  # False (pdd_options drc): MD ignores its cache, plain cross-DC PD
     fallbacks: tuple[Fallback, ...] = ()  # the fallbacks before this flow (a retry's)
@@ -43,8 +44,8 @@ class FlowShared:
 
     session: Any  # the aiohttp client session to the backends (None in tests that start no leg)
     wan_in_flight: WanInFlight = field(default_factory=WanInFlight)  # the router's count of the link
-    # Where MD's KV size goes when a registration answer tells it: (MD url, bytes per token) ->
-    # the pools (backends/pools.py), for the next flows' routes.
-    learn_md_kv_size: Optional[Callable[[str, int], None]] = None
+    # Where MD's KV size goes when a registration answer tells it: (MD url, KvSize) -> the pools
+    # (backends/pools.py), for the next flows' routes.
+    learn_md_kv_size: Optional[Callable[[str, KvSize], None]] = None
     # When each server last made progress, as the router's flows saw it (the relay stall guard's)
     progress: BackendProgress = field(default_factory=BackendProgress)

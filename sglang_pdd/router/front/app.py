@@ -39,6 +39,7 @@ from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.front.flow_runner import FlowRunner
 from sglang_pdd.router.backends.health import Drain, BackendFailed, BackendSucceeded
 from sglang_pdd.router.front.metrics import CONTENT_TYPE, RouterMetrics
+from sglang_pdd.protocol import KvSize
 from sglang_pdd.router.policy import Path
 from sglang_pdd.router.front.openai_front import OpenAIFront, _dumps, dumps_bytes, sse_reply
 from sglang_pdd.router.backends.pools import Pools
@@ -92,7 +93,7 @@ def upstream_reply(e: UpstreamError) -> web.Response:
 
 async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBackend], pools: Pools,
                             attempts: int = 30, interval_s: float = 2.0) -> None:
-    """Each MD's KV bytes per token from its stats, into the pools, asked at start until it
+    """Each MD's KV size (protocol KvSize) from its stats, into the pools, asked at start until it
     answers, so that the first requests' WAN estimates use MD's real size rather than the
     policy's default (46 KB, a 70B-class model: orders of magnitude off for a small one). A
     registration answer already taken is kept."""
@@ -102,9 +103,7 @@ async def learn_md_kv_sizes(session: aiohttp.ClientSession, mains: list[MainBack
             stats = await MainControl(session, main.control_url).stats() if main.control_url else None
             if stats is not None:
                 waiting.remove(main)
-                size = stats.get("kv_bytes_per_token")
-                if isinstance(size, int):
-                    pools.learn_md_kv_size(main.url, size, from_stats=True)
+                pools.learn_md_kv_size(main.url, KvSize.reported(stats), from_stats=True)
         if not waiting:
             return
         await asyncio.sleep(interval_s)

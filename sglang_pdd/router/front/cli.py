@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WAN round trip used in the estimate: P->MD pays every one-way trip of its messages")
     g.add_argument("--kv-bytes-per-token", type=int, default=46_000,
                    help="KV size for the WAN estimate until MD reports its own (its stats, asked at start, "
-                        "and each registration answer)")
+                        "and each registration answer; a sliding-window MD reports its window too)")
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0,
                    help="TTFT target: P->MD when P's queue + prefill + the WAN fit a share of what it leaves "
                         "after a safety share (--path-mode)")

@@ -111,7 +111,7 @@ class FlowRunner:
         pick = ServerPick(prefill, relay, main, rld_inflight=self.pools.rld_inflight[relay],
                       p_queued_tokens=self.pools.p_tokens[prefill.url], md_cached_estimate=md_estimate,
                       p_cached_estimate=p_estimate,
-                      md_kv_bytes_per_token=self.pools.md_kv_bytes_per_token.get(main.url) if main is not None else None,
+                      md_kv_size=self.pools.md_kv_sizes.get(main.url) if main is not None else None,
                       force_path=force_path, use_drc=bool((options or {}).get("drc", True)),
                       fallbacks=tuple(fallbacks), retry=retry_of is not None,
                       p_load=PrefillLoad(self.pools, prefill.url, max(1, len(req.input_ids) - p_estimate), req.input_ids))

@@ -107,5 +107,5 @@ class MdRoomQueries:
         return {**drc, **rooms.counters, "wan_tokens": drc["tokens_received"], "wan_bytes": drc["bytes_received"],
                 "open_rooms": len(rooms.table.rooms), "rooms_by_phase": self.rooms_by_phase(),
                 "held_kv_slots": self.held_tokens, "tp_size": rooms.tp_size,
-                "kv_bytes_per_token": rooms.kv_bytes_per_token,
+                "kv_bytes_per_token": rooms.kv_bytes_per_token, **rooms.window_report(),
                 "wan_receiver": rooms.receiver.stats()}  # its counters, incl. the acceptor's refusals by kind

@@ -40,7 +40,9 @@ class RankRooms:
         self.ready_events: dict[int, threading.Event] = {}
         self.counters = {"rooms_registered": 0, "rooms_ready": 0, "rooms_failed": 0, "rooms_refused": 0}
         self.drc_stats = DrcStats()
-        self.kv_bytes_per_token = ops.pool_layout.bytes_per_token
+        # what a request costs on the WAN: the router's estimate, and MD's counts of bytes landed
+        self.kv_size = ops.pool_layout.wan_kv_size
+        self.kv_bytes_per_token = self.kv_size.per_token
 
     # ---- commands (rank 0's control threads, applied on every rank; driver.MdCommand)
     def register(self, req: RegisterRequest, now: Optional[float] = None) -> RegisterReply:
@@ -96,7 +98,14 @@ class RankRooms:
         return RegisterReply(room, entry.cached_len, prompt_tokens=len(token_ids),
                              wan_peer="%s:%d" % self.receiver.address,  # rank r listens on its port + r
                              tp_size=self.tp_size, kv_bytes_per_token=self.kv_bytes_per_token,
-                             kv_layout=self.ops.pool_layout.to_dict())
+                             kv_layout=self.ops.pool_layout.to_dict(), **self.window_report())
+
+    def window_report(self) -> dict:
+        """The sliding window's part of MD's KV size, for a pool that has one (KvSize)."""
+        size = self.kv_size
+        if not size.window_tokens:
+            return {}
+        return {"kv_window_tokens": size.window_tokens, "kv_window_bytes_per_token": size.window_bytes_per_token}
 
     def release(self, req: ReleaseRequest) -> ReleaseReply:
         return ReleaseReply(self._release(req.room, req.keep_kv))
@@ -138,7 +147,7 @@ class RankRooms:
     def _count(self, rooms: str, nbytes: str, entry: DrcRoom) -> None:
         """One more room in ``rooms``, its uncached suffix's KV bytes in ``nbytes``."""
         self.counters[rooms] = self.counters.get(rooms, 0) + 1
-        suffix = (len(entry.token_ids) - entry.cached_len) * self.kv_bytes_per_token
+        suffix = self.kv_size.wan_bytes(len(entry.token_ids), entry.cached_len, self.ops.pool_layout.page_size)
         self.counters[nbytes] = self.counters.get(nbytes, 0) + suffix
 
     def drop_rooms_kept_for_cache(self) -> int:
@@ -229,8 +238,8 @@ class RankRooms:
         if entry.state.landed:
             self.counters["rooms_ready"] += 1
             received = len(entry.token_ids) - entry.cached_len
-            self.drc_stats.record_ingest(received, received * self.kv_bytes_per_token, entry.cached_len,
-                                         self.kv_bytes_per_token)
+            nbytes = self.kv_size.wan_bytes(len(entry.token_ids), entry.cached_len, self.ops.pool_layout.page_size)
+            self.drc_stats.record_ingest(received, nbytes, entry.cached_len, self.kv_bytes_per_token)
             if entry.state.phase.terminal:  # released with keep before it landed: it warmed the cache
                 self._count("rooms_kept_landed", "kv_bytes_kept_landed", entry)
         else:

@@ -21,6 +21,18 @@ def test_window_first_page_is_the_page_of_the_later_of_prefix_and_window_start()
     assert window_first_page(20, 0, 32, 1) == 0  # a prompt shorter than the window
 
 
+def test_at_page_size_16_the_window_also_reaches_back_from_the_last_page_boundary():
+    """MD's tree takes whole pages: the sliding KV sent covers the window before the prompt's
+    last page boundary as well as before its end (page 4 for 111 tokens, window 31: token 65;
+    from the end alone, token 80, page 5)."""
+    assert window_first_page(111, 0, 31, 16) == 4
+    for page in (1, 16, 64):
+        for tokens in range(1, 300):
+            first = window_first_page(tokens, 0, 31, page) * page
+            assert first <= max(0, tokens - 31) and first <= max(0, tokens - tokens % page - 31)
+            assert first > tokens - tokens % page - 31 - page  # never a page more than that
+
+
 @pytest.mark.parametrize("tokens, prefix, page_size, chunk_pages", [(200, 0, 1, 50), (200, 64, 16, 3),
                                                                     (37, 0, 1, 8), (200, 192, 16, 1)])
 def test_plan_sends_every_full_page_and_only_the_window_of_window_buffers(tokens, prefix, page_size, chunk_pages):

@@ -16,6 +16,7 @@ from sglang_pdd.router.flow.pdd_flow import PddFlow, client_sampling, new_room
 from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.protocol import KvSize
 from sglang_pdd.router.policy import Path
 from tests.support.flow_scenarios import (PROMPT, assert_handed_off, assert_invariants, emitted_at_least,
                                          flow_config, p_md_cfg, scenario, takeover)
@@ -303,7 +304,7 @@ def test_path_choice_uses_rlds_load_and_ps_queue_when_no_fixed_wan_budget_is_set
         cfg = dataclasses.replace(flow_config(), path=path, rld_max_running=4)
         main = MainBackend("http://md", "http://md-control", "127.0.0.1:1")
         pick = ServerPick(PrefillBackend("http://x", 1), "http://y", main, rld_inflight=inflight, p_queued_tokens=p_queued,
-                      md_kv_bytes_per_token=512)
+                      md_kv_size=KvSize(512))
         flow = PddFlow(FlowRequest(PROMPT, {"max_new_tokens": 8}), pick, cfg, FlowShared(None))
         return flow._decide(md_cached=len(PROMPT))
 

@@ -69,6 +69,7 @@ def test_pools_weigh_the_owners_measured_step_growth_and_kv_size():
     (router/backends/loads.py fills md_flow_step_s) and its KV size as it reported it."""
     from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
     from sglang_pdd.router.backends.pools import Pools
+    from sglang_pdd.protocol import KvSize
     mds = [MainBackend(f"http://md{i}:1", f"http://md{i}:2", f"md{i}:3") for i in range(2)]
     pools = Pools([PrefillBackend("http://p:1", 8998)], ["http://rld:1"], mds, md_move=COST)
     prompt = list(range(1000, 1000 + 1000))
@@ -77,5 +78,5 @@ def test_pools_weigh_the_owners_measured_step_growth_and_kv_size():
     assert pools.pick(prompt, now=0.0, max_new_tokens=100)[2] is mds[0]
     pools.md_flow_step_s[mds[0].url] = 2e-3  # measured: 1.2 s of longer steps
     assert pools.pick(prompt, now=0.0, max_new_tokens=100)[2] is mds[1]
-    pools.learn_md_kv_size(mds[0].url, 2_000_000)  # MD's real KV: 2 s to re-send
+    pools.learn_md_kv_size(mds[0].url, KvSize(2_000_000))  # MD's real KV: 2 s to re-send
     assert pools.pick(prompt, now=0.0, max_new_tokens=100)[2] is mds[0]

@@ -1,5 +1,6 @@
-"""The router's WAN estimate before MD's first registration answer: each MD's KV bytes per
-token, asked from its stats at start (learn_md_kv_sizes), not the policy's 70B-class default."""
+"""The router's WAN estimate before MD's first registration answer: each MD's KV size (bytes per
+token, and a sliding-window pool's window), asked from its stats at start (learn_md_kv_sizes),
+not the policy's 70B-class default."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sglang_pdd.router.front.app import learn_md_kv_sizes
 from sglang_pdd.router.backends.clients import use_control_key
 from sglang_pdd.router.backends.pools import Pools
 from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
+from sglang_pdd.protocol import KvSize
 from sglang_pdd.router.policy import PathPolicyConfig
 
 
@@ -40,8 +42,19 @@ def test_router_takes_mds_kv_size_from_its_stats(signed_calls):
     try:
         main = MainBackend(url="http://127.0.0.1:1", control_url=md.url, wan_peer="127.0.0.1:2")
         pools = learn([main])
-        assert pools.md_kv_bytes_per_token[main.url] == md.runtime.kv_bytes_per_token \
-            != PathPolicyConfig().kv_bytes_per_token
+        assert pools.md_kv_sizes[main.url] == KvSize(md.runtime.kv_bytes_per_token)
+        assert md.runtime.kv_bytes_per_token != PathPolicyConfig().kv_bytes_per_token
+    finally:
+        md.close()
+
+
+def test_router_takes_a_sliding_window_mds_window_from_its_stats(signed_calls):
+    md = MdControl()
+    md.runtime.kv_window = {"kv_window_tokens": 31, "kv_window_bytes_per_token": 1024}
+    try:
+        main = MainBackend(url="http://127.0.0.1:1", control_url=md.url, wan_peer="127.0.0.1:2")
+        pools = learn([main])
+        assert pools.md_kv_sizes[main.url] == KvSize(md.runtime.kv_bytes_per_token, 31, 1024)
     finally:
         md.close()
 
@@ -51,9 +64,9 @@ def test_a_registration_answer_already_taken_is_kept(signed_calls):
     try:
         main = MainBackend(url="http://127.0.0.1:1", control_url=md.url, wan_peer="127.0.0.1:2")
         pools = Pools([PrefillBackend("http://p:1", 8998)], ["http://rld:1"], [main])
-        pools.learn_md_kv_size(main.url, 2048)  # a registration's answer came first
+        pools.learn_md_kv_size(main.url, KvSize(2048))  # a registration's answer came first
         learn([main], pools=pools)
-        assert pools.md_kv_bytes_per_token[main.url] == 2048
+        assert pools.md_kv_sizes[main.url] == KvSize(2048)
     finally:
         md.close()
 
@@ -62,4 +75,4 @@ def test_an_md_that_never_answers_keeps_the_default_and_is_given_up(signed_calls
     main = MainBackend(url="http://127.0.0.1:1", control_url=f"http://127.0.0.1:{closed_port()}",
                        wan_peer="127.0.0.1:2")
     pools = learn([main], attempts=2)
-    assert main.url not in pools.md_kv_bytes_per_token
+    assert main.url not in pools.md_kv_sizes

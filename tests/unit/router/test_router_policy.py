@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 
+from sglang_pdd.protocol import KvSize
 from sglang_pdd.router.backends.placement import InstanceLoad, pick_instance
 from sglang_pdd.router.policy import (
     Path,
@@ -307,3 +308,47 @@ def test_the_wan_budget_has_one_name_and_one_rule():
     assert not hasattr(PathPolicyConfig, "wan_budget_ms") and not hasattr(policy, "wan_budget_ms")
     assert not hasattr(PathPolicyConfig, "fixed_wan_budget_ms")  # one budget: load-aware, or --max-wan-transfer-ms
     assert policy.p_md_wan_budget_ms(RequestFacts(1000), PathPolicyConfig(ttft_slo_ms=2000)) == pytest.approx(900)
+
+
+# ------------------------------------------------------------ a sliding-window model's KV size
+def tiny_mellum_layout():
+    """MD's pool as tests/e2e/test_e2e_swa.py's MD reports it (artifacts/tiny-mellum): 2 full
+    + 2 sliding layers, K and V of 2 heads x 32 x fp32 each, SGLang's window 31."""
+    from sglang_pdd.kv_channel.layout import KvPoolLayout
+
+    return KvPoolLayout("mha", layers=4, page_size=1, token_bytes=256, dtype="float32", window_layers=2, window=31)
+
+
+@pytest.mark.parametrize("prompt, cached", [(1, 0), (20, 0), (31, 0), (32, 0), (106, 0), (1000, 0), (1000, 980),
+                                            (1000, 969), (1000, 900), (1000, 999), (1000, 1000), (200, 500)])
+def test_the_estimate_of_a_sliding_window_request_is_the_bytes_p_sends(prompt, cached):
+    """The router's WAN estimate at MD's reported size (full layers per token, the sliding
+    layers for the window) equals what P's channel sends for that request
+    (kv_channel TransferPlan), whatever the prefix MD holds; the sliding layers counted per
+    token, as before, over-estimate a long prompt about twice."""
+    from sglang_pdd.kv_channel.layout import TransferPlan
+    from sglang_pdd.router.policy import p_md_wan_ms, request_wan_bytes, router_facts, wan_transfer_ms
+
+    layout = tiny_mellum_layout()
+    size = layout.wan_kv_size
+    assert size == KvSize(2 * 2 * 256, 31, 2 * 2 * 256)
+    cfg = PathPolicyConfig(wan_gbps=0.0005, wan_rtt_ms=40.0, page_size=1).with_kv_size(size)
+    facts = router_facts(prompt, cached, 8, 0, 4, cfg)
+    plan = TransferPlan.build(layout.wire(), prompt, min(cached, prompt))
+    assert request_wan_bytes(facts, cfg) == plan.total_bytes
+    assert choose_path(facts, cfg).est_wan_transfer_ms == pytest.approx(p_md_wan_ms(plan.total_bytes, cfg))
+    assert wan_transfer_ms(plan.total_bytes, cfg) > wan_transfer_ms(plan.total_bytes - 1, cfg)
+    if prompt - cached > 2 * 31:
+        assert plan.total_bytes < (prompt - cached) * layout.bytes_per_token * 0.8
+
+
+def test_a_sliding_window_size_is_reported_whole_or_not_at_all():
+    assert KvSize.reported({"kv_bytes_per_token": 512}) == KvSize(512)
+    assert KvSize.reported({"kv_bytes_per_token": 512, "kv_window_tokens": 31,
+                            "kv_window_bytes_per_token": 512}) == KvSize(512, 31, 512)
+    for bad in ({}, {"kv_bytes_per_token": 0}, {"kv_bytes_per_token": True},
+                {"kv_bytes_per_token": 512, "kv_window_tokens": 31},  # a window without its bytes
+                {"kv_bytes_per_token": 512, "kv_window_tokens": "31", "kv_window_bytes_per_token": 512}):
+        assert KvSize.reported(bad) is None, bad
+    with pytest.raises(ValueError):
+        PathPolicyConfig(kv_window_tokens=31)

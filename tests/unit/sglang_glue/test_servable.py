@@ -33,8 +33,7 @@ def test_plain_and_sliding_window_pools_serve_what_the_wan_path_cannot_move_is_r
 
     assert why_not_servable(mha_pool(), None, "torch_native") is None
     assert why_not_servable(swa_pool(), None, "torch_native", window=32) is None
-    reason = why_not_servable(swa_pool(16), None, "torch_native", page_size=16, window=32)
-    assert "SWAKVPool (sliding-window layers) moves over the WAN at --page-size 1 only so far (got 16)" in reason
+    assert why_not_servable(swa_pool(16), None, "torch_native", page_size=16, window=32) is None
     reason = why_not_servable(swa_pool(), None, "torch_native", window=0)
     assert "SWAKVPool has sliding-window layers but no sliding window size was given" in reason
     assert "plain SGLang PD" in reason
@@ -71,5 +70,6 @@ def test_the_scheduler_check_raises_with_the_reason():
 
     check_scheduler(scheduler(mha_pool()))
     check_scheduler(scheduler(swa_pool(), window=32))  # the scheduler's sliding window reaches the check
-    with pytest.raises(NotServable, match="^sglang-pdd cannot move .*SWAKVPool.*--page-size 1 only"):
-        check_scheduler(scheduler(swa_pool(16), page_size=16, window=32))
+    check_scheduler(scheduler(swa_pool(16), page_size=16, window=32))
+    with pytest.raises(NotServable, match="^sglang-pdd cannot move .*SWAKVPool has sliding-window layers but no "):
+        check_scheduler(scheduler(swa_pool(16), page_size=16, window=None))
