@@ -1154,6 +1154,8 @@ def print_burst(res: dict) -> None:
     a = res["args"]
     print(f"\n== Cold burst: {a['burst']} sessions' first turns at once, later turns as answers come "
           f"({res['workload']['requests_per_cell']} requests per cell, {a['repeats']} repeat(s)); TTFT in ms")
+    if a.get("torch_threads"):
+        print(f"every server's torch threads: {a['torch_threads']} (OMP_NUM_THREADS)")
     if a.get("dc_b_nice"):
         print(f"datacenter B's servers at nice {a['dc_b_nice']} ({res.get('dc_b_threads_reniced', 0)} threads): "
               f"B's work takes only the cycles A's leaves")
@@ -1278,6 +1280,9 @@ def parse_args(argv=None):
     ap.add_argument("--burst-prompt-tokens", type=int, default=680,
                     help="--burst: the cold first turns' prompt length (+-10%%; later turns grow from it)")
     ap.add_argument("--repeats", type=int, default=2, help="--burst: bursts per design and link (new prompts each)")
+    ap.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                    help="every server's torch (OpenMP) threads (OMP_NUM_THREADS); 0: torch's own choice, one per "
+                         "core in every server, which oversubscribes a small machine once three servers compute")
     ap.add_argument("--dc-b-nice", type=int, default=0, metavar="N",
                     help="--burst: every thread in datacenter B's namespace (PDD's MD, cross-DC PD's decode "
                          "server) at nice N (1-19) once the servers are up, so B's work takes only the cycles A's "
@@ -1309,6 +1314,8 @@ def parse_args(argv=None):
         args.links = [8.0, 40.0] if args.burst else [200.0, 40.0, 10.0]
     if args.burst and args.burst < 2:
         ap.error("--burst needs at least 2 sessions")
+    if args.torch_threads < 0:
+        ap.error(f"--torch-threads takes N >= 0, got {args.torch_threads}")
     if not 0 <= args.dc_b_nice <= 19:
         ap.error(f"--dc-b-nice takes 0-19, got {args.dc_b_nice}")
     if args.dc_b_nice and not args.burst:
@@ -1381,6 +1388,8 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.torch_threads:  # the servers inherit this process's environment
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
     if args.burst:
         return main_burst(args, out)
     plot_path = Path(args.plot) if args.plot else out / "real_pd_vs_pdd.png"

@@ -86,14 +86,14 @@ def test_nothing_left_behind(quick_run):
 def burst_run(tmp_path_factory, servers_under_test):
     """``--burst --quick``: three sessions' cold first turns at once, then their second turns, on
     same-DC PD, cross-DC PD and PDD (their servers up together), one link, one repeat; datacenter
-    B's servers niced."""
+    B's servers niced, one torch thread per server."""
     _require_sglang()
     if netns.unavailable_reason():
         pytest.skip(netns.unavailable_reason())
     servers_under_test.stop()
     out = tmp_path_factory.mktemp("real_pd_vs_pdd_burst")
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_real_pd_vs_pdd", "--burst", "3", "--quick",
-                           "--time-stats", "--dc-b-nice", "10", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                           "--time-stats", "--dc-b-nice", "10", "--torch-threads", "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=1800)
     res = json.loads((out / "burst.json").read_text()) if (out / "burst.json").exists() else None
     records = [json.loads(line) for line in (out / "burst_requests.jsonl").read_text().splitlines()] if res else []
@@ -119,6 +119,7 @@ def test_burst_completes_on_every_design_with_equal_outputs(burst_run):
     # PDD's MD and cross-DC PD's decode server: a front end, a scheduler, a detokenizer each, and their threads
     assert res["dc_b_threads_reniced"] >= 6, res.get("dc_b_threads_reniced")
     assert "datacenter B's servers at nice 10" in done.stdout
+    assert "every server's torch threads: 1" in done.stdout and res["args"]["torch_threads"] == 1
 
 
 def test_burst_reports_pdds_paths_stages_and_router_marks(burst_run):

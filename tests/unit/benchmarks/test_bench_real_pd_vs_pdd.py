@@ -217,6 +217,14 @@ def test_burst_sends_every_first_turn_at_once_and_holds_later_turns_on_their_ses
     assert all(0.85 * 680 <= n <= 1.15 * 680 for n in first), first
 
 
+def test_burst_placement_options_are_checked_at_parse_time():
+    args = parse_args(["--burst", "3", "--dc-b-nice", "19", "--torch-threads", "1"])
+    assert (args.dc_b_nice, args.torch_threads) == (19, 1)
+    for bad in (["--burst", "3", "--dc-b-nice", "20"], ["--burst", "3", "--torch-threads", "-1"], ["--dc-b-nice", "5"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
 def test_burst_quick_size_is_a_burst_on_one_link():
     args = parse_args(["--burst", "6", "--quick"])
     assert args.burst >= 2 and len(args.links) == 1 and args.repeats == 1
