@@ -45,6 +45,10 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 _handed_out: set[int] = set()
+# Mooncake's transfer engine binds its RPC and TCP-transport ports at random in this range (all
+# 136 seen in these servers' logs), not from the kernel's ephemeral range: a port handed out here
+# could be taken by a Mooncake engine starting in between, and the server then fails to bind.
+MOONCAKE_PORTS = range(15000, 17000)
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -57,16 +61,17 @@ def _bindable(host: str, port: int) -> bool:
 
 
 def free_port(host: str = LOOPBACK, count: int = 1) -> int:
-    """A port nobody listens on, chosen *below* the kernel's ephemeral range: the servers bind
-    it seconds later, and meanwhile other processes (Mooncake, ZMQ, TCP engines) bind port 0,
-    which the kernel serves from the ephemeral range, so they cannot take it in between.
+    """A port nobody listens on, chosen *below* the kernel's ephemeral range and outside
+    Mooncake's: the servers bind it seconds later, and meanwhile other processes bind port 0
+    (ZMQ, TCP engines: the kernel serves it from the ephemeral range) or a random port of
+    MOONCAKE_PORTS, so they cannot take it in between.
     ``count``: the first of that many consecutive free ports (one per TP rank of P's control API)."""
     low, _ = _ephemeral_range()
     lo, hi = (10000, low - 1) if low > 12000 else (low, 65535)  # odd ranges: fall back to any
     for _ in range(1000):
         port = random.randint(lo, hi - count + 1)
         ports = range(port, port + count)
-        if any(p in _handed_out for p in ports) or not all(_bindable(host, p) for p in ports):
+        if any(p in _handed_out or p in MOONCAKE_PORTS for p in ports) or not all(_bindable(host, p) for p in ports):
             continue
         _handed_out.update(ports)
         return port

@@ -138,3 +138,17 @@ def test_wan_control_reaches_every_link(tmp_path):
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+def test_free_ports_stay_out_of_mooncakes_random_range(monkeypatch):
+    """Mooncake's engines bind random ports of MOONCAKE_PORTS while servers start: a port handed
+    out there could be gone by the time its server binds it (MD's control API failed so)."""
+    import random
+
+    from sglang_pdd.launcher import topology
+
+    picks = iter([15000, 16999, 14999, 14998])  # two inside the range, a pair reaching into it, then below it
+    monkeypatch.setattr(random, "randint", lambda lo, hi: next(picks))
+    monkeypatch.setattr(topology, "_handed_out", set())
+    monkeypatch.setattr(topology, "_bindable", lambda host, port: True)
+    assert topology.free_port(count=2) == 14998
