@@ -142,6 +142,18 @@ def landed_bytes(md) -> int:
     return md.rank_rooms.drc_stats.bytes_received
 
 
+def assert_md_holds_ps_rows(p, md, slots, got, window_from: int, full: bool = True) -> None:
+    """MD's rows at ``got`` (its slots of the prompt's first ``len(got)`` tokens) equal P's at
+    ``slots``: the full layers' for every token (unless not ``full``), the sliding layers' from
+    token ``window_from`` on."""
+    n = got.numel()
+    if full:
+        for want, have in zip(p.rows(slots, 0, n), md_rows(md, got)):
+            assert torch.equal(want, have)
+    for want, have in zip(p.rows(slots, window_from, n, window=True), md_rows(md, got[window_from:], window=True)):
+        assert torch.equal(want, have)
+
+
 def test_md_announces_the_hybrid_layout_and_holds_window_slots_only_for_the_window():
     md = build_hybrid_md()
     try:
@@ -176,10 +188,7 @@ def test_window_only_lands_and_the_tree_holds_tombstones_before_it():
         assert_router_estimate_is_what_p_sent(reg, len(ids), sent, landed_bytes(md))
         got = md_slots(md, ids)
         assert got.numel() == len(ids)
-        for want, have in zip(p.rows(slots, 0, 150), md_rows(md, got)):
-            assert torch.equal(want, have)
-        for want, have in zip(p.rows(slots, 150 - WINDOW, 150, window=True), md_rows(md, got[-WINDOW:], window=True)):
-            assert torch.equal(want, have)
+        assert_md_holds_ps_rows(p, md, slots, got, window_from=150 - WINDOW)
         # the tokens before the window have no sliding-window KV on MD (tombstones)
         mapping = md.ops.allocator.full_to_swa_index_mapping
         assert not (mapping[got[:150 - WINDOW]] > 0).any() and (mapping[got[-WINDOW:]] > 0).all()
@@ -220,11 +229,8 @@ def test_second_turn_hits_the_window_and_p_sends_only_the_rest():
         assert_router_estimate_is_what_p_sent(reg, len(second), sent, landed_bytes(md) - before)
         got = md_slots(md, second)
         assert got.numel() == len(second)
-        for want, have in zip(p.rows(slots2, 0, len(second)), md_rows(md, got)):
-            assert torch.equal(want, have)  # turn 1's prefix and turn 2's suffix
-        for want, have in zip(p.rows(slots2, len(second) - WINDOW, len(second), window=True),
-                              md_rows(md, got[-WINDOW:], window=True)):
-            assert torch.equal(want, have)
+        # turn 1's prefix and turn 2's suffix
+        assert_md_holds_ps_rows(p, md, slots2, got, window_from=len(second) - WINDOW)
         md.rank_rooms.release(ReleaseRequest(2))
         settle(md)
         assert conserved(md)
@@ -313,10 +319,7 @@ def test_at_page_size_16_whole_pages_and_the_windows_pages_land_and_a_second_tur
         assert 0 <= sent - reg.kv_size.wan_bytes(len(ids), 0, PAGE) < 2 * PAGE * 4 * 64
         got = md_slots(md, ids)
         assert got.numel() == 144  # whole pages only: the partial tenth is freed
-        for want, have in zip(p.rows(slots, 0, 144), md_rows(md, got)):
-            assert torch.equal(want, have)
-        for want, have in zip(p.rows(slots, 112, 144, window=True), md_rows(md, got[112:], window=True)):
-            assert torch.equal(want, have)
+        assert_md_holds_ps_rows(p, md, slots, got, window_from=112)
         mapping = md.ops.allocator.full_to_swa_index_mapping
         assert not (mapping[got[:112]] > 0).any() and (mapping[got[112:]] > 0).all()
         settle(md)
@@ -334,10 +337,7 @@ def test_at_page_size_16_whole_pages_and_the_windows_pages_land_and_a_second_tur
         assert sum(s.plan.total_bytes for s in room.shares) == (4 * 64 + 4 * 48) * 64
         got = md_slots(md, second)
         assert got.numel() == 192
-        for want, have in zip(p.rows(slots2, 0, 192), md_rows(md, got)):
-            assert torch.equal(want, have)
-        for want, have in zip(p.rows(slots2, 160, 192, window=True), md_rows(md, got[160:], window=True)):
-            assert torch.equal(want, have)
+        assert_md_holds_ps_rows(p, md, slots2, got, window_from=160)
         md.rank_rooms.release(ReleaseRequest(2))
         settle(md)
         assert conserved(md)
@@ -364,8 +364,7 @@ def test_at_page_size_16_a_prompt_ending_early_in_its_last_page_keeps_a_whole_wi
         assert sum(s.plan.total_bytes for s in room.shares) == (4 * 112 + 4 * 48) * 64
         got = md_slots(md, ids)
         assert got.numel() == 96
-        for want, have in zip(p.rows(slots, 64, 96, window=True), md_rows(md, got[64:], window=True)):
-            assert torch.equal(want, have)
+        assert_md_holds_ps_rows(p, md, slots, got, window_from=64, full=False)
         md.rank_rooms.release(ReleaseRequest(1))
         # a second turn extending it hits all of its whole pages
         second = ids + list(range(5000, 5020))
