@@ -25,6 +25,8 @@ Hooks (each a no-op unless --pdd-role asks for it):
 * Scheduler.flush_cache / is_fully_idle and SchedulerFlushWrapper.handle (around) — MD
   flushes only when its rooms hold nothing; rooms kept only to fill the cache go on a
   flush, and a refusal says what MD holds.
+* Scheduler.on_idle (after) — MD still sleeps on idle while only its rooms are in flight
+  (SGLang sleeps only when fully idle, and the hook above counts rooms as work).
 * Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
   md/resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
   the marker, which only the router / MD glue sets).
@@ -175,6 +177,17 @@ def _idle_without_md_rooms(original, scheduler, *args, **kwargs):
     return runtime is None or runtime.flush_blocker() is None
 
 
+def _sleep_while_md_rooms_land(result, scheduler, *args, **kwargs):
+    """SGLang's on_idle sleeps only when fully idle, and MD's rooms in flight count as work (so a
+    deferred flush waits for them): without this MD spun a core for as long as KV crossed the
+    WAN, taken from P and RLD on a shared machine. Landing KV needs no iteration: idle_wake
+    wakes the scheduler when a room settles, a command comes or pages may go back."""
+    runtime = getattr(scheduler, "_pdd_runtime", None)
+    if runtime is not None and runtime.flush_blocker() is not None and _sglang_idle(scheduler):
+        scheduler.maybe_sleep_on_idle()
+    return result
+
+
 def _count_md_held_slots(original, checker, ps, uncached=0):
     """MD reserves pool pages for KV still crossing the WAN (in no request, not yet in the
     tree): SGLang's pool-conservation check counts them with the other uncached tokens."""
@@ -232,6 +245,7 @@ def register() -> None:
     HookRegistry.register(f"{_INVARIANT_CHECKER}._check_swa_pool", _count_md_held_swa_slots, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.flush_cache", _flush_cache_without_rooms, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.is_fully_idle", _idle_without_md_rooms, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.on_idle", _sleep_while_md_rooms_land, HookType.AFTER)
     HookRegistry.register(f"{_FLUSH_WRAPPER}.handle", _flush_request_on_md, HookType.AROUND)
     _register_resume_hooks()
 

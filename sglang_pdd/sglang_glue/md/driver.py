@@ -63,11 +63,12 @@ class LockstepDriver:
     def __init__(self, tp: TpSync, rooms: RankRooms, commands: CommandQueue):
         self.tp, self.rooms, self.commands = tp, rooms, commands
 
-    def iterate(self) -> None:
+    def iterate(self) -> bool:
         """One scheduler iteration, on every TP rank in lockstep. A room completes, fails and
         gives its pages back only as every rank's receiver agrees (one all-min). The collectives
         run on every rank every iteration, whatever fails in between: a rank that skipped one
-        would hang the group."""
+        would hang the group. Returns whether anything changed (a command, a decision, an
+        expiry): SGLang's own checks (a deferred flush) see it in the next iteration."""
         commands, futures = self.commands.take() if self.tp.rank == 0 else ([], [])
         now, commands = self.tp.share(time.monotonic(), commands)
         results = [self._apply(command, now) for command in commands]
@@ -75,12 +76,14 @@ class LockstepDriver:
             # the same on every rank: the commands are rank 0's
             if any(isinstance(command, RegisterRequest) for command in commands):
                 self._agree_on_registrations(commands, results)
-            self._agree_on_rooms_and_releases(now)
-            for entry in self.rooms.table.expire(now):  # rank 0's clock: the same rooms everywhere
+            decided = self._agree_on_rooms_and_releases(now)
+            expired = self.rooms.table.expire(now)  # rank 0's clock: the same rooms everywhere
+            for entry in expired:
                 self._guarded("expiry", entry.room, lambda room=entry.room: self.rooms.expired(room))
         finally:
             for fut, (ok, value) in zip(futures, results):
                 fut.set_result(value) if ok else fut.set_exception(value)
+        return bool(commands) or decided or bool(expired)
 
     def _apply(self, command: MdCommand, now: float) -> tuple[bool, object]:
         try:
@@ -109,7 +112,8 @@ class LockstepDriver:
             else:
                 self.rooms.drop_refused(room)
 
-    def _agree_on_rooms_and_releases(self, now: float) -> None:
+    def _agree_on_rooms_and_releases(self, now: float) -> bool:
+        """Whether the group decided anything (a room completed or failed, pages let go)."""
         pending = self.rooms.table.pending()  # the same rooms, in the same order, on every rank
         releasing = list(self.rooms.pages.releasing)
         states = [self.rooms.poll(entry.room) for entry in pending]
@@ -117,17 +121,22 @@ class LockstepDriver:
         release_votes = [ReleaseVote.of(record.outcome) for record in releasing]
         agreed = agree(self.tp, [*room_votes, *release_votes])
         if not agreed:
-            return
+            return False
+        decided = False
         rooms_agreed, releases_agreed = agreed[:len(room_votes)], agreed[len(room_votes):]
         for record, vote in zip(releasing, releases_agreed):  # pages first: a staged completion may need them
             if vote.let_go:
+                decided = True
                 self._guarded("page release", record.room,
                               lambda r=record, ok=vote.ok: self.rooms.pages.free_agreed(r, ok))
         for entry, state, vote in zip(pending, states, rooms_agreed):
             if vote.landed:
+                decided = True
                 self._guarded("completion", entry.room, lambda room=entry.room: self.rooms.completed(room, now))
             elif not vote.alive:
+                decided = True
                 self._guarded("failure", entry.room, lambda room=entry.room, st=state: self.rooms.failed(room, st))
+        return decided
 
     def _guarded(self, what: str, room: int, fn) -> None:
         """A decision every rank takes: an error is logged, never raised past the collectives."""

@@ -304,10 +304,11 @@ class MainDrcRuntime:
     def on_scheduler_iteration(self) -> None:
         """One scheduler iteration, on every TP rank in lockstep (driver.LockstepDriver)."""
         self.idle_wake.drain()
-        self.driver.iterate()
-        # A settled room or released pages wait for the group's decision; KV still landing
-        # does not keep MD awake (the receiver wakes it when a room settles).
-        self.idle_wake.keep_awake(self.rank_rooms.needs_iteration())
+        changed = self.driver.iterate()
+        # A settled room or released pages wait for the group's decision, and what this
+        # iteration changed is for SGLang's next one to see (a deferred flush now idle); KV
+        # still landing does not keep MD awake (the receiver wakes it when a room settles).
+        self.idle_wake.keep_awake(changed or self.rank_rooms.needs_iteration())
 
 
 class MdControlServer(ControlServer):

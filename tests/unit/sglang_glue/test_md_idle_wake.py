@@ -114,3 +114,64 @@ def test_md_sleeps_while_kv_crosses_the_wan_and_wakes_when_it_has_landed(sleeper
         assert not md.rank_rooms.needs_iteration()
     finally:
         close(md, p)
+
+
+class SchedulerStandIn:
+    """What the plugin's on_idle hook reads of SGLang's scheduler: SGLang's own idle verdict
+    (``busy``: requests running or waiting), its sleep, MD's runtime."""
+
+    def __init__(self, runtime, sleeper):
+        self._pdd_runtime, self.sleeper, self.busy = runtime, sleeper, False
+
+    def is_fully_idle(self, for_health_check=False, ignore_waiting=False):
+        return not self.busy
+
+    def maybe_sleep_on_idle(self):
+        self.sleeper.maybe_sleep()
+
+
+def test_md_sleeps_on_idle_while_only_its_rooms_are_in_flight(sleeper):
+    """SGLang's on_idle sleeps only when fully idle, and MD's rooms count as work there (a
+    deferred flush waits for them): the plugin's on_idle hook sleeps while a room's KV crosses
+    the WAN (measured before it: MD spun 0.65 cores for as long as a relayed request's KV
+    landed), not while requests run, not a second time when SGLang slept already; the
+    receiver wakes it when the room lands, and the iteration that completes the room wakes
+    the next one (SGLang's deferred flush sees MD idle at once)."""
+    from sglang_pdd.protocol import RegisterRequest
+    from tests.support.md_runtime import KEY, Prefill, close, make_pool, runtime_on_pool
+    from tests.conftest import require_sglang_import
+
+    require_sglang_import()
+    from sglang_pdd.sglang_glue.plugin import _sleep_while_md_rooms_land
+
+    md = runtime_on_pool(make_pool("mha", 16, seed=None), 16, KEY, idle_sleeper=sleeper, wan_timeout_s=10.0,
+                         md_staging_mb=64, md_ingest="pool")
+    p = Prefill("mha", 16, md)
+    scheduler = SchedulerStandIn(md, sleeper)
+
+    def on_idle_hook() -> float:
+        t0 = time.monotonic()
+        _sleep_while_md_rooms_land(None, scheduler)
+        return time.monotonic() - t0
+
+    try:
+        assert on_idle_hook() < 0.1  # no room: SGLang's on_idle has slept already
+        ids = list(range(1000, 1050))
+        md.rank_rooms.register(RegisterRequest(1, ids))
+        md.on_scheduler_iteration()
+        assert md.flush_blocker() is not None  # SGLang's is_fully_idle (hooked) says busy
+        assert on_idle_hook() > 0.9  # the KV is on its way: MD sleeps the full poll
+        scheduler.busy = True
+        assert on_idle_hook() < 0.1  # requests to run: no sleep
+        scheduler.busy = False
+        md.on_scheduler_iteration()
+        threading.Timer(0.2, lambda: p.send(1, ids, 0, p.pages_for(len(ids), seed=1))).start()
+        assert on_idle_hook() < 0.9  # the room landed: the receiver woke the scheduler
+        deadline = time.monotonic() + 10
+        while md.table.pending() and time.monotonic() < deadline:
+            md.on_scheduler_iteration()
+            time.sleep(0.01)
+        assert md.table.rooms[1].status.value == "ready"
+        assert slept(sleeper) < 0.1  # the iteration that completed the room keeps the next one at once
+    finally:
+        close(md, p)
