@@ -26,7 +26,8 @@ Hooks (each a no-op unless --pdd-role asks for it):
   flushes only when its rooms hold nothing; rooms kept only to fill the cache go on a
   flush, and a refusal says what MD holds.
 * Scheduler.on_idle (after) — MD still sleeps on idle while only its rooms are in flight
-  (SGLang sleeps only when fully idle, and the hook above counts rooms as work).
+  (SGLang sleeps only when fully idle, and the hook above counts rooms as work); P and RLD
+  wait on their sockets for up to a millisecond where SGLang spins while KV transfers run.
 * Scheduler._create_generation_req / _add_request_to_queue and the penalizers' _prepare —
   md/resume.py: a request marked ``pdd_resume_output_len`` continues as output (inert without
   the marker, which only the router / MD glue sets).
@@ -80,6 +81,7 @@ def _start_role_runtime(result, scheduler, *args, **kwargs):
     cfg = get_pdd_config(scheduler.server_args)
     scheduler._pdd_runtime = None
     scheduler._pdd_relay_hold = None
+    scheduler._pdd_yields_to_transfers = cfg.role in ("prefill", "relay")
     if cfg.active:
         from sglang_pdd.sglang_glue.servable import check_scheduler
 
@@ -188,6 +190,24 @@ def _sleep_while_md_rooms_land(result, scheduler, *args, **kwargs):
     return result
 
 
+# How long P or RLD waits on its sockets per idle iteration while KV transfers run.
+TRANSFER_WAIT_POLL_MS = 1
+
+
+def _yield_while_transfers_wait(result, scheduler, *args, **kwargs):
+    """P and RLD with nothing to run but KV transfers in flight (P also while it holds a
+    request's pages for its WAN copy): SGLang's on_idle spins there (``time.sleep(0)``), and
+    the threads those transfers need (Mooncake's transfer worker, P's WAN fan-out) take the
+    GIL back between their I/O calls only at a spinning thread's switch interval. Waiting on
+    the scheduler's own sockets instead hands them the GIL and the core; a request that
+    comes in still ends the wait at once."""
+    if getattr(scheduler, "_pdd_yields_to_transfers", False):
+        poller = getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
+        if poller is not None and not _sglang_idle(scheduler):
+            poller.poll(TRANSFER_WAIT_POLL_MS)
+    return result
+
+
 def _count_md_held_slots(original, checker, ps, uncached=0):
     """MD reserves pool pages for KV still crossing the WAN (in no request, not yet in the
     tree): SGLang's pool-conservation check counts them with the other uncached tokens."""
@@ -246,6 +266,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.flush_cache", _flush_cache_without_rooms, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.is_fully_idle", _idle_without_md_rooms, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.on_idle", _sleep_while_md_rooms_land, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}.on_idle", _yield_while_transfers_wait, HookType.AFTER)
     HookRegistry.register(f"{_FLUSH_WRAPPER}.handle", _flush_request_on_md, HookType.AROUND)
     _register_resume_hooks()
 
