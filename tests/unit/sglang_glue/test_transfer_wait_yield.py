@@ -27,8 +27,8 @@ class SchedulerStandIn:
     """SGLang's own idle verdict (``busy``: transfers in flight, or anything else to do), its
     sleeper, and the role flag the plugin sets at start."""
 
-    def __init__(self, sleeper, role_yields=True):
-        self.idle_sleeper, self._pdd_yields_to_transfers, self.busy = sleeper, role_yields, True
+    def __init__(self, sleeper, role_yields=True, busy=True):
+        self.idle_sleeper, self._pdd_yields_to_transfers, self.busy = sleeper, role_yields, busy
 
     def is_fully_idle(self, for_health_check=False, ignore_waiting=False):
         return not self.busy
@@ -69,12 +69,10 @@ def test_nothing_changes_where_sglang_sleeps_or_another_role_runs():
     from types import SimpleNamespace
 
     for scheduler, why in (
-        (SchedulerStandIn(SimpleNamespace(poller=PollSpy())), "SGLang fully idle: its on_idle slept already"),
+        (SchedulerStandIn(SimpleNamespace(poller=PollSpy()), busy=False), "SGLang fully idle: its on_idle slept already"),
         (SchedulerStandIn(SimpleNamespace(poller=PollSpy()), role_yields=False), "MD or a plain server"),
         (SchedulerStandIn(None), "no --sleep-on-idle: the operator chose spinning"),
     ):
-        if why.startswith("SGLang fully idle"):
-            scheduler.busy = False
         on_idle_hook(scheduler)
         sleeper = scheduler.idle_sleeper
         assert sleeper is None or sleeper.poller.calls == [], why
