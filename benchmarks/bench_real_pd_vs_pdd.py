@@ -981,12 +981,16 @@ def burst_ratios(summary: dict, link: float) -> dict:
             "relayed_over_same_dc": ratio(relayed, same and same["ttft_p90"])}
 
 
+def _burst_of(r: Record) -> str:
+    """The burst a request belongs to, the same for every design: its repeat (and, pooled, run)."""
+    return r.cell.split("x", 1)[-1]
+
+
 def same_turns_on(records: list[Record], design: str, like: list[Record]) -> list[Record]:
     """``design``'s records of the requests ``like`` holds (same repeat, session and turn; the
     link may differ: same-DC PD runs once, on the first link's prompts)."""
-    rep = lambda r: r.cell.split("x", 1)[-1]
-    want = {(rep(r), r.job, r.turn) for r in like}
-    return [r for r in records if r.design == design and r.error is None and (rep(r), r.job, r.turn) in want]
+    want = {(_burst_of(r), r.job, r.turn) for r in like}
+    return [r for r in records if r.design == design and r.error is None and (_burst_of(r), r.job, r.turn) in want]
 
 
 def relayed_vs_same_dc(records: list[Record], link: float) -> dict:
@@ -998,6 +1002,43 @@ def relayed_vs_same_dc(records: list[Record], link: float) -> dict:
     a, b = pct([r.ttft_s for r in relayed], 90), pct([r.ttft_s for r in same], 90)
     return {"n": len(relayed), "relayed_p90": a, "same_dc_same_turns_p90": b,
             "ratio": a / b if a is not None and b else None}
+
+
+GOAL_RATIO = 1.1  # PDD's TTFT p90 within 1.1x same-DC PD's
+
+
+def ratio_intervals(records: list[Record], link: float, resamples: int = 2000, level: float = 0.9,
+                    seed: int = 0) -> dict:
+    """How sure the goal's p90 ratios on ``link`` are: the bursts are resampled with replacement
+    (one burst holds the same prompts on every design, and its requests share their fate: a
+    batch split or a busy second slows all of them, so the burst is the unit, not the
+    request), each ratio recomputed on each resample. Per ratio: the central ``level``
+    interval and the share of resamples at or below GOAL_RATIO; None where a side is empty."""
+    ok = [r for r in records if r.error is None and r.ttft_s is not None]
+    pdd = [r for r in ok if r.design == "pdd" and r.link_mbit == link]
+    same = [r for r in ok if r.design == "same_dc_pd"]
+    relayed = [r for r in pdd if r.path == "p_rld_md"]
+    sides = {"pdd_over_same_dc": (pdd, same), "relayed_over_same_dc": (relayed, same),
+             "relayed_over_same_turns": (relayed, same_turns_on(same, "same_dc_pd", relayed))}
+    bursts = sorted({_burst_of(r) for r in pdd} & {_burst_of(r) for r in same})
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(bursts), size=(resamples, len(bursts))) if bursts else None
+    out: dict = {"bursts": len(bursts), "level": level}
+    for name, (num, den) in sides.items():
+        by_burst = lambda recs: [np.array([r.ttft_s for r in recs if _burst_of(r) == b]) for b in bursts]
+        a, b = by_burst(num), by_burst(den)
+        ratios = []
+        for pick in (picks if picks is not None else []):
+            x, y = np.concatenate([a[i] for i in pick]), np.concatenate([b[i] for i in pick])
+            if len(x) and len(y):
+                ratios.append(np.percentile(x, 90) / np.percentile(y, 90))
+        if not ratios:
+            out[name] = None
+            continue
+        tail = (1 - level) / 2 * 100
+        out[name] = {"low": float(np.percentile(ratios, tail)), "high": float(np.percentile(ratios, 100 - tail)),
+                     "within_goal": float(np.mean(np.array(ratios) <= GOAL_RATIO))}
+    return out
 
 
 def pool_bursts(out_dirs: list[Path]) -> dict:
@@ -1019,7 +1060,8 @@ def pool_bursts(out_dirs: list[Path]) -> dict:
     summary = burst_summary(records)
     links = sorted({r.link_mbit for r in records if r.link_mbit})
     return {"runs": len(out_dirs), "summary": summary, "p90_per_run": per_run,
-            "ratios": {f"{m:g}": burst_ratios(summary, m) | {"relayed_same_turns": relayed_vs_same_dc(records, m)}
+            "ratios": {f"{m:g}": burst_ratios(summary, m) | {"relayed_same_turns": relayed_vs_same_dc(records, m),
+                                                             "intervals": ratio_intervals(records, m)}
                        for m in links}}
 
 
@@ -1037,6 +1079,11 @@ def print_pooled_bursts(pooled: dict, names: list[str]) -> None:
         print(f"link {link} Mbit/s, pooled p90s: PDD / cross-DC PD {fr(r['pdd_over_cross_dc'])} (goal <= 1), "
               f"/ same-DC PD {fr(r['pdd_over_same_dc'])} (<= 1.1); relayed / same-DC PD "
               f"{fr(r['relayed_over_same_dc'])} (<= 1.1), on the same turns {fr(same['ratio'])} (n {same['n']})")
+        iv = r["intervals"]
+        spans = [f"{name} {v['low']:.2f}-{v['high']:.2f} ({100 * v['within_goal']:.0f}% <= {GOAL_RATIO})"
+                 for name, v in iv.items() if isinstance(v, dict)]
+        if spans:
+            print(f"  {100 * iv['level']:.0f}% intervals, {iv['bursts']} bursts resampled: " + "; ".join(spans))
 
 
 ROUTER_MARKS = ("path", "legs", "md_registered", "destination", "p_replied", "first_token", "md_ready")

@@ -265,6 +265,36 @@ def pct_of(values):
     return float(np.percentile(values, 90))
 
 
+def test_ratio_intervals_resample_whole_bursts_so_one_slow_burst_widens_the_interval():
+    from benchmarks.bench_real_pd_vs_pdd import ratio_intervals
+
+    def bursts(relayed_first_s):  # per burst: 3 sessions x 2 turns on each design, turn 0 relayed
+        recs = []
+        for rep, slow in enumerate(relayed_first_s):
+            for j in range(3):
+                recs.append(burst_record("same_dc_pd", 0, rep, j, 0, 0.20))
+                recs.append(burst_record("same_dc_pd", 0, rep, j, 1, 0.10))
+                recs.append(burst_record("pdd", 8.0, rep, j, 0, slow, "p_rld_md"))
+                recs.append(burst_record("pdd", 8.0, rep, j, 1, 0.10, "p_md"))
+        return recs
+
+    steady = ratio_intervals(bursts([0.21] * 6), 8.0, resamples=300)
+    assert steady["bursts"] == 6
+    for name in ("relayed_over_same_dc", "relayed_over_same_turns"):
+        assert steady[name]["low"] == pytest.approx(1.05) and steady[name]["high"] == pytest.approx(1.05)
+        assert steady[name]["within_goal"] == 1.0
+    # one burst of six is slow (a batch split): the pooled ratio could be anything from a tie to
+    # 2x depending on whether that burst is drawn; the interval says so
+    one_slow = ratio_intervals(bursts([0.21] * 5 + [0.60]), 8.0, resamples=300)
+    iv = one_slow["relayed_over_same_turns"]
+    assert iv["low"] == pytest.approx(1.05) and iv["high"] == pytest.approx(3.0)
+    assert 0.1 < iv["within_goal"] < 0.6  # a resample misses the slow burst with probability (5/6)^6 = 0.33
+    # no relayed request on the link: no relayed interval, PDD's own still there
+    none_relayed = ratio_intervals([r for r in bursts([0.21] * 3) if r.path != "p_rld_md"], 8.0, resamples=50)
+    assert none_relayed["relayed_over_same_dc"] is None and none_relayed["pdd_over_same_dc"] is not None
+    assert ratio_intervals(bursts([0.21] * 3), 40.0, resamples=50)["pdd_over_same_dc"] is None
+
+
 def test_burst_stage_table_groups_by_design_and_path():
     row = lambda design, path, ttft: {"design": design, "path": path, "ttft": ttft, **{k: ttft / 10 for k in STAGES}}
     t = burst_stage_table([row("pdd", "p_rld_md", 2.0), row("pdd", "p_rld_md", 4.0), row("pdd", "p_md", 1.0),
@@ -306,7 +336,9 @@ def test_pooled_bursts_are_one_sample_with_each_runs_p90_and_same_turns_matched_
     same = pooled["ratios"]["8"]["relayed_same_turns"]
     # run b's session 1 was not relayed: its same-DC turn (9 s) is not one of the same turns
     assert same["n"] == 3 and same["same_dc_same_turns_p90"] == pytest.approx(pct_of([2, 2, 1]))
+    assert pooled["ratios"]["8"]["intervals"]["bursts"] == 2  # a burst per run: the runs' cells stay apart
     assert main(["--pool-bursts", str(a), str(b)]) == 0
-    assert "2 burst runs pooled" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 burst runs pooled" in out and "90% intervals, 2 bursts resampled" in out
     with pytest.raises(SystemExit, match="does not exist"):
         pool_bursts([tmp_path / "nowhere"])
