@@ -69,14 +69,18 @@ from tqdm import tqdm
 from benchmarks.bench_agentic import WorkloadConfig, build_jobs, fit_block_scale, segment_tokens
 from benchmarks.common import astream_events, greedy
 
-DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd", "pdd_relay_first")
+DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd", "pdd_relay_first")  # the default set
+OPTIONAL_DESIGNS = ("pdd_rld_only",)  # only where --designs names them
 # The router's --path-mode per PDD design: fit (its default) and the relay-first rule.
-PDD_PATH_MODES = {"pdd": "fit", "pdd_relay_first": "relay_first"}
+PDD_PATH_MODES = {"pdd": "fit", "pdd_relay_first": "relay_first", "pdd_rld_only": "fit"}
+# PDD designs whose every request is sent with an operator's path (pdd_options): PDD's own servers
+# and router without the WAN leg, the relay path's cost apart from the WAN's
+FORCED_PATHS = {"pdd_rld_only": "p_rld_only"}
 LABELS = {"same_dc_pd": "same-DC PD (SGLang)", "cross_dc_pd": "cross-DC PD (SGLang)",
           "cross_dc_pd_radix": "cross-DC PD + decode radix (SGLang)", "pdd": "PDD",
-          "pdd_relay_first": "PDD, relay-first paths"}
+          "pdd_relay_first": "PDD, relay-first paths", "pdd_rld_only": "PDD servers, P->RLD only (no WAN leg)"}
 COLORS = {"same_dc_pd": "tab:gray", "cross_dc_pd": "tab:red", "cross_dc_pd_radix": "tab:orange", "pdd": "tab:blue",
-          "pdd_relay_first": "tab:cyan"}
+          "pdd_relay_first": "tab:cyan", "pdd_rld_only": "tab:purple"}
 EXACT_ARGS = ["--dtype", "float32"]  # as tests/conftest.py: greedy outputs comparable across designs
 DEEPSEEK_V3_KV_BYTES_PER_TOKEN = 70_272  # MLA: 61 layers x 576 values x 2 bytes
 # Assumed production prefill speed for the mapping to a real WAN (tokens/s of one prefill
@@ -534,10 +538,11 @@ class PddDesign(Design):
     name = "pdd"
 
     def __init__(self, run_dir: Path, model: str, link, router_args: list[str], emulated_mbit: float,
-                 name: str = "pdd"):
+                 name: str = "pdd", forced_path: Optional[str] = None):
         super().__init__(run_dir, model, link)
         self.name = name
         self.router_args, self.emulated_mbit = router_args, emulated_mbit
+        self.forced_path = forced_path  # every request's path, as an operator sets it (pdd_options)
         self.cluster = None
 
     def start(self) -> None:
@@ -553,6 +558,12 @@ class PddDesign(Design):
             topo.wan.rate_gbps, topo.wan.latency_ms, topo.wan.jitter_ms = self.emulated_mbit / 1000, 0.0, 0.0
         self.cluster = self.stack.enter_context(LocalCluster(self.run_dir / self.name, self.model, topo, self.router_args))
         self.router_url = topo.router_url
+
+    def route(self) -> Route:
+        if self.forced_path is None:
+            return super().route()
+        # pdd_options is operator-only
+        return Route(self.name, self.router_url, self.cluster.operator_headers, {"pdd_options": {"path": self.forced_path}})
 
     def annotate(self, records: list[Record]) -> None:
         log = self.cluster.procs.log_dir / "router.log"
@@ -572,7 +583,7 @@ def make_design(name: str, run_dir: Path, model: str, link, args, prefill_s_per_
         router_args = pdd_router_args(args) + ["--path-mode", PDD_PATH_MODES[name]]
         if prefill_s_per_token:  # P's speed as measured on same-DC PD: the router counts P's queue
             router_args += ["--p-prefill-tokens-per-s", f"{1 / prefill_s_per_token:.1f}"]
-        return PddDesign(run_dir, model, link, router_args, args.links[0], name)
+        return PddDesign(run_dir, model, link, router_args, args.links[0], name, FORCED_PATHS.get(name))
     return SglangPdDesign(name, run_dir, model, link, cross_dc=name != "same_dc_pd", radix=name == "cross_dc_pd_radix")
 
 
@@ -1018,8 +1029,14 @@ def ratio_intervals(records: list[Record], link: float, resamples: int = 2000, l
     pdd = [r for r in ok if r.design == "pdd" and r.link_mbit == link]
     same = [r for r in ok if r.design == "same_dc_pd"]
     relayed = [r for r in pdd if r.path == "p_rld_md"]
+    same_turns = same_turns_on(same, "same_dc_pd", relayed)
     sides = {"pdd_over_same_dc": (pdd, same), "relayed_over_same_dc": (relayed, same),
-             "relayed_over_same_turns": (relayed, same_turns_on(same, "same_dc_pd", relayed))}
+             "relayed_over_same_turns": (relayed, same_turns)}
+    # With pdd_rld_only run beside: the relayed turns without their WAN leg (PDD's router, P and
+    # RLD alone) against same-DC PD, and what the WAN leg adds to them.
+    without_wan = same_turns_on([r for r in ok if r.link_mbit == link], "pdd_rld_only", relayed)
+    if without_wan:
+        sides |= {"without_wan_over_same_turns": (without_wan, same_turns), "relayed_over_without_wan": (relayed, without_wan)}
     bursts = sorted({_burst_of(r) for r in pdd} & {_burst_of(r) for r in same})
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(bursts), size=(resamples, len(bursts))) if bursts else None
@@ -1079,11 +1096,14 @@ def print_pooled_bursts(pooled: dict, names: list[str]) -> None:
         print(f"link {link} Mbit/s, pooled p90s: PDD / cross-DC PD {fr(r['pdd_over_cross_dc'])} (goal <= 1), "
               f"/ same-DC PD {fr(r['pdd_over_same_dc'])} (<= 1.1); relayed / same-DC PD "
               f"{fr(r['relayed_over_same_dc'])} (<= 1.1), on the same turns {fr(same['ratio'])} (n {same['n']})")
-        iv = r["intervals"]
-        spans = [f"{name} {v['low']:.2f}-{v['high']:.2f} ({100 * v['within_goal']:.0f}% <= {GOAL_RATIO})"
-                 for name, v in iv.items() if isinstance(v, dict)]
-        if spans:
-            print(f"  {100 * iv['level']:.0f}% intervals, {iv['bursts']} bursts resampled: " + "; ".join(spans))
+        print_intervals(r["intervals"])
+
+
+def print_intervals(iv: dict) -> None:
+    spans = [f"{name} {v['low']:.2f}-{v['high']:.2f} ({100 * v['within_goal']:.0f}% <= {GOAL_RATIO})"
+             for name, v in iv.items() if isinstance(v, dict)]
+    if spans:
+        print(f"  {100 * iv['level']:.0f}% intervals, {iv['bursts']} bursts resampled: " + "; ".join(spans))
 
 
 ROUTER_MARKS = ("path", "legs", "md_registered", "destination", "p_replied", "first_token", "md_ready")
@@ -1179,7 +1199,8 @@ def run_burst(args, link, model: str, out: Path) -> dict:
            "requests_per_cell": len(order), "first_turn_tokens": [r.prompt_tokens for r in records
                                                                   if r.turn == 0 and r.design == names[0]][:args.burst]},
            "summary": summary, "ratios": {f"{m:g}": burst_ratios(summary, m) | {
-               "relayed_same_turns": relayed_vs_same_dc(records, m)} for m in args.links},
+               "relayed_same_turns": relayed_vs_same_dc(records, m), "intervals": ratio_intervals(records, m)}
+               for m in args.links},
            "equality": compare_outputs(records), "router_marks": router_marks_table(records), **meta}
     if args.time_stats:
         res["stages"] = burst_stages_per_link(records, stats, args.links)
@@ -1232,6 +1253,8 @@ def print_burst(res: dict) -> None:
         if same.get("n"):
             print(f"relayed requests ({same['n']}): TTFT p90 {fmt_ms(same['relayed_p90'])} ms; same-DC PD on the same "
                   f"turns {fmt_ms(same['same_dc_same_turns_p90'])} ms (ratio {fr(same['ratio'])})")
+        if "intervals" in r:
+            print_intervals(r["intervals"])
         for design in res["designs"]:
             cores = burst_server_cores(res["cells"], design, 0 if design == "same_dc_pd" else link, res["args"])
             if cores:
@@ -1334,8 +1357,10 @@ def parse_args(argv=None):
                     help="--burst: every thread in datacenter B's namespace (PDD's MD, cross-DC PD's decode "
                          "server) at nice N (1-19) once the servers are up, so B's work takes only the cycles A's "
                          "leaves, as B's own chips would; 0: all servers share the cores alike")
-    ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=None,
-                    help="default: all (--burst: same_dc_pd cross_dc_pd pdd)")
+    ap.add_argument("--designs", nargs="+", choices=DESIGNS + OPTIONAL_DESIGNS, default=None,
+                    help="default: all but pdd_rld_only (--burst: same_dc_pd cross_dc_pd pdd); pdd_rld_only: "
+                         "PDD's servers and router with every request sent P->RLD only (an operator's path), "
+                         "beside pdd: what the WAN leg adds to a relayed request")
     ap.add_argument("--links", type=float, nargs="+", default=None, metavar="MBIT",
                     help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "
                          "prefill: r ~0.3-5 on this machine); default 200 40 10 (--burst: 8 40)")

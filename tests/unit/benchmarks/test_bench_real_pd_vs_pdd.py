@@ -295,6 +295,41 @@ def test_ratio_intervals_resample_whole_bursts_so_one_slow_burst_widens_the_inte
     assert ratio_intervals(bursts([0.21] * 3), 40.0, resamples=50)["pdd_over_same_dc"] is None
 
 
+def test_ratio_intervals_split_the_relayed_turns_into_the_relay_path_and_the_wan_leg():
+    from benchmarks.bench_real_pd_vs_pdd import ratio_intervals
+
+    recs = []
+    for rep in range(4):
+        for j in range(3):
+            recs.append(burst_record("same_dc_pd", 0, rep, j, 0, 0.20))
+            recs.append(burst_record("pdd_rld_only", 8.0, rep, j, 0, 0.21, "p_rld_only"))
+            recs.append(burst_record("pdd", 8.0, rep, j, 0, 0.30, "p_rld_md"))
+    iv = ratio_intervals(recs, 8.0, resamples=100)
+    assert iv["without_wan_over_same_turns"]["low"] == pytest.approx(1.05)
+    assert iv["relayed_over_without_wan"]["high"] == pytest.approx(0.30 / 0.21)
+    assert iv["relayed_over_same_turns"]["low"] == pytest.approx(1.5)
+    # without pdd_rld_only beside, no split
+    assert "relayed_over_without_wan" not in ratio_intervals([r for r in recs if r.design != "pdd_rld_only"], 8.0,
+                                                             resamples=10)
+
+
+def test_pdd_rld_only_sends_every_request_with_an_operators_path_on_pdds_own_servers(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks.bench_real_pd_vs_pdd import DESIGNS, PddDesign, make_design, parse_args
+
+    args = parse_args(["--burst", "6", "--designs", "same_dc_pd", "pdd", "pdd_rld_only", "--links", "8"])
+    forced, plain = (make_design(name, tmp_path, "m", None, args) for name in ("pdd_rld_only", "pdd"))
+    assert isinstance(forced, PddDesign) and "pdd_rld_only" not in DESIGNS  # not in the default set
+    for design in (forced, plain):
+        design.router_url = "http://router"
+        design.cluster = SimpleNamespace(operator_headers={"Authorization": "Bearer op"})
+    route = forced.route()
+    assert route.name == "pdd_rld_only" and route.headers == {"Authorization": "Bearer op"}
+    assert route.body_extra == {"pdd_options": {"path": "p_rld_only"}}
+    assert plain.route().body_extra == {} and plain.route().headers == {}
+
+
 def test_burst_stage_table_groups_by_design_and_path():
     row = lambda design, path, ttft: {"design": design, "path": path, "ttft": ttft, **{k: ttft / 10 for k in STAGES}}
     t = burst_stage_table([row("pdd", "p_rld_md", 2.0), row("pdd", "p_rld_md", 4.0), row("pdd", "p_md", 1.0),
