@@ -1292,6 +1292,32 @@ def burst_server_cores(cells: dict, design: str, link: float, args: dict) -> dic
     return out
 
 
+def plot_intervals(pooled: dict, path: Path) -> None:
+    """Pooled bursts: each goal ratio's p90 interval per link, the goal's 1.1x as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(link, name, v) for link, r in pooled["ratios"].items()
+            for name, v in r["intervals"].items() if isinstance(v, dict)]
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(rows) + 1.4))
+    for y, (link, name, v) in enumerate(rows):
+        ax.plot([v["low"], v["high"]], [y, y], lw=5, color="tab:blue" if v["within_goal"] >= 0.5 else "tab:red")
+        ax.text(v["high"] + 0.02, y, f"{100 * v['within_goal']:.0f}% <= {GOAL_RATIO}", va="center", fontsize=8)
+    ax.axvline(GOAL_RATIO, color="gray", ls="--")
+    ax.axvline(1.0, color="lightgray")
+    ax.set_yticks(range(len(rows)), [f"{link} Mbit/s: {name}" for link, name, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    level = next(iter(pooled["ratios"].values()))["intervals"]["level"] if pooled["ratios"] else 0.9
+    ax.set_xlabel(f"TTFT p90 ratio, {100 * level:.0f}% interval (whole bursts resampled)")
+    ax.set_title(f"{pooled['runs']} burst runs pooled", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_burst(res: dict, path: Path) -> None:
     """TTFT p90 per design and link, PDD's split by path, each repeat a dot."""
     import matplotlib
@@ -1378,7 +1404,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="artifacts/bench_real_pd_vs_pdd")
     ap.add_argument("--plot", default=None, help="PNG path (default: real_pd_vs_pdd.png under --out; the docs' "
-                                                  "figure is docs/img/real_pd_vs_pdd.png, name it to replace it)")
+                                                  "figure is docs/img/real_pd_vs_pdd.png, name it to replace it); "
+                                                  "with --pool-bursts: the ratios' intervals")
     args = ap.parse_args(argv)
     if args.designs is None:
         args.designs = list(BURST_DESIGNS if args.burst else DESIGNS)
@@ -1450,7 +1477,11 @@ def main(argv=None) -> int:
     from sglang_pdd.launcher.netns import link_or_fallback
 
     if args.pool_bursts:
-        print_pooled_bursts(pool_bursts([Path(d) for d in args.pool_bursts]), args.pool_bursts)
+        pooled = pool_bursts([Path(d) for d in args.pool_bursts])
+        print_pooled_bursts(pooled, args.pool_bursts)
+        if args.plot:
+            plot_intervals(pooled, Path(args.plot))
+            print(f"wrote {args.plot}")
         return 0
     if args.spread_of:
         if not args.plot:

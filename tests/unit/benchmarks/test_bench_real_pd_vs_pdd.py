@@ -372,8 +372,9 @@ def test_pooled_bursts_are_one_sample_with_each_runs_p90_and_same_turns_matched_
     # run b's session 1 was not relayed: its same-DC turn (9 s) is not one of the same turns
     assert same["n"] == 3 and same["same_dc_same_turns_p90"] == pytest.approx(pct_of([2, 2, 1]))
     assert pooled["ratios"]["8"]["intervals"]["bursts"] == 2  # a burst per run: the runs' cells stay apart
-    assert main(["--pool-bursts", str(a), str(b)]) == 0
+    assert main(["--pool-bursts", str(a), str(b), "--plot", str(tmp_path / "iv.png")]) == 0
     out = capsys.readouterr().out
     assert "2 burst runs pooled" in out and "90% intervals, 2 bursts resampled" in out
+    assert (tmp_path / "iv.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="does not exist"):
         pool_bursts([tmp_path / "nowhere"])
