@@ -560,10 +560,11 @@ class PddDesign(Design):
         self.router_url = topo.router_url
 
     def route(self) -> Route:
-        if self.forced_path is None:
-            return super().route()
-        # pdd_options is operator-only
-        return Route(self.name, self.router_url, self.cluster.operator_headers, {"pdd_options": {"path": self.forced_path}})
+        return super().route() if self.forced_path is None else self.route_on_path(self.forced_path, self.name)
+
+    def route_on_path(self, path: str, name: str) -> Route:
+        """Requests sent with ``path`` as an operator sets it (pdd_options is operator-only)."""
+        return Route(name, self.router_url, self.cluster.operator_headers, {"pdd_options": {"path": path}})
 
     def annotate(self, records: list[Record]) -> None:
         log = self.cluster.procs.log_dir / "router.log"
@@ -893,8 +894,7 @@ def run_breakdown(args, link, model: str, out: Path) -> dict:
         pdd.start()
         pdd.set_link(link_mbit)
         warm_up(pdd, args.request_timeout_s)
-        # pdd_options is operator-only
-        forced = Route("pdd_rld_only", pdd.router_url, pdd.cluster.operator_headers, {"pdd_options": {"path": "p_rld_only"}})
+        forced = pdd.route_on_path("p_rld_only", "pdd_rld_only")
         cell([pdd.route(), forced], pdd, cfg2, jobs2, order2, "b")
         pdd.cluster.procs.stop("main-0")
         cell([replace(forced, name="pdd_rld_only_md_stopped")], pdd, cfg1, jobs1, order1, "c")
@@ -1038,14 +1038,22 @@ def ratio_intervals(records: list[Record], link: float, resamples: int = 2000, l
     if without_wan:
         sides |= {"without_wan_over_same_turns": (without_wan, same_turns), "relayed_over_without_wan": (relayed, without_wan)}
     bursts = sorted({_burst_of(r) for r in pdd} & {_burst_of(r) for r in same})
+    index = {b: i for i, b in enumerate(bursts)}
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(bursts), size=(resamples, len(bursts))) if bursts else None
+    picks = rng.integers(0, len(bursts), size=(resamples, len(bursts))) if bursts else []
+
+    def by_burst(recs: list[Record]) -> list[np.ndarray]:
+        ttfts: list[list] = [[] for _ in bursts]
+        for r in recs:
+            if _burst_of(r) in index:
+                ttfts[index[_burst_of(r)]].append(r.ttft_s)
+        return [np.array(t) for t in ttfts]
+
     out: dict = {"bursts": len(bursts), "level": level}
     for name, (num, den) in sides.items():
-        by_burst = lambda recs: [np.array([r.ttft_s for r in recs if _burst_of(r) == b]) for b in bursts]
         a, b = by_burst(num), by_burst(den)
         ratios = []
-        for pick in (picks if picks is not None else []):
+        for pick in picks:
             x, y = np.concatenate([a[i] for i in pick]), np.concatenate([b[i] for i in pick])
             if len(x) and len(y):
                 ratios.append(np.percentile(x, 90) / np.percentile(y, 90))
@@ -1253,8 +1261,7 @@ def print_burst(res: dict) -> None:
         if same.get("n"):
             print(f"relayed requests ({same['n']}): TTFT p90 {fmt_ms(same['relayed_p90'])} ms; same-DC PD on the same "
                   f"turns {fmt_ms(same['same_dc_same_turns_p90'])} ms (ratio {fr(same['ratio'])})")
-        if "intervals" in r:
-            print_intervals(r["intervals"])
+        print_intervals(r["intervals"])
         for design in res["designs"]:
             cores = burst_server_cores(res["cells"], design, 0 if design == "same_dc_pd" else link, res["args"])
             if cores:
