@@ -145,3 +145,24 @@ def test_burst_leaves_no_namespace_behind(burst_run):
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert res["namespace"]["name"] not in names and res["namespace"]["veth"] not in links
+
+
+# ----------------------------------------------------------------------------- the TTFT breakdown
+def test_ttft_breakdown_runs_every_variant_and_forces_p_rld_only(tmp_path, servers_under_test):
+    """The documented ``--ttft-breakdown --links 200 --rates 2.5``, at two sessions: every
+    variant answers, its rows carry their stages, and the forced variants went P->RLD only."""
+    _require_sglang()
+    if netns.unavailable_reason():
+        pytest.skip(netns.unavailable_reason())
+    servers_under_test.stop()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_real_pd_vs_pdd", "--ttft-breakdown", "--links", "200",
+                           "--rates", "2.5", "--sessions", "2", "--turns", "2", "2", "--outliers", "0",
+                           "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    res = json.loads((tmp_path / "breakdown.json").read_text())
+    assert list(res["variants"]) == ["same_dc_pd", "sglang_pd_pdd_router", "pdd", "pdd_rld_only", "pdd_rld_only_md_stopped"]
+    assert all(v["errors"] == 0 and v["matched"] > 0 for v in res["variants"].values()), res["variants"]
+    rows = res["rows"]
+    assert {r["design"] for r in rows} == set(res["variants"])
+    assert {r["path"] for r in rows if r["design"].startswith("pdd_rld_only")} == {"p_rld_only"}
+    assert all(r["ttft"] > 0 and r["p_forward"] >= 0 for r in rows)
