@@ -613,6 +613,7 @@ class Simulation:
             lc.AbortLegs: self._act_unmodelled,
             lc.FailRequest: self._act_unmodelled,
             lc.ReleaseAll: self._act_unmodelled,  # _finish releases; the sim sends no Ended
+            lc.DeliverAfterEnd: self._act_unmodelled,  # the same; a relayed transfer lands after RLD ends
         }
 
     def _event(self, now: float, r: SimRequest, event) -> None:

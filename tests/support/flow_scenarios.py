@@ -15,6 +15,7 @@ import aiohttp
 from sglang_pdd.handoff.policy import HandoffConfig, HandoffMode
 from sglang_pdd.router.backends.clients import BackendError, use_control_key
 from sglang_pdd.router.flow.fallback import Reason
+from sglang_pdd.router.flow.lingering import Lingering
 from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
 from sglang_pdd.router.flow.request import FlowRequest
 from sglang_pdd.router.flow.pick import FlowShared, ServerPick
@@ -50,6 +51,9 @@ class Run:
     tasks_after: Optional[set] = None
     first_chunk_t: Optional[float] = None  # time.monotonic(), the clock of the fakes' records
     last_chunk_t: Optional[float] = None
+    ended_t: Optional[float] = None  # when events() returned: the client's reply was complete
+    lingering_at_end: int = 0  # tasks the flow left behind (router/flow/lingering.py)
+    lingering_cancelled: int = 0  # ... still running 5 s after the end
 
     @property
     def fallbacks(self) -> list[str]:
@@ -82,7 +86,8 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
             req = FlowRequest(PROMPT, {"max_new_tokens": max_new, "temperature": 0.0, **(sampling or {})},
                               extras=extras, rid=rid)
             pick = ServerPick(prefill, fakes.rld_url, main_backend, force_path=force_path, md_cached_estimate=md_estimate)
-            run.flow = PddFlow(req, pick, cfg or flow_config(), FlowShared(session))
+            lingering = Lingering()
+            run.flow = PddFlow(req, pick, cfg or flow_config(), FlowShared(session, lingering=lingering))
             try:
                 async for tokens in run.flow.events():
                     run.last_chunk_t = time.monotonic()
@@ -92,7 +97,10 @@ def scenario(knobs: Knobs, max_new: int = 30, cfg: Optional[FlowConfig] = None, 
                     run.emitted.extend(tokens)
             except BackendError as e:
                 run.error = e
+            run.ended_t = time.monotonic()
             run.tasks_after = set(run.flow.tasks)
+            run.lingering_at_end = len(lingering)
+            run.lingering_cancelled = await lingering.settle(5.0)
             # Aborts and releases are sent by then; the fakes' streams wind down right after.
             await wait_until(lambda: fakes.rld_active == 0 and fakes.md_active == 0, timeout_s=5)
         finally:
@@ -118,6 +126,7 @@ def assert_invariants(run: Run, max_new: int, complete: bool = True) -> None:
         assert run.emitted == want[:len(run.emitted)]
     assert all(run.chunks), "empty chunk yielded"
     assert not run.tasks_after, f"tasks left after events(): {run.tasks_after}"
+    assert run.lingering_cancelled == 0, "work left by the request did not land within 5 s"
     fakes = run.fakes
     registered = fakes.registered_rooms() if fakes.knobs.md_register == "ok" else []
     for room in registered:

@@ -79,11 +79,12 @@ def route_once_p_has_destination(cluster, body: dict) -> dict:
 
     The router starts P and RLD at once and registers MD's room concurrently (one round trip
     to MD, then one to P's control API). A short output can end on RLD before that is done:
-    then, by design, the router withdraws the destination and MD keeps nothing (no KV will
-    come). Nothing orders the two, and on a loaded machine a 2-token request ends first within
-    tens of milliseconds. Held on P, the request cannot yield a token before P has been given
-    the destination (P's reply to the router leaves right after; the request's first token
-    needs P's prefill and RLD's decoding first), so it ends as one whose KV is on its way to MD."""
+    then the registration and P's destination finish after the reply (router/flow/lingering.py),
+    and a next turn sent at once may reach MD before the KV does. Nothing orders the two, and
+    on a loaded machine a 2-token request ends first within tens of milliseconds. Held on P,
+    the request cannot yield a token before P has been given the destination (P's reply to
+    the router leaves right after; the request's first token needs P's prefill and RLD's
+    decoding first), so it ends as one whose KV is already on its way to MD."""
     url, key = f"{cluster.topology.prefill.control_url}/pdd/stats", cluster.control_key
 
     def given() -> int:  # destinations P has been given (before or after its request asked)

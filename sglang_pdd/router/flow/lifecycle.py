@@ -12,7 +12,9 @@ to; ``python -m sglang_pdd.router.flow.lifecycle [--mermaid]`` prints it (docs/r
 
 Orthogonal to the phase, MD's room: NONE (no MD for this request) -> PENDING -> READY | FAILED;
 and P's WAN destination where P learns it after its leg started (P's control API): NONE ->
-PENDING -> DELIVERED | DROPPED (withdrawn on P: MD's side failed, or the request ended first).
+PENDING -> DELIVERED | DROPPED (withdrawn on P: MD's side failed, or the request failed or
+closed first) | AFTER_END (the request finished first: P gets it after the end, so MD's cache
+still gets the prompt for the session's next turn).
 
 Events (who sends them) and what they do:
 
@@ -48,8 +50,9 @@ Events (who sends them) and what they do:
     Broken(message)                     the shell     FAILED, even after the end: an illegal
                                                       event, or an action found a backend's
                                                       reply breaking the stream's invariants
-    Ended()                             the shell     after the end: withdraw a destination P
-                                                      still waits for, release everything
+    Ended()                             the shell     after the end: release everything; a
+                                                      destination P still waits for is delivered
+                                                      after the end (finished) or withdrawn
 
 Catch-up rounds (``RequestState.catch_up``, the router's handoff policy when it hands off in
 catch-up mode) are decided here too: each CutReady hands MD the next batch while the backlog
@@ -107,6 +110,7 @@ class Destination(str, enum.Enum):
     PENDING = "pending"  # P's leg runs and waits for MD's room (P's control API)
     DELIVERED = "delivered"  # P has it
     DROPPED = "dropped"  # withdrawn on P: no MD for this request after all
+    AFTER_END = "after_end"  # the request finished first; P gets it after the end
 
 
 class RecoveryMode(str, enum.Enum):
@@ -326,13 +330,24 @@ class FailRequest:
 @dataclass(frozen=True)
 class ReleaseAll:
     """Abort every running backend request; release MD's room, keeping the KV MD has for a
-    finished request (the session's next turn hits it) or freeing it."""
+    finished request (the session's next turn hits it) or freeing it. ``md_room`` False: MD's
+    room is DeliverAfterEnd's to release."""
     keep_md_kv: bool
+    md_room: bool = True
+
+
+@dataclass(frozen=True)
+class DeliverAfterEnd:
+    """The request finished before P got its WAN destination: MD's registration and P's
+    destination (``p_room``) finish after the end, without the client waiting for them; then
+    MD's room is released keeping the KV (P sends it behind the KV someone waits for). Where
+    MD or P fails, the destination is withdrawn and the room freed."""
+    p_room: Optional[int]
 
 
 Action = Union[StartRelayLeg, StartMdSide, EmitRelayOutput, WatchMd, WithdrawDestination, StartHandoff,
                SendCatchUpBatch, SendFinalHandoff, CommitHandoff, AbandonHandoff, EmitMainOutput, RecordFallback,
-               AbortLegs, Finish, FailRequest, ReleaseAll]
+               AbortLegs, Finish, FailRequest, ReleaseAll, DeliverAfterEnd]
 
 
 # ---------------------------------------------------------------------------------- state
@@ -584,12 +599,18 @@ def _broken(s: RequestState, e: Broken) -> Result:
 
 
 def _ended(s: RequestState, e: Ended) -> Result:
-    # MD keeps a finished request's KV still on the WAN for the session's next turn; KV that P
-    # never got a destination for will not come, and a room kept for it would stay until it
-    # expired (holding its prefix and pages, and MD's cache flush).
+    # MD keeps a finished request's KV still on the WAN for the session's next turn, also when
+    # RLD finished before MD answered the registration (a short output, a busy MD): MD's cache
+    # stays as warm as P's. A failed or closed request's KV is not wanted, and a room kept for
+    # KV P never got a destination for would stay until it expired (holding its prefix and
+    # pages, and MD's cache flush).
+    done = s.phase is RequestPhase.DONE
+    if s.destination is Destination.PENDING and done:
+        return (_replace(s, destination=Destination.AFTER_END),
+                [ReleaseAll(keep_md_kv=True, md_room=False), DeliverAfterEnd(s.p_room)])
     kv_coming = s.destination not in (Destination.PENDING, Destination.DROPPED)
-    actions: list = [ReleaseAll(keep_md_kv=s.phase is RequestPhase.DONE and kv_coming)]
-    if s.destination is Destination.PENDING:  # ended before P got a destination: P stops waiting
+    actions: list = [ReleaseAll(keep_md_kv=done and kv_coming)]
+    if s.destination is Destination.PENDING:  # failed or closed before P got a destination
         s = _replace(s, destination=Destination.DROPPED)
         actions.append(WithdrawDestination(s.p_room))
     return s, actions
@@ -703,7 +724,8 @@ ROWS = (
     *(TableRow(phase, DestinationDelivered, (phase,), _destination_delivered, _destination_pending)
       for phase in _TERMINAL),
     *(TableRow(phase, Broken, (_FAILED,), _broken, note="failed after all") for phase in _TERMINAL),
-    *(TableRow(phase, Ended, (phase,), _ended, note="release everything, withdraw a pending destination")
+    *(TableRow(phase, Ended, (phase,), _ended,
+               note="release everything; a pending destination: delivered after the end if done, else withdrawn")
       for phase in _TERMINAL),
 )
 

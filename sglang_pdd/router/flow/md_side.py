@@ -31,8 +31,8 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Coroutine, Optional
 
 import aiohttp
 
@@ -42,6 +42,7 @@ from sglang_pdd.router.backends.clients import (BackendError, MainControl, Prefi
                                         server_at_fault)
 from sglang_pdd.router.flow.bodies import handoff_body, late_destination_params, wan_destination_params, warmup_body
 from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.flow.lingering import Lingering
 from sglang_pdd.router.flow.pick import ServerPick
 from sglang_pdd.router.backends.reply_limits import max_event_bytes
 from sglang_pdd.router.backends.wan_in_flight import WanInFlight
@@ -53,6 +54,17 @@ logger = logging.getLogger("sglang_pdd.router")
 def new_room() -> int:
     """A bootstrap / MD room id nobody can guess (a CSPRNG, not ``random``)."""
     return secrets.randbelow(2**63)
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    """How MD's registration and P's late destination went: ``fallback`` None once P has MD's
+    ``room``; else why not, and whether MD may hold the room all the same (it answered, or its
+    answer could not be verified), so it must be released."""
+
+    room: int
+    fallback: Optional[Fallback] = None
+    md_holds_room: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,7 @@ class FlowIo:
     live_rids: dict
     wan_in_flight: WanInFlight
     learn_md_kv_size: Optional[Callable[[str, KvSize], None]] = None
+    lingering: Lingering = field(default_factory=Lingering)
 
 
 class MdSide:
@@ -110,6 +123,9 @@ class MdSide:
         self._learn_kv_size = io.learn_md_kv_size  # MD's KV size from a registration, for the router
         self.room: Optional[int] = None
         self.md_tp = 1
+        self._lingering = io.lingering  # the router's tasks that outlive their request
+        self._delivery: Optional[asyncio.Future[_Delivery]] = None  # registration + P's late destination
+        self._withdrawn = False  # P was told to stop waiting for its destination
         self._planned_wan = (0, 0)  # statistics: (bytes to send, bytes MD already has)
         self._handoff_sent_t = 0.0  # statistics: when the final handoff was sent
 
@@ -170,35 +186,84 @@ class MdSide:
             return late_destination_params(self.room)
         return wan_destination_params(self.room, self.wan_peer, self.result.md_cached_tokens, self.md_tp)
 
-    async def register_and_deliver(self, p_room: int) -> None:
+    def register_and_deliver(self, p_room: int) -> Coroutine[Any, Any, None]:
         """P and RLD run already: register the room on MD, tell P (``p_room``) the destination
         (MD's exact prefix), then wait for MD's KV as usual. Any failure withdraws the
-        destination on P and ends in a failed "ready", so RLD finishes the request."""
+        destination on P and ends in a failed "ready", so RLD finishes the request.
+
+        The registration and P's destination start now as their own task, which the returned
+        coroutine (the flow's leg) reports on: a request that ends before that task is done
+        leaves it to ``deliver_after_end`` or ``release``."""
+        self._delivery = asyncio.ensure_future(self._deliver(p_room))
+        return self._report_delivery(self._delivery)
+
+    async def _report_delivery(self, delivery_task: "asyncio.Future[_Delivery]") -> None:
+        delivery = await asyncio.shield(delivery_task)  # the flow's cancel leaves the delivery running
+        if delivery.fallback is not None:
+            if delivery.md_holds_room:
+                self._spawn(self.control.release(delivery.room), must_finish=True)  # unlock MD's prefix now
+            await self._not_ready(delivery.fallback)
+            return
+        self.count_wan_transfer()
+        await self.queue.put((lifecycle.DestinationDelivered(), None))
+
+    async def _deliver(self, p_room: int) -> "_Delivery":
+        """Register ``self.room`` on MD, then post it to P as ``p_room``'s WAN destination."""
         room, reg = self.room, None
         try:
             reg = await self.control.register(room, self.ids, use_cache=self.use_drc)
             self.result.mark("md_registered", self.t0)
             cached = self._on_registered(reg)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-            self._registration_failed(room, reg, e)
-            await self._not_ready(Fallback(Reason.MD_UNAVAILABLE, str(e)))
-            return
+            self._blame(e)
+            self.room = None
+            return _Delivery(room, Fallback(Reason.MD_UNAVAILABLE, str(e)),
+                             md_holds_room=reg is not None or isinstance(e, UnverifiedReply))
         if cached != self.result.md_cached_estimate:
             logger.info("rid %s: MD holds %d prompt tokens, the router estimated %d (path %s kept)",
                         client_text(self.result.rid), cached, self.result.md_cached_estimate, self.result.path)
+        if self._withdrawn:  # the request failed or closed meanwhile: P must not get it
+            self.room = None
+            return _Delivery(room, Fallback(Reason.WAN_DESTINATION_FAILED, "withdrawn: the request ended"))
         try:
             await self.p_control.set_wan_destination(p_room, room, self.wan_peer, cached, md_tp=self.md_tp)
         except (BackendError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._spawn(self.control.release(room), must_finish=True)  # unlock MD's prefix now
             self.room = None
-            await self._not_ready(Fallback(Reason.WAN_DESTINATION_FAILED, str(e)))
-            return
+            return _Delivery(room, Fallback(Reason.WAN_DESTINATION_FAILED, str(e)), md_holds_room=True)
         self.result.mark("destination", self.t0)
-        self.count_wan_transfer()
-        await self.queue.put((lifecycle.DestinationDelivered(), None))
+        return _Delivery(room)
+
+    def deliver_after_end(self, p_room: Optional[int]) -> None:
+        """The request finished while MD's registration or P's destination was still on its way:
+        both finish after the end (the client does not wait), then MD's room is released keeping
+        the KV P sends it, for the session's next turn. Where MD or P failed, the destination is
+        withdrawn on P and MD's room freed. Not counted on the router's WAN: nobody waits for
+        this KV, and P sends it behind the KV someone does."""
+        if self._delivery is not None:
+            self.room = None  # from here on the room is the lingering task's
+            self._lingering.spawn(self._after_end(self._delivery, p_room))
+
+    async def _after_end(self, delivery_task: "asyncio.Future[_Delivery]", p_room: Optional[int]) -> None:
+        delivery = await delivery_task
+        counters = self._lingering.counters
+        if delivery.fallback is None:
+            await self.control.release(delivery.room, keep_kv=True)
+            await self.p_control.keep_only_wan(delivery.room)
+            counters["delivered_after_end"] += 1
+            logger.info("rid %s: P got its WAN destination after the request ended; MD keeps the KV",
+                        client_text(self.result.rid))
+            return
+        counters["failed_after_end"] += 1
+        logger.info("rid %s: after the request ended: %s; MD keeps nothing", client_text(self.result.rid),
+                    delivery.fallback)
+        if delivery.md_holds_room:
+            await self.control.release(delivery.room)
+        await self.p_control.drop_wan_destination(p_room)
 
     def withdraw_destination(self, p_room: Optional[int]) -> None:
-        """Tell P (``p_room``) to stop waiting for its WAN destination."""
+        """Tell P (``p_room``) to stop waiting for its WAN destination (a registration still on
+        its way then stops short of P)."""
+        self._withdrawn = True
         self._spawn(self.p_control.drop_wan_destination(p_room), must_finish=True)
 
     # ------------------------------------------------------------------ MD's KV
@@ -282,12 +347,23 @@ class MdSide:
         """Release MD's room, if MD holds one. ``keep_kv``: the request finished, so KV still
         in flight is kept on MD (the session's next turn hits it). ``must_finish``: the request
         ends only once the release landed. With ``keep_kv`` P is told too (where it has a control
-        API): nobody waits for the KV now, so P sends it behind the KV other requests wait for."""
+        API): nobody waits for the KV now, so P sends it behind the KV other requests wait for.
+        While MD's registration is on its way, the room is released once MD answered it,
+        without the request waiting for that."""
+        if self._delivery is not None and not self._delivery.done():
+            self._lingering.spawn(self._release_after_delivery(self._delivery, keep_kv))
+            self.room = None
+            return
         if self.room is not None:
             self._spawn(self.control.release(self.room, keep_kv=keep_kv), must_finish=must_finish)
             if keep_kv and self.p_control is not None:
                 self._spawn(self.p_control.keep_only_wan(self.room), must_finish=must_finish)
             self.room = None
+
+    async def _release_after_delivery(self, delivery_task: "asyncio.Future[_Delivery]", keep_kv: bool) -> None:
+        delivery = await delivery_task
+        if delivery.md_holds_room:
+            await self.control.release(delivery.room, keep_kv=keep_kv and delivery.fallback is None)
 
     # ------------------------------------------------------------------ plumbing
     def _rid(self, suffix: str) -> str:

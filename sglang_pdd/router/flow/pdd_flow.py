@@ -25,7 +25,8 @@ events and who sends them:
     Broken(message)                     _run: an event was illegal, or a backend's reply broke
                                         the stream's invariants (an action raised)
     ClientDisconnected()                events(): the consumer closed the generator early
-    Ended()                             events(), last: the cleanup (abort, release, withdraw)
+    Ended()                             events(), last: the cleanup (abort, release, withdraw,
+                                        or leave MD's registration to finish after the end)
 
 PddFlow keeps no state of the request's course: that is ``self.state`` (lifecycle.RequestState),
 changed only by ``_REQUEST`` (the kit's Driver: an action type -> the method performing it). What
@@ -299,7 +300,7 @@ class PddFlow:
         self.md = None if pick.main is None else MdSide(
             FlowIo(shared.session, self.ids, self.sampling, self.extras, self.max_new, self.internal_rid, self.result,
                    self.t0, self.queue, self._put_stream_event, self._spawn, self.live_rids, self.wan_in_flight,
-                   shared.learn_md_kv_size),
+                   shared.learn_md_kv_size, shared.lingering),
             pick, wan_timeout_s=cfg.wan_timeout_s, stall_timeout_s=cfg.md_stall_timeout_s,
             first_token_timeout_s=cfg.md_first_token_timeout_s)
         self._out_meta = OutputMeta(self.extras)
@@ -727,9 +728,16 @@ class PddFlow:
         for rid, url in self.live_rids.items():
             self._spawn(abort(self.session, url, rid), must_finish=True)
         self.live_rids.clear()
-        if self.md is not None:
+        if self.md is not None and action.md_room:
             self.result.md_kv_kept = action.keep_md_kv and self.md.room is not None
             self.md.release(keep_kv=action.keep_md_kv)
+
+    def _deliver_after_end(self, action: lifecycle.DeliverAfterEnd, payload) -> None:
+        """MD's registration and P's destination land after the end; the router's prefix index
+        counts MD's copy of the prompt now (the next turn's registration answers exactly)."""
+        self.result.md_registration = "after_end"
+        self.result.md_kv_kept = True
+        self.md.deliver_after_end(action.p_room)
 
 
 # The request's one way to change: its machine, and PddFlow's method for each action.
@@ -750,4 +758,5 @@ _REQUEST = Driver(lifecycle.transition, {
     lifecycle.Finish: PddFlow._finish,
     lifecycle.FailRequest: PddFlow._fail_request,
     lifecycle.ReleaseAll: PddFlow._release_all,
+    lifecycle.DeliverAfterEnd: PddFlow._deliver_after_end,
 })

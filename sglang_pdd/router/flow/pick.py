@@ -15,6 +15,7 @@ from sglang_pdd.router.backends.servers import MainBackend, PrefillBackend
 from sglang_pdd.router.backends.stall import BackendProgress
 from sglang_pdd.router.backends.wan_in_flight import WanInFlight
 from sglang_pdd.router.flow.fallback import Fallback
+from sglang_pdd.router.flow.lingering import Lingering
 from sglang_pdd.protocol import KvSize
 from sglang_pdd.router.policy import Path
 
@@ -49,3 +50,5 @@ class FlowShared:
     learn_md_kv_size: Optional[Callable[[str, KvSize], None]] = None
     # When each server last made progress, as the router's flows saw it (the relay stall guard's)
     progress: BackendProgress = field(default_factory=BackendProgress)
+    # Work a flow leaves behind when it ends (MD's registration answered after a finished request)
+    lingering: Lingering = field(default_factory=Lingering)

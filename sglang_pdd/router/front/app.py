@@ -65,6 +65,9 @@ OPERATOR_HEADER = "X-PDD-Operator-Token"
 # still be ending there; MD lets go of the pages of rooms that ended), and ``?timeout=`` at most
 # MAX_FLUSH_TIMEOUT_S; the router's own requests are polled every FLUSH_POLL_S.
 FLUSH_SETTLE_S = 5.0
+# On close: how long the work ended requests left (MD's late registrations) may still take;
+# each step of it is one control call, bounded by the control client's own timeouts.
+LINGERING_SETTLE_S = 5.0
 MAX_FLUSH_TIMEOUT_S = 600.0
 FLUSH_POLL_S = 0.05
 PDD_OPTION_KEYS = {"path", "handoff_mode", "catch_up_threshold", "drc"}
@@ -149,6 +152,7 @@ class Router:
         self.metrics.track_backends(pools.inflight())
         self.metrics.track_health(self._health_rows)
         self.metrics.track_failures(self._failure_rows)
+        self.metrics.track_after_end(self.flows.lingering.counters)
         self.health_check_interval_s = health_check_interval_s
         self._probes: Optional[asyncio.Task] = None
         self._md_sizes: Optional[asyncio.Task] = None  # learn_md_kv_sizes, from start() on
@@ -196,6 +200,11 @@ class Router:
                      self._drain_sync):
             if task is not None:
                 task.cancel()
+        # MD's registrations that outlived their request: let them land, bounded
+        cancelled = await self.flows.lingering.settle(LINGERING_SETTLE_S)
+        if cancelled:
+            logger.warning("closing: %d task(s) left by ended requests cancelled after %.0f s", cancelled,
+                           LINGERING_SETTLE_S)
         await self.session.close()
 
     def is_operator(self, request: web.Request) -> bool:

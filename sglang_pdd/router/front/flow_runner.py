@@ -22,6 +22,7 @@ import aiohttp
 from sglang_pdd.handoff.policy import HandoffMode
 from sglang_pdd.router.backends.clients import BackendError
 from sglang_pdd.router.flow.fallback import Fallback, Reason
+from sglang_pdd.router.flow.lingering import Lingering
 from sglang_pdd.router.flow.pdd_flow import FlowConfig, PddFlow
 from sglang_pdd.router.flow.pick import FlowShared, ServerPick
 from sglang_pdd.router.flow.request import FlowRequest
@@ -67,6 +68,7 @@ class FlowRunner:
         self.overload = overload
         self.relay_slots: dict[str, Optional[int]] = {url: None for url in pools.relay}  # from their /v1/loads
         self.progress = BackendProgress()  # when each server last made progress (the relay stall guard's)
+        self.lingering = Lingering()  # work flows leave behind when they end
 
     def open(self, req: FlowRequest, exclude: frozenset = frozenset(), with_main: bool = True,
              retry_of: Optional[PddFlow] = None) -> PddFlow:
@@ -116,7 +118,7 @@ class FlowRunner:
                       fallbacks=tuple(fallbacks), retry=retry_of is not None,
                       p_load=PrefillLoad(self.pools, prefill.url, max(1, len(req.input_ids) - p_estimate), req.input_ids))
         return PddFlow(req, pick, cfg, FlowShared(self.session, self.pools.wan, self.pools.learn_md_kv_size,
-                                                  self.progress))
+                                                  self.progress, self.lingering))
 
     def retry(self, failed: PddFlow) -> Optional[PddFlow]:
         """A request whose P or RLD leg broke before its first token starts over once, on

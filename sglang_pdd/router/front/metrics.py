@@ -260,6 +260,11 @@ class RouterMetrics:
         leg broke on it; "probe": its /health failed), at each scrape."""
         self.registry.register(_FailuresCollector(read, self.index_of))
 
+    def track_after_end(self, counts: Mapping[str, int]) -> None:
+        """``counts``: how MD's registrations that outlived their finished request went
+        (router/flow/lingering.py's counters, "delivered_after_end" / "failed_after_end")."""
+        self.registry.register(_AfterEndCollector(counts))
+
     def backend_fallback(self, role: str, url: str) -> None:
         self._backend_fallbacks.labels(role, self.index_of(role, url)).inc()
 
@@ -371,6 +376,26 @@ class _FailuresCollector:
                                 "(source=probe).", labels=["role", "index", "source"])
         for role, url, source, n in self._read():
             c.add_metric([role, self._index_of(role, url), _label(source, FAILURE_SOURCES, "failure source")], n)
+        yield c
+
+
+AFTER_END_OUTCOMES: Tuple[str, ...] = ("delivered", "failed")
+
+
+class _AfterEndCollector:
+    """`pdd:md_kv_after_end_total`: requests that finished on RLD before MD answered their
+    registration, whose registration and WAN destination then landed after the end (MD keeps
+    the KV for the next turn) or failed (MD keeps nothing), read at scrape time."""
+
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily("pdd:md_kv_after_end", "Requests finished before MD answered their registration: "
+                                "the registration and P's WAN destination landed after the end (outcome=delivered, "
+                                "MD keeps the KV) or failed (outcome=failed).", labels=["outcome"])
+        for outcome in AFTER_END_OUTCOMES:
+            c.add_metric([outcome], self._counts.get(f"{outcome}_after_end", 0))
         yield c
 
 

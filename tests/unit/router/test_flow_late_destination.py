@@ -192,20 +192,58 @@ def test_wan_fails_after_destination_delivered_no_drop():
     assert run.flow.result.wan_ready_s is None  # no KV landed: no transfer time
 
 
-def test_request_ends_before_registration_answers_drops_destination_and_releases_room():
-    knobs = Knobs(md_register_delay_s=2.0)
-
-    def gates(run):  # RLD's first token only once MD has the register request in hand
+def ends_before_md_answers(knobs: Knobs, max_new: int = 5):
+    """A P->RLD->MD request whose RLD finishes it (or fails) while MD's registration is still
+    on its way: RLD's first token waits until MD has the register request in hand."""
+    def gates(run):
         knobs.rld_before_token = hold_rld_until({"run": run}, lambda r: r.fakes.registered_rooms(), 0)
 
-    run = scenario(knobs, max_new=5, p_control=True, gates=gates)
+    return scenario(knobs, max_new=max_new, p_control=True, gates=gates)
+
+
+def test_a_request_finished_before_md_answers_still_gets_its_kv_to_md():
+    """MD's cache stays as warm as P's: the registration outlives the request, P gets its
+    destination after the end and MD's room is released keeping the KV, while the client's
+    reply did not wait for MD."""
+    run = ends_before_md_answers(Knobs(md_register_delay_s=0.5, md_cached_tokens=3))
     assert_invariants(run, 5)  # the registered room released exactly once
     assert_p_control_sane(run)
     r = run.flow.result
     assert r.fallbacks == [] and r.rld_tokens == 5 and r.md_tokens == 0
+    assert r.md_registration == "after_end" and r.md_kv_kept
+    assert run.lingering_at_end == 1
+    assert run.ended_t < t_of(run, "md", "registered")  # the client did not wait for MD
+    room = run.fakes.registered_rooms()[0]
+    assert [d.body for d in run.fakes.records("p", "destination")] == [
+        {"bootstrap_room": room, "md_room": room, "wan_peer": WAN_PEER, "md_prefix_len": 3}]
+    assert t_of(run, "md", "registered") < t_of(run, "p", "destination") < t_of(run, "md", "release")
+    assert [x.body for x in run.fakes.records("md", "release")] == [{"room": room, "keep_kv": True}]
+    assert [x.body["bootstrap_room"] for x in run.fakes.records("p", "kept")] == [room]
+    assert run.fakes.dropped_rooms() == []
+
+
+def test_a_destination_p_refuses_after_the_end_frees_mds_room():
+    """P no longer waits (it gave up, 409/410): MD keeps nothing for KV that will not come."""
+    run = ends_before_md_answers(Knobs(md_register_delay_s=0.3, p_control_status=409))
+    assert_invariants(run, 5)
+    room = run.fakes.registered_rooms()[0]
+    assert run.flow.result.md_registration == "after_end" and run.flow.result.fallbacks == []
+    assert [x.body for x in run.fakes.records("md", "release")] == [{"room": room, "keep_kv": False}]
+    assert run.fakes.records("p", "kept") == []
+    assert run.fakes.dropped_rooms() == [room]  # P's other TP ranks, if any, stop waiting too
+
+
+def test_a_request_failing_before_md_answers_withdraws_at_once_and_frees_the_room_once_registered():
+    """A failed request's KV is not wanted: P stops waiting at once, and MD's room is freed
+    once MD answered (a release before the registration would leave the room to expire)."""
+    run = ends_before_md_answers(Knobs(md_register_delay_s=0.5, rld_fail_after={1: 2}), max_new=20)
+    assert_invariants(run, 20, complete=False)
+    assert run.error is not None and run.flow.result.md_registration == "concurrent"
     room = run.fakes.registered_rooms()[0]
     assert run.fakes.dropped_rooms() == [room] and run.fakes.records("p", "destination") == []
-    assert run.fakes.records("md", "registered") == []  # it never answered: the flow did not wait
+    assert t_of(run, "p", "drop") < t_of(run, "md", "registered") < t_of(run, "md", "release")
+    assert [x.body for x in run.fakes.records("md", "release")] == [{"room": room, "keep_kv": False}]
+    assert run.ended_t < t_of(run, "md", "registered")  # the client's error did not wait for MD
 
 
 # ---------------------------------------------------------------------- (e) no P control: as before

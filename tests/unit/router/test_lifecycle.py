@@ -7,7 +7,7 @@ import pytest
 from sglang_pdd.handoff.policy import HandoffConfig
 from sglang_pdd.machine import fold
 from sglang_pdd.router.flow.fallback import Fallback, Reason, Recovery
-from sglang_pdd.router.flow.lifecycle import (AbortLegs, Broken, ClientDisconnected, CutReady, Destination,
+from sglang_pdd.router.flow.lifecycle import (AbortLegs, Broken, DeliverAfterEnd, ClientDisconnected, CutReady, Destination,
                                          DestinationDelivered, Ended, FailRequest, Finish, AbandonHandoff,
                                          CommitHandoff, IllegalRequestEvent, MainFailed, EmitMainOutput, MainTokens, Md,
                                          MdNotReady, MdReady, PathChosen, RequestPhase, RecordFallback, RecoveryMode,
@@ -441,13 +441,24 @@ def test_md_refusing_withdraws_the_pending_destination():
     assert transition(state, Ended())[1] == [ReleaseAll(keep_md_kv=False)]  # withdrawn once
 
 
-@pytest.mark.parametrize("end", [RelayTokens(1, MAX_NEW, LENGTH), Timeout(), ClientDisconnected()])
-def test_the_end_withdraws_a_destination_still_pending(end):
-    """P never got MD's room: no KV will come, so MD keeps nothing for it, finished or not."""
+@pytest.mark.parametrize("end", [Timeout(), ClientDisconnected(), RelayFailed(1, "gone")])
+def test_the_end_of_an_unfinished_request_withdraws_a_destination_still_pending(end):
+    """P never got MD's room and nobody wants the KV: MD keeps nothing, P stops waiting."""
     state = transition(late(room=3), end)[0]
     state, actions = transition(state, Ended())
     assert actions == [ReleaseAll(keep_md_kv=False), WithdrawDestination(3)]
     assert state.destination is Destination.DROPPED
+
+
+@pytest.mark.parametrize("finish", [LENGTH, {"type": "stop", "matched": 2}])
+def test_a_request_finished_before_p_got_its_destination_delivers_it_after_the_end(finish):
+    """RLD finished before MD answered the registration: MD still gets the KV for the next
+    turn, so the destination is delivered after the end and MD's room is that step's."""
+    state = transition(late(room=3), RelayTokens(1, MAX_NEW if finish is LENGTH else 4, finish))[0]
+    assert state.phase is RequestPhase.DONE
+    state, actions = transition(state, Ended())
+    assert actions == [ReleaseAll(keep_md_kv=True, md_room=False), DeliverAfterEnd(3)]
+    assert state.destination is Destination.AFTER_END
 
 
 def test_a_destination_delivered_just_before_the_end_is_not_withdrawn():

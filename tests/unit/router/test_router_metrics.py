@@ -386,3 +386,14 @@ def test_backend_failures_read_at_scrape_time_by_role_index_and_source():
     failures[("relay", "http://other:1", "probe")] = 1  # not a backend the router was started with
     with pytest.raises(ValueError):
         m.render()
+
+
+def test_md_kv_after_end_read_from_the_routers_lingering_counters_at_scrape_time():
+    from sglang_pdd.router.flow.lingering import Lingering
+    lingering, m = Lingering(), RouterMetrics()
+    m.track_after_end(lingering.counters)
+    assert value(m, "pdd:md_kv_after_end_total", outcome="delivered") == 0
+    lingering.counters["delivered_after_end"] += 2  # as MdSide counts them
+    lingering.counters["failed_after_end"] += 1
+    assert value(m, "pdd:md_kv_after_end_total", outcome="delivered") == 2
+    assert value(m, "pdd:md_kv_after_end_total", outcome="failed") == 1
