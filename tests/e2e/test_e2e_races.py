@@ -189,3 +189,52 @@ def test_drc_suffix_canary_under_concurrent_sessions(race_cluster, single_server
           f"their suffix, each equal to one server (tokens and logprobs)")
     assert canaries >= SESSIONS // 2  # the canary ran on many later turns, not only fallbacks
     assert_nothing_held(race_cluster)
+
+
+def after_end_counts(router_url: str) -> dict:
+    """The router's ``pdd:md_kv_after_end_total`` by outcome."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{router_url}/metrics", timeout=10).read().decode()
+    return {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "pdd:md_kv_after_end_total"}
+
+
+def md_cached(cluster, ids: list[int]) -> int:
+    """What MD's cache holds of ``ids`` now (a room registered and released at once)."""
+    from sglang_pdd.launcher.http import call_json
+
+    topo, key = cluster.topology, cluster.control_key
+    room = random.getrandbits(62)
+    reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids}, key=key)
+    call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=key)
+    return int(reg["cached_tokens"])
+
+
+def test_relayed_requests_ending_before_md_answers_still_warm_mds_cache(race_cluster):
+    """MD answers its registrations 0-300 ms late here, so a one-token relayed request often
+    finishes on RLD first. Its registration and P's destination then finish after the reply,
+    and MD's cache still gets the prompt: every prompt is there afterwards, as P's is."""
+    topo = race_cluster.topology
+    before = after_end_counts(topo.router_url)
+    sent = []
+    for ids in prompts(30, seed=77):  # until enough of them ended first (each a draw of the delays)
+        out = post_json(f"{topo.router_url}/generate", {"input_ids": ids, "sampling_params": greedy(1),
+                                                       "pdd_options": {"path": "p_rld_md"}})
+        assert len(out["output_ids"]) == 1 and not out["meta_info"]["pdd"]["fallbacks"], out["meta_info"]
+        sent.append(ids)
+        if after_end_counts(topo.router_url).get("delivered", 0) - before.get("delivered", 0) >= 3:
+            break
+    after = after_end_counts(topo.router_url)
+    delivered = after.get("delivered", 0) - before.get("delivered", 0)
+    assert delivered >= 3, f"only {delivered} of {len(sent)} requests ended before MD answered: no race run"
+    assert after.get("failed", 0) == before.get("failed", 0), after
+    for ids in sent:  # landed, also those delivered after the end (SGLang's cache keeps all but the last)
+        held = []
+        assert wait_until(lambda: held.append(md_cached(race_cluster, ids)) or held[-1] >= len(ids) - 1, 30,
+                          poll_s=0.5), (len(ids), held[-3:])
+    print(f"\n{len(sent)} one-token relayed requests, {delivered} ended before MD answered; "
+          f"all {len(sent)} prompts in MD's cache")
+    assert_nothing_held(race_cluster)
