@@ -976,8 +976,31 @@ def burst_summary(records: list[Record]) -> dict:
                                            for p in BURST_PATHS if any(r.path == p for r in ok)},
                                  "p90_per_repeat": [pct([r.ttft_s for r in ok if r.cell == c], 90)
                                                     for c in sorted({r.cell for r in ok})]}
+        if any(r.path for r in ok):
+            cell["md_warmth"] = md_warmth(ok)
         out[f"{key[0]}|{key[1]:g}"] = cell
     return out
+
+
+def md_warmth(records: list[Record]) -> dict:
+    """Whether MD's cache keeps up with P's (PDD, from the router's log): the relayed requests,
+    those that ended before MD had answered their registration (no ``md_registered`` mark:
+    their KV reaches MD only if the registration outlives the request), how many of these a
+    later turn of their session found whole in MD's cache (of those with a later turn), and the
+    later turns' mean MD prefix hit (MD's cached prompt tokens / prompt tokens). The next turn
+    alone says little: it often comes before the KV has crossed a slow link."""
+    relayed = [r for r in records if r.path == "p_rld_md"]
+    turns = {(r.cell, r.job, r.turn): r for r in records}
+    ended_first = [r for r in relayed if "md_registered" not in r.router_marks]
+    followed = [(r, [t for k, t in turns.items() if k[:2] == (r.cell, r.job) and k[2] > r.turn]) for r in ended_first]
+    followed = [(r, later) for r, later in followed if later]
+    later = [r for r in records if r.turn > 0 and r.md_cached_tokens is not None and r.prompt_tokens]
+    return {"relayed": len(relayed), "relayed_ended_before_md_answered": len(ended_first),
+            "ended_first_with_later_turns": len(followed),
+            "ended_first_found_later_on_md": sum(any((t.md_cached_tokens or 0) >= r.prompt_tokens - 1 for t in ts)
+                                                 for r, ts in followed),
+            "later_turns": len(later),
+            "later_md_hit_mean": float(np.mean([r.md_cached_tokens / r.prompt_tokens for r in later])) if later else None}
 
 
 def burst_ratios(summary: dict, link: float) -> dict:
@@ -1099,12 +1122,23 @@ def print_pooled_bursts(pooled: dict, names: list[str]) -> None:
         print(f"{key:<22} {c['n']:>4} {c['errors']:>3} {fmt_ms(c['ttft_p50']):>6} {fmt_ms(c['ttft_p90']):>6} | {runs}")
         for path, v in c["paths"].items():
             print(f"  {path:<20} {v['n']:>4}     {fmt_ms(v['ttft_p50']):>6} {fmt_ms(v['ttft_p90']):>6}")
+        print_md_warmth(f"  {key}", c.get("md_warmth"))
     for link, r in pooled["ratios"].items():
         same = r["relayed_same_turns"]
         print(f"link {link} Mbit/s, pooled p90s: PDD / cross-DC PD {fr(r['pdd_over_cross_dc'])} (goal <= 1), "
               f"/ same-DC PD {fr(r['pdd_over_same_dc'])} (<= 1.1); relayed / same-DC PD "
               f"{fr(r['relayed_over_same_dc'])} (<= 1.1), on the same turns {fr(same['ratio'])} (n {same['n']})")
         print_intervals(r["intervals"])
+
+
+def print_md_warmth(name: str, w: Optional[dict]) -> None:
+    if not w:
+        return
+    hit = "-" if w["later_md_hit_mean"] is None else f"{w['later_md_hit_mean']:.3f}"
+    print(f"{name}: MD's cache: {w['relayed_ended_before_md_answered']} of {w['relayed']} relayed requests ended "
+          f"before MD answered their registration; a later turn found {w['ended_first_found_later_on_md']} of "
+          f"{w['ended_first_with_later_turns']} of those prompts whole on MD; later turns' MD hit mean {hit} "
+          f"({w['later_turns']} turns)")
 
 
 def print_intervals(iv: dict) -> None:
@@ -1252,6 +1286,8 @@ def print_burst(res: dict) -> None:
                   f"{fmt_ms(c['ttft_p90']):>6} {fmt_ms(c['ttft_max']):>6} | {fmt_ms(f['ttft_p50']):>7} "
                   f"{fmt_ms(f['ttft_p90']):>6} | {fmt_ms(l['ttft_p50']):>9} {fmt_ms(l['ttft_p90']):>6} | "
                   f"{reps:<22} | {paths}")
+        for design in res["designs"]:
+            print_md_warmth(design, (res["summary"].get(f"{design}|{link:g}") or {}).get("md_warmth"))
         r = res["ratios"][f"{link:g}"]
         fr = lambda v: "-" if v is None else f"{v:.2f}"
         print(f"PDD TTFT p90 / cross-DC PD's {fr(r['pdd_over_cross_dc'])} (goal <= 1), / same-DC PD's "

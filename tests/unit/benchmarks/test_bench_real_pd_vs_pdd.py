@@ -247,6 +247,21 @@ def test_burst_summary_splits_first_and_later_turns_paths_and_repeats():
     assert len(s["p90_per_repeat"]) == 2
 
 
+def test_md_warmth_counts_relayed_requests_that_ended_before_md_answered_and_whether_md_got_them():
+    # three sessions: turn 0 relayed (sessions 0 and 2 end before MD answered), turns 1 and 2 later
+    recs = [replace(burst_record("pdd", 8.0, 0, j, 0, 0.3, "p_rld_md"),
+                    router_marks={} if j != 1 else {"md_registered": 0.05}) for j in range(3)]
+    hits = {(0, 1): 0, (0, 2): 700, (1, 1): 350, (1, 2): 700, (2, 1): 0, (2, 2): 0}  # (session, turn): MD's hit
+    recs += [replace(burst_record("pdd", 8.0, 0, j, t, 0.1, "p_md"), md_cached_tokens=hit)
+             for (j, t), hit in hits.items()]
+    w = burst_summary(recs)["pdd|8"]["md_warmth"]
+    assert w == {"relayed": 3, "relayed_ended_before_md_answered": 2, "ended_first_with_later_turns": 2,
+                 "ended_first_found_later_on_md": 1,  # session 0 on its turn 2; session 2 never
+                 "later_turns": 6, "later_md_hit_mean": pytest.approx(1750 / 700 / 6)}
+    same = [burst_record("same_dc_pd", 0, 0, j, 0, 0.3) for j in range(2)]
+    assert "md_warmth" not in burst_summary(same)["same_dc_pd|0"]  # no router log, no PDD
+
+
 def test_burst_ratios_against_both_baselines_and_the_same_turns_on_same_dc():
     recs = ([burst_record("same_dc_pd", 0, 0, j, t, 1.0 if t == 0 else 0.5) for j in range(2) for t in range(2)]
             + [burst_record("cross_dc_pd", 8.0, 0, j, t, 2.0) for j in range(2) for t in range(2)]
