@@ -393,3 +393,16 @@ def test_pooled_bursts_are_one_sample_with_each_runs_p90_and_same_turns_matched_
     assert (tmp_path / "iv.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="does not exist"):
         pool_bursts([tmp_path / "nowhere"])
+
+
+def test_the_documented_warmth_runs_pool_to_the_numbers_docs_quote():
+    """docs/benchmarks.md's table of MD's cache warmth, from the records it ships: the previous
+    router left every relayed prompt that ended before MD answered off MD; this one none."""
+    from benchmarks.bench_real_pd_vs_pdd import pool_bursts
+    from tests.conftest import REPO_ROOT
+
+    runs = REPO_ROOT / "docs" / "img" / "real_burst_warm"
+    warm = {t: pool_bursts([runs / f"{t}_s3", runs / f"{t}_s4"])["summary"]["pdd|8"]["md_warmth"] for t in ("base", "new")}
+    assert [(w["relayed"], w["relayed_ended_before_md_answered"], w["ended_first_found_later_on_md"],
+             w["ended_first_with_later_turns"]) for w in (warm["base"], warm["new"])] == [(51, 15, 0, 10), (39, 9, 9, 9)]
+    assert round(warm["base"]["later_md_hit_mean"], 3) == 0.591 and round(warm["new"]["later_md_hit_mean"], 3) == 0.642
