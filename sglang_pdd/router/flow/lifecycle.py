@@ -373,6 +373,12 @@ class RequestState:
     handed: int = 0  # eager tokens MD has extended in catch-up rounds
     catch_up_round: int = 0  # catch-up rounds done
     relay_stalled: bool = False  # the current relay leg stalled: only MD may go on from here
+    # P->RLD->MD with a late destination: MD's side starts at the client's first token, not
+    # with the legs (the router's --md-side-after-first-token), so MD's registration, P's
+    # destination and P's WAN copy stay out of the first token's way. Until then it is
+    # waiting (md_side_waits), MD's room PENDING as ever.
+    md_side_after_first_token: bool = False
+    md_side_waits: bool = False
 
 
 _TERMINAL = (RequestPhase.DONE, RequestPhase.FAILED, RequestPhase.CLOSED)
@@ -417,6 +423,8 @@ def _path_chosen(s: RequestState, e: PathChosen) -> Result:
     if late:
         s = _replace(s, destination=Destination.PENDING, p_room=e.p_room)
     actions = [_FIRST_LEG[e.path is Path.P_MD, with_md, late]]
+    if late and e.path is Path.P_RLD_MD and s.md_side_after_first_token:
+        return _replace(s, md_side_waits=True), actions
     if with_md:
         actions.append(_MD_SIDE[late])
     return s, actions
@@ -439,6 +447,9 @@ def _relay_tokens(s: RequestState, e: RelayTokens) -> Result:
     else:
         s = _replace(s, relay_produced=e.produced)
     request_done = e.finish is not None and relay_finished_request(s, e.produced, e.finish)
+    if s.md_side_waits and s.emitted:  # the client has its first token: MD's side may start
+        s = _replace(s, md_side_waits=False)
+        actions.append(_MD_SIDE[True])
     if s.handoff_on_first_token and s.emitted and not request_done:
         s = _replace(s, handoff_on_first_token=False)
         actions.append(_START_HANDOFF)
@@ -605,6 +616,9 @@ def _ended(s: RequestState, e: Ended) -> Result:
     # KV P never got a destination for would stay until it expired (holding its prefix and
     # pages, and MD's cache flush).
     done = s.phase is RequestPhase.DONE
+    if s.md_side_waits:  # ended before its first token: MD never heard of it, P stops waiting
+        return (_replace(s, destination=Destination.DROPPED),
+                [ReleaseAll(keep_md_kv=False, md_room=False), WithdrawDestination(s.p_room)])
     if s.destination is Destination.PENDING and done:
         return (_replace(s, destination=Destination.AFTER_END),
                 [ReleaseAll(keep_md_kv=True, md_room=False), DeliverAfterEnd(s.p_room)])

@@ -134,6 +134,9 @@ class FlowConfig:
     # How a recovery leg (a new P->RLD leg after MD failed) continues from what the client has
     # (lifecycle.RecoveryMode). "auto": REPLAY for greedy requests, CONTINUE otherwise.
     recovery: str = "auto"
+    # P->RLD->MD with P's control API: MD's side (registration, P's destination) starts at the
+    # client's first token instead of beside the legs (--md-side-after-first-token).
+    md_side_after_first_token: bool = False
 
 
 def is_greedy(sampling: dict) -> bool:
@@ -282,6 +285,7 @@ class PddFlow:
         # RLD's load when the request arrived sets the handoff mode; catch-up rounds are the lifecycle's.
         self.handoff_mode = choose_mode(RldLoad(pick.rld_inflight, cfg.rld_max_running), cfg.handoff)
         self.state = lifecycle.RequestState(max_new=self.max_new, recovery=self._recovery_mode(),
+                                            md_side_after_first_token=cfg.md_side_after_first_token,
                                             catch_up=cfg.handoff if self.handoff_mode is HandoffMode.CATCH_UP else None)
         self.stitcher = StreamStitcher()
         self.queue: asyncio.Queue = asyncio.Queue()

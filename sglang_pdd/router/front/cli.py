@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="P->MD registers the request on MD (a WAN round trip) before P starts and decides again "
                         "on MD's exact prefix; default: P starts at once and MD registers beside it, as for "
                         "P->RLD->MD (a P without a control API always registers first)")
+    g.add_argument("--md-side-after-first-token", action="store_true",
+                   help="P->RLD->MD registers on MD and gives P its WAN destination once the client has its "
+                        "first token, keeping that work (the router's, MD's, P's WAN copy) out of the first "
+                        "token's way on busy hosts; MD's KV then lands that much later. Default: beside P and "
+                        "RLD's legs (needs P's control API either way)")
     g.add_argument("--p-prefill-s-per-token-ctx", type=float, default=PathPolicyConfig.p_prefill_s_per_token_ctx,
                    help="P's attention term: seconds per new token per context token (the simulator's "
                         "prefill_s_per_token_ctx for the model and chip); 0: a linear prefill estimate")
@@ -251,7 +256,8 @@ def flow_config(args) -> FlowConfig:
         wan_timeout_s=args.wan_timeout_s, rld_max_running=args.rld_max_running,
         request_timeout_s=args.request_timeout_s, md_stall_timeout_s=args.md_stall_timeout_s,
         md_first_token_timeout_s=args.md_first_token_timeout_s,
-        relay_stall_timeout_s=args.relay_stall_timeout_s, relay_first_token_timeout_s=args.relay_first_token_timeout_s)
+        relay_stall_timeout_s=args.relay_stall_timeout_s, relay_first_token_timeout_s=args.relay_first_token_timeout_s,
+        md_side_after_first_token=args.md_side_after_first_token)
 
 
 def sglang_argv(args) -> list[str]:

@@ -81,6 +81,24 @@ def test_legs_start_before_md_registration_answers_and_first_token_reaches_clien
     assert 0 < r.wan_ready_s < run.last_chunk_t - t_of(run, "p", "destination")
 
 
+def test_md_side_after_first_token_registers_once_the_client_has_its_first_token():
+    """--md-side-after-first-token: MD hears of the request only after the client got its first
+    token; then the registration, P's destination, MD's KV and the handoff as ever."""
+    import dataclasses
+    knobs = Knobs(md_cached_tokens=3)
+    cfg = dataclasses.replace(flow_config(), md_side_after_first_token=True)
+    run = scenario(knobs, max_new=40, p_control=True, cfg=cfg, gates=takeover(knobs, 3))
+    assert_invariants(run, 40)
+    assert_p_control_sane(run)
+    r = run.flow.result
+    assert r.path == "p_rld_md" and r.md_registration == "concurrent" and r.fallbacks == []
+    room = run.fakes.records("p", "generate")[0].body["bootstrap_room"]
+    assert p_leg_params(run) == {"pdd_room": room, "pdd_wan_expected": True}
+    assert run.first_chunk_t < t_of(run, "md", "register") and run.fakes.registered_rooms() == [room]
+    assert t_of(run, "md", "registered") <= t_of(run, "p", "destination") <= t_of(run, "md", "ready")
+    assert_handed_off(run, 40)
+
+
 def test_router_marks_each_step_of_a_relayed_request_in_order():
     """FlowResult.marks (the request's log line): the path and the legs come before MD's answer,
     the first token too; the destination follows the answer, MD's KV the destination."""

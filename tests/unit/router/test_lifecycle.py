@@ -461,6 +461,48 @@ def test_a_request_finished_before_p_got_its_destination_delivers_it_after_the_e
     assert state.destination is Destination.AFTER_END
 
 
+def after_first_token(path: Path = Path.P_RLD_MD, room: int = 77) -> tuple[RequestState, list]:
+    return transition(RequestState(max_new=MAX_NEW, md_side_after_first_token=True),
+                      PathChosen(path, True, p_room=room))
+
+
+def test_md_side_after_first_token_starts_with_the_clients_first_token():
+    """--md-side-after-first-token: P and RLD start, MD's registration and P's destination
+    wait for the first token the client gets, then run as ever."""
+    state, actions = after_first_token()
+    assert [type(a) for a in actions] == [StartRelayLeg] and actions[0].late_destination
+    assert state.md_side_waits and state.md is Md.PENDING and state.destination is Destination.PENDING
+    state, actions = transition(state, RelayTokens(1, 0))  # an event without a token: still waiting
+    assert StartMdSide(True) not in actions and state.md_side_waits
+    state, actions = transition(state, RelayTokens(1, 1))
+    assert actions == [EmitRelayOutput(), StartMdSide(True)] and not state.md_side_waits
+    state, actions = transition(state, RelayTokens(1, 2))
+    assert StartMdSide(True) not in actions  # once
+    state, actions = fold(transition, state, DestinationDelivered(), MdReady())
+    assert actions == [WatchMd(), StartHandoff()]
+
+
+def test_md_side_after_first_token_applies_to_the_relay_path_only():
+    state, actions = after_first_token(Path.P_MD)  # P->MD's first token is RLD's bridge: MD registers at once
+    assert actions[1] == StartMdSide(True) and not state.md_side_waits
+
+
+def test_a_request_ending_before_its_first_token_with_md_side_waiting_only_withdraws_on_p():
+    """MD never heard of it: no room to release; P stops waiting for its destination."""
+    state, _ = after_first_token(room=5)
+    state = transition(state, RelayFailed(1, "gone"))[0]
+    state, actions = transition(state, Ended())
+    assert actions == [ReleaseAll(keep_md_kv=False, md_room=False), WithdrawDestination(5)]
+    assert state.destination is Destination.DROPPED
+
+
+def test_a_one_token_request_starts_md_side_and_delivers_after_the_end():
+    state, _ = after_first_token(room=5)
+    state, actions = transition(state, RelayTokens(1, 1, {"type": "stop"}))
+    assert StartMdSide(True) in actions and state.phase is RequestPhase.DONE
+    assert transition(state, Ended())[1] == [ReleaseAll(keep_md_kv=True, md_room=False), DeliverAfterEnd(5)]
+
+
 def test_a_destination_delivered_just_before_the_end_is_not_withdrawn():
     state = transition(late(), RelayTokens(1, MAX_NEW, LENGTH))[0]
     state, actions = transition(state, DestinationDelivered())  # P's answer, queued behind the finish
