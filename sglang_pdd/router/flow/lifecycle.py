@@ -22,7 +22,9 @@ Events (who sends them) and what they do:
                p_room)                                the MD side (register+deliver or watch)
     RelayTokens(leg, produced, finish)  RLD's stream  emit (RELAY) or buffer (HANDING_OFF);
                                                       ignored when stale or in MAIN; RLD
-                                                      finishing the request ends it
+                                                      finishing the request ends it; the
+                                                      first token starts an MD side that
+                                                      waits for it (md_side_after_first_token)
     RelayFailed(leg, message)           RLD or P      FAILED, unless stale or MD owns the stream
     RelayStalled(leg, message)          RLD's stream  the leg made no progress (router/backends/stall.py):
                                                       MD takes over where it may (a handoff
