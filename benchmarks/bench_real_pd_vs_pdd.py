@@ -70,17 +70,20 @@ from benchmarks.bench_agentic import WorkloadConfig, build_jobs, fit_block_scale
 from benchmarks.common import astream_events, greedy
 
 DESIGNS = ("same_dc_pd", "cross_dc_pd", "cross_dc_pd_radix", "pdd", "pdd_relay_first")  # the default set
-OPTIONAL_DESIGNS = ("pdd_rld_only",)  # only where --designs names them
+OPTIONAL_DESIGNS = ("pdd_rld_only", "pdd_md_after_first")  # only where --designs names them
 # The router's --path-mode per PDD design: fit (its default) and the relay-first rule.
-PDD_PATH_MODES = {"pdd": "fit", "pdd_relay_first": "relay_first", "pdd_rld_only": "fit"}
+PDD_PATH_MODES = {"pdd": "fit", "pdd_relay_first": "relay_first", "pdd_rld_only": "fit", "pdd_md_after_first": "fit"}
+# PDD designs whose router runs with other flags than its defaults
+PDD_ROUTER_FLAGS = {"pdd_md_after_first": ["--md-side-after-first-token"]}
 # PDD designs whose every request is sent with an operator's path (pdd_options): PDD's own servers
 # and router without the WAN leg, the relay path's cost apart from the WAN's
 FORCED_PATHS = {"pdd_rld_only": "p_rld_only"}
 LABELS = {"same_dc_pd": "same-DC PD (SGLang)", "cross_dc_pd": "cross-DC PD (SGLang)",
           "cross_dc_pd_radix": "cross-DC PD + decode radix (SGLang)", "pdd": "PDD",
-          "pdd_relay_first": "PDD, relay-first paths", "pdd_rld_only": "PDD servers, P->RLD only (no WAN leg)"}
+          "pdd_relay_first": "PDD, relay-first paths", "pdd_rld_only": "PDD servers, P->RLD only (no WAN leg)",
+          "pdd_md_after_first": "PDD, MD's side after the 1st token"}
 COLORS = {"same_dc_pd": "tab:gray", "cross_dc_pd": "tab:red", "cross_dc_pd_radix": "tab:orange", "pdd": "tab:blue",
-          "pdd_relay_first": "tab:cyan", "pdd_rld_only": "tab:purple"}
+          "pdd_relay_first": "tab:cyan", "pdd_rld_only": "tab:purple", "pdd_md_after_first": "tab:green"}
 EXACT_ARGS = ["--dtype", "float32"]  # as tests/conftest.py: greedy outputs comparable across designs
 DEEPSEEK_V3_KV_BYTES_PER_TOKEN = 70_272  # MLA: 61 layers x 576 values x 2 bytes
 # Assumed production prefill speed for the mapping to a real WAN (tokens/s of one prefill
@@ -581,7 +584,7 @@ class PddDesign(Design):
 
 def make_design(name: str, run_dir: Path, model: str, link, args, prefill_s_per_token=None) -> Design:
     if name in PDD_PATH_MODES:
-        router_args = pdd_router_args(args) + ["--path-mode", PDD_PATH_MODES[name]]
+        router_args = pdd_router_args(args) + ["--path-mode", PDD_PATH_MODES[name], *PDD_ROUTER_FLAGS.get(name, [])]
         if prefill_s_per_token:  # P's speed as measured on same-DC PD: the router counts P's queue
             router_args += ["--p-prefill-tokens-per-s", f"{1 / prefill_s_per_token:.1f}"]
         return PddDesign(run_dir, model, link, router_args, args.links[0], name, FORCED_PATHS.get(name))
@@ -1060,6 +1063,11 @@ def ratio_intervals(records: list[Record], link: float, resamples: int = 2000, l
     without_wan = same_turns_on([r for r in ok if r.link_mbit == link], "pdd_rld_only", relayed)
     if without_wan:
         sides |= {"without_wan_over_same_turns": (without_wan, same_turns), "relayed_over_without_wan": (relayed, without_wan)}
+    # With pdd_md_after_first run beside: the same ratios when MD's side waits for the first token.
+    after_first = [r for r in ok if r.design == "pdd_md_after_first" and r.link_mbit == link]
+    if after_first:
+        sides |= {"md_after_first_over_same_dc": (after_first, same),
+                  "md_after_first_relayed_over_same_dc": ([r for r in after_first if r.path == "p_rld_md"], same)}
     bursts = sorted({_burst_of(r) for r in pdd} & {_burst_of(r) for r in same})
     index = {b: i for i, b in enumerate(bursts)}
     rng = np.random.default_rng(seed)
@@ -1170,12 +1178,40 @@ def burst_stage_table(rows: list[dict]) -> dict:
             for name, rs in sorted(groups.items())}
 
 
+# A burst cell starts once the link is quiet: a PDD design's P keeps sending KV to MD after its
+# burst's answers are out (seconds on a slow link), and that KV and P's work sending it would
+# otherwise fall on the next design's burst, always the same one (the rotation keeps who follows
+# whom). Quiet: under QUIET_SHARE of the link's rate over QUIET_WINDOW_S (the router's probes
+# and load polls cross it all the time).
+QUIET_SHARE = 0.02
+QUIET_WINDOW_S = 0.5
+SETTLE_TIMEOUT_S = 60.0
+
+
+def link_quiet(moved_bytes: int, window_s: float, rate_mbit: float) -> bool:
+    return moved_bytes * 8 / window_s < QUIET_SHARE * rate_mbit * 1e6
+
+
+def settle_link(link, rate_mbit: float, window_s: float = QUIET_WINDOW_S, timeout_s: float = SETTLE_TIMEOUT_S) -> float:
+    """Wait until the link is quiet (or ``timeout_s``); the seconds waited."""
+    t0 = time.monotonic()
+    last = sum(link.counters())
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(window_s)
+        now = sum(link.counters())
+        if link_quiet(now - last, window_s, rate_mbit):
+            break
+        last = now
+    return time.monotonic() - t0
+
+
 # ----------------------------------------------------------------------------- cold burst (I/O)
 def run_burst(args, link, model: str, out: Path) -> dict:
     """The cold burst: every design's servers up at once (idle ones sleep), then per link and
     repeat the same burst on each design in turn, the order rotated per repeat, so that the
-    machine's load falls on all designs alike. Each repeat's prompts are new (cold
-    everywhere) and the same for every design."""
+    machine's load falls on all designs alike, each cell once the link is quiet
+    (settle_link). Each repeat's prompts are new (cold everywhere) and the same for every
+    design."""
     cfg, jobs = burst_workload(args)
     order = dispatch_order(jobs, lanes=args.burst)
     names = [d for d in args.designs if d in BURST_DESIGNS or d in PDD_PATH_MODES]
@@ -1218,6 +1254,7 @@ def run_burst(args, link, model: str, out: Path) -> dict:
                         continue  # no link in its path: once is enough
                     cell = f"b{li}x{rep}s{args.seed}"
                     bar.set_postfix_str(f"{name}, {link_mbit:g} Mbit/s, repeat {rep + 1}")
+                    settle_s = settle_link(link, link_mbit) if link is not None else 0.0
                     before = link.counters() if link is not None else (0, 0)
                     t0, cpu, load = time.time(), CpuMeter(), os.getloadavg()[0]
                     recs = asyncio.run(run_cell([design.route()], jobs, cfg, order, burst_arrivals(order), cell,
@@ -1225,7 +1262,7 @@ def run_burst(args, link, model: str, out: Path) -> dict:
                                                 bar))
                     after = link.counters() if link is not None else (0, 0)
                     design.annotate(recs)
-                    meta["cells"][f"{name}|{cell}"] = {"wall_s": time.time() - t0, "loadavg_1m": load,
+                    meta["cells"][f"{name}|{cell}"] = {"wall_s": time.time() - t0, "loadavg_1m": load, "settle_s": settle_s,
                                                        "link_bytes": (after[0] - before[0]) + (after[1] - before[1])
                                                        } | cpu.stop()
                     records += recs
@@ -1319,6 +1356,10 @@ def print_burst(res: dict) -> None:
     loads = [c["loadavg_1m"] for c in res["cells"].values()]
     print(f"\nGreedy outputs across designs: {eq['compared']} requests compared, {eq['mismatches']} differ; "
           f"load average (1 min) at the cells' starts {min(loads):.1f}-{max(loads):.1f}" if loads else "")
+    settles = [c["settle_s"] for c in res["cells"].values() if "settle_s" in c]
+    if settles:
+        print(f"each cell started once the link was quiet: waited {np.median(settles):.1f} s at the median, "
+              f"{max(settles):.1f} s at most ({sum(s >= SETTLE_TIMEOUT_S for s in settles)} cells gave up waiting)")
 
 
 def burst_server_cores(cells: dict, design: str, link: float, args: dict) -> dict:
@@ -1429,7 +1470,9 @@ def parse_args(argv=None):
     ap.add_argument("--designs", nargs="+", choices=DESIGNS + OPTIONAL_DESIGNS, default=None,
                     help="default: all but pdd_rld_only (--burst: same_dc_pd cross_dc_pd pdd); pdd_rld_only: "
                          "PDD's servers and router with every request sent P->RLD only (an operator's path), "
-                         "beside pdd: what the WAN leg adds to a relayed request")
+                         "beside pdd: what the WAN leg adds to a relayed request; pdd_md_after_first: PDD with "
+                         "--md-side-after-first-token (MD's registration and P's destination after the client's "
+                         "first token)")
     ap.add_argument("--links", type=float, nargs="+", default=None, metavar="MBIT",
                     help="link rates, Mbit/s each way (the tiny model's KV, 1 KB/token in float32, over its cold "
                          "prefill: r ~0.3-5 on this machine); default 200 40 10 (--burst: 8 40)")

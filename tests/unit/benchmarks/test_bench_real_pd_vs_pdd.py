@@ -345,6 +345,24 @@ def test_pdd_rld_only_sends_every_request_with_an_operators_path_on_pdds_own_ser
     assert plain.route().body_extra == {} and plain.route().headers == {}
 
 
+def test_pdd_md_after_first_runs_pdds_router_with_its_flag_and_gets_its_own_intervals(tmp_path):
+    from benchmarks.bench_real_pd_vs_pdd import DESIGNS, make_design, parse_args, ratio_intervals
+    from sglang_pdd.router.front.cli import parse_args as router_args
+
+    args = parse_args(["--burst", "6", "--designs", "same_dc_pd", "pdd", "pdd_md_after_first", "--links", "8"])
+    late, plain = (make_design(name, tmp_path, "m", None, args) for name in ("pdd_md_after_first", "pdd"))
+    assert "pdd_md_after_first" not in DESIGNS and late.forced_path is None  # its own requests, its own paths
+    assert "--md-side-after-first-token" in late.router_args and "--md-side-after-first-token" not in plain.router_args
+    assert router_args(["--prefill", "http://p,8998", "--relay", "http://r", "--tokenizer-path", "t",
+                       *late.router_args]).md_side_after_first_token
+    recs = [burst_record(d, l, rep, j, 0, t, p) for rep in range(3) for j in range(2)
+            for d, l, t, p in (("same_dc_pd", 0, 0.20, ""), ("pdd", 8.0, 0.30, "p_rld_md"),
+                               ("pdd_md_after_first", 8.0, 0.22, "p_rld_md"))]
+    iv = ratio_intervals(recs, 8.0, resamples=50)
+    assert iv["md_after_first_relayed_over_same_dc"]["low"] == pytest.approx(1.1)
+    assert iv["relayed_over_same_dc"]["low"] == pytest.approx(1.5)
+
+
 def test_burst_stage_table_groups_by_design_and_path():
     row = lambda design, path, ttft: {"design": design, "path": path, "ttft": ttft, **{k: ttft / 10 for k in STAGES}}
     t = burst_stage_table([row("pdd", "p_rld_md", 2.0), row("pdd", "p_rld_md", 4.0), row("pdd", "p_md", 1.0),
@@ -406,3 +424,22 @@ def test_the_documented_warmth_runs_pool_to_the_numbers_docs_quote():
     assert [(w["relayed"], w["relayed_ended_before_md_answered"], w["ended_first_found_later_on_md"],
              w["ended_first_with_later_turns"]) for w in (warm["base"], warm["new"])] == [(51, 15, 0, 10), (39, 9, 9, 9)]
     assert round(warm["base"]["later_md_hit_mean"], 3) == 0.591 and round(warm["new"]["later_md_hit_mean"], 3) == 0.642
+
+
+def test_a_burst_cell_waits_for_the_previous_cells_kv_to_leave_the_link():
+    from benchmarks.bench_real_pd_vs_pdd import link_quiet, settle_link
+
+    assert link_quiet(1_000, 0.5, 8.0) and not link_quiet(100_000, 0.5, 8.0)  # 16 kbit/s vs 1.6 Mbit/s
+    assert not link_quiet(1_000, 0.5, 0.2)  # a quiet share is of the link's own rate
+
+    class Link:  # the previous cell's KV still crosses for three windows, then probes only
+        def __init__(self):
+            self.moved = iter([0, 500_000, 1_000_000, 1_500_000, 1_500_100, 1_500_200])
+
+        def counters(self):
+            return next(self.moved), 0
+
+    waited = settle_link(Link(), 8.0, window_s=0.01, timeout_s=5)
+    assert 0.04 <= waited < 1.0
+    busy = type("Busy", (), {"n": 0, "counters": lambda self: (setattr(self, "n", self.n + 10**6) or self.n, 0)})()
+    assert settle_link(busy, 8.0, window_s=0.01, timeout_s=0.1) >= 0.1  # never quiet: it gives up
