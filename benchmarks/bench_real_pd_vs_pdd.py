@@ -1178,10 +1178,10 @@ def burst_stage_table(rows: list[dict]) -> dict:
             for name, rs in sorted(groups.items())}
 
 
-# A burst cell starts once the link is quiet: a PDD design's P keeps sending KV to MD after its
-# burst's answers are out (seconds on a slow link), and that KV and P's work sending it would
-# otherwise fall on the next design's burst, always the same one (the rotation keeps who follows
-# whom). Quiet: under QUIET_SHARE of the link's rate over QUIET_WINDOW_S (the router's probes
+# A burst cell starts once the link is quiet: a PDD design's P may still send KV to MD after its
+# burst's answers are out (seconds on a slow link), and that KV and P's work sending it could
+# fall on the next design's burst, always the same one (the rotation keeps who follows whom).
+# Quiet: under QUIET_SHARE of the link's rate over QUIET_WINDOW_S (the router's probes
 # and load polls cross it all the time).
 QUIET_SHARE = 0.02
 QUIET_WINDOW_S = 0.5
