@@ -1066,8 +1066,11 @@ def ratio_intervals(records: list[Record], link: float, resamples: int = 2000, l
     # With pdd_md_after_first run beside: the same ratios when MD's side waits for the first token.
     after_first = [r for r in ok if r.design == "pdd_md_after_first" and r.link_mbit == link]
     if after_first:
+        late_relayed = [r for r in after_first if r.path == "p_rld_md"]
         sides |= {"md_after_first_over_same_dc": (after_first, same),
-                  "md_after_first_relayed_over_same_dc": ([r for r in after_first if r.path == "p_rld_md"], same)}
+                  "md_after_first_relayed_over_same_dc": (late_relayed, same),
+                  "md_after_first_over_pdd": (after_first, pdd),
+                  "md_after_first_relayed_over_relayed": (late_relayed, relayed)}
     bursts = sorted({_burst_of(r) for r in pdd} & {_burst_of(r) for r in same})
     index = {b: i for i, b in enumerate(bursts)}
     rng = np.random.default_rng(seed)

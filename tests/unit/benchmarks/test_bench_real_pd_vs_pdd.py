@@ -443,3 +443,26 @@ def test_a_burst_cell_waits_for_the_previous_cells_kv_to_leave_the_link():
     assert 0.04 <= waited < 1.0
     busy = type("Busy", (), {"n": 0, "counters": lambda self: (setattr(self, "n", self.n + 10**6) or self.n, 0)})()
     assert settle_link(busy, 8.0, window_s=0.01, timeout_s=0.1) >= 0.1  # never quiet: it gives up
+
+
+def test_the_documented_md_after_first_runs_pool_to_the_numbers_docs_quote():
+    """docs/benchmarks.md's table for --md-side-after-first-token, from the records it ships."""
+    from benchmarks.bench_real_pd_vs_pdd import pool_bursts
+    from tests.conftest import REPO_ROOT
+
+    runs = REPO_ROOT / "docs" / "img" / "real_burst_md_after_first"
+    pooled = pool_bursts([runs / f"s{s}" for s in (3, 4, 5)])
+    ms = lambda v: round(v * 1000)
+    s = pooled["summary"]
+    assert [(ms(s[k]["ttft_p50"]), ms(s[k]["ttft_p90"])) for k in ("same_dc_pd|0", "pdd|8", "pdd_md_after_first|8")] \
+        == [(140, 252), (90, 282), (86, 234)]
+    assert [(s[k]["paths"]["p_rld_md"]["n"], ms(s[k]["paths"]["p_rld_md"]["ttft_p50"]),
+             ms(s[k]["paths"]["p_rld_md"]["ttft_p90"])) for k in ("pdd|8", "pdd_md_after_first|8")] \
+        == [(125, 262, 299), (118, 200, 267)]
+    iv = pooled["ratios"]["8"]["intervals"]
+    assert [(round(iv[k]["low"], 2), round(iv[k]["high"], 2), round(100 * iv[k]["within_goal"]))
+            for k in ("pdd_over_same_dc", "relayed_over_same_dc", "md_after_first_over_same_dc",
+                      "md_after_first_relayed_over_same_dc")] \
+        == [(1.03, 1.23, 31), (1.10, 1.31, 5), (0.83, 1.03, 99), (0.89, 1.22, 71)]
+    assert [(round(iv[k]["low"], 2), round(iv[k]["high"], 2)) for k in
+            ("md_after_first_over_pdd", "md_after_first_relayed_over_relayed")] == [(0.78, 0.86), (0.77, 1.01)]
