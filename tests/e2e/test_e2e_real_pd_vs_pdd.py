@@ -85,15 +85,15 @@ def test_nothing_left_behind(quick_run):
 @pytest.fixture(scope="module")
 def burst_run(tmp_path_factory, servers_under_test):
     """``--burst --quick``: three sessions' cold first turns at once, then their second turns, on
-    same-DC PD, cross-DC PD, PDD and PDD's servers with every request P->RLD only (their servers
-    up together), one link, one repeat; datacenter B's servers niced, one torch thread per server."""
+    same-DC PD, cross-DC PD, PDD, PDD's servers with every request P->RLD only and PDD with
+    --md-side-after-first-token (their servers up together), one link, one repeat; datacenter B's servers niced, one torch thread per server."""
     _require_sglang()
     if netns.unavailable_reason():
         pytest.skip(netns.unavailable_reason())
     servers_under_test.stop()
     out = tmp_path_factory.mktemp("real_pd_vs_pdd_burst")
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_real_pd_vs_pdd", "--burst", "3", "--quick",
-                           "--designs", "same_dc_pd", "cross_dc_pd", "pdd", "pdd_rld_only",
+                           "--designs", "same_dc_pd", "cross_dc_pd", "pdd", "pdd_rld_only", "pdd_md_after_first",
                            "--time-stats", "--dc-b-nice", "10", "--torch-threads", "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=1800)
     res = json.loads((out / "burst.json").read_text()) if (out / "burst.json").exists() else None
@@ -104,13 +104,13 @@ def burst_run(tmp_path_factory, servers_under_test):
 def test_burst_completes_on_every_design_with_equal_outputs(burst_run):
     done, res, records, out = burst_run
     assert done.returncode == 0 and res is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    assert res["designs"] == ["same_dc_pd", "cross_dc_pd", "pdd", "pdd_rld_only"]
+    assert res["designs"] == ["same_dc_pd", "cross_dc_pd", "pdd", "pdd_rld_only", "pdd_md_after_first"]
     n = res["workload"]["requests_per_cell"]
     assert n == 6  # 3 sessions x 2 turns
     for key, cell in res["summary"].items():
         assert cell["errors"] == 0 and cell["n"] == n, (key, cell)
     eq = res["equality"]
-    assert eq["mismatches"] == 0 and eq["compared"] == n and eq["designs_per_request"] == [4], eq
+    assert eq["mismatches"] == 0 and eq["compared"] == n and eq["designs_per_request"] == [5], eq
     # the burst: every session's first turn was sent before any answer came back
     for design in res["designs"]:
         firsts = [r for r in records if r["design"] == design and r["turn"] == 0]
@@ -121,6 +121,7 @@ def test_burst_completes_on_every_design_with_equal_outputs(burst_run):
     assert res["dc_b_threads_reniced"] >= 6, res.get("dc_b_threads_reniced")
     assert "datacenter B's servers at nice 10" in done.stdout
     assert "every server's torch threads: 1" in done.stdout and res["args"]["torch_threads"] == 1
+    assert "pdd_md_after_first: MD's cache:" in done.stdout and "once the link was quiet" in done.stdout
 
 
 def test_burst_reports_pdds_paths_stages_and_router_marks(burst_run):
@@ -132,6 +133,10 @@ def test_burst_reports_pdds_paths_stages_and_router_marks(burst_run):
     assert {r["path"] for r in records if r["design"] == "pdd_rld_only"} == {"p_rld_only"}
     assert "relayed_over_without_wan" in res["ratios"][link]["intervals"] or not any(
         r["path"] == "p_rld_md" for r in pdd)
+    # --md-side-after-first-token: MD heard of a relayed request only after its first token
+    late = [r for r in records if r["design"] == "pdd_md_after_first" and r["path"] == "p_rld_md"]
+    assert all(r["router_marks"].get("md_registered", float("inf")) > r["router_marks"]["first_token"] for r in late)
+    assert "md_after_first_over_pdd" in res["ratios"][link]["intervals"]
     assert sum(res["summary"][f"pdd|{link}"]["paths"][p]["n"] for p in res["summary"][f"pdd|{link}"]["paths"]) == 6
     assert all({"path", "legs", "first_token"} <= set(r["router_marks"]) for r in pdd)
     stages = res["stages"][link]
