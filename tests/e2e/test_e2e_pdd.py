@@ -19,7 +19,8 @@ from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import call_json, get_json, post_json, stream_events
 from tests.support.pdd_requests import (MAX_NEW, PROMPTS, RELAY_MAX_NEW, assert_second_turn_sends_only_the_suffix,
-                                        greedy_body, hand_off_after, route, route_once_p_has_destination)
+                                        greedy_body, hand_off_after, md_cached, route,
+                                        route_once_p_has_destination)
 
 pytestmark = pytest.mark.e2e
 
@@ -255,14 +256,8 @@ def test_kv_still_crossing_when_rld_finishes_is_cached_on_md(pdd_cluster):
     assert pdd["handoff_at"] is None and pdd["md_tokens"] == 0 and not pdd["fallbacks"], pdd
     assert pdd["md_registration"] == "concurrent", pdd
 
-    def md_cached() -> int:
-        room = int(time.time() * 1e6)
-        reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids}, key=key)
-        call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=key)
-        return int(reg["cached_tokens"])
-
     cached = []
-    assert wait_until(lambda: cached.append(md_cached()) or cached[-1] == len(ids) - 1, 30, poll_s=0.5), cached
+    assert wait_until(lambda: cached.append(md_cached(pdd_cluster, ids)) or cached[-1] == len(ids) - 1, 30, poll_s=0.5), cached
     # MD counts the room kept and landed, its suffix's bytes with it
     stats = []
     assert wait_until(lambda: stats.append(get_json(stats_url, key=key))

@@ -25,6 +25,7 @@ import pytest
 from tests.support.waiting import wait_until
 
 from sglang_pdd.launcher.http import get_json, post_json, stream_events
+from tests.support.pdd_requests import md_cached
 from sglang_pdd.sglang_glue.injected_delays import MD_REGISTER_DELAY_ENV, P_DESTINATION_DELAY_ENV, SEED_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full, pytest.mark.own_cluster]
@@ -200,17 +201,6 @@ def after_end_counts(router_url: str) -> dict:
     text = urllib.request.urlopen(f"{router_url}/metrics", timeout=10).read().decode()
     return {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name == "pdd:md_kv_after_end_total"}
-
-
-def md_cached(cluster, ids: list[int]) -> int:
-    """What MD's cache holds of ``ids`` now (a room registered and released at once)."""
-    from sglang_pdd.launcher.http import call_json
-
-    topo, key = cluster.topology, cluster.control_key
-    room = random.getrandbits(62)
-    reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids}, key=key)
-    call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=key)
-    return int(reg["cached_tokens"])
 
 
 def test_relayed_requests_ending_before_md_answers_still_warm_mds_cache(race_cluster):

@@ -4,13 +4,14 @@ once P has its WAN destination, every route equal to one plain server's output, 
 that sends only its uncached suffix over the WAN."""
 
 import contextlib
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.support.takeover import assert_taken_over, stream_taken_over
 from tests.support.waiting import wait_until
 
 from sglang_pdd.control.auth import ROLE_P
-from sglang_pdd.launcher.http import get_json, post_json
+from sglang_pdd.launcher.http import call_json, get_json, post_json
 
 MAX_NEW = 24
 # P->RLD->MD requests run longer: MD takes over after a few tokens and does most of the output,
@@ -147,3 +148,13 @@ def assert_second_turn_sends_only_the_suffix(cluster, turn1: str, reference_ids,
     assert after["wan_tokens"] - before["wan_tokens"] == second["meta_info"]["prompt_tokens"] - cached  # the suffix
     assert after["rooms_failed"] == before["rooms_failed"]
     return first["meta_info"]["prompt_tokens"], cached
+
+
+def md_cached(cluster, ids: list[int]) -> int:
+    """What MD's cache holds of ``ids`` now: a room registered (MD answers its exact cached
+    prefix) and released at once."""
+    topo, key = cluster.topology, cluster.control_key
+    room = random.getrandbits(62)
+    reg = post_json(f"{topo.main.control_url}/pdd/rooms", {"room": room, "token_ids": ids}, key=key)
+    call_json("DELETE", f"{topo.main.control_url}/pdd/rooms/{room}", key=key)
+    return int(reg["cached_tokens"])
