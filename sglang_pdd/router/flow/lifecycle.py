@@ -624,8 +624,7 @@ def _ended(s: RequestState, e: Ended) -> Result:
     if s.destination is Destination.PENDING and done:
         return (_replace(s, destination=Destination.AFTER_END),
                 [ReleaseAll(keep_md_kv=True, md_room=False), DeliverAfterEnd(s.p_room)])
-    kv_coming = s.destination not in (Destination.PENDING, Destination.DROPPED)
-    actions: list = [ReleaseAll(keep_md_kv=done and kv_coming)]
+    actions: list = [ReleaseAll(keep_md_kv=done and s.destination is not Destination.DROPPED)]
     if s.destination is Destination.PENDING:  # failed or closed before P got a destination
         s = _replace(s, destination=Destination.DROPPED)
         actions.append(WithdrawDestination(s.p_room))
